@@ -1,0 +1,30 @@
+"""Domain errors. Each carries a message that names what went wrong, where, and the fix.
+
+The CLI prints ``str(error)`` on one line and exits non-zero; no traceback reaches the user.
+"""
+
+
+class HeadatlasError(Exception):
+    """Base of every error a user can cause and fix."""
+
+    exit_code = 2
+
+
+class CorpusError(HeadatlasError):
+    """Unreadable or unusable corpus input (file, line and fix in the message)."""
+
+
+class ModelError(HeadatlasError):
+    """Model cannot be found, loaded or hooked."""
+
+
+class ParameterError(HeadatlasError):
+    """An analysis parameter has an invalid value."""
+
+
+class StoreError(HeadatlasError):
+    """Database missing, stale schema, locked too long, or a refused query."""
+
+
+class BrokerError(HeadatlasError):
+    """The message broker cannot be reached."""
