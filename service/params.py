@@ -1,0 +1,111 @@
+"""Analysis parameters (../SPEC §1–3): parsed, validated and recorded on every run.
+
+Two runs with equal ``AnalysisParams.key()`` over the same corpus and model are the same run:
+this is what makes ``analyze`` and ``submit`` resumable and idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from service.errors import ParameterError
+
+WINDOWING = ("chunks", "first")
+SENTENCES = ("punct",)
+VECTORS = ("pre_wo", "post_wo")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How the high-similarity set H is chosen from the pair universe P (SPEC §3)."""
+
+    kind: str  # "top" | "ratio" | "topk"
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Selection":
+        kind, sep, raw = text.partition(":")
+        kind = kind.strip().lower()
+        if not sep or kind not in ("top", "ratio", "topk"):
+            raise ParameterError(
+                f"--select {text!r}: expected top:Q (share of pairs, e.g. top:0.02), "
+                "ratio:R (share of the maximum, e.g. ratio:0.5) or topk:K (e.g. topk:20)"
+            )
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ParameterError(f"--select {text!r}: {raw!r} is not a number") from None
+        if kind == "top" and not 0.0 < value <= 1.0:
+            raise ParameterError(f"--select {text!r}: Q must be in (0, 1], e.g. top:0.02")
+        if kind == "ratio" and not 0.0 < value <= 1.0:
+            raise ParameterError(f"--select {text!r}: R must be in (0, 1], e.g. ratio:0.5")
+        if kind == "topk":
+            if value < 1 or value != int(value):
+                raise ParameterError(f"--select {text!r}: K must be a positive integer, e.g. topk:20")
+        return cls(kind, value)
+
+    def count(self, n_pairs: int) -> int:
+        """|H| for a window with ``n_pairs`` pairs, for the count-based kinds."""
+        if self.kind == "top":
+            return min(n_pairs, math.ceil(self.value * n_pairs - 1e-9))
+        if self.kind == "topk":
+            return min(n_pairs, int(self.value))
+        raise ValueError("ratio selection has no fixed count")
+
+    def __str__(self) -> str:
+        value = int(self.value) if self.kind == "topk" else self.value
+        return f"{self.kind}:{value}"
+
+
+@dataclass(frozen=True)
+class AnalysisParams:
+    """Every choice that changes the numbers. Defaults are SPEC's."""
+
+    seq_len: int = 128
+    windowing: str = "chunks"
+    sentences: str = "punct"
+    select: Selection = field(default_factory=lambda: Selection("top", 0.02))
+    gate: float = 4.0
+    include_special: bool = False
+    vectors: str = "pre_wo"
+    short_range: int = 4
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.seq_len <= 4096:
+            raise ParameterError(f"--seq-len {self.seq_len}: must be between 4 and 4096 (default 128)")
+        _check_choice("--windowing", self.windowing, WINDOWING)
+        _check_choice("--sentences", self.sentences, SENTENCES)
+        _check_choice("--vectors", self.vectors, VECTORS)
+        _check_choice("--dtype", self.dtype, DTYPES)
+        if not self.gate > 0:
+            raise ParameterError(f"--gate {self.gate}: must be positive (default 4 = four times uniform)")
+        if self.short_range < 1:
+            raise ParameterError(f"--short-range {self.short_range}: must be at least 1 (default 4)")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["select"] = str(self.select)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AnalysisParams":
+        data = dict(data)
+        if isinstance(data.get("select"), str):
+            data["select"] = Selection.parse(data["select"])
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def key(self) -> str:
+        """Stable hash of the parameters (canonical JSON)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ParameterError(f"{option} {value!r}: choose one of {', '.join(choices)}")

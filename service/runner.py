@@ -1,0 +1,166 @@
+"""The embedded engine: corpus → windows → batches → analysis → store, in one process.
+
+Streaming (memory does not grow with the corpus) and resumable: the run is identified by
+corpus content, model and parameters; windows already counted are skipped on a re-run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from service.analysis import BatchResult, analyze_batch
+from service.corpus import Document, corpus_fingerprint, iter_documents
+from service.errors import CorpusError
+from service.model import LoadedModel
+from service.params import AnalysisParams
+from service.storage.store import Run, Store
+from service.windows import Batch, TokenClasses, collate, document_windows
+
+ProgressFn = Callable[[int, int], None]  # (windows just analysed, corpus characters consumed)
+
+
+@dataclass
+class CorpusSummary:
+    fingerprint: str
+    documents: int
+    chars: int
+
+
+def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8") -> CorpusSummary:
+    """Read and validate the whole corpus once, before anything is stored.
+
+    A bad line anywhere fails here, so a run is never left half-written by bad input.
+    """
+    fingerprint = corpus_fingerprint(spec)
+    documents = chars = 0
+    for doc in iter_documents(spec, text_field=text_field, encoding=encoding):
+        documents += 1
+        chars += len(doc.text)
+    if documents == 0:
+        raise CorpusError(f"{spec}: no document with text; check the file and --text-field")
+    return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars)
+
+
+def run_key(corpus_fp: str, model: LoadedModel, params: AnalysisParams) -> str:
+    blob = "|".join([corpus_fp, model.spec, model.name, model.tokenizer_key, params.key()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def document_row(doc: Document) -> dict:
+    return {
+        "doc_id": doc.doc_id,
+        "source": doc.source,
+        "line": doc.line,
+        "n_chars": len(doc.text),
+        "preview": doc.text[:80],
+    }
+
+
+def iter_batches(
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    *,
+    batch_size: int,
+    skip: set[str] | frozenset[str] = frozenset(),
+    text_field: str = "text",
+    encoding: str = "utf-8",
+) -> Iterator[tuple[Batch, list[dict], int]]:
+    """Batches of windows not in ``skip``, with the rows of their documents and the number of
+    corpus characters consumed so far."""
+    pending, docs, consumed = [], {}, 0
+    for doc in iter_documents(spec, text_field=text_field, encoding=encoding):
+        consumed += len(doc.text)
+        for window in document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params):
+            if window.window_id in skip:
+                continue
+            pending.append(window)
+            docs[doc.doc_id] = document_row(doc)
+            if len(pending) == batch_size:
+                yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
+                pending = []
+                docs = {doc.doc_id: docs[doc.doc_id]}
+    if pending:
+        yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
+
+
+def _docs_of(windows, docs: dict[str, dict]) -> list[dict]:
+    return [docs[d] for d in dict.fromkeys(w.doc_id for w in windows)]
+
+
+def analyze_corpus(
+    spec: str,
+    *,
+    store: Store,
+    model: LoadedModel,
+    params: AnalysisParams,
+    corpus: CorpusSummary,
+    name: str | None = None,
+    batch_size: int = 32,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    flush_s: float = 2.0,
+    progress: ProgressFn | None = None,
+) -> Run:
+    """Analyse a corpus in-process; resume the unfinished run with the same key if any."""
+    store.ensure_schema()
+    key = run_key(corpus.fingerprint, model, params)
+    run, _created = store.find_or_create_run(
+        run_key=key,
+        name=name or f"{_short_name(spec)}-{key[:6]}",
+        corpus=spec,
+        corpus_fingerprint=corpus.fingerprint,
+        model=model.describe(),
+        params=params.to_dict(),
+        engine="embedded",
+        device=str(model.device),
+    )
+    if run.status == "done":
+        return run
+    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    skip = store.done_window_ids(run.run_id)
+    batch_id = store.next_batch_id(run.run_id)
+    store.set_status(run.run_id, "running", started=True)
+    started = time.perf_counter()
+    pending: list[tuple[int, BatchResult]] = []
+    last_flush = time.perf_counter()
+    status, error = "done", None
+    try:
+        for batch, docs, consumed in iter_batches(
+            spec, model, params, tokens, batch_size=batch_size, skip=skip, text_field=text_field, encoding=encoding
+        ):
+            pending.append((batch_id, analyze_batch(model, batch, params, tokens, documents=docs)))
+            batch_id += 1
+            if time.perf_counter() - last_flush >= flush_s:
+                store.ingest(run.run_id, pending)
+                pending, last_flush = [], time.perf_counter()
+            if progress:
+                progress(len(batch.windows), consumed)
+        if pending:
+            store.ingest(run.run_id, pending)
+            pending = []
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted by the user; re-run the same command to resume"
+        raise
+    except BaseException as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"[:500]
+        raise
+    finally:
+        if pending and status == "interrupted":
+            store.ingest(run.run_id, pending)  # finished batches are kept
+        store.set_status(
+            run.run_id, status, error=error, finished=status == "done", add_wall_s=time.perf_counter() - started
+        )
+    return store.get_run(run.run_id)
+
+
+def _short_name(spec: str) -> str:
+    from pathlib import Path
+
+    if spec == "-":
+        return "stdin"
+    return Path(spec.rstrip("/*")).stem or "corpus"

@@ -1,0 +1,321 @@
+"""Per-head statistics of the context similarity matrix and the attention map (SPEC §2–4).
+
+Pure tensor code: imports neither Celery, Typer nor SQLAlchemy. Everything is vectorised over
+the batch and the heads; no Python loop runs over tokens or heads.
+
+Dimension names used in shape comments: batch, head, pos (query or key position), key, d_head,
+pair (index into the strict upper triangle i < j of a pos × pos matrix, row-major), k (rank
+among the selected pairs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from service.params import Selection
+from service.windows import TokenClasses
+
+HEAD_SUMS = (
+    "high_pairs",
+    "sim_sum_all",
+    "sim_sum_high",
+    "same_sentence_high",
+    "same_token_high",
+    "attended_high",
+    "attn_to_cls",
+    "attn_to_sep",
+    "attn_to_punct",
+    "attn_to_self",
+    "attn_to_prev",
+    "attn_to_next",
+    "attn_entropy",
+)
+CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows")
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """Index maps of the strict upper triangle of a pos × pos matrix. All ``[pair]`` int64."""
+
+    i: torch.Tensor
+    j: torch.Tensor
+    flat: torch.Tensor  # i * pos + j, into a flattened [pos, pos]
+    flat_t: torch.Tensor  # j * pos + i, the mirrored entry
+    distance: torch.Tensor  # j - i
+
+
+@lru_cache(maxsize=16)
+def pair_layout(n_pos: int, device: torch.device) -> PairLayout:
+    i, j = torch.triu_indices(n_pos, n_pos, offset=1, device=device)
+    return PairLayout(i=i, j=j, flat=i * n_pos + j, flat_t=j * n_pos + i, distance=j - i)
+
+
+def sentence_ids(
+    input_ids: torch.Tensor, valid: torch.Tensor, special: torch.Tensor, end_ids: frozenset[int]
+) -> torch.Tensor:
+    """Sentence id per token, ``[batch, pos]`` int64; -1 for special and pad tokens.
+
+    The first non-special token starts sentence 0; a token in ``end_ids`` ends its sentence
+    (it belongs to it) and the next token starts a new one (SPEC §1, ``sentences = punct``).
+    """
+    words = valid & ~special
+    ends = torch.zeros_like(words)
+    for tok in end_ids:
+        ends |= input_ids == tok
+    ends &= words
+    # sentences completed strictly before each position
+    before = torch.cumsum(ends.long(), dim=1) - ends.long()
+    return torch.where(words, before, torch.full_like(before, -1))
+
+
+@dataclass
+class WindowFeatures:
+    """Per-batch token and pair features, computed once and shared by all layers."""
+
+    input_ids: torch.Tensor  # [batch, pos]
+    valid: torch.Tensor  # [batch, pos] bool, non-pad
+    n: torch.Tensor  # [batch] valid tokens
+    in_pairs: torch.Tensor  # [batch, pos] bool, tokens that form the pair universe P
+    pair_ok: torch.Tensor  # [batch, pair] bool, pair in P
+    n_pairs: torch.Tensor  # [batch] |P|
+    same_sentence: torch.Tensor  # [batch, pair] bool
+    same_token: torch.Tensor  # [batch, pair] bool
+    first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
+    key_classes: torch.Tensor  # [batch, key, 3] float: is [CLS], is [SEP], is . or ,
+    layout: PairLayout
+
+
+def window_features(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    tokens: TokenClasses,
+    *,
+    include_special: bool = False,
+) -> WindowFeatures:
+    """Token features for a padded batch. ``input_ids``/``attention_mask``: ``[batch, pos]``."""
+    device = input_ids.device
+    n_pos = input_ids.shape[1]
+    valid = attention_mask.bool()
+    special = torch.zeros_like(valid)
+    for tok in tokens.special_ids:
+        special |= input_ids == tok
+    special &= valid
+    in_pairs = valid if include_special else valid & ~special
+    layout = pair_layout(n_pos, device)
+    pair_ok = in_pairs[:, layout.i] & in_pairs[:, layout.j]  # [batch, pair]
+    sent = sentence_ids(input_ids, valid, special, tokens.sentence_end_ids)
+    si, sj = sent[:, layout.i], sent[:, layout.j]
+    same_sentence = pair_ok & (si == sj) & (si >= 0)
+    same_token = pair_ok & (input_ids[:, layout.i] == input_ids[:, layout.j])
+    # first occurrence of each position's token id within its window: argmax returns the
+    # first maximal index, i.e. the earliest equal token.
+    eq = (input_ids[:, :, None] == input_ids[:, None, :]) & valid[:, None, :]  # [batch, pos, key]
+    first_pos = eq.to(torch.uint8).argmax(dim=2)
+    is_cls = (input_ids == tokens.cls_id) & valid
+    is_sep = (input_ids == tokens.sep_id) & valid
+    is_punct = torch.zeros_like(valid)
+    for tok in tokens.punct_ids:
+        is_punct |= input_ids == tok
+    is_punct &= valid
+    key_classes = torch.stack([is_cls, is_sep, is_punct], dim=2).float()
+    m = in_pairs.sum(1)
+    return WindowFeatures(
+        input_ids=input_ids,
+        valid=valid,
+        n=valid.sum(1),
+        in_pairs=in_pairs,
+        pair_ok=pair_ok,
+        n_pairs=m * (m - 1) // 2,
+        same_sentence=same_sentence,
+        same_token=same_token,
+        first_pos=first_pos,
+        key_classes=key_classes,
+        layout=layout,
+    )
+
+
+def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch.Tensor]:
+    """Head-independent sums over the batch: the chance numerators of SPEC §5.
+
+    Returns scalars (int64) for CHANCE_SUMS and ``pair_hist`` ``[seq_len]`` (index = distance).
+    """
+    pair_ok = feats.pair_ok
+    pair_hist = torch.zeros(seq_len, dtype=torch.long, device=pair_ok.device)
+    pair_hist.index_add_(0, feats.layout.distance, pair_ok.long().sum(0))
+    return {
+        "windows": torch.tensor(pair_ok.shape[0]),
+        "pairs": feats.n_pairs.sum(),
+        "same_sentence_pairs": _count(feats.same_sentence),
+        "same_token_pairs": _count(feats.same_token),
+        "attn_rows": feats.n.sum(),
+        "pair_hist": pair_hist,
+    }
+
+
+def head_vectors(context: torch.Tensor, n_heads: int, w_o: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head output vectors from the self-attention context layer.
+
+    context: ``[batch, pos, head·d_head]`` (before W_O). Returns ``[batch, head, pos, d_head]``,
+    or ``[batch, head, pos, d_model]`` when ``w_o`` (``[d_model, head·d_head]``, the dense
+    weight of the attention output) is given: ``z_i W_O^h`` without bias (SPEC §2, post_wo).
+    """
+    batch, n_pos, width = context.shape
+    z = context.view(batch, n_pos, n_heads, width // n_heads).transpose(1, 2)
+    if w_o is None:
+        return z
+    w = w_o.view(w_o.shape[0], n_heads, width // n_heads).permute(1, 2, 0)  # [head, d_head, d_model]
+    return torch.matmul(z, w.to(z.dtype))
+
+
+def select_pairs(
+    sim: torch.Tensor, feats: WindowFeatures, select: Selection
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The high-similarity set H per (window, head), as ranked pair indices.
+
+    sim: ``[batch, head, pair]`` with pairs outside P set to -inf. Returns ``values``,
+    ``index`` (into pair) and ``chosen`` (bool), each ``[batch, head, k]``; ``chosen`` marks
+    the first ``|H|`` ranks. Ties at the boundary go to the smaller i, then smaller j (SPEC §3).
+    """
+    batch, heads, n_pairs = sim.shape
+    if select.kind == "ratio":
+        top = sim.amax(dim=2, keepdim=True)  # [batch, head, 1]
+        chosen_mask = (sim >= select.value * top) & feats.pair_ok[:, None, :]
+        counts = _count(chosen_mask, dim=2)  # [batch, head]
+    else:
+        per_window = torch.tensor(
+            [select.count(int(p)) for p in feats.n_pairs.tolist()], device=sim.device
+        )
+        counts = per_window[:, None].expand(batch, heads)
+    k_max = int(counts.max()) if counts.numel() else 0
+    if k_max == 0:
+        empty = sim.new_zeros((batch, heads, 0))
+        return empty, empty.long(), empty.bool()
+    # one extra rank shows whether the boundary value is tied
+    values, index = torch.topk(sim, min(k_max + 1, n_pairs), dim=2, sorted=True)
+    ranks = torch.arange(values.shape[2], device=sim.device)
+    if select.kind != "ratio" and values.shape[2] > k_max:
+        at = (counts - 1).clamp(min=0)[..., None]
+        last = values.gather(2, at)
+        after = values.gather(2, counts[..., None].clamp(max=values.shape[2] - 1))
+        tied = (last == after).squeeze(2) & (counts > 0) & (counts < feats.n_pairs[:, None])
+        if bool(tied.any()):
+            values, index = _resolve_ties(sim, values, index, tied)
+    values, index = values[..., :k_max], index[..., :k_max]
+    chosen = ranks[:k_max] < counts[..., None]
+    return values, index, chosen
+
+
+def _resolve_ties(sim, values, index, tied):
+    """Re-rank the rows whose boundary is tied with a stable sort (index order = (i, j) order)."""
+    rows = tied.nonzero(as_tuple=True)
+    width = values.shape[2]
+    sorted_vals, order = torch.sort(sim[rows], dim=1, descending=True, stable=True)
+    values, index = values.clone(), index.clone()
+    values[rows] = sorted_vals[:, :width]
+    index[rows] = order[:, :width]
+    return values, index
+
+
+def head_statistics(
+    z: torch.Tensor,
+    attn: torch.Tensor,
+    feats: WindowFeatures,
+    *,
+    select: Selection,
+    gate: float,
+    seq_len: int,
+) -> dict[str, torch.Tensor]:
+    """Additive per-head sums for one layer of one batch (SPEC §4).
+
+    z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``.
+    Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` ``[head, seq_len]`` (index =
+    distance j - i), and per-window anchors ``anchor_pos`` / ``anchor_count`` /
+    ``high_count`` ``[batch, head]`` (position of the anchor token's first occurrence).
+    """
+    z = z.float()
+    attn = attn.float()
+    batch, heads, n_pos, _ = z.shape
+    layout = feats.layout
+    sim_full = torch.matmul(z, z.transpose(2, 3))  # [batch, head, pos, key]
+    sim = sim_full.flatten(2).index_select(2, layout.flat)  # [batch, head, pair]
+    sim.masked_fill_(~feats.pair_ok[:, None, :], float("-inf"))
+    values, index, chosen = select_pairs(sim, feats, select)
+    chosen_f = chosen.float()
+
+    out: dict[str, torch.Tensor] = {}
+    out["high_pairs"] = chosen.long().sum(dim=(0, 2))
+    out["sim_sum_all"] = _pair_sum(z, feats.in_pairs)
+    out["sim_sum_high"] = torch.where(chosen, values, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+    expand = (batch, heads, feats.pair_ok.shape[1])
+    same_sentence = feats.same_sentence[:, None, :].expand(expand).gather(2, index)
+    same_token = feats.same_token[:, None, :].expand(expand).gather(2, index)
+    out["same_sentence_high"] = (same_sentence & chosen).long().sum(dim=(0, 2))
+    out["same_token_high"] = (same_token & chosen).long().sum(dim=(0, 2))
+    flat_attn = attn.flatten(2)
+    a_ij = flat_attn.gather(2, layout.flat[index])
+    a_ji = flat_attn.gather(2, layout.flat_t[index])
+    threshold = (gate / feats.n.float())[:, None, None]
+    out["attended_high"] = ((torch.maximum(a_ij, a_ji) >= threshold) & chosen).long().sum(dim=(0, 2))
+
+    distance = layout.distance[index]  # [batch, head, k]
+    dist_hist = torch.zeros(heads, seq_len, dtype=torch.long, device=z.device)
+    dist_hist.scatter_add_(
+        1, distance.transpose(0, 1).reshape(heads, -1), chosen.long().transpose(0, 1).reshape(heads, -1)
+    )
+    out["dist_hist"] = dist_hist
+
+    # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
+    first_i = feats.first_pos.gather(1, layout.i[index].flatten(1)).view_as(index)
+    first_j = feats.first_pos.gather(1, layout.j[index].flatten(1)).view_as(index)
+    endpoint = torch.zeros(batch, heads, n_pos, device=z.device)
+    endpoint.scatter_add_(2, first_i, chosen_f)
+    endpoint.scatter_add_(2, first_j, chosen_f)
+    anchor_count, anchor_pos = endpoint.max(dim=2)
+    out["anchor_pos"] = anchor_pos
+    out["anchor_count"] = anchor_count.long()
+    out["high_count"] = chosen.long().sum(2)
+
+    out.update(attention_sums(attn, feats))
+    return out
+
+
+def attention_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch.Tensor]:
+    """Σ over valid query rows of attention to categories, ``[head]`` float64 each.
+
+    attn: ``[batch, head, pos, key]``, rows are queries.
+    """
+    rows = feats.valid.float()[:, None, :]  # [batch, 1, pos]
+    by_class = torch.matmul(attn, feats.key_classes[:, None])  # [batch, head, pos, 3]
+    by_class = (by_class * rows[..., None]).sum(dim=(0, 2), dtype=torch.float64)  # [head, 3]
+    neighbour_rows = rows[..., 1:]
+    return {
+        "attn_to_cls": by_class[:, 0],
+        "attn_to_sep": by_class[:, 1],
+        "attn_to_punct": by_class[:, 2],
+        "attn_to_self": _row_sum(torch.diagonal(attn, 0, 2, 3), rows),
+        "attn_to_prev": _row_sum(torch.diagonal(attn, -1, 2, 3), neighbour_rows),
+        "attn_to_next": _row_sum(torch.diagonal(attn, 1, 2, 3), neighbour_rows),
+        "attn_entropy": _row_sum(torch.special.entr(attn).sum(3), rows),
+    }
+
+
+def _row_sum(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return (values * rows).sum(dim=(0, 2), dtype=torch.float64)
+
+
+def _pair_sum(z: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Σ over pairs i < j of members of z_i·z_j, per head, in float64: (|Σz|² − Σ|z|²) / 2."""
+    z64 = z.double() * members[:, None, :, None]
+    total = z64.sum(2)  # [batch, head, d]
+    return ((total * total).sum(2) - (z64 * z64).sum(dim=(2, 3))).sum(0) / 2
+
+
+def _count(mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Count True values; summing uint8 is much faster than bool ``sum`` on CPU."""
+    as_bytes = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
+    if dim is None:
+        return as_bytes.sum(dtype=torch.long)
+    return as_bytes.sum(dim=dim, dtype=torch.long)

@@ -1,0 +1,124 @@
+"""Database access: one helper scopes every unit of work, connections are short-lived.
+
+DuckDB lets one process hold a file read-write, and while it does no other process may open it
+at all. So every unit of work opens the file, does its work in one transaction, and closes it:
+the lock is held for milliseconds, and other processes (a writer, ``query``, ``status``) wait
+for it with ``retry_on_lock`` instead of failing.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from service.errors import StoreError
+from service.storage.readonly import retry_on_lock
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+LOCK_WAIT_S = 30.0
+
+
+def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
+    return create_engine(
+        f"duckdb:///{path}",
+        poolclass=NullPool,
+        connect_args={"read_only": read_only} if read_only else {},
+    )
+
+
+@contextmanager
+def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float = LOCK_WAIT_S) -> Iterator[Connection]:
+    """Open the database, yield a connection inside a transaction; commit on success, roll
+    back on error, always close (releasing the file lock)."""
+    if read_only and not Path(path).exists():
+        raise StoreError(f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
+    engine = make_engine(path, read_only=read_only)
+    try:
+        conn = retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
+        try:
+            with conn.begin():
+                yield conn
+        finally:
+            conn.close()
+    finally:
+        engine.dispose()
+
+
+@lru_cache(maxsize=1)
+def head_revision() -> str:
+    return _script().get_current_head()
+
+
+def _script():
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config())
+
+
+def _alembic_config():
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return config
+
+
+def current_revision(conn: Connection) -> str | None:
+    exists = conn.execute(
+        text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'alembic_version'")
+    ).scalar()
+    if not exists:
+        return None
+    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def upgrade(path: str | Path) -> tuple[str | None, str]:
+    """Apply pending migrations. Returns (revision before, revision after)."""
+    from alembic import command
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(path)
+    try:
+        with retry_on_lock(engine.connect, wait_s=LOCK_WAIT_S, what=str(path)) as conn:
+            before = current_revision(conn)
+            config = _alembic_config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+            conn.commit()
+            return before, current_revision(conn)
+    finally:
+        engine.dispose()
+
+
+def check_schema(conn: Connection, path: str | Path) -> None:
+    """Refuse to work on a database whose schema is not the current head."""
+    current, head = current_revision(conn), head_revision()
+    if current != head:
+        raise StoreError(
+            f"database {path} has schema {current or 'none'}, this headatlas needs {head}: "
+            "run `headatlas db upgrade`"
+        )
+
+
+def ensure_schema(path: str | Path) -> None:
+    """Create the schema in a new database; refuse a stale existing one."""
+    if not Path(path).exists():
+        upgrade(path)
+        return
+    with transaction(path) as conn:
+        if current_revision(conn) is None and not _has_tables(conn):
+            pass  # an empty file: safe to create the schema below
+        else:
+            check_schema(conn, path)
+            return
+    upgrade(path)
+
+
+def _has_tables(conn: Connection) -> bool:
+    return bool(conn.execute(text("SELECT count(*) FROM information_schema.tables")).scalar())

@@ -1,0 +1,245 @@
+"""Read-only, time-limited, row-capped raw SQL against the results database.
+
+Two layers keep user SQL from touching anything but the stored results:
+
+1. ``check_select_only`` parses the text with DuckDB's own parser and accepts exactly one
+   statement of type SELECT (``WITH … SELECT``, ``FROM t``, ``SHOW``/``DESCRIBE`` parse as
+   SELECT too).
+2. ``connect_readonly`` opens the file read-only with external access disabled, extension
+   autoload/autoinstall off and the configuration locked, so a SELECT that calls a file-reading
+   table function (``read_csv``, ``read_text``, ``glob`` …) fails in the engine, and nothing can
+   be ``SET`` back.
+
+The connection is opened with the ``duckdb`` module rather than through SQLAlchemy. Both work:
+duckdb-engine 0.17 passes known settings in ``connect_args["config"]`` straight to
+``duckdb.connect`` (checked: the settings above read back as set). We go direct because raw
+user SQL must reach DuckDB unchanged, the time limit needs the driver connection's
+``interrupt()``, and SQLAlchemy would add its dialect's start-up queries and wrap every DuckDB
+error in its own exception for no gain on a single SELECT.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import duckdb
+
+from service.errors import ParameterError, StoreError
+
+T = TypeVar("T")
+
+# Settings that confine a connection to the database file it opened. lock_configuration
+# comes last in spirit: once set, SET/RESET of any option fails for the connection's life.
+READONLY_CONFIG: dict[str, str | bool] = {
+    "enable_external_access": False,
+    "autoload_known_extensions": False,
+    "autoinstall_known_extensions": False,
+    "lock_configuration": True,
+}
+
+_ALLOWED = "only one SELECT or WITH … SELECT statement is allowed"
+_LOCK_WORD = re.compile(r"\block\b", re.IGNORECASE)
+_LEADING_COMMENTS = re.compile(r"^(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.DOTALL)
+_FIRST_WORD = re.compile(r"[A-Za-z_]+")
+
+
+@dataclass
+class QueryResult:
+    """Rows of one query, at most ``max_rows`` of them; ``elapsed_s`` in seconds."""
+
+    columns: list[str]
+    rows: list[tuple]
+    truncated: bool  # True when more rows existed than max_rows
+    elapsed_s: float
+
+
+def check_select_only(sql: str) -> str:
+    """Return ``sql`` as one SELECT statement without its trailing ';', or raise StoreError.
+
+    Refuses empty text, several statements, any statement that is not a SELECT (DDL, DML,
+    COPY, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA, EXPORT/IMPORT, CALL, CHECKPOINT, VACUUM …)
+    and text DuckDB cannot parse.
+    """
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.ParserException as error:
+        raise StoreError(f"refused: SQL syntax error: {_first_line(error)}") from error
+    except duckdb.Error as error:
+        raise StoreError(f"refused: SQL could not be parsed: {_first_line(error)}") from error
+
+    if not statements:
+        raise StoreError(f"refused: no SQL statement given; {_ALLOWED}")
+    if len(statements) > 1:
+        kinds = ", ".join(_statement_kind(s) for s in statements)
+        raise StoreError(f"refused: {_ALLOWED}; got {len(statements)} statements ({kinds})")
+    statement = statements[0]
+    if _statement_type(statement) != "SELECT":
+        raise StoreError(f"refused: {_ALLOWED}; got {_statement_kind(statement)}")
+    return statement.query.strip().rstrip(";").rstrip()
+
+
+def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the database") -> T:
+    """Call ``fn`` until it stops failing on a DuckDB file lock, for at most ``wait_s`` seconds.
+
+    DuckDB lets one process hold a file for writing and refuses every other process meanwhile,
+    even read-only ones ("Could not set lock on file … Conflicting lock is held"). Waits back
+    off exponentially (50 ms doubling, capped at 1 s). Works on raw duckdb errors and on
+    SQLAlchemy errors wrapping them. Other errors pass through at once.
+    """
+    deadline = time.monotonic() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except Exception as error:
+            if not _is_lock_conflict(error):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError(
+                    f"{what} is busy: another process is writing to it and held its lock for "
+                    f"more than {wait_s:g} s; retry when that process finishes"
+                ) from error
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+
+
+@contextmanager
+def connect_readonly(
+    db_path: str | Path, *, lock_wait_s: float = 10.0
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """Open the results database read-only and confined to that file; close it on exit."""
+    path = Path(db_path)
+    if not path.is_file():
+        raise StoreError(
+            f"no database at {path}: run `headatlas analyze CORPUS` first or set HEADATLAS_DB"
+        )
+    connection = retry_on_lock(
+        lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
+        wait_s=lock_wait_s,
+        what=f"the database {path}",
+    )
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def run_readonly_sql(
+    db_path: str | Path,
+    sql: str,
+    *,
+    params: dict | list | None = None,
+    max_rows: int = 1000,
+    timeout_s: float = 30.0,
+    lock_wait_s: float = 10.0,
+) -> QueryResult:
+    """Run one SELECT on the database at ``db_path``.
+
+    ``params`` fill ``$name`` (dict) or ``?`` (list) placeholders. At most ``max_rows`` rows
+    come back (``truncated`` says whether more existed). The query is interrupted after
+    ``timeout_s`` seconds; a writer's lock is waited out for up to ``lock_wait_s`` seconds.
+    A refused or failed query raises StoreError; a bad cap or time limit, ParameterError.
+    """
+    if max_rows < 0:
+        raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
+    if timeout_s <= 0:
+        raise ParameterError(f"timeout must be a positive number of seconds, got {timeout_s}")
+    statement = check_select_only(sql)
+
+    with connect_readonly(db_path, lock_wait_s=lock_wait_s) as connection:
+        deadline = _Deadline(connection, timeout_s)
+        started = time.perf_counter()
+        try:
+            with deadline:
+                if params is None:
+                    cursor = connection.execute(statement)
+                else:
+                    cursor = connection.execute(statement, params)
+                columns = [column[0] for column in cursor.description or []]
+                # One row past the cap tells us whether the result was cut.
+                rows = cursor.fetchmany(max_rows + 1)
+        except duckdb.Error as error:
+            if deadline.fired:
+                raise StoreError(
+                    f"query stopped after {timeout_s:g} s (time limit); "
+                    "narrow it or pass --timeout"
+                ) from error
+            raise StoreError(f"query failed: {_first_line(error)}") from error
+        elapsed_s = time.perf_counter() - started
+
+    return QueryResult(
+        columns=columns,
+        rows=rows[:max_rows],
+        truncated=len(rows) > max_rows,
+        elapsed_s=elapsed_s,
+    )
+
+
+class _Deadline:
+    """Interrupts a connection's running query once ``timeout_s`` seconds have passed.
+
+    The lock keeps the timer from interrupting after the block has ended (the next query, or a
+    closed connection).
+    """
+
+    def __init__(self, connection: duckdb.DuckDBPyConnection, timeout_s: float) -> None:
+        self._connection = connection
+        self._timer = threading.Timer(timeout_s, self._interrupt)
+        self._timer.daemon = True
+        self._lock = threading.Lock()
+        self._done = False
+        self.fired = False
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+    def _interrupt(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.fired = True
+            self._connection.interrupt()
+
+
+def _is_lock_conflict(error: BaseException) -> bool:
+    # "has been locked" (a locked configuration) does not match the whole word "lock".
+    message = str(error)
+    return "Conflicting lock" in message or bool(_LOCK_WORD.search(message))
+
+
+def _statement_kind(statement: duckdb.Statement) -> str:
+    """The keyword the user wrote (IMPORT, CHECKPOINT …), which DuckDB files under broader
+    types (PRAGMA, CALL …); the statement type when the text starts with WITH or '('."""
+    text = _LEADING_COMMENTS.sub("", statement.query, count=1)
+    match = _FIRST_WORD.match(text)
+    if match and match.group(0).upper() != "WITH":
+        return match.group(0).upper()
+    return _statement_type(statement)
+
+
+def _statement_type(statement: duckdb.Statement) -> str:
+    try:
+        return statement.type.name
+    except ValueError:
+        # duckdb 2.0.1's Python enum lacks some kinds (UPDATE EXTENSIONS raises "29 is not a
+        # valid StatementType" on .type); such a statement is not a SELECT either.
+        return "statement of another kind"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

@@ -1,0 +1,287 @@
+"""The results store: runs, idempotent batch ingest, reads. The only module that writes.
+
+Bulk rows go in through Arrow tables registered on the raw DuckDB connection and
+``INSERT … SELECT`` inside the batch's transaction (about 100× faster than executemany).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from service.analysis import BatchResult
+from service.errors import StoreError
+from service.stats import CHANCE_SUMS, HEAD_SUMS
+from service.storage import db
+
+RUN_COLUMNS = (
+    "run_id, run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, d_head, "
+    "params, seq_len, short_range, engine, device, status, created_at, started_at, finished_at, "
+    "compute_s, wall_s, error"
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: int
+    run_key: str
+    name: str
+    corpus: str
+    corpus_fingerprint: str
+    model: str
+    model_name: str
+    n_layers: int
+    n_heads: int
+    d_head: int
+    params: dict
+    seq_len: int
+    short_range: int
+    engine: str
+    device: str | None
+    status: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    compute_s: float
+    wall_s: float
+    error: str | None
+
+    @classmethod
+    def from_row(cls, row) -> "Run":
+        data = dict(row._mapping)
+        if isinstance(data["params"], str):
+            data["params"] = json.loads(data["params"])
+        return cls(**data)
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # --- sessions -------------------------------------------------------------------------
+    def write(self):
+        return db.transaction(self.path)
+
+    def read(self):
+        return db.transaction(self.path, read_only=True)
+
+    def ensure_schema(self) -> None:
+        db.ensure_schema(self.path)
+
+    def checked_read(self):
+        """A read transaction on a database whose schema is current."""
+        return _Checked(self)
+
+    # --- runs -----------------------------------------------------------------------------
+    def find_or_create_run(self, *, run_key: str, name: str, corpus: str, corpus_fingerprint: str,
+                           model: dict, params: dict, engine: str, device: str | None) -> tuple[Run, bool]:
+        """The run with this key, or a new one. Returns (run, created)."""
+        with self.write() as conn:
+            row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
+            if row is not None:
+                return Run.from_row(row), False
+            if conn.execute(text("SELECT count(*) FROM runs WHERE name = :n"), {"n": name}).scalar():
+                raise StoreError(
+                    f"run name {name!r} is taken by a run with other corpus, model or parameters: pass another --name"
+                )
+            row = conn.execute(
+                text(
+                    "INSERT INTO runs (run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, "
+                    "n_heads, d_head, params, seq_len, short_range, engine, device, status, created_at) VALUES "
+                    "(:run_key, :name, :corpus, :fp, :model, :model_name, :n_layers, :n_heads, :d_head, :params, "
+                    ":seq_len, :short_range, :engine, :device, 'created', :created_at) "
+                    f"RETURNING {RUN_COLUMNS}"
+                ),
+                {
+                    "run_key": run_key, "name": name, "corpus": corpus, "fp": corpus_fingerprint,
+                    "model": model["spec"], "model_name": model["name"], "n_layers": model["layers"],
+                    "n_heads": model["heads"], "d_head": model["d_head"], "params": json.dumps(params),
+                    "seq_len": params["seq_len"], "short_range": params["short_range"], "engine": engine,
+                    "device": device, "created_at": now(),
+                },
+            ).first()
+            return Run.from_row(row), True
+
+    def set_status(self, run_id: int, status: str, *, error: str | None = None, started: bool = False,
+                   finished: bool = False, add_wall_s: float = 0.0) -> None:
+        sets = ["status = :status", "error = :error", "wall_s = wall_s + :wall"]
+        if started:
+            sets.append("started_at = coalesce(started_at, :ts)")
+        if finished:
+            sets.append("finished_at = :ts")
+        with self.write() as conn:
+            conn.execute(
+                text(f"UPDATE runs SET {', '.join(sets)} WHERE run_id = :run_id"),
+                {"status": status, "error": error, "ts": now(), "run_id": run_id, "wall": add_wall_s},
+            )
+
+    def get_run(self, ref: str | int | None = None) -> Run:
+        with self.checked_read() as conn:
+            return resolve_run(conn, ref)
+
+    def list_runs(self) -> list[dict]:
+        with self.checked_read() as conn:
+            rows = conn.execute(text(
+                "SELECT r.run_id, r.name, r.status, r.model_name AS model, r.corpus, "
+                "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s, r.created_at, r.finished_at "
+                "FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
+            )).mappings().all()
+            return [dict(r) for r in rows]
+
+    def done_window_ids(self, run_id: int) -> set[str]:
+        with self.write() as conn:
+            rows = conn.execute(text("SELECT window_id FROM run_windows WHERE run_id = :r"), {"r": run_id})
+            return {r[0] for r in rows}
+
+    def next_batch_id(self, run_id: int) -> int:
+        with self.write() as conn:
+            return int(conn.execute(
+                text("SELECT coalesce(max(batch_id), -1) + 1 FROM batches WHERE run_id = :r"), {"r": run_id}
+            ).scalar())
+
+    # --- ingest ---------------------------------------------------------------------------
+    def ingest(self, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
+        """Store batch results in one transaction. A batch already stored is skipped (so a
+        redelivered batch is harmless); returns the number of batches newly stored."""
+        with self.write() as conn:
+            return ingest_batches(conn, run_id, items)
+
+
+class _Checked:
+    def __init__(self, store: Store):
+        self.store = store
+        self._cm = None
+
+    def __enter__(self) -> Connection:
+        self._cm = self.store.read()
+        conn = self._cm.__enter__()
+        try:
+            db.check_schema(conn, self.store.path)
+        except BaseException:
+            self._cm.__exit__(None, None, None)
+            raise
+        return conn
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def resolve_run(conn: Connection, ref: str | int | None) -> Run:
+    """A run by id, by name, or the latest when ``ref`` is None."""
+    if ref is None:
+        row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY run_id DESC LIMIT 1")).first()
+        if row is None:
+            raise StoreError("no runs yet: run `headatlas analyze CORPUS` first")
+        return Run.from_row(row)
+    ref_s = str(ref)
+    if ref_s.isdigit():
+        row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = :r"), {"r": int(ref_s)}).first()
+    else:
+        row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE name = :r"), {"r": ref_s}).first()
+    if row is None:
+        raise StoreError(f"no run {ref_s!r}: see `headatlas runs` for ids and names")
+    return Run.from_row(row)
+
+
+def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
+    done = {
+        r[0] for r in conn.execute(
+            text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done' AND batch_id IN "
+                 "(SELECT unnest(CAST(:ids AS INTEGER[])))"),
+            {"r": run_id, "ids": [b for b, _ in items]},
+        )
+    }
+    fresh = [(b, res) for b, res in items if b not in done]
+    if not fresh:
+        return 0
+    raw = conn.connection.driver_connection
+    tables = _arrow_tables(run_id, fresh)
+    try:
+        for name, table in tables.items():
+            raw.register(f"_in_{name}", table)
+        # a window counted by another batch of this run would be counted twice: refuse
+        clash = conn.execute(text(
+            "SELECT count(*) FROM run_windows w JOIN _in_run_windows i USING (run_id, window_id)"
+        )).scalar()
+        if clash:
+            raise StoreError(f"run {run_id}: {clash} window(s) of this batch were already counted by another batch")
+        conn.exec_driver_sql("INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING")
+        conn.exec_driver_sql("INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING")
+        for name in ("run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors"):
+            conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
+        conn.exec_driver_sql(
+            "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "
+            "SELECT run_id, batch_id, n_windows, 'done', 1, compute_s, now() FROM _in_batches "
+            "ON CONFLICT (run_id, batch_id) DO UPDATE SET status = 'done', compute_s = excluded.compute_s, "
+            "ingested_at = excluded.ingested_at, error = NULL"
+        )
+        conn.execute(
+            text("UPDATE runs SET compute_s = compute_s + :s WHERE run_id = :r"),
+            {"s": float(sum(res.compute_s for _, res in fresh)), "r": run_id},
+        )
+    finally:
+        for name in tables:
+            raw.unregister(f"_in_{name}")
+    return len(fresh)
+
+
+def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:
+    cols: dict[str, dict[str, list]] = {}
+
+    def add(table: str, **columns):
+        target = cols.setdefault(table, {})
+        for key, value in columns.items():
+            target.setdefault(key, []).append(np.asarray(value).ravel())
+
+    for batch_id, res in items:
+        n_layers, n_heads = res.heads["high_pairs"].shape
+        layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+        add("head_stats", run_id=np.full(layer.size, run_id), batch_id=np.full(layer.size, batch_id),
+            layer=layer, head=head, **{k: res.heads[k] for k in HEAD_SUMS})
+        add("run_chance", run_id=[run_id], batch_id=[batch_id], **{k: [res.chance[k]] for k in CHANCE_SUMS})
+        li, hi, di = np.nonzero(res.dist_hist)
+        add("dist_hist", run_id=np.full(li.size, run_id), batch_id=np.full(li.size, batch_id),
+            layer=li, head=hi, distance=di, count=res.dist_hist[li, hi, di])
+        (dp,) = np.nonzero(res.pair_hist)
+        add("pair_hist", run_id=np.full(dp.size, run_id), batch_id=np.full(dp.size, batch_id),
+            distance=dp, count=res.pair_hist[dp])
+        wi, la, he = np.nonzero(res.anchor_token >= 0)
+        token_ids = res.anchor_token[wi, la, he]
+        high = res.high_count[wi, la, he]
+        count = res.anchor_count[wi, la, he]
+        window_ids = np.array(res.window_ids, dtype=object)
+        add("anchors", run_id=np.full(wi.size, run_id), window_id=window_ids[wi], layer=la, head=he,
+            token_id=token_ids, token=np.array([res.vocab.get(int(t), str(t)) for t in token_ids], dtype=object),
+            endpoint_count=count, high_pairs=high, anchor_share=count / np.maximum(2 * high, 1))
+        add("run_windows", run_id=np.full(len(res.window_ids), run_id), window_id=window_ids,
+            batch_id=np.full(len(res.window_ids), batch_id))
+        add("batches", run_id=[run_id], batch_id=[batch_id], n_windows=[len(res.window_ids)],
+            compute_s=[res.compute_s])
+        add("windows", window_id=[w["window_id"] for w in res.windows], doc_id=[w["doc_id"] for w in res.windows],
+            window_index=[w["window_index"] for w in res.windows], n_tokens=[w["n_tokens"] for w in res.windows])
+        docs = res.documents
+        add("documents", doc_id=[d["doc_id"] for d in docs], source=[d["source"] for d in docs],
+            line=[d["line"] for d in docs], n_chars=[d["n_chars"] for d in docs],
+            preview=[d["preview"] for d in docs])
+    out = {}
+    for table, columns in cols.items():
+        out[table] = pa.table({k: _concat(v) for k, v in columns.items()})
+    return out
+
+
+def _concat(parts: list[np.ndarray]):
+    arr = np.concatenate(parts) if parts else np.array([])
+    if arr.dtype == object:
+        return pa.array(arr.tolist(), type=pa.string()) if len(arr) else pa.array([], type=pa.string())
+    return pa.array(arr)

@@ -1,0 +1,117 @@
+"""Documents → windows → batches (SPEC §1).
+
+A window is ``[CLS] + up to seq_len-2 word pieces + [SEP]``. Window ids are content-addressed
+(document id, window index, tokenizer, seq_len, windowing) so that resuming a run or delivering a
+batch twice can be recognised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+
+from service.params import AnalysisParams
+
+if TYPE_CHECKING:
+    from service.corpus import Document
+
+
+@dataclass(frozen=True)
+class Window:
+    window_id: str
+    doc_id: str
+    index: int  # 0-based window index within its document
+    input_ids: tuple[int, ...]  # with the special tokens, unpadded; n = len(input_ids)
+
+
+@dataclass(frozen=True)
+class TokenClasses:
+    """Token ids that the statistics treat specially, read once from the tokenizer."""
+
+    cls_id: int
+    sep_id: int
+    pad_id: int
+    special_ids: frozenset[int]
+    sentence_end_ids: frozenset[int]  # . ! ?  (end their sentence, SPEC §1)
+    punct_ids: frozenset[int]  # . ,  (the separators of the paper, SPEC §4)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "TokenClasses":
+        def ids(tokens: Iterable[str]) -> frozenset[int]:
+            out = set()
+            unk = tokenizer.unk_token_id
+            for tok in tokens:
+                idx = tokenizer.convert_tokens_to_ids(tok)
+                if idx is not None and idx != unk:
+                    out.add(idx)
+            return frozenset(out)
+
+        return cls(
+            cls_id=tokenizer.cls_token_id,
+            sep_id=tokenizer.sep_token_id,
+            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            special_ids=frozenset(tokenizer.all_special_ids),
+            sentence_end_ids=ids([".", "!", "?", "Ġ.", "Ġ!", "Ġ?", "▁.", "▁!", "▁?"]),
+            punct_ids=ids([".", ",", "Ġ.", "Ġ,", "▁.", "▁,"]),
+        )
+
+
+def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisParams) -> str:
+    blob = f"{doc_id}|{index}|{tokenizer_key}|{params.seq_len}|{params.windowing}".encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def document_windows(
+    doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
+) -> list[Window]:
+    pieces = tokenizer(doc.text, add_special_tokens=False, truncation=False)["input_ids"]
+    body = params.seq_len - 2
+    if params.windowing == "first":
+        chunks = [pieces[:body]] if pieces else []
+    else:
+        chunks = [pieces[i : i + body] for i in range(0, len(pieces), body)]
+    return [
+        Window(
+            window_id=window_key(doc.doc_id, k, tokenizer_key, params),
+            doc_id=doc.doc_id,
+            index=k,
+            input_ids=(tokens.cls_id, *chunk, tokens.sep_id),
+        )
+        for k, chunk in enumerate(chunks)
+    ]
+
+
+def iter_windows(
+    docs: Iterable["Document"], tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
+) -> Iterator[tuple["Document", list[Window]]]:
+    for doc in docs:
+        yield doc, document_windows(doc, tokenizer, tokens, tokenizer_key, params)
+
+
+@dataclass
+class Batch:
+    """Windows padded to the longest one in the batch.
+
+    input_ids, attention_mask: ``[batch, pos]`` int64.
+    """
+
+    windows: list[Window]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def window_ids(self) -> list[str]:
+        return [w.window_id for w in self.windows]
+
+
+def collate(windows: list[Window], pad_id: int) -> Batch:
+    longest = max(len(w.input_ids) for w in windows)
+    input_ids = torch.full((len(windows), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(windows), longest), dtype=torch.long)
+    for row, w in enumerate(windows):
+        input_ids[row, : len(w.input_ids)] = torch.tensor(w.input_ids)
+        attention_mask[row, : len(w.input_ids)] = 1
+    return Batch(windows=list(windows), input_ids=input_ids, attention_mask=attention_mask)
