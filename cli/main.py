@@ -1,0 +1,320 @@
+"""The `headatlas` command line. Thin: parse options, open the store, call the library, render."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.output import Format, error, render, sparkline, stderr, stdout
+from service.config import Settings
+from service.errors import HeadatlasError
+
+app = typer.Typer(
+    help="headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+query_app = typer.Typer(help="Ask a stored run about its heads (layers and heads are 0-based).", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
+app.add_typer(query_app, name="query")
+app.add_typer(db_app, name="db")
+
+SETTINGS = Settings.from_env()
+
+DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+RunOpt = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
+FormatOpt = typer.Option(Format.table, "--format", "-f", help="Output format.")
+
+
+def _store(db: str):
+    from service.storage.store import Store
+
+    return Store(db)
+
+
+# --- analysis ---------------------------------------------------------------------------------
+@app.command()
+def analyze(
+    corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory, a glob, or - for stdin."),
+    name: Optional[str] = typer.Option(None, "--name", help="Run name (default: corpus name + key)."),
+    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D [env HEADATLAS_MODEL]."),
+    device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32)."),
+    batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per forward pass [env HEADATLAS_BATCH_SIZE]."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
+    windowing: str = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document)."),
+    select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
+    gate: float = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n."),
+    include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
+    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
+    short_range: int = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share."),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text."),
+    encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files."),
+    db: str = DbOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary."),
+) -> None:
+    """Analyse a corpus in this process and store the per-head statistics (resumable)."""
+    from service.analysis_options import build_params
+    from service.corpus import spool_stdin
+    from service.model import load_model
+    from service.runner import analyze_corpus, survey_corpus
+
+    params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
+                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype)
+    spooled = spool_stdin() if corpus == "-" else None
+    spec = str(spooled) if spooled else corpus
+    try:
+        summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
+        if not quiet:
+            stderr.print(f"corpus: {summary.documents} documents, {summary.chars:,} characters; loading model {model} …")
+        loaded = load_model(model, device=device, dtype=dtype)
+        store = _store(db)
+        with _progress(summary.chars, quiet) as progress:
+            run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
+                                 batch_size=batch_size, text_field=text_field, encoding=encoding, progress=progress)
+    finally:
+        if spooled:
+            spooled.unlink(missing_ok=True)
+    if quiet:
+        stdout.print(run.run_id)
+        return
+    _print_run_summary(store, run.run_id)
+
+
+@app.command()
+def demo(db: str = DbOpt) -> None:
+    """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
+    from service.corpus import demo_corpus_path
+
+    analyze(corpus=str(demo_corpus_path()), name="demo", model=SETTINGS.model, device=SETTINGS.device,
+            dtype="float32", batch_size=SETTINGS.batch_size, seq_len=128, windowing="chunks", select="top:0.02",
+            gate=4.0, include_special=False, vectors="pre_wo", short_range=4, text_field="text",
+            encoding="utf-8", db=db, quiet=False)
+
+
+class _progress:
+    """Progress bar on stderr: windows, windows/s and ETA (from corpus characters consumed)."""
+
+    def __init__(self, total_chars: int, quiet: bool):
+        self.total, self.quiet, self.windows = total_chars, quiet, 0
+
+    def __enter__(self):
+        if self.quiet:
+            return None
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("analysing"), BarColumn(), TaskProgressColumn(),
+            TextColumn("{task.fields[windows]:,} windows"), TextColumn("{task.fields[rate]:.1f} windows/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr, transient=False,
+        )
+        self.bar.__enter__()
+        self.task = self.bar.add_task("analyse", total=self.total, windows=0, rate=0.0)
+        return self.update
+
+    def update(self, windows: int, consumed: int) -> None:
+        self.windows += windows
+        elapsed = self.bar.tasks[0].elapsed or 1e-9
+        self.bar.update(self.task, completed=consumed, windows=self.windows, rate=self.windows / elapsed)
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.bar.update(self.task, completed=self.total)
+            self.bar.__exit__(*exc)
+        return False
+
+
+def _print_run_summary(store, run_id: int) -> None:
+    from service import queries
+
+    with store.checked_read() as conn:
+        info = queries.run_summary(conn, run_id)
+        layer_cols, layer_rows = queries.layers(conn, run_id)
+        head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift", top=5)
+        rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_lift", top=5)
+    stdout.print(
+        f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
+        f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
+        f"{info['compute_s']:.1f} s compute"
+    )
+    keep = ["layer", "mean_distance", "mean_distance_chance", "short_range_share", "within_sentence",
+            "within_sentence_lift", "repetition", "noise_share", "attn_to_cls", "attn_to_punct"]
+    _render_subset(layer_cols, layer_rows, keep, "Layer progression (0-based layers)")
+    keep = ["layer", "head", "within_sentence", "within_sentence_chance", "within_sentence_lift", "mean_distance", "top_anchors"]
+    _render_subset(head_cols, head_rows, keep, "Most within-sentence heads")
+    keep = ["layer", "head", "repetition", "repetition_chance", "repetition_lift", "top_anchors"]
+    _render_subset(rep_cols, rep_rows, keep, "Repetition heads")
+    stdout.print(f"next: headatlas query heads --run {run_id}   |   headatlas sql \"SELECT * FROM head_metrics LIMIT 5\"")
+
+
+def _render_subset(columns, rows, keep, title):
+    idx = [columns.index(c) for c in keep]
+    render(keep, [tuple(r[i] for i in idx) for r in rows], Format.table, title=title)
+
+
+# --- runs and queries ---------------------------------------------------------------------------
+@app.command()
+def runs(db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+    """List the stored runs."""
+    rows = _store(db).list_runs()
+    columns = ["run_id", "name", "status", "model", "windows", "compute_s", "wall_s", "created_at", "corpus"]
+    render(columns, [tuple(r[c] for c in columns) for r in rows], fmt)
+
+
+@query_app.command("heads")
+def query_heads(
+    run: Optional[str] = RunOpt,
+    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
+    sort: Optional[str] = typer.Option(None, "--sort", "-s", help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share)."),
+    top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors."""
+    from service import queries
+
+    store = _store(db)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        columns, rows = queries.heads(conn, r.run_id, layer=layer, sort=sort, top=top)
+    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): heads")
+
+
+@query_app.command("distances")
+def query_distances(
+    layer: int = typer.Option(..., "--layer", "-l", help="Layer (0-based)."),
+    head: Optional[int] = typer.Option(None, "--head", help="Head (0-based); default: the layer's heads pooled."),
+    run: Optional[str] = RunOpt,
+    max_distance: Optional[int] = typer.Option(None, "--max-distance", help="Show distances up to this one."),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
+    from service import queries
+
+    store = _store(db)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        _check_layer_head(r, layer, head)
+        columns, rows = queries.distances(conn, r.run_id, layer=layer, head=head)
+    if max_distance:
+        rows = [row for row in rows if row[0] <= max_distance]
+    what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
+    render(columns, rows, fmt, title=f"run {r.run_id}: distances, {what}")
+    if fmt == Format.table and rows:
+        share = [row[2] for row in rows]
+        chance = [row[3] for row in rows]
+        top = max(max(share, default=0) or 0, max(chance, default=0) or 0)
+        stdout.print(f"high   {sparkline(share, top=top)}")
+        stdout.print(f"chance {sparkline(chance, top=top)}")
+        stdout.print(f"       d=1{' ' * max(0, len(rows) - 8)}d={rows[-1][0]}")
+
+
+@query_app.command("boundaries")
+def query_boundaries(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+    """Per layer: within-sentence share of high-similarity pairs vs chance, attention to separators."""
+    from service import queries
+
+    store = _store(db)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        columns, rows = queries.boundaries(conn, r.run_id)
+    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): sentence boundaries per layer")
+
+
+@query_app.command("layers")
+def query_layers(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+    """Per layer summary: the progression from early to final layers."""
+    from service import queries
+
+    store = _store(db)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        columns, rows = queries.layers(conn, r.run_id)
+    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): layers")
+
+
+@app.command()
+def sql(
+    statement: str = typer.Argument(..., help="One SELECT or WITH … SELECT statement, or - to read it from stdin."),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    max_rows: int = typer.Option(SETTINGS.sql_max_rows, "--max-rows", help="Row cap [env HEADATLAS_SQL_MAX_ROWS]."),
+    timeout: float = typer.Option(SETTINGS.sql_timeout_s, "--timeout", help="Time limit in seconds [env HEADATLAS_SQL_TIMEOUT_S]."),
+) -> None:
+    """Run read-only SQL against the results (tables and views: see README)."""
+    from service.storage.readonly import run_readonly_sql
+
+    text = sys.stdin.read() if statement == "-" else statement
+    result = run_readonly_sql(db, text, max_rows=max_rows, timeout_s=timeout)
+    render(result.columns, result.rows, fmt, truncated=result.truncated)
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: str = DbOpt) -> None:
+    """Create the schema or apply pending migrations."""
+    from service.storage.db import upgrade
+
+    before, after = upgrade(db)
+    stdout.print(f"{db}: schema {before or 'none'} → {after}")
+
+
+@db_app.command("current")
+def db_current(db: str = DbOpt) -> None:
+    """Show the schema revision of the database and the one this headatlas needs."""
+    from service.storage.db import current_revision, head_revision, transaction
+
+    with transaction(db, read_only=True) as conn:
+        current = current_revision(conn)
+    stdout.print(f"{db}: schema {current or 'none'}, needed {head_revision()}")
+
+
+@app.command()
+def config() -> None:
+    """Show the settings read from HEADATLAS_* environment variables."""
+    current = Settings.from_env()
+    rows = [(var, str(getattr(current, var[len("HEADATLAS_"):].lower())), default, text)
+            for var, default, text in Settings.help()]
+    render(["variable", "value", "default", "meaning"], rows, Format.table)
+
+
+def _run(conn, ref):
+    from service.storage.store import resolve_run
+
+    return resolve_run(conn, ref)
+
+
+def _check_layer_head(run, layer: int, head: int | None) -> None:
+    from service.errors import ParameterError
+
+    if not 0 <= layer < run.n_layers:
+        raise ParameterError(f"--layer {layer}: run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
+    if head is not None and not 0 <= head < run.n_heads:
+        raise ParameterError(f"--head {head}: run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1") if _default_model_only() else None
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        app()
+    except HeadatlasError as exc:
+        error(str(exc))
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        error("interrupted; re-run the same command to resume")
+        sys.exit(130)
+
+
+def _default_model_only() -> bool:
+    return "--model" not in sys.argv and "-m" not in sys.argv and SETTINGS.model == "default"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Settings, typed, read from ``HEADATLAS_*`` environment variables (CLI options override)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from service.errors import ParameterError
+
+
+@dataclass(frozen=True)
+class Settings:
+    db: str = "headatlas.duckdb"
+    """HEADATLAS_DB: path of the DuckDB results file."""
+    model: str = "default"
+    """HEADATLAS_MODEL: default model (`default` = all-MiniLM-L6-v2, a folder, a hub name, random:SHAPE)."""
+    device: str = "auto"
+    """HEADATLAS_DEVICE: auto, cpu, cuda or cuda:N."""
+    batch_size: int = 32
+    """HEADATLAS_BATCH_SIZE: windows per forward pass."""
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    """HEADATLAS_BROKER_URL: Redis URL of the task queue (distributed runs)."""
+    spool_dir: str = ""
+    """HEADATLAS_SPOOL_DIR: folder shared by submitters, workers and the writer (default: next to the database)."""
+    sql_max_rows: int = 1000
+    """HEADATLAS_SQL_MAX_ROWS: row cap of `headatlas sql`."""
+    sql_timeout_s: float = 30.0
+    """HEADATLAS_SQL_TIMEOUT_S: time limit of `headatlas sql`, seconds."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+        env = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            key = f"HEADATLAS_{f.name.upper()}"
+            if key not in env:
+                continue
+            raw = env[key]
+            kind = type(f.default)
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ParameterError(f"{key}={raw!r}: expected a {kind.__name__}") from None
+        return cls(**values)
+
+    @classmethod
+    def help(cls) -> list[tuple[str, str, str]]:
+        """(variable, default, description) for every setting — README and `headatlas config`."""
+        import inspect
+
+        source = inspect.getsource(cls)
+        out = []
+        for f in fields(cls):
+            marker = f'"""HEADATLAS_{f.name.upper()}: '
+            start = source.index(marker) + len(marker)
+            out.append((f"HEADATLAS_{f.name.upper()}", str(f.default), source[start : source.index('"""', start)]))
+        return out
