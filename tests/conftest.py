@@ -1,0 +1,69 @@
+"""Shared fixtures. Models are loaded once per test session (loading MiniLM takes seconds)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The default model (all-MiniLM-L6-v2, real weights), float32 on CPU."""
+    from service.model import load_model
+
+    return load_model("default", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A randomly initialised 2-layer, 4-head BERT (seeded) with the default tokenizer."""
+    from service.model import load_model
+
+    return load_model("random:tiny", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_corpus() -> Path:
+    from service.corpus import demo_corpus_path
+
+    return demo_corpus_path()
+
+
+@pytest.fixture()
+def small_corpus(tmp_path, demo_corpus) -> Path:
+    """The first two documents of the shipped excerpt: a quick real-text corpus."""
+    docs = demo_corpus.read_text(encoding="utf-8").split("\n\n")[:2]
+    path = tmp_path / "small.txt"
+    path.write_text("\n\n".join(d.strip() for d in docs) + "\n", encoding="utf-8")
+    return path
+
+
+def headatlas_cmd() -> list[str]:
+    """The installed console script, running this checkout's code."""
+    script = Path(sys.executable).parent / "headatlas"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
+
+
+def run_cli(*args: str, env: dict | None = None, input: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.run(
+        [*headatlas_cmd(), *args], capture_output=True, text=True, env=full_env, input=input, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.fixture()
+def cli():
+    return run_cli
