@@ -84,7 +84,7 @@ class WindowFeatures:
     same_sentence: torch.Tensor  # [batch, pair] bool
     same_token: torch.Tensor  # [batch, pair] bool
     first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
-    key_classes: torch.Tensor  # [batch, key, 3] float: is [CLS], is [SEP], is . or ,
+    key_classes: torch.Tensor  # [batch, key, 3] bool: is [CLS], is [SEP], is . or ,
     layout: PairLayout
 
 
@@ -120,7 +120,7 @@ def window_features(
     for tok in tokens.punct_ids:
         is_punct |= input_ids == tok
     is_punct &= valid
-    key_classes = torch.stack([is_cls, is_sep, is_punct], dim=2).float()
+    key_classes = torch.stack([is_cls, is_sep, is_punct], dim=2)
     m = in_pairs.sum(1)
     return WindowFeatures(
         input_ids=input_ids,
@@ -235,8 +235,7 @@ def head_statistics(
     distance j - i), and per-window anchors ``anchor_pos`` / ``anchor_count`` /
     ``high_count`` ``[batch, head]`` (position of the anchor token's first occurrence).
     """
-    z = z.float()
-    attn = attn.float()
+    z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
     layout = feats.layout
     sim_full = torch.matmul(z, z.transpose(2, 3))  # [batch, head, pos, key]
@@ -270,7 +269,7 @@ def head_statistics(
     # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
     first_i = feats.first_pos.gather(1, layout.i[index].flatten(1)).view_as(index)
     first_j = feats.first_pos.gather(1, layout.j[index].flatten(1)).view_as(index)
-    endpoint = torch.zeros(batch, heads, n_pos, device=z.device)
+    endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)
     endpoint.scatter_add_(2, first_i, chosen_f)
     endpoint.scatter_add_(2, first_j, chosen_f)
     anchor_count, anchor_pos = endpoint.max(dim=2)
@@ -287,8 +286,8 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch
 
     attn: ``[batch, head, pos, key]``, rows are queries.
     """
-    rows = feats.valid.float()[:, None, :]  # [batch, 1, pos]
-    by_class = torch.matmul(attn, feats.key_classes[:, None])  # [batch, head, pos, 3]
+    rows = feats.valid.to(attn.dtype)[:, None, :]  # [batch, 1, pos]
+    by_class = torch.matmul(attn, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, pos, 3]
     by_class = (by_class * rows[..., None]).sum(dim=(0, 2), dtype=torch.float64)  # [head, 3]
     neighbour_rows = rows[..., 1:]
     return {
@@ -300,6 +299,11 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch
         "attn_to_next": _row_sum(torch.diagonal(attn, 1, 2, 3), neighbour_rows),
         "attn_entropy": _row_sum(torch.special.entr(attn).sum(3), rows),
     }
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision activations are summarised in float32; float64 stays float64."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _row_sum(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""Acceptance: what the hooks capture equals Hugging Face's own outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.analysis import forward
+from service.hooks import act_name, capture_attention
+from service.params import AnalysisParams
+from service.windows import TokenClasses, collate, document_windows
+from service.corpus import iter_documents
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def real_batch(real_model, demo_corpus):
+    tokens = TokenClasses.from_tokenizer(real_model.tokenizer)
+    doc = next(iter_documents(str(demo_corpus)))
+    windows = document_windows(doc, real_model.tokenizer, tokens, real_model.tokenizer_key, AnalysisParams())
+    return collate(windows[:2] + windows[-1:], tokens.pad_id)
+
+
+def test_captured_attention_equals_output_attentions(real_model, real_batch):
+    acts = forward(real_model, real_batch)
+    with torch.no_grad():
+        out = real_model.model(input_ids=real_batch.input_ids, attention_mask=real_batch.attention_mask,
+                               output_attentions=True)
+    for layer in range(real_model.n_layers):
+        captured = acts[act_name("pattern", layer)]
+        assert captured.shape == out.attentions[layer].shape
+        assert torch.equal(captured, out.attentions[layer]), f"layer {layer}"
+
+
+def test_captured_head_outputs_equal_attention_times_values(real_model, real_batch):
+    """z = A·V recomputed in float64 from the layer's own weights and input hidden states."""
+    acts = forward(real_model, real_batch)
+    with torch.no_grad():
+        out = real_model.model(input_ids=real_batch.input_ids, attention_mask=real_batch.attention_mask,
+                               output_attentions=True, output_hidden_states=True)
+    d, heads = real_model.d_head, real_model.n_heads
+    worst = 0.0
+    for layer, block in enumerate(real_model.model.encoder.layer):
+        worst = max(worst, _layer_error(block, layer, out, acts, heads, d))
+    print(f"max abs error of captured head outputs vs A·V (float64): {worst:.2e}")
+    assert worst <= 1e-4
+
+
+@torch.no_grad()
+def _layer_error(block, layer, out, acts, heads, d) -> float:
+    value = block.attention.self.value
+    hidden = out.hidden_states[layer].double()
+    v = (hidden @ value.weight.double().T + value.bias.double()).view(*hidden.shape[:2], heads, d).transpose(1, 2)
+    expected = out.attentions[layer].double() @ v  # [batch, head, pos, d_head]
+    captured = acts[act_name("z", layer)].double().view(*hidden.shape[:2], heads, d).transpose(1, 2)
+    return float((captured - expected).abs().max())
+
+
+def test_hooks_are_removed_after_capture(tiny_model):
+    block = tiny_model.model.encoder.layer[0].attention.self
+    with capture_attention(tiny_model.model):
+        assert len(block._forward_hooks) == 1
+    assert len(block._forward_hooks) == 0
+    with pytest.raises(RuntimeError):
+        with capture_attention(tiny_model.model):
+            raise RuntimeError("boom")
+    assert len(block._forward_hooks) == 0
+
+
+def test_act_names_are_canonical():
+    assert act_name("z", 3) == "blocks.3.attn.hook_z"
+    assert act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
+    with pytest.raises(ValueError):
+        act_name("q", 0)

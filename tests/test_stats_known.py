@@ -1,0 +1,136 @@
+"""Known answers: the statistics on tiny hand-made tensors, computed by hand in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from service.params import Selection
+from service.stats import chance_statistics, head_statistics, select_pairs, sentence_ids, window_features
+from service.windows import TokenClasses
+
+CLS, SEP, PAD, DOT, COMMA, A, B = 101, 102, 0, 1012, 1010, 1037, 1038
+TOKENS = TokenClasses(cls_id=CLS, sep_id=SEP, pad_id=PAD, special_ids=frozenset({CLS, SEP, PAD}),
+                      sentence_end_ids=frozenset({DOT}), punct_ids=frozenset({DOT, COMMA}))
+
+# One window: [CLS] a . a b [SEP]  → sentence ids -1 0 0 1 1 -1
+IDS = torch.tensor([[CLS, A, DOT, A, B, SEP]])
+MASK = torch.ones_like(IDS)
+# Head outputs (d = 2). Pairs among positions 1..4 and their dot products:
+# (1,2)=0 (1,3)=2 (1,4)=1 (2,3)=0 (2,4)=1 (3,4)=2 ; sum over P = 6
+Z = torch.tensor([[5.0, 5.0], [1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [1.0, 1.0], [9.0, 9.0]], dtype=torch.float64)
+# Attention rows (queries), each sums to 1.
+ATTN = torch.tensor([
+    [1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [0.1, 0.2, 0.1, 0.5, 0.1, 0.0],
+    [0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.3, 0.6, 0.1, 0.0],
+    [0.0, 0.2, 0.0, 0.4, 0.4, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+], dtype=torch.float64)
+
+
+def _stats(ids, mask, z, attn, select="top:0.5", gate=2.0, heads=1):
+    feats = window_features(ids, mask, TOKENS)
+    z4 = z[None, None].expand(ids.shape[0], heads, *z.shape).clone()
+    a4 = attn[None, None].expand(ids.shape[0], heads, *attn.shape).clone()
+    return feats, head_statistics(z4, a4, feats, select=Selection.parse(select), gate=gate, seq_len=8)
+
+
+def test_sentence_ids_follow_punctuation_and_skip_specials():
+    ids = torch.tensor([[CLS, A, B, DOT, A, DOT, B, SEP, PAD, PAD]])
+    valid = ids != PAD
+    special = (ids == CLS) | (ids == SEP)
+    got = sentence_ids(ids, valid, special & valid, frozenset({DOT}))
+    assert got.tolist() == [[-1, 0, 0, 0, 1, 1, 2, -1, -1, -1]]
+
+
+def test_top_share_selects_by_value_then_smaller_i_then_j():
+    # top:0.5 of 6 pairs → 3: (1,3)=2, (3,4)=2, then the tie at 1 between (1,4) and (2,4) → (1,4)
+    feats, out = _stats(IDS, MASK, Z, ATTN)
+    assert int(out["high_pairs"][0]) == 3
+    assert float(out["sim_sum_high"][0]) == pytest.approx(5.0)
+    assert float(out["sim_sum_all"][0]) == pytest.approx(6.0)
+    assert out["dist_hist"][0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]  # d = 2, 1, 3
+
+
+def test_pair_membership_counts():
+    _, out = _stats(IDS, MASK, Z, ATTN)
+    assert int(out["same_sentence_high"][0]) == 1  # only (3,4) shares a sentence
+    assert int(out["same_token_high"][0]) == 1  # (1,3): a == a
+    # gate 2/n = 1/3: (1,3) max(.5, 0) yes; (3,4) max(.1, .4) yes; (1,4) max(.1, .2) no
+    assert int(out["attended_high"][0]) == 2
+
+
+def test_anchor_is_most_frequent_endpoint_token():
+    # endpoints 1,3 | 3,4 | 1,4 → token a (positions 1 and 3) 4 times, b twice
+    _, out = _stats(IDS, MASK, Z, ATTN)
+    assert IDS[0, int(out["anchor_pos"][0, 0])] == A
+    assert int(out["anchor_count"][0, 0]) == 4
+    assert int(out["high_count"][0, 0]) == 3
+
+
+def test_attention_sums():
+    _, out = _stats(IDS, MASK, Z, ATTN)
+    assert float(out["attn_to_cls"][0]) == pytest.approx(1.1)
+    assert float(out["attn_to_sep"][0]) == pytest.approx(1.0)
+    assert float(out["attn_to_punct"][0]) == pytest.approx(0.1 + 1.0 + 0.3)
+    assert float(out["attn_to_self"][0]) == pytest.approx(4.2)
+    assert float(out["attn_to_prev"][0]) == pytest.approx(0.1 + 0.0 + 0.3 + 0.4 + 0.0)
+    assert float(out["attn_to_next"][0]) == pytest.approx(0.0 + 0.1 + 0.0 + 0.1 + 0.0)
+    row1 = -(3 * 0.1 * math.log(0.1) + 0.2 * math.log(0.2) + 0.5 * math.log(0.5))
+    row3 = -(0.3 * math.log(0.3) + 0.6 * math.log(0.6) + 0.1 * math.log(0.1))
+    row4 = -(0.2 * math.log(0.2) + 2 * 0.4 * math.log(0.4))
+    assert float(out["attn_entropy"][0]) == pytest.approx(row1 + row3 + row4)
+
+
+def test_chance_statistics():
+    feats = window_features(IDS, MASK, TOKENS)
+    chance = chance_statistics(feats, seq_len=8)
+    assert int(chance["pairs"]) == 6
+    assert int(chance["same_sentence_pairs"]) == 2  # (1,2) and (3,4)
+    assert int(chance["same_token_pairs"]) == 1  # (1,3)
+    assert int(chance["attn_rows"]) == 6
+    assert chance["pair_hist"].tolist() == [0, 3, 2, 1, 0, 0, 0, 0]
+
+
+def test_ratio_and_topk_selection():
+    _, ratio = _stats(IDS, MASK, Z, ATTN, select="ratio:0.75")  # C >= 1.5 → (1,3), (3,4)
+    assert int(ratio["high_pairs"][0]) == 2
+    assert ratio["dist_hist"][0].tolist()[:4] == [0, 1, 1, 0]
+    _, topk = _stats(IDS, MASK, Z, ATTN, select="topk:4")  # 2, 2, 1, 1 → (1,3) (3,4) (1,4) (2,4)
+    assert int(topk["high_pairs"][0]) == 4
+    assert float(topk["sim_sum_high"][0]) == pytest.approx(6.0)
+
+
+def test_padding_and_batch_do_not_change_a_window():
+    # the same window twice, the second padded with two positions of garbage rows
+    ids = torch.tensor([[CLS, A, DOT, A, B, SEP, PAD, PAD], [CLS, A, DOT, A, B, SEP, PAD, PAD]])
+    mask = (ids != PAD).long()
+    z = torch.cat([Z, torch.full((2, 2), 7.0, dtype=torch.float64)])
+    attn = torch.zeros(8, 8, dtype=torch.float64)
+    attn[:6, :6] = ATTN
+    attn[6:, :6] = 1 / 6
+    _, out = _stats(ids, mask, z, attn, heads=3)
+    assert out["high_pairs"].tolist() == [6, 6, 6]
+    assert out["attended_high"].tolist() == [4, 4, 4]
+    assert float(out["attn_to_self"][1]) == pytest.approx(8.4)
+    assert out["anchor_count"].tolist() == [[4, 4, 4], [4, 4, 4]]
+
+
+def test_include_special_adds_special_pairs():
+    feats = window_features(IDS, MASK, TOKENS, include_special=True)
+    assert int(feats.n_pairs[0]) == 15  # n = 6 → 6·5/2
+
+
+def test_boundary_tie_is_broken_in_index_order():
+    # all four words identical vectors → all six pairs tie; top:0.34 → k = ceil(2.04) = 3
+    z = torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    feats = window_features(IDS, MASK, TOKENS)
+    sim = (z @ z.T).flatten()[feats.layout.flat][None, None].clone()
+    sim.masked_fill_(~feats.pair_ok[:, None, :], float("-inf"))
+    values, index, chosen = select_pairs(sim, feats, Selection.parse("top:0.34"))
+    picked = [(int(feats.layout.i[k]), int(feats.layout.j[k])) for k, c in zip(index[0, 0], chosen[0, 0]) if c]
+    assert picked == [(1, 2), (1, 3), (1, 4)]
