@@ -76,7 +76,8 @@ def analyze(
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
-                                 batch_size=batch_size, text_field=text_field, encoding=encoding, progress=progress)
+                                 batch_size=batch_size, text_field=text_field, encoding=encoding, progress=progress,
+                                 label="<stdin>" if spooled else None)
     finally:
         if spooled:
             spooled.unlink(missing_ok=True)

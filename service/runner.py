@@ -105,14 +105,18 @@ def analyze_corpus(
     encoding: str = "utf-8",
     flush_s: float = 2.0,
     progress: ProgressFn | None = None,
+    label: str | None = None,
 ) -> Run:
-    """Analyse a corpus in-process; resume the unfinished run with the same key if any."""
+    """Analyse a corpus in-process; resume the unfinished run with the same key if any.
+
+    ``label``: how the corpus is named in the run (e.g. ``<stdin>`` for a spooled copy).
+    """
     store.ensure_schema()
     key = run_key(corpus.fingerprint, model, params)
     run, _created = store.find_or_create_run(
         run_key=key,
-        name=name or f"{_short_name(spec)}-{key[:6]}",
-        corpus=spec,
+        name=name or f"{_short_name(label or spec)}-{key[:6]}",
+        corpus=label or spec,
         corpus_fingerprint=corpus.fingerprint,
         model=model.describe(),
         params=params.to_dict(),
@@ -161,6 +165,6 @@ def analyze_corpus(
 def _short_name(spec: str) -> str:
     from pathlib import Path
 
-    if spec == "-":
+    if spec in ("-", "<stdin>"):
         return "stdin"
     return Path(spec.rstrip("/*")).stem or "corpus"

@@ -211,9 +211,10 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
         for name, table in tables.items():
             raw.register(f"_in_{name}", table)
         # a window counted by another batch of this run would be counted twice: refuse
+        # fetch every row: DuckDB refuses other work while a result is unfinished
         clash = conn.execute(text(
             "SELECT count(*) FROM run_windows w JOIN _in_run_windows i USING (run_id, window_id)"
-        )).scalar()
+        )).all()[0][0]
         if clash:
             raise StoreError(f"run {run_id}: {clash} window(s) of this batch were already counted by another batch")
         conn.exec_driver_sql("INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING")

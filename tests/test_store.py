@@ -1,0 +1,149 @@
+"""Storage: schema, idempotent ingest, resume, and the views' arithmetic on a real DuckDB file."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pytest
+
+from service.analysis import BatchResult, analyze_batch
+from service.errors import StoreError
+from service.params import AnalysisParams
+from service.runner import analyze_corpus, iter_batches, survey_corpus
+from service.storage import db
+from service.storage.store import Store
+from service.windows import TokenClasses
+
+
+def counts(path) -> dict[str, int]:
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                for t in ("runs", "batches", "run_windows", "head_stats", "dist_hist", "anchors", "run_chance")}
+    finally:
+        con.close()
+
+
+@pytest.fixture()
+def store(tmp_path):
+    s = Store(tmp_path / "h.duckdb")
+    s.ensure_schema()
+    return s
+
+
+def _results(model, corpus, params=AnalysisParams(), batch_size=4):
+    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    return [analyze_batch(model, b, params, tokens, documents=d)
+            for b, d, _ in iter_batches(str(corpus), model, params, tokens, batch_size=batch_size)]
+
+
+def _run(store, model, corpus, params=AnalysisParams()):
+    summary = survey_corpus(str(corpus))
+    from service.runner import run_key
+    run, _ = store.find_or_create_run(run_key=run_key(summary.fingerprint, model, params), name="t", corpus=str(corpus),
+                                      corpus_fingerprint=summary.fingerprint, model=model.describe(),
+                                      params=params.to_dict(), engine="embedded", device="cpu")
+    return run
+
+
+def test_batch_result_round_trips_through_bytes(tiny_model, small_corpus):
+    result = _results(tiny_model, small_corpus)[0]
+    back = BatchResult.from_bytes(result.to_bytes())
+    assert back.window_ids == result.window_ids
+    for key in result.heads:
+        np.testing.assert_array_equal(back.heads[key], result.heads[key])
+    np.testing.assert_array_equal(back.dist_hist, result.dist_hist)
+    np.testing.assert_array_equal(back.anchor_token, result.anchor_token)
+    assert back.chance == result.chance and back.vocab == result.vocab and back.windows == result.windows
+
+
+def test_ingest_is_idempotent(store, tiny_model, small_corpus):
+    run = _run(store, tiny_model, small_corpus)
+    results = _results(tiny_model, small_corpus)
+    assert store.ingest(run.run_id, [(0, results[0]), (1, results[1])]) == 2
+    before = counts(store.path)
+    assert store.ingest(run.run_id, [(0, results[0])]) == 0  # redelivered: skipped
+    assert store.ingest(run.run_id, [(1, results[1]), (2, results[2])]) == 1  # only the new one
+    after = counts(store.path)
+    assert after["batches"] == before["batches"] + 1
+    assert after["run_windows"] == before["run_windows"] + len(results[2].window_ids)
+
+
+def test_a_window_counted_under_another_batch_id_is_refused_whole(store, tiny_model, small_corpus):
+    run = _run(store, tiny_model, small_corpus)
+    results = _results(tiny_model, small_corpus)
+    store.ingest(run.run_id, [(0, results[0])])
+    before = counts(store.path)
+    with pytest.raises(StoreError, match="already counted"):
+        store.ingest(run.run_id, [(5, results[0])])
+    assert counts(store.path) == before  # nothing half-written
+
+
+def test_views_derive_spec_measures_from_sums(store, tiny_model, small_corpus):
+    run = _run(store, tiny_model, small_corpus)
+    results = _results(tiny_model, small_corpus)
+    store.ingest(run.run_id, list(enumerate(results)))
+    heads = sum(r.heads["same_sentence_high"] for r in results)
+    high = sum(r.heads["high_pairs"] for r in results)
+    dist = sum(r.dist_hist for r in results)
+    pairs = sum(r.chance["pairs"] for r in results)
+    same_pairs = sum(r.chance["same_sentence_pairs"] for r in results)
+    con = duckdb.connect(str(store.path), read_only=True)
+    rows = con.execute("SELECT layer, head, within_sentence, within_sentence_chance, mean_distance, short_range_share "
+                       "FROM head_metrics WHERE run_id = ? ORDER BY layer, head", [run.run_id]).fetchall()
+    con.close()
+    assert len(rows) == tiny_model.n_layers * tiny_model.n_heads
+    d = np.arange(dist.shape[2])
+    for layer, head, within, chance, mean_d, short in rows:
+        assert within == pytest.approx(heads[layer, head] / high[layer, head])
+        assert chance == pytest.approx(same_pairs / pairs)
+        assert mean_d == pytest.approx((dist[layer, head] * d).sum() / high[layer, head])
+        assert short == pytest.approx(dist[layer, head, 1:5].sum() / high[layer, head])
+
+
+def test_embedded_run_resumes_without_double_counting(tmp_path, tiny_model, small_corpus):
+    store = Store(tmp_path / "r.duckdb")
+    summary = survey_corpus(str(small_corpus))
+    calls = {"n": 0}
+
+    def stop_after_two(windows, consumed):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        analyze_corpus(str(small_corpus), store=store, model=tiny_model, params=AnalysisParams(), corpus=summary,
+                       batch_size=4, progress=stop_after_two)
+    partial = counts(store.path)
+    assert store.get_run().status == "interrupted"
+    assert 0 < partial["run_windows"]
+    run = analyze_corpus(str(small_corpus), store=store, model=tiny_model, params=AnalysisParams(), corpus=summary,
+                         batch_size=4)
+    assert run.status == "done"
+    resumed = counts(store.path)
+    # a fresh run in another database gives identical totals
+    fresh_store = Store(tmp_path / "f.duckdb")
+    analyze_corpus(str(small_corpus), store=fresh_store, model=tiny_model, params=AnalysisParams(), corpus=summary,
+                   batch_size=4)
+    assert resumed["runs"] == 1
+    assert resumed["run_windows"] == counts(fresh_store.path)["run_windows"]
+    q = "SELECT layer, head, high_pairs, same_sentence_high, attended_high, round(sim_sum_all, 6) FROM head_totals ORDER BY 1, 2"
+    a, b = duckdb.connect(str(store.path), read_only=True), duckdb.connect(str(fresh_store.path), read_only=True)
+    assert a.execute(q).fetchall() == b.execute(q).fetchall()
+    a.close(), b.close()
+
+
+def test_stale_schema_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE alembic_version (version_num VARCHAR)")
+    con.execute("INSERT INTO alembic_version VALUES ('0000')")
+    con.close()
+    with pytest.raises(StoreError, match="headatlas db upgrade"):
+        Store(path).get_run()
+
+
+def test_upgrade_is_repeatable(tmp_path):
+    path = tmp_path / "u.duckdb"
+    assert db.upgrade(path) == (None, db.head_revision())
+    assert db.upgrade(path) == (db.head_revision(), db.head_revision())
