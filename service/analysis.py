@@ -17,8 +17,19 @@ import torch
 from service.hooks import act_name, capture_attention
 from service.model import LoadedModel, encoder_layers
 from service.params import AnalysisParams
-from service.stats import CHANCE_SUMS, HEAD_SUMS, chance_statistics, head_statistics, head_vectors, window_features
+from service.stats import (
+    CHANCE_SUMS,
+    HEAD_SUMS,
+    Workspace,
+    chance_statistics,
+    head_statistics,
+    head_vectors,
+    window_features,
+)
 from service.windows import Batch, TokenClasses
+
+# One set of scratch buffers per device and process, reused by every batch.
+_WORKSPACES: dict[str, Workspace] = {}
 
 INT_SUMS = {"high_pairs", "same_sentence_high", "same_token_high", "attended_high"}
 
@@ -111,8 +122,13 @@ def analyze_batch(
     acts = forward(model, batch)
     with torch.inference_mode():
         input_ids = batch.input_ids.to(model.device)
+        workspace = _WORKSPACES.setdefault(str(model.device), Workspace(model.device))
         feats = window_features(
-            input_ids, batch.attention_mask.to(model.device), tokens, include_special=params.include_special
+            input_ids,
+            batch.attention_mask.to(model.device),
+            tokens,
+            include_special=params.include_special,
+            workspace=workspace,
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
         blocks = encoder_layers(model.model)

@@ -80,12 +80,14 @@ class WindowFeatures:
     n: torch.Tensor  # [batch] valid tokens
     in_pairs: torch.Tensor  # [batch, pos] bool, tokens that form the pair universe P
     pair_ok: torch.Tensor  # [batch, pair] bool, pair in P
+    pair_excluded: torch.Tensor  # [batch, pair] bool, not pair_ok
     n_pairs: torch.Tensor  # [batch] |P|
     same_sentence: torch.Tensor  # [batch, pair] bool
     same_token: torch.Tensor  # [batch, pair] bool
     first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
     key_classes: torch.Tensor  # [batch, key, 3] bool: is [CLS], is [SEP], is . or ,
     layout: PairLayout
+    workspace: "Workspace"
 
 
 def window_features(
@@ -94,8 +96,12 @@ def window_features(
     tokens: TokenClasses,
     *,
     include_special: bool = False,
+    workspace: "Workspace | None" = None,
 ) -> WindowFeatures:
-    """Token features for a padded batch. ``input_ids``/``attention_mask``: ``[batch, pos]``."""
+    """Token features for a padded batch. ``input_ids``/``attention_mask``: ``[batch, pos]``.
+
+    ``workspace``: scratch buffers to reuse (pass the same one for every batch of a process).
+    """
     device = input_ids.device
     n_pos = input_ids.shape[1]
     valid = attention_mask.bool()
@@ -128,12 +134,14 @@ def window_features(
         n=valid.sum(1),
         in_pairs=in_pairs,
         pair_ok=pair_ok,
+        pair_excluded=~pair_ok,
         n_pairs=m * (m - 1) // 2,
         same_sentence=same_sentence,
         same_token=same_token,
         first_pos=first_pos,
         key_classes=key_classes,
         layout=layout,
+        workspace=workspace if workspace is not None else Workspace(device),
     )
 
 
@@ -238,9 +246,10 @@ def head_statistics(
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
     layout = feats.layout
-    sim_full = torch.matmul(z, z.transpose(2, 3))  # [batch, head, pos, key]
-    sim = sim_full.flatten(2).index_select(2, layout.flat)  # [batch, head, pair]
-    sim.masked_fill_(~feats.pair_ok[:, None, :], float("-inf"))
+    work = feats.workspace
+    sim_full = torch.matmul(z, z.transpose(2, 3), out=work.buffer("sim_full", (batch, heads, n_pos, n_pos), z.dtype))
+    sim = torch.index_select(sim_full.flatten(2), 2, layout.flat, out=work.buffer("sim", (batch, heads, layout.flat.numel()), z.dtype))
+    sim.masked_fill_(feats.pair_excluded[:, None, :], float("-inf"))
     values, index, chosen = select_pairs(sim, feats, select)
     chosen_f = chosen.float()
 
@@ -277,11 +286,11 @@ def head_statistics(
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)
 
-    out.update(attention_sums(attn, feats))
+    out.update(attention_sums(attn, feats, work))
     return out
 
 
-def attention_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch.Tensor]:
+def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace | None" = None) -> dict[str, torch.Tensor]:
     """Σ over valid query rows of attention to categories, ``[head]`` float64 each.
 
     attn: ``[batch, head, pos, key]``, rows are queries.
@@ -297,8 +306,32 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch
         "attn_to_self": _row_sum(torch.diagonal(attn, 0, 2, 3), rows),
         "attn_to_prev": _row_sum(torch.diagonal(attn, -1, 2, 3), neighbour_rows),
         "attn_to_next": _row_sum(torch.diagonal(attn, 1, 2, 3), neighbour_rows),
-        "attn_entropy": _row_sum(torch.special.entr(attn).sum(3), rows),
+        "attn_entropy": _row_sum(_entropy_rows(attn, work), rows),
     }
+
+
+def _entropy_rows(attn: torch.Tensor, work: "Workspace | None") -> torch.Tensor:
+    """-Σ_key A ln A per row, ``[batch, head, pos]``, written into a reused buffer."""
+    out = work.buffer("entropy", attn.shape, attn.dtype) if work is not None else None
+    return torch.special.entr(attn, out=out).sum(3)
+
+
+class Workspace:
+    """Large scratch tensors reused across the layers of a batch.
+
+    Allocating a fresh [batch, head, pos, pos] tensor per layer costs page faults on CPU that
+    are comparable to the arithmetic done in it.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""Shared helpers for the benchmarks: corpora, timing, medians."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "wikipedia_dev.txt"
+
+
+def default_corpus() -> Path:
+    """The development corpus where it exists (a checkout beside ../shared), else the shipped excerpt."""
+    from service.corpus import demo_corpus_path
+
+    return SHARED_CORPUS if SHARED_CORPUS.exists() else demo_corpus_path()
+
+
+def corpus_prefix(source: Path, max_chars: int, out: Path) -> Path:
+    """The first documents of ``source`` up to about ``max_chars`` characters, as a .txt corpus."""
+    kept, size = [], 0
+    for doc in source.read_text(encoding="utf-8").split("\n\n"):
+        if size >= max_chars:
+            break
+        kept.append(doc.strip())
+        size += len(doc)
+    out.write_text("\n\n".join(kept) + "\n", encoding="utf-8")
+    return out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+class Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+        return False
+
+
+def threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {gpu}"

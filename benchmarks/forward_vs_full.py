@@ -1,0 +1,92 @@
+"""Bare forward pass vs the full analysis (hooks, statistics, storage), ms per window.
+
+    python benchmarks/forward_vs_full.py [--models default random:bert-base] [--windows 256]
+
+Each repeat times, on the same windows and batch size: (a) the model's forward pass alone,
+eager attention, inference mode; (b) `analyze_corpus` end to end into a fresh DuckDB file
+(tokenisation, forward with hooks, statistics, ingest). Medians over repeats; the ratio is
+(b) / (a) measured in the same run. Target on CPU: ≤ 1.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import Timer, corpus_prefix, default_corpus, machine, median  # noqa: E402
+from service.model import load_model  # noqa: E402
+from service.params import AnalysisParams  # noqa: E402
+from service.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
+from service.storage.store import Store  # noqa: E402
+from service.windows import TokenClasses  # noqa: E402
+
+
+def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, device: str, dtype: str) -> dict:
+    model = load_model(spec, device=device, dtype=dtype)
+    params = AnalysisParams(dtype=dtype)
+    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    batches = [b for b, _, _ in iter_batches(str(corpus), model, params, tokens, batch_size=batch_size)]
+    windows = sum(len(b.windows) for b in batches)
+    summary = survey_corpus(str(corpus))
+
+    def bare():
+        with torch.inference_mode():
+            for b in batches:
+                model.model(input_ids=b.input_ids.to(model.device), attention_mask=b.attention_mask.to(model.device))
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def full(tmp: Path, k: int):
+        store = Store(tmp / f"bench-{k}.duckdb")
+        analyze_corpus(str(corpus), store=store, model=model, params=params, corpus=summary, batch_size=batch_size)
+
+    bare()  # warm-up
+    bare_s, full_s = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        full(Path(tmp), -1)  # warm-up (and schema creation code paths)
+        for k in range(repeats):  # interleaved, so drifts in machine load hit both
+            with Timer() as t:
+                bare()
+            bare_s.append(t.seconds)
+            with Timer() as t:
+                full(Path(tmp), k)
+            full_s.append(t.seconds)
+    bare_ms = median(bare_s) / windows * 1000
+    full_ms = median(full_s) / windows * 1000
+    ratios = sorted(f / b for f, b in zip(full_s, bare_s))
+    return {"model": spec, "windows": windows, "bare_ms": bare_ms, "full_ms": full_ms,
+            "ratio": full_ms / bare_ms, "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["default", "random:bert-base"])
+    parser.add_argument("--windows", type=int, default=256, help="about this many 128-token windows")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = corpus_prefix(default_corpus(), args.windows * 600, Path(tmp) / "bench.txt")
+        print(f"# {machine()}; {torch.get_num_threads()} threads; batch {args.batch_size}; seq_len 128; "
+              f"{args.device} {args.dtype}; medians of {args.repeats}")
+        print(f"{'model':<20} {'windows':>7} {'bare ms/win':>12} {'full ms/win':>12} {'ratio':>6}  (range)")
+        rows = []
+        for spec in args.models:
+            r = bench_model(spec, corpus, batch_size=args.batch_size, repeats=args.repeats, device=args.device,
+                            dtype=args.dtype)
+            rows.append(r)
+            print(f"{spec:<20} {r['windows']:>7} {r['bare_ms']:>12.2f} {r['full_ms']:>12.2f} {r['ratio']:>6.2f}  "
+                  f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f})", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
