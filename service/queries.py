@@ -100,7 +100,7 @@ def layers(conn: Connection, run_id: int) -> Rows:
         SELECT l.layer, l.mean_distance, l.mean_distance_chance, l.short_range_share,
                l.within_sentence, l.within_sentence_lift, l.repetition, l.noise_share,
                l.attn_to_cls, l.attn_to_sep, l.attn_to_punct, l.attn_to_self, l.attn_entropy,
-               d.distinct_share AS anchor_distinct_share
+               d.distinct_share AS anchor_distinct_share, d.distinct_anchor_ratio
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """

@@ -147,6 +147,7 @@ def analyze_corpus(
         if pending:
             store.ingest(run.run_id, pending)
             pending = []
+        store.compact(run.run_id)
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user; re-run the same command to resume"
         raise

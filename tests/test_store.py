@@ -147,3 +147,65 @@ def test_upgrade_is_repeatable(tmp_path):
     path = tmp_path / "u.duckdb"
     assert db.upgrade(path) == (None, db.head_revision())
     assert db.upgrade(path) == (db.head_revision(), db.head_revision())
+
+
+def test_compaction_keeps_every_view_value_and_the_ledger(store, tiny_model, small_corpus):
+    from service.storage.compact import compact_run
+
+    run = _run(store, tiny_model, small_corpus)
+    results = _results(tiny_model, small_corpus)
+    store.ingest(run.run_id, list(enumerate(results[:-1])))
+    views = ("head_metrics", "layer_metrics", "distance_totals", "pair_profile")
+
+    def snapshot():
+        con = duckdb.connect(str(store.path), read_only=True)
+        try:
+            return {v: sorted(con.execute(f"SELECT * FROM {v}").fetchall()) for v in views}
+        finally:
+            con.close()
+
+    before = snapshot()
+    with store.write() as conn:
+        report = compact_run(conn, run.run_id)
+    assert report["head_stats"][1] == tiny_model.n_layers * tiny_model.n_heads < report["head_stats"][0]
+    after = snapshot()
+    for view in views:
+        assert len(after[view]) == len(before[view])
+        for a, b in zip(after[view], before[view]):
+            assert a == pytest.approx(b, rel=1e-12), view
+    # the ledger still skips a redelivered batch; a new batch adds to the compacted sums
+    assert store.ingest(run.run_id, [(0, results[0])]) == 0
+    assert store.ingest(run.run_id, [(len(results) - 1, results[-1])]) == 1
+    con = duckdb.connect(str(store.path), read_only=True)
+    total = con.execute("SELECT sum(high_pairs) FROM head_stats").fetchone()[0]
+    con.close()
+    assert total == sum(int(r.heads["high_pairs"].sum()) for r in results)
+
+
+def test_anchor_summaries_equal_the_per_window_anchor_rows(store, real_model, small_corpus):
+    run = _run(store, real_model, small_corpus)
+    store.ingest(run.run_id, list(enumerate(_results(real_model, small_corpus, batch_size=8))))
+    con = duckdb.connect(str(store.path), read_only=True)
+    try:
+        direct = con.execute(
+            "SELECT layer, head, token_id, count(*), avg(anchor_share) FROM anchors GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        summary = con.execute(
+            "SELECT layer, head, token_id, windows, mean_anchor_share FROM anchor_counts ORDER BY ALL"
+        ).fetchall()
+        assert len(direct) == len(summary) > 0
+        for a, b in zip(direct, summary):
+            assert a[:4] == b[:4] and a[4] == pytest.approx(b[4])
+        direct = con.execute(
+            "SELECT layer, avg(CASE WHEN n_distinct = n THEN 1.0 ELSE 0.0 END), sum(n_distinct) / sum(n) FROM ("
+            " SELECT window_id, layer, count(*) AS n, count(DISTINCT token_id) AS n_distinct FROM anchors"
+            " GROUP BY ALL) GROUP BY layer ORDER BY layer"
+        ).fetchall()
+        summary = con.execute(
+            "SELECT layer, distinct_share, distinct_anchor_ratio FROM anchor_distinctness ORDER BY layer"
+        ).fetchall()
+        assert [d[0] for d in direct] == [s[0] for s in summary]
+        for d, s in zip(direct, summary):
+            assert d[1] == pytest.approx(s[1]) and d[2] == pytest.approx(s[2])
+    finally:
+        con.close()

@@ -149,6 +149,30 @@ TABLES = [
         anchor_share DOUBLE NOT NULL
     )
     """,
+    # additive anchor summaries, so that queries on large runs need not scan `anchors`
+    """
+    CREATE TABLE anchor_tokens (
+        run_id INTEGER NOT NULL,
+        batch_id INTEGER NOT NULL,
+        layer SMALLINT NOT NULL,
+        head SMALLINT NOT NULL,
+        token_id INTEGER NOT NULL,
+        token VARCHAR NOT NULL,
+        windows BIGINT NOT NULL,
+        share_sum DOUBLE NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE anchor_layers (
+        run_id INTEGER NOT NULL,
+        batch_id INTEGER NOT NULL,
+        layer SMALLINT NOT NULL,
+        windows BIGINT NOT NULL,
+        distinct_windows BIGINT NOT NULL,
+        distinct_anchor_sum BIGINT NOT NULL,
+        anchored_head_sum BIGINT NOT NULL
+    )
+    """,
 ]
 
 VIEWS = [
@@ -233,22 +257,19 @@ VIEWS = [
     """,
     """
     CREATE VIEW anchor_counts AS
-    SELECT a.run_id, a.layer, a.head, a.token, count(*) AS windows,
-           count(*) / any_value(c.windows) AS window_share,
-           avg(a.anchor_share) AS mean_anchor_share
-    FROM anchors a JOIN chance_totals c USING (run_id)
-    GROUP BY a.run_id, a.layer, a.head, a.token
+    SELECT a.run_id, a.layer, a.head, a.token_id, any_value(a.token) AS token, sum(a.windows) AS windows,
+           sum(a.windows) / any_value(c.windows) AS window_share,
+           sum(a.share_sum) / sum(a.windows) AS mean_anchor_share
+    FROM anchor_tokens a JOIN chance_totals c USING (run_id)
+    GROUP BY a.run_id, a.layer, a.head, a.token_id
     """,
     """
     CREATE VIEW anchor_distinctness AS
     SELECT run_id, layer,
-           avg(CASE WHEN n_distinct = n_heads THEN 1.0 ELSE 0.0 END) AS distinct_share,
-           count(*) AS windows
-    FROM (
-        SELECT run_id, window_id, layer, count(*) AS n_heads, count(DISTINCT token_id) AS n_distinct
-        FROM anchors GROUP BY run_id, window_id, layer
-    )
-    GROUP BY run_id, layer
+           sum(distinct_windows) / nullif(sum(windows), 0) AS distinct_share,
+           sum(distinct_anchor_sum) / nullif(sum(anchored_head_sum), 0) AS distinct_anchor_ratio,
+           sum(windows) AS windows
+    FROM anchor_layers GROUP BY run_id, layer
     """,
     """
     CREATE VIEW layer_metrics AS
@@ -287,7 +308,7 @@ def downgrade() -> None:
     ):
         op.execute(f"DROP VIEW IF EXISTS {view}")
     for table in (
-        "anchors", "pair_hist", "dist_hist", "run_chance", "head_stats", "run_windows",
+        "anchor_layers", "anchor_tokens", "anchors", "pair_hist", "dist_hist", "run_chance", "head_stats", "run_windows",
         "batches", "windows", "documents", "runs",
     ):
         op.execute(f"DROP TABLE IF EXISTS {table}")

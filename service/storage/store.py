@@ -150,6 +150,13 @@ class Store:
                 text("SELECT coalesce(max(batch_id), -1) + 1 FROM batches WHERE run_id = :r"), {"r": run_id}
             ).scalar())
 
+    def compact(self, run_id: int) -> dict[str, tuple[int, int]]:
+        """Fold the run's partial sums into one row set (views unchanged, queries faster)."""
+        from service.storage.compact import compact_run
+
+        with self.write() as conn:
+            return compact_run(conn, run_id)
+
     # --- ingest ---------------------------------------------------------------------------
     def ingest(self, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
         """Store batch results in one transaction. A batch already stored is skipped (so a
@@ -219,7 +226,8 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
             raise StoreError(f"run {run_id}: {clash} window(s) of this batch were already counted by another batch")
         conn.exec_driver_sql("INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING")
         conn.exec_driver_sql("INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING")
-        for name in ("run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors"):
+        for name in ("run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors",
+                     "anchor_tokens", "anchor_layers"):
             conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
         conn.exec_driver_sql(
             "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "
@@ -265,6 +273,17 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
         add("anchors", run_id=np.full(wi.size, run_id), window_id=window_ids[wi], layer=la, head=he,
             token_id=token_ids, token=np.array([res.vocab.get(int(t), str(t)) for t in token_ids], dtype=object),
             endpoint_count=count, high_pairs=high, anchor_share=count / np.maximum(2 * high, 1))
+        n_layers = res.anchor_token.shape[1]
+        share = count / np.maximum(2 * high, 1)
+        tok_layer, tok_head, tok_id, tok_windows, tok_share = anchor_token_sums(res.anchor_token, la, he, wi, share)
+        add("anchor_tokens", run_id=np.full(tok_id.size, run_id), batch_id=np.full(tok_id.size, batch_id),
+            layer=tok_layer, head=tok_head, token_id=tok_id,
+            token=np.array([res.vocab.get(int(t), str(t)) for t in tok_id], dtype=object),
+            windows=tok_windows, share_sum=tok_share)
+        lay_windows, lay_distinct, lay_anchors, lay_heads = anchor_layer_sums(res.anchor_token)
+        add("anchor_layers", run_id=np.full(n_layers, run_id), batch_id=np.full(n_layers, batch_id),
+            layer=np.arange(n_layers), windows=lay_windows, distinct_windows=lay_distinct,
+            distinct_anchor_sum=lay_anchors, anchored_head_sum=lay_heads)
         add("run_windows", run_id=np.full(len(res.window_ids), run_id), window_id=window_ids,
             batch_id=np.full(len(res.window_ids), batch_id))
         add("batches", run_id=[run_id], batch_id=[batch_id], n_windows=[len(res.window_ids)],
@@ -279,6 +298,33 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
     for table, columns in cols.items():
         out[table] = pa.table({k: _concat(v) for k, v in columns.items()})
     return out
+
+
+def anchor_token_sums(anchor_token: np.ndarray, layer, head, window, share):
+    """Per (layer, head, token): windows where it is the anchor, and the sum of anchor_share.
+
+    anchor_token: ``[window, layer, head]``; layer/head/window/share: the anchored entries.
+    """
+    n_heads = anchor_token.shape[2]
+    token = anchor_token[window, layer, head]
+    key = (layer.astype(np.int64) * n_heads + head) * (int(token.max(initial=0)) + 1) + token
+    uniq, inverse = np.unique(key, return_inverse=True)
+    windows = np.bincount(inverse, minlength=uniq.size)
+    share_sum = np.bincount(inverse, weights=share, minlength=uniq.size)
+    vocab = int(token.max(initial=0)) + 1
+    return (uniq // vocab) // n_heads, (uniq // vocab) % n_heads, uniq % vocab, windows, share_sum
+
+
+def anchor_layer_sums(anchor_token: np.ndarray):
+    """Per layer: windows with an anchored head, windows whose anchored heads all differ,
+    and the sums of distinct anchors and of anchored heads (for the mean distinct ratio)."""
+    ordered = np.sort(anchor_token, axis=2)  # [window, layer, head], -1 (no anchor) first
+    anchored = ordered >= 0
+    repeat = (ordered[..., 1:] == ordered[..., :-1]) & anchored[..., 1:]
+    n_anchored = anchored.sum(2)
+    n_distinct = n_anchored - repeat.sum(2)
+    has = n_anchored > 0
+    return (has.sum(0), (has & (n_distinct == n_anchored)).sum(0), n_distinct.sum(0), n_anchored.sum(0))
 
 
 def _concat(parts: list[np.ndarray]):

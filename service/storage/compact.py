@@ -1,0 +1,54 @@
+"""Compaction: fold a run's per-batch partial sums into one row set (batch_id = -1).
+
+Every statistics table holds additive sums, so the views give the same numbers before and
+after; queries on a large run read hundreds of rows instead of millions. The batch ledger and
+run_windows are kept, so a redelivered batch is still recognised and skipped, and batches
+ingested later (a retried batch) are simply added as new partial rows.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+COMPACTED = -1
+
+# table -> key columns besides run_id and batch_id; every other column is a sum
+ADDITIVE_TABLES: dict[str, tuple[str, ...]] = {
+    "head_stats": ("layer", "head"),
+    "dist_hist": ("layer", "head", "distance"),
+    "pair_hist": ("distance",),
+    "run_chance": (),
+    "anchor_tokens": ("layer", "head", "token_id", "token"),
+    "anchor_layers": ("layer",),
+}
+
+
+def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
+    """Compact one run inside the caller's transaction. Returns {table: (rows before, after)}."""
+    report = {}
+    for table, keys in ADDITIVE_TABLES.items():
+        columns = [
+            r[0]
+            for r in conn.execute(
+                text("SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"),
+                {"t": table},
+            )
+        ]
+        sums = [c for c in columns if c not in ("run_id", "batch_id", *keys)]
+        before = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run_id}).all()[0][0]
+        if before == 0:
+            report[table] = (0, 0)
+            continue
+        select = ", ".join(
+            ["run_id", f"{COMPACTED} AS batch_id", *keys, *(f"sum({c}) AS {c}" for c in sums)]
+        )
+        group = ", ".join(["run_id", *keys])
+        conn.execute(text(f"CREATE TEMP TABLE _compact AS SELECT {select} FROM {table} WHERE run_id = :r GROUP BY {group}"),
+                     {"r": run_id})
+        conn.execute(text(f"DELETE FROM {table} WHERE run_id = :r"), {"r": run_id})
+        conn.execute(text(f"INSERT INTO {table} BY NAME SELECT * FROM _compact"))
+        after = conn.execute(text("SELECT count(*) FROM _compact")).all()[0][0]
+        conn.execute(text("DROP TABLE _compact"))
+        report[table] = (before, after)
+    return report
