@@ -5,7 +5,9 @@
 Each repeat times, on the same windows and batch size: (a) the model's forward pass alone,
 eager attention, inference mode; (b) `analyze_corpus` end to end into a fresh DuckDB file
 (tokenisation, forward with hooks, statistics, ingest). Medians over repeats; the ratio is
-(b) / (a) measured in the same run. Target on CPU: ≤ 1.3.
+(b) / (a) measured in the same run. Target on CPU: ≤ 1.3. Also times, once, a naive baseline
+(benchmarks/naive.py: numpy per window and per head on output_attentions) and prints how
+many times faster the full analysis is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Timer, corpus_prefix, default_corpus, machine, median  # noqa: E402
+from benchmarks.naive import naive_batch_statistics  # noqa: E402
 from service.model import load_model  # noqa: E402
 from service.params import AnalysisParams  # noqa: E402
 from service.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
@@ -27,7 +30,8 @@ from service.storage.store import Store  # noqa: E402
 from service.windows import TokenClasses  # noqa: E402
 
 
-def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, device: str, dtype: str) -> dict:
+def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, device: str, dtype: str,
+                naive: bool = True) -> dict:
     model = load_model(spec, device=device, dtype=dtype)
     params = AnalysisParams(dtype=dtype)
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
@@ -60,8 +64,14 @@ def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, devic
     bare_ms = median(bare_s) / windows * 1000
     full_ms = median(full_s) / windows * 1000
     ratios = sorted(f / b for f, b in zip(full_s, bare_s))
-    return {"model": spec, "windows": windows, "bare_ms": bare_ms, "full_ms": full_ms,
-            "ratio": full_ms / bare_ms, "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+    row = {"model": spec, "windows": windows, "bare_ms": bare_ms, "full_ms": full_ms,
+           "ratio": full_ms / bare_ms, "ratio_min": ratios[0], "ratio_max": ratios[-1], "naive_ms": float("nan")}
+    if naive and device == "cpu":
+        with Timer() as t:  # once: it is slow, and the comparison is not close
+            for b in batches:
+                naive_batch_statistics(model, b, tokens)
+        row["naive_ms"] = t.seconds / windows * 1000
+    return row
 
 
 def main(argv=None) -> list[dict]:
@@ -77,14 +87,16 @@ def main(argv=None) -> list[dict]:
         corpus = corpus_prefix(default_corpus(), args.windows * 600, Path(tmp) / "bench.txt")
         print(f"# {machine()}; {torch.get_num_threads()} threads; batch {args.batch_size}; seq_len 128; "
               f"{args.device} {args.dtype}; medians of {args.repeats}")
-        print(f"{'model':<20} {'windows':>7} {'bare ms/win':>12} {'full ms/win':>12} {'ratio':>6}  (range)")
+        print(f"{'model':<20} {'windows':>7} {'bare ms/win':>12} {'full ms/win':>12} {'ratio':>6} {'(range)':>11} "
+              f"{'naive ms/win':>13} {'speed-up':>9}")
         rows = []
         for spec in args.models:
             r = bench_model(spec, corpus, batch_size=args.batch_size, repeats=args.repeats, device=args.device,
                             dtype=args.dtype)
             rows.append(r)
-            print(f"{spec:<20} {r['windows']:>7} {r['bare_ms']:>12.2f} {r['full_ms']:>12.2f} {r['ratio']:>6.2f}  "
-                  f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f})", flush=True)
+            print(f"{spec:<20} {r['windows']:>7} {r['bare_ms']:>12.2f} {r['full_ms']:>12.2f} {r['ratio']:>6.2f} "
+                  f"{'(%.2f–%.2f)' % (r['ratio_min'], r['ratio_max']):>11} {r['naive_ms']:>13.2f} "
+                  f"{r['naive_ms'] / r['full_ms']:>8.2f}×", flush=True)
     return rows
 
 
