@@ -48,10 +48,6 @@ def head_figsize(n_tokens: int) -> tuple[float, float]:
     return 2 * side + 4.2, side + 1.8  # labels, colourbars, titles
 
 
-def _label(token: str) -> str:
-    return token.replace("$", r"\$")
-
-
 def figure_head(insp: Inspection, layer: int, head: int) -> Figure:
     """CSM (with the high-similarity set H marked) and attention map of one head, side by side."""
     check_layer_head(insp, layer, head)
@@ -73,8 +69,9 @@ def figure_head(insp: Inspection, layer: int, head: int) -> Figure:
     fontsize = 6 if n > 64 else 8
     special = insp.sentence < 0
     for ax in (csm_ax, attn_ax):
-        ax.set_xticks(range(n), [_label(t) for t in insp.tokens], rotation=90, fontsize=fontsize)
-        ax.set_yticks(range(n), [_label(t) for t in insp.tokens], fontsize=fontsize)
+        # parse_math off: a "$" token must not start mathtext
+        ax.set_xticks(range(n), insp.tokens, rotation=90, fontsize=fontsize, parse_math=False)
+        ax.set_yticks(range(n), insp.tokens, fontsize=fontsize, parse_math=False)
         for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
             for text, is_special in zip(labels, special):
                 if is_special:

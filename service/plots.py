@@ -158,8 +158,8 @@ def figure_heads(columns: list[str], rows: list[tuple], metric: str, *, n_layers
         cmap, norm = "RdBu_r", colors.TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
     else:
         cmap, norm = "viridis", None
+    cmap = matplotlib.colormaps[cmap].with_extremes(bad="#dddddd")  # grey: no value
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
-    image.cmap.set_bad("#dddddd")
     fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
     if n_heads <= 16 and n_layers <= 24:
         rgba = image.to_rgba(np.ma.masked_invalid(grid))
