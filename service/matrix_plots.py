@@ -103,11 +103,11 @@ def figure_grid(insp: Inspection, *, layer: int | None = None, matrix: str = "cs
             ax = axes[r, h]
             if matrix == "csm":
                 limit = csm_limit(insp.csm[l, h], insp.in_pairs)
-                ax.imshow(insp.csm[l, h], cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="antialiased")
+                ax.imshow(insp.csm[l, h], cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest")
             else:
                 a = insp.attention[l, h]
                 ax.imshow(a, cmap="Blues", norm=colors.PowerNorm(0.5, vmin=0, vmax=max(a.max(), 1e-9)),
-                          interpolation="antialiased")
+                          interpolation="nearest")
             _boundaries(ax, starts, lw=0.8)
             ax.set_xticks([])
             ax.set_yticks([])

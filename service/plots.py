@@ -160,7 +160,10 @@ def figure_heads(columns: list[str], rows: list[tuple], metric: str, *, n_layers
         cmap, norm = "viridis", None
     cmap = matplotlib.colormaps[cmap].with_extremes(bad="#dddddd")  # grey: no value
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
-    fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
+    bar = fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
+    if norm is not None:  # the default ticks of a two-slope scale leave the short side bare
+        bar.set_ticks(np.unique(np.r_[np.linspace(norm.vmin, 1.0, 3), np.linspace(1.0, norm.vmax, 5)]))
+        bar.ax.yaxis.set_major_formatter("{x:.3g}")
     if n_heads <= 16 and n_layers <= 24:
         rgba = image.to_rgba(np.ma.masked_invalid(grid))
         for (l, h), v in np.ndenumerate(grid):
