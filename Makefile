@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench clean
+.PHONY: install install-test demo test test-fast bench readme-images clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,24 @@ test-fast: install-test
 
 bench: install-test
 	$(PY) benchmarks/run.py
+
+# The README's figures: one of each kind, from the shipped demo corpus, shrunk to a 128-colour
+# palette so that each stays well under 150 KB.
+IMG := docs/img
+IMG_DB := build/readme-images.duckdb
+DEMO_TXT := service/data/wiki_excerpt.txt
+readme-images: install
+	mkdir -p $(IMG) build
+	rm -f $(IMG_DB)
+	$(VENV)/bin/headatlas analyze $(DEMO_TXT) --name demo --db $(IMG_DB) --quiet
+	$(VENV)/bin/headatlas plot distances --run demo --db $(IMG_DB) --out $(IMG)/distances.png --dpi 70
+	$(VENV)/bin/headatlas plot boundaries --run demo --db $(IMG_DB) --out $(IMG)/boundaries.png --dpi 70
+	$(VENV)/bin/headatlas plot heads --run demo --metric within_sentence_lift --db $(IMG_DB) --out $(IMG)/heads.png --dpi 70
+	$(VENV)/bin/headatlas plot layers --run demo --db $(IMG_DB) --out $(IMG)/layers.png --dpi 70
+	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 48 --layer 2 --head 0 --out $(IMG)/inspect-head.png --dpi 80
+	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 32 --out $(IMG)/inspect-grid.png --dpi 60
+	$(PY) -c "import sys; from PIL import Image; [Image.open(p).convert('RGB').quantize(128).save(p, optimize=True) for p in sys.argv[1:]]" $(IMG)/*.png
+	ls -l $(IMG)
 
 clean:
 	rm -rf $(VENV) *.egg-info build .pytest_cache

@@ -299,6 +299,12 @@ def _check_layer_head(run, layer: int, head: int | None) -> None:
         raise ParameterError(f"--head {head}: run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")
 
 
+# inspect, plot, report, export: their own module
+from cli.visual import register as _register_visual  # noqa: E402
+
+_register_visual(app)
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1") if _default_model_only() else None
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -1,0 +1,192 @@
+"""Commands that draw and ship results: inspect, plot, report, export.
+
+Registered on the main app by ``register(app)``. Thin like the rest of the CLI: parse options,
+call one library function, say what was written. matplotlib is imported only when a figure is
+drawn, so other commands start as fast as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.output import stderr, stdout
+from service.config import Settings
+
+SETTINGS = Settings.from_env()
+
+plot_app = typer.Typer(
+    help="Figures of a stored run, as PNG or SVG (by the --out suffix). Layers and heads are 0-based.",
+    no_args_is_help=True,
+)
+
+DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+RunOpt = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
+RunArg = typer.Argument(None, help="Run id or name (default: the latest run).")
+FigureOut = typer.Option(..., "--out", "-o", help="Output file: .png or .svg.")
+DpiOpt = typer.Option(100, "--dpi", help="Pixels per inch of a PNG (the figure size in inches is fixed).")
+
+
+class Matrix(str, Enum):
+    csm = "csm"
+    attention = "attention"
+
+
+class ExportFormat(str, Enum):
+    parquet = "parquet"
+    csv = "csv"
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(inspect)
+    app.add_typer(plot_app, name="plot")
+    app.command()(report)
+    app.command()(export)
+
+
+# --- inspect ----------------------------------------------------------------------------------
+def inspect(
+    text: Optional[str] = typer.Argument(None, help="The text to look at, or - to read it from stdin."),
+    file: Optional[Path] = typer.Option(None, "--file", help="Read the text from a .txt/.jsonl/.csv file (its first document)."),
+    out: Path = FigureOut,
+    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Layer (0-based); alone: a grid of that layer's heads."),
+    head: Optional[int] = typer.Option(None, "--head", help="Head (0-based, needs --layer): its CSM and attention map side by side."),
+    matrix: Matrix = typer.Option(Matrix.csm, "--matrix", help="What the grid shows when no --head is given."),
+    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:SHAPE [env HEADATLAS_MODEL]."),
+    device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens of the window, [CLS] and [SEP] included (longer text is cut)."),
+    select: str = typer.Option("top:0.02", "--select", help="High-similarity set marked on the CSM: top:Q, ratio:R or topk:K."),
+    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
+    include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text (with --file)."),
+    encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of --file."),
+    dpi: int = DpiOpt,
+) -> None:
+    """One text, no database: a head's similarity matrix and attention map, or a grid of heads.
+
+    With --layer and --head: the context similarity matrix (C = z zᵀ, C_ii = 0, high-similarity
+    pairs outlined) and the attention map side by side, tokens on the axes, sentence boundaries
+    dashed. Without --head: a layer × head grid of small matrices (--matrix csm|attention).
+    """
+    from service.analysis_options import build_params
+    from service.errors import ParameterError
+    from service.inspection import inspect_text, read_text_file
+
+    if (text is None) == (file is None):
+        raise ParameterError('inspect: pass the text as an argument ("…" or - for stdin) or --file FILE, not both')
+    from service.plots import output_format
+
+    output_format(out)  # refuse a bad suffix before loading the model
+    if head is not None and layer is None:
+        raise ParameterError(f"--head {head} needs --layer: pass --layer L (0-based) as well")
+    if file is not None:
+        body = read_text_file(str(file), text_field=text_field, encoding=encoding)
+    else:
+        body = sys.stdin.read() if text == "-" else text
+    params = build_params(seq_len=seq_len, select=select, vectors=vectors, include_special=include_special)
+    from service.model import load_model
+
+    loaded = load_model(model, device=device)
+    result = inspect_text(loaded, body, params)
+    from service import matrix_plots, plots
+
+    if head is not None:
+        fig = matrix_plots.figure_head(result, layer, head)
+    else:
+        fig = matrix_plots.figure_grid(result, layer=layer, matrix=matrix.value)
+    path = plots.save(fig, out, dpi=dpi)
+    if result.truncated:
+        stderr.print(f"note: the text is longer than one window; showing its first {len(result.tokens)} tokens (--seq-len)")
+    _wrote(path, fig, dpi)
+
+
+# --- plot -------------------------------------------------------------------------------------
+def _plot(kind: str, run: Optional[str], db: str, out: Path, dpi: int, **options) -> None:
+    from service import plots
+    from service.storage.store import Store, resolve_run
+
+    plots.output_format(out)
+    with Store(db).checked_read() as conn:
+        r = resolve_run(conn, run)
+        fig = plots.run_figure(kind, conn, r, **options)
+    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+
+
+@plot_app.command("distances")
+def plot_distances(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+    """Distance distribution of the high-similarity pairs per layer against the chance profile."""
+    _plot("distances", run, db, out, dpi)
+
+
+@plot_app.command("boundaries")
+def plot_boundaries(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+    """Within-sentence share per layer against chance, best head per layer, attention to separators."""
+    _plot("boundaries", run, db, out, dpi)
+
+
+@plot_app.command("heads")
+def plot_heads(
+    run: Optional[str] = RunOpt,
+    metric: str = typer.Option("within_sentence_lift", "--metric", help="Any numeric column of `headatlas query heads` (e.g. repetition_lift, mean_distance, noise_share, attn_to_punct)."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
+    """Layer × head heatmap of one metric; lifts are centred on 1 (chance)."""
+    from service import queries
+    from service.errors import ParameterError
+
+    if metric not in queries.SORTABLE:
+        raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
+    _plot("heads", run, db, out, dpi, metric=metric)
+
+
+@plot_app.command("layers")
+def plot_layers(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+    """The layer progression: one small panel per measure of `headatlas query layers`."""
+    _plot("layers", run, db, out, dpi)
+
+
+# --- report and export ------------------------------------------------------------------------
+def report(
+    run: Optional[str] = RunArg,
+    out: Path = typer.Option(Path("report.html"), "--out", "-o", help="Output HTML file (self-contained)."),
+    db: str = DbOpt,
+) -> None:
+    """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""
+    from service.report import write_report
+    from service.storage.store import Store, resolve_run
+
+    with Store(db).checked_read() as conn:
+        r = resolve_run(conn, run)
+        path = write_report(conn, r, out)
+    stdout.print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KB): run {r.run_id} ({r.name})")
+
+
+def export(
+    run: Optional[str] = RunArg,
+    fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", "-f", help="parquet or csv."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (created; files in it are replaced)."),
+    db: str = DbOpt,
+) -> None:
+    """Every table of a run as Parquet or CSV files (one per table) plus manifest.json."""
+    from service.export import export_run
+
+    r, tables = export_run(db, run, fmt.value, out)
+    for t in tables:
+        stdout.print(f"{t.path}  {t.rows:,} rows")
+    stdout.print(f"run {r.run_id} ({r.name}): {len(tables)} tables in {out} (manifest.json lists them)")
+
+
+def _wrote(path: Path, fig, dpi: int) -> None:
+    from service.plots import pixel_size
+
+    if path.suffix.lower() == ".png":
+        width, height = pixel_size(fig, dpi)
+        stdout.print(f"wrote {path} ({width}×{height} px)")
+    else:
+        stdout.print(f"wrote {path}")

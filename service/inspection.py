@@ -1,0 +1,121 @@
+"""One text through the model, every head's matrices kept: for looking at, never stored.
+
+The context similarity matrix ``C = z zᵀ`` with ``C_ii = 0`` and the attention map of each head
+(SPEC §2), the high-similarity set H that the stored statistics count (SPEC §3), and the sentence
+ids of the tokens (SPEC §1). Built from the same pieces as ``analyze_batch`` (windows, forward
+with hooks, head_vectors, window_features, select_pairs), so what is drawn is what is counted.
+
+Pure computation: imports neither matplotlib, Celery, Typer nor SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from service.analysis import forward
+from service.corpus import Document, document_id
+from service.errors import CorpusError
+from service.hooks import act_name
+from service.model import LoadedModel, encoder_layers
+from service.params import AnalysisParams
+from service.stats import head_vectors, select_pairs, sentence_ids, window_features
+from service.windows import TokenClasses, collate, document_windows
+
+
+@dataclass
+class Inspection:
+    """Matrices of one window. Shapes: ``[layer, head, pos, key]`` for csm, attention, high;
+    ``[pos]`` for the token arrays (pos = n valid tokens, [CLS] and [SEP] included)."""
+
+    model_name: str
+    params: AnalysisParams
+    tokens: list[str]  # token text as the tokenizer spells it
+    token_ids: np.ndarray  # int64
+    sentence: np.ndarray  # int64 sentence id, -1 for special tokens (SPEC §1)
+    in_pairs: np.ndarray  # bool, tokens that form the pair universe P
+    csm: np.ndarray  # float32, C_ij = z_i · z_j, C_ii = 0
+    attention: np.ndarray  # float32, rows are queries
+    high: np.ndarray  # bool, (i, j) and (j, i) marked for each pair in H
+    truncated: bool  # the text had more word pieces than one window holds
+
+    @property
+    def n_layers(self) -> int:
+        return self.csm.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.csm.shape[1]
+
+    def sentence_starts(self) -> list[int]:
+        """Positions where a new sentence begins after an earlier one (for boundary lines)."""
+        s = self.sentence
+        return [p for p in range(1, len(s)) if s[p] >= 0 and s[p - 1] >= 0 and s[p] != s[p - 1]]
+
+
+def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspection:
+    """Analyse the first window of ``text`` (``params.seq_len`` tokens at most) and keep every
+    head's matrices. ``params.windowing`` is ignored: one window, from the start of the text."""
+    text = text.strip()
+    if not text:
+        raise CorpusError("inspect: the text is empty; pass some text or --file FILE")
+    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    doc = Document(doc_id=document_id(text), source="<inspect>", index=0, line=1, text=text)
+    # chunks, so that a second window tells us the text was cut
+    windows = document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, replace(params, windowing="chunks"))
+    if not windows:
+        raise CorpusError("inspect: the text has no word pieces; pass some words")
+    batch = collate(windows[:1], tokens.pad_id)
+    acts = forward(model, batch)
+    blocks = encoder_layers(model.model)
+    with torch.inference_mode():
+        input_ids = batch.input_ids.to(model.device)
+        feats = window_features(
+            input_ids, batch.attention_mask.to(model.device), tokens, include_special=params.include_special
+        )
+        special = feats.valid & torch.isin(input_ids, torch.tensor(sorted(tokens.special_ids), device=input_ids.device))
+        sentence = sentence_ids(input_ids, feats.valid, special, tokens.sentence_end_ids)
+        csm, attention, high = [], [], []
+        for layer in range(model.n_layers):
+            w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
+            z = head_vectors(acts[act_name("z", layer)], model.n_heads, w_o).float()  # [batch, head, pos, d]
+            sim = torch.matmul(z, z.transpose(2, 3))  # [batch, head, pos, key]
+            sim.diagonal(dim1=2, dim2=3).zero_()  # C_ii = 0 (SPEC §2)
+            csm.append(sim[0])
+            attention.append(acts[act_name("pattern", layer)][0].float())
+            high.append(_high_set(sim, feats, params)[0])
+    return Inspection(
+        model_name=model.name,
+        params=params,
+        tokens=model.tokenizer.convert_ids_to_tokens(windows[0].input_ids),
+        token_ids=np.asarray(windows[0].input_ids, dtype=np.int64),
+        sentence=sentence[0].cpu().numpy(),
+        in_pairs=feats.in_pairs[0].cpu().numpy(),
+        csm=torch.stack(csm).cpu().numpy(),
+        attention=torch.stack(attention).cpu().numpy(),
+        high=torch.stack(high).cpu().numpy(),
+        truncated=len(windows) > 1,
+    )
+
+
+def _high_set(sim: torch.Tensor, feats, params: AnalysisParams) -> torch.Tensor:
+    """H as a symmetric bool matrix ``[batch, head, pos, key]``, chosen exactly as the stored
+    statistics choose it (``select_pairs``: same ranking, same tie rule)."""
+    batch, heads, n_pos, _ = sim.shape
+    layout = feats.layout
+    flat = sim.flatten(2).index_select(2, layout.flat)  # [batch, head, pair]
+    flat.masked_fill_(~feats.pair_ok[:, None, :], float("-inf"))
+    _values, index, chosen = select_pairs(flat, feats, params.select)
+    marks = torch.zeros(batch, heads, n_pos * n_pos, dtype=torch.bool, device=sim.device)
+    marks.scatter_(2, layout.flat[index], chosen)
+    marks = marks.view(batch, heads, n_pos, n_pos)
+    return marks | marks.transpose(2, 3)
+
+
+def read_text_file(path: str, *, text_field: str = "text", encoding: str = "utf-8") -> str:
+    """The first document of a corpus file (.txt, .jsonl, .csv), as ``analyze`` would read it."""
+    from service.corpus import iter_documents
+
+    return next(iter(iter_documents(path, text_field=text_field, encoding=encoding))).text

@@ -1,0 +1,241 @@
+"""Figures of a stored run: distance distributions, sentence boundaries, head heatmaps, layers.
+
+Every figure is drawn from the rows that ``service.queries`` returns (the same numbers as
+``headatlas query …``). Figures are built with ``matplotlib.figure.Figure`` and the Agg/SVG
+canvases directly, never pyplot: no global state, no display needed. Import this module
+lazily: matplotlib takes a while to import.
+
+Figures have a fixed size in inches at ``DPI`` and are saved without tight cropping, so a PNG
+is exactly ``figsize × DPI`` pixels (tests rely on it). Layers and heads are 0-based.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # before anything can pick an interactive backend
+
+import numpy as np
+from matplotlib import colors
+from matplotlib.figure import Figure
+from sqlalchemy.engine import Connection
+
+from service import queries
+from service.errors import ParameterError
+
+DPI = 100
+FORMATS = {".png": "png", ".svg": "svg"}
+KINDS = ("distances", "boundaries", "heads", "layers")
+RUN_FIGSIZE = {"distances": (13, 5.5), "boundaries": (12, 5), "heads": (11, 6.5), "layers": (14, 7)}
+
+
+def new_figure(width_in: float, height_in: float) -> Figure:
+    return Figure(figsize=(width_in, height_in), dpi=DPI, layout="constrained")
+
+
+def output_format(out: str | Path) -> str:
+    suffix = Path(out).suffix.lower()
+    if suffix not in FORMATS:
+        raise ParameterError(f"--out {out}: the file name must end in .png or .svg")
+    return FORMATS[suffix]
+
+
+def save(fig: Figure, out: str | Path, *, dpi: int = DPI) -> Path:
+    """Write ``fig`` as PNG or SVG (by the file's suffix), creating the folder. A PNG is
+    ``figsize × dpi`` pixels; an SVG ``figsize × 72`` points."""
+    fmt = output_format(out)
+    if not 20 <= dpi <= 600:
+        raise ParameterError(f"--dpi {dpi}: choose between 20 and 600 (default {DPI})")
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"Software": None} if fmt == "png" else {"Date": None}  # reproducible bytes
+    fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+    return path
+
+
+def pixel_size(fig: Figure, dpi: int = DPI) -> tuple[int, int]:
+    width, height = fig.get_size_inches()
+    return round(width * dpi), round(height * dpi)
+
+
+def png_bytes(fig: Figure, *, dpi: int = DPI) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _col(columns: list[str], rows: list[tuple], name: str) -> np.ndarray:
+    i = columns.index(name)
+    return np.array([np.nan if r[i] is None else float(r[i]) for r in rows], dtype=float)
+
+
+def _title(run) -> str:
+    return f"run {run.run_id} ({run.name}) · {run.model_name} · {run.n_layers} layers × {run.n_heads} heads (0-based)"
+
+
+# --- distances --------------------------------------------------------------------------------
+def figure_distances(per_layer: dict[int, tuple[list[str], list[tuple]]], *, title: str) -> Figure:
+    """Share of high-similarity pairs at each token distance, one line per layer, against the
+    chance profile (share of all pairs at that distance); right: the ratio of the two."""
+    fig = new_figure(*RUN_FIGSIZE["distances"])
+    share_ax, lift_ax = fig.subplots(1, 2)
+    cmap = matplotlib.colormaps["viridis"]
+    n = max(len(per_layer) - 1, 1)
+    chance_drawn = False
+    for layer, (columns, rows) in sorted(per_layer.items()):
+        if not rows:
+            continue
+        d = _col(columns, rows, "distance")
+        share, chance, lift = (_col(columns, rows, c) for c in ("share", "chance_share", "lift"))
+        color = cmap(layer / n)
+        share_ax.plot(d, share, color=color, lw=1.4, label=f"layer {layer}")
+        lift_ax.plot(d, np.where(lift > 0, lift, np.nan), color=color, lw=1.4, label=f"layer {layer}")
+        if not chance_drawn:
+            share_ax.plot(d, chance, color="black", ls="--", lw=1.6, label="chance (all pairs)")
+            chance_drawn = True
+    share_ax.set(xscale="log", xlabel="token distance j − i", ylabel="share of high-similarity pairs",
+                 title="distance distribution per layer")
+    lift_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="chance")
+    lift_ax.set(xscale="log", yscale="log", xlabel="token distance j − i", ylabel="share / chance share",
+                title="over-representation against chance")
+    share_ax.legend(fontsize=8, ncols=2)
+    for ax in (share_ax, lift_ax):
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title)
+    return fig
+
+
+# --- boundaries -------------------------------------------------------------------------------
+def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> Figure:
+    """Within-sentence share of the high-similarity pairs per layer against chance, the most
+    within-sentence head of each layer, and attention to separators."""
+    fig = new_figure(*RUN_FIGSIZE["boundaries"])
+    share_ax, attn_ax = fig.subplots(1, 2)
+    layer = _col(columns, rows, "layer")
+    width = 0.38
+    share_ax.bar(layer - width / 2, _col(columns, rows, "within_sentence"), width, color="#3b75af",
+                 label="high-similarity pairs (layer)")
+    share_ax.bar(layer + width / 2, _col(columns, rows, "within_sentence_chance"), width, color="#bbbbbb",
+                 label="chance (all pairs)")
+    share_ax.plot(layer, _col(columns, rows, "max_head_within_sentence"), "D", color="#d1495b",
+                  label="best head of the layer")
+    for x, h, y in zip(layer, _col(columns, rows, "top_head"), _col(columns, rows, "max_head_within_sentence")):
+        if not math.isnan(y):
+            share_ax.annotate(f"h{int(h)}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
+    share_ax.set(xlabel="layer", ylabel="share of pairs within one sentence", title="within-sentence share vs chance")
+    share_ax.set_ylim(0, max(1.0, np.nanmax(_col(columns, rows, "max_head_within_sentence")) * 1.1)
+                      if len(rows) else 1.0)
+    for name, color, label in (("attn_to_punct", "#d1495b", ". and ,"), ("attn_to_sep", "#edae49", "[SEP]"),
+                               ("attn_to_cls", "#00798c", "[CLS]")):
+        attn_ax.plot(layer, _col(columns, rows, name), "o-", color=color, label=label)
+    attn_ax.set(xlabel="layer", ylabel="mean attention weight per query", title="attention to separators")
+    for ax in (share_ax, attn_ax):
+        ax.set_xticks(layer)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return fig
+
+
+# --- heads ------------------------------------------------------------------------------------
+def figure_heads(columns: list[str], rows: list[tuple], metric: str, *, n_layers: int, n_heads: int,
+                 title: str) -> Figure:
+    """Layer × head heatmap of one column of ``query heads``; lifts are centred on 1 (chance)."""
+    if metric not in queries.SORTABLE:
+        raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
+    grid = np.full((n_layers, n_heads), np.nan)
+    for l, h, v in zip(_col(columns, rows, "layer"), _col(columns, rows, "head"), _col(columns, rows, metric)):
+        grid[int(l), int(h)] = v
+    fig = new_figure(*RUN_FIGSIZE["heads"])
+    ax = fig.subplots()
+    finite = grid[np.isfinite(grid)]
+    if metric.endswith("_lift") and finite.size and finite.min() < 1 < finite.max():
+        cmap, norm = "RdBu_r", colors.TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
+    else:
+        cmap, norm = "viridis", None
+    cmap = matplotlib.colormaps[cmap].with_extremes(bad="#dddddd")  # grey: no value
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+    bar = fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
+    if norm is not None:  # the default ticks of a two-slope scale leave the short side bare
+        bar.set_ticks(np.unique(np.r_[np.linspace(norm.vmin, 1.0, 3), np.linspace(1.0, norm.vmax, 5)]))
+        bar.ax.yaxis.set_major_formatter("{x:.3g}")
+    if n_heads <= 16 and n_layers <= 24:
+        rgba = image.to_rgba(np.ma.masked_invalid(grid))
+        for (l, h), v in np.ndenumerate(grid):
+            if math.isfinite(v):
+                dark = 0.299 * rgba[l, h, 0] + 0.587 * rgba[l, h, 1] + 0.114 * rgba[l, h, 2] < 0.5
+                ax.text(h, l, f"{v:.3g}", ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(n_layers))
+    ax.set(xlabel="head", ylabel="layer", title=f"{metric} per head")
+    fig.suptitle(title)
+    return fig
+
+
+# --- layers -----------------------------------------------------------------------------------
+LAYER_PANELS = (
+    ("mean token distance of high-similarity pairs", (("mean_distance", "layer"), ("mean_distance_chance", "chance"))),
+    ("share at short range (d ≤ short_range)", (("short_range_share", "layer"),)),
+    ("within-sentence share", (("within_sentence", "layer"),)),
+    ("within-sentence lift (1 = chance)", (("within_sentence_lift", "layer"),)),
+    ("repetition share (same token)", (("repetition", "layer"),)),
+    ("noise share (similar, not attended)", (("noise_share", "layer"),)),
+    ("mean attention to …", (("attn_to_cls", "[CLS]"), ("attn_to_sep", "[SEP]"), ("attn_to_punct", ". ,"),
+                             ("attn_to_self", "self"))),
+    ("attention entropy (nats) · anchor distinctness", (("attn_entropy", "entropy"),
+                                                         ("anchor_distinct_share", "distinct anchors"))),
+)
+
+
+def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figure:
+    """The layer progression: one small panel per measure of ``query layers``."""
+    fig = new_figure(*RUN_FIGSIZE["layers"])
+    axes = fig.subplots(2, 4, sharex=True).ravel()
+    layer = _col(columns, rows, "layer")
+    for ax, (name, series) in zip(axes, LAYER_PANELS):
+        for i, (column, label) in enumerate(series):
+            style = "--" if label == "chance" else "o-"
+            color = "black" if label == "chance" else f"C{i}"
+            values = _col(columns, rows, column)
+            if column == "anchor_distinct_share":
+                twin = ax.twinx()
+                twin.plot(layer, values, "s:", color="C3", label=label)
+                twin.set_ylim(0, 1.05)
+                twin.legend(fontsize=7, loc="lower right")
+                continue
+            ax.plot(layer, values, style, color=color, label=label, ms=4)
+        if column == "within_sentence_lift" or name.startswith("within-sentence lift"):
+            ax.axhline(1.0, color="black", ls="--", lw=1)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+    for ax in axes[4:]:
+        ax.set_xlabel("layer")
+        ax.set_xticks(layer)
+    fig.suptitle(title)
+    return fig
+
+
+# --- from the store ---------------------------------------------------------------------------
+def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_sentence_lift") -> Figure:
+    """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.queries``."""
+    title = _title(run)
+    if kind == "distances":
+        per_layer = {layer: queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
+        return figure_distances(per_layer, title=title)
+    if kind == "boundaries":
+        return figure_boundaries(*queries.boundaries(conn, run.run_id), title=title)
+    if kind == "heads":
+        if metric not in queries.SORTABLE:
+            raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
+        columns, rows = queries.heads(conn, run.run_id, anchors=0)
+        return figure_heads(columns, rows, metric, n_layers=run.n_layers, n_heads=run.n_heads, title=title)
+    if kind == "layers":
+        return figure_layers(*queries.layers(conn, run.run_id), title=title)
+    raise ParameterError(f"plot {kind!r}: choose one of {', '.join(KINDS)}")

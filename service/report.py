@@ -1,0 +1,175 @@
+"""One self-contained HTML page about a run: parameters, figures, the head table, anchors.
+
+Images are embedded as base64 PNG data URIs and the style is inline: the file opens anywhere,
+offline, and can be mailed as it is. Numbers come from ``service.queries`` (the same as
+``headatlas query …``); figures from ``service.plots``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from service import queries
+
+HEAD_METRICS = ("within_sentence_lift", "repetition_lift", "mean_distance", "noise_share", "attn_to_punct")
+HEAD_TABLE_SKIP = ("top_anchors",)  # shown in their own section
+N_ANCHORS = 5
+
+PARAM_HELP = {
+    "seq_len": "tokens per window, [CLS] and [SEP] included",
+    "windowing": "chunks: cover each document; first: one window per document",
+    "sentences": "how sentence ids are assigned (punct: . ! ? end a sentence)",
+    "select": "the high-similarity set H: top:Q share of pairs, ratio:R of the maximum, topk:K",
+    "gate": "a pair is attended when max(A_ij, A_ji) ≥ gate / n",
+    "include_special": "whether [CLS]/[SEP] form pairs",
+    "vectors": "pre_wo: head output before the output projection; post_wo: after",
+    "short_range": "largest distance counted in short_range_share",
+    "dtype": "model precision (statistics are computed in float32)",
+}
+
+STYLE = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2rem auto; max-width: 1400px;
+       padding: 0 1.5rem; color: #222; background: #fff; }
+h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; }
+.sub { color: #666; margin-top: 0; }
+table { border-collapse: collapse; font-size: .82rem; }
+th, td { border: 1px solid #ddd; padding: .25rem .45rem; text-align: right; }
+th { background: #f3f3f3; position: sticky; top: 0; } td.text, th.text { text-align: left; }
+.scroll { overflow-x: auto; max-height: 36rem; overflow-y: auto; }
+figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #555; font-size: .9rem; }
+.kv td:first-child { text-align: left; font-weight: 600; } .kv td { text-align: left; }
+.anchors td { text-align: left; vertical-align: top; min-width: 7rem; }
+footer { margin-top: 3rem; color: #777; font-size: .85rem; }
+"""
+
+
+def _e(value) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _num(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return _e(value)
+
+
+def _img(png: bytes, alt: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _table(columns, rows, *, text_columns=()) -> str:
+    head = "".join(f'<th class="text">{_e(c)}</th>' if c in text_columns else f"<th>{_e(c)}</th>" for c in columns)
+    body = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="text">{_e(v)}</td>' if c in text_columns else f"<td>{_num(v)}</td>"
+            for c, v in zip(columns, row)
+        )
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def build_report(conn, run) -> str:
+    """The report page of ``run`` (a store ``Run``) as an HTML string."""
+    from service import plots
+
+    summary = queries.run_summary(conn, run.run_id)
+    head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS)
+    figures = [
+        ("layers", "Layer progression: distances, sentence structure, repetition, noise and attention targets "
+                   "per layer.", plots.run_figure("layers", conn, run)),
+        ("distances", "Token distance of the high-similarity pairs per layer against the chance profile of all "
+                      "pairs (log scales).", plots.run_figure("distances", conn, run)),
+        ("boundaries", "Share of high-similarity pairs within one sentence per layer, against chance, and "
+                       "attention to separators.", plots.run_figure("boundaries", conn, run)),
+    ]
+    for metric in HEAD_METRICS:
+        figures.append((f"heads: {metric}", f"{metric} per head (layer × head).",
+                        plots.run_figure("heads", conn, run, metric=metric)))
+    figure_html = "".join(
+        f"<figure>{_img(plots.png_bytes(fig), name)}<figcaption>{_e(caption)}</figcaption></figure>"
+        for name, caption, fig in figures
+    )
+
+    facts = [
+        ("run", f"{run.run_id} ({run.name})"), ("status", run.status), ("model", f"{run.model_name} [{run.model}]"),
+        ("shape", f"{run.n_layers} layers × {run.n_heads} heads, head size {run.d_head}"),
+        ("corpus", run.corpus), ("corpus fingerprint", run.corpus_fingerprint),
+        ("windows", f"{summary.get('windows', 0):,}"), ("engine", f"{run.engine} on {run.device or '?'}"),
+        ("created", run.created_at), ("finished", run.finished_at),
+        ("compute", f"{run.compute_s:.1f} s"), ("wall time", f"{run.wall_s:.1f} s"),
+    ]
+    if run.error:
+        facts.append(("error", run.error))
+    facts_html = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in facts)
+    params_html = "".join(
+        f"<tr><td>{_e(k)}</td><td>{_e(v)}</td><td>{_e(PARAM_HELP.get(k, ''))}</td></tr>"
+        for k, v in run.params.items()
+    )
+
+    keep = [i for i, c in enumerate(head_cols) if c not in HEAD_TABLE_SKIP]
+    table_html = _table([head_cols[i] for i in keep], [tuple(r[i] for i in keep) for r in head_rows])
+    anchors_html = _anchor_grid(head_cols, head_rows, run.n_layers, run.n_heads)
+    generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    title = f"headatlas · run {run.run_id} ({run.name})"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>
+<body>
+<h1>{_e(title)}</h1>
+<p class="sub">{_e(run.model_name)} · {summary.get('windows', 0):,} windows · layers and heads are counted from 0
+(the papers count from 1: their “layer 11, head 8” is layer 10, head 7 here).</p>
+<h2>Run</h2><table class="kv"><tbody>{facts_html}</tbody></table>
+<h2>Parameters</h2><table class="kv"><thead><tr><th class="text">parameter</th><th class="text">value</th>
+<th class="text">meaning</th></tr></thead><tbody>{params_html}</tbody></table>
+<h2>Figures</h2>{figure_html}
+<h2>Heads</h2>
+<p>One row per head. Shares are of the high-similarity pairs H; <em>_chance</em> columns are the same share over
+all pairs; <em>_lift</em> = share / chance; <em>noise_share</em> = similar pairs the head does not attend;
+<em>attn_to_*</em> = mean attention weight per query.</p>
+<div class="scroll">{table_html}</div>
+<h2>Top anchor tokens per head</h2>
+<p>The anchor of a window is the token that appears most often in the head's high-similarity pairs; each cell
+lists the {N_ANCHORS} most frequent anchors with the share of windows they anchor.</p>
+<div class="scroll">{anchors_html}</div>
+<footer>Generated by headatlas on {_e(generated)} from {_e(Path(run.corpus).name)}.</footer>
+</body></html>
+"""
+
+
+def _anchor_grid(columns, rows, n_layers: int, n_heads: int) -> str:
+    layer_i, head_i, anchors_i = columns.index("layer"), columns.index("head"), columns.index("top_anchors")
+    cells = {(r[layer_i], r[head_i]): r[anchors_i] for r in rows}
+    head = "<th>layer</th>" + "".join(f"<th>head {h}</th>" for h in range(n_heads))
+    body = []
+    for layer in range(n_layers):
+        tds = "".join(
+            "<td>" + "<br>".join(_e(a) for a in split_anchors(cells.get((layer, h)))) + "</td>"
+            for h in range(n_heads)
+        )
+        body.append(f"<tr><th>{layer}</th>{tds}</tr>")
+    return f'<table class="anchors"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def split_anchors(text: str | None) -> list[str]:
+    """``"the 30%, , 12%"`` → ``["the 30%", ", 12%"]``: every item ends in ``%`` and a word
+    piece holds no space, so ``"%, "`` only ever separates items (the token may be a comma)."""
+    if not text:
+        return ["–"]
+    parts = text.split("%, ")
+    return [p + "%" for p in parts[:-1]] + [parts[-1]]
+
+
+def write_report(conn, run, out: str | Path) -> Path:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(build_report(conn, run), encoding="utf-8")
+    return path

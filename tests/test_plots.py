@@ -1,0 +1,101 @@
+"""`headatlas plot …`: every figure drawn from a real small run (MiniLM weights), checked as files."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.figure_checks import analyse, check_png, check_svg, corpus_of
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, real_model, demo_corpus):
+    folder = tmp_path_factory.mktemp("plots")
+    db = folder / "results.duckdb"
+    run = analyse(corpus_of(demo_corpus, folder, slice(0, 2), "small"), db, real_model)
+    assert run.status == "done"
+    return db, run
+
+
+@pytest.fixture()
+def conn(stored):
+    from service.storage.store import Store
+
+    with Store(stored[0]).checked_read() as connection:
+        yield connection
+
+
+@pytest.mark.parametrize("kind", ["distances", "boundaries", "heads", "layers"])
+def test_every_run_figure_renders_as_png_and_svg(kind, conn, stored, tmp_path):
+    from service import plots
+
+    fig = plots.run_figure(kind, conn, stored[1])
+    width, height = plots.RUN_FIGSIZE[kind]
+    check_png(plots.save(fig, tmp_path / f"{kind}.png"), (round(width * plots.DPI), round(height * plots.DPI)))
+    if kind == "boundaries":  # --dpi scales the pixels, not the layout
+        check_png(plots.save(fig, tmp_path / f"{kind}-60.png", dpi=60), (round(width * 60), round(height * 60)))
+    check_svg(plots.save(fig, tmp_path / f"{kind}.svg"), (width, height))
+
+
+def test_heads_heatmap_puts_each_value_at_its_layer_and_head(conn, stored):
+    from service import plots, queries
+
+    run = stored[1]
+    for metric in ("repetition_lift", "mean_distance", "attn_to_punct"):
+        columns, rows = queries.heads(conn, run.run_id)
+        fig = plots.run_figure("heads", conn, run, metric=metric)
+        drawn = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
+        assert drawn.shape == (run.n_layers, run.n_heads)
+        li, hi, mi = columns.index("layer"), columns.index("head"), columns.index(metric)
+        for row in rows:
+            expected = row[mi]
+            if expected is None or (isinstance(expected, float) and math.isnan(expected)):
+                assert math.isnan(drawn[row[li], row[hi]])
+            else:
+                assert drawn[row[li], row[hi]] == pytest.approx(expected)
+
+
+def test_distance_lines_are_the_query_rows(conn, stored):
+    from service import plots, queries
+
+    run = stored[1]
+    fig = plots.run_figure("distances", conn, run)
+    share_ax = fig.axes[0]
+    lines = {line.get_label(): line for line in share_ax.get_lines()}
+    for layer in (0, run.n_layers - 1):
+        columns, rows = queries.distances(conn, run.run_id, layer=layer)
+        x, y = lines[f"layer {layer}"].get_data()
+        assert list(x) == [r[columns.index("distance")] for r in rows]
+        assert np.allclose(y, [r[columns.index("share")] for r in rows], equal_nan=True)
+    chance = lines["chance (all pairs)"].get_ydata()
+    assert chance.sum() == pytest.approx(1.0)
+
+
+def test_unknown_metric_and_format_are_refused(conn, stored, tmp_path):
+    from service import plots
+    from service.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="--metric 'top_anchors': choose one of within_sentence"):
+        plots.run_figure("heads", conn, stored[1], metric="top_anchors")
+    fig = plots.run_figure("boundaries", conn, stored[1])
+    with pytest.raises(ParameterError, match=r"must end in \.png or \.svg"):
+        plots.save(fig, tmp_path / "b.jpg")
+    assert not (tmp_path / "b.jpg").exists()
+
+
+def test_plot_command_writes_the_file_and_refuses_bad_options(cli, stored, tmp_path):
+    db, run = stored
+    out = tmp_path / "fig" / "heads.svg"
+    done = cli("plot", "heads", "--run", run.name, "--metric", "repetition_lift", "--out", str(out), "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stdout
+    check_svg(out, (11, 6.5))
+    bad = cli("plot", "heads", "--metric", "nonsense", "--out", str(tmp_path / "x.png"), "--db", str(db))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error: --metric 'nonsense': choose one of")
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "x.png").exists()

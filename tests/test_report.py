@@ -1,0 +1,109 @@
+"""`headatlas report`: one self-contained HTML page, opened in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from tests.figure_checks import analyse, check_not_blank, check_png, corpus_of
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars")
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, real_model, demo_corpus):
+    folder = tmp_path_factory.mktemp("report")
+    db = folder / "results.duckdb"
+    run = analyse(corpus_of(demo_corpus, folder, slice(0, 2), "small"), db, real_model, name="small")
+    return db, run
+
+
+@pytest.fixture(scope="module")
+def page(stored, tmp_path_factory):
+    """The report written by the command, as the user gets it."""
+    from tests.conftest import run_cli
+
+    db, run = stored
+    out = tmp_path_factory.mktemp("page") / "nested" / "report.html"
+    done = run_cli("report", run.name, "--out", str(out), "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stdout
+    return out
+
+
+class Elements(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
+    from service import report
+
+    db, run = stored
+    parsed = Elements()
+    parsed.feed(page.read_text(encoding="utf-8"))
+    text = " ".join(parsed.text)
+    images = [attrs for tag, attrs in parsed.tags if tag == "img"]
+    assert len(images) == 3 + len(report.HEAD_METRICS)
+    for k, attrs in enumerate(images):
+        prefix = "data:image/png;base64,"
+        assert attrs["src"].startswith(prefix)
+        png = tmp_path / f"{k}.png"
+        png.write_bytes(base64.b64decode(attrs["src"][len(prefix):]))
+        check_png(png)
+    # nothing fetched from elsewhere: no scripts, stylesheets, frames or remote links
+    assert not [t for t, a in parsed.tags if t in ("script", "link", "iframe", "object", "embed")]
+    assert not [a for t, a in parsed.tags if any(str(v).startswith(("http:", "https:", "file:", "//"))
+                                                  for k, v in a.items() if k in ("src", "href"))]
+    for needed in ("Parameters", "Figures", "Heads", "Top anchor tokens per head", run.model_name, "top:0.02",
+                   run.corpus_fingerprint):
+        assert needed in text, needed
+    tables = [t for t, _ in parsed.tags if t == "table"]
+    rows = [t for t, _ in parsed.tags if t == "tr"]
+    assert len(tables) == 4
+    # head table: header + one row per head; anchor grid: header + one row per layer
+    assert len(rows) >= (1 + run.n_layers * run.n_heads) + (1 + run.n_layers)
+
+
+def test_anchor_lists_split_even_when_the_token_is_a_comma():
+    from service.report import split_anchors
+
+    assert split_anchors("the 30%, , 12%, . 5%") == ["the 30%", ", 12%", ". 5%"]
+    assert split_anchors("and 100%") == ["and 100%"]
+    assert split_anchors(None) == ["–"]
+
+
+def test_report_opens_in_headless_chromium(page, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian `chromium` is not installed here (`apt-get install -y chromium`; .ci/run installs it)")
+    shot = tmp_path / "shot.png"
+    width, height = 1280, 2400
+    done = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},{height}",
+         f"--screenshot={shot}", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert shot.exists(), done.stderr[-2000:]
+    rgb = check_png(shot, (width, height))
+    check_not_blank(rgb, "report screenshot")
+    # the figures rendered: text and tables are grey (no saturated pixel at all), the plots'
+    # lines, bars and heatmaps are coloured (about 1% of this screenshot)
+    saturation = rgb.max(axis=2) - rgb.min(axis=2)
+    assert (saturation > 60).mean() > 0.003, "no coloured figure visible in the screenshot"
