@@ -36,6 +36,8 @@ RUN_TABLES = {
     "dist_hist": "SELECT * FROM dist_hist WHERE run_id = {run}",
     "pair_hist": "SELECT * FROM pair_hist WHERE run_id = {run}",
     "anchors": "SELECT * FROM anchors WHERE run_id = {run}",
+    "anchor_tokens": "SELECT * FROM anchor_tokens WHERE run_id = {run}",
+    "anchor_layers": "SELECT * FROM anchor_layers WHERE run_id = {run}",
 }
 
 
