@@ -348,10 +348,10 @@ def _pair_sum(z: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
 
     O(pos·d) instead of O(pos²·d); the two terms are combined in float64.
     """
-    weights = members.to(z.dtype)[:, None, None, :]  # [batch, 1, 1, pos]
-    total = torch.matmul(weights, z).squeeze(2).double()  # [batch, head, d]
-    squares = torch.matmul(weights, (z * z).sum(3, keepdim=True)).double()  # [batch, head, 1, 1]
-    return ((total * total).sum(2) - squares.flatten(1)).sum(0) / 2
+    zw = z * members.to(z.dtype)[:, None, :, None]  # [batch, head, pos, d], non-members zeroed
+    total = zw.sum(2).double()  # [batch, head, d]
+    squares = (zw * z).sum(dim=(2, 3)).double()  # [batch, head]
+    return ((total * total).sum(2) - squares).sum(0) / 2
 
 
 def _count(mask: torch.Tensor, dim=None) -> torch.Tensor:
