@@ -45,7 +45,7 @@ def analyze(
     model: str = typer.Option(SETTINGS.model, "--model", "-m", help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D [env HEADATLAS_MODEL]."),
     device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32)."),
-    batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per forward pass [env HEADATLAS_BATCH_SIZE]."),
+    batch_size: str = typer.Option(str(SETTINGS.batch_size), "--batch-size", "-b", help="Windows per forward pass, or auto (from free GPU memory; 32 on CPU) [env HEADATLAS_BATCH_SIZE]."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
     windowing: str = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document)."),
     select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
@@ -61,9 +61,10 @@ def analyze(
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from service.analysis_options import build_params
     from service.corpus import spool_stdin
-    from service.model import load_model
+    from service.model import auto_batch_size, load_model, parse_batch_size
     from service.runner import analyze_corpus, survey_corpus
 
+    size = parse_batch_size(batch_size)
     params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype)
     spooled = spool_stdin() if corpus == "-" else None
@@ -73,10 +74,11 @@ def analyze(
         if not quiet:
             stderr.print(f"corpus: {summary.documents} documents, {summary.chars:,} characters; loading model {model} …")
         loaded = load_model(model, device=device, dtype=dtype)
+        size = auto_batch_size(loaded, seq_len) if size == "auto" else size
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
-                                 batch_size=batch_size, text_field=text_field, encoding=encoding, progress=progress,
+                                 batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
                                  label="<stdin>" if spooled else None)
     finally:
         if spooled:
@@ -93,7 +95,7 @@ def demo(db: str = DbOpt) -> None:
     from service.corpus import demo_corpus_path
 
     analyze(corpus=str(demo_corpus_path()), name="demo", model=SETTINGS.model, device=SETTINGS.device,
-            dtype="float32", batch_size=SETTINGS.batch_size, seq_len=128, windowing="chunks", select="top:0.02",
+            dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks", select="top:0.02",
             gate=4.0, include_special=False, vectors="pre_wo", short_range=4, text_field="text",
             encoding="utf-8", db=db, quiet=False)
 

@@ -26,7 +26,7 @@ from service.stats import (
     head_vectors,
     window_features,
 )
-from service.windows import Batch, TokenClasses
+from service.windows import Batch, TokenClasses, collate
 
 # One set of scratch buffers per device and process, reused by every batch.
 _WORKSPACES: dict[str, Workspace] = {}
@@ -169,3 +169,32 @@ def analyze_batch(
         vocab=vocab,
         compute_s=time.perf_counter() - started,
     )
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+class OomSplitter:
+    """Analyse batches, halving any that runs out of device memory, and remember the largest
+    size that fitted so later batches are split up front instead of failing again."""
+
+    def __init__(self) -> None:
+        self.max_windows: int | None = None
+
+    def analyze(self, model: LoadedModel, batch: Batch, params: AnalysisParams, tokens: TokenClasses,
+                documents: list[dict], *, pad_id: int) -> list[BatchResult]:
+        windows = batch.windows
+        size = len(windows) if self.max_windows is None else min(len(windows), self.max_windows)
+        if size < len(windows):
+            parts = [collate(windows[i : i + size], pad_id) for i in range(0, len(windows), size)]
+            return [r for part in parts for r in self.analyze(model, part, params, tokens, documents, pad_id=pad_id)]
+        try:
+            return [analyze_batch(model, batch, params, tokens, documents=documents)]
+        except RuntimeError as exc:
+            if not _is_out_of_memory(exc) or len(windows) == 1:
+                raise
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.max_windows = max(1, len(windows) // 2)
+        return self.analyze(model, batch, params, tokens, documents, pad_id=pad_id)

@@ -16,8 +16,8 @@ class Settings:
     """HEADATLAS_MODEL: default model (`default` = all-MiniLM-L6-v2, a folder, a hub name, random:SHAPE)."""
     device: str = "auto"
     """HEADATLAS_DEVICE: auto, cpu, cuda or cuda:N."""
-    batch_size: int = 32
-    """HEADATLAS_BATCH_SIZE: windows per forward pass."""
+    batch_size: str = "32"
+    """HEADATLAS_BATCH_SIZE: windows per forward pass, or auto (from free GPU memory)."""
     broker_url: str = "redis://127.0.0.1:6379/0"
     """HEADATLAS_BROKER_URL: Redis URL of the task queue (distributed runs)."""
     spool_dir: str = ""

@@ -188,3 +188,33 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1
+
+
+def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) -> int:
+    """Windows per batch from free device memory (CUDA); ``cpu_default`` on CPU.
+
+    A window keeps, per layer, the attention map captured by the hooks (heads × pos² floats)
+    plus the statistics' scratch (about four more maps for one layer) and the hidden states;
+    60 % of free memory is planned for, the rest left to the allocator. Out-of-memory errors
+    that still happen are recovered by halving (analysis.OomSplitter).
+    """
+    if model.device.type != "cuda":
+        return cpu_default
+    free, _total = torch.cuda.mem_get_info(model.device)
+    element = 4
+    per_window = element * seq_len * seq_len * model.n_heads * (model.n_layers + 4)
+    per_window += element * seq_len * model.d_model * model.n_layers * 12
+    size = max(1, int(free * 0.6 // per_window))
+    return min(4096, 1 << (size.bit_length() - 1))
+
+
+def parse_batch_size(value: str | int) -> str | int:
+    """``auto`` or a positive integer (CLI and settings)."""
+    if isinstance(value, int) or str(value).strip().isdigit():
+        size = int(value)
+        if size < 1:
+            raise ModelError(f"--batch-size {value}: must be at least 1, or auto")
+        return size
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    raise ModelError(f"--batch-size {value!r}: use a positive integer or auto")

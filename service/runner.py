@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from service.analysis import BatchResult, analyze_batch
+from service.analysis import BatchResult, OomSplitter
 from service.corpus import Document, corpus_fingerprint, iter_documents
 from service.errors import CorpusError
 from service.model import LoadedModel
 from service.params import AnalysisParams
+from service.prefetch import BackgroundSink, Prefetcher
 from service.storage.store import Run, Store
 from service.windows import Batch, TokenClasses, collate, document_windows
 
@@ -133,20 +134,27 @@ def analyze_corpus(
     pending: list[tuple[int, BatchResult]] = []
     last_flush = time.perf_counter()
     status, error = "done", None
+    # tokenisation runs ahead of the model, storing runs behind it (one thread each)
+    sink = BackgroundSink(lambda items: store.ingest(run.run_id, items))
+    splitter = OomSplitter()
+    batches = Prefetcher(
+        iter_batches(spec, model, params, tokens, batch_size=batch_size, skip=skip, text_field=text_field,
+                     encoding=encoding)
+    )
     try:
-        for batch, docs, consumed in iter_batches(
-            spec, model, params, tokens, batch_size=batch_size, skip=skip, text_field=text_field, encoding=encoding
-        ):
-            pending.append((batch_id, analyze_batch(model, batch, params, tokens, documents=docs)))
-            batch_id += 1
+        for batch, docs, consumed in batches:
+            for result in splitter.analyze(model, batch, params, tokens, docs, pad_id=tokens.pad_id):
+                pending.append((batch_id, result))
+                batch_id += 1
             if time.perf_counter() - last_flush >= flush_s:
-                store.ingest(run.run_id, pending)
+                sink.submit(pending)
                 pending, last_flush = [], time.perf_counter()
             if progress:
                 progress(len(batch.windows), consumed)
         if pending:
-            store.ingest(run.run_id, pending)
+            sink.submit(pending)
             pending = []
+        sink.close()
         store.compact(run.run_id)
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user; re-run the same command to resume"
@@ -155,8 +163,14 @@ def analyze_corpus(
         status, error = "failed", f"{type(exc).__name__}: {exc}"[:500]
         raise
     finally:
+        batches.close()
         if pending and status == "interrupted":
-            store.ingest(run.run_id, pending)  # finished batches are kept
+            sink.submit(pending)  # finished batches are kept
+        try:
+            sink.close()  # every submitted batch is stored before the status changes
+        except BaseException:
+            if status == "done":
+                raise
         store.set_status(
             run.run_id, status, error=error, finished=status == "done", add_wall_s=time.perf_counter() - started
         )
