@@ -40,7 +40,7 @@ def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, devic
     summary = survey_corpus(str(corpus))
 
     def bare():
-        with torch.inference_mode():
+        with torch.inference_mode(), model.autocast():
             for b in batches:
                 model.model(input_ids=b.input_ids.to(model.device), attention_mask=b.attention_mask.to(model.device))
         if model.device.type == "cuda":

@@ -99,9 +99,19 @@ class BatchResult:
 
 def forward(model: LoadedModel, batch: Batch) -> dict[str, torch.Tensor]:
     """Run the model on a batch and return the captured activations by canonical name."""
-    input_ids = batch.input_ids.to(model.device, non_blocking=True)
-    attention_mask = batch.attention_mask.to(model.device, non_blocking=True)
-    with torch.inference_mode(), capture_attention(model.model) as acts:
+    return _forward(model, *_on_device(model, batch))
+
+
+def _on_device(model: LoadedModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's ids and mask on the model's device, moved once (pinned for an async copy)."""
+    if model.device.type == "cpu":
+        return batch.input_ids, batch.attention_mask
+    return (batch.input_ids.pin_memory().to(model.device, non_blocking=True),
+            batch.attention_mask.pin_memory().to(model.device, non_blocking=True))
+
+
+def _forward(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.inference_mode(), model.autocast(), capture_attention(model.model) as acts:
         model.model(input_ids=input_ids, attention_mask=attention_mask)
     return dict(acts)
 
@@ -119,13 +129,13 @@ def analyze_batch(
     ``documents``: rows for the documents whose windows are in the batch (stored with it).
     """
     started = time.perf_counter()
-    acts = forward(model, batch)
+    input_ids, attention_mask = _on_device(model, batch)
+    acts = _forward(model, input_ids, attention_mask)
     with torch.inference_mode():
-        input_ids = batch.input_ids.to(model.device)
         workspace = _WORKSPACES.setdefault(str(model.device), Workspace(model.device))
         feats = window_features(
             input_ids,
-            batch.attention_mask.to(model.device),
+            attention_mask,
             tokens,
             include_special=params.include_special,
             workspace=workspace,

@@ -6,6 +6,7 @@ capture (under sdpa they are never materialised).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -40,6 +41,13 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     tokenizer_key: str  # stable fingerprint of the vocabulary
+
+    def autocast(self):
+        """The forward pass's precision: float32 as is; bfloat16/float16 by autocast, which
+        keeps the weights and precision-sensitive ops (softmax, layer norm) in float32."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def describe(self) -> dict:
         return {
@@ -142,7 +150,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
                 "`default`, or random:bert-base"
             ) from None
     model.eval()
-    model.to(device=dev, dtype=torch_dtype)
+    model.to(device=dev)  # weights stay float32; half precision is applied by autocast
     layers_list = encoder_layers(model, spec)
     attn = layers_list[0].attention.self
     n_heads = attn.num_attention_heads

@@ -171,6 +171,7 @@ def head_vectors(context: torch.Tensor, n_heads: int, w_o: torch.Tensor | None =
     weight of the attention output) is given: ``z_i W_O^h`` without bias (SPEC §2, post_wo).
     """
     batch, n_pos, width = context.shape
+    context = _at_least_float32(context)  # half-precision forward, float32 statistics
     z = context.view(batch, n_pos, n_heads, width // n_heads).transpose(1, 2)
     if w_o is None:
         return z
