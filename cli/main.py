@@ -72,7 +72,9 @@ def analyze(
     try:
         summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
         if not quiet:
-            stderr.print(f"corpus: {summary.documents} documents, {summary.chars:,} characters; loading model {model} …")
+            dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
+            stderr.print(f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; "
+                         f"loading model {model} …")
         loaded = load_model(model, device=device, dtype=dtype)
         size = auto_batch_size(loaded, seq_len) if size == "auto" else size
         store = _store(db)

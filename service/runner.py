@@ -28,6 +28,7 @@ class CorpusSummary:
     fingerprint: str
     documents: int
     chars: int
+    duplicates: int = 0  # documents whose exact text appeared earlier (analysed once)
 
 
 def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8") -> CorpusSummary:
@@ -37,12 +38,15 @@ def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8
     """
     fingerprint = corpus_fingerprint(spec)
     documents = chars = 0
+    seen: set[str] = set()
     for doc in iter_documents(spec, text_field=text_field, encoding=encoding):
         documents += 1
         chars += len(doc.text)
+        seen.add(doc.doc_id)
     if documents == 0:
         raise CorpusError(f"{spec}: no document with text; check the file and --text-field")
-    return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars)
+    return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars,
+                         duplicates=documents - len(seen))
 
 
 def run_key(corpus_fp: str, model: LoadedModel, params: AnalysisParams) -> str:
@@ -74,8 +78,12 @@ def iter_batches(
     """Batches of windows not in ``skip``, with the rows of their documents and the number of
     corpus characters consumed so far."""
     pending, docs, consumed = [], {}, 0
+    seen: set[str] = set()  # a document repeated in the corpus is analysed once
     for doc in iter_documents(spec, text_field=text_field, encoding=encoding):
         consumed += len(doc.text)
+        if doc.doc_id in seen:
+            continue
+        seen.add(doc.doc_id)
         for window in document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params):
             if window.window_id in skip:
                 continue

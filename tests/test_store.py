@@ -209,3 +209,18 @@ def test_anchor_summaries_equal_the_per_window_anchor_rows(store, real_model, sm
             assert d[1] == pytest.approx(s[1]) and d[2] == pytest.approx(s[2])
     finally:
         con.close()
+
+
+def test_a_document_repeated_in_the_corpus_is_counted_once(tmp_path, tiny_model, small_corpus):
+    text = small_corpus.read_text(encoding="utf-8").strip()
+    first_doc = text.split("\n\n")[0]
+    doubled = tmp_path / "doubled.txt"
+    doubled.write_text(text + "\n\n" + first_doc + "\n", encoding="utf-8")
+    summary = survey_corpus(str(doubled))
+    assert summary.duplicates == 1
+    once = analyze_corpus(str(small_corpus), store=Store(tmp_path / "a.duckdb"), model=tiny_model,
+                          params=AnalysisParams(), corpus=survey_corpus(str(small_corpus)), batch_size=4)
+    twice = analyze_corpus(str(doubled), store=Store(tmp_path / "b.duckdb"), model=tiny_model,
+                           params=AnalysisParams(), corpus=summary, batch_size=4)
+    assert once.status == twice.status == "done"
+    assert counts(tmp_path / "a.duckdb")["run_windows"] == counts(tmp_path / "b.duckdb")["run_windows"]
