@@ -10,7 +10,7 @@ among the selected pairs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -84,10 +84,28 @@ class WindowFeatures:
     n_pairs: torch.Tensor  # [batch] |P|
     same_sentence: torch.Tensor  # [batch, pair] bool
     same_token: torch.Tensor  # [batch, pair] bool
+    sentence: torch.Tensor  # [batch, pos] sentence id, -1 for special and pad tokens
     first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
     key_classes: torch.Tensor  # [batch, key, 3] bool: is [CLS], is [SEP], is . or ,
     layout: PairLayout
     workspace: "Workspace"
+    _bias: dict = field(default_factory=dict)
+
+    def pair_bias(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[batch·head, pos, pos]``: 0 where (i, j) is in P (i < j), -inf elsewhere.
+
+        Built once per batch and shared by its layers.
+        """
+        key = (heads, dtype)
+        if key not in self._bias:
+            batch, n_pos = self.valid.shape
+            bias = torch.full((batch, n_pos * n_pos), float("-inf"), dtype=dtype, device=self.valid.device)
+            bias[:, self.layout.flat] = torch.where(self.pair_ok, 0.0, float("-inf")).to(dtype)
+            self._bias.clear()
+            self._bias[key] = bias.view(batch, 1, n_pos, n_pos).expand(batch, heads, n_pos, n_pos).reshape(
+                batch * heads, n_pos, n_pos
+            )
+        return self._bias[key]
 
 
 def window_features(
@@ -138,6 +156,7 @@ def window_features(
         n_pairs=m * (m - 1) // 2,
         same_sentence=same_sentence,
         same_token=same_token,
+        sentence=sent,
         first_pos=first_pos,
         key_classes=key_classes,
         layout=layout,
@@ -179,19 +198,34 @@ def head_vectors(context: torch.Tensor, n_heads: int, w_o: torch.Tensor | None =
     return torch.matmul(z, w.to(z.dtype))
 
 
+def masked_similarity(z: torch.Tensor, feats: WindowFeatures) -> torch.Tensor:
+    """The context similarity matrix C = z zᵀ with every entry outside P set to -inf.
+
+    z: ``[batch, head, pos, d]``. Returns ``[batch, head, pos·pos]`` (row-major: index
+    i·pos + j), in a scratch buffer of ``feats.workspace``: one fused ``baddbmm`` adds the
+    mask, which is cheaper than gathering the upper triangle and masking it.
+    """
+    batch, heads, n_pos, d = z.shape
+    out = feats.workspace.buffer("sim", (batch * heads, n_pos, n_pos), z.dtype)
+    flat_z = z.reshape(batch * heads, n_pos, d)
+    torch.baddbmm(feats.pair_bias(heads, z.dtype), flat_z, flat_z.transpose(1, 2), out=out)
+    return out.view(batch, heads, n_pos * n_pos)
+
+
 def select_pairs(
     sim: torch.Tensor, feats: WindowFeatures, select: Selection
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The high-similarity set H per (window, head), as ranked pair indices.
 
-    sim: ``[batch, head, pair]`` with pairs outside P set to -inf. Returns ``values``,
-    ``index`` (into pair) and ``chosen`` (bool), each ``[batch, head, k]``; ``chosen`` marks
-    the first ``|H|`` ranks. Ties at the boundary go to the smaller i, then smaller j (SPEC §3).
+    sim: ``[batch, head, pos·pos]`` from ``masked_similarity`` (-inf outside P). Returns
+    ``values``, ``index`` (i·pos + j) and ``chosen`` (bool), each ``[batch, head, k]``;
+    ``chosen`` marks the first ``|H|`` ranks. Ties at the boundary go to the smaller i, then
+    the smaller j (SPEC §3): row-major index order is (i, j) order.
     """
-    batch, heads, n_pairs = sim.shape
+    batch, heads, width = sim.shape
     if select.kind == "ratio":
         top = sim.amax(dim=2, keepdim=True)  # [batch, head, 1]
-        chosen_mask = (sim >= select.value * top) & feats.pair_ok[:, None, :]
+        chosen_mask = (sim >= select.value * top) & (sim > float("-inf"))
         counts = _count(chosen_mask, dim=2)  # [batch, head]
     else:
         per_window = torch.tensor(
@@ -203,7 +237,7 @@ def select_pairs(
         empty = sim.new_zeros((batch, heads, 0))
         return empty, empty.long(), empty.bool()
     # one extra rank shows whether the boundary value is tied
-    values, index = torch.topk(sim, min(k_max + 1, n_pairs), dim=2, sorted=True)
+    values, index = torch.topk(sim, min(k_max + 1, width), dim=2, sorted=True)
     ranks = torch.arange(values.shape[2], device=sim.device)
     if select.kind != "ratio" and values.shape[2] > k_max:
         at = (counts - 1).clamp(min=0)[..., None]
@@ -246,30 +280,30 @@ def head_statistics(
     """
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
-    layout = feats.layout
-    work = feats.workspace
-    sim_full = torch.matmul(z, z.transpose(2, 3), out=work.buffer("sim_full", (batch, heads, n_pos, n_pos), z.dtype))
-    sim = torch.index_select(sim_full.flatten(2), 2, layout.flat, out=work.buffer("sim", (batch, heads, layout.flat.numel()), z.dtype))
-    sim.masked_fill_(feats.pair_excluded[:, None, :], float("-inf"))
-    values, index, chosen = select_pairs(sim, feats, select)
-    chosen_f = chosen.float()
+    values, index, chosen = select_pairs(masked_similarity(z, feats), feats, select)
+    chosen_f = chosen.to(z.dtype)
+    pos_i, pos_j = index // n_pos, index % n_pos  # [batch, head, k]
+    flat_i, flat_j = pos_i.flatten(1), pos_j.flatten(1)  # [batch, head·k]
+
+    def pick(token_values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        return token_values.gather(1, flat).view_as(index)
 
     out: dict[str, torch.Tensor] = {}
     out["high_pairs"] = chosen.long().sum(dim=(0, 2))
     out["sim_sum_all"] = _pair_sum(z, feats.in_pairs)
     out["sim_sum_high"] = torch.where(chosen, values, 0.0).sum(dim=(0, 2), dtype=torch.float64)
-    expand = (batch, heads, feats.pair_ok.shape[1])
-    same_sentence = feats.same_sentence[:, None, :].expand(expand).gather(2, index)
-    same_token = feats.same_token[:, None, :].expand(expand).gather(2, index)
+    sent_i, sent_j = pick(feats.sentence, flat_i), pick(feats.sentence, flat_j)
+    same_sentence = (sent_i == sent_j) & (sent_i >= 0)
+    same_token = pick(feats.input_ids, flat_i) == pick(feats.input_ids, flat_j)
     out["same_sentence_high"] = (same_sentence & chosen).long().sum(dim=(0, 2))
     out["same_token_high"] = (same_token & chosen).long().sum(dim=(0, 2))
     flat_attn = attn.flatten(2)
-    a_ij = flat_attn.gather(2, layout.flat[index])
-    a_ji = flat_attn.gather(2, layout.flat_t[index])
-    threshold = (gate / feats.n.float())[:, None, None]
+    a_ij = flat_attn.gather(2, index)
+    a_ji = flat_attn.gather(2, pos_j * n_pos + pos_i)
+    threshold = (gate / feats.n.to(attn.dtype))[:, None, None]
     out["attended_high"] = ((torch.maximum(a_ij, a_ji) >= threshold) & chosen).long().sum(dim=(0, 2))
 
-    distance = layout.distance[index]  # [batch, head, k]
+    distance = torch.where(chosen, pos_j - pos_i, 0)  # [batch, head, k]; unchosen ranks may be j <= i
     dist_hist = torch.zeros(heads, seq_len, dtype=torch.long, device=z.device)
     dist_hist.scatter_add_(
         1, distance.transpose(0, 1).reshape(heads, -1), chosen.long().transpose(0, 1).reshape(heads, -1)
@@ -277,17 +311,15 @@ def head_statistics(
     out["dist_hist"] = dist_hist
 
     # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
-    first_i = feats.first_pos.gather(1, layout.i[index].flatten(1)).view_as(index)
-    first_j = feats.first_pos.gather(1, layout.j[index].flatten(1)).view_as(index)
     endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)
-    endpoint.scatter_add_(2, first_i, chosen_f)
-    endpoint.scatter_add_(2, first_j, chosen_f)
+    endpoint.scatter_add_(2, pick(feats.first_pos, flat_i), chosen_f)
+    endpoint.scatter_add_(2, pick(feats.first_pos, flat_j), chosen_f)
     anchor_count, anchor_pos = endpoint.max(dim=2)
     out["anchor_pos"] = anchor_pos
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)
 
-    out.update(attention_sums(attn, feats, work))
+    out.update(attention_sums(attn, feats, work=feats.workspace))
     return out
 
 
@@ -312,9 +344,9 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace |
 
 
 def _entropy_rows(attn: torch.Tensor, work: "Workspace | None") -> torch.Tensor:
-    """-Σ_key A ln A per row, ``[batch, head, pos]``, written into a reused buffer."""
+    """-Σ_key A ln A per row (0 ln 0 = 0), ``[batch, head, pos]``, via a reused buffer."""
     out = work.buffer("entropy", attn.shape, attn.dtype) if work is not None else None
-    return torch.special.entr(attn, out=out).sum(3)
+    return torch.xlogy(attn, attn, out=out).sum(3).neg_()
 
 
 class Workspace:

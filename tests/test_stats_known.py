@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from service.params import Selection
-from service.stats import chance_statistics, head_statistics, select_pairs, sentence_ids, window_features
+from service.stats import (
+    chance_statistics,
+    head_statistics,
+    masked_similarity,
+    select_pairs,
+    sentence_ids,
+    window_features,
+)
 from service.windows import TokenClasses
 
 CLS, SEP, PAD, DOT, COMMA, A, B = 101, 102, 0, 1012, 1010, 1037, 1038
@@ -129,8 +136,7 @@ def test_boundary_tie_is_broken_in_index_order():
     # all four words identical vectors → all six pairs tie; top:0.34 → k = ceil(2.04) = 3
     z = torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
     feats = window_features(IDS, MASK, TOKENS)
-    sim = (z @ z.T).flatten()[feats.layout.flat][None, None].clone()
-    sim.masked_fill_(~feats.pair_ok[:, None, :], float("-inf"))
+    sim = masked_similarity(z[None, None], feats)
     values, index, chosen = select_pairs(sim, feats, Selection.parse("top:0.34"))
-    picked = [(int(feats.layout.i[k]), int(feats.layout.j[k])) for k, c in zip(index[0, 0], chosen[0, 0]) if c]
+    picked = [(int(k) // 6, int(k) % 6) for k, c in zip(index[0, 0], chosen[0, 0]) if c]
     assert picked == [(1, 2), (1, 3), (1, 4)]
