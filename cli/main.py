@@ -57,6 +57,10 @@ def analyze(
     encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files."),
     db: str = DbOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary."),
+    attribution: bool = typer.Option(False, "--attribution/--no-attribution", help="Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token)."),
+    attribution_windows: int = typer.Option(256, "--attribution-windows", help="Only the first N windows get --attribution / --mixing."),
+    mixing: list[str] = typer.Option([], "--mixing", help="Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate)."),
+    attribution_chunk: int = typer.Option(SETTINGS.attribution_chunk, "--attribution-chunk", min=1, help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK]."),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from service.analysis_options import build_params
@@ -66,7 +70,8 @@ def analyze(
 
     size = parse_batch_size(batch_size)
     params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
-                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype)
+                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
+                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     spooled = spool_stdin() if corpus == "-" else None
     spec = str(spooled) if spooled else corpus
     try:
@@ -81,7 +86,7 @@ def analyze(
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
                                  batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
-                                 label="<stdin>" if spooled else None)
+                                 label="<stdin>" if spooled else None, attribution_chunk=attribution_chunk)
     finally:
         if spooled:
             spooled.unlink(missing_ok=True)
@@ -99,7 +104,8 @@ def demo(db: str = DbOpt) -> None:
     analyze(corpus=str(demo_corpus_path()), name="demo", model=SETTINGS.model, device=SETTINGS.device,
             dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks", select="top:0.02",
             gate=4.0, include_special=False, vectors="pre_wo", short_range=4, text_field="text",
-            encoding="utf-8", db=db, quiet=False)
+            encoding="utf-8", db=db, quiet=False, attribution=False, attribution_windows=256, mixing=[],
+            attribution_chunk=SETTINGS.attribution_chunk)
 
 
 class _progress:
@@ -242,6 +248,48 @@ def query_layers(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = For
         r = _run(conn, run)
         columns, rows = queries.layers(conn, r.run_id)
     render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): layers")
+
+
+@query_app.command("mixing")
+def query_mixing(
+    run: Optional[str] = RunOpt,
+    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Show this layer's heads (0-based); default: one row set per layer."),
+    method: list[str] = typer.Option([], "--method", help="attention, attribution, rollout, norm or alti (repeat); default: all stored."),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
+    from service import queries
+
+    store = _store(db)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        if layer is not None:
+            _check_layer_head(r, layer, None)
+        columns, rows = queries.mixing(conn, r.run_id, layer=layer, methods=method or None)
+    what = f"layer {layer} heads" if layer is not None else "per layer"
+    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): mixing, {what}")
+
+
+@query_app.command("discrepancy")
+def query_discrepancy(
+    run: Optional[str] = RunOpt,
+    method: str = typer.Option("attribution", "--method", help="Compare attention with this method (default attribution)."),
+    top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
+    from service import queries
+
+    store = _store(db)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        columns, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
+        layer_cols, layer_rows = queries.discrepancy_layers(conn, r.run_id, method=method)
+    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): attention vs {method}, per head")
+    if fmt == Format.table:
+        render(layer_cols, layer_rows, fmt, title="layer progression")
 
 
 @app.command()

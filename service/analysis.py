@@ -52,6 +52,11 @@ class BatchResult:
     documents: list[dict] = field(default_factory=list)  # doc_id, source, line, n_chars, preview
     vocab: dict[int, str] = field(default_factory=dict)  # anchor token id -> token text
     compute_s: float = 0.0
+    # mixing measures (service.mixing), on the first ``mixing_windows`` windows of the batch:
+    # method -> {"head": [slot], sum name: [layer, slot], "dist": [layer, slot, seq_len]}
+    mixing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    mixing_windows: int = 0
+    mixing_rows: int = 0  # valid query rows in those windows
 
     def to_bytes(self) -> bytes:
         arrays = {f"heads.{k}": v for k, v in self.heads.items()}
@@ -64,6 +69,8 @@ class BatchResult:
             window_ids=np.array(self.window_ids),
             chance=np.array([self.chance[k] for k in CHANCE_SUMS], dtype=np.int64),
             compute_s=np.array(self.compute_s),
+            mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
+            **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
             meta=np.frombuffer(
                 json.dumps(
                     {"windows": self.windows, "documents": self.documents, "vocab": self.vocab}
@@ -81,6 +88,12 @@ class BatchResult:
             heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
             chance = dict(zip(CHANCE_SUMS, (int(x) for x in data["chance"])))
             meta = json.loads(data["meta"].tobytes().decode())
+            mixing: dict[str, dict[str, np.ndarray]] = {}
+            for key in data.files:
+                if key.startswith("mix."):
+                    _, method, name = key.split(".", 2)
+                    mixing.setdefault(method, {})[name] = data[key]
+            counts = data["mixing_counts"] if "mixing_counts" in data.files else np.zeros(2, dtype=np.int64)
             return cls(
                 window_ids=[str(x) for x in data["window_ids"]],
                 heads=heads,
@@ -94,6 +107,9 @@ class BatchResult:
                 documents=meta["documents"],
                 vocab={int(k): v for k, v in meta["vocab"].items()},
                 compute_s=float(data["compute_s"]),
+                mixing=mixing,
+                mixing_windows=int(counts[0]),
+                mixing_rows=int(counts[1]),
             )
 
 
@@ -123,10 +139,14 @@ def analyze_batch(
     tokens: TokenClasses,
     *,
     documents: list[dict] | None = None,
+    mixing_windows: int | None = None,
+    attribution_chunk: int = 2048,
 ) -> BatchResult:
     """Forward ``batch`` with hooks and summarise every head of every layer.
 
     ``documents``: rows for the documents whose windows are in the batch (stored with it).
+    ``mixing_windows``: how many of the batch's first windows get the mixing measures when
+    ``params.mixes`` (default: all); ``attribution_chunk``: gradient rows per backward call.
     """
     started = time.perf_counter()
     input_ids, attention_mask = _on_device(model, batch)
@@ -162,6 +182,19 @@ def analyze_batch(
     for key in HEAD_SUMS:
         dtype = np.int64 if key in INT_SUMS else np.float64
         heads[key] = stacked[key].cpu().numpy().astype(dtype)
+    mixing, mixed, mixed_rows = {}, 0, 0
+    if params.mixes:
+        mixed = len(batch.windows) if mixing_windows is None else max(0, min(mixing_windows, len(batch.windows)))
+    if mixed:
+        from service.mixing import mixing_sums
+
+        sub_ids, sub_mask = batch.input_ids[:mixed], batch.attention_mask[:mixed]
+        with torch.inference_mode():
+            sub_feats = window_features(sub_ids.to(model.device), sub_mask.to(model.device), tokens,
+                                        include_special=params.include_special)
+        mixing = mixing_sums(model, sub_ids, sub_mask, sub_feats, methods=params.mixing,
+                             attribution=params.attribution, seq_len=params.seq_len, chunk_size=attribution_chunk)
+        mixed_rows = int(sub_mask.sum())
     return BatchResult(
         window_ids=batch.window_ids,
         heads=heads,
@@ -178,6 +211,9 @@ def analyze_batch(
         documents=documents or [],
         vocab=vocab,
         compute_s=time.perf_counter() - started,
+        mixing=mixing,
+        mixing_windows=mixed,
+        mixing_rows=mixed_rows,
     )
 
 
@@ -193,18 +229,30 @@ class OomSplitter:
         self.max_windows: int | None = None
 
     def analyze(self, model: LoadedModel, batch: Batch, params: AnalysisParams, tokens: TokenClasses,
-                documents: list[dict], *, pad_id: int) -> list[BatchResult]:
+                documents: list[dict], *, pad_id: int, mixing_windows: int | None = None,
+                attribution_chunk: int = 2048) -> list[BatchResult]:
+        """``mixing_windows``: how many of the batch's first windows get the mixing measures
+        (None: all); split batches hand them on in order."""
         windows = batch.windows
         size = len(windows) if self.max_windows is None else min(len(windows), self.max_windows)
         if size < len(windows):
-            parts = [collate(windows[i : i + size], pad_id) for i in range(0, len(windows), size)]
-            return [r for part in parts for r in self.analyze(model, part, params, tokens, documents, pad_id=pad_id)]
+            results = []
+            left = len(windows) if mixing_windows is None else mixing_windows
+            for i in range(0, len(windows), size):
+                part = collate(windows[i : i + size], pad_id)
+                results += self.analyze(model, part, params, tokens, documents, pad_id=pad_id,
+                                        mixing_windows=max(0, min(left, len(part.windows))),
+                                        attribution_chunk=attribution_chunk)
+                left -= len(part.windows)
+            return results
         try:
-            return [analyze_batch(model, batch, params, tokens, documents=documents)]
+            return [analyze_batch(model, batch, params, tokens, documents=documents, mixing_windows=mixing_windows,
+                                  attribution_chunk=attribution_chunk)]
         except RuntimeError as exc:
             if not _is_out_of_memory(exc) or len(windows) == 1:
                 raise
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
         self.max_windows = max(1, len(windows) // 2)
-        return self.analyze(model, batch, params, tokens, documents, pad_id=pad_id)
+        return self.analyze(model, batch, params, tokens, documents, pad_id=pad_id, mixing_windows=mixing_windows,
+                            attribution_chunk=attribution_chunk)

@@ -26,6 +26,8 @@ class Settings:
     """HEADATLAS_SQL_MAX_ROWS: row cap of `headatlas sql`."""
     sql_timeout_s: float = 30.0
     """HEADATLAS_SQL_TIMEOUT_S: time limit of `headatlas sql`, seconds."""
+    attribution_chunk: int = 2048
+    """HEADATLAS_ATTRIBUTION_CHUNK: gradient rows (windows × outputs) per batched backward call of --attribution; bounds memory."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":

@@ -17,6 +17,8 @@ WINDOWING = ("chunks", "first")
 SENTENCES = ("punct",)
 VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
+MIXING = ("rollout", "norm", "alti")
+MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class AnalysisParams:
     vectors: str = "pre_wo"
     short_range: int = 4
     dtype: str = "float32"
+    attribution: bool = False  # gradient attribution per head (SPEC §6)
+    mixing: tuple[str, ...] = ()  # forward-only mixing measures: rollout, norm, alti
+    attribution_windows: int = 256  # windows per run that get attribution / mixing (the first ones)
 
     def __post_init__(self) -> None:
         if not 4 <= self.seq_len <= 4096:
@@ -86,10 +91,26 @@ class AnalysisParams:
             raise ParameterError(f"--gate {self.gate}: must be positive (default 4 = four times uniform)")
         if self.short_range < 1:
             raise ParameterError(f"--short-range {self.short_range}: must be at least 1 (default 4)")
+        for method in self.mixing:
+            _check_choice("--mixing", method, MIXING)
+        if self.attribution_windows < 1:
+            raise ParameterError(
+                f"--attribution-windows {self.attribution_windows}: must be at least 1 (default 256)"
+            )
+
+    @property
+    def mixes(self) -> bool:
+        """Whether any mixing measure (attribution included) is computed."""
+        return self.attribution or bool(self.mixing)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["select"] = str(self.select)
+        out["mixing"] = list(self.mixing)
+        if not self.mixes:
+            # runs without mixing keep the parameters (and the run key) they had before it existed
+            for name in MIXING_FIELDS:
+                out.pop(name)
         return out
 
     @classmethod
@@ -97,6 +118,8 @@ class AnalysisParams:
         data = dict(data)
         if isinstance(data.get("select"), str):
             data["select"] = Selection.parse(data["select"])
+        if "mixing" in data:
+            data["mixing"] = tuple(data["mixing"])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

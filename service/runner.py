@@ -115,6 +115,7 @@ def analyze_corpus(
     flush_s: float = 2.0,
     progress: ProgressFn | None = None,
     label: str | None = None,
+    attribution_chunk: int = 2048,
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
@@ -137,6 +138,8 @@ def analyze_corpus(
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
     skip = store.done_window_ids(run.run_id)
     batch_id = store.next_batch_id(run.run_id)
+    # the first --attribution-windows windows get the mixing measures (counted across resumes)
+    mixing_left = params.attribution_windows - store.mixing_windows(run.run_id) if params.mixes else 0
     store.set_status(run.run_id, "running", started=True)
     started = time.perf_counter()
     pending: list[tuple[int, BatchResult]] = []
@@ -151,7 +154,9 @@ def analyze_corpus(
     )
     try:
         for batch, docs, consumed in batches:
-            for result in splitter.analyze(model, batch, params, tokens, docs, pad_id=tokens.pad_id):
+            for result in splitter.analyze(model, batch, params, tokens, docs, pad_id=tokens.pad_id,
+                                           mixing_windows=max(0, mixing_left), attribution_chunk=attribution_chunk):
+                mixing_left -= result.mixing_windows
                 pending.append((batch_id, result))
                 batch_id += 1
             if time.perf_counter() - last_flush >= flush_s:

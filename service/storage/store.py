@@ -20,6 +20,7 @@ from service.analysis import BatchResult
 from service.errors import StoreError
 from service.stats import CHANCE_SUMS, HEAD_SUMS
 from service.storage import db
+from service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 RUN_COLUMNS = (
     "run_id, run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, d_head, "
@@ -157,6 +158,14 @@ class Store:
         with self.write() as conn:
             return compact_run(conn, run_id)
 
+    def mixing_windows(self, run_id: int) -> int:
+        """Windows of this run that already carry mixing measures (for the --attribution-windows cap)."""
+        with self.write() as conn:
+            return int(conn.execute(text(
+                "SELECT coalesce(sum(windows), 0) FROM mixing_stats "
+                "WHERE run_id = :r AND method = 'attention' AND layer = 0 AND head = -1"
+            ), {"r": run_id}).scalar())
+
     # --- ingest ---------------------------------------------------------------------------
     def ingest(self, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
         """Store batch results in one transaction. A batch already stored is skipped (so a
@@ -214,6 +223,7 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
         return 0
     raw = conn.connection.driver_connection
     tables = _arrow_tables(run_id, fresh)
+    tables.update(mixing_tables(run_id, fresh))
     try:
         for name, table in tables.items():
             raw.register(f"_in_{name}", table)
@@ -229,6 +239,9 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
         for name in ("run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors",
                      "anchor_tokens", "anchor_layers"):
             conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
+        for name in MIXING_TABLES:
+            if name in tables:
+                conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
         conn.exec_driver_sql(
             "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "
             "SELECT run_id, batch_id, n_windows, 'done', 1, compute_s, now() FROM _in_batches "

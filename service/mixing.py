@@ -1,0 +1,188 @@
+"""How much each input token contributes to each output position: forward-only measures
+(SPEC §6) and the additive per-(layer, head) sums shared by every method.
+
+Methods and what a row ``M_i·`` (over keys j, summing to 1) means:
+  attention    the head's attention row ``A_i·``; layer slot: mean over heads.
+  attribution  normalised gradient norms (service.attribution); layer slot: the block output.
+  rollout      ``(0.5·A^h + 0.5·I) R_{l-1}`` per head, ``R_l = (0.5·mean_h A + 0.5·I) R_{l-1}``
+               for the layer (Abnar & Zuidema 2020), ``R_{-1} = I``. Heads average to the layer.
+  norm         ``‖A_ij f_h(x_j)‖`` with ``f_h(x) = (x W_V + b_V) W_O^h`` per head; layer slot
+               ``‖Σ_h A^h_ij f_h(x_j)‖`` (Kobayashi et al. 2020). Not composed across layers.
+  alti         layer slot only: Ferrando et al. 2022 — the attention block's output (residual and
+               LayerNorm included, LayerNorm linearised with the token's own scale) decomposed
+               into per-token vectors T_i(x_j); ``c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁)``,
+               normalised, then composed across layers like rollout.
+
+Every method's rows are reduced to the same additive sums per (layer, slot): mass to
+[CLS]/[SEP]/`.`,`,`/self/previous/next, row entropy, Jensen–Shannon divergence (base 2) to
+the attention row, distance sum and a mass-by-|i−j| histogram. Slot ``n_heads`` is the
+layer-level row, stored as head -1.
+
+Pure tensor code: imports neither Celery, Typer nor SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from service.model import LoadedModel, encoder_layers
+from service.stats import WindowFeatures, attention_sums
+
+METHODS = ("attention", "attribution", "rollout", "norm", "alti")
+FORWARD_METHODS = ("rollout", "norm", "alti")
+MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention",
+            "distance_sum")
+LAYER_ONLY = frozenset({"alti"})
+
+
+# --- the measures ------------------------------------------------------------------------------
+def rollout(probs: list[torch.Tensor], valid: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """probs: per layer ``[batch, head, pos, key]``. Returns per layer the head rows
+    ``[batch, head, pos, key]`` and the layer rows ``[batch, pos, key]``."""
+    eye = torch.diag_embed(valid.to(probs[0].dtype))  # [batch, pos, key]; pads have no self-loop
+    prev = eye
+    heads, layers = [], []
+    for attn in probs:
+        mixed = 0.5 * attn + 0.5 * eye[:, None]
+        heads.append(torch.matmul(mixed, prev[:, None]))
+        prev = torch.matmul(mixed.mean(1), prev)
+        layers.append(prev)
+    return heads, layers
+
+
+def value_vectors(block: torch.nn.Module, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``f_h(x_j) = (x_j W_V + b_V) W_O^h`` → ``[batch, head, pos, d_model]`` (no output bias)."""
+    value = block.attention.self.value
+    v = torch.nn.functional.linear(x, value.weight.to(x.dtype), value.bias.to(x.dtype))  # [batch, pos, head·d_head]
+    batch, n_pos, width = v.shape
+    v = v.view(batch, n_pos, n_heads, width // n_heads).transpose(1, 2)  # [batch, head, pos, d_head]
+    w_o = block.attention.output.dense.weight.to(x.dtype)  # [d_model, head·d_head]
+    w = w_o.view(w_o.shape[0], n_heads, width // n_heads).permute(1, 2, 0)  # [head, d_head, d_model]
+    return torch.matmul(v, w)
+
+
+def norm_based(block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kobayashi et al. 2020 for one layer. x: block input ``[batch, pos, d_model]``; attn
+    ``[batch, head, pos, key]``. Returns unnormalised head rows ``[batch, head, pos, key]`` and
+    layer rows ``[batch, pos, key]``."""
+    f = value_vectors(block, x, attn.shape[1])  # [batch, head, key, d_model]
+    heads = attn * f.norm(dim=-1)[:, :, None, :]
+    layer = torch.stack([
+        torch.einsum("hij,hjd->ijd", attn[b], f[b]).norm(dim=-1) for b in range(x.shape[0])
+    ])  # one window at a time: the [pos, key, d_model] tensor is the memory peak
+    return heads, layer
+
+
+def alti_layer(block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """ALTI contributions of one layer, ``[batch, pos, key]``, rows normalised (Ferrando et al.
+    2022, eq. 6–9). y_i = LayerNorm(Σ_j Σ_h A^h_ij f_h(x_j) + b_O + x_i) is split into
+    ``T_i(x_j) = γ ⊙ (t_ij − mean(t_ij)) / σ_i`` with ``t_ij = Σ_h A^h_ij f_h(x_j) + δ_ij x_j``."""
+    f = value_vectors(block, x, attn.shape[1])
+    dense, ln = block.attention.output.dense, block.attention.output.LayerNorm
+    gamma, beta = ln.weight.to(x.dtype), ln.bias.to(x.dtype)
+    rows = []
+    for b in range(x.shape[0]):  # per window: [pos, key, d_model] is the memory peak
+        t = torch.einsum("hij,hjd->ijd", attn[b], f[b])
+        t = t + torch.diag_embed(x[b].T).permute(1, 2, 0)  # δ_ij x_j on the diagonal
+        u = t.sum(1) + dense.bias.to(t.dtype)  # the LayerNorm input
+        sigma = torch.sqrt(u.var(-1, unbiased=False, keepdim=True) + ln.eps)  # [pos, 1]
+        transformed = gamma * (t - t.mean(-1, keepdim=True)) / sigma[:, None]
+        y = torch.nn.functional.layer_norm(u, u.shape[-1:], gamma, beta, ln.eps)  # [pos, d_model]
+        c = (y.abs().sum(-1, keepdim=True) - (y[:, None] - transformed).abs().sum(-1)).clamp_min(0)
+        c = c * valid[b][None, :]
+        rows.append(_normalise(c))
+    return torch.stack(rows)
+
+
+def alti(blocks, resid_pre: list[torch.Tensor], probs: list[torch.Tensor], valid: torch.Tensor) -> list[torch.Tensor]:
+    """ALTI rolled out over layers: ``R_l = C_l R_{l-1}``, ``R_0 = C_0``. Per layer ``[batch, pos, key]``."""
+    out, prev = [], None
+    for block, x, attn in zip(blocks, resid_pre, probs):
+        c = alti_layer(block, x, attn, valid)
+        prev = c if prev is None else torch.matmul(c, prev)
+        out.append(prev)
+    return out
+
+
+# --- additive sums -------------------------------------------------------------------------------
+def _normalise(m: torch.Tensor) -> torch.Tensor:
+    total = m.sum(-1, keepdim=True)
+    return torch.where(total > 0, m / total.clamp_min(torch.finfo(m.dtype).tiny), torch.zeros_like(m))
+
+
+def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence in bits between rows (last dimension), in [0, 1]."""
+    m = 0.5 * (p + q)
+    kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, m)).sum(-1)  # noqa: E731  0·log 0 = 0
+    return (0.5 * kl(p) + 0.5 * kl(q)) / np.log(2.0)
+
+
+def row_sums(rows: torch.Tensor, attn: torch.Tensor, feats: WindowFeatures, *, seq_len: int) -> dict[str, torch.Tensor]:
+    """Sums over valid query rows for one layer. rows, attn: ``[batch, unit, pos, key]``.
+    Returns ``[unit]`` float64 per MIX_SUMS and ``dist`` ``[unit, seq_len]`` (mass by |i−j|)."""
+    rows, attn = rows.float(), attn.float()
+    base = attention_sums(rows, feats)
+    valid = feats.valid.float()[:, None, :]  # [batch, 1, pos]
+    out = {name: base["attn_" + name] for name in ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next")}
+    out["entropy"] = base["attn_entropy"]
+    out["jsd_attention"] = (jsd(rows, attn) * valid).sum(dim=(0, 2), dtype=torch.float64)
+    n_pos = rows.shape[-1]
+    pos = torch.arange(n_pos, device=rows.device)
+    distance = (pos[:, None] - pos[None, :]).abs()  # [pos, key]
+    mass = (rows * valid[..., None]).sum(0).flatten(1)  # [unit, pos·key]
+    dist = torch.zeros(rows.shape[1], seq_len, dtype=torch.float64, device=rows.device)
+    dist.index_add_(1, distance.flatten(), mass.double())
+    out["distance_sum"] = (dist * torch.arange(seq_len, device=rows.device, dtype=torch.float64)).sum(1)
+    out["dist"] = dist
+    return out
+
+
+def _stack(per_layer: list[dict[str, torch.Tensor]], head_ids: list[int]) -> dict[str, np.ndarray]:
+    out = {key: torch.stack([d[key] for d in per_layer]).cpu().numpy().astype(np.float64) for key in per_layer[0]}
+    out["head"] = np.array(head_ids, dtype=np.int64)
+    return out
+
+
+def mixing_sums(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, feats: WindowFeatures,
+                *, methods: tuple[str, ...], attribution: bool, seq_len: int,
+                chunk_size: int) -> dict[str, dict[str, np.ndarray]]:
+    """Per method: ``head`` ``[slot]`` (0..H-1, then -1 for the layer row), MIX_SUMS arrays
+    ``[layer, slot]`` and ``dist`` ``[layer, slot, seq_len]``, summed over the batch's valid rows.
+    ``attention`` is always included: it is what the other methods are compared with."""
+    from service.attribution import attribution as attribute, trace
+
+    valid = attention_mask.to(model.device).bool()
+    tr = trace(model, input_ids, attention_mask)
+    blocks = encoder_layers(model.model)
+    n_heads = model.n_heads
+    heads_and_layer = list(range(n_heads)) + [-1]
+    probs = [p.float() for p in tr.probs]
+    mean_attn = [p.mean(1, keepdim=True) for p in probs]  # the reference for layer rows
+    results: dict[str, dict[str, np.ndarray]] = {}
+
+    def add(method: str, head_rows: list[torch.Tensor] | None, layer_rows: list[torch.Tensor]) -> None:
+        per_layer = []
+        for layer in range(model.n_layers):
+            rows = [layer_rows[layer][:, None]]
+            ref = [mean_attn[layer]]
+            if head_rows is not None:
+                rows.insert(0, head_rows[layer])
+                ref.insert(0, probs[layer])
+            per_layer.append(row_sums(torch.cat(rows, 1), torch.cat(ref, 1), feats, seq_len=seq_len))
+        results[method] = _stack(per_layer, heads_and_layer if head_rows is not None else [-1])
+
+    with torch.no_grad():
+        add("attention", probs, [m[:, 0] for m in mean_attn])
+        if "rollout" in methods:
+            add("rollout", *rollout(probs, valid))
+        if "norm" in methods:
+            pairs = [norm_based(blocks[l], tr.resid_pre[l].float(), probs[l]) for l in range(model.n_layers)]
+            add("norm", [_normalise(h) for h, _ in pairs], [_normalise(lay) for _, lay in pairs])
+        if "alti" in methods:
+            add("alti", None, alti(blocks, [x.float() for x in tr.resid_pre], probs, valid))
+    if attribution:
+        per_head, per_layer_rows = attribute(model, input_ids, attention_mask, chunk_size=chunk_size)
+        with torch.no_grad():
+            add("attribution", list(per_head.unbind(1)), list(per_layer_rows.unbind(1)))
+    return results
