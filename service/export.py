@@ -38,6 +38,8 @@ RUN_TABLES = {
     "anchors": "SELECT * FROM anchors WHERE run_id = {run}",
     "anchor_tokens": "SELECT * FROM anchor_tokens WHERE run_id = {run}",
     "anchor_layers": "SELECT * FROM anchor_layers WHERE run_id = {run}",
+    "mixing_stats": "SELECT * FROM mixing_stats WHERE run_id = {run}",
+    "mixing_dist": "SELECT * FROM mixing_dist WHERE run_id = {run}",
 }
 
 

@@ -21,6 +21,8 @@ ADDITIVE_TABLES: dict[str, tuple[str, ...]] = {
     "run_chance": (),
     "anchor_tokens": ("layer", "head", "token_id", "token"),
     "anchor_layers": ("layer",),
+    "mixing_stats": ("method", "layer", "head"),
+    "mixing_dist": ("method", "layer", "head", "distance"),
 }
 
 
