@@ -1,0 +1,69 @@
+"""The benchmark suite: one command, one table of figures and ratios measured in one run.
+
+    python benchmarks/run.py            # everything (about 15–30 minutes on 2 CPU cores)
+    python benchmarks/run.py --quick    # smaller sizes, for a smoke test
+
+Rows: bare forward vs full analysis (ratio) and the naive per-window/per-head baseline
+(speed-up) for the default model and random:bert-base; embedded vs queue windows/s (ratio,
+needs Redis); ingest rows/s and query latency on a 20,000-window, 144-head synthetic run;
+peak memory for 2,000 vs 20,000 windows. GPU rows run when CUDA is present, else they say
+"not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import forward_vs_full, memory, query_speed  # noqa: E402
+from benchmarks.common import machine  # noqa: E402
+
+
+def section(title: str, fn, *args) -> str:
+    print(f"\n## {title}", flush=True)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        try:
+            fn(*args)
+        except SystemExit as exc:  # a part that cannot run here says why
+            print(f"not measured: {exc}")
+    print(buf.getvalue(), end="", flush=True)
+    return buf.getvalue()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    import torch
+
+    print(f"# headatlas benchmarks — {machine()}")
+    windows = "96" if args.quick else "512"
+    section("Bare forward vs full analysis, CPU (target ratio ≤ 1.3; naive speed-up ≥ 1.8×)",
+            forward_vs_full.main, ["--windows", windows, "--repeats", "2" if args.quick else "3"])
+    if torch.cuda.is_available():
+        section("Bare forward vs full analysis, GPU (target ratio ≤ 1.15)", forward_vs_full.main,
+                ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--no-naive"])
+        section("GPU, bfloat16 autocast", forward_vs_full.main,
+                ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--dtype", "bfloat16", "--no-naive"])
+    else:
+        print("\n## GPU rows\nnot measured: no CUDA device on this machine")
+    try:
+        from benchmarks import queue as queue_bench
+    except ImportError:
+        queue_bench = None
+    if queue_bench is not None:
+        section("Embedded vs queue, 1 worker (target ≥ 0.9×)", queue_bench.main, ["--windows", windows])
+    section("Ingest and query latency, 20,000 windows × 144 heads (target < 0.5 s)", query_speed.main,
+            ["--windows", "2000" if args.quick else "20000"])
+    section("Peak memory, 2,000 vs 20,000 windows (must be flat)", memory.main,
+            ["--small", "300" if args.quick else "2000", "--large", "1500" if args.quick else "20000"])
+
+
+if __name__ == "__main__":
+    main()
