@@ -1,0 +1,173 @@
+"""Distributed runs: `submit`, `worker`, `writer`, `status`, `retry` (registered on the main app)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from typing import Optional
+
+import typer
+
+from cli.main import SETTINGS, DbOpt, _store, app
+from cli.output import Format, render, stderr, stdout
+
+BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
+
+
+def _settings(**overrides):
+    """Settings with CLI overrides, exported so that Celery processes started from here see them."""
+    from service.config import Settings
+
+    settings = replace(Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None})
+    for name, value in overrides.items():
+        if value is not None:
+            os.environ[f"HEADATLAS_{name.upper()}"] = str(value)
+    return settings
+
+
+@app.command()
+def submit(
+    corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory or a glob (readable by the submitter only)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Run name (default: corpus name + key)."),
+    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="As for analyze; every worker must have the same model [env HEADATLAS_MODEL]."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32)."),
+    batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch (one task each) [env HEADATLAS_BATCH_SIZE]."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
+    windowing: str = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document)."),
+    select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
+    gate: float = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n."),
+    include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
+    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
+    short_range: int = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share."),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text."),
+    encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files."),
+    wait: bool = typer.Option(False, "--wait", help="Show progress until the run ends."),
+    writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run."),
+    db: str = DbOpt,
+    broker: str = BrokerOpt,
+) -> None:
+    """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
+    from service.analysis_options import build_params
+    from workers.submit import submit as submit_corpus
+
+    if corpus == "-":
+        from service.errors import CorpusError
+
+        raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
+    params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
+                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype)
+    settings = _settings(db=db, broker_url=broker)
+    sub = submit_corpus(corpus, settings=settings, model=model, dtype=dtype, params=params, batch_size=batch_size,
+                        name=name, text_field=text_field, encoding=encoding, writer_wait_s=writer_wait,
+                        log=lambda msg: stderr.print(msg))
+    if sub.status == "done":
+        stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: nothing queued")
+    else:
+        stderr.print(f"run {sub.name}: {sub.batches:,} batches of up to {sub.batch_size} windows ({sub.windows:,} windows); "
+                     f"queued {sub.queued:,}, {sub.skipped:,} already stored or queued")
+    if sub.run_id is None:
+        stderr.print("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
+    if wait and sub.status != "done":
+        _wait(settings, sub)
+    stdout.print(sub.run_id if sub.run_id is not None else sub.name)
+
+
+def _wait(settings, sub) -> None:
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from workers.ledger import Ledger, connect
+
+    ledger = Ledger(connect(settings.broker_url))
+    started, base = time.monotonic(), ledger.windows_done(sub.run_key)
+    columns = [TextColumn("batches"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[failed]} failed"),
+               TextColumn("{task.fields[rate]:.1f} windows/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    with Progress(*columns, console=stderr) as bar:
+        task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
+        while True:
+            live = ledger.live(sub.run_key)
+            rate = (ledger.windows_done(sub.run_key) - base) / max(time.monotonic() - started, 1e-9)
+            bar.update(task, completed=live.done + live.failed, failed=live.failed, rate=rate)
+            if live.done + live.failed >= sub.batches:
+                break
+            time.sleep(0.5)
+    if sub.run_id is None:
+        from workers.submit import wait_for_run_id
+
+        sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
+    if live.failed:
+        stderr.print(f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again")
+
+
+@app.command()
+def worker(
+    queues: str = typer.Option("analysis", "--queues", "-Q", help="Queues to consume, comma-separated."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", min=1, help="CPU: processes sharing the cores (default 1). GPU: ignored, one process per GPU."),
+    device: str = typer.Option(SETTINGS.device, "--device", help="auto (every GPU, else CPU), cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
+    broker: str = BrokerOpt,
+    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
+) -> None:
+    """Run analysis workers: take batches from the queue, send their statistics to the writer."""
+    from workers.launch import run_worker
+
+    _settings(broker_url=broker, device=device)
+    run_worker(queues=queues, concurrency=concurrency, device=device, loglevel=loglevel)
+
+
+@app.command()
+def writer(db: str = DbOpt, broker: str = BrokerOpt,
+           loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level.")) -> None:
+    """Run the database writer: the one process that stores queued runs' results (run one)."""
+    from workers.launch import run_writer
+
+    _settings(db=db, broker_url=broker)
+    run_writer(loglevel=loglevel)
+
+
+@app.command()
+def status(run: Optional[str] = typer.Argument(None, help="Run id or name (default: the latest run)."),
+           db: str = DbOpt, broker: str = BrokerOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
+    """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
+    from service.errors import BrokerError
+    from workers.ledger import Ledger, connect
+    from workers.status import run_status
+
+    try:
+        ledger = Ledger(connect(broker))
+    except BrokerError as exc:
+        ledger = None
+        stderr.print(f"{exc}; showing what the database knows")
+    state = run_status(_store(db), run, ledger)
+    render(["field", "value"], state.rows(), fmt)
+
+
+@app.command()
+def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOpt, broker: str = BrokerOpt,
+          writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer.")) -> None:
+    """Queue the failed batches of a run again, with a fresh attempt count."""
+    from service.errors import CorpusError
+    from service.params import AnalysisParams
+    from service.storage.queue_store import progress, run_and_plan
+    from workers.app import INGEST_QUEUE, make_app
+    from workers.ledger import Ledger, connect
+    from workers.submit import submit as submit_corpus
+
+    settings = _settings(db=db, broker_url=broker)
+    store = _store(db)
+    found, plan = run_and_plan(store, run)
+    with store.checked_read() as conn:
+        failed = [b for b, _a, _e in progress(conn, found.run_id, max_errors=10**9).errors]
+    if not failed:
+        stdout.print(f"run {found.run_id} ({found.name}): no failed batch to retry")
+        return
+    ledger = Ledger(connect(broker))
+    ledger.reset_failed(found.run_key, failed)
+    make_app(settings).send_task("headatlas.writer.reopen", args=[found.run_key], queue=INGEST_QUEUE)
+    params = AnalysisParams.from_dict(found.params)
+    try:
+        sub = submit_corpus(found.corpus, settings=settings, model=found.model, dtype=params.dtype, params=params,
+                            batch_size=plan.batch_size, name=found.name, writer_wait_s=writer_wait, only=set(failed),
+                            expect_key=found.run_key)
+    except CorpusError as exc:
+        raise CorpusError(f"{exc} (retry re-reads the corpus of run {found.run_id} from {found.corpus})") from None
+    stdout.print(f"run {found.run_id} ({found.name}): {sub.queued} failed batch(es) queued again")

@@ -1,0 +1,172 @@
+"""Store operations of distributed runs: the batch plan, failed batches, the end of a run.
+
+Called by the writer only (the one process that writes the database while a queue runs); the
+read helpers (``plan_of``, ``progress``) also serve ``headatlas status`` on a read connection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from service.analysis import BatchResult
+from service.errors import StoreError
+from service.storage.store import Run, Store, ingest_batches, now, resolve_run
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_id: int
+    batch_size: int
+    batches: int | None  # None while the submitter is still cutting the corpus
+    windows: int | None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the database knows of a queued run: batches done and failed, windows counted."""
+
+    plan: Plan | None
+    done: int
+    failed: int
+    windows_done: int
+    errors: list[tuple[int, int, str]]  # (batch_id, attempts, error) of failed batches
+
+
+def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
+    from service.storage.store import RUN_COLUMNS
+
+    row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
+    return Run.from_row(row) if row is not None else None
+
+
+def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
+    """Create the queued run described by ``meta`` (or find it) and record its batch plan.
+
+    ``meta``: run_key, name, corpus, corpus_fingerprint, model (describe()), params, device,
+    batch_size, batches, windows. A run already planned keeps its plan.
+    """
+    run, _ = store.find_or_create_run(
+        run_key=meta["run_key"], name=meta["name"], corpus=meta["corpus"],
+        corpus_fingerprint=meta["corpus_fingerprint"], model=meta["model"], params=meta["params"],
+        engine="queue", device=meta.get("device"),
+    )
+    with store.write() as conn:
+        plan = plan_of(conn, run.run_id)
+        if plan is None:
+            conn.execute(
+                text("INSERT INTO queue_plans (run_id, batch_size, batches, windows, submitted_at) "
+                     "VALUES (:r, :bs, :b, :w, :ts)"),
+                {"r": run.run_id, "bs": meta["batch_size"], "b": meta["batches"], "w": meta["windows"], "ts": now()},
+            )
+        elif plan.batches is None and meta.get("batches") is not None:
+            conn.execute(
+                text("UPDATE queue_plans SET batches = :b, windows = :w WHERE run_id = :r"),
+                {"r": run.run_id, "b": meta["batches"], "w": meta["windows"]},
+            )
+        plan = plan_of(conn, run.run_id)
+        if run.status in ("created", "interrupted"):
+            conn.execute(
+                text("UPDATE runs SET status = 'running', started_at = coalesce(started_at, :ts), error = NULL "
+                     "WHERE run_id = :r"),
+                {"ts": now(), "r": run.run_id},
+            )
+        finish_if_complete(conn, run.run_id)
+    return store.get_run(run.run_id), plan
+
+
+def plan_of(conn: Connection, run_id: int) -> Plan | None:
+    row = conn.execute(
+        text("SELECT run_id, batch_size, batches, windows FROM queue_plans WHERE run_id = :r"), {"r": run_id}
+    ).first()
+    return Plan(*row) if row is not None else None
+
+
+def ingest_one(store: Store, run_id: int, batch_id: int, result: BatchResult) -> int:
+    """Store one batch and, in the same transaction, end the run if it was the last one.
+    Returns 1 when stored, 0 when the batch was already stored (a redelivery)."""
+    with store.write() as conn:
+        stored = ingest_batches(conn, run_id, [(batch_id, result)])
+        finish_if_complete(conn, run_id)
+        return stored
+
+
+def mark_failed(store: Store, run_id: int, batch_id: int, *, attempts: int, error: str) -> bool:
+    """Record a batch that failed ``attempts`` times (never over a batch already stored).
+    Returns False when the batch was stored meanwhile."""
+    with store.write() as conn:
+        changed = conn.execute(
+            text("INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
+                 "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
+                 "status = 'failed', attempts = excluded.attempts, error = excluded.error "
+                 "WHERE batches.status <> 'done'"),
+            {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]},
+        ).rowcount
+        finish_if_complete(conn, run_id)
+        return bool(changed)
+
+
+def reopen_failed(store: Store, run_id: int) -> list[int]:
+    """Forget the failed batches of a run so they count as pending again; the run is running."""
+    with store.write() as conn:
+        ids = [r[0] for r in conn.execute(
+            text("DELETE FROM batches WHERE run_id = :r AND status = 'failed' RETURNING batch_id"), {"r": run_id}
+        )]
+        conn.execute(
+            text("UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = :r "
+                 "AND status <> 'done'"),
+            {"r": run_id},
+        )
+        return sorted(ids)
+
+
+def finish_if_complete(conn: Connection, run_id: int) -> None:
+    """End the run once every planned batch is either stored or failed: ``done`` when none
+    failed, ``failed`` (with the count and the fix in ``error``) otherwise."""
+    plan = plan_of(conn, run_id)
+    if plan is None or plan.batches is None:
+        return
+    done, failed = _counts(conn, run_id)
+    if done + failed < plan.batches:
+        return
+    if failed:
+        status, error = "failed", f"{failed} batch(es) failed: see `headatlas status {run_id}`, then `headatlas retry {run_id}`"
+    else:
+        status, error = "done", None
+    conn.execute(
+        text("UPDATE runs SET status = :s, error = :e, finished_at = :ts, "
+             "wall_s = epoch(CAST(:ts AS TIMESTAMP)) - epoch(coalesce(started_at, created_at)) "
+             "WHERE run_id = :r AND (status <> :s OR finished_at IS NULL)"),
+        {"s": status, "e": error, "ts": now(), "r": run_id},
+    )
+
+
+def progress(conn: Connection, run_id: int, *, max_errors: int = 5) -> Progress:
+    done, failed = _counts(conn, run_id)
+    windows = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run_id}).scalar()
+    errors = [tuple(r) for r in conn.execute(
+        text("SELECT batch_id, attempts, error FROM batches WHERE run_id = :r AND status = 'failed' "
+             "ORDER BY batch_id LIMIT :n"),
+        {"r": run_id, "n": max_errors},
+    )]
+    return Progress(plan_of(conn, run_id), done, failed, int(windows), errors)
+
+
+def run_and_plan(store: Store, ref: str | int | None) -> tuple[Run, Plan]:
+    with store.checked_read() as conn:
+        run = resolve_run(conn, ref)
+        plan = plan_of(conn, run.run_id)
+    if plan is None:
+        raise StoreError(f"run {run.run_id} ({run.name}) was not submitted to the queue: re-run `headatlas analyze` to resume it")
+    return run, plan
+
+
+def _counts(conn: Connection, run_id: int) -> tuple[int, int]:
+    row = conn.execute(
+        text("SELECT count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'failed') "
+             "FROM batches WHERE run_id = :r"),
+        {"r": run_id},
+    ).first()
+    return int(row[0]), int(row[1])

@@ -1,0 +1,67 @@
+"""The Celery application: configuration from Settings, queue routing, reliability settings.
+
+Two queues. ``analysis``: one task per batch, run by ``headatlas worker`` processes (any number,
+any machine). ``ingest``: run creation, batch results and failures, consumed by the single
+``headatlas writer`` — the only process that opens the database for writing.
+
+Importing this module loads no model and opens no connection.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from service.config import Settings
+
+ANALYSIS_QUEUE = "analysis"
+INGEST_QUEUE = "ingest"
+
+
+def broker_options(settings: Settings) -> dict:
+    """Redis transport options. The visibility timeout (how long a delivered, unacknowledged
+    message waits before another worker may get it) must exceed the longest task, or a slow
+    batch would be handed out twice while it still runs: it is twice the task time limit.
+    The unacked-restore sweep defaults to ~100 s (interval 10 × throttle 10); every 2 s keeps
+    redelivery after a lost worker close to the visibility timeout."""
+    return {
+        "visibility_timeout": int(2 * settings.task_time_limit_s),
+        "unacked_restore_interval": 2,
+        "unacked_restore_throttle": 1,
+    }
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings.from_env()
+    app = Celery("headatlas", broker=settings.broker_url, include=["workers.tasks"])
+    app.conf.update(
+        broker_transport_options=broker_options(settings),
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a restarted Redis is waited for, not given up on
+        task_serializer="json",
+        accept_content=["json"],
+        result_backend=None,
+        task_ignore_result=True,
+        # A task is acknowledged after it ran, and re-queued when its process dies: a batch
+        # is never lost to a crash, at the price of running twice (ingest is idempotent).
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # a worker holds no batch it is not working on
+        task_time_limit=settings.task_time_limit_s,
+        task_soft_time_limit=0.9 * settings.task_time_limit_s,
+        task_default_queue=ANALYSIS_QUEUE,
+        task_queues=[Queue(q, Exchange(q, type="direct"), routing_key=q) for q in (ANALYSIS_QUEUE, INGEST_QUEUE)],
+        task_routes={"headatlas.writer.*": {"queue": INGEST_QUEUE}, "headatlas.analyze_batch": {"queue": ANALYSIS_QUEUE}},
+        task_default_exchange=ANALYSIS_QUEUE,
+        task_default_routing_key=ANALYSIS_QUEUE,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_enable_remote_control=False,  # no pidbox queues: fewer keys, faster start
+    )
+    app.conf.headatlas = settings
+    return app
+
+
+app = make_app()

@@ -1,0 +1,91 @@
+"""Where a distributed run stands: batches done / running / failed / pending, windows/s, ETA.
+
+Done and failed come from the database (the record, read-only: it waits for the writer's short
+transactions instead of failing on its lock); running and waiting-for-the-writer come from
+Redis, which alone knows them. Without Redis the database's counts are shown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from service.storage.store import Store, now
+
+
+@dataclass
+class RunStatus:
+    run_id: int
+    name: str
+    status: str
+    batches: int | None
+    done: int
+    failed: int
+    running: int | None
+    ingesting: int | None
+    pending: int | None
+    windows_done: int
+    windows: int | None
+    windows_per_s: float | None
+    eta_s: float | None
+    error: str | None
+    errors: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        def show(value, unit=""):
+            return "?" if value is None else f"{value:,}{unit}" if isinstance(value, int) else f"{value:,.1f}{unit}"
+
+        out = [
+            ("run", f"{self.run_id} ({self.name})"),
+            ("status", self.status),
+            ("batches", show(self.batches)),
+            ("done", show(self.done)),
+            ("running", show(self.running)),
+            ("analysed, waiting for the writer", show(self.ingesting)),
+            ("failed", show(self.failed)),
+            ("pending", show(self.pending)),
+            ("windows", f"{self.windows_done:,} of {show(self.windows)}"),
+            ("windows/s", show(self.windows_per_s)),
+            ("ETA", "-" if self.eta_s is None else _duration(self.eta_s)),
+        ]
+        if self.error:
+            out.append(("error", self.error))
+        out += [(f"batch {b} (tried {a}×)", e) for b, a, e in self.errors]
+        return out
+
+
+def run_status(store: Store, ref: str | int | None, ledger=None) -> RunStatus:
+    from service.storage import queue_store
+
+    with store.checked_read() as conn:
+        run = queue_store.resolve_run(conn, ref)
+        prog = queue_store.progress(conn, run.run_id)
+    plan = prog.plan
+    batches = plan.batches if plan else None
+    windows = plan.windows if plan else None
+    running = ingesting = None
+    if ledger is not None and plan is not None:
+        live = ledger.live(run.run_key)
+        running, ingesting = live.running, live.ingesting
+    pending = None
+    if batches is not None:
+        pending = max(0, batches - prog.done - prog.failed - (running or 0) - (ingesting or 0))
+    rate = eta = None
+    if run.started_at is not None and prog.windows_done:
+        end: datetime = run.finished_at or now()
+        elapsed = (end - run.started_at).total_seconds()
+        rate = prog.windows_done / elapsed if elapsed > 0 else None
+        if rate and windows is not None and run.status == "running":
+            eta = max(0.0, (windows - prog.windows_done) / rate)
+    return RunStatus(
+        run_id=run.run_id, name=run.name, status=run.status, batches=batches, done=prog.done, failed=prog.failed,
+        running=running, ingesting=ingesting, pending=pending, windows_done=prog.windows_done, windows=windows,
+        windows_per_s=rate, eta_s=eta, error=run.error, errors=prog.errors,
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"

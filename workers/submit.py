@@ -1,0 +1,150 @@
+"""Submitting a corpus: validate it, cut it into batches, queue the batches, name the run.
+
+The submitter never writes the database: a writer may hold it at any moment, and DuckDB admits
+one writing process. The run is described in Redis and created by the writer (its first
+message on the ingest queue); batch messages carry the run key, so they can be queued before
+the run has an id. When the database file is reachable from here, it is read (never written)
+to skip batches already stored.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from service.config import Settings
+from service.errors import CorpusError, StoreError
+from service.params import AnalysisParams
+from workers.ledger import Ledger, connect
+
+SEND_CHUNK = 200
+
+
+@dataclass
+class Submission:
+    run_key: str
+    name: str
+    batch_size: int
+    batches: int
+    windows: int
+    queued: int  # batches queued by this submission
+    skipped: int  # batches already stored or already in the queue
+    run_id: int | None = None  # None when no writer created the run within the wait
+    status: str | None = None
+
+
+def submit(
+    spec: str,
+    *,
+    settings: Settings,
+    model: str,
+    dtype: str,
+    params: AnalysisParams,
+    batch_size: int,
+    name: str | None = None,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    writer_wait_s: float = 20.0,
+    only: set[int] | None = None,
+    expect_key: str | None = None,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> Submission:
+    """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
+    from service.model import load_model
+    from service.runner import _short_name, iter_batches, run_key, survey_corpus
+    from service.windows import TokenClasses
+    from workers.app import ANALYSIS_QUEUE, INGEST_QUEUE, make_app
+
+    summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
+    ledger = Ledger(connect(settings.broker_url))  # fail before any work when Redis is away
+    log(f"corpus: {summary.documents} documents, {summary.chars:,} characters; loading model {model} …")
+    loaded = load_model(model, device="cpu", dtype=dtype)  # the tokenizer and the run key only
+    key = run_key(summary.fingerprint, loaded, params)
+    if expect_key is not None and key != expect_key:
+        raise CorpusError(f"{spec} changed since the run was submitted: its batches cannot be re-made; submit it as a new run")
+    stored_run, plan, stored_done = _stored_state(settings.db, key)
+    if stored_run is not None and stored_run.engine != "queue" and stored_run.status != "done":
+        raise StoreError(
+            f"run {stored_run.run_id} ({stored_run.name}) has the same corpus, model and parameters and was started "
+            "by `headatlas analyze`: resume it with the same analyze command"
+        )
+    run_name = stored_run.name if stored_run else (name or f"{_short_name(spec)}-{key[:6]}")
+    if stored_run is not None and stored_run.status == "done" and only is None:
+        return Submission(key, run_name, plan.batch_size if plan else batch_size, plan.batches if plan else 0,
+                          plan.windows if plan else 0, 0, 0, stored_run.run_id, "done")
+    size = plan.batch_size if plan else ledger.claim_batch_size(key, batch_size)
+    if size != batch_size:
+        log(f"run {run_name} was first submitted with --batch-size {size}: keeping it, so batch ids name the same windows")
+    meta = {
+        "run_key": key, "name": run_name, "corpus": str(Path(spec).resolve()) if Path(spec).exists() else spec,
+        "corpus_fingerprint": summary.fingerprint, "model": loaded.describe(), "params": params.to_dict(),
+        "device": None, "batch_size": size, "batches": None, "windows": None,
+    }
+    ledger.put_run(key, meta)  # before any message: the writer creates the run from it
+    skip = stored_done | ledger.done(key) | (set() if only is not None else ledger.queued(key))
+    app = make_app(settings)
+    app.send_task("headatlas.writer.open_run", args=[key], queue=INGEST_QUEUE)
+    tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
+    common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key}
+    batches = windows = queued = 0
+    sent: list[int] = []
+    with app.producer_or_acquire() as producer:
+        for batch_id, (batch, docs, _consumed) in enumerate(
+            iter_batches(spec, loaded, params, tokens, batch_size=size, text_field=text_field, encoding=encoding)
+        ):
+            batches += 1
+            windows += len(batch.windows)
+            if batch_id in skip or (only is not None and batch_id not in only):
+                continue
+            payload = dict(common, documents=docs,
+                           windows=[[w.window_id, w.doc_id, w.index, list(w.input_ids)] for w in batch.windows])
+            app.send_task("headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE,
+                          producer=producer)
+            sent.append(batch_id)
+            queued += 1
+            if len(sent) >= SEND_CHUNK:
+                ledger.mark_queued(key, sent)  # after sending: a crash here re-sends, never loses
+                sent = []
+    ledger.mark_queued(key, sent)
+    meta.update(batches=batches, windows=windows)
+    ledger.put_run(key, meta)
+    app.send_task("headatlas.writer.open_run", args=[key], queue=INGEST_QUEUE)  # the plan is complete
+    result = Submission(key, run_name, size, batches, windows, queued, batches - queued)
+    result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
+    return result
+
+
+def wait_for_run_id(ledger: Ledger, key: str, wait_s: float) -> int | None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        run_id, error = ledger.run_id(key)
+        if error:
+            raise StoreError(error)
+        if run_id is not None or time.monotonic() >= deadline:
+            return run_id
+        time.sleep(0.2)
+
+
+def _stored_state(db: str, key: str):
+    """(run, plan, ids of stored batches) from the database when this machine can read it."""
+    from sqlalchemy import text
+
+    from service.storage.db import transaction
+    from service.storage.queue_store import find_run_by_key, plan_of
+
+    if not Path(db).is_file():
+        return None, None, set()
+    with transaction(db, read_only=True) as conn:
+        has_plans = conn.execute(
+            text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'queue_plans'")
+        ).scalar()
+        run = find_run_by_key(conn, key)
+        if run is None:
+            return None, None, set()
+        plan = plan_of(conn, run.run_id) if has_plans else None
+        done = {r[0] for r in conn.execute(
+            text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run.run_id}
+        )}
+    return run, plan, done if plan is not None else set()
