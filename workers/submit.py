@@ -53,8 +53,7 @@ def submit(
 ) -> Submission:
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
     from service.model import load_model
-    from service.runner import _short_name, iter_batches, run_key, survey_corpus
-    from service.windows import TokenClasses
+    from service.runner import _short_name, run_key, survey_corpus
     from workers.app import ANALYSIS_QUEUE, INGEST_QUEUE, make_app
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
@@ -86,20 +85,17 @@ def submit(
     skip = stored_done | ledger.done(key) | (set() if only is not None else ledger.queued(key))
     app = make_app(settings)
     app.send_task("headatlas.writer.open_run", args=[key], queue=INGEST_QUEUE)
-    tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
-    common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key}
     batches = windows = queued = 0
     sent: list[int] = []
     with app.producer_or_acquire() as producer:
-        for batch_id, (batch, docs, _consumed) in enumerate(
-            iter_batches(spec, loaded, params, tokens, batch_size=size, text_field=text_field, encoding=encoding)
+        for batch_id, n_windows, payload in batch_payloads(
+            spec, loaded, params, model=model, dtype=dtype, batch_size=size, text_field=text_field, encoding=encoding,
+            wanted=lambda b: b not in skip and (only is None or b in only),
         ):
             batches += 1
-            windows += len(batch.windows)
-            if batch_id in skip or (only is not None and batch_id not in only):
+            windows += n_windows
+            if payload is None:
                 continue
-            payload = dict(common, documents=docs,
-                           windows=[[w.window_id, w.doc_id, w.index, list(w.input_ids)] for w in batch.windows])
             app.send_task("headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE,
                           producer=producer)
             sent.append(batch_id)
@@ -114,6 +110,25 @@ def submit(
     result = Submission(key, run_name, size, batches, windows, queued, batches - queued)
     result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
     return result
+
+
+def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dtype: str, batch_size: int,
+                   text_field: str = "text", encoding: str = "utf-8", wanted: Callable[[int], bool] = lambda _b: True):
+    """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
+    corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
+    engine, so both engines add up the same partial sums."""
+    from service.runner import iter_batches
+    from service.windows import TokenClasses
+
+    tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
+    common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key}
+    batches = iter_batches(spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding)
+    for batch_id, (batch, docs, _consumed) in enumerate(batches):
+        payload = None
+        if wanted(batch_id):
+            payload = dict(common, documents=docs,
+                           windows=[[w.window_id, w.doc_id, w.index, list(w.input_ids)] for w in batch.windows])
+        yield batch_id, len(batch.windows), payload
 
 
 def wait_for_run_id(ledger: Ledger, key: str, wait_s: float) -> int | None:

