@@ -1,0 +1,100 @@
+"""Faults during a distributed run, each ending with the run complete and every window counted
+once: a worker killed mid-batch, the writer killed mid-ingest, Redis restarted mid-run."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import redis
+
+from queue_support import Cluster, RedisServer, any_redis, assert_counted_once, assert_whole_batches, make_corpus, tmpdir
+from service.config import Settings
+from service.params import AnalysisParams
+
+pytestmark = pytest.mark.integration
+
+MODEL = "random:4,4,256"  # slow enough (a few tenths of a second a batch) to be caught mid-batch
+PARAMS = AnalysisParams(seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    folder = tmpdir("headatlas-faults-")
+    server = any_redis(folder / "redis")
+    c = Cluster(server.url, folder)
+    c.start_writer()
+    c.start_worker()
+    yield c
+    c.stop()
+    server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _submit(cluster, corpus):
+    from workers.submit import submit
+
+    settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
+    return submit(str(corpus), settings=settings, model=MODEL, dtype="float32", params=PARAMS, batch_size=4)
+
+
+def _wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def test_worker_killed_mid_batch(shared, demo_corpus, tmp_path):
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="workerkill")
+    sub = _submit(shared, corpus)
+    running = f"headatlas:running:{sub.run_key}"
+    _wait_for(lambda: shared.redis.hlen(running) > 0, what="a batch to start")
+    victim = int(shared.redis.hkeys(running)[0])
+    shared.kill("worker")
+    shared.start_worker()
+    assert shared.wait_status(sub.name, timeout=150) == "done"
+    assert_counted_once(shared.db, sub.run_id)
+    attempts = int(shared.redis.hget(f"headatlas:attempts:{sub.run_key}", victim))
+    assert attempts >= 2  # it was really cut short, and analysed again
+
+
+def test_writer_killed_mid_ingest(shared, demo_corpus, tmp_path):
+    from service.storage.db import transaction
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="writerkill")
+    sub = _submit(shared, corpus)
+    _wait_for(lambda: shared.redis.hget("headatlas:writer", "state") == b"ingesting", what="an ingest")
+    shared.kill("writer")
+    with transaction(shared.db, read_only=True) as conn:  # what a reader sees now: whole batches only
+        from sqlalchemy import text
+
+        done = conn.execute(text("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'"),
+                            {"r": sub.run_id}).scalar()
+        assert_whole_batches(conn, sub.run_id, done, 4 * 4)
+    assert done < sub.batches
+    shared.start_writer()
+    assert shared.wait_status(sub.name, timeout=150) == "done"
+    assert_counted_once(shared.db, sub.run_id)
+
+
+def test_redis_restarted_mid_run(demo_corpus, tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    cluster = Cluster(server.url, tmp_path)
+    try:
+        cluster.start_writer()
+        cluster.start_worker()
+        corpus = make_corpus(tmp_path, demo_corpus, paragraphs=6, tag="redisrestart")
+        sub = _submit(cluster, corpus)
+        client = redis.Redis.from_url(server.url)
+        _wait_for(lambda: client.scard(f"headatlas:done:{sub.run_key}") >= 1, what="a first stored batch")
+        server.stop()
+        time.sleep(1.0)
+        server.start()
+        assert cluster.wait_status(sub.name, timeout=180) == "done"
+        assert_counted_once(cluster.db, sub.run_id)
+    finally:
+        cluster.stop()
+        server.stop()
