@@ -122,3 +122,15 @@ def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_
     assert f"{sub.batches} failed batch(es) queued again" in retried.stdout
     assert cluster.wait_status(str(sub.run_id), statuses=("done",), timeout=90) == "done"
     assert_counted_once(cluster.db, sub.run_id)
+
+
+def test_unreachable_broker_is_a_one_line_error_and_stores_nothing(cli, small_corpus, tmp_path):
+    from queue_support import free_port
+
+    db = tmp_path / "none.duckdb"
+    result = cli("submit", str(small_corpus), "--model", "random:tiny", "--db", str(db),
+                 "--broker", f"redis://127.0.0.1:{free_port()}/0")
+    assert result.returncode == 2
+    assert "cannot reach the broker" in result.stderr and "HEADATLAS_BROKER_URL" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not db.exists()
