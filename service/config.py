@@ -22,7 +22,7 @@ class Settings:
     """HEADATLAS_BROKER_URL: Redis URL of the task queue (distributed runs)."""
     spool_dir: str = ""
     """HEADATLAS_SPOOL_DIR: folder shared by submitters, workers and the writer (default: next to the database)."""
-    task_time_limit_s: float = 1800.0
+    task_time_limit_s: float = 600.0
     """HEADATLAS_TASK_TIME_LIMIT_S: longest one analysis batch may run, seconds (the broker's visibility timeout is twice this)."""
     max_attempts: int = 3
     """HEADATLAS_MAX_ATTEMPTS: tries per batch before it is marked failed (poison guard); `headatlas retry RUN` re-queues it."""

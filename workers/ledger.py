@@ -88,6 +88,11 @@ class Ledger:
         if batch_ids:
             self.r.sadd(key("queued", run_key), *batch_ids)
 
+    def mark_done(self, run_key: str, batch_ids: set[int]) -> None:
+        """Batches the database has stored (a Redis that lost its data learns them again)."""
+        if batch_ids:
+            self.r.sadd(key("done", run_key), *batch_ids)
+
     def is_finished(self, run_key: str, batch_id: int) -> bool:
         return bool(self.r.sismember(key("done", run_key), batch_id))
 

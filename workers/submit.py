@@ -82,6 +82,7 @@ def submit(
         "device": None, "batch_size": size, "batches": None, "windows": None,
     }
     ledger.put_run(key, meta)  # before any message: the writer creates the run from it
+    ledger.mark_done(key, stored_done)
     skip = stored_done | ledger.done(key) | (set() if only is not None else ledger.queued(key))
     app = make_app(settings)
     app.send_task("headatlas.writer.open_run", args=[key], queue=INGEST_QUEUE)

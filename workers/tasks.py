@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from contextlib import contextmanager
 
 from celery import signals
@@ -22,6 +23,7 @@ from workers.app import INGEST_QUEUE, app
 
 SETTINGS = app.conf.headatlas
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+READER_GAP_S = 0.025
 _state: dict = {}  # per process: ledger, loaded models, the writer's store and run ids
 
 
@@ -214,6 +216,10 @@ def _ingest(self, run_key: str, batch_id: int, payload: str) -> None:
     finally:
         ledger.writer_state("idle")
     ledger.finished(run_key, batch_id, failed=False, windows=len(result.window_ids) if stored else 0)
+    # leave the file closed for a moment: with a backlog the writer would otherwise reopen it
+    # within a millisecond, and readers (status, query, sql) retrying on its lock would rarely
+    # find it free
+    time.sleep(READER_GAP_S)
 
 
 @app.task(name="headatlas.writer.batch_failed", bind=True, max_retries=None)
