@@ -375,7 +375,9 @@ def _default_model_only() -> bool:
     return "--model" not in sys.argv and "-m" not in sys.argv and SETTINGS.model == "default"
 
 
-from cli import queue_commands  # noqa: E402,F401 - registers submit, worker, writer, status, retry
+from cli.queue_commands import register as _register_queue_commands  # noqa: E402
+
+_register_queue_commands(app)  # submit, worker, writer, status, retry
 
 if __name__ == "__main__":
     main()

@@ -9,16 +9,27 @@ from typing import Optional
 
 import typer
 
-from cli.main import SETTINGS, DbOpt, _store, app
 from cli.output import Format, render, stderr, stdout
+from service.config import Settings
 
+SETTINGS = Settings.from_env()
+DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
 BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
+
+
+def register(app: typer.Typer) -> None:
+    for command in (submit, worker, writer, status, retry):
+        app.command()(command)
+
+
+def _store(db: str):
+    from service.storage.store import Store
+
+    return Store(db)
 
 
 def _settings(**overrides):
     """Settings with CLI overrides, exported so that Celery processes started from here see them."""
-    from service.config import Settings
-
     settings = replace(Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None})
     for name, value in overrides.items():
         if value is not None:
@@ -26,7 +37,6 @@ def _settings(**overrides):
     return settings
 
 
-@app.command()
 def submit(
     corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory or a glob (readable by the submitter only)."),
     name: Optional[str] = typer.Option(None, "--name", help="Run name (default: corpus name + key)."),
@@ -99,7 +109,6 @@ def _wait(settings, sub) -> None:
         stderr.print(f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again")
 
 
-@app.command()
 def worker(
     queues: str = typer.Option("analysis", "--queues", "-Q", help="Queues to consume, comma-separated."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", min=1, help="CPU: processes sharing the cores (default 1). GPU: ignored, one process per GPU."),
@@ -114,17 +123,18 @@ def worker(
     run_worker(queues=queues, concurrency=concurrency, device=device, loglevel=loglevel)
 
 
-@app.command()
 def writer(db: str = DbOpt, broker: str = BrokerOpt,
-           loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level.")) -> None:
-    """Run the database writer: the one process that stores queued runs' results (run one)."""
+           loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")) -> None:
+    """Run the database writer: the one process that stores queued runs' results (run one per database)."""
+    import logging
+
     from workers.launch import run_writer
 
     _settings(db=db, broker_url=broker)
-    run_writer(loglevel=loglevel)
+    logging.getLogger("headatlas").setLevel(loglevel.upper())
+    run_writer()
 
 
-@app.command()
 def status(run: Optional[str] = typer.Argument(None, help="Run id or name (default: the latest run)."),
            db: str = DbOpt, broker: str = BrokerOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
@@ -141,14 +151,12 @@ def status(run: Optional[str] = typer.Argument(None, help="Run id or name (defau
     render(["field", "value"], state.rows(), fmt)
 
 
-@app.command()
 def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOpt, broker: str = BrokerOpt,
           writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer.")) -> None:
     """Queue the failed batches of a run again, with a fresh attempt count."""
     from service.errors import CorpusError
     from service.params import AnalysisParams
     from service.storage.queue_store import progress, run_and_plan
-    from workers.app import INGEST_QUEUE, make_app
     from workers.ledger import Ledger, connect
     from workers.submit import submit as submit_corpus
 
@@ -162,7 +170,7 @@ def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOp
         return
     ledger = Ledger(connect(broker))
     ledger.reset_failed(found.run_key, failed)
-    make_app(settings).send_task("headatlas.writer.reopen", args=[found.run_key], queue=INGEST_QUEUE)
+    ledger.send_to_writer("reopen", run_key=found.run_key)
     params = AnalysisParams.from_dict(found.params)
     try:
         sub = submit_corpus(found.corpus, settings=settings, model=found.model, dtype=params.dtype, params=params,

@@ -183,12 +183,12 @@ class Cluster:
         self.procs.clear()
 
 
-def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str) -> Path:
-    """A corpus of the first ``paragraphs`` paragraphs of the shipped excerpt, with ``tag``
-    prepended so that each test has its own run key."""
+def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str, copies: int = 1) -> Path:
+    """A corpus of the first ``paragraphs`` paragraphs of the shipped excerpt (``copies`` times),
+    with ``tag`` prepended so that each test has its own run key."""
     docs = [d.strip() for d in demo_corpus.read_text(encoding="utf-8").split("\n\n") if d.strip()][:paragraphs]
     path = Path(folder) / f"{tag}.txt"
-    path.write_text("\n\n".join(f"{tag}. {d}" for d in docs) + "\n", encoding="utf-8")
+    path.write_text("\n\n".join(f"{tag} {k}. {d}" for k in range(copies) for d in docs) + "\n", encoding="utf-8")
     return path
 
 
@@ -252,7 +252,10 @@ def assert_counted_once(db: str, run_id: int) -> None:
         planned = q("SELECT windows FROM queue_plans WHERE run_id = :r")
         layers_heads = q("SELECT n_layers * n_heads FROM runs WHERE run_id = :r")
         done = q("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'")
-        assert q("SELECT count(*) FROM run_windows WHERE run_id = :r") == planned
+        counted = q("SELECT count(*) FROM run_windows WHERE run_id = :r")
+        ledger = conn.execute(text("SELECT status, count(*), sum(n_windows) FROM batches WHERE run_id = :r GROUP BY ALL"),
+                              {"r": run_id}).all()
+        assert counted == planned, f"{counted} windows counted, {planned} planned; ledger {ledger}"
         assert q("SELECT count(DISTINCT window_id) FROM run_windows WHERE run_id = :r") == planned
         assert q("SELECT sum(windows) FROM run_chance WHERE run_id = :r") == planned
         assert_whole_batches(conn, run_id, done, layers_heads)

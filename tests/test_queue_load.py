@@ -33,7 +33,7 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
         writer = cluster.start_writer()
         cluster.start_worker("w1")
         cluster.start_worker("w2")
-        corpus = make_corpus(tmp_path, demo_corpus, paragraphs=60, tag="load")
+        corpus = make_corpus(tmp_path, demo_corpus, paragraphs=60, tag="load", copies=2)
         settings = Settings(broker_url=server.url, db=cluster.db)
         sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32",
                      params=AnalysisParams(seq_len=16), batch_size=1)

@@ -1,8 +1,10 @@
 """The Celery application: configuration from Settings, queue routing, reliability settings.
 
-Two queues. ``analysis``: one task per batch, run by ``headatlas worker`` processes (any number,
-any machine). ``ingest``: run creation, batch results and failures, consumed by the single
-``headatlas writer`` — the only process that opens the database for writing.
+One Celery queue, ``analysis``: one task per batch, run by ``headatlas worker`` processes (any
+number, any machine). Results, run creation and failures travel on the ingest queue, a plain
+Redis list consumed by the single ``headatlas writer`` (workers/writer.py), the only process that
+opens the database for writing; it stores many results per transaction, which a Celery task
+(acknowledged one at a time) could not.
 
 Importing this module loads no model and opens no connection.
 """
@@ -15,7 +17,6 @@ from kombu import Exchange, Queue
 from service.config import Settings
 
 ANALYSIS_QUEUE = "analysis"
-INGEST_QUEUE = "ingest"
 
 
 def broker_options(settings: Settings) -> dict:
@@ -50,8 +51,8 @@ def make_app(settings: Settings | None = None) -> Celery:
         task_time_limit=settings.task_time_limit_s,
         task_soft_time_limit=0.9 * settings.task_time_limit_s,
         task_default_queue=ANALYSIS_QUEUE,
-        task_queues=[Queue(q, Exchange(q, type="direct"), routing_key=q) for q in (ANALYSIS_QUEUE, INGEST_QUEUE)],
-        task_routes={"headatlas.writer.*": {"queue": INGEST_QUEUE}, "headatlas.analyze_batch": {"queue": ANALYSIS_QUEUE}},
+        task_queues=[Queue(ANALYSIS_QUEUE, Exchange(ANALYSIS_QUEUE, type="direct"), routing_key=ANALYSIS_QUEUE)],
+        task_routes={"headatlas.analyze_batch": {"queue": ANALYSIS_QUEUE}},
         task_default_exchange=ANALYSIS_QUEUE,
         task_default_routing_key=ANALYSIS_QUEUE,
         worker_hijack_root_logger=False,

@@ -63,11 +63,15 @@ def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
         sys.exit(max(codes))
 
 
-def run_writer(*, loglevel: str = "info") -> None:
-    """The single database writer: the ingest queue, one message at a time, in this process."""
-    from workers.app import INGEST_QUEUE, app
-    from workers.tasks import _store
+def run_writer() -> None:
+    """The single database writer, in this process, until SIGTERM or Ctrl-C."""
+    import logging
 
-    _store()  # create or check the schema now: a stale database fails at start, not on a batch
-    app.worker_main(["worker", "-Q", INGEST_QUEUE, "--pool", "solo", "-n", f"writer-{os.getpid()}@{socket.gethostname()}",
-                     "-l", loglevel, *WORKER_FLAGS])
+    from service.config import Settings
+    from workers.writer import Writer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    writer = Writer(settings)
+    logging.getLogger("headatlas.writer").info("storing into %s, from %s", settings.db, settings.broker_url)
+    writer.run()

@@ -18,6 +18,8 @@ import redis
 from service.errors import BrokerError
 
 PREFIX = "headatlas"
+INGEST = f"{PREFIX}:ingest"  # messages for the writer, oldest first (a Redis list)
+PROCESSING = f"{PREFIX}:ingest:processing"  # taken by the writer, not yet committed
 
 
 def connect(url: str, *, check: bool = True) -> redis.Redis:
@@ -103,8 +105,14 @@ class Ledger:
         pipe.hset(key("running", run_key), batch_id, f"{worker} {time.time():.0f}")
         return int(pipe.execute()[0])
 
-    def analysed(self, run_key: str, batch_id: int) -> None:
-        pipe = self.r.pipeline()
+    def send_to_writer(self, kind: str, **fields) -> None:
+        """A message on the ingest queue: open_run, ingest, failed or reopen."""
+        self.r.rpush(INGEST, json.dumps({"kind": kind, **fields}))
+
+    def analysed(self, run_key: str, batch_id: int, payload: str) -> None:
+        """The result goes to the writer and the batch stops running, atomically."""
+        pipe = self.r.pipeline()  # MULTI/EXEC
+        pipe.rpush(INGEST, json.dumps({"kind": "ingest", "run_key": run_key, "batch_id": batch_id, "payload": payload}))
         pipe.hdel(key("running", run_key), batch_id)
         pipe.sadd(key("ingesting", run_key), batch_id)
         pipe.execute()
@@ -119,10 +127,11 @@ class Ledger:
         raw = self.r.hget(key("errors", run_key), batch_id)
         return raw.decode() if raw else None
 
-    def finished(self, run_key: str, batch_id: int, *, failed: bool, windows: int = 0) -> None:
+    def finished(self, run_key: str, batch_id: int, *, failed: bool, windows: int = 0, pipe=None) -> None:
         """The writer has stored the batch (or its failure): it is no longer in flight.
         ``windows``: windows newly counted (0 for a redelivered batch)."""
-        pipe = self.r.pipeline()
+        own = pipe is None
+        pipe = self.r.pipeline() if own else pipe
         if windows:
             pipe.hincrby(key("run", run_key), "windows_done", windows)
         for what in ("queued", "ingesting"):
@@ -131,7 +140,8 @@ class Ledger:
         pipe.sadd(key("failed" if failed else "done", run_key), batch_id)
         if not failed:
             pipe.srem(key("failed", run_key), batch_id)
-        pipe.execute()
+        if own:
+            pipe.execute()
 
     def reset_failed(self, run_key: str, batch_ids: list[int]) -> None:
         """Before a retry: the failed batches get a fresh attempt count."""
@@ -146,6 +156,10 @@ class Ledger:
 
     def windows_done(self, run_key: str) -> int:
         return int(self.r.hget(key("run", run_key), "windows_done") or 0)
+
+    def backlog(self) -> int:
+        """Messages waiting for the writer (all runs)."""
+        return int(self.r.llen(INGEST)) + int(self.r.llen(PROCESSING))
 
     def live(self, run_key: str) -> Live:
         pipe = self.r.pipeline()

@@ -1,7 +1,7 @@
 """Submitting a corpus: validate it, cut it into batches, queue the batches, name the run.
 
 The submitter never writes the database: a writer may hold it at any moment, and DuckDB admits
-one writing process. The run is described in Redis and created by the writer (its first
+one writing process. The run is described in Redis and created by the writer (on its first
 message on the ingest queue); batch messages carry the run key, so they can be queued before
 the run has an id. When the database file is reachable from here, it is read (never written)
 to skip batches already stored.
@@ -54,7 +54,7 @@ def submit(
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
     from service.model import load_model
     from service.runner import _short_name, run_key, survey_corpus
-    from workers.app import ANALYSIS_QUEUE, INGEST_QUEUE, make_app
+    from workers.app import ANALYSIS_QUEUE, make_app
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
     ledger = Ledger(connect(settings.broker_url))  # fail before any work when Redis is away
@@ -85,7 +85,7 @@ def submit(
     ledger.mark_done(key, stored_done)
     skip = stored_done | ledger.done(key) | (set() if only is not None else ledger.queued(key))
     app = make_app(settings)
-    app.send_task("headatlas.writer.open_run", args=[key], queue=INGEST_QUEUE)
+    ledger.send_to_writer("open_run", run_key=key)
     batches = windows = queued = 0
     sent: list[int] = []
     with app.producer_or_acquire() as producer:
@@ -107,7 +107,7 @@ def submit(
     ledger.mark_queued(key, sent)
     meta.update(batches=batches, windows=windows)
     ledger.put_run(key, meta)
-    app.send_task("headatlas.writer.open_run", args=[key], queue=INGEST_QUEUE)  # the plan is complete
+    ledger.send_to_writer("open_run", run_key=key)  # the plan is complete
     result = Submission(key, run_name, size, batches, windows, queued, batches - queued)
     result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
     return result

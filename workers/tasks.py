@@ -1,9 +1,8 @@
-"""Celery tasks. Thin: they take a run key and a small payload, call library code, and are
+"""The analysis task. Thin: it takes a run key and a small payload, calls library code, and is
 idempotent, so that late acknowledgement and redelivery are harmless.
 
-``analyze_batch`` (queue ``analysis``) runs on workers, which never open the database: it sends
-the compact ``BatchResult`` bytes on to the ``ingest`` queue. The ``headatlas.writer.*`` tasks
-run in the writer alone.
+Workers never open the database: the compact ``BatchResult`` bytes go on to the ingest queue,
+which the writer (workers/writer.py) alone consumes.
 """
 
 from __future__ import annotations
@@ -13,18 +12,16 @@ import os
 import signal
 import socket
 import threading
-import time
 from contextlib import contextmanager
 
 from celery import signals
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
-from workers.app import INGEST_QUEUE, app
+from workers.app import app
 
 SETTINGS = app.conf.headatlas
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-READER_GAP_S = 0.025
-_state: dict = {}  # per process: ledger, loaded models, the writer's store and run ids
+_state: dict = {}  # per process: ledger, loaded models
 
 
 def _ledger():
@@ -74,8 +71,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
             _give_up(ledger, run_key, batch_id, attempt, error)
             return
         raise self.retry(countdown=min(2 ** attempt, 30), exc=None)
-    app.send_task("headatlas.writer.ingest", args=[run_key, batch_id, payload], queue=INGEST_QUEUE)
-    ledger.analysed(run_key, batch_id)
+    ledger.analysed(run_key, batch_id, payload)
 
 
 @contextmanager
@@ -113,7 +109,7 @@ def _analyse(model, batch: dict) -> str:
 
 def _give_up(ledger, run_key: str, batch_id: int, attempts: int, error: str) -> None:
     ledger.errored(run_key, batch_id, error)
-    app.send_task("headatlas.writer.batch_failed", args=[run_key, batch_id, attempts, error], queue=INGEST_QUEUE)
+    ledger.send_to_writer("failed", run_key=run_key, batch_id=batch_id, attempts=attempts, error=error)
 
 
 def _describe(exc: BaseException) -> str:
@@ -140,114 +136,6 @@ def _deadline(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-# --- the writer ----------------------------------------------------------------------------------
-def _store():
-    from service.storage.store import Store
-
-    if "store" not in _state:
-        store = Store(SETTINGS.db)
-        store.ensure_schema()
-        _state["store"] = store
-    return _state["store"]
-
-
-def _run_id(run_key: str, *, refresh: bool = False) -> int | None:
-    """The database id of the run: created from the submitter's description on first sight;
-    ``refresh`` re-reads the description (the submitter has finished cutting the corpus)."""
-    from service.storage.queue_store import open_run
-
-    ids = _state.setdefault("run_ids", {})
-    if run_key not in ids or refresh:
-        ledger = _ledger()
-        meta = ledger.run_meta(run_key)
-        if meta is None:
-            return None
-        run, _plan = open_run(_store(), meta)
-        ledger.set_run_id(run_key, run.run_id)
-        ids[run_key] = run.run_id
-    return ids[run_key]
-
-
-@app.task(name="headatlas.writer.open_run", bind=True, max_retries=30)
-def open_run(self, run_key: str) -> None:
-    from service.errors import HeadatlasError
-
-    with _requeue_on_broker_loss():
-        _ledger().writer_state("opening", run=run_key)
-        try:
-            if _run_id(run_key, refresh=True) is None:
-                # the description is written before this message; without it (a Redis that lost
-                # its data) a new submission will bring both again
-                raise self.retry(countdown=2)
-        except HeadatlasError as exc:
-            _ledger().set_run_error(run_key, str(exc))  # the submitter is waiting for it
-        finally:
-            _ledger().writer_state("idle")
-
-
-@app.task(name="headatlas.writer.ingest", bind=True, max_retries=None)
-def ingest(self, run_key: str, batch_id: int, payload: str) -> None:
-    with _requeue_on_broker_loss():
-        _ingest(self, run_key, batch_id, payload)
-
-
-def _ingest(self, run_key: str, batch_id: int, payload: str) -> None:
-    from service.analysis import BatchResult
-    from service.errors import StoreError
-    from service.storage.queue_store import ingest_one, mark_failed
-
-    ledger = _ledger()
-    run_id = _run_id(run_key)
-    if run_id is None:
-        raise self.retry(countdown=5)
-    ledger.writer_state("ingesting", run=run_id, batch=batch_id)
-    result = BatchResult.from_bytes(base64.b64decode(payload))
-    try:
-        stored = ingest_one(_store(), run_id, batch_id, result)
-    except StoreError as exc:
-        if "busy" in str(exc):
-            raise self.retry(countdown=2)  # a long reader held the file: try again, keep the batch
-        # e.g. windows already counted by another batch: retrying cannot help
-        if mark_failed(_store(), run_id, batch_id, attempts=1, error=str(exc)):
-            ledger.finished(run_key, batch_id, failed=True)
-        return
-    finally:
-        ledger.writer_state("idle")
-    ledger.finished(run_key, batch_id, failed=False, windows=len(result.window_ids) if stored else 0)
-    # leave the file closed for a moment: with a backlog the writer would otherwise reopen it
-    # within a millisecond, and readers (status, query, sql) retrying on its lock would rarely
-    # find it free
-    time.sleep(READER_GAP_S)
-
-
-@app.task(name="headatlas.writer.batch_failed", bind=True, max_retries=None)
-def batch_failed(self, run_key: str, batch_id: int, attempts: int, error: str) -> None:
-    with _requeue_on_broker_loss():
-        _batch_failed(self, run_key, batch_id, attempts, error)
-
-
-def _batch_failed(self, run_key: str, batch_id: int, attempts: int, error: str) -> None:
-    from service.storage.queue_store import mark_failed
-
-    run_id = _run_id(run_key)
-    if run_id is None:
-        raise self.retry(countdown=5)
-    if mark_failed(_store(), run_id, batch_id, attempts=attempts, error=error):
-        _ledger().finished(run_key, batch_id, failed=True)
-
-
-@app.task(name="headatlas.writer.reopen", bind=True, max_retries=None)
-def reopen(self, run_key: str) -> None:
-    """Before a retry: the failed batches of the run become pending again."""
-    from service.storage.queue_store import reopen_failed
-
-    with _requeue_on_broker_loss():
-        run_id = _run_id(run_key)
-        if run_id is None:
-            raise self.retry(countdown=5)
-        reopen_failed(_store(), run_id)
 
 
 @signals.worker_process_init.connect

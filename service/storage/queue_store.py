@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service.analysis import BatchResult
 from service.errors import StoreError
-from service.storage.store import Run, Store, ingest_batches, now, resolve_run
+from service.storage.store import Run, Store, now, resolve_run
 
 
 @dataclass(frozen=True)
@@ -84,28 +83,21 @@ def plan_of(conn: Connection, run_id: int) -> Plan | None:
     return Plan(*row) if row is not None else None
 
 
-def ingest_one(store: Store, run_id: int, batch_id: int, result: BatchResult) -> int:
-    """Store one batch and, in the same transaction, end the run if it was the last one.
-    Returns 1 when stored, 0 when the batch was already stored (a redelivery)."""
-    with store.write() as conn:
-        stored = ingest_batches(conn, run_id, [(batch_id, result)])
-        finish_if_complete(conn, run_id)
-        return stored
-
-
-def mark_failed(store: Store, run_id: int, batch_id: int, *, attempts: int, error: str) -> bool:
-    """Record a batch that failed ``attempts`` times (never over a batch already stored).
-    Returns False when the batch was stored meanwhile."""
-    with store.write() as conn:
-        changed = conn.execute(
-            text("INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
-                 "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
-                 "status = 'failed', attempts = excluded.attempts, error = excluded.error "
-                 "WHERE batches.status <> 'done'"),
-            {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]},
-        ).rowcount
-        finish_if_complete(conn, run_id)
-        return bool(changed)
+def mark_failed(conn: Connection, run_id: int, batch_id: int, *, attempts: int, error: str) -> bool:
+    """Record a batch that failed ``attempts`` times, never over a batch already stored.
+    Returns False when the batch is stored."""
+    status = conn.execute(
+        text("SELECT status FROM batches WHERE run_id = :r AND batch_id = :b"), {"r": run_id, "b": batch_id}
+    ).scalar()
+    if status == "done":
+        return False
+    conn.execute(
+        text("INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
+             "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
+             "status = 'failed', attempts = excluded.attempts, error = excluded.error"),
+        {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]},
+    )
+    return True
 
 
 def reopen_failed(store: Store, run_id: int) -> list[int]:
