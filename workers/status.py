@@ -29,6 +29,7 @@ class RunStatus:
     windows_per_s: float | None
     eta_s: float | None
     error: str | None
+    backlog: int | None = None  # messages waiting for the writer, all runs
     errors: list[tuple[int, int, str]] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -47,6 +48,7 @@ class RunStatus:
             ("windows", f"{self.windows_done:,} of {show(self.windows)}"),
             ("windows/s", show(self.windows_per_s)),
             ("ETA", "-" if self.eta_s is None else _duration(self.eta_s)),
+            ("writer backlog (messages, all runs)", show(self.backlog)),
         ]
         if self.error:
             out.append(("error", self.error))
@@ -63,10 +65,12 @@ def run_status(store: Store, ref: str | int | None, ledger=None) -> RunStatus:
     plan = prog.plan
     batches = plan.batches if plan else None
     windows = plan.windows if plan else None
-    running = ingesting = None
-    if ledger is not None and plan is not None:
-        live = ledger.live(run.run_key)
-        running, ingesting = live.running, live.ingesting
+    running = ingesting = backlog = None
+    if ledger is not None:
+        backlog = ledger.backlog()
+        if plan is not None:
+            live = ledger.live(run.run_key)
+            running, ingesting = live.running, live.ingesting
     pending = None
     if batches is not None:
         pending = max(0, batches - prog.done - prog.failed - (running or 0) - (ingesting or 0))
@@ -80,7 +84,7 @@ def run_status(store: Store, ref: str | int | None, ledger=None) -> RunStatus:
     return RunStatus(
         run_id=run.run_id, name=run.name, status=run.status, batches=batches, done=prog.done, failed=prog.failed,
         running=running, ingesting=ingesting, pending=pending, windows_done=prog.windows_done, windows=windows,
-        windows_per_s=rate, eta_s=eta, error=run.error, errors=prog.errors,
+        windows_per_s=rate, eta_s=eta, error=run.error, backlog=backlog, errors=prog.errors,
     )
 
 

@@ -27,8 +27,8 @@ from workers.ledger import INGEST, PROCESSING, Ledger, connect
 
 log = logging.getLogger("headatlas.writer")
 
-GROUP = 64  # messages per transaction at most
-READER_GAP_S = 0.025  # the file stays closed this long between transactions, for readers
+GROUP = 32  # messages per transaction at most (bounds how long a reader may wait)
+READER_GAP_S = 0.025  # the file stays closed at least this long between transactions
 
 
 class Writer:
@@ -66,9 +66,13 @@ class Writer:
         raw = self._take(timeout_s)
         if not raw:
             return 0
+        started = time.monotonic()
         self.handle([json.loads(m) for m in raw])
         self.ledger.r.delete(PROCESSING)
-        time.sleep(READER_GAP_S)
+        # With a backlog the writer would reopen the file at once, and readers (status, query,
+        # sql), which retry on its lock with backoff, would seldom find it free: it stays
+        # closed as long as it was held, so a reader's try succeeds at least every other time.
+        time.sleep(max(READER_GAP_S, time.monotonic() - started))
         return len(raw)
 
     def _stop(self, _signum, _frame) -> None:

@@ -1,0 +1,98 @@
+"""The writer in-process, on a real Redis and a real DuckDB file: group commit, idempotence,
+recovery of messages a killed writer had taken, a refused batch marked failed."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from queue_support import any_redis, make_corpus, stored, tmpdir
+from service.config import Settings
+from service.params import AnalysisParams
+
+pytestmark = pytest.mark.integration
+
+PARAMS = AnalysisParams(seq_len=32)
+
+
+@pytest.fixture()
+def setting(tmp_path):
+    server = any_redis(tmpdir("headatlas-writer-") / "redis")
+    yield Settings(broker_url=server.url, db=str(tmp_path / "w.duckdb"))
+    server.stop()
+
+
+def _results(corpus, model):
+    from service.analysis import analyze_batch
+    from service.windows import TokenClasses, Window, collate
+    from workers.submit import batch_payloads
+
+    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    out = []
+    for batch_id, _n, payload in batch_payloads(str(corpus), model, PARAMS, model="random:tiny", dtype="float32", batch_size=4):
+        windows = [Window(w, d, i, tuple(ids)) for w, d, i, ids in payload["windows"]]
+        result = analyze_batch(model, collate(windows, tokens.pad_id), PARAMS, tokens, documents=payload["documents"])
+        out.append((batch_id, base64.b64encode(result.to_bytes()).decode()))
+    return out
+
+
+def _describe(ledger, key, model, corpus, results):
+    ledger.put_run(key, {
+        "run_key": key, "name": f"writer-{key}", "corpus": str(corpus), "corpus_fingerprint": key,
+        "model": model.describe(), "params": PARAMS.to_dict(), "device": None, "batch_size": 4,
+        "batches": len(results), "windows": None,
+    })
+
+
+def test_a_group_in_one_step_duplicates_counted_once_and_taken_messages_recovered(setting, tiny_model, demo_corpus, tmp_path):
+    from workers.ledger import INGEST, PROCESSING
+    from workers.writer import Writer
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="grouped")
+    results = _results(corpus, tiny_model)
+    writer = Writer(setting)
+    ledger = writer.ledger
+    _describe(ledger, "k1", tiny_model, corpus, results)
+    ledger.send_to_writer("open_run", run_key="k1")
+    for batch_id, payload in results:
+        ledger.send_to_writer("ingest", run_key="k1", batch_id=batch_id, payload=payload)
+    ledger.send_to_writer("ingest", run_key="k1", batch_id=0, payload=results[0][1])  # delivered twice
+    # a previous writer took the last message and died before committing it
+    ledger.r.lmove(INGEST, PROCESSING, "RIGHT", "RIGHT")
+    writer._recover()
+    assert ledger.r.llen(PROCESSING) == 0
+    assert writer.step() == len(results) + 2  # every message in one step: one transaction
+    assert ledger.r.llen(INGEST) == 0 and ledger.r.llen(PROCESSING) == 0
+    from service.storage.store import Store
+
+    run = Store(setting.db).get_run("writer-k1")
+    assert run.status == "done"
+    windows = len(stored(setting.db, run.run_id)["run_windows"])
+    assert ledger.windows_done("k1") == windows
+    assert ledger.done("k1") == {b for b, _ in results}
+
+
+def test_a_refused_batch_is_marked_failed_and_the_rest_of_its_group_stored(setting, tiny_model, demo_corpus, tmp_path):
+    from service.storage.store import Store
+    from workers.writer import Writer
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="refused")
+    results = _results(corpus, tiny_model)
+    writer = Writer(setting)
+    ledger = writer.ledger
+    _describe(ledger, "k2", tiny_model, corpus, results)
+    ledger.send_to_writer("open_run", run_key="k2")
+    for batch_id, payload in results:
+        ledger.send_to_writer("ingest", run_key="k2", batch_id=batch_id, payload=payload)
+    # batch 1's windows again under another batch id: they would be counted twice
+    ledger.send_to_writer("ingest", run_key="k2", batch_id=len(results), payload=results[1][1])
+    writer.step()
+    run = Store(setting.db).get_run("writer-k2")
+    with Store(setting.db).read() as conn:
+        from service.storage.queue_store import progress
+
+        prog = progress(conn, run.run_id)
+    assert prog.done == len(results) and prog.failed == 1
+    assert "already counted" in prog.errors[0][2]
+    assert run.status == "failed"
