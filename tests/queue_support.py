@@ -167,6 +167,18 @@ class Cluster:
                 raise AssertionError(f"run {run} still {status} after {timeout} s; logs: {self.logs()}")
             time.sleep(0.3)
 
+    def run_id(self, sub, timeout: float = 120.0) -> int:
+        """The id the writer gave a submission's run (a busy machine may take longer than the
+        submitter waited)."""
+        if sub.run_id is not None:
+            return sub.run_id
+        deadline = time.monotonic() + timeout
+        while not (raw := self.redis.hget(f"headatlas:run:{sub.run_key}", "run_id")):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no writer created run {sub.name}; logs: {self.logs()}")
+            time.sleep(0.2)
+        return int(raw)
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.folder.glob("*.log"))
 

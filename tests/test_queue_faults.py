@@ -50,13 +50,14 @@ def _wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
 def test_worker_killed_mid_batch(shared, demo_corpus, tmp_path):
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="workerkill")
     sub = _submit(shared, corpus)
+    run_id = shared.run_id(sub)
     running = f"headatlas:running:{sub.run_key}"
     _wait_for(lambda: shared.redis.hlen(running) > 0, what="a batch to start")
     victim = int(shared.redis.hkeys(running)[0])
     shared.kill("worker")
     shared.start_worker()
     assert shared.wait_status(sub.name, timeout=150) == "done"
-    assert_counted_once(shared.db, sub.run_id)
+    assert_counted_once(shared.db, run_id)
     attempts = int(shared.redis.hget(f"headatlas:attempts:{sub.run_key}", victim))
     assert attempts >= 2  # it was really cut short, and analysed again
 
@@ -66,18 +67,19 @@ def test_writer_killed_mid_ingest(shared, demo_corpus, tmp_path):
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="writerkill")
     sub = _submit(shared, corpus)
+    run_id = shared.run_id(sub)
     _wait_for(lambda: shared.redis.hget("headatlas:writer", "state") == b"ingesting", what="an ingest")
     shared.kill("writer")
     with transaction(shared.db, read_only=True) as conn:  # what a reader sees now: whole batches only
         from sqlalchemy import text
 
         done = conn.execute(text("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'"),
-                            {"r": sub.run_id}).scalar()
-        assert_whole_batches(conn, sub.run_id, done, 4 * 4)
+                            {"r": run_id}).scalar()
+        assert_whole_batches(conn, run_id, done, 4 * 4)
     assert done < sub.batches
     shared.start_writer()
     assert shared.wait_status(sub.name, timeout=150) == "done"
-    assert_counted_once(shared.db, sub.run_id)
+    assert_counted_once(shared.db, run_id)
 
 
 def test_redis_restarted_mid_run(demo_corpus, tmp_path):
@@ -88,13 +90,14 @@ def test_redis_restarted_mid_run(demo_corpus, tmp_path):
         cluster.start_worker()
         corpus = make_corpus(tmp_path, demo_corpus, paragraphs=6, tag="redisrestart")
         sub = _submit(cluster, corpus)
+        run_id = cluster.run_id(sub)
         client = redis.Redis.from_url(server.url)
         _wait_for(lambda: client.scard(f"headatlas:done:{sub.run_key}") >= 1, what="a first stored batch")
         server.stop()
         time.sleep(1.0)
         server.start()
         assert cluster.wait_status(sub.name, timeout=180) == "done"
-        assert_counted_once(cluster.db, sub.run_id)
+        assert_counted_once(cluster.db, run_id)
     finally:
         cluster.stop()
         server.stop()

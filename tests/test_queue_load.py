@@ -38,6 +38,7 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
         sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32",
                      params=AnalysisParams(seq_len=16), batch_size=1)
         assert sub.batches >= 500
+        run_id = cluster.run_id(sub)
         samples, reads = [], 0
         deadline = time.monotonic() + 900
         while True:
@@ -57,7 +58,7 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
             time.sleep(1.0)
         assert reads >= 1
         assert cluster.wait_status(sub.name, timeout=120) == "done"
-        assert_counted_once(cluster.db, sub.run_id)
+        assert_counted_once(cluster.db, run_id)
         # after warm-up the writer does not grow with the number of batches it has stored
         assert samples[-1] - samples[0] < 40, samples
     finally:

@@ -71,14 +71,15 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
     params = AnalysisParams(seq_len=32)
     sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
                  batch_size=4, only=set())  # the run and its plan; the batches come below
+    run_id = cluster.run_id(sub)
     app = make_app(settings)
     messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4))
     for batch_id, _n, payload in messages:  # every batch twice, back to back
         for _ in range(2):
             app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
-    assert cluster.wait_status(str(sub.run_id)) == "done"
-    assert_counted_once(cluster.db, sub.run_id)
-    before = stored(cluster.db, sub.run_id)
+    assert cluster.wait_status(str(run_id)) == "done"
+    assert_counted_once(cluster.db, run_id)
+    before = stored(cluster.db, run_id)
     # once more after the run ended: recognised, nothing changes
     batch_id, _n, payload = messages[0]
     app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
@@ -87,8 +88,8 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
     while client.llen("analysis") and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1)
-    assert stored(cluster.db, sub.run_id) == before
-    assert_counted_once(cluster.db, sub.run_id)
+    assert stored(cluster.db, run_id) == before
+    assert_counted_once(cluster.db, run_id)
 
 
 def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_model, demo_corpus, tmp_path, cli):
@@ -101,27 +102,28 @@ def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_
     # the run and its plan, but instead of its batches, poison: a token id outside the vocabulary
     sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
                  batch_size=4, only=set())
-    assert sub.batches >= 2 and sub.run_id is not None
+    run_id = cluster.run_id(sub)
+    assert sub.batches >= 2
     poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(),
               "tokenizer_key": tiny_model.tokenizer_key, "documents": [],
               "windows": [["poison-window", "poison-doc", 0, [101, 10**9, 102]]]}
     app = make_app(settings)
     for batch_id in range(sub.batches):
         app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, poison], queue="analysis")
-    assert cluster.wait_status(str(sub.run_id), timeout=90) == "failed"
+    assert cluster.wait_status(str(run_id), timeout=90) == "failed"
 
-    status = cli("status", str(sub.run_id), "--format", "csv", env=cluster.env)
+    status = cli("status", str(run_id), "--format", "csv", env=cluster.env)
     assert status.returncode == 0, status.stderr
     assert "tried 3" in status.stdout and "IndexError" in status.stdout
     fields = dict(line.split(",", 1) for line in status.stdout.strip().splitlines()[1:] if "," in line)
     assert int(fields["failed"]) == int(fields["batches"]) == sub.batches
     assert int(fields["done"]) == 0
 
-    retried = cli("retry", str(sub.run_id), env=cluster.env)
+    retried = cli("retry", str(run_id), env=cluster.env)
     assert retried.returncode == 0, retried.stderr
     assert f"{sub.batches} failed batch(es) queued again" in retried.stdout
-    assert cluster.wait_status(str(sub.run_id), statuses=("done",), timeout=90) == "done"
-    assert_counted_once(cluster.db, sub.run_id)
+    assert cluster.wait_status(str(run_id), statuses=("done",), timeout=90) == "done"
+    assert_counted_once(cluster.db, run_id)
 
 
 def test_unreachable_broker_is_a_one_line_error_and_stores_nothing(cli, small_corpus, tmp_path):
