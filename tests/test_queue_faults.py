@@ -101,3 +101,33 @@ def test_redis_restarted_mid_run(demo_corpus, tmp_path):
     finally:
         cluster.stop()
         server.stop()
+
+
+def test_pool_child_killed_mid_batch(demo_corpus, tmp_path):
+    """`worker --concurrency 2` (prefork): a child killed mid-batch is replaced and its batch
+    requeued at once (reject on worker lost), without waiting for the visibility timeout."""
+    import os
+    import signal
+
+    folder = tmpdir("headatlas-pool-")
+    server = any_redis(folder / "redis")
+    cluster = Cluster(server.url, folder)
+    try:
+        cluster.start_writer()
+        cluster.start_worker("pool", "--concurrency", "2")
+        corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="poolkill")
+        sub = _submit(cluster, corpus)
+        run_id = cluster.run_id(sub)
+        running = f"headatlas:running:{sub.run_key}"
+        _wait_for(lambda: cluster.redis.hlen(running) > 0, what="a batch to start")
+        worker = cluster.redis.hvals(running)[0].decode().split()[0]  # host:pid of the child
+        child = int(worker.rsplit(":", 1)[1])
+        assert child != cluster.procs["pool"].pid
+        os.kill(child, signal.SIGKILL)
+        assert cluster.wait_status(sub.name, timeout=150) == "done"
+        assert_counted_once(cluster.db, run_id)
+        assert "WorkerLostError" in (folder / "pool.log").read_text()
+    finally:
+        cluster.stop()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -20,7 +20,6 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from workers.app import app
 
 SETTINGS = app.conf.headatlas
-WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 _state: dict = {}  # per process: ledger, loaded models
 
 
@@ -55,7 +54,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     ledger = _ledger()
     if ledger.is_finished(run_key, batch_id):
         return  # delivered again after it was stored
-    attempt = ledger.start(run_key, batch_id, WORKER_ID)
+    attempt = ledger.start(run_key, batch_id, f"{socket.gethostname()}:{os.getpid()}")  # this process, not a parent
     if attempt > SETTINGS.max_attempts:
         error = ledger.last_error(run_key, batch_id) or "the worker was lost (killed, or out of memory) while analysing it"
         _give_up(ledger, run_key, batch_id, attempt - 1, error)
