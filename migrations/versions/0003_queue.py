@@ -6,14 +6,14 @@ has ended, and what a re-submission reuses so that batch ids keep naming the sam
 A new table rather than columns on ``runs``: DuckDB cannot ALTER a table that has an index.
 
 Revision ID: 0002_queue
-Revises: 0001
+Revises: 0002_mixing
 Create Date: 2026-11-29
 """
 
 from alembic import op
 
-revision = "0002_queue"
-down_revision = "0001"
+revision = "0003_queue"
+down_revision = "0002_mixing"
 branch_labels = None
 depends_on = None
 
