@@ -274,11 +274,21 @@ def assert_counted_once(db: str, run_id: int) -> None:
 
 
 def assert_whole_batches(conn, run_id: int, done: int, layers_heads: int) -> None:
+    """Every stored batch is whole: its windows, chance row and per-head rows all there.
+
+    A finished run is compacted (its partial sums folded into batch_id -1), so whole batches
+    are checked through totals that must match the ledger."""
     from sqlalchemy import text
 
     q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
-    assert q("SELECT count(*) FROM run_chance WHERE run_id = :r") == done
-    assert q("SELECT count(*) FROM head_stats WHERE run_id = :r") == done * layers_heads
+    partial = q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id >= 0")
+    assert q("SELECT count(*) FROM head_stats WHERE run_id = :r AND batch_id >= 0") == partial * layers_heads
+    assert q("SELECT count(*) FROM head_stats WHERE run_id = :r AND batch_id = -1") in (0, layers_heads)
+    if not q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id = -1"):
+        assert partial == done
+    ledger_windows = q("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'")
+    assert q("SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r") == ledger_windows
+    assert q("SELECT count(*) FROM run_windows WHERE run_id = :r") == ledger_windows
     assert q("SELECT count(DISTINCT batch_id) FROM run_windows WHERE run_id = :r") == done
     assert q("SELECT count(*) FROM run_windows w LEFT JOIN batches b USING (run_id, batch_id) "
              "WHERE w.run_id = :r AND (b.status IS NULL OR b.status <> 'done')") == 0

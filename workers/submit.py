@@ -127,7 +127,7 @@ def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dty
     for batch_id, (batch, docs, _consumed) in enumerate(batches):
         payload = None
         if wanted(batch_id):
-            payload = dict(common, documents=docs,
+            payload = dict(common, documents=docs, first_window=batch_id * batch_size,
                            windows=[[w.window_id, w.doc_id, w.index, list(w.input_ids)] for w in batch.windows])
         yield batch_id, len(batch.windows), payload
 

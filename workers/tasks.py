@@ -102,7 +102,12 @@ def _analyse(model, batch: dict) -> str:
     params = AnalysisParams.from_dict(batch["params"])
     tokens = _state.setdefault(("tokens", model.tokenizer_key), TokenClasses.from_tokenizer(model.tokenizer))
     windows = [Window(window_id=w, doc_id=d, index=i, input_ids=tuple(ids)) for w, d, i, ids in batch["windows"]]
-    result = analyse(model, collate(windows, tokens.pad_id), params, tokens, documents=batch["documents"])
+    # --attribution / --mixing cover the run's first attribution_windows windows, as embedded
+    mixing = 0
+    if params.mixes:
+        mixing = max(0, min(len(windows), params.attribution_windows - int(batch.get("first_window", 0))))
+    result = analyse(model, collate(windows, tokens.pad_id), params, tokens, documents=batch["documents"],
+                     mixing_windows=mixing)
     return base64.b64encode(result.to_bytes()).decode("ascii")
 
 

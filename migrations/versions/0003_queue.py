@@ -5,7 +5,7 @@ the plan is what the writer compares the batch ledger (``batches``) with to know
 has ended, and what a re-submission reuses so that batch ids keep naming the same windows.
 A new table rather than columns on ``runs``: DuckDB cannot ALTER a table that has an index.
 
-Revision ID: 0002_queue
+Revision ID: 0003_queue
 Revises: 0002_mixing
 Create Date: 2026-11-29
 """

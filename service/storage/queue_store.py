@@ -133,6 +133,10 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
              "WHERE run_id = :r AND (status <> :s OR finished_at IS NULL)"),
         {"s": status, "e": error, "ts": now(), "r": run_id},
     )
+    if status == "done":
+        from service.storage.compact import compact_run
+
+        compact_run(conn, run_id)  # same transaction: the views read few rows from now on
 
 
 def progress(conn: Connection, run_id: int, *, max_errors: int = 5) -> Progress:
