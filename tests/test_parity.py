@@ -59,13 +59,14 @@ def _layer_error(block, layer, out, acts, heads, d) -> float:
 
 def test_hooks_are_removed_after_capture(tiny_model):
     block = tiny_model.model.encoder.layer[0].attention.self
+    before = len(block._forward_hooks)  # transformers may keep hooks of its own there
     with capture_attention(tiny_model.model):
-        assert len(block._forward_hooks) == 1
-    assert len(block._forward_hooks) == 0
+        assert len(block._forward_hooks) == before + 1
+    assert len(block._forward_hooks) == before
     with pytest.raises(RuntimeError):
         with capture_attention(tiny_model.model):
             raise RuntimeError("boom")
-    assert len(block._forward_hooks) == 0
+    assert len(block._forward_hooks) == before
 
 
 def test_act_names_are_canonical():
