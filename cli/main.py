@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from cli import options
 from cli.output import Format, error, render, sparkline, stderr, stdout
 from service.config import Settings
 from service.errors import HeadatlasError
@@ -26,9 +27,7 @@ app.add_typer(db_app, name="db")
 
 SETTINGS = Settings.from_env()
 
-DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
-RunOpt = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
-FormatOpt = typer.Option(Format.table, "--format", "-f", help="Output format.")
+DbOpt, RunOpt, FormatOpt = options.Db, options.Run, options.Fmt
 
 
 def _store(db: str):
@@ -41,20 +40,20 @@ def _store(db: str):
 @app.command()
 def analyze(
     corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory, a glob, or - for stdin."),
-    name: Optional[str] = typer.Option(None, "--name", help="Run name (default: corpus name + key)."),
+    name: Optional[str] = options.Name,
     model: str = typer.Option(SETTINGS.model, "--model", "-m", help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D [env HEADATLAS_MODEL]."),
     device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32)."),
+    dtype: str = options.Dtype,
     batch_size: str = typer.Option(str(SETTINGS.batch_size), "--batch-size", "-b", help="Windows per forward pass, or auto (from free GPU memory; 32 on CPU) [env HEADATLAS_BATCH_SIZE]."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
-    windowing: str = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document)."),
-    select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
-    gate: float = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n."),
-    include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
-    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
-    short_range: int = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share."),
-    text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text."),
-    encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files."),
+    seq_len: int = options.SeqLen,
+    windowing: str = options.Windowing,
+    select: str = options.Select,
+    gate: float = options.Gate,
+    include_special: bool = options.IncludeSpecial,
+    vectors: str = options.Vectors,
+    short_range: int = options.ShortRange,
+    text_field: str = options.TextField,
+    encoding: str = options.Encoding,
     db: str = DbOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary."),
     attribution: bool = typer.Option(False, "--attribution/--no-attribution", help="Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token)."),
@@ -231,11 +230,7 @@ def query_boundaries(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format =
     """Per layer: within-sentence share of high-similarity pairs vs chance, attention to separators."""
     from service import queries
 
-    store = _store(db)
-    with store.checked_read() as conn:
-        r = _run(conn, run)
-        columns, rows = queries.boundaries(conn, r.run_id)
-    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): sentence boundaries per layer")
+    _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer")
 
 
 @query_app.command("layers")
@@ -243,11 +238,7 @@ def query_layers(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = For
     """Per layer summary: the progression from early to final layers."""
     from service import queries
 
-    store = _store(db)
-    with store.checked_read() as conn:
-        r = _run(conn, run)
-        columns, rows = queries.layers(conn, r.run_id)
-    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): layers")
+    _query(db, run, fmt, queries.layers, "layers")
 
 
 @query_app.command("mixing")
@@ -334,6 +325,14 @@ def config() -> None:
     rows = [(var, str(getattr(current, var[len("HEADATLAS_"):].lower())), default, text)
             for var, default, text in Settings.help()]
     render(["variable", "value", "default", "meaning"], rows, Format.table)
+
+
+def _query(db: str, run: Optional[str], fmt: Format, query, title: str, **kwargs) -> None:
+    """Open the store, resolve the run, call one query function, render its rows."""
+    with _store(db).checked_read() as conn:
+        r = _run(conn, run)
+        columns, rows = query(conn, r.run_id, **kwargs)
+    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}")
 
 
 def _run(conn, ref):

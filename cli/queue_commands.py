@@ -9,11 +9,12 @@ from typing import Optional
 
 import typer
 
+from cli import options
 from cli.output import Format, render, stderr, stdout
 from service.config import Settings
 
 SETTINGS = Settings.from_env()
-DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+DbOpt = options.Db
 BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
 
 
@@ -39,19 +40,19 @@ def _settings(**overrides):
 
 def submit(
     corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory or a glob (readable by the submitter only)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Run name (default: corpus name + key)."),
+    name: Optional[str] = options.Name,
     model: str = typer.Option(SETTINGS.model, "--model", "-m", help="As for analyze; every worker must have the same model [env HEADATLAS_MODEL]."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32)."),
+    dtype: str = options.Dtype,
     batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch (one task each) [env HEADATLAS_BATCH_SIZE]."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
-    windowing: str = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document)."),
-    select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
-    gate: float = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n."),
-    include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
-    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
-    short_range: int = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share."),
-    text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text."),
-    encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files."),
+    seq_len: int = options.SeqLen,
+    windowing: str = options.Windowing,
+    select: str = options.Select,
+    gate: float = options.Gate,
+    include_special: bool = options.IncludeSpecial,
+    vectors: str = options.Vectors,
+    short_range: int = options.ShortRange,
+    text_field: str = options.TextField,
+    encoding: str = options.Encoding,
     wait: bool = typer.Option(False, "--wait", help="Show progress until the run ends."),
     writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run."),
     db: str = DbOpt,

@@ -1,0 +1,25 @@
+"""Options shared by several commands, declared once (help text, defaults, env variables)."""
+
+from __future__ import annotations
+
+import typer
+
+from cli.output import Format
+from service.config import Settings
+
+SETTINGS = Settings.from_env()
+
+Db = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+Run = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
+Fmt = typer.Option(Format.table, "--format", "-f", help="Output format.")
+Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).")
+Dtype = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32).")
+SeqLen = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included.")
+Windowing = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document).")
+Select = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K.")
+Gate = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n.")
+IncludeSpecial = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs.")
+Vectors = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after).")
+ShortRange = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share.")
+TextField = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text.")
+Encoding = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files.")
