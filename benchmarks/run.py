@@ -54,11 +54,11 @@ def main(argv=None) -> None:
     else:
         print("\n## GPU rows\nnot measured: no CUDA device on this machine")
     try:
-        from benchmarks import queue as queue_bench
+        from benchmarks import queue_throughput as queue_bench
     except ImportError:
         queue_bench = None
     if queue_bench is not None:
-        section("Embedded vs queue, 1 worker (target ≥ 0.9×)", queue_bench.main, ["--windows", windows])
+        section("Embedded vs queue, 1 worker (target ≥ 0.9×)", queue_bench.main, ["--copies", "2" if args.quick else "8"])
     section("Ingest and query latency, 20,000 windows × 144 heads (target < 0.5 s)", query_speed.main,
             ["--windows", "2000" if args.quick else "20000"])
     section("Peak memory, 2,000 vs 20,000 windows (must be flat)", memory.main,

