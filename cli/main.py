@@ -378,5 +378,9 @@ from cli.queue_commands import register as _register_queue_commands  # noqa: E40
 
 _register_queue_commands(app)  # submit, worker, writer, status, retry
 
+from cli.schedule_commands import register as _register_schedule_commands  # noqa: E402
+
+_register_schedule_commands(app, query_app)  # schedule …, beat, query trend
+
 if __name__ == "__main__":
     main()

@@ -209,3 +209,40 @@ def discrepancy_layers(conn: Connection, run_id: int, *, method: str = "attribut
         GROUP BY layer ORDER BY layer
     """
     return _rows(conn, sql, {"run": run_id, "method": method})
+
+
+LAYER_METRICS = (
+    "within_sentence", "within_sentence_chance", "within_sentence_lift", "repetition", "repetition_chance",
+    "mean_distance", "mean_distance_chance", "short_range_share", "noise_share", "attn_to_cls", "attn_to_sep",
+    "attn_to_punct", "attn_to_self", "attn_entropy",
+)
+
+
+def trend(conn: Connection, schedule_id: int, *, metric: str, layer: int | None = None,
+          head: int | None = None) -> Rows:
+    """A metric across a schedule's runs, in fire order: one head (``layer`` and ``head``, from
+    head_metrics), one layer (``layer``, from layer_metrics) or the mean over layers. A run
+    shared by several fires (nothing changed between them) appears once, at its first fire."""
+    if head is not None and layer is None:
+        raise ParameterError("--head needs --layer: a head is named by its layer and its index")
+    allowed = SORTABLE if head is not None else LAYER_METRICS
+    if metric not in allowed:
+        raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(allowed)}")
+    if head is not None:
+        value = f"SELECT run_id, {metric} AS value FROM head_metrics WHERE layer = :layer AND head = :head"
+    elif layer is not None:
+        value = f"SELECT run_id, {metric} AS value FROM layer_metrics WHERE layer = :layer"
+    else:
+        value = f"SELECT run_id, avg({metric}) AS value FROM layer_metrics GROUP BY run_id"
+    sql = f"""
+        WITH fired AS (
+            SELECT run_key, min(fire_time) AS fire_time FROM schedule_fires
+            WHERE schedule_id = :s AND run_key IS NOT NULL GROUP BY run_key
+        ),
+        mine AS (SELECT r.run_id, r.name, r.status, f.fire_time FROM fired f JOIN runs r USING (run_key)),
+        v AS (SELECT * FROM ({value}) WHERE run_id IN (SELECT run_id FROM mine))
+        SELECT mine.fire_time, mine.run_id, mine.name AS run, mine.status, v.value AS {metric}
+        FROM mine LEFT JOIN v USING (run_id)
+        ORDER BY mine.fire_time
+    """
+    return _rows(conn, sql, {"s": schedule_id, "layer": layer, "head": head})

@@ -1,0 +1,230 @@
+"""Recurring analyses: `schedule …`, `beat` and `query trend` (registered on the main app)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.output import Format, render, sparkline, stderr, stdout
+from service.config import Settings
+
+SETTINGS = Settings.from_env()
+DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
+NameArg = typer.Argument(..., help="Schedule name.")
+
+schedule_app = typer.Typer(help="Recurring analyses: schedules fired by `headatlas beat`.", no_args_is_help=True)
+
+
+def register(app: typer.Typer, query_app: typer.Typer) -> None:
+    app.add_typer(schedule_app, name="schedule")
+    app.command()(beat)
+    query_app.command("trend")(query_trend)
+
+
+def _settings(db: str, broker: str | None = None) -> Settings:
+    from cli.queue_commands import _settings as export
+
+    return export(db=db, broker_url=broker)
+
+
+def _cadence(cron: Optional[str], every: Optional[str], tz: str):
+    from service.schedules import Cadence, parse_every
+
+    return Cadence(cron, parse_every(every) if every is not None else None, tz)
+
+
+def _corpus(spec: str) -> str:
+    """Check the corpus exists now (a clear error at `add`, not at the first fire) and keep an
+    absolute path, so that beat finds it whatever its working directory."""
+    from service.corpus import corpus_files
+
+    corpus_files(spec)
+    path = Path(spec)
+    if path.exists():
+        return str(path.resolve())
+    return str(path if path.is_absolute() else Path.cwd() / path)  # a glob: anchored here
+
+
+def _show(sched) -> list[tuple]:
+    return [(sched.name, "on" if sched.enabled else "paused", sched.cadence.describe(),
+             "yes" if sched.only_new else "no", sched.model, sched.corpus, sched.last_fire, sched.next_fire)]
+
+
+SHOW_COLUMNS = ["name", "state", "when", "only_new", "model", "corpus", "last_fire_utc", "next_fire_utc"]
+
+
+@schedule_app.command("add")
+def schedule_add(
+    name: str = NameArg,
+    corpus: str = typer.Option(..., "--corpus", help="A .txt/.jsonl/.csv file, a directory or a glob (read by beat at each fire)."),
+    cron: Optional[str] = typer.Option(None, "--cron", help='Cron expression in --timezone, e.g. "0 3 * * *".'),
+    every: Optional[str] = typer.Option(None, "--every", help="Interval instead of --cron: 45s, 30m, 6h, 1d."),
+    timezone: str = typer.Option("UTC", "--timezone", help="IANA time zone of the cron expression."),
+    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="Model spec, as for analyze [env HEADATLAS_MODEL]."),
+    only_new: bool = typer.Option(False, "--only-new", help="Each fire analyses only documents no earlier fire of this schedule sent."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch [env HEADATLAS_BATCH_SIZE]."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
+    windowing: str = typer.Option("chunks", "--windowing", help="chunks or first."),
+    select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
+    gate: float = typer.Option(4.0, "--gate", help="Attention gate (gate / n)."),
+    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo or post_wo."),
+    short_range: int = typer.Option(4, "--short-range", help="Distance counted as short range."),
+    db: str = DbOpt,
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+) -> None:
+    """Add a schedule: analyse CORPUS with MODEL on a cron expression or an interval."""
+    from service.analysis_options import build_params
+    from service.storage import schedule_store
+
+    cadence = _cadence(cron, every, timezone)
+    params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate, vectors=vectors,
+                          short_range=short_range, dtype=dtype)
+    sched = schedule_store.add(db, name=name, corpus=_corpus(corpus), model=model, dtype=dtype, batch_size=batch_size,
+                               params=params.to_dict(), cadence=cadence, only_new=only_new)
+    render(SHOW_COLUMNS, _show(sched), fmt)
+
+
+@schedule_app.command("edit")
+def schedule_edit(
+    name: str = NameArg,
+    corpus: Optional[str] = typer.Option(None, "--corpus", help="New corpus."),
+    cron: Optional[str] = typer.Option(None, "--cron", help="New cron expression (replaces an interval)."),
+    every: Optional[str] = typer.Option(None, "--every", help="New interval (replaces a cron expression)."),
+    timezone: Optional[str] = typer.Option(None, "--timezone", help="New time zone."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="New model spec."),
+    only_new: Optional[bool] = typer.Option(None, "--only-new/--all", help="Analyse only new documents, or all."),
+    db: str = DbOpt,
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+) -> None:
+    """Change a schedule; a running beat uses the change at its next tick."""
+    from service.errors import ParameterError
+    from service.schedules import Cadence, check_cron, check_timezone, parse_every
+    from service.storage import schedule_store
+
+    if cron is not None and every is not None:
+        raise ParameterError("give one of --cron EXPR or --every INTERVAL, not both")
+    if timezone is not None:
+        check_timezone(timezone)
+    sched = schedule_store.edit(db, name, corpus=_corpus(corpus) if corpus else None, model=model, only_new=only_new,
+                                cron=check_cron(cron) if cron else None,
+                                every_s=parse_every(every) if every else None, timezone=timezone)
+    Cadence(sched.cron, sched.every_s, sched.timezone)
+    render(SHOW_COLUMNS, _show(sched), fmt)
+
+
+@schedule_app.command("list")
+def schedule_list(db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
+    """List the schedules: cadence, state, last and next fire (UTC)."""
+    from service.storage import schedule_store
+    from service.storage.store import Store
+
+    with Store(db).checked_read() as conn:
+        rows = [row for s in schedule_store.all_schedules(conn) for row in _show(s)]
+    render(SHOW_COLUMNS, rows, fmt)
+
+
+@schedule_app.command("show")
+def schedule_show(name: str = NameArg, db: str = DbOpt,
+                  fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
+    """A schedule and its fires, each with its run (id, name, status)."""
+    from service.storage import schedule_store
+    from service.storage.store import Store
+
+    with Store(db).checked_read() as conn:
+        sched = schedule_store.get(conn, name)
+        columns, rows = schedule_store.fires(conn, sched.schedule_id)
+    if fmt == Format.table:
+        render(SHOW_COLUMNS, _show(sched), fmt)
+    render(columns, rows, fmt, title=f"schedule {name}: fires (UTC)")
+
+
+@schedule_app.command("pause")
+def schedule_pause(name: str = NameArg, db: str = DbOpt) -> None:
+    """Stop firing a schedule (its runs and record stay)."""
+    from service.storage import schedule_store
+
+    schedule_store.set_enabled(db, name, False)
+    stdout.print(f"schedule {name} paused")
+
+
+@schedule_app.command("resume")
+def schedule_resume(name: str = NameArg, db: str = DbOpt) -> None:
+    """Fire a paused schedule again, from its next scheduled time (missed fires are not caught up)."""
+    from service.storage import schedule_store
+
+    sched = schedule_store.set_enabled(db, name, True)
+    stdout.print(f"schedule {name} resumed; next fire {sched.next_fire} UTC")
+
+
+@schedule_app.command("remove")
+def schedule_remove(name: str = NameArg, db: str = DbOpt) -> None:
+    """Delete a schedule and its record of fires; the runs it created stay."""
+    from service.storage import schedule_store
+
+    schedule_store.remove(db, name)
+    stdout.print(f"schedule {name} removed (its runs are kept)")
+
+
+@schedule_app.command("run-now")
+def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerOpt) -> None:
+    """Fire a schedule once now (paused or not), without changing its next fire; prints the run name."""
+    from service.errors import HeadatlasError
+    from service.storage import schedule_store
+    from service.storage.store import Store, now
+    from workers.beat import fire
+    from workers.ledger import connect
+
+    settings = _settings(db, broker)
+    connect(settings.broker_url)
+    with Store(db).checked_read() as conn:
+        sched = schedule_store.get(conn, name)
+    result = fire(settings, sched, now().replace(microsecond=0), kind="manual")
+    if not result.claimed:
+        raise HeadatlasError(f"schedule {name} was fired this very second already: try again")
+    if result.status == "error":
+        raise HeadatlasError(result.error)
+    if result.status == "no_new_documents":
+        stdout.print(f"schedule {name}: no new document to analyse")
+        return
+    stdout.print(result.run_name)
+
+
+def beat(db: str = DbOpt, broker: str = BrokerOpt,
+         tick: float = typer.Option(1.0, "--tick", min=0.1, help="Seconds between two reads of the schedules."),
+         loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")) -> None:
+    """Fire due schedules: submit their runs to the queue (run one; a second one creates no duplicate run)."""
+    from workers.beat import Beat
+
+    settings = _settings(db, broker)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("headatlas").setLevel(loglevel.upper())
+    Beat(settings, tick_s=tick).run()
+
+
+def query_trend(
+    schedule: str = typer.Option(..., "--schedule", help="Schedule name."),
+    metric: str = typer.Option("within_sentence", "--metric", help="within_sentence, repetition, mean_distance, noise_share, …"),
+    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="One layer (0-based); default: the mean over layers."),
+    head: Optional[int] = typer.Option(None, "--head", help="One head of --layer (0-based)."),
+    db: str = DbOpt,
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+) -> None:
+    """A metric across a schedule's runs over time, as a table and a sparkline."""
+    from service import queries
+    from service.storage import schedule_store
+    from service.storage.store import Store
+
+    with Store(db).checked_read() as conn:
+        sched = schedule_store.get(conn, schedule)
+        columns, rows = queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head)
+    what = f"layer {layer} head {head}" if head is not None else f"layer {layer}" if layer is not None else "mean over layers"
+    render(columns, rows, fmt, title=f"schedule {schedule}: {metric}, {what}")
+    if fmt == Format.table and rows:
+        values = [r[-1] for r in rows]
+        clean = [v for v in values if v is not None]
+        stdout.print(f"{metric} {sparkline(values)}  ({min(clean, default=0):.4g} … {max(clean, default=0):.4g})")
