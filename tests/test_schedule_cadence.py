@@ -1,0 +1,103 @@
+"""When schedules fire: interval and cron parsing, next fire in a time zone, the missed-fire
+policy, and the exactly-once claim of a fire on a real database file (no processes)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+
+from service.errors import ParameterError
+from service.schedules import Cadence, check_cron, due_fire, format_every, parse_every
+
+
+@pytest.mark.parametrize("text, seconds", [("45s", 45), ("30m", 1800), ("6h", 21600), ("1d", 86400), (" 2 h ", 7200)])
+def test_every_parses(text, seconds):
+    assert parse_every(text) == seconds
+    assert parse_every(format_every(seconds)) == seconds
+
+
+@pytest.mark.parametrize("text", ["6", "h", "0s", "-5m", "1.5h", "5q", ""])
+def test_bad_every_is_one_clear_line(text):
+    with pytest.raises(ParameterError, match=r"--every .* e\.g\. 45s, 30m, 6h"):
+        parse_every(text)
+
+
+@pytest.mark.parametrize("expr", ["0 3 * *", "61 3 * * *", "0 25 * * *", "every day", "0 3 * * * *"])
+def test_bad_cron_names_the_expression_and_the_fix(expr):
+    with pytest.raises(ParameterError) as err:
+        check_cron(expr)
+    message = str(err.value)
+    assert expr in message and "0 3 * * *" in message and "\n" not in message
+
+
+def test_exactly_one_of_cron_and_interval():
+    with pytest.raises(ParameterError, match="exactly one"):
+        Cadence(None, None)
+    with pytest.raises(ParameterError, match="exactly one"):
+        Cadence("0 3 * * *", 60)
+    with pytest.raises(ParameterError, match="time zone"):
+        Cadence("0 3 * * *", None, "Mars/Olympus")
+
+
+def test_interval_fires_fall_on_the_anchor_grid():
+    c = Cadence(None, 10, "UTC", datetime(2026, 1, 1))
+    assert c.next_after(datetime(2026, 1, 1)) == datetime(2026, 1, 1, 0, 0, 10)
+    assert c.next_after(datetime(2026, 1, 1, 0, 0, 10)) == datetime(2026, 1, 1, 0, 0, 20)  # strictly after
+    assert c.next_after(datetime(2026, 1, 1, 0, 0, 19, 999999)) == datetime(2026, 1, 1, 0, 0, 20)
+    assert c.latest_at_or_before(datetime(2026, 1, 1, 0, 0, 20)) == datetime(2026, 1, 1, 0, 0, 20)
+    assert c.latest_at_or_before(datetime(2026, 1, 1, 0, 0, 29)) == datetime(2026, 1, 1, 0, 0, 20)
+
+
+def test_cron_is_read_in_its_time_zone_across_daylight_saving():
+    paris = Cadence("0 3 * * *", None, "Europe/Paris")
+    # 03:00 in Paris is 02:00 UTC in winter (CET, +1) and 01:00 UTC in summer (CEST, +2)
+    assert paris.next_after(datetime(2026, 1, 10, 12)) == datetime(2026, 1, 11, 2)
+    assert paris.next_after(datetime(2026, 7, 10, 12)) == datetime(2026, 7, 11, 1)
+    # the night the clocks go forward (29 March 2026, 02:00 → 03:00): 03:00 CEST = 01:00 UTC
+    assert paris.next_after(datetime(2026, 3, 28, 12)) == datetime(2026, 3, 29, 1)
+    utc = Cadence("*/15 * * * *", None)
+    assert utc.next_after(datetime(2026, 1, 1, 10, 7)) == datetime(2026, 1, 1, 10, 15)
+    assert utc.latest_at_or_before(datetime(2026, 1, 1, 10, 15)) == datetime(2026, 1, 1, 10, 15)
+    assert utc.latest_at_or_before(datetime(2026, 1, 1, 10, 29, 59)) == datetime(2026, 1, 1, 10, 15)
+
+
+def test_missed_fires_run_once_at_the_latest_missed_time():
+    c = Cadence(None, 60, "UTC", datetime(2026, 1, 1))
+    next_fire = datetime(2026, 1, 1, 0, 1)
+    assert due_fire(c, next_fire, datetime(2026, 1, 1, 0, 0, 59)) is None
+    assert due_fire(c, next_fire, datetime(2026, 1, 1, 0, 1, 0, 500)) == next_fire
+    # beat was down for ten minutes: one fire, at the last scheduled time that has passed
+    assert due_fire(c, next_fire, datetime(2026, 1, 1, 0, 11, 30)) == datetime(2026, 1, 1, 0, 11)
+    # and the next one is the first scheduled time after that
+    assert c.next_after(datetime(2026, 1, 1, 0, 11, 30)) == datetime(2026, 1, 1, 0, 12)
+
+
+def test_a_fire_is_claimed_once(tmp_path):
+    from service.storage import schedule_store
+    from service.storage.store import Store, now
+
+    db = str(tmp_path / "s.duckdb")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("One. Two.\n", encoding="utf-8")
+    sched = schedule_store.add(db, name="s", corpus=str(corpus), model="random:tiny", dtype="float32", batch_size=4,
+                               params={"seq_len": 32}, cadence=Cadence(None, 5), only_new=True)
+    t = sched.next_fire
+    assert schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["a", "b"])
+    assert not schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["c"])  # a second beat
+    assert not schedule_store.claim(db, sched.schedule_id, t - timedelta(seconds=5), kind="scheduled")  # stale
+    with Store(db).checked_read() as conn:
+        after = schedule_store.get(conn, "s")
+        assert schedule_store.seen_documents(conn, sched.schedule_id) == {"a", "b"}
+    assert after.last_fire == t and after.next_fire > max(t, now() - timedelta(seconds=1))
+    schedule_store.set_enabled(db, "s", False)
+    assert not schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="scheduled")  # paused
+    assert schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="manual")  # run-now still fires
+    with pytest.raises(ParameterError, match="exists"):
+        schedule_store.add(db, name="s", corpus=str(corpus), model="m", dtype="float32", batch_size=4, params={},
+                           cadence=Cadence(None, 5), only_new=False)
+    schedule_store.remove(db, "s")
+    with Store(db).checked_read() as conn:
+        with pytest.raises(ParameterError, match="no schedule named 's'"):
+            schedule_store.get(conn, "s")
+        assert schedule_store.seen_documents(conn, sched.schedule_id) == set()
