@@ -121,9 +121,8 @@ def schedule_edit(
 def schedule_list(db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """List the schedules: cadence, state, last and next fire (UTC)."""
     from service.storage import schedule_store
-    from service.storage.store import Store
 
-    with Store(db).checked_read() as conn:
+    with schedule_store.read(db) as conn:
         rows = [row for s in schedule_store.all_schedules(conn) for row in _show(s)]
     render(SHOW_COLUMNS, rows, fmt)
 
@@ -133,9 +132,8 @@ def schedule_show(name: str = NameArg, db: str = DbOpt,
                   fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """A schedule and its fires, each with its run (id, name, status)."""
     from service.storage import schedule_store
-    from service.storage.store import Store
 
-    with Store(db).checked_read() as conn:
+    with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, name)
         columns, rows = schedule_store.fires(conn, sched.schedule_id)
     if fmt == Format.table:
@@ -175,13 +173,13 @@ def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerO
     """Fire a schedule once now (paused or not), without changing its next fire; prints the run name."""
     from service.errors import HeadatlasError
     from service.storage import schedule_store
-    from service.storage.store import Store, now
+    from service.storage.schedule_store import now
     from workers.beat import fire
     from workers.ledger import connect
 
     settings = _settings(db, broker)
     connect(settings.broker_url)
-    with Store(db).checked_read() as conn:
+    with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, name)
     result = fire(settings, sched, now().replace(microsecond=0), kind="manual")
     if not result.claimed:
@@ -217,9 +215,8 @@ def query_trend(
     """A metric across a schedule's runs over time, as a table and a sparkline."""
     from service import queries
     from service.storage import schedule_store
-    from service.storage.store import Store
 
-    with Store(db).checked_read() as conn:
+    with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, schedule)
         columns, rows = queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head)
     what = f"layer {layer} head {head}" if head is not None else f"layer {layer}" if layer is not None else "mean over layers"

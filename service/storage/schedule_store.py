@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import text
@@ -19,7 +20,6 @@ from sqlalchemy.engine import Connection
 from service.errors import ParameterError
 from service.schedules import Cadence
 from service.storage import db
-from service.storage.store import now
 
 COLUMNS = ("schedule_id, name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
            "only_new, anchor, last_fire, next_fire, created_at")
@@ -54,6 +54,20 @@ class Schedule:
     @property
     def cadence(self) -> Cadence:
         return Cadence(self.cron, self.every_s, self.timezone, self.anchor)
+
+
+def now() -> datetime:
+    """UTC now, naive, as stored (the same as store.now; this module stays free of the model imports
+    that store needs, so that schedule commands start fast)."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+@contextmanager
+def read(path: str | Path):
+    """A read transaction on a database whose schema is current."""
+    with db.transaction(path, read_only=True) as conn:
+        db.check_schema(conn, path)
+        yield conn
 
 
 def _write(path: str | Path):
