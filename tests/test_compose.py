@@ -51,8 +51,11 @@ def test_compose_services_and_settings():
         for var in (service.get("environment") or {}):
             if var.startswith("HEADATLAS_"):
                 assert var in known, f"{name}: {var} is not a setting (see `headatlas config`)"
-    # only the writer mounts the database read-write
+    # only the writer and beat (short claim transactions for schedule fires) mount the database
+    # read-write, each as a single replica
+    assert services["beat"]["command"] == ["headatlas", "beat"]
+    assert services["beat"]["deploy"]["replicas"] == 1
     for name, service in services.items():
         for volume in service.get("volumes", []):
-            if volume.startswith("db:") and name != "writer":
+            if volume.startswith("db:") and name not in ("writer", "beat"):
                 assert volume.endswith(":ro"), f"{name} mounts the database read-write"
