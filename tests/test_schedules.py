@@ -202,3 +202,22 @@ def test_cli_errors(cluster, tmp_path):
         result = run_cli(*args, env=cluster.env)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     _cli(cluster, "schedule", "remove", "dup")
+
+
+def test_fires_missed_while_beat_was_down_run_once(cluster, demo_corpus, tmp_path):
+    cluster.kill("beat1")
+    cluster.kill("beat2")
+    corpus = _parts(tmp_path, demo_corpus, 1)[0]
+    _cli(cluster, "schedule", "add", "late", "--corpus", str(corpus), "--every", "2s", "--only-new", *ANALYSIS)
+    time.sleep(7)  # three or four scheduled times pass with no beat running
+    assert _fires(cluster, "late") == []
+    restart_at = datetime.utcnow()
+    cluster._start("beat1", "beat", "--tick", "0.5")
+    _wait("a fire after restart", lambda: _submitted(cluster, "late"), 60, cluster)
+    later = _wait("the next regular fire",
+                  lambda: len(f := _fires(cluster, "late")) > 1 and f[1][2] != "claimed" and f, 30, cluster)
+    # one fire for the missed ones, at the latest scheduled time that had passed, not one per tick
+    assert later[0][0] >= restart_at - timedelta(seconds=2), later
+    assert later[0][2] == "submitted" and later[0][5] == 2  # the corpus's two documents
+    assert later[1][0] - later[0][0] >= timedelta(seconds=2) and later[1][2] == "no_new_documents"
+    _cli(cluster, "schedule", "remove", "late")
