@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from cli.output import Format, render, sparkline, stderr, stdout
+from cli.output import Format, render, sparkline, stdout
 from service.config import Settings
 
 SETTINGS = Settings.from_env()
@@ -103,7 +103,7 @@ def schedule_edit(
 ) -> None:
     """Change a schedule; a running beat uses the change at its next tick."""
     from service.errors import ParameterError
-    from service.schedules import Cadence, check_cron, check_timezone, parse_every
+    from service.schedules import check_cron, check_timezone, parse_every
     from service.storage import schedule_store
 
     if cron is not None and every is not None:
@@ -113,7 +113,6 @@ def schedule_edit(
     sched = schedule_store.edit(db, name, corpus=_corpus(corpus) if corpus else None, model=model, only_new=only_new,
                                 cron=check_cron(cron) if cron else None,
                                 every_s=parse_every(every) if every else None, timezone=timezone)
-    Cadence(sched.cron, sched.every_s, sched.timezone)
     render(SHOW_COLUMNS, _show(sched), fmt)
 
 
