@@ -116,7 +116,9 @@ def any_redis(folder: Path):
 class Cluster:
     """A writer and workers on one Redis URL and one database file."""
 
-    def __init__(self, redis_url: str, folder: Path, *, time_limit_s: float = 4.0):
+    def __init__(self, redis_url: str, folder: Path, *, time_limit_s: float = 10.0):
+        # long enough for a tiny batch on a slow, shared machine; short enough that a lost
+        # task comes back quickly (the visibility timeout is twice the limit)
         self.folder = Path(folder)
         self.db = str(self.folder / "queue.duckdb")
         self.env = {
