@@ -45,7 +45,7 @@ class LoadedModel:
     def autocast(self):
         """The forward pass's precision: float32 as is; bfloat16/float16 by autocast, which
         keeps the weights and precision-sensitive ops (softmax, layer norm) in float32."""
-        if self.dtype == torch.float32:
+        if self.dtype not in (torch.bfloat16, torch.float16):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
