@@ -188,11 +188,7 @@ def query_heads(
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors."""
     from service import queries
 
-    store = _store(db)
-    with store.checked_read() as conn:
-        r = _run(conn, run)
-        columns, rows = queries.heads(conn, r.run_id, layer=layer, sort=sort, top=top)
-    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): heads")
+    _query(db, run, fmt, queries.heads, "heads", layer=layer, sort=sort, top=top)
 
 
 @query_app.command("distances")

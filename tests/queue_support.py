@@ -8,11 +8,13 @@ no one uses, claimed with a marker key, flushed at the end), else a redis-server
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -208,6 +210,26 @@ def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str, c
 
 def tmpdir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+@contextmanager
+def running_cluster(prefix: str, *, prepare=None):
+    """A Redis, a writer and a worker on a fresh database, stopped and removed afterwards.
+
+    ``prepare(cluster)`` runs before the processes start."""
+    folder = tmpdir(prefix)
+    server = any_redis(folder / "redis")
+    cluster = Cluster(server.url, folder)
+    try:
+        if prepare is not None:
+            prepare(cluster)
+        cluster.start_writer()
+        cluster.start_worker()
+        yield cluster
+    finally:
+        cluster.stop()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- what a run stored ------------------------------------------------------------------------------

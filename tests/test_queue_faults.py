@@ -9,7 +9,9 @@ import time
 import pytest
 import redis
 
-from queue_support import Cluster, RedisServer, any_redis, assert_counted_once, assert_whole_batches, make_corpus, tmpdir
+from queue_support import (
+    Cluster, RedisServer, any_redis, assert_counted_once, assert_whole_batches, make_corpus, running_cluster, tmpdir,
+)
 from service.config import Settings
 from service.params import AnalysisParams
 
@@ -21,15 +23,8 @@ PARAMS = AnalysisParams(seq_len=128)
 
 @pytest.fixture(scope="module")
 def shared():
-    folder = tmpdir("headatlas-faults-")
-    server = any_redis(folder / "redis")
-    c = Cluster(server.url, folder)
-    c.start_writer()
-    c.start_worker()
-    yield c
-    c.stop()
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+    with running_cluster("headatlas-faults-") as c:
+        yield c
 
 
 def _submit(cluster, corpus):

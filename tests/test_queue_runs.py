@@ -3,13 +3,12 @@ the same numbers as the embedded engine, idempotent submission and delivery, the
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 import redis
 
-from queue_support import Cluster, any_redis, assert_counted_once, assert_same_statistics, make_corpus, stored, tmpdir
+from queue_support import assert_counted_once, assert_same_statistics, make_corpus, running_cluster, stored
 from service.config import Settings
 from service.params import AnalysisParams
 
@@ -20,15 +19,8 @@ ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    folder = tmpdir("headatlas-queue-")
-    server = any_redis(folder / "redis")
-    c = Cluster(server.url, folder)
-    c.start_writer()
-    c.start_worker()
-    yield c
-    c.stop()
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+    with running_cluster("headatlas-queue-") as c:
+        yield c
 
 
 def _run_id(cluster, ref: str) -> int:

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from queue_support import Cluster, any_redis, make_corpus, tmpdir
+from queue_support import make_corpus, running_cluster
 from conftest import run_cli
 
 pytestmark = pytest.mark.integration
@@ -23,20 +23,13 @@ ANALYSIS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    folder = tmpdir("headatlas-schedule-")
-    server = any_redis(folder / "redis")
-    c = Cluster(server.url, folder)
     from service.storage.db import upgrade
 
-    upgrade(c.db)  # before the processes start: they all find the current schema
-    c.start_writer()
-    c.start_worker()
-    c._start("beat1", "beat", "--tick", "0.5")
-    c._start("beat2", "beat", "--tick", "0.5")  # by mistake: must create no duplicate run
-    yield c
-    c.stop()
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+    # the schema first, so that every process finds it current
+    with running_cluster("headatlas-schedule-", prepare=lambda c: upgrade(c.db)) as c:
+        c._start("beat1", "beat", "--tick", "0.5")
+        c._start("beat2", "beat", "--tick", "0.5")  # by mistake: must create no duplicate run
+        yield c
 
 
 def _cli(cluster, *args) -> str:
