@@ -110,7 +110,14 @@ def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(clus
         cluster.wait_status(run_name, timeout=90)
         assert _doc_ids(cluster, run_name) == expected  # only the documents added since the previous fire
 
-    fires = _fires(cluster, "grow")
+    # the schedule keeps firing every 3 s: pause it and let the fire in hand (if any) finish
+    _cli(cluster, "schedule", "pause", "grow")
+
+    def settled():
+        fires = _fires(cluster, "grow")
+        return all(f[2] != "claimed" for f in fires) and fires
+
+    fires = _wait("no fire in hand", settled, 30, cluster)
     submitted = [f for f in fires if f[2] == "submitted"]
     assert {f[2] for f in fires} <= {"submitted", "no_new_documents"}
     assert [f[4] for f in submitted[:3]] == [r for r, _ in runs]
