@@ -56,9 +56,9 @@ def analyze(
     encoding: str = options.Encoding,
     db: str = DbOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary."),
-    attribution: bool = typer.Option(False, "--attribution/--no-attribution", help="Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token)."),
-    attribution_windows: int = typer.Option(256, "--attribution-windows", help="Only the first N windows get --attribution / --mixing."),
-    mixing: list[str] = typer.Option([], "--mixing", help="Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate)."),
+    attribution: bool = options.Attribution,
+    attribution_windows: int = options.AttributionWindows,
+    mixing: list[str] = options.Mixing,
     attribution_chunk: int = typer.Option(SETTINGS.attribution_chunk, "--attribution-chunk", min=1, help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK]."),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""

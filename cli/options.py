@@ -23,3 +23,6 @@ Vectors = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W
 ShortRange = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share.")
 TextField = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text.")
 Encoding = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files.")
+Attribution = typer.Option(False, "--attribution/--no-attribution", help="Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token).")
+AttributionWindows = typer.Option(256, "--attribution-windows", min=0, help="Only the run's first N windows get --attribution / --mixing.")
+Mixing = typer.Option([], "--mixing", help="Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate).")

@@ -53,6 +53,9 @@ def submit(
     short_range: int = options.ShortRange,
     text_field: str = options.TextField,
     encoding: str = options.Encoding,
+    attribution: bool = options.Attribution,
+    attribution_windows: int = options.AttributionWindows,
+    mixing: list[str] = options.Mixing,
     wait: bool = typer.Option(False, "--wait", help="Show progress until the run ends."),
     writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run."),
     db: str = DbOpt,
@@ -67,7 +70,8 @@ def submit(
 
         raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
     params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
-                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype)
+                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
+                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     settings = _settings(db=db, broker_url=broker)
     sub = submit_corpus(corpus, settings=settings, model=model, dtype=dtype, params=params, batch_size=batch_size,
                         name=name, text_field=text_field, encoding=encoding, writer_wait_s=writer_wait,

@@ -240,6 +240,8 @@ STAT_TABLES = {
     "dist_hist": (["layer", "head", "distance"], ["count"]),
     "pair_hist": (["distance"], ["count"]),
     "anchors": (["window_id", "layer", "head", "token_id", "token"], ["endpoint_count", "high_pairs", "anchor_share"]),
+    "mixing_stats": (["method", "layer", "head"], None),
+    "mixing_dist": (["method", "layer", "head", "distance"], ["mass"]),
 }
 
 

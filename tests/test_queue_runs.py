@@ -54,6 +54,31 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     assert stored(cluster.db, run_id) == queued
 
 
+def test_queued_attribution_and_mixing_equal_the_embedded_ones(cluster, tiny_model, demo_corpus, tmp_path):
+    """--attribution / --mixing through `submit`: the first N windows of the run, spread over
+    batches, give the same attribution and mixing sums as the embedded engine."""
+    from service.analysis_options import build_params
+    from service.runner import analyze_corpus, survey_corpus
+    from service.storage.store import Store
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="mixing")
+    ref = cluster.submit(corpus, *ARGS, "--attribution", "--mixing", "rollout,norm", "--mixing", "alti",
+                         "--attribution-windows", "6", "--wait")
+    assert cluster.wait_status(ref) == "done"
+    run_id = _run_id(cluster, ref)
+
+    params = build_params(seq_len=32, attribution=True, mixing=["rollout", "norm", "alti"], attribution_windows=6)
+    embedded_db = tmp_path / "embedded.duckdb"
+    run = analyze_corpus(str(corpus), store=Store(embedded_db), model=tiny_model, params=params,
+                         corpus=survey_corpus(str(corpus)), batch_size=4)
+    queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
+    assert len(embedded["run_windows"]) > 6  # the attribution window count ends inside the second batch
+    methods = {row[0] for row in queued["mixing_stats"]}
+    assert methods == {"attention", "attribution", "rollout", "norm", "alti"}  # attention: the same windows, for comparison
+    assert {row[3] for row in queued["mixing_stats"]} == {6}  # windows per (method, layer, head)
+    assert_same_statistics(queued, embedded)
+
+
 def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpus, tmp_path):
     from workers.app import make_app
     from workers.submit import batch_payloads, submit

@@ -107,7 +107,7 @@ def _analyse(model, batch: dict) -> str:
     if params.mixes:
         mixing = max(0, min(len(windows), params.attribution_windows - int(batch.get("first_window", 0))))
     result = analyse(model, collate(windows, tokens.pad_id), params, tokens, documents=batch["documents"],
-                     mixing_windows=mixing)
+                     mixing_windows=mixing, attribution_chunk=SETTINGS.attribution_chunk)
     return base64.b64encode(result.to_bytes()).decode("ascii")
 
 
