@@ -6,10 +6,7 @@ Pure computation: no database, no queue. The embedded runner and the Celery work
 
 from __future__ import annotations
 
-import io
-import json
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,9 +14,8 @@ import torch
 from service.hooks import act_name, capture_attention
 from service.model import LoadedModel, encoder_layers
 from service.params import AnalysisParams
+from service.results import CHANCE_SUMS, HEAD_SUMS, BatchResult  # noqa: F401 - BatchResult re-exported
 from service.stats import (
-    CHANCE_SUMS,
-    HEAD_SUMS,
     Workspace,
     chance_statistics,
     head_statistics,
@@ -32,85 +28,6 @@ from service.windows import Batch, TokenClasses, collate
 _WORKSPACES: dict[str, Workspace] = {}
 
 INT_SUMS = {"high_pairs", "same_sentence_high", "same_token_high", "attended_high"}
-
-
-@dataclass
-class BatchResult:
-    """Summaries of one batch. Shapes: heads ``[layer, head]``; dist_hist
-    ``[layer, head, seq_len]`` (index = distance); pair_hist ``[seq_len]``; anchors
-    ``[window, layer, head]``."""
-
-    window_ids: list[str]
-    heads: dict[str, np.ndarray]
-    dist_hist: np.ndarray
-    chance: dict[str, int]
-    pair_hist: np.ndarray
-    anchor_token: np.ndarray  # token id, -1 where the window has no high pair
-    anchor_count: np.ndarray  # endpoint count of the anchor
-    high_count: np.ndarray  # |H| of the window
-    windows: list[dict] = field(default_factory=list)  # window_id, doc_id, window_index, n_tokens
-    documents: list[dict] = field(default_factory=list)  # doc_id, source, line, n_chars, preview
-    vocab: dict[int, str] = field(default_factory=dict)  # anchor token id -> token text
-    compute_s: float = 0.0
-    # mixing measures (service.mixing), on the first ``mixing_windows`` windows of the batch:
-    # method -> {"head": [slot], sum name: [layer, slot], "dist": [layer, slot, seq_len]}
-    mixing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
-    mixing_windows: int = 0
-    mixing_rows: int = 0  # valid query rows in those windows
-
-    def to_bytes(self) -> bytes:
-        arrays = {f"heads.{k}": v for k, v in self.heads.items()}
-        arrays.update(
-            dist_hist=self.dist_hist,
-            pair_hist=self.pair_hist,
-            anchor_token=self.anchor_token,
-            anchor_count=self.anchor_count,
-            high_count=self.high_count,
-            window_ids=np.array(self.window_ids),
-            chance=np.array([self.chance[k] for k in CHANCE_SUMS], dtype=np.int64),
-            compute_s=np.array(self.compute_s),
-            mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
-            **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
-            meta=np.frombuffer(
-                json.dumps(
-                    {"windows": self.windows, "documents": self.documents, "vocab": self.vocab}
-                ).encode(),
-                dtype=np.uint8,
-            ),
-        )
-        buf = io.BytesIO()
-        np.savez_compressed(buf, **arrays)
-        return buf.getvalue()
-
-    @classmethod
-    def from_bytes(cls, blob: bytes) -> "BatchResult":
-        with np.load(io.BytesIO(blob), allow_pickle=False) as data:
-            heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
-            chance = dict(zip(CHANCE_SUMS, (int(x) for x in data["chance"])))
-            meta = json.loads(data["meta"].tobytes().decode())
-            mixing: dict[str, dict[str, np.ndarray]] = {}
-            for key in data.files:
-                if key.startswith("mix."):
-                    _, method, name = key.split(".", 2)
-                    mixing.setdefault(method, {})[name] = data[key]
-            counts = data["mixing_counts"] if "mixing_counts" in data.files else np.zeros(2, dtype=np.int64)
-            return cls(
-                window_ids=[str(x) for x in data["window_ids"]],
-                heads=heads,
-                dist_hist=data["dist_hist"],
-                chance=chance,
-                pair_hist=data["pair_hist"],
-                anchor_token=data["anchor_token"],
-                anchor_count=data["anchor_count"],
-                high_count=data["high_count"],
-                windows=meta["windows"],
-                documents=meta["documents"],
-                vocab={int(k): v for k, v in meta["vocab"].items()},
-                compute_s=float(data["compute_s"]),
-                mixing=mixing,
-                mixing_windows=int(counts[0]),
-                mixing_rows=int(counts[1]),
-            )
 
 
 def forward(model: LoadedModel, batch: Batch) -> dict[str, torch.Tensor]:

@@ -27,12 +27,11 @@ import numpy as np
 import torch
 
 from service.model import LoadedModel, encoder_layers
+from service.results import MIX_SUMS  # noqa: F401 - re-exported
 from service.stats import WindowFeatures, attention_sums
 
 METHODS = ("attention", "attribution", "rollout", "norm", "alti")
 FORWARD_METHODS = ("rollout", "norm", "alti")
-MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention",
-            "distance_sum")
 LAYER_ONLY = frozenset({"alti"})
 
 

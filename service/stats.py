@@ -16,24 +16,8 @@ from functools import lru_cache
 import torch
 
 from service.params import Selection
+from service.results import CHANCE_SUMS, HEAD_SUMS  # noqa: F401 - defined torch-free, re-exported
 from service.windows import TokenClasses
-
-HEAD_SUMS = (
-    "high_pairs",
-    "sim_sum_all",
-    "sim_sum_high",
-    "same_sentence_high",
-    "same_token_high",
-    "attended_high",
-    "attn_to_cls",
-    "attn_to_sep",
-    "attn_to_punct",
-    "attn_to_self",
-    "attn_to_prev",
-    "attn_to_next",
-    "attn_entropy",
-)
-CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows")
 
 
 @dataclass(frozen=True)

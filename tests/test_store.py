@@ -224,3 +224,16 @@ def test_a_document_repeated_in_the_corpus_is_counted_once(tmp_path, tiny_model,
                            params=AnalysisParams(), corpus=summary, batch_size=4)
     assert once.status == twice.status == "done"
     assert counts(tmp_path / "a.duckdb")["run_windows"] == counts(tmp_path / "b.duckdb")["run_windows"]
+
+
+def test_the_query_and_writer_paths_do_not_load_torch():
+    """`headatlas runs|query|sql|status` and the writer import no torch: a query answers in a
+    fraction of a second instead of waiting for the model stack to load."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cli.main, service.storage.store, service.queries, workers.writer; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -16,9 +16,8 @@ import pyarrow as pa
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service.analysis import BatchResult
 from service.errors import StoreError
-from service.stats import CHANCE_SUMS, HEAD_SUMS
+from service.results import CHANCE_SUMS, HEAD_SUMS, BatchResult
 from service.storage import db
 from service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
