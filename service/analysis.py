@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from service.hooks import act_name, capture_attention
+from service.hooks import capture_attention
 from service.model import LoadedModel, encoder_layers
 from service.params import AnalysisParams
 from service.results import CHANCE_SUMS, HEAD_SUMS, BatchResult  # noqa: F401 - BatchResult re-exported
@@ -67,7 +67,6 @@ def analyze_batch(
     """
     started = time.perf_counter()
     input_ids, attention_mask = _on_device(model, batch)
-    acts = _forward(model, input_ids, attention_mask)
     with torch.inference_mode():
         workspace = _WORKSPACES.setdefault(str(model.device), Workspace(model.device))
         feats = window_features(
@@ -78,15 +77,21 @@ def analyze_batch(
             workspace=workspace,
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
-        blocks = encoder_layers(model.model)
-        per_layer = []
-        for layer in range(model.n_layers):
+    blocks = encoder_layers(model.model)
+    per_layer: list[dict[str, torch.Tensor]] = []
+
+    def summarise(layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
+        # runs inside the forward pass, as each layer finishes; statistics in full precision
+        with torch.autocast(model.device.type, enabled=False):
             w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
-            z = head_vectors(acts.pop(act_name("z", layer)), model.n_heads, w_o)
-            attn = acts.pop(act_name("pattern", layer))
+            z = head_vectors(context, model.n_heads, w_o)
             per_layer.append(
                 head_statistics(z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len)
             )
+
+    with torch.inference_mode(), model.autocast(), capture_attention(model.model, on_layer=summarise):
+        model.model(input_ids=input_ids, attention_mask=attention_mask)
+    with torch.inference_mode():
         stacked = {key: torch.stack([s[key] for s in per_layer]) for key in per_layer[0]}
         anchor_pos = stacked["anchor_pos"].permute(1, 0, 2)  # [window, layer, head]
         high_count = stacked["high_count"].permute(1, 0, 2)

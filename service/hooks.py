@@ -8,7 +8,7 @@ Every captured activation has one canonical name, built by ``act_name``:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,10 +23,18 @@ def act_name(kind: str, layer: int) -> str:
     return f"blocks.{layer}.attn.hook_{kind}"
 
 
+LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
 @contextmanager
-def capture_attention(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+def capture_attention(model: torch.nn.Module, on_layer: LayerCallback | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Capture each layer's context ``[batch, pos, head·d_head]`` and probabilities
     ``[batch, head, pos, key]`` while the block runs; hooks are removed on exit.
+
+    Without ``on_layer`` the activations are kept in the yielded dict under their canonical
+    names. With it, ``on_layer(layer, context, probs)`` is called as each layer finishes and
+    nothing is kept: the next layer reuses the memory, so a forward pass holds one layer's
+    attention map at a time instead of all of them.
 
     Needs eager attention: under sdpa the probabilities are never materialised.
     """
@@ -34,18 +42,21 @@ def capture_attention(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor
     handles = []
     try:
         for layer, block in enumerate(encoder_layers(model)):
-            handles.append(block.attention.self.register_forward_hook(_hook(store, layer)))
+            handles.append(block.attention.self.register_forward_hook(_hook(store, layer, on_layer)))
         yield store
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _hook(store: dict[str, torch.Tensor], layer: int):
+def _hook(store: dict[str, torch.Tensor], layer: int, on_layer: LayerCallback | None):
     def hook(_module, _inputs, output):
         context, probs = output[0], output[1]
         if probs is None:
             raise RuntimeError("attention probabilities were not returned; load the model with eager attention")
+        if on_layer is not None:
+            on_layer(layer, context, probs)
+            return
         store[act_name("z", layer)] = context
         store[act_name("pattern", layer)] = probs
 

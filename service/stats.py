@@ -313,8 +313,11 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace |
     attn: ``[batch, head, pos, key]``, rows are queries.
     """
     rows = feats.valid.to(attn.dtype)[:, None, :]  # [batch, 1, pos]
-    by_class = torch.matmul(attn, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, pos, 3]
-    by_class = (by_class * rows[..., None]).sum(dim=(0, 2), dtype=torch.float64)  # [head, 3]
+    # Σ_i row_i Σ_j A_ij class_j = Σ_j (Σ_i row_i A_ij) class_j: one pass over A for the column
+    # sums, then a small product (a [pos, 3] right-hand side wastes most of a matmul's work)
+    received = torch.matmul(rows[:, :, None, :], attn)  # [batch, head, 1, key]
+    by_class = torch.matmul(received, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, 1, 3]
+    by_class = by_class.sum(dim=(0, 2), dtype=torch.float64)  # [head, 3]
     neighbour_rows = rows[..., 1:]
     return {
         "attn_to_cls": by_class[:, 0],

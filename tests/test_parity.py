@@ -57,6 +57,28 @@ def _layer_error(block, layer, out, acts, heads, d) -> float:
     return float((captured - expected).abs().max())
 
 
+def test_streaming_capture_sees_what_output_attentions_returns(real_model, real_batch):
+    """The analysis path (a per-layer callback, nothing kept) sees the same attention and head
+    outputs as the stored capture and Hugging Face's output_attentions; the output is unchanged."""
+    seen = {}
+
+    def on_layer(layer, context, probs):
+        seen[layer] = (context.clone(), probs.clone())
+
+    ids, mask = real_batch.input_ids, real_batch.attention_mask
+    with torch.inference_mode():
+        with capture_attention(real_model.model, on_layer=on_layer) as kept:
+            streamed = real_model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = real_model.model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert kept == {}
+    acts = forward(real_model, real_batch)
+    assert torch.equal(streamed, out.last_hidden_state)
+    assert sorted(seen) == list(range(real_model.n_layers))
+    for layer, (context, probs) in seen.items():
+        assert torch.equal(probs, out.attentions[layer]), f"layer {layer}"
+        assert torch.equal(context, acts[act_name("z", layer)]), f"layer {layer}"
+
+
 def test_hooks_are_removed_after_capture(tiny_model):
     block = tiny_model.model.encoder.layer[0].attention.self
     before = len(block._forward_hooks)  # transformers may keep hooks of its own there
