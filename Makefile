@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench readme-images clean
+.PHONY: install install-test demo test test-fast bench gpu-check readme-images clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test-fast: install-test
 
 bench: install-test
 	$(PY) benchmarks/run.py
+
+# On a machine with an NVIDIA GPU (PyPI's torch for Linux is a CUDA build): the CUDA tests,
+# then the GPU rows of the benchmark table.
+gpu-check: install-test
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch ' + torch.__version__)"
+	$(PY) -m pytest -q -rs -m cuda
+	$(PY) benchmarks/run.py --gpu-only
 
 # The README's figures: one of each kind, from the shipped demo corpus, shrunk to a 128-colour
 # palette so that each stays well under 150 KB.

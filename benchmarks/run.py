@@ -39,13 +39,15 @@ def section(title: str, fn, *args) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (make gpu-check)")
     args = parser.parse_args(argv)
     import torch
 
     print(f"# headatlas benchmarks — {machine()}")
     windows = "96" if args.quick else "512"
-    section("Bare forward vs full analysis, CPU (target ratio ≤ 1.3; naive speed-up ≥ 1.8×)",
-            forward_vs_full.main, ["--windows", windows, "--repeats", "2" if args.quick else "3"])
+    if not args.gpu_only:
+        section("Bare forward vs full analysis, CPU (target ratio ≤ 1.3; naive speed-up ≥ 1.8×)",
+                forward_vs_full.main, ["--windows", windows, "--repeats", "2" if args.quick else "3"])
     if torch.cuda.is_available():
         section("Bare forward vs full analysis, GPU (target ratio ≤ 1.15)", forward_vs_full.main,
                 ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--no-naive"])
@@ -53,6 +55,8 @@ def main(argv=None) -> None:
                 ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--dtype", "bfloat16", "--no-naive"])
     else:
         print("\n## GPU rows\nnot measured: no CUDA device on this machine")
+    if args.gpu_only:
+        return
     try:
         from benchmarks import queue_throughput as queue_bench
     except ImportError:

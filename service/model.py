@@ -201,17 +201,19 @@ def _looks_like_path(spec: str) -> bool:
 def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) -> int:
     """Windows per batch from free device memory (CUDA); ``cpu_default`` on CPU.
 
-    A window keeps, per layer, the attention map captured by the hooks (heads × pos² floats)
-    plus the statistics' scratch (about four more maps for one layer) and the hidden states;
-    60 % of free memory is planned for, the rest left to the allocator. Out-of-memory errors
-    that still happen are recovered by halving (analysis.OomSplitter).
+    The statistics run as each layer finishes, so a window holds one layer at a time: the
+    eager attention's scores and probabilities (heads × pos² floats, about three maps) plus
+    the statistics' scratch (about four more), and one layer's activations (about sixteen
+    pos × d_model tensors, the feed-forward's four-times-wider one included); 60 % of free
+    memory is planned for, the rest left to the allocator. Out-of-memory errors that still
+    happen are recovered by halving (analysis.OomSplitter).
     """
     if model.device.type != "cuda":
         return cpu_default
     free, _total = torch.cuda.mem_get_info(model.device)
     element = 4
-    per_window = element * seq_len * seq_len * model.n_heads * (model.n_layers + 4)
-    per_window += element * seq_len * model.d_model * model.n_layers * 12
+    per_window = element * seq_len * seq_len * model.n_heads * 8
+    per_window += element * seq_len * model.d_model * 16
     size = max(1, int(free * 0.6 // per_window))
     return min(4096, 1 << (size.bit_length() - 1))
 
