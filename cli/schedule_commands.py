@@ -8,11 +8,12 @@ from typing import Optional
 
 import typer
 
+from cli import options
 from cli.output import Format, render, sparkline, stdout
 from service.config import Settings
 
 SETTINGS = Settings.from_env()
-DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+DbOpt = options.Db
 BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
 NameArg = typer.Argument(..., help="Schedule name.")
 
@@ -66,14 +67,18 @@ def schedule_add(
     timezone: str = typer.Option("UTC", "--timezone", help="IANA time zone of the cron expression."),
     model: str = typer.Option(SETTINGS.model, "--model", "-m", help="Model spec, as for analyze [env HEADATLAS_MODEL]."),
     only_new: bool = typer.Option(False, "--only-new", help="Each fire analyses only documents no earlier fire of this schedule sent."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    dtype: str = options.Dtype,
     batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch [env HEADATLAS_BATCH_SIZE]."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included."),
-    windowing: str = typer.Option("chunks", "--windowing", help="chunks or first."),
-    select: str = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K."),
-    gate: float = typer.Option(4.0, "--gate", help="Attention gate (gate / n)."),
-    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo or post_wo."),
-    short_range: int = typer.Option(4, "--short-range", help="Distance counted as short range."),
+    seq_len: int = options.SeqLen,
+    windowing: str = options.Windowing,
+    select: str = options.Select,
+    gate: float = options.Gate,
+    include_special: bool = options.IncludeSpecial,
+    vectors: str = options.Vectors,
+    short_range: int = options.ShortRange,
+    attribution: bool = options.Attribution,
+    attribution_windows: int = options.AttributionWindows,
+    mixing: list[str] = options.Mixing,
     db: str = DbOpt,
     fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
 ) -> None:
@@ -83,7 +88,8 @@ def schedule_add(
 
     cadence = _cadence(cron, every, timezone)
     params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate, vectors=vectors,
-                          short_range=short_range, dtype=dtype)
+                          short_range=short_range, dtype=dtype, include_special=include_special,
+                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     sched = schedule_store.add(db, name=name, corpus=_corpus(corpus), model=model, dtype=dtype, batch_size=batch_size,
                                params=params.to_dict(), cadence=cadence, only_new=only_new)
     render(SHOW_COLUMNS, _show(sched), fmt)

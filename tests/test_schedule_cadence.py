@@ -101,3 +101,24 @@ def test_a_fire_is_claimed_once(tmp_path):
         with pytest.raises(ParameterError, match="no schedule named 's'"):
             schedule_store.get(conn, "s")
         assert schedule_store.seen_documents(conn, sched.schedule_id) == set()
+
+
+def test_schedule_add_keeps_every_analysis_option(tmp_path, cli):
+    """The options a schedule takes are `analyze`'s, attribution and mixing included, and they
+    reach the stored parameters that beat submits with."""
+    from service.params import AnalysisParams
+    from service.storage import schedule_store
+    from service.storage.db import transaction, upgrade
+
+    db = tmp_path / "s.duckdb"
+    upgrade(str(db))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("A document.\n", encoding="utf-8")
+    result = cli("schedule", "add", "probe", "--corpus", str(corpus), "--every", "1h", "--db", str(db),
+                 "--seq-len", "64", "--select", "topk:10", "--include-special", "--attribution",
+                 "--attribution-windows", "8", "--mixing", "rollout,alti")
+    assert result.returncode == 0, result.stderr
+    with transaction(str(db), read_only=True) as conn:
+        params = AnalysisParams.from_dict(schedule_store.get(conn, "probe").params)
+    assert (params.seq_len, params.include_special, params.attribution, params.attribution_windows) == (64, True, True, 8)
+    assert params.mixing == ("rollout", "alti") and params.select.kind == "topk"
