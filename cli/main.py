@@ -248,14 +248,9 @@ def query_mixing(
     """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
     from service import queries
 
-    store = _store(db)
-    with store.checked_read() as conn:
-        r = _run(conn, run)
-        if layer is not None:
-            _check_layer_head(r, layer, None)
-        columns, rows = queries.mixing(conn, r.run_id, layer=layer, methods=method or None)
     what = f"layer {layer} heads" if layer is not None else "per layer"
-    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): mixing, {what}")
+    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
+    _query(db, run, fmt, queries.mixing, f"mixing, {what}", check=check, layer=layer, methods=method or None)
 
 
 @query_app.command("discrepancy")
@@ -323,10 +318,13 @@ def config() -> None:
     render(["variable", "value", "default", "meaning"], rows, Format.table)
 
 
-def _query(db: str, run: Optional[str], fmt: Format, query, title: str, **kwargs) -> None:
-    """Open the store, resolve the run, call one query function, render its rows."""
+def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=None, **kwargs) -> None:
+    """Open the store, resolve the run, ``check(run)`` the options against it, call one query
+    function, render its rows."""
     with _store(db).checked_read() as conn:
         r = _run(conn, run)
+        if check is not None:
+            check(r)
         columns, rows = query(conn, r.run_id, **kwargs)
     render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}")
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from precision_checks import assert_half_agrees
 from service.analysis import OomSplitter, analyze_batch
 from service.corpus import iter_documents
 from service.params import AnalysisParams
@@ -74,15 +75,7 @@ def test_bfloat16_autocast_on_the_gpu_agrees_with_float32(gpu_model, windows):
     half_model = copy.copy(gpu_model)
     half_model.dtype = torch.bfloat16
     half = analyze_batch(half_model, batch, params, tokens)
-    high = full.heads["high_pairs"]
-    np.testing.assert_array_equal(half.heads["high_pairs"], high)
-    share = lambda r, k: r.heads[k].sum(1) / r.heads["high_pairs"].sum(1)  # noqa: E731
-    assert np.abs(share(half, "same_sentence_high") - share(full, "same_sentence_high")).max() < 0.03
-    assert np.abs(share(half, "attended_high") - share(full, "attended_high")).max() < 0.03
-    rows = full.chance["attn_rows"]
-    for key in ("attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self"):
-        assert np.abs(half.heads[key] - full.heads[key]).max() / rows < 0.02, key
-    assert not np.array_equal(half.heads["sim_sum_high"], full.heads["sim_sum_high"])  # it did run in bf16
+    assert_half_agrees(full, half)
 
 
 def test_a_real_out_of_memory_error_is_recovered_by_halving(gpu_model, windows):

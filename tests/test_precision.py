@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from precision_checks import assert_half_agrees
 from service.analysis import analyze_batch
 from service.corpus import iter_documents
 from service.params import AnalysisParams
@@ -31,17 +32,10 @@ def test_bfloat16_summaries_agree_with_float32(real_model, demo_corpus):
     half_model = copy.copy(real_model)
     half_model.dtype = torch.bfloat16
     half = analyze_batch(half_model, batch, params, tokens)
+    assert_half_agrees(full, half)
     high = full.heads["high_pairs"]
-    np.testing.assert_array_equal(half.heads["high_pairs"], high)
-    per_layer = lambda r, k: r.heads[k].sum(1) / r.heads["high_pairs"].sum(1)  # noqa: E731
-    assert np.abs(per_layer(half, "same_sentence_high") - per_layer(full, "same_sentence_high")).max() < 0.03
-    assert np.abs(per_layer(half, "attended_high") - per_layer(full, "attended_high")).max() < 0.03
     d = np.arange(params.seq_len)
     mean_d = lambda r: (r.dist_hist * d).sum(2).sum(1) / r.heads["high_pairs"].sum(1)  # noqa: E731
     np.testing.assert_allclose(mean_d(half), mean_d(full), rtol=0.05)
-    rows = full.chance["attn_rows"]
-    for key in ("attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self"):
-        assert np.abs(half.heads[key] - full.heads[key]).max() / rows < 0.02, key
     diff = np.abs(half.heads["same_sentence_high"] - full.heads["same_sentence_high"]) / high
     assert diff.max() < 0.10
-    assert not np.array_equal(half.heads["sim_sum_high"], full.heads["sim_sum_high"])  # it did run in bf16
