@@ -14,7 +14,7 @@ import torch
 from service.hooks import capture_attention
 from service.model import LoadedModel, encoder_layers
 from service.params import AnalysisParams
-from service.results import CHANCE_SUMS, HEAD_SUMS, BatchResult  # noqa: F401 - BatchResult re-exported
+from service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
 from service.stats import (
     Workspace,
     chance_statistics,
@@ -27,7 +27,9 @@ from service.windows import Batch, TokenClasses, collate
 # One set of scratch buffers per device and process, reused by every batch.
 _WORKSPACES: dict[str, Workspace] = {}
 
-INT_SUMS = {"high_pairs", "same_sentence_high", "same_token_high", "attended_high"}
+INT_SUMS = {"high_pairs", "same_sentence_high", "same_token_high", "attended_high", "same_word_high",
+            "anchor_frequent", "anchored_windows"}
+ANCHOR_SUMS = ("anchor_frequent", "anchored_windows")  # from the anchors, after the forward pass
 
 
 def forward(model: LoadedModel, batch: Batch) -> dict[str, torch.Tensor]:
@@ -67,6 +69,8 @@ def analyze_batch(
     """
     started = time.perf_counter()
     input_ids, attention_mask = _on_device(model, batch)
+    # replicate groups present in the batch (ascending) and each window's index among them
+    reps, dense = np.unique([replicate_group(w) for w in batch.window_ids], return_inverse=True)
     with torch.inference_mode():
         workspace = _WORKSPACES.setdefault(str(model.device), Workspace(model.device))
         feats = window_features(
@@ -75,6 +79,8 @@ def analyze_batch(
             tokens,
             include_special=params.include_special,
             workspace=workspace,
+            group=torch.as_tensor(dense.reshape(-1), dtype=torch.long, device=input_ids.device),
+            n_groups=len(reps),
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
     blocks = encoder_layers(model.model)
@@ -92,11 +98,16 @@ def analyze_batch(
     with torch.inference_mode(), model.autocast(), capture_attention(model.model, on_layer=summarise):
         model.model(input_ids=input_ids, attention_mask=attention_mask)
     with torch.inference_mode():
-        stacked = {key: torch.stack([s[key] for s in per_layer]) for key in per_layer[0]}
-        anchor_pos = stacked["anchor_pos"].permute(1, 0, 2)  # [window, layer, head]
-        high_count = stacked["high_count"].permute(1, 0, 2)
+        # per layer [group, ...] -> [group, layer, ...]
+        stacked = {key: torch.stack([s[key] for s in per_layer], dim=1) for key in per_layer[0]}
+        anchor_pos = stacked["anchor_pos"]  # [window, layer, head]
+        high_count = stacked["high_count"]
         anchor_token = input_ids.gather(1, anchor_pos.flatten(1)).view_as(anchor_pos)
-        anchor_token = torch.where(high_count > 0, anchor_token, torch.full_like(anchor_token, -1))
+        anchored = high_count > 0
+        anchor_token = torch.where(anchored, anchor_token, torch.full_like(anchor_token, -1))
+        frequent = anchored & (anchor_token == feats.frequent_token[:, None, None])
+        stacked["anchor_frequent"] = feats.reduce(frequent.long())
+        stacked["anchored_windows"] = feats.reduce(anchored.long())
     anchor_np = anchor_token.cpu().numpy().astype(np.int64)
     anchor_ids = [int(t) for t in np.unique(anchor_np) if t >= 0]
     vocab = dict(zip(anchor_ids, model.tokenizer.convert_ids_to_tokens(anchor_ids)))
@@ -119,13 +130,16 @@ def analyze_batch(
         mixed_rows = int(sub_mask.sum())
     return BatchResult(
         window_ids=batch.window_ids,
-        heads=heads,
-        dist_hist=stacked["dist_hist"].cpu().numpy().astype(np.int64),
-        chance={k: int(chance[k]) for k in CHANCE_SUMS},
-        pair_hist=chance["pair_hist"].cpu().numpy().astype(np.int64),
+        reps=reps.astype(np.int16),
+        rep_heads=heads,
+        rep_dist_hist=stacked["dist_hist"].cpu().numpy().astype(np.int64),
+        rep_attended_hist=stacked["attended_hist"].cpu().numpy().astype(np.int64),
+        rep_chance={k: chance[k].cpu().numpy().astype(np.int64) for k in CHANCE_SUMS},
+        rep_pair_hist={k: chance[f"hist.{k}"].cpu().numpy().astype(np.int64) for k in PAIR_HISTS},
         anchor_token=anchor_np,
-        anchor_count=stacked["anchor_count"].permute(1, 0, 2).cpu().numpy().astype(np.int32),
+        anchor_count=stacked["anchor_count"].cpu().numpy().astype(np.int32),
         high_count=high_count.cpu().numpy().astype(np.int32),
+        anchor_frequent=frequent.cpu().numpy(),
         windows=[
             {"window_id": w.window_id, "doc_id": w.doc_id, "window_index": w.index, "n_tokens": len(w.input_ids)}
             for w in batch.windows

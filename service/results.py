@@ -7,6 +7,7 @@ the model stack.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from dataclasses import dataclass, field
@@ -27,28 +28,49 @@ HEAD_SUMS = (
     "attn_to_prev",
     "attn_to_next",
     "attn_entropy",
+    # SPEC §5b
+    "same_word_high",
+    "anchor_frequent",  # windows whose anchor is the window's most frequent token
+    "anchored_windows",  # windows with an anchor (|H| > 0): anchor_frequency_share's denominator
 )
 # per mixing method (service.mixing), layer and head
 MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention",
             "distance_sum")
-CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows")
+CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows", "same_word_pairs",
+               "punct_tokens")
+# per run and distance: pairs in P, and those sharing a sentence / a token id / a word token id
+PAIR_HISTS = ("pairs", "same_sentence", "same_token", "same_word")
 
+# Replicate groups (SPEC §5b): every additive sum is kept per group, so a ratio's jackknife
+# interval can be computed from stored sums, also after compaction.
+REPLICATES = 16
+
+
+def replicate_group(window_id: str) -> int:
+    """The replicate group of a window: a stable hash of its id, in [0, REPLICATES)."""
+    return int.from_bytes(hashlib.sha256(window_id.encode()).digest()[:4], "big") % REPLICATES
 
 
 @dataclass
 class BatchResult:
-    """Summaries of one batch. Shapes: heads ``[layer, head]``; dist_hist
-    ``[layer, head, seq_len]`` (index = distance); pair_hist ``[seq_len]``; anchors
-    ``[window, layer, head]``."""
+    """Summaries of one batch, kept per replicate group present in the batch (``reps``, ``[group]``,
+    ascending). Shapes: ``rep_heads[name]`` ``[group, layer, head]``; ``rep_dist_hist`` and
+    ``rep_attended_hist`` ``[group, layer, head, seq_len]`` (index = distance);
+    ``rep_chance[name]`` ``[group]``; ``rep_pair_hist[name]`` ``[group, seq_len]``; anchors
+    ``[window, layer, head]``. ``heads``, ``dist_hist``, ``chance`` and ``pair_hist`` are the
+    batch totals."""
 
     window_ids: list[str]
-    heads: dict[str, np.ndarray]
-    dist_hist: np.ndarray
-    chance: dict[str, int]
-    pair_hist: np.ndarray
+    reps: np.ndarray
+    rep_heads: dict[str, np.ndarray]
+    rep_dist_hist: np.ndarray
+    rep_attended_hist: np.ndarray
+    rep_chance: dict[str, np.ndarray]
+    rep_pair_hist: dict[str, np.ndarray]
     anchor_token: np.ndarray  # token id, -1 where the window has no high pair
     anchor_count: np.ndarray  # endpoint count of the anchor
     high_count: np.ndarray  # |H| of the window
+    anchor_frequent: np.ndarray  # bool: the anchor is the window's most frequent non-special token
     windows: list[dict] = field(default_factory=list)  # window_id, doc_id, window_index, n_tokens
     documents: list[dict] = field(default_factory=list)  # doc_id, source, line, n_chars, preview
     vocab: dict[int, str] = field(default_factory=dict)  # anchor token id -> token text
@@ -59,16 +81,41 @@ class BatchResult:
     mixing_windows: int = 0
     mixing_rows: int = 0  # valid query rows in those windows
 
+    # --- batch totals -------------------------------------------------------------------------
+    @property
+    def heads(self) -> dict[str, np.ndarray]:
+        """``[layer, head]`` per sum."""
+        return {k: v.sum(0) for k, v in self.rep_heads.items()}
+
+    @property
+    def dist_hist(self) -> np.ndarray:
+        return self.rep_dist_hist.sum(0)
+
+    @property
+    def attended_hist(self) -> np.ndarray:
+        return self.rep_attended_hist.sum(0)
+
+    @property
+    def chance(self) -> dict[str, int]:
+        return {k: int(v.sum()) for k, v in self.rep_chance.items()}
+
+    @property
+    def pair_hist(self) -> np.ndarray:
+        return self.rep_pair_hist["pairs"].sum(0)
+
     def to_bytes(self) -> bytes:
-        arrays = {f"heads.{k}": v for k, v in self.heads.items()}
+        arrays = {f"heads.{k}": v for k, v in self.rep_heads.items()}
+        arrays.update({f"pairs.{k}": v for k, v in self.rep_pair_hist.items()})
         arrays.update(
-            dist_hist=self.dist_hist,
-            pair_hist=self.pair_hist,
+            reps=self.reps,
+            dist_hist=self.rep_dist_hist,
+            attended_hist=self.rep_attended_hist,
             anchor_token=self.anchor_token,
             anchor_count=self.anchor_count,
             high_count=self.high_count,
+            anchor_frequent=self.anchor_frequent,
             window_ids=np.array(self.window_ids),
-            chance=np.array([self.chance[k] for k in CHANCE_SUMS], dtype=np.int64),
+            chance=np.stack([self.rep_chance[k] for k in CHANCE_SUMS]).astype(np.int64),
             compute_s=np.array(self.compute_s),
             mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
             **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
@@ -87,7 +134,8 @@ class BatchResult:
     def from_bytes(cls, blob: bytes) -> "BatchResult":
         with np.load(io.BytesIO(blob), allow_pickle=False) as data:
             heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
-            chance = dict(zip(CHANCE_SUMS, (int(x) for x in data["chance"])))
+            pairs = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("pairs.")}
+            chance = dict(zip(CHANCE_SUMS, data["chance"]))
             meta = json.loads(data["meta"].tobytes().decode())
             mixing: dict[str, dict[str, np.ndarray]] = {}
             for key in data.files:
@@ -97,13 +145,16 @@ class BatchResult:
             counts = data["mixing_counts"] if "mixing_counts" in data.files else np.zeros(2, dtype=np.int64)
             return cls(
                 window_ids=[str(x) for x in data["window_ids"]],
-                heads=heads,
-                dist_hist=data["dist_hist"],
-                chance=chance,
-                pair_hist=data["pair_hist"],
+                reps=data["reps"],
+                rep_heads=heads,
+                rep_dist_hist=data["dist_hist"],
+                rep_attended_hist=data["attended_hist"],
+                rep_chance=chance,
+                rep_pair_hist=pairs,
                 anchor_token=data["anchor_token"],
                 anchor_count=data["anchor_count"],
                 high_count=data["high_count"],
+                anchor_frequent=data["anchor_frequent"],
                 windows=meta["windows"],
                 documents=meta["documents"],
                 vocab={int(k): v for k, v in meta["vocab"].items()},

@@ -68,12 +68,24 @@ class WindowFeatures:
     n_pairs: torch.Tensor  # [batch] |P|
     same_sentence: torch.Tensor  # [batch, pair] bool
     same_token: torch.Tensor  # [batch, pair] bool
+    same_word: torch.Tensor  # [batch, pair] bool, same token id and a word token (SPEC §5b)
+    is_word: torch.Tensor  # [batch, pos] bool, a word token (SPEC §5b)
+    frequent_token: torch.Tensor  # [batch] the window's most frequent non-special token id (-1: none)
     sentence: torch.Tensor  # [batch, pos] sentence id, -1 for special and pad tokens
     first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
     key_classes: torch.Tensor  # [batch, key, 3] bool: is [CLS], is [SEP], is . or ,
     layout: PairLayout
     workspace: "Workspace"
+    group: torch.Tensor | None = None  # [batch] replicate group (dense index); None: sum the batch
+    n_groups: int = 1
     _bias: dict = field(default_factory=dict)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-window values ``[batch, ...]`` → ``[group, ...]`` sums, or ``[...]`` without groups."""
+        if self.group is None:
+            return x.sum(0)
+        out = torch.zeros((self.n_groups, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return out.index_add_(0, self.group, x)
 
     def pair_bias(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
         """``[batch·head, pos, pos]``: 0 where (i, j) is in P (i < j), -inf elsewhere.
@@ -99,10 +111,14 @@ def window_features(
     *,
     include_special: bool = False,
     workspace: "Workspace | None" = None,
+    group: torch.Tensor | None = None,
+    n_groups: int = 1,
 ) -> WindowFeatures:
     """Token features for a padded batch. ``input_ids``/``attention_mask``: ``[batch, pos]``.
 
     ``workspace``: scratch buffers to reuse (pass the same one for every batch of a process).
+    ``group``: ``[batch]`` replicate group of each window, dense in ``[0, n_groups)``: the sums
+    are then kept per group (``[group, ...]``); without it they are batch totals.
     """
     device = input_ids.device
     n_pos = input_ids.shape[1]
@@ -118,10 +134,19 @@ def window_features(
     si, sj = sent[:, layout.i], sent[:, layout.j]
     same_sentence = pair_ok & (si == sj) & (si >= 0)
     same_token = pair_ok & (input_ids[:, layout.i] == input_ids[:, layout.j])
+    is_word = _lookup(tokens.is_word, input_ids) & valid & ~special
+    same_word = same_token & is_word[:, layout.i]
     # first occurrence of each position's token id within its window: argmax returns the
     # first maximal index, i.e. the earliest equal token.
     eq = (input_ids[:, :, None] == input_ids[:, None, :]) & valid[:, None, :]  # [batch, pos, key]
     first_pos = eq.to(torch.uint8).argmax(dim=2)
+    # the most frequent non-special token: occurrences per position, -1 off the candidates;
+    # argmax takes the first maximal position, i.e. the earliest first occurrence on ties
+    candidates = valid & ~special
+    occurrences = (eq & candidates[:, None, :]).view(torch.uint8).sum(2, dtype=torch.int32)
+    occurrences = torch.where(candidates, occurrences, -1)
+    frequent_pos = occurrences.argmax(dim=1, keepdim=True)  # [batch, 1]
+    frequent_token = torch.where(candidates.any(1), input_ids.gather(1, frequent_pos).squeeze(1), -1)
     is_cls = (input_ids == tokens.cls_id) & valid
     is_sep = (input_ids == tokens.sep_id) & valid
     is_punct = torch.zeros_like(valid)
@@ -140,29 +165,55 @@ def window_features(
         n_pairs=m * (m - 1) // 2,
         same_sentence=same_sentence,
         same_token=same_token,
+        same_word=same_word,
+        is_word=is_word,
+        frequent_token=frequent_token,
         sentence=sent,
         first_pos=first_pos,
         key_classes=key_classes,
         layout=layout,
         workspace=workspace if workspace is not None else Workspace(device),
+        group=group,
+        n_groups=n_groups,
     )
 
 
-def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch.Tensor]:
-    """Head-independent sums over the batch: the chance numerators of SPEC §5.
+def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` for a per-vocabulary flag; ids beyond the table read False."""
+    if table.numel() == 0:
+        return torch.zeros_like(ids, dtype=torch.bool)
+    table = table.to(ids.device)
+    return torch.where(ids < table.numel(), table[ids.clamp(max=table.numel() - 1)], False)
 
-    Returns scalars (int64) for CHANCE_SUMS and ``pair_hist`` ``[seq_len]`` (index = distance).
+
+def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch.Tensor]:
+    """Head-independent sums: the chance numerators of SPEC §5 and §5b.
+
+    Returns, per replicate group (``[group]``; scalars without groups), int64 sums for
+    CHANCE_SUMS, and the per-distance counts PAIR_HISTS (``pairs`` = ``pair_hist``)
+    ``[group, seq_len]`` (index = distance).
     """
     pair_ok = feats.pair_ok
-    pair_hist = torch.zeros(seq_len, dtype=torch.long, device=pair_ok.device)
-    pair_hist.index_add_(0, feats.layout.distance, pair_ok.long().sum(0))
+    batch = pair_ok.shape[0]
+    distance = feats.layout.distance.expand(batch, -1)  # [batch, pair]
+
+    def by_distance(mask: torch.Tensor) -> torch.Tensor:
+        hist = torch.zeros(batch, seq_len, dtype=torch.long, device=mask.device)
+        return feats.reduce(hist.scatter_add_(1, distance, mask.long()))
+
+    reduce = feats.reduce
     return {
-        "windows": torch.tensor(pair_ok.shape[0]),
-        "pairs": feats.n_pairs.sum(),
-        "same_sentence_pairs": _count(feats.same_sentence),
-        "same_token_pairs": _count(feats.same_token),
-        "attn_rows": feats.n.sum(),
-        "pair_hist": pair_hist,
+        "windows": reduce(torch.ones(batch, dtype=torch.long, device=pair_ok.device)),
+        "pairs": reduce(feats.n_pairs),
+        "same_sentence_pairs": reduce(_count(feats.same_sentence, dim=1)),
+        "same_token_pairs": reduce(_count(feats.same_token, dim=1)),
+        "attn_rows": reduce(feats.n),
+        "same_word_pairs": reduce(_count(feats.same_word, dim=1)),
+        "punct_tokens": reduce(_count(feats.key_classes[:, :, 2], dim=1)),
+        "hist.pairs": by_distance(pair_ok),
+        "hist.same_sentence": by_distance(feats.same_sentence),
+        "hist.same_token": by_distance(feats.same_token),
+        "hist.same_word": by_distance(feats.same_word),
     }
 
 
@@ -255,12 +306,15 @@ def head_statistics(
     gate: float,
     seq_len: int,
 ) -> dict[str, torch.Tensor]:
-    """Additive per-head sums for one layer of one batch (SPEC §4).
+    """Additive per-head sums for one layer of one batch (SPEC §4, §5b).
 
     z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``.
-    Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` ``[head, seq_len]`` (index =
-    distance j - i), and per-window anchors ``anchor_pos`` / ``anchor_count`` /
+    Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` and ``attended_hist``
+    ``[head, seq_len]`` (index = distance j - i) — each with a leading ``[group]`` axis when
+    ``feats`` has replicate groups — and per-window anchors ``anchor_pos`` / ``anchor_count`` /
     ``high_count`` ``[batch, head]`` (position of the anchor token's first occurrence).
+    The anchor sums of HEAD_SUMS (``anchor_frequent``, ``anchored_windows``) are added by the
+    caller, which knows the anchors' token ids.
     """
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
@@ -272,27 +326,29 @@ def head_statistics(
     def pick(token_values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         return token_values.gather(1, flat).view_as(index)
 
+    def count(mask: torch.Tensor) -> torch.Tensor:  # [batch, head, k] -> [(group,) head]
+        return feats.reduce((mask & chosen).long().sum(2))
+
     out: dict[str, torch.Tensor] = {}
-    out["high_pairs"] = chosen.long().sum(dim=(0, 2))
-    out["sim_sum_all"] = _pair_sum(z, feats.in_pairs)
-    out["sim_sum_high"] = torch.where(chosen, values, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+    out["high_pairs"] = feats.reduce(chosen.long().sum(2))
+    out["sim_sum_all"] = feats.reduce(_pair_sum(z, feats.in_pairs))
+    out["sim_sum_high"] = feats.reduce(torch.where(chosen, values, 0.0).sum(2, dtype=torch.float64))
     sent_i, sent_j = pick(feats.sentence, flat_i), pick(feats.sentence, flat_j)
     same_sentence = (sent_i == sent_j) & (sent_i >= 0)
     same_token = pick(feats.input_ids, flat_i) == pick(feats.input_ids, flat_j)
-    out["same_sentence_high"] = (same_sentence & chosen).long().sum(dim=(0, 2))
-    out["same_token_high"] = (same_token & chosen).long().sum(dim=(0, 2))
+    out["same_sentence_high"] = count(same_sentence)
+    out["same_token_high"] = count(same_token)
+    out["same_word_high"] = count(same_token & pick(feats.is_word, flat_i))
     flat_attn = attn.flatten(2)
     a_ij = flat_attn.gather(2, index)
     a_ji = flat_attn.gather(2, pos_j * n_pos + pos_i)
     threshold = (gate / feats.n.to(attn.dtype))[:, None, None]
-    out["attended_high"] = ((torch.maximum(a_ij, a_ji) >= threshold) & chosen).long().sum(dim=(0, 2))
+    attended = (torch.maximum(a_ij, a_ji) >= threshold) & chosen
+    out["attended_high"] = count(attended)
 
     distance = torch.where(chosen, pos_j - pos_i, 0)  # [batch, head, k]; unchosen ranks may be j <= i
-    dist_hist = torch.zeros(heads, seq_len, dtype=torch.long, device=z.device)
-    dist_hist.scatter_add_(
-        1, distance.transpose(0, 1).reshape(heads, -1), chosen.long().transpose(0, 1).reshape(heads, -1)
-    )
-    out["dist_hist"] = dist_hist
+    out["dist_hist"] = feats.reduce(_histogram(distance, chosen, seq_len))
+    out["attended_hist"] = feats.reduce(_histogram(distance, attended, seq_len))
 
     # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
     endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)
@@ -307,8 +363,16 @@ def head_statistics(
     return out
 
 
+def _histogram(distance: torch.Tensor, mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Per window and head, the pairs of ``mask`` by distance: ``[batch, head, k]`` → ``[batch, head, seq_len]``."""
+    batch, heads, _ = distance.shape
+    hist = torch.zeros(batch, heads, seq_len, dtype=torch.long, device=distance.device)
+    return hist.scatter_add_(2, distance, mask.long())
+
+
 def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace | None" = None) -> dict[str, torch.Tensor]:
-    """Σ over valid query rows of attention to categories, ``[head]`` float64 each.
+    """Σ over valid query rows of attention to categories, ``[head]`` float64 each
+    (``[group, head]`` when ``feats`` has replicate groups).
 
     attn: ``[batch, head, pos, key]``, rows are queries.
     """
@@ -317,16 +381,16 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace |
     # sums, then a small product (a [pos, 3] right-hand side wastes most of a matmul's work)
     received = torch.matmul(rows[:, :, None, :], attn)  # [batch, head, 1, key]
     by_class = torch.matmul(received, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, 1, 3]
-    by_class = by_class.sum(dim=(0, 2), dtype=torch.float64)  # [head, 3]
+    by_class = feats.reduce(by_class.sum(dim=2, dtype=torch.float64))  # [(group,) head, 3]
     neighbour_rows = rows[..., 1:]
     return {
-        "attn_to_cls": by_class[:, 0],
-        "attn_to_sep": by_class[:, 1],
-        "attn_to_punct": by_class[:, 2],
-        "attn_to_self": _row_sum(torch.diagonal(attn, 0, 2, 3), rows),
-        "attn_to_prev": _row_sum(torch.diagonal(attn, -1, 2, 3), neighbour_rows),
-        "attn_to_next": _row_sum(torch.diagonal(attn, 1, 2, 3), neighbour_rows),
-        "attn_entropy": _row_sum(_entropy_rows(attn, work), rows),
+        "attn_to_cls": by_class[..., 0],
+        "attn_to_sep": by_class[..., 1],
+        "attn_to_punct": by_class[..., 2],
+        "attn_to_self": feats.reduce(_row_sum(torch.diagonal(attn, 0, 2, 3), rows)),
+        "attn_to_prev": feats.reduce(_row_sum(torch.diagonal(attn, -1, 2, 3), neighbour_rows)),
+        "attn_to_next": feats.reduce(_row_sum(torch.diagonal(attn, 1, 2, 3), neighbour_rows)),
+        "attn_entropy": feats.reduce(_row_sum(_entropy_rows(attn, work), rows)),
     }
 
 
@@ -360,18 +424,20 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_sum(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return (values * rows).sum(dim=(0, 2), dtype=torch.float64)
+    """``[batch, head, pos]`` weighted by valid rows → ``[batch, head]`` float64."""
+    return (values * rows).sum(dim=2, dtype=torch.float64)
 
 
 def _pair_sum(z: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """Σ over pairs i < j of members of z_i·z_j, per head: (|Σz|² − Σ|z|²) / 2.
+    """Σ over pairs i < j of members of z_i·z_j, per window and head ``[batch, head]``:
+    (|Σz|² − Σ|z|²) / 2.
 
     O(pos·d) instead of O(pos²·d); the two terms are combined in float64.
     """
     zw = z * members.to(z.dtype)[:, None, :, None]  # [batch, head, pos, d], non-members zeroed
     total = zw.sum(2).double()  # [batch, head, d]
     squares = (zw * z).sum(dim=(2, 3)).double()  # [batch, head]
-    return ((total * total).sum(2) - squares).sum(0) / 2
+    return ((total * total).sum(2) - squares) / 2
 
 
 def _count(mask: torch.Tensor, dim=None) -> torch.Tensor:

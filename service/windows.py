@@ -8,7 +8,8 @@ batch twice can be recognised.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import unicodedata
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
@@ -37,6 +38,9 @@ class TokenClasses:
     special_ids: frozenset[int]
     sentence_end_ids: frozenset[int]  # . ! ?  (end their sentence, SPEC §1)
     punct_ids: frozenset[int]  # . ,  (the separators of the paper, SPEC §4)
+    # [vocab] bool: the token's text (without a word-piece prefix) holds a letter or digit (SPEC §5b)
+    is_word: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool), compare=False,
+                                  hash=False, repr=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "TokenClasses":
@@ -56,7 +60,33 @@ class TokenClasses:
             special_ids=frozenset(tokenizer.all_special_ids),
             sentence_end_ids=ids([".", "!", "?", "Ġ.", "Ġ!", "Ġ?", "▁.", "▁!", "▁?"]),
             punct_ids=ids([".", ",", "Ġ.", "Ġ,", "▁.", "▁,"]),
+            is_word=word_token_mask(tokenizer),
         )
+
+
+WORD_PIECE_PREFIXES = ("##", "Ġ", "▁")
+
+
+def is_word_token(text: str) -> bool:
+    """A *word* token (SPEC §5b): after removing a word-piece prefix, its text holds at least
+    one letter or digit (Unicode categories L* or N*)."""
+    for prefix in WORD_PIECE_PREFIXES:
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    return any(unicodedata.category(ch)[0] in "LN" for ch in text)
+
+
+def word_token_mask(tokenizer) -> torch.Tensor:
+    """``[vocab]`` bool, True for word tokens; special tokens are never words."""
+    size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    mask = torch.zeros(size, dtype=torch.bool)
+    for text, idx in tokenizer.get_vocab().items():
+        mask[idx] = is_word_token(text)
+    for idx in tokenizer.all_special_ids:
+        if 0 <= idx < size:
+            mask[idx] = False
+    return mask
 
 
 def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisParams) -> str:

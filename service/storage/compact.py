@@ -14,16 +14,23 @@ from sqlalchemy.engine import Connection
 COMPACTED = -1
 
 # table -> key columns besides run_id and batch_id; every other column is a sum
+# (rep: the replicate group, kept so that intervals survive compaction, SPEC §5b)
 ADDITIVE_TABLES: dict[str, tuple[str, ...]] = {
-    "head_stats": ("layer", "head"),
-    "dist_hist": ("layer", "head", "distance"),
-    "pair_hist": ("distance",),
-    "run_chance": (),
+    "head_stats": ("rep", "layer", "head"),
+    "dist_hist": ("rep", "layer", "head", "distance"),
+    "pair_hist": ("rep", "distance"),
+    "run_chance": ("rep",),
     "anchor_tokens": ("layer", "head", "token_id", "token"),
     "anchor_layers": ("layer",),
     "mixing_stats": ("method", "layer", "head"),
     "mixing_dist": ("method", "layer", "head", "distance"),
 }
+
+
+def strict_sum(column: str) -> str:
+    """SQL: the sum, or NULL when any row lacks the value (a column added later, absent from
+    rows stored before it): a partial sum would pass for a whole one."""
+    return f"CASE WHEN count({column}) = count(*) THEN sum({column}) END"
 
 
 def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
@@ -43,7 +50,7 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
             report[table] = (0, 0)
             continue
         select = ", ".join(
-            ["run_id", f"{COMPACTED} AS batch_id", *keys, *(f"sum({c}) AS {c}" for c in sums)]
+            ["run_id", f"{COMPACTED} AS batch_id", *keys, *(f"{strict_sum(c)} AS {c}" for c in sums)]
         )
         group = ", ".join(["run_id", *keys])
         conn.execute(text(f"CREATE TEMP TABLE _compact AS SELECT {select} FROM {table} WHERE run_id = :r GROUP BY {group}"),

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from service.errors import StoreError
-from service.results import CHANCE_SUMS, HEAD_SUMS, BatchResult
+from service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult
 from service.storage import db
 from service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
@@ -266,17 +266,21 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
             target.setdefault(key, []).append(np.asarray(value).ravel())
 
     for batch_id, res in items:
-        n_layers, n_heads = res.heads["high_pairs"].shape
-        layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+        # every additive sum is stored per replicate group (column rep, SPEC §5b)
+        n_groups, n_layers, n_heads = res.rep_heads["high_pairs"].shape
+        group, layer, head = np.meshgrid(np.arange(n_groups), np.arange(n_layers), np.arange(n_heads), indexing="ij")
         add("head_stats", run_id=np.full(layer.size, run_id), batch_id=np.full(layer.size, batch_id),
-            layer=layer, head=head, **{k: res.heads[k] for k in HEAD_SUMS})
-        add("run_chance", run_id=[run_id], batch_id=[batch_id], **{k: [res.chance[k]] for k in CHANCE_SUMS})
-        li, hi, di = np.nonzero(res.dist_hist)
-        add("dist_hist", run_id=np.full(li.size, run_id), batch_id=np.full(li.size, batch_id),
-            layer=li, head=hi, distance=di, count=res.dist_hist[li, hi, di])
-        (dp,) = np.nonzero(res.pair_hist)
-        add("pair_hist", run_id=np.full(dp.size, run_id), batch_id=np.full(dp.size, batch_id),
-            distance=dp, count=res.pair_hist[dp])
+            rep=res.reps[group], layer=layer, head=head, **{k: res.rep_heads[k] for k in HEAD_SUMS})
+        add("run_chance", run_id=np.full(n_groups, run_id), batch_id=np.full(n_groups, batch_id), rep=res.reps,
+            **{k: res.rep_chance[k] for k in CHANCE_SUMS})
+        gi, li, hi, di = np.nonzero(res.rep_dist_hist)
+        add("dist_hist", run_id=np.full(li.size, run_id), batch_id=np.full(li.size, batch_id), rep=res.reps[gi],
+            layer=li, head=hi, distance=di, count=res.rep_dist_hist[gi, li, hi, di],
+            attended=res.rep_attended_hist[gi, li, hi, di])
+        gp, dp = np.nonzero(res.rep_pair_hist["pairs"])
+        add("pair_hist", run_id=np.full(dp.size, run_id), batch_id=np.full(dp.size, batch_id), rep=res.reps[gp],
+            distance=dp, count=res.rep_pair_hist["pairs"][gp, dp],
+            **{k: res.rep_pair_hist[k][gp, dp] for k in PAIR_HISTS if k != "pairs"})
         wi, la, he = np.nonzero(res.anchor_token >= 0)
         token_ids = res.anchor_token[wi, la, he]
         high = res.high_count[wi, la, he]
@@ -284,7 +288,8 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
         window_ids = np.array(res.window_ids, dtype=object)
         add("anchors", run_id=np.full(wi.size, run_id), window_id=window_ids[wi], layer=la, head=he,
             token_id=token_ids, token=np.array([res.vocab.get(int(t), str(t)) for t in token_ids], dtype=object),
-            endpoint_count=count, high_pairs=high, anchor_share=count / np.maximum(2 * high, 1))
+            endpoint_count=count, high_pairs=high, anchor_share=count / np.maximum(2 * high, 1),
+            anchor_is_frequent=res.anchor_frequent[wi, la, he])
         n_layers = res.anchor_token.shape[1]
         share = count / np.maximum(2 * high, 1)
         tok_layer, tok_head, tok_id, tok_windows, tok_share = anchor_token_sums(res.anchor_token, la, he, wi, share)
