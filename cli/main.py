@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from cli import options
-from cli.output import Format, error, render, sparkline, stderr, stdout
+from cli.output import Format, error, render, render_metrics, sparkline, stderr, stdout
 from service.config import Settings
 from service.errors import HeadatlasError
 
@@ -28,6 +28,16 @@ app.add_typer(db_app, name="db")
 SETTINGS = Settings.from_env()
 
 DbOpt, RunOpt, FormatOpt = options.Db, options.Run, options.Fmt
+CiOpt = typer.Option(False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b).")
+
+# what a table shows by default (JSON and CSV hold every column)
+HEAD_TABLE = ["layer", "head", "within_sentence", "within_sentence_lift", "within_sentence_lift_dm", "repetition",
+              "repetition_words", "repetition_words_lift_dm", "mean_distance", "short_range_share", "noise_share",
+              "attn_to_punct_lift", "anchor_frequency_share", "top_anchors"]
+LAYER_TABLE = ["layer", "mean_distance", "mean_distance_chance", "short_range_share", "within_sentence",
+               "within_sentence_lift", "within_sentence_lift_dm", "repetition_words", "repetition_words_lift_dm",
+               "noise_share", "attn_to_cls_lift", "attn_to_punct_lift", "anchor_frequency_share",
+               "anchor_distinct_share"]
 
 
 def _store(db: str):
@@ -145,26 +155,25 @@ def _print_run_summary(store, run_id: int) -> None:
     with store.checked_read() as conn:
         info = queries.run_summary(conn, run_id)
         layer_cols, layer_rows = queries.layers(conn, run_id)
-        head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift", top=5)
-        rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_lift", top=5)
+        head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift_dm", top=5)
+        rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
     stdout.print(
         f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
         f"{info['compute_s']:.1f} s compute"
     )
-    keep = ["layer", "mean_distance", "mean_distance_chance", "short_range_share", "within_sentence",
-            "within_sentence_lift", "repetition", "noise_share", "attn_to_cls", "attn_to_punct"]
-    _render_subset(layer_cols, layer_rows, keep, "Layer progression (0-based layers)")
-    keep = ["layer", "head", "within_sentence", "within_sentence_chance", "within_sentence_lift", "mean_distance", "top_anchors"]
-    _render_subset(head_cols, head_rows, keep, "Most within-sentence heads")
-    keep = ["layer", "head", "repetition", "repetition_chance", "repetition_lift", "top_anchors"]
-    _render_subset(rep_cols, rep_rows, keep, "Repetition heads")
-    stdout.print(f"next: headatlas query heads --run {run_id}   |   headatlas sql \"SELECT * FROM head_metrics LIMIT 5\"")
-
-
-def _render_subset(columns, rows, keep, title):
-    idx = [columns.index(c) for c in keep]
-    render(keep, [tuple(r[i] for i in idx) for r in rows], Format.table, title=title)
+    render_metrics(layer_cols, layer_rows, Format.table, title="Layer progression (0-based layers)",
+                   table_columns=LAYER_TABLE)
+    keep = ["layer", "head", "within_sentence", "within_sentence_lift", "within_sentence_chance_dm",
+            "within_sentence_lift_dm", "mean_distance", "top_anchors"]
+    render_metrics(head_cols, head_rows, Format.table, title="Most within-sentence heads (beyond their distances)",
+                   table_columns=keep)
+    keep = ["layer", "head", "repetition", "repetition_words", "repetition_words_lift",
+            "repetition_words_lift_dm", "anchor_frequency_share", "top_anchors"]
+    render_metrics(rep_cols, rep_rows, Format.table, title="Word-repetition heads (punctuation repeats excluded)",
+                   table_columns=keep, note=queries.LIFT_NOTE)
+    stdout.print(f"next: headatlas query heads --run {run_id} --ci   |   "
+                 f"headatlas sql \"SELECT * FROM head_metrics LIMIT 5\"", markup=False)
 
 
 # --- runs and queries ---------------------------------------------------------------------------
@@ -182,13 +191,17 @@ def query_heads(
     layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
     sort: Optional[str] = typer.Option(None, "--sort", "-s", help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share)."),
     top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
-    """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors."""
+    """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
+    each against its chance (a table shows the main columns; --format json/csv has all)."""
     from service import queries
 
-    _query(db, run, fmt, queries.heads, "heads", layer=layer, sort=sort, top=top)
+    table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
+    _query(db, run, fmt, queries.heads, "heads", table_columns=table, note=queries.LIFT_NOTE,
+           layer=layer, sort=sort, top=top, ci=ci)
 
 
 @query_app.command("distances")
@@ -197,44 +210,55 @@ def query_distances(
     head: Optional[int] = typer.Option(None, "--head", help="Head (0-based); default: the layer's heads pooled."),
     run: Optional[str] = RunOpt,
     max_distance: Optional[int] = typer.Option(None, "--max-distance", help="Show distances up to this one."),
+    split: Optional[str] = typer.Option(None, "--split", help="attended: also the profiles of attended (signal) and not-attended (noise) pairs."),
+    ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
     from service import queries
+    from service.errors import ParameterError
 
+    if split not in (None, "attended"):
+        raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
     store = _store(db)
     with store.checked_read() as conn:
         r = _run(conn, run)
         _check_layer_head(r, layer, head)
-        columns, rows = queries.distances(conn, r.run_id, layer=layer, head=head)
+        columns, rows = queries.distances(conn, r.run_id, layer=layer, head=head, split=split is not None, ci=ci)
     if max_distance:
         rows = [row for row in rows if row[0] <= max_distance]
     what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
-    render(columns, rows, fmt, title=f"run {r.run_id}: distances, {what}")
+    render_metrics(columns, rows, fmt, title=f"run {r.run_id}: distances, {what}",
+                   note="lift = share of the head's high-similarity pairs at d / share of all pairs at d (chance)")
     if fmt == Format.table and rows:
-        share = [row[2] for row in rows]
-        chance = [row[3] for row in rows]
-        top = max(max(share, default=0) or 0, max(chance, default=0) or 0)
-        stdout.print(f"high   {sparkline(share, top=top)}")
-        stdout.print(f"chance {sparkline(chance, top=top)}")
+        col = {c: i for i, c in enumerate(columns)}
+        lines = [("high", "share"), ("chance", "chance_share")]
+        if split:
+            lines += [("signal", "attended_share"), ("noise", "noise_share")]
+        series = {label: [row[col[c]] for row in rows] for label, c in lines}
+        top = max((v or 0) for values in series.values() for v in values) if rows else 0
+        for label, values in series.items():
+            stdout.print(f"{label:<7}{sparkline(values, top=top)}", markup=False)
         stdout.print(f"       d=1{' ' * max(0, len(rows) - 8)}d={rows[-1][0]}")
 
 
 @query_app.command("boundaries")
-def query_boundaries(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """Per layer: within-sentence share of high-similarity pairs vs chance, attention to separators."""
+def query_boundaries(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+    """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
+    distance), attention to separators vs uniform."""
     from service import queries
 
-    _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer")
+    _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer", note=queries.LIFT_NOTE, ci=ci)
 
 
 @query_app.command("layers")
-def query_layers(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """Per layer summary: the progression from early to final layers."""
+def query_layers(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+    """Per layer summary: the progression from early to final layers (a table shows the main
+    columns; --format json/csv has all)."""
     from service import queries
 
-    _query(db, run, fmt, queries.layers, "layers")
+    _query(db, run, fmt, queries.layers, "layers", table_columns=LAYER_TABLE, note=queries.LIFT_NOTE, ci=ci)
 
 
 @query_app.command("mixing")
@@ -318,7 +342,8 @@ def config() -> None:
     render(["variable", "value", "default", "meaning"], rows, Format.table)
 
 
-def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=None, **kwargs) -> None:
+def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=None, table_columns=None,
+           note: str | None = None, **kwargs) -> None:
     """Open the store, resolve the run, ``check(run)`` the options against it, call one query
     function, render its rows."""
     with _store(db).checked_read() as conn:
@@ -326,7 +351,8 @@ def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=No
         if check is not None:
             check(r)
         columns, rows = query(conn, r.run_id, **kwargs)
-    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}")
+    render_metrics(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}", table_columns=table_columns,
+                   note=note)
 
 
 def _run(conn, ref):

@@ -72,6 +72,44 @@ def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *,
         stderr.print(f"[yellow]truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows[/]")
 
 
+def merge_intervals(columns: list[str], rows: list[tuple], keep: list[str] | None = None) -> tuple[list[str], list[tuple]]:
+    """For tables: ``x``, ``x_lo``, ``x_hi`` become one cell "x [lo, hi]"; ``keep``: the columns
+    to show (others dropped), in order."""
+    index = {c: i for i, c in enumerate(columns)}
+    shown = [c for c in (keep or columns) if c in index and not (
+        c.endswith(("_lo", "_hi")) and c[:-3] in index)]
+    out_rows = []
+    for row in rows:
+        cells = []
+        for c in shown:
+            value = row[index[c]]
+            lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
+            if lo is not None and hi is not None and value is not None and row[lo] is not None:
+                cells.append(f"{_cell(value)} [{_cell(row[lo])}, {_cell(row[hi])}]")
+            else:
+                cells.append(value)
+        out_rows.append(tuple(cells))
+    return shown, out_rows
+
+
+def render_metrics(columns: list[str], rows: list[tuple], fmt: Format, *, title: str | None = None,
+                   table_columns: list[str] | None = None, note: str | None = None) -> None:
+    """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
+    default) with intervals folded into their cells, and ``note`` (what a lift is measured
+    against) printed under it."""
+    if fmt != Format.table:
+        render(columns, rows, fmt, title=title)
+        return
+    shown, cells = merge_intervals(columns, rows, table_columns)
+    render(shown, cells, fmt, title=title)
+    if note:
+        stdout.print(note, style="dim", highlight=False, markup=False)
+    if any(c.endswith("_lo") for c in columns):
+        stdout.print("[a, b]: 95% interval, delete-one-group jackknife over 16 replicate groups of windows "
+                     "(SPEC §5b); it covers the sampling of windows, not the choice of model or parameters.",
+                     style="dim", highlight=False, markup=False)
+
+
 def sparkline(values: list[float], *, top: float | None = None) -> str:
     clean = [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
     top = max(clean, default=0.0) if top is None else top

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from cli import options
-from cli.output import Format, render, sparkline, stdout
+from cli.output import Format, render_metrics, sparkline, stdout
 from service.config import Settings
 
 SETTINGS = Settings.from_env()
@@ -214,8 +214,9 @@ def query_trend(
     metric: str = typer.Option("within_sentence", "--metric", help="within_sentence, repetition, mean_distance, noise_share, …"),
     layer: Optional[int] = typer.Option(None, "--layer", "-l", help="One layer (0-based); default: the mean over layers."),
     head: Optional[int] = typer.Option(None, "--head", help="One head of --layer (0-based)."),
+    ci: bool = typer.Option(False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."),
     db: str = DbOpt,
-    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+    fmt: Format = options.Fmt,
 ) -> None:
     """A metric across a schedule's runs over time, as a table and a sparkline."""
     from service import queries
@@ -223,10 +224,11 @@ def query_trend(
 
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, schedule)
-        columns, rows = queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head)
+        columns, rows = queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head, ci=ci)
     what = f"layer {layer} head {head}" if head is not None else f"layer {layer}" if layer is not None else "mean over layers"
-    render(columns, rows, fmt, title=f"schedule {schedule}: {metric}, {what}")
+    render_metrics(columns, rows, fmt, title=f"schedule {schedule}: {metric}, {what}",
+                   note=queries.LIFT_NOTE if "lift" in metric else None)
     if fmt == Format.table and rows:
-        values = [r[-1] for r in rows]
+        values = [r[columns.index(metric)] for r in rows]
         clean = [v for v in values if v is not None]
         stdout.print(f"{metric} {sparkline(values)}  ({min(clean, default=0):.4g} … {max(clean, default=0):.4g})")

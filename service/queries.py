@@ -11,12 +11,29 @@ from sqlalchemy.engine import Connection
 from service.errors import ParameterError
 
 HEAD_COLUMNS = (
-    "layer", "head", "within_sentence", "within_sentence_chance", "within_sentence_lift",
-    "repetition", "repetition_chance", "repetition_lift", "mean_distance", "mean_distance_chance",
-    "short_range_share", "noise_share", "attn_to_cls", "attn_to_sep", "attn_to_punct",
-    "attn_to_self", "attn_to_prev", "attn_to_next", "attn_entropy", "high_pairs", "windows",
+    "layer", "head",
+    "within_sentence", "within_sentence_chance", "within_sentence_lift",
+    "within_sentence_chance_dm", "within_sentence_lift_dm",
+    "repetition", "repetition_chance", "repetition_lift", "repetition_chance_dm", "repetition_lift_dm",
+    "repetition_words", "repetition_words_chance", "repetition_words_lift",
+    "repetition_words_chance_dm", "repetition_words_lift_dm",
+    "mean_distance", "mean_distance_chance", "short_range_share", "short_range_chance", "noise_share",
+    "attn_to_cls", "attn_to_cls_lift", "attn_to_sep", "attn_to_sep_lift", "attn_to_punct", "attn_to_punct_lift",
+    "attn_to_self", "attn_to_prev", "attn_to_next", "attn_entropy", "anchor_frequency_share",
+    "high_pairs", "windows",
 )
 SORTABLE = HEAD_COLUMNS[2:]
+# counts and run-level chances carry no interval of their own
+NO_INTERVAL = {"layer", "head", "high_pairs", "windows", "heads", "mean_distance_chance", "short_range_chance",
+               "top_anchors", "top_head", "heads_above_chance", "heads_above_chance_dm",
+               "max_head_within_sentence"}
+
+# What each lift is measured against, in one line (shown wherever lifts are printed).
+LIFT_NOTE = (
+    "lift = share / chance; *_lift: chance = all pairs of the window (ignores distance); "
+    "*_lift_dm: chance matched to the head's own distances (SPEC §5b); "
+    "attn_*_lift: against uniform attention. >1 = above that chance."
+)
 
 Rows = tuple[list[str], list[tuple]]
 
@@ -26,10 +43,33 @@ def _rows(conn: Connection, sql: str, params: dict) -> Rows:
     return list(result.keys()), [tuple(r) for r in result]
 
 
+def interval_metrics(columns: list[str]) -> list[str]:
+    return [c for c in columns if c not in NO_INTERVAL]
+
+
+def _with_intervals(conn: Connection, rows: Rows, *, view: str, keys: tuple[str, ...], run_id: int,
+                    where: str = "", params: dict | None = None) -> Rows:
+    """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
+    leave-one-group-out rows."""
+    from service.intervals import add_intervals
+
+    columns, values = rows
+    metrics = [c for c in interval_metrics(columns) if c not in keys]
+    rep_rows = conn.execute(text(
+        f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} "
+        f"WHERE run_id = :run AND drop_rep >= 0 {where}"
+    ), {"run": run_id, **(params or {})}).all()
+    return add_intervals(columns, values, rep_rows, keys=keys, metrics=metrics)
+
+
+def _check_sort(sort: str | None, allowed) -> None:
+    if sort is not None and sort not in allowed:
+        raise ParameterError(f"--sort {sort!r}: choose one of {', '.join(allowed)}")
+
+
 def heads(conn: Connection, run_id: int, *, layer: int | None = None, sort: str | None = None,
-          top: int | None = None, anchors: int = 3) -> Rows:
-    if sort is not None and sort not in SORTABLE:
-        raise ParameterError(f"--sort {sort!r}: choose one of {', '.join(SORTABLE)}")
+          top: int | None = None, anchors: int = 3, ci: bool = False) -> Rows:
+    _check_sort(sort, SORTABLE)
     order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
     sql = f"""
@@ -49,62 +89,120 @@ def heads(conn: Connection, run_id: int, *, layer: int | None = None, sort: str 
         ORDER BY {order}
         LIMIT :limit
     """
-    return _rows(conn, sql, {"run": run_id, "layer": layer, "limit": top or 1_000_000, "n_anchors": anchors})
+    params = {"layer": layer}
+    rows = _rows(conn, sql, {"run": run_id, "limit": top or 1_000_000, "n_anchors": anchors, **params})
+    if ci:
+        rows = _with_intervals(conn, rows, view="head_metrics_reps", keys=("layer", "head"), run_id=run_id,
+                               where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)", params=params)
+    return rows
 
 
-def distances(conn: Connection, run_id: int, *, layer: int, head: int | None = None) -> Rows:
-    """Distance distribution of H (one head, or the layer's heads pooled) against chance."""
+def distances(conn: Connection, run_id: int, *, layer: int, head: int | None = None, split: bool = False,
+              ci: bool = False) -> Rows:
+    """Distance distribution of H (one head, or the layer's heads pooled) against chance;
+    ``split``: also the attended (signal) and not-attended (noise) pairs' distributions."""
     sql = """
         WITH chance AS (
-            SELECT distance, pairs, pairs / sum(pairs) OVER () AS chance_share
-            FROM pair_profile WHERE run_id = :run
+            SELECT drop_rep, distance, pairs, pairs / sum(pairs) OVER (PARTITION BY drop_rep) AS chance_share
+            FROM pair_reps WHERE run_id = :run AND (drop_rep = -1 OR :ci)
         ),
         high AS (
-            SELECT distance, sum(high_pairs) AS high_pairs
-            FROM distance_totals
+            SELECT drop_rep, distance, sum(high_pairs) AS high_pairs, sum(attended_pairs) AS attended_pairs
+            FROM distance_reps
             WHERE run_id = :run AND layer = :layer AND (CAST(:head AS INTEGER) IS NULL OR head = :head)
-            GROUP BY distance
+              AND (drop_rep = -1 OR :ci)
+            GROUP BY drop_rep, distance
+        ),
+        j AS (
+            SELECT c.drop_rep, c.distance, coalesce(h.high_pairs, 0) AS high_pairs,
+                   coalesce(h.high_pairs, 0) - coalesce(h.attended_pairs, 0) AS noise_pairs,
+                   coalesce(h.attended_pairs, 0) AS attended_pairs, c.chance_share,
+                   -- the attended count is unavailable for runs stored before it existed
+                   count(h.attended_pairs) OVER w = count(h.high_pairs) OVER w AS has_attended
+            FROM chance c LEFT JOIN high h USING (drop_rep, distance)
+            WINDOW w AS (PARTITION BY c.drop_rep)
         )
-        SELECT c.distance, coalesce(h.high_pairs, 0) AS high_pairs,
-               coalesce(h.high_pairs, 0) / nullif(sum(coalesce(h.high_pairs, 0)) OVER (), 0) AS share,
-               c.chance_share,
-               share / nullif(c.chance_share, 0) AS lift
-        FROM chance c LEFT JOIN high h USING (distance)
-        ORDER BY c.distance
+        SELECT drop_rep, distance, high_pairs,
+               high_pairs / nullif(sum(high_pairs) OVER w, 0) AS share,
+               chance_share,
+               share / nullif(chance_share, 0) AS lift,
+               CASE WHEN has_attended THEN attended_pairs END AS attended_pairs,
+               CASE WHEN has_attended THEN attended_pairs / nullif(sum(attended_pairs) OVER w, 0) END
+                   AS attended_share,
+               attended_share / nullif(chance_share, 0) AS attended_lift,
+               CASE WHEN has_attended THEN noise_pairs END AS noise_pairs,
+               CASE WHEN has_attended THEN noise_pairs / nullif(sum(noise_pairs) OVER w, 0) END AS noise_share,
+               noise_share / nullif(chance_share, 0) AS noise_lift
+        FROM j
+        WINDOW w AS (PARTITION BY drop_rep)
+        ORDER BY drop_rep, distance
     """
-    return _rows(conn, sql, {"run": run_id, "layer": layer, "head": head})
+    columns, all_rows = _rows(conn, sql, {"run": run_id, "layer": layer, "head": head, "ci": ci})
+    keep = ["distance", "high_pairs", "share", "chance_share", "lift"]
+    if split:
+        keep += ["attended_pairs", "attended_share", "attended_lift", "noise_pairs", "noise_share", "noise_lift"]
+    idx = [columns.index(c) for c in keep]
+    rows = [tuple(r[i] for i in idx) for r in all_rows if r[0] == -1]
+    if not ci:
+        return keep, rows
+    from service.intervals import add_intervals
+
+    metrics = [c for c in keep if c.endswith(("share", "lift")) and c != "chance_share"]
+    midx = [columns.index(c) for c in metrics]
+    reps = [(r[1], r[0], *(r[i] for i in midx)) for r in all_rows if r[0] >= 0]
+    return add_intervals(keep, rows, reps, keys=("distance",), metrics=metrics)
 
 
-def boundaries(conn: Connection, run_id: int) -> Rows:
-    """Per layer: do high-similarity pairs stay within sentences, and does attention go to
-    sentence separators?"""
+def boundaries(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
+    """Per layer: do high-similarity pairs stay within sentences beyond what their distances
+    explain, and does attention go to sentence separators beyond uniform?"""
     sql = """
         WITH per_head AS (
             SELECT layer, count(*) FILTER (WHERE within_sentence_lift > 1) AS heads_above_chance,
+                   count(within_sentence_lift_dm) FILTER (WHERE within_sentence_lift_dm > 1) AS heads_above_chance_dm,
                    max(within_sentence) AS max_head_within_sentence,
                    arg_max(head, within_sentence) AS top_head
             FROM head_metrics WHERE run_id = :run GROUP BY layer
         )
         SELECT l.layer, l.within_sentence, l.within_sentence_chance, l.within_sentence_lift,
-               p.heads_above_chance, p.max_head_within_sentence, p.top_head,
-               l.attn_to_punct, l.attn_to_sep, l.attn_to_cls
+               l.within_sentence_chance_dm, l.within_sentence_lift_dm,
+               p.heads_above_chance, p.heads_above_chance_dm, p.max_head_within_sentence, p.top_head,
+               l.attn_to_punct, l.attn_to_punct_lift, l.attn_to_sep, l.attn_to_sep_lift,
+               l.attn_to_cls, l.attn_to_cls_lift
         FROM layer_metrics l JOIN per_head p USING (layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
-    return _rows(conn, sql, {"run": run_id})
+    rows = _rows(conn, sql, {"run": run_id})
+    if ci:
+        rows = _with_intervals(conn, rows, view="layer_metrics_reps", keys=("layer",), run_id=run_id)
+    return rows
 
 
-def layers(conn: Connection, run_id: int) -> Rows:
+LAYER_COLUMNS = (
+    "layer", "mean_distance", "mean_distance_chance", "short_range_share", "short_range_chance",
+    "within_sentence", "within_sentence_lift", "within_sentence_lift_dm",
+    "repetition", "repetition_lift", "repetition_lift_dm", "repetition_words", "repetition_words_lift_dm",
+    "noise_share", "attn_to_cls", "attn_to_cls_lift", "attn_to_sep", "attn_to_sep_lift",
+    "attn_to_punct", "attn_to_punct_lift", "attn_to_self", "attn_entropy", "anchor_frequency_share",
+)
+
+
+def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
     """Per-layer summary: the progression from early to final layers."""
-    sql = """
-        SELECT l.layer, l.mean_distance, l.mean_distance_chance, l.short_range_share,
-               l.within_sentence, l.within_sentence_lift, l.repetition, l.noise_share,
-               l.attn_to_cls, l.attn_to_sep, l.attn_to_punct, l.attn_to_self, l.attn_entropy,
-               d.distinct_share AS anchor_distinct_share, d.distinct_anchor_ratio
+    cols = ", ".join(f"l.{c}" for c in LAYER_COLUMNS)
+    sql = f"""
+        SELECT {cols}, d.distinct_share AS anchor_distinct_share, d.distinct_anchor_ratio
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
-    return _rows(conn, sql, {"run": run_id})
+    rows = _rows(conn, sql, {"run": run_id})
+    if ci:
+        columns, values = rows
+        rows = _with_intervals(conn, (columns[:len(LAYER_COLUMNS)], [r[:len(LAYER_COLUMNS)] for r in values]),
+                               view="layer_metrics_reps", keys=("layer",), run_id=run_id)
+        rows = (rows[0] + columns[len(LAYER_COLUMNS):],
+                [a + b[len(LAYER_COLUMNS):] for a, b in zip(rows[1], values)])
+    return rows
 
 
 def run_summary(conn: Connection, run_id: int) -> dict:
@@ -211,15 +309,11 @@ def discrepancy_layers(conn: Connection, run_id: int, *, method: str = "attribut
     return _rows(conn, sql, {"run": run_id, "method": method})
 
 
-LAYER_METRICS = (
-    "within_sentence", "within_sentence_chance", "within_sentence_lift", "repetition", "repetition_chance",
-    "mean_distance", "mean_distance_chance", "short_range_share", "noise_share", "attn_to_cls", "attn_to_sep",
-    "attn_to_punct", "attn_to_self", "attn_entropy",
-)
+LAYER_METRICS = tuple(c for c in HEAD_COLUMNS[2:] if c not in ("high_pairs", "windows"))
 
 
 def trend(conn: Connection, schedule_id: int, *, metric: str, layer: int | None = None,
-          head: int | None = None) -> Rows:
+          head: int | None = None, ci: bool = False) -> Rows:
     """A metric across a schedule's runs, in fire order: one head (``layer`` and ``head``, from
     head_metrics), one layer (``layer``, from layer_metrics) or the mean over layers. A run
     shared by several fires (nothing changed between them) appears once, at its first fire."""
@@ -229,20 +323,29 @@ def trend(conn: Connection, schedule_id: int, *, metric: str, layer: int | None 
     if metric not in allowed:
         raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(allowed)}")
     if head is not None:
-        value = f"SELECT run_id, {metric} AS value FROM head_metrics WHERE layer = :layer AND head = :head"
+        value = (f"SELECT run_id, drop_rep, {metric} AS value FROM head_metrics_reps "
+                 "WHERE layer = :layer AND head = :head")
     elif layer is not None:
-        value = f"SELECT run_id, {metric} AS value FROM layer_metrics WHERE layer = :layer"
+        value = f"SELECT run_id, drop_rep, {metric} AS value FROM layer_metrics_reps WHERE layer = :layer"
     else:
-        value = f"SELECT run_id, avg({metric}) AS value FROM layer_metrics GROUP BY run_id"
+        value = f"SELECT run_id, drop_rep, avg({metric}) AS value FROM layer_metrics_reps GROUP BY run_id, drop_rep"
     sql = f"""
         WITH fired AS (
             SELECT run_key, min(fire_time) AS fire_time FROM schedule_fires
             WHERE schedule_id = :s AND run_key IS NOT NULL GROUP BY run_key
         ),
         mine AS (SELECT r.run_id, r.name, r.status, f.fire_time FROM fired f JOIN runs r USING (run_key)),
-        v AS (SELECT * FROM ({value}) WHERE run_id IN (SELECT run_id FROM mine))
-        SELECT mine.fire_time, mine.run_id, mine.name AS run, mine.status, v.value AS {metric}
+        v AS (SELECT * FROM ({value}) WHERE run_id IN (SELECT run_id FROM mine) AND (drop_rep = -1 OR :ci))
+        SELECT mine.fire_time, mine.run_id, mine.name AS run, mine.status, v.drop_rep, v.value AS {metric}
         FROM mine LEFT JOIN v USING (run_id)
-        ORDER BY mine.fire_time
+        ORDER BY mine.fire_time, v.drop_rep
     """
-    return _rows(conn, sql, {"s": schedule_id, "layer": layer, "head": head})
+    columns, all_rows = _rows(conn, sql, {"s": schedule_id, "layer": layer, "head": head, "ci": ci})
+    keep = [c for c in columns if c != "drop_rep"]
+    rows = [tuple(v for c, v in zip(columns, r) if c != "drop_rep") for r in all_rows if r[4] is None or r[4] == -1]
+    if not ci:
+        return keep, rows
+    from service.intervals import add_intervals
+
+    reps = [(r[1], r[4], r[5]) for r in all_rows if r[4] is not None and r[4] >= 0]
+    return add_intervals(keep, rows, reps, keys=("run_id",), metrics=[metric])

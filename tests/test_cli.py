@@ -27,8 +27,43 @@ def analysed(tmp_path_factory, demo_corpus):
 def test_analyze_prints_what_the_heads_do(analysed):
     _, _, done = analysed
     assert "Layer progression" in done.stdout
-    assert "Repetition heads" in done.stdout
+    assert "Word-repetition heads" in done.stdout
+    # every printed lift says what it is measured against
+    assert "*_lift_dm: chance matched to the head's own distances" in done.stdout
     assert "windows/s" in done.stderr
+
+
+NEW_COLUMNS = (
+    "within_sentence_chance_dm", "within_sentence_lift_dm", "repetition_chance_dm", "repetition_lift_dm",
+    "repetition_words", "repetition_words_chance", "repetition_words_lift", "repetition_words_chance_dm",
+    "repetition_words_lift_dm", "attn_to_cls_lift", "attn_to_sep_lift", "attn_to_punct_lift",
+    "anchor_frequency_share",
+)
+
+
+def test_query_heads_json_ci_has_every_baseline_and_interval(analysed, cli):
+    _, db, _ = analysed
+    out = cli("query", "heads", "--db", str(db), "--format", "json", "--ci")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert len(rows) == 6 * 12
+    checked = 0
+    for row in rows:
+        for name in NEW_COLUMNS:
+            assert name in row, name
+            assert row[name] is not None, (name, row["layer"], row["head"])
+        for name, value in row.items():
+            if name.endswith(("_lo", "_hi")) or f"{name}_lo" not in row or value is None:
+                continue
+            lo, hi = row[f"{name}_lo"], row[f"{name}_hi"]
+            assert lo is not None and hi is not None, name
+            assert lo <= value <= hi, (name, lo, value, hi)
+            checked += 1
+        # punctuation repeats are excluded from word repetition, never added
+        assert row["repetition_words"] <= row["repetition"] + 1e-12
+    assert checked > 72 * 20
+    # counts carry no interval
+    assert "high_pairs_lo" not in rows[0] and "windows_lo" not in rows[0]
 
 
 def test_query_heads_json_uses_spec_names(analysed, cli):

@@ -155,7 +155,9 @@ def test_compaction_keeps_every_view_value_and_the_ledger(store, tiny_model, sma
     run = _run(store, tiny_model, small_corpus)
     results = _results(tiny_model, small_corpus)
     store.ingest(run.run_id, list(enumerate(results[:-1])))
-    views = ("head_metrics", "layer_metrics", "distance_totals", "pair_profile")
+    # the *_reps views hold the leave-one-group-out values the intervals are built from
+    views = ("head_metrics", "layer_metrics", "distance_totals", "pair_profile", "head_metrics_reps",
+             "layer_metrics_reps")
 
     def snapshot():
         con = duckdb.connect(str(store.path), read_only=True)
@@ -167,7 +169,10 @@ def test_compaction_keeps_every_view_value_and_the_ledger(store, tiny_model, sma
     before = snapshot()
     with store.write() as conn:
         report = compact_run(conn, run.run_id)
-    assert report["head_stats"][1] == tiny_model.n_layers * tiny_model.n_heads < report["head_stats"][0]
+    groups = len({int(g) for r in results[:-1] for g in r.reps})
+    assert groups > 1
+    # one row per replicate group, layer and head: the groups survive compaction
+    assert report["head_stats"][1] == groups * tiny_model.n_layers * tiny_model.n_heads < report["head_stats"][0]
     after = snapshot()
     for view in views:
         assert len(after[view]) == len(before[view])
