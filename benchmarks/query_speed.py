@@ -21,36 +21,48 @@ import numpy as np  # noqa: E402
 from benchmarks.common import Timer, median  # noqa: E402
 from service import queries  # noqa: E402
 from service.analysis import BatchResult  # noqa: E402
-from service.stats import CHANCE_SUMS, HEAD_SUMS  # noqa: E402
+from service.results import HEAD_SUMS, replicate_group  # noqa: E402
 from service.storage.store import Store  # noqa: E402
 
 SEQ = 128
 
 
 def synthetic_batch(rng, first_window: int, n_windows: int, layers: int, heads: int) -> BatchResult:
+    """Random sums shaped like a real batch: kept per replicate group, as the store receives them."""
     k = 158
-    dist = np.zeros((layers, heads, SEQ), dtype=np.int64)
-    for l in range(layers):
-        d = rng.integers(1, SEQ, size=(heads, n_windows * k))
-        for h in range(heads):
-            dist[l, h] = np.bincount(d[h], minlength=SEQ)
+    windows = [f"w{first_window + i:08d}" for i in range(n_windows)]
+    reps, group = np.unique([replicate_group(w) for w in windows], return_inverse=True)
+    per_group = np.bincount(group, minlength=len(reps))  # windows in each group
+    n_groups = len(reps)
+    dist = np.zeros((n_groups, layers, heads, SEQ), dtype=np.int64)
+    for g in range(n_groups):
+        for l in range(layers):
+            d = rng.integers(1, SEQ, size=(heads, per_group[g] * k))
+            for h in range(heads):
+                dist[g, l, h] = np.bincount(d[h], minlength=SEQ)
     heads_sums = {}
+    scale = per_group[:, None, None]
     for name in HEAD_SUMS:
         if name == "high_pairs":
-            heads_sums[name] = np.full((layers, heads), n_windows * k, dtype=np.int64)
+            heads_sums[name] = np.broadcast_to(scale * k, (n_groups, layers, heads)).astype(np.int64)
         elif name.endswith("_high"):
-            heads_sums[name] = rng.integers(0, n_windows * k, size=(layers, heads))
+            heads_sums[name] = (rng.random((n_groups, layers, heads)) * scale * k).astype(np.int64)
+        elif name in ("anchor_frequent", "anchored_windows"):
+            heads_sums[name] = np.broadcast_to(scale, (n_groups, layers, heads)).astype(np.int64)
         else:
-            heads_sums[name] = rng.random((layers, heads)) * n_windows * 128
-    windows = [f"w{first_window + i:08d}" for i in range(n_windows)]
+            heads_sums[name] = rng.random((n_groups, layers, heads)) * scale * 128
+    chance = {"windows": per_group, "pairs": per_group * 7875, "same_sentence_pairs": per_group * 1800,
+              "same_token_pairs": per_group * 100, "attn_rows": per_group * 128, "same_word_pairs": per_group * 60,
+              "punct_tokens": per_group * 9}
+    pairs = np.stack([np.bincount(rng.integers(1, SEQ, size=n * 7875), minlength=SEQ) for n in per_group])
+    pair_hist = {"pairs": pairs, "same_sentence": pairs // 4, "same_token": pairs // 50, "same_word": pairs // 80}
     anchor = rng.integers(1000, 1400, size=(n_windows, layers, heads))
     return BatchResult(
-        window_ids=windows, heads=heads_sums, dist_hist=dist,
-        chance={"windows": n_windows, "pairs": n_windows * 7875, "same_sentence_pairs": n_windows * 1800,
-                "same_token_pairs": n_windows * 100, "attn_rows": n_windows * 128},
-        pair_hist=np.bincount(rng.integers(1, SEQ, size=n_windows * 7875), minlength=SEQ).astype(np.int64),
+        window_ids=windows, reps=reps.astype(np.int16), rep_heads=heads_sums, rep_dist_hist=dist,
+        rep_attended_hist=dist // 2, rep_chance={k_: np.asarray(v, dtype=np.int64) for k_, v in chance.items()},
+        rep_pair_hist={k_: v.astype(np.int64) for k_, v in pair_hist.items()},
         anchor_token=anchor, anchor_count=rng.integers(10, 60, size=anchor.shape).astype(np.int32),
-        high_count=np.full(anchor.shape, k, dtype=np.int32),
+        high_count=np.full(anchor.shape, k, dtype=np.int32), anchor_frequent=rng.random(anchor.shape) < 0.3,
         windows=[{"window_id": w, "doc_id": "d", "window_index": i, "n_tokens": 128} for i, w in enumerate(windows)],
         documents=[{"doc_id": "d", "source": "synthetic", "line": 1, "n_chars": 0, "preview": ""}],
         vocab={int(t): f"tok{t}" for t in np.unique(anchor)},
@@ -94,6 +106,9 @@ def main(argv=None):
             "query distances": lambda c: queries.distances(c, run.run_id, layer=5, head=3),
             "query boundaries": lambda c: queries.boundaries(c, run.run_id),
             "query layers": lambda c: queries.layers(c, run.run_id),
+            "query heads --ci": lambda c: queries.heads(c, run.run_id, ci=True),
+            "query layers --ci": lambda c: queries.layers(c, run.run_id, ci=True),
+            "query distances --ci": lambda c: queries.distances(c, run.run_id, layer=5, head=3, split=True, ci=True),
         }
         print(f"{'query':<22} {'median s':>9} {'max s':>7}  (including opening the database)")
         for name, call in calls.items():

@@ -74,6 +74,24 @@ def _col(columns: list[str], rows: list[tuple], name: str) -> np.ndarray:
     return np.array([np.nan if r[i] is None else float(r[i]) for r in rows], dtype=float)
 
 
+def _err(columns: list[str], rows: list[tuple], name: str) -> np.ndarray | None:
+    """``[2, n]`` distances below/above the value to the 95% interval bounds (``name_lo``,
+    ``name_hi``), for ``errorbar``'s yerr; None when the rows carry no interval."""
+    if f"{name}_lo" not in columns:
+        return None
+    value, lo, hi = (_col(columns, rows, c) for c in (name, f"{name}_lo", f"{name}_hi"))
+    return np.nan_to_num(np.vstack([value - lo, hi - value]), nan=0.0)
+
+
+def _errorbar(ax, x, columns, rows, name, *, fmt="o-", **style):
+    """A measure with its 95% interval as error bars (where the run has replicate groups)."""
+    return ax.errorbar(x, _col(columns, rows, name), yerr=_err(columns, rows, name), fmt=fmt, capsize=2,
+                       elinewidth=0.9, **style)
+
+
+INTERVAL_NOTE = "error bars: 95% jackknife intervals over 16 replicate groups of windows"
+
+
 def _title(run) -> str:
     return f"run {run.run_id} ({run.name}) · {run.model_name} · {run.n_layers} layers × {run.n_heads} heads (0-based)"
 
@@ -112,16 +130,19 @@ def figure_distances(per_layer: dict[int, tuple[list[str], list[tuple]]], *, tit
 
 # --- boundaries -------------------------------------------------------------------------------
 def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> Figure:
-    """Within-sentence share of the high-similarity pairs per layer against chance, the most
-    within-sentence head of each layer, and attention to separators."""
+    """Within-sentence share of the high-similarity pairs per layer against two chances — all
+    pairs, and pairs at the same distances (SPEC §5b) — the most within-sentence head of each
+    layer, and attention to separators against uniform attention. Error bars: 95% intervals."""
     fig = new_figure(*RUN_FIGSIZE["boundaries"])
     share_ax, attn_ax = fig.subplots(1, 2)
     layer = _col(columns, rows, "layer")
-    width = 0.38
-    share_ax.bar(layer - width / 2, _col(columns, rows, "within_sentence"), width, color="#3b75af",
-                 label="high-similarity pairs (layer)")
-    share_ax.bar(layer + width / 2, _col(columns, rows, "within_sentence_chance"), width, color="#bbbbbb",
-                 label="chance (all pairs)")
+    width = 0.27
+    bars = (("within_sentence", "#3b75af", "high-similarity pairs (layer)"),
+            ("within_sentence_chance", "#bbbbbb", "chance: all pairs"),
+            ("within_sentence_chance_dm", "#7a7a7a", "chance: same distances"))
+    for k, (name, color, label) in enumerate(bars):
+        share_ax.bar(layer + (k - 1) * width, _col(columns, rows, name), width, color=color, label=label,
+                     yerr=_err(columns, rows, name), capsize=2, error_kw={"elinewidth": 0.9})
     share_ax.plot(layer, _col(columns, rows, "max_head_within_sentence"), "D", color="#d1495b",
                   label="best head of the layer")
     for x, h, y in zip(layer, _col(columns, rows, "top_head"), _col(columns, rows, "max_head_within_sentence")):
@@ -130,15 +151,19 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
     share_ax.set(xlabel="layer", ylabel="share of pairs within one sentence", title="within-sentence share vs chance")
     share_ax.set_ylim(0, max(1.0, np.nanmax(_col(columns, rows, "max_head_within_sentence")) * 1.1)
                       if len(rows) else 1.0)
-    for name, color, label in (("attn_to_punct", "#d1495b", ". and ,"), ("attn_to_sep", "#edae49", "[SEP]"),
-                               ("attn_to_cls", "#00798c", "[CLS]")):
-        attn_ax.plot(layer, _col(columns, rows, name), "o-", color=color, label=label)
-    attn_ax.set(xlabel="layer", ylabel="mean attention weight per query", title="attention to separators")
+    for name, color, label in (("attn_to_punct_lift", "#d1495b", ". and ,"), ("attn_to_sep_lift", "#edae49", "[SEP]"),
+                               ("attn_to_cls_lift", "#00798c", "[CLS]")):
+        _errorbar(attn_ax, layer, columns, rows, name, color=color, label=label)
+    attn_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="uniform attention")
+    attn_ax.set(xlabel="layer", ylabel="mean attention / uniform attention", yscale="log",
+                title="attention to separators vs uniform")
     for ax in (share_ax, attn_ax):
         ax.set_xticks(layer)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.suptitle(title)
+    if "within_sentence_lo" in columns:
+        fig.supxlabel(INTERVAL_NOTE, fontsize=8)
     return fig
 
 
@@ -180,13 +205,14 @@ def figure_heads(columns: list[str], rows: list[tuple], metric: str, *, n_layers
 # --- layers -----------------------------------------------------------------------------------
 LAYER_PANELS = (
     ("mean token distance of high-similarity pairs", (("mean_distance", "layer"), ("mean_distance_chance", "chance"))),
-    ("share at short range (d ≤ short_range)", (("short_range_share", "layer"),)),
+    ("share at short range (d ≤ short_range)", (("short_range_share", "layer"), ("short_range_chance", "chance"))),
     ("within-sentence share", (("within_sentence", "layer"),)),
-    ("within-sentence lift (1 = chance)", (("within_sentence_lift", "layer"),)),
-    ("repetition share (same token)", (("repetition", "layer"),)),
+    ("within-sentence lift (1 = chance)", (("within_sentence_lift", "vs all pairs"),
+                                           ("within_sentence_lift_dm", "vs same distances"))),
+    ("repetition share", (("repetition", "same token"), ("repetition_words", "same word (no punctuation)"))),
     ("noise share (similar, not attended)", (("noise_share", "layer"),)),
-    ("mean attention to …", (("attn_to_cls", "[CLS]"), ("attn_to_sep", "[SEP]"), ("attn_to_punct", ". ,"),
-                             ("attn_to_self", "self"))),
+    ("attention / uniform attention", (("attn_to_cls_lift", "[CLS]"), ("attn_to_sep_lift", "[SEP]"),
+                                       ("attn_to_punct_lift", ". ,"))),
     ("attention entropy (nats) · anchor distinctness", (("attn_entropy", "entropy"),
                                                          ("anchor_distinct_share", "distinct anchors"))),
 )
@@ -208,8 +234,11 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
                 twin.set_ylim(0, 1.05)
                 twin.legend(fontsize=7, loc="lower right")
                 continue
-            ax.plot(layer, values, style, color=color, label=label, ms=4)
-        if column == "within_sentence_lift" or name.startswith("within-sentence lift"):
+            if label == "chance":
+                ax.plot(layer, values, style, color=color, label=label, ms=4)
+            else:
+                _errorbar(ax, layer, columns, rows, column, fmt=style, color=color, label=label, ms=4)
+        if "lift" in name or "uniform" in name:
             ax.axhline(1.0, color="black", ls="--", lw=1)
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
@@ -219,6 +248,8 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
         ax.set_xlabel("layer")
         ax.set_xticks(layer)
     fig.suptitle(title)
+    if "within_sentence_lo" in columns:
+        fig.supxlabel(INTERVAL_NOTE, fontsize=8)
     return fig
 
 
@@ -230,12 +261,12 @@ def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_senten
         per_layer = {layer: queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
         return figure_distances(per_layer, title=title)
     if kind == "boundaries":
-        return figure_boundaries(*queries.boundaries(conn, run.run_id), title=title)
+        return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title)
     if kind == "heads":
         if metric not in queries.SORTABLE:
             raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
         columns, rows = queries.heads(conn, run.run_id, anchors=0)
         return figure_heads(columns, rows, metric, n_layers=run.n_layers, n_heads=run.n_heads, title=title)
     if kind == "layers":
-        return figure_layers(*queries.layers(conn, run.run_id), title=title)
+        return figure_layers(*queries.layers(conn, run.run_id, ci=True), title=title)
     raise ParameterError(f"plot {kind!r}: choose one of {', '.join(KINDS)}")

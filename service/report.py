@@ -15,7 +15,8 @@ from pathlib import Path
 
 from service import queries
 
-HEAD_METRICS = ("within_sentence_lift", "repetition_lift", "mean_distance", "noise_share", "attn_to_punct")
+HEAD_METRICS = ("within_sentence_lift_dm", "repetition_words_lift_dm", "mean_distance", "noise_share",
+                "attn_to_punct_lift", "anchor_frequency_share")
 HEAD_TABLE_SKIP = ("top_anchors",)  # shown in their own section
 N_ANCHORS = 5
 
@@ -34,6 +35,7 @@ PARAM_HELP = {
 STYLE = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2rem auto; max-width: 1400px;
        padding: 0 1.5rem; color: #222; background: #fff; }
+.ci { color: #777; font-size: .75rem; white-space: nowrap; }
 h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; }
 .sub { color: #666; margin-top: 0; }
 table { border-collapse: collapse; font-size: .82rem; }
@@ -66,14 +68,24 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def _table(columns, rows, *, text_columns=()) -> str:
-    head = "".join(f'<th class="text">{_e(c)}</th>' if c in text_columns else f"<th>{_e(c)}</th>" for c in columns)
+    """An HTML table; a column ``x`` with ``x_lo``/``x_hi`` beside it shows its 95% interval
+    under the value, in the same cell."""
+    index = {c: i for i, c in enumerate(columns)}
+    shown = [c for c in columns if not (c.endswith(("_lo", "_hi")) and c[:-3] in index)]
+    head = "".join(f'<th class="text">{_e(c)}</th>' if c in text_columns else f"<th>{_e(c)}</th>" for c in shown)
     body = []
     for row in rows:
-        cells = "".join(
-            f'<td class="text">{_e(v)}</td>' if c in text_columns else f"<td>{_num(v)}</td>"
-            for c, v in zip(columns, row)
-        )
-        body.append(f"<tr>{cells}</tr>")
+        cells = []
+        for c in shown:
+            v = row[index[c]]
+            if c in text_columns:
+                cells.append(f'<td class="text">{_e(v)}</td>')
+                continue
+            lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
+            interval = (f'<br><span class="ci">[{_num(row[lo])}, {_num(row[hi])}]</span>'
+                        if lo is not None and row[lo] is not None else "")
+            cells.append(f"<td>{_num(v)}{interval}</td>")
+        body.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
@@ -82,14 +94,16 @@ def build_report(conn, run) -> str:
     from service import plots
 
     summary = queries.run_summary(conn, run.run_id)
-    head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS)
+    head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
     figures = [
         ("layers", "Layer progression: distances, sentence structure, repetition, noise and attention targets "
                    "per layer.", plots.run_figure("layers", conn, run)),
         ("distances", "Token distance of the high-similarity pairs per layer against the chance profile of all "
                       "pairs (log scales).", plots.run_figure("distances", conn, run)),
-        ("boundaries", "Share of high-similarity pairs within one sentence per layer, against chance, and "
-                       "attention to separators.", plots.run_figure("boundaries", conn, run)),
+        ("boundaries", "Share of high-similarity pairs within one sentence per layer, against two chances: all "
+                       "pairs of the windows, and pairs at the same distances as the layer's high-similarity "
+                       "pairs (short-range pairs share a sentence anyway); attention to separators against "
+                       "uniform attention. Error bars: 95% intervals.", plots.run_figure("boundaries", conn, run)),
     ]
     for metric in HEAD_METRICS:
         figures.append((f"heads: {metric}", f"{metric} per head (layer × head).",
@@ -132,9 +146,17 @@ def build_report(conn, run) -> str:
 <th class="text">meaning</th></tr></thead><tbody>{params_html}</tbody></table>
 <h2>Figures</h2>{figure_html}
 <h2>Heads</h2>
-<p>One row per head. Shares are of the high-similarity pairs H; <em>_chance</em> columns are the same share over
-all pairs; <em>_lift</em> = share / chance; <em>noise_share</em> = similar pairs the head does not attend;
-<em>attn_to_*</em> = mean attention weight per query.</p>
+<p>One row per head. Shares are of the high-similarity pairs H. What each ratio is measured against:
+<em>_lift</em> = share / <em>_chance</em>, the same share over all pairs of the windows (it ignores distance,
+so a head that keeps to short range looks sentence-bound); <em>_lift_dm</em> = share / <em>_chance_dm</em>, the
+share expected of pairs at the head's own distances — structure beyond locality; <em>repetition_words</em>
+counts repeats of word tokens only (no <code>,</code>–<code>,</code>); <em>attn_to_*_lift</em> = attention /
+what uniform attention would give; <em>anchor_frequency_share</em> = share of windows whose anchor is simply the
+window's most frequent token; <em>noise_share</em> = similar pairs the head does not attend.
+Under each value: its 95% interval, the delete-one-group jackknife over 16 replicate groups of windows (SPEC
+§5b). Read a lift as established only when its interval excludes 1; the interval covers the sampling of
+windows, not the choice of model, <code>select</code> or <code>gate</code> (this tool's defaults, not the
+paper's).</p>
 <div class="scroll">{table_html}</div>
 <h2>Top anchor tokens per head</h2>
 <p>The anchor of a window is the token that appears most often in the head's high-similarity pairs; each cell
