@@ -234,14 +234,26 @@ def running_cluster(prefix: str, *, prepare=None):
 
 # --- what a run stored ------------------------------------------------------------------------------
 STAT_TABLES = {
-    # table: (key columns, summed columns); batch ids may differ between engines, sums may not
-    "head_stats": (["layer", "head"], None),
-    "run_chance": ([], None),
-    "dist_hist": (["layer", "head", "distance"], ["count"]),
-    "pair_hist": (["distance"], ["count"]),
-    "anchors": (["window_id", "layer", "head", "token_id", "token"], ["endpoint_count", "high_pairs", "anchor_share"]),
+    # table: (key columns, summed columns); batch ids may differ between engines, sums may not.
+    # None: every column that is not a key (so a column added later is compared without listing it).
+    # rep (the replicate group, SPEC §5b) is a key: the sums must agree group by group.
+    "head_stats": (["rep", "layer", "head"], None),
+    "run_chance": (["rep"], None),
+    "dist_hist": (["rep", "layer", "head", "distance"], ["count", "attended"]),
+    "pair_hist": (["rep", "distance"], ["count", "same_sentence", "same_token", "same_word"]),
+    "anchors": (["window_id", "layer", "head", "token_id", "token"],
+                ["endpoint_count", "high_pairs", "anchor_share", "anchor_is_frequent"]),
     "mixing_stats": (["method", "layer", "head"], None),
     "mixing_dist": (["method", "layer", "head", "distance"], ["mass"]),
+}
+
+# the columns of migration 0006 (SPEC §5b): a run stored now must hold every one of them
+NEW_COLUMNS = {
+    "head_stats": ["rep", "same_word_high", "anchor_frequent", "anchored_windows"],
+    "run_chance": ["rep", "same_word_pairs", "punct_tokens"],
+    "pair_hist": ["rep", "same_sentence", "same_token", "same_word"],
+    "dist_hist": ["rep", "attended"],
+    "anchors": ["anchor_is_frequent"],
 }
 
 
@@ -264,6 +276,29 @@ def stored(db: str, run_id: int) -> dict[str, list[tuple]]:
             out[table] = [tuple(r) for r in conn.execute(text(f"SELECT {select} FROM {table} WHERE run_id = :r {group}"), {"r": run_id})]
         out["run_windows"] = sorted(r[0] for r in conn.execute(text("SELECT window_id FROM run_windows WHERE run_id = :r"), {"r": run_id}))
     return out
+
+
+def assert_new_columns_present(db: str, run_id: int) -> None:
+    """Every column of migration 0006 is filled (not NULL) in every row of the run, and the new
+    sums are not all zero: equal NULLs or zeros in two engines would prove nothing."""
+    from sqlalchemy import text
+
+    from service.storage.db import transaction
+
+    with transaction(db, read_only=True) as conn:
+        for table, columns in NEW_COLUMNS.items():
+            rows = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run_id}).scalar()
+            assert rows > 0, table
+            for column in columns:
+                missing = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r AND {column} IS NULL"),
+                                       {"r": run_id}).scalar()
+                assert missing == 0, f"{table}.{column}: {missing} of {rows} rows NULL"
+        q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
+        assert q("SELECT sum(same_word_pairs) FROM run_chance WHERE run_id = :r") > 0
+        assert q("SELECT sum(punct_tokens) FROM run_chance WHERE run_id = :r") > 0
+        assert q("SELECT sum(same_word) FROM pair_hist WHERE run_id = :r") > 0
+        assert q("SELECT sum(anchored_windows) FROM head_stats WHERE run_id = :r") > 0
+        assert q("SELECT count(DISTINCT rep) FROM run_chance WHERE run_id = :r") > 1
 
 
 def assert_same_statistics(a: dict, b: dict, rel: float = 1e-6) -> None:
@@ -307,11 +342,16 @@ def assert_whole_batches(conn, run_id: int, done: int, layers_heads: int) -> Non
     from sqlalchemy import text
 
     q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
+    # one run_chance row per (batch, replicate group), with layers × heads head_stats rows each
     partial = q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id >= 0")
+    assert q("SELECT count(*) FROM (SELECT DISTINCT batch_id, rep FROM run_chance WHERE run_id = :r)") == \
+        q("SELECT count(*) FROM run_chance WHERE run_id = :r")
     assert q("SELECT count(*) FROM head_stats WHERE run_id = :r AND batch_id >= 0") == partial * layers_heads
-    assert q("SELECT count(*) FROM head_stats WHERE run_id = :r AND batch_id = -1") in (0, layers_heads)
-    if not q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id = -1"):
-        assert partial == done
+    compacted = q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id = -1")
+    assert compacted <= 16  # one row per replicate group
+    assert q("SELECT count(*) FROM head_stats WHERE run_id = :r AND batch_id = -1") == compacted * layers_heads
+    if not compacted:
+        assert q("SELECT count(DISTINCT batch_id) FROM run_chance WHERE run_id = :r AND batch_id >= 0") == done
     ledger_windows = q("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'")
     assert q("SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r") == ledger_windows
     assert q("SELECT count(*) FROM run_windows WHERE run_id = :r") == ledger_windows

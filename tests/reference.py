@@ -1,39 +1,55 @@
-"""A plain per-window, per-head implementation of SPEC §1–4, written for the tests.
+"""A plain per-window, per-head implementation of SPEC §1–4 and §5b, written for the tests.
 
 Deliberately naive: Python loops over windows, heads and pairs, numpy float64, head outputs
 recomputed from Hugging Face's own attention probabilities and hidden states (not from the
-hooks), sentence ids by a token-by-token scan. Slow, but easy to check against the SPEC.
+hooks), sentence ids by a token-by-token scan, word tokens from the tokenizer's own token texts
+with ``unicodedata`` (not service.windows). Slow, but easy to check against the SPEC.
 """
 
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import numpy as np
 import torch
 
+HEAD_NAMES = ["high_pairs", "sim_sum_all", "sim_sum_high", "same_sentence_high", "same_token_high", "attended_high",
+              "attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self", "attn_to_prev", "attn_to_next",
+              "attn_entropy", "same_word_high", "anchor_frequent", "anchored_windows"]
+CHANCE_NAMES = ["windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows", "same_word_pairs",
+                "punct_tokens"]
+HIST_NAMES = ["pairs", "same_sentence", "same_token", "same_word"]
 
-def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, gate=4.0,
-                         include_special=False, seq_len=128, vectors="pre_wo"):
-    """Returns (heads: dict name -> [layer, head] array, dist_hist [layer, head, seq_len],
-    chance: dict, pair_hist [seq_len], anchors: [window, layer, head] token id or -1)."""
+
+def word_piece_is_word(token: str) -> bool:
+    """SPEC §5b: after a word-piece prefix, at least one character of Unicode category L* or N*."""
+    for prefix in ("##", "Ġ", "▁"):
+        if token.startswith(prefix):
+            token = token[len(prefix):]
+            break
+    return any(unicodedata.category(ch).startswith(("L", "N")) for ch in token)
+
+
+def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4.0, include_special=False,
+                      seq_len=128, vectors="pre_wo"):
+    """One record per window: ``heads`` (name -> [layer, head]), ``dist_hist`` and ``attended_hist``
+    ([layer, head, seq_len]), ``chance`` (name -> int), ``hists`` (name -> [seq_len]), ``anchors``
+    ([layer, head] token id or -1) and ``anchor_frequent`` ([layer, head] bool).
+
+    ``count(n_pairs)``: |H| of a window with n_pairs pairs (the selection rule)."""
     hf = model.model
     with torch.no_grad():
         out = hf(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
     n_layers, n_heads, d = model.n_layers, model.n_heads, model.d_head
     blocks = hf.encoder.layer
-    names = ["high_pairs", "sim_sum_all", "sim_sum_high", "same_sentence_high", "same_token_high", "attended_high",
-             "attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self", "attn_to_prev", "attn_to_next",
-             "attn_entropy"]
-    heads = {k: np.zeros((n_layers, n_heads)) for k in names}
-    dist_hist = np.zeros((n_layers, n_heads, seq_len), dtype=np.int64)
-    chance = {"windows": 0, "pairs": 0, "same_sentence_pairs": 0, "same_token_pairs": 0, "attn_rows": 0}
-    pair_hist = np.zeros(seq_len, dtype=np.int64)
-    anchors = np.full((input_ids.shape[0], n_layers, n_heads), -1, dtype=np.int64)
+    records = []
     for w in range(input_ids.shape[0]):
         n = int(attention_mask[w].sum())
         ids = input_ids[w, :n].tolist()
+        texts = model.tokenizer.convert_ids_to_tokens(ids)
         special = [t in tokens.special_ids for t in ids]
+        word = [not special[i] and word_piece_is_word(texts[i]) for i in range(n)]
         members = [i for i in range(n) if include_special or not special[i]]
         sentence, current, new_sentence = [-1] * n, 0, False
         seen_word = False
@@ -45,15 +61,36 @@ def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, ga
             sentence[i] = current
             seen_word = True
             new_sentence = ids[i] in tokens.sentence_end_ids
+        # the window's most frequent non-special token; ties: the earliest first occurrence
+        occurrences: dict[int, int] = {}
+        for i in range(n):
+            if not special[i]:
+                occurrences[ids[i]] = occurrences.get(ids[i], 0) + 1
+        frequent = min(occurrences, key=lambda t: (-occurrences[t], ids.index(t))) if occurrences else None
         pairs = [(i, j) for a, i in enumerate(members) for j in members[a + 1:]]
-        chance["windows"] += 1
-        chance["pairs"] += len(pairs)
-        chance["attn_rows"] += n
+        chance = {k: 0 for k in CHANCE_NAMES}
+        hists = {k: np.zeros(seq_len, dtype=np.int64) for k in HIST_NAMES}
+        chance["windows"] = 1
+        chance["pairs"] = len(pairs)
+        chance["attn_rows"] = n
+        chance["punct_tokens"] = sum(1 for t in ids if t in tokens.punct_ids)
         for i, j in pairs:
-            chance["same_sentence_pairs"] += sentence[i] == sentence[j] and sentence[i] >= 0
-            chance["same_token_pairs"] += ids[i] == ids[j]
-            pair_hist[j - i] += 1
-        k = min(len(pairs), math.ceil(q * len(pairs) - 1e-9))
+            same_sentence = sentence[i] == sentence[j] and sentence[i] >= 0
+            same_token = ids[i] == ids[j]
+            same_word = same_token and word[i]
+            chance["same_sentence_pairs"] += same_sentence
+            chance["same_token_pairs"] += same_token
+            chance["same_word_pairs"] += same_word
+            hists["pairs"][j - i] += 1
+            hists["same_sentence"][j - i] += same_sentence
+            hists["same_token"][j - i] += same_token
+            hists["same_word"][j - i] += same_word
+        k = count(len(pairs))
+        heads = {name: np.zeros((n_layers, n_heads)) for name in HEAD_NAMES}
+        dist_hist = np.zeros((n_layers, n_heads, seq_len), dtype=np.int64)
+        attended_hist = np.zeros((n_layers, n_heads, seq_len), dtype=np.int64)
+        anchors = np.full((n_layers, n_heads), -1, dtype=np.int64)
+        anchor_frequent = np.zeros((n_layers, n_heads), dtype=bool)
         for layer in range(n_layers):
             with torch.no_grad():
                 hidden = out.hidden_states[layer][w, :n].double()
@@ -73,15 +110,21 @@ def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, ga
                 heads["sim_sum_high"][layer, h] += sum(sim[p] for p in high)
                 counts: dict[int, int] = {}
                 for i, j in high:
+                    attended = max(attn[i, j], attn[j, i]) >= gate / n
                     heads["same_sentence_high"][layer, h] += sentence[i] == sentence[j] and sentence[i] >= 0
                     heads["same_token_high"][layer, h] += ids[i] == ids[j]
-                    heads["attended_high"][layer, h] += max(attn[i, j], attn[j, i]) >= gate / n
+                    heads["same_word_high"][layer, h] += ids[i] == ids[j] and word[i]
+                    heads["attended_high"][layer, h] += attended
                     dist_hist[layer, h, j - i] += 1
+                    attended_hist[layer, h, j - i] += attended
                     counts[ids[i]] = counts.get(ids[i], 0) + 1
                     counts[ids[j]] = counts.get(ids[j], 0) + 1
                 if counts:
                     first = {t: ids.index(t) for t in counts}
-                    anchors[w, layer, h] = min(counts, key=lambda t: (-counts[t], first[t]))
+                    anchors[layer, h] = min(counts, key=lambda t: (-counts[t], first[t]))
+                    anchor_frequent[layer, h] = anchors[layer, h] == frequent
+                    heads["anchored_windows"][layer, h] += 1
+                    heads["anchor_frequent"][layer, h] += anchor_frequent[layer, h]
                 for i in range(n):
                     row = attn[i]
                     heads["attn_to_cls"][layer, h] += sum(row[j] for j in range(n) if ids[j] == tokens.cls_id)
@@ -91,4 +134,31 @@ def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, ga
                     heads["attn_to_prev"][layer, h] += row[i - 1] if i > 0 else 0.0
                     heads["attn_to_next"][layer, h] += row[i + 1] if i + 1 < n else 0.0
                     heads["attn_entropy"][layer, h] += -sum(a * math.log(a) for a in row if a > 0)
-    return heads, dist_hist, chance, pair_hist, anchors
+        records.append({"heads": heads, "dist_hist": dist_hist, "attended_hist": attended_hist, "chance": chance,
+                        "hists": hists, "anchors": anchors, "anchor_frequent": anchor_frequent})
+    return records
+
+
+def summed(records: list[dict]) -> dict:
+    """The additive parts of window records, summed: heads, dist_hist, attended_hist, chance, hists."""
+    return {
+        "heads": {k: sum(r["heads"][k] for r in records) for k in HEAD_NAMES},
+        "dist_hist": sum(r["dist_hist"] for r in records),
+        "attended_hist": sum(r["attended_hist"] for r in records),
+        "chance": {k: int(sum(r["chance"][k] for r in records)) for k in CHANCE_NAMES},
+        "hists": {k: sum(r["hists"][k] for r in records) for k in HIST_NAMES},
+    }
+
+
+def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, gate=4.0,
+                         include_special=False, seq_len=128, vectors="pre_wo"):
+    """SPEC §1–4 totals with ``select = top:q`` (kept for callers of the first version).
+
+    Returns (heads: dict name -> [layer, head] array, dist_hist [layer, head, seq_len],
+    chance: dict, pair_hist [seq_len], anchors: [window, layer, head] token id or -1)."""
+    records = reference_windows(model, input_ids, attention_mask, tokens, gate=gate, include_special=include_special,
+                                seq_len=seq_len, vectors=vectors,
+                                count=lambda n_pairs: min(n_pairs, math.ceil(q * n_pairs - 1e-9)))
+    total = summed(records)
+    return (total["heads"], total["dist_hist"], total["chance"], total["hists"]["pairs"],
+            np.stack([r["anchors"] for r in records]))

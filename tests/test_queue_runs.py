@@ -8,7 +8,9 @@ import time
 import pytest
 import redis
 
-from queue_support import assert_counted_once, assert_same_statistics, make_corpus, running_cluster, stored
+from queue_support import (
+    assert_counted_once, assert_new_columns_present, assert_same_statistics, make_corpus, running_cluster, stored,
+)
 from service.config import Settings
 from service.params import AnalysisParams
 
@@ -45,6 +47,9 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     assert run.status == "done"
     queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
     assert len(embedded["run_windows"]) > 8  # several batches, the last one partial
+    # every column of SPEC §5b filled in both (equal NULLs would prove nothing), then equal
+    assert_new_columns_present(cluster.db, run_id)
+    assert_new_columns_present(str(embedded_db), run.run_id)
     assert_same_statistics(queued, embedded)
     assert_counted_once(cluster.db, run_id)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -11,9 +13,10 @@ import torch
 from service.analysis import analyze_batch
 from service.corpus import iter_documents
 from service.params import AnalysisParams, Selection
+from service.results import PAIR_HISTS
 from service.stats import HEAD_SUMS
 from service.windows import TokenClasses, collate, document_windows
-from tests.reference import reference_statistics
+from tests.reference import reference_windows, summed
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +40,26 @@ def real_windows(model, params, count=3):
     return tokens, first[: count - 1] + [first[-1]]
 
 
+def selection_count(select: Selection):
+    """|H| of a window with n pairs, from SPEC §3 (written here, not service.params)."""
+    if select.kind == "top":
+        return lambda n_pairs: min(n_pairs, math.ceil(select.value * n_pairs - 1e-9))
+    assert select.kind == "topk"
+    return lambda n_pairs: min(n_pairs, int(select.value))
+
+
+def assert_heads_equal(got: dict, expected: dict, where: str) -> None:
+    for name in HEAD_SUMS:
+        if name in INTEGER_SUMS:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{where}: {name}")
+        else:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-9, err_msg=f"{where}: {name}")
+
+
+INTEGER_SUMS = ("high_pairs", "same_sentence_high", "same_token_high", "attended_high", "same_word_high",
+                "anchor_frequent", "anchored_windows")
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -51,34 +74,36 @@ def test_vectorised_statistics_equal_reference(model64, params):
     assert len(windows[-1].input_ids) < len(windows[0].input_ids), "need a padded window"
     batch = collate(windows, tokens.pad_id)
     result = analyze_batch(model64, batch, params, tokens)
-    heads, dist_hist, chance, pair_hist, anchors = reference_statistics(
-        model64, batch.input_ids, batch.attention_mask, tokens, q=params.select.value if params.select.kind == "top" else None,
+    records = reference_windows(
+        model64, batch.input_ids, batch.attention_mask, tokens, count=selection_count(params.select),
         gate=params.gate, include_special=params.include_special, seq_len=params.seq_len, vectors=params.vectors,
-    ) if params.select.kind == "top" else _reference_topk(model64, batch, tokens, params)
-    for name in HEAD_SUMS:
-        if name in ("high_pairs", "same_sentence_high", "same_token_high", "attended_high"):
-            np.testing.assert_array_equal(result.heads[name], heads[name], err_msg=name)
-        else:
-            np.testing.assert_allclose(result.heads[name], heads[name], rtol=1e-9, atol=1e-9, err_msg=name)
-    np.testing.assert_array_equal(result.dist_hist, dist_hist)
-    assert result.chance == chance
-    np.testing.assert_array_equal(result.pair_hist, pair_hist)
-    np.testing.assert_array_equal(result.anchor_token, anchors)
+    )
+    # the batch totals (SPEC §4 and §5b)
+    total = summed(records)
+    assert set(HEAD_SUMS) == set(total["heads"]), "the reference must cover every head sum"
+    assert_heads_equal(result.heads, total["heads"], "batch")
+    np.testing.assert_array_equal(result.dist_hist, total["dist_hist"])
+    np.testing.assert_array_equal(result.attended_hist, total["attended_hist"])
+    assert result.chance == total["chance"]
+    np.testing.assert_array_equal(result.pair_hist, total["hists"]["pairs"])
+    for name in PAIR_HISTS:
+        np.testing.assert_array_equal(result.rep_pair_hist[name].sum(0), total["hists"][name], err_msg=name)
+    np.testing.assert_array_equal(result.anchor_token, np.stack([r["anchors"] for r in records]))
+    np.testing.assert_array_equal(result.anchor_frequent, np.stack([r["anchor_frequent"] for r in records]))
+    # the sums matter: word repeats and frequency anchors occur in these windows
+    assert total["chance"]["same_word_pairs"] > 0 and total["chance"]["punct_tokens"] > 0
+    assert total["heads"]["anchor_frequent"].sum() > 0
+    assert (total["heads"]["same_token_high"] > total["heads"]["same_word_high"]).any()  # punctuation repeats in H
+    assert total["attended_hist"].sum() > 0
 
-
-def _reference_topk(model, batch, tokens, params):
-    # topk:K is top:q with ceil(q·|P|) = K; the reference takes q per window, so run it per window
-    outs = []
-    for w in range(batch.input_ids.shape[0]):
-        n = int(batch.attention_mask[w].sum())
-        ids = batch.input_ids[w : w + 1, :n]
-        m = n if params.include_special else n - 2
-        n_pairs = m * (m - 1) // 2
-        q = min(1.0, params.select.value / n_pairs)
-        outs.append(reference_statistics(model, ids, batch.attention_mask[w : w + 1, :n], tokens, q=q, gate=params.gate,
-                                         include_special=params.include_special, seq_len=params.seq_len,
-                                         vectors=params.vectors))
-    heads = {k: sum(o[0][k] for o in outs) for k in outs[0][0]}
-    chance = {k: sum(o[2][k] for o in outs) for k in outs[0][2]}
-    return (heads, sum(o[1] for o in outs), chance, sum(o[3] for o in outs),
-            np.concatenate([o[4] for o in outs], axis=0))
+    # per replicate group: each group's sums are the sums of its own windows
+    groups = [int(hashlib.sha256(w.encode()).hexdigest()[:8], 16) % 16 for w in batch.window_ids]
+    assert result.reps.tolist() == sorted(set(groups))
+    for index, group in enumerate(result.reps.tolist()):
+        own = summed([r for r, g in zip(records, groups) if g == group])
+        assert_heads_equal({k: v[index] for k, v in result.rep_heads.items()}, own["heads"], f"group {group}")
+        np.testing.assert_array_equal(result.rep_dist_hist[index], own["dist_hist"])
+        np.testing.assert_array_equal(result.rep_attended_hist[index], own["attended_hist"])
+        assert {k: int(v[index]) for k, v in result.rep_chance.items()} == own["chance"]
+        for name in PAIR_HISTS:
+            np.testing.assert_array_equal(result.rep_pair_hist[name][index], own["hists"][name], err_msg=name)

@@ -100,7 +100,7 @@ def test_chance_statistics():
     assert int(chance["same_sentence_pairs"]) == 2  # (1,2) and (3,4)
     assert int(chance["same_token_pairs"]) == 1  # (1,3)
     assert int(chance["attn_rows"]) == 6
-    assert chance["pair_hist"].tolist() == [0, 3, 2, 1, 0, 0, 0, 0]
+    assert chance["hist.pairs"].tolist() == [0, 3, 2, 1, 0, 0, 0, 0]
 
 
 def test_ratio_and_topk_selection():
@@ -140,3 +140,26 @@ def test_boundary_tie_is_broken_in_index_order():
     values, index, chosen = select_pairs(sim, feats, Selection.parse("top:0.34"))
     picked = [(int(k) // 6, int(k) % 6) for k, c in zip(index[0, 0], chosen[0, 0]) if c]
     assert picked == [(1, 2), (1, 3), (1, 4)]
+
+
+# --- SPEC §5b on the same window --------------------------------------------------------------
+
+
+def test_attended_hist_is_the_gated_part_of_dist_hist():
+    # H = (1,3) d2, (3,4) d1, (1,4) d3; the gate passes (1,3) and (3,4) only (see above)
+    _, out = _stats(IDS, MASK, Z, ATTN)
+    assert out["attended_hist"][0].tolist() == [0, 1, 1, 0, 0, 0, 0, 0]
+    # noise profile = dist_hist - attended_hist: only d = 3
+    assert (out["dist_hist"][0] - out["attended_hist"][0]).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_chance_by_distance_and_punct_tokens():
+    # positions 1..4 = a . a b, sentences 0 0 1 1: same sentence (1,2) d1, (3,4) d1;
+    # same token (1,3) d2; no word tokens in TOKENS (empty is_word table) → no word pairs
+    feats = window_features(IDS, MASK, TOKENS)
+    chance = chance_statistics(feats, seq_len=8)
+    assert chance["hist.same_sentence"].tolist() == [0, 2, 0, 0, 0, 0, 0, 0]
+    assert chance["hist.same_token"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert chance["hist.same_word"].tolist() == [0] * 8
+    assert int(chance["same_word_pairs"]) == 0
+    assert int(chance["punct_tokens"]) == 1  # the "." at position 2

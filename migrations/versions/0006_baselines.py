@@ -147,7 +147,7 @@ VIEWS = [
            {strict_sum(dm_term("same_sentence_pairs"))} AS same_sentence_dm,
            {strict_sum(dm_term("same_token_pairs"))} AS same_token_dm,
            {strict_sum(dm_term("same_word_pairs"))} AS same_word_dm
-    FROM distance_reps d JOIN pair_reps p USING (run_id, drop_rep, distance) JOIN runs r USING (run_id)
+    FROM distance_reps d LEFT JOIN pair_reps p USING (run_id, drop_rep, distance) JOIN runs r USING (run_id)
     GROUP BY d.run_id, d.layer, d.head, d.drop_rep
     """,
     # one head: its sums beside the run's chance sums
