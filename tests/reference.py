@@ -14,9 +14,12 @@ import torch
 
 
 def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, gate=4.0,
-                         include_special=False, seq_len=128, vectors="pre_wo"):
+                         include_special=False, seq_len=128, vectors="pre_wo", sentences=None):
     """Returns (heads: dict name -> [layer, head] array, dist_hist [layer, head, seq_len],
-    chance: dict, pair_hist [seq_len], anchors: [window, layer, head] token id or -1)."""
+    chance: dict, pair_hist [seq_len], anchors: [window, layer, head] token id or -1).
+
+    ``sentences``: ``[window, pos]`` sentence ids given by the windows (segmenter); None: the
+    punct scan below."""
     hf = model.model
     with torch.no_grad():
         out = hf(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
@@ -45,6 +48,8 @@ def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, ga
             sentence[i] = current
             seen_word = True
             new_sentence = ids[i] in tokens.sentence_end_ids
+        if sentences is not None:
+            sentence = [int(s) for s in sentences[w, :n]]
         pairs = [(i, j) for a, i in enumerate(members) for j in members[a + 1:]]
         chance["windows"] += 1
         chance["pairs"] += len(pairs)

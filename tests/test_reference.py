@@ -41,10 +41,11 @@ def real_windows(model, params, count=3):
     "params",
     [
         AnalysisParams(),
+        AnalysisParams(sentences="punct"),
         AnalysisParams(select=Selection("topk", 25), gate=2.0, include_special=True),
-        AnalysisParams(seq_len=64, vectors="post_wo", select=Selection("top", 0.05)),
+        AnalysisParams(seq_len=64, vectors="post_wo", select=Selection("top", 0.05), sentences="punct"),
     ],
-    ids=["defaults", "topk-special", "post_wo-seq64"],
+    ids=["defaults", "punct", "topk-special", "post_wo-seq64-punct"],
 )
 def test_vectorised_statistics_equal_reference(model64, params):
     tokens, windows = real_windows(model64, params)
@@ -54,6 +55,7 @@ def test_vectorised_statistics_equal_reference(model64, params):
     heads, dist_hist, chance, pair_hist, anchors = reference_statistics(
         model64, batch.input_ids, batch.attention_mask, tokens, q=params.select.value if params.select.kind == "top" else None,
         gate=params.gate, include_special=params.include_special, seq_len=params.seq_len, vectors=params.vectors,
+        sentences=batch.sentence,
     ) if params.select.kind == "top" else _reference_topk(model64, batch, tokens, params)
     for name in HEAD_SUMS:
         if name in ("high_pairs", "same_sentence_high", "same_token_high", "attended_high"):
@@ -75,9 +77,10 @@ def _reference_topk(model, batch, tokens, params):
         m = n if params.include_special else n - 2
         n_pairs = m * (m - 1) // 2
         q = min(1.0, params.select.value / n_pairs)
+        sentences = None if batch.sentence is None else batch.sentence[w : w + 1, :n]
         outs.append(reference_statistics(model, ids, batch.attention_mask[w : w + 1, :n], tokens, q=q, gate=params.gate,
                                          include_special=params.include_special, seq_len=params.seq_len,
-                                         vectors=params.vectors))
+                                         vectors=params.vectors, sentences=sentences))
     heads = {k: sum(o[0][k] for o in outs) for k in outs[0][0]}
     chance = {k: sum(o[2][k] for o in outs) for k in outs[0][2]}
     return (heads, sum(o[1] for o in outs), chance, sum(o[3] for o in outs),
