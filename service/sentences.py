@@ -57,6 +57,7 @@ def encode_with_sentences(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 def window_sentence_ids(sentences: Sequence[int]) -> tuple[int, ...]:
     """Sentence ids of one window's pieces, renumbered from 0 (ids compare only within a window),
-    with -1 for the [CLS] before and the [SEP] after them."""
-    first = sentences[0] if sentences else 0
-    return (-1, *(s - first for s in sentences), -1)
+    with -1 for the [CLS] before and the [SEP] after them. A piece given -1 (a special token
+    such as [UNK] inside the text) keeps it."""
+    first = next((s for s in sentences if s >= 0), 0)
+    return (-1, *(s - first if s >= 0 else -1 for s in sentences), -1)

@@ -87,6 +87,8 @@ def document_windows(
     sentences = None
     if params.sentences == "segmenter":
         pieces, sentences = encode_with_sentences(tokenizer, doc.text)
+        # special tokens inside the text ([UNK], a literal "[SEP]") get no sentence, as under punct
+        sentences = [-1 if piece in tokens.special_ids else s for piece, s in zip(pieces, sentences)]
     else:
         pieces = tokenizer(doc.text, add_special_tokens=False, truncation=False)["input_ids"]
     body = params.seq_len - 2

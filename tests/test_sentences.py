@@ -80,6 +80,12 @@ HARD_CASES = {
         [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1],
         [-1, 0, 0, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, -1],
     ),
+    "special-inside": (  # [UNK] and a literal [SEP] are special tokens: no sentence in either mode
+        "Snow ☃ fell. A [SEP] b.",
+        "[CLS] snow [UNK] fell . a [SEP] b . [SEP]",
+        [-1, 0, -1, 0, 0, 1, -1, 1, 1, -1],
+        [-1, 0, -1, 0, 0, 1, -1, 1, 1, -1],
+    ),
     # lists without final punctuation: neither mode breaks plain lines; the segmenter breaks
     # after a line that ends in ":" and after bulleted items, but runs the last item into the
     # sentence on the next line (a limit of its rules, shown here so that a change is noticed)
