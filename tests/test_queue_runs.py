@@ -45,6 +45,8 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     assert run.status == "done"
     queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
     assert len(embedded["run_windows"]) > 8  # several batches, the last one partial
+    # the default sentences come from the segmenter: their ids travel in the batch messages
+    assert Store(cluster.db).get_run(ref).params["sentences"] == run.params["sentences"] == "segmenter"
     assert_same_statistics(queued, embedded)
     assert_counted_once(cluster.db, run_id)
 
