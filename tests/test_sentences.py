@@ -56,6 +56,12 @@ HARD_CASES = {
         [-1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1],
         [-1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1],
     ),
+    "quote-of-two-sentences": (  # the segmenter keeps a quotation whole: one sentence with its frame
+        'He said: "I came. I saw." Then he left.',
+        '[CLS] he said : " i came . i saw . " then he left . [SEP]',
+        [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1],
+        [-1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, -1],
+    ),
     "ellipsis": (
         "Wait... then go. Fine.",
         "[CLS] wait . . . then go . fine . [SEP]",
