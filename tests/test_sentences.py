@@ -151,7 +151,7 @@ def test_ids_are_numbered_per_window_and_special_and_pad_tokens_get_minus_one(ti
     assert batch.sentence.dtype == torch.int64
     assert batch.sentence[2].tolist() == [-1, 0, 0, -1, -1, -1, -1, -1]  # pads: -1
     # punct windows carry nothing: their ids come from the token ids, as before
-    assert all(w.sentence_ids is None for w in _windows(tiny_model, text, params.__class__(sentences="punct", seq_len=8)))
+    assert all(w.sentence_ids is None for w in _windows(tiny_model, text, AnalysisParams(sentences="punct", seq_len=8)))
     with pytest.raises(ParameterError, match="mixes windows with and without sentence ids"):
         collate([windows[0], Window(windows[1].window_id, windows[1].doc_id, 1, windows[1].input_ids)], tokens.pad_id)
 
