@@ -15,9 +15,8 @@ from typing import Sequence
 
 from service.errors import ParameterError
 
-# sentencex takes a language code; its English rules (abbreviations, initials, numbers) are the
-# ones that matter for the models this tool analyses, and other Latin-script text splits on the
-# same terminal punctuation.
+# sentencex takes a language code; the corpus language is not a run parameter and the default
+# model is English, so English rules (abbreviations, initials, numbers) apply to every corpus.
 LANGUAGE = "en"
 
 
