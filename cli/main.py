@@ -57,6 +57,7 @@ def analyze(
     batch_size: str = typer.Option(str(SETTINGS.batch_size), "--batch-size", "-b", help="Windows per forward pass, or auto (from free GPU memory; 32 on CPU) [env HEADATLAS_BATCH_SIZE]."),
     seq_len: int = options.SeqLen,
     windowing: str = options.Windowing,
+    sentences: str = options.Sentences,
     select: str = options.Select,
     gate: float = options.Gate,
     include_special: bool = options.IncludeSpecial,
@@ -78,7 +79,7 @@ def analyze(
     from service.runner import analyze_corpus, survey_corpus
 
     size = parse_batch_size(batch_size)
-    params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
+    params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     spooled = spool_stdin() if corpus == "-" else None
@@ -111,9 +112,9 @@ def demo(db: str = DbOpt) -> None:
     from service.corpus import demo_corpus_path
 
     analyze(corpus=str(demo_corpus_path()), name="demo", model=SETTINGS.model, device=SETTINGS.device,
-            dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks", select="top:0.02",
-            gate=4.0, include_special=False, vectors="pre_wo", short_range=4, text_field="text",
-            encoding="utf-8", db=db, quiet=False, attribution=False, attribution_windows=256, mixing=[],
+            dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks",
+            sentences="segmenter", select="top:0.02", gate=4.0, include_special=False, vectors="pre_wo", short_range=4,
+            text_field="text", encoding="utf-8", db=db, quiet=False, attribution=False, attribution_windows=256, mixing=[],
             attribution_chunk=SETTINGS.attribution_chunk)
 
 

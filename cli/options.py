@@ -16,6 +16,7 @@ Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).
 Dtype = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32).")
 SeqLen = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included.")
 Windowing = typer.Option("chunks", "--windowing", help="chunks (cover each document) or first (one window per document).")
+Sentences = typer.Option("segmenter", "--sentences", help="Sentence ids: segmenter (a sentence-boundary library: \"Mr.\" or \"3.14\" do not end a sentence) or punct (every . ! ? ends one; reproduces runs made before the segmenter).")
 Select = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K.")
 Gate = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n.")
 IncludeSpecial = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs.")

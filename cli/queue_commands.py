@@ -46,6 +46,7 @@ def submit(
     batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch (one task each) [env HEADATLAS_BATCH_SIZE]."),
     seq_len: int = options.SeqLen,
     windowing: str = options.Windowing,
+    sentences: str = options.Sentences,
     select: str = options.Select,
     gate: float = options.Gate,
     include_special: bool = options.IncludeSpecial,
@@ -69,7 +70,7 @@ def submit(
         from service.errors import CorpusError
 
         raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
-    params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
+    params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     settings = _settings(db=db, broker_url=broker)

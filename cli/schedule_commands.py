@@ -71,6 +71,7 @@ def schedule_add(
     batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch [env HEADATLAS_BATCH_SIZE]."),
     seq_len: int = options.SeqLen,
     windowing: str = options.Windowing,
+    sentences: str = options.Sentences,
     select: str = options.Select,
     gate: float = options.Gate,
     include_special: bool = options.IncludeSpecial,
@@ -87,8 +88,8 @@ def schedule_add(
     from service.storage import schedule_store
 
     cadence = _cadence(cron, every, timezone)
-    params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate, vectors=vectors,
-                          short_range=short_range, dtype=dtype, include_special=include_special,
+    params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
+                          vectors=vectors, short_range=short_range, dtype=dtype, include_special=include_special,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     sched = schedule_store.add(db, name=name, corpus=_corpus(corpus), model=model, dtype=dtype, batch_size=batch_size,
                                params=params.to_dict(), cadence=cadence, only_new=only_new)

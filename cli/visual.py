@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from cli.options import Sentences as SentencesOpt
 from cli.output import stderr, stdout
 from service.config import Settings
 
@@ -60,6 +61,7 @@ def inspect(
     device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens of the window, [CLS] and [SEP] included (longer text is cut)."),
     select: str = typer.Option("top:0.02", "--select", help="High-similarity set marked on the CSM: top:Q, ratio:R or topk:K."),
+    sentences: str = SentencesOpt,
     vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
     include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
     text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text (with --file)."),
@@ -87,7 +89,8 @@ def inspect(
         body = read_text_file(str(file), text_field=text_field, encoding=encoding)
     else:
         body = sys.stdin.read() if text == "-" else text
-    params = build_params(seq_len=seq_len, select=select, vectors=vectors, include_special=include_special)
+    params = build_params(seq_len=seq_len, sentences=sentences, select=select, vectors=vectors,
+                          include_special=include_special)
     from service.model import load_model
 
     loaded = load_model(model, device=device)

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from service.errors import ParameterError
 from service.hooks import capture_attention
 from service.model import LoadedModel, encoder_layers
 from service.params import AnalysisParams
@@ -45,6 +46,19 @@ def _on_device(model: LoadedModel, batch: Batch) -> tuple[torch.Tensor, torch.Te
             batch.attention_mask.pin_memory().to(model.device, non_blocking=True))
 
 
+def batch_sentences(model: LoadedModel, batch: Batch, params: AnalysisParams) -> torch.Tensor | None:
+    """The batch's sentence ids on the model's device, ``[batch, pos]`` int64, when the run uses
+    the segmenter; None under ``punct`` (the statistics derive them from the token ids)."""
+    if params.sentences == "punct":
+        return None
+    if batch.sentence is None:
+        raise ParameterError(
+            f"--sentences {params.sentences}: the batch's windows carry no sentence ids; make them with "
+            "document_windows under the run's parameters (a batch made for --sentences punct cannot be reused)"
+        )
+    return batch.sentence.to(model.device)
+
+
 def _forward(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     with torch.inference_mode(), model.autocast(), capture_attention(model.model) as acts:
         model.model(input_ids=input_ids, attention_mask=attention_mask)
@@ -71,6 +85,7 @@ def analyze_batch(
     input_ids, attention_mask = _on_device(model, batch)
     # replicate groups present in the batch (ascending) and each window's index among them
     reps, dense = np.unique([replicate_group(w) for w in batch.window_ids], return_inverse=True)
+    sentence = batch_sentences(model, batch, params)
     with torch.inference_mode():
         workspace = _WORKSPACES.setdefault(str(model.device), Workspace(model.device))
         feats = window_features(
@@ -81,6 +96,7 @@ def analyze_batch(
             workspace=workspace,
             group=torch.as_tensor(dense.reshape(-1), dtype=torch.long, device=input_ids.device),
             n_groups=len(reps),
+            sentence=sentence,
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
     blocks = encoder_layers(model.model)
@@ -124,7 +140,8 @@ def analyze_batch(
         sub_ids, sub_mask = batch.input_ids[:mixed], batch.attention_mask[:mixed]
         with torch.inference_mode():
             sub_feats = window_features(sub_ids.to(model.device), sub_mask.to(model.device), tokens,
-                                        include_special=params.include_special)
+                                        include_special=params.include_special,
+                                        sentence=None if sentence is None else sentence[:mixed])
         mixing = mixing_sums(model, sub_ids, sub_mask, sub_feats, methods=params.mixing,
                              attribution=params.attribution, seq_len=params.seq_len, chunk_size=attribution_chunk)
         mixed_rows = int(sub_mask.sum())

@@ -2,8 +2,9 @@
 
 The context similarity matrix ``C = z zᵀ`` with ``C_ii = 0`` and the attention map of each head
 (SPEC §2), the high-similarity set H that the stored statistics count (SPEC §3), and the sentence
-ids of the tokens (SPEC §1). Built from the same pieces as ``analyze_batch`` (windows, forward
-with hooks, head_vectors, window_features, select_pairs), so what is drawn is what is counted.
+ids of the tokens (SPEC §1, or §5b with the segmenter). Built from the same pieces as
+``analyze_batch`` (windows, forward with hooks, head_vectors, window_features, select_pairs), so
+what is drawn is what is counted.
 
 Pure computation: imports neither matplotlib, Celery, Typer nor SQLAlchemy.
 """
@@ -15,13 +16,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from service.analysis import forward
+from service.analysis import batch_sentences, forward
 from service.corpus import Document, document_id
 from service.errors import CorpusError
 from service.hooks import act_name
 from service.model import LoadedModel, encoder_layers
 from service.params import AnalysisParams
-from service.stats import head_vectors, select_pairs, sentence_ids, window_features
+from service.stats import head_vectors, select_pairs, window_features
 from service.windows import TokenClasses, collate, document_windows
 
 
@@ -34,7 +35,7 @@ class Inspection:
     params: AnalysisParams
     tokens: list[str]  # token text as the tokenizer spells it
     token_ids: np.ndarray  # int64
-    sentence: np.ndarray  # int64 sentence id, -1 for special tokens (SPEC §1)
+    sentence: np.ndarray  # int64 sentence id, -1 for special tokens (SPEC §1, §5b: params.sentences)
     in_pairs: np.ndarray  # bool, tokens that form the pair universe P
     csm: np.ndarray  # float32, C_ij = z_i · z_j, C_ii = 0
     attention: np.ndarray  # float32, rows are queries
@@ -73,10 +74,10 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
     with torch.inference_mode():
         input_ids = batch.input_ids.to(model.device)
         feats = window_features(
-            input_ids, batch.attention_mask.to(model.device), tokens, include_special=params.include_special
+            input_ids, batch.attention_mask.to(model.device), tokens, include_special=params.include_special,
+            sentence=batch_sentences(model, batch, params),
         )
-        special = feats.valid & torch.isin(input_ids, torch.tensor(sorted(tokens.special_ids), device=input_ids.device))
-        sentence = sentence_ids(input_ids, feats.valid, special, tokens.sentence_end_ids)
+        sentence = feats.sentence  # the ids the stored statistics count with
         csm, attention, high = [], [], []
         for layer in range(model.n_layers):
             w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from service.errors import ParameterError
 
 WINDOWING = ("chunks", "first")
-SENTENCES = ("punct",)
+SENTENCES = ("segmenter", "punct")
 VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
 MIXING = ("rollout", "norm", "alti")
@@ -69,7 +69,7 @@ class AnalysisParams:
 
     seq_len: int = 128
     windowing: str = "chunks"
-    sentences: str = "punct"
+    sentences: str = "segmenter"  # segmenter: a sentence-boundary library (SPEC §5b); punct: SPEC §1
     select: Selection = field(default_factory=lambda: Selection("top", 0.02))
     gate: float = 4.0
     include_special: bool = False
@@ -116,6 +116,8 @@ class AnalysisParams:
     @classmethod
     def from_dict(cls, data: dict) -> "AnalysisParams":
         data = dict(data)
+        # parameters stored before --sentences had a choice were all computed with punct
+        data.setdefault("sentences", "punct")
         if isinstance(data.get("select"), str):
             data["select"] = Selection.parse(data["select"])
         if "mixing" in data:

@@ -23,7 +23,7 @@ N_ANCHORS = 5
 PARAM_HELP = {
     "seq_len": "tokens per window, [CLS] and [SEP] included",
     "windowing": "chunks: cover each document; first: one window per document",
-    "sentences": "how sentence ids are assigned (punct: . ! ? end a sentence)",
+    "sentences": "how sentence ids are assigned (segmenter: a sentence-boundary library; punct: . ! ? end a sentence)",
     "select": "the high-similarity set H: top:Q share of pairs, ratio:R of the maximum, topk:K",
     "gate": "a pair is attended when max(A_ij, A_ji) ≥ gate / n",
     "include_special": "whether [CLS]/[SEP] form pairs",

@@ -113,6 +113,7 @@ def window_features(
     workspace: "Workspace | None" = None,
     group: torch.Tensor | None = None,
     n_groups: int = 1,
+    sentence: torch.Tensor | None = None,  # [batch, pos] int64 from the windows (segmenter); None: punct
 ) -> WindowFeatures:
     """Token features for a padded batch. ``input_ids``/``attention_mask``: ``[batch, pos]``.
 
@@ -130,7 +131,7 @@ def window_features(
     in_pairs = valid if include_special else valid & ~special
     layout = pair_layout(n_pos, device)
     pair_ok = in_pairs[:, layout.i] & in_pairs[:, layout.j]  # [batch, pair]
-    sent = sentence_ids(input_ids, valid, special, tokens.sentence_end_ids)
+    sent = sentence_ids(input_ids, valid, special, tokens.sentence_end_ids) if sentence is None else sentence
     si, sj = sent[:, layout.i], sent[:, layout.j]
     same_sentence = pair_ok & (si == sj) & (si >= 0)
     same_token = pair_ok & (input_ids[:, layout.i] == input_ids[:, layout.j])

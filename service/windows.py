@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
+from service.errors import ParameterError
 from service.params import AnalysisParams
+from service.sentences import encode_with_sentences, window_sentence_ids
 
 if TYPE_CHECKING:
     from service.corpus import Document
@@ -26,6 +28,21 @@ class Window:
     doc_id: str
     index: int  # 0-based window index within its document
     input_ids: tuple[int, ...]  # with the special tokens, unpadded; n = len(input_ids)
+    # one per input id, -1 for special tokens, numbered from 0 within the window; None when the
+    # run's sentences come from token ids (punct) and nothing needs to travel with the window
+    sentence_ids: tuple[int, ...] | None = None
+
+    def to_message(self) -> list:
+        """The window as a JSON-ready list for a queued batch (``from_message`` reads it back)."""
+        row = [self.window_id, self.doc_id, self.index, list(self.input_ids)]
+        return row if self.sentence_ids is None else [*row, list(self.sentence_ids)]
+
+    @classmethod
+    def from_message(cls, row: list) -> "Window":
+        window_id, doc_id, index, input_ids, *rest = row
+        sentences = tuple(int(s) for s in rest[0]) if rest else None
+        return cls(window_id=window_id, doc_id=doc_id, index=int(index), input_ids=tuple(int(t) for t in input_ids),
+                   sentence_ids=sentences)
 
 
 @dataclass(frozen=True)
@@ -97,20 +114,24 @@ def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisPara
 def document_windows(
     doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
 ) -> list[Window]:
-    pieces = tokenizer(doc.text, add_special_tokens=False, truncation=False)["input_ids"]
-    body = params.seq_len - 2
-    if params.windowing == "first":
-        chunks = [pieces[:body]] if pieces else []
+    sentences = None
+    if params.sentences == "segmenter":
+        pieces, sentences = encode_with_sentences(tokenizer, doc.text)
+        # special tokens inside the text ([UNK], a literal "[SEP]") get no sentence, as under punct
+        sentences = [-1 if piece in tokens.special_ids else s for piece, s in zip(pieces, sentences)]
     else:
-        chunks = [pieces[i : i + body] for i in range(0, len(pieces), body)]
+        pieces = tokenizer(doc.text, add_special_tokens=False, truncation=False)["input_ids"]
+    body = params.seq_len - 2
+    starts = [0] if params.windowing == "first" and pieces else range(0, len(pieces), body)
     return [
         Window(
             window_id=window_key(doc.doc_id, k, tokenizer_key, params),
             doc_id=doc.doc_id,
             index=k,
-            input_ids=(tokens.cls_id, *chunk, tokens.sep_id),
+            input_ids=(tokens.cls_id, *pieces[start : start + body], tokens.sep_id),
+            sentence_ids=None if sentences is None else window_sentence_ids(sentences[start : start + body]),
         )
-        for k, chunk in enumerate(chunks)
+        for k, start in enumerate(starts)
     ]
 
 
@@ -125,12 +146,14 @@ def iter_windows(
 class Batch:
     """Windows padded to the longest one in the batch.
 
-    input_ids, attention_mask: ``[batch, pos]`` int64.
+    input_ids, attention_mask: ``[batch, pos]`` int64. sentence: ``[batch, pos]`` int64, -1 for
+    special and pad tokens, when the windows carry sentence ids (``sentences = segmenter``).
     """
 
     windows: list[Window]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    sentence: torch.Tensor | None = None
 
     @property
     def window_ids(self) -> list[str]:
@@ -144,4 +167,15 @@ def collate(windows: list[Window], pad_id: int) -> Batch:
     for row, w in enumerate(windows):
         input_ids[row, : len(w.input_ids)] = torch.tensor(w.input_ids)
         attention_mask[row, : len(w.input_ids)] = 1
-    return Batch(windows=list(windows), input_ids=input_ids, attention_mask=attention_mask)
+    carried = [w.sentence_ids is not None for w in windows]
+    if any(carried) and not all(carried):
+        raise ParameterError(
+            "a batch mixes windows with and without sentence ids: make all its windows with the same "
+            "--sentences (segmenter or punct)"
+        )
+    sentence = None
+    if all(carried):
+        sentence = torch.full((len(windows), longest), -1, dtype=torch.long)
+        for row, w in enumerate(windows):
+            sentence[row, : len(w.sentence_ids)] = torch.tensor(w.sentence_ids)
+    return Batch(windows=list(windows), input_ids=input_ids, attention_mask=attention_mask, sentence=sentence)

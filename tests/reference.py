@@ -32,12 +32,13 @@ def word_piece_is_word(token: str) -> bool:
 
 
 def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4.0, include_special=False,
-                      seq_len=128, vectors="pre_wo"):
+                      seq_len=128, vectors="pre_wo", sentences=None):
     """One record per window: ``heads`` (name -> [layer, head]), ``dist_hist`` and ``attended_hist``
     ([layer, head, seq_len]), ``chance`` (name -> int), ``hists`` (name -> [seq_len]), ``anchors``
     ([layer, head] token id or -1) and ``anchor_frequent`` ([layer, head] bool).
 
-    ``count(n_pairs)``: |H| of a window with n_pairs pairs (the selection rule)."""
+    ``count(n_pairs)``: |H| of a window with n_pairs pairs (the selection rule). ``sentences``:
+    ``[window, pos]`` sentence ids given by the windows (segmenter); None: the punct scan."""
     hf = model.model
     with torch.no_grad():
         out = hf(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
@@ -61,6 +62,8 @@ def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4
             sentence[i] = current
             seen_word = True
             new_sentence = ids[i] in tokens.sentence_end_ids
+        if sentences is not None:
+            sentence = [int(s) for s in sentences[w, :n]]
         # the window's most frequent non-special token; ties: the earliest first occurrence
         occurrences: dict[int, int] = {}
         for i in range(n):
@@ -151,13 +154,13 @@ def summed(records: list[dict]) -> dict:
 
 
 def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, gate=4.0,
-                         include_special=False, seq_len=128, vectors="pre_wo"):
+                         include_special=False, seq_len=128, vectors="pre_wo", sentences=None):
     """SPEC §1–4 totals with ``select = top:q`` (kept for callers of the first version).
 
     Returns (heads: dict name -> [layer, head] array, dist_hist [layer, head, seq_len],
     chance: dict, pair_hist [seq_len], anchors: [window, layer, head] token id or -1)."""
     records = reference_windows(model, input_ids, attention_mask, tokens, gate=gate, include_special=include_special,
-                                seq_len=seq_len, vectors=vectors,
+                                seq_len=seq_len, vectors=vectors, sentences=sentences,
                                 count=lambda n_pairs: min(n_pairs, math.ceil(q * n_pairs - 1e-9)))
     total = summed(records)
     return (total["heads"], total["dist_hist"], total["chance"], total["hists"]["pairs"],

@@ -156,9 +156,10 @@ def test_norm_and_alti_rows_are_distributions_and_alti_matches_per_token_loop(re
 def test_default_params_keep_their_run_key():
     legacy = {"seq_len": 128, "windowing": "chunks", "sentences": "punct", "select": "top:0.02", "gate": 4.0,
               "include_special": False, "vectors": "pre_wo", "short_range": 4, "dtype": "float32"}
-    assert AnalysisParams().to_dict() == legacy
-    with_mixing = AnalysisParams(attribution=True, mixing=("rollout",))
-    assert with_mixing.key() != AnalysisParams().key()
+    # sentences=punct: the parameters every run had before the segmenter became the default
+    assert AnalysisParams(sentences="punct").to_dict() == legacy
+    with_mixing = AnalysisParams(sentences="punct", attribution=True, mixing=("rollout",))
+    assert with_mixing.key() != AnalysisParams(sentences="punct").key()
     assert AnalysisParams.from_dict(with_mixing.to_dict()) == with_mixing
 
 

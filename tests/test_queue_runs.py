@@ -50,6 +50,8 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     # every column of SPEC §5b filled in both (equal NULLs would prove nothing), then equal
     assert_new_columns_present(cluster.db, run_id)
     assert_new_columns_present(str(embedded_db), run.run_id)
+    # the default sentences come from the segmenter: their ids travel in the batch messages
+    assert Store(cluster.db).get_run(ref).params["sentences"] == run.params["sentences"] == "segmenter"
     assert_same_statistics(queued, embedded)
     assert_counted_once(cluster.db, run_id)
 

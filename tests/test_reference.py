@@ -64,10 +64,11 @@ INTEGER_SUMS = ("high_pairs", "same_sentence_high", "same_token_high", "attended
     "params",
     [
         AnalysisParams(),
+        AnalysisParams(sentences="punct"),
         AnalysisParams(select=Selection("topk", 25), gate=2.0, include_special=True),
-        AnalysisParams(seq_len=64, vectors="post_wo", select=Selection("top", 0.05)),
+        AnalysisParams(seq_len=64, vectors="post_wo", select=Selection("top", 0.05), sentences="punct"),
     ],
-    ids=["defaults", "topk-special", "post_wo-seq64"],
+    ids=["defaults", "punct", "topk-special", "post_wo-seq64-punct"],
 )
 def test_vectorised_statistics_equal_reference(model64, params):
     tokens, windows = real_windows(model64, params)
@@ -77,6 +78,7 @@ def test_vectorised_statistics_equal_reference(model64, params):
     records = reference_windows(
         model64, batch.input_ids, batch.attention_mask, tokens, count=selection_count(params.select),
         gate=params.gate, include_special=params.include_special, seq_len=params.seq_len, vectors=params.vectors,
+        sentences=batch.sentence,
     )
     # the batch totals (SPEC §4 and §5b)
     total = summed(records)

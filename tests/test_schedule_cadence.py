@@ -116,9 +116,9 @@ def test_schedule_add_keeps_every_analysis_option(tmp_path, cli):
     corpus.write_text("A document.\n", encoding="utf-8")
     result = cli("schedule", "add", "probe", "--corpus", str(corpus), "--every", "1h", "--db", str(db),
                  "--seq-len", "64", "--select", "topk:10", "--include-special", "--attribution",
-                 "--attribution-windows", "8", "--mixing", "rollout,alti")
+                 "--attribution-windows", "8", "--mixing", "rollout,alti", "--sentences", "punct")
     assert result.returncode == 0, result.stderr
     with transaction(str(db), read_only=True) as conn:
         params = AnalysisParams.from_dict(schedule_store.get(conn, "probe").params)
     assert (params.seq_len, params.include_special, params.attribution, params.attribution_windows) == (64, True, True, 8)
-    assert params.mixing == ("rollout", "alti") and params.select.kind == "topk"
+    assert params.mixing == ("rollout", "alti") and params.select.kind == "topk" and params.sentences == "punct"

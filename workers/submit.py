@@ -128,7 +128,7 @@ def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dty
         payload = None
         if wanted(batch_id):
             payload = dict(common, documents=docs, first_window=batch_id * batch_size,
-                           windows=[[w.window_id, w.doc_id, w.index, list(w.input_ids)] for w in batch.windows])
+                           windows=[w.to_message() for w in batch.windows])
         yield batch_id, len(batch.windows), payload
 
 

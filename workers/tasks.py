@@ -45,7 +45,8 @@ def _model(spec: str, dtype: str):
 @app.task(name="headatlas.analyze_batch", bind=True, max_retries=None)
 def analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     """Analyse one batch. ``batch``: model, dtype, params, tokenizer_key, windows
-    ([window_id, doc_id, index, token ids]), documents (rows)."""
+    ([window_id, doc_id, index, token ids] + [sentence ids] under --sentences segmenter),
+    documents (rows)."""
     with _requeue_on_broker_loss():
         _analyze_batch(self, run_key, batch_id, batch)
 
@@ -101,7 +102,7 @@ def _analyse(model, batch: dict) -> str:
         )
     params = AnalysisParams.from_dict(batch["params"])
     tokens = _state.setdefault(("tokens", model.tokenizer_key), TokenClasses.from_tokenizer(model.tokenizer))
-    windows = [Window(window_id=w, doc_id=d, index=i, input_ids=tuple(ids)) for w, d, i, ids in batch["windows"]]
+    windows = [Window.from_message(row) for row in batch["windows"]]
     # --attribution / --mixing cover the run's first attribution_windows windows, as embedded
     mixing = 0
     if params.mixes:

@@ -1,0 +1,62 @@
+"""Sentence ids of word pieces from a sentence-boundary library (SPEC §5b, ``sentences = segmenter``).
+
+The library finds sentence spans on the document's text ("Mr." and "3.14" do not end a
+sentence); the tokenizer's character offsets place each word piece in the span that holds its
+first character. ``punct`` (SPEC §1) needs none of this: it is computed from token ids in
+``service.stats.sentence_ids``.
+
+Pure Python: imports neither torch, Celery, Typer nor SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Sequence
+
+from service.errors import ParameterError
+
+# sentencex takes a language code; the corpus language is not a run parameter and the default
+# model is English, so English rules (abbreviations, initials, numbers) apply to every corpus.
+LANGUAGE = "en"
+
+
+def sentence_starts(text: str) -> list[int]:
+    """Character offset (Python ``str`` index) where each sentence of ``text`` starts, ascending.
+
+    The spans are contiguous: each runs up to the next start, trailing spaces included.
+    """
+    import sentencex
+
+    starts = [span["start_index"] for span in sentencex.get_sentence_boundaries(LANGUAGE, text)]
+    return starts or [0]
+
+
+def piece_sentences(text: str, offsets: Sequence[Sequence[int]]) -> list[int]:
+    """Sentence index (0-based, over the whole document) of each word piece.
+
+    ``offsets``: the tokenizer's ``(start, end)`` character span of each piece in ``text``
+    (``return_offsets_mapping=True``). A piece belongs to the sentence whose span holds its
+    first character.
+    """
+    starts = sentence_starts(text)
+    return [max(0, bisect_right(starts, start) - 1) for start, _end in offsets]
+
+
+def encode_with_sentences(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """Word pieces of ``text`` (no special tokens) and the sentence index of each."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, truncation=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise ParameterError(
+            f"--sentences segmenter: the tokenizer {type(tokenizer).__name__} gives no character offsets "
+            "(it is not a fast tokenizer); use a model folder with tokenizer.json or pass --sentences punct"
+        ) from None
+    return list(encoded["input_ids"]), piece_sentences(text, encoded["offset_mapping"])
+
+
+def window_sentence_ids(sentences: Sequence[int]) -> tuple[int, ...]:
+    """Sentence ids of one window's pieces, renumbered from 0 (ids compare only within a window),
+    with -1 for the [CLS] before and the [SEP] after them. A piece given -1 (a special token
+    such as [UNK] inside the text) keeps it."""
+    first = next((s for s in sentences if s >= 0), 0)
+    return (-1, *(s - first if s >= 0 else -1 for s in sentences), -1)
