@@ -27,12 +27,8 @@ import numpy as np
 import torch
 
 from service.model import LoadedModel, encoder_layers
-from service.results import MIX_SUMS  # noqa: F401 - re-exported
+from service.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
 from service.stats import WindowFeatures, attention_sums
-
-METHODS = ("attention", "attribution", "rollout", "norm", "alti")
-FORWARD_METHODS = ("rollout", "norm", "alti")
-LAYER_ONLY = frozenset({"alti"})
 
 
 # --- the measures ------------------------------------------------------------------------------
@@ -143,45 +139,103 @@ def _stack(per_layer: list[dict[str, torch.Tensor]], head_ids: list[int]) -> dic
     return out
 
 
+class TraceContext:
+    """What every method reads: the model, the batch, its traced forward pass (attention maps
+    ``probs`` per layer ``[batch, head, pos, key]`` in float32, block inputs) and the valid mask."""
+
+    def __init__(self, model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                 chunk_size: int) -> None:
+        from service.attribution import trace
+
+        self.model, self.input_ids, self.attention_mask, self.chunk_size = model, input_ids, attention_mask, chunk_size
+        self.valid = attention_mask.to(model.device).bool()
+        self.trace = trace(model, input_ids, attention_mask)
+        self.blocks = encoder_layers(model.model)
+        self.probs = [p.float() for p in self.trace.probs]
+
+
+Rows = tuple["list[torch.Tensor] | None", "list[torch.Tensor]"]
+
+
+class MixingMethod:
+    """One measure of how output positions mix input tokens. ``rows`` returns, per layer, the
+    head rows ``[batch, head, pos, key]`` (None for a layer-only method) and the layer rows
+    ``[batch, pos, key]``; each row sums to 1 over keys. Adding a method is adding a subclass
+    (and its name to ``service.results.MIXING_METHODS``)."""
+
+    name: str
+    needs_grad = False  # runs outside torch.no_grad (gradient attribution)
+
+    def rows(self, ctx: TraceContext) -> Rows:
+        raise NotImplementedError
+
+
+class Attention(MixingMethod):
+    name = "attention"
+
+    def rows(self, ctx):
+        return ctx.probs, [p.mean(1) for p in ctx.probs]
+
+
+class Attribution(MixingMethod):
+    name = "attribution"
+    needs_grad = True
+
+    def rows(self, ctx):
+        from service.attribution import attribution as attribute
+
+        per_head, per_layer = attribute(ctx.model, ctx.input_ids, ctx.attention_mask, chunk_size=ctx.chunk_size)
+        return list(per_head.unbind(1)), list(per_layer.unbind(1))
+
+
+class Rollout(MixingMethod):
+    name = "rollout"
+
+    def rows(self, ctx):
+        return rollout(ctx.probs, ctx.valid)
+
+
+class NormBased(MixingMethod):
+    name = "norm"
+
+    def rows(self, ctx):
+        pairs = [norm_based(ctx.blocks[l], ctx.trace.resid_pre[l].float(), ctx.probs[l])
+                 for l in range(ctx.model.n_layers)]
+        return [_normalise(h) for h, _ in pairs], [_normalise(lay) for _, lay in pairs]
+
+
+class Alti(MixingMethod):
+    name = "alti"
+
+    def rows(self, ctx):
+        return None, alti(ctx.blocks, [x.float() for x in ctx.trace.resid_pre], ctx.probs, ctx.valid)
+
+
+REGISTRY: dict[str, MixingMethod] = {m.name: m for m in (Attention(), Attribution(), Rollout(), NormBased(), Alti())}
+
+
 def mixing_sums(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, feats: WindowFeatures,
                 *, methods: tuple[str, ...], attribution: bool, seq_len: int,
                 chunk_size: int) -> dict[str, dict[str, np.ndarray]]:
     """Per method: ``head`` ``[slot]`` (0..H-1, then -1 for the layer row), MIX_SUMS arrays
     ``[layer, slot]`` and ``dist`` ``[layer, slot, seq_len]``, summed over the batch's valid rows.
     ``attention`` is always included: it is what the other methods are compared with."""
-    from service.attribution import attribution as attribute, trace
-
-    valid = attention_mask.to(model.device).bool()
-    tr = trace(model, input_ids, attention_mask)
-    blocks = encoder_layers(model.model)
-    n_heads = model.n_heads
-    heads_and_layer = list(range(n_heads)) + [-1]
-    probs = [p.float() for p in tr.probs]
-    mean_attn = [p.mean(1, keepdim=True) for p in probs]  # the reference for layer rows
+    ctx = TraceContext(model, input_ids, attention_mask, chunk_size=chunk_size)
+    heads_and_layer = list(range(model.n_heads)) + [-1]
+    mean_attn = [p.mean(1, keepdim=True) for p in ctx.probs]  # the reference for layer rows
+    chosen = ["attention", *(m for m in methods if m in FORWARD_MIXING)] + (["attribution"] if attribution else [])
     results: dict[str, dict[str, np.ndarray]] = {}
-
-    def add(method: str, head_rows: list[torch.Tensor] | None, layer_rows: list[torch.Tensor]) -> None:
-        per_layer = []
-        for layer in range(model.n_layers):
-            rows = [layer_rows[layer][:, None]]
-            ref = [mean_attn[layer]]
-            if head_rows is not None:
-                rows.insert(0, head_rows[layer])
-                ref.insert(0, probs[layer])
-            per_layer.append(row_sums(torch.cat(rows, 1), torch.cat(ref, 1), feats, seq_len=seq_len))
-        results[method] = _stack(per_layer, heads_and_layer if head_rows is not None else [-1])
-
-    with torch.no_grad():
-        add("attention", probs, [m[:, 0] for m in mean_attn])
-        if "rollout" in methods:
-            add("rollout", *rollout(probs, valid))
-        if "norm" in methods:
-            pairs = [norm_based(blocks[l], tr.resid_pre[l].float(), probs[l]) for l in range(model.n_layers)]
-            add("norm", [_normalise(h) for h, _ in pairs], [_normalise(lay) for _, lay in pairs])
-        if "alti" in methods:
-            add("alti", None, alti(blocks, [x.float() for x in tr.resid_pre], probs, valid))
-    if attribution:
-        per_head, per_layer_rows = attribute(model, input_ids, attention_mask, chunk_size=chunk_size)
+    for name in chosen:
+        method = REGISTRY[name]
+        with torch.enable_grad() if method.needs_grad else torch.no_grad():
+            head_rows, layer_rows = method.rows(ctx)
         with torch.no_grad():
-            add("attribution", list(per_head.unbind(1)), list(per_layer_rows.unbind(1)))
+            per_layer = []
+            for layer in range(model.n_layers):
+                rows, ref = [layer_rows[layer][:, None]], [mean_attn[layer]]
+                if head_rows is not None:
+                    rows.insert(0, head_rows[layer])
+                    ref.insert(0, ctx.probs[layer])
+                per_layer.append(row_sums(torch.cat(rows, 1), torch.cat(ref, 1), feats, seq_len=seq_len))
+        results[name] = _stack(per_layer, heads_and_layer if head_rows is not None else [-1])
     return results

@@ -12,12 +12,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from service.errors import ParameterError
+from service.results import FORWARD_MIXING
 
 WINDOWING = ("chunks", "first")
 SENTENCES = ("segmenter", "punct")
 VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
-MIXING = ("rollout", "norm", "alti")
+MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
 
 

@@ -9,6 +9,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from service.errors import ParameterError
+from service.results import MIXING_METHODS
 
 HEAD_COLUMNS = (
     "layer", "head",
@@ -223,7 +224,7 @@ MIXING_MEASURES = {
     "punctuation": "to_punct",
     "mean_distance": "mean_distance",
 }
-METHOD_ORDER = ("attention", "attribution", "rollout", "norm", "alti")
+METHOD_ORDER = MIXING_METHODS
 
 
 def _mixing_methods(conn: Connection, run_id: int, methods: list[str] | None) -> list[str]:

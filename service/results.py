@@ -33,6 +33,11 @@ HEAD_SUMS = (
     "anchor_frequent",  # windows whose anchor is the window's most frequent token
     "anchored_windows",  # windows with an anchor (|H| > 0): anchor_frequency_share's denominator
 )
+# The mixing methods (service.mixing registers one class for each), in display order: attention is
+# always measured (the others are compared with it), attribution is asked for with --attribution,
+# the forward-only ones with --mixing.
+MIXING_METHODS = ("attention", "attribution", "rollout", "norm", "alti")
+FORWARD_MIXING = ("rollout", "norm", "alti")
 # per mixing method (service.mixing), layer and head
 MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention",
             "distance_sum")

@@ -224,3 +224,13 @@ def test_analyze_with_attribution_then_query_through_cli(cli, tmp_path, small_co
     assert plain.returncode == 0, plain.stderr
     none = cli("query", "mixing", "--db", db, "--run", "plain")
     assert none.returncode == 2 and "--attribution" in none.stderr
+
+
+def test_every_method_is_one_registered_class_and_every_list_agrees():
+    from service import params, queries
+    from service.mixing import REGISTRY, MixingMethod
+    from service.results import FORWARD_MIXING, MIXING_METHODS
+
+    assert tuple(REGISTRY) == MIXING_METHODS == queries.METHOD_ORDER
+    assert all(isinstance(m, MixingMethod) and type(m).rows is not MixingMethod.rows for m in REGISTRY.values())
+    assert params.MIXING == FORWARD_MIXING and set(FORWARD_MIXING) < set(MIXING_METHODS)
