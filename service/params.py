@@ -112,6 +112,10 @@ class AnalysisParams:
             # runs without mixing keep the parameters (and the run key) they had before it existed
             for name in MIXING_FIELDS:
                 out.pop(name)
+        if self.sentences == "segmenter":
+            # the library and its version decide where sentences end: a run made with other rules
+            # is another run, not one to resume
+            out["segmenter"] = segmenter_id()
         return out
 
     @classmethod
@@ -130,6 +134,17 @@ class AnalysisParams:
         """Stable hash of the parameters (canonical JSON)."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def segmenter_id() -> str:
+    """The sentence segmenter behind ``--sentences segmenter``, as recorded with a run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"syntok {version('syntok')}"
+    except PackageNotFoundError:
+        raise ParameterError("--sentences segmenter needs the syntok package: pip install syntok, "
+                             "or pass --sentences punct") from None
 
 
 def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:

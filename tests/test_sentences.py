@@ -56,10 +56,10 @@ HARD_CASES = {
         [-1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1],
         [-1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1],
     ),
-    "quote-of-two-sentences": (  # the segmenter keeps a quotation whole: one sentence with its frame
+    "quote-of-two-sentences": (  # sentences inside a quotation end; the closing quote joins the last
         'He said: "I came. I saw." Then he left.',
         '[CLS] he said : " i came . i saw . " then he left . [SEP]',
-        [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1],
+        [-1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, -1],
         [-1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, -1],
     ),
     "ellipsis": (
@@ -92,9 +92,9 @@ HARD_CASES = {
         [-1, 0, -1, 0, 0, 1, -1, 1, 1, -1],
         [-1, 0, -1, 0, 0, 1, -1, 1, 1, -1],
     ),
-    # lists without final punctuation: neither mode breaks plain lines; the segmenter breaks
-    # after a line that ends in ":" and after bulleted items, but runs the last item into the
-    # sentence on the next line (a limit of its rules, shown here so that a change is noticed)
+    # lists without final punctuation: neither mode breaks plain or bulleted lines inside a
+    # paragraph (no sentence end is written; a blank line would end the paragraph) — shown here so
+    # that a change is noticed
     "list-plain": (
         "Apples\nPears\nPlums",
         "[CLS] apples pear ##s plum ##s [SEP]",
@@ -104,7 +104,7 @@ HARD_CASES = {
     "list-bulleted": (
         "Ingredients:\n- flour\n- sugar\nMix well.",
         "[CLS] ingredients : - flour - sugar mix well . [SEP]",
-        [-1, 0, 0, 1, 1, 2, 2, 2, 2, 2, -1],
+        [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1],
         [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1],
     ),
 }
@@ -175,6 +175,11 @@ def test_default_is_the_segmenter_and_punct_keeps_its_run_key():
     assert PUNCT.to_dict()["sentences"] == "punct"
     assert SEGMENTER.key() != PUNCT.key()
     assert AnalysisParams.from_dict(SEGMENTER.to_dict()) == SEGMENTER
+    # the segmenter and its version are recorded: other sentence rules make another run
+    from importlib.metadata import version
+
+    assert SEGMENTER.to_dict()["segmenter"] == f"syntok {version('syntok')}"
+    assert "segmenter" not in PUNCT.to_dict()
     with pytest.raises(ParameterError, match="--sentences 'spacy': choose one of segmenter, punct"):
         AnalysisParams(sentences="spacy")
 
@@ -308,3 +313,18 @@ def test_inspect_shows_the_sentences_of_the_chosen_mode(tiny_model):
     assert insp.sentence.tolist() == segmenter and insp.sentence_starts() == [9]
     insp = inspect_text(tiny_model, text, build_params(sentences="punct"))
     assert insp.sentence.tolist() == punct and insp.sentence_starts() == [3, 7, 9]
+
+
+def test_a_stray_apostrophe_does_not_glue_a_paragraph_into_one_sentence():
+    # Wikipedia writes the possessive of a plural band name as "Beach Boys '": a segmenter that
+    # pairs it with a later apostrophe as a quotation (sentencex did) swallows every sentence in
+    # between — 23 % of 1,067 Wikipedia windows became a single sentence that way.
+    from service.sentences import sentence_starts
+
+    middle = " ".join(f"Sentence number {i} ends here." for i in range(30))
+    text = ("The clip recalls the Beach Boys ' \"Surfer Girl\" and Presley's \"Jailhouse Rock\". " + middle
+            + " It also recalls the Beach Boys ' \"Surfer Girl\", among others.")
+    starts = sentence_starts(text)
+    assert len(starts) == 32
+    assert text[starts[1]:].startswith("Sentence number 0 ends here.")
+    assert text[starts[-1]:].startswith("It also recalls")
