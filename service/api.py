@@ -1,0 +1,153 @@
+"""The Python API for notebooks: the functions behind the CLI, returning Arrow tables.
+
+    import headatlas
+    run = headatlas.analyze("corpus.txt", db="atlas.duckdb", model="default")
+    run.heads(ci=True).to_pandas()          # pandas when it is installed; Arrow always
+    atlas = headatlas.connect("atlas.duckdb")
+    atlas.runs()
+    atlas.run("corpus-1a2b3c").layers()
+
+Column names are the SPEC's, exactly as ``headatlas query … --format json`` prints them; layers
+and heads are 0-based. Reads open the database read-only for the duration of one call, so a
+notebook never holds the file's lock between cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from service.errors import ParameterError
+from service.storage.store import Run, Store, resolve_run
+
+
+def table(columns: list[str], rows: list[tuple]) -> pa.Table:
+    """Query rows as an Arrow table (types inferred per column; None is null)."""
+    return pa.table({c: pa.array([r[i] for r in rows]) for i, c in enumerate(columns)})
+
+
+def connect(db: str | Path | None = None) -> "Atlas":
+    """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``)."""
+    from service.config import Settings
+
+    path = Path(db if db is not None else Settings.from_env().db)
+    if not path.exists():
+        raise ParameterError(f"no database at {path}: analyse a corpus first (headatlas.analyze or "
+                             "`headatlas analyze CORPUS --db PATH`)")
+    return Atlas(Store(path))
+
+
+@dataclass(frozen=True)
+class Atlas:
+    """A results database."""
+
+    store: Store
+
+    def runs(self) -> pa.Table:
+        rows = self.store.list_runs()
+        columns = list(rows[0]) if rows else ["run_id", "name", "status", "model", "corpus", "windows"]
+        return table(columns, [tuple(r[c] for c in columns) for r in rows])
+
+    def run(self, ref: str | int | None = None) -> "RunView":
+        """A run by id or name; the latest when ``ref`` is None."""
+        return RunView(self.store, self.store.get_run(ref))
+
+    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> pa.Table:
+        """Read-only SQL, the same sandbox as ``headatlas sql``."""
+        from service.storage.readonly import run_readonly_sql
+
+        result = run_readonly_sql(self.store.path, statement, max_rows=max_rows, timeout_s=timeout_s)
+        return table(result.columns, result.rows)
+
+
+@dataclass(frozen=True)
+class RunView:
+    """One stored run: its facts (``run``) and its questions, each an Arrow table."""
+
+    store: Store
+    run: Run
+
+    @property
+    def run_id(self) -> int:
+        return self.run.run_id
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+    def _query(self, query: Callable[..., Any], **kwargs) -> pa.Table:
+        with self.store.checked_read() as conn:
+            resolve_run(conn, self.run.run_id)  # still there
+            return table(*query(conn, self.run.run_id, **kwargs))
+
+    def heads(self, *, layer: int | None = None, sort: str | None = None, top: int | None = None,
+              ci: bool = False) -> pa.Table:
+        """Per head: every metric of ``headatlas query heads`` (with ``_lo``/``_hi`` when ``ci``)."""
+        from service import queries
+
+        self._check(layer)
+        return self._query(queries.heads, layer=layer, sort=sort, top=top, ci=ci)
+
+    def layers(self, *, ci: bool = False) -> pa.Table:
+        from service import queries
+
+        return self._query(queries.layers, ci=ci)
+
+    def boundaries(self, *, ci: bool = False) -> pa.Table:
+        from service import queries
+
+        return self._query(queries.boundaries, ci=ci)
+
+    def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> pa.Table:
+        """Distance profile of a head (or a layer's heads pooled) against chance."""
+        from service import queries
+
+        self._check(layer, head)
+        return self._query(queries.distances, layer=layer, head=head, split=split, ci=ci)
+
+    def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> pa.Table:
+        from service import queries
+
+        self._check(layer)
+        return self._query(queries.mixing, layer=layer, methods=methods)
+
+    def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> pa.Table:
+        from service import queries
+
+        return self._query(queries.discrepancy, method=method, top=top)
+
+    def _check(self, layer: int | None, head: int | None = None) -> None:
+        if layer is not None and not 0 <= layer < self.run.n_layers:
+            raise ParameterError(f"layer {layer}: run {self.run.run_id} has layers 0..{self.run.n_layers - 1} (0-based)")
+        if head is not None and not 0 <= head < self.run.n_heads:
+            raise ParameterError(f"head {head}: run {self.run.run_id} has heads 0..{self.run.n_heads - 1} (0-based)")
+
+
+def analyze(corpus: str | Path, *, db: str | Path | None = None, model: str = "default", name: str | None = None,
+            device: str = "auto", batch_size: int = 32, text_field: str = "text", encoding: str = "utf-8",
+            **options: Any) -> RunView:
+    """Analyse a corpus in this process (the embedded engine of ``headatlas analyze``) and return
+    the stored run. ``options``: the analysis options by their Python names (``seq_len``,
+    ``select``, ``gate``, ``sentences``, ``dtype``, …; see docs/SPEC.md). Resumes an unfinished
+    run with the same corpus, model and options."""
+    from service.analysis_options import build_params
+    from service.config import Settings
+    from service.model import load_model
+    from service.runner import analyze_corpus, survey_corpus
+
+    import inspect
+
+    known = set(inspect.signature(build_params).parameters)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ParameterError(f"analyze(): unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+    params = build_params(**options)
+    store = Store(Path(db if db is not None else Settings.from_env().db))
+    summary = survey_corpus(str(corpus), text_field=text_field, encoding=encoding)
+    loaded = load_model(model, device=device, dtype=params.dtype)
+    run = analyze_corpus(str(corpus), store=store, model=loaded, params=params, corpus=summary, name=name,
+                         batch_size=batch_size, text_field=text_field, encoding=encoding)
+    return RunView(store, run)
