@@ -20,7 +20,7 @@ import redis
 from sqlalchemy.engine import Connection
 
 from service.config import Settings
-from service.errors import HeadatlasError, StoreError
+from service.errors import HeadatlasError, StoreBusy, StoreError
 from service.storage import queue_store
 from service.storage.store import Store, ingest_batches
 from workers.ledger import INGEST, PROCESSING, Ledger, connect
@@ -54,9 +54,7 @@ class Writer:
                 log.warning("broker unreachable (%s); retrying", exc)
                 recovered = False  # what was taken is back in the queue once Redis answers
                 time.sleep(1.0)
-            except StoreError as exc:
-                if "busy" not in str(exc):
-                    raise
+            except StoreBusy as exc:
                 log.warning("%s; retrying", exc)
                 recovered = False
                 time.sleep(1.0)
@@ -144,9 +142,9 @@ class Writer:
                     outcomes = [self._apply(conn, m, run_id) for m, run_id in known]
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
-            except StoreError as exc:
-                if "busy" in str(exc):
-                    raise  # a reader held the file for long: the messages stay in processing
+            except StoreBusy:
+                raise  # a reader held the file for long: the messages stay in processing
+            except StoreError:
                 outcomes = self._one_by_one(known)
             except Exception:  # noqa: BLE001 - a message the database refuses must not stop the writer
                 log.exception("a group of %d message(s) failed; storing them one by one", len(known))
@@ -167,9 +165,9 @@ class Writer:
                 with self.store.write() as conn:
                     outcome = self._apply(conn, msg, run_id)
                     queue_store.finish_if_complete(conn, run_id)
+            except StoreBusy:
+                raise
             except Exception as exc:  # noqa: BLE001 - recorded on the batch, shown by `headatlas status`
-                if isinstance(exc, StoreError) and "busy" in str(exc):
-                    raise
                 error = str(exc) if isinstance(exc, StoreError) else f"{type(exc).__name__}: {exc}"
                 with self.store.write() as conn:
                     changed = queue_store.mark_failed(conn, run_id, msg["batch_id"], attempts=1, error=error)

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import duckdb
 
-from service.errors import ParameterError, StoreError
+from service.errors import ParameterError, StoreBusy, StoreError
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StoreError(
+                raise StoreBusy(
                     f"{what} is busy: another process is writing to it and held its lock for "
                     f"more than {wait_s:g} s; retry when that process finishes"
                 ) from error
