@@ -176,8 +176,10 @@ class Cluster:
         submitter waited)."""
         if sub.run_id is not None:
             return sub.run_id
+        from workers.ledger import key
+
         deadline = time.monotonic() + timeout
-        while not (raw := self.redis.hget(f"headatlas:run:{sub.run_key}", "run_id")):
+        while not (raw := self.redis.hget(key("run", sub.run_key, sub.database_id), "run_id")):
             if time.monotonic() > deadline:
                 raise AssertionError(f"no writer created run {sub.name}; logs: {self.logs()}")
             time.sleep(0.2)

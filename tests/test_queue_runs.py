@@ -90,7 +90,8 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
                  batch_size=4, only=set())  # the run and its plan; the batches come below
     run_id = cluster.run_id(sub)
     app = make_app(settings)
-    messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4))
+    messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4,
+                                   database_id=sub.database_id))
     for batch_id, _n, payload in messages:  # every batch twice, back to back
         for _ in range(2):
             app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
@@ -121,7 +122,7 @@ def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_
                  batch_size=4, only=set())
     run_id = cluster.run_id(sub)
     assert sub.batches >= 2
-    poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(),
+    poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(), "database_id": sub.database_id,
               "tokenizer_key": tiny_model.tokenizer_key, "documents": [],
               "windows": [["poison-window", "poison-doc", 0, [101, 10**9, 102]]]}
     app = make_app(settings)

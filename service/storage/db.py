@@ -122,3 +122,16 @@ def ensure_schema(path: str | Path) -> None:
 
 def _has_tables(conn: Connection) -> bool:
     return bool(conn.execute(text("SELECT count(*) FROM information_schema.tables")).scalar())
+
+
+def database_id(conn: Connection) -> str:
+    """The random id this database was given at creation (migration 0005): state kept outside
+    the file on its behalf (broker keys, a writer's lease) is scoped by it."""
+    return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar_one()
+
+
+def read_database_id(path: str | Path) -> str:
+    """The id of the database at ``path``, read-only; a stale schema is refused first."""
+    with transaction(path, read_only=True) as conn:
+        check_schema(conn, path)
+        return database_id(conn)
