@@ -69,8 +69,9 @@ def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> li
 
 
 def restore_message(broker_url: str, transport_options: dict, task_id: str) -> bool:
-    """Put the unacknowledged message of ``task_id`` back at the head of its queue (kombu's own
-    restore, as its visibility-timeout sweep does). False when it is not unacknowledged."""
+    """Put the unacknowledged message of ``task_id`` back at the head of its queue, next to be
+    taken (kombu's own restore, as its visibility-timeout sweep does; kombu publishes on the
+    left and takes from the right). False when it is not unacknowledged."""
     from kombu import Connection
 
     with Connection(broker_url, transport_options=transport_options) as conn:
@@ -78,6 +79,6 @@ def restore_message(broker_url: str, transport_options: dict, task_id: str) -> b
         for tag, raw in channel.client.hgetall(channel.unacked_key).items():
             message = json.loads(raw)[0]
             if message.get("headers", {}).get("id") == task_id:
-                channel.qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=True)
+                channel.qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=False)
                 return True
     return False
