@@ -8,6 +8,11 @@ one handling a tick twice, race for the same key and one insert wins.
 
 Missed fires (beat was down): only the latest scheduled time that has passed fires, once; the
 next fire is the first scheduled time after now.
+
+A fire (reading the corpus, tokenising it, queueing its batches) can take longer than a short
+schedule's period on a busy machine; it runs in a thread of its own, so the tick loop keeps
+reading the schedules every tick and other schedules fire on time. One fire per schedule is in
+hand at a time in a process.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -95,6 +101,7 @@ def _spool(path: Path, texts) -> Path:
 class Beat:
     def __init__(self, settings: Settings, *, tick_s: float = 1.0):
         self.settings, self.tick_s, self.stopping = settings, tick_s, False
+        self.in_hand: dict[int, threading.Thread] = {}  # schedule id -> its fire being submitted
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,9 +115,11 @@ class Beat:
             except BrokerError as exc:
                 log.warning("%s; due schedules fire when it answers", exc)
             time.sleep(self.tick_s)
+        for thread in list(self.in_hand.values()):
+            thread.join()  # the fires in hand end as claimed and submitted, or as errors
 
     def tick(self) -> int:
-        """Fire every due schedule once. Returns how many runs this process submitted."""
+        """Start a fire of every due schedule that has none in hand here. Returns how many."""
         from workers.ledger import connect
 
         if not Path(self.settings.db).exists():
@@ -121,14 +130,29 @@ class Beat:
         if not due:
             return 0
         connect(self.settings.broker_url)  # Redis away: leave the fires due rather than claim and fail them
-        fired = 0
+        started = 0
         for sched, fire_time in due:
+            previous = self.in_hand.get(sched.schedule_id)
+            if previous is not None and previous.is_alive():
+                continue  # still submitting its previous fire: this one stays due
+            thread = threading.Thread(target=self._fire, args=(sched, fire_time), name=f"fire-{sched.name}")
+            self.in_hand[sched.schedule_id] = thread
+            thread.start()
+            started += 1
+        return started
+
+    def _fire(self, sched: Schedule, fire_time: datetime) -> None:
+        try:
             result = fire(self.settings, sched, fire_time)
-            if result.claimed:
-                fired += result.status == "submitted"
-                log.info("schedule %s fired for %s: %s %s", sched.name, fire_time, result.status,
-                            result.run_name or result.error or "")
-        return fired
+        except HeadatlasError as exc:  # the database or Redis away: the fire stays due, or claimed
+            log.warning("schedule %s, fire %s: %s", sched.name, fire_time, exc)
+            return
+        except Exception:  # noqa: BLE001 - one schedule's failure must not stop the others
+            log.exception("schedule %s, fire %s failed", sched.name, fire_time)
+            return
+        if result.claimed:
+            log.info("schedule %s fired for %s: %s %s", sched.name, fire_time, result.status,
+                     result.run_name or result.error or "")
 
     def _stop(self, _signum, _frame) -> None:
         self.stopping = True

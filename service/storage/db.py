@@ -8,6 +8,7 @@ for it with ``retry_on_lock`` instead of failing.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +23,9 @@ from service.storage.readonly import retry_on_lock
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 LOCK_WAIT_S = 30.0
+# DuckDB refuses a read-only and a read-write connection to one file in one process at once:
+# threads of one process (beat's tick and the fires it runs) open the file in turn.
+_PROCESS_LOCK = threading.RLock()
 
 
 def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
@@ -38,16 +42,17 @@ def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float
     back on error, always close (releasing the file lock)."""
     if read_only and not Path(path).exists():
         raise StoreError(f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
-    engine = make_engine(path, read_only=read_only)
-    try:
-        conn = retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
+    with _PROCESS_LOCK:
+        engine = make_engine(path, read_only=read_only)
         try:
-            with conn.begin():
-                yield conn
+            conn = retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
+            try:
+                with conn.begin():
+                    yield conn
+            finally:
+                conn.close()
         finally:
-            conn.close()
-    finally:
-        engine.dispose()
+            engine.dispose()
 
 
 @lru_cache(maxsize=1)
@@ -83,17 +88,18 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
     from alembic import command
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = make_engine(path)
-    try:
-        with retry_on_lock(engine.connect, wait_s=LOCK_WAIT_S, what=str(path)) as conn:
-            before = current_revision(conn)
-            config = _alembic_config()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-            conn.commit()
-            return before, current_revision(conn)
-    finally:
-        engine.dispose()
+    with _PROCESS_LOCK:
+        engine = make_engine(path)
+        try:
+            with retry_on_lock(engine.connect, wait_s=LOCK_WAIT_S, what=str(path)) as conn:
+                before = current_revision(conn)
+                config = _alembic_config()
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
+                conn.commit()
+                return before, current_revision(conn)
+        finally:
+            engine.dispose()
 
 
 def check_schema(conn: Connection, path: str | Path) -> None:
