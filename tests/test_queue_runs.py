@@ -43,6 +43,9 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     run = analyze_corpus(str(corpus), store=Store(embedded_db), model=tiny_model, params=params,
                          corpus=survey_corpus(str(corpus)), batch_size=4)
     assert run.status == "done"
+    # submit keys the run from the tokenizer, config and weight files (no weights loaded),
+    # analyze from the loaded model: the same run either way
+    assert Store(cluster.db).get_run(run_id).run_key == run.run_key
     queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
     assert len(embedded["run_windows"]) > 8  # several batches, the last one partial
     assert_same_statistics(queued, embedded)
