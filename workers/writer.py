@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection
 
 from service.config import Settings
 from service.errors import HeadatlasError, StoreBusy, StoreError
+from service.results import BatchResult  # numpy only: importing torch here cost seconds inside the first transaction
 from service.storage import queue_store
 from service.storage.store import Store, ingest_batches
 from workers.heartbeat import requeue_lost
@@ -277,8 +278,6 @@ class Writer:
 
     def _apply(self, conn: Connection, msg: dict, run_id: int) -> tuple[bool | None, int]:
         """(failed?, windows newly counted); failed is None when nothing changed."""
-        from service.analysis import BatchResult
-
         if msg["kind"] == "failed":
             changed = queue_store.mark_failed(conn, run_id, msg["batch_id"], attempts=msg["attempts"], error=msg["error"])
             return (True if changed else None), 0
