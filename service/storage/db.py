@@ -9,6 +9,7 @@ for it with ``retry_on_lock`` instead of failing.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -18,8 +19,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from service.errors import StoreError
-from service.storage.readonly import retry_on_lock
+from service.errors import StoreBusy, StoreError
+from service.storage.readonly import MAX_RETRY_DELAY_S, retry_on_lock
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 LOCK_WAIT_S = 30.0
@@ -42,17 +43,38 @@ def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float
     back on error, always close (releasing the file lock)."""
     if read_only and not Path(path).exists():
         raise StoreError(f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
-    with _PROCESS_LOCK:
-        engine = make_engine(path, read_only=read_only)
-        try:
-            conn = retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
+    engine = make_engine(path, read_only=read_only)
+    try:
+        with _connected(engine, path, lock_wait_s) as conn:
+            with conn.begin():
+                yield conn
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def _connected(engine: Engine, path: str | Path, lock_wait_s: float) -> Iterator[Connection]:
+    """A connection, with this process's lock held while it is open. Waiting for another
+    process's file lock happens outside it, so this process's other threads are not held up."""
+    deadline, delay = time.monotonic() + lock_wait_s, 0.05
+    while True:
+        with _PROCESS_LOCK:
             try:
-                with conn.begin():
+                conn = retry_on_lock(engine.connect, wait_s=0, what=str(path))
+            except StoreBusy:
+                conn = None
+            if conn is not None:
+                try:
                     yield conn
-            finally:
-                conn.close()
-        finally:
-            engine.dispose()
+                finally:
+                    conn.close()
+                return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreBusy(f"{path} is busy: another process is writing to it and held its lock for more than "
+                            f"{lock_wait_s:g} s; retry when that process finishes")
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
 
 @lru_cache(maxsize=1)
