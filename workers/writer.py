@@ -45,9 +45,15 @@ class Writer:
         from service.storage.db import read_database_id
 
         self.settings = settings
-        client = connect(settings.broker_url)
+        client = connect(settings.broker_url, check=False)
         self.lease = WriterLease(client, settings.db, settings.broker_url)
-        self.lease.acquire()  # before touching the file: a refused writer changes nothing
+        while True:  # a writer started before Redis (compose brings both up) waits for it
+            try:
+                self.lease.acquire()  # before touching the file: a refused writer changes nothing
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("broker unreachable (%s); waiting for it", exc)
+                time.sleep(1.0)
         try:
             self.store = Store(settings.db)
             self.store.ensure_schema()  # a stale database fails now, not on the first batch
