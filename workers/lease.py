@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -81,7 +80,6 @@ class WriterLease:
         self.r, self.db, self.broker_url = client, str(Path(db).resolve()), broker_url
         self.token = uuid.uuid4().hex
         self.database_id: str | None = None
-        self._stop = threading.Event()
 
     def _value(self) -> str:
         return json.dumps({"db": self.db, "database_id": self.database_id, "host": socket.gethostname(),
