@@ -33,12 +33,15 @@ def _ledger(database_id: str):
     return Ledger(_state["redis"], database_id)
 
 
-def _model(spec: str, dtype: str):
-    """The model, loaded on first use in this process (never at import, never before a fork)."""
+def _model(spec: str, dtype: str, weights_key: str | None = None):
+    """The model, loaded on first use in this process (never at import, never before a fork),
+    and again when the batch names other weights (a checkpoint replaced in the same folder)."""
     from service.model import load_model
 
     models = _state.setdefault("models", {})
-    if (spec, dtype) not in models:
+    cached = models.get((spec, dtype))
+    if cached is None or (weights_key and cached.weights_key != weights_key):
+        models.pop((spec, dtype), None)  # the old weights go before the new ones come
         models[(spec, dtype)] = load_model(spec, device=SETTINGS.device, dtype=dtype)
     return models[(spec, dtype)]
 
@@ -71,7 +74,8 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         return
     try:
         with BatchHeartbeat(ledger, run_key, batch_id, worker):
-            model = _model(batch["model"], batch["dtype"])  # once per process, outside the batch's time limit
+            # once per process (and per checkpoint), outside the batch's time limit
+            model = _model(batch["model"], batch["dtype"], batch.get("weights_key"))
             with _deadline(0.95 * SETTINGS.task_time_limit_s):
                 payload = _analyse(model, batch)
     except Exception as exc:  # noqa: BLE001 - every failure counts against the poison guard
