@@ -41,7 +41,8 @@ def _model(spec: str, dtype: str, weights_key: str | None = None):
     models = _state.setdefault("models", {})
     cached = models.get((spec, dtype))
     if cached is None or (weights_key and cached.weights_key != weights_key):
-        models.pop((spec, dtype), None)  # the old weights go before the new ones come
+        models.pop((spec, dtype), None)
+        cached = None  # the old weights are freed before the new ones are loaded
         models[(spec, dtype)] = load_model(spec, device=SETTINGS.device, dtype=dtype)
     return models[(spec, dtype)]
 
