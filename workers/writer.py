@@ -26,7 +26,7 @@ import redis
 from sqlalchemy.engine import Connection
 
 from service.config import Settings
-from service.errors import HeadatlasError, StoreBusy, StoreError
+from service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
 from service.results import BatchResult  # numpy only: importing torch here cost seconds inside the first transaction
 from service.storage import queue_store
 from service.storage.store import Store, ingest_batches
@@ -103,8 +103,6 @@ class Writer:
             if not self.lost_lease:
                 self.lease.release()
         if self.lost_lease:
-            from service.errors import WriterConflict
-
             raise WriterConflict(f"another writer took the ingest queue of {self.settings.broker_url}: "
                                  "run one writer per broker")
 
@@ -260,7 +258,7 @@ class Writer:
         """What the database now holds for the run, for `submit --wait` and the sweep."""
         self.ledger.set_run_status(run_key, summary.status, done=summary.done, failed=summary.failed,
                                    windows=summary.windows)
-        if summary.status in ("done", "failed"):
+        if summary.status in ("done", "failed") and not self.ledger.in_flight(run_key):
             self.ledger.inactive(run_key)  # nothing of it runs any more: no need to sweep it
 
     def _one_by_one(self, known):
