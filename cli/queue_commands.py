@@ -107,6 +107,7 @@ def _wait(settings, sub) -> None:
             bar.update(task, completed=live.done + live.failed, failed=live.failed, rate=rate)
             if ledger.run_status(sub.run_key) in ("done", "failed") and not ledger.in_flight(sub.run_key):
                 break
+            _check_writer(ledger, sub, settings)
             time.sleep(0.5)
     if sub.run_id is None:
         from workers.submit import wait_for_run_id
@@ -114,6 +115,22 @@ def _wait(settings, sub) -> None:
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
     if live.failed:
         stderr.print(f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again")
+
+
+def _check_writer(ledger, sub, settings) -> None:
+    """A run whose database lost its writer to another database's would never end: say so."""
+    from service.errors import StoreError, WriterConflict
+    from workers.lease import holder
+
+    _run_id, error = ledger.run_id(sub.run_key)
+    if error:
+        raise StoreError(error)
+    other, _raw = holder(ledger.r)
+    if other is not None and other.database_id and other.database_id != ledger.database_id:
+        raise WriterConflict(
+            f"the writer on {settings.broker_url} now stores into {other.describe()}, not into the database of "
+            f"run {sub.name} ({ledger.database_id[:8]}): start a writer on that database, then submit again"
+        )
 
 
 def worker(
