@@ -63,22 +63,27 @@ def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> li
     for run_key in ledger.active_runs():
         for entry in ledger.silent(run_key):
             if ledger.declare_lost(run_key, entry):
-                requeued = restore_message(broker_url, transport_options, entry.task_id)
+                requeued = restore_message(broker_url, transport_options, entry.task_id, entry.beat)
                 lost.append(LostBatch(run_key, entry, requeued))
     return lost
 
 
-def restore_message(broker_url: str, transport_options: dict, task_id: str) -> bool:
+def restore_message(broker_url: str, transport_options: dict, task_id: str, last_beat: float) -> bool:
     """Put the unacknowledged message of ``task_id`` back at the head of its queue, next to be
     taken (kombu's own restore, as its visibility-timeout sweep does; kombu publishes on the
-    left and takes from the right). False when it is not unacknowledged."""
+    left and takes from the right). False when it is not unacknowledged, or was delivered
+    again after ``last_beat`` (a prefork pool requeued it and a live process holds it now)."""
     from kombu import Connection
 
     with Connection(broker_url, transport_options=transport_options) as conn:
         channel = conn.default_channel
         for tag, raw in channel.client.hgetall(channel.unacked_key).items():
             message = json.loads(raw)[0]
-            if message.get("headers", {}).get("id") == task_id:
-                channel.qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=False)
-                return True
+            if message.get("headers", {}).get("id") != task_id:
+                continue
+            delivered = channel.client.zscore(channel.unacked_index_key, tag)
+            if delivered is not None and delivered > last_beat:
+                return False
+            channel.qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=False)
+            return True
     return False
