@@ -90,11 +90,13 @@ def submit(
 
 
 def _wait(settings, sub) -> None:
+    """Progress as the database holds it: batches its writer has committed, until the database
+    says the run ended and nothing of it is in flight any more."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from workers.ledger import Ledger, connect
 
-    ledger = Ledger(connect(settings.broker_url))
+    ledger = Ledger(connect(settings.broker_url), sub.database_id)
     started, base = time.monotonic(), ledger.windows_done(sub.run_key)
     columns = [TextColumn("batches"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[failed]} failed"),
                TextColumn("{task.fields[rate]:.1f} windows/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
@@ -104,8 +106,9 @@ def _wait(settings, sub) -> None:
             live = ledger.live(sub.run_key)
             rate = (ledger.windows_done(sub.run_key) - base) / max(time.monotonic() - started, 1e-9)
             bar.update(task, completed=live.done + live.failed, failed=live.failed, rate=rate)
-            if live.done + live.failed >= sub.batches:
+            if ledger.run_status(sub.run_key) in ("done", "failed") and not ledger.in_flight(sub.run_key):
                 break
+            _check_writer(ledger, sub, settings)
             time.sleep(0.5)
     if sub.run_id is None:
         from workers.submit import wait_for_run_id
@@ -113,6 +116,22 @@ def _wait(settings, sub) -> None:
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
     if live.failed:
         stderr.print(f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again")
+
+
+def _check_writer(ledger, sub, settings) -> None:
+    """A run whose database lost its writer to another database's would never end: say so."""
+    from service.errors import StoreError, WriterConflict
+    from workers.lease import holder
+
+    _run_id, error = ledger.run_id(sub.run_key)
+    if error:
+        raise StoreError(error)
+    other, _raw = holder(ledger.r)
+    if other is not None and other.database_id and other.database_id != ledger.database_id:
+        raise WriterConflict(
+            f"the writer on {settings.broker_url} now stores into {other.describe()}, not into the database of "
+            f"run {sub.name} ({ledger.database_id[:8]}): start a writer on that database, then submit again"
+        )
 
 
 def worker(
@@ -144,16 +163,22 @@ def writer(db: str = DbOpt, broker: str = BrokerOpt,
 def status(run: Optional[str] = typer.Argument(None, help="Run id or name (default: the latest run)."),
            db: str = DbOpt, broker: str = BrokerOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
+    import json
+    import sys
+
     from service.errors import BrokerError
-    from workers.ledger import Ledger, connect
+    from workers.ledger import connect
     from workers.status import run_status
 
     try:
-        ledger = Ledger(connect(broker))
+        client = connect(broker)
     except BrokerError as exc:
-        ledger = None
+        client = None
         stderr.print(f"{exc}; showing what the database knows")
-    state = run_status(_store(db), run, ledger)
+    state = run_status(_store(db), run, client)
+    if fmt == Format.json:
+        sys.stdout.write(json.dumps(state.to_dict(), indent=2, default=str) + "\n")
+        return
     render(["field", "value"], state.rows(), fmt)
 
 
@@ -174,7 +199,10 @@ def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOp
     if not failed:
         stdout.print(f"run {found.run_id} ({found.name}): no failed batch to retry")
         return
-    ledger = Ledger(connect(broker))
+    from workers.lease import target_database
+
+    client = connect(broker)
+    ledger = Ledger(client, target_database(client, db, broker, writer_wait))
     ledger.reset_failed(found.run_key, failed)
     ledger.send_to_writer("reopen", run_key=found.run_key)
     params = AnalysisParams.from_dict(found.params)

@@ -26,5 +26,13 @@ class StoreError(HeadatlasError):
     """Database missing, stale schema, locked too long, or a refused query."""
 
 
+class StoreBusy(StoreError):
+    """Another process held the database file's lock for longer than the wait allowed."""
+
+
 class BrokerError(HeadatlasError):
     """The message broker cannot be reached."""
+
+
+class WriterConflict(HeadatlasError):
+    """The ingest queue is held by another live writer, or belongs to another database."""

@@ -1,7 +1,8 @@
 """Model loading: the default MiniLM, a local folder, a hub name, or a random config.
 
 Loaded with eager attention so that the attention probabilities exist as tensors the hooks can
-capture (under sdpa they are never materialised).
+capture (under sdpa they are never materialised). ``load_model_info`` gives what submitting
+needs — the tokenizer, the shape from the config, the weights' identity — without the weights.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ RANDOM_SHAPES = {
     "tiny": (2, 4, 32),
 }
 RANDOM_SEED = 0
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json")
+SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its identity (1 MiB)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     tokenizer_key: str  # stable fingerprint of the vocabulary
+    weights_key: str  # identity of the weight files (weights_fingerprint)
 
     def autocast(self):
         """The forward pass's precision: float32 as is; bfloat16/float16 by autocast, which
@@ -58,7 +62,25 @@ class LoadedModel:
             "d_head": self.d_head,
             "d_model": self.d_model,
             "tokenizer": self.tokenizer_key,
+            "weights": self.weights_key,
         }
+
+
+@dataclass
+class ModelInfo:
+    """A model as submitting sees it: no weights in memory, the same identity as LoadedModel."""
+
+    spec: str
+    name: str
+    tokenizer: object
+    n_layers: int
+    n_heads: int
+    d_head: int
+    d_model: int
+    tokenizer_key: str
+    weights_key: str
+
+    describe = LoadedModel.describe
 
 
 def default_model_dir() -> Path:
@@ -103,6 +125,100 @@ def parse_random_shape(spec: str) -> tuple[int, int, int]:
     return layers, heads, hidden
 
 
+def _source(spec: str) -> tuple[str, str]:
+    """(human-readable name, what from_pretrained is given) of a non-random spec."""
+    path = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+    if spec == DEFAULT_MODEL:
+        return DEFAULT_MODEL_NAME, str(path)
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelError(
+                f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
+                "(config.json, weights, tokenizer files)"
+            )
+        return str(path.resolve()), str(path.resolve())
+    if _looks_like_path(spec):
+        raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base")
+    return spec, spec  # a hub name: works where there is internet or a cache
+
+
+@contextlib.contextmanager
+def _loading(spec: str):
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(
+            f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, "
+            "`default`, or random:bert-base"
+        ) from None
+
+
+def _random_weights_key(shape: tuple[int, int, int]) -> str:
+    return hashlib.sha256(f"random {shape} seed {RANDOM_SEED}".encode()).hexdigest()[:16]
+
+
+def load_model_info(spec: str = DEFAULT_MODEL) -> ModelInfo:
+    """The tokenizer, the model's shape (from its config) and its weights' identity, without
+    loading the weights: what `submit` and `beat` need for the batches and the run key."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if spec.startswith("random:"):
+        layers, heads, hidden = parse_random_shape(spec)
+        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+        name, weights = f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})", _random_weights_key((layers, heads, hidden))
+    else:
+        name, source = _source(spec)
+        with _loading(spec):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            config = AutoConfig.from_pretrained(source)
+        try:
+            layers, heads, hidden = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
+        except AttributeError:
+            raise ModelError(
+                f"--model {spec}: {type(config).__name__} is not a BERT-family encoder config; use a BERT, "
+                "RoBERTa, ELECTRA or MiniLM model"
+            ) from None
+        weights = weights_fingerprint(_weights_folder(source), spec)
+    tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
+    return ModelInfo(spec=spec, name=name, tokenizer=tokenizer, n_layers=layers, n_heads=heads, d_head=hidden // heads,
+                     d_model=hidden, tokenizer_key=tokenizer_fingerprint(tokenizer), weights_key=weights)
+
+
+def _weights_folder(source: str) -> Path:
+    """The folder holding a model's files: the folder given, or a hub name's cached snapshot."""
+    if Path(source).is_dir():
+        return Path(source)
+    from transformers.utils import cached_file
+
+    with _loading(source):
+        return Path(cached_file(source, "config.json")).parent
+
+
+def weights_fingerprint(folder: Path, spec: str = "") -> str:
+    """Identity of a folder's weight files without loading them: each file's name and size, a
+    safetensors file's header (tensor names, dtypes, shapes, metadata), and SAMPLES blocks read
+    at even offsets — a fine-tuned checkpoint has the same header, not the same bytes."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise ModelError(f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
+                         "pass a complete model folder")
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\t{size}\n".encode())
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors" and size >= 8:
+                length = int.from_bytes(f.read(8), "little")
+                if 0 < length <= min(size - 8, 100 << 20):
+                    digest.update(f.read(length))
+            step = max(1, size // SAMPLES)
+            for k in range(SAMPLES):
+                f.seek(min(k * step, max(0, size - SAMPLE_BYTES)))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "float32") -> LoadedModel:
     """Load a BERT-family encoder with eager attention, in eval mode, on ``device``."""
     from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
@@ -124,31 +240,13 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
             torch.manual_seed(RANDOM_SEED)  # same spec, same weights: runs stay comparable
             model = BertModel(config, add_pooling_layer=False)
         name = f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})"
+        weights = _random_weights_key((layers, heads, hidden))
     else:
-        path = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
-        if spec == DEFAULT_MODEL:
-            name = DEFAULT_MODEL_NAME
-            source = str(path)
-        elif path.exists():
-            if not (path / "config.json").exists():
-                raise ModelError(
-                    f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
-                    "(config.json, weights, tokenizer files)"
-                )
-            name, source = str(path.resolve()), str(path.resolve())
-        elif _looks_like_path(spec):
-            raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base")
-        else:
-            name, source = spec, spec  # a hub name: works where there is internet or a cache
-        try:
+        name, source = _source(spec)
+        with _loading(spec):
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModel.from_pretrained(source, attn_implementation="eager")
-        except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelError(
-                f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, "
-                "`default`, or random:bert-base"
-            ) from None
+        weights = weights_fingerprint(_weights_folder(source), spec)
     model.eval()
     model.to(device=dev)  # weights stay float32; half precision is applied by autocast
     layers_list = encoder_layers(model, spec)
@@ -168,6 +266,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         device=dev,
         dtype=torch_dtype,
         tokenizer_key=tokenizer_fingerprint(tokenizer),
+        weights_key=weights,
     )
 
 

@@ -50,7 +50,9 @@ def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8
 
 
 def run_key(corpus_fp: str, model: LoadedModel, params: AnalysisParams) -> str:
-    blob = "|".join([corpus_fp, model.spec, model.name, model.tokenizer_key, params.key()])
+    """The identity of a run: corpus, model (spec, name, vocabulary, weights) and parameters.
+    ``model`` is a LoadedModel or a ModelInfo (submit), which give the same key."""
+    blob = "|".join([corpus_fp, model.spec, model.name, model.tokenizer_key, model.weights_key, params.key()])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

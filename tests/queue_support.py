@@ -151,6 +151,12 @@ class Cluster:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
+    def terminate(self, name: str) -> None:
+        """Stop a process as an operator would (SIGTERM: it finishes its work in hand)."""
+        proc = self.procs.pop(name)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
     def submit(self, corpus: Path, *args: str) -> str:
         result = run_cli("submit", str(corpus), *args, env=self.env, timeout=300)
         assert result.returncode == 0, result.stderr
@@ -176,8 +182,10 @@ class Cluster:
         submitter waited)."""
         if sub.run_id is not None:
             return sub.run_id
+        from workers.ledger import key
+
         deadline = time.monotonic() + timeout
-        while not (raw := self.redis.hget(f"headatlas:run:{sub.run_key}", "run_id")):
+        while not (raw := self.redis.hget(key("run", sub.run_key, sub.database_id), "run_id")):
             if time.monotonic() > deadline:
                 raise AssertionError(f"no writer created run {sub.name}; logs: {self.logs()}")
             time.sleep(0.2)
@@ -213,13 +221,13 @@ def tmpdir(prefix: str) -> Path:
 
 
 @contextmanager
-def running_cluster(prefix: str, *, prepare=None):
+def running_cluster(prefix: str, *, prepare=None, time_limit_s: float = 10.0):
     """A Redis, a writer and a worker on a fresh database, stopped and removed afterwards.
 
     ``prepare(cluster)`` runs before the processes start."""
     folder = tmpdir(prefix)
     server = any_redis(folder / "redis")
-    cluster = Cluster(server.url, folder)
+    cluster = Cluster(server.url, folder, time_limit_s=time_limit_s)
     try:
         if prepare is not None:
             prepare(cluster)

@@ -3,6 +3,7 @@ once: a worker killed mid-batch, the writer killed mid-ingest, Redis restarted m
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -14,6 +15,7 @@ from queue_support import (
 )
 from service.config import Settings
 from service.params import AnalysisParams
+from workers.ledger import key
 
 pytestmark = pytest.mark.integration
 
@@ -46,14 +48,14 @@ def test_worker_killed_mid_batch(shared, demo_corpus, tmp_path):
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="workerkill")
     sub = _submit(shared, corpus)
     run_id = shared.run_id(sub)
-    running = f"headatlas:running:{sub.run_key}"
+    running = key("running", sub.run_key, sub.database_id)
     _wait_for(lambda: shared.redis.hlen(running) > 0, what="a batch to start")
     victim = int(shared.redis.hkeys(running)[0])
     shared.kill("worker")
     shared.start_worker()
     assert shared.wait_status(sub.name, timeout=150) == "done"
     assert_counted_once(shared.db, run_id)
-    attempts = int(shared.redis.hget(f"headatlas:attempts:{sub.run_key}", victim))
+    attempts = int(shared.redis.hget(key("attempts", sub.run_key, sub.database_id), victim))
     assert attempts >= 2  # it was really cut short, and analysed again
 
 
@@ -87,7 +89,7 @@ def test_redis_restarted_mid_run(demo_corpus, tmp_path):
         sub = _submit(cluster, corpus)
         run_id = cluster.run_id(sub)
         client = redis.Redis.from_url(server.url)
-        _wait_for(lambda: client.scard(f"headatlas:done:{sub.run_key}") >= 1, what="a first stored batch")
+        _wait_for(lambda: client.scard(key("done", sub.run_key, sub.database_id)) >= 1, what="a first stored batch")
         server.stop()
         time.sleep(1.0)
         server.start()
@@ -113,9 +115,9 @@ def test_pool_child_killed_mid_batch(demo_corpus, tmp_path):
         corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="poolkill")
         sub = _submit(cluster, corpus)
         run_id = cluster.run_id(sub)
-        running = f"headatlas:running:{sub.run_key}"
+        running = key("running", sub.run_key, sub.database_id)
         _wait_for(lambda: cluster.redis.hlen(running) > 0, what="a batch to start")
-        worker = cluster.redis.hvals(running)[0].decode().split()[0]  # host:pid of the child
+        worker = json.loads(cluster.redis.hvals(running)[0])["worker"]  # host:pid of the child
         child = int(worker.rsplit(":", 1)[1])
         assert child != cluster.procs["pool"].pid
         os.kill(child, signal.SIGKILL)

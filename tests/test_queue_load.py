@@ -12,6 +12,7 @@ from conftest import run_cli
 from queue_support import Cluster, any_redis, assert_counted_once, make_corpus, tmpdir
 from service.config import Settings
 from service.params import AnalysisParams
+from workers.ledger import key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,7 +43,7 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
         samples, reads = [], 0
         deadline = time.monotonic() + 900
         while True:
-            done = int(cluster.redis.scard(f"headatlas:done:{sub.run_key}"))
+            done = int(cluster.redis.scard(key("done", sub.run_key, sub.database_id)))
             if done >= sub.batches // 5:
                 samples.append(_rss_mb(writer.pid))
             if done >= sub.batches:

@@ -45,6 +45,9 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     run = analyze_corpus(str(corpus), store=Store(embedded_db), model=tiny_model, params=params,
                          corpus=survey_corpus(str(corpus)), batch_size=4)
     assert run.status == "done"
+    # submit keys the run from the tokenizer, config and weight files (no weights loaded),
+    # analyze from the loaded model: the same run either way
+    assert Store(cluster.db).get_run(run_id).run_key == run.run_key
     queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
     assert len(embedded["run_windows"]) > 8  # several batches, the last one partial
     # every column of SPEC §5b filled in both (equal NULLs would prove nothing), then equal
@@ -97,7 +100,8 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
                  batch_size=4, only=set())  # the run and its plan; the batches come below
     run_id = cluster.run_id(sub)
     app = make_app(settings)
-    messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4))
+    messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4,
+                                   database_id=sub.database_id))
     for batch_id, _n, payload in messages:  # every batch twice, back to back
         for _ in range(2):
             app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
@@ -128,7 +132,7 @@ def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_
                  batch_size=4, only=set())
     run_id = cluster.run_id(sub)
     assert sub.batches >= 2
-    poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(),
+    poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(), "database_id": sub.database_id,
               "tokenizer_key": tiny_model.tokenizer_key, "documents": [],
               "windows": [["poison-window", "poison-doc", 0, [101, 10**9, 102]]]}
     app = make_app(settings)

@@ -30,7 +30,8 @@ def _results(corpus, model):
 
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
     out = []
-    for batch_id, _n, payload in batch_payloads(str(corpus), model, PARAMS, model="random:tiny", dtype="float32", batch_size=4):
+    for batch_id, _n, payload in batch_payloads(str(corpus), model, PARAMS, model="random:tiny", dtype="float32", batch_size=4,
+                                                 database_id=""):
         windows = [Window.from_message(row) for row in payload["windows"]]
         result = analyze_batch(model, collate(windows, tokens.pad_id), PARAMS, tokens, documents=payload["documents"])
         out.append((batch_id, base64.b64encode(result.to_bytes()).decode()))

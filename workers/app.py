@@ -48,6 +48,9 @@ def make_app(settings: Settings | None = None) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # a worker holds no batch it is not working on
+        # a prefork child imports torch as it starts: on a loaded machine that takes longer
+        # than Celery's 4 s, and children were killed and replaced in a loop
+        worker_proc_alive_timeout=60.0,
         task_time_limit=settings.task_time_limit_s,
         task_soft_time_limit=0.9 * settings.task_time_limit_s,
         task_default_queue=ANALYSIS_QUEUE,

@@ -8,6 +8,11 @@ one handling a tick twice, race for the same key and one insert wins.
 
 Missed fires (beat was down): only the latest scheduled time that has passed fires, once; the
 next fire is the first scheduled time after now.
+
+A fire (reading the corpus, tokenising it, queueing its batches) can take longer than a short
+schedule's period on a busy machine; it runs in a thread of its own, so the tick loop keeps
+reading the schedules every tick and other schedules fire on time. One fire per schedule is in
+hand at a time in a process.
 """
 
 from __future__ import annotations
@@ -16,19 +21,35 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from service.config import Settings
-from service.errors import BrokerError, HeadatlasError, StoreError
+from service.errors import BrokerError, HeadatlasError, StoreBusy, StoreError
 from service.schedules import due_fire
 from service.storage import schedule_store
 from service.storage.schedule_store import Schedule
 from service.storage.store import Store, now
 
 log = logging.getLogger("headatlas.beat")
+
+TICK_LOCK_WAIT_S = 0.3  # a tick waits this long at most for the database file, then uses its last read
+REREAD_S = 10.0  # schedules are read again at least this often, changed or not
+
+
+def _file_stamp(db: str) -> tuple:
+    """Changes whenever the database is written (its file or its write-ahead log)."""
+    out = []
+    for path in (Path(db), Path(f"{db}.wal")):
+        try:
+            st = path.stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            out.append(None)
+    return tuple(out)
 
 
 @dataclass
@@ -92,14 +113,31 @@ def _spool(path: Path, texts) -> Path:
     return path
 
 
+def _warm_up() -> None:
+    """Import what a fire needs now: a first fire paid the imports (tens of seconds on a
+    loaded machine) and came that late."""
+    import transformers  # noqa: F401
+
+    import workers.app  # noqa: F401
+    import workers.submit  # noqa: F401
+    from service.model import load_model_info  # noqa: F401
+    from service.runner import run_key  # noqa: F401
+
+
 class Beat:
     def __init__(self, settings: Settings, *, tick_s: float = 1.0):
         self.settings, self.tick_s, self.stopping = settings, tick_s, False
+        self.in_hand: dict[int, threading.Thread] = {}  # schedule id -> its fire being submitted
+        self.started: dict[int, datetime] = {}  # schedule id -> the latest fire time started here
+        self.schedules: list[Schedule] = []  # as last read
+        self.read_stamp: tuple | None = None  # the database file as it was when last read
+        self.read_at = 0.0
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)  # finish the fire in hand, then leave
         log.info("beat: reading schedules from %s every %.1f s", self.settings.db, self.tick_s)
+        _warm_up()
         while not self.stopping:
             try:
                 self.tick()
@@ -108,27 +146,54 @@ class Beat:
             except BrokerError as exc:
                 log.warning("%s; due schedules fire when it answers", exc)
             time.sleep(self.tick_s)
+        for thread in list(self.in_hand.values()):
+            thread.join()  # the fires in hand end as claimed and submitted, or as errors
 
     def tick(self) -> int:
-        """Fire every due schedule once. Returns how many runs this process submitted."""
+        """Start a fire of every due schedule that has none in hand here. Returns how many."""
         from workers.ledger import connect
 
         if not Path(self.settings.db).exists():
             return 0
-        with Store(self.settings.db).checked_read() as conn:
-            schedules = schedule_store.all_schedules(conn)
-        due = [(s, t) for s in schedules if s.enabled and (t := due_fire(s.cadence, s.next_fire, now())) is not None]
+        # Reading only when the file changed: beats reading every tick kept it held read-only
+        # so often that claims (which write) waited seconds for it.
+        stamp = _file_stamp(self.settings.db)
+        if stamp != self.read_stamp or time.monotonic() - self.read_at >= REREAD_S:
+            try:
+                with schedule_store.read(self.settings.db, lock_wait_s=TICK_LOCK_WAIT_S) as conn:
+                    self.schedules = schedule_store.all_schedules(conn)
+                self.read_stamp, self.read_at = stamp, time.monotonic()
+            except StoreBusy:
+                pass  # another process holds the file: fire from the last read; the claim checks it
+        due = [(s, t) for s in self.schedules if s.enabled and (t := due_fire(s.cadence, s.next_fire, now())) is not None
+               and t > self.started.get(s.schedule_id, datetime.min)]
         if not due:
             return 0
         connect(self.settings.broker_url)  # Redis away: leave the fires due rather than claim and fail them
-        fired = 0
+        started = 0
         for sched, fire_time in due:
+            previous = self.in_hand.get(sched.schedule_id)
+            if previous is not None and previous.is_alive():
+                continue  # still submitting its previous fire: this one stays due
+            thread = threading.Thread(target=self._fire, args=(sched, fire_time), name=f"fire-{sched.name}")
+            self.in_hand[sched.schedule_id] = thread
+            self.started[sched.schedule_id] = fire_time
+            thread.start()
+            started += 1
+        return started
+
+    def _fire(self, sched: Schedule, fire_time: datetime) -> None:
+        try:
             result = fire(self.settings, sched, fire_time)
-            if result.claimed:
-                fired += result.status == "submitted"
-                log.info("schedule %s fired for %s: %s %s", sched.name, fire_time, result.status,
-                            result.run_name or result.error or "")
-        return fired
+        except HeadatlasError as exc:  # the database or Redis away: the fire stays due, or claimed
+            log.warning("schedule %s, fire %s: %s", sched.name, fire_time, exc)
+            return
+        except Exception:  # noqa: BLE001 - one schedule's failure must not stop the others
+            log.exception("schedule %s, fire %s failed", sched.name, fire_time)
+            return
+        if result.claimed:
+            log.info("schedule %s fired for %s: %s %s", sched.name, fire_time, result.status,
+                     result.run_name or result.error or "")
 
     def _stop(self, _signum, _frame) -> None:
         self.stopping = True

@@ -2,9 +2,10 @@
 
 The database is the record of what is stored (batches done or failed, written by the writer
 alone); Redis holds what only exists while a run is in flight: which batches are queued, which
-one a worker is analysing, how many times each was tried, the last error. Keys are per run key
-(``headatlas:<what>:<run_key>``), so every process can address a run before the writer has
-given it an id.
+one a worker is analysing (with a heartbeat), how many times each was tried, the last error,
+and a copy of what the writer committed. Keys are per database and run key
+(``headatlas:<database id>:<what>:<run_key>``): every process can address a run before the
+writer has given it an id, and a new or replaced database file (a new id) inherits nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,29 @@ from service.errors import BrokerError
 PREFIX = "headatlas"
 INGEST = f"{PREFIX}:ingest"  # messages for the writer, oldest first (a Redis list)
 PROCESSING = f"{PREFIX}:ingest:processing"  # taken by the writer, not yet committed
+WRITER = f"{PREFIX}:writer"  # what the writer is doing now (status, tests)
+
+# A heartbeat refresh that only counts while the batch is still this worker's: a batch
+# requeued as lost and started elsewhere must not be kept alive by the old process.
+_BEAT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local entry = cjson.decode(raw)
+if entry.worker ~= ARGV[2] then return 0 end
+entry.beat = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(entry))
+redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[4]))
+return 1
+"""
+
+# Declare a running batch lost only if nothing changed since it was seen without a heartbeat.
+_LOSE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+return 1
+"""
 
 
 def connect(url: str, *, check: bool = True) -> redis.Redis:
@@ -35,8 +59,8 @@ def connect(url: str, *, check: bool = True) -> redis.Redis:
     return client
 
 
-def key(what: str, run_key: str) -> str:
-    return f"{PREFIX}:{what}:{run_key}"
+def key(what: str, run_key: str, database_id: str) -> str:
+    return f"{PREFIX}:{database_id}:{what}:{run_key}"
 
 
 @dataclass
@@ -51,80 +75,186 @@ class Live:
     failed: int
 
 
+@dataclass
+class Running:
+    """A batch a worker process has started: who, since when, its last heartbeat (epoch s)."""
+
+    batch_id: int
+    worker: str  # host:pid
+    task_id: str
+    started: float
+    beat: float
+    raw: bytes  # as stored, to act on it only if unchanged
+
+
 class Ledger:
-    def __init__(self, client: redis.Redis):
+    """The Redis state of one database's runs (``database_id``: its id, see migration 0005)."""
+
+    def __init__(self, client: redis.Redis, database_id: str):
         self.r = client
+        self.database_id = database_id
+
+    def key(self, what: str, run_key: str) -> str:
+        return key(what, run_key, self.database_id)
 
     # --- run description (written by submit, read by the writer to create the run) ----------
     def put_run(self, run_key: str, meta: dict) -> None:
-        self.r.hset(key("run", run_key), mapping={"meta": json.dumps(meta)})
+        pipe = self.r.pipeline()
+        pipe.hset(self.key("run", run_key), mapping={"meta": json.dumps(meta)})
+        pipe.sadd(self.key("active", "runs"), run_key)  # swept for lost workers until it ends
+        pipe.execute()
 
     def run_meta(self, run_key: str) -> dict | None:
-        raw = self.r.hget(key("run", run_key), "meta")
+        raw = self.r.hget(self.key("run", run_key), "meta")
         return json.loads(raw) if raw else None
 
     def claim_batch_size(self, run_key: str, batch_size: int) -> int:
         """The run's batch size: the first submission's. Batch ids must keep naming the same
         windows whoever submits again, with whatever --batch-size."""
-        self.r.hsetnx(key("run", run_key), "batch_size", batch_size)
-        return int(self.r.hget(key("run", run_key), "batch_size"))
+        self.r.hsetnx(self.key("run", run_key), "batch_size", batch_size)
+        return int(self.r.hget(self.key("run", run_key), "batch_size"))
 
     def set_run_id(self, run_key: str, run_id: int) -> None:
-        self.r.hset(key("run", run_key), mapping={"run_id": run_id, "error": ""})
+        self.r.hset(self.key("run", run_key), mapping={"run_id": run_id, "error": ""})
 
     def set_run_error(self, run_key: str, error: str) -> None:
-        self.r.hset(key("run", run_key), "error", error)
+        self.r.hset(self.key("run", run_key), "error", error)
 
     def run_id(self, run_key: str) -> tuple[int | None, str]:
-        run_id, error = self.r.hmget(key("run", run_key), ["run_id", "error"])
+        run_id, error = self.r.hmget(self.key("run", run_key), ["run_id", "error"])
         return (int(run_id) if run_id else None), (error.decode() if error else "")
 
     # --- batches ------------------------------------------------------------------------------
     def queued(self, run_key: str) -> set[int]:
-        return {int(b) for b in self.r.smembers(key("queued", run_key))}
+        return {int(b) for b in self.r.smembers(self.key("queued", run_key))}
 
     def done(self, run_key: str) -> set[int]:
-        return {int(b) for b in self.r.smembers(key("done", run_key))}
+        return {int(b) for b in self.r.smembers(self.key("done", run_key))}
 
     def mark_queued(self, run_key: str, batch_ids: list[int]) -> None:
         if batch_ids:
-            self.r.sadd(key("queued", run_key), *batch_ids)
+            self.r.sadd(self.key("queued", run_key), *batch_ids)
 
     def mark_done(self, run_key: str, batch_ids: set[int]) -> None:
         """Batches the database has stored (a Redis that lost its data learns them again)."""
         if batch_ids:
-            self.r.sadd(key("done", run_key), *batch_ids)
+            self.r.sadd(self.key("done", run_key), *batch_ids)
+
+    def reconcile_done(self, run_key: str, batch_ids: set[int]) -> None:
+        """The database's stored batches, exactly: Redis forgets what the database does not hold
+        (a database restored from an older copy keeps its id)."""
+        pipe = self.r.pipeline()
+        pipe.delete(self.key("done", run_key))
+        if batch_ids:
+            pipe.sadd(self.key("done", run_key), *batch_ids)
+        pipe.execute()
+
+    def in_flight(self, run_key: str) -> set[int]:
+        """Batches queued for this database and neither stored nor failed yet: a message for
+        each is in the analysis queue, running (with a heartbeat), or waiting for the writer."""
+        pipe = self.r.pipeline()
+        pipe.smembers(self.key("queued", run_key))
+        pipe.hkeys(self.key("running", run_key))
+        pipe.smembers(self.key("ingesting", run_key))
+        queued, running, ingesting = pipe.execute()
+        return {int(b) for b in (*queued, *running, *ingesting)}
+
+    def forget(self, run_key: str, batch_id: int) -> None:
+        """A message this database's writer will never store (it reached another database's
+        writer): no longer in flight, so the next submission queues the batch again."""
+        pipe = self.r.pipeline()
+        for what in ("queued", "ingesting"):
+            pipe.srem(self.key(what, run_key), batch_id)
+        pipe.hdel(self.key("running", run_key), batch_id)
+        pipe.execute()
+
+    def set_run_status(self, run_key: str, status: str, *, done: int, failed: int, windows: int) -> None:
+        """What the database holds for the run, as the writer read it after committing."""
+        self.r.hset(self.key("run", run_key), mapping={"status": status, "stored": done, "failed_stored": failed,
+                                                        "windows_done": windows})
+
+    def run_status(self, run_key: str) -> str | None:
+        raw = self.r.hget(self.key("run", run_key), "status")
+        return raw.decode() if raw else None
 
     def is_finished(self, run_key: str, batch_id: int) -> bool:
-        return bool(self.r.sismember(key("done", run_key), batch_id))
+        return bool(self.r.sismember(self.key("done", run_key), batch_id))
 
-    def start(self, run_key: str, batch_id: int, worker: str) -> int:
-        """A worker starts a batch: returns the attempt number (1 for the first try)."""
+    def start(self, run_key: str, batch_id: int, worker: str, task_id: str, ttl_s: float) -> int:
+        """A worker starts a batch: returns the attempt number (1 for the first try). The batch
+        is running while its heartbeat key lives (``ttl_s``, refreshed by ``beat``)."""
+        t = time.time()
+        entry = json.dumps({"worker": worker, "task": task_id, "started": t, "beat": t})
         pipe = self.r.pipeline()
-        pipe.hincrby(key("attempts", run_key), batch_id, 1)
-        pipe.hset(key("running", run_key), batch_id, f"{worker} {time.time():.0f}")
+        pipe.hincrby(self.key("attempts", run_key), batch_id, 1)
+        pipe.hset(self.key("running", run_key), batch_id, entry)
+        pipe.set(self.key("alive", f"{run_key}:{batch_id}"), worker, ex=max(1, round(ttl_s)))
+        pipe.sadd(self.key("active", "runs"), run_key)
         return int(pipe.execute()[0])
 
+    def beat(self, run_key: str, batch_id: int, worker: str, ttl_s: float) -> bool:
+        """Refresh the heartbeat of a batch this worker runs; False when it is no longer its own."""
+        return bool(self.r.eval(_BEAT, 2, self.key("running", run_key), self.key("alive", f"{run_key}:{batch_id}"),
+                                batch_id, worker, f"{time.time():.3f}", max(1, round(ttl_s))))
+
+    def running(self, run_key: str) -> list[Running]:
+        out = []
+        for batch_id, raw in self.r.hgetall(self.key("running", run_key)).items():
+            entry = json.loads(raw)
+            out.append(Running(int(batch_id), entry["worker"], entry.get("task", ""), float(entry["started"]),
+                               float(entry["beat"]), raw))
+        return sorted(out, key=lambda e: e.batch_id)
+
+    def silent(self, run_key: str) -> list[Running]:
+        """Running batches whose heartbeat has stopped: their worker is gone."""
+        entries = self.running(run_key)
+        if not entries:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for e in entries:
+            pipe.exists(self.key("alive", f"{run_key}:{e.batch_id}"))
+        return [e for e, alive in zip(entries, pipe.execute()) if not alive]
+
+    def declare_lost(self, run_key: str, entry: Running) -> bool:
+        """Move a silent batch from running to lost, unless it beat or changed meanwhile."""
+        record = json.dumps({"worker": entry.worker, "beat": entry.beat, "requeued": time.time()})
+        return bool(self.r.eval(_LOSE, 3, self.key("running", run_key), self.key("alive", f"{run_key}:{entry.batch_id}"),
+                                self.key("lost", run_key), entry.batch_id, entry.raw, record))
+
+    def lost(self, run_key: str) -> dict[int, dict]:
+        """Batches requeued because their worker was lost (until they are stored):
+        {batch_id: {worker, beat (last heartbeat, epoch s), requeued (epoch s)}}."""
+        return {int(b): json.loads(v) for b, v in self.r.hgetall(self.key("lost", run_key)).items()}
+
+    def active_runs(self) -> set[str]:
+        return {r.decode() for r in self.r.smembers(self.key("active", "runs"))}
+
+    def inactive(self, run_key: str) -> None:
+        self.r.srem(self.key("active", "runs"), run_key)
+
     def send_to_writer(self, kind: str, **fields) -> None:
-        """A message on the ingest queue: open_run, ingest, failed or reopen."""
-        self.r.rpush(INGEST, json.dumps({"kind": kind, **fields}))
+        """A message on the ingest queue: open_run, ingest, failed or reopen, for this database."""
+        self.r.rpush(INGEST, json.dumps({"kind": kind, "database_id": self.database_id, **fields}))
 
     def analysed(self, run_key: str, batch_id: int, payload: str) -> None:
         """The result goes to the writer and the batch stops running, atomically."""
         pipe = self.r.pipeline()  # MULTI/EXEC
-        pipe.rpush(INGEST, json.dumps({"kind": "ingest", "run_key": run_key, "batch_id": batch_id, "payload": payload}))
-        pipe.hdel(key("running", run_key), batch_id)
-        pipe.sadd(key("ingesting", run_key), batch_id)
+        pipe.rpush(INGEST, json.dumps({"kind": "ingest", "database_id": self.database_id, "run_key": run_key,
+                                       "batch_id": batch_id, "payload": payload}))
+        pipe.hdel(self.key("running", run_key), batch_id)
+        pipe.delete(self.key("alive", f"{run_key}:{batch_id}"))
+        pipe.sadd(self.key("ingesting", run_key), batch_id)
         pipe.execute()
 
     def errored(self, run_key: str, batch_id: int, error: str) -> None:
         pipe = self.r.pipeline()
-        pipe.hdel(key("running", run_key), batch_id)
-        pipe.hset(key("errors", run_key), batch_id, error[:1000])
+        pipe.hdel(self.key("running", run_key), batch_id)
+        pipe.delete(self.key("alive", f"{run_key}:{batch_id}"))
+        pipe.hset(self.key("errors", run_key), batch_id, error[:1000])
         pipe.execute()
 
     def last_error(self, run_key: str, batch_id: int) -> str | None:
-        raw = self.r.hget(key("errors", run_key), batch_id)
+        raw = self.r.hget(self.key("errors", run_key), batch_id)
         return raw.decode() if raw else None
 
     def finished(self, run_key: str, batch_id: int, *, failed: bool, windows: int = 0, pipe=None) -> None:
@@ -133,13 +263,14 @@ class Ledger:
         own = pipe is None
         pipe = self.r.pipeline() if own else pipe
         if windows:
-            pipe.hincrby(key("run", run_key), "windows_done", windows)
+            pipe.hincrby(self.key("run", run_key), "windows_done", windows)
         for what in ("queued", "ingesting"):
-            pipe.srem(key(what, run_key), batch_id)
-        pipe.hdel(key("running", run_key), batch_id)
-        pipe.sadd(key("failed" if failed else "done", run_key), batch_id)
+            pipe.srem(self.key(what, run_key), batch_id)
+        pipe.hdel(self.key("running", run_key), batch_id)
+        pipe.hdel(self.key("lost", run_key), batch_id)
+        pipe.sadd(self.key("failed" if failed else "done", run_key), batch_id)
         if not failed:
-            pipe.srem(key("failed", run_key), batch_id)
+            pipe.srem(self.key("failed", run_key), batch_id)
         if own:
             pipe.execute()
 
@@ -148,14 +279,14 @@ class Ledger:
         if not batch_ids:
             return
         pipe = self.r.pipeline()
-        pipe.srem(key("failed", run_key), *batch_ids)
-        pipe.srem(key("queued", run_key), *batch_ids)
-        pipe.hdel(key("attempts", run_key), *batch_ids)
-        pipe.hdel(key("errors", run_key), *batch_ids)
+        pipe.srem(self.key("failed", run_key), *batch_ids)
+        pipe.srem(self.key("queued", run_key), *batch_ids)
+        pipe.hdel(self.key("attempts", run_key), *batch_ids)
+        pipe.hdel(self.key("errors", run_key), *batch_ids)
         pipe.execute()
 
     def windows_done(self, run_key: str) -> int:
-        return int(self.r.hget(key("run", run_key), "windows_done") or 0)
+        return int(self.r.hget(self.key("run", run_key), "windows_done") or 0)
 
     def backlog(self) -> int:
         """Messages waiting for the writer (all runs)."""
@@ -163,13 +294,13 @@ class Ledger:
 
     def live(self, run_key: str) -> Live:
         pipe = self.r.pipeline()
-        pipe.scard(key("queued", run_key))
-        pipe.hlen(key("running", run_key))
-        pipe.scard(key("ingesting", run_key))
-        pipe.scard(key("done", run_key))
-        pipe.scard(key("failed", run_key))
+        pipe.scard(self.key("queued", run_key))
+        pipe.hlen(self.key("running", run_key))
+        pipe.scard(self.key("ingesting", run_key))
+        pipe.scard(self.key("done", run_key))
+        pipe.scard(self.key("failed", run_key))
         return Live(*(int(x) for x in pipe.execute()))
 
     # --- the writer's current work (for status, and for tests that stop it mid-ingest) --------
     def writer_state(self, state: str, **fields) -> None:
-        self.r.hset(f"{PREFIX}:writer", mapping={"state": state, "since": f"{time.time():.3f}", **{k: str(v) for k, v in fields.items()}})
+        self.r.hset(WRITER, mapping={"state": state, "since": f"{time.time():.3f}", **{k: str(v) for k, v in fields.items()}})

@@ -1,13 +1,15 @@
 """Where a distributed run stands: batches done / running / failed / pending, windows/s, ETA.
 
 Done and failed come from the database (the record, read-only: it waits for the writer's short
-transactions instead of failing on its lock); running and waiting-for-the-writer come from
-Redis, which alone knows them. Without Redis the database's counts are shown.
+transactions instead of failing on its lock); running, lost and waiting-for-the-writer come
+from Redis (this database's keys), which alone knows them. Without Redis the database's counts
+are shown. A running batch whose heartbeat stopped is shown as lost, not as running.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from service.storage.store import Store, now
@@ -31,6 +33,13 @@ class RunStatus:
     error: str | None
     backlog: int | None = None  # messages waiting for the writer, all runs
     errors: list[tuple[int, int, str]] = field(default_factory=list)
+    lost: list["LostInfo"] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """One object with named fields (``--format json``)."""
+        out = asdict(self)
+        out["errors"] = [{"batch": b, "attempts": a, "error": e} for b, a, e in self.errors]
+        return out
 
     def rows(self) -> list[tuple[str, str]]:
         def show(value, unit=""):
@@ -53,24 +62,50 @@ class RunStatus:
         if self.error:
             out.append(("error", self.error))
         out += [(f"batch {b} (tried {a}×)", e) for b, a, e in self.errors]
+        out += [(f"batch {x.batch}", x.describe()) for x in self.lost]
         return out
 
 
-def run_status(store: Store, ref: str | int | None, ledger=None) -> RunStatus:
+@dataclass
+class LostInfo:
+    """A batch whose worker stopped its heartbeat: ``silent_s`` since its last one."""
+
+    batch: int
+    worker: str  # host:pid
+    silent_s: float
+    requeued: bool  # False: noticed, the writer's sweep has not requeued it yet
+
+    def describe(self) -> str:
+        then = "requeued" if self.requeued else "requeued when the writer's sweep runs"
+        return f"lost on {self.worker} {self.silent_s:.0f} s ago, {then}"
+
+
+def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
+    """``client``: a Redis client of the broker, or None (the database's counts only)."""
     from service.storage import queue_store
+    from service.storage.db import database_id
+    from workers.ledger import Ledger
 
     with store.checked_read() as conn:
         run = queue_store.resolve_run(conn, ref)
         prog = queue_store.progress(conn, run.run_id)
+        ledger = Ledger(client, database_id(conn)) if client is not None else None
     plan = prog.plan
     batches = plan.batches if plan else None
     windows = plan.windows if plan else None
     running = ingesting = backlog = None
+    lost: list[LostInfo] = []
     if ledger is not None:
         backlog = ledger.backlog()
         if plan is not None:
             live = ledger.live(run.run_key)
-            running, ingesting = live.running, live.ingesting
+            ingesting = live.ingesting
+            t = time.time()
+            silent = ledger.silent(run.run_key)
+            running = live.running - len(silent)
+            lost = [LostInfo(e.batch_id, e.worker, t - e.beat, False) for e in silent]
+            lost += [LostInfo(b, x["worker"], t - float(x["beat"]), True)
+                     for b, x in sorted(ledger.lost(run.run_key).items())]
     pending = None
     if batches is not None:
         pending = max(0, batches - prog.done - prog.failed - (running or 0) - (ingesting or 0))
@@ -84,7 +119,7 @@ def run_status(store: Store, ref: str | int | None, ledger=None) -> RunStatus:
     return RunStatus(
         run_id=run.run_id, name=run.name, status=run.status, batches=batches, done=prog.done, failed=prog.failed,
         running=running, ingesting=ingesting, pending=pending, windows_done=prog.windows_done, windows=windows,
-        windows_per_s=rate, eta_s=eta, error=run.error, backlog=backlog, errors=prog.errors,
+        windows_per_s=rate, eta_s=eta, error=run.error, backlog=backlog, errors=prog.errors, lost=lost,
     )
 
 

@@ -2,9 +2,10 @@
 
 The submitter never writes the database: a writer may hold it at any moment, and DuckDB admits
 one writing process. The run is described in Redis and created by the writer (on its first
-message on the ingest queue); batch messages carry the run key, so they can be queued before
-the run has an id. When the database file is reachable from here, it is read (never written)
-to skip batches already stored.
+message on the ingest queue); batch messages carry the run key and the database's id, so they
+can be queued before the run has an id, and never reach another database. A batch is skipped
+only when the database has stored it (read from here when the file is reachable, else as its
+writer last reported it) or when it is in flight for this database.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Submission:
     windows: int
     queued: int  # batches queued by this submission
     skipped: int  # batches already stored or already in the queue
+    database_id: str = ""
     run_id: int | None = None  # None when no writer created the run within the wait
     status: str | None = None
 
@@ -52,17 +54,20 @@ def submit(
     log: Callable[[str], None] = lambda _msg: None,
 ) -> Submission:
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
-    from service.model import load_model
+    from service.model import load_model_info
     from service.runner import _short_name, run_key, survey_corpus
     from workers.app import ANALYSIS_QUEUE, make_app
+    from workers.lease import target_database
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
-    ledger = Ledger(connect(settings.broker_url))  # fail before any work when Redis is away
-    log(f"corpus: {summary.documents} documents, {summary.chars:,} characters; loading model {model} …")
-    loaded = load_model(model, device="cpu", dtype=dtype)  # the tokenizer and the run key only
+    client = connect(settings.broker_url)  # fail before any work when Redis is away
+    ledger = Ledger(client, target_database(client, settings.db, settings.broker_url, writer_wait_s))
+    log(f"corpus: {summary.documents} documents, {summary.chars:,} characters; model {model} …")
+    loaded = load_model_info(model)  # the tokenizer, config and weights' identity: no weights loaded
     key = run_key(summary.fingerprint, loaded, params)
     if expect_key is not None and key != expect_key:
         raise CorpusError(f"{spec} changed since the run was submitted: its batches cannot be re-made; submit it as a new run")
+    readable = Path(settings.db).is_file()
     stored_run, plan, stored_done = _stored_state(settings.db, key)
     if stored_run is not None and stored_run.engine != "queue" and stored_run.status != "done":
         raise StoreError(
@@ -72,7 +77,7 @@ def submit(
     run_name = stored_run.name if stored_run else (name or f"{_short_name(spec)}-{key[:6]}")
     if stored_run is not None and stored_run.status == "done" and only is None:
         return Submission(key, run_name, plan.batch_size if plan else batch_size, plan.batches if plan else 0,
-                          plan.windows if plan else 0, 0, 0, stored_run.run_id, "done")
+                          plan.windows if plan else 0, 0, 0, ledger.database_id, stored_run.run_id, "done")
     size = plan.batch_size if plan else ledger.claim_batch_size(key, batch_size)
     if size != batch_size:
         log(f"run {run_name} was first submitted with --batch-size {size}: keeping it, so batch ids name the same windows")
@@ -82,15 +87,19 @@ def submit(
         "device": None, "batch_size": size, "batches": None, "windows": None,
     }
     ledger.put_run(key, meta)  # before any message: the writer creates the run from it
-    ledger.mark_done(key, stored_done)
-    skip = stored_done | ledger.done(key) | (set() if only is not None else ledger.queued(key))
+    if readable:
+        ledger.reconcile_done(key, stored_done)  # the database is the truth; Redis a copy of it
+    else:
+        stored_done = ledger.done(key)  # as the database's own writer reported it after committing
+    skip = stored_done | (set() if only is not None else ledger.in_flight(key))
     app = make_app(settings)
     ledger.send_to_writer("open_run", run_key=key)
     batches = windows = queued = 0
     sent: list[int] = []
     with app.producer_or_acquire() as producer:
         for batch_id, n_windows, payload in batch_payloads(
-            spec, loaded, params, model=model, dtype=dtype, batch_size=size, text_field=text_field, encoding=encoding,
+            spec, loaded, params, model=model, dtype=dtype, batch_size=size, database_id=ledger.database_id,
+            text_field=text_field, encoding=encoding,
             wanted=lambda b: b not in skip and (only is None or b in only),
         ):
             batches += 1
@@ -108,13 +117,14 @@ def submit(
     meta.update(batches=batches, windows=windows)
     ledger.put_run(key, meta)
     ledger.send_to_writer("open_run", run_key=key)  # the plan is complete
-    result = Submission(key, run_name, size, batches, windows, queued, batches - queued)
+    result = Submission(key, run_name, size, batches, windows, queued, batches - queued, ledger.database_id)
     result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
     return result
 
 
 def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dtype: str, batch_size: int,
-                   text_field: str = "text", encoding: str = "utf-8", wanted: Callable[[int], bool] = lambda _b: True):
+                   database_id: str, text_field: str = "text", encoding: str = "utf-8",
+                   wanted: Callable[[int], bool] = lambda _b: True):
     """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
     engine, so both engines add up the same partial sums."""
@@ -122,7 +132,8 @@ def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dty
     from service.windows import TokenClasses
 
     tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
-    common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key}
+    common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key,
+              "weights_key": loaded.weights_key, "database_id": database_id}
     batches = iter_batches(spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding)
     for batch_id, (batch, docs, _consumed) in enumerate(batches):
         payload = None

@@ -8,6 +8,7 @@ which the writer (workers/writer.py) alone consumes.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import signal
 import socket
@@ -20,23 +21,28 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from workers.app import app
 
 SETTINGS = app.conf.headatlas
+log = logging.getLogger("headatlas.worker")
 _state: dict = {}  # per process: ledger, loaded models
 
 
-def _ledger():
+def _ledger(database_id: str):
     from workers.ledger import Ledger, connect
 
-    if "ledger" not in _state:
-        _state["ledger"] = Ledger(connect(SETTINGS.broker_url, check=False))
-    return _state["ledger"]
+    if "redis" not in _state:
+        _state["redis"] = connect(SETTINGS.broker_url, check=False)
+    return Ledger(_state["redis"], database_id)
 
 
-def _model(spec: str, dtype: str):
-    """The model, loaded on first use in this process (never at import, never before a fork)."""
+def _model(spec: str, dtype: str, weights_key: str | None = None):
+    """The model, loaded on first use in this process (never at import, never before a fork),
+    and again when the batch names other weights (a checkpoint replaced in the same folder)."""
     from service.model import load_model
 
     models = _state.setdefault("models", {})
-    if (spec, dtype) not in models:
+    cached = models.get((spec, dtype))
+    if cached is None or (weights_key and cached.weights_key != weights_key):
+        models.pop((spec, dtype), None)
+        cached = None  # the old weights are freed before the new ones are loaded
         models[(spec, dtype)] = load_model(spec, device=SETTINGS.device, dtype=dtype)
     return models[(spec, dtype)]
 
@@ -44,26 +50,36 @@ def _model(spec: str, dtype: str):
 # --- analysis ------------------------------------------------------------------------------------
 @app.task(name="headatlas.analyze_batch", bind=True, max_retries=None)
 def analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
-    """Analyse one batch. ``batch``: model, dtype, params, tokenizer_key, windows
-    ([window_id, doc_id, index, token ids] + [sentence ids] under --sentences segmenter),
-    documents (rows)."""
+    """Analyse one batch. ``batch``: database_id (the database it is for), model, dtype, params,
+    tokenizer_key, windows ([window_id, doc_id, index, token ids] + [sentence ids] under
+    --sentences segmenter), documents (rows)."""
     with _requeue_on_broker_loss():
         _analyze_batch(self, run_key, batch_id, batch)
 
 
 def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
-    ledger = _ledger()
+    from workers.heartbeat import BatchHeartbeat
+    from workers.lease import SILENT_S
+
+    if "database_id" not in batch:
+        log.warning("batch %s of run %s names no database (queued by an older headatlas): dropped; "
+                    "submit the corpus again", batch_id, run_key)
+        return
+    ledger = _ledger(batch["database_id"])
     if ledger.is_finished(run_key, batch_id):
         return  # delivered again after it was stored
-    attempt = ledger.start(run_key, batch_id, f"{socket.gethostname()}:{os.getpid()}")  # this process, not a parent
+    worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
+    attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
     if attempt > SETTINGS.max_attempts:
         error = ledger.last_error(run_key, batch_id) or "the worker was lost (killed, or out of memory) while analysing it"
         _give_up(ledger, run_key, batch_id, attempt - 1, error)
         return
     try:
-        model = _model(batch["model"], batch["dtype"])  # once per process, outside the batch's time limit
-        with _deadline(0.95 * SETTINGS.task_time_limit_s):
-            payload = _analyse(model, batch)
+        with BatchHeartbeat(ledger, run_key, batch_id, worker):
+            # once per process (and per checkpoint), outside the batch's time limit
+            model = _model(batch["model"], batch["dtype"], batch.get("weights_key"))
+            with _deadline(0.95 * SETTINGS.task_time_limit_s):
+                payload = _analyse(model, batch)
     except Exception as exc:  # noqa: BLE001 - every failure counts against the poison guard
         error = _describe(exc)
         ledger.errored(run_key, batch_id, error)
@@ -99,6 +115,11 @@ def _analyse(model, batch: dict) -> str:
         raise ModelError(
             f"--model {batch['model']}: this worker's tokenizer ({model.tokenizer_key}) differs from the "
             f"submitter's ({batch['tokenizer_key']}); give every machine the same model files"
+        )
+    if batch.get("weights_key", model.weights_key) != model.weights_key:
+        raise ModelError(
+            f"--model {batch['model']}: this worker's weight files ({model.weights_key}) differ from the "
+            f"submitter's ({batch['weights_key']}); give every machine the same model files"
         )
     params = AnalysisParams.from_dict(batch["params"])
     tokens = _state.setdefault(("tokens", model.tokenizer_key), TokenClasses.from_tokenizer(model.tokenizer))

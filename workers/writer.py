@@ -6,6 +6,11 @@ then removed. A writer killed at any point leaves its messages in the processing
 writer puts them back first, and ingest being idempotent (keyed by run and batch), a message
 stored twice counts once. Consecutive batch results are stored in one transaction (group
 commit): opening and closing the DuckDB file costs more than storing a small batch.
+
+The writer holds the ingest queue by a lease (workers/lease.py): a second writer on the same
+broker refuses to start. Messages name the database they are for; one for another database is
+dropped (and forgotten in that database's state, so that submitting there again queues it). A
+thread keeps the lease alive and requeues the batches of workers whose heartbeat stopped.
 """
 
 from __future__ import annotations
@@ -14,15 +19,19 @@ import base64
 import json
 import logging
 import signal
+import threading
 import time
 
 import redis
 from sqlalchemy.engine import Connection
 
 from service.config import Settings
-from service.errors import HeadatlasError, StoreError
+from service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
+from service.results import BatchResult  # numpy only: importing torch here cost seconds inside the first transaction
 from service.storage import queue_store
 from service.storage.store import Store, ingest_batches
+from workers.heartbeat import requeue_lost
+from workers.lease import HEARTBEAT_S, WriterLease
 from workers.ledger import INGEST, PROCESSING, Ledger, connect
 
 log = logging.getLogger("headatlas.writer")
@@ -33,16 +42,71 @@ READER_GAP_S = 0.025  # the file stays closed at least this long between transac
 
 class Writer:
     def __init__(self, settings: Settings):
-        self.store = Store(settings.db)
-        self.store.ensure_schema()  # a stale database fails now, not on the first batch
-        self.ledger = Ledger(connect(settings.broker_url, check=False))
+        from service.storage.db import read_database_id
+
+        self.settings = settings
+        client = connect(settings.broker_url, check=False)
+        self.lease = WriterLease(client, settings.db, settings.broker_url)
+        while True:  # a writer started before Redis (compose brings both up) waits for it
+            try:
+                self.lease.acquire()  # before touching the file: a refused writer changes nothing
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("broker unreachable (%s); waiting for it", exc)
+                time.sleep(1.0)
+        try:
+            self.store = Store(settings.db)
+            self.store.ensure_schema()  # a stale database fails now, not on the first batch
+            self.database_id = read_database_id(settings.db)
+            self.lease.set_database(self.database_id)
+        except BaseException:
+            self.lease.release()
+            raise
+        self.ledger = Ledger(client, self.database_id)
         self.run_ids: dict[str, int] = {}
         self.stopping = False
+        self.lost_lease = False
+        self._keeper_stop = threading.Event()
+
+    # --- lease and lost workers (a thread: a long transaction must not silence the lease) ------
+    def _keep(self) -> None:
+        from workers.app import broker_options
+
+        options = broker_options(self.settings)
+        while not self._keeper_stop.wait(HEARTBEAT_S):
+            try:
+                if not self.lease.refresh():
+                    log.error("another writer took the ingest queue (this one was silent too long); stopping")
+                    self.lost_lease = self.stopping = True
+                    return
+                for lost in requeue_lost(self.ledger, self.settings.broker_url, options):
+                    e = lost.entry
+                    log.warning("run %s batch %s: worker %s lost (no heartbeat for %.0f s); %s", lost.run_key,
+                                e.batch_id, e.worker, time.time() - e.beat,
+                                "requeued" if lost.requeued else "its pool had requeued it")
+            except redis.RedisError as exc:
+                log.warning("lease and lost-worker sweep: broker unreachable (%s); retrying", exc)
+            except Exception:  # noqa: BLE001 - the sweep must not stop the lease's heartbeat
+                log.exception("lost-worker sweep failed; retrying")
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)  # finish the group in hand, then leave
+        keeper = threading.Thread(target=self._keep, name="writer-lease", daemon=True)
+        keeper.start()
+        try:
+            self._loop()
+        finally:
+            self._keeper_stop.set()
+            keeper.join(timeout=10)
+            if not self.lost_lease:
+                self.lease.release()
+        if self.lost_lease:
+            raise WriterConflict(f"another writer took the ingest queue of {self.settings.broker_url}: "
+                                 "run one writer per broker")
+
+    def _loop(self) -> None:
         recovered = False
         while not self.stopping:
             try:
@@ -54,9 +118,7 @@ class Writer:
                 log.warning("broker unreachable (%s); retrying", exc)
                 recovered = False  # what was taken is back in the queue once Redis answers
                 time.sleep(1.0)
-            except StoreError as exc:
-                if "busy" not in str(exc):
-                    raise
+            except StoreBusy as exc:
                 log.warning("%s; retrying", exc)
                 recovered = False
                 time.sleep(1.0)
@@ -97,6 +159,9 @@ class Writer:
         """In order; consecutive batch results and failures share one transaction."""
         group: list[dict] = []
         for msg in messages:
+            if msg.get("database_id") != self.database_id:
+                self._not_ours(msg)
+                continue
             if msg["kind"] in ("ingest", "failed"):
                 group.append(msg)
                 continue
@@ -110,10 +175,30 @@ class Writer:
                     queue_store.reopen_failed(self.store, run_id)
         self._store_group(group)
 
+    def _not_ours(self, msg: dict) -> None:
+        """A message for another database (its writer was replaced): never stored here. Its
+        database forgets it was in flight, so submitting there again queues the batch."""
+        other = msg.get("database_id")
+        log.warning("dropped a %s message of run %s for database %s: this writer stores into %s (database %s)",
+                    msg["kind"], msg.get("run_key"), other, self.settings.db, self.database_id)
+        if not other:
+            return
+        ledger = Ledger(self.ledger.r, other)
+        if msg["kind"] in ("ingest", "failed"):
+            ledger.forget(msg["run_key"], msg["batch_id"])
+        elif msg["kind"] == "open_run":
+            ledger.set_run_error(msg["run_key"], (
+                f"the writer on {self.settings.broker_url} now stores into {self.settings.db} (database "
+                f"{self.database_id[:8]}), not into database {other[:8]}: submit again"))
+
     def _open_run(self, run_key: str) -> None:
         self.ledger.writer_state("opening", run=run_key)
         try:
-            self._run_id(run_key, refresh=True)
+            run_id = self._run_id(run_key, refresh=True)
+            if run_id is not None:
+                with self.store.write() as conn:
+                    self.ledger.reconcile_done(run_key, queue_store.stored_batches(conn, run_id))
+                    self._publish(conn, run_key, run_id)
         except HeadatlasError as exc:
             self.ledger.set_run_error(run_key, str(exc))  # the submitter is waiting for it
         finally:
@@ -138,19 +223,24 @@ class Writer:
         known = [(m, self._run_id(m["run_key"])) for m in group]
         known = [(m, r) for m, r in known if r is not None]
         self.ledger.writer_state("ingesting", batches=len(known))
+        summaries: dict[str, queue_store.Summary] = {}
         try:
             try:
                 with self.store.write() as conn:
                     outcomes = [self._apply(conn, m, run_id) for m, run_id in known]
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
-            except StoreError as exc:
-                if "busy" in str(exc):
-                    raise  # a reader held the file for long: the messages stay in processing
+                    summaries = {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
+            except StoreBusy:
+                raise  # a reader held the file for long: the messages stay in processing
+            except StoreError:
                 outcomes = self._one_by_one(known)
             except Exception:  # noqa: BLE001 - a message the database refuses must not stop the writer
                 log.exception("a group of %d message(s) failed; storing them one by one", len(known))
                 outcomes = self._one_by_one(known)
+            if not summaries:
+                with self.store.write() as conn:
+                    summaries = {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
         finally:
             self.ledger.writer_state("idle")
         pipe = self.ledger.r.pipeline()
@@ -158,6 +248,18 @@ class Writer:
             if failed is not None:
                 self.ledger.finished(msg["run_key"], msg["batch_id"], failed=failed, windows=windows, pipe=pipe)
         pipe.execute()
+        for run_key, summary in summaries.items():
+            self._announce(run_key, summary)
+
+    def _publish(self, conn: Connection, run_key: str, run_id: int) -> None:
+        self._announce(run_key, queue_store.summary(conn, run_id))
+
+    def _announce(self, run_key: str, summary: "queue_store.Summary") -> None:
+        """What the database now holds for the run, for `submit --wait` and the sweep."""
+        self.ledger.set_run_status(run_key, summary.status, done=summary.done, failed=summary.failed,
+                                   windows=summary.windows)
+        if summary.status in ("done", "failed") and not self.ledger.in_flight(run_key):
+            self.ledger.inactive(run_key)  # nothing of it runs any more: no need to sweep it
 
     def _one_by_one(self, known):
         """After a group failed: each message in its own transaction, a bad one marked failed."""
@@ -167,9 +269,9 @@ class Writer:
                 with self.store.write() as conn:
                     outcome = self._apply(conn, msg, run_id)
                     queue_store.finish_if_complete(conn, run_id)
+            except StoreBusy:
+                raise
             except Exception as exc:  # noqa: BLE001 - recorded on the batch, shown by `headatlas status`
-                if isinstance(exc, StoreError) and "busy" in str(exc):
-                    raise
                 error = str(exc) if isinstance(exc, StoreError) else f"{type(exc).__name__}: {exc}"
                 with self.store.write() as conn:
                     changed = queue_store.mark_failed(conn, run_id, msg["batch_id"], attempts=1, error=error)
@@ -180,8 +282,6 @@ class Writer:
 
     def _apply(self, conn: Connection, msg: dict, run_id: int) -> tuple[bool | None, int]:
         """(failed?, windows newly counted); failed is None when nothing changed."""
-        from service.analysis import BatchResult
-
         if msg["kind"] == "failed":
             changed = queue_store.mark_failed(conn, run_id, msg["batch_id"], attempts=msg["attempts"], error=msg["error"])
             return (True if changed else None), 0

@@ -8,6 +8,8 @@ for it with ``retry_on_lock`` instead of failing.
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -17,11 +19,14 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from service.errors import StoreError
-from service.storage.readonly import retry_on_lock
+from service.errors import StoreBusy, StoreError
+from service.storage.readonly import MAX_RETRY_DELAY_S, retry_on_lock
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 LOCK_WAIT_S = 30.0
+# DuckDB refuses a read-only and a read-write connection to one file in one process at once:
+# threads of one process (beat's tick and the fires it runs) open the file in turn.
+_PROCESS_LOCK = threading.RLock()
 
 
 def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
@@ -40,14 +45,36 @@ def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float
         raise StoreError(f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
     engine = make_engine(path, read_only=read_only)
     try:
-        conn = retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
-        try:
+        with _connected(engine, path, lock_wait_s) as conn:
             with conn.begin():
                 yield conn
-        finally:
-            conn.close()
     finally:
         engine.dispose()
+
+
+@contextmanager
+def _connected(engine: Engine, path: str | Path, lock_wait_s: float) -> Iterator[Connection]:
+    """A connection, with this process's lock held while it is open. Waiting for another
+    process's file lock happens outside it, so this process's other threads are not held up."""
+    deadline, delay = time.monotonic() + lock_wait_s, 0.05
+    while True:
+        with _PROCESS_LOCK:
+            try:
+                conn = retry_on_lock(engine.connect, wait_s=0, what=str(path))
+            except StoreBusy:
+                conn = None
+            if conn is not None:
+                try:
+                    yield conn
+                finally:
+                    conn.close()
+                return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreBusy(f"{path} is busy: another process is writing to it and held its lock for more than "
+                            f"{lock_wait_s:g} s; retry when that process finishes")
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
 
 @lru_cache(maxsize=1)
@@ -83,17 +110,18 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
     from alembic import command
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = make_engine(path)
-    try:
-        with retry_on_lock(engine.connect, wait_s=LOCK_WAIT_S, what=str(path)) as conn:
-            before = current_revision(conn)
-            config = _alembic_config()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-            conn.commit()
-            return before, current_revision(conn)
-    finally:
-        engine.dispose()
+    with _PROCESS_LOCK:
+        engine = make_engine(path)
+        try:
+            with retry_on_lock(engine.connect, wait_s=LOCK_WAIT_S, what=str(path)) as conn:
+                before = current_revision(conn)
+                config = _alembic_config()
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
+                conn.commit()
+                return before, current_revision(conn)
+        finally:
+            engine.dispose()
 
 
 def check_schema(conn: Connection, path: str | Path) -> None:
@@ -122,3 +150,16 @@ def ensure_schema(path: str | Path) -> None:
 
 def _has_tables(conn: Connection) -> bool:
     return bool(conn.execute(text("SELECT count(*) FROM information_schema.tables")).scalar())
+
+
+def database_id(conn: Connection) -> str:
+    """The random id this database was given at creation (migration 0005): state kept outside
+    the file on its behalf (broker keys, a writer's lease) is scoped by it."""
+    return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar_one()
+
+
+def read_database_id(path: str | Path) -> str:
+    """The id of the database at ``path``, read-only; a stale schema is refused first."""
+    with transaction(path, read_only=True) as conn:
+        check_schema(conn, path)
+        return database_id(conn)

@@ -34,6 +34,29 @@ class Progress:
     errors: list[tuple[int, int, str]]  # (batch_id, attempts, error) of failed batches
 
 
+@dataclass(frozen=True)
+class Summary:
+    """A queued run as the database holds it: its status, batches stored and failed, windows."""
+
+    status: str
+    done: int
+    failed: int
+    windows: int
+
+
+def summary(conn: Connection, run_id: int) -> Summary:
+    status = conn.execute(text("SELECT status FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
+    done, failed = _counts(conn, run_id)
+    windows = conn.execute(text("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'"),
+                           {"r": run_id}).scalar()
+    return Summary(status, done, failed, int(windows))
+
+
+def stored_batches(conn: Connection, run_id: int) -> set[int]:
+    return {r[0] for r in conn.execute(
+        text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id})}
+
+
 def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
     from service.storage.store import RUN_COLUMNS
 

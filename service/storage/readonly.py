@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import duckdb
 
-from service.errors import ParameterError, StoreError
+from service.errors import ParameterError, StoreBusy, StoreError
 
 T = TypeVar("T")
 
@@ -44,6 +44,7 @@ READONLY_CONFIG: dict[str, str | bool] = {
     "lock_configuration": True,
 }
 
+MAX_RETRY_DELAY_S = 0.2
 _ALLOWED = "only one SELECT or WITH … SELECT statement is allowed"
 _LOCK_WORD = re.compile(r"\block\b", re.IGNORECASE)
 _LEADING_COMMENTS = re.compile(r"^(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.DOTALL)
@@ -90,7 +91,9 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
 
     DuckDB lets one process hold a file for writing and refuses every other process meanwhile,
     even read-only ones ("Could not set lock on file … Conflicting lock is held"). Waits back
-    off exponentially (50 ms doubling, capped at 1 s). Works on raw duckdb errors and on
+    off exponentially (50 ms doubling, capped at 200 ms: a failed try costs a few milliseconds,
+    and a longer cap made a waiting process miss the writer's gaps for seconds — a beat fire
+    came 3 s late). Works on raw duckdb errors and on
     SQLAlchemy errors wrapping them. Other errors pass through at once.
     """
     deadline = time.monotonic() + wait_s
@@ -103,12 +106,12 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StoreError(
+                raise StoreBusy(
                     f"{what} is busy: another process is writing to it and held its lock for "
                     f"more than {wait_s:g} s; retry when that process finishes"
                 ) from error
             time.sleep(min(delay, left))
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
 
 @contextmanager

@@ -63,9 +63,9 @@ def now() -> datetime:
 
 
 @contextmanager
-def read(path: str | Path):
+def read(path: str | Path, *, lock_wait_s: float = db.LOCK_WAIT_S):
     """A read transaction on a database whose schema is current."""
-    with db.transaction(path, read_only=True) as conn:
+    with db.transaction(path, read_only=True, lock_wait_s=lock_wait_s) as conn:
         db.check_schema(conn, path)
         yield conn
 

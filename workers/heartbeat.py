@@ -1,0 +1,89 @@
+"""Lost workers noticed in seconds: a heartbeat per running batch, and the sweep that requeues
+a batch whose heartbeat stopped.
+
+A worker process refreshes its batch's heartbeat from a thread while it analyses the batch
+(``BatchHeartbeat``). A process killed with SIGKILL, by the out-of-memory killer or with its
+node stops refreshing; once silent for ``SILENT_S`` the writer's sweep (``requeue_lost``)
+moves the batch from running to lost and puts its unacknowledged message back at the head of
+the analysis queue, whatever the task time limit. Late acknowledgement and the visibility
+timeout stay as the second line of defence (no writer running, a message never started).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+
+import redis
+
+from workers.lease import HEARTBEAT_S, SILENT_S
+from workers.ledger import Ledger, Running
+
+log = logging.getLogger("headatlas.heartbeat")
+
+
+class BatchHeartbeat:
+    """``with BatchHeartbeat(ledger, run_key, batch_id, worker):`` keeps the batch alive."""
+
+    def __init__(self, ledger: Ledger, run_key: str, batch_id: int, worker: str):
+        self.ledger, self.run_key, self.batch_id, self.worker = ledger, run_key, batch_id, worker
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{batch_id}", daemon=True)
+
+    def __enter__(self) -> "BatchHeartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                if not self.ledger.beat(self.run_key, self.batch_id, self.worker, SILENT_S):
+                    return  # declared lost and requeued (we were silent too long): another worker has it
+            except redis.RedisError as exc:  # Redis away: the task's own error handling decides
+                log.warning("heartbeat of batch %s: %s", self.batch_id, exc)
+
+
+@dataclass
+class LostBatch:
+    run_key: str
+    entry: Running
+    requeued: bool  # False: the message was no longer unacknowledged (a pool requeued it already)
+
+
+def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> list[LostBatch]:
+    """Every running batch of this database's active runs whose heartbeat stopped: declared lost
+    (once, atomically) and its message put back at the head of the analysis queue."""
+    lost = []
+    for run_key in ledger.active_runs():
+        for entry in ledger.silent(run_key):
+            if ledger.declare_lost(run_key, entry):
+                requeued = restore_message(broker_url, transport_options, entry.task_id, entry.beat)
+                lost.append(LostBatch(run_key, entry, requeued))
+    return lost
+
+
+def restore_message(broker_url: str, transport_options: dict, task_id: str, last_beat: float) -> bool:
+    """Put the unacknowledged message of ``task_id`` back at the head of its queue, next to be
+    taken (kombu's own restore, as its visibility-timeout sweep does; kombu publishes on the
+    left and takes from the right). False when it is not unacknowledged, or was delivered
+    again after ``last_beat`` (a prefork pool requeued it and a live process holds it now)."""
+    from kombu import Connection
+
+    with Connection(broker_url, transport_options=transport_options) as conn:
+        channel = conn.default_channel
+        for tag, raw in channel.client.hgetall(channel.unacked_key).items():
+            message = json.loads(raw)[0]
+            if message.get("headers", {}).get("id") != task_id:
+                continue
+            delivered = channel.client.zscore(channel.unacked_index_key, tag)
+            if delivered is not None and delivered > last_beat:
+                return False
+            channel.qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=False)
+            return True
+    return False

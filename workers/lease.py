@@ -1,0 +1,165 @@
+"""Who stores what: the writer's lease on the ingest queue, and the database a submission is for.
+
+A broker has one ingest queue and one writer consuming it. The writer holds a lease: a Redis key
+naming its database (file and id), host and pid, that expires unless a thread refreshes it. A
+second writer refuses to start while the lease lives, with a one-line error naming the first
+one's database; a submitter learns from the lease which database its batches are for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from service.errors import StoreError, WriterConflict
+
+LEASE = "headatlas:writer:lease"
+HEARTBEAT_S = 2.0  # a writer's lease and a worker's batch are refreshed this often …
+SILENT_S = 5 * HEARTBEAT_S  # … and count as gone when silent this long
+
+# Refresh only our own lease: after a stall long enough for another writer to take over, the
+# stalled one must find out, not take the queue back.
+_REFRESH = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local lease = cjson.decode(raw)
+if lease.token ~= ARGV[1] then return 0 end
+lease.beat = tonumber(ARGV[2])
+if ARGV[3] ~= '' then lease.database_id = ARGV[3] end
+redis.call('SET', KEYS[1], cjson.encode(lease), 'PX', tonumber(ARGV[4]))
+return 1
+"""
+
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3]))
+return 1
+"""
+
+_RELEASE = """
+local raw = redis.call('GET', KEYS[1])
+if raw and cjson.decode(raw).token == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The writer holding the ingest queue."""
+
+    db: str
+    database_id: str | None  # None while it is still opening its database
+    host: str
+    pid: int
+    beat: float  # last refresh, epoch seconds
+    token: str
+
+    def describe(self) -> str:
+        ident = f"database {self.database_id[:8]}" if self.database_id else "database being opened"
+        return f"{self.db} ({ident}), written by {self.host}:{self.pid}"
+
+
+def holder(client: redis.Redis) -> tuple[Holder | None, bytes | None]:
+    raw = client.get(LEASE)
+    if raw is None:
+        return None, None
+    data = json.loads(raw)
+    return Holder(data["db"], data.get("database_id"), data["host"], int(data["pid"]), float(data["beat"]),
+                  data["token"]), raw
+
+
+class WriterLease:
+    def __init__(self, client: redis.Redis, db: str | Path, broker_url: str):
+        self.r, self.db, self.broker_url = client, str(Path(db).resolve()), broker_url
+        self.token = uuid.uuid4().hex
+        self.database_id: str | None = None
+
+    def _value(self) -> str:
+        return json.dumps({"db": self.db, "database_id": self.database_id, "host": socket.gethostname(),
+                           "pid": os.getpid(), "beat": time.time(), "token": self.token})
+
+    def acquire(self) -> None:
+        """Take the ingest queue, or raise WriterConflict naming the writer that holds it."""
+        ttl = int(SILENT_S * 1000)
+        if self.r.set(LEASE, self._value(), nx=True, px=ttl):
+            return
+        other, raw = holder(self.r)
+        if other is not None and _left_behind(other):
+            # a writer of this machine that no longer runs (killed): no need to wait for expiry
+            if self.r.eval(_TAKE_OVER, 1, LEASE, raw, self._value(), ttl):
+                return
+        other, _raw = holder(self.r)
+        if other is None:  # expired meanwhile
+            return self.acquire()
+        age = max(0.0, time.time() - other.beat)
+        raise WriterConflict(
+            f"the ingest queue of {self.broker_url} is held by another live writer: {other.describe()}, "
+            f"heartbeat {age:.0f} s ago; stop that writer first, or give this database its own broker "
+            "(--broker, e.g. another Redis database number)"
+        )
+
+    def set_database(self, database_id: str) -> None:
+        self.database_id = database_id
+        if not self.refresh():
+            raise WriterConflict(f"this writer lost the ingest queue of {self.broker_url} while opening {self.db}: "
+                                 "another writer took it; stop one of them")
+
+    def refresh(self) -> bool:
+        """False when the lease is no longer ours."""
+        return bool(self.r.eval(_REFRESH, 1, LEASE, self.token, f"{time.time():.3f}", self.database_id or "",
+                                int(SILENT_S * 1000)))
+
+    def release(self) -> None:
+        self.r.eval(_RELEASE, 1, LEASE, self.token)
+
+
+def _left_behind(other: Holder) -> bool:
+    """A lease left by a process of this machine that is gone (or by this very process)."""
+    if other.host != socket.gethostname():
+        return False
+    if other.pid == os.getpid():
+        return True
+    try:
+        os.kill(other.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float) -> str:
+    """The id of the database a submission's batches are for.
+
+    The live writer's database when one holds the ingest queue (``db``, when readable here,
+    must be that same database); else ``db`` read from here (the batches wait for its writer).
+    With neither, wait up to ``wait_s`` for a writer to start."""
+    from service.storage.db import read_database_id
+
+    local = read_database_id(db) if Path(db).is_file() else None
+    deadline = time.monotonic() + wait_s
+    while True:
+        other, _raw = holder(client)
+        if other is not None and other.database_id:
+            if local is not None and local != other.database_id:
+                raise WriterConflict(
+                    f"--db {db} is database {local[:8]}, but the writer on {broker_url} stores into "
+                    f"{other.describe()}: pass --db {other.db}, or stop that writer and start one on {db}; "
+                    "nothing was queued"
+                )
+            return other.database_id
+        if local is not None and other is None:
+            return local
+        if time.monotonic() >= deadline:
+            raise StoreError(
+                f"no writer holds the ingest queue of {broker_url} and there is no database at {db} to read here: "
+                "start `headatlas writer` on this broker (it creates the database), or pass --db; nothing was queued"
+            )
+        time.sleep(0.2)
