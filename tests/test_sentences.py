@@ -230,9 +230,10 @@ def test_every_analysis_command_takes_sentences():
 # --- punct reproduces earlier runs -----------------------------------------------------------
 
 # A punct run of the tiny model on the shipped excerpt (seq_len 128, batch size 32), as stored by
-# the code before the segmenter existed: run key, run_chance sums (windows, pairs,
-# same_sentence_pairs, same_token_pairs) and same_sentence_high per (layer, head).
-EARLIER_RUN_KEY = "915f37b26e59bce804759bcb"
+# the code before the segmenter existed: run_chance sums (windows, pairs, same_sentence_pairs,
+# same_token_pairs) and same_sentence_high per (layer, head). (Its run key then was
+# 915f37b26e59bce804759bcb; run keys now also hold the weights' identity, so only the parameters'
+# part, PUNCT_PARAMS_KEY, stays as it was.)
 EARLIER_CHANCE = [52, 373522, 86035, 5027]
 EARLIER_SAME_SENTENCE_HIGH = [1849, 1675, 1685, 1569, 1684, 1808, 1638, 1630]
 
@@ -259,13 +260,15 @@ def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, 
     summary = survey_corpus(spec)
     db = str(tmp_path / "punct.duckdb")
     run = analyze_corpus(spec, store=Store(db), model=tiny_model, params=PUNCT, corpus=summary, batch_size=32)
-    assert _stored_sums(db, run.run_id) == (EARLIER_RUN_KEY, EARLIER_CHANCE, EARLIER_SAME_SENTENCE_HIGH)
+    punct_key, chance, heads = _stored_sums(db, run.run_id)
+    assert (chance, heads) == (EARLIER_CHANCE, EARLIER_SAME_SENTENCE_HIGH)
+    assert run.params == PUNCT.to_dict() and PUNCT.key() == PUNCT_PARAMS_KEY
 
     # the segmenter is another run, with fewer false breaks: more pairs share a sentence
     db = str(tmp_path / "segmenter.duckdb")
     run = analyze_corpus(spec, store=Store(db), model=tiny_model, params=SEGMENTER, corpus=summary, batch_size=32)
     key, chance, _heads = _stored_sums(db, run.run_id)
-    assert key != EARLIER_RUN_KEY
+    assert key != punct_key
     assert chance[:2] == EARLIER_CHANCE[:2] and chance[3] == EARLIER_CHANCE[3]
     assert chance[2] > EARLIER_CHANCE[2]
 
