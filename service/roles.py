@@ -70,6 +70,11 @@ RULES: tuple[Rule, ...] = (
 ROLE_ORDER = tuple(r.role for r in RULES)
 ROLE_METRICS = tuple(dict.fromkeys(r.metric for r in RULES))
 
+ROLES_NOTE = (
+    "a role is earned when the lower bound of the metric's 95% interval reaches the threshold (SPEC §7); "
+    "*_lift_dm: against distance-matched chance; attn_*_lift: against uniform attention; primary: the head's "
+    "most specific role"
+)
 COLUMNS = ["layer", "head", "role", "primary", "metric", "value", "value_lo", "value_hi", "threshold", "bound",
            "rule"]
 
