@@ -30,8 +30,13 @@ ATLAS_ROLES = (*roles.ROLE_ORDER, roles.NONE)
 
 
 def atlas_size(n_layers: int, n_heads: int) -> tuple[float, float]:
-    """Inches: cells stay about 0.6 × 0.45 in, room for the legend on the right."""
-    return round(max(8.0, 3.6 + 0.62 * n_heads), 2), round(max(4.5, 1.6 + 0.45 * n_layers), 2)
+    """Inches (whole quarters, so pixel and point sizes are exact): cells stay about 0.6 × 0.45 in,
+    with room for the legend on the right."""
+    return _quarter(max(8.0, 3.6 + 0.62 * n_heads)), _quarter(max(4.5, 1.6 + 0.45 * n_layers))
+
+
+def _quarter(inches: float) -> float:
+    return math.ceil(inches * 4) / 4
 
 
 def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_heads: int, title: str) -> tuple:
@@ -83,7 +88,7 @@ def run_atlas(conn, run) -> tuple:
 
 # --- compare ------------------------------------------------------------------------------------
 def compare_size(panels: int) -> tuple[float, float]:
-    return 15.0, round(0.8 + 3.6 * math.ceil(panels / 3), 2)
+    return 15.0, _quarter(0.8 + 3.6 * math.ceil(panels / 3))
 
 
 def figure_compare(profile_a, profile_b, *, metrics: list[str], labels: tuple[str, str], depths: tuple[int, int],

@@ -62,7 +62,8 @@ def align_layers(n_a: int, n_b: int) -> list[tuple[int, int]]:
     pairs = []
     for s in range(shallow):
         target = relative_depth(s, shallow)
-        d = min(range(deep), key=lambda l: (abs(relative_depth(l, deep) - target), l))
+        # rounded: equal distances must tie exactly (then the lower layer wins), whatever float error says
+        d = min(range(deep), key=lambda l: (round(abs(relative_depth(l, deep) - target), 9), l))
         pairs.append((s, d) if n_a < n_b else (d, s))
     return pairs
 
