@@ -1,6 +1,6 @@
-"""`headatlas compare`, `analyze --control` and `plot compare` on real stored runs (DuckDB, no mocks):
-the default model and its random-weights control on the excerpt's first two documents, and two
-random models of different depths."""
+"""`headatlas compare`, `analyze --control`, `plot compare` and the head atlas on real stored runs
+(DuckDB, no mocks): the default model and its random-weights control on the excerpt's first
+document (10 windows), and two random models of different depths."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory, real_model, tiny_model, demo_corpus):
-    """One database: the default model and its control on two documents; random:tiny (2 layers)
-    on the same two; a 4-layer random model on the third document (other windows)."""
+    """One database: the default model and its control on one document; random:tiny (2 layers)
+    on the same one; a 4-layer random model on the second document (other windows)."""
     from service.analysis_options import build_params
     from service.model import control_model, load_model
     from service.runner import analyze_corpus, survey_corpus
@@ -28,13 +28,13 @@ def stored(tmp_path_factory, real_model, tiny_model, demo_corpus):
 
     folder = tmp_path_factory.mktemp("compare")
     db = folder / "results.duckdb"
-    small = corpus_of(demo_corpus, folder, slice(0, 2), "small")
-    third = corpus_of(demo_corpus, folder, slice(2, 3), "third")
+    small = corpus_of(demo_corpus, folder, slice(0, 1), "small")
+    other = corpus_of(demo_corpus, folder, slice(1, 2), "other")
     real = analyse(small, db, real_model, name="small")
     control = analyze_corpus(str(small), store=Store(db), model=control_model(real_model), params=build_params(),
                              corpus=survey_corpus(str(small)), batch_size=8, control_of=real)
     tiny = analyse(small, db, tiny_model, name="tiny")
-    deep = analyse(third, db, load_model("random:4,4,32", device="cpu"), name="deep")
+    deep = analyse(other, db, load_model("random:4,4,32", device="cpu"), name="deep")
     return db, {"real": real, "control": control, "tiny": tiny, "deep": deep}
 
 
@@ -227,7 +227,8 @@ def test_analyze_control_from_the_command_line(cli, tmp_path, demo_corpus):
     from service import compare
     from service.storage.store import Store, resolve_run
 
-    corpus = corpus_of(demo_corpus, tmp_path, slice(0, 1), "one")
+    corpus = tmp_path / "one.txt"  # a paragraph: the command's wiring is under test, not the numbers
+    corpus.write_text(demo_corpus.read_text(encoding="utf-8")[:1200], encoding="utf-8")
     db = tmp_path / "cli.duckdb"
     done = cli("analyze", str(corpus), "--model", "random:tiny", "--control", "--name", "one", "-q", "--db", str(db))
     assert done.returncode == 0, done.stderr
