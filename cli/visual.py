@@ -120,9 +120,19 @@ def _plot(kind: str, run: Optional[str], db: str, out: Path, dpi: int, **options
 
 
 @plot_app.command("distances")
-def plot_distances(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+def plot_distances(
+    run: Optional[str] = RunOpt,
+    split: Optional[str] = typer.Option(None, "--split", help="attended: the profiles of attended (signal) and not-attended (noise) pairs, each against chance."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
     """Distance distribution of the high-similarity pairs per layer against the chance profile."""
-    _plot("distances", run, db, out, dpi)
+    from service.errors import ParameterError
+
+    if split not in (None, "attended"):
+        raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
+    _plot("distances", run, db, out, dpi, split=split)
 
 
 @plot_app.command("boundaries")
