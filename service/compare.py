@@ -162,8 +162,14 @@ def compare(conn: Connection, run_a, run_b, *, metrics: Sequence[str] | None = N
         units = [((l, h), (l, h)) for l in range(run_a.n_layers) for h in range(run_a.n_heads)
                  if (layer is None or l == layer) and (head is None or h == head)]
     else:
-        units = [((la,), (lb,)) for la, lb in align_layers(run_a.n_layers, run_b.n_layers)
-                 if layer is None or la == layer]
+        pairs = align_layers(run_a.n_layers, run_b.n_layers)
+        units = [((la,), (lb,)) for la, lb in pairs if layer is None or la == layer]
+        if not units:  # a deeper A has layers with no partner in the shallower B
+            raise ParameterError(
+                f"--layer {layer}: run A ({run_a.name}, {run_a.n_layers} layers) pairs only its layers "
+                f"{', '.join(str(la) for la, _ in pairs)} with run B's {run_b.n_layers} (nearest relative depth); "
+                "pass one of those"
+            )
     rows = []
     for key_a, key_b in units:
         reps_a, reps_b = values_a.get(key_a, {}), values_b.get(key_b, {})

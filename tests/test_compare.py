@@ -163,6 +163,10 @@ def test_different_depths_are_aligned_by_relative_depth(conn, stored):
         assert d["difference_hi"] - d["difference"] == pytest.approx(h)
     columns, rows = compare.compare(conn, runs["deep"], runs["tiny"], metrics=["mean_distance"])
     assert [(r[0], r[1]) for r in rows] == [(0, 0), (2, 1)]
+    from service.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="--layer 1: run A .* pairs only its layers 0, 2 with run B's 2"):
+        compare.compare(conn, runs["deep"], runs["tiny"], layer=1)
 
 
 def test_head_comparison_needs_one_shape_and_options_are_checked(cli, conn, stored):
