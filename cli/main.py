@@ -340,6 +340,9 @@ def compare(
         columns, rows = comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)
     floor = (" (B is A's random-weights control: the floor every claim should beat)"
              if comparison.is_control(a, b) else "")
+    differ = comparison.parameter_differences(a, b)
+    if differ and fmt == Format.table:
+        stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
     table = comparison.TABLE_COLUMNS if (heads or head is not None) else [c for c in comparison.TABLE_COLUMNS
                                                                           if c != "head"]
     render_metrics(columns, rows, fmt, table_columns=table, note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",

@@ -180,6 +180,14 @@ def compare(conn: Connection, run_a, run_b, *, metrics: Sequence[str] | None = N
     return list(COLUMNS), rows
 
 
+def parameter_differences(run_a, run_b) -> list[str]:
+    """The analysis parameters in which the runs differ ("select: top:0.02 vs top:0.05"): a
+    difference in metrics may come from them rather than from the models or corpora."""
+    keys = sorted((set(run_a.params) | set(run_b.params)) - {"control_of"})
+    return [f"{k}: {run_a.params.get(k)} vs {run_b.params.get(k)}" for k in keys
+            if run_a.params.get(k) != run_b.params.get(k)]
+
+
 def control_of(conn: Connection, run) -> object | None:
     """The random-weights control run of ``run`` (analysed with ``--control``), or None."""
     from service.storage.store import resolve_run

@@ -297,3 +297,14 @@ def test_atlas_of_the_stored_run_is_its_primary_roles(conn, stored, tmp_path):
     assert [[atlas_plots.ATLAS_ROLES[int(v)] for v in line] for line in drawn] == grid
     width, height = atlas_plots.atlas_size(real.n_layers, real.n_heads)
     check_png(plots.save(fig, tmp_path / "atlas.png"), (round(width * plots.DPI), round(height * plots.DPI)))
+
+
+def test_parameter_differences_are_named_and_the_link_is_not_one(stored):
+    from types import SimpleNamespace
+
+    from service import compare
+
+    runs = stored[1]
+    assert compare.parameter_differences(runs["real"], runs["control"]) == []
+    other = SimpleNamespace(params={**runs["real"].params, "select": "top:0.05"})
+    assert compare.parameter_differences(runs["real"], other) == ["select: top:0.02 vs top:0.05"]
