@@ -125,3 +125,31 @@ def test_atlas_figure_shows_each_heads_primary_role_readably(shape, tmp_path):
         assert (np.abs(rgb - target).max(axis=2) < 3).sum() > 200, role
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend[0].startswith("P  previous-token (")
+
+
+def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
+    """Such a run (built by hand as headatlas stored it then) has no intervals: compare says so
+    instead of a verdict; roles test the values (known answers: none here)."""
+    from service import compare, roles
+    from service.storage import db
+    from service.storage.store import Store, resolve_run
+    from tests.test_baselines import database_at_0005, insert_old_run
+
+    path = tmp_path / "old.duckdb"
+    database_at_0005(path)
+    run_id = insert_old_run(path)
+    db.upgrade(path)
+    with Store(path).checked_read() as conn:
+        run = resolve_run(conn, run_id)
+        columns, rows = compare.compare(conn, run, run, metrics=["mean_distance", "attn_to_cls_lift",
+                                                                  "repetition_words_lift_dm"], heads=True)
+        verdicts = {(r[columns.index("head")], r[columns.index("metric")]): r[columns.index("verdict")] for r in rows}
+        assert verdicts[(0, "mean_distance")] == "no interval"
+        assert verdicts[(0, "attn_to_cls_lift")] == "no interval"
+        assert verdicts[(0, "repetition_words_lift_dm")] == "no value"  # needs a sum the old run lacks
+        columns, rows = roles.roles(conn, run_id)
+    # by hand (no interval, so the values are tested): [CLS] gets (3.0 + 1.5) / 3 = 1.5× and
+    # (6.0 + 3.0) / 3 = 3× uniform attention (< 10); all similar pairs are within 4 tokens, but so
+    # are 148 of the 150 pairs of these 8-token windows (3 × chance > 1); entropy 15/36 and 18/36
+    # nats against ln 12: no role for either head
+    assert [(r[0], r[1], r[2]) for r in rows] == [(0, 0, roles.NONE), (0, 1, roles.NONE)]
