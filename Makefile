@@ -55,11 +55,13 @@ DEMO_TXT := service/data/wiki_excerpt.txt
 readme-images: install
 	mkdir -p $(IMG) build
 	rm -f $(IMG_DB)
-	$(VENV)/bin/headatlas analyze $(DEMO_TXT) --name demo --db $(IMG_DB) --quiet
+	$(VENV)/bin/headatlas analyze $(DEMO_TXT) --name demo --control --db $(IMG_DB) --quiet
 	$(VENV)/bin/headatlas plot distances --run demo --db $(IMG_DB) --out $(IMG)/distances.png --dpi 70
 	$(VENV)/bin/headatlas plot boundaries --run demo --db $(IMG_DB) --out $(IMG)/boundaries.png --dpi 70
 	$(VENV)/bin/headatlas plot heads --run demo --metric within_sentence_lift --db $(IMG_DB) --out $(IMG)/heads.png --dpi 70
 	$(VENV)/bin/headatlas plot layers --run demo --db $(IMG_DB) --out $(IMG)/layers.png --dpi 70
+	$(VENV)/bin/headatlas plot atlas --run demo --db $(IMG_DB) --out $(IMG)/atlas.png --dpi 70
+	$(VENV)/bin/headatlas plot compare demo --db $(IMG_DB) --out $(IMG)/compare.png --dpi 60
 	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 48 --layer 2 --head 0 --out $(IMG)/inspect-head.png --dpi 80
 	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 32 --out $(IMG)/inspect-grid.png --dpi 60
 	$(PY) -c "import sys; from PIL import Image; [Image.open(p).convert('RGB').quantize(128).save(p, optimize=True) for p in sys.argv[1:]]" $(IMG)/*.png

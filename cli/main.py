@@ -71,11 +71,12 @@ def analyze(
     attribution_windows: int = options.AttributionWindows,
     mixing: list[str] = options.Mixing,
     attribution_chunk: int = typer.Option(SETTINGS.attribution_chunk, "--attribution-chunk", min=1, help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK]."),
+    control: bool = typer.Option(False, "--control", help="Also analyse the same windows with a randomly initialised model of the same config (seed 0, same tokenizer), stored as the run <name>-control: the floor `headatlas compare RUN` measures against."),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from service.analysis_options import build_params
     from service.corpus import spool_stdin
-    from service.model import auto_batch_size, load_model, parse_batch_size
+    from service.model import auto_batch_size, control_model, load_model, parse_batch_size
     from service.runner import analyze_corpus, survey_corpus
 
     size = parse_batch_size(batch_size)
@@ -97,13 +98,27 @@ def analyze(
             run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
                                  batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
                                  label="<stdin>" if spooled else None, attribution_chunk=attribution_chunk)
+        if control:
+            if not quiet:
+                stderr.print(f"control: the same windows through a randomly initialised {loaded.n_layers}×"
+                             f"{loaded.n_heads} model (seed 0) …")
+            with _progress(summary.chars, quiet) as progress:
+                floor = analyze_corpus(spec, store=store, model=control_model(loaded), params=params, corpus=summary,
+                                       batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
+                                       label="<stdin>" if spooled else None, attribution_chunk=attribution_chunk,
+                                       control_of=run)
     finally:
         if spooled:
             spooled.unlink(missing_ok=True)
     if quiet:
         stdout.print(run.run_id)
+        if control:
+            stdout.print(floor.run_id)
         return
     _print_run_summary(store, run.run_id)
+    if control:
+        stdout.print(f"control: run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`",
+                     markup=False)
 
 
 @app.command()
@@ -115,7 +130,7 @@ def demo(db: str = DbOpt) -> None:
             dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks",
             sentences="segmenter", select="top:0.02", gate=4.0, include_special=False, vectors="pre_wo", short_range=4,
             text_field="text", encoding="utf-8", db=db, quiet=False, attribution=False, attribution_windows=256, mixing=[],
-            attribution_chunk=SETTINGS.attribution_chunk)
+            attribution_chunk=SETTINGS.attribution_chunk, control=False)
 
 
 class _progress:
@@ -297,6 +312,51 @@ def query_discrepancy(
     render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): attention vs {method}, per head")
     if fmt == Format.table:
         render(layer_cols, layer_rows, fmt, title="layer progression")
+
+
+@app.command()
+def compare(
+    run_a: str = typer.Argument(..., help="Run A: id or name."),
+    run_b: Optional[str] = typer.Argument(None, help="Run B: id or name (default: run A's random-weights control, from analyze --control)."),
+    metric: list[str] = typer.Option([], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."),
+    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer of run A (0-based); with --heads or --head: its heads."),
+    head: Optional[int] = typer.Option(None, "--head", help="Only this head (0-based, needs --layer)."),
+    heads: bool = typer.Option(False, "--heads", help="Compare heads instead of layers (runs of the same shape only)."),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """Two runs side by side per layer (or head): both values, A − B, and whether the difference
+    is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
+    from service import compare as comparison
+    from service import queries
+    from service.errors import ParameterError
+
+    with _store(db).checked_read() as conn:
+        a = _run(conn, run_a)
+        b = _run(conn, run_b) if run_b is not None else comparison.control_of(conn, a)
+        if b is None:
+            raise ParameterError(f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
+                                 "or analyse again with --control")
+        columns, rows = comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)
+    floor = (" (B is A's random-weights control: the floor every claim should beat)"
+             if comparison.is_control(a, b) else "")
+    differ = comparison.parameter_differences(a, b)
+    if differ and fmt == Format.table:
+        stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+    table = comparison.TABLE_COLUMNS if (heads or head is not None) else [c for c in comparison.TABLE_COLUMNS
+                                                                          if c != "head"]
+    render_metrics(columns, rows, fmt, table_columns=table, note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+                   title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
+                         f"{b.n_layers} layers){floor}")
+
+
+@query_app.command("roles")
+def query_roles(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+    """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
+    95% interval, threshold; rules in SPEC §7). Heads without a role: "none established"."""
+    from service import roles
+
+    _query(db, run, fmt, roles.roles, "head roles (SPEC §7)", note=roles.ROLES_NOTE)
 
 
 @app.command()

@@ -120,9 +120,19 @@ def _plot(kind: str, run: Optional[str], db: str, out: Path, dpi: int, **options
 
 
 @plot_app.command("distances")
-def plot_distances(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+def plot_distances(
+    run: Optional[str] = RunOpt,
+    split: Optional[str] = typer.Option(None, "--split", help="attended: the profiles of attended (signal) and not-attended (noise) pairs, each against chance."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
     """Distance distribution of the high-similarity pairs per layer against the chance profile."""
-    _plot("distances", run, db, out, dpi)
+    from service.errors import ParameterError
+
+    if split not in (None, "attended"):
+        raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
+    _plot("distances", run, db, out, dpi, split=split)
 
 
 @plot_app.command("boundaries")
@@ -152,6 +162,44 @@ def plot_heads(
 def plot_layers(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The layer progression: one small panel per measure of `headatlas query layers`."""
     _plot("layers", run, db, out, dpi)
+
+
+@plot_app.command("atlas")
+def plot_atlas(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+    """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7)."""
+    from service import atlas_plots, plots
+    from service.storage.store import Store, resolve_run
+
+    plots.output_format(out)
+    with Store(db).checked_read() as conn:
+        fig, _ = atlas_plots.run_atlas(conn, resolve_run(conn, run))
+    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+
+
+@plot_app.command("compare")
+def plot_compare(
+    run_a: str = typer.Argument(..., help="Run A: id or name."),
+    run_b: Optional[str] = typer.Argument(None, help="Run B: id or name (default: run A's random-weights control)."),
+    metric: list[str] = typer.Option([], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."),
+    heat_metric: Optional[str] = typer.Option(None, "--heat-metric", help="Metric of the per-head A − B heat map (default: the first --metric); runs of one shape only."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
+    """Two runs' layer profiles with 95% intervals, one panel per metric, and a per-head difference heat map."""
+    from service import atlas_plots, compare, plots
+    from service.errors import ParameterError
+    from service.storage.store import Store, resolve_run
+
+    plots.output_format(out)
+    with Store(db).checked_read() as conn:
+        a = resolve_run(conn, run_a)
+        b = resolve_run(conn, run_b) if run_b is not None else compare.control_of(conn, a)
+        if b is None:
+            raise ParameterError(f"plot compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
+                                 "or analyse again with --control")
+        fig = atlas_plots.run_compare(conn, a, b, metrics=metric or None, heat_metric=heat_metric)
+    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
 
 
 # --- report and export ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ needs — the tokenizer, the shape from the config, the weights' identity — wi
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
 from dataclasses import dataclass
@@ -267,6 +268,35 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         dtype=torch_dtype,
         tokenizer_key=tokenizer_fingerprint(tokenizer),
         weights_key=weights,
+    )
+
+
+def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedModel:
+    """The floor for ``loaded``: the same architecture and config with freshly initialised
+    weights (fixed ``seed``) and the same tokenizer, so it sees exactly the same windows."""
+    from transformers import AutoModel
+
+    config = copy.deepcopy(loaded.model.config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)  # same model, same control: runs stay comparable
+        model = AutoModel.from_config(config, attn_implementation="eager")
+    model.eval()
+    model.to(device=loaded.device)
+    layers_list = encoder_layers(model, loaded.spec)
+    attn = layers_list[0].attention.self
+    return LoadedModel(
+        spec=f"control:{loaded.spec}",
+        name=f"random init of {loaded.name} ({len(layers_list)}x{attn.num_attention_heads}x"
+             f"{model.config.hidden_size}, seed {seed})",
+        model=model,
+        tokenizer=loaded.tokenizer,
+        n_layers=len(layers_list),
+        n_heads=attn.num_attention_heads,
+        d_head=attn.attention_head_size,
+        d_model=model.config.hidden_size,
+        device=loaded.device,
+        dtype=loaded.dtype,
+        tokenizer_key=loaded.tokenizer_key,
     )
 
 

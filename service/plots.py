@@ -128,6 +128,31 @@ def figure_distances(per_layer: dict[int, tuple[list[str], list[tuple]]], *, tit
     return fig
 
 
+def figure_distances_split(per_layer: dict[int, tuple[list[str], list[tuple]]], *, title: str) -> Figure:
+    """The distance distribution of the attended (signal) pairs of H and of the not-attended
+    (noise) pairs, one line per layer, each against the chance profile of all pairs (SPEC §5b)."""
+    fig = new_figure(*RUN_FIGSIZE["distances"])
+    axes = fig.subplots(1, 2, sharey=True)
+    cmap = matplotlib.colormaps["viridis"]
+    n = max(len(per_layer) - 1, 1)
+    drawn = [(layer, rows_) for layer, rows_ in sorted(per_layer.items()) if rows_[1]]
+    for ax, column, name in zip(axes, ("attended_share", "noise_share"),
+                                ("attended (signal) pairs", "noise pairs (similar, not attended)")):
+        if drawn:  # the chance profile is the run's: the same for every layer
+            columns, rows = drawn[0][1]
+            ax.plot(_col(columns, rows, "distance"), _col(columns, rows, "chance_share"), color="black", ls="--",
+                    lw=1.6, label="chance (all pairs)")
+        for layer, (columns, rows) in drawn:
+            ax.plot(_col(columns, rows, "distance"), _col(columns, rows, column), color=cmap(layer / n), lw=1.4,
+                    label=f"layer {layer}")
+        ax.set(xscale="log", yscale="log", xlabel="token distance j − i", title=f"{name}: share at each distance")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("share of the pairs")
+    axes[0].legend(fontsize=8, ncols=2)
+    fig.suptitle(title)
+    return fig
+
+
 # --- boundaries -------------------------------------------------------------------------------
 def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> Figure:
     """Within-sentence share of the high-similarity pairs per layer against two chances — all
@@ -254,9 +279,20 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
 
 
 # --- from the store ---------------------------------------------------------------------------
-def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_sentence_lift") -> Figure:
-    """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.queries``."""
+def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_sentence_lift",
+               split: str | None = None) -> Figure:
+    """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.queries``.
+    ``split="attended"`` (distances only): the signal and noise profiles instead of all of H."""
     title = _title(run)
+    if split is not None and (kind != "distances" or split != "attended"):
+        raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs), for distances")
+    if kind == "distances" and split:
+        per_layer = {layer: queries.distances(conn, run.run_id, layer=layer, split=True)
+                     for layer in range(run.n_layers)}
+        if not any(r[c.index("attended_pairs")] is not None for c, rows in per_layer.values() for r in rows):
+            raise ParameterError(f"--split attended: run {run.run_id} ({run.name}) was stored before attended pairs "
+                                 "were counted; analyse the corpus again to draw signal and noise")
+        return figure_distances_split(per_layer, title=title)
     if kind == "distances":
         per_layer = {layer: queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
         return figure_distances(per_layer, title=title)

@@ -118,20 +118,28 @@ def analyze_corpus(
     progress: ProgressFn | None = None,
     label: str | None = None,
     attribution_chunk: int = 2048,
+    control_of: Run | None = None,
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
     ``label``: how the corpus is named in the run (e.g. ``<stdin>`` for a spooled copy).
+    ``control_of``: this is the random-weights control of that run (``model.control_model``);
+    the link is kept in the run's params as ``control_of`` = that run's key, outside the
+    analysis parameters, so it changes no number and no key.
     """
     store.ensure_schema()
     key = run_key(corpus.fingerprint, model, params)
+    stored_params = params.to_dict()
+    if control_of is not None:
+        stored_params["control_of"] = control_of.run_key
+        name = name or f"{control_of.name}-control"
     run, _created = store.find_or_create_run(
         run_key=key,
         name=name or f"{_short_name(label or spec)}-{key[:6]}",
         corpus=label or spec,
         corpus_fingerprint=corpus.fingerprint,
         model=model.describe(),
-        params=params.to_dict(),
+        params=stored_params,
         engine="embedded",
         device=str(model.device),
     )

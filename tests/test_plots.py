@@ -99,3 +99,25 @@ def test_plot_command_writes_the_file_and_refuses_bad_options(cli, stored, tmp_p
     assert bad.stderr.strip().startswith("error: --metric 'nonsense': choose one of")
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path):
+    from service import plots, queries
+    from service.errors import ParameterError
+
+    run = stored[1]
+    fig = plots.run_figure("distances", conn, run, split="attended")
+    width, height = plots.RUN_FIGSIZE["distances"]
+    check_png(plots.save(fig, tmp_path / "split.png"), (round(width * plots.DPI), round(height * plots.DPI)))
+    check_svg(plots.save(fig, tmp_path / "split.svg"), (width, height))
+    for ax, column in zip(fig.axes[:2], ("attended_share", "noise_share")):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for layer in range(run.n_layers):
+            columns, rows = queries.distances(conn, run.run_id, layer=layer, split=True)
+            x, y = lines[f"layer {layer}"].get_data()
+            assert list(x) == [r[columns.index("distance")] for r in rows]
+            assert np.allclose(y, [np.nan if r[columns.index(column)] is None else r[columns.index(column)]
+                                   for r in rows], equal_nan=True)
+            assert sum(r[columns.index(column)] or 0 for r in rows) == pytest.approx(1.0)
+    with pytest.raises(ParameterError, match="--split 'noise': the only split is 'attended'"):
+        plots.run_figure("distances", conn, run, split="noise")

@@ -22,7 +22,16 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 def stored(tmp_path_factory, real_model, demo_corpus):
     folder = tmp_path_factory.mktemp("report")
     db = folder / "results.duckdb"
-    run = analyse(corpus_of(demo_corpus, folder, slice(0, 2), "small"), db, real_model, name="small")
+    corpus = corpus_of(demo_corpus, folder, slice(0, 2), "small")
+    run = analyse(corpus, db, real_model, name="small")
+    # its random-weights control: the report measures the run against it
+    from service.analysis_options import build_params
+    from service.model import control_model
+    from service.runner import analyze_corpus, survey_corpus
+    from service.storage.store import Store
+
+    analyze_corpus(str(corpus), store=Store(db), model=control_model(real_model), params=build_params(),
+                   corpus=survey_corpus(str(corpus)), batch_size=8, control_of=run)
     return db, run
 
 
@@ -60,7 +69,9 @@ def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
     parsed.feed(page.read_text(encoding="utf-8"))
     text = " ".join(parsed.text)
     images = [attrs for tag, attrs in parsed.tags if tag == "img"]
-    assert len(images) == 3 + len(report.HEAD_METRICS)
+    # the atlas, the comparison with the control, then the run's figures
+    assert len(images) == 2 + 3 + len(report.HEAD_METRICS)
+    assert [a["alt"] for a in images[:2]] == ["head atlas", "compare with control"]
     for k, attrs in enumerate(images):
         prefix = "data:image/png;base64,"
         assert attrs["src"].startswith(prefix)
@@ -72,11 +83,15 @@ def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
     assert not [a for t, a in parsed.tags if any(str(v).startswith(("http:", "https:", "file:", "//"))
                                                   for k, v in a.items() if k in ("src", "href"))]
     for needed in ("Parameters", "Figures", "Heads", "Top anchor tokens per head", run.model_name, "top:0.02",
-                   run.corpus_fingerprint):
+                   run.corpus_fingerprint, "Head atlas", "Heads per role", "Roles and their evidence",
+                   "Against the random-weights control (the floor)", "small-control"):
         assert needed in text, needed
+    # the page opens with the atlas; the floor comes before the run's own figures
+    assert text.index("Head atlas") < text.index("Parameters") < text.index("Against the random-weights control")
+    assert text.index("Against the random-weights control") < text.index("Top anchor tokens per head")
     tables = [t for t, _ in parsed.tags if t == "table"]
     rows = [t for t, _ in parsed.tags if t == "tr"]
-    assert len(tables) == 4
+    assert len(tables) == 4 + 3  # + heads per role, role evidence, comparison with the control
     # head table: header + one row per head; anchor grid: header + one row per layer
     assert len(rows) >= (1 + run.n_layers * run.n_heads) + (1 + run.n_layers)
 

@@ -1,0 +1,170 @@
+"""Figures of the head atlas and of two runs compared (SPEC §7; ``service.compare``).
+
+Drawn from the rows of ``service.roles`` and ``service.compare`` (the numbers of ``headatlas
+query roles`` and ``headatlas compare``), with ``service.plots``' figure conventions: fixed
+sizes in inches, no pyplot, PNG or SVG by suffix. Layers and heads are 0-based.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib import colors
+from matplotlib.patches import Patch
+
+from service import compare, roles
+from service.errors import ParameterError
+from service.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
+
+ROLE_COLOURS = {
+    "previous-token": "#1f77b4", "next-token": "#17becf", "repetition": "#d62728", "sentence-bound": "#2ca02c",
+    "punctuation": "#9467bd", "local": "#ff7f0e", "[CLS] sink": "#8c564b", "[SEP] sink": "#e377c2",
+    "broad": "#bcbd22", roles.NONE: "#e4e4e4",
+}
+ROLE_CODES = {
+    "previous-token": "P", "next-token": "N", "repetition": "R", "sentence-bound": "S", "punctuation": ".",
+    "local": "L", "[CLS] sink": "C", "[SEP] sink": "E", "broad": "B", roles.NONE: "",
+}
+ATLAS_ROLES = (*roles.ROLE_ORDER, roles.NONE)
+
+
+def atlas_size(n_layers: int, n_heads: int) -> tuple[float, float]:
+    """Inches (whole quarters, so pixel and point sizes are exact): cells stay about 0.6 × 0.45 in,
+    with room for the legend on the right."""
+    return _quarter(max(8.0, 3.6 + 0.62 * n_heads)), _quarter(max(4.5, 1.6 + 0.45 * n_layers))
+
+
+def _quarter(inches: float) -> float:
+    return math.ceil(inches * 4) / 4
+
+
+def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_heads: int, title: str) -> tuple:
+    """Layer × head grid coloured by each head's primary role; each cell lists the codes of every
+    role the head holds (legend: code and colour). Returns (figure, role index grid)."""
+    grid = roles.primary_grid(columns, rows, n_layers, n_heads)
+    index = np.full((n_layers, n_heads), np.nan)
+    for (l, h), _ in np.ndenumerate(index):
+        if grid[l][h] is not None:
+            index[l, h] = ATLAS_ROLES.index(grid[l][h])
+    held: dict[tuple[int, int], list[str]] = {}
+    li, hi, ri = (columns.index(c) for c in ("layer", "head", "role"))
+    for r in rows:
+        held.setdefault((r[li], r[hi]), []).append(r[ri])
+    fig = new_figure(*atlas_size(n_layers, n_heads))
+    ax = fig.subplots()
+    cmap = colors.ListedColormap([ROLE_COLOURS[r] for r in ATLAS_ROLES]).with_extremes(bad="#ffffff")
+    norm = colors.BoundaryNorm(np.arange(len(ATLAS_ROLES) + 1) - 0.5, len(ATLAS_ROLES))
+    ax.imshow(np.ma.masked_invalid(index), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    for (l, h), codes in held.items():
+        label = "".join(ROLE_CODES[c] for c in codes)
+        if label:
+            dark = grid[l][h] in ("previous-token", "repetition", "sentence-bound", "punctuation", "[CLS] sink")
+            ax.text(h, l, label, ha="center", va="center", fontsize=8 if n_heads <= 16 else 6,
+                    color="white" if dark else "black", fontweight="bold")
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(n_layers))
+    ax.set_xticks(np.arange(n_heads + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(n_layers + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", lw=1.5)
+    ax.tick_params(which="minor", length=0)
+    ax.set(xlabel="head", ylabel="layer", title="primary role per head (letters: every role held)")
+    counts = roles.role_counts(columns, rows)
+    handles = [Patch(facecolor=ROLE_COLOURS[r], edgecolor="#999999",
+                     label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]})") for r in ATLAS_ROLES]
+    fig.legend(handles=handles, loc="outside right center", fontsize=8, title="role (heads holding it)",
+               title_fontsize=8, frameon=False)
+    fig.suptitle(title)
+    fig.supxlabel("a role needs the lower bound of its metric's 95% interval past the threshold (SPEC §7)",
+                  fontsize=8)
+    return fig, index
+
+
+def run_atlas(conn, run) -> tuple:
+    """The atlas of ``run`` (a store ``Run``) from ``roles.roles``."""
+    columns, rows = roles.roles(conn, run.run_id)
+    return figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run))
+
+
+# --- compare ------------------------------------------------------------------------------------
+def compare_size(panels: int) -> tuple[float, float]:
+    return 15.0, _quarter(0.8 + 3.6 * math.ceil(panels / 3))
+
+
+def figure_compare(profile_a, profile_b, *, metrics: list[str], labels: tuple[str, str], depths: tuple[int, int],
+                   heat: tuple[str, np.ndarray, np.ndarray] | None, title: str):
+    """One panel per metric: both runs' layer profiles with 95% intervals as error bars (x: layer,
+    or relative depth (l + 0.5)/L when the depths differ); then the per-head A − B heat map of one
+    metric (``heat`` = (metric, difference grid, beyond mask)), where both runs have one shape."""
+    panels = len(metrics) + (heat is not None)
+    fig = new_figure(*compare_size(panels))
+    axes = np.atleast_1d(fig.subplots(math.ceil(panels / 3), 3)).ravel()
+    same_depth = depths[0] == depths[1]
+    for ax, metric in zip(axes, metrics):
+        for (columns, rows), label, n, colour, marker in ((profile_a, labels[0], depths[0], "C0", "o-"),
+                                                          (profile_b, labels[1], depths[1], "C3", "s--")):
+            layer = _col(columns, rows, "layer")
+            x = layer if same_depth else (layer + 0.5) / n
+            ax.errorbar(x, _col(columns, rows, metric), yerr=_err(columns, rows, metric), fmt=marker, color=colour,
+                        capsize=2, elinewidth=0.9, ms=4, label=label)
+        if metric.endswith("_lift") or metric.endswith("_lift_dm"):
+            ax.axhline(1.0, color="black", ls=":", lw=1)
+        ax.set_title(metric + _against(metric), fontsize=9)
+        ax.set_xlabel("layer" if same_depth else "relative depth (l + 0.5) / L")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if heat is not None:
+        metric, diff, beyond = heat
+        ax = axes[len(metrics)]
+        finite = diff[np.isfinite(diff)]
+        top = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0
+        image = ax.imshow(np.ma.masked_invalid(diff), cmap="RdBu_r", vmin=-top, vmax=top, aspect="auto")
+        fig.colorbar(image, ax=ax, label=f"{metric}: A − B")
+        for (l, h), flag in np.ndenumerate(beyond):
+            if flag:
+                ax.plot(h, l, marker="o", ms=3, color="black")
+        ax.set(xlabel="head", ylabel="layer", title="A − B per head (dot: beyond the 95% interval)")
+        ax.title.set_fontsize(9)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.supxlabel(INTERVAL_NOTE + "; dotted line: chance (1)", fontsize=8)
+    return fig
+
+
+def _against(metric: str) -> str:
+    if metric.endswith("_lift_dm"):
+        return " (vs distance-matched chance)"
+    if metric.startswith("attn_") and metric.endswith("_lift"):
+        return " (vs uniform attention)"
+    if metric.endswith("_lift"):
+        return " (vs chance: all pairs)"
+    return ""
+
+
+def run_compare(conn, run_a, run_b, *, metrics=None, heat_metric: str | None = None):
+    """``plot compare``: the figure from ``compare.layer_profile`` and ``compare.compare``."""
+    chosen = compare.check_metrics(metrics)
+    same_shape = (run_a.n_layers, run_a.n_heads) == (run_b.n_layers, run_b.n_heads)
+    if heat_metric is not None and not same_shape:
+        raise ParameterError(
+            f"--heat-metric {heat_metric}: runs {run_a.name} ({run_a.n_layers}×{run_a.n_heads}) and {run_b.name} "
+            f"({run_b.n_layers}×{run_b.n_heads}) differ in shape; the head heat map needs one shape: drop --heat-metric"
+        )
+    heat = None
+    if same_shape:
+        metric = compare.check_metrics([heat_metric or chosen[0]])[0]
+        columns, rows = compare.compare(conn, run_a, run_b, metrics=[metric], heads=True)
+        diff = np.full((run_a.n_layers, run_a.n_heads), np.nan)
+        beyond = np.zeros_like(diff, dtype=bool)
+        li, hi, di, vi = (columns.index(c) for c in ("layer_a", "head", "difference", "verdict"))
+        for r in rows:
+            diff[r[li], r[hi]] = np.nan if r[di] is None else r[di]
+            beyond[r[li], r[hi]] = r[vi] == "beyond"
+        heat = (metric, diff, beyond)
+    label_b = f"B: {run_b.name}" + (" (control: the floor)" if compare.is_control(run_a, run_b) else "")
+    title = (f"A = run {run_a.run_id} ({run_a.name}, {run_a.model_name}) vs B = run {run_b.run_id} "
+             f"({run_b.name}, {run_b.model_name})")
+    return figure_compare(compare.layer_profile(conn, run_a, chosen), compare.layer_profile(conn, run_b, chosen),
+                          metrics=chosen, labels=(f"A: {run_a.name}", label_b),
+                          depths=(run_a.n_layers, run_b.n_layers), heat=heat, title=title)

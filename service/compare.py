@@ -1,0 +1,215 @@
+"""Two runs side by side: each metric per layer (or per head) of both, their difference, and
+whether the difference is beyond the runs' 95% intervals (SPEC §5b, §7).
+
+Returns (columns, rows) like ``service.queries``. Layers and heads are 0-based.
+
+- Difference = run A − run B. Its 95% interval is the delete-one-group jackknife of the
+  difference itself when both runs counted exactly the same windows (the replicate groups then
+  hold the same windows in both, so the leave-one-group-out differences are paired; a run and
+  its random-weights control are such a pair). Otherwise the runs are independent samples and
+  the half-width is ``sqrt(h_A² + h_B²)`` from each run's own jackknife half-width.
+- Verdict: ``beyond`` when the difference's interval excludes 0, ``within`` when it holds 0,
+  ``no interval`` when either run lacks replicate groups (stored before they existed) and
+  ``no value`` when a metric is undefined in either run.
+- Depth: layer l of an L-layer model sits at relative depth (l + 0.5) / L. Runs of equal depth
+  pair layer l with layer l; otherwise each layer of the shallower run is paired with the
+  layer of the deeper run nearest in relative depth (the lower one on a tie), and both layer
+  numbers are shown. Heads are compared only between runs of the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from service import queries
+from service.errors import ParameterError
+from service.intervals import add_intervals, jackknife_halfwidth
+
+# the lifts and shares that carry the findings (each lift against its named chance)
+DEFAULT_METRICS = (
+    "within_sentence_lift_dm", "repetition_words_lift_dm", "mean_distance", "short_range_share", "noise_share",
+    "attn_to_punct_lift", "attn_to_cls_lift", "anchor_frequency_share",
+)
+METRICS = queries.LAYER_METRICS
+COLUMNS = [
+    "layer_a", "layer_b", "head", "depth_a", "depth_b", "metric",
+    "value_a", "value_a_lo", "value_a_hi", "value_b", "value_b_lo", "value_b_hi",
+    "difference", "difference_lo", "difference_hi", "interval", "verdict",
+]
+TABLE_COLUMNS = ["layer_a", "layer_b", "head", "metric", "value_a", "value_b", "difference", "verdict"]
+VERDICT_NOTE = (
+    "difference = A − B; verdict: beyond = the difference's 95% interval excludes 0, within = it holds 0 "
+    "(interval: paired jackknife when both runs counted the same windows, else sqrt(hA² + hB²))"
+)
+
+Rows = tuple[list[str], list[tuple]]
+
+
+def relative_depth(layer: int, n_layers: int) -> float:
+    return (layer + 0.5) / n_layers
+
+
+def align_layers(n_a: int, n_b: int) -> list[tuple[int, int]]:
+    """Pairs (layer of A, layer of B): one per layer of the shallower run, matched to the
+    deeper run's layer nearest in relative depth (the lower layer on a tie)."""
+    if n_a == n_b:
+        return [(l, l) for l in range(n_a)]
+    shallow, deep = min(n_a, n_b), max(n_a, n_b)
+    pairs = []
+    for s in range(shallow):
+        target = relative_depth(s, shallow)
+        # rounded: equal distances must tie exactly (then the lower layer wins), whatever float error says
+        d = min(range(deep), key=lambda l: (round(abs(relative_depth(l, deep) - target), 9), l))
+        pairs.append((s, d) if n_a < n_b else (d, s))
+    return pairs
+
+
+def check_metrics(metrics: Sequence[str] | None) -> list[str]:
+    chosen = list(dict.fromkeys(metrics or DEFAULT_METRICS))
+    for m in chosen:
+        if m not in METRICS:
+            raise ParameterError(f"--metric {m!r}: choose one of {', '.join(METRICS)}")
+    return chosen
+
+
+def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, heads: bool) -> dict:
+    """{(layer,) or (layer, head): {drop_rep: {metric: value}}} from the ``*_reps`` views:
+    drop_rep -1 is the whole run, g ≥ 0 the run without replicate group g."""
+    view, keys = ("head_metrics_reps", ("layer", "head")) if heads else ("layer_metrics_reps", ("layer",))
+    result = conn.execute(text(
+        f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"
+    ), {"run": run_id})
+    out: dict = {}
+    k = len(keys)
+    for row in result:
+        out.setdefault(tuple(row[:k]), {})[row[k]] = dict(zip(metrics, row[k + 1:]))
+    return out
+
+
+def same_windows(conn: Connection, run_a: int, run_b: int) -> bool:
+    """Whether both runs counted exactly the same windows (then their replicate groups match)."""
+    differ = conn.execute(text("""
+        SELECT count(*) FROM (SELECT window_id FROM run_windows WHERE run_id = :a) x
+        FULL OUTER JOIN (SELECT window_id FROM run_windows WHERE run_id = :b) y ON x.window_id = y.window_id
+        WHERE x.window_id IS NULL OR y.window_id IS NULL
+    """), {"a": run_a, "b": run_b}).scalar()
+    return differ == 0
+
+
+def _value(x) -> float | None:
+    return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def _loo(reps: dict, metric: str) -> list[float | None]:
+    return [_value(reps[g][metric]) for g in sorted(reps) if g >= 0]
+
+
+def verdict(lo: float | None, hi: float | None) -> str:
+    if lo is None or hi is None:
+        return "no interval"
+    return "beyond" if lo > 0 or hi < 0 else "within"
+
+
+def _compare_cell(reps_a: dict, reps_b: dict, metric: str, paired: bool) -> tuple:
+    a, b = _value(reps_a.get(-1, {}).get(metric)), _value(reps_b.get(-1, {}).get(metric))
+    half_a, half_b = jackknife_halfwidth(_loo(reps_a, metric)), jackknife_halfwidth(_loo(reps_b, metric))
+    a_lo, a_hi = (a - half_a, a + half_a) if a is not None and half_a is not None else (None, None)
+    b_lo, b_hi = (b - half_b, b + half_b) if b is not None and half_b is not None else (None, None)
+    if a is None or b is None:
+        return a, a_lo, a_hi, b, b_lo, b_hi, None, None, None, "no value"
+    diff = a - b
+    groups_a, groups_b = sorted(g for g in reps_a if g >= 0), sorted(g for g in reps_b if g >= 0)
+    if paired and groups_a == groups_b:
+        loo_a, loo_b = _loo(reps_a, metric), _loo(reps_b, metric)
+        half = jackknife_halfwidth([None if x is None or y is None else x - y for x, y in zip(loo_a, loo_b)])
+    elif half_a is not None and half_b is not None:
+        half = math.hypot(half_a, half_b)
+    else:
+        half = None
+    lo, hi = (diff - half, diff + half) if half is not None else (None, None)
+    return a, a_lo, a_hi, b, b_lo, b_hi, diff, lo, hi, verdict(lo, hi)
+
+
+def compare(conn: Connection, run_a, run_b, *, metrics: Sequence[str] | None = None, layer: int | None = None,
+            head: int | None = None, heads: bool = False) -> Rows:
+    """Per layer (or per head with ``heads``/``head``), each metric of runs A and B (store
+    ``Run``s), A − B with its 95% interval, and the verdict. ``layer`` and ``head`` use run A's
+    numbering (0-based)."""
+    chosen = check_metrics(metrics)
+    if head is not None and layer is None:
+        raise ParameterError(f"--head {head} needs --layer: a head is named by its layer and its index")
+    heads = heads or head is not None
+    if layer is not None and not 0 <= layer < run_a.n_layers:
+        raise ParameterError(f"--layer {layer}: run A ({run_a.name}) has layers 0..{run_a.n_layers - 1} (0-based)")
+    if head is not None and not 0 <= head < run_a.n_heads:
+        raise ParameterError(f"--head {head}: run A ({run_a.name}) has heads 0..{run_a.n_heads - 1} (0-based)")
+    if heads and (run_a.n_layers, run_a.n_heads) != (run_b.n_layers, run_b.n_heads):
+        raise ParameterError(
+            f"compare heads: run {run_a.name} is {run_a.n_layers}×{run_a.n_heads} (layers × heads), run "
+            f"{run_b.name} is {run_b.n_layers}×{run_b.n_heads}; heads pair up only between runs of one shape: "
+            "drop --heads/--head to compare layers (aligned by relative depth)"
+        )
+    paired = same_windows(conn, run_a.run_id, run_b.run_id)
+    interval = "paired" if paired else "independent"
+    values_a = metric_values(conn, run_a.run_id, chosen, heads=heads)
+    # one read for a run compared with itself: float sums need not add up in the same order twice
+    values_b = values_a if run_b.run_id == run_a.run_id else metric_values(conn, run_b.run_id, chosen, heads=heads)
+    if heads:
+        units = [((l, h), (l, h)) for l in range(run_a.n_layers) for h in range(run_a.n_heads)
+                 if (layer is None or l == layer) and (head is None or h == head)]
+    else:
+        pairs = align_layers(run_a.n_layers, run_b.n_layers)
+        units = [((la,), (lb,)) for la, lb in pairs if layer is None or la == layer]
+        if not units:  # a deeper A has layers with no partner in the shallower B
+            raise ParameterError(
+                f"--layer {layer}: run A ({run_a.name}, {run_a.n_layers} layers) pairs only its layers "
+                f"{', '.join(str(la) for la, _ in pairs)} with run B's {run_b.n_layers} (nearest relative depth); "
+                "pass one of those"
+            )
+    rows = []
+    for key_a, key_b in units:
+        reps_a, reps_b = values_a.get(key_a, {}), values_b.get(key_b, {})
+        depths = (relative_depth(key_a[0], run_a.n_layers), relative_depth(key_b[0], run_b.n_layers))
+        for metric in chosen:
+            *cells, word = _compare_cell(reps_a, reps_b, metric, paired)
+            rows.append((key_a[0], key_b[0], key_a[1] if heads else None, *depths, metric, *cells, interval, word))
+    return list(COLUMNS), rows
+
+
+def parameter_differences(run_a, run_b) -> list[str]:
+    """The analysis parameters in which the runs differ ("select: top:0.02 vs top:0.05"): a
+    difference in metrics may come from them rather than from the models or corpora."""
+    keys = sorted((set(run_a.params) | set(run_b.params)) - {"control_of"})
+    return [f"{k}: {run_a.params.get(k)} vs {run_b.params.get(k)}" for k in keys
+            if run_a.params.get(k) != run_b.params.get(k)]
+
+
+def control_of(conn: Connection, run) -> object | None:
+    """The random-weights control run of ``run`` (analysed with ``--control``), or None."""
+    from service.storage.store import resolve_run
+
+    row = conn.execute(text(
+        "SELECT run_id FROM runs WHERE json_extract_string(params, '$.control_of') = :key ORDER BY run_id DESC LIMIT 1"
+    ), {"key": run.run_key}).first()
+    return resolve_run(conn, row[0]) if row else None
+
+
+def is_control(run_a, run_b) -> bool:
+    """Whether ``run_b`` is the random-weights control of ``run_a``."""
+    return run_b.params.get("control_of") == run_a.run_key
+
+
+def layer_profile(conn: Connection, run, metrics: Sequence[str]) -> Rows:
+    """Per layer of ``run``: each metric with its 95% interval (``<metric>_lo``, ``_hi``) — what
+    ``plot compare`` draws."""
+    chosen = check_metrics(metrics)
+    values = metric_values(conn, run.run_id, chosen, heads=False)
+    columns = ["layer", *chosen]
+    rows = [(l, *(values.get((l,), {}).get(-1, {}).get(m) for m in chosen)) for l in range(run.n_layers)]
+    reps = [(l, g, *(v[m] for m in chosen)) for (l,), by in values.items() for g, v in by.items() if g >= 0]
+    return add_intervals(columns, rows, reps, keys=("layer",), metrics=chosen)
+
