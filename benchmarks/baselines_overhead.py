@@ -37,7 +37,7 @@ from service.runner import iter_batches
 from service.windows import TokenClasses
 
 model = load_model(sys.argv[1], device="cpu")
-params = AnalysisParams()
+params = AnalysisParams(sentences="punct")  # the same sentences on both sides: only the §5b sums differ
 tokens = TokenClasses.from_tokenizer(model.tokenizer)
 batches = [b for b, _, _ in iter_batches(sys.argv[2], model, params, tokens, batch_size=int(sys.argv[3]))]
 analyze_batch(model, batches[0], params, tokens)  # warm-up
