@@ -8,13 +8,47 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer vendors its own click from 0.25 on; its usage errors are that click's
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer on the public click
+    from click.exceptions import UsageError
 
 from cli import options
 from cli.output import Format, error, render, sparkline, stderr, stdout
 from service.config import Settings
 from service.errors import HeadatlasError
 
+INTERRUPTED = "interrupted; re-run the same command to resume"
+
+
+class Commands(TyperGroup):
+    """The one place where a user's mistake becomes one line on stderr and exit code 2.
+
+    Domain errors (service.errors) and click's usage errors print ``error: …``; Ctrl-C prints the
+    resume hint and exits 130. Everything else is a bug and keeps its traceback.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except HeadatlasError as exc:
+            error(str(exc))
+            raise SystemExit(exc.exit_code) from None
+        except UsageError as exc:
+            if not exc.format_message():  # "no arguments: show the help" is not a mistake
+                raise
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            error(f"{exc.format_message()} (see `{where} --help`)")
+            raise SystemExit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            error(INTERRUPTED)
+            raise SystemExit(130) from None
+
+
 app = typer.Typer(
+    cls=Commands,
     help="headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -134,7 +168,8 @@ class _progress:
 
     def __exit__(self, *exc):
         if not self.quiet:
-            self.bar.update(self.task, completed=self.total)
+            if exc[0] is None:  # an interrupted or failed run stops where it was, not at 100 %
+                self.bar.update(self.task, completed=self.total)
             self.bar.__exit__(*exc)
         return False
 
@@ -356,11 +391,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         app()
-    except HeadatlasError as exc:
+    except HeadatlasError as exc:  # raised before a command runs (e.g. a bad HEADATLAS_* variable)
         error(str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        error("interrupted; re-run the same command to resume")
+        error(INTERRUPTED)
         sys.exit(130)
 
 

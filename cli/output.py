@@ -11,10 +11,17 @@ from enum import Enum
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 # Piped output is not wrapped at 80 columns: tables stay one row per line.
-stdout = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 250)
-stderr = Console(stderr=True)
+# markup=False: run, schedule and file names are data; a name such as "a[/x]" must print as
+# written, not be read as a style tag (which raises MarkupError). Styled text is built as Text.
+stdout = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 250, markup=False)
+stderr = Console(stderr=True, markup=False)
+
+# A table cell longer than this is cut (the whole value is in --format csv/json): a 20 MB string
+# would otherwise take minutes to lay out, past any --timeout.
+MAX_CELL_CHARS = 2000
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -25,7 +32,14 @@ class Format(str, Enum):
     json = "json"
 
 
-def _cell(value) -> str:
+def _cell(value) -> Text:
+    text = _cell_text(value)
+    if len(text) > MAX_CELL_CHARS:
+        text = f"{text[:MAX_CELL_CHARS]}… ({len(text):,} characters; --format csv shows all)"
+    return Text(text)
+
+
+def _cell_text(value) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
@@ -62,14 +76,26 @@ def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *,
         for row in rows:
             writer.writerow(["" if v is None else _json_value(v) for v in row])
     else:
-        table = Table(title=title, show_lines=False, header_style="bold")
+        table = Table(title=Text(title) if title is not None else None, show_lines=False, header_style="bold")
         for column in columns:
-            table.add_column(column, overflow="fold")
+            table.add_column(Text(str(column)), overflow="fold")
         for row in rows:
             table.add_row(*(_cell(v) for v in row))
         stdout.print(table)
     if truncated:
-        stderr.print(f"[yellow]truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows[/]")
+        stderr.print(Text(f"truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows",
+                          style="yellow"))
+
+
+def render_record(record: dict, fmt: Format = Format.table, *, title: str | None = None) -> None:
+    """One record: a field/value table, one JSON object with named fields, or a one-row CSV."""
+    if fmt == Format.json:
+        data = {k: _json_value(v) for k, v in record.items()}
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    elif fmt == Format.csv:
+        render(list(record), [tuple(record.values())], fmt)
+    else:
+        render(["field", "value"], [(k, v) for k, v in record.items()], fmt, title=title)
 
 
 def sparkline(values: list[float], *, top: float | None = None) -> str:
@@ -81,4 +107,6 @@ def sparkline(values: list[float], *, top: float | None = None) -> str:
 
 
 def error(message: str) -> None:
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """The CLI's one error line: messages that span lines (a driver's) are joined."""
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    stderr.print(Text.assemble(("error:", "bold red"), " ", line), highlight=False, soft_wrap=True)
