@@ -26,5 +26,9 @@ class StoreError(HeadatlasError):
     """Database missing, stale schema, locked too long, or a refused query."""
 
 
+class DatabaseFileError(StoreError):
+    """The database file is missing, not a (headatlas) DuckDB database, damaged, or not writable."""
+
+
 class BrokerError(HeadatlasError):
     """The message broker cannot be reached."""

@@ -99,7 +99,7 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
         try:
             return fn()
         except Exception as error:
-            if not _is_lock_conflict(error):
+            if not is_lock_conflict(error):
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
@@ -116,16 +116,18 @@ def connect_readonly(
     db_path: str | Path, *, lock_wait_s: float = 10.0
 ) -> Iterator[duckdb.DuckDBPyConnection]:
     """Open the results database read-only and confined to that file; close it on exit."""
+    from service.storage import dbfile
+
     path = Path(db_path)
-    if not path.is_file():
-        raise StoreError(
-            f"no database at {path}: run `headatlas analyze CORPUS` first or set HEADATLAS_DB"
+    dbfile.check_file(path, write=False)
+    try:
+        connection = retry_on_lock(
+            lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
+            wait_s=lock_wait_s,
+            what=f"the database {path}",
         )
-    connection = retry_on_lock(
-        lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
-        wait_s=lock_wait_s,
-        what=f"the database {path}",
-    )
+    except duckdb.Error as error:
+        raise dbfile.open_error(path, error) or error
     try:
         yield connection
     finally:
@@ -215,7 +217,7 @@ class _Deadline:
             self._connection.interrupt()
 
 
-def _is_lock_conflict(error: BaseException) -> bool:
+def is_lock_conflict(error: BaseException) -> bool:
     # "has been locked" (a locked configuration) does not match the whole word "lock".
     message = str(error)
     return "Conflicting lock" in message or bool(_LOCK_WORD.search(message))
