@@ -132,24 +132,30 @@ def corpus_fingerprint(spec: str) -> str:
 
 
 def spool_stdin(stream: BinaryIO | None = None) -> Path:
-    """Copy stdin (or *stream*) to a new temporary ``.txt`` file and return its path.
+    """Copy stdin (or *stream*) to ``stdin.txt`` in a new temporary folder and return its path.
 
-    The path then works as a normal spec for every function here (documents report it as
-    their ``source``). The caller owns the file: delete it when done
-    (``path.unlink(missing_ok=True)``). Raises CorpusError if the input is empty.
+    The path then works as a normal spec for every function here; pass ``label=STDIN_SOURCE``
+    so that documents and errors name ``<stdin>``. The file's name is the same for every spool,
+    so the fingerprint (names, sizes, bytes) depends on the content alone: the same text piped
+    twice is the same corpus. The caller owns the folder: delete it when done
+    (:func:`remove_spool`). Raises CorpusError if the input is empty.
     """
     source = sys.stdin.buffer if stream is None else getattr(stream, "buffer", stream)
-    fd, name = tempfile.mkstemp(prefix="headatlas-stdin-", suffix=".txt")
-    path = Path(name)
+    path = Path(tempfile.mkdtemp(prefix="headatlas-stdin-")) / "stdin.txt"
     try:
-        with os.fdopen(fd, "wb") as out:
+        with path.open("wb") as out:
             shutil.copyfileobj(source, out, _CHUNK_BYTES)
         if path.stat().st_size == 0:
             raise CorpusError(f"{STDIN_SOURCE}: no input; pipe a corpus in (… - < corpus.txt)")
     except BaseException:
-        path.unlink(missing_ok=True)
+        remove_spool(path)
         raise
     return path
+
+
+def remove_spool(path: Path) -> None:
+    """Delete a copy of stdin made by :func:`spool_stdin`, and its folder."""
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def _is_corpus_file(path: Path, root: Path) -> bool:
@@ -170,12 +176,13 @@ def _check_suffix(path: Path, spec: str) -> None:
 
 
 def iter_documents(
-    spec: str, *, text_field: str = "text", encoding: str = "utf-8"
+    spec: str, *, text_field: str = "text", encoding: str = "utf-8", label: str | None = None
 ) -> Iterator[Document]:
     """Stream the documents of a corpus spec, validating as it goes.
 
     Documents whose text is empty or whitespace are skipped. Errors (including a missing
     path, raised on the first ``next()``) are CorpusError naming file, line and fix.
+    ``label``: the name documents and errors give a one-file spec (``<stdin>`` for a spool).
     """
     spec = os.fspath(spec)
     if not text_field:
@@ -187,15 +194,17 @@ def iter_documents(
         for doc in _file_documents(stdin, STDIN_SOURCE, ".txt", text_field, codec, ascii_compatible):
             count += 1
             yield doc
-    for path in corpus_files(spec):
+    files = corpus_files(spec)
+    for path in files:
+        source = label if label is not None and len(files) == 1 else str(path)
         with path.open("rb") as stream:
             suffix = path.suffix.lower()
-            for doc in _file_documents(stream, str(path), suffix, text_field, codec, ascii_compatible):
+            for doc in _file_documents(stream, source, suffix, text_field, codec, ascii_compatible):
                 count += 1
                 yield doc
     if count == 0:
         raise CorpusError(
-            f"{STDIN_SOURCE if spec == STDIN_SPEC else spec}: corpus has no document with text; "
+            f"{STDIN_SOURCE if spec == STDIN_SPEC else label or spec}: corpus has no document with text; "
             f"check --text-field (now {text_field!r}) or add text"
         )
 

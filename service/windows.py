@@ -64,24 +64,64 @@ def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisPara
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+# A document is tokenised this many characters at a time: a fast tokenizer's output for a 20 MB
+# line (offsets, strings, ids for every piece) takes gigabytes; a slice's takes megabytes.
+SLICE_CHARS = 1 << 16
+
+
 def document_windows(
     doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
 ) -> list[Window]:
-    pieces = tokenizer(doc.text, add_special_tokens=False, truncation=False)["input_ids"]
+    return list(iter_document_windows(doc, tokenizer, tokens, tokenizer_key, params))
+
+
+def iter_document_windows(
+    doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams,
+    *, slice_chars: int = SLICE_CHARS,
+) -> Iterator[Window]:
+    """The document's windows in order, tokenised slice by slice (memory follows a slice, not
+    the document)."""
     body = params.seq_len - 2
-    if params.windowing == "first":
-        chunks = [pieces[:body]] if pieces else []
-    else:
-        chunks = [pieces[i : i + body] for i in range(0, len(pieces), body)]
-    return [
-        Window(
-            window_id=window_key(doc.doc_id, k, tokenizer_key, params),
-            doc_id=doc.doc_id,
-            index=k,
-            input_ids=(tokens.cls_id, *chunk, tokens.sep_id),
-        )
-        for k, chunk in enumerate(chunks)
-    ]
+    chunk: list[int] = []
+    k = 0
+    for piece in _pieces(doc.text, tokenizer, slice_chars):
+        chunk.append(piece)
+        if len(chunk) == body:
+            yield _window(doc, k, chunk, tokens, tokenizer_key, params)
+            if params.windowing == "first":
+                return
+            chunk, k = [], k + 1
+    if chunk:
+        yield _window(doc, k, chunk, tokens, tokenizer_key, params)
+
+
+def _window(doc, k: int, chunk: list[int], tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams) -> Window:
+    return Window(window_id=window_key(doc.doc_id, k, tokenizer_key, params), doc_id=doc.doc_id, index=k,
+                  input_ids=(tokens.cls_id, *chunk, tokens.sep_id))
+
+
+def _pieces(text: str, tokenizer, slice_chars: int) -> Iterator[int]:
+    """Token ids of ``text`` without special tokens, tokenised in slices cut just before the last
+    whitespace ahead of a word: BERT-family pre-tokenizers split there anyway (a byte-level BPE
+    attaches the space to the following word, which the next slice then starts with), so the
+    ids equal those of the whole text. Only a run of more than ``slice_chars`` characters without
+    whitespace is cut inside (such a word is unknown to the vocabulary either way)."""
+    start, n = 0, len(text)
+    while start < n:
+        end = n if n - start <= slice_chars else _cut(text, start, start + slice_chars)
+        yield from tokenizer(text[start:end], add_special_tokens=False, truncation=False)["input_ids"]
+        start = end
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    for i in range(end, start, -1):
+        if text[i].isspace() and not text[i - 1].isspace():
+            # i starts a whitespace run: cut before its last character
+            j = i
+            while j + 1 < len(text) and text[j + 1].isspace():
+                j += 1
+            return j if j > start else i
+    return end
 
 
 def iter_windows(
