@@ -97,32 +97,39 @@ def analyze(
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from service.analysis_options import build_params
-    from service.corpus import spool_stdin
-    from service.model import auto_batch_size, load_model, parse_batch_size
+    from service.corpus import STDIN_SOURCE, remove_spool, spool_stdin
+    from service.model import auto_batch_size, load_model, parse_batch_size, resolve_device
+    from service.model_check import check_loaded, check_model_spec
     from service.runner import analyze_corpus, survey_corpus
+    from service.storage.db import check_headatlas_file
 
     size = parse_batch_size(batch_size)
     params = build_params(seq_len=seq_len, windowing=windowing, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
+    # every check that needs no model weights comes before the corpus is read or a model loaded
+    resolve_device(device)
+    check_headatlas_file(db)
+    check_model_spec(model, seq_len=params.seq_len, device=device)
     spooled = spool_stdin() if corpus == "-" else None
-    spec = str(spooled) if spooled else corpus
+    spec, label = (str(spooled), STDIN_SOURCE) if spooled else (corpus, None)
     try:
-        summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
+        summary = survey_corpus(spec, text_field=text_field, encoding=encoding, label=label)
         if not quiet:
             dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
             stderr.print(f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; "
                          f"loading model {model} …")
         loaded = load_model(model, device=device, dtype=dtype)
+        check_loaded(loaded, params.seq_len)
         size = auto_batch_size(loaded, seq_len) if size == "auto" else size
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
                                  batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
-                                 label="<stdin>" if spooled else None, attribution_chunk=attribution_chunk)
+                                 label=label, attribution_chunk=attribution_chunk)
     finally:
         if spooled:
-            spooled.unlink(missing_ok=True)
+            remove_spool(spooled)
     if quiet:
         stdout.print(run.run_id)
         return
@@ -223,7 +230,8 @@ def query_heads(
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors."""
     from service import queries
 
-    _query(db, run, fmt, queries.heads, "heads", layer=layer, sort=sort, top=top)
+    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
+    _query(db, run, fmt, queries.heads, "heads", check=check, layer=layer, sort=sort, top=top)
 
 
 @query_app.command("distances")
@@ -337,9 +345,10 @@ def db_upgrade(db: str = DbOpt) -> None:
 @db_app.command("current")
 def db_current(db: str = DbOpt) -> None:
     """Show the schema revision of the database and the one this headatlas needs."""
-    from service.storage.db import current_revision, head_revision, transaction
+    from service.storage.db import check_not_foreign, current_revision, head_revision, transaction
 
     with transaction(db, read_only=True) as conn:
+        check_not_foreign(conn, db)
         current = current_revision(conn)
     stdout.print(f"{db}: schema {current or 'none'}, needed {head_revision()}")
 

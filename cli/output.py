@@ -56,6 +56,10 @@ def _cell_text(value) -> str:
 
 
 def _json_value(value):
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
     if isinstance(value, (datetime, date)):
@@ -88,12 +92,10 @@ def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *,
 
 
 def render_record(record: dict, fmt: Format = Format.table, *, title: str | None = None) -> None:
-    """One record: a field/value table, one JSON object with named fields, or a one-row CSV."""
+    """One record: one JSON object with named fields, or field/value rows (table, csv)."""
     if fmt == Format.json:
         data = {k: _json_value(v) for k, v in record.items()}
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-    elif fmt == Format.csv:
-        render(list(record), [tuple(record.values())], fmt)
     else:
         render(["field", "value"], [(k, v) for k, v in record.items()], fmt, title=title)
 

@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,17 @@ class Document:
     source: str  # file path as given or resolved; "<stdin>" for stdin
     index: int  # 0-based position among the documents of its source
     line: int  # 1-based line where the document starts in its source
-    text: str  # stripped, never empty
+    text: str  # stripped, holds a visible character (has_text)
+
+
+# Characters that carry no text: format (zero-width space and joiners, BOM), control, combining
+# marks on nothing. A document of only these has no token to analyse.
+_INVISIBLE = frozenset(("Cf", "Cc", "Mn", "Me", "Zs", "Zl", "Zp"))
+
+
+def has_text(text: str) -> bool:
+    """Whether ``text`` holds a visible character (not only whitespace or zero-width ones)."""
+    return any(not ch.isspace() and unicodedata.category(ch) not in _INVISIBLE for ch in text)
 
 
 def document_id(text: str) -> str:
@@ -180,7 +191,7 @@ def iter_documents(
 ) -> Iterator[Document]:
     """Stream the documents of a corpus spec, validating as it goes.
 
-    Documents whose text is empty or whitespace are skipped. Errors (including a missing
+    Documents whose text is empty, whitespace or zero-width characters are skipped. Errors (including a missing
     path, raised on the first ``next()``) are CorpusError naming file, line and fix.
     ``label``: the name documents and errors give a one-file spec (``<stdin>`` for a spool).
     """
@@ -204,8 +215,8 @@ def iter_documents(
                 yield doc
     if count == 0:
         raise CorpusError(
-            f"{STDIN_SOURCE if spec == STDIN_SPEC else label or spec}: corpus has no document with text; "
-            f"check --text-field (now {text_field!r}) or add text"
+            f"{STDIN_SOURCE if spec == STDIN_SPEC else label or spec}: corpus has no document with text "
+            f"(only blank or zero-width characters); check --text-field (now {text_field!r}) or add text"
         )
 
 
@@ -214,7 +225,8 @@ def _file_documents(
 ) -> Iterator[Document]:
     lines = _decoded_lines(stream, source, codec, ascii_compatible)
     parse = _PARSERS[suffix]
-    for index, (line, text) in enumerate(parse(lines, source, text_field)):
+    documents = ((line, text) for line, text in parse(lines, source, text_field) if has_text(text))
+    for index, (line, text) in enumerate(documents):
         yield Document(document_id(text), source, index, line, text)
 
 
@@ -296,12 +308,23 @@ def _decode_each_line(raws: Iterable[bytes], source: str, codec: str) -> Iterato
         yield lineno, line
 
 
+# Codecs that read the byte order from a BOM; without one Python silently assumes little-endian.
+_BOMS = {"utf-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE), "utf-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)}
+
+
 def _decode_chunks(stream: BinaryIO, source: str, codec: str) -> Iterator[tuple[int, str]]:
     """Lines of an encoding not compatible with ASCII (UTF-16, UTF-32): decode, then split."""
     decoder = codecs.getincrementaldecoder(codec)(errors="strict")
     lineno, offset, pending = 0, 0, ""
+    first = True
     while True:
         chunk = stream.read(_CHUNK_BYTES)
+        if first and chunk and codec in _BOMS and not chunk.startswith(_BOMS[codec]):
+            # decoding would go on in the wrong byte order and turn text into other text
+            raise CorpusError(
+                f"{source}: no byte order mark, so {codec} cannot tell the byte order; pass --encoding "
+                f"{codec}-le or {codec}-be (or utf-8 if the file is UTF-8)")
+        first = False
         buffered, flag = decoder.getstate()
         try:
             pending += decoder.decode(chunk, final=not chunk)

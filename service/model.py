@@ -136,7 +136,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
                     "(config.json, weights, tokenizer files)"
                 )
             name, source = str(path.resolve()), str(path.resolve())
-        elif _looks_like_path(spec):
+        elif looks_like_path(spec):
             raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base")
         else:
             name, source = spec, spec  # a hub name: works where there is internet or a cache
@@ -194,7 +194,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1
 
 

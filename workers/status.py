@@ -7,7 +7,7 @@ Redis, which alone knows them. Without Redis the database's counts are shown.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from service.storage.store import Store, now
@@ -31,6 +31,13 @@ class RunStatus:
     error: str | None
     backlog: int | None = None  # messages waiting for the writer, all runs
     errors: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def record(self) -> dict:
+        """The status as one record with named fields (--format json/csv); numbers stay numbers,
+        unknown values are None, a failed batch is {batch, attempts, error}."""
+        out = {k: v for k, v in asdict(self).items() if k != "errors"}
+        out["errors"] = [{"batch": b, "attempts": a, "error": e} for b, a, e in self.errors]
+        return out
 
     def rows(self) -> list[tuple[str, str]]:
         def show(value, unit=""):

@@ -114,6 +114,7 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
 
 def check_schema(conn: Connection, path: str | Path) -> None:
     """Refuse to work on a database whose schema is not the current head."""
+    check_not_foreign(conn, path)
     current, head = current_revision(conn), head_revision()
     if current != head:
         raise StoreError(
@@ -130,10 +131,15 @@ def check_headatlas_file(path: str | Path) -> None:
     if not Path(path).exists():
         return
     with transaction(path, read_only=True) as conn:
-        if current_revision(conn) is None and _has_tables(conn):
-            raise DatabaseFileError(
-                f"{path} is a DuckDB database of something else (tables but no headatlas schema): "
-                "pass another --db; headatlas writes only into its own databases")
+        check_not_foreign(conn, path)
+
+
+def check_not_foreign(conn: Connection, path: str | Path) -> None:
+    """Refuse a DuckDB database that holds tables but no headatlas schema (another tool's)."""
+    if current_revision(conn) is None and _has_tables(conn):
+        raise DatabaseFileError(
+            f"{path} is a DuckDB database of something else (tables but no headatlas schema): "
+            "pass another --db; headatlas reads and writes only its own databases")
 
 
 def ensure_schema(path: str | Path) -> None:

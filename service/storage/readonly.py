@@ -20,6 +20,7 @@ error in its own exception for no gain on a single SELECT.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -152,8 +153,8 @@ def run_readonly_sql(
     """
     if max_rows < 0:
         raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
-    if timeout_s <= 0:
-        raise ParameterError(f"timeout must be a positive number of seconds, got {timeout_s}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):  # nan compares false: it would disable the limit
+        raise ParameterError(f"--timeout {timeout_s}: pass a finite positive number of seconds, e.g. --timeout 30")
     statement = check_select_only(sql)
 
     with connect_readonly(db_path, lock_wait_s=lock_wait_s) as connection:
