@@ -19,9 +19,10 @@ from rich.text import Text
 stdout = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 250, markup=False)
 stderr = Console(stderr=True, markup=False)
 
-# A table cell longer than this is cut (the whole value is in --format csv/json): a 20 MB string
-# would otherwise take minutes to lay out, past any --timeout.
+# Tables are cut to this many characters of cells (the whole values are in --format csv/json):
+# rich lays out ~2 MB/s, so a 20 MB value, or 1000 rows of 40 KB, would print long past --timeout.
 MAX_CELL_CHARS = 2000
+MAX_TABLE_CHARS = 200_000
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -32,11 +33,19 @@ class Format(str, Enum):
     json = "json"
 
 
-def _cell(value) -> Text:
-    text = _cell_text(value)
-    if len(text) > MAX_CELL_CHARS:
-        text = f"{text[:MAX_CELL_CHARS]}… ({len(text):,} characters; --format csv shows all)"
+def _cell(text: str, limit: int) -> Text:
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text):,} characters; --format csv shows all)"
     return Text(text)
+
+
+def _cells(rows: list[tuple]) -> list[list[Text]]:
+    """Rows as Text cells, each cut so that the table stays within MAX_TABLE_CHARS."""
+    texts = [[_cell_text(v) for v in row] for row in rows]
+    count = sum(len(row) for row in texts) or 1
+    total = sum(min(len(t), MAX_CELL_CHARS) for row in texts for t in row)
+    limit = MAX_CELL_CHARS if total <= MAX_TABLE_CHARS else max(20, MAX_TABLE_CHARS // count)
+    return [[_cell(t, limit) for t in row] for row in texts]
 
 
 def _cell_text(value) -> str:
@@ -83,8 +92,8 @@ def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *,
         table = Table(title=Text(title) if title is not None else None, show_lines=False, header_style="bold")
         for column in columns:
             table.add_column(Text(str(column)), overflow="fold")
-        for row in rows:
-            table.add_row(*(_cell(v) for v in row))
+        for cells in _cells(rows):
+            table.add_row(*cells)
         stdout.print(table)
     if truncated:
         stderr.print(Text(f"truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows",
