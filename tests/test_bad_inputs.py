@@ -419,3 +419,38 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
     assert "100%" not in err
     runs = json.loads(invoke("runs", "--db", str(db), "--format", "json").stdout)
     assert runs[0]["status"] == "interrupted"
+
+
+# --- permissions (root ignores them: these run as an ordinary user) ----------------------------------------
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write read-only files")
+@pytest.mark.parametrize("what,args,hint", [
+    ("file", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only"),
+    ("file", ["schedule", "add", "s2", "--corpus", "{corpus}", "--every", "1h", "--model", "random:tiny"], "read-only"),
+    ("file", ["db", "upgrade"], "read-only"),
+    ("folder", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only folder"),
+    ("new-in-folder", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only"),
+    ("unreadable", ["runs"], "permission denied"),
+])
+def test_read_only_database_is_one_clean_line(what, args, hint, base, tmp_path):
+    _root, good, files = base
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    db = folder / ("new.duckdb" if what == "new-in-folder" else "case.duckdb")
+    if what != "new-in-folder":
+        shutil.copy(good, db)
+    before = digest(db)
+    if what in ("file", "unreadable"):
+        db.chmod(0o444 if what == "file" else 0o000)
+    else:
+        folder.chmod(0o555)
+    try:
+        result = invoke(*[a.format(corpus=files["corpus"]) for a in args], "--db", str(db))
+    finally:
+        folder.chmod(0o755)
+        if db.exists():
+            db.chmod(0o644)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and hint in lines[0], result.stderr
+    assert digest(db) == before
