@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -107,8 +107,6 @@ class Case:
     hint: str  # must appear in the error line
     db: str = "good"  # good | empty | text | random | truncated | flipped-* | folder | foreign | missing | none
     input: str | None = None
-    passes_before: bool = False  # already a clean error before this suite existed (kept passing)
-    extra: dict = field(default_factory=dict)
 
 
 DAMAGED = ("empty", "text", "random", "truncated", "flipped-header", "flipped-block", "folder", "foreign")
@@ -188,12 +186,10 @@ CASES += [
     # queries against the run's shape
     Case("query-heads:layer-out-of-range", ["query", "heads", "--layer", "99", "--db", "{db}"], "layers 0..1"),
     Case("query-heads:negative-layer", ["query", "heads", "--layer", "-1", "--db", "{db}"], "layers 0..1"),
-    Case("query-mixing:layer-out-of-range", ["query", "mixing", "--layer", "99", "--db", "{db}"], "layers 0..1",
-         passes_before=True),
-    Case("query-distances:layer-out-of-range", ["query", "distances", "--layer", "2", "--db", "{db}"], "layers 0..1",
-         passes_before=True),
+    Case("query-mixing:layer-out-of-range", ["query", "mixing", "--layer", "99", "--db", "{db}"], "layers 0..1"),
+    Case("query-distances:layer-out-of-range", ["query", "distances", "--layer", "2", "--db", "{db}"], "layers 0..1"),
     Case("query-distances:head-out-of-range", ["query", "distances", "--layer", "0", "--head", "4", "--db", "{db}"],
-         "heads 0..3", passes_before=True),
+         "heads 0..3"),
     # usage errors: one line too (click's box spans several)
     Case("analyze:seq-len-not-a-number", ["analyze", "{corpus}", "--seq-len", "abc", "--db", "{db}"], "--seq-len"),
     Case("no-such-command", ["analyse", "{corpus}"], "No such command", db="none"),
@@ -201,43 +197,69 @@ CASES += [
     # a markup-like file name in an error
     Case("analyze:odd-file-name-missing", ["analyze", "{root}/nope[/x].txt", "--db", "{db}"], "nope[/x].txt"),
     Case("report:folder-out-not-writable-file", ["report", "--out", "{corpus}/r.html", "--db", "{db}"], "--out"),
-    Case("export:out-is-a-file", ["export", "--out", "{corpus}", "--db", "{db}"], "not a folder", passes_before=True),
+    Case("export:out-is-a-file", ["export", "--out", "{corpus}", "--db", "{db}"], "not a folder"),
     # cases that were clean before: kept so they stay so
-    Case("analyze:missing-file", ["analyze", "{root}/missing.txt", "--db", "{db}"], "no such file",
-         passes_before=True),
-    Case("analyze:binary-file", ["analyze", "{binary}", "--db", "{db}", "--model", "random:tiny"], "binary",
-         passes_before=True),
-    Case("analyze:not-utf8", ["analyze", "{latin1}", "--db", "{db}", "--model", "random:tiny"], "--encoding",
-         passes_before=True),
-    Case("analyze:empty-file", ["analyze", "{empty_corpus}", "--db", "{db}", "--model", "random:tiny"], "empty",
-         passes_before=True),
-    Case("analyze:bad-select", ["analyze", "{corpus}", "--select", "top:7", "--db", "{db}"], "--select",
-         passes_before=True),
-    Case("analyze:seq-len-too-small", ["analyze", "{corpus}", "--seq-len", "2", "--db", "{db}"], "--seq-len",
-         passes_before=True),
-    Case("analyze:batch-size-zero", ["analyze", "{corpus}", "--batch-size", "0", "--db", "{db}"], "--batch-size",
-         passes_before=True),
+    Case("analyze:missing-file", ["analyze", "{root}/missing.txt", "--db", "{db}"], "no such file"),
+    Case("analyze:binary-file", ["analyze", "{binary}", "--db", "{db}", "--model", "random:tiny"], "binary"),
+    Case("analyze:not-utf8", ["analyze", "{latin1}", "--db", "{db}", "--model", "random:tiny"], "--encoding"),
+    Case("analyze:empty-file", ["analyze", "{empty_corpus}", "--db", "{db}", "--model", "random:tiny"], "empty"),
+    Case("analyze:bad-select", ["analyze", "{corpus}", "--select", "top:7", "--db", "{db}"], "--select"),
+    Case("analyze:seq-len-too-small", ["analyze", "{corpus}", "--seq-len", "2", "--db", "{db}"], "--seq-len"),
+    Case("analyze:batch-size-zero", ["analyze", "{corpus}", "--batch-size", "0", "--db", "{db}"], "--batch-size"),
     Case("analyze:no-such-model-folder", ["analyze", "{corpus}", "--model", "./no-such-model", "--db", "{db}"],
-         "no such folder", passes_before=True),
+         "no such folder"),
     Case("analyze:bad-random-shape", ["analyze", "{corpus}", "--model", "random:2,3,32", "--db", "{db}"],
-         "multiple of HEADS", passes_before=True),
+         "multiple of HEADS"),
     Case("analyze:unknown-encoding", ["analyze", "{corpus}", "--encoding", "klingon", "--db", "{db}",
-                                      "--model", "random:tiny"], "klingon", passes_before=True),
-    Case("sql:write-refused", ["sql", "DROP TABLE runs", "--db", "{db}"], "refused", passes_before=True),
-    Case("sql:syntax-error", ["sql", "SELEKT 1", "--db", "{db}"], "syntax", passes_before=True),
-    Case("sql:file-access-refused", ["sql", "SELECT * FROM read_csv('/etc/passwd')", "--db", "{db}"], "query failed",
-         passes_before=True),
-    Case("query-heads:no-such-run", ["query", "heads", "--run", "nosuch", "--db", "{db}"], "nosuch",
-         passes_before=True),
-    Case("runs:missing-database", ["runs", "--db", "{db}"], "headatlas analyze", db="missing", passes_before=True),
-    Case("schedule-show:no-such-schedule", ["schedule", "show", "nosuch", "--db", "{db}"], "no schedule named",
-         passes_before=True),
+                                      "--model", "random:tiny"], "klingon"),
+    Case("sql:write-refused", ["sql", "DROP TABLE runs", "--db", "{db}"], "refused"),
+    Case("sql:syntax-error", ["sql", "SELEKT 1", "--db", "{db}"], "syntax"),
+    Case("sql:file-access-refused", ["sql", "SELECT * FROM read_csv('/etc/passwd')", "--db", "{db}"], "query failed"),
+    Case("query-heads:no-such-run", ["query", "heads", "--run", "nosuch", "--db", "{db}"], "nosuch"),
+    Case("runs:missing-database", ["runs", "--db", "{db}"], "headatlas analyze", db="missing"),
+    Case("schedule-show:no-such-schedule", ["schedule", "show", "nosuch", "--db", "{db}"], "no schedule named"),
     Case("schedule-add:bad-cron", ["schedule", "add", "c", "--corpus", "{corpus}", "--cron", "0 3 * *", "--db", "{db}"],
-         "not a cron expression", passes_before=True),
+         "not a cron expression"),
     Case("schedule-add:bad-timezone", ["schedule", "add", "c", "--corpus", "{corpus}", "--every", "1h", "--timezone",
-                                       "Mars/Olympus", "--db", "{db}"], "time zone", passes_before=True),
-    Case("plot:bad-suffix", ["plot", "heads", "--out", "{root}/x.gif", "--db", "{db}"], ".gif", passes_before=True),
+                                       "Mars/Olympus", "--db", "{db}"], "time zone"),
+    Case("plot:bad-suffix", ["plot", "heads", "--out", "{root}/x.gif", "--db", "{db}"], ".gif"),
 ]
+
+
+# Cases that were already a clean error before this suite (measured through the console script's
+# main() on the commit before it; the 3 too-large models and the 3 long-running beat/writer/worker
+# cases were not run there): kept in the table so that they stay clean.
+CLEAN_BEFORE = {
+    'analyze:bad-select',
+    'analyze:batch-size-zero',
+    'analyze:binary-file',
+    'analyze:empty-file',
+    'analyze:missing-file',
+    'analyze:not-utf8',
+    'analyze:seq-len-too-small',
+    'analyze:unknown-encoding',
+    'analyze@foreign',
+    'export:out-is-a-file',
+    'export@foreign',
+    'export@truncated',
+    'plot:bad-suffix',
+    'query-distances:head-out-of-range',
+    'query-distances:layer-out-of-range',
+    'query-heads:no-such-run',
+    'query-heads@foreign',
+    'query-layers@foreign',
+    'query-mixing:layer-out-of-range',
+    'report@foreign',
+    'runs:missing-database',
+    'runs@foreign',
+    'schedule-add:bad-cron',
+    'schedule-add:bad-timezone',
+    'schedule-add@foreign',
+    'schedule-list@foreign',
+    'sql:file-access-refused',
+    'sql:syntax-error',
+    'sql:write-refused',
+}
 
 
 def _prepare(case: Case, base, tmp_path: Path) -> tuple[list[str], Path | None]:
@@ -285,7 +307,7 @@ def test_counts():
     """The numbers the README's reliability section states (run after the cases above)."""
     tried = len(CASES)
     clean = sum(RESULTS.values())
-    before = sum(c.passes_before for c in CASES)
+    before = sum(c.id in CLEAN_BEFORE for c in CASES)
     print(f"\nbad inputs tried: {tried}; clean one-line errors: {clean}; clean before this suite: {before}")
     if len(RESULTS) == tried:  # the whole table ran in this session
         assert clean == tried
