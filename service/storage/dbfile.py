@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
 
 import duckdb
@@ -47,12 +48,12 @@ def check_file(path: str | Path, *, write: bool) -> None:
         raise DatabaseFileError(f"cannot read {path}: permission denied; fix its permissions or pass another --db")
     with path.open("rb") as stream:
         head = stream.read(_FIRST_BLOCK)
-    size = path.stat().st_size
+    size = path.stat().st_size  # for messages; the alignment check re-reads it
     if head[MAGIC_OFFSET:MAGIC_OFFSET + len(MAGIC)] != MAGIC:
         what = "an empty file" if size == 0 else f"{size:,} bytes"
         raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header); {_REPLACE}")
     block = block_size(head) if len(head) == _FIRST_BLOCK else None
-    if len(head) < _FIRST_BLOCK or (block is not None and (size - _FIRST_BLOCK) % block):
+    if len(head) < _FIRST_BLOCK or (block is not None and not _settles_aligned(path, block)):
         # DuckDB writes whole blocks after 12 KiB of headers; a copy cut short ends mid-block
         whole = f"{_FIRST_BLOCK:,} bytes of headers" + (f" and whole blocks of {block:,}" if block else "")
         raise DatabaseFileError(f"{path} is cut short: {size:,} bytes, not {whole}; {_REPLACE}")
@@ -64,6 +65,18 @@ def check_file(path: str | Path, *, write: bool) -> None:
             raise DatabaseFileError(
                 f"{path} lies in read-only folder {folder}: DuckDB needs to write {path.name}.wal there; "
                 "make the folder writable or copy the database elsewhere")
+
+
+def _settles_aligned(path: Path, block: int, *, wait_s: float = 1.0) -> bool:
+    """Whether the file is headers plus whole blocks, or becomes so within ``wait_s``: another
+    process extending the file (a checkpoint) is seen mid-write for a moment; a cut file stays cut."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if (path.stat().st_size - _FIRST_BLOCK) % block == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def block_size(head: bytes) -> int | None:
