@@ -400,7 +400,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         app()
-    except HeadatlasError as exc:  # raised before a command runs (e.g. a bad HEADATLAS_* variable)
+    except HeadatlasError as exc:  # raised outside a command (Commands.invoke maps those inside)
         error(str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
