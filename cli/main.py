@@ -223,7 +223,7 @@ def query_heads(
     run: Optional[str] = RunOpt,
     layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
     sort: Optional[str] = typer.Option(None, "--sort", "-s", help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share)."),
-    top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    top: Optional[int] = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -246,6 +246,10 @@ def query_distances(
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
     from service import queries
 
+    from service.errors import ParameterError
+
+    if max_distance is not None and max_distance < 1:
+        raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
     store = _store(db)
     with store.checked_read() as conn:
         r = _run(conn, run)
@@ -300,7 +304,7 @@ def query_mixing(
 def query_discrepancy(
     run: Optional[str] = RunOpt,
     method: str = typer.Option("attribution", "--method", help="Compare attention with this method (default attribution)."),
-    top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    top: Optional[int] = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:

@@ -91,6 +91,8 @@ def corpus_files(spec: str) -> list[Path]:
     spec = os.fspath(spec)
     if spec == STDIN_SPEC:
         return []
+    if not spec.strip():  # Path("") is the current folder: never analyse that by accident
+        raise CorpusError(f"the corpus is empty (''); {_SPEC_FIX}")
     path = Path(spec)
     if path.is_file():
         _check_suffix(path, spec)

@@ -190,6 +190,16 @@ CASES += [
     Case("query-distances:layer-out-of-range", ["query", "distances", "--layer", "2", "--db", "{db}"], "layers 0..1"),
     Case("query-distances:head-out-of-range", ["query", "distances", "--layer", "0", "--head", "4", "--db", "{db}"],
          "heads 0..3"),
+    Case("query-heads:top-negative", ["query", "heads", "--top", "-5", "--db", "{db}"], "--top"),
+    Case("query-heads:top-zero", ["query", "heads", "--top", "0", "--db", "{db}"], "--top"),
+    Case("query-distances:max-distance-negative", ["query", "distances", "--layer", "0", "--max-distance", "-3",
+                                                   "--db", "{db}"], "--max-distance"),
+    # an empty corpus argument: Path("") is the current folder, which was analysed
+    Case("analyze:empty-corpus-argument", ["analyze", "", "--model", "random:tiny", "--db", "{db}"], "corpus is empty"),
+    Case("schedule-add:empty-corpus-argument", ["schedule", "add", "q", "--corpus", "", "--every", "1h",
+                                                "--model", "random:tiny", "--db", "{db}"], "corpus is empty"),
+    Case("schedule-edit:too-large-model", ["schedule", "edit", ODD_SCHEDULE, "--model", "random:1,1,100000",
+                                           "--db", "{db}"], "GiB"),
     # usage errors: one line too (click's box spans several)
     Case("analyze:seq-len-not-a-number", ["analyze", "{corpus}", "--seq-len", "abc", "--db", "{db}"], "--seq-len"),
     Case("no-such-command", ["analyse", "{corpus}"], "No such command", db="none"),
