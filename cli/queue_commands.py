@@ -153,8 +153,10 @@ def status(run: Optional[str] = typer.Argument(None, help="Run id or name (defau
     from workers.status import run_status
 
     check_broker_url(broker)
-    with _store(db).checked_read():  # a damaged database: one error, not a broker warning first
-        pass
+    from service.storage.queue_store import resolve_run
+
+    with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
+        resolve_run(conn, run)
     try:
         ledger = Ledger(connect(broker))
     except BrokerError as exc:

@@ -190,6 +190,7 @@ CASES += [
     Case("query-distances:layer-out-of-range", ["query", "distances", "--layer", "2", "--db", "{db}"], "layers 0..1"),
     Case("query-distances:head-out-of-range", ["query", "distances", "--layer", "0", "--head", "4", "--db", "{db}"],
          "heads 0..3"),
+    Case("status:no-such-run-without-broker", ["status", "999", "--broker", NO_BROKER, "--db", "{db}"], "no run '999'"),
     Case("query-heads:top-negative", ["query", "heads", "--top", "-5", "--db", "{db}"], "--top"),
     Case("query-heads:top-zero", ["query", "heads", "--top", "0", "--db", "{db}"], "--top"),
     Case("query-distances:max-distance-negative", ["query", "distances", "--layer", "0", "--max-distance", "-3",
