@@ -8,13 +8,47 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer vendors its own click from 0.25 on; its usage errors are that click's
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer on the public click
+    from click.exceptions import UsageError
 
 from cli import options
 from cli.output import Format, error, render, render_metrics, sparkline, stderr, stdout
 from service.config import Settings
 from service.errors import HeadatlasError
 
+INTERRUPTED = "interrupted; re-run the same command to resume"
+
+
+class Commands(TyperGroup):
+    """The one place where a user's mistake becomes one line on stderr and exit code 2.
+
+    Domain errors (service.errors) and click's usage errors print ``error: …``; Ctrl-C prints the
+    resume hint and exits 130. Everything else is a bug and keeps its traceback.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except HeadatlasError as exc:
+            error(str(exc))
+            raise SystemExit(exc.exit_code) from None
+        except UsageError as exc:
+            if not exc.format_message():  # "no arguments: show the help" is not a mistake
+                raise
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            error(f"{exc.format_message()} (see `{where} --help`)")
+            raise SystemExit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            error(INTERRUPTED)
+            raise SystemExit(130) from None
+
+
 app = typer.Typer(
+    cls=Commands,
     help="headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -75,29 +109,36 @@ def analyze(
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from service.analysis_options import build_params
-    from service.corpus import spool_stdin
-    from service.model import auto_batch_size, control_model, load_model, parse_batch_size
+    from service.corpus import STDIN_SOURCE, remove_spool, spool_stdin
+    from service.model import auto_batch_size, control_model, load_model, parse_batch_size, resolve_device
+    from service.model_check import check_loaded, check_model_spec
     from service.runner import analyze_corpus, survey_corpus
+    from service.storage.db import check_headatlas_file
 
     size = parse_batch_size(batch_size)
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
+    # every check that needs no model weights comes before the corpus is read or a model loaded
+    resolve_device(device)
+    check_headatlas_file(db)
+    check_model_spec(model, seq_len=params.seq_len, device=device)
     spooled = spool_stdin() if corpus == "-" else None
-    spec = str(spooled) if spooled else corpus
+    spec, label = (str(spooled), STDIN_SOURCE) if spooled else (corpus, None)
     try:
-        summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
+        summary = survey_corpus(spec, text_field=text_field, encoding=encoding, label=label)
         if not quiet:
             dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
             stderr.print(f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; "
                          f"loading model {model} …")
         loaded = load_model(model, device=device, dtype=dtype)
+        check_loaded(loaded, params.seq_len)
         size = auto_batch_size(loaded, seq_len) if size == "auto" else size
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
                                  batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
-                                 label="<stdin>" if spooled else None, attribution_chunk=attribution_chunk)
+                                 label=label, attribution_chunk=attribution_chunk)
         if control:
             if not quiet:
                 stderr.print(f"control: the same windows through a randomly initialised {loaded.n_layers}×"
@@ -105,11 +146,10 @@ def analyze(
             with _progress(summary.chars, quiet) as progress:
                 floor = analyze_corpus(spec, store=store, model=control_model(loaded), params=params, corpus=summary,
                                        batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
-                                       label="<stdin>" if spooled else None, attribution_chunk=attribution_chunk,
-                                       control_of=run)
+                                       label=label, attribution_chunk=attribution_chunk, control_of=run)
     finally:
         if spooled:
-            spooled.unlink(missing_ok=True)
+            remove_spool(spooled)
     if quiet:
         stdout.print(run.run_id)
         if control:
@@ -160,7 +200,8 @@ class _progress:
 
     def __exit__(self, *exc):
         if not self.quiet:
-            self.bar.update(self.task, completed=self.total)
+            if exc[0] is None:  # an interrupted or failed run stops where it was, not at 100 %
+                self.bar.update(self.task, completed=self.total)
             self.bar.__exit__(*exc)
         return False
 
@@ -206,7 +247,7 @@ def query_heads(
     run: Optional[str] = RunOpt,
     layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
     sort: Optional[str] = typer.Option(None, "--sort", "-s", help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share)."),
-    top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    top: Optional[int] = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
@@ -216,7 +257,8 @@ def query_heads(
     from service import queries
 
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
-    _query(db, run, fmt, queries.heads, "heads", table_columns=table, note=queries.LIFT_NOTE,
+    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
+    _query(db, run, fmt, queries.heads, "heads", check=check, table_columns=table, note=queries.LIFT_NOTE,
            layer=layer, sort=sort, top=top, ci=ci)
 
 
@@ -235,6 +277,8 @@ def query_distances(
     from service import queries
     from service.errors import ParameterError
 
+    if max_distance is not None and max_distance < 1:
+        raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
     if split not in (None, "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
     store = _store(db)
@@ -297,7 +341,7 @@ def query_mixing(
 def query_discrepancy(
     run: Optional[str] = RunOpt,
     method: str = typer.Option("attribution", "--method", help="Compare attention with this method (default attribution)."),
-    top: Optional[int] = typer.Option(None, "--top", "-n", help="Show only the first N heads."),
+    top: Optional[int] = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -387,9 +431,10 @@ def db_upgrade(db: str = DbOpt) -> None:
 @db_app.command("current")
 def db_current(db: str = DbOpt) -> None:
     """Show the schema revision of the database and the one this headatlas needs."""
-    from service.storage.db import current_revision, head_revision, transaction
+    from service.storage.db import check_not_foreign, current_revision, head_revision, transaction
 
     with transaction(db, read_only=True) as conn:
+        check_not_foreign(conn, db)
         current = current_revision(conn)
     stdout.print(f"{db}: schema {current or 'none'}, needed {head_revision()}")
 
@@ -443,11 +488,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         app()
-    except HeadatlasError as exc:
+    except HeadatlasError as exc:  # raised outside a command (Commands.invoke maps those inside)
         error(str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        error("interrupted; re-run the same command to resume")
+        error(INTERRUPTED)
         sys.exit(130)
 
 

@@ -11,10 +11,18 @@ from enum import Enum
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 # Piped output is not wrapped at 80 columns: tables stay one row per line.
-stdout = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 250)
-stderr = Console(stderr=True)
+# markup=False: run, schedule and file names are data; a name such as "a[/x]" must print as
+# written, not be read as a style tag (which raises MarkupError). Styled text is built as Text.
+stdout = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 250, markup=False)
+stderr = Console(stderr=True, markup=False)
+
+# Tables are cut to this many characters of cells (the whole values are in --format csv/json):
+# rich lays out ~2 MB/s, so a 20 MB value, or 1000 rows of 40 KB, would print long past --timeout.
+MAX_CELL_CHARS = 2000
+MAX_TABLE_CHARS = 200_000
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -25,7 +33,22 @@ class Format(str, Enum):
     json = "json"
 
 
-def _cell(value) -> str:
+def _cell(text: str, limit: int) -> Text:
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text):,} characters; --format csv shows all)"
+    return Text(text)
+
+
+def _cells(rows: list[tuple]) -> list[list[Text]]:
+    """Rows as Text cells, each cut so that the table stays within MAX_TABLE_CHARS."""
+    texts = [[_cell_text(v) for v in row] for row in rows]
+    count = sum(len(row) for row in texts) or 1
+    total = sum(min(len(t), MAX_CELL_CHARS) for row in texts for t in row)
+    limit = MAX_CELL_CHARS if total <= MAX_TABLE_CHARS else max(20, MAX_TABLE_CHARS // count)
+    return [[_cell(t, limit) for t in row] for row in texts]
+
+
+def _cell_text(value) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
@@ -42,6 +65,10 @@ def _cell(value) -> str:
 
 
 def _json_value(value):
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
     if isinstance(value, (datetime, date)):
@@ -62,14 +89,24 @@ def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *,
         for row in rows:
             writer.writerow(["" if v is None else _json_value(v) for v in row])
     else:
-        table = Table(title=title, show_lines=False, header_style="bold")
+        table = Table(title=Text(title) if title is not None else None, show_lines=False, header_style="bold")
         for column in columns:
-            table.add_column(column, overflow="fold")
-        for row in rows:
-            table.add_row(*(_cell(v) for v in row))
+            table.add_column(Text(str(column)), overflow="fold")
+        for cells in _cells(rows):
+            table.add_row(*cells)
         stdout.print(table)
     if truncated:
-        stderr.print(f"[yellow]truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows[/]")
+        stderr.print(Text(f"truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows",
+                          style="yellow"))
+
+
+def render_record(record: dict, fmt: Format = Format.table, *, title: str | None = None) -> None:
+    """One record: one JSON object with named fields, or field/value rows (table, csv)."""
+    if fmt == Format.json:
+        data = {k: _json_value(v) for k, v in record.items()}
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    else:
+        render(["field", "value"], [(k, v) for k, v in record.items()], fmt, title=title)
 
 
 def merge_intervals(columns: list[str], rows: list[tuple], keep: list[str] | None = None) -> tuple[list[str], list[tuple]]:
@@ -119,4 +156,6 @@ def sparkline(values: list[float], *, top: float | None = None) -> str:
 
 
 def error(message: str) -> None:
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """The CLI's one error line: messages that span lines (a driver's) are joined."""
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    stderr.print(Text.assemble(("error:", "bold red"), " ", line), highlight=False, soft_wrap=True)

@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 
 from cli import options
-from cli.output import Format, render, stderr, stdout
-from service.config import Settings
+from cli.output import Format, render_record, stderr, stdout
+from service.config import Settings, check_broker_url
 
 SETTINGS = Settings.from_env()
 DbOpt = options.Db
@@ -31,6 +31,8 @@ def _store(db: str):
 
 def _settings(**overrides):
     """Settings with CLI overrides, exported so that Celery processes started from here see them."""
+    if overrides.get("broker_url") is not None:
+        check_broker_url(overrides["broker_url"])
     settings = replace(Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None})
     for name, value in overrides.items():
         if value is not None:
@@ -64,6 +66,7 @@ def submit(
 ) -> None:
     """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
     from service.analysis_options import build_params
+    from service.model_check import check_model_spec
     from workers.submit import submit as submit_corpus
 
     if corpus == "-":
@@ -74,6 +77,8 @@ def submit(
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
     settings = _settings(db=db, broker_url=broker)
+    # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
+    check_model_spec(model, seq_len=params.seq_len, memory="total")
     sub = submit_corpus(corpus, settings=settings, model=model, dtype=dtype, params=params, batch_size=batch_size,
                         name=name, text_field=text_field, encoding=encoding, writer_wait_s=writer_wait,
                         log=lambda msg: stderr.print(msg))
@@ -163,23 +168,23 @@ def writer(db: str = DbOpt, broker: str = BrokerOpt,
 def status(run: Optional[str] = typer.Argument(None, help="Run id or name (default: the latest run)."),
            db: str = DbOpt, broker: str = BrokerOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
-    import json
-    import sys
-
     from service.errors import BrokerError
     from workers.ledger import connect
     from workers.status import run_status
 
+    check_broker_url(broker)
+    from service.storage.queue_store import resolve_run
+
+    with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
+        resolve_run(conn, run)
     try:
         client = connect(broker)
     except BrokerError as exc:
         client = None
         stderr.print(f"{exc}; showing what the database knows")
     state = run_status(_store(db), run, client)
-    if fmt == Format.json:
-        sys.stdout.write(json.dumps(state.to_dict(), indent=2, default=str) + "\n")
-        return
-    render(["field", "value"], state.rows(), fmt)
+    # json: named fields with raw values; table and csv: the readable field/value rows
+    render_record(state.record() if fmt == Format.json else dict(state.rows()), fmt)
 
 
 def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOpt, broker: str = BrokerOpt,

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from cli import options
-from cli.output import Format, render_metrics, sparkline, stdout
+from cli.output import Format, render_metrics, render_record, sparkline, stdout
 from service.config import Settings
 
 SETTINGS = Settings.from_env()
@@ -39,11 +39,11 @@ def _cadence(cron: Optional[str], every: Optional[str], tz: str):
 
 
 def _corpus(spec: str) -> str:
-    """Check the corpus exists now (a clear error at `add`, not at the first fire) and keep an
-    absolute path, so that beat finds it whatever its working directory."""
-    from service.corpus import corpus_files
+    """Check the corpus exists and holds a document now (a clear error at `add`, not at the first
+    fire) and keep an absolute path, so that beat finds it whatever its working directory."""
+    from service.corpus import iter_documents
 
-    corpus_files(spec)
+    next(iter(iter_documents(spec)))  # reads up to the first document; an empty corpus raises
     path = Path(spec)
     if path.exists():
         return str(path.resolve())
@@ -56,6 +56,22 @@ def _show(sched) -> list[tuple]:
 
 
 SHOW_COLUMNS = ["name", "state", "when", "only_new", "model", "corpus", "last_fire_utc", "next_fire_utc"]
+
+
+def _render_one(sched, fmt: Format, **more) -> None:
+    """One schedule: a one-row table or CSV, or one JSON object (with ``more`` fields, e.g. its fires)."""
+    if fmt == Format.json:
+        render_record(dict(zip(SHOW_COLUMNS, _show(sched)[0]), **more), fmt)
+    else:
+        render(SHOW_COLUMNS, _show(sched), fmt)
+
+
+def _check_name(name: str) -> str:
+    from service.errors import ParameterError
+
+    if not name.strip():
+        raise ParameterError("schedule name is empty: pass a name, e.g. `headatlas schedule add nightly --corpus …`")
+    return name
 
 
 @schedule_app.command("add")
@@ -85,15 +101,18 @@ def schedule_add(
 ) -> None:
     """Add a schedule: analyse CORPUS with MODEL on a cron expression or an interval."""
     from service.analysis_options import build_params
+    from service.model_check import check_model_spec
     from service.storage import schedule_store
 
+    _check_name(name)
     cadence = _cadence(cron, every, timezone)
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           vectors=vectors, short_range=short_range, dtype=dtype, include_special=include_special,
                           attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
+    check_model_spec(model, seq_len=params.seq_len, memory="total")  # workers load it at each fire
     sched = schedule_store.add(db, name=name, corpus=_corpus(corpus), model=model, dtype=dtype, batch_size=batch_size,
                                params=params.to_dict(), cadence=cadence, only_new=only_new)
-    render(SHOW_COLUMNS, _show(sched), fmt)
+    _render_one(sched, fmt)
 
 
 @schedule_app.command("edit")
@@ -110,6 +129,7 @@ def schedule_edit(
 ) -> None:
     """Change a schedule; a running beat uses the change at its next tick."""
     from service.errors import ParameterError
+    from service.model_check import check_model_spec
     from service.schedules import check_cron, check_timezone, parse_every
     from service.storage import schedule_store
 
@@ -117,10 +137,14 @@ def schedule_edit(
         raise ParameterError("give one of --cron EXPR or --every INTERVAL, not both")
     if timezone is not None:
         check_timezone(timezone)
-    sched = schedule_store.edit(db, name, corpus=_corpus(corpus) if corpus else None, model=model, only_new=only_new,
-                                cron=check_cron(cron) if cron else None,
-                                every_s=parse_every(every) if every else None, timezone=timezone)
-    render(SHOW_COLUMNS, _show(sched), fmt)
+    if model is not None:
+        with schedule_store.read(db) as conn:
+            seq_len = schedule_store.get(conn, name).params.get("seq_len", 128)
+        check_model_spec(model, seq_len=seq_len, memory="total")
+    sched = schedule_store.edit(db, name, corpus=_corpus(corpus) if corpus is not None else None, model=model,
+                                only_new=only_new, cron=check_cron(cron) if cron is not None else None,
+                                every_s=parse_every(every) if every is not None else None, timezone=timezone)
+    _render_one(sched, fmt)
 
 
 @schedule_app.command("list")
@@ -144,7 +168,11 @@ def schedule_show(name: str = NameArg, db: str = DbOpt,
         columns, rows = schedule_store.fires(conn, sched.schedule_id)
     if fmt == Format.table:
         render(SHOW_COLUMNS, _show(sched), fmt)
-    render(columns, rows, fmt, title=f"schedule {name}: fires (UTC)")
+        render(columns, rows, fmt, title=f"schedule {name}: fires (UTC)")
+    elif fmt == Format.json:
+        _render_one(sched, fmt, fires=[dict(zip(columns, row)) for row in rows])
+    else:  # csv: the fires, one per row (a schedule's fields are in `schedule list --format csv`)
+        render(columns, rows, fmt)
 
 
 @schedule_app.command("pause")

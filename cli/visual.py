@@ -92,8 +92,11 @@ def inspect(
     params = build_params(seq_len=seq_len, sentences=sentences, select=select, vectors=vectors,
                           include_special=include_special)
     from service.model import load_model
+    from service.model_check import check_loaded, check_model_spec
 
+    check_model_spec(model, seq_len=params.seq_len, device=device)
     loaded = load_model(model, device=device)
+    check_loaded(loaded, params.seq_len)
     result = inspect_text(loaded, body, params)
     from service import matrix_plots, plots
 
@@ -205,7 +208,7 @@ def plot_compare(
 # --- report and export ------------------------------------------------------------------------
 def report(
     run: Optional[str] = RunArg,
-    out: Path = typer.Option(Path("report.html"), "--out", "-o", help="Output HTML file (self-contained)."),
+    out: Path = typer.Option(Path("report.html"), "--out", "-o", help="Output HTML file (self-contained); a folder gets report.html in it."),
     db: str = DbOpt,
 ) -> None:
     """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""

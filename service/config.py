@@ -61,3 +61,24 @@ class Settings:
             start = source.index(marker) + len(marker)
             out.append((f"HEADATLAS_{f.name.upper()}", str(f.default), source[start : source.index('"""', start)]))
         return out
+
+
+BROKER_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_broker_url(url: str) -> str:
+    """A Redis URL (redis://host:port/db, rediss://…, unix:///path/to/socket), or ParameterError."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # a port that is not a number raises here
+    except ValueError as exc:
+        raise ParameterError(f"--broker {url!r} is not a URL ({exc}): use redis://HOST:6379/0") from None
+    if parts.scheme not in BROKER_SCHEMES or (parts.scheme != "unix" and not parts.hostname) or (
+            parts.scheme == "unix" and not parts.path):
+        raise ParameterError(
+            f"--broker {url!r} is not a Redis URL: use redis://HOST:6379/0, rediss://HOST:6380/0 or "
+            "unix:///path/to/redis.sock [env HEADATLAS_BROKER_URL]")
+    return url
+

@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,17 @@ class Document:
     source: str  # file path as given or resolved; "<stdin>" for stdin
     index: int  # 0-based position among the documents of its source
     line: int  # 1-based line where the document starts in its source
-    text: str  # stripped, never empty
+    text: str  # stripped, holds a visible character (has_text)
+
+
+# Characters that carry no text: format (zero-width space and joiners, BOM), control, combining
+# marks on nothing. A document of only these has no token to analyse.
+_INVISIBLE = frozenset(("Cf", "Cc", "Mn", "Me", "Zs", "Zl", "Zp"))
+
+
+def has_text(text: str) -> bool:
+    """Whether ``text`` holds a visible character (not only whitespace or zero-width ones)."""
+    return any(not ch.isspace() and unicodedata.category(ch) not in _INVISIBLE for ch in text)
 
 
 def document_id(text: str) -> str:
@@ -80,6 +91,8 @@ def corpus_files(spec: str) -> list[Path]:
     spec = os.fspath(spec)
     if spec == STDIN_SPEC:
         return []
+    if not spec.strip():  # Path("") is the current folder: never analyse that by accident
+        raise CorpusError(f"the corpus is empty (''); {_SPEC_FIX}")
     path = Path(spec)
     if path.is_file():
         _check_suffix(path, spec)
@@ -132,24 +145,30 @@ def corpus_fingerprint(spec: str) -> str:
 
 
 def spool_stdin(stream: BinaryIO | None = None) -> Path:
-    """Copy stdin (or *stream*) to a new temporary ``.txt`` file and return its path.
+    """Copy stdin (or *stream*) to ``stdin.txt`` in a new temporary folder and return its path.
 
-    The path then works as a normal spec for every function here (documents report it as
-    their ``source``). The caller owns the file: delete it when done
-    (``path.unlink(missing_ok=True)``). Raises CorpusError if the input is empty.
+    The path then works as a normal spec for every function here; pass ``label=STDIN_SOURCE``
+    so that documents and errors name ``<stdin>``. The file's name is the same for every spool,
+    so the fingerprint (names, sizes, bytes) depends on the content alone: the same text piped
+    twice is the same corpus. The caller owns the folder: delete it when done
+    (:func:`remove_spool`). Raises CorpusError if the input is empty.
     """
     source = sys.stdin.buffer if stream is None else getattr(stream, "buffer", stream)
-    fd, name = tempfile.mkstemp(prefix="headatlas-stdin-", suffix=".txt")
-    path = Path(name)
+    path = Path(tempfile.mkdtemp(prefix="headatlas-stdin-")) / "stdin.txt"
     try:
-        with os.fdopen(fd, "wb") as out:
+        with path.open("wb") as out:
             shutil.copyfileobj(source, out, _CHUNK_BYTES)
         if path.stat().st_size == 0:
             raise CorpusError(f"{STDIN_SOURCE}: no input; pipe a corpus in (… - < corpus.txt)")
     except BaseException:
-        path.unlink(missing_ok=True)
+        remove_spool(path)
         raise
     return path
+
+
+def remove_spool(path: Path) -> None:
+    """Delete a copy of stdin made by :func:`spool_stdin`, and its folder."""
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def _is_corpus_file(path: Path, root: Path) -> bool:
@@ -170,12 +189,13 @@ def _check_suffix(path: Path, spec: str) -> None:
 
 
 def iter_documents(
-    spec: str, *, text_field: str = "text", encoding: str = "utf-8"
+    spec: str, *, text_field: str = "text", encoding: str = "utf-8", label: str | None = None
 ) -> Iterator[Document]:
     """Stream the documents of a corpus spec, validating as it goes.
 
-    Documents whose text is empty or whitespace are skipped. Errors (including a missing
+    Documents whose text is empty, whitespace or zero-width characters are skipped. Errors (including a missing
     path, raised on the first ``next()``) are CorpusError naming file, line and fix.
+    ``label``: the name documents and errors give a one-file spec (``<stdin>`` for a spool).
     """
     spec = os.fspath(spec)
     if not text_field:
@@ -187,16 +207,18 @@ def iter_documents(
         for doc in _file_documents(stdin, STDIN_SOURCE, ".txt", text_field, codec, ascii_compatible):
             count += 1
             yield doc
-    for path in corpus_files(spec):
+    files = corpus_files(spec)
+    for path in files:
+        source = label if label is not None and len(files) == 1 else str(path)
         with path.open("rb") as stream:
             suffix = path.suffix.lower()
-            for doc in _file_documents(stream, str(path), suffix, text_field, codec, ascii_compatible):
+            for doc in _file_documents(stream, source, suffix, text_field, codec, ascii_compatible):
                 count += 1
                 yield doc
     if count == 0:
         raise CorpusError(
-            f"{STDIN_SOURCE if spec == STDIN_SPEC else spec}: corpus has no document with text; "
-            f"check --text-field (now {text_field!r}) or add text"
+            f"{STDIN_SOURCE if spec == STDIN_SPEC else label or spec}: corpus has no document with text "
+            f"(only blank or zero-width characters); check --text-field (now {text_field!r}) or add text"
         )
 
 
@@ -205,7 +227,8 @@ def _file_documents(
 ) -> Iterator[Document]:
     lines = _decoded_lines(stream, source, codec, ascii_compatible)
     parse = _PARSERS[suffix]
-    for index, (line, text) in enumerate(parse(lines, source, text_field)):
+    documents = ((line, text) for line, text in parse(lines, source, text_field) if has_text(text))
+    for index, (line, text) in enumerate(documents):
         yield Document(document_id(text), source, index, line, text)
 
 
@@ -287,12 +310,23 @@ def _decode_each_line(raws: Iterable[bytes], source: str, codec: str) -> Iterato
         yield lineno, line
 
 
+# Codecs that read the byte order from a BOM; without one Python silently assumes little-endian.
+_BOMS = {"utf-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE), "utf-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)}
+
+
 def _decode_chunks(stream: BinaryIO, source: str, codec: str) -> Iterator[tuple[int, str]]:
     """Lines of an encoding not compatible with ASCII (UTF-16, UTF-32): decode, then split."""
     decoder = codecs.getincrementaldecoder(codec)(errors="strict")
     lineno, offset, pending = 0, 0, ""
+    first = True
     while True:
         chunk = stream.read(_CHUNK_BYTES)
+        if first and chunk and codec in _BOMS and not chunk.startswith(_BOMS[codec]):
+            # decoding would go on in the wrong byte order and turn text into other text
+            raise CorpusError(
+                f"{source}: no byte order mark, so {codec} cannot tell the byte order; pass --encoding "
+                f"{codec}-le or {codec}-be (or utf-8 if the file is UTF-8)")
+        first = False
         buffered, flag = decoder.getstate()
         try:
             pending += decoder.decode(chunk, final=not chunk)

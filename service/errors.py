@@ -30,6 +30,10 @@ class StoreBusy(StoreError):
     """Another process held the database file's lock for longer than the wait allowed."""
 
 
+class DatabaseFileError(StoreError):
+    """The database file is missing, not a (headatlas) DuckDB database, damaged, or not writable."""
+
+
 class BrokerError(HeadatlasError):
     """The message broker cannot be reached."""
 

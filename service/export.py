@@ -72,7 +72,10 @@ def export_run(db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ParameterError(f"--out {out}: exists and is not a folder; pass a folder path")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParameterError(f"--out {out}: cannot create the folder ({exc.strerror}); pass a writable folder") from None
     options = "FORMAT parquet, COMPRESSION zstd" if fmt == "parquet" else "FORMAT csv, HEADER true"
     exported = []
     connection = retry_on_lock(lambda: duckdb.connect(str(db_path), read_only=True), wait_s=lock_wait_s,

@@ -138,7 +138,7 @@ def _source(spec: str) -> tuple[str, str]:
                 "(config.json, weights, tokenizer files)"
             )
         return str(path.resolve()), str(path.resolve())
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base")
     return spec, spec  # a hub name: works where there is internet or a cache
 
@@ -323,7 +323,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1
 
 

@@ -241,7 +241,15 @@ def split_anchors(text: str | None) -> list[str]:
 
 
 def write_report(conn, run, out: str | Path) -> Path:
+    """Write the report to ``out``; a folder gets ``report.html`` in it (as ``cp FILE DIR`` does)."""
+    from service.errors import ParameterError
+
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(build_report(conn, run), encoding="utf-8")
+    if path.is_dir():
+        path = path / "report.html"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(build_report(conn, run), encoding="utf-8")
+    except OSError as exc:
+        raise ParameterError(f"--out {out}: cannot write {path} ({exc.strerror}); pass a writable file path") from None
     return path

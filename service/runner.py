@@ -18,7 +18,7 @@ from service.model import LoadedModel
 from service.params import AnalysisParams
 from service.prefetch import BackgroundSink, Prefetcher
 from service.storage.store import Run, Store
-from service.windows import Batch, TokenClasses, collate, document_windows
+from service.windows import Batch, TokenClasses, collate, iter_document_windows
 
 ProgressFn = Callable[[int, int], None]  # (windows just analysed, corpus characters consumed)
 
@@ -31,20 +31,22 @@ class CorpusSummary:
     duplicates: int = 0  # documents whose exact text appeared earlier (analysed once)
 
 
-def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8") -> CorpusSummary:
+def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8",
+                  label: str | None = None) -> CorpusSummary:
     """Read and validate the whole corpus once, before anything is stored.
 
     A bad line anywhere fails here, so a run is never left half-written by bad input.
+    ``label``: how errors name a one-file spec (``<stdin>`` for a spooled copy).
     """
     fingerprint = corpus_fingerprint(spec)
     documents = chars = 0
     seen: set[str] = set()
-    for doc in iter_documents(spec, text_field=text_field, encoding=encoding):
+    for doc in iter_documents(spec, text_field=text_field, encoding=encoding, label=label):
         documents += 1
         chars += len(doc.text)
         seen.add(doc.doc_id)
     if documents == 0:
-        raise CorpusError(f"{spec}: no document with text; check the file and --text-field")
+        raise CorpusError(f"{label or spec}: no document with text; check the file and --text-field")
     return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars,
                          duplicates=documents - len(seen))
 
@@ -76,17 +78,18 @@ def iter_batches(
     skip: set[str] | frozenset[str] = frozenset(),
     text_field: str = "text",
     encoding: str = "utf-8",
+    label: str | None = None,
 ) -> Iterator[tuple[Batch, list[dict], int]]:
     """Batches of windows not in ``skip``, with the rows of their documents and the number of
     corpus characters consumed so far."""
     pending, docs, consumed = [], {}, 0
     seen: set[str] = set()  # a document repeated in the corpus is analysed once
-    for doc in iter_documents(spec, text_field=text_field, encoding=encoding):
+    for doc in iter_documents(spec, text_field=text_field, encoding=encoding, label=label):
         consumed += len(doc.text)
         if doc.doc_id in seen:
             continue
         seen.add(doc.doc_id)
-        for window in document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params):
+        for window in iter_document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params):
             if window.window_id in skip:
                 continue
             pending.append(window)
@@ -160,7 +163,7 @@ def analyze_corpus(
     splitter = OomSplitter()
     batches = Prefetcher(
         iter_batches(spec, model, params, tokens, batch_size=batch_size, skip=skip, text_field=text_field,
-                     encoding=encoding)
+                     encoding=encoding, label=label)
     )
     try:
         for batch, docs, consumed in batches:

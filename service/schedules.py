@@ -18,6 +18,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from service.errors import ParameterError
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_EVERY_S = 366 * 86400  # longer periods are a cron expression's job ("0 3 1 1 *": yearly)
 EVERY_RE = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 
 
@@ -26,7 +27,11 @@ def parse_every(text: str) -> int:
     match = EVERY_RE.match(text or "")
     if not match or int(match.group(1)) <= 0:
         raise ParameterError(f"--every {text!r} is not an interval: write a positive number and a unit, e.g. 45s, 30m, 6h or 1d")
-    return int(match.group(1)) * UNITS[match.group(2)]
+    seconds = int(match.group(1)) * UNITS[match.group(2)]
+    if seconds > MAX_EVERY_S:
+        raise ParameterError(f"--every {text!r} is longer than a year (366d): use --cron for rare fires, "
+                             "e.g. \"0 3 1 1 *\" (every 1 January at 03:00)")
+    return seconds
 
 
 def format_every(seconds: int) -> str:
@@ -37,7 +42,7 @@ def format_every(seconds: int) -> str:
 
 
 def check_cron(expression: str) -> str:
-    from croniter import croniter
+    from croniter import CroniterBadDateError, croniter
 
     expression = " ".join((expression or "").split())
     if len(expression.split()) != 5 or not croniter.is_valid(expression):
@@ -45,6 +50,13 @@ def check_cron(expression: str) -> str:
             f"--cron {expression!r} is not a cron expression: give five fields, minute hour day-of-month month "
             "day-of-week, e.g. \"0 3 * * *\" (daily at 03:00) or \"*/15 * * * *\" (every 15 minutes)"
         )
+    try:  # valid fields can still name no date ("0 3 31 2 *": 31 February)
+        croniter(expression, datetime(2000, 1, 1)).get_next(datetime)
+    except (CroniterBadDateError, ValueError, OverflowError):
+        raise ParameterError(
+            f"--cron {expression!r} never fires (no date matches its day-of-month and month): "
+            "check those fields, e.g. \"0 3 28 2 *\" for 28 February"
+        ) from None
     return expression
 
 

@@ -111,28 +111,89 @@ def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisPara
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+# A document is tokenised this many characters at a time: a fast tokenizer's output for a 20 MB
+# line (offsets, strings, ids for every piece) takes gigabytes; a slice's takes megabytes.
+SLICE_CHARS = 1 << 16
+
+
 def document_windows(
     doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
 ) -> list[Window]:
-    sentences = None
-    if params.sentences == "segmenter":
-        pieces, sentences = encode_with_sentences(tokenizer, doc.text)
-        # special tokens inside the text ([UNK], a literal "[SEP]") get no sentence, as under punct
-        sentences = [-1 if piece in tokens.special_ids else s for piece, s in zip(pieces, sentences)]
-    else:
-        pieces = tokenizer(doc.text, add_special_tokens=False, truncation=False)["input_ids"]
+    return list(iter_document_windows(doc, tokenizer, tokens, tokenizer_key, params))
+
+
+def iter_document_windows(
+    doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams,
+    *, slice_chars: int = SLICE_CHARS,
+) -> Iterator[Window]:
+    """The document's windows in order, tokenised slice by slice (memory follows a slice, not
+    the document). Under ``--sentences segmenter`` each piece carries its sentence index."""
     body = params.seq_len - 2
-    starts = [0] if params.windowing == "first" and pieces else range(0, len(pieces), body)
-    return [
-        Window(
-            window_id=window_key(doc.doc_id, k, tokenizer_key, params),
-            doc_id=doc.doc_id,
-            index=k,
-            input_ids=(tokens.cls_id, *pieces[start : start + body], tokens.sep_id),
-            sentence_ids=None if sentences is None else window_sentence_ids(sentences[start : start + body]),
-        )
-        for k, start in enumerate(starts)
-    ]
+    if params.sentences == "segmenter":
+        items: Iterable[tuple[int, int]] = _pieces_with_sentences(doc.text, tokenizer, tokens, slice_chars)
+    else:
+        items = ((piece, -1) for piece in _pieces(doc.text, tokenizer, slice_chars))
+    chunk: list[tuple[int, int]] = []
+    k = 0
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == body:
+            yield _window(doc, k, chunk, tokens, tokenizer_key, params)
+            if params.windowing == "first":
+                return
+            chunk, k = [], k + 1
+    if chunk:
+        yield _window(doc, k, chunk, tokens, tokenizer_key, params)
+
+
+def _window(doc, k: int, chunk: list[tuple[int, int]], tokens: TokenClasses, tokenizer_key: str,
+            params: AnalysisParams) -> Window:
+    pieces = [piece for piece, _ in chunk]
+    sentences = window_sentence_ids([s for _, s in chunk]) if params.sentences == "segmenter" else None
+    return Window(window_id=window_key(doc.doc_id, k, tokenizer_key, params), doc_id=doc.doc_id, index=k,
+                  input_ids=(tokens.cls_id, *pieces, tokens.sep_id), sentence_ids=sentences)
+
+
+def _slices(text: str, slice_chars: int) -> Iterator[tuple[int, int]]:
+    start, n = 0, len(text)
+    while start < n:
+        end = n if n - start <= slice_chars else _cut(text, start, start + slice_chars)
+        yield start, end
+        start = end
+
+
+def _pieces(text: str, tokenizer, slice_chars: int) -> Iterator[int]:
+    """Token ids of ``text`` without special tokens, tokenised in slices cut just before the last
+    whitespace ahead of a word: BERT-family pre-tokenizers split there anyway (a byte-level BPE
+    attaches the space to the following word, which the next slice then starts with), so the
+    ids equal those of the whole text. Only a run of more than ``slice_chars`` characters without
+    whitespace is cut inside (such a word is unknown to the vocabulary either way)."""
+    for start, end in _slices(text, slice_chars):
+        yield from tokenizer(text[start:end], add_special_tokens=False, truncation=False)["input_ids"]
+
+
+def _pieces_with_sentences(text: str, tokenizer, tokens: TokenClasses, slice_chars: int) -> Iterator[tuple[int, int]]:
+    """(token id, sentence index) of ``text``, slice by slice; sentence indices run on across
+    slices. Each slice is segmented on its own, so a sentence crossing a slice boundary (one per
+    ``slice_chars`` characters at most, in documents longer than that) counts as two. Special
+    tokens inside the text ([UNK], a literal "[SEP]") get no sentence (-1), as under punct."""
+    first = 0
+    for start, end in _slices(text, slice_chars):
+        pieces, sentences = encode_with_sentences(tokenizer, text[start:end])
+        for piece, sentence in zip(pieces, sentences):
+            yield piece, -1 if piece in tokens.special_ids else first + sentence
+        first += max(sentences, default=-1) + 1
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    for i in range(end, start, -1):
+        if text[i].isspace() and not text[i - 1].isspace():
+            # i starts a whitespace run: cut before its last character
+            j = i
+            while j + 1 < len(text) and text[j + 1].isspace():
+                j += 1
+            return j if j > start else i
+    return end
 
 
 def iter_windows(

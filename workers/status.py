@@ -35,9 +35,10 @@ class RunStatus:
     errors: list[tuple[int, int, str]] = field(default_factory=list)
     lost: list["LostInfo"] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        """One object with named fields (``--format json``)."""
-        out = asdict(self)
+    def record(self) -> dict:
+        """The status as one record with named fields (--format json/csv); numbers stay numbers,
+        unknown values are None, a failed batch is {batch, attempts, error}."""
+        out = {k: v for k, v in asdict(self).items() if k != "errors"}
         out["errors"] = [{"batch": b, "attempts": a, "error": e} for b, a, e in self.errors]
         return out
 

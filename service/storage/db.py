@@ -19,7 +19,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from service.errors import StoreBusy, StoreError
+from service.errors import DatabaseFileError, StoreBusy, StoreError
+from service.storage import dbfile
 from service.storage.readonly import MAX_RETRY_DELAY_S, retry_on_lock
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
@@ -40,14 +41,19 @@ def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
 @contextmanager
 def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float = LOCK_WAIT_S) -> Iterator[Connection]:
     """Open the database, yield a connection inside a transaction; commit on success, roll
-    back on error, always close (releasing the file lock)."""
-    if read_only and not Path(path).exists():
-        raise StoreError(f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
+    back on error, always close (releasing the file lock).
+
+    The file is checked first (dbfile.check_file); DuckDB's own failures on a damaged file, at
+    open or while reading, become a DatabaseFileError."""
+    dbfile.check_file(path, write=not read_only)
     engine = make_engine(path, read_only=read_only)
     try:
         with _connected(engine, path, lock_wait_s) as conn:
-            with conn.begin():
-                yield conn
+            try:
+                with conn.begin():
+                    yield conn
+            except Exception as exc:
+                raise dbfile.open_error(path, exc) or exc
     finally:
         engine.dispose()
 
@@ -59,10 +65,7 @@ def _connected(engine: Engine, path: str | Path, lock_wait_s: float) -> Iterator
     deadline, delay = time.monotonic() + lock_wait_s, 0.05
     while True:
         with _PROCESS_LOCK:
-            try:
-                conn = retry_on_lock(engine.connect, wait_s=0, what=str(path))
-            except StoreBusy:
-                conn = None
+            conn = _connect(engine, path, 0)
             if conn is not None:
                 try:
                     yield conn
@@ -75,6 +78,17 @@ def _connected(engine: Engine, path: str | Path, lock_wait_s: float) -> Iterator
                             f"{lock_wait_s:g} s; retry when that process finishes")
         time.sleep(min(delay, left))
         delay = min(delay * 2, MAX_RETRY_DELAY_S)
+
+
+def _connect(engine: Engine, path: str | Path, lock_wait_s: float) -> Connection | None:
+    """A connection, or None when the file stayed locked for ``lock_wait_s``; DuckDB's failures
+    on a damaged file become a DatabaseFileError."""
+    try:
+        return retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
+    except StoreBusy:
+        return None
+    except Exception as exc:
+        raise dbfile.open_error(path, exc) or exc
 
 
 @lru_cache(maxsize=1)
@@ -109,23 +123,27 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
     """Apply pending migrations. Returns (revision before, revision after)."""
     from alembic import command
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with _PROCESS_LOCK:
-        engine = make_engine(path)
-        try:
-            with retry_on_lock(engine.connect, wait_s=LOCK_WAIT_S, what=str(path)) as conn:
-                before = current_revision(conn)
-                config = _alembic_config()
-                config.attributes["connection"] = conn
-                command.upgrade(config, "head")
-                conn.commit()
-                return before, current_revision(conn)
-        finally:
-            engine.dispose()
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DatabaseFileError(f"cannot create the folder of {path} ({exc.strerror}); pass --db in a writable folder") from None
+    check_headatlas_file(path)
+    engine = make_engine(path)
+    try:
+        with _connected(engine, path, LOCK_WAIT_S) as conn:
+            before = current_revision(conn)
+            config = _alembic_config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+            conn.commit()
+            return before, current_revision(conn)
+    finally:
+        engine.dispose()
 
 
 def check_schema(conn: Connection, path: str | Path) -> None:
     """Refuse to work on a database whose schema is not the current head."""
+    check_not_foreign(conn, path)
     current, head = current_revision(conn), head_revision()
     if current != head:
         raise StoreError(
@@ -134,14 +152,35 @@ def check_schema(conn: Connection, path: str | Path) -> None:
         )
 
 
+def check_headatlas_file(path: str | Path) -> None:
+    """Refuse to write into a file that is not a headatlas database: damaged, not DuckDB, or a
+    DuckDB database with other tables and no headatlas schema. A missing file or an empty
+    DuckDB database passes (the schema is created in it). Reads only."""
+    dbfile.check_file(path, write=True)
+    if not Path(path).exists():
+        return
+    with transaction(path, read_only=True) as conn:
+        check_not_foreign(conn, path)
+
+
+def check_not_foreign(conn: Connection, path: str | Path) -> None:
+    """Refuse a DuckDB database that holds tables but no headatlas schema (another tool's)."""
+    if current_revision(conn) is None and _has_tables(conn):
+        raise DatabaseFileError(
+            f"{path} is a DuckDB database of something else (tables but no headatlas schema): "
+            "pass another --db; headatlas reads and writes only its own databases")
+
+
 def ensure_schema(path: str | Path) -> None:
-    """Create the schema in a new database; refuse a stale existing one."""
+    """Create the schema in a new database; refuse a stale existing one, and any file that is
+    not a headatlas database."""
+    check_headatlas_file(path)
     if not Path(path).exists():
         upgrade(path)
         return
     with transaction(path) as conn:
-        if current_revision(conn) is None and not _has_tables(conn):
-            pass  # an empty file: safe to create the schema below
+        if current_revision(conn) is None:
+            pass  # an empty DuckDB database (checked above): safe to create the schema below
         else:
             check_schema(conn, path)
             return

@@ -20,6 +20,7 @@ error in its own exception for no gain on a single SELECT.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -102,7 +103,7 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
         try:
             return fn()
         except Exception as error:
-            if not _is_lock_conflict(error):
+            if not is_lock_conflict(error):
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
@@ -119,16 +120,18 @@ def connect_readonly(
     db_path: str | Path, *, lock_wait_s: float = 10.0
 ) -> Iterator[duckdb.DuckDBPyConnection]:
     """Open the results database read-only and confined to that file; close it on exit."""
+    from service.storage import dbfile
+
     path = Path(db_path)
-    if not path.is_file():
-        raise StoreError(
-            f"no database at {path}: run `headatlas analyze CORPUS` first or set HEADATLAS_DB"
+    dbfile.check_file(path, write=False)
+    try:
+        connection = retry_on_lock(
+            lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
+            wait_s=lock_wait_s,
+            what=f"the database {path}",
         )
-    connection = retry_on_lock(
-        lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
-        wait_s=lock_wait_s,
-        what=f"the database {path}",
-    )
+    except duckdb.Error as error:
+        raise dbfile.open_error(path, error) or error
     try:
         yield connection
     finally:
@@ -153,8 +156,8 @@ def run_readonly_sql(
     """
     if max_rows < 0:
         raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
-    if timeout_s <= 0:
-        raise ParameterError(f"timeout must be a positive number of seconds, got {timeout_s}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):  # nan compares false: it would disable the limit
+        raise ParameterError(f"--timeout {timeout_s}: pass a finite positive number of seconds, e.g. --timeout 30")
     statement = check_select_only(sql)
 
     with connect_readonly(db_path, lock_wait_s=lock_wait_s) as connection:
@@ -218,7 +221,7 @@ class _Deadline:
             self._connection.interrupt()
 
 
-def _is_lock_conflict(error: BaseException) -> bool:
+def is_lock_conflict(error: BaseException) -> bool:
     # "has been locked" (a locked configuration) does not match the whole word "lock".
     message = str(error)
     return "Conflicting lock" in message or bool(_LOCK_WORD.search(message))

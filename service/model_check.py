@@ -1,0 +1,189 @@
+"""Check a model spec against the analysis before anything is loaded or stored.
+
+Reads only small files (config.json, the tokenizer's file names, a safetensors header), so that
+``analyze``, ``submit`` and ``schedule add`` refuse an unusable model in milliseconds, before a
+run exists: a folder without tokenizer files (every word would become [UNK]), a ``--seq-len``
+beyond the model's position embeddings, weights cut short, or a model too large for memory.
+A hub name cannot be checked without downloading it; it is checked after loading
+(``check_loaded``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.errors import ModelError
+
+# Any one of these makes a tokenizer (fast tokenizer, WordPiece, BPE, SentencePiece).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "spm.model")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+# RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
+BYTES_PER_PARAM = 4  # weights stay float32 (half precision is autocast)
+HEADROOM = 1.25  # activations, the allocator, the tokenizer
+DEFAULT_VOCAB = 30522  # random: models use the default model's tokenizer
+DEFAULT_POSITIONS = 512  # BertConfig's default, which random: models keep
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the analysis needs to know about a model, from its configuration alone."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    positions: int  # usable token positions of one window, [CLS] and [SEP] included
+    type_vocab: int = 2
+
+    def parameters(self) -> int:
+        d, i = self.hidden, self.intermediate
+        embeddings = (self.vocab + self.positions + self.type_vocab) * d + 2 * d
+        # per layer: Q, K, V, O (d×d + d), two layer norms, the feed-forward (d×i + i, i×d + d)
+        layer = 4 * (d * d + d) + 4 * d + d * i + i + i * d + d
+        return embeddings + self.layers * layer
+
+    def weight_bytes(self) -> int:
+        return self.parameters() * BYTES_PER_PARAM
+
+
+def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", device: str = "cpu") -> ModelShape | None:
+    """Raise ModelError when ``spec`` cannot analyse windows of ``seq_len`` tokens here.
+
+    ``memory``: "available" (this process is about to load the model: free memory now) or
+    "total" (a worker elsewhere loads it: the model must at least fit in this machine's memory).
+    Returns the shape read from the configuration, or None for a hub name (checked after loading).
+    """
+    from service.model import DEFAULT_MODEL, looks_like_path, default_model_dir, parse_random_shape
+
+    if spec.startswith("random:"):
+        layers, _heads, hidden = parse_random_shape(spec)
+        shape = ModelShape(layers, hidden, 4 * hidden, DEFAULT_VOCAB, DEFAULT_POSITIONS)
+    else:
+        folder = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise ModelError(f"--model {spec}: is a file; pass the model's folder (config.json, weights, tokenizer files)")
+        if not folder.exists():
+            if looks_like_path(spec):
+                raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or "
+                                 "random:bert-base")
+            return None  # a hub name: checked once loaded
+        shape = _folder_shape(spec, folder)
+    check_seq_len(spec, shape.positions, seq_len)
+    check_fits(spec, shape, memory=memory, device=device)
+    return shape
+
+
+def check_seq_len(spec: str, positions: int, seq_len: int) -> None:
+    if seq_len > positions:
+        raise ModelError(
+            f"--seq-len {seq_len}: model {spec} has {positions} positions; pass --seq-len {positions} or less")
+
+
+def check_loaded(loaded, seq_len: int) -> None:
+    """The checks that need the loaded model (a hub name): its position limit."""
+    config = loaded.model.config
+    check_seq_len(loaded.spec, _positions(config.to_dict()), seq_len)
+
+
+def check_fits(spec: str, shape: ModelShape, *, memory: str = "available", device: str = "cpu") -> None:
+    need = int(shape.weight_bytes() * HEADROOM)
+    have, where = memory_bytes(memory, device)
+    if have is not None and need > have:
+        raise ModelError(
+            f"--model {spec}: {shape.parameters():,} parameters need about {_gib(need)} of memory, "
+            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:bert-base)")
+
+
+def memory_bytes(kind: str, device: str) -> tuple[int | None, str]:
+    """(bytes, what they are) of the memory a model would be loaded into; None when unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            index = torch.device(device).index or 0
+            free, total = torch.cuda.mem_get_info(index)
+            return (free if kind == "available" else total), f"GPU {index} ({'free' if kind == 'available' else 'total'})"
+    key = "MemAvailable" if kind == "available" else "MemTotal"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024, f"this machine ({'available' if kind == 'available' else 'total'})"
+    except OSError:
+        pass
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES" if kind == "available" else "SC_PHYS_PAGES")
+        return pages * os.sysconf("SC_PAGE_SIZE"), "this machine"
+    except (ValueError, OSError, AttributeError):
+        return None, "this machine"
+
+
+def _folder_shape(spec: str, folder: Path) -> ModelShape:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelError(f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
+                         "(config.json, weights, tokenizer files)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"--model {spec}: {config_path} is not valid JSON ({exc}); restore it from the model's source") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"--model {spec}: {config_path} does not hold a JSON object; restore it from the model's source")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(
+            f"--model {spec}: folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} …); copy them from "
+            "the model's source into it (without them every word would be read as unknown)")
+    weights = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not weights:
+        raise ModelError(f"--model {spec}: folder has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
+                         "copy them from the model's source into it")
+    if weights[0].name == "model.safetensors":
+        check_safetensors(spec, weights[0])
+    try:
+        return ModelShape(
+            layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
+            intermediate=int(config.get("intermediate_size", 4 * int(config["hidden_size"]))),
+            vocab=int(config.get("vocab_size", DEFAULT_VOCAB)), positions=_positions(config),
+            type_vocab=int(config.get("type_vocab_size", 2) or 1))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"--model {spec}: {config_path} lacks a usable {exc} for a BERT-family encoder; "
+                         "use a BERT, RoBERTa, ELECTRA or MiniLM model") from None
+
+
+def _positions(config: dict) -> int:
+    positions = int(config.get("max_position_embeddings") or DEFAULT_POSITIONS)
+    if config.get("model_type") in OFFSET_POSITIONS:
+        positions -= int(config.get("pad_token_id") or 1) + 1
+    return positions
+
+
+def check_safetensors(spec: str, path: Path) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
+    range, then the data: a file shorter than its last range was cut short."""
+    size = path.stat().st_size
+    problem = None
+    try:
+        with path.open("rb") as stream:
+            head = stream.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            if length is None or length > size - 8 or length > 100 << 20:
+                problem = "its header is missing or cut"
+            else:
+                header = json.loads(stream.read(length))
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+                if 8 + length + end > size:
+                    problem = f"{size:,} bytes where its header needs {8 + length + end:,}"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        problem = f"unreadable header ({type(exc).__name__})"
+    if problem:
+        raise ModelError(f"--model {spec}: {path} is cut short or damaged ({problem}); "
+                         "download or copy the weights again")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"

@@ -1,0 +1,110 @@
+"""Checks on a database file before DuckDB opens it, and DuckDB's failures as one-line errors.
+
+DuckDB opens some damaged files without complaint: a file cut short keeps a valid header, opens,
+and a writer then appends to it. So before a file is opened we read its first 12 KiB: the magic
+``DUCK`` at offset 8 says it is a DuckDB file, and the newer of the two database headers gives
+the block size: the file is 12 KiB of headers and then whole blocks, so a copy cut mid-block
+shows. (The header's block count is no bound: DuckDB cuts free blocks off the end without
+lowering it. A cut that falls exactly on a block boundary passes here; DuckDB then fails on the
+first read of a missing block, which ``open_error`` turns into a one-line error too.)
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+import duckdb
+from sqlalchemy.exc import DBAPIError
+
+from service.errors import DatabaseFileError
+
+MAGIC = b"DUCK"
+MAGIC_OFFSET = 8
+HEADER_BYTES = 4096  # the file header, then two database headers of this size each
+_DB_HEADERS = (HEADER_BYTES, 2 * HEADER_BYTES)
+_FIRST_BLOCK = 3 * HEADER_BYTES
+_REPLACE = "pass another --db (a new file is created), or restore this one from a copy"
+
+
+def check_file(path: str | Path, *, write: bool) -> None:
+    """Raise DatabaseFileError when ``path`` cannot be a usable database: a folder, not a DuckDB
+    file, cut short, or (``write``) a file or folder this process may not write. A missing file
+    passes when ``write`` (it will be created) and fails otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise DatabaseFileError(f"--db {path} is a folder: pass a database file such as {path / 'headatlas.duckdb'}")
+    if not path.exists():
+        if not write:
+            raise DatabaseFileError(
+                f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
+        folder = path.parent if str(path.parent) else Path(".")
+        if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
+            raise DatabaseFileError(f"cannot create {path}: folder {folder} is read-only; pass --db in a writable folder")
+        return
+    if not os.access(path, os.R_OK):
+        raise DatabaseFileError(f"cannot read {path}: permission denied; fix its permissions or pass another --db")
+    with path.open("rb") as stream:
+        head = stream.read(_FIRST_BLOCK)
+    size = path.stat().st_size  # for messages; the alignment check re-reads it
+    if head[MAGIC_OFFSET:MAGIC_OFFSET + len(MAGIC)] != MAGIC:
+        what = "an empty file" if size == 0 else f"{size:,} bytes"
+        raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header); {_REPLACE}")
+    block = block_size(head) if len(head) == _FIRST_BLOCK else None
+    if len(head) < _FIRST_BLOCK or (block is not None and not _settles_aligned(path, block)):
+        # DuckDB writes whole blocks after 12 KiB of headers; a copy cut short ends mid-block
+        whole = f"{_FIRST_BLOCK:,} bytes of headers" + (f" and whole blocks of {block:,}" if block else "")
+        raise DatabaseFileError(f"{path} is cut short: {size:,} bytes, not {whole}; {_REPLACE}")
+    if write:
+        if not os.access(path, os.W_OK):
+            raise DatabaseFileError(f"{path} is read-only: make it writable (chmod u+w) or pass another --db")
+        folder = path.parent if str(path.parent) else Path(".")
+        if not os.access(folder, os.W_OK | os.X_OK):  # DuckDB writes its .wal next to the file
+            raise DatabaseFileError(
+                f"{path} lies in read-only folder {folder}: DuckDB needs to write {path.name}.wal there; "
+                "make the folder writable or copy the database elsewhere")
+
+
+def _settles_aligned(path: Path, block: int, *, wait_s: float = 1.0) -> bool:
+    """Whether the file is headers plus whole blocks, or becomes so within ``wait_s``: another
+    process extending the file (a checkpoint) is seen mid-write for a moment; a cut file stays cut."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if (path.stat().st_size - _FIRST_BLOCK) % block == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def block_size(head: bytes) -> int | None:
+    """Block size in bytes of the file whose first 12 KiB are ``head``, from the newer of its two
+    database headers; None when the headers are unreadable (another DuckDB storage version's
+    layout): DuckDB's own checks then apply."""
+    best = None
+    for offset in _DB_HEADERS:
+        # checksum, iteration, meta block, free list, block count, block allocation size
+        _checksum, iteration, _meta, _free, _blocks, size = struct.unpack_from("<6Q", head, offset)
+        plausible = 4096 <= size <= 1 << 26 and size & (size - 1) == 0
+        if plausible and (best is None or iteration > best[0]):
+            best = (iteration, size)
+    return None if best is None else best[1]
+
+
+def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None:
+    """DuckDB's failure to open or read ``path`` as a one-line DatabaseFileError; None for errors
+    that are not about the file (a lock conflict, a query's mistake)."""
+    from service.storage.readonly import is_lock_conflict
+
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if is_lock_conflict(orig):
+        return None
+    # IOException: unreadable, not a database, cut short; the bare duckdb.Error: a checksum
+    # mismatch ("Corrupt database file"); FatalException: the database was invalidated.
+    if isinstance(orig, (duckdb.IOException, duckdb.FatalException)) or type(orig) is duckdb.Error:
+        lines = [line.strip() for line in str(orig).splitlines() if line.strip()]
+        detail = lines[0] if lines else type(orig).__name__
+        return DatabaseFileError(f"cannot use database {path} ({detail[:300]}); {_REPLACE}")
+    return None
