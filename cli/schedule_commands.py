@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from cli import options
-from cli.output import Format, render_metrics, render_record, sparkline, stdout
+from cli.output import Format, render, render_metrics, render_record, sparkline, stdout
 from service.config import Settings
 
 SETTINGS = Settings.from_env()

@@ -16,7 +16,7 @@ import torch
 
 from service.errors import ParameterError
 from service.params import AnalysisParams
-from service.sentences import encode_with_sentences, window_sentence_ids
+from service.sentences import encode_with_sentences, sentence_starts, window_sentence_ids
 
 if TYPE_CHECKING:
     from service.corpus import Document
@@ -174,15 +174,33 @@ def _pieces(text: str, tokenizer, slice_chars: int) -> Iterator[int]:
 
 def _pieces_with_sentences(text: str, tokenizer, tokens: TokenClasses, slice_chars: int) -> Iterator[tuple[int, int]]:
     """(token id, sentence index) of ``text``, slice by slice; sentence indices run on across
-    slices. Each slice is segmented on its own, so a sentence crossing a slice boundary (one per
-    ``slice_chars`` characters at most, in documents longer than that) counts as two. Special
-    tokens inside the text ([UNK], a literal "[SEP]") get no sentence (-1), as under punct."""
+    slices. A slice ends where its last sentence starts (that sentence goes whole into the next
+    slice), so the sentences equal those of the whole text; only a sentence longer than
+    ``slice_chars`` is cut, and counts as two. Special tokens inside the text ([UNK], a literal
+    "[SEP]") get no sentence (-1), as under punct."""
     first = 0
-    for start, end in _slices(text, slice_chars):
+    for start, end in _sentence_slices(text, slice_chars):
         pieces, sentences = encode_with_sentences(tokenizer, text[start:end])
         for piece, sentence in zip(pieces, sentences):
             yield piece, -1 if piece in tokens.special_ids else first + sentence
         first += max(sentences, default=-1) + 1
+
+
+def _sentence_slices(text: str, slice_chars: int) -> Iterator[tuple[int, int]]:
+    start, n = 0, len(text)
+    while start < n:
+        if n - start <= slice_chars:
+            yield start, n
+            return
+        starts = sentence_starts(text[start : start + slice_chars])
+        if len(starts) > 1 and starts[-1] > 1:
+            end = start + starts[-1]
+            if text[end - 1].isspace():
+                end -= 1  # as _cut: the whitespace before a word goes with the word
+        else:
+            end = _cut(text, start, start + slice_chars)
+        yield start, end
+        start = end
 
 
 def _cut(text: str, start: int, end: int) -> int:

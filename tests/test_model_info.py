@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import torch
 
-from service.model import default_model_dir, load_model, load_model_info
+from service.model import default_model_dir, load_model_info
 from service.params import AnalysisParams
 from service.runner import run_key
 

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 from html.parser import HTMLParser
 
-import numpy as np
 import pytest
 
 from tests.figure_checks import analyse, check_not_blank, check_png, corpus_of

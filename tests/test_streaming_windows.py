@@ -17,7 +17,7 @@ def test_slices_give_the_windows_of_the_whole_text(real_model, demo_corpus):
     """Slices of 50 characters (hundreds per document) against one call on the whole text."""
     tokenizer = real_model.tokenizer
     tokens = TokenClasses.from_tokenizer(tokenizer)
-    params = AnalysisParams(seq_len=32)
+    params = AnalysisParams(seq_len=32, sentences="punct")
     checked = 0
     for doc in iter_documents(str(demo_corpus)):
         sliced = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=50))
@@ -28,6 +28,23 @@ def test_slices_give_the_windows_of_the_whole_text(real_model, demo_corpus):
         assert [piece for w in sliced for piece in w.input_ids[1:-1]] == expected
         checked += len(sliced)
     assert checked > 100
+
+
+def test_segmenter_slices_end_at_sentence_starts(real_model, demo_corpus):
+    """Under the segmenter a slice ends where its last sentence starts: slices of 1,000
+    characters (several per document) give the windows, and the sentence ids, of the whole text."""
+    tokenizer = real_model.tokenizer
+    tokens = TokenClasses.from_tokenizer(tokenizer)
+    params = AnalysisParams(seq_len=32, sentences="segmenter")
+    checked = 0
+    for doc in iter_documents(str(demo_corpus)):
+        assert len(doc.text) > 2_000  # several slices per document
+        sliced = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=1_000))
+        whole = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params,
+                                           slice_chars=len(doc.text) + 1))
+        assert sliced == whole
+        checked += sum(max(w.sentence_ids) for w in sliced)
+    assert checked > 100  # sentence breaks were compared, not only whole-window sentences
 
 
 def test_first_windowing_stops_after_one_window(real_model, demo_corpus):
