@@ -122,7 +122,7 @@ def merge_intervals(columns: list[str], rows: list[tuple], keep: list[str] | Non
             value = row[index[c]]
             lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
             if lo is not None and hi is not None and value is not None and row[lo] is not None:
-                cells.append(f"{_cell(value)} [{_cell(row[lo])}, {_cell(row[hi])}]")
+                cells.append(f"{_cell_text(value)} [{_cell_text(row[lo])}, {_cell_text(row[hi])}]")
             else:
                 cells.append(value)
         out_rows.append(tuple(cells))

@@ -297,6 +297,8 @@ def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedMode
         device=loaded.device,
         dtype=loaded.dtype,
         tokenizer_key=loaded.tokenizer_key,
+        # the control's weights are a function of the parent's config and the seed
+        weights_key=hashlib.sha256(f"control of {loaded.weights_key} seed {seed}".encode()).hexdigest()[:16],
     )
 
 

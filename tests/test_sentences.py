@@ -288,7 +288,7 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
     params = AnalysisParams(sentences="segmenter", seq_len=32)
     embedded = list(iter_batches(str(small_corpus), tiny_model, params, tokens, batch_size=4))
     queued = list(batch_payloads(str(small_corpus), tiny_model, params, model="random:tiny", dtype="float32",
-                                 batch_size=4))
+                                 batch_size=4, database_id=""))
     assert len(queued) == len(embedded) > 2
     for (batch, docs, _consumed), (_batch_id, _n, payload) in zip(embedded, queued):
         message = json.loads(json.dumps(payload))  # what the worker receives
@@ -301,7 +301,7 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
         assert worker.chance == here.chance
         assert (worker.heads["same_sentence_high"] == here.heads["same_sentence_high"]).all()
     # punct messages are as before: four fields per window
-    punct = next(iter(batch_payloads(str(small_corpus), tiny_model, AnalysisParams(sentences="punct", seq_len=32),
+    punct = next(iter(batch_payloads(str(small_corpus), tiny_model, AnalysisParams(sentences="punct", seq_len=32), database_id="",
                                      model="random:tiny", dtype="float32", batch_size=4)))[2]
     assert {len(row) for row in punct["windows"]} == {4}
 
