@@ -170,8 +170,9 @@ def analyze_batch(
         mixing_rows=mixed_rows,
         rep_same_sentence_hist=stacked["same_sentence_hist"].cpu().numpy().astype(np.int64),
         csm_bin=params.csm_bin,
-        csm_sum=stacked["csm_sum"].cpu().numpy() if params.csm_bin else None,
-        csm_count=stacked["csm_count"].cpu().numpy() if params.csm_bin else None,
+        # float32 sums: a batch's share of a picture needs no more, and they are most of its payload
+        csm_sum=stacked["csm_sum"].cpu().numpy().astype(np.float32) if params.csm_bin else None,
+        csm_count=stacked["csm_count"].cpu().numpy().astype(np.int32) if params.csm_bin else None,
     )
 
 

@@ -10,7 +10,6 @@ Shape names as in ``service.stats``, plus ``bin`` (index of a bin of positions) 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from service.results import CSM_KINDS  # noqa: F401 - defined numpy-only, re-exported
 
@@ -24,16 +23,18 @@ def binned_pair_sums(z: torch.Tensor, members: torch.Tensor, *, bin_size: int,
     the diagonal. A cell's sum is (Σ_{i∈a} z_i)·(Σ_{j∈b} z_j): O(pos·d) per head, never the
     pos × pos matrix; a diagonal cell takes (|Σz|² − Σ|z|²)/2, its pairs i < j.
     """
-    batch, heads, n_pos, d = z.shape
-    width = n_bins * bin_size
-    zw = z * members.to(z.dtype)[:, None, :, None]  # non-members zeroed
-    zw = F.pad(zw, (0, 0, 0, width - n_pos))  # [batch, head, bin·bin_size, d]
-    by_bin = zw.view(batch, heads, n_bins, bin_size, d).sum(3).double()  # [batch, head, bin, d]
-    squares = (zw * zw).sum(3).view(batch, heads, n_bins, bin_size).sum(3).double().sum(0)  # [head, bin]
+    n_pos = z.shape[2]
+    # [batch, bin, pos]: 1 where the position is a member in that bin. Products with it read z
+    # once; a masked, padded copy of z would cost more in fresh memory than the arithmetic.
+    in_bin = (torch.arange(n_pos, device=z.device) // bin_size)[None, :] == torch.arange(n_bins, device=z.device)[:, None]
+    weights = in_bin[None] & members[:, None, :]
+    by_bin = torch.matmul(weights[:, None].to(z.dtype), z).double()  # [batch, head, bin, d]
+    norms = torch.linalg.vector_norm(z, dim=3).square()  # [batch, head, pos]
+    squares = torch.matmul(norms, weights.transpose(1, 2).to(z.dtype)).double().sum(0)  # [head, bin]
     sums = torch.matmul(by_bin, by_bin.transpose(2, 3)).sum(0)  # [head, bin, bin]
     diagonal = sums.diagonal(dim1=1, dim2=2)
     diagonal.copy_((diagonal - squares) / 2)
-    m = F.pad(members.long(), (0, width - n_pos)).view(batch, n_bins, bin_size).sum(2)  # [batch, bin]
+    m = weights.sum(2)  # [batch, bin] members per bin
     counts = (m[:, :, None] * m[:, None, :]).sum(0)  # [bin, bin]
     counts.diagonal().copy_((m * (m - 1) // 2).sum(0))
     return torch.triu(sums), torch.triu(counts)

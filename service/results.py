@@ -93,8 +93,8 @@ class BatchResult:
     mixing_rows: int = 0  # valid query rows in those windows
     rep_same_sentence_hist: np.ndarray | None = None
     csm_bin: int = 0
-    csm_sum: np.ndarray | None = None  # float64
-    csm_count: np.ndarray | None = None  # int64
+    csm_sum: np.ndarray | None = None  # float32 (summed in float64 by the store)
+    csm_count: np.ndarray | None = None  # int32
 
     # --- batch totals -------------------------------------------------------------------------
     @property

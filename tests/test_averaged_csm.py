@@ -140,8 +140,8 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
         model={"spec": tiny_model.name, "name": tiny_model.name, "layers": 2, "heads": 4, "d_head": 8},
         params=params.to_dict(), engine="embedded", device="cpu")
     assert store.ingest(run.run_id, list(enumerate(results))) == len(results)
-    total_sum = sum(r.csm_sum for r in results)
-    total_count = sum(r.csm_count for r in results)
+    total_sum = sum(r.csm_sum.astype(np.float64) for r in results)
+    total_count = sum(r.csm_count.astype(np.int64) for r in results)
     with store.read() as conn:
         rows_before = conn.execute(text("SELECT count(*) FROM csm_bins WHERE run_id = :r"), {"r": run.run_id}).scalar()
         before = {layer: queries.csm(conn, run.run_id, layer=layer) for layer in (0, 1)}

@@ -288,7 +288,8 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
             ki, lc, hc, bi, bj = np.nonzero(res.csm_count)
             add("csm_bins", run_id=np.full(ki.size, run_id), batch_id=np.full(ki.size, batch_id), layer=lc, head=hc,
                 kind=np.array(CSM_KINDS, dtype=object)[ki], bin_i=bi, bin_j=bj,
-                sim_sum=res.csm_sum[ki, lc, hc, bi, bj], pairs=res.csm_count[ki, lc, hc, bi, bj])
+                sim_sum=res.csm_sum[ki, lc, hc, bi, bj].astype(np.float64),
+                pairs=res.csm_count[ki, lc, hc, bi, bj].astype(np.int64))
         gp, dp = np.nonzero(res.rep_pair_hist["pairs"])
         add("pair_hist", run_id=np.full(dp.size, run_id), batch_id=np.full(dp.size, batch_id), rep=res.reps[gp],
             distance=dp, count=res.rep_pair_hist["pairs"][gp, dp],
