@@ -100,9 +100,10 @@ class AnalysisParams:
             raise ParameterError(
                 f"--attribution-windows {self.attribution_windows}: must be at least 1 (default 256)"
             )
-        if not 0 <= self.csm_bin <= self.seq_len:
-            raise ParameterError(f"--csm-bin {self.csm_bin}: must be between 0 (no averaged matrices) and --seq-len "
-                                 f"{self.seq_len}; default {CSM_BIN}, 1 = full resolution")
+        if self.csm_bin < 0:
+            # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
+            raise ParameterError(f"--csm-bin {self.csm_bin}: must be 0 (no averaged matrices) or more; default "
+                                 f"{CSM_BIN}, 1 = full resolution")
 
     @property
     def csm_bins(self) -> int:

@@ -87,8 +87,9 @@ def test_csm_bin_is_in_the_run_key_only_when_not_the_default():
     assert AnalysisParams(sentences="punct", csm_bin=1).key() != default.key()
     assert AnalysisParams.from_dict(AnalysisParams(sentences="punct", csm_bin=1).to_dict()).csm_bin == 1
     assert default.csm_bins == 16 and AnalysisParams(sentences="punct", seq_len=20, csm_bin=8).csm_bins == 3
-    with pytest.raises(ParameterError, match=r"--csm-bin 200: must be between 0 .* and --seq-len 128"):
-        AnalysisParams(csm_bin=200)
+    assert AnalysisParams(sentences="punct", seq_len=6).csm_bins == 1  # the default bin fits any window
+    with pytest.raises(ParameterError, match=r"--csm-bin -1: must be 0 \(no averaged matrices\) or more"):
+        AnalysisParams(csm_bin=-1)
 
 
 # --- through the payload, the store, compaction and the view ---------------------------------------
@@ -217,3 +218,34 @@ def test_a_run_without_matrices_says_how_to_get_them(tmp_path, tiny_model):
             queries.csm(conn, run.run_id, layer=0)
         with pytest.raises(ParameterError, match="--kind 'signal': choose one of all, attended, noise"):
             queries.csm(conn, run.run_id, layer=0, kind="signal")
+
+
+def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
+    """A payload made before the matrices and the per-distance sentence counts (a worker of the
+    previous version): the run's matrices and within-sentence-by-distance are refused, not partial."""
+    from service import queries
+    from service.errors import ParameterError
+    from service.storage.store import Store
+    from tests.test_baselines import W1, W3, Z1, Z3, build_result, ids_in_distinct_groups, new_run, uniform_attn
+
+    store = Store(tmp_path / "mixed.duckdb")
+    store.ensure_schema()
+    run = new_run(store, "mixed")
+    old = build_result(ids_in_distinct_groups(2), [W1, W3], torch.stack([Z1, Z3])[:, None, None],
+                       torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None])
+    assert old.csm_sum is None and old.rep_same_sentence_hist is None
+    new = BatchResult.from_bytes(old.to_bytes())
+    new.window_ids = [w + "-new" for w in new.window_ids]
+    new.rep_same_sentence_hist = new.rep_dist_hist.copy()
+    new.csm_bin, new.csm_sum, new.csm_count = 8, np.ones((3, 1, 1, 1, 1)), np.ones((3, 1, 1, 1, 1), dtype=np.int64)
+    store.ingest(run, [(0, old), (1, new)])
+    with store.read() as conn:
+        assert conn.execute(text("SELECT count(*) FROM csm_bins")).scalar() == 3
+        assert conn.execute(text("SELECT count(*) FROM dist_hist WHERE same_sentence IS NOT NULL")).scalar() == 0
+        with pytest.raises(ParameterError, match="cover only some windows"):
+            queries.csm(conn, run, layer=0)
+        with pytest.raises(ParameterError, match="stored before within-sentence pairs were counted by distance"):
+            queries.sentence_by_distance(conn, run)
+    store.compact(run)  # folding the batches keeps the gap visible
+    with store.read() as conn, pytest.raises(ParameterError, match="cover only some windows"):
+        queries.csm(conn, run, layer=0)
