@@ -47,7 +47,7 @@ def binned_selected_sums(values: torch.Tensor, index: torch.Tensor, mask: torch.
     values, index (i·pos + j, i < j), mask: ``[batch, head, k]`` as ``select_pairs`` ranks them.
     Returns sums ``[head, bin, bin]`` float64 and counts ``[head, bin, bin]`` int64.
     """
-    batch, heads, _ = index.shape
+    heads = index.shape[1]
     cell = (index // n_pos // bin_size) * n_bins + (index % n_pos) // bin_size  # [batch, head, k]
     cell = cell.transpose(0, 1).reshape(heads, -1)
     picked = torch.where(mask, values, 0.0).double().transpose(0, 1).reshape(heads, -1)

@@ -101,7 +101,7 @@ def figure_csm_layer(columns, rows, *, layer: int, n_heads: int, kind: str, bin_
         _draw(ax, cell_grid(columns, rows, head=head, kind=kind, value=value, n_bins=n_bins), value, bin_size)
         ax.set_title(f"head {head}", fontsize=8)
         ax.tick_params(labelsize=6)
-    what = dict((k, name) for k, _, name in PANELS)[kind]
+    what = {k: name for k, _, name in PANELS}[kind]
     fig.suptitle(f"{title}\nlayer {layer} (0-based): {what} · {windows:,} windows · bins of {bin_size} · own colour "
                  "scale per head", fontsize=9)
     return fig
