@@ -103,6 +103,7 @@ def analyze(
     attribution: bool = options.Attribution,
     attribution_windows: int = options.AttributionWindows,
     mixing: list[str] = options.Mixing,
+    csm_bin: int = options.CsmBin,
     attribution_chunk: int = typer.Option(SETTINGS.attribution_chunk, "--attribution-chunk", min=1, help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK]."),
     control: bool = typer.Option(False, "--control", help="Also analyse the same windows with a randomly initialised model of the same config (seed 0, same tokenizer), stored as the run <name>-control: the floor `headatlas compare RUN` measures against."),
 ) -> None:
@@ -117,7 +118,8 @@ def analyze(
     size = parse_batch_size(batch_size)
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
-                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
+                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows,
+                          csm_bin=csm_bin)
     # every check that needs no model weights comes before the corpus is read or a model loaded
     resolve_device(device)
     check_headatlas_file(db)
@@ -169,7 +171,7 @@ def demo(db: str = DbOpt) -> None:
             dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks",
             sentences="segmenter", select="top:0.02", gate=4.0, include_special=False, vectors="pre_wo", short_range=4,
             text_field="text", encoding="utf-8", db=db, quiet=False, attribution=False, attribution_windows=256, mixing=[],
-            attribution_chunk=SETTINGS.attribution_chunk, control=False)
+            csm_bin=8, attribution_chunk=SETTINGS.attribution_chunk, control=False)
 
 
 class _progress:

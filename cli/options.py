@@ -27,3 +27,4 @@ Encoding = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus
 Attribution = typer.Option(False, "--attribution/--no-attribution", help="Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token).")
 AttributionWindows = typer.Option(256, "--attribution-windows", min=0, help="Only the run's first N windows get --attribution / --mixing.")
 Mixing = typer.Option([], "--mixing", help="Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate).")
+CsmBin = typer.Option(8, "--csm-bin", min=0, help="Corpus-averaged similarity matrices: positions per bin (1 = full resolution: a larger payload; 0 = none).")

@@ -59,6 +59,7 @@ def submit(
     attribution: bool = options.Attribution,
     attribution_windows: int = options.AttributionWindows,
     mixing: list[str] = options.Mixing,
+    csm_bin: int = options.CsmBin,
     wait: bool = typer.Option(False, "--wait", help="Show progress until the run ends."),
     writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run."),
     db: str = DbOpt,
@@ -75,7 +76,8 @@ def submit(
         raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
-                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
+                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows,
+                          csm_bin=csm_bin)
     settings = _settings(db=db, broker_url=broker)
     # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
     check_model_spec(model, seq_len=params.seq_len, memory="total")

@@ -96,6 +96,7 @@ def schedule_add(
     attribution: bool = options.Attribution,
     attribution_windows: int = options.AttributionWindows,
     mixing: list[str] = options.Mixing,
+    csm_bin: int = options.CsmBin,
     db: str = DbOpt,
     fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
 ) -> None:
@@ -108,7 +109,8 @@ def schedule_add(
     cadence = _cadence(cron, every, timezone)
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
                           vectors=vectors, short_range=short_range, dtype=dtype, include_special=include_special,
-                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows)
+                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows,
+                          csm_bin=csm_bin)
     check_model_spec(model, seq_len=params.seq_len, memory="total")  # workers load it at each fire
     sched = schedule_store.add(db, name=name, corpus=_corpus(corpus), model=model, dtype=dtype, batch_size=batch_size,
                                params=params.to_dict(), cadence=cadence, only_new=only_new)

@@ -139,9 +139,15 @@ def plot_distances(
 
 
 @plot_app.command("boundaries")
-def plot_boundaries(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+def plot_boundaries(
+    run: Optional[str] = RunOpt,
+    by_distance: bool = typer.Option(False, "--by-distance", help="The within-sentence share of the high-similarity pairs at each token distance, one line per layer, against the share of all pairs at that distance sharing a sentence."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
     """Within-sentence share per layer against chance, best head per layer, attention to separators."""
-    _plot("boundaries", run, db, out, dpi)
+    _plot("boundaries", run, db, out, dpi, by_distance=by_distance)
 
 
 @plot_app.command("heads")
@@ -165,6 +171,62 @@ def plot_heads(
 def plot_layers(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The layer progression: one small panel per measure of `headatlas query layers`."""
     _plot("layers", run, db, out, dpi)
+
+
+@plot_app.command("csm")
+def plot_csm(
+    run: Optional[str] = RunOpt,
+    layer: int = typer.Option(..., "--layer", "-l", help="Layer (0-based); alone: a grid of that layer's heads."),
+    head: Optional[int] = typer.Option(None, "--head", help="Head (0-based): its mean similarity matrix and where its attended and noise pairs fall."),
+    kind: str = typer.Option("all", "--kind", help="What the grid of heads shows: all (mean C), attended or noise (share of each cell's pairs)."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
+    """Corpus-averaged context similarity matrices by token position (bins of --csm-bin positions)."""
+    from service import csm_plots, plots
+    from service.storage.store import Store, resolve_run
+
+    plots.output_format(out)
+    with Store(db).checked_read() as conn:
+        fig = csm_plots.run_csm(conn, resolve_run(conn, run), layer=layer, head=head, kind=kind)
+    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+
+
+@plot_app.command("mixing")
+def plot_mixing(
+    run: Optional[str] = RunOpt,
+    method: list[str] = typer.Option([], "--method", help="attention, attribution, rollout, norm or alti (repeat; default: every method the run holds)."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
+    """Per layer: mass to self, neighbours, specials and punctuation, one line per mixing method."""
+    from service import mixing_plots, plots
+    from service.storage.store import Store, resolve_run
+
+    plots.output_format(out)
+    with Store(db).checked_read() as conn:
+        fig = mixing_plots.run_mixing(conn, resolve_run(conn, run), methods=method or None)
+    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+
+
+@plot_app.command("discrepancy")
+def plot_discrepancy(
+    run: Optional[str] = RunOpt,
+    method: str = typer.Option("attribution", "--method", help="The method set against attention: attribution, rollout, norm or alti."),
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+) -> None:
+    """Per-head Jensen–Shannon divergence between attention and a mixing method, and its layer progression."""
+    from service import mixing_plots, plots
+    from service.storage.store import Store, resolve_run
+
+    plots.output_format(out)
+    with Store(db).checked_read() as conn:
+        fig, _ = mixing_plots.run_discrepancy(conn, resolve_run(conn, run), method=method)
+    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
 
 
 @plot_app.command("atlas")

@@ -108,7 +108,8 @@ def analyze_batch(
             w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
             z = head_vectors(context, model.n_heads, w_o)
             per_layer.append(
-                head_statistics(z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len)
+                head_statistics(z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len,
+                                csm_bin=params.csm_bin)
             )
 
     with torch.inference_mode(), model.autocast(), capture_attention(model.model, on_layer=summarise):
@@ -167,6 +168,11 @@ def analyze_batch(
         mixing=mixing,
         mixing_windows=mixed,
         mixing_rows=mixed_rows,
+        rep_same_sentence_hist=stacked["same_sentence_hist"].cpu().numpy().astype(np.int64),
+        csm_bin=params.csm_bin,
+        # float32 sums: a batch's share of a picture needs no more, and they are most of its payload
+        csm_sum=stacked["csm_sum"].cpu().numpy().astype(np.float32) if params.csm_bin else None,
+        csm_count=stacked["csm_count"].cpu().numpy().astype(np.int32) if params.csm_bin else None,
     )
 
 

@@ -40,6 +40,7 @@ RUN_TABLES = {
     "anchor_layers": "SELECT * FROM anchor_layers WHERE run_id = {run}",
     "mixing_stats": "SELECT * FROM mixing_stats WHERE run_id = {run}",
     "mixing_dist": "SELECT * FROM mixing_dist WHERE run_id = {run}",
+    "csm_bins": "SELECT * FROM csm_bins WHERE run_id = {run}",
 }
 
 

@@ -20,6 +20,7 @@ VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
 MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
+CSM_BIN = 8  # default bin of the corpus-averaged similarity matrices, in tokens per side
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class AnalysisParams:
     attribution: bool = False  # gradient attribution per head (SPEC §6)
     mixing: tuple[str, ...] = ()  # forward-only mixing measures: rollout, norm, alti
     attribution_windows: int = 256  # windows per run that get attribution / mixing (the first ones)
+    csm_bin: int = CSM_BIN  # averaged similarity matrices: positions per bin (1 = full resolution, 0 = none)
 
     def __post_init__(self) -> None:
         if not 4 <= self.seq_len <= 4096:
@@ -98,6 +100,15 @@ class AnalysisParams:
             raise ParameterError(
                 f"--attribution-windows {self.attribution_windows}: must be at least 1 (default 256)"
             )
+        if self.csm_bin < 0:
+            # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
+            raise ParameterError(f"--csm-bin {self.csm_bin}: must be 0 (no averaged matrices) or more; default "
+                                 f"{CSM_BIN}, 1 = full resolution")
+
+    @property
+    def csm_bins(self) -> int:
+        """Bins per side of the averaged similarity matrices (0 when they are not computed)."""
+        return -(-self.seq_len // self.csm_bin) if self.csm_bin else 0
 
     @property
     def mixes(self) -> bool:
@@ -112,6 +123,9 @@ class AnalysisParams:
             # runs without mixing keep the parameters (and the run key) they had before it existed
             for name in MIXING_FIELDS:
                 out.pop(name)
+        if self.csm_bin == CSM_BIN:
+            # the default bin keeps the parameters (and the run key) runs had before the matrices existed
+            out.pop("csm_bin")
         if self.sentences == "segmenter":
             # the library and its version decide where sentences end: a run made with other rules
             # is another run, not one to resume

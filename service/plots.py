@@ -192,6 +192,41 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
     return fig
 
 
+def figure_boundaries_by_distance(columns: list[str], rows: list[tuple], *, n_layers: int, title: str) -> Figure:
+    """Within-sentence share of the high-similarity pairs at each token distance, one line per layer
+    (its heads pooled), against its chance: the share of all pairs at that distance that share a
+    sentence. Right: their ratio (1 = chance at that distance)."""
+    fig = new_figure(*RUN_FIGSIZE["boundaries"])
+    share_ax, lift_ax = fig.subplots(1, 2)
+    cmap = matplotlib.colormaps["viridis"]
+    n = max(n_layers - 1, 1)
+    li, di = columns.index("layer"), columns.index("distance")
+    chance = {r[di]: r[columns.index("within_sentence_chance")] for r in rows}
+    d_chance = np.array(sorted(chance), dtype=float)
+    y_chance = np.array([np.nan if chance[d] is None else float(chance[d]) for d in sorted(chance)])
+    share_ax.plot(d_chance, y_chance, color="black", ls="--", lw=1.6, label="chance: all pairs at that distance")
+    for layer in range(n_layers):
+        mine = [r for r in rows if r[li] == layer]
+        if not mine:
+            continue
+        d = _col(columns, mine, "distance")
+        share_ax.plot(d, _col(columns, mine, "within_sentence"), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
+        lift = _col(columns, mine, "within_sentence_lift")
+        lift_ax.plot(d, np.where(lift > 0, lift, np.nan), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
+    share_ax.set(xscale="log", ylim=(0, 1.05), xlabel="token distance j − i",
+                 ylabel="share of high-similarity pairs within one sentence",
+                 title="within-sentence share by distance vs chance at that distance")
+    lift_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="chance at that distance")
+    lift_ax.set(xscale="log", yscale="log", xlabel="token distance j − i",
+                ylabel="share / chance share at that distance", title="lift against chance at the same distance")
+    share_ax.legend(fontsize=8, ncols=2)
+    lift_ax.legend(fontsize=8, ncols=2)
+    for ax in (share_ax, lift_ax):
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title)
+    return fig
+
+
 # --- heads ------------------------------------------------------------------------------------
 def figure_heads(columns: list[str], rows: list[tuple], metric: str, *, n_layers: int, n_heads: int,
                  title: str) -> Figure:
@@ -280,9 +315,10 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
 
 # --- from the store ---------------------------------------------------------------------------
 def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_sentence_lift",
-               split: str | None = None) -> Figure:
+               split: str | None = None, by_distance: bool = False) -> Figure:
     """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.queries``.
-    ``split="attended"`` (distances only): the signal and noise profiles instead of all of H."""
+    ``split="attended"`` (distances only): the signal and noise profiles instead of all of H;
+    ``by_distance`` (boundaries only): the within-sentence share at each distance."""
     title = _title(run)
     if split is not None and (kind != "distances" or split != "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs), for distances")
@@ -296,6 +332,11 @@ def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_senten
     if kind == "distances":
         per_layer = {layer: queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
         return figure_distances(per_layer, title=title)
+    if by_distance and kind != "boundaries":
+        raise ParameterError(f"--by-distance: only for plot boundaries, not {kind}")
+    if kind == "boundaries" and by_distance:
+        return figure_boundaries_by_distance(*queries.sentence_by_distance(conn, run.run_id), n_layers=run.n_layers,
+                                             title=title)
     if kind == "boundaries":
         return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title)
     if kind == "heads":

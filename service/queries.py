@@ -179,6 +179,62 @@ def boundaries(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
     return rows
 
 
+def sentence_by_distance(conn: Connection, run_id: int, *, layer: int | None = None) -> Rows:
+    """Per layer (its heads pooled) and distance: the within-sentence share of the high-similarity
+    pairs at that distance against its chance, the share of all pairs at that distance sharing a
+    sentence (SPEC §5b ``same_sentence_hist``); ``lift`` = share / that chance."""
+    sql = """
+        WITH h AS (
+            SELECT layer, distance, sum(high_pairs) AS high_pairs,
+                   CASE WHEN count(same_sentence_high) = count(*) THEN sum(same_sentence_high) END
+                       AS same_sentence_high,
+                   any_value(pairs) AS pairs, any_value(same_sentence_pairs) AS same_sentence_pairs
+            FROM sentence_distance
+            WHERE run_id = :run AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)
+            GROUP BY layer, distance
+        )
+        SELECT layer, distance, high_pairs, same_sentence_high,
+               same_sentence_high / nullif(high_pairs, 0) AS within_sentence,
+               same_sentence_pairs / nullif(pairs, 0) AS within_sentence_chance,
+               within_sentence / nullif(within_sentence_chance, 0) AS within_sentence_lift
+        FROM h ORDER BY layer, distance
+    """
+    columns, rows = _rows(conn, sql, {"run": run_id, "layer": layer})
+    if rows and any(r[columns.index("same_sentence_high")] is None for r in rows):
+        raise ParameterError(f"run {run_id} was stored before within-sentence pairs were counted by distance; "
+                             "analyse the corpus again into a new database (--db) to draw them")
+    return columns, rows
+
+
+CSM_COLUMNS = ("layer", "head", "kind", "bin_i", "bin_j", "pairs", "mean", "pair_share")
+
+
+def csm(conn: Connection, run_id: int, *, layer: int, head: int | None = None, kind: str | None = None) -> Rows:
+    """Cells of the corpus-averaged similarity matrices (SPEC §5c) of one head, or of every head of
+    ``layer``: ``mean`` = mean C_ij of the cell's pairs, ``pair_share`` = the cell's pairs of this
+    kind / all its pairs of P (1 for ``all``). Upper triangle (bin_i ≤ bin_j); cells without
+    pairs are absent. ``kind``: one of CSM_KINDS, or None for all three."""
+    from service.results import CSM_KINDS
+
+    if kind is not None and kind not in CSM_KINDS:
+        raise ParameterError(f"--kind {kind!r}: choose one of {', '.join(CSM_KINDS)}")
+    windows, covered = conn.execute(text(
+        "SELECT sum(windows), CASE WHEN count(csm_windows) = count(*) THEN sum(csm_windows) END "
+        "FROM run_chance WHERE run_id = :run"), {"run": run_id}).one()
+    if covered is None or (windows and covered and covered < windows):
+        raise ParameterError(f"run {run_id}: its averaged similarity matrices cover only some windows (batches stored "
+                             "before they existed); analyse the corpus again into a new database (--db) to draw them")
+    if not covered:
+        raise ParameterError(f"run {run_id} has no averaged similarity matrices (analysed with --csm-bin 0); "
+                             "analyse again with --csm-bin 8 (the default) or 1 (full resolution)")
+    return _rows(conn, f"""
+        SELECT {", ".join(CSM_COLUMNS)} FROM csm_means
+        WHERE run_id = :run AND layer = :layer AND (CAST(:head AS INTEGER) IS NULL OR head = :head)
+          AND (CAST(:kind AS VARCHAR) IS NULL OR kind = :kind)
+        ORDER BY head, kind, bin_i, bin_j
+    """, {"run": run_id, "layer": layer, "head": head, "kind": kind})
+
+
 LAYER_COLUMNS = (
     "layer", "mean_distance", "mean_distance_chance", "short_range_share", "short_range_chance",
     "within_sentence", "within_sentence_lift", "within_sentence_lift_dm",

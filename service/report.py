@@ -115,6 +115,7 @@ def build_report(conn, run) -> str:
     )
     atlas_html = _atlas_section(conn, run)
     floor_html = _floor_section(conn, run)
+    mixing_html = _mixing_section(conn, run)
 
     facts = [
         ("run", f"{run.run_id} ({run.name})"), ("status", run.status), ("model", f"{run.model_name} [{run.model}]"),
@@ -150,6 +151,7 @@ def build_report(conn, run) -> str:
 <th class="text">meaning</th></tr></thead><tbody>{params_html}</tbody></table>
 {floor_html}
 <h2>Figures</h2>{figure_html}
+{mixing_html}
 <h2>Heads</h2>
 <p>One row per head. Shares are of the high-similarity pairs H. What each ratio is measured against:
 <em>_lift</em> = share / <em>_chance</em>, the same share over all pairs of the windows (it ignores distance,
@@ -215,6 +217,42 @@ jackknife over the shared replicate groups) excludes 0.</p>
 <figure>{_img(plots.png_bytes(fig), "compare with control")}<figcaption>Layer profiles of this run and its control
 with 95% intervals; last panel: per-head difference of the first metric.</figcaption></figure>
 <div class="scroll">{table_html}</div>"""
+
+
+def mixing_methods(conn, run) -> list[str]:
+    """The mixing methods the run holds, in display order (empty: no mixing measures)."""
+    from sqlalchemy import text
+
+    stored = {r[0] for r in conn.execute(text("SELECT DISTINCT method FROM mixing_stats WHERE run_id = :r"),
+                                         {"r": run.run_id})}
+    return [m for m in queries.METHOD_ORDER if m in stored]
+
+
+def _mixing_section(conn, run) -> str:
+    """Mixing measures (SPEC §6), only for runs that hold them: where each layer's outputs draw
+    from per method, and how far each method is from the heads' attention."""
+    from service import mixing_plots, plots
+
+    methods = mixing_methods(conn, run)
+    others = [m for m in methods if m != "attention"]
+    if not others:
+        return ""
+    mixing_fig = mixing_plots.run_mixing(conn, run)
+    parts = [f"""<h2>Mixing: attention against {_e(", ".join(others))}</h2>
+<p>What each output token is made of, measured {len(methods)} ways on the run's first windows (SPEC §6): attention
+weights, and {_e(", ".join(others))}. Shares are means over rows (one row per output token); they are proportions of
+the row's mass, not lifts.</p>
+<figure>{_img(plots.png_bytes(mixing_fig), "mixing per layer")}<figcaption>Per layer (layer-level rows): mass to the
+token itself, its neighbours, [CLS]/[SEP] and . ,; one line per method.</figcaption></figure>"""]
+    for method in others:
+        fig, _ = mixing_plots.run_discrepancy(conn, run, method=method)
+        columns, rows = queries.discrepancy_layers(conn, run.run_id, method=method)
+        parts.append(f"""<h3>Attention against {_e(method)}</h3>
+<figure>{_img(plots.png_bytes(fig), f"discrepancy {method}")}<figcaption>Jensen–Shannon divergence (bits: 0 = the
+same distribution, 1 = disjoint) between each head's attention rows and its {_e(method)} rows, per head and per
+layer.</figcaption></figure>
+<div class="scroll">{_table(columns, rows)}</div>""")
+    return "".join(parts)
 
 
 def _anchor_grid(columns, rows, n_layers: int, n_heads: int) -> str:

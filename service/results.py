@@ -46,6 +46,9 @@ CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "a
 # per run and distance: pairs in P, and those sharing a sentence / a token id / a word token id
 PAIR_HISTS = ("pairs", "same_sentence", "same_token", "same_word")
 
+# the corpus-averaged similarity matrices (SPEC §5c): all pairs of P, and H split by the attention gate
+CSM_KINDS = ("all", "attended", "noise")
+
 # Replicate groups (SPEC §5b): every additive sum is kept per group, so a ratio's jackknife
 # interval can be computed from stored sums, also after compaction.
 REPLICATES = 16
@@ -63,7 +66,10 @@ class BatchResult:
     ``rep_attended_hist`` ``[group, layer, head, seq_len]`` (index = distance);
     ``rep_chance[name]`` ``[group]``; ``rep_pair_hist[name]`` ``[group, seq_len]``; anchors
     ``[window, layer, head]``. ``heads``, ``dist_hist``, ``chance`` and ``pair_hist`` are the
-    batch totals."""
+    batch totals. ``rep_same_sentence_hist`` ``[group, layer, head, seq_len]``: pairs of H at each
+    distance sharing a sentence. ``csm_sum``/``csm_count`` ``[kind, layer, head, bin, bin]``
+    (kind: CSM_KINDS): batch totals of the averaged similarity matrices in bins of ``csm_bin``
+    positions (SPEC §5c); None when the run does not compute them."""
 
     window_ids: list[str]
     reps: np.ndarray
@@ -85,6 +91,10 @@ class BatchResult:
     mixing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     mixing_windows: int = 0
     mixing_rows: int = 0  # valid query rows in those windows
+    rep_same_sentence_hist: np.ndarray | None = None
+    csm_bin: int = 0
+    csm_sum: np.ndarray | None = None  # float32 (summed in float64 by the store)
+    csm_count: np.ndarray | None = None  # int32
 
     # --- batch totals -------------------------------------------------------------------------
     @property
@@ -131,6 +141,10 @@ class BatchResult:
                 dtype=np.uint8,
             ),
         )
+        if self.rep_same_sentence_hist is not None:
+            arrays["same_sentence_hist"] = self.rep_same_sentence_hist
+        if self.csm_sum is not None:
+            arrays.update(csm_bin=np.array(self.csm_bin), csm_sum=self.csm_sum, csm_count=self.csm_count)
         buf = io.BytesIO()
         np.savez_compressed(buf, **arrays)
         return buf.getvalue()
@@ -148,6 +162,7 @@ class BatchResult:
                     _, method, name = key.split(".", 2)
                     mixing.setdefault(method, {})[name] = data[key]
             counts = data["mixing_counts"] if "mixing_counts" in data.files else np.zeros(2, dtype=np.int64)
+            has_csm = "csm_sum" in data.files
             return cls(
                 window_ids=[str(x) for x in data["window_ids"]],
                 reps=data["reps"],
@@ -167,4 +182,8 @@ class BatchResult:
                 mixing=mixing,
                 mixing_windows=int(counts[0]),
                 mixing_rows=int(counts[1]),
+                rep_same_sentence_hist=data["same_sentence_hist"] if "same_sentence_hist" in data.files else None,
+                csm_bin=int(data["csm_bin"]) if has_csm else 0,
+                csm_sum=data["csm_sum"] if has_csm else None,
+                csm_count=data["csm_count"] if has_csm else None,
             )

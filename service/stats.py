@@ -306,8 +306,9 @@ def head_statistics(
     select: Selection,
     gate: float,
     seq_len: int,
+    csm_bin: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Additive per-head sums for one layer of one batch (SPEC §4, §5b).
+    """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c).
 
     z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``.
     Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` and ``attended_hist``
@@ -315,7 +316,10 @@ def head_statistics(
     ``feats`` has replicate groups — and per-window anchors ``anchor_pos`` / ``anchor_count`` /
     ``high_count`` ``[batch, head]`` (position of the anchor token's first occurrence).
     The anchor sums of HEAD_SUMS (``anchor_frequent``, ``anchored_windows``) are added by the
-    caller, which knows the anchors' token ids.
+    caller, which knows the anchors' token ids. ``same_sentence_hist`` ``[(group,) head, seq_len]``:
+    the pairs of H at each distance that share a sentence. ``csm_bin`` > 0: also ``csm_sum`` and
+    ``csm_count`` ``[kind, head, bin, bin]``, the averaged similarity matrices' sums
+    (``service.averaged_csm``).
     """
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
@@ -350,6 +354,12 @@ def head_statistics(
     distance = torch.where(chosen, pos_j - pos_i, 0)  # [batch, head, k]; unchosen ranks may be j <= i
     out["dist_hist"] = feats.reduce(_histogram(distance, chosen, seq_len))
     out["attended_hist"] = feats.reduce(_histogram(distance, attended, seq_len))
+    out["same_sentence_hist"] = feats.reduce(_histogram(distance, same_sentence & chosen, seq_len))
+    if csm_bin:
+        from service.averaged_csm import averaged_csm_sums
+
+        out["csm_sum"], out["csm_count"] = averaged_csm_sums(
+            z, feats.in_pairs, values, index, chosen, attended, bin_size=csm_bin, n_bins=-(-seq_len // csm_bin))
 
     # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
     endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)

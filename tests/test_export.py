@@ -11,7 +11,7 @@ import pytest
 from tests.figure_checks import analyse, corpus_of
 
 TABLES = ("runs", "batches", "run_windows", "windows", "documents", "head_stats", "run_chance", "dist_hist",
-          "pair_hist", "anchors", "anchor_tokens", "anchor_layers", "mixing_stats", "mixing_dist")
+          "pair_hist", "anchors", "anchor_tokens", "anchor_layers", "mixing_stats", "mixing_dist", "csm_bins")
 
 
 @pytest.fixture(scope="module")

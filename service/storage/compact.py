@@ -24,6 +24,7 @@ ADDITIVE_TABLES: dict[str, tuple[str, ...]] = {
     "anchor_layers": ("layer",),
     "mixing_stats": ("method", "layer", "head"),
     "mixing_dist": ("method", "layer", "head", "distance"),
+    "csm_bins": ("layer", "head", "kind", "bin_i", "bin_j"),
 }
 
 

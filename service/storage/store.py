@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from service.errors import StoreError
-from service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult
+from service.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
 from service.storage import db
 from service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
@@ -236,8 +236,9 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
         conn.exec_driver_sql("INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING")
         conn.exec_driver_sql("INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING")
         for name in ("run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors",
-                     "anchor_tokens", "anchor_layers"):
-            conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
+                     "anchor_tokens", "anchor_layers", "csm_bins"):
+            if name in tables:
+                conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
         for name in MIXING_TABLES:
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
@@ -265,6 +266,9 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
         for key, value in columns.items():
             target.setdefault(key, []).append(np.asarray(value).ravel())
 
+    # a column left out of an insert is NULL ("unavailable"): a payload made before the per-distance
+    # within-sentence counts existed must not make the others' sum look whole
+    with_sentence = all(res.rep_same_sentence_hist is not None for _, res in items)
     for batch_id, res in items:
         # every additive sum is stored per replicate group (column rep, SPEC §5b)
         n_groups, n_layers, n_heads = res.rep_heads["high_pairs"].shape
@@ -272,11 +276,20 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
         add("head_stats", run_id=np.full(layer.size, run_id), batch_id=np.full(layer.size, batch_id),
             rep=res.reps[group], layer=layer, head=head, **{k: res.rep_heads[k] for k in HEAD_SUMS})
         add("run_chance", run_id=np.full(n_groups, run_id), batch_id=np.full(n_groups, batch_id), rep=res.reps,
-            **{k: res.rep_chance[k] for k in CHANCE_SUMS})
+            **{k: res.rep_chance[k] for k in CHANCE_SUMS},
+            csm_windows=res.rep_chance["windows"] * (res.csm_sum is not None))
         gi, li, hi, di = np.nonzero(res.rep_dist_hist)
+        sentence = {"same_sentence": res.rep_same_sentence_hist[gi, li, hi, di]} if with_sentence else {}
         add("dist_hist", run_id=np.full(li.size, run_id), batch_id=np.full(li.size, batch_id), rep=res.reps[gi],
             layer=li, head=hi, distance=di, count=res.rep_dist_hist[gi, li, hi, di],
-            attended=res.rep_attended_hist[gi, li, hi, di])
+            attended=res.rep_attended_hist[gi, li, hi, di], **sentence)
+        if res.csm_sum is not None:
+            # cells holding pairs only: the upper triangle, and few cells of H per batch
+            ki, lc, hc, bi, bj = np.nonzero(res.csm_count)
+            add("csm_bins", run_id=np.full(ki.size, run_id), batch_id=np.full(ki.size, batch_id), layer=lc, head=hc,
+                kind=np.array(CSM_KINDS, dtype=object)[ki], bin_i=bi, bin_j=bj,
+                sim_sum=res.csm_sum[ki, lc, hc, bi, bj].astype(np.float64),
+                pairs=res.csm_count[ki, lc, hc, bi, bj].astype(np.int64))
         gp, dp = np.nonzero(res.rep_pair_hist["pairs"])
         add("pair_hist", run_id=np.full(dp.size, run_id), batch_id=np.full(dp.size, batch_id), rep=res.reps[gp],
             distance=dp, count=res.rep_pair_hist["pairs"][gp, dp],
