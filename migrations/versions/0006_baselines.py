@@ -251,8 +251,12 @@ def downgrade() -> None:
     for table, columns in NEW_COLUMNS.items():
         for column in columns:
             op.execute(f"ALTER TABLE {table} DROP COLUMN {column.split()[0]}")
-    from importlib import import_module
+    import importlib.util
+    from pathlib import Path
 
-    initial = import_module("migrations.versions.0001_initial")
+    # Alembic loads revisions by file: load the first one the same way for its views
+    spec = importlib.util.spec_from_file_location("_initial", Path(__file__).with_name("0001_initial.py"))
+    initial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(initial)
     for statement in initial.VIEWS:
         op.execute(statement)

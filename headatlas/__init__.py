@@ -1,0 +1,35 @@
+"""headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable.
+
+    import headatlas
+    run = headatlas.analyze("corpus.txt", db="atlas.duckdb")      # the embedded engine
+    run.heads(ci=True).to_pandas()                                 # an Arrow table
+    headatlas.connect("atlas.duckdb").run("corpus-1a2b3c").layers()
+
+The functions are those of ``headatlas.service.api``; the CLI (``headatlas --help``) is a thin
+layer over the same library. Subpackages: ``headatlas.service`` (engine, measures, storage, what
+users see), ``headatlas.workers`` (queue, writer, beat), ``headatlas.cli``,
+``headatlas.migrations``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path as _Path
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "analyze", "connect"]
+
+# Installed, service/, workers/, cli/ and migrations/ are subpackages inside this folder. In a
+# source checkout they sit beside it (the repository keeps the design's folders at its top level),
+# so the package looks there too.
+_here = _Path(__file__).resolve().parent
+if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py").is_file():
+    __path__.append(str(_here.parent))
+
+
+def __getattr__(name: str):
+    # lazy, so that `import headatlas` (every CLI start) stays light until the API is used
+    if name in ("analyze", "connect"):
+        from headatlas.service import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'headatlas' has no attribute {name!r}")

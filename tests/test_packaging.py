@@ -1,0 +1,58 @@
+"""One import package: installed, headatlas brings `headatlas` and nothing else to the top level."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return next(out.glob("headatlas-*.whl"))
+
+
+def test_the_wheel_holds_one_top_level_package_with_its_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"headatlas"}
+    for needed in ("headatlas/__init__.py", "headatlas/service/api.py", "headatlas/cli/main.py",
+                   "headatlas/workers/tasks.py", "headatlas/migrations/env.py",
+                   "headatlas/migrations/versions/0001_initial.py", "headatlas/service/data/wiki_excerpt.txt",
+                   "headatlas/service/data/ATTRIBUTION.md"):
+        assert needed in names, needed
+
+
+def test_installed_only_headatlas_imports(wheel, tmp_path):
+    """Unpacked away from the checkout (dependencies from this environment): `import cli`,
+    `service`, `workers`, `migrations` fail; `headatlas` and its CLI work."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = (
+        "import importlib, sys\n"
+        "sys.path[:0] = [sys.argv[1]]\n"
+        "for name in ('cli', 'service', 'workers', 'migrations'):\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    sys.exit(f'{name} is importable')\n"
+        "import headatlas, headatlas.cli.main, headatlas.service.api\n"
+        "assert headatlas.service.api.__file__.startswith(sys.argv[1]), headatlas.service.api.__file__\n"
+        "assert callable(headatlas.connect) and callable(headatlas.analyze)\n"
+        "from typer.testing import CliRunner\n"
+        "result = CliRunner().invoke(headatlas.cli.main.app, ['--help'], prog_name='headatlas')\n"
+        "assert result.exit_code == 0 and 'analyze' in result.output, result.output\n"
+    )
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(site)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stdout + done.stderr
