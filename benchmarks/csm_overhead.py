@@ -41,11 +41,11 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from service.analysis import analyze_batch
-    from service.model import load_model
-    from service.params import AnalysisParams
-    from service.runner import iter_batches
-    from service.windows import TokenClasses
+    from headatlas.service.analysis import analyze_batch
+    from headatlas.service.model import load_model
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.runner import iter_batches
+    from headatlas.service.windows import TokenClasses
 
     model = load_model(args.model, device="cpu")
     with_csm = AnalysisParams(sentences="punct", csm_bin=args.csm_bin)  # punct: no segmenter cost in either
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
         print(f"round {k + 1}: with {on_round / windows * 1000:.1f} ms/window, without "
               f"{off_round / windows * 1000:.1f} ms/window", flush=True)
     # the matrices' own time inside the same analyses: a share that machine load scales on both sides
-    from service import averaged_csm
+    from headatlas.service import averaged_csm
 
     inner, outer = [0.0], 0.0
     original = averaged_csm.averaged_csm_sums

@@ -25,7 +25,7 @@ from benchmarks.common import Timer, default_corpus  # noqa: E402
 CHILD = """
 import json, resource, sys, time
 sys.argv = ["headatlas"] + json.loads(sys.argv[1])
-from cli.main import main
+from headatlas.cli.main import main
 start = time.perf_counter()
 try:
     main()

@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def corpus(folder: Path, copies: int) -> Path:
-    from service.corpus import demo_corpus_path
+    from headatlas.service.corpus import demo_corpus_path
 
     docs = [d.strip() for d in demo_corpus_path().read_text(encoding="utf-8").split("\n\n") if d.strip()]
     path = folder / "bench.txt"
@@ -45,12 +45,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from queue_support import Cluster, any_redis
-    from service.config import Settings
-    from service.model import load_model
-    from service.params import AnalysisParams
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
-    from workers.submit import submit
+    from headatlas.service.config import Settings
+    from headatlas.service.model import load_model
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.submit import submit
 
     folder = Path(tempfile.mkdtemp(prefix="headatlas-bench-"))
     text = corpus(folder, args.copies)

@@ -22,11 +22,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from service.attribution import gradient_norms, normalise_rows  # noqa: E402
-from service.corpus import demo_corpus_path, iter_documents  # noqa: E402
-from service.model import load_model  # noqa: E402
-from service.params import AnalysisParams  # noqa: E402
-from service.windows import TokenClasses, collate, document_windows  # noqa: E402
+from headatlas.service.attribution import gradient_norms, normalise_rows  # noqa: E402
+from headatlas.service.corpus import demo_corpus_path, iter_documents  # noqa: E402
+from headatlas.service.model import load_model  # noqa: E402
+from headatlas.service.params import AnalysisParams  # noqa: E402
+from headatlas.service.windows import TokenClasses, collate, document_windows  # noqa: E402
 
 
 def main() -> None:

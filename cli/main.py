@@ -14,10 +14,10 @@ try:  # typer vendors its own click from 0.25 on; its usage errors are that clic
 except ImportError:  # pragma: no cover - older typer on the public click
     from click.exceptions import UsageError
 
-from cli import options
-from cli.output import Format, error, render, render_metrics, sparkline, stderr, stdout
-from service.config import Settings
-from service.errors import HeadatlasError
+from headatlas.cli import options
+from headatlas.cli.output import Format, error, render, render_metrics, sparkline, stderr, stdout
+from headatlas.service.config import Settings
+from headatlas.service.errors import HeadatlasError
 
 INTERRUPTED = "interrupted; re-run the same command to resume"
 
@@ -74,7 +74,7 @@ LAYER_TABLE = ["layer", "mean_distance", "mean_distance_chance", "short_range_sh
 
 
 def _store(db: str):
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     return Store(db)
 
@@ -108,12 +108,12 @@ def analyze(
     control: bool = typer.Option(False, "--control", help="Also analyse the same windows with a randomly initialised model of the same config (seed 0, same tokenizer), stored as the run <name>-control: the floor `headatlas compare RUN` measures against."),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
-    from service.analysis_options import build_params
-    from service.corpus import STDIN_SOURCE, remove_spool, spool_stdin
-    from service.model import auto_batch_size, control_model, load_model, parse_batch_size, resolve_device
-    from service.model_check import check_loaded, check_model_spec
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.db import check_headatlas_file
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.corpus import STDIN_SOURCE, remove_spool, spool_stdin
+    from headatlas.service.model import auto_batch_size, control_model, load_model, parse_batch_size, resolve_device
+    from headatlas.service.model_check import check_loaded, check_model_spec
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.db import check_headatlas_file
 
     size = parse_batch_size(batch_size)
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
@@ -165,7 +165,7 @@ def analyze(
 @app.command()
 def demo(db: str = DbOpt) -> None:
     """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
-    from service.corpus import demo_corpus_path
+    from headatlas.service.corpus import demo_corpus_path
 
     analyze(corpus=str(demo_corpus_path()), name="demo", model=SETTINGS.model, device=SETTINGS.device,
             dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks",
@@ -208,7 +208,7 @@ class _progress:
 
 
 def _print_run_summary(store, run_id: int) -> None:
-    from service import queries
+    from headatlas.service import queries
 
     with store.checked_read() as conn:
         info = queries.run_summary(conn, run_id)
@@ -255,7 +255,7 @@ def query_heads(
 ) -> None:
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
     each against its chance (a table shows the main columns; --format json/csv has all)."""
-    from service import queries
+    from headatlas.service import queries
 
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
@@ -275,8 +275,8 @@ def query_distances(
     fmt: Format = FormatOpt,
 ) -> None:
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
-    from service import queries
-    from service.errors import ParameterError
+    from headatlas.service import queries
+    from headatlas.service.errors import ParameterError
 
     if max_distance is not None and max_distance < 1:
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
@@ -308,7 +308,7 @@ def query_distances(
 def query_boundaries(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform."""
-    from service import queries
+    from headatlas.service import queries
 
     _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer", note=queries.LIFT_NOTE, ci=ci)
 
@@ -317,7 +317,7 @@ def query_boundaries(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = Db
 def query_layers(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """Per layer summary: the progression from early to final layers (a table shows the main
     columns; --format json/csv has all)."""
-    from service import queries
+    from headatlas.service import queries
 
     _query(db, run, fmt, queries.layers, "layers", table_columns=LAYER_TABLE, note=queries.LIFT_NOTE, ci=ci)
 
@@ -331,7 +331,7 @@ def query_mixing(
     fmt: Format = FormatOpt,
 ) -> None:
     """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
-    from service import queries
+    from headatlas.service import queries
 
     what = f"layer {layer} heads" if layer is not None else "per layer"
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
@@ -347,7 +347,7 @@ def query_discrepancy(
     fmt: Format = FormatOpt,
 ) -> None:
     """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
-    from service import queries
+    from headatlas.service import queries
 
     store = _store(db)
     with store.checked_read() as conn:
@@ -372,9 +372,9 @@ def compare(
 ) -> None:
     """Two runs side by side per layer (or head): both values, A − B, and whether the difference
     is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
-    from service import compare as comparison
-    from service import queries
-    from service.errors import ParameterError
+    from headatlas.service import compare as comparison
+    from headatlas.service import queries
+    from headatlas.service.errors import ParameterError
 
     with _store(db).checked_read() as conn:
         a = _run(conn, run_a)
@@ -399,7 +399,7 @@ def compare(
 def query_roles(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
     95% interval, threshold; rules in SPEC §7). Heads without a role: "none established"."""
-    from service import roles
+    from headatlas.service import roles
 
     _query(db, run, fmt, roles.roles, "head roles (SPEC §7)", note=roles.ROLES_NOTE)
 
@@ -413,7 +413,7 @@ def sql(
     timeout: float = typer.Option(SETTINGS.sql_timeout_s, "--timeout", help="Time limit in seconds [env HEADATLAS_SQL_TIMEOUT_S]."),
 ) -> None:
     """Run read-only SQL against the results (tables and views: see README)."""
-    from service.storage.readonly import run_readonly_sql
+    from headatlas.service.storage.readonly import run_readonly_sql
 
     text = sys.stdin.read() if statement == "-" else statement
     result = run_readonly_sql(db, text, max_rows=max_rows, timeout_s=timeout)
@@ -423,7 +423,7 @@ def sql(
 @db_app.command("upgrade")
 def db_upgrade(db: str = DbOpt) -> None:
     """Create the schema or apply pending migrations."""
-    from service.storage.db import upgrade
+    from headatlas.service.storage.db import upgrade
 
     before, after = upgrade(db)
     stdout.print(f"{db}: schema {before or 'none'} → {after}")
@@ -432,7 +432,7 @@ def db_upgrade(db: str = DbOpt) -> None:
 @db_app.command("current")
 def db_current(db: str = DbOpt) -> None:
     """Show the schema revision of the database and the one this headatlas needs."""
-    from service.storage.db import check_not_foreign, current_revision, head_revision, transaction
+    from headatlas.service.storage.db import check_not_foreign, current_revision, head_revision, transaction
 
     with transaction(db, read_only=True) as conn:
         check_not_foreign(conn, db)
@@ -463,13 +463,13 @@ def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=No
 
 
 def _run(conn, ref):
-    from service.storage.store import resolve_run
+    from headatlas.service.storage.store import resolve_run
 
     return resolve_run(conn, ref)
 
 
 def _check_layer_head(run, layer: int, head: int | None) -> None:
-    from service.errors import ParameterError
+    from headatlas.service.errors import ParameterError
 
     if not 0 <= layer < run.n_layers:
         raise ParameterError(f"--layer {layer}: run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
@@ -478,7 +478,7 @@ def _check_layer_head(run, layer: int, head: int | None) -> None:
 
 
 # inspect, plot, report, export: their own module
-from cli.visual import register as _register_visual  # noqa: E402
+from headatlas.cli.visual import register as _register_visual  # noqa: E402
 
 _register_visual(app)
 
@@ -501,11 +501,11 @@ def _default_model_only() -> bool:
     return "--model" not in sys.argv and "-m" not in sys.argv and SETTINGS.model == "default"
 
 
-from cli.queue_commands import register as _register_queue_commands  # noqa: E402
+from headatlas.cli.queue_commands import register as _register_queue_commands  # noqa: E402
 
 _register_queue_commands(app)  # submit, worker, writer, status, retry
 
-from cli.schedule_commands import register as _register_schedule_commands  # noqa: E402
+from headatlas.cli.schedule_commands import register as _register_schedule_commands  # noqa: E402
 
 _register_schedule_commands(app, query_app)  # schedule …, beat, query trend
 

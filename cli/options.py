@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from cli.output import Format
-from service.config import Settings
+from headatlas.cli.output import Format
+from headatlas.service.config import Settings
 
 SETTINGS = Settings.from_env()
 

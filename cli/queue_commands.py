@@ -9,9 +9,9 @@ from typing import Optional
 
 import typer
 
-from cli import options
-from cli.output import Format, render_record, stderr, stdout
-from service.config import Settings, check_broker_url
+from headatlas.cli import options
+from headatlas.cli.output import Format, render_record, stderr, stdout
+from headatlas.service.config import Settings, check_broker_url
 
 SETTINGS = Settings.from_env()
 DbOpt = options.Db
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _store(db: str):
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     return Store(db)
 
@@ -66,12 +66,12 @@ def submit(
     broker: str = BrokerOpt,
 ) -> None:
     """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
-    from service.analysis_options import build_params
-    from service.model_check import check_model_spec
-    from workers.submit import submit as submit_corpus
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.model_check import check_model_spec
+    from headatlas.workers.submit import submit as submit_corpus
 
     if corpus == "-":
-        from service.errors import CorpusError
+        from headatlas.service.errors import CorpusError
 
         raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
     params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
@@ -101,7 +101,7 @@ def _wait(settings, sub) -> None:
     says the run ended and nothing of it is in flight any more."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from workers.ledger import Ledger, connect
+    from headatlas.workers.ledger import Ledger, connect
 
     ledger = Ledger(connect(settings.broker_url), sub.database_id)
     started, base = time.monotonic(), ledger.windows_done(sub.run_key)
@@ -118,7 +118,7 @@ def _wait(settings, sub) -> None:
             _check_writer(ledger, sub, settings)
             time.sleep(0.5)
     if sub.run_id is None:
-        from workers.submit import wait_for_run_id
+        from headatlas.workers.submit import wait_for_run_id
 
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
     if live.failed:
@@ -127,8 +127,8 @@ def _wait(settings, sub) -> None:
 
 def _check_writer(ledger, sub, settings) -> None:
     """A run whose database lost its writer to another database's would never end: say so."""
-    from service.errors import StoreError, WriterConflict
-    from workers.lease import holder
+    from headatlas.service.errors import StoreError, WriterConflict
+    from headatlas.workers.lease import holder
 
     _run_id, error = ledger.run_id(sub.run_key)
     if error:
@@ -149,7 +149,7 @@ def worker(
     loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
 ) -> None:
     """Run analysis workers: take batches from the queue, send their statistics to the writer."""
-    from workers.launch import run_worker
+    from headatlas.workers.launch import run_worker
 
     _settings(broker_url=broker, device=device)
     run_worker(queues=queues, concurrency=concurrency, device=device, loglevel=loglevel)
@@ -160,7 +160,7 @@ def writer(db: str = DbOpt, broker: str = BrokerOpt,
     """Run the database writer: the one process that stores queued runs' results (run one per database)."""
     import logging
 
-    from workers.launch import run_writer
+    from headatlas.workers.launch import run_writer
 
     _settings(db=db, broker_url=broker)
     logging.getLogger("headatlas").setLevel(loglevel.upper())
@@ -170,12 +170,12 @@ def writer(db: str = DbOpt, broker: str = BrokerOpt,
 def status(run: Optional[str] = typer.Argument(None, help="Run id or name (default: the latest run)."),
            db: str = DbOpt, broker: str = BrokerOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
-    from service.errors import BrokerError
-    from workers.ledger import connect
-    from workers.status import run_status
+    from headatlas.service.errors import BrokerError
+    from headatlas.workers.ledger import connect
+    from headatlas.workers.status import run_status
 
     check_broker_url(broker)
-    from service.storage.queue_store import resolve_run
+    from headatlas.service.storage.queue_store import resolve_run
 
     with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
         resolve_run(conn, run)
@@ -192,11 +192,11 @@ def status(run: Optional[str] = typer.Argument(None, help="Run id or name (defau
 def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOpt, broker: str = BrokerOpt,
           writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer.")) -> None:
     """Queue the failed batches of a run again, with a fresh attempt count."""
-    from service.errors import CorpusError
-    from service.params import AnalysisParams
-    from service.storage.queue_store import progress, run_and_plan
-    from workers.ledger import Ledger, connect
-    from workers.submit import submit as submit_corpus
+    from headatlas.service.errors import CorpusError
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.storage.queue_store import progress, run_and_plan
+    from headatlas.workers.ledger import Ledger, connect
+    from headatlas.workers.submit import submit as submit_corpus
 
     settings = _settings(db=db, broker_url=broker)
     store = _store(db)
@@ -206,7 +206,7 @@ def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOp
     if not failed:
         stdout.print(f"run {found.run_id} ({found.name}): no failed batch to retry")
         return
-    from workers.lease import target_database
+    from headatlas.workers.lease import target_database
 
     client = connect(broker)
     ledger = Ledger(client, target_database(client, db, broker, writer_wait))

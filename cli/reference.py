@@ -39,7 +39,7 @@ def render() -> str:
     import typer.main
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from headatlas.cli.main import app
 
     runner = CliRunner()
     env = {"TERMINAL_WIDTH": WIDTH, "COLUMNS": WIDTH, "NO_COLOR": "1"}

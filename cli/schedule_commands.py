@@ -8,9 +8,9 @@ from typing import Optional
 
 import typer
 
-from cli import options
-from cli.output import Format, render, render_metrics, render_record, sparkline, stdout
-from service.config import Settings
+from headatlas.cli import options
+from headatlas.cli.output import Format, render, render_metrics, render_record, sparkline, stdout
+from headatlas.service.config import Settings
 
 SETTINGS = Settings.from_env()
 DbOpt = options.Db
@@ -27,13 +27,13 @@ def register(app: typer.Typer, query_app: typer.Typer) -> None:
 
 
 def _settings(db: str, broker: str | None = None) -> Settings:
-    from cli.queue_commands import _settings as export
+    from headatlas.cli.queue_commands import _settings as export
 
     return export(db=db, broker_url=broker)
 
 
 def _cadence(cron: Optional[str], every: Optional[str], tz: str):
-    from service.schedules import Cadence, parse_every
+    from headatlas.service.schedules import Cadence, parse_every
 
     return Cadence(cron, parse_every(every) if every is not None else None, tz)
 
@@ -41,7 +41,7 @@ def _cadence(cron: Optional[str], every: Optional[str], tz: str):
 def _corpus(spec: str) -> str:
     """Check the corpus exists and holds a document now (a clear error at `add`, not at the first
     fire) and keep an absolute path, so that beat finds it whatever its working directory."""
-    from service.corpus import iter_documents
+    from headatlas.service.corpus import iter_documents
 
     next(iter(iter_documents(spec)))  # reads up to the first document; an empty corpus raises
     path = Path(spec)
@@ -67,7 +67,7 @@ def _render_one(sched, fmt: Format, **more) -> None:
 
 
 def _check_name(name: str) -> str:
-    from service.errors import ParameterError
+    from headatlas.service.errors import ParameterError
 
     if not name.strip():
         raise ParameterError("schedule name is empty: pass a name, e.g. `headatlas schedule add nightly --corpus …`")
@@ -101,9 +101,9 @@ def schedule_add(
     fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
 ) -> None:
     """Add a schedule: analyse CORPUS with MODEL on a cron expression or an interval."""
-    from service.analysis_options import build_params
-    from service.model_check import check_model_spec
-    from service.storage import schedule_store
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.model_check import check_model_spec
+    from headatlas.service.storage import schedule_store
 
     _check_name(name)
     cadence = _cadence(cron, every, timezone)
@@ -130,10 +130,10 @@ def schedule_edit(
     fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
 ) -> None:
     """Change a schedule; a running beat uses the change at its next tick."""
-    from service.errors import ParameterError
-    from service.model_check import check_model_spec
-    from service.schedules import check_cron, check_timezone, parse_every
-    from service.storage import schedule_store
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.model_check import check_model_spec
+    from headatlas.service.schedules import check_cron, check_timezone, parse_every
+    from headatlas.service.storage import schedule_store
 
     if cron is not None and every is not None:
         raise ParameterError("give one of --cron EXPR or --every INTERVAL, not both")
@@ -152,7 +152,7 @@ def schedule_edit(
 @schedule_app.command("list")
 def schedule_list(db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """List the schedules: cadence, state, last and next fire (UTC)."""
-    from service.storage import schedule_store
+    from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:
         rows = [row for s in schedule_store.all_schedules(conn) for row in _show(s)]
@@ -163,7 +163,7 @@ def schedule_list(db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--f
 def schedule_show(name: str = NameArg, db: str = DbOpt,
                   fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
     """A schedule and its fires, each with its run (id, name, status)."""
-    from service.storage import schedule_store
+    from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, name)
@@ -180,7 +180,7 @@ def schedule_show(name: str = NameArg, db: str = DbOpt,
 @schedule_app.command("pause")
 def schedule_pause(name: str = NameArg, db: str = DbOpt) -> None:
     """Stop firing a schedule (its runs and record stay)."""
-    from service.storage import schedule_store
+    from headatlas.service.storage import schedule_store
 
     schedule_store.set_enabled(db, name, False)
     stdout.print(f"schedule {name} paused")
@@ -189,7 +189,7 @@ def schedule_pause(name: str = NameArg, db: str = DbOpt) -> None:
 @schedule_app.command("resume")
 def schedule_resume(name: str = NameArg, db: str = DbOpt) -> None:
     """Fire a paused schedule again, from its next scheduled time (missed fires are not caught up)."""
-    from service.storage import schedule_store
+    from headatlas.service.storage import schedule_store
 
     sched = schedule_store.set_enabled(db, name, True)
     stdout.print(f"schedule {name} resumed; next fire {sched.next_fire} UTC")
@@ -198,7 +198,7 @@ def schedule_resume(name: str = NameArg, db: str = DbOpt) -> None:
 @schedule_app.command("remove")
 def schedule_remove(name: str = NameArg, db: str = DbOpt) -> None:
     """Delete a schedule and its record of fires; the runs it created stay."""
-    from service.storage import schedule_store
+    from headatlas.service.storage import schedule_store
 
     schedule_store.remove(db, name)
     stdout.print(f"schedule {name} removed (its runs are kept)")
@@ -207,11 +207,11 @@ def schedule_remove(name: str = NameArg, db: str = DbOpt) -> None:
 @schedule_app.command("run-now")
 def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerOpt) -> None:
     """Fire a schedule once now (paused or not), without changing its next fire; prints the run name."""
-    from service.errors import HeadatlasError
-    from service.storage import schedule_store
-    from service.storage.schedule_store import now
-    from workers.beat import fire
-    from workers.ledger import connect
+    from headatlas.service.errors import HeadatlasError
+    from headatlas.service.storage import schedule_store
+    from headatlas.service.storage.schedule_store import now
+    from headatlas.workers.beat import fire
+    from headatlas.workers.ledger import connect
 
     settings = _settings(db, broker)
     connect(settings.broker_url)
@@ -232,7 +232,7 @@ def beat(db: str = DbOpt, broker: str = BrokerOpt,
          tick: float = typer.Option(1.0, "--tick", min=0.1, help="Seconds between two reads of the schedules."),
          loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")) -> None:
     """Fire due schedules: submit their runs to the queue (run one; a second one creates no duplicate run)."""
-    from workers.beat import Beat
+    from headatlas.workers.beat import Beat
 
     settings = _settings(db, broker)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -250,8 +250,8 @@ def query_trend(
     fmt: Format = options.Fmt,
 ) -> None:
     """A metric across a schedule's runs over time, as a table and a sparkline."""
-    from service import queries
-    from service.storage import schedule_store
+    from headatlas.service import queries
+    from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, schedule)

@@ -14,9 +14,9 @@ from typing import Optional
 
 import typer
 
-from cli.options import Sentences as SentencesOpt
-from cli.output import stderr, stdout
-from service.config import Settings
+from headatlas.cli.options import Sentences as SentencesOpt
+from headatlas.cli.output import stderr, stdout
+from headatlas.service.config import Settings
 
 SETTINGS = Settings.from_env()
 
@@ -74,13 +74,13 @@ def inspect(
     pairs outlined) and the attention map side by side, tokens on the axes, sentence boundaries
     dashed. Without --head: a layer × head grid of small matrices (--matrix csm|attention).
     """
-    from service.analysis_options import build_params
-    from service.errors import ParameterError
-    from service.inspection import inspect_text, read_text_file
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.inspection import inspect_text, read_text_file
 
     if (text is None) == (file is None):
         raise ParameterError('inspect: pass the text as an argument ("…" or - for stdin) or --file FILE, not both')
-    from service.plots import output_format
+    from headatlas.service.plots import output_format
 
     output_format(out)  # refuse a bad suffix before loading the model
     if head is not None and layer is None:
@@ -91,14 +91,14 @@ def inspect(
         body = sys.stdin.read() if text == "-" else text
     params = build_params(seq_len=seq_len, sentences=sentences, select=select, vectors=vectors,
                           include_special=include_special)
-    from service.model import load_model
-    from service.model_check import check_loaded, check_model_spec
+    from headatlas.service.model import load_model
+    from headatlas.service.model_check import check_loaded, check_model_spec
 
     check_model_spec(model, seq_len=params.seq_len, device=device)
     loaded = load_model(model, device=device)
     check_loaded(loaded, params.seq_len)
     result = inspect_text(loaded, body, params)
-    from service import matrix_plots, plots
+    from headatlas.service import matrix_plots, plots
 
     if head is not None:
         fig = matrix_plots.figure_head(result, layer, head)
@@ -112,8 +112,8 @@ def inspect(
 
 # --- plot -------------------------------------------------------------------------------------
 def _plot(kind: str, run: Optional[str], db: str, out: Path, dpi: int, **options) -> None:
-    from service import plots
-    from service.storage.store import Store, resolve_run
+    from headatlas.service import plots
+    from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
@@ -131,7 +131,7 @@ def plot_distances(
     dpi: int = DpiOpt,
 ) -> None:
     """Distance distribution of the high-similarity pairs per layer against the chance profile."""
-    from service.errors import ParameterError
+    from headatlas.service.errors import ParameterError
 
     if split not in (None, "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
@@ -159,8 +159,8 @@ def plot_heads(
     dpi: int = DpiOpt,
 ) -> None:
     """Layer × head heatmap of one metric; lifts are centred on 1 (chance)."""
-    from service import queries
-    from service.errors import ParameterError
+    from headatlas.service import queries
+    from headatlas.service.errors import ParameterError
 
     if metric not in queries.SORTABLE:
         raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
@@ -184,8 +184,8 @@ def plot_csm(
     dpi: int = DpiOpt,
 ) -> None:
     """Corpus-averaged context similarity matrices by token position (bins of --csm-bin positions)."""
-    from service import csm_plots, plots
-    from service.storage.store import Store, resolve_run
+    from headatlas.service import csm_plots, plots
+    from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
@@ -202,8 +202,8 @@ def plot_mixing(
     dpi: int = DpiOpt,
 ) -> None:
     """Per layer: mass to self, neighbours, specials and punctuation, one line per mixing method."""
-    from service import mixing_plots, plots
-    from service.storage.store import Store, resolve_run
+    from headatlas.service import mixing_plots, plots
+    from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
@@ -220,8 +220,8 @@ def plot_discrepancy(
     dpi: int = DpiOpt,
 ) -> None:
     """Per-head Jensen–Shannon divergence between attention and a mixing method, and its layer progression."""
-    from service import mixing_plots, plots
-    from service.storage.store import Store, resolve_run
+    from headatlas.service import mixing_plots, plots
+    from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
@@ -232,8 +232,8 @@ def plot_discrepancy(
 @plot_app.command("atlas")
 def plot_atlas(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7)."""
-    from service import atlas_plots, plots
-    from service.storage.store import Store, resolve_run
+    from headatlas.service import atlas_plots, plots
+    from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
@@ -252,9 +252,9 @@ def plot_compare(
     dpi: int = DpiOpt,
 ) -> None:
     """Two runs' layer profiles with 95% intervals, one panel per metric, and a per-head difference heat map."""
-    from service import atlas_plots, compare, plots
-    from service.errors import ParameterError
-    from service.storage.store import Store, resolve_run
+    from headatlas.service import atlas_plots, compare, plots
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
@@ -274,8 +274,8 @@ def report(
     db: str = DbOpt,
 ) -> None:
     """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""
-    from service.report import write_report
-    from service.storage.store import Store, resolve_run
+    from headatlas.service.report import write_report
+    from headatlas.service.storage.store import Store, resolve_run
 
     with Store(db).checked_read() as conn:
         r = resolve_run(conn, run)
@@ -290,7 +290,7 @@ def export(
     db: str = DbOpt,
 ) -> None:
     """Every table of a run as Parquet or CSV files (one per table) plus manifest.json."""
-    from service.export import export_run
+    from headatlas.service.export import export_run
 
     r, tables = export_run(db, run, fmt.value, out)
     for t in tables:
@@ -299,7 +299,7 @@ def export(
 
 
 def _wrote(path: Path, fig, dpi: int) -> None:
-    from service.plots import pixel_size
+    from headatlas.service.plots import pixel_size
 
     if path.suffix.lower() == ".png":
         width, height = pixel_size(fig, dpi)

@@ -11,19 +11,19 @@ import time
 import numpy as np
 import torch
 
-from service.errors import ParameterError
-from service.hooks import capture_attention
-from service.model import LoadedModel, encoder_layers
-from service.params import AnalysisParams
-from service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
-from service.stats import (
+from headatlas.service.errors import ParameterError
+from headatlas.service.hooks import capture_attention
+from headatlas.service.model import LoadedModel, encoder_layers
+from headatlas.service.params import AnalysisParams
+from headatlas.service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
+from headatlas.service.stats import (
     Workspace,
     chance_statistics,
     head_statistics,
     head_vectors,
     window_features,
 )
-from service.windows import Batch, TokenClasses, collate
+from headatlas.service.windows import Batch, TokenClasses, collate
 
 # One set of scratch buffers per device and process, reused by every batch.
 _WORKSPACES: dict[str, Workspace] = {}
@@ -136,7 +136,7 @@ def analyze_batch(
     if params.mixes:
         mixed = len(batch.windows) if mixing_windows is None else max(0, min(mixing_windows, len(batch.windows)))
     if mixed:
-        from service.mixing import mixing_sums
+        from headatlas.service.mixing import mixing_sums
 
         sub_ids, sub_mask = batch.input_ids[:mixed], batch.attention_mask[:mixed]
         with torch.inference_mode():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.params import AnalysisParams, Selection
+from headatlas.service.params import AnalysisParams, Selection
 
 
 def build_params(*, seq_len: int = 128, windowing: str = "chunks", select: str = "top:0.02", gate: float = 4.0,
@@ -20,12 +20,12 @@ def build_params(*, seq_len: int = 128, windowing: str = "chunks", select: str =
 
 def parse_mixing(values) -> tuple[str, ...]:
     """``--mixing`` values, repeated and/or comma-separated, deduplicated in canonical order."""
-    from service.params import MIXING
+    from headatlas.service.params import MIXING
 
     given = [part.strip().lower() for value in values for part in str(value).split(",") if part.strip()]
     unknown = [m for m in given if m not in MIXING]
     if unknown:
-        from service.errors import ParameterError
+        from headatlas.service.errors import ParameterError
 
         raise ParameterError(f"--mixing {unknown[0]!r}: choose from {', '.join(MIXING)} (several allowed)")
     return tuple(m for m in MIXING if m in given)

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from service.errors import ParameterError
-from service.storage.store import Run, Store, resolve_run
+from headatlas.service.errors import ParameterError
+from headatlas.service.storage.store import Run, Store, resolve_run
 
 
 def table(columns: list[str], rows: list[tuple]) -> pa.Table:
@@ -31,7 +31,7 @@ def table(columns: list[str], rows: list[tuple]) -> pa.Table:
 
 def connect(db: str | Path | None = None) -> "Atlas":
     """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``)."""
-    from service.config import Settings
+    from headatlas.service.config import Settings
 
     path = Path(db if db is not None else Settings.from_env().db)
     if not path.exists():
@@ -57,7 +57,7 @@ class Atlas:
 
     def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> pa.Table:
         """Read-only SQL, the same sandbox as ``headatlas sql``."""
-        from service.storage.readonly import run_readonly_sql
+        from headatlas.service.storage.readonly import run_readonly_sql
 
         result = run_readonly_sql(self.store.path, statement, max_rows=max_rows, timeout_s=timeout_s)
         return table(result.columns, result.rows)
@@ -86,36 +86,36 @@ class RunView:
     def heads(self, *, layer: int | None = None, sort: str | None = None, top: int | None = None,
               ci: bool = False) -> pa.Table:
         """Per head: every metric of ``headatlas query heads`` (with ``_lo``/``_hi`` when ``ci``)."""
-        from service import queries
+        from headatlas.service import queries
 
         self._check(layer)
         return self._query(queries.heads, layer=layer, sort=sort, top=top, ci=ci)
 
     def layers(self, *, ci: bool = False) -> pa.Table:
-        from service import queries
+        from headatlas.service import queries
 
         return self._query(queries.layers, ci=ci)
 
     def boundaries(self, *, ci: bool = False) -> pa.Table:
-        from service import queries
+        from headatlas.service import queries
 
         return self._query(queries.boundaries, ci=ci)
 
     def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> pa.Table:
         """Distance profile of a head (or a layer's heads pooled) against chance."""
-        from service import queries
+        from headatlas.service import queries
 
         self._check(layer, head)
         return self._query(queries.distances, layer=layer, head=head, split=split, ci=ci)
 
     def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> pa.Table:
-        from service import queries
+        from headatlas.service import queries
 
         self._check(layer)
         return self._query(queries.mixing, layer=layer, methods=methods)
 
     def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> pa.Table:
-        from service import queries
+        from headatlas.service import queries
 
         return self._query(queries.discrepancy, method=method, top=top)
 
@@ -133,10 +133,10 @@ def analyze(corpus: str | Path, *, db: str | Path | None = None, model: str = "d
     the stored run. ``options``: the analysis options by their Python names (``seq_len``,
     ``select``, ``gate``, ``sentences``, ``dtype``, …; see docs/SPEC.md). Resumes an unfinished
     run with the same corpus, model and options."""
-    from service.analysis_options import build_params
-    from service.config import Settings
-    from service.model import load_model
-    from service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.config import Settings
+    from headatlas.service.model import load_model
+    from headatlas.service.runner import analyze_corpus, survey_corpus
 
     import inspect
 

@@ -13,9 +13,9 @@ import numpy as np
 from matplotlib import colors
 from matplotlib.patches import Patch
 
-from service import compare, roles
-from service.errors import ParameterError
-from service.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
+from headatlas.service import compare, roles
+from headatlas.service.errors import ParameterError
+from headatlas.service.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
 
 ROLE_COLOURS = {
     "previous-token": "#1f77b4", "next-token": "#17becf", "repetition": "#d62728", "sentence-bound": "#2ca02c",

@@ -26,8 +26,8 @@ from typing import Iterator
 
 import torch
 
-from service.hooks import act_name, capture_attention
-from service.model import LoadedModel, encoder_layers
+from headatlas.service.hooks import act_name, capture_attention
+from headatlas.service.model import LoadedModel, encoder_layers
 
 DEFAULT_CHUNK = 2048  # gradient rows (windows × outputs) per batched backward call
 

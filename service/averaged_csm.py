@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from service.results import CSM_KINDS  # noqa: F401 - defined numpy-only, re-exported
+from headatlas.service.results import CSM_KINDS  # noqa: F401 - defined numpy-only, re-exported
 
 
 def binned_pair_sums(z: torch.Tensor, members: torch.Tensor, *, bin_size: int,

@@ -25,9 +25,9 @@ from typing import Sequence
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service import queries
-from service.errors import ParameterError
-from service.intervals import add_intervals, jackknife_halfwidth
+from headatlas.service import queries
+from headatlas.service.errors import ParameterError
+from headatlas.service.intervals import add_intervals, jackknife_halfwidth
 
 # the lifts and shares that carry the findings (each lift against its named chance)
 DEFAULT_METRICS = (
@@ -190,7 +190,7 @@ def parameter_differences(run_a, run_b) -> list[str]:
 
 def control_of(conn: Connection, run) -> object | None:
     """The random-weights control run of ``run`` (analysed with ``--control``), or None."""
-    from service.storage.store import resolve_run
+    from headatlas.service.storage.store import resolve_run
 
     row = conn.execute(text(
         "SELECT run_id FROM runs WHERE json_extract_string(params, '$.control_of') = :key ORDER BY run_id DESC LIMIT 1"

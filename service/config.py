@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from service.errors import ParameterError
+from headatlas.service.errors import ParameterError
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from service.errors import CorpusError
+from headatlas.service.errors import CorpusError
 
 STDIN_SPEC = "-"
 STDIN_SOURCE = "<stdin>"

@@ -13,11 +13,11 @@ import matplotlib
 import numpy as np
 from matplotlib import colors
 
-from service import queries
-from service.errors import ParameterError
-from service.params import CSM_BIN
-from service.plots import _title, new_figure
-from service.results import CSM_KINDS
+from headatlas.service import queries
+from headatlas.service.errors import ParameterError
+from headatlas.service.params import CSM_BIN
+from headatlas.service.plots import _title, new_figure
+from headatlas.service.results import CSM_KINDS
 
 HEAD_FIGSIZE = (16.0, 5.5)
 PANELS = (

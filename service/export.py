@@ -17,8 +17,8 @@ from pathlib import Path
 
 import duckdb
 
-from service.errors import ParameterError, StoreError
-from service.storage.readonly import retry_on_lock
+from headatlas.service.errors import ParameterError, StoreError
+from headatlas.service.storage.readonly import retry_on_lock
 
 FORMATS = ("parquet", "csv")
 # table → rows of run :run (a validated integer, inlined: COPY takes no parameters)
@@ -61,13 +61,13 @@ def export_run(db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir
     """Write every table of the run to ``out_dir/<table>.<fmt>`` and a manifest.
 
     Returns (run, exported tables). The database is only read."""
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     if fmt not in FORMATS:
         raise ParameterError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     store = Store(db_path)
     with store.checked_read() as conn:  # checks the schema and resolves the run
-        from service.storage.store import resolve_run
+        from headatlas.service.storage.store import resolve_run
 
         run = resolve_run(conn, run_ref)
     out = Path(out_dir)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from service.model import encoder_layers
+from headatlas.service.model import encoder_layers
 
 KINDS = ("z", "pattern")
 

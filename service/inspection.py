@@ -16,14 +16,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from service.analysis import batch_sentences, forward
-from service.corpus import Document, document_id
-from service.errors import CorpusError
-from service.hooks import act_name
-from service.model import LoadedModel, encoder_layers
-from service.params import AnalysisParams
-from service.stats import head_vectors, select_pairs, window_features
-from service.windows import TokenClasses, collate, document_windows
+from headatlas.service.analysis import batch_sentences, forward
+from headatlas.service.corpus import Document, document_id
+from headatlas.service.errors import CorpusError
+from headatlas.service.hooks import act_name
+from headatlas.service.model import LoadedModel, encoder_layers
+from headatlas.service.params import AnalysisParams
+from headatlas.service.stats import head_vectors, select_pairs, window_features
+from headatlas.service.windows import TokenClasses, collate, document_windows
 
 
 @dataclass
@@ -116,6 +116,6 @@ def _high_set(sim: torch.Tensor, feats, params: AnalysisParams) -> torch.Tensor:
 
 def read_text_file(path: str, *, text_field: str = "text", encoding: str = "utf-8") -> str:
     """The first document of a corpus file (.txt, .jsonl, .csv), as ``analyze`` would read it."""
-    from service.corpus import iter_documents
+    from headatlas.service.corpus import iter_documents
 
     return next(iter(iter_documents(path, text_field=text_field, encoding=encoding))).text

@@ -13,9 +13,9 @@ import numpy as np
 from matplotlib import colors
 from matplotlib.figure import Figure
 
-from service.errors import ParameterError
-from service.inspection import Inspection
-from service.plots import new_figure
+from headatlas.service.errors import ParameterError
+from headatlas.service.inspection import Inspection
+from headatlas.service.plots import new_figure
 
 MIN_TOKEN_PX = 9  # pixel pitch per token on the single-head figure (tests check it)
 TOKEN_IN = 0.1  # inches per token: 10 px at 100 dpi

@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from service.model import LoadedModel, encoder_layers
-from service.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
-from service.stats import WindowFeatures, attention_sums
+from headatlas.service.model import LoadedModel, encoder_layers
+from headatlas.service.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
+from headatlas.service.stats import WindowFeatures, attention_sums
 
 
 # --- the measures ------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ class TraceContext:
 
     def __init__(self, model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                  chunk_size: int) -> None:
-        from service.attribution import trace
+        from headatlas.service.attribution import trace
 
         self.model, self.input_ids, self.attention_mask, self.chunk_size = model, input_ids, attention_mask, chunk_size
         self.valid = attention_mask.to(model.device).bool()
@@ -182,7 +182,7 @@ class Attribution(MixingMethod):
     needs_grad = True
 
     def rows(self, ctx):
-        from service.attribution import attribution as attribute
+        from headatlas.service.attribution import attribution as attribute
 
         per_head, per_layer = attribute(ctx.model, ctx.input_ids, ctx.attention_mask, chunk_size=ctx.chunk_size)
         return list(per_head.unbind(1)), list(per_layer.unbind(1))

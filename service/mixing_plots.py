@@ -11,9 +11,9 @@ from __future__ import annotations
 import matplotlib
 import numpy as np
 
-from service import queries
-from service.errors import ParameterError
-from service.plots import _col, _title, new_figure
+from headatlas.service import queries
+from headatlas.service.errors import ParameterError
+from headatlas.service.plots import _col, _title, new_figure
 
 MIXING_FIGSIZE = (15.0, 4.5)
 DISCREPANCY_FIGSIZE = (14.0, 5.5)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from service.errors import ModelError
+from headatlas.service.errors import ModelError
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"

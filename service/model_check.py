@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.errors import ModelError
+from headatlas.service.errors import ModelError
 
 # Any one of these makes a tokenizer (fast tokenizer, WordPiece, BPE, SentencePiece).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "spm.model")
@@ -58,7 +58,7 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
     "total" (a worker elsewhere loads it: the model must at least fit in this machine's memory).
     Returns the shape read from the configuration, or None for a hub name (checked after loading).
     """
-    from service.model import DEFAULT_MODEL, looks_like_path, default_model_dir, parse_random_shape
+    from headatlas.service.model import DEFAULT_MODEL, looks_like_path, default_model_dir, parse_random_shape
 
     if spec.startswith("random:"):
         layers, _heads, hidden = parse_random_shape(spec)

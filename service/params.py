@@ -11,8 +11,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from service.errors import ParameterError
-from service.results import FORWARD_MIXING
+from headatlas.service.errors import ParameterError
+from headatlas.service.results import FORWARD_MIXING
 
 WINDOWING = ("chunks", "first")
 SENTENCES = ("segmenter", "punct")

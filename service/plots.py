@@ -23,8 +23,8 @@ from matplotlib import colors
 from matplotlib.figure import Figure
 from sqlalchemy.engine import Connection
 
-from service import queries
-from service.errors import ParameterError
+from headatlas.service import queries
+from headatlas.service.errors import ParameterError
 
 DPI = 100
 FORMATS = {".png": "png", ".svg": "svg"}

@@ -13,7 +13,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from service import queries
+from headatlas.service import queries
 
 HEAD_METRICS = ("within_sentence_lift_dm", "repetition_words_lift_dm", "mean_distance", "noise_share",
                 "attn_to_punct_lift", "anchor_frequency_share")
@@ -92,7 +92,7 @@ def _table(columns, rows, *, text_columns=()) -> str:
 
 def build_report(conn, run) -> str:
     """The report page of ``run`` (a store ``Run``) as an HTML string."""
-    from service import plots
+    from headatlas.service import plots
 
     summary = queries.run_summary(conn, run.run_id)
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
@@ -176,7 +176,7 @@ lists the {N_ANCHORS} most frequent anchors with the share of windows they ancho
 
 def _atlas_section(conn, run) -> str:
     """The head atlas (SPEC §7): the role grid, heads per role, and each role's evidence."""
-    from service import atlas_plots, plots, roles
+    from headatlas.service import atlas_plots, plots, roles
 
     columns, rows = roles.roles(conn, run.run_id)
     fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads,
@@ -199,7 +199,7 @@ and whether the interval's lower bound or (runs without replicate groups) the va
 
 def _floor_section(conn, run) -> str:
     """Against the run's random-weights control, when it was analysed with --control."""
-    from service import atlas_plots, compare, plots
+    from headatlas.service import atlas_plots, compare, plots
 
     control = compare.control_of(conn, run)
     if control is None:
@@ -231,7 +231,7 @@ def mixing_methods(conn, run) -> list[str]:
 def _mixing_section(conn, run) -> str:
     """Mixing measures (SPEC §6), only for runs that hold them: where each layer's outputs draw
     from per method, and how far each method is from the heads' attention."""
-    from service import mixing_plots, plots
+    from headatlas.service import mixing_plots, plots
 
     methods = mixing_methods(conn, run)
     others = [m for m in methods if m != "attention"]
@@ -280,7 +280,7 @@ def split_anchors(text: str | None) -> list[str]:
 
 def write_report(conn, run, out: str | Path) -> Path:
     """Write the report to ``out``; a folder gets ``report.html`` in it (as ``cp FILE DIR`` does)."""
-    from service.errors import ParameterError
+    from headatlas.service.errors import ParameterError
 
     path = Path(out)
     if path.is_dir():

@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service import queries
+from headatlas.service import queries
 
 NONE = "none established"
 

@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from service.analysis import BatchResult, OomSplitter
-from service.corpus import Document, corpus_fingerprint, iter_documents
-from service.errors import CorpusError
-from service.model import LoadedModel
-from service.params import AnalysisParams
-from service.prefetch import BackgroundSink, Prefetcher
-from service.storage.store import Run, Store
-from service.windows import Batch, TokenClasses, collate, iter_document_windows
+from headatlas.service.analysis import BatchResult, OomSplitter
+from headatlas.service.corpus import Document, corpus_fingerprint, iter_documents
+from headatlas.service.errors import CorpusError
+from headatlas.service.model import LoadedModel
+from headatlas.service.params import AnalysisParams
+from headatlas.service.prefetch import BackgroundSink, Prefetcher
+from headatlas.service.storage.store import Run, Store
+from headatlas.service.windows import Batch, TokenClasses, collate, iter_document_windows
 
 ProgressFn = Callable[[int, int], None]  # (windows just analysed, corpus characters consumed)
 

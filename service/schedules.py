@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from service.errors import ParameterError
+from headatlas.service.errors import ParameterError
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_EVERY_S = 366 * 86400  # longer periods are a cron expression's job ("0 3 1 1 *": yearly)

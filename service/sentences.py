@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
-from service.errors import ParameterError
+from headatlas.service.errors import ParameterError
 
 def sentence_starts(text: str) -> list[int]:
     """Character offset (Python ``str`` index) where each sentence of ``text`` starts, ascending.

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
-from service.errors import ParameterError
-from service.params import AnalysisParams
-from service.sentences import encode_with_sentences, sentence_starts, window_sentence_ids
+from headatlas.service.errors import ParameterError
+from headatlas.service.params import AnalysisParams
+from headatlas.service.sentences import encode_with_sentences, sentence_starts, window_sentence_ids
 
 if TYPE_CHECKING:
-    from service.corpus import Document
+    from headatlas.service.corpus import Document
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ def corpus_of(demo_corpus: Path, folder: Path, docs: slice, name: str) -> Path:
 
 def analyse(corpus: Path, db: Path, model, *, select: str = "top:0.02", name: str | None = None):
     """Analyse ``corpus`` into ``db`` in this process (the embedded engine); returns the Run."""
-    from service.analysis_options import build_params
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
 
     return analyze_corpus(str(corpus), store=Store(db), model=model, params=build_params(select=select),
                           corpus=survey_corpus(str(corpus)), name=name, batch_size=8)

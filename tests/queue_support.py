@@ -163,7 +163,7 @@ class Cluster:
         return result.stdout.strip().splitlines()[-1]
 
     def wait_status(self, run: str, statuses=("done", "failed"), timeout: float = 120.0) -> str:
-        from service.storage.store import Store
+        from headatlas.service.storage.store import Store
 
         deadline = time.monotonic() + timeout
         while True:
@@ -182,7 +182,7 @@ class Cluster:
         submitter waited)."""
         if sub.run_id is not None:
             return sub.run_id
-        from workers.ledger import key
+        from headatlas.workers.ledger import key
 
         deadline = time.monotonic() + timeout
         while not (raw := self.redis.hget(key("run", sub.run_key, sub.database_id), "run_id")):
@@ -269,7 +269,7 @@ def stored(db: str, run_id: int) -> dict[str, list[tuple]]:
     """Every statistics table of a run, summed over batches, as sorted rows."""
     from sqlalchemy import text
 
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     out = {}
     with transaction(db, read_only=True) as conn:
@@ -291,7 +291,7 @@ def assert_new_columns_present(db: str, run_id: int) -> None:
     sums are not all zero: equal NULLs or zeros in two engines would prove nothing."""
     from sqlalchemy import text
 
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     with transaction(db, read_only=True) as conn:
         for table, columns in NEW_COLUMNS.items():
@@ -326,7 +326,7 @@ def assert_counted_once(db: str, run_id: int) -> None:
     per-head rows and chance row together)."""
     from sqlalchemy import text
 
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     with transaction(db, read_only=True) as conn:
         q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def analysed(tmp_path_factory, demo_corpus):
-    from service import api
+    from headatlas.service import api
 
     folder = tmp_path_factory.mktemp("api")
     corpus = folder / "two.txt"
@@ -37,7 +37,7 @@ def _rows(table: pa.Table) -> list[dict]:
 
 
 def test_analyze_then_connect_gives_the_run(analysed):
-    from service import api
+    from headatlas.service import api
 
     db, run = analysed
     assert run.run.status == "done" and run.name == "nb"
@@ -47,7 +47,7 @@ def test_analyze_then_connect_gives_the_run(analysed):
 
 
 def test_heads_equal_the_cli_json(analysed, cli):
-    from service import api
+    from headatlas.service import api
 
     db, run = analysed
     heads = api.connect(db).run("nb").heads(ci=True)
@@ -60,7 +60,7 @@ def test_heads_equal_the_cli_json(analysed, cli):
 
 
 def test_layers_distances_and_sql(analysed, cli):
-    from service import api
+    from headatlas.service import api
 
     db, _ = analysed
     view = api.connect(db).run("nb")
@@ -73,8 +73,8 @@ def test_layers_distances_and_sql(analysed, cli):
 
 
 def test_bad_calls_say_what_to_do(analysed, tmp_path):
-    from service import api
-    from service.errors import ParameterError
+    from headatlas.service import api
+    from headatlas.service.errors import ParameterError
 
     db, _ = analysed
     with pytest.raises(ParameterError, match="layers 0..1"):

@@ -8,10 +8,10 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from service.params import AnalysisParams, Selection
-from service.results import CSM_KINDS, BatchResult
-from service.stats import head_statistics, window_features
-from service.windows import TokenClasses
+from headatlas.service.params import AnalysisParams, Selection
+from headatlas.service.results import CSM_KINDS, BatchResult
+from headatlas.service.stats import head_statistics, window_features
+from headatlas.service.windows import TokenClasses
 
 CLS, SEP, PAD, DOT, A, B = 101, 102, 0, 1012, 1037, 1038
 TOKENS = TokenClasses(cls_id=CLS, sep_id=SEP, pad_id=PAD, special_ids=frozenset({CLS, SEP, PAD}),
@@ -78,7 +78,7 @@ def test_windows_add_up_and_full_resolution_is_the_matrix_itself():
 
 
 def test_csm_bin_is_in_the_run_key_only_when_not_the_default():
-    from service.errors import ParameterError
+    from headatlas.service.errors import ParameterError
 
     default = AnalysisParams(sentences="punct")
     assert "csm_bin" not in default.to_dict()
@@ -98,9 +98,9 @@ ONE_WINDOW = "The cat sat on the mat. The dog sat on the log, and the cat saw th
 
 
 def _analyse(corpus, db, model, **options):
-    from service.analysis_options import build_params
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
 
     return analyze_corpus(str(corpus), store=Store(db), model=model, params=build_params(**options),
                           corpus=survey_corpus(str(corpus)), batch_size=4)
@@ -116,11 +116,11 @@ def _grid(columns, rows, *, head: int, kind: str, value: str, n_bins: int) -> np
 
 
 def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, small_corpus):
-    from service import queries
-    from service.analysis import analyze_batch
-    from service.analysis_options import build_params
-    from service.runner import iter_batches
-    from service.storage.store import Store
+    from headatlas.service import queries
+    from headatlas.service.analysis import analyze_batch
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.runner import iter_batches
+    from headatlas.service.storage.store import Store
 
     params = build_params()
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
@@ -170,10 +170,10 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
 
 
 def test_stored_mean_of_one_window_is_the_inspected_matrix_binned_by_hand(tmp_path, tiny_model):
-    from service import queries
-    from service.analysis_options import build_params
-    from service.inspection import inspect_text
-    from service.storage.store import Store
+    from headatlas.service import queries
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.inspection import inspect_text
+    from headatlas.service.storage.store import Store
 
     corpus = tmp_path / "one.txt"
     corpus.write_text(ONE_WINDOW + "\n", encoding="utf-8")
@@ -205,9 +205,9 @@ def test_stored_mean_of_one_window_is_the_inspected_matrix_binned_by_hand(tmp_pa
 
 
 def test_a_run_without_matrices_says_how_to_get_them(tmp_path, tiny_model):
-    from service import queries
-    from service.errors import ParameterError
-    from service.storage.store import Store
+    from headatlas.service import queries
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.storage.store import Store
 
     corpus = tmp_path / "one.txt"
     corpus.write_text(ONE_WINDOW + "\n", encoding="utf-8")
@@ -223,9 +223,9 @@ def test_a_run_without_matrices_says_how_to_get_them(tmp_path, tiny_model):
 def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
     """A payload made before the matrices and the per-distance sentence counts (a worker of the
     previous version): the run's matrices and within-sentence-by-distance are refused, not partial."""
-    from service import queries
-    from service.errors import ParameterError
-    from service.storage.store import Store
+    from headatlas.service import queries
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.storage.store import Store
     from tests.test_baselines import W1, W3, Z1, Z3, build_result, ids_in_distinct_groups, new_run, uniform_attn
 
     store = Store(tmp_path / "mixed.duckdb")

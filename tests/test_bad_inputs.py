@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from headatlas.cli.main import app
 
 # A Redis URL where nothing listens: commands that would queue fail before reaching it.
 NO_BROKER = "redis://127.0.0.1:1/0"
@@ -38,7 +38,7 @@ def digest(path: Path) -> str | None:
 def base(tmp_path_factory):
     """A real headatlas database (one run, one schedule, both with markup-like names), a corpus,
     and model folders made from the default model's files."""
-    from service.model import default_model_dir
+    from headatlas.service.model import default_model_dir
 
     root = tmp_path_factory.mktemp("bad-inputs")
     corpus = root / "small.txt"

@@ -15,12 +15,12 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from service.intervals import Z95, jackknife_halfwidth
-from service.params import Selection
-from service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, REPLICATES, BatchResult, replicate_group
-from service.stats import chance_statistics, head_statistics, window_features
-from service.storage.store import Store
-from service.windows import TokenClasses, is_word_token
+from headatlas.service.intervals import Z95, jackknife_halfwidth
+from headatlas.service.params import Selection
+from headatlas.service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, REPLICATES, BatchResult, replicate_group
+from headatlas.service.stats import chance_statistics, head_statistics, window_features
+from headatlas.service.storage.store import Store
+from headatlas.service.windows import TokenClasses, is_word_token
 
 CLS, SEP, PAD, DOT, COMMA, A, B, C, D = 101, 102, 0, 1012, 1010, 1037, 1038, 1039, 1040
 TEXT = {CLS: "[CLS]", SEP: "[SEP]", PAD: "[PAD]", DOT: ".", COMMA: ",", A: "a", B: "##b", C: "c", D: "7"}
@@ -426,7 +426,7 @@ def test_views_on_a_two_window_run(store):
 
 
 def test_jackknife_of_two_groups_by_hand(store):
-    from service import queries
+    from headatlas.service import queries
 
     run, wids = two_window_run(store)
     g1, g4 = replicate_group(wids[0]), replicate_group(wids[1])
@@ -563,7 +563,7 @@ def pooled_layer(s: dict, heads: int) -> dict:
 
 
 def test_jackknife_interval_equals_a_direct_computation(store):
-    from service import queries
+    from headatlas.service import queries
 
     rng = np.random.default_rng(7)
     n_windows, heads = 60, 2
@@ -692,7 +692,7 @@ OLD_PAIRS = [(0, 1, 30), (0, 2, 40), (0, 3, 20), (0, 4, 10), (1, 1, 20), (1, 2, 
 def database_at_0005(path) -> None:
     from alembic import command
 
-    from service.storage import db
+    from headatlas.service.storage import db
 
     engine = db.make_engine(path)
     try:
@@ -707,7 +707,7 @@ def database_at_0005(path) -> None:
 
 def insert_old_run(path) -> int:
     """A finished run as headatlas stored it before 0006: 1 layer, 2 heads, 2 batches, 3 windows."""
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     with transaction(path) as conn:
         run = conn.execute(text(
@@ -741,7 +741,7 @@ def insert_old_run(path) -> int:
 
 
 def view_rows(path, view: str, run: int, order: str) -> list[dict]:
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     with transaction(path, read_only=True) as conn:
         return [dict(r) for r in conn.execute(text(f"SELECT * FROM {view} WHERE run_id = :r ORDER BY {order}"),
@@ -766,7 +766,7 @@ def old_database(tmp_path):
     database_at_0005(path)
     run = insert_old_run(path)
     before = {view: view_rows(path, view, run, order) for view, order in OLD_VIEWS.items()}
-    from service.storage import db
+    from headatlas.service.storage import db
 
     assert db.upgrade(path) == ("0005_database_identity", db.head_revision())
     return path, run, before
@@ -796,8 +796,8 @@ def test_old_run_keeps_its_numbers_and_shows_new_columns_as_unavailable(old_data
     # no replicate groups: only the whole-run row, and no interval (None, not a number)
     reps = view_rows(path, "head_metrics_reps", run, "layer, head, drop_rep")
     assert {r["drop_rep"] for r in reps} == {-1}
-    from service import queries
-    from service.storage.db import transaction
+    from headatlas.service import queries
+    from headatlas.service.storage.db import transaction
 
     with transaction(path, read_only=True) as conn:
         cols, rows = queries.heads(conn, run, ci=True)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT
-from service.config import Settings
+from headatlas.service.config import Settings
 
 COMPOSE = ROOT / "docker-compose.yml"
 

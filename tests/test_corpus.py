@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.corpus import (
+from headatlas.service.corpus import (
     Document,
     corpus_files,
     corpus_fingerprint,
@@ -20,7 +20,7 @@ from service.corpus import (
     iter_documents,
     spool_stdin,
 )
-from service.errors import CorpusError
+from headatlas.service.errors import CorpusError
 
 
 def write(path: Path, content: str | bytes) -> Path:
@@ -318,7 +318,7 @@ def test_demo_corpus_loads():
 
 def test_module_stays_pure():
     code = (
-        "import sys, service.corpus; "
+        "import sys, headatlas.service.corpus; "
         "bad = {'torch', 'celery', 'typer', 'sqlalchemy'} & {m.split('.')[0] for m in sys.modules}; "
         "sys.exit(sorted(bad) or 0)"
     )

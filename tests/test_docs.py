@@ -11,9 +11,9 @@ from pathlib import Path
 
 import typer.main
 
-from cli.main import app
-from cli.reference import command_paths
-from service.config import Settings
+from headatlas.cli.main import app
+from headatlas.cli.reference import command_paths
+from headatlas.service.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -31,7 +31,7 @@ def test_every_command_has_help_and_a_reference_entry():
 
 def test_cli_reference_is_current():
     env = {k: v for k, v in os.environ.items() if not k.startswith("HEADATLAS_")}
-    done = subprocess.run([sys.executable, "-m", "cli.reference", "--check"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "headatlas.cli.reference", "--check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 

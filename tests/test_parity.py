@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.analysis import forward
-from service.hooks import act_name, capture_attention
-from service.params import AnalysisParams
-from service.windows import TokenClasses, collate, document_windows
-from service.corpus import iter_documents
+from headatlas.service.analysis import forward
+from headatlas.service.hooks import act_name, capture_attention
+from headatlas.service.params import AnalysisParams
+from headatlas.service.windows import TokenClasses, collate, document_windows
+from headatlas.service.corpus import iter_documents
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import redis
 from queue_support import (
     Cluster, RedisServer, any_redis, assert_counted_once, assert_whole_batches, make_corpus, running_cluster, tmpdir,
 )
-from service.config import Settings
-from service.params import AnalysisParams
-from workers.ledger import key
+from headatlas.service.config import Settings
+from headatlas.service.params import AnalysisParams
+from headatlas.workers.ledger import key
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def shared():
 
 
 def _submit(cluster, corpus):
-    from workers.submit import submit
+    from headatlas.workers.submit import submit
 
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
     return submit(str(corpus), settings=settings, model=MODEL, dtype="float32", params=PARAMS, batch_size=4)
@@ -60,7 +60,7 @@ def test_worker_killed_mid_batch(shared, demo_corpus, tmp_path):
 
 
 def test_writer_killed_mid_ingest(shared, demo_corpus, tmp_path):
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="writerkill")
     sub = _submit(shared, corpus)

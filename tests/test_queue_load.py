@@ -10,9 +10,9 @@ import pytest
 
 from conftest import run_cli
 from queue_support import Cluster, any_redis, assert_counted_once, make_corpus, tmpdir
-from service.config import Settings
-from service.params import AnalysisParams
-from workers.ledger import key
+from headatlas.service.config import Settings
+from headatlas.service.params import AnalysisParams
+from headatlas.workers.ledger import key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
-    from workers.submit import submit
+    from headatlas.workers.submit import submit
 
     folder = tmpdir("headatlas-load-")
     server = any_redis(folder / "redis")

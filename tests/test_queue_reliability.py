@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_cli
 from queue_support import assert_counted_once, make_corpus, running_cluster
-from service.config import Settings
+from headatlas.service.config import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def cluster():
 
 
 def _run(db: str, ref: str):
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     return Store(db).get_run(ref)
 
@@ -66,9 +66,9 @@ def test_a_second_writer_on_the_broker_refuses_naming_the_first_ones_database(cl
 
 
 def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, tmp_path):
-    from service.params import AnalysisParams
-    from workers.ledger import key
-    from workers.submit import submit
+    from headatlas.service.params import AnalysisParams
+    from headatlas.workers.ledger import key
+    from headatlas.workers.submit import submit
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostworker")
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)

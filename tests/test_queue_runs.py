@@ -11,8 +11,8 @@ import redis
 from queue_support import (
     assert_counted_once, assert_new_columns_present, assert_same_statistics, make_corpus, running_cluster, stored,
 )
-from service.config import Settings
-from service.params import AnalysisParams
+from headatlas.service.config import Settings
+from headatlas.service.params import AnalysisParams
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +26,14 @@ def cluster():
 
 
 def _run_id(cluster, ref: str) -> int:
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     return Store(cluster.db).get_run(ref).run_id
 
 
 def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, demo_corpus, tmp_path):
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=3, tag="equal")
     ref = cluster.submit(corpus, *ARGS, "--wait")
@@ -67,9 +67,9 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
 def test_queued_attribution_and_mixing_equal_the_embedded_ones(cluster, tiny_model, demo_corpus, tmp_path):
     """--attribution / --mixing through `submit`: the first N windows of the run, spread over
     batches, give the same attribution and mixing sums as the embedded engine."""
-    from service.analysis_options import build_params
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="mixing")
     ref = cluster.submit(corpus, *ARGS, "--attribution", "--mixing", "rollout,norm", "--mixing", "alti",
@@ -90,8 +90,8 @@ def test_queued_attribution_and_mixing_equal_the_embedded_ones(cluster, tiny_mod
 
 
 def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpus, tmp_path):
-    from workers.app import make_app
-    from workers.submit import batch_payloads, submit
+    from headatlas.workers.app import make_app
+    from headatlas.workers.submit import batch_payloads, submit
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="twice")
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
@@ -121,8 +121,8 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
 
 
 def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_model, demo_corpus, tmp_path, cli):
-    from workers.app import make_app
-    from workers.submit import submit
+    from headatlas.workers.app import make_app
+    from headatlas.workers.submit import submit
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag="poison")
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)

@@ -11,8 +11,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from service.errors import StoreError
-from service.storage.readonly import (
+from headatlas.service.errors import StoreError
+from headatlas.service.storage.readonly import (
     QueryResult,
     check_select_only,
     connect_readonly,

@@ -24,10 +24,10 @@ def stored(tmp_path_factory, real_model, demo_corpus):
     corpus = corpus_of(demo_corpus, folder, slice(0, 2), "small")
     run = analyse(corpus, db, real_model, name="small")
     # its random-weights control: the report measures the run against it
-    from service.analysis_options import build_params
-    from service.model import control_model
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.model import control_model
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
 
     analyze_corpus(str(corpus), store=Store(db), model=control_model(real_model), params=build_params(),
                    corpus=survey_corpus(str(corpus)), batch_size=8, control_of=run)
@@ -61,7 +61,7 @@ class Elements(HTMLParser):
 
 
 def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
-    from service import report
+    from headatlas.service import report
 
     db, run = stored
     parsed = Elements()
@@ -96,7 +96,7 @@ def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
 
 
 def test_anchor_lists_split_even_when_the_token_is_a_comma():
-    from service.report import split_anchors
+    from headatlas.service.report import split_anchors
 
     assert split_anchors("the 30%, , 12%, . 5%") == ["the 30%", ", 12%", ". 5%"]
     assert split_anchors("and 100%") == ["and 100%"]

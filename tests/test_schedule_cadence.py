@@ -7,8 +7,8 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from service.errors import ParameterError
-from service.schedules import Cadence, check_cron, due_fire, format_every, parse_every
+from headatlas.service.errors import ParameterError
+from headatlas.service.schedules import Cadence, check_cron, due_fire, format_every, parse_every
 
 
 @pytest.mark.parametrize("text, seconds", [("45s", 45), ("30m", 1800), ("6h", 21600), ("1d", 86400), (" 2 h ", 7200)])
@@ -74,8 +74,8 @@ def test_missed_fires_run_once_at_the_latest_missed_time():
 
 
 def test_a_fire_is_claimed_once(tmp_path):
-    from service.storage import schedule_store
-    from service.storage.store import Store, now
+    from headatlas.service.storage import schedule_store
+    from headatlas.service.storage.store import Store, now
 
     db = str(tmp_path / "s.duckdb")
     corpus = tmp_path / "c.txt"
@@ -106,9 +106,9 @@ def test_a_fire_is_claimed_once(tmp_path):
 def test_schedule_add_keeps_every_analysis_option(tmp_path, cli):
     """The options a schedule takes are `analyze`'s, attribution and mixing included, and they
     reach the stored parameters that beat submits with."""
-    from service.params import AnalysisParams
-    from service.storage import schedule_store
-    from service.storage.db import transaction, upgrade
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.storage import schedule_store
+    from headatlas.service.storage.db import transaction, upgrade
 
     db = tmp_path / "s.duckdb"
     upgrade(str(db))

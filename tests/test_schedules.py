@@ -23,7 +23,7 @@ ANALYSIS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    from service.storage.db import upgrade
+    from headatlas.service.storage.db import upgrade
 
     # the schema first, so that every process finds it current
     with running_cluster("headatlas-schedule-", prepare=lambda c: upgrade(c.db)) as c:
@@ -39,7 +39,7 @@ def _cli(cluster, *args) -> str:
 
 
 def _read(cluster, sql: str, **params) -> list[tuple]:
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     with Store(cluster.db).read() as conn:
         return [tuple(r) for r in conn.execute(text(sql), params)]
@@ -84,9 +84,9 @@ def _parts(folder, demo_corpus, n: int) -> list:
 
 
 def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(cluster, demo_corpus, tmp_path):
-    from service import queries
-    from service.corpus import iter_documents
-    from service.storage.store import Store
+    from headatlas.service import queries
+    from headatlas.service.corpus import iter_documents
+    from headatlas.service.storage.store import Store
 
     folder = tmp_path / "growing"
     folder.mkdir()

@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from service.analysis import analyze_batch
-from service.corpus import Document, demo_corpus_path, document_id
-from service.errors import ParameterError
-from service.params import AnalysisParams
-from service.sentences import piece_sentences, sentence_starts
-from service.stats import window_features
-from service.windows import TokenClasses, Window, collate, document_windows
+from headatlas.service.analysis import analyze_batch
+from headatlas.service.corpus import Document, demo_corpus_path, document_id
+from headatlas.service.errors import ParameterError
+from headatlas.service.params import AnalysisParams
+from headatlas.service.sentences import piece_sentences, sentence_starts
+from headatlas.service.stats import window_features
+from headatlas.service.windows import TokenClasses, Window, collate, document_windows
 
 SEGMENTER = AnalysisParams(sentences="segmenter")
 PUNCT = AnalysisParams(sentences="punct")
@@ -194,9 +194,9 @@ def test_parameters_stored_without_the_field_load_as_punct():
 
 
 def test_an_old_stored_schedule_fires_with_punct(tmp_path):
-    from service.schedules import Cadence
-    from service.storage import schedule_store
-    from service.storage.db import transaction, upgrade
+    from headatlas.service.schedules import Cadence
+    from headatlas.service.storage import schedule_store
+    from headatlas.service.storage.db import transaction, upgrade
 
     db = str(tmp_path / "s.duckdb")
     upgrade(db)
@@ -216,7 +216,7 @@ def test_an_old_stored_schedule_fires_with_punct(tmp_path):
 def test_every_analysis_command_takes_sentences():
     import typer.main
 
-    from cli.main import app
+    from headatlas.cli.main import app
 
     root = typer.main.get_command(app)
     commands = {"analyze": root.commands["analyze"], "submit": root.commands["submit"],
@@ -241,7 +241,7 @@ EARLIER_SAME_SENTENCE_HIGH = [1849, 1675, 1685, 1569, 1684, 1808, 1638, 1630]
 def _stored_sums(db: str, run_id: int):
     from sqlalchemy import text
 
-    from service.storage.db import transaction
+    from headatlas.service.storage.db import transaction
 
     with transaction(db, read_only=True) as conn:
         key = conn.execute(text("SELECT run_key FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
@@ -253,8 +253,8 @@ def _stored_sums(db: str, run_id: int):
 
 
 def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, tmp_path):
-    from service.runner import analyze_corpus, survey_corpus
-    from service.storage.store import Store
+    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
 
     spec = str(demo_corpus_path())
     summary = survey_corpus(spec)
@@ -279,10 +279,10 @@ def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, 
 def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corpus):
     """The batch message a worker receives (made by the submitter, through Celery's JSON) gives the
     worker the windows, sentence ids included, that the embedded engine analyses, and the same sums."""
-    from service.results import BatchResult
-    from service.runner import iter_batches
-    from workers.submit import batch_payloads
-    from workers.tasks import _analyse
+    from headatlas.service.results import BatchResult
+    from headatlas.service.runner import iter_batches
+    from headatlas.workers.submit import batch_payloads
+    from headatlas.workers.tasks import _analyse
 
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
     params = AnalysisParams(sentences="segmenter", seq_len=32)
@@ -307,8 +307,8 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
 
 
 def test_inspect_shows_the_sentences_of_the_chosen_mode(tiny_model):
-    from service.analysis_options import build_params
-    from service.inspection import inspect_text
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.inspection import inspect_text
 
     text, _pieces, segmenter, punct = HARD_CASES["abbreviations"]
     insp = inspect_text(tiny_model, text, build_params())
@@ -322,7 +322,7 @@ def test_a_stray_apostrophe_does_not_glue_a_paragraph_into_one_sentence():
     # Wikipedia writes the possessive of a plural band name as "Beach Boys '": a segmenter that
     # pairs it with a later apostrophe as a quotation (sentencex did) swallows every sentence in
     # between — 23 % of 1,067 Wikipedia windows became a single sentence that way.
-    from service.sentences import sentence_starts
+    from headatlas.service.sentences import sentence_starts
 
     middle = " ".join(f"Sentence number {i} ends here." for i in range(30))
     text = ("The clip recalls the Beach Boys ' \"Surfer Girl\" and Presley's \"Jailhouse Rock\". " + middle

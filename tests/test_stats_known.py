@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from service.params import Selection
-from service.stats import (
+from headatlas.service.params import Selection
+from headatlas.service.stats import (
     chance_statistics,
     head_statistics,
     masked_similarity,
@@ -16,7 +16,7 @@ from service.stats import (
     sentence_ids,
     window_features,
 )
-from service.windows import TokenClasses
+from headatlas.service.windows import TokenClasses
 
 CLS, SEP, PAD, DOT, COMMA, A, B = 101, 102, 0, 1012, 1010, 1037, 1038
 TOKENS = TokenClasses(cls_id=CLS, sep_id=SEP, pad_id=PAD, special_ids=frozenset({CLS, SEP, PAD}),

@@ -6,13 +6,13 @@ import duckdb
 import numpy as np
 import pytest
 
-from service.analysis import BatchResult, analyze_batch
-from service.errors import StoreError
-from service.params import AnalysisParams
-from service.runner import analyze_corpus, iter_batches, survey_corpus
-from service.storage import db
-from service.storage.store import Store
-from service.windows import TokenClasses
+from headatlas.service.analysis import BatchResult, analyze_batch
+from headatlas.service.errors import StoreError
+from headatlas.service.params import AnalysisParams
+from headatlas.service.runner import analyze_corpus, iter_batches, survey_corpus
+from headatlas.service.storage import db
+from headatlas.service.storage.store import Store
+from headatlas.service.windows import TokenClasses
 
 
 def counts(path) -> dict[str, int]:
@@ -39,7 +39,7 @@ def _results(model, corpus, params=AnalysisParams(), batch_size=4):
 
 def _run(store, model, corpus, params=AnalysisParams()):
     summary = survey_corpus(str(corpus))
-    from service.runner import run_key
+    from headatlas.service.runner import run_key
     run, _ = store.find_or_create_run(run_key=run_key(summary.fingerprint, model, params), name="t", corpus=str(corpus),
                                       corpus_fingerprint=summary.fingerprint, model=model.describe(),
                                       params=params.to_dict(), engine="embedded", device="cpu")
@@ -150,7 +150,7 @@ def test_upgrade_is_repeatable(tmp_path):
 
 
 def test_compaction_keeps_every_view_value_and_the_ledger(store, tiny_model, small_corpus):
-    from service.storage.compact import compact_run
+    from headatlas.service.storage.compact import compact_run
 
     run = _run(store, tiny_model, small_corpus)
     results = _results(tiny_model, small_corpus)
@@ -237,7 +237,7 @@ def test_the_query_and_writer_paths_do_not_load_torch():
     import subprocess
     import sys
 
-    code = ("import sys, cli.main, service.storage.store, service.queries, workers.writer; "
+    code = ("import sys, headatlas.cli.main, headatlas.service.storage.store, headatlas.service.queries, headatlas.workers.writer; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -8,8 +8,8 @@ import base64
 import pytest
 
 from queue_support import any_redis, make_corpus, stored, tmpdir
-from service.config import Settings
-from service.params import AnalysisParams
+from headatlas.service.config import Settings
+from headatlas.service.params import AnalysisParams
 
 pytestmark = pytest.mark.integration
 
@@ -24,9 +24,9 @@ def setting(tmp_path):
 
 
 def _results(corpus, model):
-    from service.analysis import analyze_batch
-    from service.windows import TokenClasses, Window, collate
-    from workers.submit import batch_payloads
+    from headatlas.service.analysis import analyze_batch
+    from headatlas.service.windows import TokenClasses, Window, collate
+    from headatlas.workers.submit import batch_payloads
 
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
     out = []
@@ -47,8 +47,8 @@ def _describe(ledger, key, model, corpus, results):
 
 
 def test_a_group_in_one_step_duplicates_counted_once_and_taken_messages_recovered(setting, tiny_model, demo_corpus, tmp_path):
-    from workers.ledger import INGEST, PROCESSING
-    from workers.writer import Writer
+    from headatlas.workers.ledger import INGEST, PROCESSING
+    from headatlas.workers.writer import Writer
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="grouped")
     results = _results(corpus, tiny_model)
@@ -65,7 +65,7 @@ def test_a_group_in_one_step_duplicates_counted_once_and_taken_messages_recovere
     assert ledger.r.llen(PROCESSING) == 0
     assert writer.step() == len(results) + 2  # every message in one step: one transaction
     assert ledger.r.llen(INGEST) == 0 and ledger.r.llen(PROCESSING) == 0
-    from service.storage.store import Store
+    from headatlas.service.storage.store import Store
 
     run = Store(setting.db).get_run("writer-k1")
     assert run.status == "done"
@@ -75,8 +75,8 @@ def test_a_group_in_one_step_duplicates_counted_once_and_taken_messages_recovere
 
 
 def test_a_refused_batch_is_marked_failed_and_the_rest_of_its_group_stored(setting, tiny_model, demo_corpus, tmp_path):
-    from service.storage.store import Store
-    from workers.writer import Writer
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.writer import Writer
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="refused")
     results = _results(corpus, tiny_model)
@@ -91,7 +91,7 @@ def test_a_refused_batch_is_marked_failed_and_the_rest_of_its_group_stored(setti
     writer.step()
     run = Store(setting.db).get_run("writer-k2")
     with Store(setting.db).read() as conn:
-        from service.storage.queue_store import progress
+        from headatlas.service.storage.queue_store import progress
 
         prog = progress(conn, run.run_id)
     assert prog.done == len(results) and prog.failed == 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Exchange, Queue
 
-from service.config import Settings
+from headatlas.service.config import Settings
 
 ANALYSIS_QUEUE = "analysis"
 
@@ -34,7 +34,7 @@ def broker_options(settings: Settings) -> dict:
 
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
-    app = Celery("headatlas", broker=settings.broker_url, include=["workers.tasks"])
+    app = Celery("headatlas", broker=settings.broker_url, include=["headatlas.workers.tasks"])
     app.conf.update(
         broker_transport_options=broker_options(settings),
         broker_connection_retry_on_startup=True,

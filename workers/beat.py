@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from service.config import Settings
-from service.errors import BrokerError, HeadatlasError, StoreBusy, StoreError
-from service.schedules import due_fire
-from service.storage import schedule_store
-from service.storage.schedule_store import Schedule
-from service.storage.store import Store, now
+from headatlas.service.config import Settings
+from headatlas.service.errors import BrokerError, HeadatlasError, StoreBusy, StoreError
+from headatlas.service.schedules import due_fire
+from headatlas.service.storage import schedule_store
+from headatlas.service.storage.schedule_store import Schedule
+from headatlas.service.storage.store import Store, now
 
 log = logging.getLogger("headatlas.beat")
 
@@ -68,9 +68,9 @@ def spool_folder(settings: Settings, schedule: str) -> Path:
 
 def fire(settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str = "scheduled") -> Fired:
     """Claim (schedule, fire_time) and, when this caller won the claim, submit its run."""
-    from service.corpus import iter_documents
-    from service.params import AnalysisParams
-    from workers.submit import submit
+    from headatlas.service.corpus import iter_documents
+    from headatlas.service.params import AnalysisParams
+    from headatlas.workers.submit import submit
 
     spec, new = sched.corpus, None
     if sched.only_new:
@@ -118,10 +118,10 @@ def _warm_up() -> None:
     loaded machine) and came that late."""
     import transformers  # noqa: F401
 
-    import workers.app  # noqa: F401
-    import workers.submit  # noqa: F401
-    from service.model import load_model_info  # noqa: F401
-    from service.runner import run_key  # noqa: F401
+    import headatlas.workers.app  # noqa: F401
+    import headatlas.workers.submit  # noqa: F401
+    from headatlas.service.model import load_model_info  # noqa: F401
+    from headatlas.service.runner import run_key  # noqa: F401
 
 
 class Beat:
@@ -151,7 +151,7 @@ class Beat:
 
     def tick(self) -> int:
         """Start a fire of every due schedule that has none in hand here. Returns how many."""
-        from workers.ledger import connect
+        from headatlas.workers.ledger import connect
 
         if not Path(self.settings.db).exists():
             return 0

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import redis
 
-from workers.lease import HEARTBEAT_S, SILENT_S
-from workers.ledger import Ledger, Running
+from headatlas.workers.lease import HEARTBEAT_S, SILENT_S
+from headatlas.workers.ledger import Ledger, Running
 
 log = logging.getLogger("headatlas.heartbeat")
 

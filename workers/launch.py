@@ -37,7 +37,7 @@ def run_worker(*, queues: str, concurrency: int | None, device: str, loglevel: s
     pool = ["--pool", "solo"] if n == 1 else ["--pool", "prefork", "--concurrency", str(n)]
     if n > 1:
         os.environ["HEADATLAS_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
-    from workers.app import app
+    from headatlas.workers.app import app
 
     app.worker_main(["worker", "-Q", queues, *pool, "-n", f"analysis-{os.getpid()}@{socket.gethostname()}",
                      "-l", loglevel, *WORKER_FLAGS])
@@ -49,7 +49,7 @@ def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
     for index in range(gpus):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index), HEADATLAS_DEVICE="cuda:0")
         children.append(subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "worker", "--queues", queues, "--concurrency", "1",
+            [sys.executable, "-m", "headatlas.cli.main", "worker", "--queues", queues, "--concurrency", "1",
              "--device", "cuda:0", "--loglevel", loglevel], env=env))
 
     def forward(signum, _frame):
@@ -67,8 +67,8 @@ def run_writer() -> None:
     """The single database writer, in this process, until SIGTERM or Ctrl-C."""
     import logging
 
-    from service.config import Settings
-    from workers.writer import Writer
+    from headatlas.service.config import Settings
+    from headatlas.workers.writer import Writer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = Settings.from_env()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from service.errors import StoreError, WriterConflict
+from headatlas.service.errors import StoreError, WriterConflict
 
 LEASE = "headatlas:writer:lease"
 HEARTBEAT_S = 2.0  # a writer's lease and a worker's batch are refreshed this often …
@@ -141,7 +141,7 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
     The live writer's database when one holds the ingest queue (``db``, when readable here,
     must be that same database); else ``db`` read from here (the batches wait for its writer).
     With neither, wait up to ``wait_s`` for a writer to start."""
-    from service.storage.db import read_database_id
+    from headatlas.service.storage.db import read_database_id
 
     local = read_database_id(db) if Path(db).is_file() else None
     deadline = time.monotonic() + wait_s

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import redis
 
-from service.errors import BrokerError
+from headatlas.service.errors import BrokerError
 
 PREFIX = "headatlas"
 INGEST = f"{PREFIX}:ingest"  # messages for the writer, oldest first (a Redis list)

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from service.storage.store import Store, now
+from headatlas.service.storage.store import Store, now
 
 
 @dataclass
@@ -83,9 +83,9 @@ class LostInfo:
 
 def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
     """``client``: a Redis client of the broker, or None (the database's counts only)."""
-    from service.storage import queue_store
-    from service.storage.db import database_id
-    from workers.ledger import Ledger
+    from headatlas.service.storage import queue_store
+    from headatlas.service.storage.db import database_id
+    from headatlas.workers.ledger import Ledger
 
     with store.checked_read() as conn:
         run = queue_store.resolve_run(conn, ref)

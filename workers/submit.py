@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from service.config import Settings
-from service.errors import CorpusError, StoreError
-from service.params import AnalysisParams
-from workers.ledger import Ledger, connect
+from headatlas.service.config import Settings
+from headatlas.service.errors import CorpusError, StoreError
+from headatlas.service.params import AnalysisParams
+from headatlas.workers.ledger import Ledger, connect
 
 SEND_CHUNK = 200
 
@@ -54,10 +54,10 @@ def submit(
     log: Callable[[str], None] = lambda _msg: None,
 ) -> Submission:
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
-    from service.model import load_model_info
-    from service.runner import _short_name, run_key, survey_corpus
-    from workers.app import ANALYSIS_QUEUE, make_app
-    from workers.lease import target_database
+    from headatlas.service.model import load_model_info
+    from headatlas.service.runner import _short_name, run_key, survey_corpus
+    from headatlas.workers.app import ANALYSIS_QUEUE, make_app
+    from headatlas.workers.lease import target_database
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
     client = connect(settings.broker_url)  # fail before any work when Redis is away
@@ -128,8 +128,8 @@ def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dty
     """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
     engine, so both engines add up the same partial sums."""
-    from service.runner import iter_batches
-    from service.windows import TokenClasses
+    from headatlas.service.runner import iter_batches
+    from headatlas.service.windows import TokenClasses
 
     tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
     common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key,
@@ -158,8 +158,8 @@ def _stored_state(db: str, key: str):
     """(run, plan, ids of stored batches) from the database when this machine can read it."""
     from sqlalchemy import text
 
-    from service.storage.db import transaction
-    from service.storage.queue_store import find_run_by_key, plan_of
+    from headatlas.service.storage.db import transaction
+    from headatlas.service.storage.queue_store import find_run_by_key, plan_of
 
     if not Path(db).is_file():
         return None, None, set()

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from celery import signals
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
-from workers.app import app
+from headatlas.workers.app import app
 
 SETTINGS = app.conf.headatlas
 log = logging.getLogger("headatlas.worker")
@@ -26,7 +26,7 @@ _state: dict = {}  # per process: ledger, loaded models
 
 
 def _ledger(database_id: str):
-    from workers.ledger import Ledger, connect
+    from headatlas.workers.ledger import Ledger, connect
 
     if "redis" not in _state:
         _state["redis"] = connect(SETTINGS.broker_url, check=False)
@@ -36,7 +36,7 @@ def _ledger(database_id: str):
 def _model(spec: str, dtype: str, weights_key: str | None = None):
     """The model, loaded on first use in this process (never at import, never before a fork),
     and again when the batch names other weights (a checkpoint replaced in the same folder)."""
-    from service.model import load_model
+    from headatlas.service.model import load_model
 
     models = _state.setdefault("models", {})
     cached = models.get((spec, dtype))
@@ -58,8 +58,8 @@ def analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
 
 
 def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
-    from workers.heartbeat import BatchHeartbeat
-    from workers.lease import SILENT_S
+    from headatlas.workers.heartbeat import BatchHeartbeat
+    from headatlas.workers.lease import SILENT_S
 
     if "database_id" not in batch:
         log.warning("batch %s of run %s names no database (queued by an older headatlas): dropped; "
@@ -106,10 +106,10 @@ def _requeue_on_broker_loss():
 
 
 def _analyse(model, batch: dict) -> str:
-    from service.analysis import analyze_batch as analyse
-    from service.errors import ModelError
-    from service.params import AnalysisParams
-    from service.windows import TokenClasses, Window, collate
+    from headatlas.service.analysis import analyze_batch as analyse
+    from headatlas.service.errors import ModelError
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.windows import TokenClasses, Window, collate
 
     if model.tokenizer_key != batch["tokenizer_key"]:
         raise ModelError(

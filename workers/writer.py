@@ -25,14 +25,14 @@ import time
 import redis
 from sqlalchemy.engine import Connection
 
-from service.config import Settings
-from service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
-from service.results import BatchResult  # numpy only: importing torch here cost seconds inside the first transaction
-from service.storage import queue_store
-from service.storage.store import Store, ingest_batches
-from workers.heartbeat import requeue_lost
-from workers.lease import HEARTBEAT_S, WriterLease
-from workers.ledger import INGEST, PROCESSING, Ledger, connect
+from headatlas.service.config import Settings
+from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
+from headatlas.service.results import BatchResult  # numpy only: importing torch here cost seconds inside the first transaction
+from headatlas.service.storage import queue_store
+from headatlas.service.storage.store import Store, ingest_batches
+from headatlas.workers.heartbeat import requeue_lost
+from headatlas.workers.lease import HEARTBEAT_S, WriterLease
+from headatlas.workers.ledger import INGEST, PROCESSING, Ledger, connect
 
 log = logging.getLogger("headatlas.writer")
 
@@ -42,7 +42,7 @@ READER_GAP_S = 0.025  # the file stays closed at least this long between transac
 
 class Writer:
     def __init__(self, settings: Settings):
-        from service.storage.db import read_database_id
+        from headatlas.service.storage.db import read_database_id
 
         self.settings = settings
         client = connect(settings.broker_url, check=False)
@@ -70,7 +70,7 @@ class Writer:
 
     # --- lease and lost workers (a thread: a long transaction must not silence the lease) ------
     def _keep(self) -> None:
-        from workers.app import broker_options
+        from headatlas.workers.app import broker_options
 
         options = broker_options(self.settings)
         while not self._keeper_stop.wait(HEARTBEAT_S):

@@ -19,9 +19,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from service.errors import DatabaseFileError, StoreBusy, StoreError
-from service.storage import dbfile
-from service.storage.readonly import MAX_RETRY_DELAY_S, retry_on_lock
+from headatlas.service.errors import DatabaseFileError, StoreBusy, StoreError
+from headatlas.service.storage import dbfile
+from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, retry_on_lock
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 LOCK_WAIT_S = 30.0

@@ -19,7 +19,7 @@ from pathlib import Path
 import duckdb
 from sqlalchemy.exc import DBAPIError
 
-from service.errors import DatabaseFileError
+from headatlas.service.errors import DatabaseFileError
 
 MAGIC = b"DUCK"
 MAGIC_OFFSET = 8
@@ -96,7 +96,7 @@ def block_size(head: bytes) -> int | None:
 def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None:
     """DuckDB's failure to open or read ``path`` as a one-line DatabaseFileError; None for errors
     that are not about the file (a lock conflict, a query's mistake)."""
-    from service.storage.readonly import is_lock_conflict
+    from headatlas.service.storage.readonly import is_lock_conflict
 
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     if is_lock_conflict(orig):

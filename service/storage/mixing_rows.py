@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from service.results import MIX_SUMS
+from headatlas.service.results import MIX_SUMS
 
 MIXING_TABLES = ("mixing_stats", "mixing_dist")
 

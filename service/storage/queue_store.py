@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service.errors import StoreError
-from service.storage.store import Run, Store, now, resolve_run
+from headatlas.service.errors import StoreError
+from headatlas.service.storage.store import Run, Store, now, resolve_run
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def stored_batches(conn: Connection, run_id: int) -> set[int]:
 
 
 def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
-    from service.storage.store import RUN_COLUMNS
+    from headatlas.service.storage.store import RUN_COLUMNS
 
     row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
     return Run.from_row(row) if row is not None else None
@@ -157,7 +157,7 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
         {"s": status, "e": error, "ts": now(), "r": run_id},
     )
     if status == "done":
-        from service.storage.compact import compact_run
+        from headatlas.service.storage.compact import compact_run
 
         compact_run(conn, run_id)  # same transaction: the views read few rows from now on
 

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import duckdb
 
-from service.errors import ParameterError, StoreBusy, StoreError
+from headatlas.service.errors import ParameterError, StoreBusy, StoreError
 
 T = TypeVar("T")
 
@@ -120,7 +120,7 @@ def connect_readonly(
     db_path: str | Path, *, lock_wait_s: float = 10.0
 ) -> Iterator[duckdb.DuckDBPyConnection]:
     """Open the results database read-only and confined to that file; close it on exit."""
-    from service.storage import dbfile
+    from headatlas.service.storage import dbfile
 
     path = Path(db_path)
     dbfile.check_file(path, write=False)

@@ -17,9 +17,9 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service.errors import ParameterError
-from service.schedules import Cadence
-from service.storage import db
+from headatlas.service.errors import ParameterError
+from headatlas.service.schedules import Cadence
+from headatlas.service.storage import db
 
 COLUMNS = ("schedule_id, name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
            "only_new, anchor, last_fire, next_fire, created_at")

@@ -16,10 +16,10 @@ import pyarrow as pa
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from service.errors import StoreError
-from service.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
-from service.storage import db
-from service.storage.mixing_rows import MIXING_TABLES, mixing_tables
+from headatlas.service.errors import StoreError
+from headatlas.service.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
+from headatlas.service.storage import db
+from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 RUN_COLUMNS = (
     "run_id, run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, d_head, "
@@ -152,7 +152,7 @@ class Store:
 
     def compact(self, run_id: int) -> dict[str, tuple[int, int]]:
         """Fold the run's partial sums into one row set (views unchanged, queries faster)."""
-        from service.storage.compact import compact_run
+        from headatlas.service.storage.compact import compact_run
 
         with self.write() as conn:
             return compact_run(conn, run_id)
