@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench gpu-check readme-images docs clean
+.PHONY: install install-test demo test test-fast bench gpu-check readme-images docs lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,13 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/headatlas demo --db $(DB)
 
-test: install-test
+test: install-test lint
 	$(PY) -m pytest -q
+
+# ruff: lint and format, configured in pyproject.toml (run by `make test`, hence by CI)
+lint: install-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test-fast: install-test
 	$(PY) -m pytest -q -m "not slow and not integration"

@@ -126,7 +126,8 @@ def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag="poison")
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
-    params = AnalysisParams(seq_len=32)
+    # punct: the poison windows below carry token ids only (segmenter windows also carry sentence ids)
+    params = AnalysisParams(seq_len=32, sentences="punct")
     # the run and its plan, but instead of its batches, poison: a token id outside the vocabulary
     sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
                  batch_size=4, only=set())
