@@ -53,8 +53,11 @@ def main() -> None:
     params = AnalysisParams(seq_len=args.seq_len)
     windows = []
     for doc in iter_documents(str(demo_corpus_path())):
-        windows += [w for w in document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params)
-                    if len(w.input_ids) == args.seq_len]
+        windows += [
+            w
+            for w in document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params)
+            if len(w.input_ids) == args.seq_len
+        ]
         if len(windows) >= args.windows:
             break
     batch = collate(windows[: args.windows], tokens.pad_id)
@@ -66,15 +69,31 @@ def main() -> None:
     print(f"forward                 {1000 * fwd:10.1f} ms/window")
     feats = window_features(ids, mask, tokens)
     for method in ("rollout", "norm", "alti"):
-        t = timed(lambda: mixing_sums(model, ids, mask, feats, methods=(method,), attribution=False,
-                                      seq_len=args.seq_len, chunk_size=args.chunk), 3) / n
+        t = (
+            timed(
+                lambda method=method: mixing_sums(
+                    model,
+                    ids,
+                    mask,
+                    feats,
+                    methods=(method,),
+                    attribution=False,
+                    seq_len=args.seq_len,
+                    chunk_size=args.chunk,
+                ),
+                3,
+            )
+            / n
+        )
         print(f"mixing {method:<16} {1000 * t:10.1f} ms/window  ({t / fwd:6.1f}× forward, incl. its own forward)")
     batched = timed(lambda: gradient_norms(model, ids, mask, chunk_size=args.chunk), 1) / n
     print(f"attribution batched     {1000 * batched:10.1f} ms/window  ({batched / fwd:8.0f}× forward)")
     if not args.skip_loop:
         loop = timed(lambda: gradient_norms(model, ids, mask, batched=False), 1) / n
-        print(f"attribution loop        {1000 * loop:10.1f} ms/window  ({loop / fwd:8.0f}× forward); "
-              f"batched is {loop / batched:.2f}× faster")
+        print(
+            f"attribution loop        {1000 * loop:10.1f} ms/window  ({loop / fwd:8.0f}× forward); "
+            f"batched is {loop / batched:.2f}× faster"
+        )
     outputs = model.n_layers * (model.n_heads + 1) * args.seq_len
     print(f"({outputs} backward passes per window: layers × (heads + layer row) × tokens)")
     del rows

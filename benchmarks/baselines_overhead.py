@@ -53,8 +53,14 @@ print(json.dumps({"seconds": best, "windows": sum(len(b.windows) for b in batche
 
 def child(tree: Path, model: str, corpus: Path, batch_size: int, threads: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    done = subprocess.run([sys.executable, "-c", CHILD, model, str(corpus), str(batch_size), str(threads)],
-                          cwd=tree, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, model, str(corpus), str(batch_size), str(threads)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"benchmark child in {tree} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -71,8 +77,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(before), args.against],
-                       check=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(before), args.against], check=True
+        )
         try:
             corpus = corpus_prefix(default_corpus(), args.windows * 620, Path(tmp) / "corpus.txt")
             now_s, before_s, windows = [], [], 0
@@ -82,15 +89,22 @@ def main(argv=None) -> None:
                     out = child(tree, args.model, corpus, args.batch_size, args.threads)
                     (now_s if label == "now" else before_s).append(out["seconds"])
                     windows = out["windows"]
-                print(f"round {k + 1}: now {now_s[-1] / windows * 1000:.1f} ms/window, "
-                      f"before {before_s[-1] / windows * 1000:.1f} ms/window", flush=True)
+                print(
+                    f"round {k + 1}: now {now_s[-1] / windows * 1000:.1f} ms/window, "
+                    f"before {before_s[-1] / windows * 1000:.1f} ms/window",
+                    flush=True,
+                )
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
     ratios = sorted(n / b for n, b in zip(now_s, before_s))
-    print(f"# {args.model}, {windows} windows, batch {args.batch_size}, {args.threads} threads, "
-          f"{args.rounds} rounds; against {args.against}")
-    print(f"analysis per window: now {median(now_s) / windows * 1000:.1f} ms, "
-          f"before §5b {median(before_s) / windows * 1000:.1f} ms")
+    print(
+        f"# {args.model}, {windows} windows, batch {args.batch_size}, {args.threads} threads, "
+        f"{args.rounds} rounds; against {args.against}"
+    )
+    print(
+        f"analysis per window: now {median(now_s) / windows * 1000:.1f} ms, "
+        f"before §5b {median(before_s) / windows * 1000:.1f} ms"
+    )
     print(f"overhead of the §5b sums: {median(ratios):.3f}x (range {ratios[0]:.3f}-{ratios[-1]:.3f}; target <= 1.05)")
 
 

@@ -60,8 +60,10 @@ def main(argv=None) -> None:
         batches = [b for b, _, _ in iter_batches(str(corpus), model, params, tokens, batch_size=args.batch_size)]
         batches = batches[: args.batches]
         windows = sum(len(b.windows) for b in batches)
-        print(f"# {machine()}; {torch.get_num_threads()} threads; model {args.model}; "
-              f"{len(batches)} batches of {args.batch_size}; seq_len 128; medians of {args.repeats}")
+        print(
+            f"# {machine()}; {torch.get_num_threads()} threads; model {args.model}; "
+            f"{len(batches)} batches of {args.batch_size}; seq_len 128; medians of {args.repeats}"
+        )
 
         def bare():
             with torch.inference_mode():
@@ -105,17 +107,21 @@ def main(argv=None) -> None:
                 "top-k selection": lambda: stats.select_pairs(sim, feats, params.select),
                 "attention sums": lambda: stats.attention_sums(attn, feats, work=feats.workspace),
                 "  of which entropy": lambda: stats._entropy_rows(attn, feats.workspace),
-                "head_statistics": lambda: stats.head_statistics(z, attn, feats, select=params.select,
-                                                                 gate=params.gate, seq_len=params.seq_len),
+                "head_statistics": lambda: stats.head_statistics(
+                    z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len
+                ),
             }
             print(f"\nlayer {args.layer}, one batch of {len(b.windows)}: ms")
             for name, fn in parts.items():
                 print(f"  {name:<20} {timed(fn, args.repeats) * 1000:>7.1f}")
 
-        tokenise = timed(lambda: sum(1 for _ in iter_batches(str(corpus), model, params, tokens,
-                                                            batch_size=args.batch_size)), args.repeats)
-        all_windows = sum(len(b.windows) for b, _, _ in iter_batches(str(corpus), model, params, tokens,
-                                                                    batch_size=args.batch_size))
+        tokenise = timed(
+            lambda: sum(1 for _ in iter_batches(str(corpus), model, params, tokens, batch_size=args.batch_size)),
+            args.repeats,
+        )
+        all_windows = sum(
+            len(b.windows) for b, _, _ in iter_batches(str(corpus), model, params, tokens, batch_size=args.batch_size)
+        )
         print(f"\ntokenisation and windowing: {tokenise / all_windows * 1000:.2f} ms/window")
 
         one = Path(tmp) / "one.txt"

@@ -76,8 +76,11 @@ def main(argv=None) -> None:
             on_round, off_round = on_round + on, off_round + off
         on_s.append(on_round)
         off_s.append(off_round)
-        print(f"round {k + 1}: with {on_round / windows * 1000:.1f} ms/window, without "
-              f"{off_round / windows * 1000:.1f} ms/window", flush=True)
+        print(
+            f"round {k + 1}: with {on_round / windows * 1000:.1f} ms/window, without "
+            f"{off_round / windows * 1000:.1f} ms/window",
+            flush=True,
+        )
     # the matrices' own time inside the same analyses: a share that machine load scales on both sides
     from headatlas.service import averaged_csm
 
@@ -103,16 +106,26 @@ def main(argv=None) -> None:
     payload_on = len(analyze_batch(model, full[0], with_csm, tokens).to_bytes())
     payload_off = len(analyze_batch(model, full[0], without, tokens).to_bytes())
     ratios.sort()
-    print(f"# {args.model}, {windows} windows, batch {args.batch_size}, seq_len {with_csm.seq_len}, "
-          f"{args.threads} threads, {args.rounds} rounds × {len(batches)} batches; {machine()}")
-    print(f"analysis per window: with matrices {median(on_s) / windows * 1000:.1f} ms, "
-          f"without {median(off_s) / windows * 1000:.1f} ms")
-    print(f"overhead of the averaged matrices (--csm-bin {args.csm_bin}): {median(ratios):.3f}x "
-          f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; target <= 1.05)")
-    print(f"the matrices' own time: {share:.1%} of the analysis with them, i.e. {1 / (1 - share):.3f}x the "
-          "analysis without them")
-    print(f"payload of one batch of {len(full[0].windows)} windows: {payload_on:,} bytes with the matrices, "
-          f"{payload_off:,} without (+{payload_on - payload_off:,} bytes)")
+    print(
+        f"# {args.model}, {windows} windows, batch {args.batch_size}, seq_len {with_csm.seq_len}, "
+        f"{args.threads} threads, {args.rounds} rounds × {len(batches)} batches; {machine()}"
+    )
+    print(
+        f"analysis per window: with matrices {median(on_s) / windows * 1000:.1f} ms, "
+        f"without {median(off_s) / windows * 1000:.1f} ms"
+    )
+    print(
+        f"overhead of the averaged matrices (--csm-bin {args.csm_bin}): {median(ratios):.3f}x "
+        f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; target <= 1.05)"
+    )
+    print(
+        f"the matrices' own time: {share:.1%} of the analysis with them, i.e. {1 / (1 - share):.3f}x the "
+        "analysis without them"
+    )
+    print(
+        f"payload of one batch of {len(full[0].windows)} windows: {payload_on:,} bytes with the matrices, "
+        f"{payload_off:,} without (+{payload_on - payload_off:,} bytes)"
+    )
 
 
 if __name__ == "__main__":

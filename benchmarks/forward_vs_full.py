@@ -30,8 +30,9 @@ from headatlas.service.storage.store import Store  # noqa: E402
 from headatlas.service.windows import TokenClasses  # noqa: E402
 
 
-def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, device: str, dtype: str,
-                naive: bool = True) -> dict:
+def bench_model(
+    spec: str, corpus: Path, *, batch_size: int, repeats: int, device: str, dtype: str, naive: bool = True
+) -> dict:
     model = load_model(spec, device=device, dtype=dtype)
     params = AnalysisParams(dtype=dtype)
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
@@ -78,9 +79,17 @@ def bench_model(spec: str, corpus: Path, *, batch_size: int, repeats: int, devic
     bare_ms = median(bare_s) / windows * 1000
     full_ms = median(full_s) / windows * 1000
     ratios = sorted(f / b for f, b in zip(full_s, bare_s))
-    row = {"model": spec, "windows": windows, "bare_ms": bare_ms, "full_ms": full_ms,
-           "ratio": full_ms / bare_ms, "ratio_min": ratios[0], "ratio_max": ratios[-1],
-           "naive_ms": float("nan"), "speedup": float("nan")}
+    row = {
+        "model": spec,
+        "windows": windows,
+        "bare_ms": bare_ms,
+        "full_ms": full_ms,
+        "ratio": full_ms / bare_ms,
+        "ratio_min": ratios[0],
+        "ratio_max": ratios[-1],
+        "naive_ms": float("nan"),
+        "speedup": float("nan"),
+    }
     if naive:
         row["naive_ms"] = median(naive_s) / windows * 1000
         row["speedup"] = median([n / f for n, f in zip(naive_s, full_s)])  # per repeat, then the median
@@ -99,18 +108,32 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = corpus_prefix(default_corpus(), args.windows * 600, Path(tmp) / "bench.txt")
-        print(f"# {machine()}; {torch.get_num_threads()} threads; batch {args.batch_size}; seq_len 128; "
-              f"{args.device} {args.dtype}; medians of {args.repeats}")
-        print(f"{'model':<20} {'windows':>7} {'bare ms/win':>12} {'full ms/win':>12} {'ratio':>6} {'(range)':>11} "
-              f"{'naive ms/win':>13} {'speed-up':>9}")
+        print(
+            f"# {machine()}; {torch.get_num_threads()} threads; batch {args.batch_size}; seq_len 128; "
+            f"{args.device} {args.dtype}; medians of {args.repeats}"
+        )
+        print(
+            f"{'model':<20} {'windows':>7} {'bare ms/win':>12} {'full ms/win':>12} {'ratio':>6} {'(range)':>11} "
+            f"{'naive ms/win':>13} {'speed-up':>9}"
+        )
         rows = []
         for spec in args.models:
-            r = bench_model(spec, corpus, batch_size=args.batch_size, repeats=args.repeats, device=args.device,
-                            dtype=args.dtype, naive=not args.no_naive)
+            r = bench_model(
+                spec,
+                corpus,
+                batch_size=args.batch_size,
+                repeats=args.repeats,
+                device=args.device,
+                dtype=args.dtype,
+                naive=not args.no_naive,
+            )
             rows.append(r)
-            print(f"{spec:<20} {r['windows']:>7} {r['bare_ms']:>12.2f} {r['full_ms']:>12.2f} {r['ratio']:>6.2f} "
-                  f"{'(%.2f–%.2f)' % (r['ratio_min'], r['ratio_max']):>11} {r['naive_ms']:>13.2f} "
-                  f"{r['speedup']:>8.2f}×", flush=True)
+            print(
+                f"{spec:<20} {r['windows']:>7} {r['bare_ms']:>12.2f} {r['full_ms']:>12.2f} {r['ratio']:>6.2f} "
+                f"{'(%.2f–%.2f)' % (r['ratio_min'], r['ratio_max']):>11} {r['naive_ms']:>13.2f} "  # noqa: UP031
+                f"{r['speedup']:>8.2f}×",
+                flush=True,
+            )
     return rows
 
 

@@ -55,8 +55,13 @@ def build_corpus(windows: int, out: Path) -> Path:
 
 def measure(corpus: Path, db: Path, model: str) -> dict:
     args = ["analyze", str(corpus), "--db", str(db), "--model", model, "--quiet"]
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
-                          cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     if done.returncode:
         raise SystemExit(done.stderr)
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -17,8 +17,12 @@ import torch
 def naive_batch_statistics(model, batch, tokens, *, q: float = 0.02, gate: float = 4.0, seq_len: int = 128) -> dict:
     hf = model.model
     with torch.inference_mode():
-        out = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True,
-                 output_hidden_states=True)
+        out = hf(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            output_attentions=True,
+            output_hidden_states=True,
+        )
     n_layers, n_heads, d = model.n_layers, model.n_heads, model.d_head
     high = np.zeros((n_layers, n_heads), dtype=np.int64)
     same_sentence = np.zeros_like(high)
@@ -44,7 +48,7 @@ def naive_batch_statistics(model, batch, tokens, *, q: float = 0.02, gate: float
             k = min(len(iu), math.ceil(q * len(iu) - 1e-9))
             for h in range(n_heads):
                 attn = attn_all[w, h, :n, :n]
-                z = attn @ v_all[w, :n, h * d:(h + 1) * d]
+                z = attn @ v_all[w, :n, h * d : (h + 1) * d]
                 sim = (z @ z.T)[iu, ju]
                 order = np.lexsort((ju, iu, -sim))[:k]
                 i, j = iu[order], ju[order]
@@ -55,5 +59,11 @@ def naive_batch_statistics(model, batch, tokens, *, q: float = 0.02, gate: float
                 dist_hist[layer, h] += np.bincount(j - i, minlength=seq_len)[:seq_len]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     entropy[layer, h] += float(-np.nansum(attn * np.log(attn)))
-    return {"high_pairs": high, "same_sentence_high": same_sentence, "same_token_high": same_token,
-            "attended_high": attended, "dist_hist": dist_hist, "attn_entropy": entropy}
+    return {
+        "high_pairs": high,
+        "same_sentence_high": same_sentence,
+        "same_token_high": same_token,
+        "attended_high": attended,
+        "dist_hist": dist_hist,
+        "attn_entropy": entropy,
+    }

@@ -51,18 +51,30 @@ def synthetic_batch(rng, first_window: int, n_windows: int, layers: int, heads: 
             heads_sums[name] = np.broadcast_to(scale, (n_groups, layers, heads)).astype(np.int64)
         else:
             heads_sums[name] = rng.random((n_groups, layers, heads)) * scale * 128
-    chance = {"windows": per_group, "pairs": per_group * 7875, "same_sentence_pairs": per_group * 1800,
-              "same_token_pairs": per_group * 100, "attn_rows": per_group * 128, "same_word_pairs": per_group * 60,
-              "punct_tokens": per_group * 9}
+    chance = {
+        "windows": per_group,
+        "pairs": per_group * 7875,
+        "same_sentence_pairs": per_group * 1800,
+        "same_token_pairs": per_group * 100,
+        "attn_rows": per_group * 128,
+        "same_word_pairs": per_group * 60,
+        "punct_tokens": per_group * 9,
+    }
     pairs = np.stack([np.bincount(rng.integers(1, SEQ, size=n * 7875), minlength=SEQ) for n in per_group])
     pair_hist = {"pairs": pairs, "same_sentence": pairs // 4, "same_token": pairs // 50, "same_word": pairs // 80}
     anchor = rng.integers(1000, 1400, size=(n_windows, layers, heads))
     return BatchResult(
-        window_ids=windows, reps=reps.astype(np.int16), rep_heads=heads_sums, rep_dist_hist=dist,
-        rep_attended_hist=dist // 2, rep_chance={k_: np.asarray(v, dtype=np.int64) for k_, v in chance.items()},
+        window_ids=windows,
+        reps=reps.astype(np.int16),
+        rep_heads=heads_sums,
+        rep_dist_hist=dist,
+        rep_attended_hist=dist // 2,
+        rep_chance={k_: np.asarray(v, dtype=np.int64) for k_, v in chance.items()},
         rep_pair_hist={k_: v.astype(np.int64) for k_, v in pair_hist.items()},
-        anchor_token=anchor, anchor_count=rng.integers(10, 60, size=anchor.shape).astype(np.int32),
-        high_count=np.full(anchor.shape, k, dtype=np.int32), anchor_frequent=rng.random(anchor.shape) < 0.3,
+        anchor_token=anchor,
+        anchor_count=rng.integers(10, 60, size=anchor.shape).astype(np.int32),
+        high_count=np.full(anchor.shape, k, dtype=np.int32),
+        anchor_frequent=rng.random(anchor.shape) < 0.3,
         windows=[{"window_id": w, "doc_id": "d", "window_index": i, "n_tokens": 128} for i, w in enumerate(windows)],
         documents=[{"doc_id": "d", "source": "synthetic", "line": 1, "n_chars": 0, "preview": ""}],
         vocab={int(t): f"tok{t}" for t in np.unique(anchor)},
@@ -82,24 +94,41 @@ def main(argv=None):
         store = Store(Path(tmp) / "q.duckdb")
         store.ensure_schema()
         run, _ = store.find_or_create_run(
-            run_key="synthetic", name="synthetic", corpus="synthetic", corpus_fingerprint="-",
-            model={"spec": "random:bert-base", "name": "synthetic", "layers": args.layers, "heads": args.heads,
-                   "d_head": 64},
-            params={"seq_len": SEQ, "short_range": 4}, engine="embedded", device="cpu")
+            run_key="synthetic",
+            name="synthetic",
+            corpus="synthetic",
+            corpus_fingerprint="-",
+            model={
+                "spec": "random:bert-base",
+                "name": "synthetic",
+                "layers": args.layers,
+                "heads": args.heads,
+                "d_head": 64,
+            },
+            params={"seq_len": SEQ, "short_range": 4},
+            engine="embedded",
+            device="cpu",
+        )
         n_batches = args.windows // args.batch_size
         group, rows, ingest_s = 20, 0, 0.0
         for start in range(0, n_batches, group):
-            items = [(b, synthetic_batch(rng, b * args.batch_size, args.batch_size, args.layers, args.heads))
-                     for b in range(start, min(n_batches, start + group))]
-            rows += sum(len(i[1].window_ids) * (1 + args.layers * args.heads) + args.layers * args.heads * (2 + SEQ)
-                        for i in items)
+            items = [
+                (b, synthetic_batch(rng, b * args.batch_size, args.batch_size, args.layers, args.heads))
+                for b in range(start, min(n_batches, start + group))
+            ]
+            rows += sum(
+                len(i[1].window_ids) * (1 + args.layers * args.heads) + args.layers * args.heads * (2 + SEQ)
+                for i in items
+            )
             with Timer() as t:
                 store.ingest(run.run_id, items)
             ingest_s += t.seconds
         with Timer() as t:
             store.compact(run.run_id)
         print(f"# synthetic run: {n_batches * args.batch_size:,} windows, {args.layers}×{args.heads} heads")
-        print(f"ingest: {rows:,} rows in {ingest_s:.1f} s = {rows / ingest_s:,.0f} rows/s; compaction {t.seconds:.2f} s")
+        print(
+            f"ingest: {rows:,} rows in {ingest_s:.1f} s = {rows / ingest_s:,.0f} rows/s; compaction {t.seconds:.2f} s"
+        )
         calls = {
             "query heads": lambda c: queries.heads(c, run.run_id),
             "query heads --sort": lambda c: queries.heads(c, run.run_id, sort="within_sentence_lift", top=10),

@@ -24,6 +24,7 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -45,6 +46,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from queue_support import Cluster, any_redis
+
     from headatlas.service.config import Settings
     from headatlas.service.model import load_model
     from headatlas.service.params import AnalysisParams
@@ -64,10 +66,14 @@ def main(argv=None) -> None:
         settings = Settings(broker_url=server.url, db=cluster.db)
         warm = folder / "warm.txt"
         warm.write_text("A short warm-up document. It loads the model in the worker.\n", encoding="utf-8")
-        sub = submit(str(warm), settings=settings, model=args.model, dtype="float32", params=params, batch_size=args.batch_size)
+        sub = submit(
+            str(warm), settings=settings, model=args.model, dtype="float32", params=params, batch_size=args.batch_size
+        )
         cluster.wait_status(sub.name, timeout=600)
 
-        sub = submit(str(text), settings=settings, model=args.model, dtype="float32", params=params, batch_size=args.batch_size)
+        sub = submit(
+            str(text), settings=settings, model=args.model, dtype="float32", params=params, batch_size=args.batch_size
+        )
         cluster.wait_status(sub.name, timeout=3600)
         queued = Store(cluster.db).get_run(sub.name)
         windows = sub.windows
@@ -75,16 +81,24 @@ def main(argv=None) -> None:
 
         model = load_model(args.model, device="cpu")
         started = time.perf_counter()
-        embedded = analyze_corpus(str(text), store=Store(folder / "embedded.duckdb"), model=model, params=params,
-                                  corpus=survey_corpus(str(text)), batch_size=args.batch_size)
+        embedded = analyze_corpus(
+            str(text),
+            store=Store(folder / "embedded.duckdb"),
+            model=model,
+            params=params,
+            corpus=survey_corpus(str(text)),
+            batch_size=args.batch_size,
+        )
         embedded_wall = time.perf_counter() - started
     finally:
         cluster.stop()
         server.stop()
     q_rate = windows / queued.wall_s
     e_rate = windows / embedded_wall
-    print(f"corpus: {windows} windows of {params.seq_len} tokens, model {args.model}, batch {args.batch_size}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"corpus: {windows} windows of {params.seq_len} tokens, model {args.model}, batch {args.batch_size}, "
+        f"{os.cpu_count()} CPUs"
+    )
     print(f"embedded: {embedded_wall:.1f} s, {e_rate:.2f} windows/s (run {embedded.status})")
     print(f"queue (1 worker + writer): {queued.wall_s:.1f} s, {q_rate:.2f} windows/s (run {queued.status})")
     print(f"ratio queue/embedded: {q_rate / e_rate:.2f} (target >= 0.9)")

@@ -46,13 +46,22 @@ def main(argv=None) -> None:
     print(f"# headatlas benchmarks — {machine()}")
     windows = "96" if args.quick else "512"
     if not args.gpu_only:
-        section("Bare forward vs full analysis, CPU (target ratio ≤ 1.3; naive speed-up ≥ 1.8×)",
-                forward_vs_full.main, ["--windows", windows, "--repeats", "2" if args.quick else "3"])
+        section(
+            "Bare forward vs full analysis, CPU (target ratio ≤ 1.3; naive speed-up ≥ 1.8×)",
+            forward_vs_full.main,
+            ["--windows", windows, "--repeats", "2" if args.quick else "3"],
+        )
     if torch.cuda.is_available():
-        section("Bare forward vs full analysis, GPU (target ratio ≤ 1.15)", forward_vs_full.main,
-                ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--no-naive"])
-        section("GPU, bfloat16 autocast", forward_vs_full.main,
-                ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--dtype", "bfloat16", "--no-naive"])
+        section(
+            "Bare forward vs full analysis, GPU (target ratio ≤ 1.15)",
+            forward_vs_full.main,
+            ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--no-naive"],
+        )
+        section(
+            "GPU, bfloat16 autocast",
+            forward_vs_full.main,
+            ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--dtype", "bfloat16", "--no-naive"],
+        )
     else:
         print("\n## GPU rows\nnot measured: no CUDA device on this machine")
     if args.gpu_only:
@@ -62,11 +71,19 @@ def main(argv=None) -> None:
     except ImportError:
         queue_bench = None
     if queue_bench is not None:
-        section("Embedded vs queue, 1 worker (target ≥ 0.9×)", queue_bench.main, ["--copies", "2" if args.quick else "8"])
-    section("Ingest and query latency, 20,000 windows × 144 heads (target < 0.5 s)", query_speed.main,
-            ["--windows", "2000" if args.quick else "20000"])
-    section("Peak memory, 2,000 vs 20,000 windows (must be flat)", memory.main,
-            ["--small", "300" if args.quick else "2000", "--large", "1500" if args.quick else "20000"])
+        section(
+            "Embedded vs queue, 1 worker (target ≥ 0.9×)", queue_bench.main, ["--copies", "2" if args.quick else "8"]
+        )
+    section(
+        "Ingest and query latency, 20,000 windows × 144 heads (target < 0.5 s)",
+        query_speed.main,
+        ["--windows", "2000" if args.quick else "20000"],
+    )
+    section(
+        "Peak memory, 2,000 vs 20,000 windows (must be flat)",
+        memory.main,
+        ["--small", "300" if args.quick else "2000", "--large", "1500" if args.quick else "20000"],
+    )
 
 
 if __name__ == "__main__":

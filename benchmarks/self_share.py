@@ -62,11 +62,16 @@ def main() -> None:
                 r = rows[b, layer]
                 selfs[layer].append(r[inner, inner])
                 neighbours[layer].append(0.5 * (r[inner, inner - 1] + r[inner, inner + 1]))
-        print(f"  {start + len(batch.windows)}/{len(windows)} windows, {time.perf_counter() - started:.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {start + len(batch.windows)}/{len(windows)} windows, {time.perf_counter() - started:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     elapsed = time.perf_counter() - started
-    print(f"model {model.name}; {len(windows)} windows of <= {args.seq_len} tokens, "
-          f"{sum(len(w.input_ids) - 2 for w in windows)} output tokens; {elapsed:.0f} s")
+    print(
+        f"model {model.name}; {len(windows)} windows of <= {args.seq_len} tokens, "
+        f"{sum(len(w.input_ids) - 2 for w in windows)} output tokens; {elapsed:.0f} s"
+    )
     print("layer  self_median  self_q25  self_q75  self_mean  neighbour_mean")
     for layer in range(model.n_layers):
         s = torch.cat(selfs[layer])

@@ -41,9 +41,12 @@ def main() -> None:
     n_windows = sum(len(document_windows(d, tokenizer, tokens, "k", punct)) for d in docs)
 
     steps = {
-        "tokenizer (punct's call)": lambda: [tokenizer(d.text, add_special_tokens=False, truncation=False) for d in docs],
-        "tokenizer with offsets": lambda: [tokenizer(d.text, add_special_tokens=False, truncation=False,
-                                                     return_offsets_mapping=True) for d in docs],
+        "tokenizer (punct's call)": lambda: [
+            tokenizer(d.text, add_special_tokens=False, truncation=False) for d in docs
+        ],
+        "tokenizer with offsets": lambda: [
+            tokenizer(d.text, add_special_tokens=False, truncation=False, return_offsets_mapping=True) for d in docs
+        ],
         "segmenter alone": lambda: [sentence_starts(d.text) for d in docs],
         "windows, punct": lambda: [document_windows(d, tokenizer, tokens, "k", punct) for d in docs],
         "windows, segmenter": lambda: [document_windows(d, tokenizer, tokens, "k", segmenter) for d in docs],
@@ -58,14 +61,18 @@ def main() -> None:
             times[name].append(t.seconds)
     per_window = {name: median(v) / n_windows * 1000 for name, v in times.items()}
 
-    print(f"{machine()}\n{len(docs)} documents, {sum(len(d.text) for d in docs):,} characters, "
-          f"{n_windows} windows of {punct.seq_len} tokens; medians of {args.repeats}")
+    print(
+        f"{machine()}\n{len(docs)} documents, {sum(len(d.text) for d in docs):,} characters, "
+        f"{n_windows} windows of {punct.seq_len} tokens; medians of {args.repeats}"
+    )
     base = per_window["tokenizer (punct's call)"]
     for name, ms in per_window.items():
         print(f"  {name:<26} {ms:7.3f} ms/window  ({ms / base:.2f}× tokenizer)")
     extra = per_window["windows, segmenter"] - per_window["windows, punct"]
-    print(f"segmenter windows cost {extra:+.3f} ms/window over punct "
-          f"({extra / per_window['windows, punct'] * 100:+.0f}% of punct's windowing)")
+    print(
+        f"segmenter windows cost {extra:+.3f} ms/window over punct "
+        f"({extra / per_window['windows, punct'] * 100:+.0f}% of punct's windowing)"
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import typer
 from typer.core import TyperGroup
@@ -61,16 +60,43 @@ app.add_typer(db_app, name="db")
 SETTINGS = Settings.from_env()
 
 DbOpt, RunOpt, FormatOpt = options.Db, options.Run, options.Fmt
-CiOpt = typer.Option(False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b).")
+CiOpt = typer.Option(
+    False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."
+)
 
 # what a table shows by default (JSON and CSV hold every column)
-HEAD_TABLE = ["layer", "head", "within_sentence", "within_sentence_lift", "within_sentence_lift_dm", "repetition",
-              "repetition_words", "repetition_words_lift_dm", "mean_distance", "short_range_share", "noise_share",
-              "attn_to_punct_lift", "anchor_frequency_share", "top_anchors"]
-LAYER_TABLE = ["layer", "mean_distance", "mean_distance_chance", "short_range_share", "within_sentence",
-               "within_sentence_lift", "within_sentence_lift_dm", "repetition_words", "repetition_words_lift_dm",
-               "noise_share", "attn_to_cls_lift", "attn_to_punct_lift", "anchor_frequency_share",
-               "anchor_distinct_share"]
+HEAD_TABLE = [
+    "layer",
+    "head",
+    "within_sentence",
+    "within_sentence_lift",
+    "within_sentence_lift_dm",
+    "repetition",
+    "repetition_words",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "short_range_share",
+    "noise_share",
+    "attn_to_punct_lift",
+    "anchor_frequency_share",
+    "top_anchors",
+]
+LAYER_TABLE = [
+    "layer",
+    "mean_distance",
+    "mean_distance_chance",
+    "short_range_share",
+    "within_sentence",
+    "within_sentence_lift",
+    "within_sentence_lift_dm",
+    "repetition_words",
+    "repetition_words_lift_dm",
+    "noise_share",
+    "attn_to_cls_lift",
+    "attn_to_punct_lift",
+    "anchor_frequency_share",
+    "anchor_distinct_share",
+]
 
 
 def _store(db: str):
@@ -83,11 +109,21 @@ def _store(db: str):
 @app.command()
 def analyze(
     corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory, a glob, or - for stdin."),
-    name: Optional[str] = options.Name,
-    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D [env HEADATLAS_MODEL]."),
+    name: str | None = options.Name,
+    model: str = typer.Option(
+        SETTINGS.model,
+        "--model",
+        "-m",
+        help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D [env HEADATLAS_MODEL].",
+    ),
     device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
     dtype: str = options.Dtype,
-    batch_size: str = typer.Option(str(SETTINGS.batch_size), "--batch-size", "-b", help="Windows per forward pass, or auto (from free GPU memory; 32 on CPU) [env HEADATLAS_BATCH_SIZE]."),
+    batch_size: str = typer.Option(
+        str(SETTINGS.batch_size),
+        "--batch-size",
+        "-b",
+        help="Windows per forward pass, or auto (from free GPU memory; 32 on CPU) [env HEADATLAS_BATCH_SIZE].",
+    ),
     seq_len: int = options.SeqLen,
     windowing: str = options.Windowing,
     sentences: str = options.Sentences,
@@ -104,8 +140,17 @@ def analyze(
     attribution_windows: int = options.AttributionWindows,
     mixing: list[str] = options.Mixing,
     csm_bin: int = options.CsmBin,
-    attribution_chunk: int = typer.Option(SETTINGS.attribution_chunk, "--attribution-chunk", min=1, help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK]."),
-    control: bool = typer.Option(False, "--control", help="Also analyse the same windows with a randomly initialised model of the same config (seed 0, same tokenizer), stored as the run <name>-control: the floor `headatlas compare RUN` measures against."),
+    attribution_chunk: int = typer.Option(
+        SETTINGS.attribution_chunk,
+        "--attribution-chunk",
+        min=1,
+        help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK].",
+    ),
+    control: bool = typer.Option(
+        False,
+        "--control",
+        help="Also analyse the same windows with a randomly initialised model of the same config (seed 0, same tokenizer), stored as the run <name>-control: the floor `headatlas compare RUN` measures against.",
+    ),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from headatlas.service.analysis_options import build_params
@@ -116,10 +161,21 @@ def analyze(
     from headatlas.service.storage.db import check_headatlas_file
 
     size = parse_batch_size(batch_size)
-    params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
-                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
-                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows,
-                          csm_bin=csm_bin)
+    params = build_params(
+        seq_len=seq_len,
+        windowing=windowing,
+        sentences=sentences,
+        select=select,
+        gate=gate,
+        include_special=include_special,
+        vectors=vectors,
+        short_range=short_range,
+        dtype=dtype,
+        attribution=attribution,
+        mixing=mixing,
+        attribution_windows=attribution_windows,
+        csm_bin=csm_bin,
+    )
     # every check that needs no model weights comes before the corpus is read or a model loaded
     resolve_device(device)
     check_headatlas_file(db)
@@ -130,24 +186,49 @@ def analyze(
         summary = survey_corpus(spec, text_field=text_field, encoding=encoding, label=label)
         if not quiet:
             dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
-            stderr.print(f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; "
-                         f"loading model {model} …")
+            stderr.print(
+                f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; loading model {model} …"
+            )
         loaded = load_model(model, device=device, dtype=dtype)
         check_loaded(loaded, params.seq_len)
         size = auto_batch_size(loaded, seq_len) if size == "auto" else size
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
-            run = analyze_corpus(spec, store=store, model=loaded, params=params, corpus=summary, name=name,
-                                 batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
-                                 label=label, attribution_chunk=attribution_chunk)
+            run = analyze_corpus(
+                spec,
+                store=store,
+                model=loaded,
+                params=params,
+                corpus=summary,
+                name=name,
+                batch_size=size,
+                text_field=text_field,
+                encoding=encoding,
+                progress=progress,
+                label=label,
+                attribution_chunk=attribution_chunk,
+            )
         if control:
             if not quiet:
-                stderr.print(f"control: the same windows through a randomly initialised {loaded.n_layers}×"
-                             f"{loaded.n_heads} model (seed 0) …")
+                stderr.print(
+                    f"control: the same windows through a randomly initialised {loaded.n_layers}×"
+                    f"{loaded.n_heads} model (seed 0) …"
+                )
             with _progress(summary.chars, quiet) as progress:
-                floor = analyze_corpus(spec, store=store, model=control_model(loaded), params=params, corpus=summary,
-                                       batch_size=size, text_field=text_field, encoding=encoding, progress=progress,
-                                       label=label, attribution_chunk=attribution_chunk, control_of=run)
+                floor = analyze_corpus(
+                    spec,
+                    store=store,
+                    model=control_model(loaded),
+                    params=params,
+                    corpus=summary,
+                    batch_size=size,
+                    text_field=text_field,
+                    encoding=encoding,
+                    progress=progress,
+                    label=label,
+                    attribution_chunk=attribution_chunk,
+                    control_of=run,
+                )
     finally:
         if spooled:
             remove_spool(spooled)
@@ -158,8 +239,9 @@ def analyze(
         return
     _print_run_summary(store, run.run_id)
     if control:
-        stdout.print(f"control: run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`",
-                     markup=False)
+        stdout.print(
+            f"control: run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`", markup=False
+        )
 
 
 @app.command()
@@ -167,11 +249,32 @@ def demo(db: str = DbOpt) -> None:
     """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
     from headatlas.service.corpus import demo_corpus_path
 
-    analyze(corpus=str(demo_corpus_path()), name="demo", model=SETTINGS.model, device=SETTINGS.device,
-            dtype="float32", batch_size=str(SETTINGS.batch_size), seq_len=128, windowing="chunks",
-            sentences="segmenter", select="top:0.02", gate=4.0, include_special=False, vectors="pre_wo", short_range=4,
-            text_field="text", encoding="utf-8", db=db, quiet=False, attribution=False, attribution_windows=256, mixing=[],
-            csm_bin=8, attribution_chunk=SETTINGS.attribution_chunk, control=False)
+    analyze(
+        corpus=str(demo_corpus_path()),
+        name="demo",
+        model=SETTINGS.model,
+        device=SETTINGS.device,
+        dtype="float32",
+        batch_size=str(SETTINGS.batch_size),
+        seq_len=128,
+        windowing="chunks",
+        sentences="segmenter",
+        select="top:0.02",
+        gate=4.0,
+        include_special=False,
+        vectors="pre_wo",
+        short_range=4,
+        text_field="text",
+        encoding="utf-8",
+        db=db,
+        quiet=False,
+        attribution=False,
+        attribution_windows=256,
+        mixing=[],
+        csm_bin=8,
+        attribution_chunk=SETTINGS.attribution_chunk,
+        control=False,
+    )
 
 
 class _progress:
@@ -183,12 +286,26 @@ class _progress:
     def __enter__(self):
         if self.quiet:
             return None
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(
-            TextColumn("analysing"), BarColumn(), TaskProgressColumn(),
-            TextColumn("{task.fields[windows]:,} windows"), TextColumn("{task.fields[rate]:.1f} windows/s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr, transient=False,
+            TextColumn("analysing"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[windows]:,} windows"),
+            TextColumn("{task.fields[rate]:.1f} windows/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=stderr,
+            transient=False,
         )
         self.bar.__enter__()
         self.task = self.bar.add_task("analyse", total=self.total, windows=0, rate=0.0)
@@ -220,18 +337,48 @@ def _print_run_summary(store, run_id: int) -> None:
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
         f"{info['compute_s']:.1f} s compute"
     )
-    render_metrics(layer_cols, layer_rows, Format.table, title="Layer progression (0-based layers)",
-                   table_columns=LAYER_TABLE)
-    keep = ["layer", "head", "within_sentence", "within_sentence_lift", "within_sentence_chance_dm",
-            "within_sentence_lift_dm", "mean_distance", "top_anchors"]
-    render_metrics(head_cols, head_rows, Format.table, title="Most within-sentence heads (beyond their distances)",
-                   table_columns=keep)
-    keep = ["layer", "head", "repetition", "repetition_words", "repetition_words_lift",
-            "repetition_words_lift_dm", "anchor_frequency_share", "top_anchors"]
-    render_metrics(rep_cols, rep_rows, Format.table, title="Word-repetition heads (punctuation repeats excluded)",
-                   table_columns=keep, note=queries.LIFT_NOTE)
-    stdout.print(f"next: headatlas query heads --run {run_id} --ci   |   "
-                 f"headatlas sql \"SELECT * FROM head_metrics LIMIT 5\"", markup=False)
+    render_metrics(
+        layer_cols, layer_rows, Format.table, title="Layer progression (0-based layers)", table_columns=LAYER_TABLE
+    )
+    keep = [
+        "layer",
+        "head",
+        "within_sentence",
+        "within_sentence_lift",
+        "within_sentence_chance_dm",
+        "within_sentence_lift_dm",
+        "mean_distance",
+        "top_anchors",
+    ]
+    render_metrics(
+        head_cols,
+        head_rows,
+        Format.table,
+        title="Most within-sentence heads (beyond their distances)",
+        table_columns=keep,
+    )
+    keep = [
+        "layer",
+        "head",
+        "repetition",
+        "repetition_words",
+        "repetition_words_lift",
+        "repetition_words_lift_dm",
+        "anchor_frequency_share",
+        "top_anchors",
+    ]
+    render_metrics(
+        rep_cols,
+        rep_rows,
+        Format.table,
+        title="Word-repetition heads (punctuation repeats excluded)",
+        table_columns=keep,
+        note=queries.LIFT_NOTE,
+    )
+    stdout.print(
+        f'next: headatlas query heads --run {run_id} --ci   |   headatlas sql "SELECT * FROM head_metrics LIMIT 5"',
+        markup=False,
+    )
 
 
 # --- runs and queries ---------------------------------------------------------------------------
@@ -245,10 +392,15 @@ def runs(db: str = DbOpt, fmt: Format = FormatOpt) -> None:
 
 @query_app.command("heads")
 def query_heads(
-    run: Optional[str] = RunOpt,
-    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
-    sort: Optional[str] = typer.Option(None, "--sort", "-s", help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share)."),
-    top: Optional[int] = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
+    run: str | None = RunOpt,
+    layer: int | None = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
+    sort: str | None = typer.Option(
+        None,
+        "--sort",
+        "-s",
+        help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share).",
+    ),
+    top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
@@ -259,17 +411,31 @@ def query_heads(
 
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
-    _query(db, run, fmt, queries.heads, "heads", check=check, table_columns=table, note=queries.LIFT_NOTE,
-           layer=layer, sort=sort, top=top, ci=ci)
+    _query(
+        db,
+        run,
+        fmt,
+        queries.heads,
+        "heads",
+        check=check,
+        table_columns=table,
+        note=queries.LIFT_NOTE,
+        layer=layer,
+        sort=sort,
+        top=top,
+        ci=ci,
+    )
 
 
 @query_app.command("distances")
 def query_distances(
     layer: int = typer.Option(..., "--layer", "-l", help="Layer (0-based)."),
-    head: Optional[int] = typer.Option(None, "--head", help="Head (0-based); default: the layer's heads pooled."),
-    run: Optional[str] = RunOpt,
-    max_distance: Optional[int] = typer.Option(None, "--max-distance", help="Show distances up to this one."),
-    split: Optional[str] = typer.Option(None, "--split", help="attended: also the profiles of attended (signal) and not-attended (noise) pairs."),
+    head: int | None = typer.Option(None, "--head", help="Head (0-based); default: the layer's heads pooled."),
+    run: str | None = RunOpt,
+    max_distance: int | None = typer.Option(None, "--max-distance", help="Show distances up to this one."),
+    split: str | None = typer.Option(
+        None, "--split", help="attended: also the profiles of attended (signal) and not-attended (noise) pairs."
+    ),
     ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
@@ -290,8 +456,13 @@ def query_distances(
     if max_distance:
         rows = [row for row in rows if row[0] <= max_distance]
     what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
-    render_metrics(columns, rows, fmt, title=f"run {r.run_id}: distances, {what}",
-                   note="lift = share of the head's high-similarity pairs at d / share of all pairs at d (chance)")
+    render_metrics(
+        columns,
+        rows,
+        fmt,
+        title=f"run {r.run_id}: distances, {what}",
+        note="lift = share of the head's high-similarity pairs at d / share of all pairs at d (chance)",
+    )
     if fmt == Format.table and rows:
         col = {c: i for i, c in enumerate(columns)}
         lines = [("high", "share"), ("chance", "chance_share")]
@@ -305,7 +476,7 @@ def query_distances(
 
 
 @query_app.command("boundaries")
-def query_boundaries(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+def query_boundaries(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform."""
     from headatlas.service import queries
@@ -314,7 +485,7 @@ def query_boundaries(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = Db
 
 
 @query_app.command("layers")
-def query_layers(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+def query_layers(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """Per layer summary: the progression from early to final layers (a table shows the main
     columns; --format json/csv has all)."""
     from headatlas.service import queries
@@ -324,9 +495,13 @@ def query_layers(run: Optional[str] = RunOpt, ci: bool = CiOpt, db: str = DbOpt,
 
 @query_app.command("mixing")
 def query_mixing(
-    run: Optional[str] = RunOpt,
-    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Show this layer's heads (0-based); default: one row set per layer."),
-    method: list[str] = typer.Option([], "--method", help="attention, attribution, rollout, norm or alti (repeat); default: all stored."),
+    run: str | None = RunOpt,
+    layer: int | None = typer.Option(
+        None, "--layer", "-l", help="Show this layer's heads (0-based); default: one row set per layer."
+    ),
+    method: list[str] = typer.Option(
+        [], "--method", help="attention, attribution, rollout, norm or alti (repeat); default: all stored."
+    ),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -340,9 +515,11 @@ def query_mixing(
 
 @query_app.command("discrepancy")
 def query_discrepancy(
-    run: Optional[str] = RunOpt,
-    method: str = typer.Option("attribution", "--method", help="Compare attention with this method (default attribution)."),
-    top: Optional[int] = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
+    run: str | None = RunOpt,
+    method: str = typer.Option(
+        "attribution", "--method", help="Compare attention with this method (default attribution)."
+    ),
+    top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -362,10 +539,16 @@ def query_discrepancy(
 @app.command()
 def compare(
     run_a: str = typer.Argument(..., help="Run A: id or name."),
-    run_b: Optional[str] = typer.Argument(None, help="Run B: id or name (default: run A's random-weights control, from analyze --control)."),
-    metric: list[str] = typer.Option([], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."),
-    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Only this layer of run A (0-based); with --heads or --head: its heads."),
-    head: Optional[int] = typer.Option(None, "--head", help="Only this head (0-based, needs --layer)."),
+    run_b: str | None = typer.Argument(
+        None, help="Run B: id or name (default: run A's random-weights control, from analyze --control)."
+    ),
+    metric: list[str] = typer.Option(
+        [], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."
+    ),
+    layer: int | None = typer.Option(
+        None, "--layer", "-l", help="Only this layer of run A (0-based); with --heads or --head: its heads."
+    ),
+    head: int | None = typer.Option(None, "--head", help="Only this head (0-based, needs --layer)."),
     heads: bool = typer.Option(False, "--heads", help="Compare heads instead of layers (runs of the same shape only)."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
@@ -380,23 +563,35 @@ def compare(
         a = _run(conn, run_a)
         b = _run(conn, run_b) if run_b is not None else comparison.control_of(conn, a)
         if b is None:
-            raise ParameterError(f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
-                                 "or analyse again with --control")
+            raise ParameterError(
+                f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
+                "or analyse again with --control"
+            )
         columns, rows = comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)
-    floor = (" (B is A's random-weights control: the floor every claim should beat)"
-             if comparison.is_control(a, b) else "")
+    floor = (
+        " (B is A's random-weights control: the floor every claim should beat)" if comparison.is_control(a, b) else ""
+    )
     differ = comparison.parameter_differences(a, b)
     if differ and fmt == Format.table:
         stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
-    table = comparison.TABLE_COLUMNS if (heads or head is not None) else [c for c in comparison.TABLE_COLUMNS
-                                                                          if c != "head"]
-    render_metrics(columns, rows, fmt, table_columns=table, note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
-                   title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
-                         f"{b.n_layers} layers){floor}")
+    table = (
+        comparison.TABLE_COLUMNS
+        if (heads or head is not None)
+        else [c for c in comparison.TABLE_COLUMNS if c != "head"]
+    )
+    render_metrics(
+        columns,
+        rows,
+        fmt,
+        table_columns=table,
+        note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+        title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
+        f"{b.n_layers} layers){floor}",
+    )
 
 
 @query_app.command("roles")
-def query_roles(run: Optional[str] = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+def query_roles(run: str | None = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
     95% interval, threshold; rules in SPEC §7). Heads without a role: "none established"."""
     from headatlas.service import roles
@@ -410,7 +605,9 @@ def sql(
     db: str = DbOpt,
     fmt: Format = FormatOpt,
     max_rows: int = typer.Option(SETTINGS.sql_max_rows, "--max-rows", help="Row cap [env HEADATLAS_SQL_MAX_ROWS]."),
-    timeout: float = typer.Option(SETTINGS.sql_timeout_s, "--timeout", help="Time limit in seconds [env HEADATLAS_SQL_TIMEOUT_S]."),
+    timeout: float = typer.Option(
+        SETTINGS.sql_timeout_s, "--timeout", help="Time limit in seconds [env HEADATLAS_SQL_TIMEOUT_S]."
+    ),
 ) -> None:
     """Run read-only SQL against the results (tables and views: see README)."""
     from headatlas.service.storage.readonly import run_readonly_sql
@@ -444,13 +641,24 @@ def db_current(db: str = DbOpt) -> None:
 def config() -> None:
     """Show the settings read from HEADATLAS_* environment variables."""
     current = Settings.from_env()
-    rows = [(var, str(getattr(current, var[len("HEADATLAS_"):].lower())), default, text)
-            for var, default, text in Settings.help()]
+    rows = [
+        (var, str(getattr(current, var[len("HEADATLAS_") :].lower())), default, text)
+        for var, default, text in Settings.help()
+    ]
     render(["variable", "value", "default", "meaning"], rows, Format.table)
 
 
-def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=None, table_columns=None,
-           note: str | None = None, **kwargs) -> None:
+def _query(
+    db: str,
+    run: str | None,
+    fmt: Format,
+    query,
+    title: str,
+    check=None,
+    table_columns=None,
+    note: str | None = None,
+    **kwargs,
+) -> None:
     """Open the store, resolve the run, ``check(run)`` the options against it, call one query
     function, render its rows."""
     with _store(db).checked_read() as conn:
@@ -458,8 +666,9 @@ def _query(db: str, run: Optional[str], fmt: Format, query, title: str, check=No
         if check is not None:
             check(r)
         columns, rows = query(conn, r.run_id, **kwargs)
-    render_metrics(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}", table_columns=table_columns,
-                   note=note)
+    render_metrics(
+        columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}", table_columns=table_columns, note=note
+    )
 
 
 def _run(conn, ref):

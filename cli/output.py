@@ -78,8 +78,14 @@ def _json_value(value):
     return value
 
 
-def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *, title: str | None = None,
-           truncated: bool = False) -> None:
+def render(
+    columns: list[str],
+    rows: list[tuple],
+    fmt: Format = Format.table,
+    *,
+    title: str | None = None,
+    truncated: bool = False,
+) -> None:
     if fmt == Format.json:
         data = [{c: _json_value(v) for c, v in zip(columns, row)} for row in rows]
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
@@ -96,8 +102,9 @@ def render(columns: list[str], rows: list[tuple], fmt: Format = Format.table, *,
             table.add_row(*cells)
         stdout.print(table)
     if truncated:
-        stderr.print(Text(f"truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows",
-                          style="yellow"))
+        stderr.print(
+            Text(f"truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows", style="yellow")
+        )
 
 
 def render_record(record: dict, fmt: Format = Format.table, *, title: str | None = None) -> None:
@@ -109,12 +116,13 @@ def render_record(record: dict, fmt: Format = Format.table, *, title: str | None
         render(["field", "value"], [(k, v) for k, v in record.items()], fmt, title=title)
 
 
-def merge_intervals(columns: list[str], rows: list[tuple], keep: list[str] | None = None) -> tuple[list[str], list[tuple]]:
+def merge_intervals(
+    columns: list[str], rows: list[tuple], keep: list[str] | None = None
+) -> tuple[list[str], list[tuple]]:
     """For tables: ``x``, ``x_lo``, ``x_hi`` become one cell "x [lo, hi]"; ``keep``: the columns
     to show (others dropped), in order."""
     index = {c: i for i, c in enumerate(columns)}
-    shown = [c for c in (keep or columns) if c in index and not (
-        c.endswith(("_lo", "_hi")) and c[:-3] in index)]
+    shown = [c for c in (keep or columns) if c in index and not (c.endswith(("_lo", "_hi")) and c[:-3] in index)]
     out_rows = []
     for row in rows:
         cells = []
@@ -129,8 +137,15 @@ def merge_intervals(columns: list[str], rows: list[tuple], keep: list[str] | Non
     return shown, out_rows
 
 
-def render_metrics(columns: list[str], rows: list[tuple], fmt: Format, *, title: str | None = None,
-                   table_columns: list[str] | None = None, note: str | None = None) -> None:
+def render_metrics(
+    columns: list[str],
+    rows: list[tuple],
+    fmt: Format,
+    *,
+    title: str | None = None,
+    table_columns: list[str] | None = None,
+    note: str | None = None,
+) -> None:
     """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
     default) with intervals folded into their cells, and ``note`` (what a lift is measured
     against) printed under it."""
@@ -142,9 +157,13 @@ def render_metrics(columns: list[str], rows: list[tuple], fmt: Format, *, title:
     if note:
         stdout.print(note, style="dim", highlight=False, markup=False)
     if any(c.endswith("_lo") for c in columns):
-        stdout.print("[a, b]: 95% interval, delete-one-group jackknife over 16 replicate groups of windows "
-                     "(SPEC §5b); it covers the sampling of windows, not the choice of model or parameters.",
-                     style="dim", highlight=False, markup=False)
+        stdout.print(
+            "[a, b]: 95% interval, delete-one-group jackknife over 16 replicate groups of windows "
+            "(SPEC §5b); it covers the sampling of windows, not the choice of model or parameters.",
+            style="dim",
+            highlight=False,
+            markup=False,
+        )
 
 
 def sparkline(values: list[float], *, top: float | None = None) -> str:

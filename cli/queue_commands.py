@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import Optional
 
 import typer
 
@@ -41,11 +40,24 @@ def _settings(**overrides):
 
 
 def submit(
-    corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory or a glob (readable by the submitter only)."),
-    name: Optional[str] = options.Name,
-    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="As for analyze; every worker must have the same model [env HEADATLAS_MODEL]."),
+    corpus: str = typer.Argument(
+        ..., help="A .txt/.jsonl/.csv file, a directory or a glob (readable by the submitter only)."
+    ),
+    name: str | None = options.Name,
+    model: str = typer.Option(
+        SETTINGS.model,
+        "--model",
+        "-m",
+        help="As for analyze; every worker must have the same model [env HEADATLAS_MODEL].",
+    ),
     dtype: str = options.Dtype,
-    batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch (one task each) [env HEADATLAS_BATCH_SIZE]."),
+    batch_size: int = typer.Option(
+        SETTINGS.batch_size,
+        "--batch-size",
+        "-b",
+        min=1,
+        help="Windows per batch (one task each) [env HEADATLAS_BATCH_SIZE].",
+    ),
     seq_len: int = options.SeqLen,
     windowing: str = options.Windowing,
     sentences: str = options.Sentences,
@@ -74,21 +86,44 @@ def submit(
         from headatlas.service.errors import CorpusError
 
         raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
-    params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
-                          include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
-                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows,
-                          csm_bin=csm_bin)
+    params = build_params(
+        seq_len=seq_len,
+        windowing=windowing,
+        sentences=sentences,
+        select=select,
+        gate=gate,
+        include_special=include_special,
+        vectors=vectors,
+        short_range=short_range,
+        dtype=dtype,
+        attribution=attribution,
+        mixing=mixing,
+        attribution_windows=attribution_windows,
+        csm_bin=csm_bin,
+    )
     settings = _settings(db=db, broker_url=broker)
     # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
     check_model_spec(model, seq_len=params.seq_len, memory="total")
-    sub = submit_corpus(corpus, settings=settings, model=model, dtype=dtype, params=params, batch_size=batch_size,
-                        name=name, text_field=text_field, encoding=encoding, writer_wait_s=writer_wait,
-                        log=lambda msg: stderr.print(msg))
+    sub = submit_corpus(
+        corpus,
+        settings=settings,
+        model=model,
+        dtype=dtype,
+        params=params,
+        batch_size=batch_size,
+        name=name,
+        text_field=text_field,
+        encoding=encoding,
+        writer_wait_s=writer_wait,
+        log=lambda msg: stderr.print(msg),
+    )
     if sub.status == "done":
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: nothing queued")
     else:
-        stderr.print(f"run {sub.name}: {sub.batches:,} batches of up to {sub.batch_size} windows ({sub.windows:,} windows); "
-                     f"queued {sub.queued:,}, {sub.skipped:,} already stored or queued")
+        stderr.print(
+            f"run {sub.name}: {sub.batches:,} batches of up to {sub.batch_size} windows ({sub.windows:,} windows); "
+            f"queued {sub.queued:,}, {sub.skipped:,} already stored or queued"
+        )
     if sub.run_id is None:
         stderr.print("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
     if wait and sub.status != "done":
@@ -99,14 +134,29 @@ def submit(
 def _wait(settings, sub) -> None:
     """Progress as the database holds it: batches its writer has committed, until the database
     says the run ended and nothing of it is in flight any more."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from headatlas.workers.ledger import Ledger, connect
 
     ledger = Ledger(connect(settings.broker_url), sub.database_id)
     started, base = time.monotonic(), ledger.windows_done(sub.run_key)
-    columns = [TextColumn("batches"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[failed]} failed"),
-               TextColumn("{task.fields[rate]:.1f} windows/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("batches"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TextColumn("{task.fields[rate]:.1f} windows/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=stderr) as bar:
         task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
         while True:
@@ -122,7 +172,9 @@ def _wait(settings, sub) -> None:
 
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
     if live.failed:
-        stderr.print(f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again")
+        stderr.print(
+            f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again"
+        )
 
 
 def _check_writer(ledger, sub, settings) -> None:
@@ -143,8 +195,16 @@ def _check_writer(ledger, sub, settings) -> None:
 
 def worker(
     queues: str = typer.Option("analysis", "--queues", "-Q", help="Queues to consume, comma-separated."),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", min=1, help="CPU: processes sharing the cores (default 1). GPU: ignored, one process per GPU."),
-    device: str = typer.Option(SETTINGS.device, "--device", help="auto (every GPU, else CPU), cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
+    concurrency: int | None = typer.Option(
+        None,
+        "--concurrency",
+        "-c",
+        min=1,
+        help="CPU: processes sharing the cores (default 1). GPU: ignored, one process per GPU.",
+    ),
+    device: str = typer.Option(
+        SETTINGS.device, "--device", help="auto (every GPU, else CPU), cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."
+    ),
     broker: str = BrokerOpt,
     loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
 ) -> None:
@@ -155,8 +215,11 @@ def worker(
     run_worker(queues=queues, concurrency=concurrency, device=device, loglevel=loglevel)
 
 
-def writer(db: str = DbOpt, broker: str = BrokerOpt,
-           loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")) -> None:
+def writer(
+    db: str = DbOpt,
+    broker: str = BrokerOpt,
+    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning)."),
+) -> None:
     """Run the database writer: the one process that stores queued runs' results (run one per database)."""
     import logging
 
@@ -167,8 +230,12 @@ def writer(db: str = DbOpt, broker: str = BrokerOpt,
     run_writer()
 
 
-def status(run: Optional[str] = typer.Argument(None, help="Run id or name (default: the latest run)."),
-           db: str = DbOpt, broker: str = BrokerOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
+def status(
+    run: str | None = typer.Argument(None, help="Run id or name (default: the latest run)."),
+    db: str = DbOpt,
+    broker: str = BrokerOpt,
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
     from headatlas.service.errors import BrokerError
     from headatlas.workers.ledger import connect
@@ -189,8 +256,12 @@ def status(run: Optional[str] = typer.Argument(None, help="Run id or name (defau
     render_record(state.record() if fmt == Format.json else dict(state.rows()), fmt)
 
 
-def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOpt, broker: str = BrokerOpt,
-          writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer.")) -> None:
+def retry(
+    run: str = typer.Argument(..., help="Run id or name."),
+    db: str = DbOpt,
+    broker: str = BrokerOpt,
+    writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer."),
+) -> None:
     """Queue the failed batches of a run again, with a fresh attempt count."""
     from headatlas.service.errors import CorpusError
     from headatlas.service.params import AnalysisParams
@@ -214,9 +285,18 @@ def retry(run: str = typer.Argument(..., help="Run id or name."), db: str = DbOp
     ledger.send_to_writer("reopen", run_key=found.run_key)
     params = AnalysisParams.from_dict(found.params)
     try:
-        sub = submit_corpus(found.corpus, settings=settings, model=found.model, dtype=params.dtype, params=params,
-                            batch_size=plan.batch_size, name=found.name, writer_wait_s=writer_wait, only=set(failed),
-                            expect_key=found.run_key)
+        sub = submit_corpus(
+            found.corpus,
+            settings=settings,
+            model=found.model,
+            dtype=params.dtype,
+            params=params,
+            batch_size=plan.batch_size,
+            name=found.name,
+            writer_wait_s=writer_wait,
+            only=set(failed),
+            expect_key=found.run_key,
+        )
     except CorpusError as exc:
         raise CorpusError(f"{exc} (retry re-reads the corpus of run {found.run_id} from {found.corpus})") from None
     stdout.print(f"run {found.run_id} ({found.name}): {sub.queued} failed batch(es) queued again")

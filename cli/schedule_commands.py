@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -32,7 +31,7 @@ def _settings(db: str, broker: str | None = None) -> Settings:
     return export(db=db, broker_url=broker)
 
 
-def _cadence(cron: Optional[str], every: Optional[str], tz: str):
+def _cadence(cron: str | None, every: str | None, tz: str):
     from headatlas.service.schedules import Cadence, parse_every
 
     return Cadence(cron, parse_every(every) if every is not None else None, tz)
@@ -51,8 +50,18 @@ def _corpus(spec: str) -> str:
 
 
 def _show(sched) -> list[tuple]:
-    return [(sched.name, "on" if sched.enabled else "paused", sched.cadence.describe(),
-             "yes" if sched.only_new else "no", sched.model, sched.corpus, sched.last_fire, sched.next_fire)]
+    return [
+        (
+            sched.name,
+            "on" if sched.enabled else "paused",
+            sched.cadence.describe(),
+            "yes" if sched.only_new else "no",
+            sched.model,
+            sched.corpus,
+            sched.last_fire,
+            sched.next_fire,
+        )
+    ]
 
 
 SHOW_COLUMNS = ["name", "state", "when", "only_new", "model", "corpus", "last_fire_utc", "next_fire_utc"]
@@ -77,14 +86,22 @@ def _check_name(name: str) -> str:
 @schedule_app.command("add")
 def schedule_add(
     name: str = NameArg,
-    corpus: str = typer.Option(..., "--corpus", help="A .txt/.jsonl/.csv file, a directory or a glob (read by beat at each fire)."),
-    cron: Optional[str] = typer.Option(None, "--cron", help='Cron expression in --timezone, e.g. "0 3 * * *".'),
-    every: Optional[str] = typer.Option(None, "--every", help="Interval instead of --cron: 45s, 30m, 6h, 1d."),
+    corpus: str = typer.Option(
+        ..., "--corpus", help="A .txt/.jsonl/.csv file, a directory or a glob (read by beat at each fire)."
+    ),
+    cron: str | None = typer.Option(None, "--cron", help='Cron expression in --timezone, e.g. "0 3 * * *".'),
+    every: str | None = typer.Option(None, "--every", help="Interval instead of --cron: 45s, 30m, 6h, 1d."),
     timezone: str = typer.Option("UTC", "--timezone", help="IANA time zone of the cron expression."),
-    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="Model spec, as for analyze [env HEADATLAS_MODEL]."),
-    only_new: bool = typer.Option(False, "--only-new", help="Each fire analyses only documents no earlier fire of this schedule sent."),
+    model: str = typer.Option(
+        SETTINGS.model, "--model", "-m", help="Model spec, as for analyze [env HEADATLAS_MODEL]."
+    ),
+    only_new: bool = typer.Option(
+        False, "--only-new", help="Each fire analyses only documents no earlier fire of this schedule sent."
+    ),
     dtype: str = options.Dtype,
-    batch_size: int = typer.Option(SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch [env HEADATLAS_BATCH_SIZE]."),
+    batch_size: int = typer.Option(
+        SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch [env HEADATLAS_BATCH_SIZE]."
+    ),
     seq_len: int = options.SeqLen,
     windowing: str = options.Windowing,
     sentences: str = options.Sentences,
@@ -107,25 +124,45 @@ def schedule_add(
 
     _check_name(name)
     cadence = _cadence(cron, every, timezone)
-    params = build_params(seq_len=seq_len, windowing=windowing, sentences=sentences, select=select, gate=gate,
-                          vectors=vectors, short_range=short_range, dtype=dtype, include_special=include_special,
-                          attribution=attribution, mixing=mixing, attribution_windows=attribution_windows,
-                          csm_bin=csm_bin)
+    params = build_params(
+        seq_len=seq_len,
+        windowing=windowing,
+        sentences=sentences,
+        select=select,
+        gate=gate,
+        vectors=vectors,
+        short_range=short_range,
+        dtype=dtype,
+        include_special=include_special,
+        attribution=attribution,
+        mixing=mixing,
+        attribution_windows=attribution_windows,
+        csm_bin=csm_bin,
+    )
     check_model_spec(model, seq_len=params.seq_len, memory="total")  # workers load it at each fire
-    sched = schedule_store.add(db, name=name, corpus=_corpus(corpus), model=model, dtype=dtype, batch_size=batch_size,
-                               params=params.to_dict(), cadence=cadence, only_new=only_new)
+    sched = schedule_store.add(
+        db,
+        name=name,
+        corpus=_corpus(corpus),
+        model=model,
+        dtype=dtype,
+        batch_size=batch_size,
+        params=params.to_dict(),
+        cadence=cadence,
+        only_new=only_new,
+    )
     _render_one(sched, fmt)
 
 
 @schedule_app.command("edit")
 def schedule_edit(
     name: str = NameArg,
-    corpus: Optional[str] = typer.Option(None, "--corpus", help="New corpus."),
-    cron: Optional[str] = typer.Option(None, "--cron", help="New cron expression (replaces an interval)."),
-    every: Optional[str] = typer.Option(None, "--every", help="New interval (replaces a cron expression)."),
-    timezone: Optional[str] = typer.Option(None, "--timezone", help="New time zone."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="New model spec."),
-    only_new: Optional[bool] = typer.Option(None, "--only-new/--all", help="Analyse only new documents, or all."),
+    corpus: str | None = typer.Option(None, "--corpus", help="New corpus."),
+    cron: str | None = typer.Option(None, "--cron", help="New cron expression (replaces an interval)."),
+    every: str | None = typer.Option(None, "--every", help="New interval (replaces a cron expression)."),
+    timezone: str | None = typer.Option(None, "--timezone", help="New time zone."),
+    model: str | None = typer.Option(None, "--model", "-m", help="New model spec."),
+    only_new: bool | None = typer.Option(None, "--only-new/--all", help="Analyse only new documents, or all."),
     db: str = DbOpt,
     fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
 ) -> None:
@@ -143,14 +180,23 @@ def schedule_edit(
         with schedule_store.read(db) as conn:
             seq_len = schedule_store.get(conn, name).params.get("seq_len", 128)
         check_model_spec(model, seq_len=seq_len, memory="total")
-    sched = schedule_store.edit(db, name, corpus=_corpus(corpus) if corpus is not None else None, model=model,
-                                only_new=only_new, cron=check_cron(cron) if cron is not None else None,
-                                every_s=parse_every(every) if every is not None else None, timezone=timezone)
+    sched = schedule_store.edit(
+        db,
+        name,
+        corpus=_corpus(corpus) if corpus is not None else None,
+        model=model,
+        only_new=only_new,
+        cron=check_cron(cron) if cron is not None else None,
+        every_s=parse_every(every) if every is not None else None,
+        timezone=timezone,
+    )
     _render_one(sched, fmt)
 
 
 @schedule_app.command("list")
-def schedule_list(db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
+def schedule_list(
+    db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")
+) -> None:
     """List the schedules: cadence, state, last and next fire (UTC)."""
     from headatlas.service.storage import schedule_store
 
@@ -160,8 +206,11 @@ def schedule_list(db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--f
 
 
 @schedule_app.command("show")
-def schedule_show(name: str = NameArg, db: str = DbOpt,
-                  fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")) -> None:
+def schedule_show(
+    name: str = NameArg,
+    db: str = DbOpt,
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+) -> None:
     """A schedule and its fires, each with its run (id, name, status)."""
     from headatlas.service.storage import schedule_store
 
@@ -228,9 +277,12 @@ def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerO
     stdout.print(result.run_name)
 
 
-def beat(db: str = DbOpt, broker: str = BrokerOpt,
-         tick: float = typer.Option(1.0, "--tick", min=0.1, help="Seconds between two reads of the schedules."),
-         loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")) -> None:
+def beat(
+    db: str = DbOpt,
+    broker: str = BrokerOpt,
+    tick: float = typer.Option(1.0, "--tick", min=0.1, help="Seconds between two reads of the schedules."),
+    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning)."),
+) -> None:
     """Fire due schedules: submit their runs to the queue (run one; a second one creates no duplicate run)."""
     from headatlas.workers.beat import Beat
 
@@ -242,10 +294,14 @@ def beat(db: str = DbOpt, broker: str = BrokerOpt,
 
 def query_trend(
     schedule: str = typer.Option(..., "--schedule", help="Schedule name."),
-    metric: str = typer.Option("within_sentence", "--metric", help="within_sentence, repetition, mean_distance, noise_share, …"),
-    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="One layer (0-based); default: the mean over layers."),
-    head: Optional[int] = typer.Option(None, "--head", help="One head of --layer (0-based)."),
-    ci: bool = typer.Option(False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."),
+    metric: str = typer.Option(
+        "within_sentence", "--metric", help="within_sentence, repetition, mean_distance, noise_share, …"
+    ),
+    layer: int | None = typer.Option(None, "--layer", "-l", help="One layer (0-based); default: the mean over layers."),
+    head: int | None = typer.Option(None, "--head", help="One head of --layer (0-based)."),
+    ci: bool = typer.Option(
+        False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."
+    ),
     db: str = DbOpt,
     fmt: Format = options.Fmt,
 ) -> None:
@@ -256,9 +312,20 @@ def query_trend(
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, schedule)
         columns, rows = queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head, ci=ci)
-    what = f"layer {layer} head {head}" if head is not None else f"layer {layer}" if layer is not None else "mean over layers"
-    render_metrics(columns, rows, fmt, title=f"schedule {schedule}: {metric}, {what}",
-                   note=queries.LIFT_NOTE if "lift" in metric else None)
+    what = (
+        f"layer {layer} head {head}"
+        if head is not None
+        else f"layer {layer}"
+        if layer is not None
+        else "mean over layers"
+    )
+    render_metrics(
+        columns,
+        rows,
+        fmt,
+        title=f"schedule {schedule}: {metric}, {what}",
+        note=queries.LIFT_NOTE if "lift" in metric else None,
+    )
     if fmt == Format.table and rows:
         values = [r[columns.index(metric)] for r in rows]
         clean = [v for v in values if v is not None]

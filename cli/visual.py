@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -51,20 +50,39 @@ def register(app: typer.Typer) -> None:
 
 # --- inspect ----------------------------------------------------------------------------------
 def inspect(
-    text: Optional[str] = typer.Argument(None, help="The text to look at, or - to read it from stdin."),
-    file: Optional[Path] = typer.Option(None, "--file", help="Read the text from a .txt/.jsonl/.csv file (its first document)."),
+    text: str | None = typer.Argument(None, help="The text to look at, or - to read it from stdin."),
+    file: Path | None = typer.Option(
+        None, "--file", help="Read the text from a .txt/.jsonl/.csv file (its first document)."
+    ),
     out: Path = FigureOut,
-    layer: Optional[int] = typer.Option(None, "--layer", "-l", help="Layer (0-based); alone: a grid of that layer's heads."),
-    head: Optional[int] = typer.Option(None, "--head", help="Head (0-based, needs --layer): its CSM and attention map side by side."),
+    layer: int | None = typer.Option(
+        None, "--layer", "-l", help="Layer (0-based); alone: a grid of that layer's heads."
+    ),
+    head: int | None = typer.Option(
+        None, "--head", help="Head (0-based, needs --layer): its CSM and attention map side by side."
+    ),
     matrix: Matrix = typer.Option(Matrix.csm, "--matrix", help="What the grid shows when no --head is given."),
-    model: str = typer.Option(SETTINGS.model, "--model", "-m", help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:SHAPE [env HEADATLAS_MODEL]."),
+    model: str = typer.Option(
+        SETTINGS.model,
+        "--model",
+        "-m",
+        help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:SHAPE [env HEADATLAS_MODEL].",
+    ),
     device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Tokens of the window, [CLS] and [SEP] included (longer text is cut)."),
-    select: str = typer.Option("top:0.02", "--select", help="High-similarity set marked on the CSM: top:Q, ratio:R or topk:K."),
+    seq_len: int = typer.Option(
+        128, "--seq-len", help="Tokens of the window, [CLS] and [SEP] included (longer text is cut)."
+    ),
+    select: str = typer.Option(
+        "top:0.02", "--select", help="High-similarity set marked on the CSM: top:Q, ratio:R or topk:K."
+    ),
     sentences: str = SentencesOpt,
     vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
-    include_special: bool = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."),
-    text_field: str = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text (with --file)."),
+    include_special: bool = typer.Option(
+        False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."
+    ),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="JSONL field / CSV column holding the text (with --file)."
+    ),
     encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of --file."),
     dpi: int = DpiOpt,
 ) -> None:
@@ -89,8 +107,9 @@ def inspect(
         body = read_text_file(str(file), text_field=text_field, encoding=encoding)
     else:
         body = sys.stdin.read() if text == "-" else text
-    params = build_params(seq_len=seq_len, sentences=sentences, select=select, vectors=vectors,
-                          include_special=include_special)
+    params = build_params(
+        seq_len=seq_len, sentences=sentences, select=select, vectors=vectors, include_special=include_special
+    )
     from headatlas.service.model import load_model
     from headatlas.service.model_check import check_loaded, check_model_spec
 
@@ -106,12 +125,14 @@ def inspect(
         fig = matrix_plots.figure_grid(result, layer=layer, matrix=matrix.value)
     path = plots.save(fig, out, dpi=dpi)
     if result.truncated:
-        stderr.print(f"note: the text is longer than one window; showing its first {len(result.tokens)} tokens (--seq-len)")
+        stderr.print(
+            f"note: the text is longer than one window; showing its first {len(result.tokens)} tokens (--seq-len)"
+        )
     _wrote(path, fig, dpi)
 
 
 # --- plot -------------------------------------------------------------------------------------
-def _plot(kind: str, run: Optional[str], db: str, out: Path, dpi: int, **options) -> None:
+def _plot(kind: str, run: str | None, db: str, out: Path, dpi: int, **options) -> None:
     from headatlas.service import plots
     from headatlas.service.storage.store import Store, resolve_run
 
@@ -124,8 +145,12 @@ def _plot(kind: str, run: Optional[str], db: str, out: Path, dpi: int, **options
 
 @plot_app.command("distances")
 def plot_distances(
-    run: Optional[str] = RunOpt,
-    split: Optional[str] = typer.Option(None, "--split", help="attended: the profiles of attended (signal) and not-attended (noise) pairs, each against chance."),
+    run: str | None = RunOpt,
+    split: str | None = typer.Option(
+        None,
+        "--split",
+        help="attended: the profiles of attended (signal) and not-attended (noise) pairs, each against chance.",
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -140,8 +165,12 @@ def plot_distances(
 
 @plot_app.command("boundaries")
 def plot_boundaries(
-    run: Optional[str] = RunOpt,
-    by_distance: bool = typer.Option(False, "--by-distance", help="The within-sentence share of the high-similarity pairs at each token distance, one line per layer, against the share of all pairs at that distance sharing a sentence."),
+    run: str | None = RunOpt,
+    by_distance: bool = typer.Option(
+        False,
+        "--by-distance",
+        help="The within-sentence share of the high-similarity pairs at each token distance, one line per layer, against the share of all pairs at that distance sharing a sentence.",
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -152,8 +181,12 @@ def plot_boundaries(
 
 @plot_app.command("heads")
 def plot_heads(
-    run: Optional[str] = RunOpt,
-    metric: str = typer.Option("within_sentence_lift", "--metric", help="Any numeric column of `headatlas query heads` (e.g. repetition_lift, mean_distance, noise_share, attn_to_punct)."),
+    run: str | None = RunOpt,
+    metric: str = typer.Option(
+        "within_sentence_lift",
+        "--metric",
+        help="Any numeric column of `headatlas query heads` (e.g. repetition_lift, mean_distance, noise_share, attn_to_punct).",
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -168,17 +201,23 @@ def plot_heads(
 
 
 @plot_app.command("layers")
-def plot_layers(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+def plot_layers(run: str | None = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The layer progression: one small panel per measure of `headatlas query layers`."""
     _plot("layers", run, db, out, dpi)
 
 
 @plot_app.command("csm")
 def plot_csm(
-    run: Optional[str] = RunOpt,
+    run: str | None = RunOpt,
     layer: int = typer.Option(..., "--layer", "-l", help="Layer (0-based); alone: a grid of that layer's heads."),
-    head: Optional[int] = typer.Option(None, "--head", help="Head (0-based): its mean similarity matrix and where its attended and noise pairs fall."),
-    kind: str = typer.Option("all", "--kind", help="What the grid of heads shows: all (mean C), attended or noise (share of each cell's pairs)."),
+    head: int | None = typer.Option(
+        None, "--head", help="Head (0-based): its mean similarity matrix and where its attended and noise pairs fall."
+    ),
+    kind: str = typer.Option(
+        "all",
+        "--kind",
+        help="What the grid of heads shows: all (mean C), attended or noise (share of each cell's pairs).",
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -195,8 +234,12 @@ def plot_csm(
 
 @plot_app.command("mixing")
 def plot_mixing(
-    run: Optional[str] = RunOpt,
-    method: list[str] = typer.Option([], "--method", help="attention, attribution, rollout, norm or alti (repeat; default: every method the run holds)."),
+    run: str | None = RunOpt,
+    method: list[str] = typer.Option(
+        [],
+        "--method",
+        help="attention, attribution, rollout, norm or alti (repeat; default: every method the run holds).",
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -213,8 +256,10 @@ def plot_mixing(
 
 @plot_app.command("discrepancy")
 def plot_discrepancy(
-    run: Optional[str] = RunOpt,
-    method: str = typer.Option("attribution", "--method", help="The method set against attention: attribution, rollout, norm or alti."),
+    run: str | None = RunOpt,
+    method: str = typer.Option(
+        "attribution", "--method", help="The method set against attention: attribution, rollout, norm or alti."
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -230,7 +275,7 @@ def plot_discrepancy(
 
 
 @plot_app.command("atlas")
-def plot_atlas(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
+def plot_atlas(run: str | None = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7)."""
     from headatlas.service import atlas_plots, plots
     from headatlas.service.storage.store import Store, resolve_run
@@ -244,9 +289,15 @@ def plot_atlas(run: Optional[str] = RunOpt, out: Path = FigureOut, db: str = DbO
 @plot_app.command("compare")
 def plot_compare(
     run_a: str = typer.Argument(..., help="Run A: id or name."),
-    run_b: Optional[str] = typer.Argument(None, help="Run B: id or name (default: run A's random-weights control)."),
-    metric: list[str] = typer.Option([], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."),
-    heat_metric: Optional[str] = typer.Option(None, "--heat-metric", help="Metric of the per-head A − B heat map (default: the first --metric); runs of one shape only."),
+    run_b: str | None = typer.Argument(None, help="Run B: id or name (default: run A's random-weights control)."),
+    metric: list[str] = typer.Option(
+        [], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."
+    ),
+    heat_metric: str | None = typer.Option(
+        None,
+        "--heat-metric",
+        help="Metric of the per-head A − B heat map (default: the first --metric); runs of one shape only.",
+    ),
     out: Path = FigureOut,
     db: str = DbOpt,
     dpi: int = DpiOpt,
@@ -261,16 +312,20 @@ def plot_compare(
         a = resolve_run(conn, run_a)
         b = resolve_run(conn, run_b) if run_b is not None else compare.control_of(conn, a)
         if b is None:
-            raise ParameterError(f"plot compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
-                                 "or analyse again with --control")
+            raise ParameterError(
+                f"plot compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
+                "or analyse again with --control"
+            )
         fig = atlas_plots.run_compare(conn, a, b, metrics=metric or None, heat_metric=heat_metric)
     _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
 
 
 # --- report and export ------------------------------------------------------------------------
 def report(
-    run: Optional[str] = RunArg,
-    out: Path = typer.Option(Path("report.html"), "--out", "-o", help="Output HTML file (self-contained); a folder gets report.html in it."),
+    run: str | None = RunArg,
+    out: Path = typer.Option(
+        Path("report.html"), "--out", "-o", help="Output HTML file (self-contained); a folder gets report.html in it."
+    ),
     db: str = DbOpt,
 ) -> None:
     """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""
@@ -284,7 +339,7 @@ def report(
 
 
 def export(
-    run: Optional[str] = RunArg,
+    run: str | None = RunArg,
     fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", "-f", help="parquet or csv."),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (created; files in it are replaced)."),
     db: str = DbOpt,

@@ -28,8 +28,15 @@ from headatlas.service.windows import Batch, TokenClasses, collate
 # One set of scratch buffers per device and process, reused by every batch.
 _WORKSPACES: dict[str, Workspace] = {}
 
-INT_SUMS = {"high_pairs", "same_sentence_high", "same_token_high", "attended_high", "same_word_high",
-            "anchor_frequent", "anchored_windows"}
+INT_SUMS = {
+    "high_pairs",
+    "same_sentence_high",
+    "same_token_high",
+    "attended_high",
+    "same_word_high",
+    "anchor_frequent",
+    "anchored_windows",
+}
 ANCHOR_SUMS = ("anchor_frequent", "anchored_windows")  # from the anchors, after the forward pass
 
 
@@ -42,8 +49,10 @@ def _on_device(model: LoadedModel, batch: Batch) -> tuple[torch.Tensor, torch.Te
     """The batch's ids and mask on the model's device, moved once (pinned for an async copy)."""
     if model.device.type == "cpu":
         return batch.input_ids, batch.attention_mask
-    return (batch.input_ids.pin_memory().to(model.device, non_blocking=True),
-            batch.attention_mask.pin_memory().to(model.device, non_blocking=True))
+    return (
+        batch.input_ids.pin_memory().to(model.device, non_blocking=True),
+        batch.attention_mask.pin_memory().to(model.device, non_blocking=True),
+    )
 
 
 def batch_sentences(model: LoadedModel, batch: Batch, params: AnalysisParams) -> torch.Tensor | None:
@@ -108,8 +117,15 @@ def analyze_batch(
             w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
             z = head_vectors(context, model.n_heads, w_o)
             per_layer.append(
-                head_statistics(z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len,
-                                csm_bin=params.csm_bin)
+                head_statistics(
+                    z,
+                    attn,
+                    feats,
+                    select=params.select,
+                    gate=params.gate,
+                    seq_len=params.seq_len,
+                    csm_bin=params.csm_bin,
+                )
             )
 
     with torch.inference_mode(), model.autocast(), capture_attention(model.model, on_layer=summarise):
@@ -140,11 +156,23 @@ def analyze_batch(
 
         sub_ids, sub_mask = batch.input_ids[:mixed], batch.attention_mask[:mixed]
         with torch.inference_mode():
-            sub_feats = window_features(sub_ids.to(model.device), sub_mask.to(model.device), tokens,
-                                        include_special=params.include_special,
-                                        sentence=None if sentence is None else sentence[:mixed])
-        mixing = mixing_sums(model, sub_ids, sub_mask, sub_feats, methods=params.mixing,
-                             attribution=params.attribution, seq_len=params.seq_len, chunk_size=attribution_chunk)
+            sub_feats = window_features(
+                sub_ids.to(model.device),
+                sub_mask.to(model.device),
+                tokens,
+                include_special=params.include_special,
+                sentence=None if sentence is None else sentence[:mixed],
+            )
+        mixing = mixing_sums(
+            model,
+            sub_ids,
+            sub_mask,
+            sub_feats,
+            methods=params.mixing,
+            attribution=params.attribution,
+            seq_len=params.seq_len,
+            chunk_size=attribution_chunk,
+        )
         mixed_rows = int(sub_mask.sum())
     return BatchResult(
         window_ids=batch.window_ids,
@@ -187,9 +215,18 @@ class OomSplitter:
     def __init__(self) -> None:
         self.max_windows: int | None = None
 
-    def analyze(self, model: LoadedModel, batch: Batch, params: AnalysisParams, tokens: TokenClasses,
-                documents: list[dict], *, pad_id: int, mixing_windows: int | None = None,
-                attribution_chunk: int = 2048) -> list[BatchResult]:
+    def analyze(
+        self,
+        model: LoadedModel,
+        batch: Batch,
+        params: AnalysisParams,
+        tokens: TokenClasses,
+        documents: list[dict],
+        *,
+        pad_id: int,
+        mixing_windows: int | None = None,
+        attribution_chunk: int = 2048,
+    ) -> list[BatchResult]:
         """``mixing_windows``: how many of the batch's first windows get the mixing measures
         (None: all); split batches hand them on in order."""
         windows = batch.windows
@@ -199,19 +236,43 @@ class OomSplitter:
             left = len(windows) if mixing_windows is None else mixing_windows
             for i in range(0, len(windows), size):
                 part = collate(windows[i : i + size], pad_id)
-                results += self.analyze(model, part, params, tokens, documents, pad_id=pad_id,
-                                        mixing_windows=max(0, min(left, len(part.windows))),
-                                        attribution_chunk=attribution_chunk)
+                results += self.analyze(
+                    model,
+                    part,
+                    params,
+                    tokens,
+                    documents,
+                    pad_id=pad_id,
+                    mixing_windows=max(0, min(left, len(part.windows))),
+                    attribution_chunk=attribution_chunk,
+                )
                 left -= len(part.windows)
             return results
         try:
-            return [analyze_batch(model, batch, params, tokens, documents=documents, mixing_windows=mixing_windows,
-                                  attribution_chunk=attribution_chunk)]
+            return [
+                analyze_batch(
+                    model,
+                    batch,
+                    params,
+                    tokens,
+                    documents=documents,
+                    mixing_windows=mixing_windows,
+                    attribution_chunk=attribution_chunk,
+                )
+            ]
         except RuntimeError as exc:
             if not _is_out_of_memory(exc) or len(windows) == 1:
                 raise
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
         self.max_windows = max(1, len(windows) // 2)
-        return self.analyze(model, batch, params, tokens, documents, pad_id=pad_id, mixing_windows=mixing_windows,
-                            attribution_chunk=attribution_chunk)
+        return self.analyze(
+            model,
+            batch,
+            params,
+            tokens,
+            documents,
+            pad_id=pad_id,
+            mixing_windows=mixing_windows,
+            attribution_chunk=attribution_chunk,
+        )

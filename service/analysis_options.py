@@ -5,15 +5,35 @@ from __future__ import annotations
 from headatlas.service.params import AnalysisParams, Selection
 
 
-def build_params(*, seq_len: int = 128, windowing: str = "chunks", select: str = "top:0.02", gate: float = 4.0,
-                 include_special: bool = False, vectors: str = "pre_wo", short_range: int = 4,
-                 dtype: str = "float32", sentences: str = "segmenter", attribution: bool = False,
-                 mixing: list[str] | tuple[str, ...] = (), attribution_windows: int = 256,
-                 csm_bin: int = 8) -> AnalysisParams:
+def build_params(
+    *,
+    seq_len: int = 128,
+    windowing: str = "chunks",
+    select: str = "top:0.02",
+    gate: float = 4.0,
+    include_special: bool = False,
+    vectors: str = "pre_wo",
+    short_range: int = 4,
+    dtype: str = "float32",
+    sentences: str = "segmenter",
+    attribution: bool = False,
+    mixing: list[str] | tuple[str, ...] = (),
+    attribution_windows: int = 256,
+    csm_bin: int = 8,
+) -> AnalysisParams:
     return AnalysisParams(
-        seq_len=seq_len, windowing=windowing, sentences=sentences, select=Selection.parse(select), gate=gate,
-        include_special=include_special, vectors=vectors, short_range=short_range, dtype=dtype,
-        attribution=attribution, mixing=parse_mixing(mixing), attribution_windows=attribution_windows,
+        seq_len=seq_len,
+        windowing=windowing,
+        sentences=sentences,
+        select=Selection.parse(select),
+        gate=gate,
+        include_special=include_special,
+        vectors=vectors,
+        short_range=short_range,
+        dtype=dtype,
+        attribution=attribution,
+        mixing=parse_mixing(mixing),
+        attribution_windows=attribution_windows,
         csm_bin=csm_bin,
     )
 

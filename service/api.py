@@ -14,9 +14,10 @@ notebook never holds the file's lock between cells.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 
@@ -29,14 +30,15 @@ def table(columns: list[str], rows: list[tuple]) -> pa.Table:
     return pa.table({c: pa.array([r[i] for r in rows]) for i, c in enumerate(columns)})
 
 
-def connect(db: str | Path | None = None) -> "Atlas":
+def connect(db: str | Path | None = None) -> Atlas:
     """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``)."""
     from headatlas.service.config import Settings
 
     path = Path(db if db is not None else Settings.from_env().db)
     if not path.exists():
-        raise ParameterError(f"no database at {path}: analyse a corpus first (headatlas.analyze or "
-                             "`headatlas analyze CORPUS --db PATH`)")
+        raise ParameterError(
+            f"no database at {path}: analyse a corpus first (headatlas.analyze or `headatlas analyze CORPUS --db PATH`)"
+        )
     return Atlas(Store(path))
 
 
@@ -51,7 +53,7 @@ class Atlas:
         columns = list(rows[0]) if rows else ["run_id", "name", "status", "model", "corpus", "windows"]
         return table(columns, [tuple(r[c] for c in columns) for r in rows])
 
-    def run(self, ref: str | int | None = None) -> "RunView":
+    def run(self, ref: str | int | None = None) -> RunView:
         """A run by id or name; the latest when ``ref`` is None."""
         return RunView(self.store, self.store.get_run(ref))
 
@@ -83,8 +85,9 @@ class RunView:
             resolve_run(conn, self.run.run_id)  # still there
             return table(*query(conn, self.run.run_id, **kwargs))
 
-    def heads(self, *, layer: int | None = None, sort: str | None = None, top: int | None = None,
-              ci: bool = False) -> pa.Table:
+    def heads(
+        self, *, layer: int | None = None, sort: str | None = None, top: int | None = None, ci: bool = False
+    ) -> pa.Table:
         """Per head: every metric of ``headatlas query heads`` (with ``_lo``/``_hi`` when ``ci``)."""
         from headatlas.service import queries
 
@@ -121,24 +124,35 @@ class RunView:
 
     def _check(self, layer: int | None, head: int | None = None) -> None:
         if layer is not None and not 0 <= layer < self.run.n_layers:
-            raise ParameterError(f"layer {layer}: run {self.run.run_id} has layers 0..{self.run.n_layers - 1} (0-based)")
+            raise ParameterError(
+                f"layer {layer}: run {self.run.run_id} has layers 0..{self.run.n_layers - 1} (0-based)"
+            )
         if head is not None and not 0 <= head < self.run.n_heads:
             raise ParameterError(f"head {head}: run {self.run.run_id} has heads 0..{self.run.n_heads - 1} (0-based)")
 
 
-def analyze(corpus: str | Path, *, db: str | Path | None = None, model: str = "default", name: str | None = None,
-            device: str = "auto", batch_size: int = 32, text_field: str = "text", encoding: str = "utf-8",
-            **options: Any) -> RunView:
+def analyze(
+    corpus: str | Path,
+    *,
+    db: str | Path | None = None,
+    model: str = "default",
+    name: str | None = None,
+    device: str = "auto",
+    batch_size: int = 32,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    **options: Any,
+) -> RunView:
     """Analyse a corpus in this process (the embedded engine of ``headatlas analyze``) and return
     the stored run. ``options``: the analysis options by their Python names (``seq_len``,
     ``select``, ``gate``, ``sentences``, ``dtype``, …; see docs/SPEC.md). Resumes an unfinished
     run with the same corpus, model and options."""
+    import inspect
+
     from headatlas.service.analysis_options import build_params
     from headatlas.service.config import Settings
     from headatlas.service.model import load_model
     from headatlas.service.runner import analyze_corpus, survey_corpus
-
-    import inspect
 
     known = set(inspect.signature(build_params).parameters)
     unknown = sorted(set(options) - known)
@@ -148,6 +162,15 @@ def analyze(corpus: str | Path, *, db: str | Path | None = None, model: str = "d
     store = Store(Path(db if db is not None else Settings.from_env().db))
     summary = survey_corpus(str(corpus), text_field=text_field, encoding=encoding)
     loaded = load_model(model, device=device, dtype=params.dtype)
-    run = analyze_corpus(str(corpus), store=store, model=loaded, params=params, corpus=summary, name=name,
-                         batch_size=batch_size, text_field=text_field, encoding=encoding)
+    run = analyze_corpus(
+        str(corpus),
+        store=store,
+        model=loaded,
+        params=params,
+        corpus=summary,
+        name=name,
+        batch_size=batch_size,
+        text_field=text_field,
+        encoding=encoding,
+    )
     return RunView(store, run)

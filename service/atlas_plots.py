@@ -18,13 +18,28 @@ from headatlas.service.errors import ParameterError
 from headatlas.service.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
 
 ROLE_COLOURS = {
-    "previous-token": "#1f77b4", "next-token": "#17becf", "repetition": "#d62728", "sentence-bound": "#2ca02c",
-    "punctuation": "#9467bd", "local": "#ff7f0e", "[CLS] sink": "#8c564b", "[SEP] sink": "#e377c2",
-    "broad": "#bcbd22", roles.NONE: "#e4e4e4",
+    "previous-token": "#1f77b4",
+    "next-token": "#17becf",
+    "repetition": "#d62728",
+    "sentence-bound": "#2ca02c",
+    "punctuation": "#9467bd",
+    "local": "#ff7f0e",
+    "[CLS] sink": "#8c564b",
+    "[SEP] sink": "#e377c2",
+    "broad": "#bcbd22",
+    roles.NONE: "#e4e4e4",
 }
 ROLE_CODES = {
-    "previous-token": "P", "next-token": "N", "repetition": "R", "sentence-bound": "S", "punctuation": ".",
-    "local": "L", "[CLS] sink": "C", "[SEP] sink": "E", "broad": "B", roles.NONE: "",
+    "previous-token": "P",
+    "next-token": "N",
+    "repetition": "R",
+    "sentence-bound": "S",
+    "punctuation": ".",
+    "local": "L",
+    "[CLS] sink": "C",
+    "[SEP] sink": "E",
+    "broad": "B",
+    roles.NONE: "",
 }
 ATLAS_ROLES = (*roles.ROLE_ORDER, roles.NONE)
 
@@ -60,8 +75,16 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
         label = "".join(ROLE_CODES[c] for c in codes)
         if label:
             dark = grid[l][h] in ("previous-token", "repetition", "sentence-bound", "punctuation", "[CLS] sink")
-            ax.text(h, l, label, ha="center", va="center", fontsize=8 if n_heads <= 16 else 6,
-                    color="white" if dark else "black", fontweight="bold")
+            ax.text(
+                h,
+                l,
+                label,
+                ha="center",
+                va="center",
+                fontsize=8 if n_heads <= 16 else 6,
+                color="white" if dark else "black",
+                fontweight="bold",
+            )
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
     ax.set_xticks(np.arange(n_heads + 1) - 0.5, minor=True)
@@ -70,13 +93,20 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
     ax.tick_params(which="minor", length=0)
     ax.set(xlabel="head", ylabel="layer", title="primary role per head (letters: every role held)")
     counts = roles.role_counts(columns, rows)
-    handles = [Patch(facecolor=ROLE_COLOURS[r], edgecolor="#999999",
-                     label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]})") for r in ATLAS_ROLES]
-    fig.legend(handles=handles, loc="outside right center", fontsize=8, title="role (heads holding it)",
-               title_fontsize=8, frameon=False)
+    handles = [
+        Patch(facecolor=ROLE_COLOURS[r], edgecolor="#999999", label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]})")
+        for r in ATLAS_ROLES
+    ]
+    fig.legend(
+        handles=handles,
+        loc="outside right center",
+        fontsize=8,
+        title="role (heads holding it)",
+        title_fontsize=8,
+        frameon=False,
+    )
     fig.suptitle(title)
-    fig.supxlabel("a role needs the lower bound of its metric's 95% interval past the threshold (SPEC §7)",
-                  fontsize=8)
+    fig.supxlabel("a role needs the lower bound of its metric's 95% interval past the threshold (SPEC §7)", fontsize=8)
     return fig, index
 
 
@@ -91,8 +121,16 @@ def compare_size(panels: int) -> tuple[float, float]:
     return 15.0, _quarter(0.8 + 3.6 * math.ceil(panels / 3))
 
 
-def figure_compare(profile_a, profile_b, *, metrics: list[str], labels: tuple[str, str], depths: tuple[int, int],
-                   heat: tuple[str, np.ndarray, np.ndarray] | None, title: str):
+def figure_compare(
+    profile_a,
+    profile_b,
+    *,
+    metrics: list[str],
+    labels: tuple[str, str],
+    depths: tuple[int, int],
+    heat: tuple[str, np.ndarray, np.ndarray] | None,
+    title: str,
+):
     """One panel per metric: both runs' layer profiles with 95% intervals as error bars (x: layer,
     or relative depth (l + 0.5)/L when the depths differ); then the per-head A − B heat map of one
     metric (``heat`` = (metric, difference grid, beyond mask)), where both runs have one shape."""
@@ -101,12 +139,23 @@ def figure_compare(profile_a, profile_b, *, metrics: list[str], labels: tuple[st
     axes = np.atleast_1d(fig.subplots(math.ceil(panels / 3), 3)).ravel()
     same_depth = depths[0] == depths[1]
     for ax, metric in zip(axes, metrics):
-        for (columns, rows), label, n, colour, marker in ((profile_a, labels[0], depths[0], "C0", "o-"),
-                                                          (profile_b, labels[1], depths[1], "C3", "s--")):
+        for (columns, rows), label, n, colour, marker in (
+            (profile_a, labels[0], depths[0], "C0", "o-"),
+            (profile_b, labels[1], depths[1], "C3", "s--"),
+        ):
             layer = _col(columns, rows, "layer")
             x = layer if same_depth else (layer + 0.5) / n
-            ax.errorbar(x, _col(columns, rows, metric), yerr=_err(columns, rows, metric), fmt=marker, color=colour,
-                        capsize=2, elinewidth=0.9, ms=4, label=label)
+            ax.errorbar(
+                x,
+                _col(columns, rows, metric),
+                yerr=_err(columns, rows, metric),
+                fmt=marker,
+                color=colour,
+                capsize=2,
+                elinewidth=0.9,
+                ms=4,
+                label=label,
+            )
         if metric.endswith("_lift") or metric.endswith("_lift_dm"):
             ax.axhline(1.0, color="black", ls=":", lw=1)
         ax.set_title(metric + _against(metric), fontsize=9)
@@ -163,8 +212,16 @@ def run_compare(conn, run_a, run_b, *, metrics=None, heat_metric: str | None = N
             beyond[r[li], r[hi]] = r[vi] == "beyond"
         heat = (metric, diff, beyond)
     label_b = f"B: {run_b.name}" + (" (control: the floor)" if compare.is_control(run_a, run_b) else "")
-    title = (f"A = run {run_a.run_id} ({run_a.name}, {run_a.model_name}) vs B = run {run_b.run_id} "
-             f"({run_b.name}, {run_b.model_name})")
-    return figure_compare(compare.layer_profile(conn, run_a, chosen), compare.layer_profile(conn, run_b, chosen),
-                          metrics=chosen, labels=(f"A: {run_a.name}", label_b),
-                          depths=(run_a.n_layers, run_b.n_layers), heat=heat, title=title)
+    title = (
+        f"A = run {run_a.run_id} ({run_a.name}, {run_a.model_name}) vs B = run {run_b.run_id} "
+        f"({run_b.name}, {run_b.model_name})"
+    )
+    return figure_compare(
+        compare.layer_profile(conn, run_a, chosen),
+        compare.layer_profile(conn, run_b, chosen),
+        metrics=chosen,
+        labels=(f"A: {run_a.name}", label_b),
+        depths=(run_a.n_layers, run_b.n_layers),
+        heat=heat,
+        title=title,
+    )

@@ -20,9 +20,9 @@ Dimension names: batch, layer, unit (head, then the layer-level slot), pos (quer
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -49,8 +49,9 @@ class Trace:
 
 
 @contextmanager
-def _replace_embeddings(model: torch.nn.Module, store: dict, embeddings: torch.Tensor | None,
-                        grad: bool) -> Iterator[None]:
+def _replace_embeddings(
+    model: torch.nn.Module, store: dict, embeddings: torch.Tensor | None, grad: bool
+) -> Iterator[None]:
     """Make the embedding output a tensor we own: a fresh leaf (to differentiate against), or
     ``embeddings`` given by the caller (to evaluate the model at a perturbed point)."""
 
@@ -75,11 +76,13 @@ def _capture_residual(blocks, store: dict) -> Iterator[None]:
     def pre(layer):
         def hook(_module, args, kwargs):
             store.setdefault("pre", {})[layer] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
     def post(layer):
         def hook(_module, _inputs, output):
             store.setdefault("post", {})[layer] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     try:
@@ -92,14 +95,24 @@ def _capture_residual(blocks, store: dict) -> Iterator[None]:
             handle.remove()
 
 
-def trace(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-          grad: bool = False, embeddings: torch.Tensor | None = None) -> Trace:
+def trace(
+    model: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    grad: bool = False,
+    embeddings: torch.Tensor | None = None,
+) -> Trace:
     """Forward ``[batch, pos]`` inputs, keeping the graph from the embeddings when ``grad``."""
     blocks = encoder_layers(model.model)
     store: dict = {}
     ctx = torch.enable_grad() if grad else torch.no_grad()
-    with ctx, _replace_embeddings(model.model, store, embeddings, grad), _capture_residual(blocks, store), \
-            capture_attention(model.model) as acts:
+    with (
+        ctx,
+        _replace_embeddings(model.model, store, embeddings, grad),
+        _capture_residual(blocks, store),
+        capture_attention(model.model) as acts,
+    ):
         model.model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device))
     n = len(blocks)
     return Trace(
@@ -124,9 +137,16 @@ def unit_outputs(tr: Trace, layer: int, n_heads: int, *, heads: bool = True, hid
     return torch.cat(parts, 1)
 
 
-def gradient_norms(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                   heads: bool = True, hidden: bool = True, chunk_size: int = DEFAULT_CHUNK,
-                   batched: bool = True) -> torch.Tensor:
+def gradient_norms(
+    model: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    heads: bool = True,
+    hidden: bool = True,
+    chunk_size: int = DEFAULT_CHUNK,
+    batched: bool = True,
+) -> torch.Tensor:
     """Unnormalised ``g`` ``[batch, layer, unit, pos, key]`` float32 (units: the heads when
     ``heads``, then the layer output when ``hidden``). Pad keys and pad query rows are 0.
 
@@ -173,8 +193,9 @@ def normalise_rows(g: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, g / total.clamp_min(torch.finfo(g.dtype).tiny), torch.zeros_like(g))
 
 
-def attribution(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def attribution(
+    model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised attribution rows: per head ``[batch, layer, head, pos, key]`` and of the
     layer output ``[batch, layer, pos, key]``."""
     g = normalise_rows(gradient_norms(model, input_ids, attention_mask, chunk_size=chunk_size))

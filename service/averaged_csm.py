@@ -14,8 +14,9 @@ import torch
 from headatlas.service.results import CSM_KINDS  # noqa: F401 - defined numpy-only, re-exported
 
 
-def binned_pair_sums(z: torch.Tensor, members: torch.Tensor, *, bin_size: int,
-                     n_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+def binned_pair_sums(
+    z: torch.Tensor, members: torch.Tensor, *, bin_size: int, n_bins: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over the batch of C_ij = z_i · z_j for the pairs i < j of ``members``, by bin.
 
     z: ``[batch, head, pos, d]``; members: ``[batch, pos]`` bool (the pair universe's tokens).
@@ -26,7 +27,9 @@ def binned_pair_sums(z: torch.Tensor, members: torch.Tensor, *, bin_size: int,
     n_pos = z.shape[2]
     # [batch, bin, pos]: 1 where the position is a member in that bin. Products with it read z
     # once; a masked, padded copy of z would cost more in fresh memory than the arithmetic.
-    in_bin = (torch.arange(n_pos, device=z.device) // bin_size)[None, :] == torch.arange(n_bins, device=z.device)[:, None]
+    in_bin = (torch.arange(n_pos, device=z.device) // bin_size)[None, :] == torch.arange(n_bins, device=z.device)[
+        :, None
+    ]
     weights = in_bin[None] & members[:, None, :]
     by_bin = torch.matmul(weights[:, None].to(z.dtype), z).double()  # [batch, head, bin, d]
     norms = torch.linalg.vector_norm(z, dim=3).square()  # [batch, head, pos]
@@ -40,8 +43,9 @@ def binned_pair_sums(z: torch.Tensor, members: torch.Tensor, *, bin_size: int,
     return torch.triu(sums), torch.triu(counts)
 
 
-def binned_selected_sums(values: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, n_pos: int, *,
-                         bin_size: int, n_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+def binned_selected_sums(
+    values: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, n_pos: int, *, bin_size: int, n_bins: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over the batch of C_ij and the count of the pairs marked by ``mask``, by bin.
 
     values, index (i·pos + j, i < j), mask: ``[batch, head, k]`` as ``select_pairs`` ranks them.
@@ -58,9 +62,17 @@ def binned_selected_sums(values: torch.Tensor, index: torch.Tensor, mask: torch.
     return sums.view(heads, n_bins, n_bins), counts.view(heads, n_bins, n_bins)
 
 
-def averaged_csm_sums(z: torch.Tensor, members: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
-                      chosen: torch.Tensor, attended: torch.Tensor, *, bin_size: int,
-                      n_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+def averaged_csm_sums(
+    z: torch.Tensor,
+    members: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    chosen: torch.Tensor,
+    attended: torch.Tensor,
+    *,
+    bin_size: int,
+    n_bins: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The three matrices of CSM_KINDS for one layer of one batch: all pairs of P, the attended
     pairs of H, the noise pairs of H (similar, not attended). Returns sums ``[kind, head, bin, bin]``
     float64 and counts ``[kind, head, bin, bin]`` int64 (batch totals: the matrices are drawn, not

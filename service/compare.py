@@ -20,7 +20,7 @@ Returns (columns, rows) like ``service.queries``. Layers and heads are 0-based.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -31,14 +31,34 @@ from headatlas.service.intervals import add_intervals, jackknife_halfwidth
 
 # the lifts and shares that carry the findings (each lift against its named chance)
 DEFAULT_METRICS = (
-    "within_sentence_lift_dm", "repetition_words_lift_dm", "mean_distance", "short_range_share", "noise_share",
-    "attn_to_punct_lift", "attn_to_cls_lift", "anchor_frequency_share",
+    "within_sentence_lift_dm",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "short_range_share",
+    "noise_share",
+    "attn_to_punct_lift",
+    "attn_to_cls_lift",
+    "anchor_frequency_share",
 )
 METRICS = queries.LAYER_METRICS
 COLUMNS = [
-    "layer_a", "layer_b", "head", "depth_a", "depth_b", "metric",
-    "value_a", "value_a_lo", "value_a_hi", "value_b", "value_b_lo", "value_b_hi",
-    "difference", "difference_lo", "difference_hi", "interval", "verdict",
+    "layer_a",
+    "layer_b",
+    "head",
+    "depth_a",
+    "depth_b",
+    "metric",
+    "value_a",
+    "value_a_lo",
+    "value_a_hi",
+    "value_b",
+    "value_b_lo",
+    "value_b_hi",
+    "difference",
+    "difference_lo",
+    "difference_hi",
+    "interval",
+    "verdict",
 ]
 TABLE_COLUMNS = ["layer_a", "layer_b", "head", "metric", "value_a", "value_b", "difference", "verdict"]
 VERDICT_NOTE = (
@@ -80,23 +100,27 @@ def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, head
     """{(layer,) or (layer, head): {drop_rep: {metric: value}}} from the ``*_reps`` views:
     drop_rep -1 is the whole run, g ≥ 0 the run without replicate group g."""
     view, keys = ("head_metrics_reps", ("layer", "head")) if heads else ("layer_metrics_reps", ("layer",))
-    result = conn.execute(text(
-        f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"
-    ), {"run": run_id})
+    result = conn.execute(
+        text(f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"),
+        {"run": run_id},
+    )
     out: dict = {}
     k = len(keys)
     for row in result:
-        out.setdefault(tuple(row[:k]), {})[row[k]] = dict(zip(metrics, row[k + 1:]))
+        out.setdefault(tuple(row[:k]), {})[row[k]] = dict(zip(metrics, row[k + 1 :]))
     return out
 
 
 def same_windows(conn: Connection, run_a: int, run_b: int) -> bool:
     """Whether both runs counted exactly the same windows (then their replicate groups match)."""
-    differ = conn.execute(text("""
+    differ = conn.execute(
+        text("""
         SELECT count(*) FROM (SELECT window_id FROM run_windows WHERE run_id = :a) x
         FULL OUTER JOIN (SELECT window_id FROM run_windows WHERE run_id = :b) y ON x.window_id = y.window_id
         WHERE x.window_id IS NULL OR y.window_id IS NULL
-    """), {"a": run_a, "b": run_b}).scalar()
+    """),
+        {"a": run_a, "b": run_b},
+    ).scalar()
     return differ == 0
 
 
@@ -134,8 +158,16 @@ def _compare_cell(reps_a: dict, reps_b: dict, metric: str, paired: bool) -> tupl
     return a, a_lo, a_hi, b, b_lo, b_hi, diff, lo, hi, verdict(lo, hi)
 
 
-def compare(conn: Connection, run_a, run_b, *, metrics: Sequence[str] | None = None, layer: int | None = None,
-            head: int | None = None, heads: bool = False) -> Rows:
+def compare(
+    conn: Connection,
+    run_a,
+    run_b,
+    *,
+    metrics: Sequence[str] | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+    heads: bool = False,
+) -> Rows:
     """Per layer (or per head with ``heads``/``head``), each metric of runs A and B (store
     ``Run``s), A − B with its 95% interval, and the verdict. ``layer`` and ``head`` use run A's
     numbering (0-based)."""
@@ -159,8 +191,12 @@ def compare(conn: Connection, run_a, run_b, *, metrics: Sequence[str] | None = N
     # one read for a run compared with itself: float sums need not add up in the same order twice
     values_b = values_a if run_b.run_id == run_a.run_id else metric_values(conn, run_b.run_id, chosen, heads=heads)
     if heads:
-        units = [((l, h), (l, h)) for l in range(run_a.n_layers) for h in range(run_a.n_heads)
-                 if (layer is None or l == layer) and (head is None or h == head)]
+        units = [
+            ((l, h), (l, h))
+            for l in range(run_a.n_layers)
+            for h in range(run_a.n_heads)
+            if (layer is None or l == layer) and (head is None or h == head)
+        ]
     else:
         pairs = align_layers(run_a.n_layers, run_b.n_layers)
         units = [((la,), (lb,)) for la, lb in pairs if layer is None or la == layer]
@@ -184,17 +220,23 @@ def parameter_differences(run_a, run_b) -> list[str]:
     """The analysis parameters in which the runs differ ("select: top:0.02 vs top:0.05"): a
     difference in metrics may come from them rather than from the models or corpora."""
     keys = sorted((set(run_a.params) | set(run_b.params)) - {"control_of"})
-    return [f"{k}: {run_a.params.get(k)} vs {run_b.params.get(k)}" for k in keys
-            if run_a.params.get(k) != run_b.params.get(k)]
+    return [
+        f"{k}: {run_a.params.get(k)} vs {run_b.params.get(k)}"
+        for k in keys
+        if run_a.params.get(k) != run_b.params.get(k)
+    ]
 
 
 def control_of(conn: Connection, run) -> object | None:
     """The random-weights control run of ``run`` (analysed with ``--control``), or None."""
     from headatlas.service.storage.store import resolve_run
 
-    row = conn.execute(text(
-        "SELECT run_id FROM runs WHERE json_extract_string(params, '$.control_of') = :key ORDER BY run_id DESC LIMIT 1"
-    ), {"key": run.run_key}).first()
+    row = conn.execute(
+        text(
+            "SELECT run_id FROM runs WHERE json_extract_string(params, '$.control_of') = :key ORDER BY run_id DESC LIMIT 1"
+        ),
+        {"key": run.run_key},
+    ).first()
     return resolve_run(conn, row[0]) if row else None
 
 
@@ -212,4 +254,3 @@ def layer_profile(conn: Connection, run, metrics: Sequence[str]) -> Rows:
     rows = [(l, *(values.get((l,), {}).get(-1, {}).get(m) for m in chosen)) for l in range(run.n_layers)]
     reps = [(l, g, *(v[m] for m in chosen)) for (l,), by in values.items() for g, v in by.items() if g >= 0]
     return add_intervals(columns, rows, reps, keys=("layer",), metrics=chosen)
-

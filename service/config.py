@@ -34,7 +34,7 @@ class Settings:
     """HEADATLAS_ATTRIBUTION_CHUNK: gradient rows (windows × outputs) per batched backward call of --attribution; bounds memory."""
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
         values = {}
         for f in fields(cls):
@@ -72,13 +72,16 @@ def check_broker_url(url: str) -> str:
 
     try:
         parts = urlsplit(url)
-        parts.port  # a port that is not a number raises here
+        _ = parts.port  # a port that is not a number raises here
     except ValueError as exc:
         raise ParameterError(f"--broker {url!r} is not a URL ({exc}): use redis://HOST:6379/0") from None
-    if parts.scheme not in BROKER_SCHEMES or (parts.scheme != "unix" and not parts.hostname) or (
-            parts.scheme == "unix" and not parts.path):
+    if (
+        parts.scheme not in BROKER_SCHEMES
+        or (parts.scheme != "unix" and not parts.hostname)
+        or (parts.scheme == "unix" and not parts.path)
+    ):
         raise ParameterError(
             f"--broker {url!r} is not a Redis URL: use redis://HOST:6379/0, rediss://HOST:6380/0 or "
-            "unix:///path/to/redis.sock [env HEADATLAS_BROKER_URL]")
+            "unix:///path/to/redis.sock [env HEADATLAS_BROKER_URL]"
+        )
     return url
-

@@ -137,7 +137,7 @@ def corpus_fingerprint(spec: str) -> str:
     digest = hashlib.sha256()
     for path in files:
         name = Path(os.path.relpath(path.absolute(), base)).as_posix()
-        digest.update(f"{name}\0{path.stat().st_size}\0".encode("utf-8"))
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
         with path.open("rb") as stream:
             for chunk in iter(lambda: stream.read(_CHUNK_BYTES), b""):
                 digest.update(chunk)
@@ -238,8 +238,7 @@ def _resolve_encoding(encoding: str) -> tuple[str, bool]:
         name = codecs.lookup(encoding).name
     except LookupError:
         raise CorpusError(
-            f"unknown encoding {encoding!r}; pass --encoding with a Python codec name "
-            "such as utf-8, latin-1 or utf-16"
+            f"unknown encoding {encoding!r}; pass --encoding with a Python codec name such as utf-8, latin-1 or utf-16"
         ) from None
     if name in ("utf-8", "utf-8-sig"):
         return "utf-8", True  # a leading BOM is stripped either way
@@ -250,9 +249,7 @@ def _resolve_encoding(encoding: str) -> tuple[str, bool]:
     return name, ascii_compatible
 
 
-def _decoded_lines(
-    stream: BinaryIO, source: str, codec: str, ascii_compatible: bool
-) -> Iterator[tuple[int, str]]:
+def _decoded_lines(stream: BinaryIO, source: str, codec: str, ascii_compatible: bool) -> Iterator[tuple[int, str]]:
     """(1-based line number, decoded line with its line ending); raises if empty or binary."""
     has_text = False
     size = 0
@@ -260,10 +257,7 @@ def _decoded_lines(
         head = stream.read(_SNIFF_BYTES)
         nul = head.find(b"\0")
         if nul >= 0:
-            raise CorpusError(
-                f"{source}: binary file (NUL byte at offset {nul}); "
-                f"pass a text corpus ({_SUPPORTED})"
-            )
+            raise CorpusError(f"{source}: binary file (NUL byte at offset {nul}); pass a text corpus ({_SUPPORTED})")
         lines = _decode_each_line(_raw_lines(head, stream), source, codec)
     else:
         lines = _decode_chunks(stream, source, codec)
@@ -325,7 +319,8 @@ def _decode_chunks(stream: BinaryIO, source: str, codec: str) -> Iterator[tuple[
             # decoding would go on in the wrong byte order and turn text into other text
             raise CorpusError(
                 f"{source}: no byte order mark, so {codec} cannot tell the byte order; pass --encoding "
-                f"{codec}-le or {codec}-be (or utf-8 if the file is UTF-8)")
+                f"{codec}-le or {codec}-be (or utf-8 if the file is UTF-8)"
+            )
         first = False
         buffered, flag = decoder.getstate()
         try:
@@ -381,8 +376,7 @@ def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str)
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CorpusError(
-                f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                "write one JSON object per line"
+                f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); write one JSON object per line"
             ) from None
         if not isinstance(record, dict):
             raise CorpusError(
@@ -428,9 +422,7 @@ def _parse_csv(lines: Iterable[tuple[int, str]], source: str, text_field: str) -
             if row[column].strip():
                 yield start, row[column].strip()
     except csv.Error as exc:
-        raise CorpusError(
-            f"{source}:{reader.line_num}: malformed CSV ({exc}); fix the quoting of this row"
-        ) from None
+        raise CorpusError(f"{source}:{reader.line_num}: malformed CSV ({exc}); fix the quoting of this row") from None
 
 
 _PARSERS: dict[str, Callable[[Iterable[tuple[int, str]], str, str], Parsed]] = {

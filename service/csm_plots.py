@@ -28,8 +28,7 @@ PANELS = (
 GRID_VALUE = {"all": "mean", "attended": "pair_share", "noise": "pair_share"}
 
 
-def cell_grid(columns: list[str], rows: list[tuple], *, head: int, kind: str, value: str,
-              n_bins: int) -> np.ndarray:
+def cell_grid(columns: list[str], rows: list[tuple], *, head: int, kind: str, value: str, n_bins: int) -> np.ndarray:
     """``[bin, bin]``: ``value`` of each stored cell of (head, kind), mirrored below the diagonal;
     NaN where the cell holds no pair."""
     grid = np.full((n_bins, n_bins), np.nan)
@@ -63,20 +62,27 @@ def _draw(ax, grid: np.ndarray, value: str, bin_size: int):
     return ax.imshow(masked, cmap=cmap, norm=norm, extent=extent, interpolation="nearest")
 
 
-def figure_csm_head(columns, rows, *, head: int, layer: int, bin_size: int, n_bins: int, windows: int,
-                    title: str):
+def figure_csm_head(columns, rows, *, head: int, layer: int, bin_size: int, n_bins: int, windows: int, title: str):
     """One head: mean C by position, and where its attended and its noise pairs of H fall."""
     fig = new_figure(*HEAD_FIGSIZE)
     axes = fig.subplots(1, 3)
     for ax, (kind, value, name) in zip(axes, PANELS):
         grid = cell_grid(columns, rows, head=head, kind=kind, value=value, n_bins=n_bins)
         image = _draw(ax, grid, value, bin_size)
-        fig.colorbar(image, ax=ax, shrink=0.8, extend="both" if value == "mean" else "neither",
-                     label="mean C_ij" if value == "mean" else "pairs of this kind / pairs in the cell")
+        fig.colorbar(
+            image,
+            ax=ax,
+            shrink=0.8,
+            extend="both" if value == "mean" else "neither",
+            label="mean C_ij" if value == "mean" else "pairs of this kind / pairs in the cell",
+        )
         ax.set(title=name, xlabel="token position j", ylabel="token position i")
         ax.title.set_fontsize(9)
-    fig.suptitle(f"{title}\nlayer {layer}, head {head} (0-based) · averaged over {windows:,} windows · "
-                 f"bins of {bin_size} position{'s' if bin_size > 1 else ''} · grey: no pair", fontsize=10)
+    fig.suptitle(
+        f"{title}\nlayer {layer}, head {head} (0-based) · averaged over {windows:,} windows · "
+        f"bins of {bin_size} position{'s' if bin_size > 1 else ''} · grey: no pair",
+        fontsize=10,
+    )
     return fig
 
 
@@ -86,8 +92,9 @@ def layer_figsize(n_heads: int) -> tuple[float, float]:
     return 2.6 * cols + 0.5, 2.5 * rows + 1.0
 
 
-def figure_csm_layer(columns, rows, *, layer: int, n_heads: int, kind: str, bin_size: int, n_bins: int,
-                     windows: int, title: str):
+def figure_csm_layer(
+    columns, rows, *, layer: int, n_heads: int, kind: str, bin_size: int, n_bins: int, windows: int, title: str
+):
     """Every head of a layer, one small matrix each, each on its own colour scale (heads differ by
     orders of magnitude)."""
     value = GRID_VALUE[kind]
@@ -102,8 +109,11 @@ def figure_csm_layer(columns, rows, *, layer: int, n_heads: int, kind: str, bin_
         ax.set_title(f"head {head}", fontsize=8)
         ax.tick_params(labelsize=6)
     what = {k: name for k, _, name in PANELS}[kind]
-    fig.suptitle(f"{title}\nlayer {layer} (0-based): {what} · {windows:,} windows · bins of {bin_size} · own colour "
-                 "scale per head", fontsize=9)
+    fig.suptitle(
+        f"{title}\nlayer {layer} (0-based): {what} · {windows:,} windows · bins of {bin_size} · own colour "
+        "scale per head",
+        fontsize=9,
+    )
     return fig
 
 
@@ -121,7 +131,17 @@ def run_csm(conn, run, *, layer: int, head: int | None = None, kind: str = "all"
     columns, rows = queries.csm(conn, run.run_id, layer=layer, head=head)
     windows = int(queries.run_summary(conn, run.run_id).get("windows") or 0)
     if head is not None:
-        return figure_csm_head(columns, rows, head=head, layer=layer, bin_size=bin_size, n_bins=n_bins,
-                               windows=windows, title=_title(run))
-    return figure_csm_layer(columns, rows, layer=layer, n_heads=run.n_heads, kind=kind, bin_size=bin_size,
-                            n_bins=n_bins, windows=windows, title=_title(run))
+        return figure_csm_head(
+            columns, rows, head=head, layer=layer, bin_size=bin_size, n_bins=n_bins, windows=windows, title=_title(run)
+        )
+    return figure_csm_layer(
+        columns,
+        rows,
+        layer=layer,
+        n_heads=run.n_heads,
+        kind=kind,
+        bin_size=bin_size,
+        n_bins=n_bins,
+        windows=windows,
+        title=_title(run),
+    )

@@ -56,8 +56,9 @@ def table_query(table: str, run_id: int) -> str:
     return RUN_TABLES[table].format(run=int(run_id)) + " ORDER BY ALL"
 
 
-def export_run(db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir: str | Path,
-               *, lock_wait_s: float = 30.0) -> tuple[object, list[ExportedTable]]:
+def export_run(
+    db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir: str | Path, *, lock_wait_s: float = 30.0
+) -> tuple[object, list[ExportedTable]]:
     """Write every table of the run to ``out_dir/<table>.<fmt>`` and a manifest.
 
     Returns (run, exported tables). The database is only read."""
@@ -76,11 +77,14 @@ def export_run(db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ParameterError(f"--out {out}: cannot create the folder ({exc.strerror}); pass a writable folder") from None
+        raise ParameterError(
+            f"--out {out}: cannot create the folder ({exc.strerror}); pass a writable folder"
+        ) from None
     options = "FORMAT parquet, COMPRESSION zstd" if fmt == "parquet" else "FORMAT csv, HEADER true"
     exported = []
-    connection = retry_on_lock(lambda: duckdb.connect(str(db_path), read_only=True), wait_s=lock_wait_s,
-                               what=f"the database {db_path}")
+    connection = retry_on_lock(
+        lambda: duckdb.connect(str(db_path), read_only=True), wait_s=lock_wait_s, what=f"the database {db_path}"
+    )
     try:
         for table in RUN_TABLES:
             path = out / f"{table}.{fmt}"

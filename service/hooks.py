@@ -7,8 +7,8 @@ Every captured activation has one canonical name, built by ``act_name``:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 
@@ -27,7 +27,9 @@ LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @contextmanager
-def capture_attention(model: torch.nn.Module, on_layer: LayerCallback | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def capture_attention(
+    model: torch.nn.Module, on_layer: LayerCallback | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
     """Capture each layer's context ``[batch, pos, head·d_head]`` and probabilities
     ``[batch, head, pos, key]`` while the block runs; hooks are removed on exit.
 

@@ -74,7 +74,10 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
     with torch.inference_mode():
         input_ids = batch.input_ids.to(model.device)
         feats = window_features(
-            input_ids, batch.attention_mask.to(model.device), tokens, include_special=params.include_special,
+            input_ids,
+            batch.attention_mask.to(model.device),
+            tokens,
+            include_special=params.include_special,
             sentence=batch_sentences(model, batch, params),
         )
         sentence = feats.sentence  # the ids the stored statistics count with

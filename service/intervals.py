@@ -16,7 +16,7 @@ numpy only: the query path stays free of torch.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

@@ -63,8 +63,12 @@ def figure_head(insp: Inspection, layer: int, head: int) -> Figure:
     marker = (0.75 * cell_pt) ** 2
     csm_ax.scatter(cols, rows, s=marker, marker="s", facecolors="none", edgecolors="black", linewidths=0.6)
     attention = insp.attention[layer, head]
-    image = attn_ax.imshow(attention, cmap="Blues", norm=colors.PowerNorm(0.5, vmin=0, vmax=max(attention.max(), 1e-9)),
-                           interpolation="nearest")
+    image = attn_ax.imshow(
+        attention,
+        cmap="Blues",
+        norm=colors.PowerNorm(0.5, vmin=0, vmax=max(attention.max(), 1e-9)),
+        interpolation="nearest",
+    )
     fig.colorbar(image, ax=attn_ax, shrink=0.6, label="attention weight (square-root scale)")
     fontsize = 6 if n > 64 else 8
     special = insp.sentence < 0
@@ -106,8 +110,12 @@ def figure_grid(insp: Inspection, *, layer: int | None = None, matrix: str = "cs
                 ax.imshow(insp.csm[l, h], cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest")
             else:
                 a = insp.attention[l, h]
-                ax.imshow(a, cmap="Blues", norm=colors.PowerNorm(0.5, vmin=0, vmax=max(a.max(), 1e-9)),
-                          interpolation="nearest")
+                ax.imshow(
+                    a,
+                    cmap="Blues",
+                    norm=colors.PowerNorm(0.5, vmin=0, vmax=max(a.max(), 1e-9)),
+                    interpolation="nearest",
+                )
             _boundaries(ax, starts, lw=0.8)
             ax.set_xticks([])
             ax.set_yticks([])
@@ -116,8 +124,9 @@ def figure_grid(insp: Inspection, *, layer: int | None = None, matrix: str = "cs
             if h == 0:
                 ax.set_ylabel(f"layer {l}", fontsize=8)
     what = "context similarity C = z zᵀ" if matrix == "csm" else "attention"
-    fig.suptitle(_title(insp, f"{what}, every head (own colour scale per cell; dashed: sentence boundaries)"),
-                 fontsize=9)
+    fig.suptitle(
+        _title(insp, f"{what}, every head (own colour scale per cell; dashed: sentence boundaries)"), fontsize=9
+    )
     return fig
 
 

@@ -63,9 +63,9 @@ def norm_based(block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor) -> t
     layer rows ``[batch, pos, key]``."""
     f = value_vectors(block, x, attn.shape[1])  # [batch, head, key, d_model]
     heads = attn * f.norm(dim=-1)[:, :, None, :]
-    layer = torch.stack([
-        torch.einsum("hij,hjd->ijd", attn[b], f[b]).norm(dim=-1) for b in range(x.shape[0])
-    ])  # one window at a time: the [pos, key, d_model] tensor is the memory peak
+    layer = torch.stack(
+        [torch.einsum("hij,hjd->ijd", attn[b], f[b]).norm(dim=-1) for b in range(x.shape[0])]
+    )  # one window at a time: the [pos, key, d_model] tensor is the memory peak
     return heads, layer
 
 
@@ -143,8 +143,9 @@ class TraceContext:
     """What every method reads: the model, the batch, its traced forward pass (attention maps
     ``probs`` per layer ``[batch, head, pos, key]`` in float32, block inputs) and the valid mask."""
 
-    def __init__(self, model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                 chunk_size: int) -> None:
+    def __init__(
+        self, model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, chunk_size: int
+    ) -> None:
         from headatlas.service.attribution import trace
 
         self.model, self.input_ids, self.attention_mask, self.chunk_size = model, input_ids, attention_mask, chunk_size
@@ -199,8 +200,9 @@ class NormBased(MixingMethod):
     name = "norm"
 
     def rows(self, ctx):
-        pairs = [norm_based(ctx.blocks[l], ctx.trace.resid_pre[l].float(), ctx.probs[l])
-                 for l in range(ctx.model.n_layers)]
+        pairs = [
+            norm_based(ctx.blocks[l], ctx.trace.resid_pre[l].float(), ctx.probs[l]) for l in range(ctx.model.n_layers)
+        ]
         return [_normalise(h) for h, _ in pairs], [_normalise(lay) for _, lay in pairs]
 
 
@@ -214,9 +216,17 @@ class Alti(MixingMethod):
 REGISTRY: dict[str, MixingMethod] = {m.name: m for m in (Attention(), Attribution(), Rollout(), NormBased(), Alti())}
 
 
-def mixing_sums(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, feats: WindowFeatures,
-                *, methods: tuple[str, ...], attribution: bool, seq_len: int,
-                chunk_size: int) -> dict[str, dict[str, np.ndarray]]:
+def mixing_sums(
+    model: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    feats: WindowFeatures,
+    *,
+    methods: tuple[str, ...],
+    attribution: bool,
+    seq_len: int,
+    chunk_size: int,
+) -> dict[str, dict[str, np.ndarray]]:
     """Per method: ``head`` ``[slot]`` (0..H-1, then -1 for the layer row), MIX_SUMS arrays
     ``[layer, slot]`` and ``dist`` ``[layer, slot, seq_len]``, summed over the batch's valid rows.
     ``attention`` is always included: it is what the other methods are compared with."""

@@ -24,8 +24,13 @@ MIXING_PANELS = (
     ("specials", "mass to [CLS] and [SEP]"),
     ("punctuation", "mass to . and ,"),
 )
-METHOD_STYLE = {"attention": ("black", "o-"), "attribution": ("C3", "s-"), "rollout": ("C0", "^-"),
-                "norm": ("C2", "v-"), "alti": ("C4", "D-")}
+METHOD_STYLE = {
+    "attention": ("black", "o-"),
+    "attribution": ("C3", "s-"),
+    "rollout": ("C0", "^-"),
+    "norm": ("C2", "v-"),
+    "alti": ("C4", "D-"),
+}
 
 
 def figure_mixing(columns: list[str], rows: list[tuple], *, title: str):
@@ -47,13 +52,16 @@ def figure_mixing(columns: list[str], rows: list[tuple], *, title: str):
     axes[0].set_ylabel("mean share of a row's mass")
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
-    fig.supxlabel("layer-level rows: mean attention of the heads, and each method's mixture of the whole layer "
-                  "(SPEC §6)", fontsize=8)
+    fig.supxlabel(
+        "layer-level rows: mean attention of the heads, and each method's mixture of the whole layer (SPEC §6)",
+        fontsize=8,
+    )
     return fig
 
 
-def figure_discrepancy(head_columns, head_rows, layer_columns, layer_rows, *, method: str, n_layers: int,
-                       n_heads: int, title: str):
+def figure_discrepancy(
+    head_columns, head_rows, layer_columns, layer_rows, *, method: str, n_layers: int, n_heads: int, title: str
+):
     """Left: per head, the mean Jensen–Shannon divergence between ``method``'s rows and the head's
     attention rows (bits; 0 = the same distribution, 1 = disjoint). Right: the layer progression —
     the heads' mean with their range, and the layer-level rows' divergence."""
@@ -71,17 +79,37 @@ def figure_discrepancy(head_columns, head_rows, layer_columns, layer_rows, *, me
             if np.isfinite(v):
                 ax_colour = "white" if v < np.nanmax(grid) * 0.6 else "black"
                 heat_ax.text(h, l, f"{v:.2f}", ha="center", va="center", fontsize=7, color=ax_colour)
-    heat_ax.set(xticks=range(n_heads), yticks=range(n_layers), xlabel="head", ylabel="layer",
-                title=f"per head: attention vs {method}")
+    heat_ax.set(
+        xticks=range(n_heads),
+        yticks=range(n_layers),
+        xlabel="head",
+        ylabel="layer",
+        title=f"per head: attention vs {method}",
+    )
     layer = _col(layer_columns, layer_rows, "layer")
-    line_ax.fill_between(layer, _col(layer_columns, layer_rows, "min_head_jsd"),
-                         _col(layer_columns, layer_rows, "max_head_jsd"), color="C0", alpha=0.2,
-                         label="range over the layer's heads")
+    line_ax.fill_between(
+        layer,
+        _col(layer_columns, layer_rows, "min_head_jsd"),
+        _col(layer_columns, layer_rows, "max_head_jsd"),
+        color="C0",
+        alpha=0.2,
+        label="range over the layer's heads",
+    )
     line_ax.plot(layer, _col(layer_columns, layer_rows, "mean_head_jsd"), "o-", color="C0", label="mean over heads")
-    line_ax.plot(layer, _col(layer_columns, layer_rows, "layer_jsd"), "s--", color="C3",
-                 label="layer-level rows (mean attention)")
-    line_ax.set(xlabel="layer", ylabel="JSD, bits", xticks=layer, ylim=(0, None),
-                title=f"layer progression: attention vs {method}")
+    line_ax.plot(
+        layer,
+        _col(layer_columns, layer_rows, "layer_jsd"),
+        "s--",
+        color="C3",
+        label="layer-level rows (mean attention)",
+    )
+    line_ax.set(
+        xlabel="layer",
+        ylabel="JSD, bits",
+        xticks=layer,
+        ylim=(0, None),
+        title=f"layer progression: attention vs {method}",
+    )
     line_ax.grid(alpha=0.3)
     line_ax.legend(fontsize=8)
     fig.suptitle(title)
@@ -96,9 +124,18 @@ def run_mixing(conn, run, *, methods: list[str] | None = None):
 def run_discrepancy(conn, run, *, method: str = "attribution"):
     """``plot discrepancy`` for ``run``: returns (figure, the drawn layer × head grid)."""
     if method == "attention":
-        raise ParameterError("--method attention: attention against itself is 0 everywhere; "
-                             "choose attribution, rollout, norm or alti")
+        raise ParameterError(
+            "--method attention: attention against itself is 0 everywhere; choose attribution, rollout, norm or alti"
+        )
     head_columns, head_rows = queries.discrepancy(conn, run.run_id, method=method)
     layer_columns, layer_rows = queries.discrepancy_layers(conn, run.run_id, method=method)
-    return figure_discrepancy(head_columns, head_rows, layer_columns, layer_rows, method=method,
-                              n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run))
+    return figure_discrepancy(
+        head_columns,
+        head_rows,
+        layer_columns,
+        layer_rows,
+        method=method,
+        n_layers=run.n_layers,
+        n_heads=run.n_heads,
+        title=_title(run),
+    )

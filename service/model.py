@@ -139,7 +139,9 @@ def _source(spec: str) -> tuple[str, str]:
             )
         return str(path.resolve()), str(path.resolve())
     if looks_like_path(spec):
-        raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base")
+        raise ModelError(
+            f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base"
+        )
     return spec, spec  # a hub name: works where there is internet or a cache
 
 
@@ -150,8 +152,7 @@ def _loading(spec: str):
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(
-            f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, "
-            "`default`, or random:bert-base"
+            f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or random:bert-base"
         ) from None
 
 
@@ -167,7 +168,10 @@ def load_model_info(spec: str = DEFAULT_MODEL) -> ModelInfo:
     if spec.startswith("random:"):
         layers, heads, hidden = parse_random_shape(spec)
         tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-        name, weights = f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})", _random_weights_key((layers, heads, hidden))
+        name, weights = (
+            f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})",
+            _random_weights_key((layers, heads, hidden)),
+        )
     else:
         name, source = _source(spec)
         with _loading(spec):
@@ -182,8 +186,17 @@ def load_model_info(spec: str = DEFAULT_MODEL) -> ModelInfo:
             ) from None
         weights = weights_fingerprint(_weights_folder(source), spec)
     tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
-    return ModelInfo(spec=spec, name=name, tokenizer=tokenizer, n_layers=layers, n_heads=heads, d_head=hidden // heads,
-                     d_model=hidden, tokenizer_key=tokenizer_fingerprint(tokenizer), weights_key=weights)
+    return ModelInfo(
+        spec=spec,
+        name=name,
+        tokenizer=tokenizer,
+        n_layers=layers,
+        n_heads=heads,
+        d_head=hidden // heads,
+        d_model=hidden,
+        tokenizer_key=tokenizer_fingerprint(tokenizer),
+        weights_key=weights,
+    )
 
 
 def _weights_folder(source: str) -> Path:
@@ -202,8 +215,10 @@ def weights_fingerprint(folder: Path, spec: str = "") -> str:
     at even offsets — a fine-tuned checkpoint has the same header, not the same bytes."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not files:
-        raise ModelError(f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
-                         "pass a complete model folder")
+        raise ModelError(
+            f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
+            "pass a complete model folder"
+        )
     digest = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
@@ -287,7 +302,7 @@ def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedMode
     return LoadedModel(
         spec=f"control:{loaded.spec}",
         name=f"random init of {loaded.name} ({len(layers_list)}x{attn.num_attention_heads}x"
-             f"{model.config.hidden_size}, seed {seed})",
+        f"{model.config.hidden_size}, seed {seed})",
         model=model,
         tokenizer=loaded.tokenizer,
         n_layers=len(layers_list),

@@ -20,7 +20,12 @@ from headatlas.service.errors import ModelError
 
 # Any one of these makes a tokenizer (fast tokenizer, WordPiece, BPE, SentencePiece).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "spm.model")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 # RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
 BYTES_PER_PARAM = 4  # weights stay float32 (half precision is autocast)
@@ -58,7 +63,7 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
     "total" (a worker elsewhere loads it: the model must at least fit in this machine's memory).
     Returns the shape read from the configuration, or None for a hub name (checked after loading).
     """
-    from headatlas.service.model import DEFAULT_MODEL, looks_like_path, default_model_dir, parse_random_shape
+    from headatlas.service.model import DEFAULT_MODEL, default_model_dir, looks_like_path, parse_random_shape
 
     if spec.startswith("random:"):
         layers, _heads, hidden = parse_random_shape(spec)
@@ -66,11 +71,14 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
     else:
         folder = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
         if folder.exists() and not folder.is_dir():
-            raise ModelError(f"--model {spec}: is a file; pass the model's folder (config.json, weights, tokenizer files)")
+            raise ModelError(
+                f"--model {spec}: is a file; pass the model's folder (config.json, weights, tokenizer files)"
+            )
         if not folder.exists():
             if looks_like_path(spec):
-                raise ModelError(f"--model {spec}: no such folder; pass an existing model folder, a hub name or "
-                                 "random:bert-base")
+                raise ModelError(
+                    f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base"
+                )
             return None  # a hub name: checked once loaded
         shape = _folder_shape(spec, folder)
     check_seq_len(spec, shape.positions, seq_len)
@@ -81,7 +89,8 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
 def check_seq_len(spec: str, positions: int, seq_len: int) -> None:
     if seq_len > positions:
         raise ModelError(
-            f"--seq-len {seq_len}: model {spec} has {positions} positions; pass --seq-len {positions} or less")
+            f"--seq-len {seq_len}: model {spec} has {positions} positions; pass --seq-len {positions} or less"
+        )
 
 
 def check_loaded(loaded, seq_len: int) -> None:
@@ -96,7 +105,8 @@ def check_fits(spec: str, shape: ModelShape, *, memory: str = "available", devic
     if have is not None and need > have:
         raise ModelError(
             f"--model {spec}: {shape.parameters():,} parameters need about {_gib(need)} of memory, "
-            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:bert-base)")
+            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:bert-base)"
+        )
 
 
 def memory_bytes(kind: str, device: str) -> tuple[int | None, str]:
@@ -107,13 +117,17 @@ def memory_bytes(kind: str, device: str) -> tuple[int | None, str]:
         if torch.cuda.is_available():
             index = torch.device(device).index or 0
             free, total = torch.cuda.mem_get_info(index)
-            return (free if kind == "available" else total), f"GPU {index} ({'free' if kind == 'available' else 'total'})"
+            return (
+                free if kind == "available" else total
+            ), f"GPU {index} ({'free' if kind == 'available' else 'total'})"
     key = "MemAvailable" if kind == "available" else "MemTotal"
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
                 if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024, f"this machine ({'available' if kind == 'available' else 'total'})"
+                    return int(
+                        line.split()[1]
+                    ) * 1024, f"this machine ({'available' if kind == 'available' else 'total'})"
     except OSError:
         pass
     try:
@@ -126,33 +140,47 @@ def memory_bytes(kind: str, device: str) -> tuple[int | None, str]:
 def _folder_shape(spec: str, folder: Path) -> ModelShape:
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ModelError(f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
-                         "(config.json, weights, tokenizer files)")
+        raise ModelError(
+            f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
+            "(config.json, weights, tokenizer files)"
+        )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelError(f"--model {spec}: {config_path} is not valid JSON ({exc}); restore it from the model's source") from None
+        raise ModelError(
+            f"--model {spec}: {config_path} is not valid JSON ({exc}); restore it from the model's source"
+        ) from None
     if not isinstance(config, dict):
-        raise ModelError(f"--model {spec}: {config_path} does not hold a JSON object; restore it from the model's source")
+        raise ModelError(
+            f"--model {spec}: {config_path} does not hold a JSON object; restore it from the model's source"
+        )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(
             f"--model {spec}: folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} …); copy them from "
-            "the model's source into it (without them every word would be read as unknown)")
+            "the model's source into it (without them every word would be read as unknown)"
+        )
     weights = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not weights:
-        raise ModelError(f"--model {spec}: folder has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
-                         "copy them from the model's source into it")
+        raise ModelError(
+            f"--model {spec}: folder has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
+            "copy them from the model's source into it"
+        )
     if weights[0].name == "model.safetensors":
         check_safetensors(spec, weights[0])
     try:
         return ModelShape(
-            layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
             intermediate=int(config.get("intermediate_size", 4 * int(config["hidden_size"]))),
-            vocab=int(config.get("vocab_size", DEFAULT_VOCAB)), positions=_positions(config),
-            type_vocab=int(config.get("type_vocab_size", 2) or 1))
+            vocab=int(config.get("vocab_size", DEFAULT_VOCAB)),
+            positions=_positions(config),
+            type_vocab=int(config.get("type_vocab_size", 2) or 1),
+        )
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelError(f"--model {spec}: {config_path} lacks a usable {exc} for a BERT-family encoder; "
-                         "use a BERT, RoBERTa, ELECTRA or MiniLM model") from None
+        raise ModelError(
+            f"--model {spec}: {config_path} lacks a usable {exc} for a BERT-family encoder; "
+            "use a BERT, RoBERTa, ELECTRA or MiniLM model"
+        ) from None
 
 
 def _positions(config: dict) -> int:
@@ -181,8 +209,9 @@ def check_safetensors(spec: str, path: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         problem = f"unreadable header ({type(exc).__name__})"
     if problem:
-        raise ModelError(f"--model {spec}: {path} is cut short or damaged ({problem}); "
-                         "download or copy the weights again")
+        raise ModelError(
+            f"--model {spec}: {path} is cut short or damaged ({problem}); download or copy the weights again"
+        )
 
 
 def _gib(n: int) -> str:

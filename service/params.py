@@ -31,7 +31,7 @@ class Selection:
     value: float
 
     @classmethod
-    def parse(cls, text: str) -> "Selection":
+    def parse(cls, text: str) -> Selection:
         kind, sep, raw = text.partition(":")
         kind = kind.strip().lower()
         if not sep or kind not in ("top", "ratio", "topk"):
@@ -97,13 +97,13 @@ class AnalysisParams:
         for method in self.mixing:
             _check_choice("--mixing", method, MIXING)
         if self.attribution_windows < 1:
-            raise ParameterError(
-                f"--attribution-windows {self.attribution_windows}: must be at least 1 (default 256)"
-            )
+            raise ParameterError(f"--attribution-windows {self.attribution_windows}: must be at least 1 (default 256)")
         if self.csm_bin < 0:
             # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
-            raise ParameterError(f"--csm-bin {self.csm_bin}: must be 0 (no averaged matrices) or more; default "
-                                 f"{CSM_BIN}, 1 = full resolution")
+            raise ParameterError(
+                f"--csm-bin {self.csm_bin}: must be 0 (no averaged matrices) or more; default "
+                f"{CSM_BIN}, 1 = full resolution"
+            )
 
     @property
     def csm_bins(self) -> int:
@@ -133,7 +133,7 @@ class AnalysisParams:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "AnalysisParams":
+    def from_dict(cls, data: dict) -> AnalysisParams:
         data = dict(data)
         # parameters stored before --sentences had a choice were all computed with punct
         data.setdefault("sentences", "punct")
@@ -157,8 +157,9 @@ def segmenter_id() -> str:
     try:
         return f"syntok {version('syntok')}"
     except PackageNotFoundError:
-        raise ParameterError("--sentences segmenter needs the syntok package: pip install syntok, "
-                             "or pass --sentences punct") from None
+        raise ParameterError(
+            "--sentences segmenter needs the syntok package: pip install syntok, or pass --sentences punct"
+        ) from None
 
 
 def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:

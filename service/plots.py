@@ -85,8 +85,9 @@ def _err(columns: list[str], rows: list[tuple], name: str) -> np.ndarray | None:
 
 def _errorbar(ax, x, columns, rows, name, *, fmt="o-", **style):
     """A measure with its 95% interval as error bars (where the run has replicate groups)."""
-    return ax.errorbar(x, _col(columns, rows, name), yerr=_err(columns, rows, name), fmt=fmt, capsize=2,
-                       elinewidth=0.9, **style)
+    return ax.errorbar(
+        x, _col(columns, rows, name), yerr=_err(columns, rows, name), fmt=fmt, capsize=2, elinewidth=0.9, **style
+    )
 
 
 INTERVAL_NOTE = "error bars: 95% jackknife intervals over 16 replicate groups of windows"
@@ -116,11 +117,20 @@ def figure_distances(per_layer: dict[int, tuple[list[str], list[tuple]]], *, tit
         if not chance_drawn:
             share_ax.plot(d, chance, color="black", ls="--", lw=1.6, label="chance (all pairs)")
             chance_drawn = True
-    share_ax.set(xscale="log", xlabel="token distance j − i", ylabel="share of high-similarity pairs",
-                 title="distance distribution per layer")
+    share_ax.set(
+        xscale="log",
+        xlabel="token distance j − i",
+        ylabel="share of high-similarity pairs",
+        title="distance distribution per layer",
+    )
     lift_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="chance")
-    lift_ax.set(xscale="log", yscale="log", xlabel="token distance j − i", ylabel="share / chance share",
-                title="over-representation against chance")
+    lift_ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="token distance j − i",
+        ylabel="share / chance share",
+        title="over-representation against chance",
+    )
     share_ax.legend(fontsize=8, ncols=2)
     for ax in (share_ax, lift_ax):
         ax.grid(alpha=0.3, which="both")
@@ -136,15 +146,27 @@ def figure_distances_split(per_layer: dict[int, tuple[list[str], list[tuple]]], 
     cmap = matplotlib.colormaps["viridis"]
     n = max(len(per_layer) - 1, 1)
     drawn = [(layer, rows_) for layer, rows_ in sorted(per_layer.items()) if rows_[1]]
-    for ax, column, name in zip(axes, ("attended_share", "noise_share"),
-                                ("attended (signal) pairs", "noise pairs (similar, not attended)")):
+    for ax, column, name in zip(
+        axes, ("attended_share", "noise_share"), ("attended (signal) pairs", "noise pairs (similar, not attended)")
+    ):
         if drawn:  # the chance profile is the run's: the same for every layer
             columns, rows = drawn[0][1]
-            ax.plot(_col(columns, rows, "distance"), _col(columns, rows, "chance_share"), color="black", ls="--",
-                    lw=1.6, label="chance (all pairs)")
+            ax.plot(
+                _col(columns, rows, "distance"),
+                _col(columns, rows, "chance_share"),
+                color="black",
+                ls="--",
+                lw=1.6,
+                label="chance (all pairs)",
+            )
         for layer, (columns, rows) in drawn:
-            ax.plot(_col(columns, rows, "distance"), _col(columns, rows, column), color=cmap(layer / n), lw=1.4,
-                    label=f"layer {layer}")
+            ax.plot(
+                _col(columns, rows, "distance"),
+                _col(columns, rows, column),
+                color=cmap(layer / n),
+                lw=1.4,
+                label=f"layer {layer}",
+            )
         ax.set(xscale="log", yscale="log", xlabel="token distance j − i", title=f"{name}: share at each distance")
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("share of the pairs")
@@ -162,26 +184,45 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
     share_ax, attn_ax = fig.subplots(1, 2)
     layer = _col(columns, rows, "layer")
     width = 0.27
-    bars = (("within_sentence", "#3b75af", "high-similarity pairs (layer)"),
-            ("within_sentence_chance", "#bbbbbb", "chance: all pairs"),
-            ("within_sentence_chance_dm", "#7a7a7a", "chance: same distances"))
+    bars = (
+        ("within_sentence", "#3b75af", "high-similarity pairs (layer)"),
+        ("within_sentence_chance", "#bbbbbb", "chance: all pairs"),
+        ("within_sentence_chance_dm", "#7a7a7a", "chance: same distances"),
+    )
     for k, (name, color, label) in enumerate(bars):
-        share_ax.bar(layer + (k - 1) * width, _col(columns, rows, name), width, color=color, label=label,
-                     yerr=_err(columns, rows, name), capsize=2, error_kw={"elinewidth": 0.9})
-    share_ax.plot(layer, _col(columns, rows, "max_head_within_sentence"), "D", color="#d1495b",
-                  label="best head of the layer")
+        share_ax.bar(
+            layer + (k - 1) * width,
+            _col(columns, rows, name),
+            width,
+            color=color,
+            label=label,
+            yerr=_err(columns, rows, name),
+            capsize=2,
+            error_kw={"elinewidth": 0.9},
+        )
+    share_ax.plot(
+        layer, _col(columns, rows, "max_head_within_sentence"), "D", color="#d1495b", label="best head of the layer"
+    )
     for x, h, y in zip(layer, _col(columns, rows, "top_head"), _col(columns, rows, "max_head_within_sentence")):
         if not math.isnan(y):
             share_ax.annotate(f"h{int(h)}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
     share_ax.set(xlabel="layer", ylabel="share of pairs within one sentence", title="within-sentence share vs chance")
-    share_ax.set_ylim(0, max(1.0, np.nanmax(_col(columns, rows, "max_head_within_sentence")) * 1.1)
-                      if len(rows) else 1.0)
-    for name, color, label in (("attn_to_punct_lift", "#d1495b", ". and ,"), ("attn_to_sep_lift", "#edae49", "[SEP]"),
-                               ("attn_to_cls_lift", "#00798c", "[CLS]")):
+    share_ax.set_ylim(
+        0, max(1.0, np.nanmax(_col(columns, rows, "max_head_within_sentence")) * 1.1) if len(rows) else 1.0
+    )
+    for name, color, label in (
+        ("attn_to_punct_lift", "#d1495b", ". and ,"),
+        ("attn_to_sep_lift", "#edae49", "[SEP]"),
+        ("attn_to_cls_lift", "#00798c", "[CLS]"),
+    ):
         _errorbar(attn_ax, layer, columns, rows, name, color=color, label=label)
     attn_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="uniform attention")
-    attn_ax.set(xlabel="layer", ylabel="mean attention / uniform attention", yscale="log",
-                title="attention to separators vs uniform")
+    attn_ax.set(
+        xlabel="layer",
+        ylabel="mean attention / uniform attention",
+        yscale="log",
+        title="attention to separators vs uniform",
+    )
     for ax in (share_ax, attn_ax):
         ax.set_xticks(layer)
         ax.grid(alpha=0.3, axis="y")
@@ -213,12 +254,21 @@ def figure_boundaries_by_distance(columns: list[str], rows: list[tuple], *, n_la
         share_ax.plot(d, _col(columns, mine, "within_sentence"), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
         lift = _col(columns, mine, "within_sentence_lift")
         lift_ax.plot(d, np.where(lift > 0, lift, np.nan), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
-    share_ax.set(xscale="log", ylim=(0, 1.05), xlabel="token distance j − i",
-                 ylabel="share of high-similarity pairs within one sentence",
-                 title="within-sentence share by distance vs chance at that distance")
+    share_ax.set(
+        xscale="log",
+        ylim=(0, 1.05),
+        xlabel="token distance j − i",
+        ylabel="share of high-similarity pairs within one sentence",
+        title="within-sentence share by distance vs chance at that distance",
+    )
     lift_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="chance at that distance")
-    lift_ax.set(xscale="log", yscale="log", xlabel="token distance j − i",
-                ylabel="share / chance share at that distance", title="lift against chance at the same distance")
+    lift_ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="token distance j − i",
+        ylabel="share / chance share at that distance",
+        title="lift against chance at the same distance",
+    )
     share_ax.legend(fontsize=8, ncols=2)
     lift_ax.legend(fontsize=8, ncols=2)
     for ax in (share_ax, lift_ax):
@@ -228,8 +278,9 @@ def figure_boundaries_by_distance(columns: list[str], rows: list[tuple], *, n_la
 
 
 # --- heads ------------------------------------------------------------------------------------
-def figure_heads(columns: list[str], rows: list[tuple], metric: str, *, n_layers: int, n_heads: int,
-                 title: str) -> Figure:
+def figure_heads(
+    columns: list[str], rows: list[tuple], metric: str, *, n_layers: int, n_heads: int, title: str
+) -> Figure:
     """Layer × head heatmap of one column of ``query heads``; lifts are centred on 1 (chance)."""
     if metric not in queries.SORTABLE:
         raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
@@ -267,14 +318,20 @@ LAYER_PANELS = (
     ("mean token distance of high-similarity pairs", (("mean_distance", "layer"), ("mean_distance_chance", "chance"))),
     ("share at short range (d ≤ short_range)", (("short_range_share", "layer"), ("short_range_chance", "chance"))),
     ("within-sentence share", (("within_sentence", "layer"),)),
-    ("within-sentence lift (1 = chance)", (("within_sentence_lift", "vs all pairs"),
-                                           ("within_sentence_lift_dm", "vs same distances"))),
+    (
+        "within-sentence lift (1 = chance)",
+        (("within_sentence_lift", "vs all pairs"), ("within_sentence_lift_dm", "vs same distances")),
+    ),
     ("repetition share", (("repetition", "same token"), ("repetition_words", "same word (no punctuation)"))),
     ("noise share (similar, not attended)", (("noise_share", "layer"),)),
-    ("attention / uniform attention", (("attn_to_cls_lift", "[CLS]"), ("attn_to_sep_lift", "[SEP]"),
-                                       ("attn_to_punct_lift", ". ,"))),
-    ("attention entropy (nats) · anchor distinctness", (("attn_entropy", "entropy"),
-                                                         ("anchor_distinct_share", "distinct anchors"))),
+    (
+        "attention / uniform attention",
+        (("attn_to_cls_lift", "[CLS]"), ("attn_to_sep_lift", "[SEP]"), ("attn_to_punct_lift", ". ,")),
+    ),
+    (
+        "attention entropy (nats) · anchor distinctness",
+        (("attn_entropy", "entropy"), ("anchor_distinct_share", "distinct anchors")),
+    ),
 )
 
 
@@ -314,8 +371,15 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
 
 
 # --- from the store ---------------------------------------------------------------------------
-def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_sentence_lift",
-               split: str | None = None, by_distance: bool = False) -> Figure:
+def run_figure(
+    kind: str,
+    conn: Connection,
+    run,
+    *,
+    metric: str = "within_sentence_lift",
+    split: str | None = None,
+    by_distance: bool = False,
+) -> Figure:
     """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.queries``.
     ``split="attended"`` (distances only): the signal and noise profiles instead of all of H;
     ``by_distance`` (boundaries only): the within-sentence share at each distance."""
@@ -323,11 +387,14 @@ def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_senten
     if split is not None and (kind != "distances" or split != "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs), for distances")
     if kind == "distances" and split:
-        per_layer = {layer: queries.distances(conn, run.run_id, layer=layer, split=True)
-                     for layer in range(run.n_layers)}
+        per_layer = {
+            layer: queries.distances(conn, run.run_id, layer=layer, split=True) for layer in range(run.n_layers)
+        }
         if not any(r[c.index("attended_pairs")] is not None for c, rows in per_layer.values() for r in rows):
-            raise ParameterError(f"--split attended: run {run.run_id} ({run.name}) was stored before attended pairs "
-                                 "were counted; analyse the corpus again to draw signal and noise")
+            raise ParameterError(
+                f"--split attended: run {run.run_id} ({run.name}) was stored before attended pairs "
+                "were counted; analyse the corpus again to draw signal and noise"
+            )
         return figure_distances_split(per_layer, title=title)
     if kind == "distances":
         per_layer = {layer: queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
@@ -335,8 +402,9 @@ def run_figure(kind: str, conn: Connection, run, *, metric: str = "within_senten
     if by_distance and kind != "boundaries":
         raise ParameterError(f"--by-distance: only for plot boundaries, not {kind}")
     if kind == "boundaries" and by_distance:
-        return figure_boundaries_by_distance(*queries.sentence_by_distance(conn, run.run_id), n_layers=run.n_layers,
-                                             title=title)
+        return figure_boundaries_by_distance(
+            *queries.sentence_by_distance(conn, run.run_id), n_layers=run.n_layers, title=title
+        )
     if kind == "boundaries":
         return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title)
     if kind == "heads":

@@ -12,22 +12,58 @@ from headatlas.service.errors import ParameterError
 from headatlas.service.results import MIXING_METHODS
 
 HEAD_COLUMNS = (
-    "layer", "head",
-    "within_sentence", "within_sentence_chance", "within_sentence_lift",
-    "within_sentence_chance_dm", "within_sentence_lift_dm",
-    "repetition", "repetition_chance", "repetition_lift", "repetition_chance_dm", "repetition_lift_dm",
-    "repetition_words", "repetition_words_chance", "repetition_words_lift",
-    "repetition_words_chance_dm", "repetition_words_lift_dm",
-    "mean_distance", "mean_distance_chance", "short_range_share", "short_range_chance", "noise_share",
-    "attn_to_cls", "attn_to_cls_lift", "attn_to_sep", "attn_to_sep_lift", "attn_to_punct", "attn_to_punct_lift",
-    "attn_to_self", "attn_to_prev", "attn_to_next", "attn_entropy", "anchor_frequency_share",
-    "high_pairs", "windows",
+    "layer",
+    "head",
+    "within_sentence",
+    "within_sentence_chance",
+    "within_sentence_lift",
+    "within_sentence_chance_dm",
+    "within_sentence_lift_dm",
+    "repetition",
+    "repetition_chance",
+    "repetition_lift",
+    "repetition_chance_dm",
+    "repetition_lift_dm",
+    "repetition_words",
+    "repetition_words_chance",
+    "repetition_words_lift",
+    "repetition_words_chance_dm",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "mean_distance_chance",
+    "short_range_share",
+    "short_range_chance",
+    "noise_share",
+    "attn_to_cls",
+    "attn_to_cls_lift",
+    "attn_to_sep",
+    "attn_to_sep_lift",
+    "attn_to_punct",
+    "attn_to_punct_lift",
+    "attn_to_self",
+    "attn_to_prev",
+    "attn_to_next",
+    "attn_entropy",
+    "anchor_frequency_share",
+    "high_pairs",
+    "windows",
 )
 SORTABLE = HEAD_COLUMNS[2:]
 # counts and run-level chances carry no interval of their own
-NO_INTERVAL = {"layer", "head", "high_pairs", "windows", "heads", "mean_distance_chance", "short_range_chance",
-               "top_anchors", "top_head", "heads_above_chance", "heads_above_chance_dm",
-               "max_head_within_sentence"}
+NO_INTERVAL = {
+    "layer",
+    "head",
+    "high_pairs",
+    "windows",
+    "heads",
+    "mean_distance_chance",
+    "short_range_chance",
+    "top_anchors",
+    "top_head",
+    "heads_above_chance",
+    "heads_above_chance_dm",
+    "max_head_within_sentence",
+}
 
 # What each lift is measured against, in one line (shown wherever lifts are printed).
 LIFT_NOTE = (
@@ -48,18 +84,29 @@ def interval_metrics(columns: list[str]) -> list[str]:
     return [c for c in columns if c not in NO_INTERVAL]
 
 
-def _with_intervals(conn: Connection, rows: Rows, *, view: str, keys: tuple[str, ...], run_id: int,
-                    where: str = "", params: dict | None = None) -> Rows:
+def _with_intervals(
+    conn: Connection,
+    rows: Rows,
+    *,
+    view: str,
+    keys: tuple[str, ...],
+    run_id: int,
+    where: str = "",
+    params: dict | None = None,
+) -> Rows:
     """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
     leave-one-group-out rows."""
     from headatlas.service.intervals import add_intervals
 
     columns, values = rows
     metrics = [c for c in interval_metrics(columns) if c not in keys]
-    rep_rows = conn.execute(text(
-        f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} "
-        f"WHERE run_id = :run AND drop_rep >= 0 {where}"
-    ), {"run": run_id, **(params or {})}).all()
+    rep_rows = conn.execute(
+        text(
+            f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} "
+            f"WHERE run_id = :run AND drop_rep >= 0 {where}"
+        ),
+        {"run": run_id, **(params or {})},
+    ).all()
     return add_intervals(columns, values, rep_rows, keys=keys, metrics=metrics)
 
 
@@ -68,8 +115,16 @@ def _check_sort(sort: str | None, allowed) -> None:
         raise ParameterError(f"--sort {sort!r}: choose one of {', '.join(allowed)}")
 
 
-def heads(conn: Connection, run_id: int, *, layer: int | None = None, sort: str | None = None,
-          top: int | None = None, anchors: int = 3, ci: bool = False) -> Rows:
+def heads(
+    conn: Connection,
+    run_id: int,
+    *,
+    layer: int | None = None,
+    sort: str | None = None,
+    top: int | None = None,
+    anchors: int = 3,
+    ci: bool = False,
+) -> Rows:
     _check_sort(sort, SORTABLE)
     order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
@@ -93,13 +148,21 @@ def heads(conn: Connection, run_id: int, *, layer: int | None = None, sort: str 
     params = {"layer": layer}
     rows = _rows(conn, sql, {"run": run_id, "limit": top or 1_000_000, "n_anchors": anchors, **params})
     if ci:
-        rows = _with_intervals(conn, rows, view="head_metrics_reps", keys=("layer", "head"), run_id=run_id,
-                               where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)", params=params)
+        rows = _with_intervals(
+            conn,
+            rows,
+            view="head_metrics_reps",
+            keys=("layer", "head"),
+            run_id=run_id,
+            where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)",
+            params=params,
+        )
     return rows
 
 
-def distances(conn: Connection, run_id: int, *, layer: int, head: int | None = None, split: bool = False,
-              ci: bool = False) -> Rows:
+def distances(
+    conn: Connection, run_id: int, *, layer: int, head: int | None = None, split: bool = False, ci: bool = False
+) -> Rows:
     """Distance distribution of H (one head, or the layer's heads pooled) against chance;
     ``split``: also the attended (signal) and not-attended (noise) pairs' distributions."""
     sql = """
@@ -201,8 +264,10 @@ def sentence_by_distance(conn: Connection, run_id: int, *, layer: int | None = N
     """
     columns, rows = _rows(conn, sql, {"run": run_id, "layer": layer})
     if rows and any(r[columns.index("same_sentence_high")] is None for r in rows):
-        raise ParameterError(f"run {run_id} was stored before within-sentence pairs were counted by distance; "
-                             "analyse the corpus again into a new database (--db) to draw them")
+        raise ParameterError(
+            f"run {run_id} was stored before within-sentence pairs were counted by distance; "
+            "analyse the corpus again into a new database (--db) to draw them"
+        )
     return columns, rows
 
 
@@ -218,29 +283,59 @@ def csm(conn: Connection, run_id: int, *, layer: int, head: int | None = None, k
 
     if kind is not None and kind not in CSM_KINDS:
         raise ParameterError(f"--kind {kind!r}: choose one of {', '.join(CSM_KINDS)}")
-    windows, covered = conn.execute(text(
-        "SELECT sum(windows), CASE WHEN count(csm_windows) = count(*) THEN sum(csm_windows) END "
-        "FROM run_chance WHERE run_id = :run"), {"run": run_id}).one()
+    windows, covered = conn.execute(
+        text(
+            "SELECT sum(windows), CASE WHEN count(csm_windows) = count(*) THEN sum(csm_windows) END "
+            "FROM run_chance WHERE run_id = :run"
+        ),
+        {"run": run_id},
+    ).one()
     if covered is None or (windows and covered and covered < windows):
-        raise ParameterError(f"run {run_id}: its averaged similarity matrices cover only some windows (batches stored "
-                             "before they existed); analyse the corpus again into a new database (--db) to draw them")
+        raise ParameterError(
+            f"run {run_id}: its averaged similarity matrices cover only some windows (batches stored "
+            "before they existed); analyse the corpus again into a new database (--db) to draw them"
+        )
     if not covered:
-        raise ParameterError(f"run {run_id} has no averaged similarity matrices (analysed with --csm-bin 0); "
-                             "analyse again with --csm-bin 8 (the default) or 1 (full resolution)")
-    return _rows(conn, f"""
+        raise ParameterError(
+            f"run {run_id} has no averaged similarity matrices (analysed with --csm-bin 0); "
+            "analyse again with --csm-bin 8 (the default) or 1 (full resolution)"
+        )
+    return _rows(
+        conn,
+        f"""
         SELECT {", ".join(CSM_COLUMNS)} FROM csm_means
         WHERE run_id = :run AND layer = :layer AND (CAST(:head AS INTEGER) IS NULL OR head = :head)
           AND (CAST(:kind AS VARCHAR) IS NULL OR kind = :kind)
         ORDER BY head, kind, bin_i, bin_j
-    """, {"run": run_id, "layer": layer, "head": head, "kind": kind})
+    """,
+        {"run": run_id, "layer": layer, "head": head, "kind": kind},
+    )
 
 
 LAYER_COLUMNS = (
-    "layer", "mean_distance", "mean_distance_chance", "short_range_share", "short_range_chance",
-    "within_sentence", "within_sentence_lift", "within_sentence_lift_dm",
-    "repetition", "repetition_lift", "repetition_lift_dm", "repetition_words", "repetition_words_lift_dm",
-    "noise_share", "attn_to_cls", "attn_to_cls_lift", "attn_to_sep", "attn_to_sep_lift",
-    "attn_to_punct", "attn_to_punct_lift", "attn_to_self", "attn_entropy", "anchor_frequency_share",
+    "layer",
+    "mean_distance",
+    "mean_distance_chance",
+    "short_range_share",
+    "short_range_chance",
+    "within_sentence",
+    "within_sentence_lift",
+    "within_sentence_lift_dm",
+    "repetition",
+    "repetition_lift",
+    "repetition_lift_dm",
+    "repetition_words",
+    "repetition_words_lift_dm",
+    "noise_share",
+    "attn_to_cls",
+    "attn_to_cls_lift",
+    "attn_to_sep",
+    "attn_to_sep_lift",
+    "attn_to_punct",
+    "attn_to_punct_lift",
+    "attn_to_self",
+    "attn_entropy",
+    "anchor_frequency_share",
 )
 
 
@@ -255,19 +350,30 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
     rows = _rows(conn, sql, {"run": run_id})
     if ci:
         columns, values = rows
-        rows = _with_intervals(conn, (columns[:len(LAYER_COLUMNS)], [r[:len(LAYER_COLUMNS)] for r in values]),
-                               view="layer_metrics_reps", keys=("layer",), run_id=run_id)
-        rows = (rows[0] + columns[len(LAYER_COLUMNS):],
-                [a + b[len(LAYER_COLUMNS):] for a, b in zip(rows[1], values)])
+        rows = _with_intervals(
+            conn,
+            (columns[: len(LAYER_COLUMNS)], [r[: len(LAYER_COLUMNS)] for r in values]),
+            view="layer_metrics_reps",
+            keys=("layer",),
+            run_id=run_id,
+        )
+        rows = (rows[0] + columns[len(LAYER_COLUMNS) :], [a + b[len(LAYER_COLUMNS) :] for a, b in zip(rows[1], values)])
     return rows
 
 
 def run_summary(conn: Connection, run_id: int) -> dict:
-    row = conn.execute(text(
-        "SELECT r.run_id, r.name, r.status, r.model_name, r.n_layers, r.n_heads, r.params, "
-        "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s "
-        "FROM runs r LEFT JOIN chance_totals c USING (run_id) WHERE r.run_id = :run"
-    ), {"run": run_id}).mappings().first()
+    row = (
+        conn.execute(
+            text(
+                "SELECT r.run_id, r.name, r.status, r.model_name, r.n_layers, r.n_heads, r.params, "
+                "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s "
+                "FROM runs r LEFT JOIN chance_totals c USING (run_id) WHERE r.run_id = :run"
+            ),
+            {"run": run_id},
+        )
+        .mappings()
+        .first()
+    )
     return dict(row) if row else {}
 
 
@@ -284,8 +390,10 @@ METHOD_ORDER = MIXING_METHODS
 
 
 def _mixing_methods(conn: Connection, run_id: int, methods: list[str] | None) -> list[str]:
-    stored = [r[0] for r in conn.execute(
-        text("SELECT DISTINCT method FROM mixing_metrics WHERE run_id = :run"), {"run": run_id})]
+    stored = [
+        r[0]
+        for r in conn.execute(text("SELECT DISTINCT method FROM mixing_metrics WHERE run_id = :run"), {"run": run_id})
+    ]
     if not stored:
         raise ParameterError(
             f"run {run_id} has no mixing measures: analyse with --attribution and/or --mixing rollout,norm,alti"
@@ -310,10 +418,13 @@ def mixing(conn: Connection, run_id: int, *, layer: int | None = None, methods: 
     chosen = _mixing_methods(conn, run_id, methods)
     measures = ", ".join(f"{sql} AS {name}" for name, sql in MIXING_MEASURES.items())
     where = "head = -1" if layer is None else "layer = :layer"
-    result = conn.execute(text(
-        f"SELECT layer, head, method, {measures} FROM mixing_metrics "
-        f"WHERE run_id = :run AND {where} ORDER BY layer, head"
-    ), {"run": run_id, "layer": layer})
+    result = conn.execute(
+        text(
+            f"SELECT layer, head, method, {measures} FROM mixing_metrics "
+            f"WHERE run_id = :run AND {where} ORDER BY layer, head"
+        ),
+        {"run": run_id, "layer": layer},
+    )
     values: dict[tuple, dict] = {}
     for row in result.mappings():
         if row["method"] in chosen:
@@ -369,8 +480,15 @@ def discrepancy_layers(conn: Connection, run_id: int, *, method: str = "attribut
 LAYER_METRICS = tuple(c for c in HEAD_COLUMNS[2:] if c not in ("high_pairs", "windows"))
 
 
-def trend(conn: Connection, schedule_id: int, *, metric: str, layer: int | None = None,
-          head: int | None = None, ci: bool = False) -> Rows:
+def trend(
+    conn: Connection,
+    schedule_id: int,
+    *,
+    metric: str,
+    layer: int | None = None,
+    head: int | None = None,
+    ci: bool = False,
+) -> Rows:
     """A metric across a schedule's runs, in fire order: one head (``layer`` and ``head``, from
     head_metrics), one layer (``layer``, from layer_metrics) or the mean over layers. A run
     shared by several fires (nothing changed between them) appears once, at its first fire."""
@@ -380,8 +498,9 @@ def trend(conn: Connection, schedule_id: int, *, metric: str, layer: int | None 
     if metric not in allowed:
         raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(allowed)}")
     if head is not None:
-        value = (f"SELECT run_id, drop_rep, {metric} AS value FROM head_metrics_reps "
-                 "WHERE layer = :layer AND head = :head")
+        value = (
+            f"SELECT run_id, drop_rep, {metric} AS value FROM head_metrics_reps WHERE layer = :layer AND head = :head"
+        )
     elif layer is not None:
         value = f"SELECT run_id, drop_rep, {metric} AS value FROM layer_metrics_reps WHERE layer = :layer"
     else:

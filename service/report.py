@@ -15,8 +15,14 @@ from pathlib import Path
 
 from headatlas.service import queries
 
-HEAD_METRICS = ("within_sentence_lift_dm", "repetition_words_lift_dm", "mean_distance", "noise_share",
-                "attn_to_punct_lift", "anchor_frequency_share")
+HEAD_METRICS = (
+    "within_sentence_lift_dm",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "noise_share",
+    "attn_to_punct_lift",
+    "anchor_frequency_share",
+)
 HEAD_TABLE_SKIP = ("top_anchors",)  # shown in their own section
 N_ANCHORS = 5
 
@@ -83,8 +89,11 @@ def _table(columns, rows, *, text_columns=()) -> str:
                 cells.append(f'<td class="text">{_e(v)}</td>')
                 continue
             lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
-            interval = (f'<br><span class="ci">[{_num(row[lo])}, {_num(row[hi])}]</span>'
-                        if lo is not None and row[lo] is not None else "")
+            interval = (
+                f'<br><span class="ci">[{_num(row[lo])}, {_num(row[hi])}]</span>'
+                if lo is not None and row[lo] is not None
+                else ""
+            )
             cells.append(f"<td>{_num(v)}{interval}</td>")
         body.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
@@ -97,18 +106,34 @@ def build_report(conn, run) -> str:
     summary = queries.run_summary(conn, run.run_id)
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
     figures = [
-        ("layers", "Layer progression: distances, sentence structure, repetition, noise and attention targets "
-                   "per layer.", plots.run_figure("layers", conn, run)),
-        ("distances", "Token distance of the high-similarity pairs per layer against the chance profile of all "
-                      "pairs (log scales).", plots.run_figure("distances", conn, run)),
-        ("boundaries", "Share of high-similarity pairs within one sentence per layer, against two chances: all "
-                       "pairs of the windows, and pairs at the same distances as the layer's high-similarity "
-                       "pairs (short-range pairs share a sentence anyway); attention to separators against "
-                       "uniform attention. Error bars: 95% intervals.", plots.run_figure("boundaries", conn, run)),
+        (
+            "layers",
+            "Layer progression: distances, sentence structure, repetition, noise and attention targets per layer.",
+            plots.run_figure("layers", conn, run),
+        ),
+        (
+            "distances",
+            "Token distance of the high-similarity pairs per layer against the chance profile of all "
+            "pairs (log scales).",
+            plots.run_figure("distances", conn, run),
+        ),
+        (
+            "boundaries",
+            "Share of high-similarity pairs within one sentence per layer, against two chances: all "
+            "pairs of the windows, and pairs at the same distances as the layer's high-similarity "
+            "pairs (short-range pairs share a sentence anyway); attention to separators against "
+            "uniform attention. Error bars: 95% intervals.",
+            plots.run_figure("boundaries", conn, run),
+        ),
     ]
     for metric in HEAD_METRICS:
-        figures.append((f"heads: {metric}", f"{metric} per head (layer × head).",
-                        plots.run_figure("heads", conn, run, metric=metric)))
+        figures.append(
+            (
+                f"heads: {metric}",
+                f"{metric} per head (layer × head).",
+                plots.run_figure("heads", conn, run, metric=metric),
+            )
+        )
     figure_html = "".join(
         f"<figure>{_img(plots.png_bytes(fig), name)}<figcaption>{_e(caption)}</figcaption></figure>"
         for name, caption, fig in figures
@@ -118,19 +143,24 @@ def build_report(conn, run) -> str:
     mixing_html = _mixing_section(conn, run)
 
     facts = [
-        ("run", f"{run.run_id} ({run.name})"), ("status", run.status), ("model", f"{run.model_name} [{run.model}]"),
+        ("run", f"{run.run_id} ({run.name})"),
+        ("status", run.status),
+        ("model", f"{run.model_name} [{run.model}]"),
         ("shape", f"{run.n_layers} layers × {run.n_heads} heads, head size {run.d_head}"),
-        ("corpus", run.corpus), ("corpus fingerprint", run.corpus_fingerprint),
-        ("windows", f"{summary.get('windows', 0):,}"), ("engine", f"{run.engine} on {run.device or '?'}"),
-        ("created", run.created_at), ("finished", run.finished_at),
-        ("compute", f"{run.compute_s:.1f} s"), ("wall time", f"{run.wall_s:.1f} s"),
+        ("corpus", run.corpus),
+        ("corpus fingerprint", run.corpus_fingerprint),
+        ("windows", f"{summary.get('windows', 0):,}"),
+        ("engine", f"{run.engine} on {run.device or '?'}"),
+        ("created", run.created_at),
+        ("finished", run.finished_at),
+        ("compute", f"{run.compute_s:.1f} s"),
+        ("wall time", f"{run.wall_s:.1f} s"),
     ]
     if run.error:
         facts.append(("error", run.error))
     facts_html = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in facts)
     params_html = "".join(
-        f"<tr><td>{_e(k)}</td><td>{_e(v)}</td><td>{_e(PARAM_HELP.get(k, ''))}</td></tr>"
-        for k, v in run.params.items()
+        f"<tr><td>{_e(k)}</td><td>{_e(v)}</td><td>{_e(PARAM_HELP.get(k, ''))}</td></tr>" for k, v in run.params.items()
     )
 
     keep = [i for i, c in enumerate(head_cols) if c not in HEAD_TABLE_SKIP]
@@ -143,7 +173,7 @@ def build_report(conn, run) -> str:
 <meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>
 <body>
 <h1>{_e(title)}</h1>
-<p class="sub">{_e(run.model_name)} · {summary.get('windows', 0):,} windows · layers and heads are counted from 0
+<p class="sub">{_e(run.model_name)} · {summary.get("windows", 0):,} windows · layers and heads are counted from 0
 (the papers count from 1: their “layer 11, head 8” is layer 10, head 7 here).</p>
 {atlas_html}
 <h2>Run</h2><table class="kv"><tbody>{facts_html}</tbody></table>
@@ -179,12 +209,14 @@ def _atlas_section(conn, run) -> str:
     from headatlas.service import atlas_plots, plots, roles
 
     columns, rows = roles.roles(conn, run.run_id)
-    fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads,
-                                          title=plots._title(run))
+    fig, _ = atlas_plots.figure_atlas(
+        columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=plots._title(run)
+    )
     counts = roles.role_counts(columns, rows)
     rules = {r.role: r.rule for r in roles.RULES}
-    count_html = _table(["role", "heads", "rule"], [(r, n, rules.get(r, "")) for r, n in counts.items()],
-                        text_columns=("role", "rule"))
+    count_html = _table(
+        ["role", "heads", "rule"], [(r, n, rules.get(r, "")) for r, n in counts.items()], text_columns=("role", "rule")
+    )
     evidence_html = _table(columns, rows, text_columns=("role", "metric", "bound", "rule"))
     return f"""<h2>Head atlas</h2>
 <figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
@@ -223,8 +255,10 @@ def mixing_methods(conn, run) -> list[str]:
     """The mixing methods the run holds, in display order (empty: no mixing measures)."""
     from sqlalchemy import text
 
-    stored = {r[0] for r in conn.execute(text("SELECT DISTINCT method FROM mixing_stats WHERE run_id = :r"),
-                                         {"r": run.run_id})}
+    stored = {
+        r[0]
+        for r in conn.execute(text("SELECT DISTINCT method FROM mixing_stats WHERE run_id = :r"), {"r": run.run_id})
+    }
     return [m for m in queries.METHOD_ORDER if m in stored]
 
 
@@ -238,12 +272,14 @@ def _mixing_section(conn, run) -> str:
     if not others:
         return ""
     mixing_fig = mixing_plots.run_mixing(conn, run)
-    parts = [f"""<h2>Mixing: attention against {_e(", ".join(others))}</h2>
+    parts = [
+        f"""<h2>Mixing: attention against {_e(", ".join(others))}</h2>
 <p>What each output token is made of, measured {len(methods)} ways on the run's first windows (SPEC §6): attention
 weights, and {_e(", ".join(others))}. Shares are means over rows (one row per output token); they are proportions of
 the row's mass, not lifts.</p>
 <figure>{_img(plots.png_bytes(mixing_fig), "mixing per layer")}<figcaption>Per layer (layer-level rows): mass to the
-token itself, its neighbours, [CLS]/[SEP] and . ,; one line per method.</figcaption></figure>"""]
+token itself, its neighbours, [CLS]/[SEP] and . ,; one line per method.</figcaption></figure>"""
+    ]
     for method in others:
         fig, _ = mixing_plots.run_discrepancy(conn, run, method=method)
         columns, rows = queries.discrepancy_layers(conn, run.run_id, method=method)
@@ -262,8 +298,7 @@ def _anchor_grid(columns, rows, n_layers: int, n_heads: int) -> str:
     body = []
     for layer in range(n_layers):
         tds = "".join(
-            "<td>" + "<br>".join(_e(a) for a in split_anchors(cells.get((layer, h)))) + "</td>"
-            for h in range(n_heads)
+            "<td>" + "<br>".join(_e(a) for a in split_anchors(cells.get((layer, h)))) + "</td>" for h in range(n_heads)
         )
         body.append(f"<tr><th>{layer}</th>{tds}</tr>")
     return f'<table class="anchors"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'

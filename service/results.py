@@ -39,10 +39,16 @@ HEAD_SUMS = (
 MIXING_METHODS = ("attention", "attribution", "rollout", "norm", "alti")
 FORWARD_MIXING = ("rollout", "norm", "alti")
 # per mixing method (service.mixing), layer and head
-MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention",
-            "distance_sum")
-CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows", "same_word_pairs",
-               "punct_tokens")
+MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention", "distance_sum")
+CHANCE_SUMS = (
+    "windows",
+    "pairs",
+    "same_sentence_pairs",
+    "same_token_pairs",
+    "attn_rows",
+    "same_word_pairs",
+    "punct_tokens",
+)
 # per run and distance: pairs in P, and those sharing a sentence / a token id / a word token id
 PAIR_HISTS = ("pairs", "same_sentence", "same_token", "same_word")
 
@@ -135,9 +141,7 @@ class BatchResult:
             mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
             **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
             meta=np.frombuffer(
-                json.dumps(
-                    {"windows": self.windows, "documents": self.documents, "vocab": self.vocab}
-                ).encode(),
+                json.dumps({"windows": self.windows, "documents": self.documents, "vocab": self.vocab}).encode(),
                 dtype=np.uint8,
             ),
         )
@@ -150,7 +154,7 @@ class BatchResult:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "BatchResult":
+    def from_bytes(cls, blob: bytes) -> BatchResult:
         with np.load(io.BytesIO(blob), allow_pickle=False) as data:
             heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
             pairs = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("pairs.")}

@@ -13,8 +13,8 @@ Pure functions over metric rows (``assign``) plus the store query (``roles``). n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -47,25 +47,70 @@ def _ctx(name: str, factor: float = 1.0) -> Callable[[Mapping], float | None]:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("previous-token", "attn_to_prev", "lo", lambda c: POSITION_MIN,
-         f"mean attention on the previous token ≥ {POSITION_MIN} (uniform: 1/n̄)"),
-    Rule("next-token", "attn_to_next", "lo", lambda c: POSITION_MIN,
-         f"mean attention on the next token ≥ {POSITION_MIN} (uniform: 1/n̄)"),
-    Rule("repetition", "repetition_words_lift_dm", "lo", lambda c: REPETITION_MIN,
-         f"word repetition ≥ {REPETITION_MIN:g}× distance-matched chance"),
-    Rule("sentence-bound", "within_sentence_lift_dm", "lo", lambda c: SENTENCE_MIN,
-         f"within-sentence share ≥ {SENTENCE_MIN:g}× distance-matched chance"),
-    Rule("punctuation", "attn_to_punct_lift", "lo", lambda c: PUNCT_MIN,
-         f"attention on . and , ≥ {PUNCT_MIN:g}× uniform attention"),
-    Rule("local", "short_range_share", "lo", _ctx("short_range_chance", LOCAL_FACTOR),
-         f"share of similar pairs within short_range ≥ {LOCAL_FACTOR:g}× short_range_chance"),
-    Rule("[CLS] sink", "attn_to_cls_lift", "lo", lambda c: SINK_MIN,
-         f"attention on [CLS] ≥ {SINK_MIN:g}× uniform attention"),
-    Rule("[SEP] sink", "attn_to_sep_lift", "lo", lambda c: SINK_MIN,
-         f"attention on [SEP] ≥ {SINK_MIN:g}× uniform attention"),
-    Rule("broad", "attn_entropy", "lo", _ctx("uniform_entropy", BROAD_MIN),
-         f"attention entropy ≥ {BROAD_MIN:g}·ln n̄ and its upper bound ≤ {BROAD_MAX:g}·ln n̄ "
-         "(spread, yet measurably not uniform)"),
+    Rule(
+        "previous-token",
+        "attn_to_prev",
+        "lo",
+        lambda c: POSITION_MIN,
+        f"mean attention on the previous token ≥ {POSITION_MIN} (uniform: 1/n̄)",
+    ),
+    Rule(
+        "next-token",
+        "attn_to_next",
+        "lo",
+        lambda c: POSITION_MIN,
+        f"mean attention on the next token ≥ {POSITION_MIN} (uniform: 1/n̄)",
+    ),
+    Rule(
+        "repetition",
+        "repetition_words_lift_dm",
+        "lo",
+        lambda c: REPETITION_MIN,
+        f"word repetition ≥ {REPETITION_MIN:g}× distance-matched chance",
+    ),
+    Rule(
+        "sentence-bound",
+        "within_sentence_lift_dm",
+        "lo",
+        lambda c: SENTENCE_MIN,
+        f"within-sentence share ≥ {SENTENCE_MIN:g}× distance-matched chance",
+    ),
+    Rule(
+        "punctuation",
+        "attn_to_punct_lift",
+        "lo",
+        lambda c: PUNCT_MIN,
+        f"attention on . and , ≥ {PUNCT_MIN:g}× uniform attention",
+    ),
+    Rule(
+        "local",
+        "short_range_share",
+        "lo",
+        _ctx("short_range_chance", LOCAL_FACTOR),
+        f"share of similar pairs within short_range ≥ {LOCAL_FACTOR:g}× short_range_chance",
+    ),
+    Rule(
+        "[CLS] sink",
+        "attn_to_cls_lift",
+        "lo",
+        lambda c: SINK_MIN,
+        f"attention on [CLS] ≥ {SINK_MIN:g}× uniform attention",
+    ),
+    Rule(
+        "[SEP] sink",
+        "attn_to_sep_lift",
+        "lo",
+        lambda c: SINK_MIN,
+        f"attention on [SEP] ≥ {SINK_MIN:g}× uniform attention",
+    ),
+    Rule(
+        "broad",
+        "attn_entropy",
+        "lo",
+        _ctx("uniform_entropy", BROAD_MIN),
+        f"attention entropy ≥ {BROAD_MIN:g}·ln n̄ and its upper bound ≤ {BROAD_MAX:g}·ln n̄ "
+        "(spread, yet measurably not uniform)",
+    ),
 )
 ROLE_ORDER = tuple(r.role for r in RULES)
 ROLE_METRICS = tuple(dict.fromkeys(r.metric for r in RULES))
@@ -75,8 +120,7 @@ ROLES_NOTE = (
     "*_lift_dm: against distance-matched chance; attn_*_lift: against uniform attention; primary: the head's "
     "most specific role"
 )
-COLUMNS = ["layer", "head", "role", "primary", "metric", "value", "value_lo", "value_hi", "threshold", "bound",
-           "rule"]
+COLUMNS = ["layer", "head", "role", "primary", "metric", "value", "value_lo", "value_hi", "threshold", "bound", "rule"]
 
 
 def _num(x) -> float | None:
@@ -111,20 +155,41 @@ def assign(rows: Sequence[Mapping], context: Mapping) -> list[tuple]:
     for row in sorted(rows, key=lambda r: (r["layer"], r["head"])):
         earned = [(rule, ev) for rule in RULES if (ev := _evidence(rule, row, context)) is not None]
         if not earned:
-            out.append((row["layer"], row["head"], NONE, True, None, None, None, None, None, None,
-                        "no metric's interval clears its threshold"))
+            out.append(
+                (
+                    row["layer"],
+                    row["head"],
+                    NONE,
+                    True,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    "no metric's interval clears its threshold",
+                )
+            )
         for k, (rule, (value, lo, hi, threshold, bound)) in enumerate(earned):
-            out.append((row["layer"], row["head"], rule.role, k == 0, rule.metric, value, lo, hi, threshold,
-                        bound, rule.rule))
+            out.append(
+                (row["layer"], row["head"], rule.role, k == 0, rule.metric, value, lo, hi, threshold, bound, rule.rule)
+            )
     return out
 
 
 def run_context(conn: Connection, run_id: int) -> dict:
     """The run-level chances the thresholds are measured against."""
-    row = conn.execute(text(
-        "SELECT ln(c.attn_rows / nullif(c.windows, 0)) AS uniform_entropy, d.short_range_chance "
-        "FROM chance_totals c LEFT JOIN chance_distance d USING (run_id) WHERE c.run_id = :run"
-    ), {"run": run_id}).mappings().first()
+    row = (
+        conn.execute(
+            text(
+                "SELECT ln(c.attn_rows / nullif(c.windows, 0)) AS uniform_entropy, d.short_range_chance "
+                "FROM chance_totals c LEFT JOIN chance_distance d USING (run_id) WHERE c.run_id = :run"
+            ),
+            {"run": run_id},
+        )
+        .mappings()
+        .first()
+    )
     return dict(row) if row else {"uniform_entropy": None, "short_range_chance": None}
 
 

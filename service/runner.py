@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from headatlas.service.analysis import BatchResult, OomSplitter
 from headatlas.service.corpus import Document, corpus_fingerprint, iter_documents
@@ -31,8 +31,9 @@ class CorpusSummary:
     duplicates: int = 0  # documents whose exact text appeared earlier (analysed once)
 
 
-def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8",
-                  label: str | None = None) -> CorpusSummary:
+def survey_corpus(
+    spec: str, *, text_field: str = "text", encoding: str = "utf-8", label: str | None = None
+) -> CorpusSummary:
     """Read and validate the whole corpus once, before anything is stored.
 
     A bad line anywhere fails here, so a run is never left half-written by bad input.
@@ -47,8 +48,7 @@ def survey_corpus(spec: str, *, text_field: str = "text", encoding: str = "utf-8
         seen.add(doc.doc_id)
     if documents == 0:
         raise CorpusError(f"{label or spec}: no document with text; check the file and --text-field")
-    return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars,
-                         duplicates=documents - len(seen))
+    return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars, duplicates=documents - len(seen))
 
 
 def run_key(corpus_fp: str, model: LoadedModel, params: AnalysisParams) -> str:
@@ -162,13 +162,30 @@ def analyze_corpus(
     sink = BackgroundSink(lambda items: store.ingest(run.run_id, items))
     splitter = OomSplitter()
     batches = Prefetcher(
-        iter_batches(spec, model, params, tokens, batch_size=batch_size, skip=skip, text_field=text_field,
-                     encoding=encoding, label=label)
+        iter_batches(
+            spec,
+            model,
+            params,
+            tokens,
+            batch_size=batch_size,
+            skip=skip,
+            text_field=text_field,
+            encoding=encoding,
+            label=label,
+        )
     )
     try:
         for batch, docs, consumed in batches:
-            for result in splitter.analyze(model, batch, params, tokens, docs, pad_id=tokens.pad_id,
-                                           mixing_windows=max(0, mixing_left), attribution_chunk=attribution_chunk):
+            for result in splitter.analyze(
+                model,
+                batch,
+                params,
+                tokens,
+                docs,
+                pad_id=tokens.pad_id,
+                mixing_windows=max(0, mixing_left),
+                attribution_chunk=attribution_chunk,
+            ):
                 mixing_left -= result.mixing_windows
                 pending.append((batch_id, result))
                 batch_id += 1

@@ -26,11 +26,15 @@ def parse_every(text: str) -> int:
     """'6h' / '30m' / '45s' / '2d' → seconds."""
     match = EVERY_RE.match(text or "")
     if not match or int(match.group(1)) <= 0:
-        raise ParameterError(f"--every {text!r} is not an interval: write a positive number and a unit, e.g. 45s, 30m, 6h or 1d")
+        raise ParameterError(
+            f"--every {text!r} is not an interval: write a positive number and a unit, e.g. 45s, 30m, 6h or 1d"
+        )
     seconds = int(match.group(1)) * UNITS[match.group(2)]
     if seconds > MAX_EVERY_S:
-        raise ParameterError(f"--every {text!r} is longer than a year (366d): use --cron for rare fires, "
-                             "e.g. \"0 3 1 1 *\" (every 1 January at 03:00)")
+        raise ParameterError(
+            f"--every {text!r} is longer than a year (366d): use --cron for rare fires, "
+            'e.g. "0 3 1 1 *" (every 1 January at 03:00)'
+        )
     return seconds
 
 
@@ -48,14 +52,14 @@ def check_cron(expression: str) -> str:
     if len(expression.split()) != 5 or not croniter.is_valid(expression):
         raise ParameterError(
             f"--cron {expression!r} is not a cron expression: give five fields, minute hour day-of-month month "
-            "day-of-week, e.g. \"0 3 * * *\" (daily at 03:00) or \"*/15 * * * *\" (every 15 minutes)"
+            'day-of-week, e.g. "0 3 * * *" (daily at 03:00) or "*/15 * * * *" (every 15 minutes)'
         )
     try:  # valid fields can still name no date ("0 3 31 2 *": 31 February)
         croniter(expression, datetime(2000, 1, 1)).get_next(datetime)
     except (CroniterBadDateError, ValueError, OverflowError):
         raise ParameterError(
             f"--cron {expression!r} never fires (no date matches its day-of-month and month): "
-            "check those fields, e.g. \"0 3 28 2 *\" for 28 February"
+            'check those fields, e.g. "0 3 28 2 *" for 28 February'
         ) from None
     return expression
 
@@ -64,7 +68,9 @@ def check_timezone(name: str) -> ZoneInfo:
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
-        raise ParameterError(f"--timezone {name!r} is not a known time zone: use an IANA name such as UTC or Europe/Paris") from None
+        raise ParameterError(
+            f"--timezone {name!r} is not a known time zone: use an IANA name such as UTC or Europe/Paris"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ Pure Python: imports neither torch, Celery, Typer nor SQLAlchemy.
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Sequence
+from collections.abc import Sequence
 
 from headatlas.service.errors import ParameterError
+
 
 def sentence_starts(text: str) -> list[int]:
     """Character offset (Python ``str`` index) where each sentence of ``text`` starts, ascending.

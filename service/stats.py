@@ -75,7 +75,7 @@ class WindowFeatures:
     first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
     key_classes: torch.Tensor  # [batch, key, 3] bool: is [CLS], is [SEP], is . or ,
     layout: PairLayout
-    workspace: "Workspace"
+    workspace: Workspace
     group: torch.Tensor | None = None  # [batch] replicate group (dense index); None: sum the batch
     n_groups: int = 1
     _bias: dict = field(default_factory=dict)
@@ -98,8 +98,10 @@ class WindowFeatures:
             bias = torch.full((batch, n_pos * n_pos), float("-inf"), dtype=dtype, device=self.valid.device)
             bias[:, self.layout.flat] = torch.where(self.pair_ok, 0.0, float("-inf")).to(dtype)
             self._bias.clear()
-            self._bias[key] = bias.view(batch, 1, n_pos, n_pos).expand(batch, heads, n_pos, n_pos).reshape(
-                batch * heads, n_pos, n_pos
+            self._bias[key] = (
+                bias.view(batch, 1, n_pos, n_pos)
+                .expand(batch, heads, n_pos, n_pos)
+                .reshape(batch * heads, n_pos, n_pos)
             )
         return self._bias[key]
 
@@ -110,7 +112,7 @@ def window_features(
     tokens: TokenClasses,
     *,
     include_special: bool = False,
-    workspace: "Workspace | None" = None,
+    workspace: Workspace | None = None,
     group: torch.Tensor | None = None,
     n_groups: int = 1,
     sentence: torch.Tensor | None = None,  # [batch, pos] int64 from the windows (segmenter); None: punct
@@ -264,9 +266,7 @@ def select_pairs(
         chosen_mask = (sim >= select.value * top) & (sim > float("-inf"))
         counts = _count(chosen_mask, dim=2)  # [batch, head]
     else:
-        per_window = torch.tensor(
-            [select.count(int(p)) for p in feats.n_pairs.tolist()], device=sim.device
-        )
+        per_window = torch.tensor([select.count(int(p)) for p in feats.n_pairs.tolist()], device=sim.device)
         counts = per_window[:, None].expand(batch, heads)
     k_max = int(counts.max()) if counts.numel() else 0
     if k_max == 0:
@@ -359,7 +359,8 @@ def head_statistics(
         from headatlas.service.averaged_csm import averaged_csm_sums
 
         out["csm_sum"], out["csm_count"] = averaged_csm_sums(
-            z, feats.in_pairs, values, index, chosen, attended, bin_size=csm_bin, n_bins=-(-seq_len // csm_bin))
+            z, feats.in_pairs, values, index, chosen, attended, bin_size=csm_bin, n_bins=-(-seq_len // csm_bin)
+        )
 
     # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
     endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)
@@ -381,7 +382,7 @@ def _histogram(distance: torch.Tensor, mask: torch.Tensor, seq_len: int) -> torc
     return hist.scatter_add_(2, distance, mask.long())
 
 
-def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace | None" = None) -> dict[str, torch.Tensor]:
+def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: Workspace | None = None) -> dict[str, torch.Tensor]:
     """Σ over valid query rows of attention to categories, ``[head]`` float64 each
     (``[group, head]`` when ``feats`` has replicate groups).
 
@@ -405,7 +406,7 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: "Workspace |
     }
 
 
-def _entropy_rows(attn: torch.Tensor, work: "Workspace | None") -> torch.Tensor:
+def _entropy_rows(attn: torch.Tensor, work: Workspace | None) -> torch.Tensor:
     """-Σ_key A ln A per row (0 ln 0 = 0), ``[batch, head, pos]``, via a reused buffer."""
     out = work.buffer("entropy", attn.shape, attn.dtype) if work is not None else None
     return torch.xlogy(attn, attn, out=out).sum(3).neg_()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import unicodedata
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,11 +39,16 @@ class Window:
         return row if self.sentence_ids is None else [*row, list(self.sentence_ids)]
 
     @classmethod
-    def from_message(cls, row: list) -> "Window":
+    def from_message(cls, row: list) -> Window:
         window_id, doc_id, index, input_ids, *rest = row
         sentences = tuple(int(s) for s in rest[0]) if rest else None
-        return cls(window_id=window_id, doc_id=doc_id, index=int(index), input_ids=tuple(int(t) for t in input_ids),
-                   sentence_ids=sentences)
+        return cls(
+            window_id=window_id,
+            doc_id=doc_id,
+            index=int(index),
+            input_ids=tuple(int(t) for t in input_ids),
+            sentence_ids=sentences,
+        )
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,12 @@ class TokenClasses:
     sentence_end_ids: frozenset[int]  # . ! ?  (end their sentence, SPEC §1)
     punct_ids: frozenset[int]  # . ,  (the separators of the paper, SPEC §4)
     # [vocab] bool: the token's text (without a word-piece prefix) holds a letter or digit (SPEC §5b)
-    is_word: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool), compare=False,
-                                  hash=False, repr=False)
+    is_word: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(0, dtype=torch.bool), compare=False, hash=False, repr=False
+    )
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "TokenClasses":
+    def from_tokenizer(cls, tokenizer) -> TokenClasses:
         def ids(tokens: Iterable[str]) -> frozenset[int]:
             out = set()
             unk = tokenizer.unk_token_id
@@ -89,7 +96,7 @@ def is_word_token(text: str) -> bool:
     one letter or digit (Unicode categories L* or N*)."""
     for prefix in WORD_PIECE_PREFIXES:
         if text.startswith(prefix):
-            text = text[len(prefix):]
+            text = text[len(prefix) :]
             break
     return any(unicodedata.category(ch)[0] in "LN" for ch in text)
 
@@ -117,14 +124,19 @@ SLICE_CHARS = 1 << 16
 
 
 def document_windows(
-    doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
+    doc: Document, tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
 ) -> list[Window]:
     return list(iter_document_windows(doc, tokenizer, tokens, tokenizer_key, params))
 
 
 def iter_document_windows(
-    doc: "Document", tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams,
-    *, slice_chars: int = SLICE_CHARS,
+    doc: Document,
+    tokenizer,
+    tokens: TokenClasses,
+    tokenizer_key: str,
+    params: AnalysisParams,
+    *,
+    slice_chars: int = SLICE_CHARS,
 ) -> Iterator[Window]:
     """The document's windows in order, tokenised slice by slice (memory follows a slice, not
     the document). Under ``--sentences segmenter`` each piece carries its sentence index."""
@@ -146,12 +158,18 @@ def iter_document_windows(
         yield _window(doc, k, chunk, tokens, tokenizer_key, params)
 
 
-def _window(doc, k: int, chunk: list[tuple[int, int]], tokens: TokenClasses, tokenizer_key: str,
-            params: AnalysisParams) -> Window:
+def _window(
+    doc, k: int, chunk: list[tuple[int, int]], tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
+) -> Window:
     pieces = [piece for piece, _ in chunk]
     sentences = window_sentence_ids([s for _, s in chunk]) if params.sentences == "segmenter" else None
-    return Window(window_id=window_key(doc.doc_id, k, tokenizer_key, params), doc_id=doc.doc_id, index=k,
-                  input_ids=(tokens.cls_id, *pieces, tokens.sep_id), sentence_ids=sentences)
+    return Window(
+        window_id=window_key(doc.doc_id, k, tokenizer_key, params),
+        doc_id=doc.doc_id,
+        index=k,
+        input_ids=(tokens.cls_id, *pieces, tokens.sep_id),
+        sentence_ids=sentences,
+    )
 
 
 def _slices(text: str, slice_chars: int) -> Iterator[tuple[int, int]]:
@@ -215,8 +233,8 @@ def _cut(text: str, start: int, end: int) -> int:
 
 
 def iter_windows(
-    docs: Iterable["Document"], tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
-) -> Iterator[tuple["Document", list[Window]]]:
+    docs: Iterable[Document], tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
+) -> Iterator[tuple[Document, list[Window]]]:
     for doc in docs:
         yield doc, document_windows(doc, tokenizer, tokens, tokenizer_key, params)
 

@@ -55,7 +55,9 @@ def headatlas_cmd() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "headatlas.cli.main"]
 
 
-def run_cli(*args: str, env: dict | None = None, input: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, input: str | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})

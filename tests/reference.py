@@ -14,11 +14,33 @@ import unicodedata
 import numpy as np
 import torch
 
-HEAD_NAMES = ["high_pairs", "sim_sum_all", "sim_sum_high", "same_sentence_high", "same_token_high", "attended_high",
-              "attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self", "attn_to_prev", "attn_to_next",
-              "attn_entropy", "same_word_high", "anchor_frequent", "anchored_windows"]
-CHANCE_NAMES = ["windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows", "same_word_pairs",
-                "punct_tokens"]
+HEAD_NAMES = [
+    "high_pairs",
+    "sim_sum_all",
+    "sim_sum_high",
+    "same_sentence_high",
+    "same_token_high",
+    "attended_high",
+    "attn_to_cls",
+    "attn_to_sep",
+    "attn_to_punct",
+    "attn_to_self",
+    "attn_to_prev",
+    "attn_to_next",
+    "attn_entropy",
+    "same_word_high",
+    "anchor_frequent",
+    "anchored_windows",
+]
+CHANCE_NAMES = [
+    "windows",
+    "pairs",
+    "same_sentence_pairs",
+    "same_token_pairs",
+    "attn_rows",
+    "same_word_pairs",
+    "punct_tokens",
+]
 HIST_NAMES = ["pairs", "same_sentence", "same_token", "same_word"]
 
 
@@ -26,13 +48,24 @@ def word_piece_is_word(token: str) -> bool:
     """SPEC §5b: after a word-piece prefix, at least one character of Unicode category L* or N*."""
     for prefix in ("##", "Ġ", "▁"):
         if token.startswith(prefix):
-            token = token[len(prefix):]
+            token = token[len(prefix) :]
             break
     return any(unicodedata.category(ch).startswith(("L", "N")) for ch in token)
 
 
-def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4.0, include_special=False,
-                      seq_len=128, vectors="pre_wo", sentences=None):
+def reference_windows(
+    model,
+    input_ids,
+    attention_mask,
+    tokens,
+    *,
+    count,
+    gate=4.0,
+    include_special=False,
+    seq_len=128,
+    vectors="pre_wo",
+    sentences=None,
+):
     """One record per window: ``heads`` (name -> [layer, head]), ``dist_hist`` and ``attended_hist``
     ([layer, head, seq_len]), ``chance`` (name -> int), ``hists`` (name -> [seq_len]), ``anchors``
     ([layer, head] token id or -1) and ``anchor_frequent`` ([layer, head] bool).
@@ -70,7 +103,7 @@ def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4
             if not special[i]:
                 occurrences[ids[i]] = occurrences.get(ids[i], 0) + 1
         frequent = min(occurrences, key=lambda t: (-occurrences[t], ids.index(t))) if occurrences else None
-        pairs = [(i, j) for a, i in enumerate(members) for j in members[a + 1:]]
+        pairs = [(i, j) for a, i in enumerate(members) for j in members[a + 1 :]]
         chance = {k: 0 for k in CHANCE_NAMES}
         hists = {k: np.zeros(seq_len, dtype=np.int64) for k in HIST_NAMES}
         chance["windows"] = 1
@@ -102,9 +135,9 @@ def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4
                 w_o = blocks[layer].attention.output.dense.weight.detach().double()
             for h in range(n_heads):
                 attn = out.attentions[layer][w, h, :n, :n].double().numpy()
-                z = attn @ v_all[:, h * d:(h + 1) * d].numpy()
+                z = attn @ v_all[:, h * d : (h + 1) * d].numpy()
                 if vectors == "post_wo":
-                    z = z @ w_o[:, h * d:(h + 1) * d].numpy().T
+                    z = z @ w_o[:, h * d : (h + 1) * d].numpy().T
                 sim = z @ z.T
                 ranked = sorted(pairs, key=lambda p: (-sim[p], p[0], p[1]))
                 high = ranked[:k]
@@ -137,8 +170,17 @@ def reference_windows(model, input_ids, attention_mask, tokens, *, count, gate=4
                     heads["attn_to_prev"][layer, h] += row[i - 1] if i > 0 else 0.0
                     heads["attn_to_next"][layer, h] += row[i + 1] if i + 1 < n else 0.0
                     heads["attn_entropy"][layer, h] += -sum(a * math.log(a) for a in row if a > 0)
-        records.append({"heads": heads, "dist_hist": dist_hist, "attended_hist": attended_hist, "chance": chance,
-                        "hists": hists, "anchors": anchors, "anchor_frequent": anchor_frequent})
+        records.append(
+            {
+                "heads": heads,
+                "dist_hist": dist_hist,
+                "attended_hist": attended_hist,
+                "chance": chance,
+                "hists": hists,
+                "anchors": anchors,
+                "anchor_frequent": anchor_frequent,
+            }
+        )
     return records
 
 
@@ -153,15 +195,40 @@ def summed(records: list[dict]) -> dict:
     }
 
 
-def reference_statistics(model, input_ids, attention_mask, tokens, *, q=0.02, gate=4.0,
-                         include_special=False, seq_len=128, vectors="pre_wo", sentences=None):
+def reference_statistics(
+    model,
+    input_ids,
+    attention_mask,
+    tokens,
+    *,
+    q=0.02,
+    gate=4.0,
+    include_special=False,
+    seq_len=128,
+    vectors="pre_wo",
+    sentences=None,
+):
     """SPEC §1–4 totals with ``select = top:q`` (kept for callers of the first version).
 
     Returns (heads: dict name -> [layer, head] array, dist_hist [layer, head, seq_len],
     chance: dict, pair_hist [seq_len], anchors: [window, layer, head] token id or -1)."""
-    records = reference_windows(model, input_ids, attention_mask, tokens, gate=gate, include_special=include_special,
-                                seq_len=seq_len, vectors=vectors, sentences=sentences,
-                                count=lambda n_pairs: min(n_pairs, math.ceil(q * n_pairs - 1e-9)))
+    records = reference_windows(
+        model,
+        input_ids,
+        attention_mask,
+        tokens,
+        gate=gate,
+        include_special=include_special,
+        seq_len=seq_len,
+        vectors=vectors,
+        sentences=sentences,
+        count=lambda n_pairs: min(n_pairs, math.ceil(q * n_pairs - 1e-9)),
+    )
     total = summed(records)
-    return (total["heads"], total["dist_hist"], total["chance"], total["hists"]["pairs"],
-            np.stack([r["anchors"] for r in records]))
+    return (
+        total["heads"],
+        total["dist_hist"],
+        total["chance"],
+        total["hists"]["pairs"],
+        np.stack([r["anchors"] for r in records]),
+    )

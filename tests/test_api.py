@@ -27,13 +27,15 @@ def _same(mine: dict, theirs: dict) -> bool:
     """Equal, floats up to the summation order of DuckDB's parallel aggregates (last bits)."""
     return list(mine) == list(theirs) and all(
         a == pytest.approx(b, rel=1e-12) if isinstance(a, float) and isinstance(b, float) else a == b
-        for a, b in zip(mine.values(), theirs.values()))
+        for a, b in zip(mine.values(), theirs.values())
+    )
 
 
 def _rows(table: pa.Table) -> list[dict]:
     """As JSON carries them: NaN (an undefined ratio) is null."""
-    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
-            for row in table.to_pylist()]
+    return [
+        {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()} for row in table.to_pylist()
+    ]
 
 
 def test_analyze_then_connect_gives_the_run(analysed):

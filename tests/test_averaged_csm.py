@@ -14,8 +14,14 @@ from headatlas.service.stats import head_statistics, window_features
 from headatlas.service.windows import TokenClasses
 
 CLS, SEP, PAD, DOT, A, B = 101, 102, 0, 1012, 1037, 1038
-TOKENS = TokenClasses(cls_id=CLS, sep_id=SEP, pad_id=PAD, special_ids=frozenset({CLS, SEP, PAD}),
-                      sentence_end_ids=frozenset({DOT}), punct_ids=frozenset({DOT}))
+TOKENS = TokenClasses(
+    cls_id=CLS,
+    sep_id=SEP,
+    pad_id=PAD,
+    special_ids=frozenset({CLS, SEP, PAD}),
+    sentence_end_ids=frozenset({DOT}),
+    punct_ids=frozenset({DOT}),
+)
 # [CLS] a b a b . [SEP] [PAD]: the pair universe is positions 1..5; bins of 2: {0,1} {2,3} {4,5} {6,7}
 IDS = [CLS, A, B, A, B, DOT, SEP, PAD]
 # d = 1, so C_ij = s_i s_j; [CLS], [SEP] and the pad are large but outside P
@@ -102,8 +108,14 @@ def _analyse(corpus, db, model, **options):
     from headatlas.service.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
-    return analyze_corpus(str(corpus), store=Store(db), model=model, params=build_params(**options),
-                          corpus=survey_corpus(str(corpus)), batch_size=4)
+    return analyze_corpus(
+        str(corpus),
+        store=Store(db),
+        model=model,
+        params=build_params(**options),
+        corpus=survey_corpus(str(corpus)),
+        batch_size=4,
+    )
 
 
 def _grid(columns, rows, *, head: int, kind: str, value: str, n_bins: int) -> np.ndarray:
@@ -124,8 +136,10 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
 
     params = build_params()
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
-    made = [(analyze_batch(tiny_model, b, params, tokens, documents=docs))
-            for b, docs, _ in iter_batches(str(small_corpus), tiny_model, params, tokens, batch_size=4)]
+    made = [
+        (analyze_batch(tiny_model, b, params, tokens, documents=docs))
+        for b, docs, _ in iter_batches(str(small_corpus), tiny_model, params, tokens, batch_size=4)
+    ]
     assert len(made) >= 2
     # the queue carries the bytes: what the writer reads back is what the worker made
     results = [BatchResult.from_bytes(r.to_bytes()) for r in made]
@@ -137,9 +151,15 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
     store = Store(tmp_path / "csm.duckdb")
     store.ensure_schema()
     run, _ = store.find_or_create_run(
-        run_key="csm", name="csm", corpus=str(small_corpus), corpus_fingerprint="fp",
+        run_key="csm",
+        name="csm",
+        corpus=str(small_corpus),
+        corpus_fingerprint="fp",
         model={"spec": tiny_model.name, "name": tiny_model.name, "layers": 2, "heads": 4, "d_head": 8},
-        params=params.to_dict(), engine="embedded", device="cpu")
+        params=params.to_dict(),
+        engine="embedded",
+        device="cpu",
+    )
     assert store.ingest(run.run_id, list(enumerate(results))) == len(results)
     total_sum = sum(r.csm_sum.astype(np.float64) for r in results)
     total_count = sum(r.csm_count.astype(np.int64) for r in results)
@@ -154,8 +174,11 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
     for layer in (0, 1):
         columns, rows = before[layer]
         assert after[layer][0] == columns
-        np.testing.assert_allclose(np.array([r[5:7] for r in after[layer][1]], dtype=float),
-                                   np.array([r[5:7] for r in rows], dtype=float), rtol=1e-12)
+        np.testing.assert_allclose(
+            np.array([r[5:7] for r in after[layer][1]], dtype=float),
+            np.array([r[5:7] for r in rows], dtype=float),
+            rtol=1e-12,
+        )
         for head in range(4):
             for k, kind in enumerate(CSM_KINDS):
                 count = total_count[k, layer, head]
@@ -165,8 +188,9 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
                 np.testing.assert_allclose(got, expected, rtol=1e-9, equal_nan=True)
                 share = _grid(columns, rows, head=head, kind=kind, value="pair_share", n_bins=16)
                 with np.errstate(invalid="ignore", divide="ignore"):
-                    np.testing.assert_allclose(share, np.where(count > 0, count / total_count[0, layer, head], np.nan),
-                                               equal_nan=True)
+                    np.testing.assert_allclose(
+                        share, np.where(count > 0, count / total_count[0, layer, head], np.nan), equal_nan=True
+                    )
 
 
 def test_stored_mean_of_one_window_is_the_inspected_matrix_binned_by_hand(tmp_path, tiny_model):
@@ -197,10 +221,12 @@ def test_stored_mean_of_one_window_is_the_inspected_matrix_binned_by_hand(tmp_pa
                     with np.errstate(invalid="ignore", divide="ignore"):
                         expected = np.where(counts > 0, sums / counts, np.nan)
                     got = _grid(columns, rows, head=head, kind=kind, value="mean", n_bins=16)
-                    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, equal_nan=True,
-                                               err_msg=f"layer {layer} head {head} {kind}")
-                    assert np.nansum(_grid(columns, rows, head=head, kind=kind, value="pairs", n_bins=16)) == \
-                        counts.sum()
+                    np.testing.assert_allclose(
+                        got, expected, rtol=1e-4, atol=1e-5, equal_nan=True, err_msg=f"layer {layer} head {head} {kind}"
+                    )
+                    assert (
+                        np.nansum(_grid(columns, rows, head=head, kind=kind, value="pairs", n_bins=16)) == counts.sum()
+                    )
             assert int(high.sum()) == int(np.ceil(0.02 * pair.sum()))
 
 
@@ -231,8 +257,12 @@ def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
     store = Store(tmp_path / "mixed.duckdb")
     store.ensure_schema()
     run = new_run(store, "mixed")
-    old = build_result(ids_in_distinct_groups(2), [W1, W3], torch.stack([Z1, Z3])[:, None, None],
-                       torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None])
+    old = build_result(
+        ids_in_distinct_groups(2),
+        [W1, W3],
+        torch.stack([Z1, Z3])[:, None, None],
+        torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None],
+    )
     assert old.csm_sum is None and old.rep_same_sentence_hist is None
     new = BatchResult.from_bytes(old.to_bytes())
     new.window_ids = [w + "-new" for w in new.window_ids]

@@ -42,13 +42,25 @@ def base(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bad-inputs")
     corpus = root / "small.txt"
-    corpus.write_text("The cat sat on the mat. It was warm.\n\nA second document follows, short and plain.\n",
-                      encoding="utf-8")
+    corpus.write_text(
+        "The cat sat on the mat. It was warm.\n\nA second document follows, short and plain.\n", encoding="utf-8"
+    )
     db = root / "good.duckdb"
     done = invoke("analyze", str(corpus), "--db", str(db), "--model", "random:tiny", "--name", ODD_RUN, "--quiet")
     assert done.exit_code == 0, done.output
-    added = invoke("schedule", "add", ODD_SCHEDULE, "--corpus", str(corpus), "--every", "1h", "--model", "random:tiny",
-                   "--db", str(db))
+    added = invoke(
+        "schedule",
+        "add",
+        ODD_SCHEDULE,
+        "--corpus",
+        str(corpus),
+        "--every",
+        "1h",
+        "--model",
+        "random:tiny",
+        "--db",
+        str(db),
+    )
     assert added.exit_code == 0, added.output
 
     source = default_model_dir()
@@ -128,79 +140,184 @@ DAMAGE_HINT = {"folder": "folder", "foreign": "{db}"}
 
 CASES: list[Case] = [
     Case(f"{command}@{kind}", [*args, "--db", "{db}"], DAMAGE_HINT.get(kind, "{db}"), db=kind)
-    for kind in DAMAGED for command, args in DB_COMMANDS.items()
+    for kind in DAMAGED
+    for command, args in DB_COMMANDS.items()
     if (command, kind) != ("sql", "foreign")  # raw SQL reads any DuckDB file, read-only: not a mistake
 ]
 CASES += [
     # models: checked before any run exists, in analyze, submit and schedule add alike
-    *[Case(f"{cmd}:model-{what}", [*pre, "--db", "{db}", *model], hint, db=db)
-      for cmd, pre, db in (
-          ("analyze", ["analyze", "{corpus}"], "good"),
-          ("submit", ["submit", "{corpus}", "--broker", NO_BROKER], "good"),
-          ("schedule-add", ["schedule", "add", "m", "--corpus", "{corpus}", "--every", "1h"], "good"))
-      for what, model, hint in (
-          ("no-tokenizer", ["--model", "{no_tokenizer}"], "no tokenizer files"),
-          ("cut-weights", ["--model", "{cut_weights}"], "cut short"),
-          ("too-large", ["--model", "random:1,1,100000"], "GiB"),
-          ("seq-len-over-positions", ["--model", "default", "--seq-len", "1024"], "512 positions"),
-          ("random-seq-len-over-positions", ["--model", "random:tiny", "--seq-len", "1024"], "--seq-len 512"),
-      )],
-    Case("inspect:seq-len-over-positions", ["inspect", "some text", "--out", "{root}/i.png", "--model", "random:tiny",
-                                            "--seq-len", "2048"], "512 positions", db="none"),
+    *[
+        Case(f"{cmd}:model-{what}", [*pre, "--db", "{db}", *model], hint, db=db)
+        for cmd, pre, db in (
+            ("analyze", ["analyze", "{corpus}"], "good"),
+            ("submit", ["submit", "{corpus}", "--broker", NO_BROKER], "good"),
+            ("schedule-add", ["schedule", "add", "m", "--corpus", "{corpus}", "--every", "1h"], "good"),
+        )
+        for what, model, hint in (
+            ("no-tokenizer", ["--model", "{no_tokenizer}"], "no tokenizer files"),
+            ("cut-weights", ["--model", "{cut_weights}"], "cut short"),
+            ("too-large", ["--model", "random:1,1,100000"], "GiB"),
+            ("seq-len-over-positions", ["--model", "default", "--seq-len", "1024"], "512 positions"),
+            ("random-seq-len-over-positions", ["--model", "random:tiny", "--seq-len", "1024"], "--seq-len 512"),
+        )
+    ],
+    Case(
+        "inspect:seq-len-over-positions",
+        ["inspect", "some text", "--out", "{root}/i.png", "--model", "random:tiny", "--seq-len", "2048"],
+        "512 positions",
+        db="none",
+    ),
     # corpus text
-    Case("analyze:utf-16-without-bom", ["analyze", "{utf8}", "--encoding", "utf-16", "--db", "{db}", "--model",
-                                        "random:tiny"], "utf-16"),
-    Case("analyze:zero-width-only", ["analyze", "{zero_width}", "--db", "{db}", "--model", "random:tiny"],
-         "no document with text"),
-    Case("analyze:stdin-zero-width", ["analyze", "-", "--db", "{db}", "--model", "random:tiny"], "<stdin>",
-         input="\u200b\u200b\n"),
-    Case("analyze:stdin-latin1", ["analyze", "-", "--db", "{db}", "--model", "random:tiny"], "<stdin>:1",
-         input="caf\u00e9\n".encode("latin-1")),
-    Case("schedule-add:empty-corpus", ["schedule", "add", "e", "--corpus", "{empty_corpus}", "--every", "1h",
-                                       "--model", "random:tiny", "--db", "{db}"], "empty"),
-    Case("schedule-add:zero-width-corpus", ["schedule", "add", "z", "--corpus", "{zero_width}", "--every", "1h",
-                                            "--model", "random:tiny", "--db", "{db}"], "no document with text"),
-    Case("schedule-add:empty-name", ["schedule", "add", "", "--corpus", "{corpus}", "--every", "1h",
-                                     "--model", "random:tiny", "--db", "{db}"], "name is empty"),
-    Case("schedule-add:blank-name", ["schedule", "add", "  ", "--corpus", "{corpus}", "--every", "1h",
-                                     "--model", "random:tiny", "--db", "{db}"], "name is empty"),
+    Case(
+        "analyze:utf-16-without-bom",
+        ["analyze", "{utf8}", "--encoding", "utf-16", "--db", "{db}", "--model", "random:tiny"],
+        "utf-16",
+    ),
+    Case(
+        "analyze:zero-width-only",
+        ["analyze", "{zero_width}", "--db", "{db}", "--model", "random:tiny"],
+        "no document with text",
+    ),
+    Case(
+        "analyze:stdin-zero-width",
+        ["analyze", "-", "--db", "{db}", "--model", "random:tiny"],
+        "<stdin>",
+        input="\u200b\u200b\n",
+    ),
+    Case(
+        "analyze:stdin-latin1",
+        ["analyze", "-", "--db", "{db}", "--model", "random:tiny"],
+        "<stdin>:1",
+        input="caf\u00e9\n".encode("latin-1"),
+    ),
+    Case(
+        "schedule-add:empty-corpus",
+        [
+            "schedule",
+            "add",
+            "e",
+            "--corpus",
+            "{empty_corpus}",
+            "--every",
+            "1h",
+            "--model",
+            "random:tiny",
+            "--db",
+            "{db}",
+        ],
+        "empty",
+    ),
+    Case(
+        "schedule-add:zero-width-corpus",
+        ["schedule", "add", "z", "--corpus", "{zero_width}", "--every", "1h", "--model", "random:tiny", "--db", "{db}"],
+        "no document with text",
+    ),
+    Case(
+        "schedule-add:empty-name",
+        ["schedule", "add", "", "--corpus", "{corpus}", "--every", "1h", "--model", "random:tiny", "--db", "{db}"],
+        "name is empty",
+    ),
+    Case(
+        "schedule-add:blank-name",
+        ["schedule", "add", "  ", "--corpus", "{corpus}", "--every", "1h", "--model", "random:tiny", "--db", "{db}"],
+        "name is empty",
+    ),
     # cadences
-    Case("schedule-add:cron-never-fires", ["schedule", "add", "c", "--corpus", "{corpus}", "--cron", "0 3 31 2 *",
-                                           "--model", "random:tiny", "--db", "{db}"], "never fires"),
-    Case("schedule-add:every-too-long", ["schedule", "add", "c", "--corpus", "{corpus}", "--every", "99999999999d",
-                                         "--model", "random:tiny", "--db", "{db}"], "--cron"),
-    Case("schedule-edit:cron-never-fires", ["schedule", "edit", ODD_SCHEDULE, "--cron", "0 0 30 2 *", "--db", "{db}"],
-         "never fires"),
-    Case("schedule-edit:every-too-long", ["schedule", "edit", ODD_SCHEDULE, "--every", "400d", "--db", "{db}"],
-         "longer than a year"),
+    Case(
+        "schedule-add:cron-never-fires",
+        [
+            "schedule",
+            "add",
+            "c",
+            "--corpus",
+            "{corpus}",
+            "--cron",
+            "0 3 31 2 *",
+            "--model",
+            "random:tiny",
+            "--db",
+            "{db}",
+        ],
+        "never fires",
+    ),
+    Case(
+        "schedule-add:every-too-long",
+        [
+            "schedule",
+            "add",
+            "c",
+            "--corpus",
+            "{corpus}",
+            "--every",
+            "99999999999d",
+            "--model",
+            "random:tiny",
+            "--db",
+            "{db}",
+        ],
+        "--cron",
+    ),
+    Case(
+        "schedule-edit:cron-never-fires",
+        ["schedule", "edit", ODD_SCHEDULE, "--cron", "0 0 30 2 *", "--db", "{db}"],
+        "never fires",
+    ),
+    Case(
+        "schedule-edit:every-too-long",
+        ["schedule", "edit", ODD_SCHEDULE, "--every", "400d", "--db", "{db}"],
+        "longer than a year",
+    ),
     # brokers
-    *[Case(f"{args[0]}:broker-not-a-url", [*args, "--broker", "notaurl", "--db", "{db}"], "redis://")
-      for args in (["submit", "{corpus}"], ["status"], ["retry", "1"], ["beat"], ["writer"],
-                   ["schedule", "run-now", ODD_SCHEDULE])],
+    *[
+        Case(f"{args[0]}:broker-not-a-url", [*args, "--broker", "notaurl", "--db", "{db}"], "redis://")
+        for args in (
+            ["submit", "{corpus}"],
+            ["status"],
+            ["retry", "1"],
+            ["beat"],
+            ["writer"],
+            ["schedule", "run-now", ODD_SCHEDULE],
+        )
+    ],
     Case("worker:broker-not-a-url", ["worker", "--broker", "notaurl"], "redis://", db="none"),
-    Case("submit:broker-bad-port", ["submit", "{corpus}", "--broker", "redis://host:port/0", "--db", "{db}"],
-         "redis://"),
+    Case(
+        "submit:broker-bad-port", ["submit", "{corpus}", "--broker", "redis://host:port/0", "--db", "{db}"], "redis://"
+    ),
     # sql time limit
-    *[Case(f"sql:timeout-{value}", ["sql", "SELECT 1", "--timeout", value, "--db", "{db}"], "finite positive")
-      for value in ("nan", "inf", "-inf", "0", "-1")],
+    *[
+        Case(f"sql:timeout-{value}", ["sql", "SELECT 1", "--timeout", value, "--db", "{db}"], "finite positive")
+        for value in ("nan", "inf", "-inf", "0", "-1")
+    ],
     # queries against the run's shape
     Case("query-heads:layer-out-of-range", ["query", "heads", "--layer", "99", "--db", "{db}"], "layers 0..1"),
     Case("query-heads:negative-layer", ["query", "heads", "--layer", "-1", "--db", "{db}"], "layers 0..1"),
     Case("query-mixing:layer-out-of-range", ["query", "mixing", "--layer", "99", "--db", "{db}"], "layers 0..1"),
     Case("query-distances:layer-out-of-range", ["query", "distances", "--layer", "2", "--db", "{db}"], "layers 0..1"),
-    Case("query-distances:head-out-of-range", ["query", "distances", "--layer", "0", "--head", "4", "--db", "{db}"],
-         "heads 0..3"),
+    Case(
+        "query-distances:head-out-of-range",
+        ["query", "distances", "--layer", "0", "--head", "4", "--db", "{db}"],
+        "heads 0..3",
+    ),
     Case("status:no-such-run-without-broker", ["status", "999", "--broker", NO_BROKER, "--db", "{db}"], "no run '999'"),
     Case("query-heads:top-negative", ["query", "heads", "--top", "-5", "--db", "{db}"], "--top"),
     Case("query-heads:top-zero", ["query", "heads", "--top", "0", "--db", "{db}"], "--top"),
-    Case("query-distances:max-distance-negative", ["query", "distances", "--layer", "0", "--max-distance", "-3",
-                                                   "--db", "{db}"], "--max-distance"),
+    Case(
+        "query-distances:max-distance-negative",
+        ["query", "distances", "--layer", "0", "--max-distance", "-3", "--db", "{db}"],
+        "--max-distance",
+    ),
     # an empty corpus argument: Path("") is the current folder, which was analysed
     Case("analyze:empty-corpus-argument", ["analyze", "", "--model", "random:tiny", "--db", "{db}"], "corpus is empty"),
-    Case("schedule-add:empty-corpus-argument", ["schedule", "add", "q", "--corpus", "", "--every", "1h",
-                                                "--model", "random:tiny", "--db", "{db}"], "corpus is empty"),
-    Case("schedule-edit:too-large-model", ["schedule", "edit", ODD_SCHEDULE, "--model", "random:1,1,100000",
-                                           "--db", "{db}"], "GiB"),
+    Case(
+        "schedule-add:empty-corpus-argument",
+        ["schedule", "add", "q", "--corpus", "", "--every", "1h", "--model", "random:tiny", "--db", "{db}"],
+        "corpus is empty",
+    ),
+    Case(
+        "schedule-edit:too-large-model",
+        ["schedule", "edit", ODD_SCHEDULE, "--model", "random:1,1,100000", "--db", "{db}"],
+        "GiB",
+    ),
     # usage errors: one line too (click's box spans several)
     Case("analyze:seq-len-not-a-number", ["analyze", "{corpus}", "--seq-len", "abc", "--db", "{db}"], "--seq-len"),
     Case("no-such-command", ["analyse", "{corpus}"], "No such command", db="none"),
@@ -217,22 +334,37 @@ CASES += [
     Case("analyze:bad-select", ["analyze", "{corpus}", "--select", "top:7", "--db", "{db}"], "--select"),
     Case("analyze:seq-len-too-small", ["analyze", "{corpus}", "--seq-len", "2", "--db", "{db}"], "--seq-len"),
     Case("analyze:batch-size-zero", ["analyze", "{corpus}", "--batch-size", "0", "--db", "{db}"], "--batch-size"),
-    Case("analyze:no-such-model-folder", ["analyze", "{corpus}", "--model", "./no-such-model", "--db", "{db}"],
-         "no such folder"),
-    Case("analyze:bad-random-shape", ["analyze", "{corpus}", "--model", "random:2,3,32", "--db", "{db}"],
-         "multiple of HEADS"),
-    Case("analyze:unknown-encoding", ["analyze", "{corpus}", "--encoding", "klingon", "--db", "{db}",
-                                      "--model", "random:tiny"], "klingon"),
+    Case(
+        "analyze:no-such-model-folder",
+        ["analyze", "{corpus}", "--model", "./no-such-model", "--db", "{db}"],
+        "no such folder",
+    ),
+    Case(
+        "analyze:bad-random-shape",
+        ["analyze", "{corpus}", "--model", "random:2,3,32", "--db", "{db}"],
+        "multiple of HEADS",
+    ),
+    Case(
+        "analyze:unknown-encoding",
+        ["analyze", "{corpus}", "--encoding", "klingon", "--db", "{db}", "--model", "random:tiny"],
+        "klingon",
+    ),
     Case("sql:write-refused", ["sql", "DROP TABLE runs", "--db", "{db}"], "refused"),
     Case("sql:syntax-error", ["sql", "SELEKT 1", "--db", "{db}"], "syntax"),
     Case("sql:file-access-refused", ["sql", "SELECT * FROM read_csv('/etc/passwd')", "--db", "{db}"], "query failed"),
     Case("query-heads:no-such-run", ["query", "heads", "--run", "nosuch", "--db", "{db}"], "nosuch"),
     Case("runs:missing-database", ["runs", "--db", "{db}"], "headatlas analyze", db="missing"),
     Case("schedule-show:no-such-schedule", ["schedule", "show", "nosuch", "--db", "{db}"], "no schedule named"),
-    Case("schedule-add:bad-cron", ["schedule", "add", "c", "--corpus", "{corpus}", "--cron", "0 3 * *", "--db", "{db}"],
-         "not a cron expression"),
-    Case("schedule-add:bad-timezone", ["schedule", "add", "c", "--corpus", "{corpus}", "--every", "1h", "--timezone",
-                                       "Mars/Olympus", "--db", "{db}"], "time zone"),
+    Case(
+        "schedule-add:bad-cron",
+        ["schedule", "add", "c", "--corpus", "{corpus}", "--cron", "0 3 * *", "--db", "{db}"],
+        "not a cron expression",
+    ),
+    Case(
+        "schedule-add:bad-timezone",
+        ["schedule", "add", "c", "--corpus", "{corpus}", "--every", "1h", "--timezone", "Mars/Olympus", "--db", "{db}"],
+        "time zone",
+    ),
     Case("plot:bad-suffix", ["plot", "heads", "--out", "{root}/x.gif", "--db", "{db}"], ".gif"),
 ]
 
@@ -241,35 +373,35 @@ CASES += [
 # main() on the commit before it; the 3 too-large models and the 3 long-running beat/writer/worker
 # cases were not run there): kept in the table so that they stay clean.
 CLEAN_BEFORE = {
-    'analyze:bad-select',
-    'analyze:batch-size-zero',
-    'analyze:binary-file',
-    'analyze:empty-file',
-    'analyze:missing-file',
-    'analyze:not-utf8',
-    'analyze:seq-len-too-small',
-    'analyze:unknown-encoding',
-    'analyze@foreign',
-    'export:out-is-a-file',
-    'export@foreign',
-    'export@truncated',
-    'plot:bad-suffix',
-    'query-distances:head-out-of-range',
-    'query-distances:layer-out-of-range',
-    'query-heads:no-such-run',
-    'query-heads@foreign',
-    'query-layers@foreign',
-    'query-mixing:layer-out-of-range',
-    'report@foreign',
-    'runs:missing-database',
-    'runs@foreign',
-    'schedule-add:bad-cron',
-    'schedule-add:bad-timezone',
-    'schedule-add@foreign',
-    'schedule-list@foreign',
-    'sql:file-access-refused',
-    'sql:syntax-error',
-    'sql:write-refused',
+    "analyze:bad-select",
+    "analyze:batch-size-zero",
+    "analyze:binary-file",
+    "analyze:empty-file",
+    "analyze:missing-file",
+    "analyze:not-utf8",
+    "analyze:seq-len-too-small",
+    "analyze:unknown-encoding",
+    "analyze@foreign",
+    "export:out-is-a-file",
+    "export@foreign",
+    "export@truncated",
+    "plot:bad-suffix",
+    "query-distances:head-out-of-range",
+    "query-distances:layer-out-of-range",
+    "query-heads:no-such-run",
+    "query-heads@foreign",
+    "query-layers@foreign",
+    "query-mixing:layer-out-of-range",
+    "report@foreign",
+    "runs:missing-database",
+    "runs@foreign",
+    "schedule-add:bad-cron",
+    "schedule-add:bad-timezone",
+    "schedule-add@foreign",
+    "schedule-list@foreign",
+    "sql:file-access-refused",
+    "sql:syntax-error",
+    "sql:write-refused",
 }
 
 
@@ -302,8 +434,13 @@ def test_bad_input_is_one_clean_line(case: Case, base, tmp_path):
     result = invoke(*args, input=case.input)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     hint = case.hint.format(db=db, root=tmp_path)
-    clean = (result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ")
-             and "Traceback" not in result.output and isinstance(result.exception, SystemExit))
+    clean = (
+        result.exit_code == 2
+        and len(lines) == 1
+        and lines[0].startswith("error: ")
+        and "Traceback" not in result.output
+        and isinstance(result.exception, SystemExit)
+    )
     RESULTS[case.id] = clean
     assert clean, f"exit {result.exit_code}, stderr {result.stderr!r}, exception {result.exception!r}"
     assert hint in lines[0], lines[0]
@@ -327,11 +464,20 @@ def test_counts():
 # --- user text is data: names that look like markup print as written ---------------------------------------
 
 
-@pytest.mark.parametrize("args", [
-    ["runs"], ["runs", "--format", "json"], ["query", "heads", "--run", ODD_RUN], ["query", "layers"],
-    ["schedule", "list"], ["schedule", "show", ODD_SCHEDULE], ["status", "--broker", NO_BROKER],
-    ["sql", f"SELECT name AS \"[bold]{ODD_RUN}\" FROM runs"],
-], ids=lambda a: " ".join(a)[:40])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["runs"],
+        ["runs", "--format", "json"],
+        ["query", "heads", "--run", ODD_RUN],
+        ["query", "layers"],
+        ["schedule", "list"],
+        ["schedule", "show", ODD_SCHEDULE],
+        ["status", "--broker", NO_BROKER],
+        ["sql", f'SELECT name AS "[bold]{ODD_RUN}" FROM runs'],
+    ],
+    ids=lambda a: " ".join(a)[:40],
+)
 def test_markup_like_names_print_as_written(args, base):
     _root, db, _files = base
     result = invoke(*args, "--db", str(db))
@@ -402,10 +548,14 @@ def test_report_into_a_folder_writes_report_html(base, tmp_path):
     assert digest(db) == before
 
 
-@pytest.mark.parametrize("sql,cut", [
-    ("SELECT repeat('x', 20000000) AS big", "20,000,000 characters"),
-    ("SELECT repeat('x', 40000) AS a, repeat('y', 40000) AS b FROM range(1000)", "40,000 characters"),
-], ids=["one-20MB-cell", "1000-rows-of-80KB"])
+@pytest.mark.parametrize(
+    "sql,cut",
+    [
+        ("SELECT repeat('x', 20000000) AS big", "20,000,000 characters"),
+        ("SELECT repeat('x', 40000) AS a, repeat('y', 40000) AS b FROM range(1000)", "40,000 characters"),
+    ],
+    ids=["one-20MB-cell", "1000-rows-of-80KB"],
+)
 def test_huge_results_render_within_the_time_limit(sql, cut, base):
     """Tables of huge values: cells cut (csv/json keep them whole), printed well inside --timeout
     (uncut, the second took 20 s to lay out)."""
@@ -438,9 +588,14 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
     corpus.write_text("\n\n".join(f"Copy {k}. {d}" for k in range(12) for d in docs) + "\n", encoding="utf-8")
     db = tmp_path / "c.duckdb"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    process = subprocess.Popen([*headatlas_cmd(), "analyze", str(corpus), "--db", str(db), "--model", "random:minilm",
-                                "--batch-size", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env, cwd=ROOT)
+    process = subprocess.Popen(
+        [*headatlas_cmd(), "analyze", str(corpus), "--db", str(db), "--model", "random:minilm", "--batch-size", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 120
     while not db.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -458,14 +613,21 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write read-only files")
-@pytest.mark.parametrize("what,args,hint", [
-    ("file", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only"),
-    ("file", ["schedule", "add", "s2", "--corpus", "{corpus}", "--every", "1h", "--model", "random:tiny"], "read-only"),
-    ("file", ["db", "upgrade"], "read-only"),
-    ("folder", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only folder"),
-    ("new-in-folder", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only"),
-    ("unreadable", ["runs"], "permission denied"),
-])
+@pytest.mark.parametrize(
+    "what,args,hint",
+    [
+        ("file", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only"),
+        (
+            "file",
+            ["schedule", "add", "s2", "--corpus", "{corpus}", "--every", "1h", "--model", "random:tiny"],
+            "read-only",
+        ),
+        ("file", ["db", "upgrade"], "read-only"),
+        ("folder", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only folder"),
+        ("new-in-folder", ["analyze", "{corpus}", "--model", "random:tiny"], "read-only"),
+        ("unreadable", ["runs"], "permission denied"),
+    ],
+)
 def test_read_only_database_is_one_clean_line(what, args, hint, base, tmp_path):
     _root, good, files = base
     folder = tmp_path / "ro"

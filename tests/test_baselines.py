@@ -27,8 +27,15 @@ TEXT = {CLS: "[CLS]", SEP: "[SEP]", PAD: "[PAD]", DOT: ".", COMMA: ",", A: "a", 
 # word tokens by hand: "a", "##b" (a word piece), "c", "7" (a digit); "." and "," are not
 IS_WORD = torch.zeros(1100, dtype=torch.bool)
 IS_WORD[[A, B, C, D]] = True
-TOKENS = TokenClasses(cls_id=CLS, sep_id=SEP, pad_id=PAD, special_ids=frozenset({CLS, SEP, PAD}),
-                      sentence_end_ids=frozenset({DOT}), punct_ids=frozenset({DOT, COMMA}), is_word=IS_WORD)
+TOKENS = TokenClasses(
+    cls_id=CLS,
+    sep_id=SEP,
+    pad_id=PAD,
+    special_ids=frozenset({CLS, SEP, PAD}),
+    sentence_end_ids=frozenset({DOT}),
+    punct_ids=frozenset({DOT, COMMA}),
+    is_word=IS_WORD,
+)
 SEQ = 8
 DIM = 8
 
@@ -79,12 +86,31 @@ def _heads(windows, zs, attns, feats, select="topk:2", gate=2.0):
 # --- word tokens ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("token, word", [
-    ("hello", True), ("##ing", True), ("7", True), ("##5", True), ("é", True), ("Ġthe", True), ("▁Über", True),
-    ("ß", True), ("٣", True),  # Arabic-Indic digit three: Unicode Nd
-    (",", False), ("##,", False), (".", False), ('"', False), ("'", False), ("##", False), ("…", False),
-    ("Ġ,", False), ("▁.", False), ("-", False), ("$", False),
-])
+@pytest.mark.parametrize(
+    "token, word",
+    [
+        ("hello", True),
+        ("##ing", True),
+        ("7", True),
+        ("##5", True),
+        ("é", True),
+        ("Ġthe", True),
+        ("▁Über", True),
+        ("ß", True),
+        ("٣", True),  # Arabic-Indic digit three: Unicode Nd
+        (",", False),
+        ("##,", False),
+        (".", False),
+        ('"', False),
+        ("'", False),
+        ("##", False),
+        ("…", False),
+        ("Ġ,", False),
+        ("▁.", False),
+        ("-", False),
+        ("$", False),
+    ],
+)
 def test_is_word_token_needs_a_letter_or_digit_after_the_prefix(token, word):
     assert is_word_token(token) is word
 
@@ -243,11 +269,14 @@ def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq
     z: ``[window, layer, head, pos, d]``; attn: ``[window, layer, head, pos, key]``."""
     ids = torch.tensor(windows)
     reps, dense = np.unique([replicate_group(w) for w in window_ids], return_inverse=True)
-    feats = window_features(ids, (ids != PAD).long(), TOKENS, group=torch.as_tensor(dense.reshape(-1)),
-                            n_groups=len(reps))
+    feats = window_features(
+        ids, (ids != PAD).long(), TOKENS, group=torch.as_tensor(dense.reshape(-1)), n_groups=len(reps)
+    )
     chance = chance_statistics(feats, seq_len=seq_len)
-    per_layer = [head_statistics(z[:, layer], attn[:, layer], feats, select=Selection.parse(select), gate=gate,
-                                 seq_len=seq_len) for layer in range(z.shape[1])]
+    per_layer = [
+        head_statistics(z[:, layer], attn[:, layer], feats, select=Selection.parse(select), gate=gate, seq_len=seq_len)
+        for layer in range(z.shape[1])
+    ]
     stacked = {k: torch.stack([s[k] for s in per_layer], dim=1) for k in per_layer[0]}
     anchor_pos = stacked["anchor_pos"]
     anchored = stacked["high_count"] > 0
@@ -257,7 +286,8 @@ def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq
     stacked["anchored_windows"] = feats.reduce(anchored.long())
     n_tokens = (ids != PAD).sum(1).tolist()
     return BatchResult(
-        window_ids=list(window_ids), reps=reps.astype(np.int16),
+        window_ids=list(window_ids),
+        reps=reps.astype(np.int16),
         rep_heads={k: stacked[k].numpy() for k in HEAD_SUMS},
         rep_dist_hist=stacked["dist_hist"].numpy().astype(np.int64),
         rep_attended_hist=stacked["attended_hist"].numpy().astype(np.int64),
@@ -267,8 +297,10 @@ def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq
         anchor_count=stacked["anchor_count"].numpy().astype(np.int32),
         high_count=stacked["high_count"].numpy().astype(np.int32),
         anchor_frequent=frequent.numpy(),
-        windows=[{"window_id": w, "doc_id": "doc", "window_index": i, "n_tokens": n}
-                 for i, (w, n) in enumerate(zip(window_ids, n_tokens))],
+        windows=[
+            {"window_id": w, "doc_id": "doc", "window_index": i, "n_tokens": n}
+            for i, (w, n) in enumerate(zip(window_ids, n_tokens))
+        ],
         documents=[{"doc_id": "doc", "source": "hand", "line": 1, "n_chars": 10, "preview": "hand-made"}],
         vocab={t: TEXT.get(t, str(t)) for t in np.unique(anchor_token.numpy()).tolist() if t >= 0},
     )
@@ -276,9 +308,14 @@ def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq
 
 def new_run(store: Store, name: str, *, layers: int = 1, heads: int = 1, seq_len: int = SEQ) -> int:
     run, created = store.find_or_create_run(
-        run_key=f"key-{name}", name=name, corpus="hand", corpus_fingerprint="fp",
+        run_key=f"key-{name}",
+        name=name,
+        corpus="hand",
+        corpus_fingerprint="fp",
         model={"spec": "hand", "name": "hand", "layers": layers, "heads": heads, "d_head": DIM},
-        params={"seq_len": seq_len, "short_range": 4}, engine="embedded", device="cpu",
+        params={"seq_len": seq_len, "short_range": 4},
+        engine="embedded",
+        device="cpu",
     )
     assert created
     return run.run_id
@@ -299,8 +336,9 @@ def store(tmp_path) -> Store:
 
 def test_batch_result_round_trip_keeps_every_new_field():
     wids = ids_in_distinct_groups(2)
-    res = build_result(wids, [W1, W4], torch.stack([Z1, Z4])[:, None, None],
-                       torch.stack([uniform_attn(8)] * 2)[:, None, None])
+    res = build_result(
+        wids, [W1, W4], torch.stack([Z1, Z4])[:, None, None], torch.stack([uniform_attn(8)] * 2)[:, None, None]
+    )
     back = BatchResult.from_bytes(res.to_bytes())
     np.testing.assert_array_equal(back.reps, res.reps)
     for k in HEAD_SUMS:
@@ -343,8 +381,12 @@ def test_distance_matched_chance_of_a_distance_one_head_is_the_same_sentence_rat
         assert m["attn_to_sep_lift"] == pytest.approx(6 / 7)
         assert m["attn_to_punct_lift"] == pytest.approx(6 / 7)
         assert m["anchor_frequency_share"] == pytest.approx(1.0)  # anchor a = the first of all-once tokens
-        dist = conn.execute(text("SELECT distance, high_pairs, attended_pairs FROM distance_totals "
-                                 "WHERE run_id = :r ORDER BY distance"), {"r": run}).all()
+        dist = conn.execute(
+            text(
+                "SELECT distance, high_pairs, attended_pairs FROM distance_totals WHERE run_id = :r ORDER BY distance"
+            ),
+            {"r": run},
+        ).all()
         assert [tuple(x) for x in dist] == [(1, 2, 1)]
         assert one_row(conn, "SELECT anchor_is_frequent FROM anchors WHERE run_id = :r", r=run)["anchor_is_frequent"]
 
@@ -392,8 +434,9 @@ def cls_heavy_attn(n: int) -> torch.Tensor:
 def two_window_run(store: Store) -> tuple[int, list[str]]:
     wids = ids_in_distinct_groups(2)
     run = new_run(store, "two-windows")
-    res = build_result(wids, [W1, W4], torch.stack([Z1, Z4])[:, None, None],
-                       torch.stack([cls_heavy_attn(8)] * 2)[:, None, None])
+    res = build_result(
+        wids, [W1, W4], torch.stack([Z1, Z4])[:, None, None], torch.stack([cls_heavy_attn(8)] * 2)[:, None, None]
+    )
     store.ingest(run, [(0, res)])
     return run, wids
 
@@ -408,18 +451,34 @@ def test_views_on_a_two_window_run(store):
         for name, value in TWO_WINDOW.items():  # one head: the layer is the head
             if name in layer:
                 assert layer[name] == pytest.approx(value), name
-        profile = conn.execute(text(
-            "SELECT distance, pairs, same_sentence_pairs, same_token_pairs, same_word_pairs FROM pair_profile "
-            "WHERE run_id = :r ORDER BY distance"), {"r": run}).all()
-        assert [tuple(p) for p in profile] == [(1, 10, 9, 0, 0), (2, 8, 6, 2, 0), (3, 6, 3, 2, 1), (4, 4, 2, 2, 1),
-                                               (5, 2, 1, 0, 0)]
+        profile = conn.execute(
+            text(
+                "SELECT distance, pairs, same_sentence_pairs, same_token_pairs, same_word_pairs FROM pair_profile "
+                "WHERE run_id = :r ORDER BY distance"
+            ),
+            {"r": run},
+        ).all()
+        assert [tuple(p) for p in profile] == [
+            (1, 10, 9, 0, 0),
+            (2, 8, 6, 2, 0),
+            (3, 6, 3, 2, 1),
+            (4, 4, 2, 2, 1),
+            (5, 2, 1, 0, 0),
+        ]
         chance = one_row(conn, "SELECT * FROM chance_totals WHERE run_id = :r", r=run)
         assert (chance["same_word_pairs"], chance["punct_tokens"], chance["windows"]) == (2, 6, 2)
         # per replicate group: leaving out one window leaves the other's own sums
         g1, g4 = replicate_group(wids[0]), replicate_group(wids[1])
-        loo = {r.drop_rep: r for r in conn.execute(text(
-            "SELECT drop_rep, pairs, same_sentence_pairs, same_token_pairs, same_word_pairs, punct_tokens "
-            "FROM chance_reps WHERE run_id = :r"), {"r": run})}
+        loo = {
+            r.drop_rep: r
+            for r in conn.execute(
+                text(
+                    "SELECT drop_rep, pairs, same_sentence_pairs, same_token_pairs, same_word_pairs, punct_tokens "
+                    "FROM chance_reps WHERE run_id = :r"
+                ),
+                {"r": run},
+            )
+        }
         assert set(loo) == {-1, g1, g4}
         assert tuple(loo[g1])[1:] == (15, 15, 4, 1, 3)  # W4 alone
         assert tuple(loo[g4])[1:] == (15, 6, 2, 1, 3)  # W1 alone
@@ -431,9 +490,16 @@ def test_jackknife_of_two_groups_by_hand(store):
     run, wids = two_window_run(store)
     g1, g4 = replicate_group(wids[0]), replicate_group(wids[1])
     with store.read() as conn:
-        reps = {r.drop_rep: r for r in conn.execute(text(
-            "SELECT drop_rep, within_sentence, repetition_words, anchor_frequency_share FROM head_metrics_reps "
-            "WHERE run_id = :r"), {"r": run})}
+        reps = {
+            r.drop_rep: r
+            for r in conn.execute(
+                text(
+                    "SELECT drop_rep, within_sentence, repetition_words, anchor_frequency_share FROM head_metrics_reps "
+                    "WHERE run_id = :r"
+                ),
+                {"r": run},
+            )
+        }
         # without W1: W4 alone, within_sentence 2/2, words 1/2, anchor share 0/1; without W4: W1 alone, 0/2, 1/2, 1/1
         assert (reps[g1].within_sentence, reps[g1].repetition_words, reps[g1].anchor_frequency_share) == (1, 0.5, 0)
         assert (reps[g4].within_sentence, reps[g4].repetition_words, reps[g4].anchor_frequency_share) == (0, 0.5, 1)
@@ -452,8 +518,12 @@ def test_compaction_keeps_replicate_groups(store):
     run, _ = two_window_run(store)
     query = "SELECT * FROM head_metrics_reps WHERE run_id = :r ORDER BY drop_rep"
     wids2 = ids_in_distinct_groups(2, prefix="second")
-    res2 = build_result(wids2, [W2, W3], torch.stack([Z2, Z3])[:, None, None],
-                        torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None])
+    res2 = build_result(
+        wids2,
+        [W2, W3],
+        torch.stack([Z2, Z3])[:, None, None],
+        torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None],
+    )
     store.ingest(run, [(1, res2)])
     with store.read() as conn:
         before = [dict(r) for r in conn.execute(text(query), {"r": run}).mappings()]
@@ -462,8 +532,12 @@ def test_compaction_keeps_replicate_groups(store):
     with store.read() as conn:
         after = [dict(r) for r in conn.execute(text(query), {"r": run}).mappings()]
         pairs_after = conn.execute(text("SELECT * FROM pair_reps WHERE run_id = :r ORDER BY ALL"), {"r": run}).all()
-        assert conn.execute(text("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id >= 0"),
-                            {"r": run}).scalar() == 0
+        assert (
+            conn.execute(
+                text("SELECT count(*) FROM run_chance WHERE run_id = :r AND batch_id >= 0"), {"r": run}
+            ).scalar()
+            == 0
+        )
     assert len(before) == 1 + len({replicate_group(w) for w in ids_in_distinct_groups(2) + wids2})
     assert [r["drop_rep"] for r in after] == [r["drop_rep"] for r in before]
     for b, a in zip(before, after):
@@ -498,12 +572,20 @@ def per_window_numpy(windows, z, attn, *, select, gate):
         t = torch.tensor([ids])
         feats = window_features(t, (t != PAD).long(), TOKENS)
         chance = chance_statistics(feats, seq_len=SYN_SEQ)
-        h = head_statistics(z[w:w + 1], attn[w:w + 1], feats, select=Selection.parse(select), gate=gate,
-                            seq_len=SYN_SEQ)
+        h = head_statistics(
+            z[w : w + 1], attn[w : w + 1], feats, select=Selection.parse(select), gate=gate, seq_len=SYN_SEQ
+        )
         rec = {k: float(chance[k]) for k in CHANCE_SUMS}
         rec.update({f"hist.{k}": chance[f"hist.{k}"].numpy().astype(float) for k in PAIR_HISTS})
-        for k in ("high_pairs", "same_sentence_high", "same_token_high", "same_word_high", "attended_high",
-                  "attn_to_cls", "attn_to_punct"):
+        for k in (
+            "high_pairs",
+            "same_sentence_high",
+            "same_token_high",
+            "same_word_high",
+            "attended_high",
+            "attn_to_cls",
+            "attn_to_punct",
+        ):
             rec[k] = h[k].numpy().astype(float)  # [head]
         rec["dist_hist"] = h["dist_hist"].numpy().astype(float)  # [head, seq]
         # frequent token by hand: most frequent non-special, ties → earliest first occurrence
@@ -521,8 +603,10 @@ def per_window_numpy(windows, z, attn, *, select, gate):
 def metrics_from_sums(s: dict) -> dict[str, np.ndarray]:
     """SPEC §5 / §5b ratios from summed records, per head."""
     pairs_at = s["hist.pairs"]
-    share = {k: np.divide(s[f"hist.{k}"], pairs_at, out=np.zeros_like(pairs_at), where=pairs_at > 0)
-             for k in ("same_sentence", "same_token", "same_word")}
+    share = {
+        k: np.divide(s[f"hist.{k}"], pairs_at, out=np.zeros_like(pairs_at), where=pairs_at > 0)
+        for k in ("same_sentence", "same_token", "same_word")
+    }
     high = s["high_pairs"]
     dist = np.arange(SYN_SEQ)
     ws = s["same_sentence_high"] / high
@@ -579,8 +663,15 @@ def test_jackknife_interval_equals_a_direct_computation(store):
     # three batches; a replicate group spans several batches
     for batch_id, part in enumerate(np.array_split(np.arange(n_windows), 3)):
         part = part.tolist()
-        res = build_result([wids[i] for i in part], [windows[i] for i in part], z[part], attn[part],
-                           select=select, gate=gate, seq_len=SYN_SEQ)
+        res = build_result(
+            [wids[i] for i in part],
+            [windows[i] for i in part],
+            z[part],
+            attn[part],
+            select=select,
+            gate=gate,
+            seq_len=SYN_SEQ,
+        )
         store.ingest(run, [(batch_id, res)])
 
     records = per_window_numpy(windows, z[:, 0], attn[:, 0], select=select, gate=gate)
@@ -614,11 +705,15 @@ def test_jackknife_interval_equals_a_direct_computation(store):
 
     # the layer: both heads pooled, whole run and each group left out
     layer_whole = metrics_from_sums(pooled_layer(total(records), heads))
-    layer_loo = {g: metrics_from_sums(pooled_layer(total([r for r, gg in zip(records, groups) if gg != g]), heads))
-                 for g in present}
+    layer_loo = {
+        g: metrics_from_sums(pooled_layer(total([r for r, gg in zip(records, groups) if gg != g]), heads))
+        for g in present
+    }
     with store.read() as conn:
-        layer_rows = {r["drop_rep"]: r for r in conn.execute(text(
-            "SELECT * FROM layer_metrics_reps WHERE run_id = :r"), {"r": run}).mappings()}
+        layer_rows = {
+            r["drop_rep"]: r
+            for r in conn.execute(text("SELECT * FROM layer_metrics_reps WHERE run_id = :r"), {"r": run}).mappings()
+        }
     assert set(layer_rows) == {-1, *present}
     for name in layer_whole:
         assert layer_rows[-1][name] == pytest.approx(layer_whole[name][0], rel=1e-9), name
@@ -665,23 +760,79 @@ def test_jackknife_coverage_by_simulation():
 
 # columns that need a sum added by 0006: unavailable (NULL) for a run stored before it
 NEW_HEAD_COLUMNS = (
-    "within_sentence_chance_dm", "within_sentence_lift_dm", "repetition_chance_dm", "repetition_lift_dm",
-    "repetition_words", "repetition_words_chance", "repetition_words_lift", "repetition_words_chance_dm",
-    "repetition_words_lift_dm", "attn_to_punct_lift", "anchor_frequency_share",
+    "within_sentence_chance_dm",
+    "within_sentence_lift_dm",
+    "repetition_chance_dm",
+    "repetition_lift_dm",
+    "repetition_words",
+    "repetition_words_chance",
+    "repetition_words_lift",
+    "repetition_words_chance_dm",
+    "repetition_words_lift_dm",
+    "attn_to_punct_lift",
+    "anchor_frequency_share",
 )
 OLD_HEAD = {  # (batch, head) -> sums, by hand
-    (0, 0): dict(high_pairs=10, sim_sum_all=50.0, sim_sum_high=20.0, same_sentence_high=4, same_token_high=2,
-                 attended_high=6, attn_to_cls=3.0, attn_to_sep=1.0, attn_to_punct=2.0, attn_to_self=1.5,
-                 attn_to_prev=1.0, attn_to_next=0.5, attn_entropy=10.0),
-    (0, 1): dict(high_pairs=10, sim_sum_all=40.0, sim_sum_high=30.0, same_sentence_high=1, same_token_high=5,
-                 attended_high=9, attn_to_cls=6.0, attn_to_sep=2.0, attn_to_punct=1.0, attn_to_self=0.5,
-                 attn_to_prev=2.0, attn_to_next=1.5, attn_entropy=12.0),
-    (1, 0): dict(high_pairs=6, sim_sum_all=25.0, sim_sum_high=9.0, same_sentence_high=3, same_token_high=0,
-                 attended_high=2, attn_to_cls=1.5, attn_to_sep=0.5, attn_to_punct=1.0, attn_to_self=0.5,
-                 attn_to_prev=0.5, attn_to_next=0.5, attn_entropy=5.0),
-    (1, 1): dict(high_pairs=6, sim_sum_all=20.0, sim_sum_high=12.0, same_sentence_high=0, same_token_high=3,
-                 attended_high=6, attn_to_cls=3.0, attn_to_sep=1.0, attn_to_punct=0.5, attn_to_self=0.2,
-                 attn_to_prev=1.0, attn_to_next=0.8, attn_entropy=6.0),
+    (0, 0): dict(
+        high_pairs=10,
+        sim_sum_all=50.0,
+        sim_sum_high=20.0,
+        same_sentence_high=4,
+        same_token_high=2,
+        attended_high=6,
+        attn_to_cls=3.0,
+        attn_to_sep=1.0,
+        attn_to_punct=2.0,
+        attn_to_self=1.5,
+        attn_to_prev=1.0,
+        attn_to_next=0.5,
+        attn_entropy=10.0,
+    ),
+    (0, 1): dict(
+        high_pairs=10,
+        sim_sum_all=40.0,
+        sim_sum_high=30.0,
+        same_sentence_high=1,
+        same_token_high=5,
+        attended_high=9,
+        attn_to_cls=6.0,
+        attn_to_sep=2.0,
+        attn_to_punct=1.0,
+        attn_to_self=0.5,
+        attn_to_prev=2.0,
+        attn_to_next=1.5,
+        attn_entropy=12.0,
+    ),
+    (1, 0): dict(
+        high_pairs=6,
+        sim_sum_all=25.0,
+        sim_sum_high=9.0,
+        same_sentence_high=3,
+        same_token_high=0,
+        attended_high=2,
+        attn_to_cls=1.5,
+        attn_to_sep=0.5,
+        attn_to_punct=1.0,
+        attn_to_self=0.5,
+        attn_to_prev=0.5,
+        attn_to_next=0.5,
+        attn_entropy=5.0,
+    ),
+    (1, 1): dict(
+        high_pairs=6,
+        sim_sum_all=20.0,
+        sim_sum_high=12.0,
+        same_sentence_high=0,
+        same_token_high=3,
+        attended_high=6,
+        attn_to_cls=3.0,
+        attn_to_sep=1.0,
+        attn_to_punct=0.5,
+        attn_to_self=0.2,
+        attn_to_prev=1.0,
+        attn_to_next=0.8,
+        attn_entropy=6.0,
+    ),
 }
 OLD_CHANCE = {0: (2, 100, 30, 5, 24), 1: (1, 50, 20, 3, 12)}  # windows, pairs, same_sentence, same_token, rows
 OLD_DIST = [(0, 0, 1, 8), (0, 0, 3, 2), (1, 0, 1, 6), (0, 1, 2, 10), (1, 1, 5, 6)]  # batch, head, d, count
@@ -710,32 +861,48 @@ def insert_old_run(path) -> int:
     from headatlas.service.storage.db import transaction
 
     with transaction(path) as conn:
-        run = conn.execute(text(
-            "INSERT INTO runs (run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, "
-            "d_head, params, seq_len, short_range, engine, device, status) VALUES ('old-key', 'old', 'hand', 'fp', "
-            "'hand', 'hand', 1, 2, 8, '{\"seq_len\": 8, \"short_range\": 4}', 8, 4, 'embedded', 'cpu', 'done') "
-            "RETURNING run_id")).scalar()
+        run = conn.execute(
+            text(
+                "INSERT INTO runs (run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, "
+                "d_head, params, seq_len, short_range, engine, device, status) VALUES ('old-key', 'old', 'hand', 'fp', "
+                "'hand', 'hand', 1, 2, 8, '{\"seq_len\": 8, \"short_range\": 4}', 8, 4, 'embedded', 'cpu', 'done') "
+                "RETURNING run_id"
+            )
+        ).scalar()
         for (batch, head), sums in OLD_HEAD.items():
-            conn.execute(text(f"INSERT INTO head_stats (run_id, batch_id, layer, head, {', '.join(sums)}) "
-                              f"VALUES (:r, :b, 0, :h, {', '.join(':' + k for k in sums)})"),
-                         {"r": run, "b": batch, "h": head, **sums})
+            conn.execute(
+                text(
+                    f"INSERT INTO head_stats (run_id, batch_id, layer, head, {', '.join(sums)}) "
+                    f"VALUES (:r, :b, 0, :h, {', '.join(':' + k for k in sums)})"
+                ),
+                {"r": run, "b": batch, "h": head, **sums},
+            )
         for batch, (w, p, ss, st, rows) in OLD_CHANCE.items():
-            conn.execute(text("INSERT INTO run_chance VALUES (:r, :b, :w, :p, :ss, :st, :rows)"),
-                         dict(r=run, b=batch, w=w, p=p, ss=ss, st=st, rows=rows))
-            conn.execute(text("INSERT INTO batches (run_id, batch_id, n_windows, status) VALUES (:r, :b, :w, 'done')"),
-                         dict(r=run, b=batch, w=w))
+            conn.execute(
+                text("INSERT INTO run_chance VALUES (:r, :b, :w, :p, :ss, :st, :rows)"),
+                dict(r=run, b=batch, w=w, p=p, ss=ss, st=st, rows=rows),
+            )
+            conn.execute(
+                text("INSERT INTO batches (run_id, batch_id, n_windows, status) VALUES (:r, :b, :w, 'done')"),
+                dict(r=run, b=batch, w=w),
+            )
         for batch, head, d, count in OLD_DIST:
-            conn.execute(text("INSERT INTO dist_hist VALUES (:r, :b, 0, :h, :d, :c)"),
-                         dict(r=run, b=batch, h=head, d=d, c=count))
+            conn.execute(
+                text("INSERT INTO dist_hist VALUES (:r, :b, 0, :h, :d, :c)"), dict(r=run, b=batch, h=head, d=d, c=count)
+            )
         for batch, d, count in OLD_PAIRS:
             conn.execute(text("INSERT INTO pair_hist VALUES (:r, :b, :d, :c)"), dict(r=run, b=batch, d=d, c=count))
         for k, batch in enumerate([0, 0, 1]):
             conn.execute(text("INSERT INTO run_windows VALUES (:r, :w, :b)"), dict(r=run, w=f"old-{k}", b=batch))
             for head in (0, 1):
-                conn.execute(text("INSERT INTO anchors VALUES (:r, :w, 0, :h, :t, 'a', 2, 3, 0.25)"),
-                             dict(r=run, w=f"old-{k}", h=head, t=A))
-        conn.execute(text("INSERT INTO anchor_tokens VALUES (:r, 0, 0, 0, :t, 'a', 3, 0.75), "
-                          "(:r, 0, 0, 1, :t, 'a', 3, 0.75)"), dict(r=run, t=A))
+                conn.execute(
+                    text("INSERT INTO anchors VALUES (:r, :w, 0, :h, :t, 'a', 2, 3, 0.25)"),
+                    dict(r=run, w=f"old-{k}", h=head, t=A),
+                )
+        conn.execute(
+            text("INSERT INTO anchor_tokens VALUES (:r, 0, 0, 0, :t, 'a', 3, 0.75), (:r, 0, 0, 1, :t, 'a', 3, 0.75)"),
+            dict(r=run, t=A),
+        )
         conn.execute(text("INSERT INTO anchor_layers VALUES (:r, 0, 0, 3, 0, 3, 6)"), dict(r=run))
     return run
 
@@ -744,8 +911,12 @@ def view_rows(path, view: str, run: int, order: str) -> list[dict]:
     from headatlas.service.storage.db import transaction
 
     with transaction(path, read_only=True) as conn:
-        return [dict(r) for r in conn.execute(text(f"SELECT * FROM {view} WHERE run_id = :r ORDER BY {order}"),
-                                              {"r": run}).mappings()]
+        return [
+            dict(r)
+            for r in conn.execute(
+                text(f"SELECT * FROM {view} WHERE run_id = :r ORDER BY {order}"), {"r": run}
+            ).mappings()
+        ]
 
 
 def assert_same_old_columns(before: list[dict], after: list[dict]) -> None:
@@ -756,8 +927,14 @@ def assert_same_old_columns(before: list[dict], after: list[dict]) -> None:
             assert a[column] == pytest.approx(value, nan_ok=True), column
 
 
-OLD_VIEWS = {"head_metrics": "layer, head", "layer_metrics": "layer", "chance_totals": "run_id",
-             "pair_profile": "distance", "distance_totals": "layer, head, distance", "anchor_counts": "layer, head"}
+OLD_VIEWS = {
+    "head_metrics": "layer, head",
+    "layer_metrics": "layer",
+    "chance_totals": "run_id",
+    "pair_profile": "distance",
+    "distance_totals": "layer, head, distance",
+    "anchor_counts": "layer, head",
+}
 
 
 @pytest.fixture()
@@ -790,8 +967,10 @@ def test_old_run_keeps_its_numbers_and_shows_new_columns_as_unavailable(old_data
     assert head[1]["attn_to_sep_lift"] == pytest.approx((2.0 + 1.0) / 3)
     chance = view_rows(path, "chance_totals", run, "run_id")[0]
     assert chance["same_word_pairs"] is None and chance["punct_tokens"] is None
-    assert all(r["same_sentence_pairs"] is None and r["same_token_pairs"] is None and r["same_word_pairs"] is None
-               for r in view_rows(path, "pair_profile", run, "distance"))
+    assert all(
+        r["same_sentence_pairs"] is None and r["same_token_pairs"] is None and r["same_word_pairs"] is None
+        for r in view_rows(path, "pair_profile", run, "distance")
+    )
     assert all(r["attended_pairs"] is None for r in view_rows(path, "distance_totals", run, "distance"))
     # no replicate groups: only the whole-run row, and no interval (None, not a number)
     reps = view_rows(path, "head_metrics_reps", run, "layer, head, drop_rep")

@@ -34,9 +34,18 @@ def test_analyze_prints_what_the_heads_do(analysed):
 
 
 NEW_COLUMNS = (
-    "within_sentence_chance_dm", "within_sentence_lift_dm", "repetition_chance_dm", "repetition_lift_dm",
-    "repetition_words", "repetition_words_chance", "repetition_words_lift", "repetition_words_chance_dm",
-    "repetition_words_lift_dm", "attn_to_cls_lift", "attn_to_sep_lift", "attn_to_punct_lift",
+    "within_sentence_chance_dm",
+    "within_sentence_lift_dm",
+    "repetition_chance_dm",
+    "repetition_lift_dm",
+    "repetition_words",
+    "repetition_words_chance",
+    "repetition_words_lift",
+    "repetition_words_chance_dm",
+    "repetition_words_lift_dm",
+    "attn_to_cls_lift",
+    "attn_to_sep_lift",
+    "attn_to_punct_lift",
     "anchor_frequency_share",
 )
 
@@ -72,10 +81,27 @@ def test_query_heads_json_uses_spec_names(analysed, cli):
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert len(rows) == 6 * 12
-    for name in ("layer", "head", "within_sentence", "within_sentence_chance", "within_sentence_lift", "repetition",
-                 "repetition_chance", "mean_distance", "mean_distance_chance", "short_range_share", "noise_share",
-                 "attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self", "attn_to_prev", "attn_to_next",
-                 "attn_entropy", "top_anchors"):
+    for name in (
+        "layer",
+        "head",
+        "within_sentence",
+        "within_sentence_chance",
+        "within_sentence_lift",
+        "repetition",
+        "repetition_chance",
+        "mean_distance",
+        "mean_distance_chance",
+        "short_range_share",
+        "noise_share",
+        "attn_to_cls",
+        "attn_to_sep",
+        "attn_to_punct",
+        "attn_to_self",
+        "attn_to_prev",
+        "attn_to_next",
+        "attn_entropy",
+        "top_anchors",
+    ):
         assert name in rows[0], name
     for row in rows:
         assert 0.0 <= row["within_sentence"] <= 1.0
@@ -87,8 +113,20 @@ def test_query_heads_json_uses_spec_names(analysed, cli):
 
 def test_query_heads_sort_top_layer(analysed, cli):
     _, db, _ = analysed
-    out = cli("query", "heads", "--db", str(db), "--layer", "5", "--sort", "within_sentence_lift", "--top", "3",
-              "--format", "json")
+    out = cli(
+        "query",
+        "heads",
+        "--db",
+        str(db),
+        "--layer",
+        "5",
+        "--sort",
+        "within_sentence_lift",
+        "--top",
+        "3",
+        "--format",
+        "json",
+    )
     rows = json.loads(out.stdout)
     assert [r["layer"] for r in rows] == [5, 5, 5]
     lifts = [r["within_sentence_lift"] for r in rows]
@@ -137,8 +175,12 @@ def test_rerun_is_idempotent(analysed, cli):
     runs = json.loads(cli("runs", "--db", str(db), "--format", "json").stdout)
     assert len(runs) == 1 and runs[0]["status"] == "done"
     windows = runs[0]["windows"]
-    assert windows == json.loads(cli("sql", "SELECT count(*) AS n FROM run_windows", "--db", str(db),
-                                     "--format", "json").stdout)[0]["n"]
+    assert (
+        windows
+        == json.loads(cli("sql", "SELECT count(*) AS n FROM run_windows", "--db", str(db), "--format", "json").stdout)[
+            0
+        ]["n"]
+    )
 
 
 def _digest(path):
@@ -169,11 +211,14 @@ def test_bad_corpus_gives_one_line_error_and_changes_nothing(case, analysed, cli
     assert _digest(db) == before
 
 
-@pytest.mark.parametrize("args,hint", [
-    (["--model", "./no-such-model"], "no such folder"),
-    (["--select", "top:7"], "--select"),
-    (["--device", "cuda:9"], "--device"),
-])
+@pytest.mark.parametrize(
+    "args,hint",
+    [
+        (["--model", "./no-such-model"], "no such folder"),
+        (["--select", "top:7"], "--select"),
+        (["--device", "cuda:9"], "--device"),
+    ],
+)
 def test_bad_options_give_one_line_error(args, hint, analysed, cli):
     corpus, db, _ = analysed
     before = _digest(db)

@@ -31,8 +31,15 @@ def stored(tmp_path_factory, real_model, tiny_model, demo_corpus):
     small = corpus_of(demo_corpus, folder, slice(0, 1), "small")
     other = corpus_of(demo_corpus, folder, slice(1, 2), "other")
     real = analyse(small, db, real_model, name="small")
-    control = analyze_corpus(str(small), store=Store(db), model=control_model(real_model), params=build_params(),
-                             corpus=survey_corpus(str(small)), batch_size=8, control_of=real)
+    control = analyze_corpus(
+        str(small),
+        store=Store(db),
+        model=control_model(real_model),
+        params=build_params(),
+        corpus=survey_corpus(str(small)),
+        batch_size=8,
+        control_of=real,
+    )
     tiny = analyse(small, db, tiny_model, name="tiny")
     deep = analyse(other, db, load_model("random:4,4,32", device="cpu"), name="deep")
     return db, {"real": real, "control": control, "tiny": tiny, "deep": deep}
@@ -73,8 +80,16 @@ def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
     table = cli("compare", "small", "--db", str(db))  # B defaults to A's control
     assert table.returncode == 0, table.stderr
     assert "B is A's random-weights control" in table.stdout
-    for needed in ("value_a", "value_b", "difference", "verdict", "beyond", "chance matched to the head's own distances",
-                   "against uniform attention", "95% interval"):
+    for needed in (
+        "value_a",
+        "value_b",
+        "difference",
+        "verdict",
+        "beyond",
+        "chance matched to the head's own distances",
+        "against uniform attention",
+        "95% interval",
+    ):
         assert needed in table.stdout, needed
 
     done = cli("compare", "small", "small-control", "--format", "csv", "--db", str(db))
@@ -95,8 +110,20 @@ def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
     cls = [r for r in rows if r["metric"] == "attn_to_cls_lift" and int(r["layer_a"]) in (1, 2, 3)]
     assert cls and all(r["verdict"] == "beyond" and float(r["difference"]) > 5 for r in cls)
 
-    done = cli("compare", "small", "small-control", "--heads", "--layer", "2", "-M", "attn_to_prev",
-               "--format", "json", "--db", str(db))
+    done = cli(
+        "compare",
+        "small",
+        "small-control",
+        "--heads",
+        "--layer",
+        "2",
+        "-M",
+        "attn_to_prev",
+        "--format",
+        "json",
+        "--db",
+        str(db),
+    )
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert [d["head"] for d in data] == list(range(runs["real"].n_heads))
@@ -132,9 +159,14 @@ def test_paired_interval_is_the_jackknife_of_the_difference(conn, stored):
     (row,) = _dicts(columns, rows)
     loo = {}
     for run in (runs["real"], runs["control"]):
-        loo[run.run_id] = dict(conn.execute(text(
-            "SELECT drop_rep, mean_distance FROM layer_metrics_reps WHERE run_id = :r AND layer = 1 AND drop_rep >= 0"
-        ), {"r": run.run_id}).all())
+        loo[run.run_id] = dict(
+            conn.execute(
+                text(
+                    "SELECT drop_rep, mean_distance FROM layer_metrics_reps WHERE run_id = :r AND layer = 1 AND drop_rep >= 0"
+                ),
+                {"r": run.run_id},
+            ).all()
+        )
     groups = sorted(loo[runs["real"].run_id])
     half = jackknife_halfwidth([loo[runs["real"].run_id][g] - loo[runs["control"].run_id][g] for g in groups])
     assert row["difference_hi"] - row["difference"] == pytest.approx(half)
@@ -182,8 +214,9 @@ def test_head_comparison_needs_one_shape_and_options_are_checked(cli, conn, stor
         compare.compare(conn, runs["real"], runs["control"], metrics=["nonsense"])
     done = cli("compare", "tiny", "--db", str(db))
     assert done.returncode == 2
-    assert done.stderr.strip() == ("error: compare tiny: run 3 (tiny) has no control run; pass RUN_B, "
-                                   "or analyse again with --control")
+    assert done.stderr.strip() == (
+        "error: compare tiny: run 3 (tiny) has no control run; pass RUN_B, or analyse again with --control"
+    )
 
 
 def test_plot_compare_draws_the_stored_numbers(conn, stored, tmp_path):
@@ -270,7 +303,9 @@ def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     real = runs["real"]
-    assert {(d["layer"], d["head"]) for d in data} == {(l, h) for l in range(real.n_layers) for h in range(real.n_heads)}
+    assert {(d["layer"], d["head"]) for d in data} == {
+        (l, h) for l in range(real.n_layers) for h in range(real.n_heads)
+    }
     assert sum(d["primary"] for d in data) == real.n_layers * real.n_heads
     columns, rows = queries.heads(conn, real.run_id, anchors=0, ci=True)
     stored_rows = {(r[0], r[1]): dict(zip(columns, r)) for r in rows}

@@ -6,8 +6,8 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import ROOT
+
 from headatlas.service.config import Settings
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -27,9 +27,15 @@ def _compose_cli() -> list[str] | None:
 def test_compose_file_is_accepted_by_compose():
     cli = _compose_cli()
     if cli is None:
-        pytest.skip("neither the `docker compose` plugin nor `docker-compose` is installed here (the docker client alone cannot parse compose files)")
-    result = subprocess.run([*cli, "-f", str(COMPOSE), "--profile", "cpu", "--profile", "schedule", "config", "-q"],
-                            capture_output=True, text=True, cwd=ROOT)
+        pytest.skip(
+            "neither the `docker compose` plugin nor `docker-compose` is installed here (the docker client alone cannot parse compose files)"
+        )
+    result = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "--profile", "cpu", "--profile", "schedule", "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -48,7 +54,7 @@ def test_compose_services_and_settings():
     # every HEADATLAS_* variable the file sets is a real setting
     known = {var for var, _default, _help in Settings.help()}
     for name, service in services.items():
-        for var in (service.get("environment") or {}):
+        for var in service.get("environment") or {}:
             if var.startswith("HEADATLAS_"):
                 assert var in known, f"{name}: {var} is not a setting (see `headatlas config`)"
     # only the writer and beat (short claim transactions for schedule fires) mount the database

@@ -273,7 +273,7 @@ def test_jsonl_missing_field(tmp_path):
 
 @pytest.mark.parametrize(("value", "kind"), [("null", "null"), ("3", "a number"), ('["a"]', "an array")])
 def test_jsonl_field_not_a_string(tmp_path, value, kind):
-    path = write(tmp_path / "c.jsonl", '{"text": "ok"}\n{"text": %s}\n' % value)
+    path = write(tmp_path / "c.jsonl", '{"text": "ok"}\n{"text": ' + value + "}\n")
     message = corpus_error(path)
     assert f"{path}:2:" in message and f"'text' is {kind}, not a string" in message
     assert "--text-field" in message

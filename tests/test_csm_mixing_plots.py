@@ -22,12 +22,25 @@ def stored(tmp_path_factory, tiny_model, demo_corpus):
     folder = tmp_path_factory.mktemp("csm-plots")
     db = folder / "results.duckdb"
     corpus = corpus_of(demo_corpus, folder, slice(0, 2), "small")
-    run = analyze_corpus(str(corpus), store=Store(db), model=tiny_model, corpus=survey_corpus(str(corpus)),
-                         params=build_params(attribution=True, mixing=["norm", "rollout"], attribution_windows=3),
-                         batch_size=8, name="mixed")
+    run = analyze_corpus(
+        str(corpus),
+        store=Store(db),
+        model=tiny_model,
+        corpus=survey_corpus(str(corpus)),
+        params=build_params(attribution=True, mixing=["norm", "rollout"], attribution_windows=3),
+        batch_size=8,
+        name="mixed",
+    )
     plain_corpus = corpus_of(demo_corpus, folder, slice(2, 3), "plain")
-    plain = analyze_corpus(str(plain_corpus), store=Store(db), model=tiny_model, params=build_params(),
-                           corpus=survey_corpus(str(plain_corpus)), batch_size=8, name="plain")
+    plain = analyze_corpus(
+        str(plain_corpus),
+        store=Store(db),
+        model=tiny_model,
+        params=build_params(),
+        corpus=survey_corpus(str(plain_corpus)),
+        batch_size=8,
+        name="plain",
+    )
     assert run.status == plain.status == "done"
     return db, run, plain
 
@@ -43,8 +56,12 @@ def conn(stored):
 def _stored_grid(conn, run_id, layer, head, kind, value):
     """The view's cells, mirrored by hand: what the figure must show."""
     grid = np.full((16, 16), np.nan)
-    for i, j, v in conn.execute(text(f"SELECT bin_i, bin_j, {value} FROM csm_means WHERE run_id = :r AND layer = :l "
-                                     "AND head = :h AND kind = :k"), {"r": run_id, "l": layer, "h": head, "k": kind}):
+    for i, j, v in conn.execute(
+        text(
+            f"SELECT bin_i, bin_j, {value} FROM csm_means WHERE run_id = :r AND layer = :l AND head = :h AND kind = :k"
+        ),
+        {"r": run_id, "l": layer, "h": head, "k": kind},
+    ):
         grid[i, j] = grid[j, i] = v
     return grid
 
@@ -105,11 +122,21 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
     columns, rows = queries.sentence_by_distance(conn, run.run_id)
     # the numbers from the raw tables: H's within-sentence pairs by distance over H by distance;
     # chance = all pairs at that distance sharing a sentence over all pairs at that distance
-    raw = {(l, d): (s / c) for l, d, s, c in conn.execute(text(
-        "SELECT layer, distance, sum(same_sentence), sum(count) FROM dist_hist WHERE run_id = :r GROUP BY ALL"),
-        {"r": run.run_id})}
-    chance = dict(conn.execute(text("SELECT distance, sum(same_sentence) / sum(count) FROM pair_hist "
-                                    "WHERE run_id = :r GROUP BY distance"), {"r": run.run_id}).all())
+    raw = {
+        (l, d): (s / c)
+        for l, d, s, c in conn.execute(
+            text(
+                "SELECT layer, distance, sum(same_sentence), sum(count) FROM dist_hist WHERE run_id = :r GROUP BY ALL"
+            ),
+            {"r": run.run_id},
+        )
+    }
+    chance = dict(
+        conn.execute(
+            text("SELECT distance, sum(same_sentence) / sum(count) FROM pair_hist WHERE run_id = :r GROUP BY distance"),
+            {"r": run.run_id},
+        ).all()
+    )
     for layer in range(run.n_layers):
         x, y = lines[f"layer {layer}"].get_data()
         assert list(x) == sorted(d for l, d in raw if l == layer)
@@ -117,15 +144,23 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
     x, y = lines["chance: all pairs at that distance"].get_data()
     np.testing.assert_allclose(y, [chance[d] for d in x])
     # the per-distance counts add up to the head totals counted apart (head_stats)
-    by_layer = dict(conn.execute(text("SELECT layer, sum(same_sentence) FROM dist_hist WHERE run_id = :r GROUP BY layer"),
-                                 {"r": run.run_id}).all())
-    totals = dict(conn.execute(text("SELECT layer, sum(same_sentence_high) FROM head_stats WHERE run_id = :r "
-                                    "GROUP BY layer"), {"r": run.run_id}).all())
+    by_layer = dict(
+        conn.execute(
+            text("SELECT layer, sum(same_sentence) FROM dist_hist WHERE run_id = :r GROUP BY layer"), {"r": run.run_id}
+        ).all()
+    )
+    totals = dict(
+        conn.execute(
+            text("SELECT layer, sum(same_sentence_high) FROM head_stats WHERE run_id = :r GROUP BY layer"),
+            {"r": run.run_id},
+        ).all()
+    )
     assert by_layer == totals and sum(totals.values()) > 0
     lift_lines = {line.get_label(): line for line in lift_ax.get_lines()}
     li = columns.index("within_sentence_lift")
-    np.testing.assert_allclose(lift_lines["layer 0"].get_ydata(),
-                               [r[li] if r[li] else np.nan for r in rows if r[0] == 0], equal_nan=True)
+    np.testing.assert_allclose(
+        lift_lines["layer 0"].get_ydata(), [r[li] if r[li] else np.nan for r in rows if r[0] == 0], equal_nan=True
+    )
 
 
 def test_mixing_lines_are_the_query_rows(conn, stored, tmp_path):
@@ -163,7 +198,9 @@ def test_discrepancy_heat_map_and_layer_lines_are_the_query_rows(conn, stored, t
             assert drawn[r[1], r[2]] == pytest.approx(r[3]) and 0 < r[3] < 1
         lcols, lrows = queries.discrepancy_layers(conn, run.run_id, method=method)
         lines = {line.get_label(): line for line in fig.axes[1].get_lines()}
-        np.testing.assert_allclose(lines["mean over heads"].get_ydata(), [r[lcols.index("mean_head_jsd")] for r in lrows])
+        np.testing.assert_allclose(
+            lines["mean over heads"].get_ydata(), [r[lcols.index("mean_head_jsd")] for r in lrows]
+        )
     with pytest.raises(ParameterError, match="--method alti: run .* has only attention, attribution, rollout, norm"):
         mixing_plots.run_discrepancy(conn, run, method="alti")
     with pytest.raises(ParameterError, match="has no mixing measures: analyse with --attribution"):
@@ -201,8 +238,20 @@ def test_plot_commands_write_files_and_refuse_bad_options(cli, stored, tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}" in done.stdout
     check_png(out)
-    bad = cli("plot", "csm", "--run", run.name, "--layer", "1", "--head", "9", "--out", str(tmp_path / "x.png"),
-              "--db", str(db))
+    bad = cli(
+        "plot",
+        "csm",
+        "--run",
+        run.name,
+        "--layer",
+        "1",
+        "--head",
+        "9",
+        "--out",
+        str(tmp_path / "x.png"),
+        "--db",
+        str(db),
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("error: --head 9: run") and "heads 0..3" in bad.stderr
     assert not (tmp_path / "x.png").exists()

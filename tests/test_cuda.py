@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from precision_checks import assert_half_agrees
+
 from headatlas.service.analysis import OomSplitter, analyze_batch
 from headatlas.service.corpus import iter_documents
 from headatlas.service.params import AnalysisParams
@@ -82,7 +82,7 @@ def test_a_real_out_of_memory_error_is_recovered_by_halving(gpu_model, windows):
     tokens, wins = windows
     params = AnalysisParams()
     big = collate((wins * (1 + 512 // len(wins)))[:512], tokens.pad_id)
-    small = [collate(big.windows[i:i + 32], tokens.pad_id) for i in range(0, 512, 32)]
+    small = [collate(big.windows[i : i + 32], tokens.pad_id) for i in range(0, 512, 32)]
     expected = [analyze_batch(gpu_model, b, params, tokens) for b in small]
     torch.cuda.empty_cache()
     _free, total = torch.cuda.mem_get_info()

@@ -31,8 +31,14 @@ def test_every_command_has_help_and_a_reference_entry():
 
 def test_cli_reference_is_current():
     env = {k: v for k, v in os.environ.items() if not k.startswith("HEADATLAS_")}
-    done = subprocess.run([sys.executable, "-m", "headatlas.cli.reference", "--check"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "headatlas.cli.reference", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
 
 

@@ -10,8 +10,23 @@ import pytest
 
 from tests.figure_checks import analyse, corpus_of
 
-TABLES = ("runs", "batches", "run_windows", "windows", "documents", "head_stats", "run_chance", "dist_hist",
-          "pair_hist", "anchors", "anchor_tokens", "anchor_layers", "mixing_stats", "mixing_dist", "csm_bins")
+TABLES = (
+    "runs",
+    "batches",
+    "run_windows",
+    "windows",
+    "documents",
+    "head_stats",
+    "run_chance",
+    "dist_hist",
+    "pair_hist",
+    "anchors",
+    "anchor_tokens",
+    "anchor_layers",
+    "mixing_stats",
+    "mixing_dist",
+    "csm_bins",
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +86,24 @@ def test_export_keeps_only_the_runs_rows(stored, tmp_path):
     for table in ("runs", "batches", "run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors"):
         assert read(table, "SELECT DISTINCT run_id") == [(first.run_id,)], table
     # shared tables: the run's own windows and documents, not the other run's
-    first_docs = db_rows(db, f"SELECT DISTINCT w.doc_id FROM windows w JOIN run_windows r USING (window_id) "
-                             f"WHERE r.run_id = {first.run_id} ORDER BY 1")
+    first_docs = db_rows(
+        db,
+        f"SELECT DISTINCT w.doc_id FROM windows w JOIN run_windows r USING (window_id) "
+        f"WHERE r.run_id = {first.run_id} ORDER BY 1",
+    )
     assert sorted(read("documents", "SELECT doc_id")) == first_docs and len(first_docs) == 2
     all_windows = db_rows(db, "SELECT count(*) FROM windows")[0][0]
     assert len(read("windows")) == len(read("run_windows")) < all_windows
     # the per-head totals recomputed from the files equal the database view
     from_files = reader.execute(
         f"SELECT layer, head, sum(high_pairs), sum(same_sentence_high) FROM read_parquet('{tmp_path}/head_stats.parquet') "
-        "GROUP BY ALL ORDER BY ALL").fetchall()
-    from_view = db_rows(db, f"SELECT layer, head, high_pairs, same_sentence_high FROM head_totals "
-                            f"WHERE run_id = {first.run_id} ORDER BY ALL")
+        "GROUP BY ALL ORDER BY ALL"
+    ).fetchall()
+    from_view = db_rows(
+        db,
+        f"SELECT layer, head, high_pairs, same_sentence_high FROM head_totals "
+        f"WHERE run_id = {first.run_id} ORDER BY ALL",
+    )
     assert from_files == from_view
 
 

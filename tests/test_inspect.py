@@ -157,8 +157,9 @@ def test_inspect_command(cli, tmp_path):
     corpus = tmp_path / "doc.txt"
     corpus.write_text(TEXT + "\n\nA second document, not shown.\n", encoding="utf-8")
     out = tmp_path / "head.png"
-    done = cli("inspect", "--file", str(corpus), "--model", "random:tiny", "--layer", "1", "--head", "2",
-               "--out", str(out))
+    done = cli(
+        "inspect", "--file", str(corpus), "--model", "random:tiny", "--layer", "1", "--head", "2", "--out", str(out)
+    )
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}" in done.stdout
     check_png(out)

@@ -150,12 +150,23 @@ def test_norm_and_alti_rows_are_distributions_and_alti_matches_per_token_loop(re
         # and the per-head value vectors are the definition f_h(x) = (x W_V + b_V) W_O^h
         f = value_vectors(block, x, real_model.n_heads)
         cols = slice(0, d_head)
-        torch.testing.assert_close(f[0, 0, 3], (x[0, 3] @ w_v[cols].T + b_v[cols]) @ w_o[:, cols].T, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            f[0, 0, 3], (x[0, 3] @ w_v[cols].T + b_v[cols]) @ w_o[:, cols].T, rtol=1e-4, atol=1e-5
+        )
 
 
 def test_default_params_keep_their_run_key():
-    legacy = {"seq_len": 128, "windowing": "chunks", "sentences": "punct", "select": "top:0.02", "gate": 4.0,
-              "include_special": False, "vectors": "pre_wo", "short_range": 4, "dtype": "float32"}
+    legacy = {
+        "seq_len": 128,
+        "windowing": "chunks",
+        "sentences": "punct",
+        "select": "top:0.02",
+        "gate": 4.0,
+        "include_special": False,
+        "vectors": "pre_wo",
+        "short_range": 4,
+        "dtype": "float32",
+    }
     # sentences=punct: the parameters every run had before the segmenter became the default
     assert AnalysisParams(sentences="punct").to_dict() == legacy
     with_mixing = AnalysisParams(sentences="punct", attribution=True, mixing=("rollout",))
@@ -194,8 +205,22 @@ def test_batch_result_round_trip_and_default_has_no_mixing(tiny_model, small_cor
 @pytest.mark.slow
 def test_analyze_with_attribution_then_query_through_cli(cli, tmp_path, small_corpus):
     db = str(tmp_path / "mix.duckdb")
-    done = cli("analyze", str(small_corpus), "--db", db, "--seq-len", "12", "--attribution",
-               "--attribution-windows", "2", "--mixing", "rollout,norm", "--mixing", "alti", "-q")
+    done = cli(
+        "analyze",
+        str(small_corpus),
+        "--db",
+        db,
+        "--seq-len",
+        "12",
+        "--attribution",
+        "--attribution-windows",
+        "2",
+        "--mixing",
+        "rollout,norm",
+        "--mixing",
+        "alti",
+        "-q",
+    )
     assert done.returncode == 0, done.stderr
     out = cli("query", "mixing", "--db", db, "--format", "json")
     assert out.returncode == 0, out.stderr

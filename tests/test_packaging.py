@@ -15,8 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return next(out.glob("headatlas-*.whl"))
 
@@ -25,10 +29,16 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"headatlas"}
-    for needed in ("headatlas/__init__.py", "headatlas/service/api.py", "headatlas/cli/main.py",
-                   "headatlas/workers/tasks.py", "headatlas/migrations/env.py",
-                   "headatlas/migrations/versions/0001_initial.py", "headatlas/service/data/wiki_excerpt.txt",
-                   "headatlas/service/data/ATTRIBUTION.md"):
+    for needed in (
+        "headatlas/__init__.py",
+        "headatlas/service/api.py",
+        "headatlas/cli/main.py",
+        "headatlas/workers/tasks.py",
+        "headatlas/migrations/env.py",
+        "headatlas/migrations/versions/0001_initial.py",
+        "headatlas/service/data/wiki_excerpt.txt",
+        "headatlas/service/data/ATTRIBUTION.md",
+    ):
         assert needed in names, needed
 
 
@@ -53,6 +63,12 @@ def test_installed_only_headatlas_imports(wheel, tmp_path):
         "result = CliRunner().invoke(headatlas.cli.main.app, ['--help'], prog_name='headatlas')\n"
         "assert result.exit_code == 0 and 'analyze' in result.output, result.output\n"
     )
-    done = subprocess.run([sys.executable, "-I", "-c", code, str(site)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code, str(site)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr

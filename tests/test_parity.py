@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from headatlas.service.analysis import forward
+from headatlas.service.corpus import iter_documents
 from headatlas.service.hooks import act_name, capture_attention
 from headatlas.service.params import AnalysisParams
 from headatlas.service.windows import TokenClasses, collate, document_windows
-from headatlas.service.corpus import iter_documents
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,9 @@ def real_batch(real_model, demo_corpus):
 def test_captured_attention_equals_output_attentions(real_model, real_batch):
     acts = forward(real_model, real_batch)
     with torch.no_grad():
-        out = real_model.model(input_ids=real_batch.input_ids, attention_mask=real_batch.attention_mask,
-                               output_attentions=True)
+        out = real_model.model(
+            input_ids=real_batch.input_ids, attention_mask=real_batch.attention_mask, output_attentions=True
+        )
     for layer in range(real_model.n_layers):
         captured = acts[act_name("pattern", layer)]
         assert captured.shape == out.attentions[layer].shape
@@ -37,8 +38,12 @@ def test_captured_head_outputs_equal_attention_times_values(real_model, real_bat
     """z = A·V recomputed in float64 from the layer's own weights and input hidden states."""
     acts = forward(real_model, real_batch)
     with torch.no_grad():
-        out = real_model.model(input_ids=real_batch.input_ids, attention_mask=real_batch.attention_mask,
-                               output_attentions=True, output_hidden_states=True)
+        out = real_model.model(
+            input_ids=real_batch.input_ids,
+            attention_mask=real_batch.attention_mask,
+            output_attentions=True,
+            output_hidden_states=True,
+        )
     d, heads = real_model.d_head, real_model.n_heads
     worst = 0.0
     for layer, block in enumerate(real_model.model.encoder.layer):

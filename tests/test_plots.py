@@ -116,8 +116,11 @@ def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path
             columns, rows = queries.distances(conn, run.run_id, layer=layer, split=True)
             x, y = lines[f"layer {layer}"].get_data()
             assert list(x) == [r[columns.index("distance")] for r in rows]
-            assert np.allclose(y, [np.nan if r[columns.index(column)] is None else r[columns.index(column)]
-                                   for r in rows], equal_nan=True)
+            assert np.allclose(
+                y,
+                [np.nan if r[columns.index(column)] is None else r[columns.index(column)] for r in rows],
+                equal_nan=True,
+            )
             assert sum(r[columns.index(column)] or 0 for r in rows) == pytest.approx(1.0)
     with pytest.raises(ParameterError, match="--split 'noise': the only split is 'attended'"):
         plots.run_figure("distances", conn, run, split="noise")

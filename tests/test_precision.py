@@ -12,8 +12,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-
 from precision_checks import assert_half_agrees
+
 from headatlas.service.analysis import analyze_batch
 from headatlas.service.corpus import iter_documents
 from headatlas.service.params import AnalysisParams
@@ -26,8 +26,9 @@ def test_bfloat16_summaries_agree_with_float32(real_model, demo_corpus):
     params = AnalysisParams()
     tokens = TokenClasses.from_tokenizer(real_model.tokenizer)
     doc = next(iter_documents(str(demo_corpus)))
-    batch = collate(document_windows(doc, real_model.tokenizer, tokens, real_model.tokenizer_key, params)[:6],
-                    tokens.pad_id)
+    batch = collate(
+        document_windows(doc, real_model.tokenizer, tokens, real_model.tokenizer_key, params)[:6], tokens.pad_id
+    )
     full = analyze_batch(real_model, batch, params, tokens)
     half_model = copy.copy(real_model)
     half_model.dtype = torch.bfloat16

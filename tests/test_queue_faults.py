@@ -9,10 +9,17 @@ import time
 
 import pytest
 import redis
-
 from queue_support import (
-    Cluster, RedisServer, any_redis, assert_counted_once, assert_whole_batches, make_corpus, running_cluster, tmpdir,
+    Cluster,
+    RedisServer,
+    any_redis,
+    assert_counted_once,
+    assert_whole_batches,
+    make_corpus,
+    running_cluster,
+    tmpdir,
 )
+
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 from headatlas.workers.ledger import key
@@ -70,8 +77,9 @@ def test_writer_killed_mid_ingest(shared, demo_corpus, tmp_path):
     with transaction(shared.db, read_only=True) as conn:  # what a reader sees now: whole batches only
         from sqlalchemy import text
 
-        done = conn.execute(text("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'"),
-                            {"r": run_id}).scalar()
+        done = conn.execute(
+            text("SELECT count(*) FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id}
+        ).scalar()
         assert_whole_batches(conn, run_id, done, 4 * 4)
     assert done < sub.batches
     shared.start_writer()

@@ -7,9 +7,9 @@ import shutil
 import time
 
 import pytest
-
 from conftest import run_cli
 from queue_support import Cluster, any_redis, assert_counted_once, make_corpus, tmpdir
+
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 from headatlas.workers.ledger import key
@@ -36,8 +36,14 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
         cluster.start_worker("w2")
         corpus = make_corpus(tmp_path, demo_corpus, paragraphs=60, tag="load", copies=2)
         settings = Settings(broker_url=server.url, db=cluster.db)
-        sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32",
-                     params=AnalysisParams(seq_len=16), batch_size=1)
+        sub = submit(
+            str(corpus),
+            settings=settings,
+            model="random:tiny",
+            dtype="float32",
+            params=AnalysisParams(seq_len=16),
+            batch_size=1,
+        )
         assert sub.batches >= 500
         run_id = cluster.run_id(sub)
         samples, reads = [], 0
@@ -51,8 +57,11 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
             assert time.monotonic() < deadline, cluster.logs()
             if 0 < done < sub.batches * 0.8 and reads < 3:
                 # readers while the writer is busy: a wait, never a lock error
-                for args in (("status", sub.name), ("sql", "SELECT count(*) AS n FROM run_windows"),
-                             ("query", "layers", "--run", sub.name)):
+                for args in (
+                    ("status", sub.name),
+                    ("sql", "SELECT count(*) AS n FROM run_windows"),
+                    ("query", "layers", "--run", sub.name),
+                ):
                     result = run_cli(*args, env=cluster.env)
                     assert result.returncode == 0, result.stderr
                 reads += 1

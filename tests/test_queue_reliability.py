@@ -9,9 +9,9 @@ import json
 import time
 
 import pytest
-
 from conftest import run_cli
 from queue_support import assert_counted_once, make_corpus, running_cluster
+
 from headatlas.service.config import Settings
 
 pytestmark = pytest.mark.integration
@@ -72,8 +72,14 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostworker")
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
-    sub = submit(str(corpus), settings=settings, model="random:4,4,256", dtype="float32",
-                 params=AnalysisParams(seq_len=128), batch_size=4)
+    sub = submit(
+        str(corpus),
+        settings=settings,
+        model="random:4,4,256",
+        dtype="float32",
+        params=AnalysisParams(seq_len=128),
+        batch_size=4,
+    )
     run_id = cluster.run_id(sub)
     running = key("running", sub.run_key, sub.database_id)
     deadline = time.monotonic() + 60
@@ -106,4 +112,6 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     assert_counted_once(cluster.db, run_id)
     attempts = int(cluster.redis.hget(key("attempts", sub.run_key, sub.database_id), victim))
     assert attempts >= 2  # it was really cut short, and analysed again
-    print(f"\nkill -9 → requeued seen by status after {requeued_after:.1f} s; run done {done_after:.1f} s after the kill")
+    print(
+        f"\nkill -9 → requeued seen by status after {requeued_after:.1f} s; run done {done_after:.1f} s after the kill"
+    )

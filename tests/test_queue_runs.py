@@ -7,10 +7,15 @@ import time
 
 import pytest
 import redis
-
 from queue_support import (
-    assert_counted_once, assert_new_columns_present, assert_same_statistics, make_corpus, running_cluster, stored,
+    assert_counted_once,
+    assert_new_columns_present,
+    assert_same_statistics,
+    make_corpus,
+    running_cluster,
+    stored,
 )
+
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 
@@ -42,8 +47,14 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
 
     embedded_db = tmp_path / "embedded.duckdb"
     params = AnalysisParams(seq_len=32)
-    run = analyze_corpus(str(corpus), store=Store(embedded_db), model=tiny_model, params=params,
-                         corpus=survey_corpus(str(corpus)), batch_size=4)
+    run = analyze_corpus(
+        str(corpus),
+        store=Store(embedded_db),
+        model=tiny_model,
+        params=params,
+        corpus=survey_corpus(str(corpus)),
+        batch_size=4,
+    )
     assert run.status == "done"
     # submit keys the run from the tokenizer, config and weight files (no weights loaded),
     # analyze from the loaded model: the same run either way
@@ -72,19 +83,41 @@ def test_queued_attribution_and_mixing_equal_the_embedded_ones(cluster, tiny_mod
     from headatlas.service.storage.store import Store
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="mixing")
-    ref = cluster.submit(corpus, *ARGS, "--attribution", "--mixing", "rollout,norm", "--mixing", "alti",
-                         "--attribution-windows", "6", "--wait")
+    ref = cluster.submit(
+        corpus,
+        *ARGS,
+        "--attribution",
+        "--mixing",
+        "rollout,norm",
+        "--mixing",
+        "alti",
+        "--attribution-windows",
+        "6",
+        "--wait",
+    )
     assert cluster.wait_status(ref) == "done"
     run_id = _run_id(cluster, ref)
 
     params = build_params(seq_len=32, attribution=True, mixing=["rollout", "norm", "alti"], attribution_windows=6)
     embedded_db = tmp_path / "embedded.duckdb"
-    run = analyze_corpus(str(corpus), store=Store(embedded_db), model=tiny_model, params=params,
-                         corpus=survey_corpus(str(corpus)), batch_size=4)
+    run = analyze_corpus(
+        str(corpus),
+        store=Store(embedded_db),
+        model=tiny_model,
+        params=params,
+        corpus=survey_corpus(str(corpus)),
+        batch_size=4,
+    )
     queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
     assert len(embedded["run_windows"]) > 6  # the attribution window count ends inside the second batch
     methods = {row[0] for row in queued["mixing_stats"]}
-    assert methods == {"attention", "attribution", "rollout", "norm", "alti"}  # attention: the same windows, for comparison
+    assert methods == {
+        "attention",
+        "attribution",
+        "rollout",
+        "norm",
+        "alti",
+    }  # attention: the same windows, for comparison
     assert {row[3] for row in queued["mixing_stats"]} == {6}  # windows per (method, layer, head)
     assert_same_statistics(queued, embedded)
 
@@ -96,12 +129,22 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="twice")
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
     params = AnalysisParams(seq_len=32)
-    sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
-                 batch_size=4, only=set())  # the run and its plan; the batches come below
+    sub = submit(
+        str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params, batch_size=4, only=set()
+    )  # the run and its plan; the batches come below
     run_id = cluster.run_id(sub)
     app = make_app(settings)
-    messages = list(batch_payloads(str(corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4,
-                                   database_id=sub.database_id))
+    messages = list(
+        batch_payloads(
+            str(corpus),
+            tiny_model,
+            params,
+            model="random:tiny",
+            dtype="float32",
+            batch_size=4,
+            database_id=sub.database_id,
+        )
+    )
     for batch_id, _n, payload in messages:  # every batch twice, back to back
         for _ in range(2):
             app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, payload], queue="analysis")
@@ -129,13 +172,20 @@ def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_
     # punct: the poison windows below carry token ids only (segmenter windows also carry sentence ids)
     params = AnalysisParams(seq_len=32, sentences="punct")
     # the run and its plan, but instead of its batches, poison: a token id outside the vocabulary
-    sub = submit(str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params,
-                 batch_size=4, only=set())
+    sub = submit(
+        str(corpus), settings=settings, model="random:tiny", dtype="float32", params=params, batch_size=4, only=set()
+    )
     run_id = cluster.run_id(sub)
     assert sub.batches >= 2
-    poison = {"model": "random:tiny", "dtype": "float32", "params": params.to_dict(), "database_id": sub.database_id,
-              "tokenizer_key": tiny_model.tokenizer_key, "documents": [],
-              "windows": [["poison-window", "poison-doc", 0, [101, 10**9, 102]]]}
+    poison = {
+        "model": "random:tiny",
+        "dtype": "float32",
+        "params": params.to_dict(),
+        "database_id": sub.database_id,
+        "tokenizer_key": tiny_model.tokenizer_key,
+        "documents": [],
+        "windows": [["poison-window", "poison-doc", 0, [101, 10**9, 102]]],
+    }
     app = make_app(settings)
     for batch_id in range(sub.batches):
         app.send_task("headatlas.analyze_batch", args=[sub.run_key, batch_id, poison], queue="analysis")
@@ -159,8 +209,16 @@ def test_unreachable_broker_is_a_one_line_error_and_stores_nothing(cli, small_co
     from queue_support import free_port
 
     db = tmp_path / "none.duckdb"
-    result = cli("submit", str(small_corpus), "--model", "random:tiny", "--db", str(db),
-                 "--broker", f"redis://127.0.0.1:{free_port()}/0")
+    result = cli(
+        "submit",
+        str(small_corpus),
+        "--model",
+        "random:tiny",
+        "--db",
+        str(db),
+        "--broker",
+        f"redis://127.0.0.1:{free_port()}/0",
+    )
     assert result.returncode == 2
     assert "cannot reach the broker" in result.stderr and "HEADATLAS_BROKER_URL" in result.stderr
     assert "Traceback" not in result.stderr

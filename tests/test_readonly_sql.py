@@ -27,9 +27,7 @@ def db_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("store") / "results.duckdb"
     connection = duckdb.connect(str(path))
     connection.execute("CREATE TABLE heads (layer INTEGER, head INTEGER, score DOUBLE)")
-    connection.execute(
-        "INSERT INTO heads SELECT l, h, l * 10 + h FROM range(6) a(l), range(12) b(h)"
-    )
+    connection.execute("INSERT INTO heads SELECT l, h, l * 10 + h FROM range(6) a(l), range(12) b(h)")
     connection.execute("CREATE TABLE runs (run_id INTEGER, model VARCHAR)")
     connection.execute("INSERT INTO runs VALUES (1, 'minilm'), (2, 'bert-base')")
     connection.close()
@@ -41,10 +39,7 @@ def snapshot(path: Path) -> dict[str, int]:
     connection = duckdb.connect(str(path), read_only=True)
     try:
         tables = [name for (name,) in connection.execute("SHOW TABLES").fetchall()]
-        return {
-            name: connection.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
-            for name in tables
-        }
+        return {name: connection.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0] for name in tables}
     finally:
         connection.close()
 
@@ -73,7 +68,8 @@ def test_with_select_runs(db_path: Path) -> None:
 
 def test_named_and_positional_params(db_path: Path) -> None:
     named = run_readonly_sql(
-        db_path, "SELECT head FROM heads WHERE layer = $layer AND head < $h ORDER BY head",
+        db_path,
+        "SELECT head FROM heads WHERE layer = $layer AND head < $h ORDER BY head",
         params={"layer": 3, "h": 2},
     )
     assert named.rows == [(0,), (1,)]
@@ -148,9 +144,7 @@ def test_non_select_statements_are_refused(db_path: Path, sql: str, kind: str) -
     ],
     ids=["empty", "only_comment", "two_statements", "syntax"],
 )
-def test_empty_multiple_and_malformed_sql_is_refused(
-    db_path: Path, sql: str, expected: str
-) -> None:
+def test_empty_multiple_and_malformed_sql_is_refused(db_path: Path, sql: str, expected: str) -> None:
     before = snapshot(db_path)
     with pytest.raises(StoreError, match="refused") as caught:
         run_readonly_sql(db_path, sql)
@@ -188,16 +182,12 @@ def test_file_reading_selects_fail_in_the_engine(db_path: Path, sql: str) -> Non
         "LOAD httpfs",
     ],
 )
-def test_engine_refuses_escapes_even_without_the_statement_check(
-    db_path: Path, sql: str
-) -> None:
+def test_engine_refuses_escapes_even_without_the_statement_check(db_path: Path, sql: str) -> None:
     # Defence in depth: a statement the checker missed still meets a locked, confined engine.
     with connect_readonly(db_path) as connection:
         with pytest.raises(duckdb.Error):
             connection.execute(sql)
-        assert connection.execute(
-            "SELECT current_setting('enable_external_access')"
-        ).fetchone() == (False,)
+        assert connection.execute("SELECT current_setting('enable_external_access')").fetchone() == (False,)
 
 
 # --- limits and failures ------------------------------------------------------------------

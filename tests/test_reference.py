@@ -56,8 +56,15 @@ def assert_heads_equal(got: dict, expected: dict, where: str) -> None:
             np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-9, err_msg=f"{where}: {name}")
 
 
-INTEGER_SUMS = ("high_pairs", "same_sentence_high", "same_token_high", "attended_high", "same_word_high",
-                "anchor_frequent", "anchored_windows")
+INTEGER_SUMS = (
+    "high_pairs",
+    "same_sentence_high",
+    "same_token_high",
+    "attended_high",
+    "same_word_high",
+    "anchor_frequent",
+    "anchored_windows",
+)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +83,15 @@ def test_vectorised_statistics_equal_reference(model64, params):
     batch = collate(windows, tokens.pad_id)
     result = analyze_batch(model64, batch, params, tokens)
     records = reference_windows(
-        model64, batch.input_ids, batch.attention_mask, tokens, count=selection_count(params.select),
-        gate=params.gate, include_special=params.include_special, seq_len=params.seq_len, vectors=params.vectors,
+        model64,
+        batch.input_ids,
+        batch.attention_mask,
+        tokens,
+        count=selection_count(params.select),
+        gate=params.gate,
+        include_special=params.include_special,
+        seq_len=params.seq_len,
+        vectors=params.vectors,
         sentences=batch.sentence,
     )
     # the batch totals (SPEC §4 and §5b)

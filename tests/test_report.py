@@ -13,8 +13,16 @@ from tests.figure_checks import analyse, check_not_blank, check_png, corpus_of
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,15 @@ def stored(tmp_path_factory, real_model, demo_corpus):
     from headatlas.service.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
-    analyze_corpus(str(corpus), store=Store(db), model=control_model(real_model), params=build_params(),
-                   corpus=survey_corpus(str(corpus)), batch_size=8, control_of=run)
+    analyze_corpus(
+        str(corpus),
+        store=Store(db),
+        model=control_model(real_model),
+        params=build_params(),
+        corpus=survey_corpus(str(corpus)),
+        batch_size=8,
+        control_of=run,
+    )
     return db, run
 
 
@@ -75,15 +90,29 @@ def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
         prefix = "data:image/png;base64,"
         assert attrs["src"].startswith(prefix)
         png = tmp_path / f"{k}.png"
-        png.write_bytes(base64.b64decode(attrs["src"][len(prefix):]))
+        png.write_bytes(base64.b64decode(attrs["src"][len(prefix) :]))
         check_png(png)
     # nothing fetched from elsewhere: no scripts, stylesheets, frames or remote links
     assert not [t for t, a in parsed.tags if t in ("script", "link", "iframe", "object", "embed")]
-    assert not [a for t, a in parsed.tags if any(str(v).startswith(("http:", "https:", "file:", "//"))
-                                                  for k, v in a.items() if k in ("src", "href"))]
-    for needed in ("Parameters", "Figures", "Heads", "Top anchor tokens per head", run.model_name, "top:0.02",
-                   run.corpus_fingerprint, "Head atlas", "Heads per role", "Roles and their evidence",
-                   "Against the random-weights control (the floor)", "small-control"):
+    assert not [
+        a
+        for t, a in parsed.tags
+        if any(str(v).startswith(("http:", "https:", "file:", "//")) for k, v in a.items() if k in ("src", "href"))
+    ]
+    for needed in (
+        "Parameters",
+        "Figures",
+        "Heads",
+        "Top anchor tokens per head",
+        run.model_name,
+        "top:0.02",
+        run.corpus_fingerprint,
+        "Head atlas",
+        "Heads per role",
+        "Roles and their evidence",
+        "Against the random-weights control (the floor)",
+        "small-control",
+    ):
         assert needed in text, needed
     # the page opens with the atlas; the floor comes before the run's own figures
     assert text.index("Head atlas") < text.index("Parameters") < text.index("Against the random-weights control")
@@ -110,9 +139,17 @@ def test_report_opens_in_headless_chromium(page, tmp_path):
     shot = tmp_path / "shot.png"
     width, height = 1280, 2400
     done = subprocess.run(
-        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},{height}",
-         f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        [
+            chromium,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--window-size={width},{height}",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert shot.exists(), done.stderr[-2000:]
     rgb = check_png(shot, (width, height))

@@ -17,9 +17,17 @@ def head(layer, h, **metrics):
     """A head's row: ``metric=(value, lo, hi)`` or ``metric=value`` (no interval); every other
     metric sits at chance with a tight interval."""
     row = {"layer": layer, "head": h}
-    chance = {"attn_to_prev": 0.008, "attn_to_next": 0.008, "repetition_words_lift_dm": 1.0,
-              "within_sentence_lift_dm": 1.0, "attn_to_punct_lift": 1.0, "short_range_share": 0.064,
-              "attn_to_cls_lift": 1.0, "attn_to_sep_lift": 1.0, "attn_entropy": math.log(125)}
+    chance = {
+        "attn_to_prev": 0.008,
+        "attn_to_next": 0.008,
+        "repetition_words_lift_dm": 1.0,
+        "within_sentence_lift_dm": 1.0,
+        "attn_to_punct_lift": 1.0,
+        "short_range_share": 0.064,
+        "attn_to_cls_lift": 1.0,
+        "attn_to_sep_lift": 1.0,
+        "attn_entropy": math.log(125),
+    }
     for name, value in {**{k: (v, v * 0.98, v * 1.02) for k, v in chance.items()}, **metrics}.items():
         if isinstance(value, tuple):
             row[name], row[f"{name}_lo"], row[f"{name}_hi"] = value
@@ -39,18 +47,20 @@ def earned(rows):
 
 
 def test_roles_known_answers():
-    got = earned([
-        head(0, 0, attn_to_prev=(0.9, 0.85, 0.95), short_range_share=(0.5, 0.45, 0.55)),
-        head(0, 1, attn_to_prev=(0.3, 0.15, 0.45)),  # value past 0.2, interval reaches below: not earned
-        head(0, 2, repetition_words_lift_dm=(14.0, 11.0, 17.0), attn_to_cls_lift=(30.0, 25.0, 35.0)),
-        head(1, 0, within_sentence_lift_dm=(1.12, 1.06, 1.18)),
-        head(1, 1, within_sentence_lift_dm=(1.12, 1.04, 1.20)),  # lower bound 1.04 < 1.05
-        head(1, 2, short_range_share=(0.20, 0.193, 0.21)),  # 3 × 0.064 = 0.192
-        head(2, 0, attn_entropy=(4.3, 4.25, 4.35)),  # ln 125 = 4.83: spread, measurably not uniform
-        head(2, 1, attn_entropy=(4.75, 4.70, 4.80)),  # upper bound past 0.97 · ln n̄ = 4.68: uniform-like
-        head(2, 2, attn_to_punct_lift=1.8, attn_to_sep_lift=(12.0, 10.5, 13.5)),  # punct without interval
-        head(3, 0, attn_to_next=(0.25, 0.21, 0.29)),
-    ])
+    got = earned(
+        [
+            head(0, 0, attn_to_prev=(0.9, 0.85, 0.95), short_range_share=(0.5, 0.45, 0.55)),
+            head(0, 1, attn_to_prev=(0.3, 0.15, 0.45)),  # value past 0.2, interval reaches below: not earned
+            head(0, 2, repetition_words_lift_dm=(14.0, 11.0, 17.0), attn_to_cls_lift=(30.0, 25.0, 35.0)),
+            head(1, 0, within_sentence_lift_dm=(1.12, 1.06, 1.18)),
+            head(1, 1, within_sentence_lift_dm=(1.12, 1.04, 1.20)),  # lower bound 1.04 < 1.05
+            head(1, 2, short_range_share=(0.20, 0.193, 0.21)),  # 3 × 0.064 = 0.192
+            head(2, 0, attn_entropy=(4.3, 4.25, 4.35)),  # ln 125 = 4.83: spread, measurably not uniform
+            head(2, 1, attn_entropy=(4.75, 4.70, 4.80)),  # upper bound past 0.97 · ln n̄ = 4.68: uniform-like
+            head(2, 2, attn_to_punct_lift=1.8, attn_to_sep_lift=(12.0, 10.5, 13.5)),  # punct without interval
+            head(3, 0, attn_to_next=(0.25, 0.21, 0.29)),
+        ]
+    )
     roles_of = {k: [d["role"] for d in v] for k, v in got.items()}
     assert roles_of == {
         (0, 0): ["previous-token", "local"],
@@ -141,8 +151,9 @@ def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
     db.upgrade(path)
     with Store(path).checked_read() as conn:
         run = resolve_run(conn, run_id)
-        columns, rows = compare.compare(conn, run, run, metrics=["mean_distance", "attn_to_cls_lift",
-                                                                  "repetition_words_lift_dm"], heads=True)
+        columns, rows = compare.compare(
+            conn, run, run, metrics=["mean_distance", "attn_to_cls_lift", "repetition_words_lift_dm"], heads=True
+        )
         verdicts = {(r[columns.index("head")], r[columns.index("metric")]): r[columns.index("verdict")] for r in rows}
         assert verdicts[(0, "mean_distance")] == "no interval"
         assert verdicts[(0, "attn_to_cls_lift")] == "no interval"

@@ -80,8 +80,17 @@ def test_a_fire_is_claimed_once(tmp_path):
     db = str(tmp_path / "s.duckdb")
     corpus = tmp_path / "c.txt"
     corpus.write_text("One. Two.\n", encoding="utf-8")
-    sched = schedule_store.add(db, name="s", corpus=str(corpus), model="random:tiny", dtype="float32", batch_size=4,
-                               params={"seq_len": 32}, cadence=Cadence(None, 5), only_new=True)
+    sched = schedule_store.add(
+        db,
+        name="s",
+        corpus=str(corpus),
+        model="random:tiny",
+        dtype="float32",
+        batch_size=4,
+        params={"seq_len": 32},
+        cadence=Cadence(None, 5),
+        only_new=True,
+    )
     t = sched.next_fire
     assert schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["a", "b"])
     assert not schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["c"])  # a second beat
@@ -94,8 +103,17 @@ def test_a_fire_is_claimed_once(tmp_path):
     assert not schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="scheduled")  # paused
     assert schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="manual")  # run-now still fires
     with pytest.raises(ParameterError, match="exists"):
-        schedule_store.add(db, name="s", corpus=str(corpus), model="m", dtype="float32", batch_size=4, params={},
-                           cadence=Cadence(None, 5), only_new=False)
+        schedule_store.add(
+            db,
+            name="s",
+            corpus=str(corpus),
+            model="m",
+            dtype="float32",
+            batch_size=4,
+            params={},
+            cadence=Cadence(None, 5),
+            only_new=False,
+        )
     schedule_store.remove(db, "s")
     with Store(db).checked_read() as conn:
         with pytest.raises(ParameterError, match="no schedule named 's'"):
@@ -114,11 +132,36 @@ def test_schedule_add_keeps_every_analysis_option(tmp_path, cli):
     upgrade(str(db))
     corpus = tmp_path / "c.txt"
     corpus.write_text("A document.\n", encoding="utf-8")
-    result = cli("schedule", "add", "probe", "--corpus", str(corpus), "--every", "1h", "--db", str(db),
-                 "--seq-len", "64", "--select", "topk:10", "--include-special", "--attribution",
-                 "--attribution-windows", "8", "--mixing", "rollout,alti", "--sentences", "punct")
+    result = cli(
+        "schedule",
+        "add",
+        "probe",
+        "--corpus",
+        str(corpus),
+        "--every",
+        "1h",
+        "--db",
+        str(db),
+        "--seq-len",
+        "64",
+        "--select",
+        "topk:10",
+        "--include-special",
+        "--attribution",
+        "--attribution-windows",
+        "8",
+        "--mixing",
+        "rollout,alti",
+        "--sentences",
+        "punct",
+    )
     assert result.returncode == 0, result.stderr
     with transaction(str(db), read_only=True) as conn:
         params = AnalysisParams.from_dict(schedule_store.get(conn, "probe").params)
-    assert (params.seq_len, params.include_special, params.attribution, params.attribution_windows) == (64, True, True, 8)
+    assert (params.seq_len, params.include_special, params.attribution, params.attribution_windows) == (
+        64,
+        True,
+        True,
+        8,
+    )
     assert params.mixing == ("rollout", "alti") and params.select.kind == "topk" and params.sentences == "punct"

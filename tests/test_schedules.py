@@ -11,10 +11,9 @@ import time
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import text
-
-from queue_support import make_corpus, running_cluster
 from conftest import run_cli
+from queue_support import make_corpus, running_cluster
+from sqlalchemy import text
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +45,13 @@ def _read(cluster, sql: str, **params) -> list[tuple]:
 
 
 def _fires(cluster, name: str) -> list[tuple]:
-    return _read(cluster, "SELECT f.fire_time, f.claimed_at, f.status, f.run_key, f.run_name, f.documents, f.kind "
-                          "FROM schedule_fires f JOIN schedules s USING (schedule_id) WHERE s.name = :n "
-                          "ORDER BY fire_time", n=name)
+    return _read(
+        cluster,
+        "SELECT f.fire_time, f.claimed_at, f.status, f.run_key, f.run_name, f.documents, f.kind "
+        "FROM schedule_fires f JOIN schedules s USING (schedule_id) WHERE s.name = :n "
+        "ORDER BY fire_time",
+        n=name,
+    )
 
 
 def _wait(what, predicate, timeout: float, cluster):
@@ -67,9 +70,15 @@ def _submitted(cluster, name: str) -> list[tuple]:
 
 
 def _doc_ids(cluster, run_name: str) -> set[str]:
-    return {r[0] for r in _read(cluster, "SELECT DISTINCT w.doc_id FROM run_windows rw JOIN windows w USING (window_id) "
-                                       "JOIN runs r USING (run_id) WHERE r.name = :n",
-                                n=run_name)}
+    return {
+        r[0]
+        for r in _read(
+            cluster,
+            "SELECT DISTINCT w.doc_id FROM run_windows rw JOIN windows w USING (window_id) "
+            "JOIN runs r USING (run_id) WHERE r.name = :n",
+            n=run_name,
+        )
+    }
 
 
 def _parts(folder, demo_corpus, n: int) -> list:
@@ -78,7 +87,7 @@ def _parts(folder, demo_corpus, n: int) -> list:
     parts = []
     for k in range(n):
         path = folder / f"part{k}.txt"
-        path.write_text("\n\n".join(paragraphs[2 * k:2 * k + 2]) + "\n", encoding="utf-8")
+        path.write_text("\n\n".join(paragraphs[2 * k : 2 * k + 2]) + "\n", encoding="utf-8")
         parts.append(path)
     return parts
 
@@ -99,7 +108,7 @@ def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(clus
         if k:  # a document lands whole: written aside, renamed into the corpus folder
             shutil.copy(part, tmp_path / "incoming.txt")
             (tmp_path / "incoming.txt").rename(folder / f"{'abc'[k]}.txt")
-        fires = _wait(f"run {k + 1}", lambda: len(s := _submitted(cluster, "grow")) > k and s, 60, cluster)
+        fires = _wait(f"run {k + 1}", lambda: len(s := _submitted(cluster, "grow")) > k and s, 60, cluster)  # noqa: B023
         fire_time, claimed_at, _status, _key, run_name, documents, kind = fires[k]
         assert kind == "scheduled" and fire_time.microsecond == 0
         assert timedelta(0) <= claimed_at - fire_time < timedelta(seconds=5), "fired late"
@@ -128,14 +137,29 @@ def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(clus
     assert all((b - a).total_seconds() % 3 == 0 and b > a for a, b in zip(times, times[1:]))
 
     # trend equals the per-run values of `query heads` (and of the layers query behind `query layers`)
-    trend = json.loads(_cli(cluster, "query", "trend", "--schedule", "grow", "--metric", "within_sentence",
-                            "--layer", "1", "--head", "2", "--format", "json"))
+    trend = json.loads(
+        _cli(
+            cluster,
+            "query",
+            "trend",
+            "--schedule",
+            "grow",
+            "--metric",
+            "within_sentence",
+            "--layer",
+            "1",
+            "--head",
+            "2",
+            "--format",
+            "json",
+        )
+    )
     assert [t["run"] for t in trend][:3] == [r for r, _ in runs]
     sched_id = _read(cluster, "SELECT schedule_id FROM schedules WHERE name = 'grow'")[0][0]
     with Store(cluster.db).read() as conn:
         _cols, layer_trend = queries.trend(conn, sched_id, metric="mean_distance", layer=0)
         _cols, mean_trend = queries.trend(conn, sched_id, metric="noise_share")
-        for k, (run_name, _) in enumerate(runs):
+        for k, (_run_name, _) in enumerate(runs):
             _c, layers = queries.layers(conn, layer_trend[k][1])
             assert layer_trend[k][-1] == pytest.approx(layers[0][1])
             assert mean_trend[k][-1] == pytest.approx(sum(row[7] for row in layers) / len(layers))
@@ -171,8 +195,12 @@ def test_edit_pause_resume_run_now_remove(cluster, demo_corpus, tmp_path):
 
     _cli(cluster, "schedule", "resume", "ctl")
     resumed_at = datetime.utcnow()
-    _wait("a fire after resume", lambda: [f for f in _fires(cluster, "ctl") if f[1] > resumed_at and f[6] == "scheduled"],
-          30, cluster)
+    _wait(
+        "a fire after resume",
+        lambda: [f for f in _fires(cluster, "ctl") if f[1] > resumed_at and f[6] == "scheduled"],
+        30,
+        cluster,
+    )
     shown = _cli(cluster, "schedule", "show", "ctl", "--format", "json")
     assert first[4] in shown
     # nothing changed between fires: every fire names the same run, stored once
@@ -192,7 +220,10 @@ def test_edit_pause_resume_run_now_remove(cluster, demo_corpus, tmp_path):
 def test_cli_errors(cluster, tmp_path):
     cases = [
         (["schedule", "add", "x", "--corpus", str(tmp_path / "missing.txt"), "--every", "5s"], "no such file"),
-        (["schedule", "add", "x", "--corpus", str(tmp_path), "--cron", "0 3 * *"], "'0 3 * *' is not a cron expression"),
+        (
+            ["schedule", "add", "x", "--corpus", str(tmp_path), "--cron", "0 3 * *"],
+            "'0 3 * *' is not a cron expression",
+        ),
         (["schedule", "add", "x", "--corpus", str(tmp_path), "--every", "6 hours"], "is not an interval"),
     ]
     (tmp_path / "c.txt").write_text("A document.\n", encoding="utf-8")
@@ -214,8 +245,12 @@ def test_fires_missed_while_beat_was_down_run_once(cluster, demo_corpus, tmp_pat
     restart_at = datetime.utcnow()
     cluster._start("beat1", "beat", "--tick", "0.5")
     _wait("a fire after restart", lambda: _submitted(cluster, "late"), 60, cluster)
-    later = _wait("the next regular fire",
-                  lambda: len(f := _fires(cluster, "late")) > 1 and f[1][2] != "claimed" and f, 30, cluster)
+    later = _wait(
+        "the next regular fire",
+        lambda: len(f := _fires(cluster, "late")) > 1 and f[1][2] != "claimed" and f,
+        30,
+        cluster,
+    )
     # one fire for the missed ones, at the latest scheduled time that had passed, not one per tick
     assert later[0][0] >= restart_at - timedelta(seconds=2), later
     assert later[0][2] == "submitted" and later[0][5] == 2  # the corpus's two documents
@@ -256,6 +291,8 @@ def test_a_5s_schedule_fires_on_time_and_once_on_a_busy_machine(cluster, demo_co
     # the same corpus each time: every fire names one run, stored once
     assert len({f[3] for f in [first, *fires]}) == 1
     assert len(_read(cluster, "SELECT run_id FROM runs WHERE name LIKE 'busy-%'")) == 1
-    print(f"\n5 s schedule under load: {len(fires)} fires, {max(late):.2f} s late at most, "
-          f"mean {sum(late) / len(late):.2f} s")
+    print(
+        f"\n5 s schedule under load: {len(fires)} fires, {max(late):.2f} s late at most, "
+        f"mean {sum(late) / len(late):.2f} s"
+    )
     _cli(cluster, "schedule", "remove", "busy")

@@ -202,11 +202,28 @@ def test_an_old_stored_schedule_fires_with_punct(tmp_path):
     upgrade(db)
     old = PUNCT.to_dict()
     del old["sentences"]
-    schedule_store.add(db, name="old", corpus=str(demo_corpus_path()), model="random:tiny", dtype="float32",
-                       batch_size=4, params=old, cadence=Cadence(cron=None, every_s=3600), only_new=False)
-    schedule_store.add(db, name="new", corpus=str(demo_corpus_path()), model="random:tiny", dtype="float32",
-                       batch_size=4, params=AnalysisParams().to_dict(), cadence=Cadence(cron=None, every_s=3600),
-                       only_new=False)
+    schedule_store.add(
+        db,
+        name="old",
+        corpus=str(demo_corpus_path()),
+        model="random:tiny",
+        dtype="float32",
+        batch_size=4,
+        params=old,
+        cadence=Cadence(cron=None, every_s=3600),
+        only_new=False,
+    )
+    schedule_store.add(
+        db,
+        name="new",
+        corpus=str(demo_corpus_path()),
+        model="random:tiny",
+        dtype="float32",
+        batch_size=4,
+        params=AnalysisParams().to_dict(),
+        cadence=Cadence(cron=None, every_s=3600),
+        only_new=False,
+    )
     with transaction(db, read_only=True) as conn:
         # what beat does with a schedule's stored parameters (workers/beat.py fire)
         assert AnalysisParams.from_dict(schedule_store.get(conn, "old").params).sentences == "punct"
@@ -219,8 +236,12 @@ def test_every_analysis_command_takes_sentences():
     from headatlas.cli.main import app
 
     root = typer.main.get_command(app)
-    commands = {"analyze": root.commands["analyze"], "submit": root.commands["submit"],
-                "inspect": root.commands["inspect"], "schedule add": root.commands["schedule"].commands["add"]}
+    commands = {
+        "analyze": root.commands["analyze"],
+        "submit": root.commands["submit"],
+        "inspect": root.commands["inspect"],
+        "schedule add": root.commands["schedule"].commands["add"],
+    }
     for name, command in commands.items():
         option = next((p for p in command.params if "--sentences" in p.opts), None)
         assert option is not None, f"headatlas {name} has no --sentences"
@@ -245,10 +266,20 @@ def _stored_sums(db: str, run_id: int):
 
     with transaction(db, read_only=True) as conn:
         key = conn.execute(text("SELECT run_key FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
-        chance = conn.execute(text("SELECT sum(windows), sum(pairs), sum(same_sentence_pairs), sum(same_token_pairs) "
-                                   "FROM run_chance WHERE run_id = :r"), {"r": run_id}).one()
-        heads = conn.execute(text("SELECT layer, head, sum(same_sentence_high) FROM head_stats WHERE run_id = :r "
-                                  "GROUP BY ALL ORDER BY layer, head"), {"r": run_id}).all()
+        chance = conn.execute(
+            text(
+                "SELECT sum(windows), sum(pairs), sum(same_sentence_pairs), sum(same_token_pairs) "
+                "FROM run_chance WHERE run_id = :r"
+            ),
+            {"r": run_id},
+        ).one()
+        heads = conn.execute(
+            text(
+                "SELECT layer, head, sum(same_sentence_high) FROM head_stats WHERE run_id = :r "
+                "GROUP BY ALL ORDER BY layer, head"
+            ),
+            {"r": run_id},
+        ).all()
     return key, [int(c) for c in chance], [int(h[2]) for h in heads]
 
 
@@ -287,8 +318,11 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
     params = AnalysisParams(sentences="segmenter", seq_len=32)
     embedded = list(iter_batches(str(small_corpus), tiny_model, params, tokens, batch_size=4))
-    queued = list(batch_payloads(str(small_corpus), tiny_model, params, model="random:tiny", dtype="float32",
-                                 batch_size=4, database_id=""))
+    queued = list(
+        batch_payloads(
+            str(small_corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=4, database_id=""
+        )
+    )
     assert len(queued) == len(embedded) > 2
     for (batch, docs, _consumed), (_batch_id, _n, payload) in zip(embedded, queued):
         message = json.loads(json.dumps(payload))  # what the worker receives
@@ -301,8 +335,19 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
         assert worker.chance == here.chance
         assert (worker.heads["same_sentence_high"] == here.heads["same_sentence_high"]).all()
     # punct messages are as before: four fields per window
-    punct = next(iter(batch_payloads(str(small_corpus), tiny_model, AnalysisParams(sentences="punct", seq_len=32), database_id="",
-                                     model="random:tiny", dtype="float32", batch_size=4)))[2]
+    punct = next(
+        iter(
+            batch_payloads(
+                str(small_corpus),
+                tiny_model,
+                AnalysisParams(sentences="punct", seq_len=32),
+                database_id="",
+                model="random:tiny",
+                dtype="float32",
+                batch_size=4,
+            )
+        )
+    )[2]
     assert {len(row) for row in punct["windows"]} == {4}
 
 
@@ -325,9 +370,12 @@ def test_a_stray_apostrophe_does_not_glue_a_paragraph_into_one_sentence():
     from headatlas.service.sentences import sentence_starts
 
     middle = " ".join(f"Sentence number {i} ends here." for i in range(30))
-    text = ("The clip recalls the Beach Boys ' \"Surfer Girl\" and Presley's \"Jailhouse Rock\". " + middle
-            + " It also recalls the Beach Boys ' \"Surfer Girl\", among others.")
+    text = (
+        'The clip recalls the Beach Boys \' "Surfer Girl" and Presley\'s "Jailhouse Rock". '
+        + middle
+        + ' It also recalls the Beach Boys \' "Surfer Girl", among others.'
+    )
     starts = sentence_starts(text)
     assert len(starts) == 32
-    assert text[starts[1]:].startswith("Sentence number 0 ends here.")
-    assert text[starts[-1]:].startswith("It also recalls")
+    assert text[starts[1] :].startswith("Sentence number 0 ends here.")
+    assert text[starts[-1] :].startswith("It also recalls")

@@ -19,8 +19,14 @@ from headatlas.service.stats import (
 from headatlas.service.windows import TokenClasses
 
 CLS, SEP, PAD, DOT, COMMA, A, B = 101, 102, 0, 1012, 1010, 1037, 1038
-TOKENS = TokenClasses(cls_id=CLS, sep_id=SEP, pad_id=PAD, special_ids=frozenset({CLS, SEP, PAD}),
-                      sentence_end_ids=frozenset({DOT}), punct_ids=frozenset({DOT, COMMA}))
+TOKENS = TokenClasses(
+    cls_id=CLS,
+    sep_id=SEP,
+    pad_id=PAD,
+    special_ids=frozenset({CLS, SEP, PAD}),
+    sentence_end_ids=frozenset({DOT}),
+    punct_ids=frozenset({DOT, COMMA}),
+)
 
 # One window: [CLS] a . a b [SEP]  → sentence ids -1 0 0 1 1 -1
 IDS = torch.tensor([[CLS, A, DOT, A, B, SEP]])
@@ -29,14 +35,17 @@ MASK = torch.ones_like(IDS)
 # (1,2)=0 (1,3)=2 (1,4)=1 (2,3)=0 (2,4)=1 (3,4)=2 ; sum over P = 6
 Z = torch.tensor([[5.0, 5.0], [1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [1.0, 1.0], [9.0, 9.0]], dtype=torch.float64)
 # Attention rows (queries), each sums to 1.
-ATTN = torch.tensor([
-    [1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-    [0.1, 0.2, 0.1, 0.5, 0.1, 0.0],
-    [0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
-    [0.0, 0.0, 0.3, 0.6, 0.1, 0.0],
-    [0.0, 0.2, 0.0, 0.4, 0.4, 0.0],
-    [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
-], dtype=torch.float64)
+ATTN = torch.tensor(
+    [
+        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.1, 0.2, 0.1, 0.5, 0.1, 0.0],
+        [0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.3, 0.6, 0.1, 0.0],
+        [0.0, 0.2, 0.0, 0.4, 0.4, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    ],
+    dtype=torch.float64,
+)
 
 
 def _stats(ids, mask, z, attn, select="top:0.5", gate=2.0, heads=1):

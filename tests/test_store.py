@@ -18,8 +18,10 @@ from headatlas.service.windows import TokenClasses
 def counts(path) -> dict[str, int]:
     con = duckdb.connect(str(path), read_only=True)
     try:
-        return {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                for t in ("runs", "batches", "run_windows", "head_stats", "dist_hist", "anchors", "run_chance")}
+        return {
+            t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            for t in ("runs", "batches", "run_windows", "head_stats", "dist_hist", "anchors", "run_chance")
+        }
     finally:
         con.close()
 
@@ -33,16 +35,26 @@ def store(tmp_path):
 
 def _results(model, corpus, params=AnalysisParams(), batch_size=4):
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
-    return [analyze_batch(model, b, params, tokens, documents=d)
-            for b, d, _ in iter_batches(str(corpus), model, params, tokens, batch_size=batch_size)]
+    return [
+        analyze_batch(model, b, params, tokens, documents=d)
+        for b, d, _ in iter_batches(str(corpus), model, params, tokens, batch_size=batch_size)
+    ]
 
 
 def _run(store, model, corpus, params=AnalysisParams()):
     summary = survey_corpus(str(corpus))
     from headatlas.service.runner import run_key
-    run, _ = store.find_or_create_run(run_key=run_key(summary.fingerprint, model, params), name="t", corpus=str(corpus),
-                                      corpus_fingerprint=summary.fingerprint, model=model.describe(),
-                                      params=params.to_dict(), engine="embedded", device="cpu")
+
+    run, _ = store.find_or_create_run(
+        run_key=run_key(summary.fingerprint, model, params),
+        name="t",
+        corpus=str(corpus),
+        corpus_fingerprint=summary.fingerprint,
+        model=model.describe(),
+        params=params.to_dict(),
+        engine="embedded",
+        device="cpu",
+    )
     return run
 
 
@@ -89,8 +101,11 @@ def test_views_derive_spec_measures_from_sums(store, tiny_model, small_corpus):
     pairs = sum(r.chance["pairs"] for r in results)
     same_pairs = sum(r.chance["same_sentence_pairs"] for r in results)
     con = duckdb.connect(str(store.path), read_only=True)
-    rows = con.execute("SELECT layer, head, within_sentence, within_sentence_chance, mean_distance, short_range_share "
-                       "FROM head_metrics WHERE run_id = ? ORDER BY layer, head", [run.run_id]).fetchall()
+    rows = con.execute(
+        "SELECT layer, head, within_sentence, within_sentence_chance, mean_distance, short_range_share "
+        "FROM head_metrics WHERE run_id = ? ORDER BY layer, head",
+        [run.run_id],
+    ).fetchall()
     con.close()
     assert len(rows) == tiny_model.n_layers * tiny_model.n_heads
     d = np.arange(dist.shape[2])
@@ -112,19 +127,28 @@ def test_embedded_run_resumes_without_double_counting(tmp_path, tiny_model, smal
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        analyze_corpus(str(small_corpus), store=store, model=tiny_model, params=AnalysisParams(), corpus=summary,
-                       batch_size=4, progress=stop_after_two)
+        analyze_corpus(
+            str(small_corpus),
+            store=store,
+            model=tiny_model,
+            params=AnalysisParams(),
+            corpus=summary,
+            batch_size=4,
+            progress=stop_after_two,
+        )
     partial = counts(store.path)
     assert store.get_run().status == "interrupted"
     assert 0 < partial["run_windows"]
-    run = analyze_corpus(str(small_corpus), store=store, model=tiny_model, params=AnalysisParams(), corpus=summary,
-                         batch_size=4)
+    run = analyze_corpus(
+        str(small_corpus), store=store, model=tiny_model, params=AnalysisParams(), corpus=summary, batch_size=4
+    )
     assert run.status == "done"
     resumed = counts(store.path)
     # a fresh run in another database gives identical totals
     fresh_store = Store(tmp_path / "f.duckdb")
-    analyze_corpus(str(small_corpus), store=fresh_store, model=tiny_model, params=AnalysisParams(), corpus=summary,
-                   batch_size=4)
+    analyze_corpus(
+        str(small_corpus), store=fresh_store, model=tiny_model, params=AnalysisParams(), corpus=summary, batch_size=4
+    )
     assert resumed["runs"] == 1
     assert resumed["run_windows"] == counts(fresh_store.path)["run_windows"]
     q = "SELECT layer, head, high_pairs, same_sentence_high, attended_high, round(sim_sum_all, 6) FROM head_totals ORDER BY 1, 2"
@@ -156,8 +180,14 @@ def test_compaction_keeps_every_view_value_and_the_ledger(store, tiny_model, sma
     results = _results(tiny_model, small_corpus)
     store.ingest(run.run_id, list(enumerate(results[:-1])))
     # the *_reps views hold the leave-one-group-out values the intervals are built from
-    views = ("head_metrics", "layer_metrics", "distance_totals", "pair_profile", "head_metrics_reps",
-             "layer_metrics_reps")
+    views = (
+        "head_metrics",
+        "layer_metrics",
+        "distance_totals",
+        "pair_profile",
+        "head_metrics_reps",
+        "layer_metrics_reps",
+    )
 
     def snapshot():
         con = duckdb.connect(str(store.path), read_only=True)
@@ -223,10 +253,22 @@ def test_a_document_repeated_in_the_corpus_is_counted_once(tmp_path, tiny_model,
     doubled.write_text(text + "\n\n" + first_doc + "\n", encoding="utf-8")
     summary = survey_corpus(str(doubled))
     assert summary.duplicates == 1
-    once = analyze_corpus(str(small_corpus), store=Store(tmp_path / "a.duckdb"), model=tiny_model,
-                          params=AnalysisParams(), corpus=survey_corpus(str(small_corpus)), batch_size=4)
-    twice = analyze_corpus(str(doubled), store=Store(tmp_path / "b.duckdb"), model=tiny_model,
-                           params=AnalysisParams(), corpus=summary, batch_size=4)
+    once = analyze_corpus(
+        str(small_corpus),
+        store=Store(tmp_path / "a.duckdb"),
+        model=tiny_model,
+        params=AnalysisParams(),
+        corpus=survey_corpus(str(small_corpus)),
+        batch_size=4,
+    )
+    twice = analyze_corpus(
+        str(doubled),
+        store=Store(tmp_path / "b.duckdb"),
+        model=tiny_model,
+        params=AnalysisParams(),
+        corpus=summary,
+        batch_size=4,
+    )
     assert once.status == twice.status == "done"
     assert counts(tmp_path / "a.duckdb")["run_windows"] == counts(tmp_path / "b.duckdb")["run_windows"]
 
@@ -237,8 +279,10 @@ def test_the_query_and_writer_paths_do_not_load_torch():
     import subprocess
     import sys
 
-    code = ("import sys, headatlas.cli.main, headatlas.service.storage.store, headatlas.service.queries, headatlas.workers.writer; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, headatlas.cli.main, headatlas.service.storage.store, headatlas.service.queries, headatlas.workers.writer; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

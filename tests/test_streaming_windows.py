@@ -21,8 +21,11 @@ def test_slices_give_the_windows_of_the_whole_text(real_model, demo_corpus):
     checked = 0
     for doc in iter_documents(str(demo_corpus)):
         sliced = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=50))
-        whole = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params,
-                                           slice_chars=len(doc.text) + 1))
+        whole = list(
+            iter_document_windows(
+                doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=len(doc.text) + 1
+            )
+        )
         assert sliced == whole
         expected = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
         assert [piece for w in sliced for piece in w.input_ids[1:-1]] == expected
@@ -39,9 +42,14 @@ def test_segmenter_slices_end_at_sentence_starts(real_model, demo_corpus):
     checked = 0
     for doc in iter_documents(str(demo_corpus)):
         assert len(doc.text) > 2_000  # several slices per document
-        sliced = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=1_000))
-        whole = list(iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params,
-                                           slice_chars=len(doc.text) + 1))
+        sliced = list(
+            iter_document_windows(doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=1_000)
+        )
+        whole = list(
+            iter_document_windows(
+                doc, tokenizer, tokens, real_model.tokenizer_key, params, slice_chars=len(doc.text) + 1
+            )
+        )
         assert sliced == whole
         checked += sum(max(w.sentence_ids) for w in sliced)
     assert checked > 100  # sentence breaks were compared, not only whole-window sentences
@@ -50,8 +58,16 @@ def test_segmenter_slices_end_at_sentence_starts(real_model, demo_corpus):
 def test_first_windowing_stops_after_one_window(real_model, demo_corpus):
     doc = next(iter(iter_documents(str(demo_corpus))))
     params = AnalysisParams(seq_len=16, windowing="first")
-    windows = list(iter_document_windows(doc, real_model.tokenizer, TokenClasses.from_tokenizer(real_model.tokenizer),
-                                         real_model.tokenizer_key, params, slice_chars=40))
+    windows = list(
+        iter_document_windows(
+            doc,
+            real_model.tokenizer,
+            TokenClasses.from_tokenizer(real_model.tokenizer),
+            real_model.tokenizer_key,
+            params,
+            slice_chars=40,
+        )
+    )
     assert len(windows) == 1 and len(windows[0].input_ids) == 16
 
 
@@ -81,8 +97,9 @@ def test_a_long_line_is_windowed_in_bounded_memory(tmp_path):
     line = " ".join(words[i % 6] for i in range(850_000))[:5_000_000]
     corpus = tmp_path / "line.txt"
     corpus.write_text(line + "\n", encoding="utf-8")
-    out = subprocess.run([sys.executable, "-c", PEAK, str(corpus)], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK, str(corpus)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     windows, grown_mb = (int(x) for x in out.stdout.split())
     assert windows > 5000

@@ -6,8 +6,8 @@ from __future__ import annotations
 import base64
 
 import pytest
-
 from queue_support import any_redis, make_corpus, stored, tmpdir
+
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 
@@ -30,8 +30,9 @@ def _results(corpus, model):
 
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
     out = []
-    for batch_id, _n, payload in batch_payloads(str(corpus), model, PARAMS, model="random:tiny", dtype="float32", batch_size=4,
-                                                 database_id=""):
+    for batch_id, _n, payload in batch_payloads(
+        str(corpus), model, PARAMS, model="random:tiny", dtype="float32", batch_size=4, database_id=""
+    ):
         windows = [Window.from_message(row) for row in payload["windows"]]
         result = analyze_batch(model, collate(windows, tokens.pad_id), PARAMS, tokens, documents=payload["documents"])
         out.append((batch_id, base64.b64encode(result.to_bytes()).decode()))
@@ -39,14 +40,26 @@ def _results(corpus, model):
 
 
 def _describe(ledger, key, model, corpus, results):
-    ledger.put_run(key, {
-        "run_key": key, "name": f"writer-{key}", "corpus": str(corpus), "corpus_fingerprint": key,
-        "model": model.describe(), "params": PARAMS.to_dict(), "device": None, "batch_size": 4,
-        "batches": len(results), "windows": None,
-    })
+    ledger.put_run(
+        key,
+        {
+            "run_key": key,
+            "name": f"writer-{key}",
+            "corpus": str(corpus),
+            "corpus_fingerprint": key,
+            "model": model.describe(),
+            "params": PARAMS.to_dict(),
+            "device": None,
+            "batch_size": 4,
+            "batches": len(results),
+            "windows": None,
+        },
+    )
 
 
-def test_a_group_in_one_step_duplicates_counted_once_and_taken_messages_recovered(setting, tiny_model, demo_corpus, tmp_path):
+def test_a_group_in_one_step_duplicates_counted_once_and_taken_messages_recovered(
+    setting, tiny_model, demo_corpus, tmp_path
+):
     from headatlas.workers.ledger import INGEST, PROCESSING
     from headatlas.workers.writer import Writer
 

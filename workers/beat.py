@@ -80,25 +80,43 @@ def fire(settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str 
         for doc in iter_documents(sched.corpus):
             if doc.doc_id not in seen:
                 new.setdefault(doc.doc_id, doc.text)
-    if not schedule_store.claim(settings.db, sched.schedule_id, fire_time, kind=kind,
-                                doc_ids=list(new) if new is not None else None):
+    if not schedule_store.claim(
+        settings.db, sched.schedule_id, fire_time, kind=kind, doc_ids=list(new) if new is not None else None
+    ):
         return Fired(False)
     run_name = f"{sched.name}-{fire_time:%Y%m%d-%H%M%S}"
     if new is not None:
         if not new:
-            schedule_store.finish_fire(settings.db, sched.schedule_id, fire_time, status="no_new_documents", documents=0)
+            schedule_store.finish_fire(
+                settings.db, sched.schedule_id, fire_time, status="no_new_documents", documents=0
+            )
             return Fired(True, "no_new_documents", documents=0)
         spec = str(_spool(spool_folder(settings, sched.name) / f"{fire_time:%Y%m%d-%H%M%S}.jsonl", new.values()))
     try:
         params = AnalysisParams.from_dict(sched.params)
-        sub = submit(spec, settings=settings, model=sched.model, dtype=sched.dtype, params=params,
-                     batch_size=sched.batch_size, name=run_name, writer_wait_s=0.0)
+        sub = submit(
+            spec,
+            settings=settings,
+            model=sched.model,
+            dtype=sched.dtype,
+            params=params,
+            batch_size=sched.batch_size,
+            name=run_name,
+            writer_wait_s=0.0,
+        )
     except HeadatlasError as exc:
         schedule_store.finish_fire(settings.db, sched.schedule_id, fire_time, status="error", error=str(exc))
         return Fired(True, "error", error=str(exc))
     documents = len(new) if new is not None else None
-    schedule_store.finish_fire(settings.db, sched.schedule_id, fire_time, status="submitted", run_key=sub.run_key,
-                               run_name=sub.name, documents=documents)
+    schedule_store.finish_fire(
+        settings.db,
+        sched.schedule_id,
+        fire_time,
+        status="submitted",
+        run_key=sub.run_key,
+        run_name=sub.name,
+        documents=documents,
+    )
     return Fired(True, "submitted", sub.name, documents)
 
 
@@ -165,8 +183,13 @@ class Beat:
                 self.read_stamp, self.read_at = stamp, time.monotonic()
             except StoreBusy:
                 pass  # another process holds the file: fire from the last read; the claim checks it
-        due = [(s, t) for s in self.schedules if s.enabled and (t := due_fire(s.cadence, s.next_fire, now())) is not None
-               and t > self.started.get(s.schedule_id, datetime.min)]
+        due = [
+            (s, t)
+            for s in self.schedules
+            if s.enabled
+            and (t := due_fire(s.cadence, s.next_fire, now())) is not None
+            and t > self.started.get(s.schedule_id, datetime.min)
+        ]
         if not due:
             return 0
         connect(self.settings.broker_url)  # Redis away: leave the fires due rather than claim and fail them
@@ -192,8 +215,13 @@ class Beat:
             log.exception("schedule %s, fire %s failed", sched.name, fire_time)
             return
         if result.claimed:
-            log.info("schedule %s fired for %s: %s %s", sched.name, fire_time, result.status,
-                     result.run_name or result.error or "")
+            log.info(
+                "schedule %s fired for %s: %s %s",
+                sched.name,
+                fire_time,
+                result.status,
+                result.run_name or result.error or "",
+            )
 
     def _stop(self, _signum, _frame) -> None:
         self.stopping = True

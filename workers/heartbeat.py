@@ -32,7 +32,7 @@ class BatchHeartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{batch_id}", daemon=True)
 
-    def __enter__(self) -> "BatchHeartbeat":
+    def __enter__(self) -> BatchHeartbeat:
         self._thread.start()
         return self
 

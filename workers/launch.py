@@ -39,8 +39,19 @@ def run_worker(*, queues: str, concurrency: int | None, device: str, loglevel: s
         os.environ["HEADATLAS_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     from headatlas.workers.app import app
 
-    app.worker_main(["worker", "-Q", queues, *pool, "-n", f"analysis-{os.getpid()}@{socket.gethostname()}",
-                     "-l", loglevel, *WORKER_FLAGS])
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            queues,
+            *pool,
+            "-n",
+            f"analysis-{os.getpid()}@{socket.gethostname()}",
+            "-l",
+            loglevel,
+            *WORKER_FLAGS,
+        ]
+    )
 
 
 def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
@@ -48,9 +59,25 @@ def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
     children = []
     for index in range(gpus):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index), HEADATLAS_DEVICE="cuda:0")
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", "headatlas.cli.main", "worker", "--queues", queues, "--concurrency", "1",
-             "--device", "cuda:0", "--loglevel", loglevel], env=env))
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "headatlas.cli.main",
+                    "worker",
+                    "--queues",
+                    queues,
+                    "--concurrency",
+                    "1",
+                    "--device",
+                    "cuda:0",
+                    "--loglevel",
+                    loglevel,
+                ],
+                env=env,
+            )
+        )
 
     def forward(signum, _frame):
         for child in children:

@@ -71,8 +71,9 @@ def holder(client: redis.Redis) -> tuple[Holder | None, bytes | None]:
     if raw is None:
         return None, None
     data = json.loads(raw)
-    return Holder(data["db"], data.get("database_id"), data["host"], int(data["pid"]), float(data["beat"]),
-                  data["token"]), raw
+    return Holder(
+        data["db"], data.get("database_id"), data["host"], int(data["pid"]), float(data["beat"]), data["token"]
+    ), raw
 
 
 class WriterLease:
@@ -82,8 +83,16 @@ class WriterLease:
         self.database_id: str | None = None
 
     def _value(self) -> str:
-        return json.dumps({"db": self.db, "database_id": self.database_id, "host": socket.gethostname(),
-                           "pid": os.getpid(), "beat": time.time(), "token": self.token})
+        return json.dumps(
+            {
+                "db": self.db,
+                "database_id": self.database_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "beat": time.time(),
+                "token": self.token,
+            }
+        )
 
     def acquire(self) -> None:
         """Take the ingest queue, or raise WriterConflict naming the writer that holds it."""
@@ -108,13 +117,18 @@ class WriterLease:
     def set_database(self, database_id: str) -> None:
         self.database_id = database_id
         if not self.refresh():
-            raise WriterConflict(f"this writer lost the ingest queue of {self.broker_url} while opening {self.db}: "
-                                 "another writer took it; stop one of them")
+            raise WriterConflict(
+                f"this writer lost the ingest queue of {self.broker_url} while opening {self.db}: "
+                "another writer took it; stop one of them"
+            )
 
     def refresh(self) -> bool:
         """False when the lease is no longer ours."""
-        return bool(self.r.eval(_REFRESH, 1, LEASE, self.token, f"{time.time():.3f}", self.database_id or "",
-                                int(SILENT_S * 1000)))
+        return bool(
+            self.r.eval(
+                _REFRESH, 1, LEASE, self.token, f"{time.time():.3f}", self.database_id or "", int(SILENT_S * 1000)
+            )
+        )
 
     def release(self) -> None:
         self.r.eval(_RELEASE, 1, LEASE, self.token)

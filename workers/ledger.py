@@ -170,8 +170,10 @@ class Ledger:
 
     def set_run_status(self, run_key: str, status: str, *, done: int, failed: int, windows: int) -> None:
         """What the database holds for the run, as the writer read it after committing."""
-        self.r.hset(self.key("run", run_key), mapping={"status": status, "stored": done, "failed_stored": failed,
-                                                        "windows_done": windows})
+        self.r.hset(
+            self.key("run", run_key),
+            mapping={"status": status, "stored": done, "failed_stored": failed, "windows_done": windows},
+        )
 
     def run_status(self, run_key: str) -> str | None:
         raw = self.r.hget(self.key("run", run_key), "status")
@@ -194,15 +196,33 @@ class Ledger:
 
     def beat(self, run_key: str, batch_id: int, worker: str, ttl_s: float) -> bool:
         """Refresh the heartbeat of a batch this worker runs; False when it is no longer its own."""
-        return bool(self.r.eval(_BEAT, 2, self.key("running", run_key), self.key("alive", f"{run_key}:{batch_id}"),
-                                batch_id, worker, f"{time.time():.3f}", max(1, round(ttl_s))))
+        return bool(
+            self.r.eval(
+                _BEAT,
+                2,
+                self.key("running", run_key),
+                self.key("alive", f"{run_key}:{batch_id}"),
+                batch_id,
+                worker,
+                f"{time.time():.3f}",
+                max(1, round(ttl_s)),
+            )
+        )
 
     def running(self, run_key: str) -> list[Running]:
         out = []
         for batch_id, raw in self.r.hgetall(self.key("running", run_key)).items():
             entry = json.loads(raw)
-            out.append(Running(int(batch_id), entry["worker"], entry.get("task", ""), float(entry["started"]),
-                               float(entry["beat"]), raw))
+            out.append(
+                Running(
+                    int(batch_id),
+                    entry["worker"],
+                    entry.get("task", ""),
+                    float(entry["started"]),
+                    float(entry["beat"]),
+                    raw,
+                )
+            )
         return sorted(out, key=lambda e: e.batch_id)
 
     def silent(self, run_key: str) -> list[Running]:
@@ -218,8 +238,18 @@ class Ledger:
     def declare_lost(self, run_key: str, entry: Running) -> bool:
         """Move a silent batch from running to lost, unless it beat or changed meanwhile."""
         record = json.dumps({"worker": entry.worker, "beat": entry.beat, "requeued": time.time()})
-        return bool(self.r.eval(_LOSE, 3, self.key("running", run_key), self.key("alive", f"{run_key}:{entry.batch_id}"),
-                                self.key("lost", run_key), entry.batch_id, entry.raw, record))
+        return bool(
+            self.r.eval(
+                _LOSE,
+                3,
+                self.key("running", run_key),
+                self.key("alive", f"{run_key}:{entry.batch_id}"),
+                self.key("lost", run_key),
+                entry.batch_id,
+                entry.raw,
+                record,
+            )
+        )
 
     def lost(self, run_key: str) -> dict[int, dict]:
         """Batches requeued because their worker was lost (until they are stored):
@@ -239,8 +269,18 @@ class Ledger:
     def analysed(self, run_key: str, batch_id: int, payload: str) -> None:
         """The result goes to the writer and the batch stops running, atomically."""
         pipe = self.r.pipeline()  # MULTI/EXEC
-        pipe.rpush(INGEST, json.dumps({"kind": "ingest", "database_id": self.database_id, "run_key": run_key,
-                                       "batch_id": batch_id, "payload": payload}))
+        pipe.rpush(
+            INGEST,
+            json.dumps(
+                {
+                    "kind": "ingest",
+                    "database_id": self.database_id,
+                    "run_key": run_key,
+                    "batch_id": batch_id,
+                    "payload": payload,
+                }
+            ),
+        )
         pipe.hdel(self.key("running", run_key), batch_id)
         pipe.delete(self.key("alive", f"{run_key}:{batch_id}"))
         pipe.sadd(self.key("ingesting", run_key), batch_id)
@@ -303,4 +343,6 @@ class Ledger:
 
     # --- the writer's current work (for status, and for tests that stop it mid-ingest) --------
     def writer_state(self, state: str, **fields) -> None:
-        self.r.hset(WRITER, mapping={"state": state, "since": f"{time.time():.3f}", **{k: str(v) for k, v in fields.items()}})
+        self.r.hset(
+            WRITER, mapping={"state": state, "since": f"{time.time():.3f}", **{k: str(v) for k, v in fields.items()}}
+        )

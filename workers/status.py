@@ -33,7 +33,7 @@ class RunStatus:
     error: str | None
     backlog: int | None = None  # messages waiting for the writer, all runs
     errors: list[tuple[int, int, str]] = field(default_factory=list)
-    lost: list["LostInfo"] = field(default_factory=list)
+    lost: list[LostInfo] = field(default_factory=list)
 
     def record(self) -> dict:
         """The status as one record with named fields (--format json/csv); numbers stay numbers,
@@ -105,8 +105,10 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
             silent = ledger.silent(run.run_key)
             running = live.running - len(silent)
             lost = [LostInfo(e.batch_id, e.worker, t - e.beat, False) for e in silent]
-            lost += [LostInfo(b, x["worker"], t - float(x["beat"]), True)
-                     for b, x in sorted(ledger.lost(run.run_key).items())]
+            lost += [
+                LostInfo(b, x["worker"], t - float(x["beat"]), True)
+                for b, x in sorted(ledger.lost(run.run_key).items())
+            ]
     pending = None
     if batches is not None:
         pending = max(0, batches - prog.done - prog.failed - (running or 0) - (ingesting or 0))
@@ -118,9 +120,23 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
         if rate and windows is not None and run.status == "running":
             eta = max(0.0, (windows - prog.windows_done) / rate)
     return RunStatus(
-        run_id=run.run_id, name=run.name, status=run.status, batches=batches, done=prog.done, failed=prog.failed,
-        running=running, ingesting=ingesting, pending=pending, windows_done=prog.windows_done, windows=windows,
-        windows_per_s=rate, eta_s=eta, error=run.error, backlog=backlog, errors=prog.errors, lost=lost,
+        run_id=run.run_id,
+        name=run.name,
+        status=run.status,
+        batches=batches,
+        done=prog.done,
+        failed=prog.failed,
+        running=running,
+        ingesting=ingesting,
+        pending=pending,
+        windows_done=prog.windows_done,
+        windows=windows,
+        windows_per_s=rate,
+        eta_s=eta,
+        error=run.error,
+        backlog=backlog,
+        errors=prog.errors,
+        lost=lost,
     )
 
 

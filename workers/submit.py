@@ -11,9 +11,9 @@ writer last reported it) or when it is in flight for this database.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from headatlas.service.config import Settings
 from headatlas.service.errors import CorpusError, StoreError
@@ -66,7 +66,9 @@ def submit(
     loaded = load_model_info(model)  # the tokenizer, config and weights' identity: no weights loaded
     key = run_key(summary.fingerprint, loaded, params)
     if expect_key is not None and key != expect_key:
-        raise CorpusError(f"{spec} changed since the run was submitted: its batches cannot be re-made; submit it as a new run")
+        raise CorpusError(
+            f"{spec} changed since the run was submitted: its batches cannot be re-made; submit it as a new run"
+        )
     readable = Path(settings.db).is_file()
     stored_run, plan, stored_done = _stored_state(settings.db, key)
     if stored_run is not None and stored_run.engine != "queue" and stored_run.status != "done":
@@ -76,15 +78,34 @@ def submit(
         )
     run_name = stored_run.name if stored_run else (name or f"{_short_name(spec)}-{key[:6]}")
     if stored_run is not None and stored_run.status == "done" and only is None:
-        return Submission(key, run_name, plan.batch_size if plan else batch_size, plan.batches if plan else 0,
-                          plan.windows if plan else 0, 0, 0, ledger.database_id, stored_run.run_id, "done")
+        return Submission(
+            key,
+            run_name,
+            plan.batch_size if plan else batch_size,
+            plan.batches if plan else 0,
+            plan.windows if plan else 0,
+            0,
+            0,
+            ledger.database_id,
+            stored_run.run_id,
+            "done",
+        )
     size = plan.batch_size if plan else ledger.claim_batch_size(key, batch_size)
     if size != batch_size:
-        log(f"run {run_name} was first submitted with --batch-size {size}: keeping it, so batch ids name the same windows")
+        log(
+            f"run {run_name} was first submitted with --batch-size {size}: keeping it, so batch ids name the same windows"
+        )
     meta = {
-        "run_key": key, "name": run_name, "corpus": str(Path(spec).resolve()) if Path(spec).exists() else spec,
-        "corpus_fingerprint": summary.fingerprint, "model": loaded.describe(), "params": params.to_dict(),
-        "device": None, "batch_size": size, "batches": None, "windows": None,
+        "run_key": key,
+        "name": run_name,
+        "corpus": str(Path(spec).resolve()) if Path(spec).exists() else spec,
+        "corpus_fingerprint": summary.fingerprint,
+        "model": loaded.describe(),
+        "params": params.to_dict(),
+        "device": None,
+        "batch_size": size,
+        "batches": None,
+        "windows": None,
     }
     ledger.put_run(key, meta)  # before any message: the writer creates the run from it
     if readable:
@@ -98,16 +119,24 @@ def submit(
     sent: list[int] = []
     with app.producer_or_acquire() as producer:
         for batch_id, n_windows, payload in batch_payloads(
-            spec, loaded, params, model=model, dtype=dtype, batch_size=size, database_id=ledger.database_id,
-            text_field=text_field, encoding=encoding,
+            spec,
+            loaded,
+            params,
+            model=model,
+            dtype=dtype,
+            batch_size=size,
+            database_id=ledger.database_id,
+            text_field=text_field,
+            encoding=encoding,
             wanted=lambda b: b not in skip and (only is None or b in only),
         ):
             batches += 1
             windows += n_windows
             if payload is None:
                 continue
-            app.send_task("headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE,
-                          producer=producer)
+            app.send_task(
+                "headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE, producer=producer
+            )
             sent.append(batch_id)
             queued += 1
             if len(sent) >= SEND_CHUNK:
@@ -122,9 +151,19 @@ def submit(
     return result
 
 
-def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dtype: str, batch_size: int,
-                   database_id: str, text_field: str = "text", encoding: str = "utf-8",
-                   wanted: Callable[[int], bool] = lambda _b: True):
+def batch_payloads(
+    spec: str,
+    loaded,
+    params: AnalysisParams,
+    *,
+    model: str,
+    dtype: str,
+    batch_size: int,
+    database_id: str,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    wanted: Callable[[int], bool] = lambda _b: True,
+):
     """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
     engine, so both engines add up the same partial sums."""
@@ -132,14 +171,26 @@ def batch_payloads(spec: str, loaded, params: AnalysisParams, *, model: str, dty
     from headatlas.service.windows import TokenClasses
 
     tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
-    common = {"model": model, "dtype": dtype, "params": params.to_dict(), "tokenizer_key": loaded.tokenizer_key,
-              "weights_key": loaded.weights_key, "database_id": database_id}
-    batches = iter_batches(spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding)
+    common = {
+        "model": model,
+        "dtype": dtype,
+        "params": params.to_dict(),
+        "tokenizer_key": loaded.tokenizer_key,
+        "weights_key": loaded.weights_key,
+        "database_id": database_id,
+    }
+    batches = iter_batches(
+        spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding
+    )
     for batch_id, (batch, docs, _consumed) in enumerate(batches):
         payload = None
         if wanted(batch_id):
-            payload = dict(common, documents=docs, first_window=batch_id * batch_size,
-                           windows=[w.to_message() for w in batch.windows])
+            payload = dict(
+                common,
+                documents=docs,
+                first_window=batch_id * batch_size,
+                windows=[w.to_message() for w in batch.windows],
+            )
         yield batch_id, len(batch.windows), payload
 
 
@@ -171,7 +222,10 @@ def _stored_state(db: str, key: str):
         if run is None:
             return None, None, set()
         plan = plan_of(conn, run.run_id) if has_plans else None
-        done = {r[0] for r in conn.execute(
-            text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run.run_id}
-        )}
+        done = {
+            r[0]
+            for r in conn.execute(
+                text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run.run_id}
+            )
+        }
     return run, plan, done if plan is not None else set()

@@ -62,8 +62,11 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     from headatlas.workers.lease import SILENT_S
 
     if "database_id" not in batch:
-        log.warning("batch %s of run %s names no database (queued by an older headatlas): dropped; "
-                    "submit the corpus again", batch_id, run_key)
+        log.warning(
+            "batch %s of run %s names no database (queued by an older headatlas): dropped; submit the corpus again",
+            batch_id,
+            run_key,
+        )
         return
     ledger = _ledger(batch["database_id"])
     if ledger.is_finished(run_key, batch_id):
@@ -71,7 +74,9 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
     attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
     if attempt > SETTINGS.max_attempts:
-        error = ledger.last_error(run_key, batch_id) or "the worker was lost (killed, or out of memory) while analysing it"
+        error = (
+            ledger.last_error(run_key, batch_id) or "the worker was lost (killed, or out of memory) while analysing it"
+        )
         _give_up(ledger, run_key, batch_id, attempt - 1, error)
         return
     try:
@@ -86,7 +91,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         if attempt >= SETTINGS.max_attempts:
             _give_up(ledger, run_key, batch_id, attempt, error)
             return
-        raise self.retry(countdown=min(2 ** attempt, 30), exc=None)
+        raise self.retry(countdown=min(2**attempt, 30), exc=None)  # noqa: B904 - Celery's retry idiom
     ledger.analysed(run_key, batch_id, payload)
 
 
@@ -100,8 +105,12 @@ def _requeue_on_broker_loss():
 
     try:
         yield
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, kombu.exceptions.OperationalError,
-            ConnectionError) as exc:
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        kombu.exceptions.OperationalError,
+        ConnectionError,
+    ) as exc:
         raise Reject(f"broker unreachable ({exc}); requeued", requeue=True) from exc
 
 
@@ -128,8 +137,15 @@ def _analyse(model, batch: dict) -> str:
     mixing = 0
     if params.mixes:
         mixing = max(0, min(len(windows), params.attribution_windows - int(batch.get("first_window", 0))))
-    result = analyse(model, collate(windows, tokens.pad_id), params, tokens, documents=batch["documents"],
-                     mixing_windows=mixing, attribution_chunk=SETTINGS.attribution_chunk)
+    result = analyse(
+        model,
+        collate(windows, tokens.pad_id),
+        params,
+        tokens,
+        documents=batch["documents"],
+        mixing_windows=mixing,
+        attribution_chunk=SETTINGS.attribution_chunk,
+    )
     return base64.b64encode(result.to_bytes()).decode("ascii")
 
 

@@ -27,7 +27,9 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.config import Settings
 from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
-from headatlas.service.results import BatchResult  # numpy only: importing torch here cost seconds inside the first transaction
+from headatlas.service.results import (
+    BatchResult,
+)  # numpy only: importing torch here cost seconds inside the first transaction
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.store import Store, ingest_batches
 from headatlas.workers.heartbeat import requeue_lost
@@ -81,9 +83,14 @@ class Writer:
                     return
                 for lost in requeue_lost(self.ledger, self.settings.broker_url, options):
                     e = lost.entry
-                    log.warning("run %s batch %s: worker %s lost (no heartbeat for %.0f s); %s", lost.run_key,
-                                e.batch_id, e.worker, time.time() - e.beat,
-                                "requeued" if lost.requeued else "its pool had requeued it")
+                    log.warning(
+                        "run %s batch %s: worker %s lost (no heartbeat for %.0f s); %s",
+                        lost.run_key,
+                        e.batch_id,
+                        e.worker,
+                        time.time() - e.beat,
+                        "requeued" if lost.requeued else "its pool had requeued it",
+                    )
             except redis.RedisError as exc:
                 log.warning("lease and lost-worker sweep: broker unreachable (%s); retrying", exc)
             except Exception:  # noqa: BLE001 - the sweep must not stop the lease's heartbeat
@@ -103,8 +110,9 @@ class Writer:
             if not self.lost_lease:
                 self.lease.release()
         if self.lost_lease:
-            raise WriterConflict(f"another writer took the ingest queue of {self.settings.broker_url}: "
-                                 "run one writer per broker")
+            raise WriterConflict(
+                f"another writer took the ingest queue of {self.settings.broker_url}: run one writer per broker"
+            )
 
     def _loop(self) -> None:
         recovered = False
@@ -179,17 +187,27 @@ class Writer:
         """A message for another database (its writer was replaced): never stored here. Its
         database forgets it was in flight, so submitting there again queues the batch."""
         other = msg.get("database_id")
-        log.warning("dropped a %s message of run %s for database %s: this writer stores into %s (database %s)",
-                    msg["kind"], msg.get("run_key"), other, self.settings.db, self.database_id)
+        log.warning(
+            "dropped a %s message of run %s for database %s: this writer stores into %s (database %s)",
+            msg["kind"],
+            msg.get("run_key"),
+            other,
+            self.settings.db,
+            self.database_id,
+        )
         if not other:
             return
         ledger = Ledger(self.ledger.r, other)
         if msg["kind"] in ("ingest", "failed"):
             ledger.forget(msg["run_key"], msg["batch_id"])
         elif msg["kind"] == "open_run":
-            ledger.set_run_error(msg["run_key"], (
-                f"the writer on {self.settings.broker_url} now stores into {self.settings.db} (database "
-                f"{self.database_id[:8]}), not into database {other[:8]}: submit again"))
+            ledger.set_run_error(
+                msg["run_key"],
+                (
+                    f"the writer on {self.settings.broker_url} now stores into {self.settings.db} (database "
+                    f"{self.database_id[:8]}), not into database {other[:8]}: submit again"
+                ),
+            )
 
     def _open_run(self, run_key: str) -> None:
         self.ledger.writer_state("opening", run=run_key)
@@ -254,10 +272,11 @@ class Writer:
     def _publish(self, conn: Connection, run_key: str, run_id: int) -> None:
         self._announce(run_key, queue_store.summary(conn, run_id))
 
-    def _announce(self, run_key: str, summary: "queue_store.Summary") -> None:
+    def _announce(self, run_key: str, summary: queue_store.Summary) -> None:
         """What the database now holds for the run, for `submit --wait` and the sweep."""
-        self.ledger.set_run_status(run_key, summary.status, done=summary.done, failed=summary.failed,
-                                   windows=summary.windows)
+        self.ledger.set_run_status(
+            run_key, summary.status, done=summary.done, failed=summary.failed, windows=summary.windows
+        )
         if summary.status in ("done", "failed") and not self.ledger.in_flight(run_key):
             self.ledger.inactive(run_key)  # nothing of it runs any more: no need to sweep it
 
@@ -283,7 +302,9 @@ class Writer:
     def _apply(self, conn: Connection, msg: dict, run_id: int) -> tuple[bool | None, int]:
         """(failed?, windows newly counted); failed is None when nothing changed."""
         if msg["kind"] == "failed":
-            changed = queue_store.mark_failed(conn, run_id, msg["batch_id"], attempts=msg["attempts"], error=msg["error"])
+            changed = queue_store.mark_failed(
+                conn, run_id, msg["batch_id"], attempts=msg["attempts"], error=msg["error"]
+            )
             return (True if changed else None), 0
         result = BatchResult.from_bytes(base64.b64decode(msg["payload"]))
         try:

@@ -303,13 +303,31 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     for view in (
-        "layer_metrics", "anchor_distinctness", "anchor_counts", "head_metrics", "head_distance",
-        "chance_distance", "head_totals", "distance_totals", "pair_profile", "chance_totals",
+        "layer_metrics",
+        "anchor_distinctness",
+        "anchor_counts",
+        "head_metrics",
+        "head_distance",
+        "chance_distance",
+        "head_totals",
+        "distance_totals",
+        "pair_profile",
+        "chance_totals",
     ):
         op.execute(f"DROP VIEW IF EXISTS {view}")
     for table in (
-        "anchor_layers", "anchor_tokens", "anchors", "pair_hist", "dist_hist", "run_chance", "head_stats", "run_windows",
-        "batches", "windows", "documents", "runs",
+        "anchor_layers",
+        "anchor_tokens",
+        "anchors",
+        "pair_hist",
+        "dist_hist",
+        "run_chance",
+        "head_stats",
+        "run_windows",
+        "batches",
+        "windows",
+        "documents",
+        "runs",
     ):
         op.execute(f"DROP TABLE IF EXISTS {table}")
     op.execute("DROP SEQUENCE IF EXISTS run_id_seq")

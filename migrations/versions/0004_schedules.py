@@ -71,6 +71,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for statement in ("DROP TABLE IF EXISTS schedule_documents", "DROP TABLE IF EXISTS schedule_fires",
-                      "DROP TABLE IF EXISTS schedules", "DROP SEQUENCE IF EXISTS schedule_id_seq"):
+    for statement in (
+        "DROP TABLE IF EXISTS schedule_documents",
+        "DROP TABLE IF EXISTS schedule_fires",
+        "DROP TABLE IF EXISTS schedules",
+        "DROP SEQUENCE IF EXISTS schedule_id_seq",
+    ):
         op.execute(statement)

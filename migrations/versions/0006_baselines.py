@@ -31,17 +31,45 @@ NEW_COLUMNS = {
 }
 
 OLD_VIEWS = (
-    "layer_metrics", "anchor_distinctness", "anchor_counts", "head_metrics", "head_distance",
-    "chance_distance", "head_totals", "distance_totals", "pair_profile", "chance_totals",
+    "layer_metrics",
+    "anchor_distinctness",
+    "anchor_counts",
+    "head_metrics",
+    "head_distance",
+    "chance_distance",
+    "head_totals",
+    "distance_totals",
+    "pair_profile",
+    "chance_totals",
 )
 
 HEAD_SUMS = (
-    "high_pairs", "sim_sum_all", "sim_sum_high", "same_sentence_high", "same_token_high", "attended_high",
-    "attn_to_cls", "attn_to_sep", "attn_to_punct", "attn_to_self", "attn_to_prev", "attn_to_next", "attn_entropy",
-    "same_word_high", "anchor_frequent", "anchored_windows",
+    "high_pairs",
+    "sim_sum_all",
+    "sim_sum_high",
+    "same_sentence_high",
+    "same_token_high",
+    "attended_high",
+    "attn_to_cls",
+    "attn_to_sep",
+    "attn_to_punct",
+    "attn_to_self",
+    "attn_to_prev",
+    "attn_to_next",
+    "attn_entropy",
+    "same_word_high",
+    "anchor_frequent",
+    "anchored_windows",
 )
-CHANCE_SUMS = ("windows", "pairs", "same_sentence_pairs", "same_token_pairs", "attn_rows", "same_word_pairs",
-               "punct_tokens")
+CHANCE_SUMS = (
+    "windows",
+    "pairs",
+    "same_sentence_pairs",
+    "same_token_pairs",
+    "attn_rows",
+    "same_word_pairs",
+    "punct_tokens",
+)
 
 
 def strict_sum(expr: str) -> str:
@@ -124,14 +152,25 @@ VIEWS = [
     WHERE run_id NOT IN (SELECT run_id FROM c WHERE rep IS NULL)
     """,
     replicated_view("chance_reps", "run_chance", ("run_id",), {c: c for c in CHANCE_SUMS}),
-    replicated_view("pair_reps", "pair_hist", ("run_id", "distance"), {
-        "pairs": "count", "same_sentence_pairs": "same_sentence", "same_token_pairs": "same_token",
-        "same_word_pairs": "same_word",
-    }),
+    replicated_view(
+        "pair_reps",
+        "pair_hist",
+        ("run_id", "distance"),
+        {
+            "pairs": "count",
+            "same_sentence_pairs": "same_sentence",
+            "same_token_pairs": "same_token",
+            "same_word_pairs": "same_word",
+        },
+    ),
     replicated_view("head_reps", "head_stats", ("run_id", "layer", "head"), {c: c for c in HEAD_SUMS}),
-    replicated_view("distance_reps", "dist_hist", ("run_id", "layer", "head", "distance"),
-                    {"high_pairs": "count", "attended_pairs": "attended"}),
-    f"""
+    replicated_view(
+        "distance_reps",
+        "dist_hist",
+        ("run_id", "layer", "head", "distance"),
+        {"high_pairs": "count", "attended_pairs": "attended"},
+    ),
+    """
     CREATE VIEW chance_distance_reps AS
     SELECT p.run_id, p.drop_rep,
            sum(p.distance * p.pairs) / nullif(sum(p.pairs), 0) AS mean_distance_chance,
@@ -228,9 +267,24 @@ VIEWS = [
 ]
 
 NEW_VIEWS = (
-    "anchor_distinctness", "anchor_counts", "layer_metrics", "head_metrics", "head_distance", "chance_distance",
-    "head_totals", "distance_totals", "pair_profile", "chance_totals", "layer_metrics_reps", "head_metrics_reps",
-    "head_distance_reps", "chance_distance_reps", "distance_reps", "head_reps", "pair_reps", "chance_reps",
+    "anchor_distinctness",
+    "anchor_counts",
+    "layer_metrics",
+    "head_metrics",
+    "head_distance",
+    "chance_distance",
+    "head_totals",
+    "distance_totals",
+    "pair_profile",
+    "chance_totals",
+    "layer_metrics_reps",
+    "head_metrics_reps",
+    "head_distance_reps",
+    "chance_distance_reps",
+    "distance_reps",
+    "head_reps",
+    "pair_reps",
+    "chance_reps",
     "run_reps",
 )
 

@@ -41,7 +41,9 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
         columns = [
             r[0]
             for r in conn.execute(
-                text("SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"),
+                text(
+                    "SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"
+                ),
                 {"t": table},
             )
         ]
@@ -50,12 +52,12 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
         if before == 0:
             report[table] = (0, 0)
             continue
-        select = ", ".join(
-            ["run_id", f"{COMPACTED} AS batch_id", *keys, *(f"{strict_sum(c)} AS {c}" for c in sums)]
-        )
+        select = ", ".join(["run_id", f"{COMPACTED} AS batch_id", *keys, *(f"{strict_sum(c)} AS {c}" for c in sums)])
         group = ", ".join(["run_id", *keys])
-        conn.execute(text(f"CREATE TEMP TABLE _compact AS SELECT {select} FROM {table} WHERE run_id = :r GROUP BY {group}"),
-                     {"r": run_id})
+        conn.execute(
+            text(f"CREATE TEMP TABLE _compact AS SELECT {select} FROM {table} WHERE run_id = :r GROUP BY {group}"),
+            {"r": run_id},
+        )
         conn.execute(text(f"DELETE FROM {table} WHERE run_id = :r"), {"r": run_id})
         conn.execute(text(f"INSERT INTO {table} BY NAME SELECT * FROM _compact"))
         after = conn.execute(text("SELECT count(*) FROM _compact")).all()[0][0]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
@@ -53,7 +53,7 @@ def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float
                 with conn.begin():
                     yield conn
             except Exception as exc:
-                raise dbfile.open_error(path, exc) or exc
+                raise dbfile.open_error(path, exc) or exc  # noqa: B904 - the error or its translation
     finally:
         engine.dispose()
 
@@ -74,8 +74,10 @@ def _connected(engine: Engine, path: str | Path, lock_wait_s: float) -> Iterator
                 return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise StoreBusy(f"{path} is busy: another process is writing to it and held its lock for more than "
-                            f"{lock_wait_s:g} s; retry when that process finishes")
+            raise StoreBusy(
+                f"{path} is busy: another process is writing to it and held its lock for more than "
+                f"{lock_wait_s:g} s; retry when that process finishes"
+            )
         time.sleep(min(delay, left))
         delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
@@ -88,7 +90,7 @@ def _connect(engine: Engine, path: str | Path, lock_wait_s: float) -> Connection
     except StoreBusy:
         return None
     except Exception as exc:
-        raise dbfile.open_error(path, exc) or exc
+        raise dbfile.open_error(path, exc) or exc  # noqa: B904 - the error or its translation
 
 
 @lru_cache(maxsize=1)
@@ -126,7 +128,9 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DatabaseFileError(f"cannot create the folder of {path} ({exc.strerror}); pass --db in a writable folder") from None
+        raise DatabaseFileError(
+            f"cannot create the folder of {path} ({exc.strerror}); pass --db in a writable folder"
+        ) from None
     check_headatlas_file(path)
     engine = make_engine(path)
     try:
@@ -147,8 +151,7 @@ def check_schema(conn: Connection, path: str | Path) -> None:
     current, head = current_revision(conn), head_revision()
     if current != head:
         raise StoreError(
-            f"database {path} has schema {current or 'none'}, this headatlas needs {head}: "
-            "run `headatlas db upgrade`"
+            f"database {path} has schema {current or 'none'}, this headatlas needs {head}: run `headatlas db upgrade`"
         )
 
 
@@ -168,7 +171,8 @@ def check_not_foreign(conn: Connection, path: str | Path) -> None:
     if current_revision(conn) is None and _has_tables(conn):
         raise DatabaseFileError(
             f"{path} is a DuckDB database of something else (tables but no headatlas schema): "
-            "pass another --db; headatlas reads and writes only its own databases")
+            "pass another --db; headatlas reads and writes only its own databases"
+        )
 
 
 def ensure_schema(path: str | Path) -> None:

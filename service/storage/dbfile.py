@@ -39,17 +39,20 @@ def check_file(path: str | Path, *, write: bool) -> None:
     if not path.exists():
         if not write:
             raise DatabaseFileError(
-                f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db")
+                f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db"
+            )
         folder = path.parent if str(path.parent) else Path(".")
         if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
-            raise DatabaseFileError(f"cannot create {path}: folder {folder} is read-only; pass --db in a writable folder")
+            raise DatabaseFileError(
+                f"cannot create {path}: folder {folder} is read-only; pass --db in a writable folder"
+            )
         return
     if not os.access(path, os.R_OK):
         raise DatabaseFileError(f"cannot read {path}: permission denied; fix its permissions or pass another --db")
     with path.open("rb") as stream:
         head = stream.read(_FIRST_BLOCK)
     size = path.stat().st_size  # for messages; the alignment check re-reads it
-    if head[MAGIC_OFFSET:MAGIC_OFFSET + len(MAGIC)] != MAGIC:
+    if head[MAGIC_OFFSET : MAGIC_OFFSET + len(MAGIC)] != MAGIC:
         what = "an empty file" if size == 0 else f"{size:,} bytes"
         raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header); {_REPLACE}")
     block = block_size(head) if len(head) == _FIRST_BLOCK else None
@@ -64,7 +67,8 @@ def check_file(path: str | Path, *, write: bool) -> None:
         if not os.access(folder, os.W_OK | os.X_OK):  # DuckDB writes its .wal next to the file
             raise DatabaseFileError(
                 f"{path} lies in read-only folder {folder}: DuckDB needs to write {path.name}.wal there; "
-                "make the folder writable or copy the database elsewhere")
+                "make the folder writable or copy the database elsewhere"
+            )
 
 
 def _settles_aligned(path: Path, block: int, *, wait_s: float = 1.0) -> bool:

@@ -29,13 +29,28 @@ def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
             n_layers = sums["to_self"].shape[0]
             layer, slot = np.meshgrid(np.arange(n_layers), np.arange(len(heads)), indexing="ij")
             n = layer.size
-            add(stats, run_id=np.full(n, run_id), batch_id=np.full(n, batch_id), method=np.full(n, method, dtype=object),
-                layer=layer, head=heads[slot], windows=np.full(n, res.mixing_windows),
-                rows=np.full(n, res.mixing_rows), **{k: sums[k] for k in MIX_SUMS})
+            add(
+                stats,
+                run_id=np.full(n, run_id),
+                batch_id=np.full(n, batch_id),
+                method=np.full(n, method, dtype=object),
+                layer=layer,
+                head=heads[slot],
+                windows=np.full(n, res.mixing_windows),
+                rows=np.full(n, res.mixing_rows),
+                **{k: sums[k] for k in MIX_SUMS},
+            )
             li, si, di = np.nonzero(sums["dist"])
-            add(dist, run_id=np.full(li.size, run_id), batch_id=np.full(li.size, batch_id),
-                method=np.full(li.size, method, dtype=object), layer=li, head=heads[si], distance=di,
-                mass=sums["dist"][li, si, di])
+            add(
+                dist,
+                run_id=np.full(li.size, run_id),
+                batch_id=np.full(li.size, batch_id),
+                method=np.full(li.size, method, dtype=object),
+                layer=li,
+                head=heads[si],
+                distance=di,
+                mass=sums["dist"][li, si, di],
+            )
     out = {}
     for name, columns in (("mixing_stats", stats), ("mixing_dist", dist)):
         if columns:

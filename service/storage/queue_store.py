@@ -47,14 +47,17 @@ class Summary:
 def summary(conn: Connection, run_id: int) -> Summary:
     status = conn.execute(text("SELECT status FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
     done, failed = _counts(conn, run_id)
-    windows = conn.execute(text("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'"),
-                           {"r": run_id}).scalar()
+    windows = conn.execute(
+        text("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id}
+    ).scalar()
     return Summary(status, done, failed, int(windows))
 
 
 def stored_batches(conn: Connection, run_id: int) -> set[int]:
-    return {r[0] for r in conn.execute(
-        text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id})}
+    return {
+        r[0]
+        for r in conn.execute(text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id})
+    }
 
 
 def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
@@ -71,16 +74,23 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
     batch_size, batches, windows. A run already planned keeps its plan.
     """
     run, _ = store.find_or_create_run(
-        run_key=meta["run_key"], name=meta["name"], corpus=meta["corpus"],
-        corpus_fingerprint=meta["corpus_fingerprint"], model=meta["model"], params=meta["params"],
-        engine="queue", device=meta.get("device"),
+        run_key=meta["run_key"],
+        name=meta["name"],
+        corpus=meta["corpus"],
+        corpus_fingerprint=meta["corpus_fingerprint"],
+        model=meta["model"],
+        params=meta["params"],
+        engine="queue",
+        device=meta.get("device"),
     )
     with store.write() as conn:
         plan = plan_of(conn, run.run_id)
         if plan is None:
             conn.execute(
-                text("INSERT INTO queue_plans (run_id, batch_size, batches, windows, submitted_at) "
-                     "VALUES (:r, :bs, :b, :w, :ts)"),
+                text(
+                    "INSERT INTO queue_plans (run_id, batch_size, batches, windows, submitted_at) "
+                    "VALUES (:r, :bs, :b, :w, :ts)"
+                ),
                 {"r": run.run_id, "bs": meta["batch_size"], "b": meta["batches"], "w": meta["windows"], "ts": now()},
             )
         elif plan.batches is None and meta.get("batches") is not None:
@@ -91,8 +101,10 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
         plan = plan_of(conn, run.run_id)
         if run.status in ("created", "interrupted"):
             conn.execute(
-                text("UPDATE runs SET status = 'running', started_at = coalesce(started_at, :ts), error = NULL "
-                     "WHERE run_id = :r"),
+                text(
+                    "UPDATE runs SET status = 'running', started_at = coalesce(started_at, :ts), error = NULL "
+                    "WHERE run_id = :r"
+                ),
                 {"ts": now(), "r": run.run_id},
             )
         finish_if_complete(conn, run.run_id)
@@ -115,9 +127,11 @@ def mark_failed(conn: Connection, run_id: int, batch_id: int, *, attempts: int, 
     if status == "done":
         return False
     conn.execute(
-        text("INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
-             "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
-             "status = 'failed', attempts = excluded.attempts, error = excluded.error"),
+        text(
+            "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
+            "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
+            "status = 'failed', attempts = excluded.attempts, error = excluded.error"
+        ),
         {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]},
     )
     return True
@@ -126,12 +140,17 @@ def mark_failed(conn: Connection, run_id: int, batch_id: int, *, attempts: int, 
 def reopen_failed(store: Store, run_id: int) -> list[int]:
     """Forget the failed batches of a run so they count as pending again; the run is running."""
     with store.write() as conn:
-        ids = [r[0] for r in conn.execute(
-            text("DELETE FROM batches WHERE run_id = :r AND status = 'failed' RETURNING batch_id"), {"r": run_id}
-        )]
+        ids = [
+            r[0]
+            for r in conn.execute(
+                text("DELETE FROM batches WHERE run_id = :r AND status = 'failed' RETURNING batch_id"), {"r": run_id}
+            )
+        ]
         conn.execute(
-            text("UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = :r "
-                 "AND status <> 'done'"),
+            text(
+                "UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = :r "
+                "AND status <> 'done'"
+            ),
             {"r": run_id},
         )
         return sorted(ids)
@@ -147,13 +166,18 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
     if done + failed < plan.batches:
         return
     if failed:
-        status, error = "failed", f"{failed} batch(es) failed: see `headatlas status {run_id}`, then `headatlas retry {run_id}`"
+        status, error = (
+            "failed",
+            f"{failed} batch(es) failed: see `headatlas status {run_id}`, then `headatlas retry {run_id}`",
+        )
     else:
         status, error = "done", None
     conn.execute(
-        text("UPDATE runs SET status = :s, error = :e, finished_at = :ts, "
-             "wall_s = epoch(CAST(:ts AS TIMESTAMP)) - epoch(coalesce(started_at, created_at)) "
-             "WHERE run_id = :r AND (status <> :s OR finished_at IS NULL)"),
+        text(
+            "UPDATE runs SET status = :s, error = :e, finished_at = :ts, "
+            "wall_s = epoch(CAST(:ts AS TIMESTAMP)) - epoch(coalesce(started_at, created_at)) "
+            "WHERE run_id = :r AND (status <> :s OR finished_at IS NULL)"
+        ),
         {"s": status, "e": error, "ts": now(), "r": run_id},
     )
     if status == "done":
@@ -165,11 +189,16 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
 def progress(conn: Connection, run_id: int, *, max_errors: int = 5) -> Progress:
     done, failed = _counts(conn, run_id)
     windows = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run_id}).scalar()
-    errors = [tuple(r) for r in conn.execute(
-        text("SELECT batch_id, attempts, error FROM batches WHERE run_id = :r AND status = 'failed' "
-             "ORDER BY batch_id LIMIT :n"),
-        {"r": run_id, "n": max_errors},
-    )]
+    errors = [
+        tuple(r)
+        for r in conn.execute(
+            text(
+                "SELECT batch_id, attempts, error FROM batches WHERE run_id = :r AND status = 'failed' "
+                "ORDER BY batch_id LIMIT :n"
+            ),
+            {"r": run_id, "n": max_errors},
+        )
+    ]
     return Progress(plan_of(conn, run_id), done, failed, int(windows), errors)
 
 
@@ -178,14 +207,18 @@ def run_and_plan(store: Store, ref: str | int | None) -> tuple[Run, Plan]:
         run = resolve_run(conn, ref)
         plan = plan_of(conn, run.run_id)
     if plan is None:
-        raise StoreError(f"run {run.run_id} ({run.name}) was not submitted to the queue: re-run `headatlas analyze` to resume it")
+        raise StoreError(
+            f"run {run.run_id} ({run.name}) was not submitted to the queue: re-run `headatlas analyze` to resume it"
+        )
     return run, plan
 
 
 def _counts(conn: Connection, run_id: int) -> tuple[int, int]:
     row = conn.execute(
-        text("SELECT count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'failed') "
-             "FROM batches WHERE run_id = :r"),
+        text(
+            "SELECT count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'failed') "
+            "FROM batches WHERE run_id = :r"
+        ),
         {"r": run_id},
     ).first()
     return int(row[0]), int(row[1])

@@ -116,9 +116,7 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
 
 
 @contextmanager
-def connect_readonly(
-    db_path: str | Path, *, lock_wait_s: float = 10.0
-) -> Iterator[duckdb.DuckDBPyConnection]:
+def connect_readonly(db_path: str | Path, *, lock_wait_s: float = 10.0) -> Iterator[duckdb.DuckDBPyConnection]:
     """Open the results database read-only and confined to that file; close it on exit."""
     from headatlas.service.storage import dbfile
 
@@ -131,7 +129,7 @@ def connect_readonly(
             what=f"the database {path}",
         )
     except duckdb.Error as error:
-        raise dbfile.open_error(path, error) or error
+        raise dbfile.open_error(path, error) or error  # noqa: B904 - the error or its translation
     try:
         yield connection
     finally:
@@ -175,8 +173,7 @@ def run_readonly_sql(
         except duckdb.Error as error:
             if deadline.fired:
                 raise StoreError(
-                    f"query stopped after {timeout_s:g} s (time limit); "
-                    "narrow it or pass --timeout"
+                    f"query stopped after {timeout_s:g} s (time limit); narrow it or pass --timeout"
                 ) from error
             raise StoreError(f"query failed: {_first_line(error)}") from error
         elapsed_s = time.perf_counter() - started

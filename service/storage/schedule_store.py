@@ -9,8 +9,8 @@ the same fire — a second beat process, a tick handled twice — a no-op.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,8 +21,10 @@ from headatlas.service.errors import ParameterError
 from headatlas.service.schedules import Cadence
 from headatlas.service.storage import db
 
-COLUMNS = ("schedule_id, name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
-           "only_new, anchor, last_fire, next_fire, created_at")
+COLUMNS = (
+    "schedule_id, name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
+    "only_new, anchor, last_fire, next_fire, created_at"
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Schedule:
     created_at: datetime
 
     @classmethod
-    def from_row(cls, row) -> "Schedule":
+    def from_row(cls, row) -> Schedule:
         data = dict(row._mapping)
         if isinstance(data["params"], str):
             data["params"] = json.loads(data["params"])
@@ -92,21 +94,47 @@ def all_schedules(conn: Connection) -> list[Schedule]:
     return [Schedule.from_row(r) for r in conn.execute(text(f"SELECT {COLUMNS} FROM schedules ORDER BY name"))]
 
 
-def add(path: str | Path, *, name: str, corpus: str, model: str, dtype: str, batch_size: int, params: dict,
-        cadence: Cadence, only_new: bool) -> Schedule:
+def add(
+    path: str | Path,
+    *,
+    name: str,
+    corpus: str,
+    model: str,
+    dtype: str,
+    batch_size: int,
+    params: dict,
+    cadence: Cadence,
+    only_new: bool,
+) -> Schedule:
     t = now().replace(microsecond=0)
     cadence = Cadence(cadence.cron, cadence.every_s, cadence.timezone, t)
     with _write(path) as conn:
         if conn.execute(text("SELECT count(*) FROM schedules WHERE name = :n"), {"n": name}).scalar():
-            raise ParameterError(f"a schedule named {name!r} exists: choose another name, or change it with "
-                                 f"`headatlas schedule edit {name}`")
-        row = conn.execute(text(
-            "INSERT INTO schedules (name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
-            "only_new, anchor, next_fire, created_at) VALUES (:name, :corpus, :model, :dtype, :bs, :params, :cron, "
-            f":every, :tz, true, :only_new, :anchor, :next, :anchor) RETURNING {COLUMNS}"
-        ), {"name": name, "corpus": corpus, "model": model, "dtype": dtype, "bs": batch_size,
-            "params": json.dumps(params), "cron": cadence.cron, "every": cadence.every_s, "tz": cadence.timezone,
-            "only_new": only_new, "anchor": t, "next": cadence.next_after(t)}).first()
+            raise ParameterError(
+                f"a schedule named {name!r} exists: choose another name, or change it with "
+                f"`headatlas schedule edit {name}`"
+            )
+        row = conn.execute(
+            text(
+                "INSERT INTO schedules (name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
+                "only_new, anchor, next_fire, created_at) VALUES (:name, :corpus, :model, :dtype, :bs, :params, :cron, "
+                f":every, :tz, true, :only_new, :anchor, :next, :anchor) RETURNING {COLUMNS}"
+            ),
+            {
+                "name": name,
+                "corpus": corpus,
+                "model": model,
+                "dtype": dtype,
+                "bs": batch_size,
+                "params": json.dumps(params),
+                "cron": cadence.cron,
+                "every": cadence.every_s,
+                "tz": cadence.timezone,
+                "only_new": only_new,
+                "anchor": t,
+                "next": cadence.next_after(t),
+            },
+        ).first()
         return Schedule.from_row(row)
 
 
@@ -125,9 +153,26 @@ def edit(path: str | Path, name: str, **changes) -> Schedule:
             t = now().replace(microsecond=0)
             fields["anchor"] = t
             fields["next_fire"] = Cadence(fields["cron"], fields["every_s"], fields["timezone"], t).next_after(t)
-        _update(conn, old.schedule_id, {k: fields[k] for k in (
-            "corpus", "model", "dtype", "batch_size", "params", "cron", "every_s", "timezone", "only_new", "anchor",
-            "next_fire")})
+        _update(
+            conn,
+            old.schedule_id,
+            {
+                k: fields[k]
+                for k in (
+                    "corpus",
+                    "model",
+                    "dtype",
+                    "batch_size",
+                    "params",
+                    "cron",
+                    "every_s",
+                    "timezone",
+                    "only_new",
+                    "anchor",
+                    "next_fire",
+                )
+            },
+        )
         return _get(conn, name)
 
 
@@ -156,12 +201,14 @@ def _update(conn: Connection, schedule_id: int, values: dict) -> None:
     if "params" in values and not isinstance(values["params"], str):
         values = dict(values, params=json.dumps(values["params"]))
     sets = ", ".join(f"{k} = :{k}" for k in values)
-    conn.execute(text(f"UPDATE schedules SET {sets} WHERE schedule_id = :schedule_id"),
-                 dict(values, schedule_id=schedule_id))
+    conn.execute(
+        text(f"UPDATE schedules SET {sets} WHERE schedule_id = :schedule_id"), dict(values, schedule_id=schedule_id)
+    )
 
 
-def claim(path: str | Path, schedule_id: int, fire_time: datetime, *, kind: str,
-          doc_ids: list[str] | None = None) -> bool:
+def claim(
+    path: str | Path, schedule_id: int, fire_time: datetime, *, kind: str, doc_ids: list[str] | None = None
+) -> bool:
     """Claim a fire: True when this caller owns it and must submit its run. A scheduled fire is
     claimed only while the schedule exists, is enabled and the fire is not older than its next
     fire (a beat process working from a stale read cannot fire a tick already passed);
@@ -173,10 +220,13 @@ def claim(path: str | Path, schedule_id: int, fire_time: datetime, *, kind: str,
         sched = Schedule.from_row(row)
         if kind == "scheduled" and (not sched.enabled or fire_time < sched.next_fire):
             return False
-        inserted = conn.execute(text(
-            "INSERT INTO schedule_fires (schedule_id, fire_time, kind, claimed_at, status) "
-            "VALUES (:s, :t, :kind, :now, 'claimed') ON CONFLICT DO NOTHING RETURNING fire_time"
-        ), {"s": schedule_id, "t": fire_time, "kind": kind, "now": now()}).first()
+        inserted = conn.execute(
+            text(
+                "INSERT INTO schedule_fires (schedule_id, fire_time, kind, claimed_at, status) "
+                "VALUES (:s, :t, :kind, :now, 'claimed') ON CONFLICT DO NOTHING RETURNING fire_time"
+            ),
+            {"s": schedule_id, "t": fire_time, "kind": kind, "now": now()},
+        ).first()
         if inserted is None:
             return False
         if doc_ids:
@@ -185,8 +235,10 @@ def claim(path: str | Path, schedule_id: int, fire_time: datetime, *, kind: str,
             raw = conn.connection.driver_connection
             raw.register("new_docs", pa.table({"doc_id": doc_ids}))
             try:
-                raw.execute("INSERT INTO schedule_documents SELECT ?, doc_id, ? FROM new_docs ON CONFLICT DO NOTHING",
-                            [schedule_id, fire_time])
+                raw.execute(
+                    "INSERT INTO schedule_documents SELECT ?, doc_id, ? FROM new_docs ON CONFLICT DO NOTHING",
+                    [schedule_id, fire_time],
+                )
             finally:
                 raw.unregister("new_docs")
         values = {"last_fire": max(fire_time, sched.last_fire or fire_time)}
@@ -196,27 +248,51 @@ def claim(path: str | Path, schedule_id: int, fire_time: datetime, *, kind: str,
         return True
 
 
-def finish_fire(path: str | Path, schedule_id: int, fire_time: datetime, *, status: str, run_key: str | None = None,
-                run_name: str | None = None, documents: int | None = None, error: str | None = None) -> None:
+def finish_fire(
+    path: str | Path,
+    schedule_id: int,
+    fire_time: datetime,
+    *,
+    status: str,
+    run_key: str | None = None,
+    run_name: str | None = None,
+    documents: int | None = None,
+    error: str | None = None,
+) -> None:
     with db.transaction(path) as conn:
-        conn.execute(text(
-            "UPDATE schedule_fires SET status = :status, run_key = :key, run_name = :name, documents = :docs, "
-            "error = :error WHERE schedule_id = :s AND fire_time = :t"
-        ), {"status": status, "key": run_key, "name": run_name, "docs": documents, "error": error,
-            "s": schedule_id, "t": fire_time})
+        conn.execute(
+            text(
+                "UPDATE schedule_fires SET status = :status, run_key = :key, run_name = :name, documents = :docs, "
+                "error = :error WHERE schedule_id = :s AND fire_time = :t"
+            ),
+            {
+                "status": status,
+                "key": run_key,
+                "name": run_name,
+                "docs": documents,
+                "error": error,
+                "s": schedule_id,
+                "t": fire_time,
+            },
+        )
 
 
 def seen_documents(conn: Connection, schedule_id: int) -> set[str]:
-    return {r[0] for r in conn.execute(text("SELECT doc_id FROM schedule_documents WHERE schedule_id = :s"),
-                                       {"s": schedule_id})}
+    return {
+        r[0]
+        for r in conn.execute(text("SELECT doc_id FROM schedule_documents WHERE schedule_id = :s"), {"s": schedule_id})
+    }
 
 
 def fires(conn: Connection, schedule_id: int) -> tuple[list[str], list[tuple]]:
     """A schedule's fires with their runs (the run's id and status once the writer created it)."""
-    result = conn.execute(text(
-        "SELECT f.fire_time, f.kind, f.status AS fire_status, f.documents, r.run_id, "
-        "coalesce(r.name, f.run_name) AS run, r.status AS run_status, f.error "
-        "FROM schedule_fires f LEFT JOIN runs r ON r.run_key = f.run_key "
-        "WHERE f.schedule_id = :s ORDER BY f.fire_time"
-    ), {"s": schedule_id})
+    result = conn.execute(
+        text(
+            "SELECT f.fire_time, f.kind, f.status AS fire_status, f.documents, r.run_id, "
+            "coalesce(r.name, f.run_name) AS run, r.status AS run_status, f.error "
+            "FROM schedule_fires f LEFT JOIN runs r ON r.run_key = f.run_key "
+            "WHERE f.schedule_id = :s ORDER BY f.fire_time"
+        ),
+        {"s": schedule_id},
+    )
     return list(result.keys()), [tuple(r) for r in result]

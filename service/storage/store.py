@@ -54,7 +54,7 @@ class Run:
     error: str | None
 
     @classmethod
-    def from_row(cls, row) -> "Run":
+    def from_row(cls, row) -> Run:
         data = dict(row._mapping)
         if isinstance(data["params"], str):
             data["params"] = json.loads(data["params"])
@@ -84,8 +84,18 @@ class Store:
         return _Checked(self)
 
     # --- runs -----------------------------------------------------------------------------
-    def find_or_create_run(self, *, run_key: str, name: str, corpus: str, corpus_fingerprint: str,
-                           model: dict, params: dict, engine: str, device: str | None) -> tuple[Run, bool]:
+    def find_or_create_run(
+        self,
+        *,
+        run_key: str,
+        name: str,
+        corpus: str,
+        corpus_fingerprint: str,
+        model: dict,
+        params: dict,
+        engine: str,
+        device: str | None,
+    ) -> tuple[Run, bool]:
         """The run with this key, or a new one. Returns (run, created)."""
         with self.write() as conn:
             row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
@@ -104,17 +114,35 @@ class Store:
                     f"RETURNING {RUN_COLUMNS}"
                 ),
                 {
-                    "run_key": run_key, "name": name, "corpus": corpus, "fp": corpus_fingerprint,
-                    "model": model["spec"], "model_name": model["name"], "n_layers": model["layers"],
-                    "n_heads": model["heads"], "d_head": model["d_head"], "params": json.dumps(params),
-                    "seq_len": params["seq_len"], "short_range": params["short_range"], "engine": engine,
-                    "device": device, "created_at": now(),
+                    "run_key": run_key,
+                    "name": name,
+                    "corpus": corpus,
+                    "fp": corpus_fingerprint,
+                    "model": model["spec"],
+                    "model_name": model["name"],
+                    "n_layers": model["layers"],
+                    "n_heads": model["heads"],
+                    "d_head": model["d_head"],
+                    "params": json.dumps(params),
+                    "seq_len": params["seq_len"],
+                    "short_range": params["short_range"],
+                    "engine": engine,
+                    "device": device,
+                    "created_at": now(),
                 },
             ).first()
             return Run.from_row(row), True
 
-    def set_status(self, run_id: int, status: str, *, error: str | None = None, started: bool = False,
-                   finished: bool = False, add_wall_s: float = 0.0) -> None:
+    def set_status(
+        self,
+        run_id: int,
+        status: str,
+        *,
+        error: str | None = None,
+        started: bool = False,
+        finished: bool = False,
+        add_wall_s: float = 0.0,
+    ) -> None:
         sets = ["status = :status", "error = :error", "wall_s = wall_s + :wall"]
         if started:
             sets.append("started_at = coalesce(started_at, :ts)")
@@ -132,11 +160,17 @@ class Store:
 
     def list_runs(self) -> list[dict]:
         with self.checked_read() as conn:
-            rows = conn.execute(text(
-                "SELECT r.run_id, r.name, r.status, r.model_name AS model, r.corpus, "
-                "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s, r.created_at, r.finished_at "
-                "FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
-            )).mappings().all()
+            rows = (
+                conn.execute(
+                    text(
+                        "SELECT r.run_id, r.name, r.status, r.model_name AS model, r.corpus, "
+                        "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s, r.created_at, r.finished_at "
+                        "FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
+                    )
+                )
+                .mappings()
+                .all()
+            )
             return [dict(r) for r in rows]
 
     def done_window_ids(self, run_id: int) -> set[str]:
@@ -146,9 +180,11 @@ class Store:
 
     def next_batch_id(self, run_id: int) -> int:
         with self.write() as conn:
-            return int(conn.execute(
-                text("SELECT coalesce(max(batch_id), -1) + 1 FROM batches WHERE run_id = :r"), {"r": run_id}
-            ).scalar())
+            return int(
+                conn.execute(
+                    text("SELECT coalesce(max(batch_id), -1) + 1 FROM batches WHERE run_id = :r"), {"r": run_id}
+                ).scalar()
+            )
 
     def compact(self, run_id: int) -> dict[str, tuple[int, int]]:
         """Fold the run's partial sums into one row set (views unchanged, queries faster)."""
@@ -160,10 +196,15 @@ class Store:
     def mixing_windows(self, run_id: int) -> int:
         """Windows of this run that already carry mixing measures (for the --attribution-windows cap)."""
         with self.write() as conn:
-            return int(conn.execute(text(
-                "SELECT coalesce(sum(windows), 0) FROM mixing_stats "
-                "WHERE run_id = :r AND method = 'attention' AND layer = 0 AND head = -1"
-            ), {"r": run_id}).scalar())
+            return int(
+                conn.execute(
+                    text(
+                        "SELECT coalesce(sum(windows), 0) FROM mixing_stats "
+                        "WHERE run_id = :r AND method = 'attention' AND layer = 0 AND head = -1"
+                    ),
+                    {"r": run_id},
+                ).scalar()
+            )
 
     # --- ingest ---------------------------------------------------------------------------
     def ingest(self, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
@@ -211,9 +252,12 @@ def resolve_run(conn: Connection, ref: str | int | None) -> Run:
 
 def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
     done = {
-        r[0] for r in conn.execute(
-            text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done' AND batch_id IN "
-                 "(SELECT unnest(CAST(:ids AS INTEGER[])))"),
+        r[0]
+        for r in conn.execute(
+            text(
+                "SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done' AND batch_id IN "
+                "(SELECT unnest(CAST(:ids AS INTEGER[])))"
+            ),
             {"r": run_id, "ids": [b for b, _ in items]},
         )
     }
@@ -228,15 +272,28 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
             raw.register(f"_in_{name}", table)
         # a window counted by another batch of this run would be counted twice: refuse
         # fetch every row: DuckDB refuses other work while a result is unfinished
-        clash = conn.execute(text(
-            "SELECT count(*) FROM run_windows w JOIN _in_run_windows i USING (run_id, window_id)"
-        )).all()[0][0]
+        clash = conn.execute(
+            text("SELECT count(*) FROM run_windows w JOIN _in_run_windows i USING (run_id, window_id)")
+        ).all()[0][0]
         if clash:
             raise StoreError(f"run {run_id}: {clash} window(s) of this batch were already counted by another batch")
-        conn.exec_driver_sql("INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING")
-        conn.exec_driver_sql("INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING")
-        for name in ("run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors",
-                     "anchor_tokens", "anchor_layers", "csm_bins"):
+        conn.exec_driver_sql(
+            "INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING"
+        )
+        for name in (
+            "run_windows",
+            "head_stats",
+            "run_chance",
+            "dist_hist",
+            "pair_hist",
+            "anchors",
+            "anchor_tokens",
+            "anchor_layers",
+            "csm_bins",
+        ):
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
         for name in MIXING_TABLES:
@@ -273,57 +330,128 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
         # every additive sum is stored per replicate group (column rep, SPEC §5b)
         n_groups, n_layers, n_heads = res.rep_heads["high_pairs"].shape
         group, layer, head = np.meshgrid(np.arange(n_groups), np.arange(n_layers), np.arange(n_heads), indexing="ij")
-        add("head_stats", run_id=np.full(layer.size, run_id), batch_id=np.full(layer.size, batch_id),
-            rep=res.reps[group], layer=layer, head=head, **{k: res.rep_heads[k] for k in HEAD_SUMS})
-        add("run_chance", run_id=np.full(n_groups, run_id), batch_id=np.full(n_groups, batch_id), rep=res.reps,
+        add(
+            "head_stats",
+            run_id=np.full(layer.size, run_id),
+            batch_id=np.full(layer.size, batch_id),
+            rep=res.reps[group],
+            layer=layer,
+            head=head,
+            **{k: res.rep_heads[k] for k in HEAD_SUMS},
+        )
+        add(
+            "run_chance",
+            run_id=np.full(n_groups, run_id),
+            batch_id=np.full(n_groups, batch_id),
+            rep=res.reps,
             **{k: res.rep_chance[k] for k in CHANCE_SUMS},
-            csm_windows=res.rep_chance["windows"] * (res.csm_sum is not None))
+            csm_windows=res.rep_chance["windows"] * (res.csm_sum is not None),
+        )
         gi, li, hi, di = np.nonzero(res.rep_dist_hist)
         sentence = {"same_sentence": res.rep_same_sentence_hist[gi, li, hi, di]} if with_sentence else {}
-        add("dist_hist", run_id=np.full(li.size, run_id), batch_id=np.full(li.size, batch_id), rep=res.reps[gi],
-            layer=li, head=hi, distance=di, count=res.rep_dist_hist[gi, li, hi, di],
-            attended=res.rep_attended_hist[gi, li, hi, di], **sentence)
+        add(
+            "dist_hist",
+            run_id=np.full(li.size, run_id),
+            batch_id=np.full(li.size, batch_id),
+            rep=res.reps[gi],
+            layer=li,
+            head=hi,
+            distance=di,
+            count=res.rep_dist_hist[gi, li, hi, di],
+            attended=res.rep_attended_hist[gi, li, hi, di],
+            **sentence,
+        )
         if res.csm_sum is not None:
             # cells holding pairs only: the upper triangle, and few cells of H per batch
             ki, lc, hc, bi, bj = np.nonzero(res.csm_count)
-            add("csm_bins", run_id=np.full(ki.size, run_id), batch_id=np.full(ki.size, batch_id), layer=lc, head=hc,
-                kind=np.array(CSM_KINDS, dtype=object)[ki], bin_i=bi, bin_j=bj,
+            add(
+                "csm_bins",
+                run_id=np.full(ki.size, run_id),
+                batch_id=np.full(ki.size, batch_id),
+                layer=lc,
+                head=hc,
+                kind=np.array(CSM_KINDS, dtype=object)[ki],
+                bin_i=bi,
+                bin_j=bj,
                 sim_sum=res.csm_sum[ki, lc, hc, bi, bj].astype(np.float64),
-                pairs=res.csm_count[ki, lc, hc, bi, bj].astype(np.int64))
+                pairs=res.csm_count[ki, lc, hc, bi, bj].astype(np.int64),
+            )
         gp, dp = np.nonzero(res.rep_pair_hist["pairs"])
-        add("pair_hist", run_id=np.full(dp.size, run_id), batch_id=np.full(dp.size, batch_id), rep=res.reps[gp],
-            distance=dp, count=res.rep_pair_hist["pairs"][gp, dp],
-            **{k: res.rep_pair_hist[k][gp, dp] for k in PAIR_HISTS if k != "pairs"})
+        add(
+            "pair_hist",
+            run_id=np.full(dp.size, run_id),
+            batch_id=np.full(dp.size, batch_id),
+            rep=res.reps[gp],
+            distance=dp,
+            count=res.rep_pair_hist["pairs"][gp, dp],
+            **{k: res.rep_pair_hist[k][gp, dp] for k in PAIR_HISTS if k != "pairs"},
+        )
         wi, la, he = np.nonzero(res.anchor_token >= 0)
         token_ids = res.anchor_token[wi, la, he]
         high = res.high_count[wi, la, he]
         count = res.anchor_count[wi, la, he]
         window_ids = np.array(res.window_ids, dtype=object)
-        add("anchors", run_id=np.full(wi.size, run_id), window_id=window_ids[wi], layer=la, head=he,
-            token_id=token_ids, token=np.array([res.vocab.get(int(t), str(t)) for t in token_ids], dtype=object),
-            endpoint_count=count, high_pairs=high, anchor_share=count / np.maximum(2 * high, 1),
-            anchor_is_frequent=res.anchor_frequent[wi, la, he])
+        add(
+            "anchors",
+            run_id=np.full(wi.size, run_id),
+            window_id=window_ids[wi],
+            layer=la,
+            head=he,
+            token_id=token_ids,
+            token=np.array([res.vocab.get(int(t), str(t)) for t in token_ids], dtype=object),
+            endpoint_count=count,
+            high_pairs=high,
+            anchor_share=count / np.maximum(2 * high, 1),
+            anchor_is_frequent=res.anchor_frequent[wi, la, he],
+        )
         n_layers = res.anchor_token.shape[1]
         share = count / np.maximum(2 * high, 1)
         tok_layer, tok_head, tok_id, tok_windows, tok_share = anchor_token_sums(res.anchor_token, la, he, wi, share)
-        add("anchor_tokens", run_id=np.full(tok_id.size, run_id), batch_id=np.full(tok_id.size, batch_id),
-            layer=tok_layer, head=tok_head, token_id=tok_id,
+        add(
+            "anchor_tokens",
+            run_id=np.full(tok_id.size, run_id),
+            batch_id=np.full(tok_id.size, batch_id),
+            layer=tok_layer,
+            head=tok_head,
+            token_id=tok_id,
             token=np.array([res.vocab.get(int(t), str(t)) for t in tok_id], dtype=object),
-            windows=tok_windows, share_sum=tok_share)
+            windows=tok_windows,
+            share_sum=tok_share,
+        )
         lay_windows, lay_distinct, lay_anchors, lay_heads = anchor_layer_sums(res.anchor_token)
-        add("anchor_layers", run_id=np.full(n_layers, run_id), batch_id=np.full(n_layers, batch_id),
-            layer=np.arange(n_layers), windows=lay_windows, distinct_windows=lay_distinct,
-            distinct_anchor_sum=lay_anchors, anchored_head_sum=lay_heads)
-        add("run_windows", run_id=np.full(len(res.window_ids), run_id), window_id=window_ids,
-            batch_id=np.full(len(res.window_ids), batch_id))
-        add("batches", run_id=[run_id], batch_id=[batch_id], n_windows=[len(res.window_ids)],
-            compute_s=[res.compute_s])
-        add("windows", window_id=[w["window_id"] for w in res.windows], doc_id=[w["doc_id"] for w in res.windows],
-            window_index=[w["window_index"] for w in res.windows], n_tokens=[w["n_tokens"] for w in res.windows])
+        add(
+            "anchor_layers",
+            run_id=np.full(n_layers, run_id),
+            batch_id=np.full(n_layers, batch_id),
+            layer=np.arange(n_layers),
+            windows=lay_windows,
+            distinct_windows=lay_distinct,
+            distinct_anchor_sum=lay_anchors,
+            anchored_head_sum=lay_heads,
+        )
+        add(
+            "run_windows",
+            run_id=np.full(len(res.window_ids), run_id),
+            window_id=window_ids,
+            batch_id=np.full(len(res.window_ids), batch_id),
+        )
+        add("batches", run_id=[run_id], batch_id=[batch_id], n_windows=[len(res.window_ids)], compute_s=[res.compute_s])
+        add(
+            "windows",
+            window_id=[w["window_id"] for w in res.windows],
+            doc_id=[w["doc_id"] for w in res.windows],
+            window_index=[w["window_index"] for w in res.windows],
+            n_tokens=[w["n_tokens"] for w in res.windows],
+        )
         docs = res.documents
-        add("documents", doc_id=[d["doc_id"] for d in docs], source=[d["source"] for d in docs],
-            line=[d["line"] for d in docs], n_chars=[d["n_chars"] for d in docs],
-            preview=[d["preview"] for d in docs])
+        add(
+            "documents",
+            doc_id=[d["doc_id"] for d in docs],
+            source=[d["source"] for d in docs],
+            line=[d["line"] for d in docs],
+            n_chars=[d["n_chars"] for d in docs],
+            preview=[d["preview"] for d in docs],
+        )
     out = {}
     for table, columns in cols.items():
         out[table] = pa.table({k: _concat(v) for k, v in columns.items()})
