@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -692,7 +693,18 @@ from headatlas.cli.visual import register as _register_visual  # noqa: E402
 _register_visual(app)
 
 
+class _NoInterruptTracebacks(logging.Filter):
+    """Ctrl-C can land while a library closes a connection; SQLAlchemy then logs the interrupt
+    with a traceback. The user asked to stop: the one-line resume hint is the whole answer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
 def main() -> None:
+    for handler in [logging.lastResort, *logging.getLogger().handlers]:
+        if handler is not None:
+            handler.addFilter(_NoInterruptTracebacks())
     os.environ.setdefault("HF_HUB_OFFLINE", "1") if _default_model_only() else None
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import duckdb
 import numpy as np
 import pytest
@@ -286,3 +288,46 @@ def test_the_query_and_writer_paths_do_not_load_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# Runs a command of the real CLI in a fresh interpreter and reports, at exit, whether torch or
+# transformers was ever imported while it worked (not only at import time).
+_NO_TORCH_RUNNER = """
+import atexit, sys
+atexit.register(lambda: print("LOADED", sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                              file=sys.stderr))
+sys.argv = ["headatlas", *sys.argv[1:]]
+from headatlas.cli.main import main
+main()
+"""
+
+
+def test_reading_commands_never_load_torch_while_they_work(tmp_path, tiny_model, small_corpus):
+    """runs, sql, query heads|layers|distances (with intervals) and status on a real stored run:
+    each answers without ever importing the model stack."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "r.duckdb"
+    store = Store(db)
+    store.ensure_schema()
+    run = _run(store, tiny_model, small_corpus)
+    store.ingest(run.run_id, list(enumerate(_results(tiny_model, small_corpus))))
+    commands = [
+        ["runs"],
+        ["sql", "SELECT count(*) FROM head_metrics"],
+        ["query", "heads", "--ci"],
+        ["query", "layers", "--ci"],
+        ["query", "distances", "--layer", "0", "--split", "attended"],
+        ["status", "--broker", "redis://127.0.0.1:1/0"],  # no broker: what the database knows
+    ]
+    for args in commands:
+        done = subprocess.run(
+            [sys.executable, "-c", _NO_TORCH_RUNNER, *args, "--db", str(db)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).parents[1],
+        )
+        assert done.returncode == 0, (args, done.stderr)
+        assert "LOADED []" in done.stderr, (args, done.stderr[-500:])

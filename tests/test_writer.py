@@ -110,3 +110,42 @@ def test_a_refused_batch_is_marked_failed_and_the_rest_of_its_group_stored(setti
     assert prog.done == len(results) and prog.failed == 1
     assert "already counted" in prog.errors[0][2]
     assert run.status == "failed"
+
+
+def test_the_writer_stores_real_messages_without_loading_torch(setting, tiny_model, demo_corpus, tmp_path):
+    """The writer, in its own interpreter, takes real ingest messages and stores them; torch and
+    transformers are never imported (the writer stays light: it only reads numpy payloads)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from headatlas.service.storage.db import read_database_id
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.ledger import Ledger, connect
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="light")
+    results = _results(corpus, tiny_model)
+    Store(setting.db).ensure_schema()  # the database the writer will serve, and its id
+    ledger = Ledger(connect(setting.broker_url), read_database_id(setting.db))
+    _describe(ledger, "k3", tiny_model, corpus, results)
+    ledger.send_to_writer("open_run", run_key="k3")
+    for batch_id, payload in results:
+        ledger.send_to_writer("ingest", run_key="k3", batch_id=batch_id, payload=payload)
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('LOADED', sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "from headatlas.service.config import Settings\n"
+        "from headatlas.workers.writer import Writer\n"
+        "print('STORED', Writer(Settings(broker_url=sys.argv[1], db=sys.argv[2])).step(timeout_s=5.0))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, setting.broker_url, setting.db],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"STORED {len(results) + 1}" in done.stdout, done.stdout + done.stderr
+    assert "LOADED []" in done.stdout, done.stdout
+    assert Store(setting.db).get_run("writer-k3").status == "done"

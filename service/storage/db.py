@@ -8,10 +8,12 @@ for it with ``retry_on_lock`` instead of failing.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
@@ -91,6 +93,28 @@ def _connect(engine: Engine, path: str | Path, lock_wait_s: float) -> Connection
         return None
     except Exception as exc:
         raise dbfile.open_error(path, exc) or exc  # noqa: B904 - the error or its translation
+
+
+@contextmanager
+def checked_read(path: str | Path, *, lock_wait_s: float = LOCK_WAIT_S) -> Iterator[Connection]:
+    """A read-only transaction on a database whose schema is current (every read path uses it)."""
+    with transaction(path, read_only=True, lock_wait_s=lock_wait_s) as conn:
+        check_schema(conn, path)
+        yield conn
+
+
+def now() -> datetime:
+    """UTC now, naive: how every timestamp is stored."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def record(row, *, json_fields: tuple[str, ...] = ()) -> dict:
+    """A result row as a dict, with JSON columns parsed (DuckDB returns them as text)."""
+    data = dict(row._mapping)
+    for name in json_fields:
+        if isinstance(data.get(name), str):
+            data[name] = json.loads(data[name])
+    return data
 
 
 @lru_cache(maxsize=1)

@@ -10,18 +10,14 @@ import numpy as np
 import pyarrow as pa
 
 from headatlas.service.results import MIX_SUMS
+from headatlas.service.storage.arrow_rows import TableRows
 
 MIXING_TABLES = ("mixing_stats", "mixing_dist")
 
 
 def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
     """``items``: [(batch_id, BatchResult)]. Empty when no batch carries mixing sums."""
-    stats: dict[str, list] = {}
-    dist: dict[str, list] = {}
-
-    def add(target, **columns):
-        for key, value in columns.items():
-            target.setdefault(key, []).append(np.asarray(value).ravel())
+    rows = TableRows()
 
     for batch_id, res in items:
         for method, sums in sorted(res.mixing.items()):
@@ -29,8 +25,8 @@ def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
             n_layers = sums["to_self"].shape[0]
             layer, slot = np.meshgrid(np.arange(n_layers), np.arange(len(heads)), indexing="ij")
             n = layer.size
-            add(
-                stats,
+            rows.add(
+                "mixing_stats",
                 run_id=np.full(n, run_id),
                 batch_id=np.full(n, batch_id),
                 method=np.full(n, method, dtype=object),
@@ -41,8 +37,8 @@ def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
                 **{k: sums[k] for k in MIX_SUMS},
             )
             li, si, di = np.nonzero(sums["dist"])
-            add(
-                dist,
+            rows.add(
+                "mixing_dist",
                 run_id=np.full(li.size, run_id),
                 batch_id=np.full(li.size, batch_id),
                 method=np.full(li.size, method, dtype=object),
@@ -51,15 +47,4 @@ def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
                 distance=di,
                 mass=sums["dist"][li, si, di],
             )
-    out = {}
-    for name, columns in (("mixing_stats", stats), ("mixing_dist", dist)):
-        if columns:
-            out[name] = pa.table({k: _concat(v) for k, v in columns.items()})
-    return out
-
-
-def _concat(parts: list[np.ndarray]):
-    arr = np.concatenate(parts)
-    if arr.dtype == object:
-        return pa.array(arr.tolist(), type=pa.string())
-    return pa.array(arr)
+    return rows.tables()

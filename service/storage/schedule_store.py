@@ -9,9 +9,8 @@ the same fire — a second beat process, a tick handled twice — a no-op.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import text
@@ -48,28 +47,15 @@ class Schedule:
 
     @classmethod
     def from_row(cls, row) -> Schedule:
-        data = dict(row._mapping)
-        if isinstance(data["params"], str):
-            data["params"] = json.loads(data["params"])
-        return cls(**data)
+        return cls(**db.record(row, json_fields=("params",)))
 
     @property
     def cadence(self) -> Cadence:
         return Cadence(self.cron, self.every_s, self.timezone, self.anchor)
 
 
-def now() -> datetime:
-    """UTC now, naive, as stored (the same as store.now; this module stays free of the model imports
-    that store needs, so that schedule commands start fast)."""
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-@contextmanager
-def read(path: str | Path, *, lock_wait_s: float = db.LOCK_WAIT_S):
-    """A read transaction on a database whose schema is current."""
-    with db.transaction(path, read_only=True, lock_wait_s=lock_wait_s) as conn:
-        db.check_schema(conn, path)
-        yield conn
+now = db.now
+read = db.checked_read  # a read transaction on a database whose schema is current
 
 
 def _write(path: str | Path):

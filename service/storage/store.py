@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 from headatlas.service.errors import StoreError
 from headatlas.service.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
 from headatlas.service.storage import db
+from headatlas.service.storage.arrow_rows import TableRows
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 RUN_COLUMNS = (
@@ -61,8 +62,7 @@ class Run:
         return cls(**data)
 
 
-def now() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+now = db.now
 
 
 class Store:
@@ -81,7 +81,7 @@ class Store:
 
     def checked_read(self):
         """A read transaction on a database whose schema is current."""
-        return _Checked(self)
+        return db.checked_read(self.path)
 
     # --- runs -----------------------------------------------------------------------------
     def find_or_create_run(
@@ -174,12 +174,12 @@ class Store:
             return [dict(r) for r in rows]
 
     def done_window_ids(self, run_id: int) -> set[str]:
-        with self.write() as conn:
+        with self.read() as conn:
             rows = conn.execute(text("SELECT window_id FROM run_windows WHERE run_id = :r"), {"r": run_id})
             return {r[0] for r in rows}
 
     def next_batch_id(self, run_id: int) -> int:
-        with self.write() as conn:
+        with self.read() as conn:
             return int(
                 conn.execute(
                     text("SELECT coalesce(max(batch_id), -1) + 1 FROM batches WHERE run_id = :r"), {"r": run_id}
@@ -195,7 +195,7 @@ class Store:
 
     def mixing_windows(self, run_id: int) -> int:
         """Windows of this run that already carry mixing measures (for the --attribution-windows cap)."""
-        with self.write() as conn:
+        with self.read() as conn:
             return int(
                 conn.execute(
                     text(
@@ -212,25 +212,6 @@ class Store:
         redelivered batch is harmless); returns the number of batches newly stored."""
         with self.write() as conn:
             return ingest_batches(conn, run_id, items)
-
-
-class _Checked:
-    def __init__(self, store: Store):
-        self.store = store
-        self._cm = None
-
-    def __enter__(self) -> Connection:
-        self._cm = self.store.read()
-        conn = self._cm.__enter__()
-        try:
-            db.check_schema(conn, self.store.path)
-        except BaseException:
-            self._cm.__exit__(None, None, None)
-            raise
-        return conn
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
 
 
 def resolve_run(conn: Connection, ref: str | int | None) -> Run:
@@ -316,12 +297,8 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
 
 
 def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:
-    cols: dict[str, dict[str, list]] = {}
-
-    def add(table: str, **columns):
-        target = cols.setdefault(table, {})
-        for key, value in columns.items():
-            target.setdefault(key, []).append(np.asarray(value).ravel())
+    rows = TableRows()
+    add = rows.add
 
     # a column left out of an insert is NULL ("unavailable"): a payload made before the per-distance
     # within-sentence counts existed must not make the others' sum look whole
@@ -452,10 +429,7 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
             n_chars=[d["n_chars"] for d in docs],
             preview=[d["preview"] for d in docs],
         )
-    out = {}
-    for table, columns in cols.items():
-        out[table] = pa.table({k: _concat(v) for k, v in columns.items()})
-    return out
+    return rows.tables()
 
 
 def anchor_token_sums(anchor_token: np.ndarray, layer, head, window, share):
@@ -483,10 +457,3 @@ def anchor_layer_sums(anchor_token: np.ndarray):
     n_distinct = n_anchored - repeat.sum(2)
     has = n_anchored > 0
     return (has.sum(0), (has & (n_distinct == n_anchored)).sum(0), n_distinct.sum(0), n_anchored.sum(0))
-
-
-def _concat(parts: list[np.ndarray]):
-    arr = np.concatenate(parts) if parts else np.array([])
-    if arr.dtype == object:
-        return pa.array(arr.tolist(), type=pa.string()) if len(arr) else pa.array([], type=pa.string())
-    return pa.array(arr)
