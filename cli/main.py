@@ -58,12 +58,7 @@ db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 app.add_typer(query_app, name="query")
 app.add_typer(db_app, name="db")
 
-SETTINGS = Settings.from_env()
-
-DbOpt, RunOpt, FormatOpt = options.Db, options.Run, options.Fmt
-CiOpt = typer.Option(
-    False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."
-)
+DbOpt, RunOpt, FormatOpt, CiOpt = options.Db, options.Run, options.Fmt, options.Ci
 
 # what a table shows by default (JSON and CSV hold every column)
 HEAD_TABLE = [
@@ -108,44 +103,19 @@ def _store(db: str):
 
 # --- analysis ---------------------------------------------------------------------------------
 @app.command()
+@options.analysis_options()
 def analyze(
     corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory, a glob, or - for stdin."),
+    *,
     name: str | None = options.Name,
-    model: str = typer.Option(
-        SETTINGS.model,
-        "--model",
-        "-m",
-        help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D [env HEADATLAS_MODEL].",
-    ),
-    device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
-    dtype: str = options.Dtype,
-    batch_size: str = typer.Option(
-        str(SETTINGS.batch_size),
-        "--batch-size",
-        "-b",
-        help="Windows per forward pass, or auto (from free GPU memory; 32 on CPU) [env HEADATLAS_BATCH_SIZE].",
-    ),
-    seq_len: int = options.SeqLen,
-    windowing: str = options.Windowing,
-    sentences: str = options.Sentences,
-    select: str = options.Select,
-    gate: float = options.Gate,
-    include_special: bool = options.IncludeSpecial,
-    vectors: str = options.Vectors,
-    short_range: int = options.ShortRange,
-    text_field: str = options.TextField,
-    encoding: str = options.Encoding,
+    analysis: options.AnalysisOptions,
     db: str = DbOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary."),
-    attribution: bool = options.Attribution,
-    attribution_windows: int = options.AttributionWindows,
-    mixing: list[str] = options.Mixing,
-    csm_bin: int = options.CsmBin,
-    attribution_chunk: int = typer.Option(
-        SETTINGS.attribution_chunk,
+    attribution_chunk: int = options.setting(
+        "attribution_chunk",
         "--attribution-chunk",
         min=1,
-        help="Gradient rows per batched backward call: bounds memory [env HEADATLAS_ATTRIBUTION_CHUNK].",
+        help="Gradient rows per batched backward call: bounds memory.",
     ),
     control: bool = typer.Option(
         False,
@@ -154,29 +124,39 @@ def analyze(
     ),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
-    from headatlas.service.analysis_options import build_params
+    _analyze(corpus, analysis, name=name, db=db, quiet=quiet, attribution_chunk=attribution_chunk, control=control)
+
+
+@app.command()
+@options.analysis_options("model", "device", "batch_size")
+def demo(*, analysis: options.AnalysisOptions, db: str = DbOpt) -> None:
+    """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
+    from headatlas.service.corpus import demo_corpus_path
+
+    chunk = Settings.default("attribution_chunk")  # the demo computes no attribution
+    _analyze(str(demo_corpus_path()), analysis, name="demo", db=db, quiet=False, attribution_chunk=chunk, control=False)
+
+
+def _analyze(
+    corpus: str,
+    analysis: options.AnalysisOptions,
+    *,
+    name: str | None,
+    db: str,
+    quiet: bool,
+    attribution_chunk: int,
+    control: bool,
+) -> None:
+    from headatlas.service.analysis_options import parse_batch_size
     from headatlas.service.corpus import STDIN_SOURCE, remove_spool, spool_stdin
-    from headatlas.service.model import auto_batch_size, control_model, load_model, parse_batch_size, resolve_device
+    from headatlas.service.model import auto_batch_size, control_model, load_model, resolve_device
     from headatlas.service.model_check import check_loaded, check_model_spec
     from headatlas.service.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.db import check_headatlas_file
 
-    size = parse_batch_size(batch_size)
-    params = build_params(
-        seq_len=seq_len,
-        windowing=windowing,
-        sentences=sentences,
-        select=select,
-        gate=gate,
-        include_special=include_special,
-        vectors=vectors,
-        short_range=short_range,
-        dtype=dtype,
-        attribution=attribution,
-        mixing=mixing,
-        attribution_windows=attribution_windows,
-        csm_bin=csm_bin,
-    )
+    params, model, device = analysis.params, analysis.model, analysis.device
+    text_field, encoding = analysis.text_field, analysis.encoding
+    size = parse_batch_size(analysis.batch_size)
     # every check that needs no model weights comes before the corpus is read or a model loaded
     resolve_device(device)
     check_headatlas_file(db)
@@ -190,9 +170,9 @@ def analyze(
             stderr.print(
                 f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; loading model {model} …"
             )
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = load_model(model, device=device, dtype=params.dtype)
         check_loaded(loaded, params.seq_len)
-        size = auto_batch_size(loaded, seq_len) if size == "auto" else size
+        size = auto_batch_size(loaded, params.seq_len) if size == "auto" else size
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(
@@ -243,39 +223,6 @@ def analyze(
         stdout.print(
             f"control: run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`", markup=False
         )
-
-
-@app.command()
-def demo(db: str = DbOpt) -> None:
-    """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
-    from headatlas.service.corpus import demo_corpus_path
-
-    analyze(
-        corpus=str(demo_corpus_path()),
-        name="demo",
-        model=SETTINGS.model,
-        device=SETTINGS.device,
-        dtype="float32",
-        batch_size=str(SETTINGS.batch_size),
-        seq_len=128,
-        windowing="chunks",
-        sentences="segmenter",
-        select="top:0.02",
-        gate=4.0,
-        include_special=False,
-        vectors="pre_wo",
-        short_range=4,
-        text_field="text",
-        encoding="utf-8",
-        db=db,
-        quiet=False,
-        attribution=False,
-        attribution_windows=256,
-        mixing=[],
-        csm_bin=8,
-        attribution_chunk=SETTINGS.attribution_chunk,
-        control=False,
-    )
 
 
 class _progress:
@@ -605,10 +552,8 @@ def sql(
     statement: str = typer.Argument(..., help="One SELECT or WITH … SELECT statement, or - to read it from stdin."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
-    max_rows: int = typer.Option(SETTINGS.sql_max_rows, "--max-rows", help="Row cap [env HEADATLAS_SQL_MAX_ROWS]."),
-    timeout: float = typer.Option(
-        SETTINGS.sql_timeout_s, "--timeout", help="Time limit in seconds [env HEADATLAS_SQL_TIMEOUT_S]."
-    ),
+    max_rows: int = options.setting("sql_max_rows", "--max-rows", help="Row cap."),
+    timeout: float = options.setting("sql_timeout_s", "--timeout", help="Time limit in seconds."),
 ) -> None:
     """Run read-only SQL against the results (tables and views: see README)."""
     from headatlas.service.storage.readonly import run_readonly_sql
@@ -719,7 +664,8 @@ def main() -> None:
 
 
 def _default_model_only() -> bool:
-    return "--model" not in sys.argv and "-m" not in sys.argv and SETTINGS.model == "default"
+    model = os.environ.get("HEADATLAS_MODEL", Settings.default("model"))
+    return "--model" not in sys.argv and "-m" not in sys.argv and model == "default"
 
 
 from headatlas.cli.queue_commands import register as _register_queue_commands  # noqa: E402

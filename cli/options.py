@@ -1,49 +1,118 @@
-"""Options shared by several commands, declared once (help text, defaults, env variables)."""
+"""Options shared by several commands, each declared once.
+
+Settings come in through Typer's own ``envvar=``: ``--help`` shows ``[env var: HEADATLAS_DB]`` and
+nothing is read from the environment until a command runs, so a bad value is a one-line usage
+error, not a traceback at import. The analysis options come from their declaration
+(service/analysis_options.py) through ``analysis_options``.
+"""
 
 from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import typer
 
 from headatlas.cli.output import Format
+from headatlas.service.analysis_options import BY_NAME, OPTIONS, RUN_NAMES, Declared, build_params
 from headatlas.service.config import Settings
+from headatlas.service.params import AnalysisParams
 
-SETTINGS = Settings.from_env()
 
-Db = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
+def setting(name: str, *decls: str, help: str, **kwargs) -> typer.models.OptionInfo:  # noqa: A002 - typer's name
+    """An option whose default is a Settings field, overridden by its HEADATLAS_* variable."""
+    return typer.Option(Settings.default(name), *decls, envvar=f"HEADATLAS_{name.upper()}", help=help, **kwargs)
+
+
+Db = setting("db", "--db", help="DuckDB results file.")
+Broker = setting("broker_url", "--broker", help="Redis URL of the queue.")
 Run = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
 Fmt = typer.Option(Format.table, "--format", "-f", help="Output format.")
 Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).")
-Dtype = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (statistics are computed in float32).")
-SeqLen = typer.Option(128, "--seq-len", help="Tokens per window, [CLS] and [SEP] included.")
-Windowing = typer.Option(
-    "chunks", "--windowing", help="chunks (cover each document) or first (one window per document)."
+Ci = typer.Option(
+    False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."
 )
-Sentences = typer.Option(
-    "segmenter",
-    "--sentences",
-    help='Sentence ids: segmenter (a sentence-boundary library: "Mr." or "3.14" do not end a sentence) or punct (every . ! ? ends one; reproduces runs made before the segmenter).',
-)
-Select = typer.Option("top:0.02", "--select", help="High-similarity set: top:Q, ratio:R or topk:K.")
-Gate = typer.Option(4.0, "--gate", help="Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n.")
-IncludeSpecial = typer.Option(False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs.")
-Vectors = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after).")
-ShortRange = typer.Option(4, "--short-range", help="Distance counted as short range in short_range_share.")
-TextField = typer.Option("text", "--text-field", help="JSONL field / CSV column holding the text.")
-Encoding = typer.Option("utf-8", "--encoding", help="Text encoding of the corpus files.")
-Attribution = typer.Option(
-    False,
-    "--attribution/--no-attribution",
-    help="Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token).",
-)
-AttributionWindows = typer.Option(
-    256, "--attribution-windows", min=0, help="Only the run's first N windows get --attribution / --mixing."
-)
-Mixing = typer.Option(
-    [], "--mixing", help="Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate)."
-)
-CsmBin = typer.Option(
-    8,
-    "--csm-bin",
-    min=0,
-    help="Corpus-averaged similarity matrices: positions per bin (1 = full resolution: a larger payload; 0 = none).",
-)
+Loglevel = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")
+WriterWait = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run.")
+
+
+_DECLARED = object()
+
+
+def declared_option(option: Declared, *, help: str | None = None, default=_DECLARED) -> typer.models.OptionInfo:  # noqa: A002
+    """The Typer option of one declared analysis option; another ``default`` (e.g. None: "unchanged")
+    drops the environment variable, which would otherwise stand in for a value not given."""
+    decls = [f"{option.flag}/--no-{option.flag[2:]}" if option.type is bool else option.flag]
+    if option.short:
+        decls.append(option.short)
+    text = help or option.help
+    if option.spec:
+        text = f"{text} (SPEC {option.spec})"
+    envvar = option.envvar if default is _DECLARED else None
+    if default is _DECLARED:
+        default = list(option.default) if option.type == list[str] else option.default
+    return typer.Option(default, *decls, envvar=envvar, help=text, min=option.min)
+
+
+@dataclass(frozen=True)
+class AnalysisOptions:
+    """What a command was asked to analyse with: the validated parameters and the run settings."""
+
+    params: AnalysisParams
+    model: str = BY_NAME["model"].default
+    device: str = BY_NAME["device"].default
+    batch_size: str = BY_NAME["batch_size"].default
+    text_field: str = BY_NAME["text_field"].default
+    encoding: str = BY_NAME["encoding"].default
+
+    @classmethod
+    def build(cls, **values) -> AnalysisOptions:
+        run = {name: values.pop(name) for name in RUN_NAMES if name in values}
+        return cls(params=build_params(**values), **run)
+
+
+def analysis_options(*names: str, exclude: tuple[str, ...] = (), help: dict[str, str] | None = None) -> Callable:  # noqa: A002
+    """Give a command the declared analysis options and pass it one ``analysis: AnalysisOptions``.
+
+    ``names``: the options to offer (default: all of them, in declaration order, less
+    ``exclude``); an option not offered takes its declared default. The command's signature is
+    rewritten so that Typer, ``--help`` and the CLI reference see every option; the options take
+    the place of the ``analysis`` parameter.
+    """
+    chosen = [o for o in OPTIONS if (o.name in names if names else o.name not in exclude)]
+    unknown = set(names) - set(BY_NAME)
+    if unknown:
+        raise ValueError(f"not a declared analysis option: {sorted(unknown)}")
+    texts = help or {}
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command, eval_str=True)
+        declared = [
+            inspect.Parameter(
+                o.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=declared_option(o, help=texts.get(o.name)),
+                annotation=o.type,
+            )
+            for o in chosen
+        ]
+        params = []
+        for p in signature.parameters.values():
+            if p.name == "analysis":
+                params.extend(declared)
+            else:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+        @functools.wraps(command)
+        def run(**kwargs):
+            values = {o.name: kwargs.pop(o.name) for o in chosen}
+            return command(analysis=AnalysisOptions.build(**values), **kwargs)
+
+        del run.__wrapped__  # Typer reads the rewritten signature, not the command's
+        run.__signature__ = inspect.Signature(params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return decorate

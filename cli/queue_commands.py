@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
@@ -10,11 +9,10 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.output import Format, render_record, stderr, stdout
+from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 
-SETTINGS = Settings.from_env()
-DbOpt = options.Db
-BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
+DbOpt, BrokerOpt = options.Db, options.Broker
 
 
 def register(app: typer.Typer) -> None:
@@ -28,57 +26,29 @@ def _store(db: str):
     return Store(db)
 
 
-def _settings(**overrides):
-    """Settings with CLI overrides, exported so that Celery processes started from here see them."""
+def _settings(**overrides) -> Settings:
+    """The HEADATLAS_* settings with this command's options over them, handed on to what it
+    starts (workers, the writer, beat) as an argument."""
     if overrides.get("broker_url") is not None:
         check_broker_url(overrides["broker_url"])
-    settings = replace(Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None})
-    for name, value in overrides.items():
-        if value is not None:
-            os.environ[f"HEADATLAS_{name.upper()}"] = str(value)
-    return settings
+    return replace(Settings.from_env(), **{k: v for k, v in overrides.items() if v is not None})
 
 
+@options.analysis_options(exclude=("device",))
 def submit(
     corpus: str = typer.Argument(
         ..., help="A .txt/.jsonl/.csv file, a directory or a glob (readable by the submitter only)."
     ),
+    *,
     name: str | None = options.Name,
-    model: str = typer.Option(
-        SETTINGS.model,
-        "--model",
-        "-m",
-        help="As for analyze; every worker must have the same model [env HEADATLAS_MODEL].",
-    ),
-    dtype: str = options.Dtype,
-    batch_size: int = typer.Option(
-        SETTINGS.batch_size,
-        "--batch-size",
-        "-b",
-        min=1,
-        help="Windows per batch (one task each) [env HEADATLAS_BATCH_SIZE].",
-    ),
-    seq_len: int = options.SeqLen,
-    windowing: str = options.Windowing,
-    sentences: str = options.Sentences,
-    select: str = options.Select,
-    gate: float = options.Gate,
-    include_special: bool = options.IncludeSpecial,
-    vectors: str = options.Vectors,
-    short_range: int = options.ShortRange,
-    text_field: str = options.TextField,
-    encoding: str = options.Encoding,
-    attribution: bool = options.Attribution,
-    attribution_windows: int = options.AttributionWindows,
-    mixing: list[str] = options.Mixing,
-    csm_bin: int = options.CsmBin,
+    analysis: options.AnalysisOptions,
     wait: bool = typer.Option(False, "--wait", help="Show progress until the run ends."),
-    writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run."),
+    writer_wait: float = options.WriterWait,
     db: str = DbOpt,
     broker: str = BrokerOpt,
 ) -> None:
     """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
-    from headatlas.service.analysis_options import build_params
+    from headatlas.service.analysis_options import parse_batch_size
     from headatlas.service.model_check import check_model_spec
     from headatlas.workers.submit import submit as submit_corpus
 
@@ -86,21 +56,8 @@ def submit(
         from headatlas.service.errors import CorpusError
 
         raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
-    params = build_params(
-        seq_len=seq_len,
-        windowing=windowing,
-        sentences=sentences,
-        select=select,
-        gate=gate,
-        include_special=include_special,
-        vectors=vectors,
-        short_range=short_range,
-        dtype=dtype,
-        attribution=attribution,
-        mixing=mixing,
-        attribution_windows=attribution_windows,
-        csm_bin=csm_bin,
-    )
+    params, model = analysis.params, analysis.model
+    batch_size = parse_batch_size(analysis.batch_size, queued=True)
     settings = _settings(db=db, broker_url=broker)
     # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
     check_model_spec(model, seq_len=params.seq_len, memory="total")
@@ -108,12 +65,12 @@ def submit(
         corpus,
         settings=settings,
         model=model,
-        dtype=dtype,
+        dtype=params.dtype,
         params=params,
         batch_size=batch_size,
         name=name,
-        text_field=text_field,
-        encoding=encoding,
+        text_field=analysis.text_field,
+        encoding=analysis.encoding,
         writer_wait_s=writer_wait,
         log=lambda msg: stderr.print(msg),
     )
@@ -202,39 +159,37 @@ def worker(
         min=1,
         help="CPU: processes sharing the cores (default 1). GPU: ignored, one process per GPU.",
     ),
-    device: str = typer.Option(
-        SETTINGS.device, "--device", help="auto (every GPU, else CPU), cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."
-    ),
+    device: str = options.declared_option(BY_NAME["device"], help="auto (every GPU, else CPU), cpu, cuda or cuda:N."),
     broker: str = BrokerOpt,
-    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
+    loglevel: str = options.Loglevel,
 ) -> None:
     """Run analysis workers: take batches from the queue, send their statistics to the writer."""
     from headatlas.workers.launch import run_worker
 
-    _settings(broker_url=broker, device=device)
-    run_worker(queues=queues, concurrency=concurrency, device=device, loglevel=loglevel)
+    settings = _settings(broker_url=broker, device=device)
+    run_worker(settings, queues=queues, concurrency=concurrency, loglevel=loglevel)
 
 
 def writer(
     db: str = DbOpt,
     broker: str = BrokerOpt,
-    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning)."),
+    loglevel: str = options.Loglevel,
 ) -> None:
     """Run the database writer: the one process that stores queued runs' results (run one per database)."""
     import logging
 
     from headatlas.workers.launch import run_writer
 
-    _settings(db=db, broker_url=broker)
+    settings = _settings(db=db, broker_url=broker)
     logging.getLogger("headatlas").setLevel(loglevel.upper())
-    run_writer()
+    run_writer(settings)
 
 
 def status(
     run: str | None = typer.Argument(None, help="Run id or name (default: the latest run)."),
     db: str = DbOpt,
     broker: str = BrokerOpt,
-    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+    fmt: Format = options.Fmt,
 ) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
     from headatlas.service.errors import BrokerError
@@ -260,7 +215,7 @@ def retry(
     run: str = typer.Argument(..., help="Run id or name."),
     db: str = DbOpt,
     broker: str = BrokerOpt,
-    writer_wait: float = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer."),
+    writer_wait: float = options.WriterWait,
 ) -> None:
     """Queue the failed batches of a run again, with a fresh attempt count."""
     from headatlas.service.errors import CorpusError

@@ -9,11 +9,10 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.output import Format, render, render_metrics, render_record, sparkline, stdout
+from headatlas.service.analysis_options import BY_NAME, DEFAULTS
 from headatlas.service.config import Settings
 
-SETTINGS = Settings.from_env()
-DbOpt = options.Db
-BrokerOpt = typer.Option(SETTINGS.broker_url, "--broker", help="Redis URL of the queue [env HEADATLAS_BROKER_URL].")
+DbOpt, BrokerOpt, FormatOpt = options.Db, options.Broker, options.Fmt
 NameArg = typer.Argument(..., help="Schedule name.")
 
 schedule_app = typer.Typer(help="Recurring analyses: schedules fired by `headatlas beat`.", no_args_is_help=True)
@@ -84,69 +83,39 @@ def _check_name(name: str) -> str:
 
 
 @schedule_app.command("add")
+@options.analysis_options(exclude=("device", "text_field", "encoding"))
 def schedule_add(
     name: str = NameArg,
+    *,
     corpus: str = typer.Option(
         ..., "--corpus", help="A .txt/.jsonl/.csv file, a directory or a glob (read by beat at each fire)."
     ),
     cron: str | None = typer.Option(None, "--cron", help='Cron expression in --timezone, e.g. "0 3 * * *".'),
     every: str | None = typer.Option(None, "--every", help="Interval instead of --cron: 45s, 30m, 6h, 1d."),
     timezone: str = typer.Option("UTC", "--timezone", help="IANA time zone of the cron expression."),
-    model: str = typer.Option(
-        SETTINGS.model, "--model", "-m", help="Model spec, as for analyze [env HEADATLAS_MODEL]."
-    ),
     only_new: bool = typer.Option(
         False, "--only-new", help="Each fire analyses only documents no earlier fire of this schedule sent."
     ),
-    dtype: str = options.Dtype,
-    batch_size: int = typer.Option(
-        SETTINGS.batch_size, "--batch-size", "-b", min=1, help="Windows per batch [env HEADATLAS_BATCH_SIZE]."
-    ),
-    seq_len: int = options.SeqLen,
-    windowing: str = options.Windowing,
-    sentences: str = options.Sentences,
-    select: str = options.Select,
-    gate: float = options.Gate,
-    include_special: bool = options.IncludeSpecial,
-    vectors: str = options.Vectors,
-    short_range: int = options.ShortRange,
-    attribution: bool = options.Attribution,
-    attribution_windows: int = options.AttributionWindows,
-    mixing: list[str] = options.Mixing,
-    csm_bin: int = options.CsmBin,
+    analysis: options.AnalysisOptions,
     db: str = DbOpt,
-    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+    fmt: Format = FormatOpt,
 ) -> None:
     """Add a schedule: analyse CORPUS with MODEL on a cron expression or an interval."""
-    from headatlas.service.analysis_options import build_params
+    from headatlas.service.analysis_options import parse_batch_size
     from headatlas.service.model_check import check_model_spec
     from headatlas.service.storage import schedule_store
 
     _check_name(name)
     cadence = _cadence(cron, every, timezone)
-    params = build_params(
-        seq_len=seq_len,
-        windowing=windowing,
-        sentences=sentences,
-        select=select,
-        gate=gate,
-        vectors=vectors,
-        short_range=short_range,
-        dtype=dtype,
-        include_special=include_special,
-        attribution=attribution,
-        mixing=mixing,
-        attribution_windows=attribution_windows,
-        csm_bin=csm_bin,
-    )
+    params, model = analysis.params, analysis.model
     check_model_spec(model, seq_len=params.seq_len, memory="total")  # workers load it at each fire
     sched = schedule_store.add(
         db,
         name=name,
         corpus=_corpus(corpus),
         model=model,
-        dtype=dtype,
-        batch_size=batch_size,
+        dtype=params.dtype,
+        batch_size=parse_batch_size(analysis.batch_size, queued=True),
         params=params.to_dict(),
         cadence=cadence,
         only_new=only_new,
@@ -161,10 +130,10 @@ def schedule_edit(
     cron: str | None = typer.Option(None, "--cron", help="New cron expression (replaces an interval)."),
     every: str | None = typer.Option(None, "--every", help="New interval (replaces a cron expression)."),
     timezone: str | None = typer.Option(None, "--timezone", help="New time zone."),
-    model: str | None = typer.Option(None, "--model", "-m", help="New model spec."),
+    model: str | None = options.declared_option(BY_NAME["model"], help="New model spec, as for add.", default=None),
     only_new: bool | None = typer.Option(None, "--only-new/--all", help="Analyse only new documents, or all."),
     db: str = DbOpt,
-    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+    fmt: Format = FormatOpt,
 ) -> None:
     """Change a schedule; a running beat uses the change at its next tick."""
     from headatlas.service.errors import ParameterError
@@ -178,7 +147,7 @@ def schedule_edit(
         check_timezone(timezone)
     if model is not None:
         with schedule_store.read(db) as conn:
-            seq_len = schedule_store.get(conn, name).params.get("seq_len", 128)
+            seq_len = schedule_store.get(conn, name).params.get("seq_len", DEFAULTS["seq_len"])
         check_model_spec(model, seq_len=seq_len, memory="total")
     sched = schedule_store.edit(
         db,
@@ -194,9 +163,7 @@ def schedule_edit(
 
 
 @schedule_app.command("list")
-def schedule_list(
-    db: str = DbOpt, fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format.")
-) -> None:
+def schedule_list(db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """List the schedules: cadence, state, last and next fire (UTC)."""
     from headatlas.service.storage import schedule_store
 
@@ -209,7 +176,7 @@ def schedule_list(
 def schedule_show(
     name: str = NameArg,
     db: str = DbOpt,
-    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+    fmt: Format = FormatOpt,
 ) -> None:
     """A schedule and its fires, each with its run (id, name, status)."""
     from headatlas.service.storage import schedule_store
@@ -281,7 +248,7 @@ def beat(
     db: str = DbOpt,
     broker: str = BrokerOpt,
     tick: float = typer.Option(1.0, "--tick", min=0.1, help="Seconds between two reads of the schedules."),
-    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning)."),
+    loglevel: str = options.Loglevel,
 ) -> None:
     """Fire due schedules: submit their runs to the queue (run one; a second one creates no duplicate run)."""
     from headatlas.workers.beat import Beat
@@ -299,11 +266,9 @@ def query_trend(
     ),
     layer: int | None = typer.Option(None, "--layer", "-l", help="One layer (0-based); default: the mean over layers."),
     head: int | None = typer.Option(None, "--head", help="One head of --layer (0-based)."),
-    ci: bool = typer.Option(
-        False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."
-    ),
+    ci: bool = options.Ci,
     db: str = DbOpt,
-    fmt: Format = options.Fmt,
+    fmt: Format = FormatOpt,
 ) -> None:
     """A metric across a schedule's runs over time, as a table and a sparkline."""
     from headatlas.service import queries

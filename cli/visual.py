@@ -13,19 +13,15 @@ from pathlib import Path
 
 import typer
 
-from headatlas.cli.options import Sentences as SentencesOpt
+from headatlas.cli import options
 from headatlas.cli.output import stderr, stdout
-from headatlas.service.config import Settings
-
-SETTINGS = Settings.from_env()
 
 plot_app = typer.Typer(
     help="Figures of a stored run, as PNG or SVG (by the --out suffix). Layers and heads are 0-based.",
     no_args_is_help=True,
 )
 
-DbOpt = typer.Option(SETTINGS.db, "--db", help="DuckDB results file [env HEADATLAS_DB].")
-RunOpt = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
+DbOpt, RunOpt = options.Db, options.Run
 RunArg = typer.Argument(None, help="Run id or name (default: the latest run).")
 FigureOut = typer.Option(..., "--out", "-o", help="Output file: .png or .svg.")
 DpiOpt = typer.Option(100, "--dpi", help="Pixels per inch of a PNG (the figure size in inches is fixed).")
@@ -49,8 +45,24 @@ def register(app: typer.Typer) -> None:
 
 
 # --- inspect ----------------------------------------------------------------------------------
+@options.analysis_options(
+    "model",
+    "device",
+    "seq_len",
+    "select",
+    "sentences",
+    "vectors",
+    "include_special",
+    "text_field",
+    "encoding",
+    help={
+        "text_field": "JSONL field / CSV column holding the text (with --file).",
+        "encoding": "Text encoding of --file.",
+    },
+)
 def inspect(
     text: str | None = typer.Argument(None, help="The text to look at, or - to read it from stdin."),
+    *,
     file: Path | None = typer.Option(
         None, "--file", help="Read the text from a .txt/.jsonl/.csv file (its first document)."
     ),
@@ -62,28 +74,7 @@ def inspect(
         None, "--head", help="Head (0-based, needs --layer): its CSM and attention map side by side."
     ),
     matrix: Matrix = typer.Option(Matrix.csm, "--matrix", help="What the grid shows when no --head is given."),
-    model: str = typer.Option(
-        SETTINGS.model,
-        "--model",
-        "-m",
-        help="`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:SHAPE [env HEADATLAS_MODEL].",
-    ),
-    device: str = typer.Option(SETTINGS.device, "--device", help="auto, cpu, cuda or cuda:N [env HEADATLAS_DEVICE]."),
-    seq_len: int = typer.Option(
-        128, "--seq-len", help="Tokens of the window, [CLS] and [SEP] included (longer text is cut)."
-    ),
-    select: str = typer.Option(
-        "top:0.02", "--select", help="High-similarity set marked on the CSM: top:Q, ratio:R or topk:K."
-    ),
-    sentences: str = SentencesOpt,
-    vectors: str = typer.Option("pre_wo", "--vectors", help="pre_wo (head output before W_O) or post_wo (after)."),
-    include_special: bool = typer.Option(
-        False, "--include-special/--no-include-special", help="Let [CLS]/[SEP] form pairs."
-    ),
-    text_field: str = typer.Option(
-        "text", "--text-field", help="JSONL field / CSV column holding the text (with --file)."
-    ),
-    encoding: str = typer.Option("utf-8", "--encoding", help="Text encoding of --file."),
+    analysis: options.AnalysisOptions,
     dpi: int = DpiOpt,
 ) -> None:
     """One text, no database: a head's similarity matrix and attention map, or a grid of heads.
@@ -92,7 +83,6 @@ def inspect(
     pairs outlined) and the attention map side by side, tokens on the axes, sentence boundaries
     dashed. Without --head: a layer × head grid of small matrices (--matrix csm|attention).
     """
-    from headatlas.service.analysis_options import build_params
     from headatlas.service.errors import ParameterError
     from headatlas.service.inspection import inspect_text, read_text_file
 
@@ -104,12 +94,10 @@ def inspect(
     if head is not None and layer is None:
         raise ParameterError(f"--head {head} needs --layer: pass --layer L (0-based) as well")
     if file is not None:
-        body = read_text_file(str(file), text_field=text_field, encoding=encoding)
+        body = read_text_file(str(file), text_field=analysis.text_field, encoding=analysis.encoding)
     else:
         body = sys.stdin.read() if text == "-" else text
-    params = build_params(
-        seq_len=seq_len, sentences=sentences, select=select, vectors=vectors, include_special=include_special
-    )
+    params, model, device = analysis.params, analysis.model, analysis.device
     from headatlas.service.model import load_model
     from headatlas.service.model_check import check_loaded, check_model_spec
 

@@ -1,41 +1,134 @@
-"""Build validated AnalysisParams from user-facing option values (CLI, tasks, schedules)."""
+"""The analysis options, declared once: name, type, default, help, SPEC section, and the
+``HEADATLAS_*`` setting that supplies the default where one does.
+
+The CLI builds its options from ``OPTIONS`` (``analyze``, ``submit``, ``schedule add``, ``inspect``,
+``demo``), ``AnalysisParams`` takes its defaults from it, and ``build_params`` turns the values a
+user typed (``--select top:Q``, ``--mixing rollout,norm``) into validated ``AnalysisParams``.
+"""
 
 from __future__ import annotations
 
-from headatlas.service.params import AnalysisParams, Selection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from headatlas.service.params import AnalysisParams
+
+from headatlas.service.config import Settings
 
 
-def build_params(
-    *,
-    seq_len: int = 128,
-    windowing: str = "chunks",
-    select: str = "top:0.02",
-    gate: float = 4.0,
-    include_special: bool = False,
-    vectors: str = "pre_wo",
-    short_range: int = 4,
-    dtype: str = "float32",
-    sentences: str = "segmenter",
-    attribution: bool = False,
-    mixing: list[str] | tuple[str, ...] = (),
-    attribution_windows: int = 256,
-    csm_bin: int = 8,
-) -> AnalysisParams:
-    return AnalysisParams(
-        seq_len=seq_len,
-        windowing=windowing,
-        sentences=sentences,
-        select=Selection.parse(select),
-        gate=gate,
-        include_special=include_special,
-        vectors=vectors,
-        short_range=short_range,
-        dtype=dtype,
-        attribution=attribution,
-        mixing=parse_mixing(mixing),
-        attribution_windows=attribution_windows,
-        csm_bin=csm_bin,
-    )
+@dataclass(frozen=True)
+class Declared:
+    """One analysis option. ``default`` is the value as a user types it."""
+
+    name: str  # the Python name: an AnalysisParams field (param=True) or a run setting
+    type: type
+    default: Any
+    help: str
+    spec: str | None = None  # the SPEC section that defines it
+    setting: str | None = None  # Settings field: HEADATLAS_<SETTING> overrides the default
+    param: bool = True  # part of AnalysisParams (changes the numbers, so the run key)
+    short: str | None = None
+    min: int | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def envvar(self) -> str | None:
+        return f"HEADATLAS_{self.setting.upper()}" if self.setting else None
+
+
+# in the order `--help` lists them
+OPTIONS: tuple[Declared, ...] = (
+    Declared(
+        "model",
+        str,
+        Settings.default("model"),
+        "`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D "
+        "(queued runs: every worker loads the same).",
+        setting="model",
+        param=False,
+        short="-m",
+    ),
+    Declared("device", str, Settings.default("device"), "auto, cpu, cuda or cuda:N.", setting="device", param=False),
+    Declared("dtype", str, "float32", "float32, bfloat16 or float16 (statistics are computed in float32)."),
+    Declared(
+        "batch_size",
+        str,
+        Settings.default("batch_size"),
+        "Windows per forward pass (one task each when queued), or auto: sized from free GPU memory; 32 on CPU "
+        "and for queued runs, whose batches are cut before any worker is known.",
+        setting="batch_size",
+        param=False,
+        short="-b",
+    ),
+    Declared("seq_len", int, 128, "Tokens per window, [CLS] and [SEP] included (longer text is cut).", spec="§1"),
+    Declared("windowing", str, "chunks", "chunks (cover each document) or first (one window per document).", "§1"),
+    Declared(
+        "sentences",
+        str,
+        "segmenter",
+        'Sentence ids: segmenter (a sentence-boundary library: "Mr." or "3.14" do not end a sentence) or punct '
+        "(every . ! ? ends one; reproduces runs made before the segmenter).",
+        spec="§1",
+    ),
+    Declared("select", str, "top:0.02", "High-similarity set: top:Q, ratio:R or topk:K.", spec="§3"),
+    Declared("gate", float, 4.0, "Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n.", spec="§3"),
+    Declared("include_special", bool, False, "Let [CLS]/[SEP] form pairs.", spec="§3"),
+    Declared("vectors", str, "pre_wo", "pre_wo (head output before W_O) or post_wo (after).", spec="§2"),
+    Declared("short_range", int, 4, "Distance counted as short range in short_range_share.", spec="§5"),
+    Declared(
+        "attribution",
+        bool,
+        False,
+        "Gradient attribution per head to the input tokens (costly: one backward pass per layer, head and token).",
+        spec="§6",
+    ),
+    Declared(
+        "attribution_windows",
+        int,
+        256,
+        "Only the run's first N windows get --attribution / --mixing.",
+        spec="§6",
+        min=0,
+    ),
+    Declared(
+        "mixing", list[str], (), "Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate).", "§6"
+    ),
+    Declared(
+        "csm_bin",
+        int,
+        8,
+        "Corpus-averaged similarity matrices: positions per bin (1 = full resolution: a larger payload; 0 = none).",
+        spec="§5c",
+        min=0,
+    ),
+    Declared("text_field", str, "text", "JSONL field / CSV column holding the text.", param=False),
+    Declared("encoding", str, "utf-8", "Text encoding of the corpus files.", param=False),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+PARAM_NAMES = tuple(o.name for o in OPTIONS if o.param)
+RUN_NAMES = tuple(o.name for o in OPTIONS if not o.param)
+DEFAULTS = {o.name: o.default for o in OPTIONS}
+
+
+def build_params(**values: Any) -> AnalysisParams:
+    """Validated AnalysisParams from option values as typed (CLI, Python API, tasks, schedules);
+    an option not given takes its declared default."""
+    from headatlas.service.errors import ParameterError
+
+    # imported here: params takes its defaults from this module
+    from headatlas.service.params import AnalysisParams, Selection
+
+    unknown = sorted(set(values) - set(PARAM_NAMES))
+    if unknown:
+        raise ParameterError(f"unknown option {unknown[0]!r}; the analysis options are {', '.join(PARAM_NAMES)}")
+    given = {name: values.get(name, DEFAULTS[name]) for name in PARAM_NAMES}
+    given["select"] = Selection.parse(given["select"])
+    given["mixing"] = parse_mixing(given["mixing"])
+    return AnalysisParams(**given)
 
 
 def parse_mixing(values) -> tuple[str, ...]:
@@ -49,3 +142,19 @@ def parse_mixing(values) -> tuple[str, ...]:
 
         raise ParameterError(f"--mixing {unknown[0]!r}: choose from {', '.join(MIXING)} (several allowed)")
     return tuple(m for m in MIXING if m in given)
+
+
+def parse_batch_size(value: str | int, *, queued: bool = False) -> str | int:
+    """``--batch-size``: a positive integer or ``auto``. A queued run's batches are cut before a
+    worker is known, so there ``auto`` is the CPU size, 32."""
+    from headatlas.service.errors import ParameterError
+
+    text = str(value).strip().lower()
+    if text == "auto":
+        return AUTO_QUEUED if queued else "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise ParameterError(f"--batch-size {value!r}: use a positive integer or auto")
+    return int(text)
+
+
+AUTO_QUEUED = 32

@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.errors import ParameterError
 from headatlas.service.storage.store import Run, Store, resolve_run
 
@@ -135,30 +136,25 @@ def analyze(
     corpus: str | Path,
     *,
     db: str | Path | None = None,
-    model: str = "default",
+    model: str = DEFAULTS["model"],
     name: str | None = None,
-    device: str = "auto",
-    batch_size: int = 32,
-    text_field: str = "text",
-    encoding: str = "utf-8",
+    device: str = DEFAULTS["device"],
+    batch_size: int | str = DEFAULTS["batch_size"],
+    text_field: str = DEFAULTS["text_field"],
+    encoding: str = DEFAULTS["encoding"],
     **options: Any,
 ) -> RunView:
     """Analyse a corpus in this process (the embedded engine of ``headatlas analyze``) and return
     the stored run. ``options``: the analysis options by their Python names (``seq_len``,
     ``select``, ``gate``, ``sentences``, ``dtype``, …; see docs/SPEC.md). Resumes an unfinished
     run with the same corpus, model and options."""
-    import inspect
-
-    from headatlas.service.analysis_options import build_params
+    from headatlas.service.analysis_options import build_params, parse_batch_size
     from headatlas.service.config import Settings
-    from headatlas.service.model import load_model
+    from headatlas.service.model import auto_batch_size, load_model
     from headatlas.service.runner import analyze_corpus, survey_corpus
 
-    known = set(inspect.signature(build_params).parameters)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ParameterError(f"analyze(): unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
     params = build_params(**options)
+    size = parse_batch_size(batch_size)
     store = Store(Path(db if db is not None else Settings.from_env().db))
     summary = survey_corpus(str(corpus), text_field=text_field, encoding=encoding)
     loaded = load_model(model, device=device, dtype=params.dtype)
@@ -169,7 +165,7 @@ def analyze(
         params=params,
         corpus=summary,
         name=name,
-        batch_size=batch_size,
+        batch_size=auto_batch_size(loaded, params.seq_len) if size == "auto" else size,
         text_field=text_field,
         encoding=encoding,
     )

@@ -50,6 +50,11 @@ class Settings:
         return cls(**values)
 
     @classmethod
+    def default(cls, name: str):
+        """The built-in value of one setting (what applies when its variable is not set)."""
+        return next(f.default for f in fields(cls) if f.name == name)
+
+    @classmethod
     def help(cls) -> list[tuple[str, str, str]]:
         """(variable, default, description) for every setting — README and `headatlas config`."""
         import inspect

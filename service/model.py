@@ -362,15 +362,3 @@ def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) 
     per_window += element * seq_len * model.d_model * 16
     size = max(1, int(free * 0.6 // per_window))
     return min(4096, 1 << (size.bit_length() - 1))
-
-
-def parse_batch_size(value: str | int) -> str | int:
-    """``auto`` or a positive integer (CLI and settings)."""
-    if isinstance(value, int) or str(value).strip().isdigit():
-        size = int(value)
-        if size < 1:
-            raise ModelError(f"--batch-size {value}: must be at least 1, or auto")
-        return size
-    if str(value).strip().lower() == "auto":
-        return "auto"
-    raise ModelError(f"--batch-size {value!r}: use a positive integer or auto")

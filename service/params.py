@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.errors import ParameterError
 from headatlas.service.results import FORWARD_MIXING
 
@@ -20,7 +21,7 @@ VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
 MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
-CSM_BIN = 8  # default bin of the corpus-averaged similarity matrices, in tokens per side
+CSM_BIN = DEFAULTS["csm_bin"]  # default bin of the corpus-averaged similarity matrices, in tokens per side
 
 
 @dataclass(frozen=True)
@@ -67,21 +68,22 @@ class Selection:
 
 @dataclass(frozen=True)
 class AnalysisParams:
-    """Every choice that changes the numbers. Defaults are SPEC's."""
+    """Every choice that changes the numbers. Defaults are SPEC's, declared with the options
+    (service/analysis_options.py); construct from typed values with ``build_params``."""
 
-    seq_len: int = 128
-    windowing: str = "chunks"
-    sentences: str = "segmenter"  # segmenter: a sentence-boundary library (SPEC §5b); punct: SPEC §1
-    select: Selection = field(default_factory=lambda: Selection("top", 0.02))
-    gate: float = 4.0
-    include_special: bool = False
-    vectors: str = "pre_wo"
-    short_range: int = 4
-    dtype: str = "float32"
-    attribution: bool = False  # gradient attribution per head (SPEC §6)
-    mixing: tuple[str, ...] = ()  # forward-only mixing measures: rollout, norm, alti
-    attribution_windows: int = 256  # windows per run that get attribution / mixing (the first ones)
-    csm_bin: int = CSM_BIN  # averaged similarity matrices: positions per bin (1 = full resolution, 0 = none)
+    seq_len: int = DEFAULTS["seq_len"]
+    windowing: str = DEFAULTS["windowing"]
+    sentences: str = DEFAULTS["sentences"]  # segmenter: a sentence-boundary library (SPEC §5b); punct: SPEC §1
+    select: Selection = field(default_factory=lambda: Selection.parse(DEFAULTS["select"]))
+    gate: float = DEFAULTS["gate"]
+    include_special: bool = DEFAULTS["include_special"]
+    vectors: str = DEFAULTS["vectors"]
+    short_range: int = DEFAULTS["short_range"]
+    dtype: str = DEFAULTS["dtype"]
+    attribution: bool = DEFAULTS["attribution"]  # gradient attribution per head (SPEC §6)
+    mixing: tuple[str, ...] = DEFAULTS["mixing"]  # forward-only mixing measures: rollout, norm, alti
+    attribution_windows: int = DEFAULTS["attribution_windows"]  # windows per run that get attribution / mixing
+    csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
 
     def __post_init__(self) -> None:
         if not 4 <= self.seq_len <= 4096:

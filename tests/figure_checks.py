@@ -18,8 +18,9 @@ def corpus_of(demo_corpus: Path, folder: Path, docs: slice, name: str) -> Path:
     return path
 
 
-def analyse(corpus: Path, db: Path, model, *, select: str = "top:0.02", name: str | None = None):
-    """Analyse ``corpus`` into ``db`` in this process (the embedded engine); returns the Run."""
+def analyse(corpus: Path, db: Path, model, *, name: str | None = None, **options):
+    """Analyse ``corpus`` into ``db`` in this process (the embedded engine) with the analysis
+    ``options`` (declared defaults for the rest); returns the Run."""
     from headatlas.service.analysis_options import build_params
     from headatlas.service.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
@@ -28,7 +29,7 @@ def analyse(corpus: Path, db: Path, model, *, select: str = "top:0.02", name: st
         str(corpus),
         store=Store(db),
         model=model,
-        params=build_params(select=select),
+        params=build_params(**options),
         corpus=survey_corpus(str(corpus)),
         name=name,
         batch_size=8,

@@ -35,7 +35,15 @@ def broker_options(settings: Settings) -> dict:
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     app = Celery("headatlas", broker=settings.broker_url, include=["headatlas.workers.tasks"])
+    configure(app, settings)
+    return app
+
+
+def configure(app: Celery, settings: Settings, *, torch_threads: int | None = None) -> None:
+    """Configure ``app`` from ``settings``, which tasks read as ``app.conf.headatlas``;
+    ``torch_threads``: torch threads per prefork child (None: torch's own choice)."""
     app.conf.update(
+        broker_url=settings.broker_url,
         broker_transport_options=broker_options(settings),
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # a restarted Redis is waited for, not given up on
@@ -65,7 +73,7 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_enable_remote_control=False,  # no pidbox queues: fewer keys, faster start
     )
     app.conf.headatlas = settings
-    return app
+    app.conf.headatlas_torch_threads = torch_threads
 
 
 app = make_app()

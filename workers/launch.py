@@ -1,7 +1,8 @@
 """Starting worker and writer processes (what `headatlas worker` / `headatlas writer` run).
 
-Settings reach the Celery app through HEADATLAS_* variables, set here before ``workers.app`` is
-imported, so that every process (prefork children, per-GPU processes) reads the same values.
+The settings are passed in: the Celery app is configured with them before the pool forks, so
+prefork children inherit them; a per-GPU process gets the overridden ones (broker, device) as
+its own options.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import replace
+
+from headatlas.service.config import Settings
 
 WORKER_FLAGS = ["--without-gossip", "--without-mingle", "--without-heartbeat"]
 
@@ -24,20 +28,21 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_worker(*, queues: str, concurrency: int | None, device: str, loglevel: str = "info") -> None:
+def run_worker(settings: Settings, *, queues: str, concurrency: int | None, loglevel: str = "info") -> None:
     """Analysis workers. On GPUs: one process per GPU with the solo pool (each loads the model
     once, on its own device). On CPU: one process (solo), or a prefork pool of ``concurrency``
     children sharing the cores."""
+    device = settings.device
     gpus = gpu_count() if device in ("auto", "cuda") else (1 if device.startswith("cuda") else 0)
     if gpus > 1 and device in ("auto", "cuda") and not concurrency:
-        _per_gpu(gpus, queues, loglevel)
+        _per_gpu(settings, gpus, queues, loglevel)
         return
-    os.environ["HEADATLAS_DEVICE"] = "cuda" if gpus and device == "auto" else device
+    settings = replace(settings, device="cuda" if gpus and device == "auto" else device)
     n = 1 if gpus else max(1, concurrency or 1)
     pool = ["--pool", "solo"] if n == 1 else ["--pool", "prefork", "--concurrency", str(n)]
-    if n > 1:
-        os.environ["HEADATLAS_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
-    from headatlas.workers.app import app
+    from headatlas.workers.app import app, configure
+
+    configure(app, settings, torch_threads=max(1, (os.cpu_count() or 1) // n) if n > 1 else None)
 
     app.worker_main(
         [
@@ -54,11 +59,11 @@ def run_worker(*, queues: str, concurrency: int | None, device: str, loglevel: s
     )
 
 
-def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
+def _per_gpu(settings: Settings, gpus: int, queues: str, loglevel: str) -> None:
     """One child per GPU; this process only waits and passes on stop signals."""
     children = []
     for index in range(gpus):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index), HEADATLAS_DEVICE="cuda:0")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index))
         children.append(
             subprocess.Popen(
                 [
@@ -72,6 +77,8 @@ def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
                     "1",
                     "--device",
                     "cuda:0",
+                    "--broker",
+                    settings.broker_url,
                     "--loglevel",
                     loglevel,
                 ],
@@ -90,15 +97,13 @@ def _per_gpu(gpus: int, queues: str, loglevel: str) -> None:
         sys.exit(max(codes))
 
 
-def run_writer() -> None:
+def run_writer(settings: Settings) -> None:
     """The single database writer, in this process, until SIGTERM or Ctrl-C."""
     import logging
 
-    from headatlas.service.config import Settings
     from headatlas.workers.writer import Writer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = Settings.from_env()
     writer = Writer(settings)
     logging.getLogger("headatlas.writer").info("storing into %s, from %s", settings.db, settings.broker_url)
     writer.run()

@@ -20,8 +20,14 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from headatlas.workers.app import app
 
-SETTINGS = app.conf.headatlas
 log = logging.getLogger("headatlas.worker")
+
+
+def _settings():
+    """The worker's settings, as its launcher configured the app (read at use, not at import)."""
+    return app.conf.headatlas
+
+
 _state: dict = {}  # per process: ledger, loaded models
 
 
@@ -29,7 +35,7 @@ def _ledger(database_id: str):
     from headatlas.workers.ledger import Ledger, connect
 
     if "redis" not in _state:
-        _state["redis"] = connect(SETTINGS.broker_url, check=False)
+        _state["redis"] = connect(_settings().broker_url, check=False)
     return Ledger(_state["redis"], database_id)
 
 
@@ -43,7 +49,7 @@ def _model(spec: str, dtype: str, weights_key: str | None = None):
     if cached is None or (weights_key and cached.weights_key != weights_key):
         models.pop((spec, dtype), None)
         cached = None  # the old weights are freed before the new ones are loaded
-        models[(spec, dtype)] = load_model(spec, device=SETTINGS.device, dtype=dtype)
+        models[(spec, dtype)] = load_model(spec, device=_settings().device, dtype=dtype)
     return models[(spec, dtype)]
 
 
@@ -73,7 +79,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         return  # delivered again after it was stored
     worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
     attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
-    if attempt > SETTINGS.max_attempts:
+    if attempt > _settings().max_attempts:
         error = (
             ledger.last_error(run_key, batch_id) or "the worker was lost (killed, or out of memory) while analysing it"
         )
@@ -83,12 +89,12 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         with BatchHeartbeat(ledger, run_key, batch_id, worker):
             # once per process (and per checkpoint), outside the batch's time limit
             model = _model(batch["model"], batch["dtype"], batch.get("weights_key"))
-            with _deadline(0.95 * SETTINGS.task_time_limit_s):
+            with _deadline(0.95 * _settings().task_time_limit_s):
                 payload = _analyse(model, batch)
     except Exception as exc:  # noqa: BLE001 - every failure counts against the poison guard
         error = _describe(exc)
         ledger.errored(run_key, batch_id, error)
-        if attempt >= SETTINGS.max_attempts:
+        if attempt >= _settings().max_attempts:
             _give_up(ledger, run_key, batch_id, attempt, error)
             return
         raise self.retry(countdown=min(2**attempt, 30), exc=None)  # noqa: B904 - Celery's retry idiom
@@ -144,7 +150,7 @@ def _analyse(model, batch: dict) -> str:
         tokens,
         documents=batch["documents"],
         mixing_windows=mixing,
-        attribution_chunk=SETTINGS.attribution_chunk,
+        attribution_chunk=_settings().attribution_chunk,
     )
     return base64.b64encode(result.to_bytes()).decode("ascii")
 
@@ -156,7 +162,7 @@ def _give_up(ledger, run_key: str, batch_id: int, attempts: int, error: str) -> 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, SoftTimeLimitExceeded):
-        return f"took longer than HEADATLAS_TASK_TIME_LIMIT_S={SETTINGS.task_time_limit_s:g} s; use smaller batches or raise the limit"
+        return f"took longer than HEADATLAS_TASK_TIME_LIMIT_S={_settings().task_time_limit_s:g} s; use smaller batches or raise the limit"
     return f"{type(exc).__name__}: {exc}"[:1000]
 
 
@@ -183,7 +189,7 @@ def _deadline(seconds: float):
 @signals.worker_process_init.connect
 def _share_cores(**_kwargs) -> None:
     """Prefork children split the cores instead of each using all of them."""
-    threads = os.environ.get("HEADATLAS_TORCH_THREADS")
+    threads = app.conf.headatlas_torch_threads
     if threads:
         import torch
 
