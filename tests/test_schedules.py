@@ -160,9 +160,10 @@ def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(clus
         _cols, layer_trend = queries.trend(conn, sched_id, metric="mean_distance", layer=0)
         _cols, mean_trend = queries.trend(conn, sched_id, metric="noise_share")
         for k, (_run_name, _) in enumerate(runs):
-            _c, layers = queries.layers(conn, layer_trend[k][1])
-            assert layer_trend[k][-1] == pytest.approx(layers[0][1])
-            assert mean_trend[k][-1] == pytest.approx(sum(row[7] for row in layers) / len(layers))
+            columns, layers = queries.layers(conn, layer_trend[k][1])
+            distance, noise = columns.index("mean_distance"), columns.index("noise_share")
+            assert layer_trend[k][-1] == pytest.approx(layers[0][distance])
+            assert mean_trend[k][-1] == pytest.approx(sum(row[noise] for row in layers) / len(layers))
     for k, (run_name, _) in enumerate(runs):
         heads = json.loads(_cli(cluster, "query", "heads", "--run", run_name, "--layer", "1", "--format", "json"))
         assert trend[k]["within_sentence"] == pytest.approx([h for h in heads if h["head"] == 2][0]["within_sentence"])
