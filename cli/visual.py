@@ -122,12 +122,20 @@ def inspect(
 # --- plot -------------------------------------------------------------------------------------
 def _plot(kind: str, run: str | None, db: str, out: Path, dpi: int, **options) -> None:
     from headatlas.service import plots
+
+    _draw(db, out, dpi, lambda conn, resolve: plots.run_figure(kind, conn, resolve(run), **options))
+
+
+def _draw(db: str, out: Path, dpi: int, figure) -> None:
+    """Check --out, draw ``figure(conn, resolve_run)`` from one read of the database, write it."""
+    from functools import partial
+
+    from headatlas.service import plots
     from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
-        r = resolve_run(conn, run)
-        fig = plots.run_figure(kind, conn, r, **options)
+        fig = figure(conn, partial(resolve_run, conn))
     _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
 
 
@@ -211,13 +219,9 @@ def plot_csm(
     dpi: int = DpiOpt,
 ) -> None:
     """Corpus-averaged context similarity matrices by token position (bins of --csm-bin positions)."""
-    from headatlas.service import csm_plots, plots
-    from headatlas.service.storage.store import Store, resolve_run
+    from headatlas.service import csm_plots
 
-    plots.output_format(out)
-    with Store(db).checked_read() as conn:
-        fig = csm_plots.run_csm(conn, resolve_run(conn, run), layer=layer, head=head, kind=kind)
-    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+    _draw(db, out, dpi, lambda conn, resolve: csm_plots.run_csm(conn, resolve(run), layer=layer, head=head, kind=kind))
 
 
 @plot_app.command("mixing")
@@ -233,13 +237,9 @@ def plot_mixing(
     dpi: int = DpiOpt,
 ) -> None:
     """Per layer: mass to self, neighbours, specials and punctuation, one line per mixing method."""
-    from headatlas.service import mixing_plots, plots
-    from headatlas.service.storage.store import Store, resolve_run
+    from headatlas.service import mixing_plots
 
-    plots.output_format(out)
-    with Store(db).checked_read() as conn:
-        fig = mixing_plots.run_mixing(conn, resolve_run(conn, run), methods=method or None)
-    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+    _draw(db, out, dpi, lambda conn, resolve: mixing_plots.run_mixing(conn, resolve(run), methods=method or None))
 
 
 @plot_app.command("discrepancy")
@@ -253,25 +253,17 @@ def plot_discrepancy(
     dpi: int = DpiOpt,
 ) -> None:
     """Per-head Jensen–Shannon divergence between attention and a mixing method, and its layer progression."""
-    from headatlas.service import mixing_plots, plots
-    from headatlas.service.storage.store import Store, resolve_run
+    from headatlas.service import mixing_plots
 
-    plots.output_format(out)
-    with Store(db).checked_read() as conn:
-        fig, _ = mixing_plots.run_discrepancy(conn, resolve_run(conn, run), method=method)
-    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+    _draw(db, out, dpi, lambda conn, resolve: mixing_plots.run_discrepancy(conn, resolve(run), method=method)[0])
 
 
 @plot_app.command("atlas")
 def plot_atlas(run: str | None = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7)."""
-    from headatlas.service import atlas_plots, plots
-    from headatlas.service.storage.store import Store, resolve_run
+    from headatlas.service import atlas_plots
 
-    plots.output_format(out)
-    with Store(db).checked_read() as conn:
-        fig, _ = atlas_plots.run_atlas(conn, resolve_run(conn, run))
-    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+    _draw(db, out, dpi, lambda conn, resolve: atlas_plots.run_atlas(conn, resolve(run))[0])
 
 
 @plot_app.command("compare")
@@ -291,21 +283,20 @@ def plot_compare(
     dpi: int = DpiOpt,
 ) -> None:
     """Two runs' layer profiles with 95% intervals, one panel per metric, and a per-head difference heat map."""
-    from headatlas.service import atlas_plots, compare, plots
+    from headatlas.service import atlas_plots, compare
     from headatlas.service.errors import ParameterError
-    from headatlas.service.storage.store import Store, resolve_run
 
-    plots.output_format(out)
-    with Store(db).checked_read() as conn:
-        a = resolve_run(conn, run_a)
-        b = resolve_run(conn, run_b) if run_b is not None else compare.control_of(conn, a)
+    def figure(conn, resolve):
+        a = resolve(run_a)
+        b = resolve(run_b) if run_b is not None else compare.control_of(conn, a)
         if b is None:
             raise ParameterError(
                 f"plot compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
                 "or analyse again with --control"
             )
-        fig = atlas_plots.run_compare(conn, a, b, metrics=metric or None, heat_metric=heat_metric)
-    _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
+        return atlas_plots.run_compare(conn, a, b, metrics=metric or None, heat_metric=heat_metric)
+
+    _draw(db, out, dpi, figure)
 
 
 # --- report and export ------------------------------------------------------------------------
