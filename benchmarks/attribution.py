@@ -20,13 +20,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from headatlas.service.attribution import gradient_norms, trace  # noqa: E402
-from headatlas.service.corpus import demo_corpus_path, iter_documents  # noqa: E402
-from headatlas.service.mixing import mixing_sums  # noqa: E402
-from headatlas.service.model import load_model  # noqa: E402
+from headatlas.service.engine.corpus import demo_corpus_path, iter_documents  # noqa: E402
+from headatlas.service.engine.model import load_model  # noqa: E402
+from headatlas.service.engine.stats import window_features  # noqa: E402
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows  # noqa: E402
+from headatlas.service.measures.attribution import gradient_norms, trace  # noqa: E402
+from headatlas.service.measures.mixing import mixing_sums  # noqa: E402
 from headatlas.service.params import AnalysisParams  # noqa: E402
-from headatlas.service.stats import window_features  # noqa: E402
-from headatlas.service.windows import TokenClasses, collate, document_windows  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:

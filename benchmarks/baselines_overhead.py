@@ -30,11 +30,11 @@ CHILD = r"""
 import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[4]))
-from headatlas.service.analysis import analyze_batch
-from headatlas.service.model import load_model
+from headatlas.service.engine.analysis import analyze_batch
+from headatlas.service.engine.model import load_model
 from headatlas.service.params import AnalysisParams
-from headatlas.service.runner import iter_batches
-from headatlas.service.windows import TokenClasses
+from headatlas.service.engine.runner import iter_batches
+from headatlas.service.engine.windows import TokenClasses
 
 model = load_model(sys.argv[1], device="cpu")
 params = AnalysisParams(sentences="punct")  # the same sentences on both sides: only the §5b sums differ

@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Timer, corpus_prefix, default_corpus, machine, median  # noqa: E402
-from headatlas.service import stats  # noqa: E402
-from headatlas.service.analysis import analyze_batch, forward  # noqa: E402
-from headatlas.service.hooks import act_name, capture_attention  # noqa: E402
-from headatlas.service.model import load_model  # noqa: E402
+from headatlas.service.engine import stats  # noqa: E402
+from headatlas.service.engine.analysis import analyze_batch, forward  # noqa: E402
+from headatlas.service.engine.hooks import act_name, capture_attention  # noqa: E402
+from headatlas.service.engine.model import load_model  # noqa: E402
+from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
+from headatlas.service.engine.windows import TokenClasses  # noqa: E402
 from headatlas.service.params import AnalysisParams  # noqa: E402
-from headatlas.service.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
-from headatlas.service.windows import TokenClasses  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:

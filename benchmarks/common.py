@@ -12,7 +12,7 @@ SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "wi
 
 def default_corpus() -> Path:
     """The development corpus where it exists (a checkout beside ../shared), else the shipped excerpt."""
-    from headatlas.service.corpus import demo_corpus_path
+    from headatlas.service.engine.corpus import demo_corpus_path
 
     return SHARED_CORPUS if SHARED_CORPUS.exists() else demo_corpus_path()
 

@@ -41,11 +41,11 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from headatlas.service.analysis import analyze_batch
-    from headatlas.service.model import load_model
+    from headatlas.service.engine.analysis import analyze_batch
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.params import AnalysisParams
-    from headatlas.service.runner import iter_batches
-    from headatlas.service.windows import TokenClasses
 
     model = load_model(args.model, device="cpu")
     with_csm = AnalysisParams(sentences="punct", csm_bin=args.csm_bin)  # punct: no segmenter cost in either
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
             flush=True,
         )
     # the matrices' own time inside the same analyses: a share that machine load scales on both sides
-    from headatlas.service import averaged_csm
+    from headatlas.service.engine import averaged_csm
 
     inner, outer = [0.0], 0.0
     original = averaged_csm.averaged_csm_sums

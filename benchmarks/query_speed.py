@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import Timer, median  # noqa: E402
-from headatlas.service import queries  # noqa: E402
-from headatlas.service.analysis import BatchResult  # noqa: E402
-from headatlas.service.results import HEAD_SUMS, replicate_group  # noqa: E402
+from headatlas.service.engine.analysis import BatchResult  # noqa: E402
+from headatlas.service.engine.results import HEAD_SUMS, replicate_group  # noqa: E402
+from headatlas.service.reports import queries  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
 
 SEQ = 128

@@ -30,7 +30,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def corpus(folder: Path, copies: int) -> Path:
-    from headatlas.service.corpus import demo_corpus_path
+    from headatlas.service.engine.corpus import demo_corpus_path
 
     docs = [d.strip() for d in demo_corpus_path().read_text(encoding="utf-8").split("\n\n") if d.strip()]
     path = folder / "bench.txt"
@@ -48,9 +48,9 @@ def main(argv=None) -> None:
     from queue_support import Cluster, any_redis
 
     from headatlas.service.config import Settings
-    from headatlas.service.model import load_model
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.params import AnalysisParams
-    from headatlas.service.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
     from headatlas.workers.submit import submit
 

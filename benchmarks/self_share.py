@@ -1,6 +1,6 @@
 """Share of a token's layer-l representation attributed to its own input token, per layer.
 
-Layer-level gradient attribution (service.attribution, the block output's row) on the first
+Layer-level gradient attribution (service.measures.attribution, the block output's row) on the first
 windows of a corpus (default: the shipped demo text), the quantity Brunner et al. 2020 report
 for BERT-base (median near 7.5% in the last layer). Prints per layer the median, quartiles and
 mean of ĝ_ii over all non-special tokens, and the same for the runner-up neighbours.
@@ -22,11 +22,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from headatlas.service.attribution import gradient_norms, normalise_rows  # noqa: E402
-from headatlas.service.corpus import demo_corpus_path, iter_documents  # noqa: E402
-from headatlas.service.model import load_model  # noqa: E402
+from headatlas.service.engine.corpus import demo_corpus_path, iter_documents  # noqa: E402
+from headatlas.service.engine.model import load_model  # noqa: E402
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows  # noqa: E402
+from headatlas.service.measures.attribution import gradient_norms, normalise_rows  # noqa: E402
 from headatlas.service.params import AnalysisParams  # noqa: E402
-from headatlas.service.windows import TokenClasses, collate, document_windows  # noqa: E402
 
 
 def main() -> None:

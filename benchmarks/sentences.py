@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Timer, machine, median  # noqa: E402
-from headatlas.service.corpus import demo_corpus_path, iter_documents  # noqa: E402
+from headatlas.service.engine.corpus import demo_corpus_path, iter_documents  # noqa: E402
+from headatlas.service.engine.sentences import sentence_starts  # noqa: E402
+from headatlas.service.engine.windows import TokenClasses, document_windows  # noqa: E402
 from headatlas.service.params import AnalysisParams  # noqa: E402
-from headatlas.service.sentences import sentence_starts  # noqa: E402
-from headatlas.service.windows import TokenClasses, document_windows  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from headatlas.service.model import default_model_dir
+    from headatlas.service.engine.model import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     tokens = TokenClasses.from_tokenizer(tokenizer)

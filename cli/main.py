@@ -131,7 +131,7 @@ def analyze(
 @options.analysis_options("model", "device", "batch_size")
 def demo(*, analysis: options.AnalysisOptions, db: str = DbOpt) -> None:
     """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
-    from headatlas.service.corpus import demo_corpus_path
+    from headatlas.service.engine.corpus import demo_corpus_path
 
     chunk = Settings.default("attribution_chunk")  # the demo computes no attribution
     _analyze(str(demo_corpus_path()), analysis, name="demo", db=db, quiet=False, attribution_chunk=chunk, control=False)
@@ -148,10 +148,10 @@ def _analyze(
     control: bool,
 ) -> None:
     from headatlas.service.analysis_options import parse_batch_size
-    from headatlas.service.corpus import STDIN_SOURCE, remove_spool, spool_stdin
-    from headatlas.service.model import auto_batch_size, control_model, load_model, resolve_device
-    from headatlas.service.model_check import check_loaded, check_model_spec
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.corpus import STDIN_SOURCE, remove_spool, spool_stdin
+    from headatlas.service.engine.model import auto_batch_size, control_model, load_model, resolve_device
+    from headatlas.service.engine.model_check import check_loaded, check_model_spec
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.db import check_headatlas_file
 
     params, model, device = analysis.params, analysis.model, analysis.device
@@ -273,7 +273,7 @@ class _progress:
 
 
 def _print_run_summary(store, run_id: int) -> None:
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     with store.checked_read() as conn:
         info = queries.run_summary(conn, run_id)
@@ -355,7 +355,7 @@ def query_heads(
 ) -> None:
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
     each against its chance (a table shows the main columns; --format json/csv has all)."""
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
@@ -389,8 +389,8 @@ def query_distances(
     fmt: Format = FormatOpt,
 ) -> None:
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
-    from headatlas.service import queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import queries
 
     if max_distance is not None and max_distance < 1:
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
@@ -427,7 +427,7 @@ def query_distances(
 def query_boundaries(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform."""
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer", note=queries.LIFT_NOTE, ci=ci)
 
@@ -436,7 +436,7 @@ def query_boundaries(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt
 def query_layers(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """Per layer summary: the progression from early to final layers (a table shows the main
     columns; --format json/csv has all)."""
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     _query(db, run, fmt, queries.layers, "layers", table_columns=LAYER_TABLE, note=queries.LIFT_NOTE, ci=ci)
 
@@ -454,7 +454,7 @@ def query_mixing(
     fmt: Format = FormatOpt,
 ) -> None:
     """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     what = f"layer {layer} heads" if layer is not None else "per layer"
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
@@ -472,7 +472,7 @@ def query_discrepancy(
     fmt: Format = FormatOpt,
 ) -> None:
     """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     store = _store(db)
     with store.checked_read() as conn:
@@ -503,9 +503,9 @@ def compare(
 ) -> None:
     """Two runs side by side per layer (or head): both values, A − B, and whether the difference
     is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
-    from headatlas.service import compare as comparison
-    from headatlas.service import queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import compare as comparison
+    from headatlas.service.reports import queries
 
     with _store(db).checked_read() as conn:
         a = _run(conn, run_a)
@@ -542,7 +542,7 @@ def compare(
 def query_roles(run: str | None = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
     """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
     95% interval, threshold; rules in SPEC §7). Heads without a role: "none established"."""
-    from headatlas.service import roles
+    from headatlas.service.reports import roles
 
     _query(db, run, fmt, roles.roles, "head roles (SPEC §7)", note=roles.ROLES_NOTE)
 

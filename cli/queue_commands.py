@@ -49,7 +49,7 @@ def submit(
 ) -> None:
     """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
     from headatlas.service.analysis_options import parse_batch_size
-    from headatlas.service.model_check import check_model_spec
+    from headatlas.service.engine.model_check import check_model_spec
     from headatlas.workers.submit import submit as submit_corpus
 
     if corpus == "-":

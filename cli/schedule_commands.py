@@ -39,7 +39,7 @@ def _cadence(cron: str | None, every: str | None, tz: str):
 def _corpus(spec: str) -> str:
     """Check the corpus exists and holds a document now (a clear error at `add`, not at the first
     fire) and keep an absolute path, so that beat finds it whatever its working directory."""
-    from headatlas.service.corpus import iter_documents
+    from headatlas.service.engine.corpus import iter_documents
 
     next(iter(iter_documents(spec)))  # reads up to the first document; an empty corpus raises
     path = Path(spec)
@@ -102,7 +102,7 @@ def schedule_add(
 ) -> None:
     """Add a schedule: analyse CORPUS with MODEL on a cron expression or an interval."""
     from headatlas.service.analysis_options import parse_batch_size
-    from headatlas.service.model_check import check_model_spec
+    from headatlas.service.engine.model_check import check_model_spec
     from headatlas.service.storage import schedule_store
 
     _check_name(name)
@@ -136,8 +136,8 @@ def schedule_edit(
     fmt: Format = FormatOpt,
 ) -> None:
     """Change a schedule; a running beat uses the change at its next tick."""
+    from headatlas.service.engine.model_check import check_model_spec
     from headatlas.service.errors import ParameterError
-    from headatlas.service.model_check import check_model_spec
     from headatlas.service.schedules import check_cron, check_timezone, parse_every
     from headatlas.service.storage import schedule_store
 
@@ -271,7 +271,7 @@ def query_trend(
     fmt: Format = FormatOpt,
 ) -> None:
     """A metric across a schedule's runs over time, as a table and a sparkline."""
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
     from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:

@@ -84,11 +84,11 @@ def inspect(
     dashed. Without --head: a layer × head grid of small matrices (--matrix csm|attention).
     """
     from headatlas.service.errors import ParameterError
-    from headatlas.service.inspection import inspect_text, read_text_file
+    from headatlas.service.reports.inspection import inspect_text, read_text_file
 
     if (text is None) == (file is None):
         raise ParameterError('inspect: pass the text as an argument ("…" or - for stdin) or --file FILE, not both')
-    from headatlas.service.plots import output_format
+    from headatlas.service.reports.plots import output_format
 
     output_format(out)  # refuse a bad suffix before loading the model
     if head is not None and layer is None:
@@ -98,14 +98,14 @@ def inspect(
     else:
         body = sys.stdin.read() if text == "-" else text
     params, model, device = analysis.params, analysis.model, analysis.device
-    from headatlas.service.model import load_model
-    from headatlas.service.model_check import check_loaded, check_model_spec
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.model_check import check_loaded, check_model_spec
 
     check_model_spec(model, seq_len=params.seq_len, device=device)
     loaded = load_model(model, device=device)
     check_loaded(loaded, params.seq_len)
     result = inspect_text(loaded, body, params)
-    from headatlas.service import matrix_plots, plots
+    from headatlas.service.reports import matrix_plots, plots
 
     if head is not None:
         fig = matrix_plots.figure_head(result, layer, head)
@@ -121,7 +121,7 @@ def inspect(
 
 # --- plot -------------------------------------------------------------------------------------
 def _plot(kind: str, run: str | None, db: str, out: Path, dpi: int, **options) -> None:
-    from headatlas.service import plots
+    from headatlas.service.reports import plots
 
     _draw(db, out, dpi, lambda conn, resolve: plots.run_figure(kind, conn, resolve(run), **options))
 
@@ -130,7 +130,7 @@ def _draw(db: str, out: Path, dpi: int, figure) -> None:
     """Check --out, draw ``figure(conn, resolve_run)`` from one read of the database, write it."""
     from functools import partial
 
-    from headatlas.service import plots
+    from headatlas.service.reports import plots
     from headatlas.service.storage.store import Store, resolve_run
 
     plots.output_format(out)
@@ -188,8 +188,8 @@ def plot_heads(
     dpi: int = DpiOpt,
 ) -> None:
     """Layer × head heatmap of one metric; lifts are centred on 1 (chance)."""
-    from headatlas.service import queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import queries
 
     if metric not in queries.SORTABLE:
         raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
@@ -219,7 +219,7 @@ def plot_csm(
     dpi: int = DpiOpt,
 ) -> None:
     """Corpus-averaged context similarity matrices by token position (bins of --csm-bin positions)."""
-    from headatlas.service import csm_plots
+    from headatlas.service.reports import csm_plots
 
     _draw(db, out, dpi, lambda conn, resolve: csm_plots.run_csm(conn, resolve(run), layer=layer, head=head, kind=kind))
 
@@ -237,7 +237,7 @@ def plot_mixing(
     dpi: int = DpiOpt,
 ) -> None:
     """Per layer: mass to self, neighbours, specials and punctuation, one line per mixing method."""
-    from headatlas.service import mixing_plots
+    from headatlas.service.reports import mixing_plots
 
     _draw(db, out, dpi, lambda conn, resolve: mixing_plots.run_mixing(conn, resolve(run), methods=method or None))
 
@@ -253,7 +253,7 @@ def plot_discrepancy(
     dpi: int = DpiOpt,
 ) -> None:
     """Per-head Jensen–Shannon divergence between attention and a mixing method, and its layer progression."""
-    from headatlas.service import mixing_plots
+    from headatlas.service.reports import mixing_plots
 
     _draw(db, out, dpi, lambda conn, resolve: mixing_plots.run_discrepancy(conn, resolve(run), method=method)[0])
 
@@ -261,7 +261,7 @@ def plot_discrepancy(
 @plot_app.command("atlas")
 def plot_atlas(run: str | None = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
     """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7)."""
-    from headatlas.service import atlas_plots
+    from headatlas.service.reports import atlas_plots
 
     _draw(db, out, dpi, lambda conn, resolve: atlas_plots.run_atlas(conn, resolve(run))[0])
 
@@ -283,8 +283,8 @@ def plot_compare(
     dpi: int = DpiOpt,
 ) -> None:
     """Two runs' layer profiles with 95% intervals, one panel per metric, and a per-head difference heat map."""
-    from headatlas.service import atlas_plots, compare
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import atlas_plots, compare
 
     def figure(conn, resolve):
         a = resolve(run_a)
@@ -308,7 +308,7 @@ def report(
     db: str = DbOpt,
 ) -> None:
     """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""
-    from headatlas.service.report import write_report
+    from headatlas.service.reports.report import write_report
     from headatlas.service.storage.store import Store, resolve_run
 
     with Store(db).checked_read() as conn:
@@ -324,7 +324,7 @@ def export(
     db: str = DbOpt,
 ) -> None:
     """Every table of a run as Parquet or CSV files (one per table) plus manifest.json."""
-    from headatlas.service.export import export_run
+    from headatlas.service.reports.export import export_run
 
     r, tables = export_run(db, run, fmt.value, out)
     for t in tables:
@@ -333,7 +333,7 @@ def export(
 
 
 def _wrote(path: Path, fig, dpi: int) -> None:
-    from headatlas.service.plots import pixel_size
+    from headatlas.service.reports.plots import pixel_size
 
     if path.suffix.lower() == ".png":
         width, height = pixel_size(fig, dpi)

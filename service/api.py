@@ -90,36 +90,36 @@ class RunView:
         self, *, layer: int | None = None, sort: str | None = None, top: int | None = None, ci: bool = False
     ) -> pa.Table:
         """Per head: every metric of ``headatlas query heads`` (with ``_lo``/``_hi`` when ``ci``)."""
-        from headatlas.service import queries
+        from headatlas.service.reports import queries
 
         self._check(layer)
         return self._query(queries.heads, layer=layer, sort=sort, top=top, ci=ci)
 
     def layers(self, *, ci: bool = False) -> pa.Table:
-        from headatlas.service import queries
+        from headatlas.service.reports import queries
 
         return self._query(queries.layers, ci=ci)
 
     def boundaries(self, *, ci: bool = False) -> pa.Table:
-        from headatlas.service import queries
+        from headatlas.service.reports import queries
 
         return self._query(queries.boundaries, ci=ci)
 
     def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> pa.Table:
         """Distance profile of a head (or a layer's heads pooled) against chance."""
-        from headatlas.service import queries
+        from headatlas.service.reports import queries
 
         self._check(layer, head)
         return self._query(queries.distances, layer=layer, head=head, split=split, ci=ci)
 
     def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> pa.Table:
-        from headatlas.service import queries
+        from headatlas.service.reports import queries
 
         self._check(layer)
         return self._query(queries.mixing, layer=layer, methods=methods)
 
     def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> pa.Table:
-        from headatlas.service import queries
+        from headatlas.service.reports import queries
 
         return self._query(queries.discrepancy, method=method, top=top)
 
@@ -150,8 +150,8 @@ def analyze(
     run with the same corpus, model and options."""
     from headatlas.service.analysis_options import build_params, parse_batch_size
     from headatlas.service.config import Settings
-    from headatlas.service.model import auto_batch_size, load_model
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.model import auto_batch_size, load_model
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
 
     params = build_params(**options)
     size = parse_batch_size(batch_size)

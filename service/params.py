@@ -12,8 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from headatlas.service.analysis_options import DEFAULTS
+from headatlas.service.engine.results import FORWARD_MIXING
 from headatlas.service.errors import ParameterError
-from headatlas.service.results import FORWARD_MIXING
 
 WINDOWING = ("chunks", "first")
 SENTENCES = ("segmenter", "punct")

@@ -20,7 +20,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def real_model():
     """The default model (all-MiniLM-L6-v2, real weights), float32 on CPU."""
-    from headatlas.service.model import load_model
+    from headatlas.service.engine.model import load_model
 
     return load_model("default", device="cpu")
 
@@ -28,14 +28,14 @@ def real_model():
 @pytest.fixture(scope="session")
 def tiny_model():
     """A randomly initialised 2-layer, 4-head BERT (seeded) with the default tokenizer."""
-    from headatlas.service.model import load_model
+    from headatlas.service.engine.model import load_model
 
     return load_model("random:tiny", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def demo_corpus() -> Path:
-    from headatlas.service.corpus import demo_corpus_path
+    from headatlas.service.engine.corpus import demo_corpus_path
 
     return demo_corpus_path()
 

@@ -22,7 +22,7 @@ def analyse(corpus: Path, db: Path, model, *, name: str | None = None, **options
     """Analyse ``corpus`` into ``db`` in this process (the embedded engine) with the analysis
     ``options`` (declared defaults for the rest); returns the Run."""
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
     return analyze_corpus(

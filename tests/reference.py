@@ -3,7 +3,7 @@
 Deliberately naive: Python loops over windows, heads and pairs, numpy float64, head outputs
 recomputed from Hugging Face's own attention probabilities and hidden states (not from the
 hooks), sentence ids by a token-by-token scan, word tokens from the tokenizer's own token texts
-with ``unicodedata`` (not service.windows). Slow, but easy to check against the SPEC.
+with ``unicodedata`` (not service.engine.windows). Slow, but easy to check against the SPEC.
 """
 
 from __future__ import annotations

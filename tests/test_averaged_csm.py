@@ -8,10 +8,10 @@ import pytest
 import torch
 from sqlalchemy import text
 
+from headatlas.service.engine.results import CSM_KINDS, BatchResult
+from headatlas.service.engine.stats import head_statistics, window_features
+from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import AnalysisParams, Selection
-from headatlas.service.results import CSM_KINDS, BatchResult
-from headatlas.service.stats import head_statistics, window_features
-from headatlas.service.windows import TokenClasses
 
 CLS, SEP, PAD, DOT, A, B = 101, 102, 0, 1012, 1037, 1038
 TOKENS = TokenClasses(
@@ -105,7 +105,7 @@ ONE_WINDOW = "The cat sat on the mat. The dog sat on the log, and the cat saw th
 
 def _analyse(corpus, db, model, **options):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
     return analyze_corpus(
@@ -128,10 +128,10 @@ def _grid(columns, rows, *, head: int, kind: str, value: str, n_bins: int) -> np
 
 
 def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, small_corpus):
-    from headatlas.service import queries
-    from headatlas.service.analysis import analyze_batch
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.runner import iter_batches
+    from headatlas.service.engine.analysis import analyze_batch
+    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.reports import queries
     from headatlas.service.storage.store import Store
 
     params = build_params()
@@ -194,9 +194,9 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
 
 
 def test_stored_mean_of_one_window_is_the_inspected_matrix_binned_by_hand(tmp_path, tiny_model):
-    from headatlas.service import queries
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports import queries
+    from headatlas.service.reports.inspection import inspect_text
     from headatlas.service.storage.store import Store
 
     corpus = tmp_path / "one.txt"
@@ -231,8 +231,8 @@ def test_stored_mean_of_one_window_is_the_inspected_matrix_binned_by_hand(tmp_pa
 
 
 def test_a_run_without_matrices_says_how_to_get_them(tmp_path, tiny_model):
-    from headatlas.service import queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import queries
     from headatlas.service.storage.store import Store
 
     corpus = tmp_path / "one.txt"
@@ -249,8 +249,8 @@ def test_a_run_without_matrices_says_how_to_get_them(tmp_path, tiny_model):
 def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
     """A payload made before the matrices and the per-distance sentence counts (a worker of the
     previous version): the run's matrices and within-sentence-by-distance are refused, not partial."""
-    from headatlas.service import queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import queries
     from headatlas.service.storage.store import Store
     from tests.test_baselines import W1, W3, Z1, Z3, build_result, ids_in_distinct_groups, new_run, uniform_attn
 

@@ -38,7 +38,7 @@ def digest(path: Path) -> str | None:
 def base(tmp_path_factory):
     """A real headatlas database (one run, one schedule, both with markup-like names), a corpus,
     and model folders made from the default model's files."""
-    from headatlas.service.model import default_model_dir
+    from headatlas.service.engine.model import default_model_dir
 
     root = tmp_path_factory.mktemp("bad-inputs")
     corpus = root / "small.txt"

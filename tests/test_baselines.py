@@ -15,12 +15,19 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from headatlas.service.intervals import Z95, jackknife_halfwidth
+from headatlas.service.engine.results import (
+    CHANCE_SUMS,
+    HEAD_SUMS,
+    PAIR_HISTS,
+    REPLICATES,
+    BatchResult,
+    replicate_group,
+)
+from headatlas.service.engine.stats import chance_statistics, head_statistics, window_features
+from headatlas.service.engine.windows import TokenClasses, is_word_token
 from headatlas.service.params import Selection
-from headatlas.service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, REPLICATES, BatchResult, replicate_group
-from headatlas.service.stats import chance_statistics, head_statistics, window_features
+from headatlas.service.reports.intervals import Z95, jackknife_halfwidth
 from headatlas.service.storage.store import Store
-from headatlas.service.windows import TokenClasses, is_word_token
 
 CLS, SEP, PAD, DOT, COMMA, A, B, C, D = 101, 102, 0, 1012, 1010, 1037, 1038, 1039, 1040
 TEXT = {CLS: "[CLS]", SEP: "[SEP]", PAD: "[PAD]", DOT: ".", COMMA: ",", A: "a", B: "##b", C: "c", D: "7"}
@@ -264,7 +271,7 @@ def ids_in_distinct_groups(count: int, prefix: str = "w") -> list[str]:
 
 
 def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq_len=SEQ) -> BatchResult:
-    """A BatchResult from the statistics functions, assembled as service.analysis does it.
+    """A BatchResult from the statistics functions, assembled as service.engine.analysis does it.
 
     z: ``[window, layer, head, pos, d]``; attn: ``[window, layer, head, pos, key]``."""
     ids = torch.tensor(windows)
@@ -485,7 +492,7 @@ def test_views_on_a_two_window_run(store):
 
 
 def test_jackknife_of_two_groups_by_hand(store):
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     run, wids = two_window_run(store)
     g1, g4 = replicate_group(wids[0]), replicate_group(wids[1])
@@ -647,7 +654,7 @@ def pooled_layer(s: dict, heads: int) -> dict:
 
 
 def test_jackknife_interval_equals_a_direct_computation(store):
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     rng = np.random.default_rng(7)
     n_windows, heads = 60, 2
@@ -975,7 +982,7 @@ def test_old_run_keeps_its_numbers_and_shows_new_columns_as_unavailable(old_data
     # no replicate groups: only the whole-run row, and no interval (None, not a number)
     reps = view_rows(path, "head_metrics_reps", run, "layer, head, drop_rep")
     assert {r["drop_rep"] for r in reps} == {-1}
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
     from headatlas.service.storage.db import transaction
 
     with transaction(path, read_only=True) as conn:

@@ -22,8 +22,8 @@ def stored(tmp_path_factory, real_model, tiny_model, demo_corpus):
     """One database: the default model and its control on one document; random:tiny (2 layers)
     on the same one; a 4-layer random model on the second document (other windows)."""
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.model import control_model, load_model
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.model import control_model, load_model
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
     folder = tmp_path_factory.mktemp("compare")
@@ -58,7 +58,7 @@ def _dicts(columns, rows):
 
 
 def test_control_is_linked_and_sees_the_same_windows(conn, stored):
-    from headatlas.service import compare
+    from headatlas.service.reports import compare
 
     runs = stored[1]
     control = runs["control"]
@@ -74,7 +74,7 @@ def test_control_is_linked_and_sees_the_same_windows(conn, stored):
 
 
 def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
-    from headatlas.service import queries
+    from headatlas.service.reports import queries
 
     db, runs = stored
     table = cli("compare", "small", "--db", str(db))  # B defaults to A's control
@@ -136,7 +136,7 @@ def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
 
 
 def test_a_run_compared_with_itself_differs_by_zero_and_never_beyond(conn, stored):
-    from headatlas.service import compare, queries
+    from headatlas.service.reports import compare, queries
 
     real = stored[1]["real"]
     for heads in (False, True):
@@ -151,8 +151,8 @@ def test_a_run_compared_with_itself_differs_by_zero_and_never_beyond(conn, store
 def test_paired_interval_is_the_jackknife_of_the_difference(conn, stored):
     from sqlalchemy import text
 
-    from headatlas.service import compare
-    from headatlas.service.intervals import jackknife_halfwidth
+    from headatlas.service.reports import compare
+    from headatlas.service.reports.intervals import jackknife_halfwidth
 
     runs = stored[1]
     columns, rows = compare.compare(conn, runs["real"], runs["control"], metrics=["mean_distance"], layer=1)
@@ -177,7 +177,7 @@ def test_paired_interval_is_the_jackknife_of_the_difference(conn, stored):
 
 
 def test_different_depths_are_aligned_by_relative_depth(conn, stored):
-    from headatlas.service import compare
+    from headatlas.service.reports import compare
 
     assert compare.align_layers(2, 4) == [(0, 0), (1, 2)]
     assert compare.align_layers(4, 2) == [(0, 0), (2, 1)]
@@ -202,8 +202,8 @@ def test_different_depths_are_aligned_by_relative_depth(conn, stored):
 
 
 def test_head_comparison_needs_one_shape_and_options_are_checked(cli, conn, stored):
-    from headatlas.service import compare
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import compare
 
     db, runs = stored
     with pytest.raises(ParameterError, match=r"tiny is 2×4 \(layers × heads\), run deep is 4×4; .*drop --heads/--head"):
@@ -220,7 +220,7 @@ def test_head_comparison_needs_one_shape_and_options_are_checked(cli, conn, stor
 
 
 def test_plot_compare_draws_the_stored_numbers(conn, stored, tmp_path):
-    from headatlas.service import atlas_plots, compare, plots
+    from headatlas.service.reports import atlas_plots, compare, plots
 
     runs = stored[1]
     metrics = ["mean_distance", "attn_to_cls_lift"]
@@ -243,7 +243,7 @@ def test_plot_compare_draws_the_stored_numbers(conn, stored, tmp_path):
 
 
 def test_plot_compare_across_depths_uses_relative_depth(cli, conn, stored, tmp_path):
-    from headatlas.service import atlas_plots
+    from headatlas.service.reports import atlas_plots
 
     db, runs = stored
     fig = atlas_plots.run_compare(conn, runs["tiny"], runs["deep"], metrics=["mean_distance"])
@@ -261,7 +261,7 @@ def test_plot_compare_across_depths_uses_relative_depth(cli, conn, stored, tmp_p
 
 
 def test_analyze_control_from_the_command_line(cli, tmp_path, demo_corpus):
-    from headatlas.service import compare
+    from headatlas.service.reports import compare
     from headatlas.service.storage.store import Store, resolve_run
 
     corpus = tmp_path / "one.txt"  # a paragraph: the command's wiring is under test, not the numbers
@@ -280,7 +280,7 @@ def test_analyze_control_from_the_command_line(cli, tmp_path, demo_corpus):
 
 # --- the head atlas on the real runs (rules: SPEC §7; known answers: tests/test_roles.py) ------------------
 def test_the_control_earns_almost_no_role_and_the_model_many(conn, stored):
-    from headatlas.service import roles
+    from headatlas.service.reports import roles
 
     runs = stored[1]
     counts = {}
@@ -296,7 +296,7 @@ def test_the_control_earns_almost_no_role_and_the_model_many(conn, stored):
 
 
 def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
-    from headatlas.service import queries, roles
+    from headatlas.service.reports import queries, roles
 
     db, runs = stored
     done = cli("query", "roles", "--run", "small", "--format", "json", "--db", str(db))
@@ -322,7 +322,7 @@ def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
 
 
 def test_atlas_of_the_stored_run_is_its_primary_roles(conn, stored, tmp_path):
-    from headatlas.service import atlas_plots, plots, roles
+    from headatlas.service.reports import atlas_plots, plots, roles
 
     real = stored[1]["real"]
     fig, index = atlas_plots.run_atlas(conn, real)
@@ -337,7 +337,7 @@ def test_atlas_of_the_stored_run_is_its_primary_roles(conn, stored, tmp_path):
 def test_parameter_differences_are_named_and_the_link_is_not_one(stored):
     from types import SimpleNamespace
 
-    from headatlas.service import compare
+    from headatlas.service.reports import compare
 
     runs = stored[1]
     assert compare.parameter_differences(runs["real"], runs["control"]) == []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from headatlas.service.corpus import (
+from headatlas.service.engine.corpus import (
     Document,
     corpus_files,
     corpus_fingerprint,
@@ -318,7 +318,7 @@ def test_demo_corpus_loads():
 
 def test_module_stays_pure():
     code = (
-        "import sys, headatlas.service.corpus; "
+        "import sys, headatlas.service.engine.corpus; "
         "bad = {'torch', 'celery', 'typer', 'sqlalchemy'} & {m.split('.')[0] for m in sys.modules}; "
         "sys.exit(sorted(bad) or 0)"
     )

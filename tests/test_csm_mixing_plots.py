@@ -16,7 +16,7 @@ from tests.figure_checks import check_png, check_svg, corpus_of
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory, tiny_model, demo_corpus):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
     folder = tmp_path_factory.mktemp("csm-plots")
@@ -71,7 +71,7 @@ def _drawn(ax) -> np.ndarray:
 
 
 def test_csm_of_one_head_shows_the_stored_means_and_shares(conn, stored, tmp_path):
-    from headatlas.service import csm_plots, plots
+    from headatlas.service.reports import csm_plots, plots
 
     run = stored[1]
     fig = csm_plots.run_csm(conn, run, layer=1, head=2)
@@ -88,7 +88,7 @@ def test_csm_of_one_head_shows_the_stored_means_and_shares(conn, stored, tmp_pat
 
 
 def test_csm_grid_of_a_layer_draws_every_head(conn, stored, tmp_path):
-    from headatlas.service import csm_plots, plots
+    from headatlas.service.reports import csm_plots, plots
 
     run = stored[1]
     for kind, value in (("all", "mean"), ("noise", "pair_share")):
@@ -102,8 +102,8 @@ def test_csm_grid_of_a_layer_draws_every_head(conn, stored, tmp_path):
 
 
 def test_csm_refuses_a_layer_or_kind_it_does_not_have(conn, stored):
-    from headatlas.service import csm_plots
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import csm_plots
 
     with pytest.raises(ParameterError, match=r"--layer 7: run \d+ has layers 0\.\.1 \(0-based\)"):
         csm_plots.run_csm(conn, stored[1], layer=7)
@@ -112,7 +112,7 @@ def test_csm_refuses_a_layer_or_kind_it_does_not_have(conn, stored):
 
 
 def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, stored, tmp_path):
-    from headatlas.service import plots, queries
+    from headatlas.service.reports import plots, queries
 
     run = stored[1]
     fig = plots.run_figure("boundaries", conn, run, by_distance=True)
@@ -164,7 +164,7 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
 
 
 def test_mixing_lines_are_the_query_rows(conn, stored, tmp_path):
-    from headatlas.service import mixing_plots, plots, queries
+    from headatlas.service.reports import mixing_plots, plots, queries
 
     run = stored[1]
     fig = mixing_plots.run_mixing(conn, run)
@@ -184,8 +184,8 @@ def test_mixing_lines_are_the_query_rows(conn, stored, tmp_path):
 
 
 def test_discrepancy_heat_map_and_layer_lines_are_the_query_rows(conn, stored, tmp_path):
-    from headatlas.service import mixing_plots, plots, queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import mixing_plots, plots, queries
 
     run = stored[1]
     for method in ("attribution", "norm"):
@@ -208,8 +208,8 @@ def test_discrepancy_heat_map_and_layer_lines_are_the_query_rows(conn, stored, t
 
 
 def test_report_has_a_mixing_section_only_for_runs_with_mixing(conn, stored, tmp_path):
-    from headatlas.service import report
-    from headatlas.service.report import build_report
+    from headatlas.service.reports import report
+    from headatlas.service.reports.report import build_report
     from tests.test_report import Elements
 
     def parse(run):

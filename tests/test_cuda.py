@@ -17,10 +17,10 @@ import pytest
 import torch
 from precision_checks import assert_half_agrees
 
-from headatlas.service.analysis import OomSplitter, analyze_batch
-from headatlas.service.corpus import iter_documents
+from headatlas.service.engine.analysis import OomSplitter, analyze_batch
+from headatlas.service.engine.corpus import iter_documents
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.params import AnalysisParams
-from headatlas.service.windows import TokenClasses, collate, document_windows
 
 pytestmark = [
     pytest.mark.cuda,
@@ -32,7 +32,7 @@ INT_KEYS = ("high_pairs", "same_sentence_high", "same_token_high", "attended_hig
 
 @pytest.fixture(scope="module")
 def gpu_model():
-    from headatlas.service.model import load_model
+    from headatlas.service.engine.model import load_model
 
     return load_model("default", device="cuda")
 
@@ -105,7 +105,7 @@ def test_a_real_out_of_memory_error_is_recovered_by_halving(gpu_model, windows):
 
 
 def test_auto_batch_size_fits(gpu_model, windows):
-    from headatlas.service.model import auto_batch_size
+    from headatlas.service.engine.model import auto_batch_size
 
     tokens, wins = windows
     size = auto_batch_size(gpu_model, 128)

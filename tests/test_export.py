@@ -52,7 +52,7 @@ def db_rows(db, sql: str) -> list[tuple]:
 
 
 def test_parquet_files_read_back_as_the_stored_rows(stored, tmp_path):
-    from headatlas.service.export import export_run, table_query
+    from headatlas.service.reports.export import export_run, table_query
 
     db, first, other = stored
     before = digest(db)
@@ -74,7 +74,7 @@ def test_parquet_files_read_back_as_the_stored_rows(stored, tmp_path):
 
 
 def test_export_keeps_only_the_runs_rows(stored, tmp_path):
-    from headatlas.service.export import export_run
+    from headatlas.service.reports.export import export_run
 
     db, first, other = stored
     export_run(db, first.run_id, "parquet", tmp_path)
@@ -126,7 +126,7 @@ def test_csv_export_command(cli, stored, tmp_path):
 
 def test_bad_destination_and_unknown_run_are_refused(stored, tmp_path):
     from headatlas.service.errors import ParameterError, StoreError
-    from headatlas.service.export import export_run
+    from headatlas.service.reports.export import export_run
 
     db = stored[0]
     blocker = tmp_path / "file.txt"

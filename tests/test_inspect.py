@@ -21,7 +21,7 @@ def params():
 def reference_matrices(model, text: str):
     """C = z zᵀ (C_ii = 0) and A recomputed from Hugging Face outputs and the layers' weights,
     without the hooks: z_h = A_h V_h with V from the layer's input hidden state."""
-    from headatlas.service.model import encoder_layers
+    from headatlas.service.engine.model import encoder_layers
 
     enc = model.tokenizer(text, return_tensors="pt")
     with torch.inference_mode():
@@ -40,7 +40,7 @@ def reference_matrices(model, text: str):
 
 
 def test_matrices_equal_an_independent_recomputation(tiny_model, params):
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports.inspection import inspect_text
 
     insp = inspect_text(tiny_model, TEXT, params)
     csm, attn, ids = reference_matrices(tiny_model, TEXT)
@@ -54,10 +54,10 @@ def test_matrices_equal_an_independent_recomputation(tiny_model, params):
 
 def test_marked_pairs_are_the_pairs_the_stored_statistics_count(tiny_model, params):
     """Summing over the outlined pairs gives analyze_batch's numbers for the same window."""
-    from headatlas.service.analysis import analyze_batch
-    from headatlas.service.corpus import Document, document_id
-    from headatlas.service.inspection import inspect_text
-    from headatlas.service.windows import TokenClasses, collate, document_windows
+    from headatlas.service.engine.analysis import analyze_batch
+    from headatlas.service.engine.corpus import Document, document_id
+    from headatlas.service.engine.windows import TokenClasses, collate, document_windows
+    from headatlas.service.reports.inspection import inspect_text
 
     insp = inspect_text(tiny_model, TEXT, params)
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
@@ -79,7 +79,7 @@ def test_marked_pairs_are_the_pairs_the_stored_statistics_count(tiny_model, para
 
 
 def test_sentence_ids_and_boundaries(tiny_model, params):
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports.inspection import inspect_text
 
     insp = inspect_text(tiny_model, "One two. Three four! Five?", params)
     assert insp.tokens == ["[CLS]", "one", "two", ".", "three", "four", "!", "five", "?", "[SEP]"]
@@ -91,7 +91,7 @@ def test_sentence_ids_and_boundaries(tiny_model, params):
 
 def test_long_text_is_cut_to_one_window(tiny_model):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports.inspection import inspect_text
 
     insp = inspect_text(tiny_model, " ".join(["word"] * 100), build_params(seq_len=32))
     assert len(insp.tokens) == 32 and insp.truncated
@@ -99,9 +99,9 @@ def test_long_text_is_cut_to_one_window(tiny_model):
 
 
 def test_empty_text_and_bad_head_are_refused(tiny_model, params):
-    from headatlas.service import matrix_plots
     from headatlas.service.errors import CorpusError, ParameterError
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports import matrix_plots
+    from headatlas.service.reports.inspection import inspect_text
 
     with pytest.raises(CorpusError, match="text is empty"):
         inspect_text(tiny_model, "  \n", params)
@@ -116,8 +116,8 @@ def test_empty_text_and_bad_head_are_refused(tiny_model, params):
 
 @pytest.mark.slow
 def test_head_figure_is_readable_at_128_tokens(real_model, demo_corpus, params, tmp_path):
-    from headatlas.service import matrix_plots, plots
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports import matrix_plots, plots
+    from headatlas.service.reports.inspection import inspect_text
 
     insp = inspect_text(real_model, demo_corpus.read_text(encoding="utf-8"), params)
     assert len(insp.tokens) == 128 and insp.truncated
@@ -140,8 +140,8 @@ def test_head_figure_is_readable_at_128_tokens(real_model, demo_corpus, params, 
 
 @pytest.mark.slow
 def test_grid_figure_has_one_matrix_per_head(real_model, params, tmp_path):
-    from headatlas.service import matrix_plots, plots
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports import matrix_plots, plots
+    from headatlas.service.reports.inspection import inspect_text
 
     insp = inspect_text(real_model, TEXT, params)
     fig = matrix_plots.figure_grid(insp)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from headatlas.service.attribution import gradient_norms, normalise_rows, trace, unit_outputs
-from headatlas.service.mixing import alti_layer, jsd, norm_based, rollout, value_vectors
-from headatlas.service.model import encoder_layers
+from headatlas.service.engine.model import encoder_layers
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
+from headatlas.service.measures.attribution import gradient_norms, normalise_rows, trace, unit_outputs
+from headatlas.service.measures.mixing import alti_layer, jsd, norm_based, rollout, value_vectors
 from headatlas.service.params import AnalysisParams
-from headatlas.service.windows import TokenClasses, collate, document_windows
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def tiny64(tiny_model):
 
 def _real_windows(model, demo_corpus, lengths):
     """Short real windows: the first words of the first documents of the shipped excerpt."""
-    from headatlas.service.corpus import iter_documents
+    from headatlas.service.engine.corpus import iter_documents
 
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
     out = []
@@ -175,8 +175,8 @@ def test_default_params_keep_their_run_key():
 
 
 def test_batch_result_round_trip_and_default_has_no_mixing(tiny_model, small_corpus):
-    from headatlas.service.analysis import BatchResult, analyze_batch
-    from headatlas.service.corpus import iter_documents
+    from headatlas.service.engine.analysis import BatchResult, analyze_batch
+    from headatlas.service.engine.corpus import iter_documents
 
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
     params = AnalysisParams(seq_len=24)
@@ -252,9 +252,10 @@ def test_analyze_with_attribution_then_query_through_cli(cli, tmp_path, small_co
 
 
 def test_every_method_is_one_registered_class_and_every_list_agrees():
-    from headatlas.service import params, queries
-    from headatlas.service.mixing import REGISTRY, MixingMethod
-    from headatlas.service.results import FORWARD_MIXING, MIXING_METHODS
+    from headatlas.service import params
+    from headatlas.service.engine.results import FORWARD_MIXING, MIXING_METHODS
+    from headatlas.service.measures.mixing import REGISTRY, MixingMethod
+    from headatlas.service.reports import queries
 
     assert tuple(REGISTRY) == MIXING_METHODS == queries.METHOD_ORDER
     assert all(isinstance(m, MixingMethod) and type(m).rows is not MixingMethod.rows for m in REGISTRY.values())

@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import torch
 
-from headatlas.service.model import default_model_dir, load_model_info
+from headatlas.service.engine.model import default_model_dir, load_model_info
+from headatlas.service.engine.runner import run_key
 from headatlas.service.params import AnalysisParams
-from headatlas.service.runner import run_key
 
 
 def _modules() -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import headatlas.service.analysis as analysis
+import headatlas.service.engine.analysis as analysis
+from headatlas.service.engine.runner import iter_batches
+from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import AnalysisParams
-from headatlas.service.runner import iter_batches
-from headatlas.service.windows import TokenClasses
 
 
 def test_batches_that_run_out_of_memory_are_halved_without_changing_the_sums(tiny_model, small_corpus, monkeypatch):

@@ -32,6 +32,10 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel):
     for needed in (
         "headatlas/__init__.py",
         "headatlas/service/api.py",
+        "headatlas/service/engine/runner.py",
+        "headatlas/service/measures/mixing.py",
+        "headatlas/service/reports/queries.py",
+        "headatlas/service/storage/db.py",
         "headatlas/cli/main.py",
         "headatlas/workers/tasks.py",
         "headatlas/migrations/env.py",
@@ -59,6 +63,8 @@ def test_installed_only_headatlas_imports(wheel, tmp_path):
         "import headatlas, headatlas.cli.main, headatlas.service.api\n"
         "assert headatlas.service.api.__file__.startswith(sys.argv[1]), headatlas.service.api.__file__\n"
         "assert callable(headatlas.connect) and callable(headatlas.analyze)\n"
+        "from headatlas.service.engine.corpus import demo_corpus_path\n"
+        "assert demo_corpus_path().is_file() and demo_corpus_path().is_relative_to(sys.argv[1]), demo_corpus_path()\n"
         "from typer.testing import CliRunner\n"
         "result = CliRunner().invoke(headatlas.cli.main.app, ['--help'], prog_name='headatlas')\n"
         "assert result.exit_code == 0 and 'analyze' in result.output, result.output\n"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headatlas.service.analysis import forward
-from headatlas.service.corpus import iter_documents
-from headatlas.service.hooks import act_name, capture_attention
+from headatlas.service.engine.analysis import forward
+from headatlas.service.engine.corpus import iter_documents
+from headatlas.service.engine.hooks import act_name, capture_attention
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.params import AnalysisParams
-from headatlas.service.windows import TokenClasses, collate, document_windows
 
 pytestmark = pytest.mark.slow
 

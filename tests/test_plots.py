@@ -31,7 +31,7 @@ def conn(stored):
 
 @pytest.mark.parametrize("kind", ["distances", "boundaries", "heads", "layers"])
 def test_every_run_figure_renders_as_png_and_svg(kind, conn, stored, tmp_path):
-    from headatlas.service import plots
+    from headatlas.service.reports import plots
 
     fig = plots.run_figure(kind, conn, stored[1])
     width, height = plots.RUN_FIGSIZE[kind]
@@ -42,7 +42,7 @@ def test_every_run_figure_renders_as_png_and_svg(kind, conn, stored, tmp_path):
 
 
 def test_heads_heatmap_puts_each_value_at_its_layer_and_head(conn, stored):
-    from headatlas.service import plots, queries
+    from headatlas.service.reports import plots, queries
 
     run = stored[1]
     for metric in ("repetition_lift", "mean_distance", "attn_to_punct"):
@@ -60,7 +60,7 @@ def test_heads_heatmap_puts_each_value_at_its_layer_and_head(conn, stored):
 
 
 def test_distance_lines_are_the_query_rows(conn, stored):
-    from headatlas.service import plots, queries
+    from headatlas.service.reports import plots, queries
 
     run = stored[1]
     fig = plots.run_figure("distances", conn, run)
@@ -76,8 +76,8 @@ def test_distance_lines_are_the_query_rows(conn, stored):
 
 
 def test_unknown_metric_and_format_are_refused(conn, stored, tmp_path):
-    from headatlas.service import plots
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import plots
 
     with pytest.raises(ParameterError, match="--metric 'top_anchors': choose one of within_sentence"):
         plots.run_figure("heads", conn, stored[1], metric="top_anchors")
@@ -102,8 +102,8 @@ def test_plot_command_writes_the_file_and_refuses_bad_options(cli, stored, tmp_p
 
 
 def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path):
-    from headatlas.service import plots, queries
     from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import plots, queries
 
     run = stored[1]
     fig = plots.run_figure("distances", conn, run, split="attended")

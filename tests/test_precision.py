@@ -14,10 +14,10 @@ import pytest
 import torch
 from precision_checks import assert_half_agrees
 
-from headatlas.service.analysis import analyze_batch
-from headatlas.service.corpus import iter_documents
+from headatlas.service.engine.analysis import analyze_batch
+from headatlas.service.engine.corpus import iter_documents
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.params import AnalysisParams
-from headatlas.service.windows import TokenClasses, collate, document_windows
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from headatlas.service.prefetch import BackgroundSink, Prefetcher
+from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 
 
 def test_prefetcher_keeps_order_and_stays_bounded():

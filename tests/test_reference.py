@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from headatlas.service.analysis import analyze_batch
-from headatlas.service.corpus import iter_documents
+from headatlas.service.engine.analysis import analyze_batch
+from headatlas.service.engine.corpus import iter_documents
+from headatlas.service.engine.results import PAIR_HISTS
+from headatlas.service.engine.stats import HEAD_SUMS
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.params import AnalysisParams, Selection
-from headatlas.service.results import PAIR_HISTS
-from headatlas.service.stats import HEAD_SUMS
-from headatlas.service.windows import TokenClasses, collate, document_windows
 from tests.reference import reference_windows, summed
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def model64(real_model):
 
 def real_windows(model, params, count=3):
     """Full windows and a short final window (so the batch is padded)."""
-    from headatlas.service.corpus import demo_corpus_path
+    from headatlas.service.engine.corpus import demo_corpus_path
 
     docs = list(iter_documents(str(demo_corpus_path())))
     tokens = TokenClasses.from_tokenizer(model.tokenizer)

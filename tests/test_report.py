@@ -33,8 +33,8 @@ def stored(tmp_path_factory, real_model, demo_corpus):
     run = analyse(corpus, db, real_model, name="small")
     # its random-weights control: the report measures the run against it
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.model import control_model
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.model import control_model
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
     analyze_corpus(
@@ -76,7 +76,7 @@ class Elements(HTMLParser):
 
 
 def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
-    from headatlas.service import report
+    from headatlas.service.reports import report
 
     db, run = stored
     parsed = Elements()
@@ -125,7 +125,7 @@ def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
 
 
 def test_anchor_lists_split_even_when_the_token_is_a_comma():
-    from headatlas.service.report import split_anchors
+    from headatlas.service.reports.report import split_anchors
 
     assert split_anchors("the 30%, , 12%, . 5%") == ["the 30%", ", 12%", ". 5%"]
     assert split_anchors("and 100%") == ["and 100%"]

@@ -37,7 +37,7 @@ def head(layer, h, **metrics):
 
 
 def earned(rows):
-    from headatlas.service import roles
+    from headatlas.service.reports import roles
 
     out = {}
     for r in roles.assign(rows, CONTEXT):
@@ -96,7 +96,7 @@ def test_undefined_metrics_earn_nothing():
 def _hand_run(n_layers, n_heads):
     """Hand-built roles of a run: head (l, h) gets the role numbered (l + h) % 10 (with
     ``none established`` as 9) and, on even heads, ``[CLS] sink`` as a second role."""
-    from headatlas.service import atlas_plots, roles
+    from headatlas.service.reports import atlas_plots, roles
 
     rows = []
     for l in range(n_layers):
@@ -110,7 +110,7 @@ def _hand_run(n_layers, n_heads):
 
 @pytest.mark.parametrize("shape", [(12, 12), (24, 16)])
 def test_atlas_figure_shows_each_heads_primary_role_readably(shape, tmp_path):
-    from headatlas.service import atlas_plots, plots
+    from headatlas.service.reports import atlas_plots, plots
 
     n_layers, n_heads = shape
     columns, rows = _hand_run(n_layers, n_heads)
@@ -140,7 +140,7 @@ def test_atlas_figure_shows_each_heads_primary_role_readably(shape, tmp_path):
 def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
     """Such a run (built by hand as headatlas stored it then) has no intervals: compare says so
     instead of a verdict; roles test the values (known answers: none here)."""
-    from headatlas.service import compare, roles
+    from headatlas.service.reports import compare, roles
     from headatlas.service.storage import db
     from headatlas.service.storage.store import Store, resolve_run
     from tests.test_baselines import database_at_0005, insert_old_run

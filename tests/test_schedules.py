@@ -93,8 +93,8 @@ def _parts(folder, demo_corpus, n: int) -> list:
 
 
 def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(cluster, demo_corpus, tmp_path):
-    from headatlas.service import queries
-    from headatlas.service.corpus import iter_documents
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.reports import queries
     from headatlas.service.storage.store import Store
 
     folder = tmp_path / "growing"

@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from headatlas.service.analysis import analyze_batch
-from headatlas.service.corpus import Document, demo_corpus_path, document_id
+from headatlas.service.engine.analysis import analyze_batch
+from headatlas.service.engine.corpus import Document, demo_corpus_path, document_id
+from headatlas.service.engine.sentences import piece_sentences, sentence_starts
+from headatlas.service.engine.stats import window_features
+from headatlas.service.engine.windows import TokenClasses, Window, collate, document_windows
 from headatlas.service.errors import ParameterError
 from headatlas.service.params import AnalysisParams
-from headatlas.service.sentences import piece_sentences, sentence_starts
-from headatlas.service.stats import window_features
-from headatlas.service.windows import TokenClasses, Window, collate, document_windows
 
 SEGMENTER = AnalysisParams(sentences="segmenter")
 PUNCT = AnalysisParams(sentences="punct")
@@ -284,7 +284,7 @@ def _stored_sums(db: str, run_id: int):
 
 
 def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, tmp_path):
-    from headatlas.service.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
     spec = str(demo_corpus_path())
@@ -292,7 +292,12 @@ def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, 
     db = str(tmp_path / "punct.duckdb")
     run = analyze_corpus(spec, store=Store(db), model=tiny_model, params=PUNCT, corpus=summary, batch_size=32)
     punct_key, chance, heads = _stored_sums(db, run.run_id)
-    assert (chance, heads) == (EARLIER_CHANCE, EARLIER_SAME_SENTENCE_HIGH)
+    # The chance sums are integer arithmetic on the sentence ids: equal. Which pairs make a head's
+    # top 2% depends on float rounding, which differs between CPUs (AVX-512 and AVX2 sum in another
+    # order): a few pairs of ~1,700 per head cross the cut, so the head counts agree within 0.5%.
+    assert chance == EARLIER_CHANCE
+    assert len(heads) == len(EARLIER_SAME_SENTENCE_HIGH)
+    assert all(abs(now - then) <= 0.005 * then for now, then in zip(heads, EARLIER_SAME_SENTENCE_HIGH)), heads
     assert run.params == PUNCT.to_dict() and PUNCT.key() == PUNCT_PARAMS_KEY
 
     # the segmenter is another run, with fewer false breaks: more pairs share a sentence
@@ -310,8 +315,8 @@ def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, 
 def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corpus):
     """The batch message a worker receives (made by the submitter, through Celery's JSON) gives the
     worker the windows, sentence ids included, that the embedded engine analyses, and the same sums."""
-    from headatlas.service.results import BatchResult
-    from headatlas.service.runner import iter_batches
+    from headatlas.service.engine.results import BatchResult
+    from headatlas.service.engine.runner import iter_batches
     from headatlas.workers.submit import batch_payloads
     from headatlas.workers.tasks import _analyse
 
@@ -353,7 +358,7 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
 
 def test_inspect_shows_the_sentences_of_the_chosen_mode(tiny_model):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.inspection import inspect_text
+    from headatlas.service.reports.inspection import inspect_text
 
     text, _pieces, segmenter, punct = HARD_CASES["abbreviations"]
     insp = inspect_text(tiny_model, text, build_params())
@@ -367,7 +372,7 @@ def test_a_stray_apostrophe_does_not_glue_a_paragraph_into_one_sentence():
     # Wikipedia writes the possessive of a plural band name as "Beach Boys '": a segmenter that
     # pairs it with a later apostrophe as a quotation (sentencex did) swallows every sentence in
     # between — 23 % of 1,067 Wikipedia windows became a single sentence that way.
-    from headatlas.service.sentences import sentence_starts
+    from headatlas.service.engine.sentences import sentence_starts
 
     middle = " ".join(f"Sentence number {i} ends here." for i in range(30))
     text = (

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from headatlas.service.params import Selection
-from headatlas.service.stats import (
+from headatlas.service.engine.stats import (
     chance_statistics,
     head_statistics,
     masked_similarity,
@@ -16,7 +15,8 @@ from headatlas.service.stats import (
     sentence_ids,
     window_features,
 )
-from headatlas.service.windows import TokenClasses
+from headatlas.service.engine.windows import TokenClasses
+from headatlas.service.params import Selection
 
 CLS, SEP, PAD, DOT, COMMA, A, B = 101, 102, 0, 1012, 1010, 1037, 1038
 TOKENS = TokenClasses(

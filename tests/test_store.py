@@ -8,13 +8,13 @@ import duckdb
 import numpy as np
 import pytest
 
-from headatlas.service.analysis import BatchResult, analyze_batch
+from headatlas.service.engine.analysis import BatchResult, analyze_batch
+from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus
+from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.errors import StoreError
 from headatlas.service.params import AnalysisParams
-from headatlas.service.runner import analyze_corpus, iter_batches, survey_corpus
 from headatlas.service.storage import db
 from headatlas.service.storage.store import Store
-from headatlas.service.windows import TokenClasses
 
 
 def counts(path) -> dict[str, int]:
@@ -45,7 +45,7 @@ def _results(model, corpus, params=AnalysisParams(), batch_size=4):
 
 def _run(store, model, corpus, params=AnalysisParams()):
     summary = survey_corpus(str(corpus))
-    from headatlas.service.runner import run_key
+    from headatlas.service.engine.runner import run_key
 
     run, _ = store.find_or_create_run(
         run_key=run_key(summary.fingerprint, model, params),
@@ -282,7 +282,7 @@ def test_the_query_and_writer_paths_do_not_load_torch():
     import sys
 
     code = (
-        "import sys, headatlas.cli.main, headatlas.service.storage.store, headatlas.service.queries, headatlas.workers.writer; "
+        "import sys, headatlas.cli.main, headatlas.service.storage.store, headatlas.service.reports.queries, headatlas.workers.writer; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from headatlas.service.corpus import iter_documents
+from headatlas.service.engine.corpus import iter_documents
+from headatlas.service.engine.windows import TokenClasses, iter_document_windows
 from headatlas.service.params import AnalysisParams
-from headatlas.service.windows import TokenClasses, iter_document_windows
 
 
 def test_slices_give_the_windows_of_the_whole_text(real_model, demo_corpus):
@@ -73,10 +73,10 @@ def test_first_windowing_stops_after_one_window(real_model, demo_corpus):
 
 PEAK = r"""
 import resource, sys
-from headatlas.service.corpus import iter_documents
-from headatlas.service.model import load_model
+from headatlas.service.engine.corpus import iter_documents
+from headatlas.service.engine.model import load_model
 from headatlas.service.params import AnalysisParams
-from headatlas.service.windows import TokenClasses, iter_document_windows
+from headatlas.service.engine.windows import TokenClasses, iter_document_windows
 
 model = load_model("random:tiny", device="cpu")
 tokens = TokenClasses.from_tokenizer(model.tokenizer)

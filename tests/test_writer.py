@@ -24,8 +24,8 @@ def setting(tmp_path):
 
 
 def _results(corpus, model):
-    from headatlas.service.analysis import analyze_batch
-    from headatlas.service.windows import TokenClasses, Window, collate
+    from headatlas.service.engine.analysis import analyze_batch
+    from headatlas.service.engine.windows import TokenClasses, Window, collate
     from headatlas.workers.submit import batch_payloads
 
     tokens = TokenClasses.from_tokenizer(model.tokenizer)

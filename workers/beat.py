@@ -68,7 +68,7 @@ def spool_folder(settings: Settings, schedule: str) -> Path:
 
 def fire(settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str = "scheduled") -> Fired:
     """Claim (schedule, fire_time) and, when this caller won the claim, submit its run."""
-    from headatlas.service.corpus import iter_documents
+    from headatlas.service.engine.corpus import iter_documents
     from headatlas.service.params import AnalysisParams
     from headatlas.workers.submit import submit
 
@@ -138,8 +138,8 @@ def _warm_up() -> None:
 
     import headatlas.workers.app  # noqa: F401
     import headatlas.workers.submit  # noqa: F401
-    from headatlas.service.model import load_model_info  # noqa: F401
-    from headatlas.service.runner import run_key  # noqa: F401
+    from headatlas.service.engine.model import load_model_info  # noqa: F401
+    from headatlas.service.engine.runner import run_key  # noqa: F401
 
 
 class Beat:

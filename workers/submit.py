@@ -54,8 +54,8 @@ def submit(
     log: Callable[[str], None] = lambda _msg: None,
 ) -> Submission:
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
-    from headatlas.service.model import load_model_info
-    from headatlas.service.runner import _short_name, run_key, survey_corpus
+    from headatlas.service.engine.model import load_model_info
+    from headatlas.service.engine.runner import _short_name, run_key, survey_corpus
     from headatlas.workers.app import ANALYSIS_QUEUE, make_app
     from headatlas.workers.lease import target_database
 
@@ -167,8 +167,8 @@ def batch_payloads(
     """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
     engine, so both engines add up the same partial sums."""
-    from headatlas.service.runner import iter_batches
-    from headatlas.service.windows import TokenClasses
+    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.windows import TokenClasses
 
     tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
     common = {

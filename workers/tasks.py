@@ -42,7 +42,7 @@ def _ledger(database_id: str):
 def _model(spec: str, dtype: str, weights_key: str | None = None):
     """The model, loaded on first use in this process (never at import, never before a fork),
     and again when the batch names other weights (a checkpoint replaced in the same folder)."""
-    from headatlas.service.model import load_model
+    from headatlas.service.engine.model import load_model
 
     models = _state.setdefault("models", {})
     cached = models.get((spec, dtype))
@@ -121,10 +121,10 @@ def _requeue_on_broker_loss():
 
 
 def _analyse(model, batch: dict) -> str:
-    from headatlas.service.analysis import analyze_batch as analyse
+    from headatlas.service.engine.analysis import analyze_batch as analyse
+    from headatlas.service.engine.windows import TokenClasses, Window, collate
     from headatlas.service.errors import ModelError
     from headatlas.service.params import AnalysisParams
-    from headatlas.service.windows import TokenClasses, Window, collate
 
     if model.tokenizer_key != batch["tokenizer_key"]:
         raise ModelError(

@@ -26,10 +26,10 @@ import redis
 from sqlalchemy.engine import Connection
 
 from headatlas.service.config import Settings
-from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
-from headatlas.service.results import (
+from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
+from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.store import Store, ingest_batches
 from headatlas.workers.heartbeat import requeue_lost

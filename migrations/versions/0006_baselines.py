@@ -7,7 +7,7 @@ view turns a sum that lacks any row's value into NULL ("unavailable"), never a p
 Every additive table gains ``rep``, the replicate group of the windows its row sums (0..15, NULL
 before this migration). The ``*_reps`` views give each run's sums twice over: ``drop_rep = -1``
 is the whole run, ``drop_rep = g`` the run without group g — the delete-one-group jackknife reads
-the latter (service.intervals). ``head_metrics`` and ``layer_metrics`` are the ``drop_rep = -1``
+the latter (service.reports.intervals). ``head_metrics`` and ``layer_metrics`` are the ``drop_rep = -1``
 rows of ``head_metrics_reps`` and ``layer_metrics_reps``, so each metric is written once.
 
 Revision ID: 0006_baselines

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from headatlas.service.results import MIX_SUMS
+from headatlas.service.engine.results import MIX_SUMS
 from headatlas.service.storage.arrow_rows import TableRows
 
 MIXING_TABLES = ("mixing_stats", "mixing_dist")

@@ -16,8 +16,8 @@ import pyarrow as pa
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from headatlas.service.engine.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
 from headatlas.service.errors import StoreError
-from headatlas.service.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
 from headatlas.service.storage import db
 from headatlas.service.storage.arrow_rows import TableRows
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables

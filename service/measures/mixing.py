@@ -3,7 +3,7 @@
 
 Methods and what a row ``M_i·`` (over keys j, summing to 1) means:
   attention    the head's attention row ``A_i·``; layer slot: mean over heads.
-  attribution  normalised gradient norms (service.attribution); layer slot: the block output.
+  attribution  normalised gradient norms (service.measures.attribution); layer slot: the block output.
   rollout      ``(0.5·A^h + 0.5·I) R_{l-1}`` per head, ``R_l = (0.5·mean_h A + 0.5·I) R_{l-1}``
                for the layer (Abnar & Zuidema 2020), ``R_{-1} = I``. Heads average to the layer.
   norm         ``‖A_ij f_h(x_j)‖`` with ``f_h(x) = (x W_V + b_V) W_O^h`` per head; layer slot
@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from headatlas.service.model import LoadedModel, encoder_layers
-from headatlas.service.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
-from headatlas.service.stats import WindowFeatures, attention_sums
+from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
+from headatlas.service.engine.stats import WindowFeatures, attention_sums
 
 
 # --- the measures ------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class TraceContext:
     def __init__(
         self, model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, chunk_size: int
     ) -> None:
-        from headatlas.service.attribution import trace
+        from headatlas.service.measures.attribution import trace
 
         self.model, self.input_ids, self.attention_mask, self.chunk_size = model, input_ids, attention_mask, chunk_size
         self.valid = attention_mask.to(model.device).bool()
@@ -162,7 +162,7 @@ class MixingMethod:
     """One measure of how output positions mix input tokens. ``rows`` returns, per layer, the
     head rows ``[batch, head, pos, key]`` (None for a layer-only method) and the layer rows
     ``[batch, pos, key]``; each row sums to 1 over keys. Adding a method is adding a subclass
-    (and its name to ``service.results.MIXING_METHODS``)."""
+    (and its name to ``service.engine.results.MIXING_METHODS``)."""
 
     name: str
     needs_grad = False  # runs outside torch.no_grad (gradient attribution)
@@ -183,7 +183,7 @@ class Attribution(MixingMethod):
     needs_grad = True
 
     def rows(self, ctx):
-        from headatlas.service.attribution import attribution as attribute
+        from headatlas.service.measures.attribution import attribution as attribute
 
         per_head, per_layer = attribute(ctx.model, ctx.input_ids, ctx.attention_mask, chunk_size=ctx.chunk_size)
         return list(per_head.unbind(1)), list(per_layer.unbind(1))

@@ -80,7 +80,7 @@ def document_id(text: str) -> str:
 
 def demo_corpus_path() -> Path:
     """The shipped demo corpus: six Wikipedia articles, ~29 KB (see data/ATTRIBUTION.md)."""
-    return Path(__file__).parent / "data" / "wiki_excerpt.txt"
+    return Path(__file__).resolve().parents[1] / "data" / "wiki_excerpt.txt"
 
 
 # --- resolving a spec to files -------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Figures of the corpus-averaged similarity matrices (SPEC §5c): one head's three matrices, or a
 grid of a layer's heads.
 
-Drawn from the rows of ``queries.csm`` (the ``csm_means`` view), with ``service.plots``' figure
+Drawn from the rows of ``queries.csm`` (the ``csm_means`` view), with ``service.reports.plots``' figure
 conventions: fixed sizes in inches, no pyplot, PNG or SVG by suffix. Cells are bins of ``bin``
 positions on both axes (position 0 is [CLS]); the stored upper triangle is mirrored, since
 C is symmetric. Layers and heads are 0-based.
@@ -13,11 +13,11 @@ import matplotlib
 import numpy as np
 from matplotlib import colors
 
-from headatlas.service import queries
+from headatlas.service.engine.results import CSM_KINDS
 from headatlas.service.errors import ParameterError
 from headatlas.service.params import CSM_BIN
-from headatlas.service.plots import _title, new_figure
-from headatlas.service.results import CSM_KINDS
+from headatlas.service.reports import queries
+from headatlas.service.reports.plots import _title, new_figure
 
 HEAD_FIGSIZE = (16.0, 5.5)
 PANELS = (

@@ -63,7 +63,7 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
     "total" (a worker elsewhere loads it: the model must at least fit in this machine's memory).
     Returns the shape read from the configuration, or None for a hub name (checked after loading).
     """
-    from headatlas.service.model import DEFAULT_MODEL, default_model_dir, looks_like_path, parse_random_shape
+    from headatlas.service.engine.model import DEFAULT_MODEL, default_model_dir, looks_like_path, parse_random_shape
 
     if spec.startswith("random:"):
         layers, _heads, hidden = parse_random_shape(spec)

@@ -1,5 +1,5 @@
 """Figures of one inspected text: a head's context similarity matrix next to its attention map,
-or a layer × head grid of small matrices (``service.inspection`` computes them).
+or a layer × head grid of small matrices (``service.reports.inspection`` computes them).
 
 Tokens label both axes of the single-head figure; its size grows with the number of tokens so
 that a 128-token window keeps at least ``MIN_TOKEN_PX`` pixels per token (labels readable).
@@ -14,8 +14,8 @@ from matplotlib import colors
 from matplotlib.figure import Figure
 
 from headatlas.service.errors import ParameterError
-from headatlas.service.inspection import Inspection
-from headatlas.service.plots import new_figure
+from headatlas.service.reports.inspection import Inspection
+from headatlas.service.reports.plots import new_figure
 
 MIN_TOKEN_PX = 9  # pixel pitch per token on the single-head figure (tests check it)
 TOKEN_IN = 0.1  # inches per token: 10 px at 100 dpi

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from headatlas.service.hooks import act_name, capture_attention
-from headatlas.service.model import LoadedModel, encoder_layers
+from headatlas.service.engine.hooks import act_name, capture_attention
+from headatlas.service.engine.model import LoadedModel, encoder_layers
 
 DEFAULT_CHUNK = 2048  # gradient rows (windows × outputs) per batched backward call
 

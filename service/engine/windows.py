@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from headatlas.service.engine.sentences import encode_with_sentences, sentence_starts, window_sentence_ids
 from headatlas.service.errors import ParameterError
 from headatlas.service.params import AnalysisParams
-from headatlas.service.sentences import encode_with_sentences, sentence_starts, window_sentence_ids
 
 if TYPE_CHECKING:
-    from headatlas.service.corpus import Document
+    from headatlas.service.engine.corpus import Document
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,19 @@ import time
 import numpy as np
 import torch
 
-from headatlas.service.errors import ParameterError
-from headatlas.service.hooks import capture_attention
-from headatlas.service.model import LoadedModel, encoder_layers
-from headatlas.service.params import AnalysisParams
-from headatlas.service.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
-from headatlas.service.stats import (
+from headatlas.service.engine.hooks import capture_attention
+from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
+from headatlas.service.engine.stats import (
     Workspace,
     chance_statistics,
     head_statistics,
     head_vectors,
     window_features,
 )
-from headatlas.service.windows import Batch, TokenClasses, collate
+from headatlas.service.engine.windows import Batch, TokenClasses, collate
+from headatlas.service.errors import ParameterError
+from headatlas.service.params import AnalysisParams
 
 # One set of scratch buffers per device and process, reused by every batch.
 _WORKSPACES: dict[str, Workspace] = {}
@@ -152,7 +152,7 @@ def analyze_batch(
     if params.mixes:
         mixed = len(batch.windows) if mixing_windows is None else max(0, min(mixing_windows, len(batch.windows)))
     if mixed:
-        from headatlas.service.mixing import mixing_sums
+        from headatlas.service.measures.mixing import mixing_sums
 
         sub_ids, sub_mask = batch.input_ids[:mixed], batch.attention_mask[:mixed]
         with torch.inference_mode():

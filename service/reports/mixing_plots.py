@@ -3,7 +3,7 @@ how far a method's rows are from the heads' attention rows.
 
 Drawn from the rows of ``queries.mixing``, ``queries.discrepancy`` and
 ``queries.discrepancy_layers`` (the numbers of ``headatlas query mixing`` / ``discrepancy``), with
-``service.plots``' figure conventions. Layers and heads are 0-based.
+``service.reports.plots``' figure conventions. Layers and heads are 0-based.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import matplotlib
 import numpy as np
 
-from headatlas.service import queries
 from headatlas.service.errors import ParameterError
-from headatlas.service.plots import _col, _title, new_figure
+from headatlas.service.reports import queries
+from headatlas.service.reports.plots import _col, _title, new_figure
 
 MIXING_FIGSIZE = (15.0, 4.5)
 DISCREPANCY_FIGSIZE = (14.0, 5.5)

@@ -16,14 +16,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from headatlas.service.analysis import batch_sentences, forward
-from headatlas.service.corpus import Document, document_id
+from headatlas.service.engine.analysis import batch_sentences, forward
+from headatlas.service.engine.corpus import Document, document_id
+from headatlas.service.engine.hooks import act_name
+from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.stats import head_vectors, select_pairs, window_features
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.errors import CorpusError
-from headatlas.service.hooks import act_name
-from headatlas.service.model import LoadedModel, encoder_layers
 from headatlas.service.params import AnalysisParams
-from headatlas.service.stats import head_vectors, select_pairs, window_features
-from headatlas.service.windows import TokenClasses, collate, document_windows
 
 
 @dataclass
@@ -119,6 +119,6 @@ def _high_set(sim: torch.Tensor, feats, params: AnalysisParams) -> torch.Tensor:
 
 def read_text_file(path: str, *, text_field: str = "text", encoding: str = "utf-8") -> str:
     """The first document of a corpus file (.txt, .jsonl, .csv), as ``analyze`` would read it."""
-    from headatlas.service.corpus import iter_documents
+    from headatlas.service.engine.corpus import iter_documents
 
     return next(iter(iter_documents(path, text_field=text_field, encoding=encoding))).text

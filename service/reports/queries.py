@@ -8,8 +8,8 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import ParameterError
-from headatlas.service.results import MIXING_METHODS
 
 HEAD_COLUMNS = (
     "layer",
@@ -96,7 +96,7 @@ def _with_intervals(
 ) -> Rows:
     """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
     leave-one-group-out rows."""
-    from headatlas.service.intervals import add_intervals
+    from headatlas.service.reports.intervals import add_intervals
 
     columns, values = rows
     metrics = [c for c in interval_metrics(columns) if c not in keys]
@@ -209,7 +209,7 @@ def distances(
     rows = [tuple(r[i] for i in idx) for r in all_rows if r[0] == -1]
     if not ci:
         return keep, rows
-    from headatlas.service.intervals import add_intervals
+    from headatlas.service.reports.intervals import add_intervals
 
     metrics = [c for c in keep if c.endswith(("share", "lift")) and c != "chance_share"]
     midx = [columns.index(c) for c in metrics]
@@ -279,7 +279,7 @@ def csm(conn: Connection, run_id: int, *, layer: int, head: int | None = None, k
     ``layer``: ``mean`` = mean C_ij of the cell's pairs, ``pair_share`` = the cell's pairs of this
     kind / all its pairs of P (1 for ``all``). Upper triangle (bin_i ≤ bin_j); cells without
     pairs are absent. ``kind``: one of CSM_KINDS, or None for all three."""
-    from headatlas.service.results import CSM_KINDS
+    from headatlas.service.engine.results import CSM_KINDS
 
     if kind is not None and kind not in CSM_KINDS:
         raise ParameterError(f"--kind {kind!r}: choose one of {', '.join(CSM_KINDS)}")
@@ -521,7 +521,7 @@ def trend(
     rows = [tuple(v for c, v in zip(columns, r) if c != "drop_rep") for r in all_rows if r[4] is None or r[4] == -1]
     if not ci:
         return keep, rows
-    from headatlas.service.intervals import add_intervals
+    from headatlas.service.reports.intervals import add_intervals
 
     reps = [(r[1], r[4], r[5]) for r in all_rows if r[4] is not None and r[4] >= 0]
     return add_intervals(keep, rows, reps, keys=("run_id",), metrics=[metric])

@@ -1,8 +1,8 @@
 """One self-contained HTML page about a run: parameters, figures, the head table, anchors.
 
 Images are embedded as base64 PNG data URIs and the style is inline: the file opens anywhere,
-offline, and can be mailed as it is. Numbers come from ``service.queries`` (the same as
-``headatlas query …``); figures from ``service.plots``.
+offline, and can be mailed as it is. Numbers come from ``service.reports.queries`` (the same as
+``headatlas query …``); figures from ``service.reports.plots``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from headatlas.service import queries
+from headatlas.service.reports import queries
 
 HEAD_METRICS = (
     "within_sentence_lift_dm",
@@ -101,7 +101,7 @@ def _table(columns, rows, *, text_columns=()) -> str:
 
 def build_report(conn, run) -> str:
     """The report page of ``run`` (a store ``Run``) as an HTML string."""
-    from headatlas.service import plots
+    from headatlas.service.reports import plots
 
     summary = queries.run_summary(conn, run.run_id)
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
@@ -206,7 +206,7 @@ lists the {N_ANCHORS} most frequent anchors with the share of windows they ancho
 
 def _atlas_section(conn, run) -> str:
     """The head atlas (SPEC §7): the role grid, heads per role, and each role's evidence."""
-    from headatlas.service import atlas_plots, plots, roles
+    from headatlas.service.reports import atlas_plots, plots, roles
 
     columns, rows = roles.roles(conn, run.run_id)
     fig, _ = atlas_plots.figure_atlas(
@@ -231,7 +231,7 @@ and whether the interval's lower bound or (runs without replicate groups) the va
 
 def _floor_section(conn, run) -> str:
     """Against the run's random-weights control, when it was analysed with --control."""
-    from headatlas.service import atlas_plots, compare, plots
+    from headatlas.service.reports import atlas_plots, compare, plots
 
     control = compare.control_of(conn, run)
     if control is None:
@@ -265,7 +265,7 @@ def mixing_methods(conn, run) -> list[str]:
 def _mixing_section(conn, run) -> str:
     """Mixing measures (SPEC §6), only for runs that hold them: where each layer's outputs draw
     from per method, and how far each method is from the heads' attention."""
-    from headatlas.service import mixing_plots, plots
+    from headatlas.service.reports import mixing_plots, plots
 
     methods = mixing_methods(conn, run)
     others = [m for m in methods if m != "attention"]

@@ -11,14 +11,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from headatlas.service.analysis import BatchResult, OomSplitter
-from headatlas.service.corpus import Document, corpus_fingerprint, iter_documents
+from headatlas.service.engine.analysis import BatchResult, OomSplitter
+from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
+from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
+from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
 from headatlas.service.errors import CorpusError
-from headatlas.service.model import LoadedModel
 from headatlas.service.params import AnalysisParams
-from headatlas.service.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.storage.store import Run, Store
-from headatlas.service.windows import Batch, TokenClasses, collate, iter_document_windows
 
 ProgressFn = Callable[[int, int], None]  # (windows just analysed, corpus characters consumed)
 

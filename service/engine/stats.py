@@ -15,9 +15,9 @@ from functools import lru_cache
 
 import torch
 
+from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS  # noqa: F401 - defined torch-free, re-exported
+from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import Selection
-from headatlas.service.results import CHANCE_SUMS, HEAD_SUMS  # noqa: F401 - defined torch-free, re-exported
-from headatlas.service.windows import TokenClasses
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ def head_statistics(
     caller, which knows the anchors' token ids. ``same_sentence_hist`` ``[(group,) head, seq_len]``:
     the pairs of H at each distance that share a sentence. ``csm_bin`` > 0: also ``csm_sum`` and
     ``csm_count`` ``[kind, head, bin, bin]``, the averaged similarity matrices' sums
-    (``service.averaged_csm``).
+    (``service.engine.averaged_csm``).
     """
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
@@ -356,7 +356,7 @@ def head_statistics(
     out["attended_hist"] = feats.reduce(_histogram(distance, attended, seq_len))
     out["same_sentence_hist"] = feats.reduce(_histogram(distance, same_sentence & chosen, seq_len))
     if csm_bin:
-        from headatlas.service.averaged_csm import averaged_csm_sums
+        from headatlas.service.engine.averaged_csm import averaged_csm_sums
 
         out["csm_sum"], out["csm_count"] = averaged_csm_sums(
             z, feats.in_pairs, values, index, chosen, attended, bin_size=csm_bin, n_bins=-(-seq_len // csm_bin)

@@ -1,6 +1,6 @@
 """Figures of a stored run: distance distributions, sentence boundaries, head heatmaps, layers.
 
-Every figure is drawn from the rows that ``service.queries`` returns (the same numbers as
+Every figure is drawn from the rows that ``service.reports.queries`` returns (the same numbers as
 ``headatlas query …``). Figures are built with ``matplotlib.figure.Figure`` and the Agg/SVG
 canvases directly, never pyplot: no global state, no display needed. Import this module
 lazily: matplotlib takes a while to import.
@@ -23,8 +23,8 @@ from matplotlib import colors
 from matplotlib.figure import Figure
 from sqlalchemy.engine import Connection
 
-from headatlas.service import queries
 from headatlas.service.errors import ParameterError
+from headatlas.service.reports import queries
 
 DPI = 100
 FORMATS = {".png": "png", ".svg": "svg"}
@@ -380,7 +380,7 @@ def run_figure(
     split: str | None = None,
     by_distance: bool = False,
 ) -> Figure:
-    """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.queries``.
+    """Draw one of ``KINDS`` for ``run`` (a store ``Run``) from the rows of ``service.reports.queries``.
     ``split="attended"`` (distances only): the signal and noise profiles instead of all of H;
     ``by_distance`` (boundaries only): the within-sentence share at each distance."""
     title = _title(run)

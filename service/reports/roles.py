@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service import queries
+from headatlas.service.reports import queries
 
 NONE = "none established"
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from headatlas.service.model import encoder_layers
+from headatlas.service.engine.model import encoder_layers
 
 KINDS = ("z", "pattern")
 

@@ -1,7 +1,7 @@
 """Two runs side by side: each metric per layer (or per head) of both, their difference, and
 whether the difference is beyond the runs' 95% intervals (SPEC §5b, §7).
 
-Returns (columns, rows) like ``service.queries``. Layers and heads are 0-based.
+Returns (columns, rows) like ``service.reports.queries``. Layers and heads are 0-based.
 
 - Difference = run A − run B. Its 95% interval is the delete-one-group jackknife of the
   difference itself when both runs counted exactly the same windows (the replicate groups then
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service import queries
 from headatlas.service.errors import ParameterError
-from headatlas.service.intervals import add_intervals, jackknife_halfwidth
+from headatlas.service.reports import queries
+from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth
 
 # the lifts and shares that carry the findings (each lift against its named chance)
 DEFAULT_METRICS = (

@@ -33,12 +33,12 @@ HEAD_SUMS = (
     "anchor_frequent",  # windows whose anchor is the window's most frequent token
     "anchored_windows",  # windows with an anchor (|H| > 0): anchor_frequency_share's denominator
 )
-# The mixing methods (service.mixing registers one class for each), in display order: attention is
+# The mixing methods (service.measures.mixing registers one class for each), in display order: attention is
 # always measured (the others are compared with it), attribution is asked for with --attribution,
 # the forward-only ones with --mixing.
 MIXING_METHODS = ("attention", "attribution", "rollout", "norm", "alti")
 FORWARD_MIXING = ("rollout", "norm", "alti")
-# per mixing method (service.mixing), layer and head
+# per mixing method (service.measures.mixing), layer and head
 MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention", "distance_sum")
 CHANCE_SUMS = (
     "windows",
@@ -92,7 +92,7 @@ class BatchResult:
     documents: list[dict] = field(default_factory=list)  # doc_id, source, line, n_chars, preview
     vocab: dict[int, str] = field(default_factory=dict)  # anchor token id -> token text
     compute_s: float = 0.0
-    # mixing measures (service.mixing), on the first ``mixing_windows`` windows of the batch:
+    # mixing measures (service.measures.mixing), on the first ``mixing_windows`` windows of the batch:
     # method -> {"head": [slot], sum name: [layer, slot], "dist": [layer, slot, seq_len]}
     mixing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     mixing_windows: int = 0

@@ -1,7 +1,7 @@
-"""Figures of the head atlas and of two runs compared (SPEC §7; ``service.compare``).
+"""Figures of the head atlas and of two runs compared (SPEC §7; ``service.reports.compare``).
 
-Drawn from the rows of ``service.roles`` and ``service.compare`` (the numbers of ``headatlas
-query roles`` and ``headatlas compare``), with ``service.plots``' figure conventions: fixed
+Drawn from the rows of ``service.reports.roles`` and ``service.reports.compare`` (the numbers of ``headatlas
+query roles`` and ``headatlas compare``), with ``service.reports.plots``' figure conventions: fixed
 sizes in inches, no pyplot, PNG or SVG by suffix. Layers and heads are 0-based.
 """
 
@@ -13,9 +13,9 @@ import numpy as np
 from matplotlib import colors
 from matplotlib.patches import Patch
 
-from headatlas.service import compare, roles
 from headatlas.service.errors import ParameterError
-from headatlas.service.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
+from headatlas.service.reports import compare, roles
+from headatlas.service.reports.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
 
 ROLE_COLOURS = {
     "previous-token": "#1f77b4",

@@ -1,9 +1,9 @@
 """Corpus-averaged context similarity matrices (SPEC §5c): per head, Σ C_ij over windows by
 position, in square bins of ``bin_size`` positions, with the number of pairs summed in each cell.
 
-Pure tensor code, like ``service.stats``: imports neither Celery, Typer nor SQLAlchemy. Only the
+Pure tensor code, like ``service.engine.stats``: imports neither Celery, Typer nor SQLAlchemy. Only the
 upper triangle is kept (pairs i < j of P, so bin_i ≤ bin_j); the mean matrix is symmetric.
-Shape names as in ``service.stats``, plus ``bin`` (index of a bin of positions) and ``cell``
+Shape names as in ``service.engine.stats``, plus ``bin`` (index of a bin of positions) and ``cell``
 (bin_i · bins + bin_j).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from headatlas.service.results import CSM_KINDS  # noqa: F401 - defined numpy-only, re-exported
+from headatlas.service.engine.results import CSM_KINDS  # noqa: F401 - defined numpy-only, re-exported
 
 
 def binned_pair_sums(

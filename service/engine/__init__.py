@@ -1,0 +1,3 @@
+"""The engine: corpus → windows → batches → the model with hooks → per-head sums (SPEC §1–5).
+
+Pure computation: nothing here opens the database or reads settings."""
