@@ -94,6 +94,7 @@ def _parts(folder, demo_corpus, n: int) -> list:
 
 def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(cluster, demo_corpus, tmp_path):
     from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.errors import ParameterError
     from headatlas.service.reports import queries
     from headatlas.service.storage.store import Store
 
@@ -159,6 +160,10 @@ def test_only_new_runs_on_time_without_duplicates_and_trend_matches_queries(clus
     with Store(cluster.db).read() as conn:
         _cols, layer_trend = queries.trend(conn, sched_id, metric="mean_distance", layer=0)
         _cols, mean_trend = queries.trend(conn, sched_id, metric="noise_share")
+        with pytest.raises(ParameterError, match=r"--layer 99: the schedule's runs have layers 0\.\.1"):
+            queries.trend(conn, sched_id, metric="mean_distance", layer=99)
+        with pytest.raises(ParameterError, match=r"--head 4: the schedule's runs have heads 0\.\.3"):
+            queries.trend(conn, sched_id, metric="within_sentence", layer=1, head=4)
         for k, (_run_name, _) in enumerate(runs):
             columns, layers = queries.layers(conn, layer_trend[k][1])
             distance, noise = columns.index("mean_distance"), columns.index("noise_share")

@@ -480,6 +480,24 @@ def discrepancy_layers(conn: Connection, run_id: int, *, method: str = "attribut
 LAYER_METRICS = tuple(c for c in HEAD_COLUMNS[2:] if c not in ("high_pairs", "windows"))
 
 
+def _check_schedule_shape(conn: Connection, schedule_id: int, layer: int, head: int | None) -> None:
+    """``--layer``/``--head`` within every run of the schedule (a layer no run has would show as a
+    trend of empty values)."""
+    n_layers, n_heads = conn.execute(
+        text(
+            "SELECT min(n_layers), min(n_heads) FROM runs WHERE run_key IN "
+            "(SELECT run_key FROM schedule_fires WHERE schedule_id = :s)"
+        ),
+        {"s": schedule_id},
+    ).one()
+    if n_layers is None:  # no run yet: nothing to check against, and an empty trend is the truth
+        return
+    if not 0 <= layer < n_layers:
+        raise ParameterError(f"--layer {layer}: the schedule's runs have layers 0..{n_layers - 1} (0-based)")
+    if head is not None and not 0 <= head < n_heads:
+        raise ParameterError(f"--head {head}: the schedule's runs have heads 0..{n_heads - 1} (0-based)")
+
+
 def trend(
     conn: Connection,
     schedule_id: int,
@@ -497,6 +515,8 @@ def trend(
     allowed = SORTABLE if head is not None else LAYER_METRICS
     if metric not in allowed:
         raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(allowed)}")
+    if layer is not None:
+        _check_schedule_shape(conn, schedule_id, layer, head)
     if head is not None:
         value = (
             f"SELECT run_id, drop_rep, {metric} AS value FROM head_metrics_reps WHERE layer = :layer AND head = :head"
