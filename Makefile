@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench gpu-check readme-images docs lint clean
+.PHONY: install install-test demo test test-fast bench gpu-check readme-images docs lint typecheck clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,13 +31,22 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/headatlas demo --db $(DB)
 
-test: install-test lint
+test: install-test lint typecheck
 	$(PY) -m pytest -q
 
 # ruff: lint and format, configured in pyproject.toml (run by `make test`, hence by CI)
 lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# mypy over the installed layout: headatlas/ and the folders it maps (service, workers, cli,
+# migrations) linked under build/typecheck, as site-packages would hold them.
+TC := build/typecheck/headatlas
+typecheck: install-test
+	rm -rf $(TC) && mkdir -p $(TC)
+	ln -s $(CURDIR)/headatlas/__init__.py $(TC)/__init__.py
+	for d in service workers cli migrations; do ln -s $(CURDIR)/$$d $(TC)/$$d; done
+	cd build/typecheck && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p headatlas
 
 test-fast: install-test
 	$(PY) -m pytest -q -m "not slow and not integration"

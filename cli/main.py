@@ -12,7 +12,7 @@ from typer.core import TyperGroup
 try:  # typer vendors its own click from 0.25 on; its usage errors are that click's
     from typer._click.exceptions import UsageError
 except ImportError:  # pragma: no cover - older typer on the public click
-    from click.exceptions import UsageError
+    from click.exceptions import UsageError  # type: ignore[assignment]  # the same class, in click itself
 
 from headatlas.cli import options
 from headatlas.cli.output import Format, error, render, render_metrics, sparkline, stderr, stdout
@@ -172,7 +172,7 @@ def _analyze(
             )
         loaded = load_model(model, device=device, dtype=params.dtype)
         check_loaded(loaded, params.seq_len)
-        size = auto_batch_size(loaded, params.seq_len) if size == "auto" else size
+        size = size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len)
         store = _store(db)
         with _progress(summary.chars, quiet) as progress:
             run = analyze_corpus(

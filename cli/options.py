@@ -12,6 +12,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import typer
 
@@ -21,8 +22,9 @@ from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 
 
-def setting(name: str, *decls: str, help: str, **kwargs) -> typer.models.OptionInfo:  # noqa: A002 - typer's name
-    """An option whose default is a Settings field, overridden by its HEADATLAS_* variable."""
+def setting(name: str, *decls: str, help: str, **kwargs) -> Any:  # noqa: A002 - typer's name
+    """An option whose default is a Settings field, overridden by its HEADATLAS_* variable. Typed
+    ``Any`` as ``typer.Option`` is: it stands as the default of a parameter of the value's type."""
     return typer.Option(Settings.default(name), *decls, envvar=f"HEADATLAS_{name.upper()}", help=help, **kwargs)
 
 
@@ -41,7 +43,7 @@ WriterWait = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the w
 _DECLARED = object()
 
 
-def declared_option(option: Declared, *, help: str | None = None, default=_DECLARED) -> typer.models.OptionInfo:  # noqa: A002
+def declared_option(option: Declared, *, help: str | None = None, default: Any = _DECLARED) -> Any:  # noqa: A002
     """The Typer option of one declared analysis option; another ``default`` (e.g. None: "unchanged")
     drops the environment variable, which would otherwise stand in for a value not given."""
     decls = [f"{option.flag}/--no-{option.flag[2:]}" if option.type is bool else option.flag]
@@ -111,7 +113,7 @@ def analysis_options(*names: str, exclude: tuple[str, ...] = (), help: dict[str,
             return command(analysis=AnalysisOptions.build(**values), **kwargs)
 
         del run.__wrapped__  # Typer reads the rewritten signature, not the command's
-        run.__signature__ = inspect.Signature(params)
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by inspect, unknown to wraps' type
         run.__annotations__ = {p.name: p.annotation for p in params}
         return run
 

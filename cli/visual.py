@@ -96,6 +96,7 @@ def inspect(
     if file is not None:
         body = read_text_file(str(file), text_field=analysis.text_field, encoding=analysis.encoding)
     else:
+        assert text is not None  # one of the text and --file, checked above
         body = sys.stdin.read() if text == "-" else text
     params, model, device = analysis.params, analysis.model, analysis.device
     from headatlas.service.engine.model import load_model
@@ -107,7 +108,7 @@ def inspect(
     result = inspect_text(loaded, body, params)
     from headatlas.service.reports import matrix_plots, plots
 
-    if head is not None:
+    if head is not None and layer is not None:  # --head without --layer was refused above
         fig = matrix_plots.figure_head(result, layer, head)
     else:
         fig = matrix_plots.figure_grid(result, layer=layer, matrix=matrix.value)

@@ -21,6 +21,8 @@ def run_migrations_online() -> None:
     connection = context.config.attributes.get("connection")
     if connection is None:
         url = context.config.get_main_option("sqlalchemy.url")
+        if url is None:
+            raise RuntimeError("alembic: set sqlalchemy.url or pass a connection (see service/storage/db.py upgrade)")
         with create_engine(url).connect() as conn:
             _run(conn)
     else:

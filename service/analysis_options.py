@@ -9,7 +9,7 @@ user typed (``--select top:Q``, ``--mixing rollout,norm``) into validated ``Anal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:
     from headatlas.service.params import AnalysisParams
@@ -144,9 +144,14 @@ def parse_mixing(values) -> tuple[str, ...]:
     return tuple(m for m in MIXING if m in given)
 
 
-def parse_batch_size(value: str | int, *, queued: bool = False) -> str | int:
-    """``--batch-size``: a positive integer or ``auto``. A queued run's batches are cut before a
-    worker is known, so there ``auto`` is the CPU size, 32."""
+@overload
+def parse_batch_size(value: str | int, *, queued: Literal[True]) -> int: ...
+@overload
+def parse_batch_size(value: str | int, *, queued: Literal[False] = False) -> int | Literal["auto"]: ...
+def parse_batch_size(value: str | int, *, queued: bool = False) -> int | Literal["auto"]:
+    """``--batch-size``: a positive integer or ``auto`` (sized to the model and device once it is
+    loaded). A queued run's batches are cut before a worker is known, so there ``auto`` is the CPU
+    size, 32."""
     from headatlas.service.errors import ParameterError
 
     text = str(value).strip().lower()

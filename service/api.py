@@ -165,7 +165,7 @@ def analyze(
         params=params,
         corpus=summary,
         name=name,
-        batch_size=auto_batch_size(loaded, params.seq_len) if size == "auto" else size,
+        batch_size=size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len),
         text_field=text_field,
         encoding=encoding,
     )

@@ -42,7 +42,7 @@ class Settings:
             if key not in env:
                 continue
             raw = env[key]
-            kind = type(f.default)
+            kind: type = type(f.default)  # every setting has a default, whose type parses it
             try:
                 values[f.name] = kind(raw)
             except ValueError:

@@ -92,6 +92,7 @@ class Cadence:
     def describe(self) -> str:
         if self.cron is not None:
             return f"cron {self.cron} ({self.timezone})"
+        assert self.every_s is not None  # __post_init__: exactly one of cron and every_s
         return f"every {format_every(self.every_s)}"
 
     def next_after(self, t: datetime) -> datetime:

@@ -42,7 +42,7 @@ REREAD_S = 10.0  # schedules are read again at least this often, changed or not
 
 def _file_stamp(db: str) -> tuple:
     """Changes whenever the database is written (its file or its write-ahead log)."""
-    out = []
+    out: list[tuple[int, int] | None] = []
     for path in (Path(db), Path(f"{db}.wal")):
         try:
             st = path.stat()
@@ -72,7 +72,8 @@ def fire(settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str 
     from headatlas.service.params import AnalysisParams
     from headatlas.workers.submit import submit
 
-    spec, new = sched.corpus, None
+    spec = sched.corpus
+    new: dict[str, str] | None = None
     if sched.only_new:
         with Store(settings.db).checked_read() as conn:
             seen = schedule_store.seen_documents(conn, sched.schedule_id)

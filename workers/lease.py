@@ -66,7 +66,8 @@ class Holder:
         return f"{self.db} ({ident}), written by {self.host}:{self.pid}"
 
 
-def holder(client: redis.Redis) -> tuple[Holder | None, bytes | None]:
+def holder(client: redis.Redis) -> tuple[Holder | None, bytes | str | None]:
+    """The writer holding the lease and the lease as stored (both None when no writer holds it)."""
     raw = client.get(LEASE)
     if raw is None:
         return None, None
@@ -101,6 +102,7 @@ class WriterLease:
             return
         other, raw = holder(self.r)
         if other is not None and _left_behind(other):
+            assert raw is not None  # holder() returns both or neither
             # a writer of this machine that no longer runs (killed): no need to wait for expiry
             if self.r.eval(_TAKE_OVER, 1, LEASE, raw, self._value(), ttl):
                 return

@@ -63,6 +63,11 @@ def key(what: str, run_key: str, database_id: str) -> str:
     return f"{PREFIX}:{database_id}:{what}:{run_key}"
 
 
+def _text(value: bytes | str) -> str:
+    """A value read from Redis as text (bytes unless the client decodes responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 @dataclass
 class Live:
     """Counts only Redis knows: batches queued (not yet stored or failed), running, analysed
@@ -84,7 +89,7 @@ class Running:
     task_id: str
     started: float
     beat: float
-    raw: bytes  # as stored, to act on it only if unchanged
+    raw: bytes | str  # as stored, to act on it only if unchanged
 
 
 class Ledger:
@@ -112,7 +117,10 @@ class Ledger:
         """The run's batch size: the first submission's. Batch ids must keep naming the same
         windows whoever submits again, with whatever --batch-size."""
         self.r.hsetnx(self.key("run", run_key), "batch_size", batch_size)
-        return int(self.r.hget(self.key("run", run_key), "batch_size"))
+        size = self.r.hget(self.key("run", run_key), "batch_size")
+        if size is None:  # the run's hash vanished between the two calls (Redis flushed or restarted)
+            raise BrokerError(f"run {run_key}: the broker lost its batch size; submit again")
+        return int(size)
 
     def set_run_id(self, run_key: str, run_id: int) -> None:
         self.r.hset(self.key("run", run_key), mapping={"run_id": run_id, "error": ""})
@@ -122,7 +130,7 @@ class Ledger:
 
     def run_id(self, run_key: str) -> tuple[int | None, str]:
         run_id, error = self.r.hmget(self.key("run", run_key), ["run_id", "error"])
-        return (int(run_id) if run_id else None), (error.decode() if error else "")
+        return (int(run_id) if run_id else None), (_text(error) if error else "")
 
     # --- batches ------------------------------------------------------------------------------
     def queued(self, run_key: str) -> set[int]:
@@ -177,10 +185,10 @@ class Ledger:
 
     def run_status(self, run_key: str) -> str | None:
         raw = self.r.hget(self.key("run", run_key), "status")
-        return raw.decode() if raw else None
+        return _text(raw) if raw else None
 
     def is_finished(self, run_key: str, batch_id: int) -> bool:
-        return bool(self.r.sismember(self.key("done", run_key), batch_id))
+        return bool(self.r.sismember(self.key("done", run_key), str(batch_id)))  # as redis-py encodes an int
 
     def start(self, run_key: str, batch_id: int, worker: str, task_id: str, ttl_s: float) -> int:
         """A worker starts a batch: returns the attempt number (1 for the first try). The batch
@@ -257,7 +265,7 @@ class Ledger:
         return {int(b): json.loads(v) for b, v in self.r.hgetall(self.key("lost", run_key)).items()}
 
     def active_runs(self) -> set[str]:
-        return {r.decode() for r in self.r.smembers(self.key("active", "runs"))}
+        return {_text(r) for r in self.r.smembers(self.key("active", "runs"))}
 
     def inactive(self, run_key: str) -> None:
         self.r.srem(self.key("active", "runs"), run_key)
@@ -295,7 +303,7 @@ class Ledger:
 
     def last_error(self, run_key: str, batch_id: int) -> str | None:
         raw = self.r.hget(self.key("errors", run_key), batch_id)
-        return raw.decode() if raw else None
+        return _text(raw) if raw else None
 
     def finished(self, run_key: str, batch_id: int, *, failed: bool, windows: int = 0, pipe=None) -> None:
         """The writer has stored the batch (or its failure): it is no longer in flight.

@@ -154,7 +154,8 @@ class Writer:
             pass
 
     def _take(self, timeout_s: float) -> list[bytes]:
-        first = self.ledger.r.blmove(INGEST, PROCESSING, timeout_s, "LEFT", "RIGHT")
+        # BLMOVE takes a double timeout (seconds, fractions allowed); redis-py annotates it as int
+        first = self.ledger.r.blmove(INGEST, PROCESSING, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
         if first is None:
             return []
         pipe = self.ledger.r.pipeline()
@@ -238,8 +239,7 @@ class Writer:
     def _store_group(self, group: list[dict]) -> None:
         if not group:
             return
-        known = [(m, self._run_id(m["run_key"])) for m in group]
-        known = [(m, r) for m, r in known if r is not None]
+        known = [(m, run_id) for m in group if (run_id := self._run_id(m["run_key"])) is not None]
         self.ledger.writer_state("ingesting", batches=len(known))
         summaries: dict[str, queue_store.Summary] = {}
         try:

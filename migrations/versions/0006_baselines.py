@@ -310,6 +310,7 @@ def downgrade() -> None:
 
     # Alembic loads revisions by file: load the first one the same way for its views
     spec = importlib.util.spec_from_file_location("_initial", Path(__file__).with_name("0001_initial.py"))
+    assert spec is not None and spec.loader is not None  # a .py file next to this one
     initial = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(initial)
     for statement in initial.VIEWS:

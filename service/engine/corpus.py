@@ -353,7 +353,8 @@ Parsed = Iterator[tuple[int, str]]
 
 
 def _parse_txt(lines: Iterable[tuple[int, str]], source: str, text_field: str) -> Parsed:
-    start, block = 0, []
+    start = 0
+    block: list[str] = []
     for lineno, line in lines:
         content = line.rstrip("\r\n")
         if content.strip():

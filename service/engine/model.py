@@ -13,10 +13,15 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from headatlas.service.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.models.bert.modeling_bert import BertLayer
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -33,26 +38,19 @@ SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its 
 
 
 @dataclass
-class LoadedModel:
+class ModelInfo:
+    """A model's identity and shape, as submitting sees it (no weights in memory). A LoadedModel is
+    one with its weights: both give the same run key and the same description."""
+
     spec: str  # what the user asked for
     name: str  # resolved, human-readable
-    model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     n_layers: int
     n_heads: int
     d_head: int
     d_model: int
-    device: torch.device
-    dtype: torch.dtype
     tokenizer_key: str  # stable fingerprint of the vocabulary
     weights_key: str  # identity of the weight files (weights_fingerprint)
-
-    def autocast(self):
-        """The forward pass's precision: float32 as is; bfloat16/float16 by autocast, which
-        keeps the weights and precision-sensitive ops (softmax, layer norm) in float32."""
-        if self.dtype not in (torch.bfloat16, torch.float16):
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def describe(self) -> dict:
         return {
@@ -68,20 +66,19 @@ class LoadedModel:
 
 
 @dataclass
-class ModelInfo:
-    """A model as submitting sees it: no weights in memory, the same identity as LoadedModel."""
+class LoadedModel(ModelInfo):
+    """A model ready to run: its weights on a device, and the precision of its forward pass."""
 
-    spec: str
-    name: str
-    tokenizer: object
-    n_layers: int
-    n_heads: int
-    d_head: int
-    d_model: int
-    tokenizer_key: str
-    weights_key: str
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
 
-    describe = LoadedModel.describe
+    def autocast(self):
+        """The forward pass's precision: float32 as is; bfloat16/float16 by autocast, which
+        keeps the weights and precision-sensitive ops (softmax, layer norm) in float32."""
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
 
 def default_model_dir() -> Path:
@@ -206,7 +203,10 @@ def _weights_folder(source: str) -> Path:
     from transformers.utils import cached_file
 
     with _loading(source):
-        return Path(cached_file(source, "config.json")).parent
+        config_file = cached_file(source, "config.json")
+    if config_file is None:  # only where cached_file is told not to raise; kept for the type
+        raise ModelError(f"--model {source}: no config.json found; pass a local model folder or a hub name")
+    return Path(config_file).parent
 
 
 def weights_fingerprint(folder: Path, spec: str = "") -> str:
@@ -250,7 +250,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
             num_attention_heads=heads,
             hidden_size=hidden,
             intermediate_size=4 * hidden,
-            attn_implementation="eager",
+            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
         )
         with torch.random.fork_rng():
             torch.manual_seed(RANDOM_SEED)  # same spec, same weights: runs stay comparable
@@ -264,7 +264,9 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
             model = AutoModel.from_pretrained(source, attn_implementation="eager")
         weights = weights_fingerprint(_weights_folder(source), spec)
     model.eval()
-    model.to(device=dev)  # weights stay float32; half precision is applied by autocast
+    # weights stay float32; half precision is applied by autocast. The ignore: PreTrainedModel.to is
+    # decorated with functools.wraps, which typeshed's _Wrapped types as an unbound function
+    model.to(device=dev)  # type: ignore[call-arg]
     layers_list = encoder_layers(model, spec)
     attn = layers_list[0].attention.self
     n_heads = attn.num_attention_heads
@@ -317,8 +319,11 @@ def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedMode
     )
 
 
-def encoder_layers(model: torch.nn.Module, spec: str = "") -> list[torch.nn.Module]:
-    """The transformer blocks, for BERT-style encoders (``encoder.layer[i].attention.self``)."""
+def encoder_layers(model: torch.nn.Module, spec: str = "") -> list[BertLayer]:
+    """The transformer blocks, for BERT-style encoders (``encoder.layer[i].attention.self``).
+
+    Typed as BERT's layer: RoBERTa, ELECTRA and MiniLM blocks have the same modules under the
+    same names (checked loosely below), which is all the callers rely on."""
     layers = getattr(getattr(model, "encoder", None), "layer", None)
     if layers is None or not len(layers) or not hasattr(layers[0], "attention"):
         raise ModelError(
@@ -326,8 +331,8 @@ def encoder_layers(model: torch.nn.Module, spec: str = "") -> list[torch.nn.Modu
             "(expected encoder.layer[i].attention.self); use a BERT, RoBERTa, ELECTRA or MiniLM model"
         )
     if getattr(model.config, "_attn_implementation", "eager") != "eager":
-        model.set_attn_implementation("eager")
-    return list(layers)
+        cast("PreTrainedModel", model).set_attn_implementation("eager")
+    return cast("list[BertLayer]", list(layers))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

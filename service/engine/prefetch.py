@@ -68,7 +68,7 @@ class BackgroundSink(Generic[T]):
     re-raises the first error.
     """
 
-    def __init__(self, consume: Callable[[T], None], *, depth: int = 2):
+    def __init__(self, consume: Callable[[T], object], *, depth: int = 2):
         self._consume = consume
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None

@@ -148,9 +148,10 @@ class BatchResult:
         if self.rep_same_sentence_hist is not None:
             arrays["same_sentence_hist"] = self.rep_same_sentence_hist
         if self.csm_sum is not None:
+            assert self.csm_count is not None  # a batch has both sums and counts, or neither
             arrays.update(csm_bin=np.array(self.csm_bin), csm_sum=self.csm_sum, csm_count=self.csm_count)
         buf = io.BytesIO()
-        np.savez_compressed(buf, **arrays)
+        np.savez_compressed(buf, **arrays)  # type: ignore[arg-type]  # mypy matches **arrays to allow_pickle too
         return buf.getvalue()
 
     @classmethod

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from headatlas.service.engine.analysis import BatchResult, OomSplitter
 from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
-from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
 from headatlas.service.errors import CorpusError
@@ -51,9 +51,9 @@ def survey_corpus(
     return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars, duplicates=documents - len(seen))
 
 
-def run_key(corpus_fp: str, model: LoadedModel, params: AnalysisParams) -> str:
+def run_key(corpus_fp: str, model: ModelInfo, params: AnalysisParams) -> str:
     """The identity of a run: corpus, model (spec, name, vocabulary, weights) and parameters.
-    ``model`` is a LoadedModel or a ModelInfo (submit), which give the same key."""
+    ``model`` is loaded (analyze) or not (submit): the key is the same."""
     blob = "|".join([corpus_fp, model.spec, model.name, model.tokenizer_key, model.weights_key, params.key()])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -159,7 +159,7 @@ def analyze_corpus(
     last_flush = time.perf_counter()
     status, error = "done", None
     # tokenisation runs ahead of the model, storing runs behind it (one thread each)
-    sink = BackgroundSink(lambda items: store.ingest(run.run_id, items))
+    sink: BackgroundSink[list[tuple[int, BatchResult]]] = BackgroundSink(lambda items: store.ingest(run.run_id, items))
     splitter = OomSplitter()
     batches = Prefetcher(
         iter_batches(

@@ -274,5 +274,6 @@ def collate(windows: list[Window], pad_id: int) -> Batch:
     if all(carried):
         sentence = torch.full((len(windows), longest), -1, dtype=torch.long)
         for row, w in enumerate(windows):
+            assert w.sentence_ids is not None  # all(carried)
             sentence[row, : len(w.sentence_ids)] = torch.tensor(w.sentence_ids)
     return Batch(windows=list(windows), input_ids=input_ids, attention_mask=attention_mask, sentence=sentence)

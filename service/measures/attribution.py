@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -62,7 +63,8 @@ def _replace_embeddings(
         store["e"] = e
         return e
 
-    handle = model.embeddings.register_forward_hook(hook)
+    embeddings_block = cast(torch.nn.Module, model.embeddings)  # BertEmbeddings and its kin: a submodule
+    handle = embeddings_block.register_forward_hook(hook)
     try:
         yield
     finally:

@@ -23,12 +23,17 @@ Pure tensor code: imports neither Celery, Typer nor SQLAlchemy.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from headatlas.service.engine.model import LoadedModel, encoder_layers
 from headatlas.service.engine.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
 from headatlas.service.engine.stats import WindowFeatures, attention_sums
+
+if TYPE_CHECKING:
+    from transformers.models.bert.modeling_bert import BertLayer
 
 
 # --- the measures ------------------------------------------------------------------------------
@@ -46,7 +51,7 @@ def rollout(probs: list[torch.Tensor], valid: torch.Tensor) -> tuple[list[torch.
     return heads, layers
 
 
-def value_vectors(block: torch.nn.Module, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+def value_vectors(block: BertLayer, x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """``f_h(x_j) = (x_j W_V + b_V) W_O^h`` → ``[batch, head, pos, d_model]`` (no output bias)."""
     value = block.attention.self.value
     v = torch.nn.functional.linear(x, value.weight.to(x.dtype), value.bias.to(x.dtype))  # [batch, pos, head·d_head]
@@ -57,7 +62,7 @@ def value_vectors(block: torch.nn.Module, x: torch.Tensor, n_heads: int) -> torc
     return torch.matmul(v, w)
 
 
-def norm_based(block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_based(block: BertLayer, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kobayashi et al. 2020 for one layer. x: block input ``[batch, pos, d_model]``; attn
     ``[batch, head, pos, key]``. Returns unnormalised head rows ``[batch, head, pos, key]`` and
     layer rows ``[batch, pos, key]``."""
@@ -69,7 +74,7 @@ def norm_based(block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor) -> t
     return heads, layer
 
 
-def alti_layer(block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def alti_layer(block: BertLayer, x: torch.Tensor, attn: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """ALTI contributions of one layer, ``[batch, pos, key]``, rows normalised (Ferrando et al.
     2022, eq. 6–9). y_i = LayerNorm(Σ_j Σ_h A^h_ij f_h(x_j) + b_O + x_i) is split into
     ``T_i(x_j) = γ ⊙ (t_ij − mean(t_ij)) / σ_i`` with ``t_ij = Σ_h A^h_ij f_h(x_j) + δ_ij x_j``."""

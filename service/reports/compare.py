@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -28,6 +29,9 @@ from sqlalchemy.engine import Connection
 from headatlas.service.errors import ParameterError
 from headatlas.service.reports import queries
 from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth
+
+if TYPE_CHECKING:
+    from headatlas.service.storage.store import Run
 
 # the lifts and shares that carry the findings (each lift against its named chance)
 DEFAULT_METRICS = (
@@ -190,6 +194,7 @@ def compare(
     values_a = metric_values(conn, run_a.run_id, chosen, heads=heads)
     # one read for a run compared with itself: float sums need not add up in the same order twice
     values_b = values_a if run_b.run_id == run_a.run_id else metric_values(conn, run_b.run_id, chosen, heads=heads)
+    units: list[tuple[tuple[int, ...], tuple[int, ...]]]
     if heads:
         units = [
             ((l, h), (l, h))
@@ -227,7 +232,7 @@ def parameter_differences(run_a, run_b) -> list[str]:
     ]
 
 
-def control_of(conn: Connection, run) -> object | None:
+def control_of(conn: Connection, run) -> Run | None:
     """The random-weights control run of ``run`` (analysed with ``--control``), or None."""
     from headatlas.service.storage.store import resolve_run
 

@@ -52,13 +52,13 @@ def _draw(ax, grid: np.ndarray, value: str, bin_size: int):
     masked = np.ma.masked_invalid(grid)
     if value == "mean":
         limit = _symmetric_limit(grid)
-        cmap = "RdBu_r"
+        cmap_name = "RdBu_r"
         norm = colors.Normalize(-limit, limit)
     else:
-        cmap = "magma_r"
+        cmap_name = "magma_r"
         top = np.nanmax(grid) if np.isfinite(grid).any() else 1.0
         norm = colors.PowerNorm(0.5, vmin=0, vmax=max(float(top), 1e-9))
-    cmap = matplotlib.colormaps[cmap].with_extremes(bad="#eeeeee")  # grey: no pair there
+    cmap = matplotlib.colormaps[cmap_name].with_extremes(bad="#eeeeee")  # grey: no pair there
     return ax.imshow(masked, cmap=cmap, norm=norm, extent=extent, interpolation="nearest")
 
 

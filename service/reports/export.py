@@ -14,11 +14,15 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 
 from headatlas.service.errors import ParameterError, StoreError
 from headatlas.service.storage.readonly import retry_on_lock
+
+if TYPE_CHECKING:
+    from headatlas.service.storage.store import Run
 
 FORMATS = ("parquet", "csv")
 # table → rows of run :run (a validated integer, inlined: COPY takes no parameters)
@@ -58,7 +62,7 @@ def table_query(table: str, run_id: int) -> str:
 
 def export_run(
     db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir: str | Path, *, lock_wait_s: float = 30.0
-) -> tuple[object, list[ExportedTable]]:
+) -> tuple[Run, list[ExportedTable]]:
     """Write every table of the run to ``out_dir/<table>.<fmt>`` and a manifest.
 
     Returns (run, exported tables). The database is only read."""
@@ -91,7 +95,9 @@ def export_run(
             query = table_query(table, run.run_id)
             try:
                 connection.execute(f"COPY ({query}) TO {_literal(path)} ({options})")
-                rows = connection.execute(f"SELECT count(*) FROM ({query})").fetchone()[0]
+                count = connection.execute(f"SELECT count(*) FROM ({query})").fetchone()
+                assert count is not None  # count(*) always returns one row
+                rows = count[0]
             except duckdb.IOException as error:
                 raise StoreError(f"cannot write {path}: {str(error).splitlines()[0]}; check --out") from None
             exported.append(ExportedTable(table, path, int(rows)))

@@ -12,6 +12,7 @@ Pure computation: imports neither matplotlib, Celery, Typer nor SQLAlchemy.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 import torch
@@ -93,7 +94,8 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
     return Inspection(
         model_name=model.name,
         params=params,
-        tokens=model.tokenizer.convert_ids_to_tokens(windows[0].input_ids),
+        # a list of ids gives a list of tokens (the base class declares no overloads)
+        tokens=cast(list[str], model.tokenizer.convert_ids_to_tokens(list(windows[0].input_ids))),
         token_ids=np.asarray(windows[0].input_ids, dtype=np.int64),
         sentence=sentence[0].cpu().numpy(),
         in_pairs=feats.in_pairs[0].cpu().numpy(),

@@ -291,14 +291,15 @@ def figure_heads(
     ax = fig.subplots()
     finite = grid[np.isfinite(grid)]
     if metric.endswith("_lift") and finite.size and finite.min() < 1 < finite.max():
-        cmap, norm = "RdBu_r", colors.TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
+        cmap_name, norm = "RdBu_r", colors.TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
     else:
-        cmap, norm = "viridis", None
-    cmap = matplotlib.colormaps[cmap].with_extremes(bad="#dddddd")  # grey: no value
+        cmap_name, norm = "viridis", None
+    cmap = matplotlib.colormaps[cmap_name].with_extremes(bad="#dddddd")  # grey: no value
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
     bar = fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
     if norm is not None:  # the default ticks of a two-slope scale leave the short side bare
-        bar.set_ticks(np.unique(np.r_[np.linspace(norm.vmin, 1.0, 3), np.linspace(1.0, norm.vmax, 5)]))
+        assert norm.vmin is not None and norm.vmax is not None  # given when the norm was made
+        bar.set_ticks(np.unique(np.r_[np.linspace(norm.vmin, 1.0, 3), np.linspace(1.0, norm.vmax, 5)]).tolist())
         bar.ax.yaxis.set_major_formatter("{x:.3g}")
     if n_heads <= 16 and n_layers <= 24:
         rgba = image.to_rgba(np.ma.masked_invalid(grid))

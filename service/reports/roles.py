@@ -133,15 +133,17 @@ def _evidence(rule: Rule, row: Mapping, context: Mapping) -> tuple | None:
     threshold = rule.threshold(context)
     if value is None or threshold is None:
         return None
-    has_interval = lo is not None and hi is not None
-    low, high = (lo, hi) if has_interval else (value, value)
+    if lo is not None and hi is not None:
+        low, high, bound = lo, hi, "lower bound"
+    else:
+        low, high, bound = value, value, "value"
     if low < threshold:
         return None
     if rule.role == "broad":
         ceiling = BROAD_MAX * context["uniform_entropy"]
         if high > ceiling:  # indistinguishable from uniform attention: chance, not a role
             return None
-    return value, lo, hi, threshold, "lower bound" if has_interval else "value"
+    return value, lo, hi, threshold, bound
 
 
 def assign(rows: Sequence[Mapping], context: Mapping) -> list[tuple]:
@@ -151,7 +153,7 @@ def assign(rows: Sequence[Mapping], context: Mapping) -> list[tuple]:
     ``rows``: per head, ``layer``, ``head`` and each metric of ``ROLE_METRICS`` with ``_lo``/``_hi``.
     ``context``: ``short_range_chance`` and ``uniform_entropy`` (ln n̄, n̄ = valid tokens per window).
     """
-    out = []
+    out: list[tuple] = []
     for row in sorted(rows, key=lambda r: (r["layer"], r["head"])):
         earned = [(rule, ev) for rule in RULES if (ev := _evidence(rule, row, context)) is not None]
         if not earned:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
@@ -30,6 +31,13 @@ LOCK_WAIT_S = 30.0
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
 # threads of one process (beat's tick and the fires it runs) open the file in turn.
 _PROCESS_LOCK = threading.RLock()
+
+
+def driver_connection(conn: Connection) -> Any:
+    """The DuckDB connection under ``conn`` (to register Arrow tables on it)."""
+    raw = conn.connection.driver_connection
+    assert raw is not None  # only a closed or invalidated connection has none, and conn is open
+    return raw
 
 
 def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
@@ -164,7 +172,9 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
             conn.commit()
-            return before, current_revision(conn)
+            after = current_revision(conn)
+            assert after is not None  # alembic_version now holds the head it upgraded to
+            return before, after
     finally:
         engine.dispose()
 

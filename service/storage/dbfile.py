@@ -103,7 +103,7 @@ def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None
     from headatlas.service.storage.readonly import is_lock_conflict
 
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
-    if is_lock_conflict(orig):
+    if orig is None or is_lock_conflict(orig):  # None: a DBAPIError without the driver's error
         return None
     # IOException: unreadable, not a database, cut short; the bare duckdb.Error: a checksum
     # mismatch ("Corrupt database file"); FatalException: the database was invalidated.

@@ -46,10 +46,12 @@ class Summary:
 
 def summary(conn: Connection, run_id: int) -> Summary:
     status = conn.execute(text("SELECT status FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
+    if status is None:
+        raise StoreError(f"no run {run_id} in the database")
     done, failed = _counts(conn, run_id)
     windows = conn.execute(
         text("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id}
-    ).scalar()
+    ).scalar_one()
     return Summary(status, done, failed, int(windows))
 
 
@@ -108,6 +110,7 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
                 {"ts": now(), "r": run.run_id},
             )
         finish_if_complete(conn, run.run_id)
+    assert plan is not None  # recorded above when missing
     return store.get_run(run.run_id), plan
 
 
@@ -188,7 +191,7 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
 
 def progress(conn: Connection, run_id: int, *, max_errors: int = 5) -> Progress:
     done, failed = _counts(conn, run_id)
-    windows = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run_id}).scalar()
+    windows = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run_id}).scalar_one()
     errors = [
         tuple(r)
         for r in conn.execute(
@@ -220,5 +223,5 @@ def _counts(conn: Connection, run_id: int) -> tuple[int, int]:
             "FROM batches WHERE run_id = :r"
         ),
         {"r": run_id},
-    ).first()
+    ).one()  # an aggregate: always one row
     return int(row[0]), int(row[1])

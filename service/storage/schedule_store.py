@@ -167,7 +167,7 @@ def set_enabled(path: str | Path, name: str, enabled: bool) -> Schedule:
     is the first scheduled time after now."""
     with _write(path) as conn:
         old = _get(conn, name)
-        values = {"enabled": enabled}
+        values: dict[str, bool | datetime] = {"enabled": enabled}
         if enabled and not old.enabled:
             values["next_fire"] = old.cadence.next_after(now())
         _update(conn, old.schedule_id, values)
@@ -218,7 +218,7 @@ def claim(
         if doc_ids:
             import pyarrow as pa
 
-            raw = conn.connection.driver_connection
+            raw = db.driver_connection(conn)
             raw.register("new_docs", pa.table({"doc_id": doc_ids}))
             try:
                 raw.execute(

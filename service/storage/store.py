@@ -245,7 +245,7 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
     fresh = [(b, res) for b, res in items if b not in done]
     if not fresh:
         return 0
-    raw = conn.connection.driver_connection
+    raw = db.driver_connection(conn)
     tables = _arrow_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))
     try:
@@ -325,7 +325,8 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
             csm_windows=res.rep_chance["windows"] * (res.csm_sum is not None),
         )
         gi, li, hi, di = np.nonzero(res.rep_dist_hist)
-        sentence = {"same_sentence": res.rep_same_sentence_hist[gi, li, hi, di]} if with_sentence else {}
+        same = res.rep_same_sentence_hist  # not None in any item when with_sentence
+        sentence = {"same_sentence": same[gi, li, hi, di]} if with_sentence and same is not None else {}
         add(
             "dist_hist",
             run_id=np.full(li.size, run_id),
@@ -339,6 +340,7 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
             **sentence,
         )
         if res.csm_sum is not None:
+            assert res.csm_count is not None  # a batch has both sums and counts, or neither
             # cells holding pairs only: the upper triangle, and few cells of H per batch
             ki, lc, hc, bi, bj = np.nonzero(res.csm_count)
             add(
