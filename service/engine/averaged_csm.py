@@ -44,22 +44,34 @@ def binned_pair_sums(
 
 
 def binned_selected_sums(
-    values: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, n_pos: int, *, bin_size: int, n_bins: int
+    values: torch.Tensor,
+    index: torch.Tensor,
+    kind: torch.Tensor,
+    n_kinds: int,
+    n_pos: int,
+    *,
+    bin_size: int,
+    n_bins: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over the batch of C_ij and the count of the pairs marked by ``mask``, by bin.
+    """Σ over the batch of C_ij and the count of the selected pairs, by kind and bin, in one pass.
 
-    values, index (i·pos + j, i < j), mask: ``[batch, head, k]`` as ``select_pairs`` ranks them.
-    Returns sums ``[head, bin, bin]`` float64 and counts ``[head, bin, bin]`` int64.
+    values, index (i·pos + j, i < j): ``[batch, head, k]`` as ``select_pairs`` ranks them; kind:
+    ``[batch, head, k]``, which of the ``n_kinds`` matrices the pair adds to (0 … n_kinds − 1), or
+    ``n_kinds`` for none. Returns sums ``[kind, head, bin, bin]`` float64 and counts
+    ``[kind, head, bin, bin]`` int64.
     """
-    heads = index.shape[1]
+    heads, cells = index.shape[1], n_bins * n_bins
     cell = (index // n_pos // bin_size) * n_bins + (index % n_pos) // bin_size  # [batch, head, k]
-    cell = cell.transpose(0, 1).reshape(heads, -1)
-    picked = torch.where(mask, values, 0.0).double().transpose(0, 1).reshape(heads, -1)
-    sums = torch.zeros(heads, n_bins * n_bins, dtype=torch.float64, device=index.device)
-    counts = torch.zeros(heads, n_bins * n_bins, dtype=torch.long, device=index.device)
-    sums.scatter_add_(1, cell, picked)
-    counts.scatter_add_(1, cell, mask.transpose(0, 1).reshape(heads, -1).long())
-    return sums.view(heads, n_bins, n_bins), counts.view(heads, n_bins, n_bins)
+    # one scatter for every kind: kind κ's cells are κ·cells … ; pairs of no kind land past the last
+    target = (kind * cells + cell).transpose(0, 1).reshape(heads, -1)
+    sums = torch.zeros(heads, (n_kinds + 1) * cells, dtype=torch.float64, device=index.device)
+    counts = torch.zeros(heads, (n_kinds + 1) * cells, dtype=torch.long, device=index.device)
+    sums.scatter_add_(1, target, values.double().transpose(0, 1).reshape(heads, -1))
+    counts.scatter_add_(1, target, torch.ones_like(target))
+    shape = (heads, n_kinds, n_bins, n_bins)
+    return sums[:, : n_kinds * cells].view(shape).transpose(0, 1), counts[:, : n_kinds * cells].view(shape).transpose(
+        0, 1
+    )
 
 
 def averaged_csm_sums(
@@ -79,10 +91,9 @@ def averaged_csm_sums(
     given intervals, so they are not kept per replicate group)."""
     heads, n_pos = z.shape[1], z.shape[2]
     all_sums, all_counts = binned_pair_sums(z, members, bin_size=bin_size, n_bins=n_bins)
-    attended = attended & chosen
-    noise = chosen & ~attended
-    att_sums, att_counts = binned_selected_sums(values, index, attended, n_pos, bin_size=bin_size, n_bins=n_bins)
-    noise_sums, noise_counts = binned_selected_sums(values, index, noise, n_pos, bin_size=bin_size, n_bins=n_bins)
-    sums = torch.stack([all_sums, att_sums, noise_sums])
-    counts = torch.stack([all_counts.expand(heads, n_bins, n_bins), att_counts, noise_counts])
+    # of the pairs of H: 0 attended, 1 noise (similar, not attended); 2 for pairs outside H
+    kind = torch.where(chosen, torch.where(attended, 0, 1), 2)
+    picked_sums, picked_counts = binned_selected_sums(values, index, kind, 2, n_pos, bin_size=bin_size, n_bins=n_bins)
+    sums = torch.cat([all_sums[None], picked_sums])
+    counts = torch.cat([all_counts.expand(1, heads, n_bins, n_bins), picked_counts])
     return sums, counts
