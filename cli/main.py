@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ except ImportError:  # pragma: no cover - older typer on the public click
     from click.exceptions import UsageError  # type: ignore[assignment]  # the same class, in click itself
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, error, render, render_metrics, sparkline, stderr, stdout
+from headatlas.cli.output import Format, error, progress_bar, render, render_metrics, sparkline, stderr, stdout
 from headatlas.service.config import Settings
 from headatlas.service.errors import HeadatlasError
 
@@ -174,21 +175,21 @@ def _analyze(
         check_loaded(loaded, params.seq_len)
         size = size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len)
         store = _store(db)
+        # the run and its control (--control) analyse the same windows the same way
+        run_on = functools.partial(
+            analyze_corpus,
+            spec,
+            store=store,
+            params=params,
+            corpus=summary,
+            batch_size=size,
+            text_field=text_field,
+            encoding=encoding,
+            label=label,
+            attribution_chunk=attribution_chunk,
+        )
         with _progress(summary.chars, quiet) as progress:
-            run = analyze_corpus(
-                spec,
-                store=store,
-                model=loaded,
-                params=params,
-                corpus=summary,
-                name=name,
-                batch_size=size,
-                text_field=text_field,
-                encoding=encoding,
-                progress=progress,
-                label=label,
-                attribution_chunk=attribution_chunk,
-            )
+            run = run_on(model=loaded, name=name, progress=progress)
         if control:
             if not quiet:
                 stderr.print(
@@ -196,20 +197,7 @@ def _analyze(
                     f"{loaded.n_heads} model (seed 0) …"
                 )
             with _progress(summary.chars, quiet) as progress:
-                floor = analyze_corpus(
-                    spec,
-                    store=store,
-                    model=control_model(loaded),
-                    params=params,
-                    corpus=summary,
-                    batch_size=size,
-                    text_field=text_field,
-                    encoding=encoding,
-                    progress=progress,
-                    label=label,
-                    attribution_chunk=attribution_chunk,
-                    control_of=run,
-                )
+                floor = run_on(model=control_model(loaded), progress=progress, control_of=run)
     finally:
         if spooled:
             remove_spool(spooled)
@@ -234,27 +222,7 @@ class _progress:
     def __enter__(self):
         if self.quiet:
             return None
-        from rich.progress import (
-            BarColumn,
-            Progress,
-            TaskProgressColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.bar = Progress(
-            TextColumn("analysing"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TextColumn("{task.fields[windows]:,} windows"),
-            TextColumn("{task.fields[rate]:.1f} windows/s"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=stderr,
-            transient=False,
-        )
+        self.bar = progress_bar("analysing", "{task.fields[windows]:,} windows")
         self.bar.__enter__()
         self.task = self.bar.add_task("analyse", total=self.total, windows=0, rate=0.0)
         return self.update

@@ -8,10 +8,14 @@ import math
 import sys
 from datetime import date, datetime
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+if TYPE_CHECKING:  # rich.progress is imported by the commands that draw a bar
+    from rich.progress import Progress
 
 # Piped output is not wrapped at 80 columns: tables stay one row per line.
 # markup=False: run, schedule and file names are data; a name such as "a[/x]" must print as
@@ -178,3 +182,29 @@ def error(message: str) -> None:
     """The CLI's one error line: messages that span lines (a driver's) are joined."""
     line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
     stderr.print(Text.assemble(("error:", "bold red"), " ", line), highlight=False, soft_wrap=True)
+
+
+def progress_bar(what: str, count: str) -> Progress:
+    """A progress bar on stderr, as analyze and submit --wait show it: ``what``, the bar, its
+    percentage, ``count`` (a column over the task's fields), windows/s (the ``rate`` field),
+    elapsed time and ETA."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn(what),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn(count),
+        TextColumn("{task.fields[rate]:.1f} windows/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=stderr,
+    )

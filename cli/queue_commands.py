@@ -8,7 +8,7 @@ from dataclasses import replace
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, render_record, stderr, stdout
+from headatlas.cli.output import Format, progress_bar, render_record, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 
@@ -91,30 +91,11 @@ def submit(
 def _wait(settings, sub) -> None:
     """Progress as the database holds it: batches its writer has committed, until the database
     says the run ended and nothing of it is in flight any more."""
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     from headatlas.workers.ledger import Ledger, connect
 
     ledger = Ledger(connect(settings.broker_url), sub.database_id)
     started, base = time.monotonic(), ledger.windows_done(sub.run_key)
-    columns = [
-        TextColumn("batches"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TextColumn("{task.fields[failed]} failed"),
-        TextColumn("{task.fields[rate]:.1f} windows/s"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=stderr) as bar:
+    with progress_bar("batches", "{task.fields[failed]} failed") as bar:
         task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
         while True:
             live = ledger.live(sub.run_key)
