@@ -107,10 +107,10 @@ def _docs_of(windows, docs: dict[str, dict]) -> list[dict]:
 
 
 # How often the embedded engine stores its finished batches. Each store opens the database, writes
-# one transaction and closes it (so that readers get in between), and the close checkpoints: ~0.37 s
-# of a 2-core machine's time for one MiniLM batch, ~0.12 s per batch for five stored together. At
-# one store per batch (every 2 s) that was a sixth of a run's time; a kill -9 loses at most this
-# much analysis, which the next run resumes.
+# one transaction and closes it (so that readers get in between), and the close checkpoints: fewer
+# stores, less of that. At one store per batch (every 2 s on 2 cores) a run took 1.1-1.2x as long
+# (benchmarks/store_interval.py); a kill -9 loses at most this much analysis, which the next run
+# resumes.
 FLUSH_S = 10.0
 
 
