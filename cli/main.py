@@ -158,6 +158,7 @@ def _analyze(
     params, model, device = analysis.params, analysis.model, analysis.device
     text_field, encoding = analysis.text_field, analysis.encoding
     size = parse_batch_size(analysis.batch_size)
+    probe = analysis.probe_spec
     # every check that needs no model weights comes before the corpus is read or a model loaded
     resolve_device(device)
     check_headatlas_file(db)
@@ -187,6 +188,7 @@ def _analyze(
             encoding=encoding,
             label=label,
             attribution_chunk=attribution_chunk,
+            probe=probe,
         )
         with _progress(summary.chars, quiet) as progress:
             run = run_on(model=loaded, name=name, progress=progress)
