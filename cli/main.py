@@ -215,6 +215,15 @@ def _analyze(
         )
 
 
+def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
+    """One line: the head with the highest score of each kind, when the run has a probe."""
+    if not heads or heads[0][scores[0]] is None:
+        return
+    tops = [(name, max(heads, key=lambda h: h[name])) for name in scores]
+    text = ", ".join(f"{name} {h['layer']}.{h['head']} ({h[name]:.3f})" for name, h in tops)
+    stdout.print(f"probe (SPEC §8), top head per score (layer.head): {text}", markup=False)
+
+
 class _progress:
     """Progress bar on stderr: windows, windows/s and ETA (from corpus characters consumed)."""
 
@@ -250,6 +259,7 @@ def _print_run_summary(store, run_id: int) -> None:
         layer_cols, layer_rows = queries.layers(conn, run_id)
         head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift_dm", top=5)
         rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
+        probe_cols, probe_rows = queries.heads(conn, run_id, anchors=0)
     stdout.print(
         f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
@@ -293,6 +303,7 @@ def _print_run_summary(store, run_id: int) -> None:
         table_columns=keep,
         note=queries.LIFT_NOTE,
     )
+    _print_probe_tops([dict(zip(probe_cols, r, strict=True)) for r in probe_rows], queries.PROBE_COLUMNS)
     stdout.print(
         f'next: headatlas query heads --run {run_id} --ci   |   headatlas sql "SELECT * FROM head_metrics LIMIT 5"',
         markup=False,

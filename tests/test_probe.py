@@ -250,3 +250,16 @@ def test_minilm_previous_token_heads_attend_to_the_previous_token_on_real_text(t
     assert (top["layer"], top["head"]) == (0, 2)
     assert top["prev_token_score"] > 0.9
     assert top["attn_to_prev"] > 0.9 and top["attn_to_prev"] == attn_to_prev[-1]  # first on real text too
+
+
+def test_python_api_analyze_with_probe(tmp_path, small_corpus):
+    import headatlas
+
+    run = headatlas.analyze(
+        small_corpus, db=tmp_path / "api.duckdb", model="random:tiny", device="cpu", probe=True, probe_length=8
+    )
+    heads = run.heads(sort="duplicate_score").to_pylist()
+    assert len(heads) == 8
+    values = [h["duplicate_score"] for h in heads]
+    assert values == sorted(values, reverse=True) and all(0.0 <= v <= 1.0 for v in values)
+    assert run.store.probe_of(run.run_id) == (8, 32, 0)
