@@ -76,7 +76,8 @@ def submit(
         log=lambda msg: stderr.print(msg),
     )
     if sub.status == "done":
-        stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: nothing queued")
+        queued = "only its probe queued" if sub.probe_queued else "nothing queued"
+        stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
     else:
         stderr.print(
             f"run {sub.name}: {sub.batches:,} batches of up to {sub.batch_size} windows ({sub.windows:,} windows); "
