@@ -158,6 +158,7 @@ def _analyze(
     params, model, device = analysis.params, analysis.model, analysis.device
     text_field, encoding = analysis.text_field, analysis.encoding
     size = parse_batch_size(analysis.batch_size)
+    probe = analysis.probe_spec
     # every check that needs no model weights comes before the corpus is read or a model loaded
     resolve_device(device)
     check_headatlas_file(db)
@@ -187,6 +188,7 @@ def _analyze(
             encoding=encoding,
             label=label,
             attribution_chunk=attribution_chunk,
+            probe=probe,
         )
         with _progress(summary.chars, quiet) as progress:
             run = run_on(model=loaded, name=name, progress=progress)
@@ -211,6 +213,15 @@ def _analyze(
         stdout.print(
             f"control: run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`", markup=False
         )
+
+
+def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
+    """One line: the head with the highest score of each kind, when the run has a probe."""
+    if not heads or heads[0][scores[0]] is None:
+        return
+    tops = [(name, max(heads, key=lambda h: h[name])) for name in scores]
+    text = ", ".join(f"{name} {h['layer']}.{h['head']} ({h[name]:.3f})" for name, h in tops)
+    stdout.print(f"probe (SPEC §8), top head per score (layer.head): {text}", markup=False)
 
 
 class _progress:
@@ -248,6 +259,7 @@ def _print_run_summary(store, run_id: int) -> None:
         layer_cols, layer_rows = queries.layers(conn, run_id)
         head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift_dm", top=5)
         rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
+        probe_cols, probe_rows = queries.heads(conn, run_id, anchors=0)
     stdout.print(
         f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
@@ -291,6 +303,7 @@ def _print_run_summary(store, run_id: int) -> None:
         table_columns=keep,
         note=queries.LIFT_NOTE,
     )
+    _print_probe_tops([dict(zip(probe_cols, r, strict=True)) for r in probe_rows], queries.PROBE_COLUMNS)
     stdout.print(
         f'next: headatlas query heads --run {run_id} --ci   |   headatlas sql "SELECT * FROM head_metrics LIMIT 5"',
         markup=False,

@@ -68,6 +68,18 @@ class AnalysisOptions:
     batch_size: str = BY_NAME["batch_size"].default
     text_field: str = BY_NAME["text_field"].default
     encoding: str = BY_NAME["encoding"].default
+    probe: bool = BY_NAME["probe"].default
+    probe_length: int = BY_NAME["probe_length"].default
+    probe_sequences: int = BY_NAME["probe_sequences"].default
+
+    @property
+    def probe_spec(self):
+        """The synthetic probe asked for (``ProbeSpec``), or None without ``--probe``."""
+        if not self.probe:
+            return None
+        from headatlas.service.engine.probe import ProbeSpec
+
+        return ProbeSpec(length=self.probe_length, sequences=self.probe_sequences)
 
     @classmethod
     def build(cls, **values) -> AnalysisOptions:

@@ -72,15 +72,19 @@ def submit(
         text_field=analysis.text_field,
         encoding=analysis.encoding,
         writer_wait_s=writer_wait,
+        probe=analysis.probe_spec,
         log=lambda msg: stderr.print(msg),
     )
     if sub.status == "done":
-        stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: nothing queued")
+        queued = "only its probe queued" if sub.probe_queued else "nothing queued"
+        stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
     else:
         stderr.print(
             f"run {sub.name}: {sub.batches:,} batches of up to {sub.batch_size} windows ({sub.windows:,} windows); "
             f"queued {sub.queued:,}, {sub.skipped:,} already stored or queued"
         )
+    if sub.probe_queued:
+        stderr.print("probe: queued as one task; its scores reach `query heads` once a worker has run it")
     if sub.run_id is None:
         stderr.print("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
     if wait and sub.status != "done":

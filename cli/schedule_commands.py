@@ -83,7 +83,7 @@ def _check_name(name: str) -> str:
 
 
 @schedule_app.command("add")
-@options.analysis_options(exclude=("device", "text_field", "encoding"))
+@options.analysis_options(exclude=("device", "text_field", "encoding", "probe", "probe_length", "probe_sequences"))
 def schedule_add(
     name: str = NameArg,
     *,

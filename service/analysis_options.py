@@ -105,6 +105,17 @@ OPTIONS: tuple[Declared, ...] = (
         spec="§5c",
         min=0,
     ),
+    Declared(
+        "probe",
+        bool,
+        False,
+        "Also score every head on repeated random tokens: induction, duplicate-token and previous-token scores "
+        "(once per run; changes no corpus statistic and no run key).",
+        spec="§8",
+        param=False,
+    ),
+    Declared("probe_length", int, 50, "--probe: L, the length of the random sequence repeated.", param=False, min=2),
+    Declared("probe_sequences", int, 32, "--probe: how many random sequences.", param=False, min=1),
     Declared("text_field", str, "text", "JSONL field / CSV column holding the text.", param=False),
     Declared("encoding", str, "utf-8", "Text encoding of the corpus files.", param=False),
 )

@@ -142,19 +142,26 @@ def analyze(
     batch_size: int | str = DEFAULTS["batch_size"],
     text_field: str = DEFAULTS["text_field"],
     encoding: str = DEFAULTS["encoding"],
+    probe: bool = DEFAULTS["probe"],
+    probe_length: int = DEFAULTS["probe_length"],
+    probe_sequences: int = DEFAULTS["probe_sequences"],
     **options: Any,
 ) -> RunView:
     """Analyse a corpus in this process (the embedded engine of ``headatlas analyze``) and return
     the stored run. ``options``: the analysis options by their Python names (``seq_len``,
     ``select``, ``gate``, ``sentences``, ``dtype``, …; see docs/SPEC.md). Resumes an unfinished
-    run with the same corpus, model and options."""
+    run with the same corpus, model and options. ``probe``: also score every head on repeated
+    random tokens (SPEC §8; ``probe_length`` = L, ``probe_sequences``), shown as
+    ``induction_score``, ``duplicate_score`` and ``prev_token_score`` in ``heads()``."""
     from headatlas.service.analysis_options import build_params, parse_batch_size
     from headatlas.service.config import Settings
     from headatlas.service.engine.model import auto_batch_size, load_model
+    from headatlas.service.engine.probe import ProbeSpec
     from headatlas.service.engine.runner import analyze_corpus, survey_corpus
 
     params = build_params(**options)
     size = parse_batch_size(batch_size)
+    spec = ProbeSpec(length=probe_length, sequences=probe_sequences) if probe else None
     store = Store(Path(db if db is not None else Settings.from_env().db))
     summary = survey_corpus(str(corpus), text_field=text_field, encoding=encoding)
     loaded = load_model(model, device=device, dtype=params.dtype)
@@ -168,5 +175,6 @@ def analyze(
         batch_size=size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len),
         text_field=text_field,
         encoding=encoding,
+        probe=spec,
     )
     return RunView(store, run)

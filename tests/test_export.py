@@ -26,6 +26,7 @@ TABLES = (
     "mixing_stats",
     "mixing_dist",
     "csm_bins",
+    "probe_scores",
 )
 
 
@@ -36,7 +37,17 @@ def stored(tmp_path_factory, tiny_model, demo_corpus):
     db = folder / "results.duckdb"
     first = analyse(corpus_of(demo_corpus, folder, slice(0, 2), "first"), db, tiny_model, name="first")
     other = analyse(corpus_of(demo_corpus, folder, slice(2, 3), "other"), db, tiny_model, name="other")
+    add_probe(db, first, tiny_model, seed=0)
+    add_probe(db, other, tiny_model, seed=1)
     return db, first, other
+
+
+def add_probe(db, run, model, *, seed: int) -> None:
+    from headatlas.service.engine.probe import ProbeSpec, run_probe
+    from headatlas.service.storage.store import Store
+
+    scores = run_probe(model, ProbeSpec(length=5, sequences=2, seed=seed))
+    Store(db).store_probe(run.run_id, (5, 2, seed), {name: v.numpy() for name, v in scores.items()})
 
 
 def digest(path) -> str:
@@ -83,7 +94,17 @@ def test_export_keeps_only_the_runs_rows(stored, tmp_path):
     def read(table, sql="SELECT *"):
         return reader.execute(f"{sql} FROM read_parquet('{tmp_path / table}.parquet')").fetchall()
 
-    for table in ("runs", "batches", "run_windows", "head_stats", "run_chance", "dist_hist", "pair_hist", "anchors"):
+    for table in (
+        "runs",
+        "batches",
+        "run_windows",
+        "head_stats",
+        "run_chance",
+        "dist_hist",
+        "pair_hist",
+        "anchors",
+        "probe_scores",
+    ):
         assert read(table, "SELECT DISTINCT run_id") == [(first.run_id,)], table
     # shared tables: the run's own windows and documents, not the other run's
     first_docs = db_rows(

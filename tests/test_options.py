@@ -27,7 +27,8 @@ ALL = {o.name for o in OPTIONS}
 OFFERED = {
     ("analyze",): ALL,
     ("submit",): ALL - {"device"},  # the workers' device is theirs
-    ("schedule", "add"): ALL - {"device", "text_field", "encoding"},
+    # a schedule's fires submit no probe (SPEC §8): a run's probe comes from analyze or submit
+    ("schedule", "add"): ALL - {"device", "text_field", "encoding", "probe", "probe_length", "probe_sequences"},
     # one window, no statistics stored: nothing that batches, gates or counts
     ("inspect",): ALL
     - {
@@ -40,6 +41,9 @@ OFFERED = {
         "attribution_windows",
         "mixing",
         "csm_bin",
+        "probe",
+        "probe_length",
+        "probe_sequences",
     },
     ("demo",): {"model", "device", "batch_size"},
 }

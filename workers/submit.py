@@ -10,15 +10,20 @@ writer last reported it) or when it is in flight for this database.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headatlas.service.config import Settings
 from headatlas.service.errors import CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
 from headatlas.workers.ledger import Ledger, connect
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.probe import ProbeSpec
 
 SEND_CHUNK = 200
 
@@ -35,6 +40,7 @@ class Submission:
     database_id: str = ""
     run_id: int | None = None  # None when no writer created the run within the wait
     status: str | None = None
+    probe_queued: bool = False  # the synthetic probe was queued (SPEC §8)
 
 
 def submit(
@@ -51,9 +57,11 @@ def submit(
     writer_wait_s: float = 20.0,
     only: set[int] | None = None,
     expect_key: str | None = None,
+    probe: ProbeSpec | None = None,
     log: Callable[[str], None] = lambda _msg: None,
 ) -> Submission:
-    """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids)."""
+    """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids);
+    ``probe``: also queue the synthetic probe (one task) unless the database holds it."""
     from headatlas.service.engine.model import load_model_info
     from headatlas.service.engine.runner import _short_name, run_key, survey_corpus
     from headatlas.workers.app import ANALYSIS_QUEUE, make_app
@@ -77,6 +85,9 @@ def submit(
             "by `headatlas analyze`: resume it with the same analyze command"
         )
     run_name = stored_run.name if stored_run else (name or f"{_short_name(spec)}-{key[:6]}")
+    queue_probe = functools.partial(
+        _queue_probe, settings, ledger, key, probe, model=model, dtype=dtype, loaded=loaded, readable=readable
+    )
     if stored_run is not None and stored_run.status == "done" and only is None:
         return Submission(
             key,
@@ -89,6 +100,7 @@ def submit(
             ledger.database_id,
             stored_run.run_id,
             "done",
+            queue_probe(),
         )
     size = plan.batch_size if plan else ledger.claim_batch_size(key, batch_size)
     if size != batch_size:
@@ -147,6 +159,7 @@ def submit(
     ledger.put_run(key, meta)
     ledger.send_to_writer("open_run", run_key=key)  # the plan is complete
     result = Submission(key, run_name, size, batches, windows, queued, batches - queued, ledger.database_id)
+    result.probe_queued = queue_probe()
     result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
     return result
 
@@ -192,6 +205,55 @@ def batch_payloads(
                 windows=[w.to_message() for w in batch.windows],
             )
         yield batch_id, len(batch.windows), payload
+
+
+def _queue_probe(
+    settings: Settings,
+    ledger: Ledger,
+    key: str,
+    probe: ProbeSpec | None,
+    *,
+    model: str,
+    dtype: str,
+    loaded,
+    readable: bool,
+) -> bool:
+    """Queue the run's probe (after its batches) unless the database holds this very probe; a
+    database this machine cannot read gets it queued, and its writer skips a probe it holds."""
+    from headatlas.workers.app import ANALYSIS_QUEUE, make_app
+
+    if probe is None:
+        return False
+    spec = (probe.length, probe.sequences, probe.seed)
+    if readable and _stored_probe(settings.db, key) == spec:
+        return False
+    message = {
+        "database_id": ledger.database_id,
+        "model": model,
+        "dtype": dtype,
+        "tokenizer_key": loaded.tokenizer_key,
+        "weights_key": loaded.weights_key,
+        "length": probe.length,
+        "sequences": probe.sequences,
+        "seed": probe.seed,
+    }
+    make_app(settings).send_task("headatlas.probe_run", args=[key, message], queue=ANALYSIS_QUEUE)
+    return True
+
+
+def _stored_probe(db: str, key: str) -> tuple[int, int, int] | None:
+    from sqlalchemy import text
+
+    from headatlas.service.storage.db import transaction
+    from headatlas.service.storage.queue_store import find_run_by_key
+    from headatlas.service.storage.store import probe_spec
+
+    with transaction(db, read_only=True) as conn:
+        has_probes = conn.execute(
+            text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'probe_scores'")
+        ).scalar()
+        run = find_run_by_key(conn, key) if has_probes else None
+        return None if run is None else probe_spec(conn, run.run_id)
 
 
 def wait_for_run_id(ledger: Ledger, key: str, wait_s: float) -> int | None:

@@ -120,11 +120,9 @@ def _requeue_on_broker_loss():
         raise Reject(f"broker unreachable ({exc}); requeued", requeue=True) from exc
 
 
-def _analyse(model, batch: dict) -> str:
-    from headatlas.service.engine.analysis import analyze_batch as analyse
-    from headatlas.service.engine.windows import TokenClasses, Window, collate
+def _check_files(model, batch: dict) -> None:
+    """The worker's model files are the submitter's: the same tokenizer and weights."""
     from headatlas.service.errors import ModelError
-    from headatlas.service.params import AnalysisParams
 
     if model.tokenizer_key != batch["tokenizer_key"]:
         raise ModelError(
@@ -136,6 +134,14 @@ def _analyse(model, batch: dict) -> str:
             f"--model {batch['model']}: this worker's weight files ({model.weights_key}) differ from the "
             f"submitter's ({batch['weights_key']}); give every machine the same model files"
         )
+
+
+def _analyse(model, batch: dict) -> str:
+    from headatlas.service.engine.analysis import analyze_batch as analyse
+    from headatlas.service.engine.windows import TokenClasses, Window, collate
+    from headatlas.service.params import AnalysisParams
+
+    _check_files(model, batch)
     params = AnalysisParams.from_dict(batch["params"])
     tokens = _state.setdefault(("tokens", model.tokenizer_key), TokenClasses.from_tokenizer(model.tokenizer))
     windows = [Window.from_message(row) for row in batch["windows"]]
@@ -153,6 +159,33 @@ def _analyse(model, batch: dict) -> str:
         attribution_chunk=_settings().attribution_chunk,
     )
     return base64.b64encode(result.to_bytes()).decode("ascii")
+
+
+# --- the synthetic probe (SPEC §8) -----------------------------------------------------------------
+@app.task(name="headatlas.probe_run")
+def probe_run(run_key: str, probe: dict) -> None:
+    """The probe of a queued run, once per submission that asks for it. ``probe``: database_id,
+    model, dtype, tokenizer_key, weights_key, length, sequences, seed. The scores go to the
+    writer as one ``probe`` message; storing them again is harmless (one probe per run)."""
+    with _requeue_on_broker_loss():
+        model = _model(probe["model"], probe["dtype"], probe.get("weights_key"))
+        _ledger(probe["database_id"]).send_to_writer("probe", run_key=run_key, **probe_message(model, probe))
+
+
+def probe_message(model, probe: dict) -> dict:
+    """The fields of the writer's ``probe`` message: the probe's parameters and its scores
+    (name -> ``[layer][head]`` lists)."""
+    from headatlas.service.engine.probe import ProbeSpec, run_probe
+
+    _check_files(model, probe)
+    spec = ProbeSpec(length=int(probe["length"]), sequences=int(probe["sequences"]), seed=int(probe["seed"]))
+    scores = run_probe(model, spec)
+    return {
+        "length": spec.length,
+        "sequences": spec.sequences,
+        "seed": spec.seed,
+        "scores": {name: values.tolist() for name, values in scores.items()},
+    }
 
 
 def _give_up(ledger, run_key: str, batch_id: int, attempts: int, error: str) -> None:

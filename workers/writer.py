@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import redis
 from sqlalchemy.engine import Connection
 
@@ -31,7 +32,7 @@ from headatlas.service.engine.results import (
 )  # numpy only: importing torch here cost seconds inside the first transaction
 from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
 from headatlas.service.storage import queue_store
-from headatlas.service.storage.store import Store, ingest_batches
+from headatlas.service.storage.store import Store, ingest_batches, store_probe
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HEARTBEAT_S, WriterLease
 from headatlas.workers.ledger import INGEST, PROCESSING, Ledger, connect
@@ -182,7 +183,28 @@ class Writer:
                 run_id = self._run_id(msg["run_key"])
                 if run_id is not None:
                     queue_store.reopen_failed(self.store, run_id)
+            elif msg["kind"] == "probe":
+                self._store_probe(msg)
         self._store_group(group)
+
+    def _store_probe(self, msg: dict) -> None:
+        """A run's synthetic probe (SPEC §8): one transaction; the same probe again is skipped."""
+        run_key = msg["run_key"]
+        run_id = self.run_ids.get(run_key)
+        if run_id is None:  # a finished run (even an embedded one) is found by its key
+            with self.store.read() as conn:
+                run = queue_store.find_run_by_key(conn, run_key)
+            run_id = run.run_id if run is not None else self._run_id(run_key)
+        if run_id is None:
+            return
+        spec = (int(msg["length"]), int(msg["sequences"]), int(msg["seed"]))
+        try:
+            with self.store.write() as conn:
+                store_probe(conn, run_id, spec, {name: np.asarray(v) for name, v in msg["scores"].items()})
+        except StoreBusy:
+            raise
+        except Exception:  # noqa: BLE001 - a probe the database refuses must not stop the writer
+            log.exception("run %s: the probe's scores could not be stored", run_key)
 
     def _not_ours(self, msg: dict) -> None:
         """A message for another database (its writer was replaced): never stored here. Its

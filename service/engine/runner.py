@@ -15,6 +15,7 @@ from headatlas.service.engine.analysis import BatchResult, OomSplitter
 from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
+from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
 from headatlas.service.errors import CorpusError
 from headatlas.service.params import AnalysisParams
@@ -130,6 +131,7 @@ def analyze_corpus(
     label: str | None = None,
     attribution_chunk: int = 2048,
     control_of: Run | None = None,
+    probe: ProbeSpec | None = None,
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
@@ -138,6 +140,8 @@ def analyze_corpus(
     ``control_of``: this is the random-weights control of that run (``model.control_model``);
     the link is kept in the run's params as ``control_of`` = that run's key, outside the
     analysis parameters, so it changes no number and no key.
+    ``probe``: also score every head on repeated random tokens (SPEC §8), once per run: it reads
+    no corpus and changes no key, so a finished run given a probe computes just the probe.
     """
     store.ensure_schema()
     key = run_key(corpus.fingerprint, model, params)
@@ -155,6 +159,8 @@ def analyze_corpus(
         engine="embedded",
         device=str(model.device),
     )
+    if probe is not None:
+        add_probe(store, run, model, probe)
     if run.status == "done":
         return run
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
@@ -227,6 +233,15 @@ def analyze_corpus(
             run.run_id, status, error=error, finished=status == "done", add_wall_s=time.perf_counter() - started
         )
     return store.get_run(run.run_id)
+
+
+def add_probe(store: Store, run: Run, model: LoadedModel, probe: ProbeSpec) -> bool:
+    """Compute and store the run's probe unless the same probe is stored; True when computed."""
+    spec = (probe.length, probe.sequences, probe.seed)
+    if store.probe_of(run.run_id) == spec:
+        return False
+    scores = run_probe(model, probe)
+    return store.store_probe(run.run_id, spec, {name: v.numpy() for name, v in scores.items()})
 
 
 def _short_name(spec: str) -> str:

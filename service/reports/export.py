@@ -45,6 +45,7 @@ RUN_TABLES = {
     "mixing_stats": "SELECT * FROM mixing_stats WHERE run_id = {run}",
     "mixing_dist": "SELECT * FROM mixing_dist WHERE run_id = {run}",
     "csm_bins": "SELECT * FROM csm_bins WHERE run_id = {run}",
+    "probe_scores": "SELECT * FROM probe_scores WHERE run_id = {run}",
 }
 
 

@@ -48,7 +48,9 @@ HEAD_COLUMNS = (
     "high_pairs",
     "windows",
 )
-SORTABLE = HEAD_COLUMNS[2:]
+# the synthetic probe (SPEC §8): NULL for a run without one
+PROBE_COLUMNS = ("induction_score", "duplicate_score", "prev_token_score")
+SORTABLE = HEAD_COLUMNS[2:] + PROBE_COLUMNS
 # counts and run-level chances carry no interval of their own
 NO_INTERVAL = {
     "layer",
@@ -63,6 +65,7 @@ NO_INTERVAL = {
     "heads_above_chance",
     "heads_above_chance_dm",
     "max_head_within_sentence",
+    *PROBE_COLUMNS,  # one probe per run: no replicate groups
 }
 
 # What each lift is measured against, in one line (shown wherever lifts are printed).
@@ -128,6 +131,7 @@ def heads(
     _check_sort(sort, SORTABLE)
     order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
+    probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
     sql = f"""
         WITH ranked AS (
             SELECT layer, head, token, window_share,
@@ -139,8 +143,9 @@ def heads(
                    string_agg(token || ' ' || printf('%.0f%%', 100 * window_share), ', ' ORDER BY rank) AS anchors
             FROM ranked WHERE rank <= :n_anchors GROUP BY layer, head
         )
-        SELECT {cols}, a.anchors AS top_anchors
+        SELECT {cols}, a.anchors AS top_anchors, {probe}
         FROM head_metrics m LEFT JOIN top_anchors a USING (layer, head)
+        LEFT JOIN probe_scores p ON p.run_id = m.run_id AND p.layer = m.layer AND p.head = m.head
         WHERE m.run_id = :run AND (CAST(:layer AS INTEGER) IS NULL OR m.layer = :layer)
         ORDER BY {order}
         LIMIT :limit

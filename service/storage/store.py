@@ -206,6 +206,19 @@ class Store:
                 ).scalar()
             )
 
+    # --- the synthetic probe (SPEC §8) ----------------------------------------------------
+    def probe_of(self, run_id: int) -> tuple[int, int, int] | None:
+        """The stored probe's (length, sequences, seed), or None when the run has none."""
+        with self.read() as conn:
+            return probe_spec(conn, run_id)
+
+    def store_probe(self, run_id: int, spec: tuple[int, int, int], scores: dict[str, np.ndarray]) -> bool:
+        """Store the run's probe scores (``scores``: name -> ``[layer, head]``) in one transaction.
+        One probe per run: the same probe stored again is skipped (returns False), another one
+        (other length, sequences or seed) replaces it."""
+        with self.write() as conn:
+            return store_probe(conn, run_id, spec, scores)
+
     # --- ingest ---------------------------------------------------------------------------
     def ingest(self, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
         """Store batch results in one transaction. A batch already stored is skipped (so a
@@ -229,6 +242,42 @@ def resolve_run(conn: Connection, ref: str | int | None) -> Run:
     if row is None:
         raise StoreError(f"no run {ref_s!r}: see `headatlas runs` for ids and names")
     return Run.from_row(row)
+
+
+def probe_spec(conn: Connection, run_id: int) -> tuple[int, int, int] | None:
+    row = conn.execute(
+        text("SELECT length, sequences, seed FROM probe_scores WHERE run_id = :r LIMIT 1"), {"r": run_id}
+    ).first()
+    return None if row is None else (int(row[0]), int(row[1]), int(row[2]))
+
+
+def store_probe(conn: Connection, run_id: int, spec: tuple[int, int, int], scores: dict[str, np.ndarray]) -> bool:
+    """See ``Store.store_probe``; the writer of a distributed run calls this inside its transaction."""
+    if probe_spec(conn, run_id) == tuple(spec):
+        return False
+    conn.execute(text("DELETE FROM probe_scores WHERE run_id = :r"), {"r": run_id})
+    values = {name: np.asarray(v, dtype=np.float64) for name, v in scores.items()}
+    n_layers, n_heads = values["induction_score"].shape
+    layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+    length, sequences, seed = spec
+    table = pa.table(
+        {
+            "run_id": np.full(layer.size, run_id, dtype=np.int32),
+            "layer": layer.ravel().astype(np.int16),
+            "head": head.ravel().astype(np.int16),
+            "length": np.full(layer.size, length, dtype=np.int32),
+            "sequences": np.full(layer.size, sequences, dtype=np.int32),
+            "seed": np.full(layer.size, seed, dtype=np.int64),
+            **{name: v.ravel() for name, v in values.items()},
+        }
+    )
+    raw = db.driver_connection(conn)
+    raw.register("_in_probe_scores", table)
+    try:
+        conn.exec_driver_sql("INSERT INTO probe_scores BY NAME SELECT * FROM _in_probe_scores")
+    finally:
+        raw.unregister("_in_probe_scores")
+    return True
 
 
 def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
