@@ -36,7 +36,8 @@ PARAM_HELP = {
     "vectors": "pre_wo: head output before the output projection; post_wo: after",
     "short_range": "largest distance counted in short_range_share",
     "dtype": "model precision (statistics are computed in float32)",
-    "control_of": "this run is the random-weights control (same config and tokenizer, seed 0) of the run with this key",
+    "control_of": "this run is a random-weights control (same config and tokenizer) of the run with this key",
+    "control_seed": "the seed of this control's random weights (runs stored before several controls: 0)",
 }
 
 STYLE = """
