@@ -274,3 +274,31 @@ def test_the_standard_error_is_read_back_from_the_interval():
         se = math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
         assert jackknife_halfwidth(list(loo)) / roles.interval_quantile(r) == pytest.approx(se, rel=1e-12)
     assert roles.interval_quantile(1) is None
+
+
+def test_atlas_marks_roles_that_do_not_hold_on_both_halves():
+    from matplotlib.patches import Rectangle
+
+    from headatlas.service.reports import atlas_plots, roles
+
+    columns = [*roles.COLUMNS, *roles.STABILITY_COLUMNS]
+    filler = [None] * (len(roles.COLUMNS) - 4)
+    rows = [
+        (0, 0, "previous-token", True, *filler, True, True, True),
+        (0, 0, "local", False, *filler, True, False, False),  # unstable, not primary: "?" only
+        (0, 1, "[CLS] sink", True, *filler, False, True, False),  # unstable primary: hatched
+        (1, 0, roles.NONE, True, *filler, None, None, None),
+        (1, 1, "broad", True, *filler, True, True, True),
+    ]
+    fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=2, n_heads=2, title="hand-built")
+    hatched = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert [(p.get_x(), p.get_y()) for p in hatched] == [(0.5, -0.5)]  # head 1 of layer 0
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
+    assert texts == {(0, 0): "PL?", (0, 1): "C?", (1, 1): "B"}
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[0] == "P  previous-token (1, 1 stable)" and "not held on both halves" in legend[-1]
+    # without stability columns nothing is marked
+    plain, _ = atlas_plots.figure_atlas(
+        list(roles.COLUMNS), [r[: len(roles.COLUMNS)] for r in rows], n_layers=2, n_heads=2, title="plain"
+    )
+    assert not [p for p in plain.axes[0].patches if p.get_hatch()]
