@@ -473,7 +473,9 @@ def query_discrepancy(
 def compare(
     run_a: str = typer.Argument(..., help="Run A: id or name."),
     run_b: str | None = typer.Argument(
-        None, help="Run B: id or name (default: run A's random-weights control, from analyze --control)."
+        None,
+        help="Run B: id or name (default: each of run A's random-weights controls, from analyze --control N; "
+        "with several, JSON and CSV rows start with run_b).",
     ),
     metric: list[str] = typer.Option(
         [], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."
@@ -494,33 +496,40 @@ def compare(
 
     with _store(db).checked_read() as conn:
         a = _run(conn, run_a)
-        b = _run(conn, run_b) if run_b is not None else comparison.control_of(conn, a)
-        if b is None:
+        bs = [_run(conn, run_b)] if run_b is not None else comparison.controls_of(conn, a)
+        if not bs:
             raise ParameterError(
                 f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
                 "or analyse again with --control"
             )
-        columns, rows = comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)
-    floor = (
-        " (B is A's random-weights control: the floor every claim should beat)" if comparison.is_control(a, b) else ""
-    )
-    differ = comparison.parameter_differences(a, b)
-    if differ and fmt == Format.table:
-        stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+        results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
     table = (
         comparison.TABLE_COLUMNS
         if (heads or head is not None)
         else [c for c in comparison.TABLE_COLUMNS if c != "head"]
     )
-    render_metrics(
-        columns,
-        rows,
-        fmt,
-        table_columns=table,
-        note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
-        title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
-        f"{b.n_layers} layers){floor}",
-    )
+    if fmt != Format.table and len(results) > 1:  # one document: every control's rows, named
+        columns = ["run_b", *results[0][1][0]]
+        render(columns, [(b.run_id, *r) for b, (_, rows) in results for r in rows], fmt)
+        return
+    for b, (columns, rows) in results:
+        floor = (
+            f" (B is A's random-weights control, seed {comparison.control_seed(b)}: the floor every claim should beat)"
+            if comparison.is_control(a, b)
+            else ""
+        )
+        differ = comparison.parameter_differences(a, b)
+        if differ and fmt == Format.table:
+            stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+        render_metrics(
+            columns,
+            rows,
+            fmt,
+            table_columns=table,
+            note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+            title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
+            f"{b.n_layers} layers){floor}",
+        )
 
 
 @query_app.command("roles")

@@ -220,3 +220,20 @@ def test_query_roles_stability_from_the_command_line(tiny_db):
     assert "control seed 0 (run" in out and "control seed 1 (run" in out and "heads per role:" in out
     plain = runner.invoke(app, ["query", "roles", "--run", "two", "--format", "json", "--db", str(db)])
     assert "stable" not in json.loads(plain.output)[0]
+
+
+def test_compare_finds_every_control(tiny_db):
+    from typer.testing import CliRunner
+
+    from headatlas.cli.main import app
+
+    db, ids = tiny_db
+    runner = CliRunner()
+    done = runner.invoke(app, ["compare", "two", "--format", "json", "--db", str(db)])
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.output)
+    assert sorted({d["run_b"] for d in data}) == ids[1:]
+    assert len(data) == 2 * sum(1 for d in data if d["run_b"] == ids[1])
+    table = runner.invoke(app, ["compare", "two", "--db", str(db)])
+    out = " ".join(table.output.split())
+    assert "control, seed 0" in out and "control, seed 1" in out
