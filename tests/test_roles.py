@@ -58,25 +58,29 @@ def earned(rows, groups=GROUPS):
     return out
 
 
-HAND_HEADS = [
-    # (head, its metrics); t = (value − threshold) / se, 15 df
-    ((0, 0), {"attn_to_prev": (0.9, 0.01), "short_range_share": (0.5, 0.01)}),  # t = 70 and 31
-    ((0, 1), {"attn_to_prev": (0.3, 0.075)}),  # t = 1.33: p = 0.10 before any correction
-    ((0, 2), {"repetition_words_lift_dm": (14.0, 0.5), "attn_to_cls_lift": (30.0, 2.0)}),  # t = 8 and 10
-    ((1, 0), {"within_sentence_lift_dm": (1.12, 0.01)}),  # t = 7
-    # t = 2.602 = t_{15, 0.99}: p = 0.01, and the lower end of its 95% interval (1.063 with t_{15, 0.975},
-    # 1.067 with 1.96) clears 1.05, so a bare interval test would earn it; Holm over 90 tests does not
-    ((1, 1), {"within_sentence_lift_dm": (1.12, 0.07 / 2.602)}),
-    ((1, 2), {"short_range_share": (0.25, 0.005)}),  # 3 × 0.064 = 0.192: t = 11.6
-    ((2, 0), {"attn_entropy": (4.3, 0.02)}),  # ln 125 = 4.83: t = 34 over 0.75 · ln n̄, 19 under 0.97 · ln n̄
-    ((2, 1), {"attn_entropy": (4.75, 0.02)}),  # past 0.97 · ln n̄ = 4.68: uniform-like
-    ((2, 2), {"attn_to_punct_lift": (1.8, 0.05), "attn_to_sep_lift": (12.0, 0.4)}),  # t = 6 and 5
-    ((3, 0), {"attn_to_next": (0.25, 0.005)}),  # t = 10
-]
+def hand_heads():
+    """(head, its metrics as (value, se)); t = (value − threshold) / se, 15 df."""
+    from headatlas.service.reports.roles import REPETITION_MIN, SENTENCE_MIN
+
+    return [
+        ((0, 0), {"attn_to_prev": (0.9, 0.01), "short_range_share": (0.5, 0.01)}),  # t = 70 and 31
+        ((0, 1), {"attn_to_prev": (0.3, 0.075)}),  # t = 1.33: p = 0.10 before any correction
+        ((0, 2), {"repetition_words_lift_dm": (REPETITION_MIN + 4, 0.5), "attn_to_cls_lift": (30.0, 2.0)}),  # 8, 10
+        ((1, 0), {"within_sentence_lift_dm": (SENTENCE_MIN + 0.07, 0.01)}),  # t = 7
+        # t = 2.602 = t_{15, 0.99}: p = 0.01, and the lower end of its 95% interval (0.033 past the threshold
+        # with t_{15, 0.975}, 0.042 with 1.96) clears it, so a bare interval test would earn it; Holm over 90
+        # tests does not
+        ((1, 1), {"within_sentence_lift_dm": (SENTENCE_MIN + 0.07, 0.07 / 2.602)}),
+        ((1, 2), {"short_range_share": (0.25, 0.005)}),  # 3 × 0.064 = 0.192: t = 11.6
+        ((2, 0), {"attn_entropy": (4.3, 0.02)}),  # ln 125 = 4.83: t = 34 over 0.75 · ln n̄, 19 under 0.97 · ln n̄
+        ((2, 1), {"attn_entropy": (4.75, 0.02)}),  # past 0.97 · ln n̄ = 4.68: uniform-like
+        ((2, 2), {"attn_to_punct_lift": (1.8, 0.05), "attn_to_sep_lift": (12.0, 0.4)}),  # t = 6 and 5
+        ((3, 0), {"attn_to_next": (0.25, 0.005)}),  # t = 10
+    ]
 
 
 def hand_rows():
-    return [head(l, h, **{m: iv(*cell) for m, cell in metrics.items()}) for (l, h), metrics in HAND_HEADS]
+    return [head(l, h, **{m: iv(*cell) for m, cell in metrics.items()}) for (l, h), metrics in hand_heads()]
 
 
 def test_roles_known_answers():
