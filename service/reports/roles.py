@@ -217,7 +217,7 @@ def _test(rule: Rule, row: Mapping, context: Mapping, groups: int | None) -> Tes
     ceiling = BROAD_MAX * context["uniform_entropy"] if rule.role == "broad" else None
     holds = value >= threshold and (ceiling is None or value <= ceiling)
     q = interval_quantile(groups) if groups is not None else None
-    if q is None:  # a run stored before replicate groups: the value is tested
+    if groups is None or q is None:  # a run stored before replicate groups: the value is tested
         return Tested(row, rule, value, lo, hi, threshold, None, holds)
     if lo is None or hi is None:  # the interval is undefined (a ratio without a denominator in some group)
         return None
@@ -241,7 +241,7 @@ def assign(rows: Sequence[Mapping], context: Mapping, *, groups: int | None, alp
     ordered = sorted(rows, key=lambda r: (r["layer"], r["head"]))
     tests = [[t for rule in RULES if (t := _test(rule, row, context, groups)) is not None] for row in ordered]
     family = [t for head_tests in tests for t in head_tests if t.p is not None]
-    adjusted = dict(zip(map(id, family), holm([t.p for t in family])))
+    adjusted = dict(zip(map(id, family), holm([t.p for t in family if t.p is not None])))
     out: list[tuple] = []
     for row, head_tests in zip(ordered, tests):
         earned = [
