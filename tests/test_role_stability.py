@@ -237,3 +237,28 @@ def test_compare_finds_every_control(tiny_db):
     table = runner.invoke(app, ["compare", "two", "--db", str(db)])
     out = " ".join(table.output.split())
     assert "control, seed 0" in out and "control, seed 1" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "seen"),
+    [
+        (["--control"], 1),  # followed by the corpus: one control (as the flag always meant)
+        (["--control", "--quiet"], 1),  # followed by an option
+        (["--control", "3"], 3),
+        (["--control=2"], 2),
+        ([], 0),
+    ],
+)
+def test_control_takes_an_optional_count(args, seen, tmp_path, monkeypatch):
+    """The count parsed, without analysing anything: _analyze is replaced by a recorder."""
+    from typer.testing import CliRunner
+
+    from headatlas.cli import main
+
+    got = {}
+    monkeypatch.setattr(main, "_analyze", lambda *a, **k: got.update(control=k["control"]))
+    done = CliRunner().invoke(main.app, ["analyze", *args, "corpus.txt", "--db", str(tmp_path / "x.duckdb")])
+    assert done.exit_code == 0, done.output
+    assert got == {"control": seen}
+    bad = CliRunner().invoke(main.app, ["analyze", "corpus.txt", "--control", "-1"])
+    assert bad.exit_code == 2
