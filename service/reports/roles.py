@@ -130,7 +130,7 @@ RULES: tuple[Rule, ...] = (
         "attn_entropy",
         "lo",
         _ctx("uniform_entropy", BROAD_MIN),
-        f"attention entropy ≥ {BROAD_MIN:g}·ln n̄ and its upper bound ≤ {BROAD_MAX:g}·ln n̄ "
+        f"attention entropy ≥ {BROAD_MIN:g}·ln n̄ and shown to be ≤ {BROAD_MAX:g}·ln n̄ "
         "(spread, yet measurably not uniform)",
     ),
 )
@@ -169,6 +169,7 @@ COLUMNS = [
     "rule",
 ]
 STABILITY_COLUMNS = ["half_a", "half_b", "stable"]
+NO_ROLE = "no role's test rejects"
 
 
 def _num(x) -> float | None:
@@ -269,9 +270,6 @@ def assign(rows: Sequence[Mapping], context: Mapping, *, groups: int | None, alp
                 )
             )
     return out
-
-
-NO_ROLE = "no metric clears its threshold"
 
 
 def run_context(conn: Connection, run_id: int) -> dict:
