@@ -30,6 +30,16 @@ class Commands(TyperGroup):
     resume hint and exits 130. Everything else is a bug and keeps its traceback.
     """
 
+    # options whose value may be left out (typer has no such option): the value they then take
+    OPTIONAL_VALUES = {"--control": "1"}
+
+    def parse_args(self, ctx, args):
+        args = list(args)
+        for i in reversed(range(len(args))):
+            if args[i] in self.OPTIONAL_VALUES and (i + 1 == len(args) or not args[i + 1].isdigit()):
+                args.insert(i + 1, self.OPTIONAL_VALUES[args[i]])
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -118,10 +128,14 @@ def analyze(
         min=1,
         help="Gradient rows per batched backward call: bounds memory.",
     ),
-    control: bool = typer.Option(
-        False,
+    control: int = typer.Option(
+        0,
         "--control",
-        help="Also analyse the same windows with a randomly initialised model of the same config (seed 0, same tokenizer), stored as the run <name>-control: the floor `headatlas compare RUN` measures against.",
+        min=0,
+        metavar="[N]",
+        help="Also analyse the same windows with N randomly initialised models of the same config and tokenizer "
+        "(seeds 0..N-1; --control alone: N = 1), stored as <name>-control (seed 0) and <name>-control-K (seed K): "
+        "the floor `headatlas compare RUN` and the role thresholds measure against (SPEC §7: the findings use 3).",
     ),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
@@ -135,7 +149,7 @@ def demo(*, analysis: options.AnalysisOptions, db: str = DbOpt) -> None:
     from headatlas.service.engine.corpus import demo_corpus_path
 
     chunk = Settings.default("attribution_chunk")  # the demo computes no attribution
-    _analyze(str(demo_corpus_path()), analysis, name="demo", db=db, quiet=False, attribution_chunk=chunk, control=False)
+    _analyze(str(demo_corpus_path()), analysis, name="demo", db=db, quiet=False, attribution_chunk=chunk, control=0)
 
 
 def _analyze(
@@ -146,7 +160,7 @@ def _analyze(
     db: str,
     quiet: bool,
     attribution_chunk: int,
-    control: bool,
+    control: int,
 ) -> None:
     from headatlas.service.analysis_options import parse_batch_size
     from headatlas.service.engine.corpus import STDIN_SOURCE, remove_spool, spool_stdin
@@ -192,26 +206,29 @@ def _analyze(
         )
         with _progress(summary.chars, quiet) as progress:
             run = run_on(model=loaded, name=name, progress=progress)
-        if control:
+        floors = []
+        for seed in range(control):
             if not quiet:
                 stderr.print(
-                    f"control: the same windows through a randomly initialised {loaded.n_layers}×"
-                    f"{loaded.n_heads} model (seed 0) …"
+                    f"control {seed + 1}/{control}: the same windows through a randomly initialised "
+                    f"{loaded.n_layers}×{loaded.n_heads} model (seed {seed}) …"
                 )
             with _progress(summary.chars, quiet) as progress:
-                floor = run_on(model=control_model(loaded), progress=progress, control_of=run)
+                floors.append(
+                    run_on(model=control_model(loaded, seed=seed), progress=progress, control_of=run, control_seed=seed)
+                )
     finally:
         if spooled:
             remove_spool(spooled)
     if quiet:
-        stdout.print(run.run_id)
-        if control:
-            stdout.print(floor.run_id)
+        for stored in (run, *floors):
+            stdout.print(stored.run_id)
         return
     _print_run_summary(store, run.run_id)
-    if control:
+    for seed, floor in enumerate(floors):
         stdout.print(
-            f"control: run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`", markup=False
+            f"control (seed {seed}): run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`",
+            markup=False,
         )
 
 
@@ -469,7 +486,9 @@ def query_discrepancy(
 def compare(
     run_a: str = typer.Argument(..., help="Run A: id or name."),
     run_b: str | None = typer.Argument(
-        None, help="Run B: id or name (default: run A's random-weights control, from analyze --control)."
+        None,
+        help="Run B: id or name (default: each of run A's random-weights controls, from analyze --control N; "
+        "with several, JSON and CSV rows start with run_b).",
     ),
     metric: list[str] = typer.Option(
         [], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."
@@ -490,42 +509,100 @@ def compare(
 
     with _store(db).checked_read() as conn:
         a = _run(conn, run_a)
-        b = _run(conn, run_b) if run_b is not None else comparison.control_of(conn, a)
-        if b is None:
+        bs = [_run(conn, run_b)] if run_b is not None else comparison.controls_of(conn, a)
+        if not bs:
             raise ParameterError(
                 f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
                 "or analyse again with --control"
             )
-        columns, rows = comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)
-    floor = (
-        " (B is A's random-weights control: the floor every claim should beat)" if comparison.is_control(a, b) else ""
-    )
-    differ = comparison.parameter_differences(a, b)
-    if differ and fmt == Format.table:
-        stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+        results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
     table = (
         comparison.TABLE_COLUMNS
         if (heads or head is not None)
         else [c for c in comparison.TABLE_COLUMNS if c != "head"]
     )
+    if fmt != Format.table and len(results) > 1:  # one document: every control's rows, named
+        columns = ["run_b", *results[0][1][0]]
+        render(columns, [(b.run_id, *r) for b, (_, rows) in results for r in rows], fmt)
+        return
+    for b, (columns, rows) in results:
+        floor = (
+            f" (B is A's random-weights control, seed {comparison.control_seed(b)}: the floor every claim should beat)"
+            if comparison.is_control(a, b)
+            else ""
+        )
+        differ = comparison.parameter_differences(a, b)
+        if differ and fmt == Format.table:
+            stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+        render_metrics(
+            columns,
+            rows,
+            fmt,
+            table_columns=table,
+            note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+            title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
+            f"{b.n_layers} layers){floor}",
+        )
+
+
+@query_app.command("roles")
+def query_roles(
+    run: str | None = RunOpt,
+    stability: bool = typer.Option(
+        False,
+        "--stability",
+        help="Also test every role on each half of the run's replicate groups (even / odd ids: disjoint sets of "
+        "documents where groups hold whole documents) and mark it stable when it holds on both.",
+    ),
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
+    95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
+    SPEC §7). Heads without a role: "none established". A table also counts each role, and what
+    the run's random-weights controls earn."""
+    from headatlas.service.reports import compare, roles
+
+    with _store(db).checked_read() as conn:
+        r = _run(conn, run)
+        columns, rows = roles.roles(conn, r.run_id, stability=stability)
+        controls = [
+            (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
+            for c in compare.controls_of(conn, r)
+        ]
+    family = roles.family_size(columns, rows)
+    tested = (
+        f"Holm–Bonferroni over {family} (head, role) tests, α = {roles.ALPHA:g}"
+        if family
+        else "no replicate groups: each value tested against its threshold, uncorrected"
+    )
+    note = roles.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
+    table = [c for c in columns if c not in ("rule", "test", "p", "family")]
     render_metrics(
         columns,
         rows,
         fmt,
+        title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}",
         table_columns=table,
-        note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
-        title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
-        f"{b.n_layers} layers){floor}",
+        note=note,
     )
-
-
-@query_app.command("roles")
-def query_roles(run: str | None = RunOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
-    95% interval, threshold; rules in SPEC §7). Heads without a role: "none established"."""
-    from headatlas.service.reports import roles
-
-    _query(db, run, fmt, roles.roles, "head roles (SPEC §7)", note=roles.ROLES_NOTE)
+    if fmt != Format.table:
+        return
+    counts, stable = roles.role_counts(columns, rows), roles.stable_counts(columns, rows)
+    held = ", ".join(
+        f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
+        for role, n in counts.items()
+    )
+    stdout.print(f"heads per role: {held}", markup=False, highlight=False)
+    if stability and stable is None:
+        stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
+    for seed, control, control_counts in controls:
+        earned = sum(n for role, n in control_counts.items() if role != roles.NONE)
+        stdout.print(
+            f"control seed {seed} (run {control.run_id}, {control.name}): {earned} (head, role) earned",
+            markup=False,
+            highlight=False,
+        )
 
 
 @app.command()

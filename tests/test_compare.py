@@ -289,10 +289,11 @@ def test_the_control_earns_almost_no_role_and_the_model_many(conn, stored):
         counts[key] = roles.role_counts(columns, rows)
     heads = runs["real"].n_layers * runs["real"].n_heads
     assert counts["control"][roles.NONE] >= heads - 2, counts["control"]
-    assert counts["real"][roles.NONE] <= heads // 4, counts["real"]
-    # the model's well-known heads: positional ones and the [CLS] sink
+    # 10 windows of one document fill only a few replicate groups (few df), and the role tests are
+    # corrected over all 648 (head, role) of the run (SPEC §7): only the clearest roles survive here,
+    # the model's positional heads first (a bare lower bound earned 56 [CLS] sinks on the excerpt)
     assert counts["real"]["previous-token"] >= 2 and counts["real"]["next-token"] >= 2
-    assert counts["real"]["[CLS] sink"] >= heads // 2
+    assert counts["real"][roles.NONE] < counts["control"][roles.NONE]
 
 
 def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
@@ -316,7 +317,7 @@ def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
         metric = stored_rows[(d["layer"], d["head"])]
         assert d["value"] == pytest.approx(metric[d["metric"]])
         assert d["value_lo"] == pytest.approx(metric[d["metric"] + "_lo"])
-        assert d["value_lo"] >= d["threshold"] and d["bound"] == "lower bound"
+        assert d["value"] >= d["threshold"] and d["test"] == roles.HOLM and d["p_holm"] <= roles.ALPHA
         if d["role"] == "local":
             assert d["threshold"] == pytest.approx(3 * context["short_range_chance"])
 

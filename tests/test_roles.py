@@ -36,31 +36,59 @@ def head(layer, h, **metrics):
     return row
 
 
-def earned(rows):
+GROUPS = 16  # replicate groups behind the hand-made intervals: t with 15 df
+
+
+def iv(value, se):
+    """A metric cell whose 95% interval has jackknife standard error ``se`` (whatever the
+    interval's quantile is: it is read back from service.reports.intervals)."""
+    from headatlas.service.reports import roles
+
+    half = roles.interval_quantile(GROUPS) * se
+    return value, value - half, value + half
+
+
+def earned(rows, groups=GROUPS):
     from headatlas.service.reports import roles
 
     out = {}
-    for r in roles.assign(rows, CONTEXT):
+    for r in roles.assign(rows, CONTEXT, groups=groups):
         d = dict(zip(roles.COLUMNS, r))
         out.setdefault((d["layer"], d["head"]), []).append(d)
     return out
 
 
+def hand_heads():
+    """(head, its metrics as (value, se)); t = (value − threshold) / se, 15 df."""
+    from headatlas.service.reports.roles import REPETITION_MIN, SENTENCE_MIN
+
+    return [
+        ((0, 0), {"attn_to_prev": (0.9, 0.01), "short_range_share": (0.5, 0.01)}),  # t = 70 and 31
+        ((0, 1), {"attn_to_prev": (0.3, 0.075)}),  # t = 1.33: p = 0.10 before any correction
+        ((0, 2), {"repetition_words_lift_dm": (REPETITION_MIN + 4, 0.5), "attn_to_cls_lift": (30.0, 2.0)}),  # 8, 10
+        ((1, 0), {"within_sentence_lift_dm": (SENTENCE_MIN + 0.07, 0.01)}),  # t = 7
+        # t = 2.602 = t_{15, 0.99}: p = 0.01, and the lower end of its 95% interval (0.033 past the threshold
+        # with t_{15, 0.975}, 0.042 with 1.96) clears it, so a bare interval test would earn it; Holm over 90
+        # tests does not
+        ((1, 1), {"within_sentence_lift_dm": (SENTENCE_MIN + 0.07, 0.07 / 2.602)}),
+        ((1, 2), {"short_range_share": (0.25, 0.005)}),  # 3 × 0.064 = 0.192: t = 11.6
+        ((2, 0), {"attn_entropy": (4.3, 0.02)}),  # ln 125 = 4.83: t = 34 over 0.75 · ln n̄, 19 under 0.97 · ln n̄
+        ((2, 1), {"attn_entropy": (4.75, 0.02)}),  # past 0.97 · ln n̄ = 4.68: uniform-like
+        ((2, 2), {"attn_to_punct_lift": (1.8, 0.05), "attn_to_sep_lift": (12.0, 0.4)}),  # t = 6 and 5
+        ((3, 0), {"attn_to_next": (0.25, 0.005)}),  # t = 10
+    ]
+
+
+def hand_rows():
+    return [head(l, h, **{m: iv(*cell) for m, cell in metrics.items()}) for (l, h), metrics in hand_heads()]
+
+
 def test_roles_known_answers():
-    got = earned(
-        [
-            head(0, 0, attn_to_prev=(0.9, 0.85, 0.95), short_range_share=(0.5, 0.45, 0.55)),
-            head(0, 1, attn_to_prev=(0.3, 0.15, 0.45)),  # value past 0.2, interval reaches below: not earned
-            head(0, 2, repetition_words_lift_dm=(14.0, 11.0, 17.0), attn_to_cls_lift=(30.0, 25.0, 35.0)),
-            head(1, 0, within_sentence_lift_dm=(1.12, 1.06, 1.18)),
-            head(1, 1, within_sentence_lift_dm=(1.12, 1.04, 1.20)),  # lower bound 1.04 < 1.05
-            head(1, 2, short_range_share=(0.20, 0.193, 0.21)),  # 3 × 0.064 = 0.192
-            head(2, 0, attn_entropy=(4.3, 4.25, 4.35)),  # ln 125 = 4.83: spread, measurably not uniform
-            head(2, 1, attn_entropy=(4.75, 4.70, 4.80)),  # upper bound past 0.97 · ln n̄ = 4.68: uniform-like
-            head(2, 2, attn_to_punct_lift=1.8, attn_to_sep_lift=(12.0, 10.5, 13.5)),  # punct without interval
-            head(3, 0, attn_to_next=(0.25, 0.21, 0.29)),
-        ]
-    )
+    """Updated with the rule (SPEC §7, second turn): a role is a one-sided t test corrected by
+    Holm over the run's family, no longer a bare lower bound; intervals are built from se."""
+    from headatlas.service.reports import roles, significance
+
+    got = earned(hand_rows())
     roles_of = {k: [d["role"] for d in v] for k, v in got.items()}
     assert roles_of == {
         (0, 0): ["previous-token", "local"],
@@ -76,16 +104,49 @@ def test_roles_known_answers():
     }
     # the primary role is the first held; exactly one per head
     assert all(sum(d["primary"] for d in v) == 1 and v[0]["primary"] for v in got.values())
+    # 10 heads × 9 roles, every threshold defined: one family of 90 tests, named on every row
+    assert {d["family"] for v in got.values() for d in v} == {90}
     local = got[(1, 2)][0]
-    assert local["threshold"] == pytest.approx(3 * 0.064) and local["bound"] == "lower bound"
-    assert (local["value"], local["value_lo"], local["value_hi"]) == (0.20, 0.193, 0.21)
+    assert local["threshold"] == pytest.approx(3 * 0.064) and local["test"] == roles.HOLM
+    assert local["value"] == 0.25 and local["value_lo"] < 0.25 < local["value_hi"]
+    assert local["p"] == pytest.approx(significance.t_sf((0.25 - 3 * 0.064) / 0.005, 15), rel=1e-9)
+    assert local["p"] <= local["p_holm"] <= 90 * local["p"] and local["p_holm"] <= roles.ALPHA
     assert "short_range_chance" in local["rule"]
-    punct = got[(2, 2)][0]
-    assert punct["bound"] == "value" and punct["value_lo"] is None  # no interval: the value was tested
+    sep = got[(2, 2)][1]
+    assert sep["role"] == "[SEP] sink" and sep["p"] == pytest.approx(significance.t_sf(5.0, 15), rel=1e-9)
     broad = got[(2, 0)][0]
     assert broad["threshold"] == pytest.approx(0.75 * math.log(125))
+    # the larger p of its two one-sided tests: t = 19.1 under the ceiling
+    assert broad["p"] == pytest.approx(significance.t_sf((0.97 * math.log(125) - 4.3) / 0.02, 15), rel=1e-9)
     none = got[(0, 1)][0]
-    assert none["metric"] is None and none["threshold"] is None
+    assert none["metric"] is None and none["threshold"] is None and none["family"] == 90
+
+
+def test_a_role_that_clears_its_interval_but_not_the_correction_is_not_earned():
+    """Head (1, 1) alone: a family of its 9 tests, the other 8 at chance (p near 1), so its own
+    p = 0.01 ranks first and Holm multiplies it by 9: 0.09 > 0.05, earned only at α = 0.1."""
+    from headatlas.service.reports import roles
+
+    alone = [r for r in hand_rows() if (r["layer"], r["head"]) == (1, 1)]
+    assert [r[2] for r in roles.assign(alone, CONTEXT, groups=GROUPS)] == [roles.NONE]
+    tests = [dict(zip(roles.COLUMNS, r)) for r in roles.assign(alone, CONTEXT, groups=GROUPS, alpha=0.1)]
+    assert [t["role"] for t in tests] == ["sentence-bound"]
+    assert tests[0]["p"] == pytest.approx(0.01, abs=2e-5) and tests[0]["family"] == 9
+    assert tests[0]["p_holm"] == pytest.approx(9 * tests[0]["p"], rel=1e-12)
+
+
+def test_runs_without_intervals_test_the_value_and_say_so():
+    from headatlas.service.reports import roles
+
+    got = earned(hand_rows(), groups=None)
+    # (0, 1): value 0.3 ≥ 0.2 with no interval to test: earned by value
+    d = got[(0, 1)][0]
+    assert d["role"] == "previous-token" and d["test"] == roles.VALUE_TEST
+    assert d["p"] is None and d["p_holm"] is None and d["family"] is None
+    # in a run with groups, a head whose interval is undefined cannot be tested
+    row = head(0, 0, attn_to_punct_lift=1.8)
+    assert [d["role"] for d in earned([row])[(0, 0)]] == ["none established"]
+    assert [d["role"] for d in earned([row], groups=None)[(0, 0)]] == ["punctuation"]
 
 
 def test_undefined_metrics_earn_nothing():
@@ -102,9 +163,9 @@ def _hand_run(n_layers, n_heads):
     for l in range(n_layers):
         for h in range(n_heads):
             primary = atlas_plots.ATLAS_ROLES[(l + h) % len(atlas_plots.ATLAS_ROLES)]
-            rows.append((l, h, primary, True, None, None, None, None, None, None, ""))
+            rows.append((l, h, primary, True, *[None] * (len(roles.COLUMNS) - 4)))
             if h % 2 == 0 and primary not in ("[CLS] sink", roles.NONE):
-                rows.append((l, h, "[CLS] sink", False, None, None, None, None, None, None, ""))
+                rows.append((l, h, "[CLS] sink", False, *[None] * (len(roles.COLUMNS) - 4)))
     return list(roles.COLUMNS), rows
 
 
@@ -164,3 +225,84 @@ def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
     # are 148 of the 150 pairs of these 8-token windows (3 × chance > 1); entropy 15/36 and 18/36
     # nats against ln 12: no role for either head
     assert [(r[0], r[1], r[2]) for r in rows] == [(0, 0, roles.NONE), (0, 1, roles.NONE)]
+
+
+# --- the t distribution and Holm–Bonferroni (service.reports.significance) ----------------------------
+def test_t_cdf_known_answers():
+    from headatlas.service.reports.significance import t_cdf, t_quantile, t_sf
+
+    assert t_cdf(2.131, 15) == pytest.approx(0.975, abs=5e-5)  # the table's t_{15, 0.975} = 2.131
+    assert t_cdf(1.0, 1) == pytest.approx(0.75, abs=1e-12)  # Cauchy: 1/2 + atan(1)/π
+    assert t_cdf(-3.0, 1) == pytest.approx(0.5 + math.atan(-3.0) / math.pi, abs=1e-12)
+    for t in (-4.0, -0.3, 0.0, 0.7, 2.5, 30.0):  # 2 df: 1/2 + t / (2 sqrt(2 + t²))
+        assert t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+    assert t_cdf(1.959963984540054, 1e8) == pytest.approx(0.975, abs=1e-6)  # the normal in the limit
+    assert t_cdf(2.0, 7) + t_cdf(-2.0, 7) == pytest.approx(1.0, abs=1e-14)
+    assert t_sf(2.602, 15) == pytest.approx(0.01, abs=2e-5)  # t_{15, 0.99} = 2.602
+    assert t_quantile(0.975, 15) == pytest.approx(2.1314, abs=1e-4)
+    assert t_quantile(0.975, 7) == pytest.approx(2.3646, abs=1e-4)
+    assert t_quantile(0.95, 1) == pytest.approx(math.tan(math.pi * 0.45), rel=1e-9)
+    assert t_quantile(0.025, 3) == pytest.approx(-3.1824, abs=1e-4)
+
+
+def test_incomplete_beta_known_answers():
+    from headatlas.service.reports.significance import incomplete_beta
+
+    for x in (0.0, 0.1, 0.5, 0.93, 1.0):
+        assert incomplete_beta(1, 1, x) == pytest.approx(x, abs=1e-14)
+        assert incomplete_beta(3.5, 1, x) == pytest.approx(x**3.5, abs=1e-13)
+    assert incomplete_beta(7.5, 7.5, 0.5) == pytest.approx(0.5, abs=1e-13)  # symmetric
+    assert incomplete_beta(2, 3, 0.4) == pytest.approx(0.5248, abs=1e-12)  # Σ_{j=2}^{4} C(4,j) .4^j .6^(4−j)
+
+
+def test_holm_known_answers():
+    from headatlas.service.reports.significance import holm
+
+    # sorted: 0.005 (×4 = 0.02), 0.01 (×3 = 0.03), 0.03 (×2 = 0.06), 0.04 (×1, kept monotone: 0.06)
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+    # capped at 1; ties keep one value; an empty family is empty
+    assert holm([0.5, 0.5, 0.9]) == pytest.approx([1.0, 1.0, 1.0])
+    assert holm([0.001, 0.001]) == pytest.approx([0.002, 0.002])
+    assert holm([]) == []
+
+
+def test_the_standard_error_is_read_back_from_the_interval():
+    """se = half-width / q holds for whatever quantile service.reports.intervals uses: it equals
+    the jackknife's sqrt((R − 1)/R · Σ (θ_(g) − θ̄)²) computed here by hand."""
+    from headatlas.service.reports import roles
+    from headatlas.service.reports.intervals import jackknife_halfwidth
+
+    rng = np.random.default_rng(3)
+    for r in (2, 5, 16):
+        loo = rng.normal(1.0, 0.2, r)
+        se = math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
+        assert jackknife_halfwidth(list(loo)) / roles.interval_quantile(r) == pytest.approx(se, rel=1e-12)
+    assert roles.interval_quantile(1) is None
+
+
+def test_atlas_marks_roles_that_do_not_hold_on_both_halves():
+    from matplotlib.patches import Rectangle
+
+    from headatlas.service.reports import atlas_plots, roles
+
+    columns = [*roles.COLUMNS, *roles.STABILITY_COLUMNS]
+    filler = [None] * (len(roles.COLUMNS) - 4)
+    rows = [
+        (0, 0, "previous-token", True, *filler, True, True, True),
+        (0, 0, "local", False, *filler, True, False, False),  # unstable, not primary: "?" only
+        (0, 1, "[CLS] sink", True, *filler, False, True, False),  # unstable primary: hatched
+        (1, 0, roles.NONE, True, *filler, None, None, None),
+        (1, 1, "broad", True, *filler, True, True, True),
+    ]
+    fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=2, n_heads=2, title="hand-built")
+    hatched = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert [(p.get_x(), p.get_y()) for p in hatched] == [(0.5, -0.5)]  # head 1 of layer 0
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
+    assert texts == {(0, 0): "PL?", (0, 1): "C?", (1, 1): "B"}
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[0] == "P  previous-token (1, 1 stable)" and "not held on both halves" in legend[-1]
+    # without stability columns nothing is marked
+    plain, _ = atlas_plots.figure_atlas(
+        list(roles.COLUMNS), [r[: len(roles.COLUMNS)] for r in rows], n_layers=2, n_heads=2, title="plain"
+    )
+    assert not [p for p in plain.axes[0].patches if p.get_hatch()]

@@ -115,6 +115,11 @@ def _docs_of(windows, docs: dict[str, dict]) -> list[dict]:
 FLUSH_S = 10.0
 
 
+def control_name(run_name: str, seed: int) -> str:
+    """The stored name of ``run_name``'s random-weights control with ``seed``."""
+    return f"{run_name}-control" if seed == 0 else f"{run_name}-control-{seed}"
+
+
 def analyze_corpus(
     spec: str,
     *,
@@ -131,15 +136,18 @@ def analyze_corpus(
     label: str | None = None,
     attribution_chunk: int = 2048,
     control_of: Run | None = None,
+    control_seed: int = 0,
     probe: ProbeSpec | None = None,
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
     ``label``: how the corpus is named in the run (e.g. ``<stdin>`` for a spooled copy).
     ``flush_s``: finished batches are stored together at most this often (one transaction).
-    ``control_of``: this is the random-weights control of that run (``model.control_model``);
-    the link is kept in the run's params as ``control_of`` = that run's key, outside the
-    analysis parameters, so it changes no number and no key.
+    ``control_of``: this is the random-weights control of that run (``model.control_model``,
+    built with ``control_seed``); the link is kept in the run's params as ``control_of`` = that
+    run's key and ``control_seed``, outside the analysis parameters, so it changes no number and
+    no key. Seed 0 is named ``<run>-control`` (the name a single control always had), seed k
+    ``<run>-control-k``.
     ``probe``: also score every head on repeated random tokens (SPEC §8), once per run: it reads
     no corpus and changes no key, so a finished run given a probe computes just the probe.
     """
@@ -148,7 +156,8 @@ def analyze_corpus(
     stored_params = params.to_dict()
     if control_of is not None:
         stored_params["control_of"] = control_of.run_key
-        name = name or f"{control_of.name}-control"
+        stored_params["control_seed"] = control_seed
+        name = name or control_name(control_of.name, control_seed)
     run, _created = store.find_or_create_run(
         run_key=key,
         name=name or f"{_short_name(label or spec)}-{key[:6]}",

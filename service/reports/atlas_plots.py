@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 from matplotlib import colors
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.reports import compare, roles
@@ -42,6 +42,8 @@ ROLE_CODES = {
     roles.NONE: "",
 }
 ATLAS_ROLES = (*roles.ROLE_ORDER, roles.NONE)
+UNSTABLE_HATCH = "////"
+UNSTABLE_MARK = "?"  # after a role's letter: the role does not hold on both halves
 
 
 def atlas_size(n_layers: int, n_heads: int) -> tuple[float, float]:
@@ -56,23 +58,34 @@ def _quarter(inches: float) -> float:
 
 def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_heads: int, title: str) -> tuple:
     """Layer × head grid coloured by each head's primary role; each cell lists the codes of every
-    role the head holds (legend: code and colour). Returns (figure, role index grid)."""
+    role the head holds (legend: code and colour). Where ``rows`` carry stability (``query roles
+    --stability``), a cell whose primary role does not hold on both halves is hatched and an
+    unstable role's code is followed by ``?``. Returns (figure, role index grid)."""
     grid = roles.primary_grid(columns, rows, n_layers, n_heads)
     index = np.full((n_layers, n_heads), np.nan)
     for (l, h), _ in np.ndenumerate(index):
         if grid[l][h] is not None:
             index[l, h] = ATLAS_ROLES.index(grid[l][h])
     held: dict[tuple[int, int], list[str]] = {}
+    unstable: set[tuple[int, int, str]] = set()
     li, hi, ri = (columns.index(c) for c in ("layer", "head", "role"))
+    si = columns.index("stable") if "stable" in columns else None
     for r in rows:
         held.setdefault((r[li], r[hi]), []).append(r[ri])
+        if si is not None and r[ri] != roles.NONE and r[si] is False:
+            unstable.add((r[li], r[hi], r[ri]))
     fig = new_figure(*atlas_size(n_layers, n_heads))
     ax = fig.subplots()
     cmap = colors.ListedColormap([ROLE_COLOURS[r] for r in ATLAS_ROLES]).with_extremes(bad="#ffffff")
     norm = colors.BoundaryNorm(np.arange(len(ATLAS_ROLES) + 1) - 0.5, len(ATLAS_ROLES))
     ax.imshow(np.ma.masked_invalid(index), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    for l, h, role in sorted(unstable):
+        if grid[l][h] == role:
+            ax.add_patch(
+                Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, hatch=UNSTABLE_HATCH, edgecolor="#ffffff", lw=0)
+            )
     for (l, h), codes in held.items():
-        label = "".join(ROLE_CODES[c] for c in codes)
+        label = "".join(ROLE_CODES[c] + (UNSTABLE_MARK if (l, h, c) in unstable else "") for c in codes)
         if label:
             dark = grid[l][h] in ("previous-token", "repetition", "sentence-bound", "punctuation", "[CLS] sink")
             ax.text(
@@ -93,10 +106,26 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
     ax.tick_params(which="minor", length=0)
     ax.set(xlabel="head", ylabel="layer", title="primary role per head (letters: every role held)")
     counts = roles.role_counts(columns, rows)
+    stable = roles.stable_counts(columns, rows)
     handles = [
-        Patch(facecolor=ROLE_COLOURS[r], edgecolor="#999999", label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]})")
+        Patch(
+            facecolor=ROLE_COLOURS[r],
+            edgecolor="#999999",
+            label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]}"
+            + (f", {stable[r]} stable" if stable is not None and r in stable else "")
+            + ")",
+        )
         for r in ATLAS_ROLES
     ]
+    if stable is not None:
+        handles.append(
+            Patch(
+                facecolor="#bbbbbb",
+                edgecolor="#999999",
+                hatch=UNSTABLE_HATCH,
+                label=f"hatched, {UNSTABLE_MARK}: not held on both halves",
+            )
+        )
     fig.legend(
         handles=handles,
         loc="outside right center",
@@ -106,13 +135,17 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
         frameon=False,
     )
     fig.suptitle(title)
-    fig.supxlabel("a role needs the lower bound of its metric's 95% interval past the threshold (SPEC §7)", fontsize=8)
+    fig.supxlabel(
+        "a role: its one-sided jackknife t test rejects after Holm–Bonferroni over every (head, role) of the run "
+        "(SPEC §7); halves: even / odd replicate groups",
+        fontsize=8,
+    )
     return fig, index
 
 
 def run_atlas(conn, run) -> tuple:
-    """The atlas of ``run`` (a store ``Run``) from ``roles.roles``."""
-    columns, rows = roles.roles(conn, run.run_id)
+    """The atlas of ``run`` (a store ``Run``) from ``roles.roles``, unstable roles marked."""
+    columns, rows = roles.roles(conn, run.run_id, stability=True)
     return figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run))
 
 

@@ -224,7 +224,7 @@ def compare(
 def parameter_differences(run_a, run_b) -> list[str]:
     """The analysis parameters in which the runs differ ("select: top:0.02 vs top:0.05"): a
     difference in metrics may come from them rather than from the models or corpora."""
-    keys = sorted((set(run_a.params) | set(run_b.params)) - {"control_of"})
+    keys = sorted((set(run_a.params) | set(run_b.params)) - set(CONTROL_PARAMS))
     return [
         f"{k}: {run_a.params.get(k)} vs {run_b.params.get(k)}"
         for k in keys
@@ -232,21 +232,39 @@ def parameter_differences(run_a, run_b) -> list[str]:
     ]
 
 
-def control_of(conn: Connection, run) -> Run | None:
-    """The random-weights control run of ``run`` (analysed with ``--control``), or None."""
+CONTROL_PARAMS = ("control_of", "control_seed")  # the link to the parent run, not an analysis parameter
+
+
+def control_seed(run) -> int:
+    """The seed of a control run's random weights (controls stored before seeds were recorded: 0)."""
+    return int(run.params.get("control_seed", 0))
+
+
+def controls_of(conn: Connection, run) -> list[Run]:
+    """Every random-weights control of ``run`` (``analyze --control N``), by seed; for a seed
+    analysed twice, the latest run."""
     from headatlas.service.storage.store import resolve_run
 
-    row = conn.execute(
-        text(
-            "SELECT run_id FROM runs WHERE json_extract_string(params, '$.control_of') = :key ORDER BY run_id DESC LIMIT 1"
-        ),
+    rows = conn.execute(
+        text("SELECT run_id FROM runs WHERE json_extract_string(params, '$.control_of') = :key ORDER BY run_id"),
         {"key": run.run_key},
-    ).first()
-    return resolve_run(conn, row[0]) if row else None
+    ).all()
+    by_seed = {}
+    for (run_id,) in rows:
+        control = resolve_run(conn, run_id)
+        by_seed[control_seed(control)] = control
+    return [by_seed[s] for s in sorted(by_seed)]
+
+
+def control_of(conn: Connection, run) -> Run | None:
+    """The random-weights control of ``run`` with the smallest seed (0 unless only others were
+    analysed), or None."""
+    controls = controls_of(conn, run)
+    return controls[0] if controls else None
 
 
 def is_control(run_a, run_b) -> bool:
-    """Whether ``run_b`` is the random-weights control of ``run_a``."""
+    """Whether ``run_b`` is a random-weights control of ``run_a``."""
     return run_b.params.get("control_of") == run_a.run_key
 
 

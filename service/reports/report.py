@@ -36,7 +36,8 @@ PARAM_HELP = {
     "vectors": "pre_wo: head output before the output projection; post_wo: after",
     "short_range": "largest distance counted in short_range_share",
     "dtype": "model precision (statistics are computed in float32)",
-    "control_of": "this run is the random-weights control (same config and tokenizer, seed 0) of the run with this key",
+    "control_of": "this run is a random-weights control (same config and tokenizer) of the run with this key",
+    "control_seed": "the seed of this control's random weights (runs stored before several controls: 0)",
 }
 
 STYLE = """
@@ -205,27 +206,38 @@ lists the {N_ANCHORS} most frequent anchors with the share of windows they ancho
 
 
 def _atlas_section(conn, run) -> str:
-    """The head atlas (SPEC §7): the role grid, heads per role, and each role's evidence."""
+    """The head atlas (SPEC §7): the role grid, heads per role with their stability, and each
+    role's evidence."""
     from headatlas.service.reports import atlas_plots, plots, roles
 
-    columns, rows = roles.roles(conn, run.run_id)
+    columns, rows = roles.roles(conn, run.run_id, stability=True)
     fig, _ = atlas_plots.figure_atlas(
         columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=plots._title(run)
     )
-    counts = roles.role_counts(columns, rows)
+    counts, stable = roles.role_counts(columns, rows), roles.stable_counts(columns, rows) or {}
     rules = {r.role: r.rule for r in roles.RULES}
     count_html = _table(
-        ["role", "heads", "rule"], [(r, n, rules.get(r, "")) for r, n in counts.items()], text_columns=("role", "rule")
+        ["role", "heads", "stable", "rule"],
+        [(r, n, stable.get(r), rules.get(r, "")) for r, n in counts.items()],
+        text_columns=("role", "rule"),
     )
-    evidence_html = _table(columns, rows, text_columns=("role", "metric", "bound", "rule"))
+    evidence_html = _table(columns, rows, text_columns=("role", "metric", "test", "rule"))
+    family = roles.family_size(columns, rows)
+    tested = (
+        f"Holm–Bonferroni over the run's {family} (head, role) tests"
+        if family
+        else "no correction: this run has no replicate groups, so each value was tested against its threshold"
+    )
     return f"""<h2>Head atlas</h2>
 <figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
-holds); letters list every role held. A role is earned when the lower bound of the metric's 95% interval reaches the
-role's threshold (SPEC §7): lifts marked _dm are against distance-matched chance, attn_*_lift against uniform
-attention.</figcaption></figure>
+holds); letters list every role held. A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
+jackknife's standard error, R − 1 degrees of freedom) rejects at α = {roles.ALPHA:g} after {_e(tested)} (SPEC §7).
+Hatched cells, letters followed by ?: roles that do not hold on both halves of the replicate groups (even / odd).
+Lifts marked _dm are against distance-matched chance, attn_*_lift against uniform attention.</figcaption></figure>
 <h3>Heads per role</h3>{count_html}
-<h3>Roles and their evidence</h3><p>One row per (head, role): the metric, its value and 95% interval, the threshold
-and whether the interval's lower bound or (runs without replicate groups) the value was tested.</p>
+<h3>Roles and their evidence</h3><p>One row per (head, role): the metric, its value and 95% interval, the threshold,
+p and the Holm-adjusted p (family: the number of tests), and whether it holds on each half (half_a: even groups,
+half_b: odd groups; stable: both).</p>
 <div class="scroll">{evidence_html}</div>"""
 
 

@@ -1,0 +1,120 @@
+"""Every head metric on a subset of a run's replicate groups, with its own jackknife interval over
+that subset's groups: the halves behind ``query roles --stability`` (SPEC §7).
+
+Where a run's groups hold whole documents (SPEC §5d), the even and the odd groups are two
+disjoint sets of documents. The metrics of a subset come from the same SQL as the views: the
+chain of ``*_reps`` views is read from the database's own catalog (whatever migration made it)
+and run as common table expressions over the additive tables restricted to the subset's groups,
+so that ``run_reps`` there holds only those groups and ``head_metrics_reps`` gives the subset's
+metrics (``drop_rep = -1``) and the subset without each of its groups (``drop_rep = g``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from headatlas.service.reports.intervals import add_intervals
+
+# the views between the additive tables and head_metrics_reps, each after those it reads
+CHAIN = (
+    "run_reps",
+    "chance_reps",
+    "pair_reps",
+    "head_reps",
+    "distance_reps",
+    "chance_distance_reps",
+    "head_distance_reps",
+    "head_metrics_reps",
+)
+
+
+def run_groups(conn: Connection, run_id: int) -> list[int]:
+    """The replicate groups of a run that hold windows (empty: a run stored before groups)."""
+    rows = conn.execute(text("SELECT rep FROM run_reps WHERE run_id = :run ORDER BY rep"), {"run": run_id})
+    return [int(r[0]) for r in rows]
+
+
+def split(groups: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The two halves: even and odd group ids."""
+    return [g for g in groups if g % 2 == 0], [g for g in groups if g % 2 == 1]
+
+
+def _view_body(conn: Connection, name: str) -> str:
+    sql = conn.execute(
+        text("SELECT sql FROM duckdb_views() WHERE view_name = :name AND NOT internal"), {"name": name}
+    ).scalar_one()
+    head = f"CREATE VIEW {name} AS"
+    sql = sql.strip().rstrip(";")
+    if not sql.upper().startswith(head.upper()):
+        raise RuntimeError(f"view {name}: unexpected definition {sql[:60]!r}")
+    return sql[len(head) :]
+
+
+def _rep_tables(conn: Connection) -> list[str]:
+    """The additive tables that carry a replicate group (``rep``)."""
+    rows = conn.execute(
+        text(
+            "SELECT c.table_name FROM information_schema.columns c JOIN information_schema.tables t "
+            "USING (table_catalog, table_schema, table_name) "
+            "WHERE c.column_name = 'rep' AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
+            "ORDER BY c.table_name"
+        )
+    )
+    return [r[0] for r in rows]
+
+
+def subset_sql(conn: Connection, groups: Sequence[int], select: str) -> str:
+    """``WITH <the additive tables restricted to :run and groups>, <the view chain> <select>``."""
+    if not groups:
+        raise ValueError("subset_sql: no groups")
+    listed = ", ".join(str(int(g)) for g in groups)
+    ctes = [
+        f"{table} AS (SELECT * FROM main.{table} WHERE run_id = :run AND rep IN ({listed}))"
+        for table in _rep_tables(conn)
+    ]
+    ctes += [f"{view} AS ({_view_body(conn, view)})" for view in CHAIN]
+    return "WITH " + ",\n".join(ctes) + "\n" + select
+
+
+def head_rows(
+    conn: Connection, run_id: int, groups: Sequence[int], metrics: Sequence[str]
+) -> tuple[list[str], list[tuple], dict]:
+    """Per head of ``run_id`` on ``groups`` only: ``layer``, ``head`` and each metric with
+    ``_lo``/``_hi`` (the jackknife over those groups, ``intervals.add_intervals``), and the
+    subset's run context (``uniform_entropy`` = ln n̄, ``short_range_chance``)."""
+    cols = ", ".join(metrics)
+    rows = conn.execute(
+        text(
+            subset_sql(
+                conn,
+                groups,
+                f"SELECT layer, head, drop_rep, {cols} FROM head_metrics_reps WHERE run_id = :run "
+                "ORDER BY layer, head, drop_rep",
+            )
+        ),
+        {"run": run_id},
+    ).all()
+    columns = ["layer", "head", *metrics]
+    whole = [(r[0], r[1], *r[3:]) for r in rows if r[2] == -1]
+    reps = [tuple(r) for r in rows if r[2] >= 0]
+    context = (
+        conn.execute(
+            text(
+                subset_sql(
+                    conn,
+                    groups,
+                    "SELECT ln(c.attn_rows / nullif(c.windows, 0)) AS uniform_entropy, d.short_range_chance "
+                    "FROM chance_reps c LEFT JOIN chance_distance_reps d USING (run_id, drop_rep) "
+                    "WHERE c.run_id = :run AND c.drop_rep = -1",
+                )
+            ),
+            {"run": run_id},
+        )
+        .mappings()
+        .first()
+    )
+    out_columns, out_rows = add_intervals(columns, whole, reps, keys=("layer", "head"), metrics=metrics)
+    return out_columns, out_rows, dict(context) if context else {"uniform_entropy": None, "short_range_chance": None}
