@@ -407,3 +407,52 @@ def test_downgrade_and_upgrade_keep_the_old_numbers(store):
     assert up["dup_lift"] is None and up["attn_to_first_lift"] is None  # the sums are gone
     for column, value in down.items():
         assert up[column] == pytest.approx(value, nan_ok=True), column  # cls/sep/punct lifts fall back
+
+
+def test_query_sort_compare_and_plot_accept_the_new_columns(store):
+    from headatlas.service.reports import compare, queries
+    from headatlas.service.reports.plots import figure_heads
+
+    causal = _ingest(store, "decoder", DECODER, CAUSAL_ATTN, causal=True)
+    with store.read() as conn:
+        cols, rows = queries.heads(conn, causal, sort="dup_lift", ci=True)
+        lcols, lrows = queries.layers(conn, causal, ci=True)
+        run = store.get_run(causal)
+        ccols, crows = compare.compare(conn, run, run, metrics=["dup_lift", "induction_lift", "attn_to_first_lift"])
+    head = dict(zip(cols, rows[0]))
+    assert head["dup_lift"] == pytest.approx(2.0) and "dup_lift_lo" in head  # one group: no interval
+    assert head["induction_lift"] == pytest.approx(0.6 / 0.45) and head["attn_to_next"] is None
+    layer = dict(zip(lcols, lrows[0]))
+    assert layer["induction_lift"] == pytest.approx(0.6 / 0.45) and "attn_to_next" not in layer
+    assert [dict(zip(ccols, r))["difference"] for r in crows] == [0.0, 0.0, 0.0]
+    fig = figure_heads(cols, rows, "induction_lift", n_layers=1, n_heads=1, title="t")
+    assert fig is not None
+
+
+def test_a_payload_of_an_earlier_version_is_read_and_stored_without_the_new_sums(store):
+    """Before 0009 a payload held the run sums as one int64 stack and no §8 sums: it is read, and
+    its run shows the new columns as unavailable while the older ones keep their values."""
+    import io
+
+    from headatlas.service.engine.results import PACKED_CHANCE, BatchResult
+
+    run = new_run(store, "legacy", seq_len=6)
+    z = torch.randn(1, 1, 1, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    res = build_result(
+        ["legacy-0"], [ENCODER], z, ENCODER_ATTN[None, None, None], select="topk:10", seq_len=6, tokens=TOKENS
+    )
+    with np.load(io.BytesIO(res.to_bytes())) as data:
+        arrays = {k: data[k] for k in data.files if not k.startswith("chance.")}
+    arrays["chance"] = np.stack([res.rep_chance[k] for k in PACKED_CHANCE]).astype(np.int64)
+    for name in ("attn_to_first", "attn_dup", "attn_induction"):
+        del arrays[f"heads.{name}"]
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    old = BatchResult.from_bytes(buf.getvalue())
+    assert set(old.rep_chance) == set(PACKED_CHANCE) and old.chance["windows"] == 1
+    store.ingest(run, [(0, old)])
+    with store.read() as conn:
+        m = one_row(conn, "SELECT * FROM head_metrics WHERE run_id = :r", r=run)
+    assert m["dup_lift"] is None and m["attn_to_first"] is None and m["induction_lift"] is None
+    assert m["attn_to_cls_lift"] == pytest.approx(1 + 1 / 6 + 0.1)  # against windows: the same number
+    assert m["attn_to_next"] == pytest.approx((1 / 6) / 6)
