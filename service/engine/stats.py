@@ -177,12 +177,8 @@ def window_features(
     key_classes = torch.stack([is_cls, is_sep, is_punct, is_first], dim=2)
     m = in_pairs.sum(1)
     n = valid.sum(1)
-    copies = copy_sets(eq, candidates)
-    # the few (row, key) entries of D or I, first in each window, padded with entries of neither
-    either = copies.any(3).flatten(1).view(torch.uint8)  # [batch, pos·key]
-    n_copies = int(either.sum(1).max()) if either.numel() else 0
-    copy_index = torch.argsort(either, dim=1, descending=True, stable=True)[:, :n_copies]
-    copy_kind = copies.flatten(1, 2).gather(1, copy_index[..., None].expand(-1, -1, 2))
+    dup, induction = copy_sets(eq, candidates)
+    copy_index, copy_kind = copy_entries(dup, induction)
     # k_i: valid keys up to i (i + 1 in a right-padded window) or all n of them
     visible = torch.cumsum(valid.long(), dim=1) if causal else n[:, None].expand(-1, n_pos)
     return WindowFeatures(
@@ -202,7 +198,7 @@ def window_features(
         first_pos=first_pos,
         key_classes=key_classes,
         visible=visible,
-        copies=copies,
+        copies=torch.stack([dup, induction], dim=3),
         copy_index=copy_index,
         copy_kind=copy_kind,
         layout=layout,
@@ -213,9 +209,9 @@ def window_features(
     )
 
 
-def copy_sets(eq: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """The earlier copies D(i) and the induction targets I(i) of each query row (SPEC §8),
-    ``[batch, pos, key, 2]`` bool.
+def copy_sets(eq: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier copies D(i) and the induction targets I(i) of each query row (SPEC §8), each
+    ``[batch, pos, key]`` bool.
 
     eq: ``[batch, pos, key]`` equal token ids (valid keys); words: ``[batch, pos]`` valid
     non-special tokens. Rows are the words; D(i) = {k < i : t_k = t_i, k a word};
@@ -228,7 +224,26 @@ def copy_sets(eq: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     dup = same & before.tril(-1)  # k < i
     induction = torch.zeros_like(dup)
     induction[:, :, 1:] = (same & before.tril(-2))[:, :, :-1]  # key k + 1 for k < i - 1
-    return torch.stack([dup, induction], dim=3)
+    return dup, induction
+
+
+def copy_entries(dup: torch.Tensor, induction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, key) entries of D or I per window, packed: ``index`` ``[batch, copy]`` (i·pos +
+    key) and ``kind`` ``[batch, copy, 2]`` bool (in D, in I); windows with fewer entries are padded
+    with entry 0 of neither kind. Built from ``nonzero`` (row-major, so each window's entries are
+    consecutive): no sort over the pos² entries."""
+    batch, device = dup.shape[0], dup.device
+    either = (dup | induction).flatten(1)  # [batch, pos·key]
+    window, flat = either.nonzero(as_tuple=True)
+    counts = torch.bincount(window, minlength=batch)
+    width = int(counts.max()) if window.numel() else 0
+    slot = torch.arange(window.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[window]
+    index = torch.zeros(batch, width, dtype=torch.long, device=device)
+    index[window, slot] = flat
+    kind = torch.zeros(batch, width, 2, dtype=torch.bool, device=device)
+    kind[window, slot, 0] = dup.flatten(1)[window, flat]
+    kind[window, slot, 1] = induction.flatten(1)[window, flat]
+    return index, kind
 
 
 def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
