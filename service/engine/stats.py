@@ -257,9 +257,9 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch.Tensor]:
     """Head-independent sums: the chance numerators of SPEC §5 and §5b.
 
-    Returns, per replicate group (``[group]``; scalars without groups), the sums of
-    CHANCE_SUMS (int64 counts, float64 uniform weights, SPEC §8), and the per-distance counts PAIR_HISTS (``pairs`` = ``pair_hist``)
-    ``[group, seq_len]`` (index = distance).
+    Returns, per replicate group (``[group]``; scalars without groups), the sums of CHANCE_SUMS
+    (int64 counts, float64 uniform weights of SPEC §8), and the per-distance counts PAIR_HISTS
+    (``pairs`` = ``pair_hist``) ``[group, seq_len]`` (index = distance).
     """
     pair_ok = feats.pair_ok
     batch = pair_ok.shape[0]
@@ -402,7 +402,7 @@ def head_statistics(
     seq_len: int,
     csm_bin: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c).
+    """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c, §8).
 
     z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``.
     Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` and ``attended_hist``
@@ -501,10 +501,10 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: Workspace | 
     """
     rows = feats.valid.to(attn.dtype)[:, None, :]  # [batch, 1, pos]
     # Σ_i row_i Σ_j A_ij class_j = Σ_j (Σ_i row_i A_ij) class_j: one pass over A for the column
-    # sums, then a small product (a [pos, 3] right-hand side wastes most of a matmul's work)
+    # sums, then a small product (a [pos, 4] right-hand side wastes most of a matmul's work)
     received = torch.matmul(rows[:, :, None, :], attn)  # [batch, head, 1, key]
     by_class = torch.matmul(received, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, 1, 4]
-    by_class = feats.reduce(by_class.sum(dim=2, dtype=torch.float64))  # [(group,) head, 3]
+    by_class = feats.reduce(by_class.sum(dim=2, dtype=torch.float64))  # [(group,) head, 4]
     neighbour_rows = rows[..., 1:]
     return {
         "attn_to_cls": by_class[..., 0],
