@@ -621,6 +621,22 @@ def sql(
     render(result.columns, result.rows, fmt, truncated=result.truncated)
 
 
+@app.command()
+def metrics(fmt: Format = FormatOpt) -> None:
+    """List every metric of the views (head_metrics, layer_metrics): its column, SPEC section and
+    one-line definition, as declared once in service/metrics.py."""
+    from headatlas.service.metrics import reference
+
+    columns, rows = reference()
+    render_metrics(
+        columns,
+        rows,
+        fmt,
+        title="metrics (columns of head_metrics and layer_metrics)",
+        table_columns=["column", "spec", "definition"],
+    )
+
+
 @db_app.command("upgrade")
 def db_upgrade(db: str = DbOpt) -> None:
     """Create the schema or apply pending migrations."""

@@ -1,7 +1,8 @@
-"""The CLI reference, docs/cli.md, generated from every command's ``--help``.
+"""The CLI reference, docs/cli.md, generated from every command's ``--help``, and the metric list,
+docs/metrics.md, from the metric declarations (``service.metrics``, as ``headatlas metrics``).
 
-    python -m headatlas.cli.reference          # rewrite docs/cli.md
-    python -m headatlas.cli.reference --check  # exit 1 when docs/cli.md is stale (run by the tests)
+    python -m headatlas.cli.reference          # rewrite docs/cli.md and docs/metrics.md
+    python -m headatlas.cli.reference --check  # exit 1 when either is stale (run by the tests)
 
 Generated in a fixed terminal width and without HEADATLAS_* variables, so that the defaults shown
 are the built-in ones, whoever runs it.
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+METRICS_OUT = OUT.with_name("metrics.md")
 WIDTH = "100"
 
 HEADER = """# CLI reference
@@ -54,16 +56,46 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def render_metrics() -> str:
+    from headatlas.service.metrics import METRICS
+
+    lines = [
+        "# Metrics",
+        "",
+        "Generated from the metric declarations (`service/metrics.py`) by `python -m headatlas.cli.reference`",
+        "(a test fails when this page is stale); `headatlas metrics` prints the same list. Every column is in",
+        "the views `head_metrics` and `layer_metrics` (and their `*_reps` rows for intervals); how to add one:",
+        "[Adding a metric](architecture.md#adding-a-metric).",
+        "",
+        "| column | SPEC | definition | SQL over the summed totals |",
+        "|---|---|---|---|",
+    ]
+    for metric in METRICS:
+        for c in metric.columns:
+            sql = c.sql.replace("|", "\\|")
+            lines.append(f"| `{c.name}` | {metric.spec} | {c.definition} | `{sql}` |")
+    lines += ["", "Sums (additive over windows, kept per replicate group):", ""]
+    lines += ["| sum | per | type | metric |", "|---|---|---|---|"]
+    for metric in METRICS:
+        for s in metric.sums:
+            lines.append(f"| `{s.name}` | {s.scope.value} (`{s.scope.table}`) | {s.kind.__name__} | {metric.name} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    text = render()
+    pages = {OUT: render(), METRICS_OUT: render_metrics()}
     if "--check" in argv:
-        if not OUT.exists() or OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT} is stale: run `python -m headatlas.cli.reference` and commit the result", file=sys.stderr)
-            return 1
+        for path, text in pages.items():
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                print(
+                    f"{path} is stale: run `python -m headatlas.cli.reference` and commit the result", file=sys.stderr
+                )
+                return 1
         return 0
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT}")
+    for path, text in pages.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
     return 0
 
 

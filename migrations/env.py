@@ -3,6 +3,10 @@
 Migrations are hand-written SQL: duckdb-engine's reflection does not support autogenerate or
 batch_alter_table. Run through ``headatlas db upgrade`` (service.storage.db.upgrade), which
 passes an open connection in ``config.attributes["connection"]``.
+
+The metric views are derived objects, not migrations: an upgrade that ends at the head revision
+rebuilds them from the metric declarations (``service.storage.views``) in its own transaction,
+so a new database gets them and a new metric's columns appear with the migration of its sums.
 """
 
 from alembic import context
@@ -33,6 +37,10 @@ def _run(connection) -> None:
     context.configure(connection=connection, target_metadata=None, transactional_ddl=True)
     with context.begin_transaction():
         context.run_migrations()
+        if set(context.get_context().get_current_heads()) == set(context.script.get_heads()):
+            from headatlas.service.storage.views import rebuild_views
+
+            rebuild_views(connection)
 
 
 run_migrations_online()

@@ -31,6 +31,10 @@ HEAD_NAMES = [
     "same_word_high",
     "anchor_frequent",
     "anchored_windows",
+    # SPEC §8
+    "attn_to_first",
+    "attn_dup",
+    "attn_induction",
 ]
 CHANCE_NAMES = [
     "windows",
@@ -40,7 +44,25 @@ CHANCE_NAMES = [
     "attn_rows",
     "same_word_pairs",
     "punct_tokens",
+    # SPEC §8 (an encoder: every row sees all n keys)
+    "uniform_cls",
+    "uniform_sep",
+    "uniform_punct",
+    "uniform_first",
+    "next_rows",
+    "dup_rows",
+    "attn_dup_chance",
+    "induction_rows",
+    "attn_induction_chance",
 ]
+FLOAT_CHANCE = {
+    "uniform_cls",
+    "uniform_sep",
+    "uniform_punct",
+    "uniform_first",
+    "attn_dup_chance",
+    "attn_induction_chance",
+}
 HIST_NAMES = ["pairs", "same_sentence", "same_token", "same_word"]
 
 
@@ -110,6 +132,23 @@ def reference_windows(
         chance["pairs"] = len(pairs)
         chance["attn_rows"] = n
         chance["punct_tokens"] = sum(1 for t in ids if t in tokens.punct_ids)
+        # SPEC §8, bidirectional: k_i = n for every row
+        chance["uniform_cls"] = sum(1 for t in ids if t == tokens.cls_id) * n / n
+        chance["uniform_sep"] = sum(1 for t in ids if t == tokens.sep_id) * n / n
+        chance["uniform_punct"] = chance["punct_tokens"] * n / n
+        chance["uniform_first"] = 1.0 if n else 0.0
+        chance["next_rows"] = max(n - 1, 0)
+        copies = {}  # row -> (earlier copies D(i), induction targets I(i))
+        for i in range(n):
+            if special[i]:
+                continue
+            dup = [k for k in range(i) if ids[k] == ids[i] and not special[k]]
+            ind = [k + 1 for k in range(i - 1) if ids[k] == ids[i] and not special[k]]
+            copies[i] = (dup, ind)
+            chance["dup_rows"] += bool(dup)
+            chance["attn_dup_chance"] += len(dup) / n
+            chance["induction_rows"] += bool(ind)
+            chance["attn_induction_chance"] += len(ind) / n
         for i, j in pairs:
             same_sentence = sentence[i] == sentence[j] and sentence[i] >= 0
             same_token = ids[i] == ids[j]
@@ -170,6 +209,10 @@ def reference_windows(
                     heads["attn_to_prev"][layer, h] += row[i - 1] if i > 0 else 0.0
                     heads["attn_to_next"][layer, h] += row[i + 1] if i + 1 < n else 0.0
                     heads["attn_entropy"][layer, h] += -sum(a * math.log(a) for a in row if a > 0)
+                    heads["attn_to_first"][layer, h] += row[0]
+                    dup, ind = copies.get(i, ([], []))
+                    heads["attn_dup"][layer, h] += sum(row[k] for k in dup)
+                    heads["attn_induction"][layer, h] += sum(row[k] for k in ind)
         records.append(
             {
                 "heads": heads,
@@ -190,7 +233,9 @@ def summed(records: list[dict]) -> dict:
         "heads": {k: sum(r["heads"][k] for r in records) for k in HEAD_NAMES},
         "dist_hist": sum(r["dist_hist"] for r in records),
         "attended_hist": sum(r["attended_hist"] for r in records),
-        "chance": {k: int(sum(r["chance"][k] for r in records)) for k in CHANCE_NAMES},
+        "chance": {
+            k: (float if k in FLOAT_CHANCE else int)(sum(r["chance"][k] for r in records)) for k in CHANCE_NAMES
+        },
         "hists": {k: sum(r["hists"][k] for r in records) for k in HIST_NAMES},
     }
 

@@ -22,6 +22,7 @@ from headatlas.service.engine.results import (
     REPLICATES,
     BatchResult,
     replicate_group,
+    sum_dtype,
 )
 from headatlas.service.engine.stats import chance_statistics, head_statistics, window_features
 from headatlas.service.engine.windows import TokenClasses, is_word_token
@@ -270,14 +271,21 @@ def ids_in_distinct_groups(count: int, prefix: str = "w") -> list[str]:
     return out
 
 
-def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq_len=SEQ) -> BatchResult:
+def build_result(
+    window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq_len=SEQ, tokens=TOKENS, causal=False
+) -> BatchResult:
     """A BatchResult from the statistics functions, assembled as service.engine.analysis does it.
 
     z: ``[window, layer, head, pos, d]``; attn: ``[window, layer, head, pos, key]``."""
     ids = torch.tensor(windows)
     reps, dense = np.unique([replicate_group(w) for w in window_ids], return_inverse=True)
     feats = window_features(
-        ids, (ids != PAD).long(), TOKENS, group=torch.as_tensor(dense.reshape(-1)), n_groups=len(reps)
+        ids,
+        (ids != PAD).long(),
+        tokens,
+        group=torch.as_tensor(dense.reshape(-1)),
+        n_groups=len(reps),
+        causal=causal,
     )
     chance = chance_statistics(feats, seq_len=seq_len)
     per_layer = [
@@ -298,7 +306,7 @@ def build_result(window_ids, windows, z, attn, *, select="topk:2", gate=2.0, seq
         rep_heads={k: stacked[k].numpy() for k in HEAD_SUMS},
         rep_dist_hist=stacked["dist_hist"].numpy().astype(np.int64),
         rep_attended_hist=stacked["attended_hist"].numpy().astype(np.int64),
-        rep_chance={k: chance[k].numpy().astype(np.int64) for k in CHANCE_SUMS},
+        rep_chance={k: chance[k].numpy().astype(sum_dtype(k)) for k in CHANCE_SUMS},
         rep_pair_hist={k: chance[f"hist.{k}"].numpy().astype(np.int64) for k in PAIR_HISTS},
         anchor_token=anchor_token.numpy().astype(np.int64),
         anchor_count=stacked["anchor_count"].numpy().astype(np.int32),
@@ -592,6 +600,9 @@ def per_window_numpy(windows, z, attn, *, select, gate):
             "attended_high",
             "attn_to_cls",
             "attn_to_punct",
+            "attn_to_first",
+            "attn_dup",
+            "attn_induction",
         ):
             rec[k] = h[k].numpy().astype(float)  # [head]
         rec["dist_hist"] = h["dist_hist"].numpy().astype(float)  # [head, seq]
@@ -632,6 +643,12 @@ def metrics_from_sums(s: dict) -> dict[str, np.ndarray]:
         "attn_to_cls_lift": s["attn_to_cls"] / s["windows"],
         "attn_to_punct_lift": s["attn_to_punct"] / s["punct_tokens"],
         "anchor_frequency_share": s["anchor_frequent"] / s["anchored_windows"],
+        # SPEC §8 (bidirectional: the first token is [CLS], uniform weight 1 per window)
+        "attn_to_first_lift": s["attn_to_first"] / s["windows"],
+        "attn_dup": s["attn_dup"] / s["dup_rows"],
+        "dup_lift": s["attn_dup"] / s["attn_dup_chance"],
+        "attn_induction": s["attn_induction"] / s["induction_rows"],
+        "induction_lift": s["attn_induction"] / s["attn_induction_chance"],
     }
 
 

@@ -13,7 +13,14 @@ import torch
 
 from headatlas.service.engine.hooks import capture_attention
 from headatlas.service.engine.model import LoadedModel, encoder_layers
-from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
+from headatlas.service.engine.results import (
+    CHANCE_SUMS,
+    HEAD_SUMS,
+    PAIR_HISTS,
+    BatchResult,
+    replicate_group,
+    sum_dtype,
+)
 from headatlas.service.engine.stats import (
     Workspace,
     chance_statistics,
@@ -28,15 +35,6 @@ from headatlas.service.params import AnalysisParams
 # One set of scratch buffers per device and process, reused by every batch.
 _WORKSPACES: dict[str, Workspace] = {}
 
-INT_SUMS = {
-    "high_pairs",
-    "same_sentence_high",
-    "same_token_high",
-    "attended_high",
-    "same_word_high",
-    "anchor_frequent",
-    "anchored_windows",
-}
 ANCHOR_SUMS = ("anchor_frequent", "anchored_windows")  # from the anchors, after the forward pass
 
 
@@ -106,6 +104,7 @@ def analyze_batch(
             group=torch.as_tensor(dense.reshape(-1), dtype=torch.long, device=input_ids.device),
             n_groups=len(reps),
             sentence=sentence,
+            causal=getattr(model, "causal", False),
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
     blocks = encoder_layers(model.model)
@@ -146,8 +145,7 @@ def analyze_batch(
     vocab = dict(zip(anchor_ids, model.tokenizer.convert_ids_to_tokens(anchor_ids)))
     heads = {}
     for key in HEAD_SUMS:
-        dtype = np.int64 if key in INT_SUMS else np.float64
-        heads[key] = stacked[key].cpu().numpy().astype(dtype)
+        heads[key] = stacked[key].cpu().numpy().astype(sum_dtype(key))
     mixing, mixed, mixed_rows = {}, 0, 0
     if params.mixes:
         mixed = len(batch.windows) if mixing_windows is None else max(0, min(mixing_windows, len(batch.windows)))
@@ -162,6 +160,7 @@ def analyze_batch(
                 tokens,
                 include_special=params.include_special,
                 sentence=None if sentence is None else sentence[:mixed],
+                causal=getattr(model, "causal", False),
             )
         mixing = mixing_sums(
             model,
@@ -180,7 +179,7 @@ def analyze_batch(
         rep_heads=heads,
         rep_dist_hist=stacked["dist_hist"].cpu().numpy().astype(np.int64),
         rep_attended_hist=stacked["attended_hist"].cpu().numpy().astype(np.int64),
-        rep_chance={k: chance[k].cpu().numpy().astype(np.int64) for k in CHANCE_SUMS},
+        rep_chance={k: chance[k].cpu().numpy().astype(sum_dtype(k)) for k in CHANCE_SUMS},
         rep_pair_hist={k: chance[f"hist.{k}"].cpu().numpy().astype(np.int64) for k in PAIR_HISTS},
         anchor_token=anchor_np,
         anchor_count=stacked["anchor_count"].cpu().numpy().astype(np.int32),

@@ -14,25 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-HEAD_SUMS = (
-    "high_pairs",
-    "sim_sum_all",
-    "sim_sum_high",
-    "same_sentence_high",
-    "same_token_high",
-    "attended_high",
-    "attn_to_cls",
-    "attn_to_sep",
-    "attn_to_punct",
-    "attn_to_self",
-    "attn_to_prev",
-    "attn_to_next",
-    "attn_entropy",
-    # SPEC §5b
-    "same_word_high",
-    "anchor_frequent",  # windows whose anchor is the window's most frequent token
-    "anchored_windows",  # windows with an anchor (|H| > 0): anchor_frequency_share's denominator
-)
+# The additive sums, declared with the metrics that read them (service.metrics): per head
+# (HEAD_SUMS, table head_stats) and per run (CHANCE_SUMS, table run_chance).
+from headatlas.service.metrics import CHANCE_SUMS, HEAD_SUMS, INT_SUMS, SUM_KINDS  # noqa: F401
+
 # The mixing methods (service.measures.mixing registers one class for each), in display order: attention is
 # always measured (the others are compared with it), attribution is asked for with --attribution,
 # the forward-only ones with --mixing.
@@ -40,7 +25,8 @@ MIXING_METHODS = ("attention", "attribution", "rollout", "norm", "alti")
 FORWARD_MIXING = ("rollout", "norm", "alti")
 # per mixing method (service.measures.mixing), layer and head
 MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention", "distance_sum")
-CHANCE_SUMS = (
+# the run sums of payloads made before each sum had its own array (one int64 stack, this order)
+PACKED_CHANCE = (
     "windows",
     "pairs",
     "same_sentence_pairs",
@@ -58,6 +44,11 @@ CSM_KINDS = ("all", "attended", "noise")
 # Replicate groups (SPEC §5b): every additive sum is kept per group, so a ratio's jackknife
 # interval can be computed from stored sums, also after compaction.
 REPLICATES = 16
+
+
+def sum_dtype(name: str) -> type[np.integer] | type[np.floating]:
+    """The numpy type a sum travels in: int64 for counts, float64 for weights."""
+    return np.int64 if name in INT_SUMS else np.float64
 
 
 def replicate_group(window_id: str) -> int:
@@ -117,8 +108,8 @@ class BatchResult:
         return self.rep_attended_hist.sum(0)
 
     @property
-    def chance(self) -> dict[str, int]:
-        return {k: int(v.sum()) for k, v in self.rep_chance.items()}
+    def chance(self) -> dict[str, int | float]:
+        return {k: v.sum().item() for k, v in self.rep_chance.items()}
 
     @property
     def pair_hist(self) -> np.ndarray:
@@ -127,6 +118,7 @@ class BatchResult:
     def to_bytes(self) -> bytes:
         arrays = {f"heads.{k}": v for k, v in self.rep_heads.items()}
         arrays.update({f"pairs.{k}": v for k, v in self.rep_pair_hist.items()})
+        arrays.update({f"chance.{k}": v for k, v in self.rep_chance.items()})
         arrays.update(
             reps=self.reps,
             dist_hist=self.rep_dist_hist,
@@ -136,7 +128,6 @@ class BatchResult:
             high_count=self.high_count,
             anchor_frequent=self.anchor_frequent,
             window_ids=np.array(self.window_ids),
-            chance=np.stack([self.rep_chance[k] for k in CHANCE_SUMS]).astype(np.int64),
             compute_s=np.array(self.compute_s),
             mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
             **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
@@ -159,7 +150,9 @@ class BatchResult:
         with np.load(io.BytesIO(blob), allow_pickle=False) as data:
             heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
             pairs = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("pairs.")}
-            chance = dict(zip(CHANCE_SUMS, data["chance"]))
+            chance = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("chance.")}
+            if "chance" in data.files:  # a payload of an earlier version: the run sums in one stack
+                chance = dict(zip(PACKED_CHANCE, data["chance"]))
             meta = json.loads(data["meta"].tobytes().decode())
             mixing: dict[str, dict[str, np.ndarray]] = {}
             for key in data.files:

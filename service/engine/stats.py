@@ -73,12 +73,18 @@ class WindowFeatures:
     frequent_token: torch.Tensor  # [batch] the window's most frequent non-special token id (-1: none)
     sentence: torch.Tensor  # [batch, pos] sentence id, -1 for special and pad tokens
     first_pos: torch.Tensor  # [batch, pos] first position holding the same token id
-    key_classes: torch.Tensor  # [batch, key, 3] bool: is [CLS], is [SEP], is . or ,
+    key_classes: torch.Tensor  # [batch, key, 4] bool: is [CLS], is [SEP], is . or ,, is position 0
+    visible: torch.Tensor  # [batch, pos] int64: k_i, the keys query row i sees (SPEC §8)
+    copies: torch.Tensor  # [batch, pos, key, 2] bool: key in D(i), key in I(i) (SPEC §8)
+    copy_index: torch.Tensor  # [batch, copy] int64: i·pos + key of the (row, key) entries of D or I
+    copy_kind: torch.Tensor  # [batch, copy, 2] bool: the entry is in D(i), in I(i) (padding: neither)
     layout: PairLayout
     workspace: Workspace
+    causal: bool = False
     group: torch.Tensor | None = None  # [batch] replicate group (dense index); None: sum the batch
     n_groups: int = 1
     _bias: dict = field(default_factory=dict)
+    _copy_weights: dict = field(default_factory=dict)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Per-window values ``[batch, ...]`` → ``[group, ...]`` sums, or ``[...]`` without groups."""
@@ -105,6 +111,13 @@ class WindowFeatures:
             )
         return self._bias[key]
 
+    def copy_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        """``copy_kind`` in ``dtype``, made once per batch and shared by its layers."""
+        if dtype not in self._copy_weights:
+            self._copy_weights.clear()
+            self._copy_weights[dtype] = self.copy_kind.to(dtype)
+        return self._copy_weights[dtype]
+
 
 def window_features(
     input_ids: torch.Tensor,
@@ -116,8 +129,12 @@ def window_features(
     group: torch.Tensor | None = None,
     n_groups: int = 1,
     sentence: torch.Tensor | None = None,  # [batch, pos] int64 from the windows (segmenter); None: punct
+    causal: bool = False,
 ) -> WindowFeatures:
     """Token features for a padded batch. ``input_ids``/``attention_mask``: ``[batch, pos]``.
+
+    ``causal``: the model's attention is causal (a decoder): query row i sees the keys up to i,
+    ``k_i = i + 1``; otherwise every valid key, ``k_i = n`` (SPEC §8).
 
     ``workspace``: scratch buffers to reuse (pass the same one for every batch of a process).
     ``group``: ``[batch]`` replicate group of each window, dense in ``[0, n_groups)``: the sums
@@ -156,12 +173,18 @@ def window_features(
     for tok in tokens.punct_ids:
         is_punct |= input_ids == tok
     is_punct &= valid
-    key_classes = torch.stack([is_cls, is_sep, is_punct], dim=2)
+    is_first = valid & (torch.arange(n_pos, device=device) == 0)
+    key_classes = torch.stack([is_cls, is_sep, is_punct, is_first], dim=2)
     m = in_pairs.sum(1)
+    n = valid.sum(1)
+    dup, induction = copy_sets(eq, candidates)
+    copy_index, copy_kind = copy_entries(dup, induction)
+    # k_i: valid keys up to i (i + 1 in a right-padded window) or all n of them
+    visible = torch.cumsum(valid.long(), dim=1) if causal else n[:, None].expand(-1, n_pos)
     return WindowFeatures(
         input_ids=input_ids,
         valid=valid,
-        n=valid.sum(1),
+        n=n,
         in_pairs=in_pairs,
         pair_ok=pair_ok,
         pair_excluded=~pair_ok,
@@ -174,11 +197,53 @@ def window_features(
         sentence=sent,
         first_pos=first_pos,
         key_classes=key_classes,
+        visible=visible,
+        copies=torch.stack([dup, induction], dim=3),
+        copy_index=copy_index,
+        copy_kind=copy_kind,
         layout=layout,
         workspace=workspace if workspace is not None else Workspace(device),
         group=group,
         n_groups=n_groups,
+        causal=causal,
     )
+
+
+def copy_sets(eq: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier copies D(i) and the induction targets I(i) of each query row (SPEC §8), each
+    ``[batch, pos, key]`` bool.
+
+    eq: ``[batch, pos, key]`` equal token ids (valid keys); words: ``[batch, pos]`` valid
+    non-special tokens. Rows are the words; D(i) = {k < i : t_k = t_i, k a word};
+    I(i) = {k + 1 : k < i − 1, t_k = t_i, k a word}: D's mask with k < i − 1, shifted one key
+    to the right. Both lie before i, so they are visible to causal and bidirectional rows alike.
+    """
+    n_pos = eq.shape[1]
+    same = eq & words[:, :, None] & words[:, None, :]  # [batch, pos, key]
+    before = torch.ones(n_pos, n_pos, dtype=torch.bool, device=eq.device)
+    dup = same & before.tril(-1)  # k < i
+    induction = torch.zeros_like(dup)
+    induction[:, :, 1:] = (same & before.tril(-2))[:, :, :-1]  # key k + 1 for k < i - 1
+    return dup, induction
+
+
+def copy_entries(dup: torch.Tensor, induction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, key) entries of D or I per window, packed: ``index`` ``[batch, copy]`` (i·pos +
+    key) and ``kind`` ``[batch, copy, 2]`` bool (in D, in I); windows with fewer entries are padded
+    with entry 0 of neither kind. Built from ``nonzero`` (row-major, so each window's entries are
+    consecutive): no sort over the pos² entries."""
+    batch, device = dup.shape[0], dup.device
+    either = (dup | induction).flatten(1)  # [batch, pos·key]
+    window, flat = either.nonzero(as_tuple=True)
+    counts = torch.bincount(window, minlength=batch)
+    width = int(counts.max()) if window.numel() else 0
+    slot = torch.arange(window.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[window]
+    index = torch.zeros(batch, width, dtype=torch.long, device=device)
+    index[window, slot] = flat
+    kind = torch.zeros(batch, width, 2, dtype=torch.bool, device=device)
+    kind[window, slot, 0] = dup.flatten(1)[window, flat]
+    kind[window, slot, 1] = induction.flatten(1)[window, flat]
+    return index, kind
 
 
 def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -192,9 +257,9 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch.Tensor]:
     """Head-independent sums: the chance numerators of SPEC §5 and §5b.
 
-    Returns, per replicate group (``[group]``; scalars without groups), int64 sums for
-    CHANCE_SUMS, and the per-distance counts PAIR_HISTS (``pairs`` = ``pair_hist``)
-    ``[group, seq_len]`` (index = distance).
+    Returns, per replicate group (``[group]``; scalars without groups), the sums of CHANCE_SUMS
+    (int64 counts, float64 uniform weights of SPEC §8), and the per-distance counts PAIR_HISTS
+    (``pairs`` = ``pair_hist``) ``[group, seq_len]`` (index = distance).
     """
     pair_ok = feats.pair_ok
     batch = pair_ok.shape[0]
@@ -205,6 +270,13 @@ def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch
         return feats.reduce(hist.scatter_add_(1, distance, mask.long()))
 
     reduce = feats.reduce
+    valid, classes = feats.valid, feats.key_classes
+    # |S ∩ visible(i)| per row i: keys of S up to i (causal) or all of them
+    seen = (
+        torch.cumsum(classes.long(), dim=1) if feats.causal else classes.long().sum(1, keepdim=True).expand_as(classes)
+    )
+    copies = feats.copies.sum(2)  # [batch, pos, 2]: |D(i)|, |I(i)|
+    next_rows = torch.zeros_like(feats.n) if feats.causal else _count(valid[:, 1:] & valid[:, :-1], dim=1)
     return {
         "windows": reduce(torch.ones(batch, dtype=torch.long, device=pair_ok.device)),
         "pairs": reduce(feats.n_pairs),
@@ -213,11 +285,33 @@ def chance_statistics(feats: WindowFeatures, *, seq_len: int) -> dict[str, torch
         "attn_rows": reduce(feats.n),
         "same_word_pairs": reduce(_count(feats.same_word, dim=1)),
         "punct_tokens": reduce(_count(feats.key_classes[:, :, 2], dim=1)),
+        # SPEC §8: uniform attention over each row's visible keys, summed over valid rows
+        "uniform_cls": reduce(uniform_weight(seen[..., 0], feats)),
+        "uniform_sep": reduce(uniform_weight(seen[..., 1], feats)),
+        "uniform_punct": reduce(uniform_weight(seen[..., 2], feats)),
+        "uniform_first": reduce(uniform_weight(seen[..., 3], feats)),
+        "next_rows": reduce(next_rows),
+        "dup_rows": reduce(_count(copies[..., 0] > 0, dim=1)),
+        "attn_dup_chance": reduce(uniform_weight(copies[..., 0], feats)),
+        "induction_rows": reduce(_count(copies[..., 1] > 0, dim=1)),
+        "attn_induction_chance": reduce(uniform_weight(copies[..., 1], feats)),
         "hist.pairs": by_distance(pair_ok),
         "hist.same_sentence": by_distance(feats.same_sentence),
         "hist.same_token": by_distance(feats.same_token),
         "hist.same_word": by_distance(feats.same_word),
     }
+
+
+def uniform_weight(seen: torch.Tensor, feats: WindowFeatures) -> torch.Tensor:
+    """Σ over valid query rows of |S ∩ visible(i)| / k_i, the weight uniform attention puts on
+    a key set S, per window ``[batch]`` float64. ``seen``: ``[batch, pos]`` |S ∩ visible(i)|.
+
+    Bidirectional rows share k_i = n, so the sum is Σ_i |S ∩ visible(i)| / n: one division, which
+    gives a whole number exactly where there is one (one [CLS] per window: 1.0)."""
+    seen = torch.where(feats.valid, seen, 0)
+    if feats.causal:
+        return (seen.double() / feats.visible.clamp(min=1).double()).sum(1)
+    return seen.sum(1).double() / feats.n.clamp(min=1).double()
 
 
 def head_vectors(context: torch.Tensor, n_heads: int, w_o: torch.Tensor | None = None) -> torch.Tensor:
@@ -308,7 +402,7 @@ def head_statistics(
     seq_len: int,
     csm_bin: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c).
+    """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c, §8).
 
     z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``.
     Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` and ``attended_hist``
@@ -347,8 +441,10 @@ def head_statistics(
     flat_attn = attn.flatten(2)
     a_ij = flat_attn.gather(2, index)
     a_ji = flat_attn.gather(2, pos_j * n_pos + pos_i)
-    threshold = (gate / feats.n.to(attn.dtype))[:, None, None]
-    attended = (torch.maximum(a_ij, a_ji) >= threshold) & chosen
+    # SPEC §8: attended when max(A_ij·k_i, A_ji·k_j) ≥ gate, compared as A ≥ gate / k so that
+    # bidirectional attention (k = n) gives §3's max(A_ij, A_ji) ≥ gate / n to the last bit
+    threshold = gate / feats.visible.to(attn.dtype)  # [batch, pos]
+    attended = ((a_ij >= pick(threshold, flat_i)) | (a_ji >= pick(threshold, flat_j))) & chosen
     out["attended_high"] = count(attended)
 
     distance = torch.where(chosen, pos_j - pos_i, 0)  # [batch, head, k]; unchosen ranks may be j <= i
@@ -372,7 +468,22 @@ def head_statistics(
     out["high_count"] = chosen.long().sum(2)
 
     out.update(attention_sums(attn, feats, work=feats.workspace))
+    out.update(copy_sums(attn, feats))
     return out
+
+
+def copy_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch.Tensor]:
+    """``attn_dup`` and ``attn_induction`` (SPEC §8): Σ over query rows of the weight on D(i), on
+    I(i); ``[head]`` float64 each (``[group, head]`` with replicate groups).
+
+    attn: ``[batch, head, pos, key]``. Only the entries of D and I are read (``copy_index``, a few
+    hundred per window of text against pos² in the map), then weighed by their kind."""
+    batch, heads, n_pos, _ = attn.shape
+    index = feats.copy_index[:, None, :].expand(-1, heads, -1)  # [batch, head, copy]
+    picked = attn.reshape(batch, heads, n_pos * n_pos).gather(2, index)
+    sums = torch.matmul(picked, feats.copy_weights(attn.dtype))  # [batch, head, 2]
+    sums = feats.reduce(sums.double())
+    return {"attn_dup": sums[..., 0], "attn_induction": sums[..., 1]}
 
 
 def _histogram(distance: torch.Tensor, mask: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -390,15 +501,16 @@ def attention_sums(attn: torch.Tensor, feats: WindowFeatures, work: Workspace | 
     """
     rows = feats.valid.to(attn.dtype)[:, None, :]  # [batch, 1, pos]
     # Σ_i row_i Σ_j A_ij class_j = Σ_j (Σ_i row_i A_ij) class_j: one pass over A for the column
-    # sums, then a small product (a [pos, 3] right-hand side wastes most of a matmul's work)
+    # sums, then a small product (a [pos, 4] right-hand side wastes most of a matmul's work)
     received = torch.matmul(rows[:, :, None, :], attn)  # [batch, head, 1, key]
-    by_class = torch.matmul(received, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, 1, 3]
-    by_class = feats.reduce(by_class.sum(dim=2, dtype=torch.float64))  # [(group,) head, 3]
+    by_class = torch.matmul(received, feats.key_classes[:, None].to(attn.dtype))  # [batch, head, 1, 4]
+    by_class = feats.reduce(by_class.sum(dim=2, dtype=torch.float64))  # [(group,) head, 4]
     neighbour_rows = rows[..., 1:]
     return {
         "attn_to_cls": by_class[..., 0],
         "attn_to_sep": by_class[..., 1],
         "attn_to_punct": by_class[..., 2],
+        "attn_to_first": by_class[..., 3],
         "attn_to_self": feats.reduce(_row_sum(torch.diagonal(attn, 0, 2, 3), rows)),
         "attn_to_prev": feats.reduce(_row_sum(torch.diagonal(attn, -1, 2, 3), neighbour_rows)),
         "attn_to_next": feats.reduce(_row_sum(torch.diagonal(attn, 1, 2, 3), neighbour_rows)),

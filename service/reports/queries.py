@@ -10,56 +10,20 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import ParameterError
+from headatlas.service.metrics import COLUMNS
 
-HEAD_COLUMNS = (
-    "layer",
-    "head",
-    "within_sentence",
-    "within_sentence_chance",
-    "within_sentence_lift",
-    "within_sentence_chance_dm",
-    "within_sentence_lift_dm",
-    "repetition",
-    "repetition_chance",
-    "repetition_lift",
-    "repetition_chance_dm",
-    "repetition_lift_dm",
-    "repetition_words",
-    "repetition_words_chance",
-    "repetition_words_lift",
-    "repetition_words_chance_dm",
-    "repetition_words_lift_dm",
-    "mean_distance",
-    "mean_distance_chance",
-    "short_range_share",
-    "short_range_chance",
-    "noise_share",
-    "attn_to_cls",
-    "attn_to_cls_lift",
-    "attn_to_sep",
-    "attn_to_sep_lift",
-    "attn_to_punct",
-    "attn_to_punct_lift",
-    "attn_to_self",
-    "attn_to_prev",
-    "attn_to_next",
-    "attn_entropy",
-    "anchor_frequency_share",
-    "high_pairs",
-    "windows",
-)
-# the synthetic probe (SPEC §8): NULL for a run without one
+# the columns of head_metrics that `query heads` shows, as declared (service.metrics)
+HEAD_COLUMNS = ("layer", "head", *(c.name for c in COLUMNS if c.heads), "windows")
+# the synthetic probe (SPEC §8): its own table, NULL for a run without one
 PROBE_COLUMNS = ("induction_score", "duplicate_score", "prev_token_score")
 SORTABLE = HEAD_COLUMNS[2:] + PROBE_COLUMNS
 # counts and run-level chances carry no interval of their own
 NO_INTERVAL = {
+    *(c.name for c in COLUMNS if not c.interval),
     "layer",
     "head",
-    "high_pairs",
     "windows",
     "heads",
-    "mean_distance_chance",
-    "short_range_chance",
     "top_anchors",
     "top_head",
     "heads_above_chance",
@@ -72,7 +36,8 @@ NO_INTERVAL = {
 LIFT_NOTE = (
     "lift = share / chance; *_lift: chance = all pairs of the window (ignores distance); "
     "*_lift_dm: chance matched to the head's own distances (SPEC §5b); "
-    "attn_*_lift: against uniform attention. >1 = above that chance."
+    "attn_*_lift, dup_lift, induction_lift: against uniform attention over each row's visible keys. "
+    ">1 = above that chance."
 )
 
 Rows = tuple[list[str], list[tuple]]
@@ -317,31 +282,7 @@ def csm(conn: Connection, run_id: int, *, layer: int, head: int | None = None, k
     )
 
 
-LAYER_COLUMNS = (
-    "layer",
-    "mean_distance",
-    "mean_distance_chance",
-    "short_range_share",
-    "short_range_chance",
-    "within_sentence",
-    "within_sentence_lift",
-    "within_sentence_lift_dm",
-    "repetition",
-    "repetition_lift",
-    "repetition_lift_dm",
-    "repetition_words",
-    "repetition_words_lift_dm",
-    "noise_share",
-    "attn_to_cls",
-    "attn_to_cls_lift",
-    "attn_to_sep",
-    "attn_to_sep_lift",
-    "attn_to_punct",
-    "attn_to_punct_lift",
-    "attn_to_self",
-    "attn_entropy",
-    "anchor_frequency_share",
-)
+LAYER_COLUMNS = ("layer", *(c.name for c in COLUMNS if c.layers))
 
 
 def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:

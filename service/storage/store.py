@@ -352,6 +352,10 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
     # a column left out of an insert is NULL ("unavailable"): a payload made before the per-distance
     # within-sentence counts existed must not make the others' sum look whole
     with_sentence = all(res.rep_same_sentence_hist is not None for _, res in items)
+    # the declared sums (service.metrics) that every payload carries; one made before a sum
+    # existed leaves its column NULL for the whole insert
+    head_sums = [k for k in HEAD_SUMS if all(k in res.rep_heads for _, res in items)]
+    run_sums = [k for k in CHANCE_SUMS if all(k in res.rep_chance for _, res in items)]
     for batch_id, res in items:
         # every additive sum is stored per replicate group (column rep, SPEC §5b)
         n_groups, n_layers, n_heads = res.rep_heads["high_pairs"].shape
@@ -363,14 +367,14 @@ def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str
             rep=res.reps[group],
             layer=layer,
             head=head,
-            **{k: res.rep_heads[k] for k in HEAD_SUMS},
+            **{k: res.rep_heads[k] for k in head_sums},
         )
         add(
             "run_chance",
             run_id=np.full(n_groups, run_id),
             batch_id=np.full(n_groups, batch_id),
             rep=res.reps,
-            **{k: res.rep_chance[k] for k in CHANCE_SUMS},
+            **{k: res.rep_chance[k] for k in run_sums},
             csm_windows=res.rep_chance["windows"] * (res.csm_sum is not None),
         )
         gi, li, hi, di = np.nonzero(res.rep_dist_hist)

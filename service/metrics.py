@@ -1,0 +1,366 @@
+"""Every per-head metric, declared once (SPEC §4, §5, §5b, §8).
+
+A metric is its additive sums (name, integer or float, per head or per run), its view columns
+(each an SQL expression over the summed totals, with its one-line definition), what it is
+measured against, and the SPEC section that defines it. Everything downstream reads this list:
+the batch payload (``service.engine.results``), ingest (``service.storage.store``), compaction
+(generic over columns), the views (``service.storage.views``, rebuilt at the end of every
+``db upgrade``), the query columns and ``--sort``/``--metric`` choices
+(``service.reports.queries``, ``compare``, ``plots``) and ``headatlas metrics``.
+
+Adding a metric: one ``Metric`` below, its sums computed in ``service.engine.stats`` (a head sum
+in ``head_statistics``, a run sum in ``chance_statistics``), and one small migration that adds
+its sums' columns (docs/architecture.md, "Adding a metric").
+
+Expressions are SQL over one row of totals: a head's sums beside its run's (a layer's heads
+summed, with the run sums once per head, for ``layer_metrics``), plus the distance inputs of
+``DISTANCE_INPUTS``. A bare name means the sum (DuckDB binds a relation's columns before the
+aliases of the select list), so ``attn_to_cls / … AS attn_to_cls`` followed by
+``attn_to_cls / … AS attn_to_cls_lift`` reads the sum both times; a column may name an earlier
+column that is not also a sum. No numpy, no torch: the CLI's queries import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Scope(str, Enum):
+    HEAD = "head"  # per (run, layer, head, replicate group): table head_stats
+    RUN = "run"  # per (run, replicate group), the same for every head: table run_chance
+
+    @property
+    def table(self) -> str:
+        return "head_stats" if self is Scope.HEAD else "run_chance"
+
+
+@dataclass(frozen=True)
+class Sum:
+    """An additive sum over windows, kept per replicate group (SPEC §5b)."""
+
+    name: str
+    kind: type  # int or float
+    scope: Scope
+
+    @property
+    def sql_type(self) -> str:
+        return "BIGINT" if self.kind is int else "DOUBLE"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of ``head_metrics`` / ``layer_metrics``."""
+
+    name: str
+    sql: str  # over the totals (see the module docstring)
+    definition: str  # one line
+    interval: bool = True  # a ratio that gets a jackknife interval (--ci)
+    heads: bool = True  # shown by `query heads`, accepted by --sort and `plot heads --metric`
+    layers: bool = True  # shown by `query layers`
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    spec: str  # the SPEC section that defines it
+    definition: str  # one line
+    against: str  # what its lift or chance is, in a few words ("" where none)
+    columns: tuple[Column, ...]
+    sums: tuple[Sum, ...] = ()  # the sums it introduces (a sum is declared once, by its first metric)
+
+
+def head_int(name: str) -> Sum:
+    return Sum(name, int, Scope.HEAD)
+
+
+def head_float(name: str) -> Sum:
+    return Sum(name, float, Scope.HEAD)
+
+
+def run_int(name: str) -> Sum:
+    return Sum(name, int, Scope.RUN)
+
+
+def run_float(name: str) -> Sum:
+    return Sum(name, float, Scope.RUN)
+
+
+# Inputs of the views that are not scalar sums: read from the per-distance tables (dist_hist,
+# pair_hist) by the distance views of migration 0006 and joined beside the sums.
+DISTANCE_INPUTS = (
+    "distance_sum",
+    "short_range_pairs",
+    "same_sentence_dm",
+    "same_token_dm",
+    "same_word_dm",
+    "mean_distance_chance",
+    "short_range_chance",
+)
+
+
+def _share(name: str, sum_high: str, sum_pairs: str, dm: str, what: str, layers: tuple[str, ...]) -> Metric:
+    """A share of the high-similarity pairs against the share of all pairs (plain and matched to
+    the head's distances, SPEC §5b)."""
+    cols = (
+        Column(name, f"{sum_high} / nullif(high_pairs, 0)", f"share of H {what}"),
+        Column(f"{name}_chance", f"{sum_pairs} / nullif(pairs, 0)", f"share of all pairs P {what}"),
+        Column(f"{name}_lift", f"{name} / nullif({name}_chance, 0)", f"{name} / {name}_chance"),
+        Column(
+            f"{name}_chance_dm",
+            f"{dm} / nullif(high_pairs, 0)",
+            f"chance of {name} matched to the head's own distances",
+        ),
+        Column(f"{name}_lift_dm", f"{name} / nullif({name}_chance_dm, 0)", f"{name} / {name}_chance_dm"),
+    )
+    return Metric(
+        name,
+        "§5, §5b",
+        f"share of the high-similarity pairs H {what}",
+        "all pairs of the window; and all pairs at the head's own distances (_dm)",
+        tuple(Column(c.name, c.sql, c.definition, layers=c.name in layers) for c in cols),
+        sums=(head_int(sum_high), run_int(sum_pairs)),
+    )
+
+
+def _attention_to(name: str, key: str, uniform: str, fallback: str, spec: str, sums: tuple[Sum, ...]) -> Metric:
+    """Mean attention weight on a class of keys, and its lift against uniform attention over each
+    row's visible keys (SPEC §5b, §8). ``fallback``: the uniform sum of runs stored before it
+    existed (exact for bidirectional attention, the only kind those runs have)."""
+    expected = f"coalesce({uniform}, {fallback})" if fallback else uniform
+    return Metric(
+        name,
+        spec,
+        f"mean attention weight on {key}",
+        "uniform attention over each row's visible keys",
+        (
+            Column(name, f"{name} / nullif(attn_rows, 0)", f"mean weight on {key} per query row"),
+            Column(f"{name}_lift", f"{name} / nullif({expected}, 0)", f"{name} / its mean under uniform attention"),
+        ),
+        sums=sums,
+    )
+
+
+def _copies(name: str, rows: str, spec: str, definition: str, keys: str) -> Metric:
+    """Attention to a set of earlier keys per query row (rows that have such keys), against uniform."""
+    attn, chance = f"attn_{name}", f"attn_{name}_chance"
+    return Metric(
+        name,
+        spec,
+        definition,
+        "uniform attention over each row's visible keys",
+        (
+            Column(attn, f"{attn} / nullif({rows}, 0)", f"mean weight on {keys}, per row that has one"),
+            Column(chance, f"{chance} / nullif({rows}, 0)", f"{attn} under uniform attention", layers=False),
+            Column(f"{name}_lift", f"{attn} / nullif({chance}, 0)", f"{attn} / {chance}"),
+        ),
+        sums=(head_float(attn), run_int(rows), run_float(chance)),
+    )
+
+
+def _mean(name: str, definition: str, spec: str = "§4, §5", *, layers: bool = True, sql: str = "") -> Metric:
+    return Metric(
+        name,
+        spec,
+        definition,
+        "",
+        (Column(name, sql or f"{name} / nullif(attn_rows, 0)", f"{definition}, per query row", layers=layers),),
+        sums=(head_float(name),),
+    )
+
+
+METRICS: tuple[Metric, ...] = (
+    _share(
+        "within_sentence",
+        "same_sentence_high",
+        "same_sentence_pairs",
+        "same_sentence_dm",
+        "in one sentence",
+        layers=("within_sentence", "within_sentence_lift", "within_sentence_lift_dm"),
+    ),
+    _share(
+        "repetition",
+        "same_token_high",
+        "same_token_pairs",
+        "same_token_dm",
+        "with equal token ids",
+        layers=("repetition", "repetition_lift", "repetition_lift_dm"),
+    ),
+    _share(
+        "repetition_words",
+        "same_word_high",
+        "same_word_pairs",
+        "same_word_dm",
+        "with equal word token ids (punctuation repeats excluded)",
+        layers=("repetition_words", "repetition_words_lift_dm"),
+    ),
+    Metric(
+        "mean_distance",
+        "§5",
+        "mean token distance j − i of the high-similarity pairs",
+        "all pairs of the window",
+        (
+            Column("mean_distance", "coalesce(distance_sum, 0) / nullif(high_pairs, 0)", "mean j − i over H"),
+            Column("mean_distance_chance", "mean_distance_chance", "mean j − i over P", interval=False),
+        ),
+    ),
+    Metric(
+        "short_range_share",
+        "§5",
+        "share of the high-similarity pairs at distance ≤ short_range",
+        "all pairs of the window",
+        (
+            Column(
+                "short_range_share",
+                "coalesce(short_range_pairs, 0) / nullif(high_pairs, 0)",
+                "share of H with j − i ≤ short_range",
+            ),
+            Column("short_range_chance", "short_range_chance", "the same share of P", interval=False),
+        ),
+    ),
+    Metric(
+        "noise_share",
+        "§3, §5",
+        "share of the high-similarity pairs that fail the attention gate (similar without attention)",
+        "",
+        (Column("noise_share", "1 - attended_high / nullif(high_pairs, 0)", "1 − attended_high / high_pairs"),),
+        sums=(head_int("attended_high"),),
+    ),
+    Metric(
+        "similarity",
+        "§4",
+        "mean context similarity C_ij of the high pairs and of all pairs",
+        "",
+        (
+            Column(
+                "sim_mean_high", "sim_sum_high / nullif(high_pairs, 0)", "mean C_ij over H", heads=False, layers=False
+            ),
+            Column("sim_mean_all", "sim_sum_all / nullif(pairs, 0)", "mean C_ij over P", heads=False, layers=False),
+        ),
+        sums=(head_float("sim_sum_all"), head_float("sim_sum_high")),
+    ),
+    _attention_to(
+        "attn_to_cls",
+        "[CLS]",
+        "uniform_cls",
+        "windows",
+        "§4, §5b, §8",
+        (head_float("attn_to_cls"), run_float("uniform_cls")),
+    ),
+    _attention_to(
+        "attn_to_sep",
+        "[SEP]",
+        "uniform_sep",
+        "windows",
+        "§4, §5b, §8",
+        (head_float("attn_to_sep"), run_float("uniform_sep")),
+    ),
+    _attention_to(
+        "attn_to_punct",
+        "'.' and ',' tokens",
+        "uniform_punct",
+        "punct_tokens",
+        "§4, §5b, §8",
+        (head_float("attn_to_punct"), run_int("punct_tokens"), run_float("uniform_punct")),
+    ),
+    _attention_to(
+        "attn_to_first",
+        "position 0 ([CLS] in BERT, BOS in a decoder: the sink)",
+        "uniform_first",
+        "",
+        "§8",
+        (head_float("attn_to_first"), run_float("uniform_first")),
+    ),
+    _mean("attn_to_self", "attention weight on the query token itself (A_ii)"),
+    _mean("attn_to_prev", "attention weight on the previous token (A_i,i−1)", layers=False),
+    Metric(
+        "attn_to_next",
+        "§4, §8",
+        "attention weight on the next token (A_i,i+1); NULL for causal attention, which cannot see it",
+        "",
+        (
+            Column(
+                "attn_to_next",
+                # next_rows: rows whose next token is visible (0 under causal attention; NULL for
+                # runs stored before it existed, all bidirectional)
+                "CASE WHEN coalesce(next_rows, 1) > 0 THEN attn_to_next / nullif(attn_rows, 0) END",
+                "attention weight on the next token (A_i,i+1), per query row",
+                layers=False,
+            ),
+        ),
+        sums=(head_float("attn_to_next"), run_int("next_rows")),
+    ),
+    _mean("attn_entropy", "attention entropy −Σ_j A_ij ln A_ij (nats)"),
+    Metric(
+        "anchor_frequency_share",
+        "§5b",
+        "share of windows whose anchor token is the window's most frequent token",
+        "",
+        (
+            Column(
+                "anchor_frequency_share",
+                "anchor_frequent / nullif(anchored_windows, 0)",
+                "anchor_frequent / anchored_windows",
+            ),
+        ),
+        sums=(head_int("anchor_frequent"), head_int("anchored_windows")),
+    ),
+    _copies(
+        "dup",
+        "dup_rows",
+        "§8",
+        "attention from a token to the earlier copies of itself (duplicate-token heads)",
+        "earlier copies of the query token",
+    ),
+    _copies(
+        "induction",
+        "induction_rows",
+        "§8",
+        "attention from a token to the tokens that followed its earlier copies (induction heads)",
+        "the tokens after earlier copies of the query token",
+    ),
+    Metric(
+        "high_pairs",
+        "§3, §4",
+        "size of the high-similarity set H, summed over windows (and the run's counts it is read against)",
+        "",
+        (Column("high_pairs", "high_pairs", "|H| summed over windows", interval=False, layers=False),),
+        sums=(head_int("high_pairs"), run_int("windows"), run_int("pairs"), run_int("attn_rows")),
+    ),
+)
+
+COLUMNS: tuple[Column, ...] = tuple(c for m in METRICS for c in m.columns)
+SUMS: tuple[Sum, ...] = tuple(s for m in METRICS for s in m.sums)
+HEAD_SUMS: tuple[str, ...] = tuple(s.name for s in SUMS if s.scope is Scope.HEAD)
+CHANCE_SUMS: tuple[str, ...] = tuple(s.name for s in SUMS if s.scope is Scope.RUN)
+INT_SUMS: frozenset[str] = frozenset(s.name for s in SUMS if s.kind is int)
+SUM_KINDS: dict[str, type] = {s.name: s.kind for s in SUMS}
+
+
+def reference() -> tuple[list[str], list[tuple]]:
+    """One row per view column: its metric, SPEC section, one-line definition and what it is
+    read against (``headatlas metrics``)."""
+    rows = [(c.name, m.name, m.spec, c.definition, m.against) for m in METRICS for c in m.columns]
+    return ["column", "metric", "spec", "definition", "against"], rows
+
+
+def metric_of(column: str) -> Metric:
+    """The metric a view column belongs to."""
+    for metric in METRICS:
+        if any(c.name == column for c in metric.columns):
+            return metric
+    raise KeyError(column)
+
+
+def _check() -> None:
+    names = [s.name for s in SUMS]
+    twice = {n for n in names if names.count(n) > 1}
+    if twice:
+        raise RuntimeError(f"sums declared twice: {sorted(twice)}")
+    columns = [c.name for c in COLUMNS]
+    twice = {n for n in columns if columns.count(n) > 1}
+    if twice:
+        raise RuntimeError(f"view columns declared twice: {sorted(twice)}")
+
+
+_check()
