@@ -137,7 +137,7 @@ def _analyse(model, batch: dict) -> str:
             f"submitter's ({batch['weights_key']}); give every machine the same model files"
         )
     params = AnalysisParams.from_dict(batch["params"])
-    tokens = _state.setdefault(("tokens", model.tokenizer_key), TokenClasses.from_tokenizer(model.tokenizer))
+    tokens = _state.setdefault(("tokens", model.tokenizer_key, model.family), TokenClasses.for_model(model))
     windows = [Window.from_message(row) for row in batch["windows"]]
     # --attribution / --mixing cover the run's first attribution_windows windows, as embedded
     mixing = 0

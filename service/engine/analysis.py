@@ -6,13 +6,14 @@ Pure computation: no database, no queue. The embedded runner and the Celery work
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
 import torch
 
 from headatlas.service.engine.hooks import capture_attention
-from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, BatchResult, replicate_group  # noqa: F401
 from headatlas.service.engine.stats import (
     Workspace,
@@ -38,6 +39,13 @@ INT_SUMS = {
     "anchored_windows",
 }
 ANCHOR_SUMS = ("anchor_frequent", "anchored_windows")  # from the anchors, after the forward pass
+# window_features learns the model's causality (SPEC §8: visible keys, uniform attention) where it
+# takes it; until then every model's windows are summarised as bidirectional
+_CAUSAL_FEATURES = "causal" in inspect.signature(window_features).parameters
+
+
+def _causality(model: LoadedModel) -> dict[str, bool]:
+    return {"causal": model.causal} if _CAUSAL_FEATURES else {}
 
 
 def forward(model: LoadedModel, batch: Batch) -> dict[str, torch.Tensor]:
@@ -106,15 +114,16 @@ def analyze_batch(
             group=torch.as_tensor(dense.reshape(-1), dtype=torch.long, device=input_ids.device),
             n_groups=len(reps),
             sentence=sentence,
+            **_causality(model),
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
-    blocks = encoder_layers(model.model)
+    blocks = model.blocks
     per_layer: list[dict[str, torch.Tensor]] = []
 
     def summarise(layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
         # runs inside the forward pass, as each layer finishes; statistics in full precision
         with torch.autocast(model.device.type, enabled=False):
-            w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
+            w_o = model.adapter.output_weight(blocks[layer]) if params.vectors == "post_wo" else None
             z = head_vectors(context, model.n_heads, w_o)
             per_layer.append(
                 head_statistics(
@@ -162,6 +171,7 @@ def analyze_batch(
                 tokens,
                 include_special=params.include_special,
                 sentence=None if sentence is None else sentence[:mixed],
+                **_causality(model),
             )
         mixing = mixing_sums(
             model,
