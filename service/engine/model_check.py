@@ -26,8 +26,6 @@ WEIGHT_FILES = (
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
 )
-# RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
 BYTES_PER_PARAM = 4  # weights stay float32 (half precision is autocast)
 HEADROOM = 1.25  # activations, the allocator, the tokenizer
 DEFAULT_VOCAB = 30522  # random: models use the default model's tokenizer
@@ -202,10 +200,12 @@ def _first(config: dict, *keys: str):
 
 
 def _positions(config: dict) -> int:
-    positions = int(config.get("max_position_embeddings") or config.get("n_positions") or DEFAULT_POSITIONS)
-    if config.get("model_type") in OFFSET_POSITIONS:
-        positions -= int(config.get("pad_token_id") or 1) + 1
-    return positions
+    """Usable positions of a window (the family's adapter knows offsets); without a model_type, as
+    an encoder's config."""
+    from headatlas.service.engine.adapters import ADAPTERS, ENCODER_FAMILY, adapter_by_family
+
+    adapter = ADAPTERS.get(str(config.get("model_type")), adapter_by_family(ENCODER_FAMILY))
+    return adapter.positions(config) or DEFAULT_POSITIONS
 
 
 def check_safetensors(spec: str, path: Path) -> None:

@@ -226,7 +226,7 @@ def _slices(text: str, slice_chars: int) -> Iterator[tuple[int, int]]:
 
 def _pieces(text: str, tokenizer, slice_chars: int) -> Iterator[int]:
     """Token ids of ``text`` without special tokens, tokenised in slices cut just before the last
-    whitespace ahead of a word: BERT-family pre-tokenizers split there anyway (a byte-level BPE
+    whitespace ahead of a word: WordPiece pre-tokenizers split there anyway (a byte-level BPE
     attaches the space to the following word, which the next slice then starts with), so the
     ids equal those of the whole text. Only a run of more than ``slice_chars`` characters without
     whitespace is cut inside (such a word is unknown to the vocabulary either way)."""

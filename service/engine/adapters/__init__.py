@@ -13,7 +13,11 @@ from headatlas.service.engine.adapters.base import (
     supported_families,
 )
 
+# the family of random:LAYERS,HEADS,HIDDEN, of the default model, and of a ModelInfo that names none
+ENCODER_FAMILY = bert.BertAdapter.family
+
 __all__ = [
+    "ENCODER_FAMILY",
     "ADAPTERS",
     "FAMILIES",
     "ModelAdapter",

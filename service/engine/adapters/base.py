@@ -124,6 +124,10 @@ class ModelAdapter(ABC):
             self.attention(block).register_forward_hook(take_probs),
         ]
 
+    def positions(self, config: Mapping[str, Any]) -> int:
+        """Usable token positions of one window, from a config.json dict (0: not stated)."""
+        return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+
     # --- windows -------------------------------------------------------------------------------
     def window_specials(self, tokenizer) -> tuple[int | None, int | None]:
         """(first, last) special token ids of a window: encoders ``([CLS], [SEP])``; decoders

@@ -6,7 +6,8 @@ layer (z, before W_O) and the probabilities together; W_O is ``attention.output.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +17,9 @@ from headatlas.service.errors import ModelError
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
     from transformers import PretrainedConfig
+
+# RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
 
 
 @register
@@ -31,6 +35,12 @@ class BertAdapter(ModelAdapter):
         "minilm": RandomShape("bert", 6, 12, 384),
         "tiny": RandomShape("bert", 2, 4, 32),
     }
+
+    def positions(self, config: Mapping[str, Any]) -> int:
+        positions = super().positions(config)
+        if positions and config.get("model_type") in OFFSET_POSITIONS:
+            positions -= int(config.get("pad_token_id") or 1) + 1
+        return positions
 
     def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         layers = getattr(getattr(model, "encoder", None), "layer", None)
