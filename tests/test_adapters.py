@@ -265,3 +265,32 @@ def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     assert torch.equal(expected, got)
     assert torch.equal(hidden, reference.model(ids).last_hidden_state)
     assert tok.decode(int(expected[0, -1].argmax())).strip() == "Paris"
+
+
+def test_the_documented_example_adapter_works(monkeypatch):
+    """docs/architecture.md's worked example (GPT-NeoX) registers, loads as random:neox and passes
+    the parity check: adding a family is that one module."""
+    import re
+    from pathlib import Path
+
+    from headatlas.service.engine import model as model_module
+    from headatlas.service.engine.adapters import ADAPTERS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = doc.split("## Adding a model family", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    before = dict(ADAPTERS), dict(FAMILIES)
+    namespace: dict = {}
+    try:
+        exec(compile(code.group(1), "docs/architecture.md", "exec"), namespace)  # noqa: S102  (our own docs)
+        adapter = FAMILIES["gpt_neox"]
+        monkeypatch.setitem(model_module.RANDOM_SHAPES, "neox", adapter.random_shapes["neox"])
+        neox = load_model("random:neox", device="cpu")
+        assert (neox.family, neox.causal, neox.n_heads) == ("gpt_neox", True, 4)
+        check_parity(neox)
+    finally:
+        ADAPTERS.clear()
+        ADAPTERS.update(before[0])
+        FAMILIES.clear()
+        FAMILIES.update(before[1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ ANCHOR_SUMS = ("anchor_frequent", "anchored_windows")  # from the anchors, after
 _CAUSAL_FEATURES = "causal" in inspect.signature(window_features).parameters
 
 
-def _causality(model: LoadedModel) -> dict[str, bool]:
+def _causality(model: LoadedModel) -> dict[str, Any]:
     return {"causal": model.causal} if _CAUSAL_FEATURES else {}
 
 

@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from headatlas.service.engine.adapters import ENCODER_FAMILY
 from headatlas.service.errors import ModelError
@@ -130,7 +131,9 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
     try:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, attn_implementation="eager")
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, attn_implementation="eager"
+            )
         except (OSError, ValueError, ImportError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(

@@ -14,7 +14,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -308,7 +308,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
 
 def _ready(
     adapter: ModelAdapter,
-    model: torch.nn.Module,
+    model: Any,
     *,
     spec: str,
     name: str,
@@ -320,9 +320,8 @@ def _ready(
 ) -> LoadedModel:
     adapter.ensure_eager(model)
     model.eval()
-    # weights stay float32; half precision is applied by autocast. The ignore: PreTrainedModel.to is
-    # decorated with functools.wraps, which typeshed's _Wrapped types as an unbound function
-    model.to(device=dev)  # type: ignore[call-arg]
+    # weights stay float32; half precision is applied by autocast
+    model.to(device=dev)
     shape = adapter.shape(model.config)
     tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
     return LoadedModel(
@@ -348,7 +347,7 @@ def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedMode
     """The floor for ``loaded``: the same architecture and config with freshly initialised
     weights (fixed ``seed``) and the same tokenizer, so it sees exactly the same windows."""
     adapter = loaded.adapter
-    config = copy.deepcopy(loaded.model.config)
+    config: Any = copy.deepcopy(loaded.model.config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)  # same model, same control: runs stay comparable
         model = adapter.from_config(config)

@@ -24,7 +24,7 @@ from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # emit(z, probs): z [batch, pos, head·d_head] before the output projection, probs [batch, head, pos, key]
 Emit = Callable[[torch.Tensor, torch.Tensor], None]
@@ -72,24 +72,24 @@ class ModelAdapter(ABC):
 
     # --- structure -------------------------------------------------------------------------------
     @abstractmethod
-    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def blocks(self, model: Any) -> list[torch.nn.Module]:
         """The transformer blocks of the *base* model (no language-modelling head), in order."""
 
     @abstractmethod
-    def attention(self, block: torch.nn.Module) -> torch.nn.Module:
+    def attention(self, block: Any) -> torch.nn.Module:
         """The block's attention module: under eager attention its forward returns
         ``(output, probs)`` with probs ``[batch, head, pos, key]``."""
 
     @abstractmethod
-    def output_projection(self, block: torch.nn.Module) -> torch.nn.Module:
+    def output_projection(self, block: Any) -> torch.nn.Module:
         """The module whose input is z ``[batch, pos, head·d_head]`` (W_O)."""
 
     @abstractmethod
-    def output_weight(self, block: torch.nn.Module) -> torch.Tensor:
+    def output_weight(self, block: Any) -> torch.Tensor:
         """W_O as ``[d_model, head·d_head]`` (nn.Linear's layout: ``out = z @ W_O.T``)."""
 
     @abstractmethod
-    def values(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def values(self, block: Any, x: torch.Tensor) -> torch.Tensor:
         """The value vectors of the attention's input ``x`` ``[batch, pos, d_model]`` (after any
         pre-norm: what the attention module receives), ``[batch, kv_head, pos, d_head]``; bias
         included. Rotary embeddings do not touch values."""
@@ -103,7 +103,7 @@ class ModelAdapter(ABC):
         return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
     # --- capture -------------------------------------------------------------------------------
-    def capture(self, block: torch.nn.Module, emit: Emit) -> list[RemovableHandle]:
+    def capture(self, block: Any, emit: Emit) -> list[RemovableHandle]:
         """Register hooks on ``block`` that call ``emit(z, probs)`` once per forward pass, as the
         attention module returns. Default: z from a forward pre-hook on the output projection (its
         input), probs from the attention module's output; the projection runs inside the attention
@@ -137,7 +137,7 @@ class ModelAdapter(ABC):
         return tokenizer.cls_token_id, tokenizer.sep_token_id
 
     # --- loading -------------------------------------------------------------------------------
-    def load(self, source: str, **kwargs: Any) -> torch.nn.Module:
+    def load(self, source: str, **kwargs: Any) -> PreTrainedModel:
         """The base transformer from a folder or hub name, with eager attention."""
         from transformers import AutoModel
 
@@ -147,14 +147,14 @@ class ModelAdapter(ABC):
     def random_config(self, shape: RandomShape, vocab_size: int) -> PretrainedConfig:
         """The config of a random-weights model of ``shape`` over a vocabulary of ``vocab_size``."""
 
-    def from_config(self, config: PretrainedConfig) -> torch.nn.Module:
+    def from_config(self, config: PretrainedConfig) -> PreTrainedModel:
         """A freshly initialised base model (the caller seeds the generator): random shapes and
         the control model (same config, new weights)."""
         from transformers import AutoModel
 
         return AutoModel.from_config(config, attn_implementation="eager")
 
-    def random_model(self, config: PretrainedConfig) -> torch.nn.Module:
+    def random_model(self, config: PretrainedConfig) -> PreTrainedModel:
         """A random-weights model of a ``random:`` shape (the caller seeds the generator)."""
         return self.from_config(config)
 
@@ -165,11 +165,11 @@ class ModelAdapter(ABC):
         """What a random model's weights key is the hash of."""
         return f"random {self.family} {shape.describe()} seed {seed}"
 
-    def ensure_eager(self, model: torch.nn.Module) -> None:
+    def ensure_eager(self, model: Any) -> None:
         """Switch a model that was loaded otherwise to eager attention (probs materialised)."""
         config = getattr(model, "config", None)
         if config is not None and getattr(config, "_attn_implementation", "eager") != "eager":
-            model.set_attn_implementation("eager")  # type: ignore[operator]
+            model.set_attn_implementation("eager")
 
 
 ADAPTERS: dict[str, ModelAdapter] = {}  # config.model_type -> adapter

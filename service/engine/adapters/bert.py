@@ -7,7 +7,7 @@ layer (z, before W_O) and the probabilities together; W_O is ``attention.output.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -16,7 +16,7 @@ from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
-    from transformers import PretrainedConfig
+    from transformers import BertConfig, PretrainedConfig, PreTrainedModel
 
 # RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
@@ -42,7 +42,7 @@ class BertAdapter(ModelAdapter):
             positions -= int(config.get("pad_token_id") or 1) + 1
         return positions
 
-    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def blocks(self, model: Any) -> list[torch.nn.Module]:
         layers = getattr(getattr(model, "encoder", None), "layer", None)
         if layers is None or not len(layers) or not hasattr(layers[0], "attention"):
             raise ModelError(
@@ -51,16 +51,16 @@ class BertAdapter(ModelAdapter):
             )
         return list(layers)
 
-    def attention(self, block: torch.nn.Module) -> torch.nn.Module:
+    def attention(self, block: Any) -> torch.nn.Module:
         return block.attention.self
 
-    def output_projection(self, block: torch.nn.Module) -> torch.nn.Module:
+    def output_projection(self, block: Any) -> torch.nn.Module:
         return block.attention.output.dense
 
-    def output_weight(self, block: torch.nn.Module) -> torch.Tensor:
+    def output_weight(self, block: Any) -> torch.Tensor:
         return block.attention.output.dense.weight
 
-    def values(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def values(self, block: Any, x: torch.Tensor) -> torch.Tensor:
         attn = block.attention.self
         batch, n_pos, _ = x.shape
         v = attn.value(x).view(batch, n_pos, attn.num_attention_heads, attn.attention_head_size)
@@ -70,7 +70,7 @@ class BertAdapter(ModelAdapter):
         heads, hidden = config.num_attention_heads, config.hidden_size
         return Shape(config.num_hidden_layers, heads, heads, hidden // heads, hidden)
 
-    def capture(self, block: torch.nn.Module, emit: Emit) -> list[RemovableHandle]:
+    def capture(self, block: Any, emit: Emit) -> list[RemovableHandle]:
         # one hook: the self-attention returns the context layer (z) and the probabilities together
         def hook(_module, _inputs, output):
             context, probs = output[0], output[1]
@@ -92,10 +92,10 @@ class BertAdapter(ModelAdapter):
             attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
         )
 
-    def random_model(self, config: PretrainedConfig) -> torch.nn.Module:
+    def random_model(self, config: PretrainedConfig) -> PreTrainedModel:
         from transformers import BertModel
 
-        return BertModel(config, add_pooling_layer=False)
+        return BertModel(cast("BertConfig", config), add_pooling_layer=False)
 
     def random_name(self, shape: RandomShape, seed: int) -> str:
         return f"random BERT {shape.layers}x{shape.heads}x{shape.hidden} (seed {seed})"

@@ -6,7 +6,7 @@ GPT-2's projections are ``Conv1D`` modules, whose weight is stored transposed ag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,22 +25,22 @@ class GPT2Adapter(ModelAdapter):
     causal = True
     random_shapes = {"gpt2": RandomShape("gpt2", 2, 4, 32)}
 
-    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def blocks(self, model: Any) -> list[torch.nn.Module]:
         layers = getattr(model, "h", None)
         if layers is None or not len(layers):
             raise ModelError(f"{type(model).__name__} is not a GPT-2 base model (expected h[i].attn); load AutoModel")
         return list(layers)
 
-    def attention(self, block: torch.nn.Module) -> torch.nn.Module:
+    def attention(self, block: Any) -> torch.nn.Module:
         return block.attn
 
-    def output_projection(self, block: torch.nn.Module) -> torch.nn.Module:
+    def output_projection(self, block: Any) -> torch.nn.Module:
         return block.attn.c_proj
 
-    def output_weight(self, block: torch.nn.Module) -> torch.Tensor:
+    def output_weight(self, block: Any) -> torch.Tensor:
         return block.attn.c_proj.weight.T  # Conv1D: [head·d_head, d_model] -> [d_model, head·d_head]
 
-    def values(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def values(self, block: Any, x: torch.Tensor) -> torch.Tensor:
         attn = block.attn
         batch, n_pos, _ = x.shape
         v = attn.c_attn(x).split(attn.split_size, dim=2)[2]

@@ -7,7 +7,7 @@ value head ``h // (H / H_kv)``. z is the input of ``self_attn.o_proj``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +26,7 @@ class LlamaAdapter(ModelAdapter):
     causal = True
     random_shapes = {"llama": RandomShape("llama", 2, 4, 32, kv_heads=2)}
 
-    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def blocks(self, model: Any) -> list[torch.nn.Module]:
         layers = getattr(model, "layers", None)
         if layers is None or not len(layers):
             raise ModelError(
@@ -35,16 +35,16 @@ class LlamaAdapter(ModelAdapter):
             )
         return list(layers)
 
-    def attention(self, block: torch.nn.Module) -> torch.nn.Module:
+    def attention(self, block: Any) -> torch.nn.Module:
         return block.self_attn
 
-    def output_projection(self, block: torch.nn.Module) -> torch.nn.Module:
+    def output_projection(self, block: Any) -> torch.nn.Module:
         return block.self_attn.o_proj
 
-    def output_weight(self, block: torch.nn.Module) -> torch.Tensor:
+    def output_weight(self, block: Any) -> torch.Tensor:
         return block.self_attn.o_proj.weight
 
-    def values(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def values(self, block: Any, x: torch.Tensor) -> torch.Tensor:
         attn = block.self_attn
         batch, n_pos, _ = x.shape
         return attn.v_proj(x).view(batch, n_pos, -1, attn.head_dim).transpose(1, 2)
