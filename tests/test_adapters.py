@@ -294,3 +294,17 @@ def test_the_documented_example_adapter_works(monkeypatch):
         ADAPTERS.update(before[0])
         FAMILIES.clear()
         FAMILIES.update(before[1])
+
+
+def test_a_decoder_analyses_end_to_end(tmp_path, small_corpus):
+    """random:llama through the Python API: every layer and head is stored, and windows are
+    [BOS] + up to seq_len - 1 tokens."""
+    import headatlas
+
+    run = headatlas.analyze(small_corpus, db=tmp_path / "d.duckdb", model="random:llama", device="cpu", seq_len=32)
+    atlas = headatlas.connect(tmp_path / "d.duckdb")
+    row = atlas.sql(f"SELECT model, n_layers, n_heads FROM runs WHERE run_id = {run.run_id}").to_pylist()[0]
+    assert row == {"model": "random:llama", "n_layers": 2, "n_heads": 4}
+    assert run.heads().num_rows == 2 * 4
+    longest = atlas.sql("SELECT max(n_tokens) AS n FROM windows").to_pylist()[0]["n"]  # the only run
+    assert longest == 32
