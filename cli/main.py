@@ -327,6 +327,17 @@ def _print_run_summary(store, run_id: int) -> None:
     )
 
 
+@app.command()
+def models(fmt: Format = FormatOpt) -> None:
+    """List what --model takes: the named models (installed, converted), the random shapes and the
+    supported model families."""
+    from headatlas.service.engine.catalog import model_catalog
+
+    rows = model_catalog()
+    columns = ["kind", "model", "family", "what", "state"]
+    render(columns, [tuple(r[c] for c in columns) for r in rows], fmt)
+
+
 # --- runs and queries ---------------------------------------------------------------------------
 @app.command()
 def runs(db: str = DbOpt, fmt: Format = FormatOpt) -> None:

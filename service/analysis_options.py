@@ -46,8 +46,8 @@ OPTIONS: tuple[Declared, ...] = (
         "model",
         str,
         Settings.default("model"),
-        "`default` (all-MiniLM-L6-v2), a model folder, a hub name, or random:bert-base / random:L,H,D "
-        "(queued runs: every worker loads the same).",
+        "`default` (all-MiniLM-L6-v2), a model folder, a hub name, a .gguf file, smollm2, or random:NAME / random:L,H,D "
+        "(`headatlas models` lists them; queued runs: every worker loads the same).",
         setting="model",
         param=False,
         short="-m",

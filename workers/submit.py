@@ -183,7 +183,7 @@ def batch_payloads(
     from headatlas.service.engine.runner import iter_batches
     from headatlas.service.engine.windows import TokenClasses
 
-    tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
+    tokens = TokenClasses.for_model(loaded)
     common = {
         "model": model,
         "dtype": dtype,

@@ -143,7 +143,7 @@ def _analyse(model, batch: dict) -> str:
 
     _check_files(model, batch)
     params = AnalysisParams.from_dict(batch["params"])
-    tokens = _state.setdefault(("tokens", model.tokenizer_key), TokenClasses.from_tokenizer(model.tokenizer))
+    tokens = _state.setdefault(("tokens", model.tokenizer_key, model.family), TokenClasses.for_model(model))
     windows = [Window.from_message(row) for row in batch["windows"]]
     # --attribution / --mixing cover the run's first attribution_windows windows, as embedded
     mixing = 0

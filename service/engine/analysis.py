@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from headatlas.service.engine.hooks import capture_attention
-from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import (
     CHANCE_SUMS,
     HEAD_SUMS,
@@ -104,16 +104,16 @@ def analyze_batch(
             group=torch.as_tensor(dense.reshape(-1), dtype=torch.long, device=input_ids.device),
             n_groups=len(reps),
             sentence=sentence,
-            causal=getattr(model, "causal", False),
+            causal=model.causal,
         )
         chance = chance_statistics(feats, seq_len=params.seq_len)
-    blocks = encoder_layers(model.model)
+    blocks = model.blocks
     per_layer: list[dict[str, torch.Tensor]] = []
 
     def summarise(layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
         # runs inside the forward pass, as each layer finishes; statistics in full precision
         with torch.autocast(model.device.type, enabled=False):
-            w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
+            w_o = model.adapter.output_weight(blocks[layer]) if params.vectors == "post_wo" else None
             z = head_vectors(context, model.n_heads, w_o)
             per_layer.append(
                 head_statistics(
@@ -160,7 +160,7 @@ def analyze_batch(
                 tokens,
                 include_special=params.include_special,
                 sentence=None if sentence is None else sentence[:mixed],
-                causal=getattr(model, "causal", False),
+                causal=model.causal,
             )
         mixing = mixing_sums(
             model,

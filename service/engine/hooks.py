@@ -1,4 +1,4 @@
-"""Scoped capture of per-layer activations.
+"""Scoped capture of per-layer activations, for every model family through its adapter.
 
 Every captured activation has one canonical name, built by ``act_name``:
 ``blocks.{layer}.attn.hook_z`` (head outputs, the context layer before W_O) and
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from headatlas.service.engine.model import encoder_layers
+from headatlas.service.engine.adapters import adapter_for
 
 KINDS = ("z", "pattern")
 
@@ -41,25 +41,24 @@ def capture_attention(
     Needs eager attention: under sdpa the probabilities are never materialised.
     """
     store: dict[str, torch.Tensor] = {}
+    adapter = adapter_for(model)
+    adapter.ensure_eager(model)
     handles = []
     try:
-        for layer, block in enumerate(encoder_layers(model)):
-            handles.append(block.attention.self.register_forward_hook(_hook(store, layer, on_layer)))
+        for layer, block in enumerate(adapter.blocks(model)):
+            handles += adapter.capture(block, _emit(store, layer, on_layer))
         yield store
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _hook(store: dict[str, torch.Tensor], layer: int, on_layer: LayerCallback | None):
-    def hook(_module, _inputs, output):
-        context, probs = output[0], output[1]
-        if probs is None:
-            raise RuntimeError("attention probabilities were not returned; load the model with eager attention")
+def _emit(store: dict[str, torch.Tensor], layer: int, on_layer: LayerCallback | None):
+    def emit(context: torch.Tensor, probs: torch.Tensor) -> None:
         if on_layer is not None:
             on_layer(layer, context, probs)
             return
         store[act_name("z", layer)] = context
         store[act_name("pattern", layer)] = probs
 
-    return hook
+    return emit

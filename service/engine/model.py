@@ -1,4 +1,5 @@
-"""Model loading: the default MiniLM, a local folder, a hub name, or a random config.
+"""Model loading: a named model (`default`, `smollm2`), a local folder, a GGUF file, a hub name,
+or a random config — through the adapter of its family (service/engine/adapters/).
 
 Loaded with eager attention so that the attention probabilities exist as tensors the hooks can
 capture (under sdpa they are never materialised). ``load_model_info`` gives what submitting
@@ -11,29 +12,32 @@ import contextlib
 import copy
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from headatlas.service.engine.adapters import (
+    ENCODER_FAMILY,
+    ModelAdapter,
+    RandomShape,
+    adapter_by_family,
+    adapter_for,
+    random_shapes,
+)
+from headatlas.service.engine.catalog import NAMED_MODELS, resolve_named
 from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-    from transformers.models.bert.modeling_bert import BertLayer
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "default"
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-RANDOM_SHAPES = {
-    # name: (layers, heads, hidden)
-    "bert-base": (12, 12, 768),
-    "bert-large": (24, 16, 1024),
-    "minilm": (6, 12, 384),
-    "tiny": (2, 4, 32),
-}
+DEFAULT_MODEL_NAME = NAMED_MODELS[DEFAULT_MODEL].title
+RANDOM_SHAPES = random_shapes()  # random:NAME, every family's
+RANDOM_FAMILY = ENCODER_FAMILY  # random:LAYERS,HEADS,HIDDEN
 RANDOM_SEED = 0
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json", ".gguf")
 SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its identity (1 MiB)
 
 
@@ -51,13 +55,27 @@ class ModelInfo:
     d_model: int
     tokenizer_key: str  # stable fingerprint of the vocabulary
     weights_key: str  # identity of the weight files (weights_fingerprint)
+    family: str = field(default=ENCODER_FAMILY, kw_only=True)  # the adapter's family
+    causal: bool = field(default=False, kw_only=True)  # decoder (causal) attention
+    n_kv_heads: int = field(default=0, kw_only=True)  # key-value heads; 0: as many as n_heads
+
+    def __post_init__(self) -> None:
+        if not self.n_kv_heads:
+            self.n_kv_heads = self.n_heads
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        return adapter_by_family(self.family)
 
     def describe(self) -> dict:
         return {
             "spec": self.spec,
             "name": self.name,
+            "family": self.family,
+            "causal": self.causal,
             "layers": self.n_layers,
             "heads": self.n_heads,
+            "kv_heads": self.n_kv_heads,
             "d_head": self.d_head,
             "d_model": self.d_model,
             "tokenizer": self.tokenizer_key,
@@ -79,6 +97,10 @@ class LoadedModel(ModelInfo):
         if self.dtype not in (torch.bfloat16, torch.float16):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        return self.adapter.blocks(self.model)
 
 
 def default_model_dir() -> Path:
@@ -108,7 +130,8 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def parse_random_shape(spec: str) -> tuple[int, int, int]:
+def parse_random_shape(spec: str) -> RandomShape:
+    """``random:NAME`` (a named shape of any family) or ``random:LAYERS,HEADS,HIDDEN`` (an encoder)."""
     body = spec.split(":", 1)[1].strip()
     if body in RANDOM_SHAPES:
         return RANDOM_SHAPES[body]
@@ -120,26 +143,32 @@ def parse_random_shape(spec: str) -> tuple[int, int, int]:
         ) from None
     if min(layers, heads, hidden) < 1 or hidden % heads:
         raise ModelError(f"--model {spec!r}: HIDDEN must be a positive multiple of HEADS")
-    return layers, heads, hidden
+    return RandomShape(RANDOM_FAMILY, layers, heads, hidden)
 
 
-def _source(spec: str) -> tuple[str, str]:
-    """(human-readable name, what from_pretrained is given) of a non-random spec."""
-    path = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
-    if spec == DEFAULT_MODEL:
-        return DEFAULT_MODEL_NAME, str(path)
+def _source(spec: str) -> tuple[str, str, Path | None]:
+    """(human-readable name, what from_pretrained is given, the weights' file or folder when it is
+    not the source's folder) of a non-random spec."""
+    named = resolve_named(spec)
+    if named is not None:
+        name, source, weights = named
+        return name, source, weights
+    path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelError(
                 f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
                 "(config.json, weights, tokenizer files)"
             )
-        return str(path.resolve()), str(path.resolve())
+        return str(path.resolve()), str(path.resolve()), None
     if looks_like_path(spec):
         raise ModelError(
-            f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base"
+            f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:{_EXAMPLE_RANDOM}"
         )
-    return spec, spec  # a hub name: works where there is internet or a cache
+    return spec, spec, None  # a hub name: works where there is internet or a cache
+
+
+_EXAMPLE_RANDOM = "minilm"  # the shape error messages suggest
 
 
 @contextlib.contextmanager
@@ -149,12 +178,25 @@ def _loading(spec: str):
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(
-            f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or random:bert-base"
+            f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or "
+            f"random:{_EXAMPLE_RANDOM}"
         ) from None
 
 
-def _random_weights_key(shape: tuple[int, int, int]) -> str:
-    return hashlib.sha256(f"random {shape} seed {RANDOM_SEED}".encode()).hexdigest()[:16]
+def _random_weights_key(adapter: ModelAdapter, shape: RandomShape) -> str:
+    return hashlib.sha256(adapter.random_key(shape, RANDOM_SEED).encode()).hexdigest()[:16]
+
+
+def _random_tokenizer(adapter: ModelAdapter):
+    """Random models read the default model's tokenizer. It has no BOS: a random decoder's windows
+    start with its [CLS] instead, so that they have the first position (the sink) a real decoder's
+    windows have (SPEC §8)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    if adapter.causal and tokenizer.bos_token_id is None:
+        tokenizer.bos_token = tokenizer.cls_token
+    return tokenizer
 
 
 def load_model_info(spec: str = DEFAULT_MODEL) -> ModelInfo:
@@ -163,36 +205,33 @@ def load_model_info(spec: str = DEFAULT_MODEL) -> ModelInfo:
     from transformers import AutoConfig, AutoTokenizer
 
     if spec.startswith("random:"):
-        layers, heads, hidden = parse_random_shape(spec)
-        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-        name, weights = (
-            f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})",
-            _random_weights_key((layers, heads, hidden)),
-        )
+        random = parse_random_shape(spec)
+        adapter = adapter_by_family(random.family)
+        tokenizer = _random_tokenizer(adapter)
+        shape = adapter.shape(adapter.random_config(random, tokenizer.vocab_size))
+        name, weights = adapter.random_name(random, RANDOM_SEED), _random_weights_key(adapter, random)
     else:
-        name, source = _source(spec)
+        name, source, weights_at = _source(spec)
         with _loading(spec):
             tokenizer = AutoTokenizer.from_pretrained(source)
             config = AutoConfig.from_pretrained(source)
-        try:
-            layers, heads, hidden = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
-        except AttributeError:
-            raise ModelError(
-                f"--model {spec}: {type(config).__name__} is not a BERT-family encoder config; use a BERT, "
-                "RoBERTa, ELECTRA or MiniLM model"
-            ) from None
-        weights = weights_fingerprint(_weights_folder(source), spec)
+        adapter = adapter_for(config, spec)
+        shape = adapter.shape(config)
+        weights = weights_fingerprint(weights_at or _weights_folder(source), spec)
     tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
     return ModelInfo(
         spec=spec,
         name=name,
         tokenizer=tokenizer,
-        n_layers=layers,
-        n_heads=heads,
-        d_head=hidden // heads,
-        d_model=hidden,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        d_head=shape.d_head,
+        d_model=shape.d_model,
         tokenizer_key=tokenizer_fingerprint(tokenizer),
         weights_key=weights,
+        family=adapter.family,
+        causal=adapter.causal,
+        n_kv_heads=shape.n_kv_heads,
     )
 
 
@@ -210,10 +249,14 @@ def _weights_folder(source: str) -> Path:
 
 
 def weights_fingerprint(folder: Path, spec: str = "") -> str:
-    """Identity of a folder's weight files without loading them: each file's name and size, a
-    safetensors file's header (tensor names, dtypes, shapes, metadata), and SAMPLES blocks read
-    at even offsets — a fine-tuned checkpoint has the same header, not the same bytes."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    """Identity of a folder's weight files (or of one weights file, e.g. a GGUF file) without
+    loading them: each file's name and size, a safetensors file's header (tensor names, dtypes,
+    shapes, metadata), and SAMPLES blocks read at even offsets — a fine-tuned checkpoint has the
+    same header, not the same bytes."""
+    if folder.is_file():
+        files = [folder]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not files:
         raise ModelError(
             f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
@@ -236,103 +279,99 @@ def weights_fingerprint(folder: Path, spec: str = "") -> str:
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "float32") -> LoadedModel:
-    """Load a BERT-family encoder with eager attention, in eval mode, on ``device``."""
-    from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+    """Load a model's base transformer through its family's adapter, with eager attention, in
+    eval mode, on ``device``."""
+    from transformers import AutoConfig, AutoTokenizer
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
     if spec.startswith("random:"):
-        layers, heads, hidden = parse_random_shape(spec)
-        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-        config = BertConfig(
-            vocab_size=tokenizer.vocab_size,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            hidden_size=hidden,
-            intermediate_size=4 * hidden,
-            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
-        )
+        random = parse_random_shape(spec)
+        adapter = adapter_by_family(random.family)
+        tokenizer = _random_tokenizer(adapter)
+        config = adapter.random_config(random, tokenizer.vocab_size)
         with torch.random.fork_rng():
             torch.manual_seed(RANDOM_SEED)  # same spec, same weights: runs stay comparable
-            model = BertModel(config, add_pooling_layer=False)
-        name = f"random BERT {layers}x{heads}x{hidden} (seed {RANDOM_SEED})"
-        weights = _random_weights_key((layers, heads, hidden))
+            model = adapter.random_model(config)
+        name, weights = adapter.random_name(random, RANDOM_SEED), _random_weights_key(adapter, random)
     else:
-        name, source = _source(spec)
+        name, source, weights_at = _source(spec)
         with _loading(spec):
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModel.from_pretrained(source, attn_implementation="eager")
-        weights = weights_fingerprint(_weights_folder(source), spec)
+            adapter = adapter_for(AutoConfig.from_pretrained(source), spec)
+            model = adapter.load(source)
+        weights = weights_fingerprint(weights_at or _weights_folder(source), spec)
+    return _ready(
+        adapter, model, spec=spec, name=name, tokenizer=tokenizer, weights=weights, dev=dev, dtype=torch_dtype
+    )
+
+
+def _ready(
+    adapter: ModelAdapter,
+    model: Any,
+    *,
+    spec: str,
+    name: str,
+    tokenizer,
+    weights: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    tokenizer_key: str | None = None,
+) -> LoadedModel:
+    adapter.ensure_eager(model)
     model.eval()
-    # weights stay float32; half precision is applied by autocast. The ignore: PreTrainedModel.to is
-    # decorated with functools.wraps, which typeshed's _Wrapped types as an unbound function
-    model.to(device=dev)  # type: ignore[call-arg]
-    layers_list = encoder_layers(model, spec)
-    attn = layers_list[0].attention.self
-    n_heads = attn.num_attention_heads
-    d_head = attn.attention_head_size
+    # weights stay float32; half precision is applied by autocast
+    model.to(device=dev)
+    shape = adapter.shape(model.config)
     tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
     return LoadedModel(
         spec=spec,
         name=name,
         model=model,
         tokenizer=tokenizer,
-        n_layers=len(layers_list),
-        n_heads=n_heads,
-        d_head=d_head,
-        d_model=model.config.hidden_size,
+        n_layers=len(adapter.blocks(model)),
+        n_heads=shape.n_heads,
+        d_head=shape.d_head,
+        d_model=shape.d_model,
         device=dev,
-        dtype=torch_dtype,
-        tokenizer_key=tokenizer_fingerprint(tokenizer),
+        dtype=dtype,
+        tokenizer_key=tokenizer_key or tokenizer_fingerprint(tokenizer),
         weights_key=weights,
+        family=adapter.family,
+        causal=adapter.causal,
+        n_kv_heads=shape.n_kv_heads,
     )
 
 
 def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedModel:
     """The floor for ``loaded``: the same architecture and config with freshly initialised
     weights (fixed ``seed``) and the same tokenizer, so it sees exactly the same windows."""
-    from transformers import AutoModel
-
-    config = copy.deepcopy(loaded.model.config)
+    adapter = loaded.adapter
+    config: Any = copy.deepcopy(loaded.model.config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)  # same model, same control: runs stay comparable
-        model = AutoModel.from_config(config, attn_implementation="eager")
-    model.eval()
-    model.to(device=loaded.device)
-    layers_list = encoder_layers(model, loaded.spec)
-    attn = layers_list[0].attention.self
-    return LoadedModel(
+        model = adapter.from_config(config)
+    shape = adapter.shape(config)
+    return _ready(
+        adapter,
+        model,
         spec=f"control:{loaded.spec}",
-        name=f"random init of {loaded.name} ({len(layers_list)}x{attn.num_attention_heads}x"
-        f"{model.config.hidden_size}, seed {seed})",
-        model=model,
+        name=f"random init of {loaded.name} ({shape.n_layers}x{shape.n_heads}x{shape.d_model}, seed {seed})",
         tokenizer=loaded.tokenizer,
-        n_layers=len(layers_list),
-        n_heads=attn.num_attention_heads,
-        d_head=attn.attention_head_size,
-        d_model=model.config.hidden_size,
-        device=loaded.device,
-        dtype=loaded.dtype,
         tokenizer_key=loaded.tokenizer_key,
         # the control's weights are a function of the parent's config and the seed
-        weights_key=hashlib.sha256(f"control of {loaded.weights_key} seed {seed}".encode()).hexdigest()[:16],
+        weights=hashlib.sha256(f"control of {loaded.weights_key} seed {seed}".encode()).hexdigest()[:16],
+        dev=loaded.device,
+        dtype=loaded.dtype,
     )
 
 
-def encoder_layers(model: torch.nn.Module, spec: str = "") -> list[BertLayer]:
-    """The transformer blocks, for BERT-style encoders (``encoder.layer[i].attention.self``).
-
-    Typed as BERT's layer: RoBERTa, ELECTRA and MiniLM blocks have the same modules under the
-    same names (checked loosely below), which is all the callers rely on."""
-    layers = getattr(getattr(model, "encoder", None), "layer", None)
-    if layers is None or not len(layers) or not hasattr(layers[0], "attention"):
-        raise ModelError(
-            f"--model {spec}: {type(model).__name__} is not a BERT-family encoder "
-            "(expected encoder.layer[i].attention.self); use a BERT, RoBERTa, ELECTRA or MiniLM model"
-        )
-    if getattr(model.config, "_attn_implementation", "eager") != "eager":
-        cast("PreTrainedModel", model).set_attn_implementation("eager")
-    return cast("list[BertLayer]", list(layers))
+def model_blocks(model: torch.nn.Module, spec: str = "") -> list[torch.nn.Module]:
+    """The transformer blocks of a loaded base model, through its family's adapter (eager
+    attention switched on where it was not)."""
+    adapter = adapter_for(model, spec)
+    adapter.ensure_eager(model)
+    return adapter.blocks(model)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -367,3 +406,7 @@ def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) 
     per_window += element * seq_len * model.d_model * 16
     size = max(1, int(free * 0.6 // per_window))
     return min(4096, 1 << (size.bit_length() - 1))
+
+
+# the blocks of a loaded base model, under the name the attribution and mixing measures import
+encoder_layers = model_blocks

@@ -26,8 +26,6 @@ WEIGHT_FILES = (
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
 )
-# RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
 BYTES_PER_PARAM = 4  # weights stay float32 (half precision is autocast)
 HEADROOM = 1.25  # activations, the allocator, the tokenizer
 DEFAULT_VOCAB = 30522  # random: models use the default model's tokenizer
@@ -63,11 +61,14 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
     "total" (a worker elsewhere loads it: the model must at least fit in this machine's memory).
     Returns the shape read from the configuration, or None for a hub name (checked after loading).
     """
+    from headatlas.service.engine.catalog import NAMED_MODELS, is_gguf
     from headatlas.service.engine.model import DEFAULT_MODEL, default_model_dir, looks_like_path, parse_random_shape
 
     if spec.startswith("random:"):
-        layers, _heads, hidden = parse_random_shape(spec)
-        shape = ModelShape(layers, hidden, 4 * hidden, DEFAULT_VOCAB, DEFAULT_POSITIONS)
+        random = parse_random_shape(spec)
+        shape = ModelShape(random.layers, random.hidden, 4 * random.hidden, DEFAULT_VOCAB, DEFAULT_POSITIONS)
+    elif spec != DEFAULT_MODEL and (spec in NAMED_MODELS or is_gguf(spec)):
+        return None  # a GGUF file (converted on first load): checked once loaded
     else:
         folder = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
         if folder.exists() and not folder.is_dir():
@@ -77,7 +78,7 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
         if not folder.exists():
             if looks_like_path(spec):
                 raise ModelError(
-                    f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:bert-base"
+                    f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:minilm"
                 )
             return None  # a hub name: checked once loaded
         shape = _folder_shape(spec, folder)
@@ -105,7 +106,7 @@ def check_fits(spec: str, shape: ModelShape, *, memory: str = "available", devic
     if have is not None and need > have:
         raise ModelError(
             f"--model {spec}: {shape.parameters():,} parameters need about {_gib(need)} of memory, "
-            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:bert-base)"
+            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:minilm)"
         )
 
 
@@ -167,27 +168,44 @@ def _folder_shape(spec: str, folder: Path) -> ModelShape:
         )
     if weights[0].name == "model.safetensors":
         check_safetensors(spec, weights[0])
+    if "model_type" in config:
+        from headatlas.service.engine.adapters import adapter_for
+
+        adapter_for(config, spec)  # an architecture without an adapter: the supported families
     try:
+        hidden = int(_first(config, "hidden_size", "n_embd"))
         return ModelShape(
-            layers=int(config["num_hidden_layers"]),
-            hidden=int(config["hidden_size"]),
-            intermediate=int(config.get("intermediate_size", 4 * int(config["hidden_size"]))),
+            layers=int(_first(config, "num_hidden_layers", "n_layer")),
+            hidden=hidden,
+            intermediate=int(config.get("intermediate_size") or config.get("n_inner") or 4 * hidden),
             vocab=int(config.get("vocab_size", DEFAULT_VOCAB)),
             positions=_positions(config),
             type_vocab=int(config.get("type_vocab_size", 2) or 1),
         )
     except (KeyError, TypeError, ValueError) as exc:
+        from headatlas.service.engine.adapters import supported_families
+
         raise ModelError(
-            f"--model {spec}: {config_path} lacks a usable {exc} for a BERT-family encoder; "
-            "use a BERT, RoBERTa, ELECTRA or MiniLM model"
+            f"--model {spec}: {config_path} lacks a usable {exc}; use a model of a supported family: "
+            f"{supported_families()}"
         ) from None
 
 
+def _first(config: dict, *keys: str):
+    """The first of ``keys`` present in a config.json (families name the same field differently)."""
+    for key in keys:
+        if key in config:
+            return config[key]
+    raise KeyError(keys[0])
+
+
 def _positions(config: dict) -> int:
-    positions = int(config.get("max_position_embeddings") or DEFAULT_POSITIONS)
-    if config.get("model_type") in OFFSET_POSITIONS:
-        positions -= int(config.get("pad_token_id") or 1) + 1
-    return positions
+    """Usable positions of a window (the family's adapter knows offsets); without a model_type, as
+    an encoder's config."""
+    from headatlas.service.engine.adapters import ADAPTERS, ENCODER_FAMILY, adapter_by_family
+
+    adapter = ADAPTERS.get(str(config.get("model_type")), adapter_by_family(ENCODER_FAMILY))
+    return adapter.positions(config) or DEFAULT_POSITIONS
 
 
 def check_safetensors(spec: str, path: Path) -> None:

@@ -148,7 +148,9 @@ def attention_maps(model: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
 def run_probe(model: LoadedModel, spec: ProbeSpec = ProbeSpec()) -> dict[str, torch.Tensor]:
     """The probe on a loaded model: ``SCORES`` -> ``[layer, head]`` float64 on the CPU."""
     config = getattr(model.model, "config", None)
-    layout = ProbeLayout.from_tokenizer(model.tokenizer, causal=bool(getattr(model, "causal", False)))
+    # the first and last specials of the model's own windows, as its adapter lays them out
+    first, last = model.adapter.window_specials(model.tokenizer)
+    layout = ProbeLayout(first=first, last=last)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and layout.width(spec.length) > limit:
         raise ParameterError(

@@ -172,7 +172,7 @@ def analyze_corpus(
         add_probe(store, run, model, probe)
     if run.status == "done":
         return run
-    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    tokens = TokenClasses.for_model(model)
     skip = store.done_window_ids(run.run_id)
     batch_id = store.next_batch_id(run.run_id)
     # the first --attribution-windows windows get the mixing measures (counted across resumes)

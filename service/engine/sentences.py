@@ -55,9 +55,10 @@ def encode_with_sentences(tokenizer, text: str) -> tuple[list[int], list[int]]:
     return list(encoded["input_ids"]), piece_sentences(text, encoded["offset_mapping"])
 
 
-def window_sentence_ids(sentences: Sequence[int]) -> tuple[int, ...]:
+def window_sentence_ids(sentences: Sequence[int], *, opened: bool = True, closed: bool = True) -> tuple[int, ...]:
     """Sentence ids of one window's pieces, renumbered from 0 (ids compare only within a window),
-    with -1 for the [CLS] before and the [SEP] after them. A piece given -1 (a special token
-    such as [UNK] inside the text) keeps it."""
+    with -1 for the special before them (``opened``: [CLS], a decoder's BOS) and the one after them
+    (``closed``: [SEP]). A piece given -1 (a special token such as [UNK] inside the text) keeps it."""
     first = next((s for s in sentences if s >= 0), 0)
-    return (-1, *(s - first if s >= 0 else -1 for s in sentences), -1)
+    body = tuple(s - first if s >= 0 else -1 for s in sentences)
+    return (-1,) * opened + body + (-1,) * closed

@@ -1,6 +1,8 @@
 """Documents → windows → batches (SPEC §1).
 
-A window is ``[CLS] + up to seq_len-2 word pieces + [SEP]``. Window ids are content-addressed
+An encoder's window is ``[CLS] + up to seq_len-2 word pieces + [SEP]``; a decoder's is ``[BOS] + up
+to seq_len-1 tokens`` (no BOS where the tokenizer has none), with no closing special (SPEC §8): the
+model's adapter names the two specials (``TokenClasses.for_model``). Window ids are content-addressed
 (document id, window index, tokenizer, seq_len, windowing) so that resuming a run or delivering a
 batch twice can be recognised.
 """
@@ -21,6 +23,9 @@ from headatlas.service.params import AnalysisParams
 
 if TYPE_CHECKING:
     from headatlas.service.engine.corpus import Document
+    from headatlas.service.engine.model import ModelInfo
+
+NO_TOKEN = -1  # an absent special (a decoder's closing one, a BOS the tokenizer lacks): matches no id
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,10 @@ class Window:
 
 @dataclass(frozen=True)
 class TokenClasses:
-    """Token ids that the statistics treat specially, read once from the tokenizer."""
+    """Token ids that the statistics treat specially, read once from the tokenizer.
+
+    ``cls_id`` and ``sep_id`` are a window's first and last special tokens: ``[CLS]`` and ``[SEP]``
+    for an encoder; a decoder's BOS and NO_TOKEN (SPEC §8), NO_TOKEN where there is none."""
 
     cls_id: int
     sep_id: int
@@ -66,8 +74,33 @@ class TokenClasses:
         default_factory=lambda: torch.zeros(0, dtype=torch.bool), compare=False, hash=False, repr=False
     )
 
+    @property
+    def first_id(self) -> int | None:
+        """The special token that opens each window, if any."""
+        return None if self.cls_id == NO_TOKEN else self.cls_id
+
+    @property
+    def last_id(self) -> int | None:
+        """The special token that closes each window, if any."""
+        return None if self.sep_id == NO_TOKEN else self.sep_id
+
+    @property
+    def layout(self) -> str:
+        """The window layout, for window ids: empty for the encoder's ``[CLS] … [SEP]`` (the ids of
+        earlier runs), else the two specials."""
+        if self.first_id is not None and self.last_id is not None:
+            return ""
+        return f"first={self.first_id} last={self.last_id}"
+
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> TokenClasses:
+    def for_model(cls, model: ModelInfo) -> TokenClasses:
+        """The token classes of ``model``'s windows: its adapter names the first and last specials."""
+        return cls.from_tokenizer(model.tokenizer, specials=model.adapter.window_specials(model.tokenizer))
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, *, specials: tuple[int | None, int | None] | None = None) -> TokenClasses:
+        """``specials``: (first, last) special ids of a window; default the encoder's ``[CLS]``, ``[SEP]``."""
+
         def ids(tokens: Iterable[str]) -> frozenset[int]:
             out = set()
             unk = tokenizer.unk_token_id
@@ -77,9 +110,10 @@ class TokenClasses:
                     out.add(idx)
             return frozenset(out)
 
+        first, last = (tokenizer.cls_token_id, tokenizer.sep_token_id) if specials is None else specials
         return cls(
-            cls_id=tokenizer.cls_token_id,
-            sep_id=tokenizer.sep_token_id,
+            cls_id=NO_TOKEN if first is None else first,
+            sep_id=NO_TOKEN if last is None else last,
             pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
             special_ids=frozenset(tokenizer.all_special_ids),
             sentence_end_ids=ids([".", "!", "?", "Ġ.", "Ġ!", "Ġ?", "▁.", "▁!", "▁?"]),
@@ -113,9 +147,11 @@ def word_token_mask(tokenizer) -> torch.Tensor:
     return mask
 
 
-def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisParams) -> str:
-    blob = f"{doc_id}|{index}|{tokenizer_key}|{params.seq_len}|{params.windowing}".encode()
-    return hashlib.sha256(blob).hexdigest()[:24]
+def window_key(doc_id: str, index: int, tokenizer_key: str, params: AnalysisParams, layout: str = "") -> str:
+    blob = f"{doc_id}|{index}|{tokenizer_key}|{params.seq_len}|{params.windowing}"
+    if layout:  # a decoder's windows: not the encoder's window of the same text
+        blob += f"|{layout}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 # A document is tokenised this many characters at a time: a fast tokenizer's output for a 20 MB
@@ -140,7 +176,7 @@ def iter_document_windows(
 ) -> Iterator[Window]:
     """The document's windows in order, tokenised slice by slice (memory follows a slice, not
     the document). Under ``--sentences segmenter`` each piece carries its sentence index."""
-    body = params.seq_len - 2
+    body = params.seq_len - (tokens.first_id is not None) - (tokens.last_id is not None)
     if params.sentences == "segmenter":
         items: Iterable[tuple[int, int]] = _pieces_with_sentences(doc.text, tokenizer, tokens, slice_chars)
     else:
@@ -162,14 +198,22 @@ def _window(
     doc, k: int, chunk: list[tuple[int, int]], tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams
 ) -> Window:
     pieces = [piece for piece, _ in chunk]
-    sentences = window_sentence_ids([s for _, s in chunk]) if params.sentences == "segmenter" else None
+    sentences = None
+    if params.sentences == "segmenter":
+        sentences = window_sentence_ids(
+            [s for _, s in chunk], opened=tokens.first_id is not None, closed=tokens.last_id is not None
+        )
     return Window(
-        window_id=window_key(doc.doc_id, k, tokenizer_key, params),
+        window_id=window_key(doc.doc_id, k, tokenizer_key, params, tokens.layout),
         doc_id=doc.doc_id,
         index=k,
-        input_ids=(tokens.cls_id, *pieces, tokens.sep_id),
+        input_ids=(*_one(tokens.first_id), *pieces, *_one(tokens.last_id)),
         sentence_ids=sentences,
     )
+
+
+def _one(token: int | None) -> tuple[int, ...]:
+    return () if token is None else (token,)
 
 
 def _slices(text: str, slice_chars: int) -> Iterator[tuple[int, int]]:
@@ -182,7 +226,7 @@ def _slices(text: str, slice_chars: int) -> Iterator[tuple[int, int]]:
 
 def _pieces(text: str, tokenizer, slice_chars: int) -> Iterator[int]:
     """Token ids of ``text`` without special tokens, tokenised in slices cut just before the last
-    whitespace ahead of a word: BERT-family pre-tokenizers split there anyway (a byte-level BPE
+    whitespace ahead of a word: WordPiece pre-tokenizers split there anyway (a byte-level BPE
     attaches the space to the following word, which the next slice then starts with), so the
     ids equal those of the whole text. Only a run of more than ``slice_chars`` characters without
     whitespace is cut inside (such a word is unknown to the vocabulary either way)."""

@@ -20,7 +20,7 @@ import torch
 from headatlas.service.engine.analysis import batch_sentences, forward
 from headatlas.service.engine.corpus import Document, document_id
 from headatlas.service.engine.hooks import act_name
-from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.stats import head_vectors, select_pairs, window_features
 from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.errors import CorpusError
@@ -63,7 +63,7 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
     text = text.strip()
     if not text:
         raise CorpusError("inspect: the text is empty; pass some text or --file FILE")
-    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    tokens = TokenClasses.for_model(model)
     doc = Document(doc_id=document_id(text), source="<inspect>", index=0, line=1, text=text)
     # chunks, so that a second window tells us the text was cut
     windows = document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, replace(params, windowing="chunks"))
@@ -71,7 +71,7 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
         raise CorpusError("inspect: the text has no word pieces; pass some words")
     batch = collate(windows[:1], tokens.pad_id)
     acts = forward(model, batch)
-    blocks = encoder_layers(model.model)
+    blocks = model.blocks
     with torch.inference_mode():
         input_ids = batch.input_ids.to(model.device)
         feats = window_features(
@@ -84,7 +84,7 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
         sentence = feats.sentence  # the ids the stored statistics count with
         csm, attention, high = [], [], []
         for layer in range(model.n_layers):
-            w_o = blocks[layer].attention.output.dense.weight if params.vectors == "post_wo" else None
+            w_o = model.adapter.output_weight(blocks[layer]) if params.vectors == "post_wo" else None
             z = head_vectors(acts[act_name("z", layer)], model.n_heads, w_o).float()  # [batch, head, pos, d]
             sim = torch.matmul(z, z.transpose(2, 3))  # [batch, head, pos, key]
             sim.diagonal(dim1=2, dim2=3).zero_()  # C_ii = 0 (SPEC §2)

@@ -1,0 +1,104 @@
+"""BERT-family encoders: BERT, RoBERTa, ELECTRA, MiniLM (and RoBERTa's kin XLM-R, CamemBERT).
+
+Post-norm blocks ``encoder.layer[i]`` whose self-attention (``attention.self``) returns the context
+layer (z, before W_O) and the probabilities together; W_O is ``attention.output.dense``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from headatlas.service.engine.adapters.base import Emit, ModelAdapter, RandomShape, Shape, register
+from headatlas.service.errors import ModelError
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from transformers import BertConfig, PretrainedConfig, PreTrainedModel
+
+# RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
+
+
+@register
+class BertAdapter(ModelAdapter):
+    family = "bert"
+    title = "BERT-family encoders: BERT, RoBERTa, ELECTRA, MiniLM"
+    model_types = ("bert", "roberta", "electra", "xlm-roberta", "camembert")
+    causal = False
+    random_shapes = {
+        # name: (layers, heads, hidden)
+        "bert-base": RandomShape("bert", 12, 12, 768),
+        "bert-large": RandomShape("bert", 24, 16, 1024),
+        "minilm": RandomShape("bert", 6, 12, 384),
+        "tiny": RandomShape("bert", 2, 4, 32),
+    }
+
+    def positions(self, config: Mapping[str, Any]) -> int:
+        positions = super().positions(config)
+        if positions and config.get("model_type") in OFFSET_POSITIONS:
+            positions -= int(config.get("pad_token_id") or 1) + 1
+        return positions
+
+    def blocks(self, model: Any) -> list[torch.nn.Module]:
+        layers = getattr(getattr(model, "encoder", None), "layer", None)
+        if layers is None or not len(layers) or not hasattr(layers[0], "attention"):
+            raise ModelError(
+                f"{type(model).__name__} is not a BERT-family encoder (expected encoder.layer[i].attention.self); "
+                "load its base model (AutoModel)"
+            )
+        return list(layers)
+
+    def attention(self, block: Any) -> torch.nn.Module:
+        return block.attention.self
+
+    def output_projection(self, block: Any) -> torch.nn.Module:
+        return block.attention.output.dense
+
+    def output_weight(self, block: Any) -> torch.Tensor:
+        return block.attention.output.dense.weight
+
+    def values(self, block: Any, x: torch.Tensor) -> torch.Tensor:
+        attn = block.attention.self
+        batch, n_pos, _ = x.shape
+        v = attn.value(x).view(batch, n_pos, attn.num_attention_heads, attn.attention_head_size)
+        return v.transpose(1, 2)
+
+    def shape(self, config: PretrainedConfig) -> Shape:
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        return Shape(config.num_hidden_layers, heads, heads, hidden // heads, hidden)
+
+    def capture(self, block: Any, emit: Emit) -> list[RemovableHandle]:
+        # one hook: the self-attention returns the context layer (z) and the probabilities together
+        def hook(_module, _inputs, output):
+            context, probs = output[0], output[1]
+            if probs is None:
+                raise RuntimeError("attention probabilities were not returned; load the model with eager attention")
+            emit(context, probs)
+
+        return [block.attention.self.register_forward_hook(hook)]
+
+    def random_config(self, shape: RandomShape, vocab_size: int) -> PretrainedConfig:
+        from transformers import BertConfig
+
+        return BertConfig(
+            vocab_size=vocab_size,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            hidden_size=shape.hidden,
+            intermediate_size=4 * shape.hidden,
+            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
+        )
+
+    def random_model(self, config: PretrainedConfig) -> PreTrainedModel:
+        from transformers import BertModel
+
+        return BertModel(cast("BertConfig", config), add_pooling_layer=False)
+
+    def random_name(self, shape: RandomShape, seed: int) -> str:
+        return f"random BERT {shape.layers}x{shape.heads}x{shape.hidden} (seed {seed})"
+
+    def random_key(self, shape: RandomShape, seed: int) -> str:
+        return f"random {(shape.layers, shape.heads, shape.hidden)} seed {seed}"  # the keys of earlier runs

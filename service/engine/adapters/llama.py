@@ -1,0 +1,70 @@
+"""The Llama family: Llama, Mistral, Qwen2/Qwen3, SmolLM2.
+
+Pre-norm decoder blocks ``layers[i]`` (RMSNorm), rotary position embeddings on queries and keys
+(values untouched), grouped-query attention: ``num_key_value_heads`` value heads, query head h reading
+value head ``h // (H / H_kv)``. z is the input of ``self_attn.o_proj``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from headatlas.service.engine.adapters.base import ModelAdapter, RandomShape, Shape, register
+from headatlas.service.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+@register
+class LlamaAdapter(ModelAdapter):
+    family = "llama"
+    title = "Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM2"
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    causal = True
+    random_shapes = {"llama": RandomShape("llama", 2, 4, 32, kv_heads=2)}
+
+    def blocks(self, model: Any) -> list[torch.nn.Module]:
+        layers = getattr(model, "layers", None)
+        if layers is None or not len(layers):
+            raise ModelError(
+                f"{type(model).__name__} is not a Llama-family base model (expected layers[i].self_attn); "
+                "load AutoModel or the causal LM's .model"
+            )
+        return list(layers)
+
+    def attention(self, block: Any) -> torch.nn.Module:
+        return block.self_attn
+
+    def output_projection(self, block: Any) -> torch.nn.Module:
+        return block.self_attn.o_proj
+
+    def output_weight(self, block: Any) -> torch.Tensor:
+        return block.self_attn.o_proj.weight
+
+    def values(self, block: Any, x: torch.Tensor) -> torch.Tensor:
+        attn = block.self_attn
+        batch, n_pos, _ = x.shape
+        return attn.v_proj(x).view(batch, n_pos, -1, attn.head_dim).transpose(1, 2)
+
+    def shape(self, config: PretrainedConfig) -> Shape:
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        d_head = getattr(config, "head_dim", None) or hidden // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        return Shape(config.num_hidden_layers, heads, kv, d_head, hidden)
+
+    def random_config(self, shape: RandomShape, vocab_size: int) -> PretrainedConfig:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=shape.hidden,
+            intermediate_size=2 * shape.hidden,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads or shape.heads,
+            max_position_embeddings=512,
+            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
+        )

