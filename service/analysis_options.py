@@ -105,6 +105,15 @@ OPTIONS: tuple[Declared, ...] = (
         spec="§5c",
         min=0,
     ),
+    Declared(
+        "replicates",
+        str,
+        "document",
+        "Replicate groups behind the 95% intervals: document (a hash of each window's document; below "
+        "10 documents block:8 instead), block:B (B consecutive windows of one document) or window "
+        "(reproduces runs stored before, whose intervals are too narrow). The run records the one used.",
+        spec="§5d",
+    ),
     Declared("text_field", str, "text", "JSONL field / CSV column holding the text.", param=False),
     Declared("encoding", str, "utf-8", "Text encoding of the corpus files.", param=False),
 )
