@@ -40,6 +40,7 @@ OFFERED = {
         "attribution_windows",
         "mixing",
         "csm_bin",
+        "replicates",  # one window: no intervals
     },
     ("demo",): {"model", "device", "batch_size"},
 }
