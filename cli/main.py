@@ -517,6 +517,7 @@ def compare(
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports import compare as comparison
     from headatlas.service.reports import queries
+    from headatlas.service.reports.intervals import scheme_of
 
     with _store(db).checked_read() as conn:
         a = _run(conn, run_a)
@@ -551,6 +552,7 @@ def compare(
             fmt,
             table_columns=table,
             note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+            schemes=[scheme_of(a.params), scheme_of(b.params)],
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
             f"{b.n_layers} layers){floor}",
         )
@@ -573,6 +575,7 @@ def query_roles(
     SPEC §7). Heads without a role: "none established". A table also counts each role, and what
     the run's random-weights controls earn."""
     from headatlas.service.reports import compare, roles
+    from headatlas.service.reports.intervals import scheme_of
 
     with _store(db).checked_read() as conn:
         r = _run(conn, run)
@@ -596,6 +599,7 @@ def query_roles(
         title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}",
         table_columns=table,
         note=note,
+        schemes=[scheme_of(r.params)],
     )
     if fmt != Format.table:
         return
@@ -692,13 +696,21 @@ def _query(
 ) -> None:
     """Open the store, resolve the run, ``check(run)`` the options against it, call one query
     function, render its rows."""
+    from headatlas.service.reports.intervals import scheme_of
+
     with _store(db).checked_read() as conn:
         r = _run(conn, run)
         if check is not None:
             check(r)
         columns, rows = query(conn, r.run_id, **kwargs)
     render_metrics(
-        columns, rows, fmt, title=f"run {r.run_id} ({r.name}): {title}", table_columns=table_columns, note=note
+        columns,
+        rows,
+        fmt,
+        title=f"run {r.run_id} ({r.name}): {title}",
+        table_columns=table_columns,
+        note=note,
+        schemes=[scheme_of(r.params)],
     )
 
 

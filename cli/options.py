@@ -34,7 +34,9 @@ Run = typer.Option(None, "--run", "-r", help="Run id or name (default: the lates
 Fmt = typer.Option(Format.table, "--format", "-f", help="Output format.")
 Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).")
 Ci = typer.Option(
-    False, "--ci", help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife, SPEC §5b)."
+    False,
+    "--ci",
+    help="Add 95% intervals (<metric>_lo, <metric>_hi; delete-one-group jackknife with the t quantile, by the run's replicate groups, named in interval_by; SPEC §5d).",
 )
 Loglevel = typer.Option("info", "--loglevel", "-l", help="Log level (debug, info, warning).")
 WriterWait = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the writer to create the run.")

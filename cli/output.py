@@ -149,25 +149,31 @@ def render_metrics(
     title: str | None = None,
     table_columns: list[str] | None = None,
     note: str | None = None,
+    schemes: list[str] | None = None,
 ) -> None:
     """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
     default) with intervals folded into their cells, and ``note`` (what a lift is measured
-    against) printed under it."""
+    against) printed under it, then the intervals' footnote naming their replicate scheme (SPEC
+    §5d): the rows' ``interval_by`` column, else ``schemes`` (the runs'). Rows with intervals but
+    no ``interval_by`` gain that column from ``schemes``, so JSON and CSV name it too."""
+    has_intervals = any(c.endswith("_lo") for c in columns)
+    if has_intervals and "interval_by" not in columns and schemes:
+        columns, rows = [*columns, "interval_by"], [(*r, " / ".join(sorted(set(schemes)))) for r in rows]
     if fmt != Format.table:
         render(columns, rows, fmt, title=title)
         return
-    shown, cells = merge_intervals(columns, rows, table_columns)
+    shown = [c for c in (table_columns or columns) if c != "interval_by"]
+    shown, cells = merge_intervals(columns, rows, shown)
     render(shown, cells, fmt, title=title)
     if note:
         stdout.print(note, style="dim", highlight=False, markup=False)
-    if any(c.endswith("_lo") for c in columns):
-        stdout.print(
-            "[a, b]: 95% interval, delete-one-group jackknife over 16 replicate groups of windows "
-            "(SPEC §5b); it covers the sampling of windows, not the choice of model or parameters.",
-            style="dim",
-            highlight=False,
-            markup=False,
-        )
+    if has_intervals:
+        from headatlas.service.reports.intervals import interval_note
+
+        if "interval_by" in columns:
+            at = columns.index("interval_by")
+            schemes = [part for r in rows if r[at] for part in str(r[at]).split(" / ")]
+        stdout.print(interval_note(schemes or []), style="dim", highlight=False, markup=False)
 
 
 def sparkline(values: list[float], *, top: float | None = None) -> str:

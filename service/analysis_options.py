@@ -116,6 +116,15 @@ OPTIONS: tuple[Declared, ...] = (
     ),
     Declared("probe_length", int, 50, "--probe: L, the length of the random sequence repeated.", param=False, min=2),
     Declared("probe_sequences", int, 32, "--probe: how many random sequences.", param=False, min=1),
+    Declared(
+        "replicates",
+        str,
+        "document",
+        "Replicate groups behind the 95% intervals: document (a hash of each window's document; below "
+        "10 documents block:8 instead), block:B (B consecutive windows of one document) or window "
+        "(reproduces runs stored before, whose intervals are too narrow). The run records the one used.",
+        spec="§5d",
+    ),
     Declared("text_field", str, "text", "JSONL field / CSV column holding the text.", param=False),
     Declared("encoding", str, "utf-8", "Text encoding of the corpus files.", param=False),
 )

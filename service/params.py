@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from headatlas.service.analysis_options import DEFAULTS
-from headatlas.service.engine.results import FORWARD_MIXING
+from headatlas.service.engine.results import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
 from headatlas.service.errors import ParameterError
 
 WINDOWING = ("chunks", "first")
@@ -84,8 +84,16 @@ class AnalysisParams:
     mixing: tuple[str, ...] = DEFAULTS["mixing"]  # forward-only mixing measures: rollout, norm, alti
     attribution_windows: int = DEFAULTS["attribution_windows"]  # windows per run that get attribution / mixing
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
+    # replicate groups (SPEC §5d): document | block:B | window; a run records the one it used (resolved())
+    replicates: str = DEFAULTS["replicates"]
 
     def __post_init__(self) -> None:
+        try:
+            unit, block = parse_replicates(self.replicates)
+        except ValueError as exc:
+            raise ParameterError(f"--replicates {exc}") from None
+        # canonical spelling, so that equal schemes give equal run keys
+        object.__setattr__(self, "replicates", f"block:{block}" if unit == "block" else unit)
         if not 4 <= self.seq_len <= 4096:
             raise ParameterError(f"--seq-len {self.seq_len}: must be between 4 and 4096 (default 128)")
         _check_choice("--windowing", self.windowing, WINDOWING)
@@ -112,6 +120,14 @@ class AnalysisParams:
         """Bins per side of the averaged similarity matrices (0 when they are not computed)."""
         return -(-self.seq_len // self.csm_bin) if self.csm_bin else 0
 
+    def resolved(self, documents: int) -> AnalysisParams:
+        """These parameters for a corpus of ``documents`` distinct documents: ``replicates =
+        document`` becomes ``block:8`` below FALLBACK_BELOW documents (SPEC §5d). Runs are keyed
+        and recorded with the resolved scheme, so a run says which one its intervals use."""
+        if self.replicates == "document" and documents < FALLBACK_BELOW:
+            return replace(self, replicates=f"block:{FALLBACK_BLOCK}")
+        return self
+
     @property
     def mixes(self) -> bool:
         """Whether any mixing measure (attribution included) is computed."""
@@ -128,6 +144,10 @@ class AnalysisParams:
         if self.csm_bin == CSM_BIN:
             # the default bin keeps the parameters (and the run key) runs had before the matrices existed
             out.pop("csm_bin")
+        if self.replicates == "window":
+            # the §5b rule keeps the parameters (and the run key) of the runs stored before §5d,
+            # which record no scheme
+            out.pop("replicates")
         if self.sentences == "segmenter":
             # the library and its version decide where sentences end: a run made with other rules
             # is another run, not one to resume
@@ -139,6 +159,8 @@ class AnalysisParams:
         data = dict(data)
         # parameters stored before --sentences had a choice were all computed with punct
         data.setdefault("sentences", "punct")
+        # runs stored before SPEC §5d grouped windows by their own id
+        data.setdefault("replicates", "window")
         if isinstance(data.get("select"), str):
             data["select"] = Selection.parse(data["select"])
         if "mixing" in data:

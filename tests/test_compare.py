@@ -15,6 +15,7 @@ import pytest
 from tests.figure_checks import analyse, check_png, check_svg, corpus_of
 
 pytestmark = pytest.mark.slow
+ONE_DOCUMENT = "block:1"
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +31,19 @@ def stored(tmp_path_factory, real_model, tiny_model, demo_corpus):
     db = folder / "results.duckdb"
     small = corpus_of(demo_corpus, folder, slice(0, 1), "small")
     other = corpus_of(demo_corpus, folder, slice(1, 2), "other")
-    real = analyse(small, db, real_model, name="small")
+    # one document says nothing of other documents (by document or block:8 it makes 1-2 groups):
+    # blocks of one window spread its 10 windows over the groups, which is what these mechanics need
+    real = analyse(small, db, real_model, name="small", replicates=ONE_DOCUMENT)
     control = analyze_corpus(
         str(small),
         store=Store(db),
         model=control_model(real_model),
-        params=build_params(),
+        params=build_params(replicates=ONE_DOCUMENT),
         corpus=survey_corpus(str(small)),
         batch_size=8,
         control_of=real,
     )
-    tiny = analyse(small, db, tiny_model, name="tiny")
+    tiny = analyse(small, db, tiny_model, name="tiny", replicates=ONE_DOCUMENT)
     deep = analyse(other, db, load_model("random:4,4,32", device="cpu"), name="deep")
     return db, {"real": real, "control": control, "tiny": tiny, "deep": deep}
 

@@ -167,8 +167,9 @@ def test_default_params_keep_their_run_key():
         "short_range": 4,
         "dtype": "float32",
     }
-    # sentences=punct: the parameters every run had before the segmenter became the default
-    assert AnalysisParams(sentences="punct").to_dict() == legacy
+    # sentences=punct, replicates=window: the parameters every run had before the segmenter and
+    # groups by document became the defaults
+    assert AnalysisParams(sentences="punct", replicates="window").to_dict() == legacy
     with_mixing = AnalysisParams(sentences="punct", attribution=True, mixing=("rollout",))
     assert with_mixing.key() != AnalysisParams(sentences="punct").key()
     assert AnalysisParams.from_dict(with_mixing.to_dict()) == with_mixing

@@ -44,6 +44,7 @@ OFFERED = {
         "probe",
         "probe_length",
         "probe_sequences",
+        "replicates",  # one window: no intervals
     },
     ("demo",): {"model", "device", "batch_size"},
 }

@@ -19,7 +19,8 @@ from headatlas.service.errors import ParameterError
 from headatlas.service.params import AnalysisParams
 
 SEGMENTER = AnalysisParams(sentences="segmenter")
-PUNCT = AnalysisParams(sentences="punct")
+# the rules of the runs stored before the segmenter and before groups by document (SPEC §5d)
+PUNCT = AnalysisParams(sentences="punct", replicates="window")
 
 
 def _windows(model, text: str, params: AnalysisParams) -> list[Window]:

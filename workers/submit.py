@@ -72,6 +72,9 @@ def submit(
     ledger = Ledger(client, target_database(client, settings.db, settings.broker_url, writer_wait_s))
     log(f"corpus: {summary.documents} documents, {summary.chars:,} characters; model {model} …")
     loaded = load_model_info(model)  # the tokenizer, config and weights' identity: no weights loaded
+    # the replicate scheme the corpus allows (SPEC §5d): it travels in every batch's params, and each
+    # window carries its document id and index, so a worker computes the embedded engine's groups
+    params = params.resolved(summary.distinct)
     key = run_key(summary.fingerprint, loaded, params)
     if expect_key is not None and key != expect_key:
         raise CorpusError(

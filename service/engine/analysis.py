@@ -18,8 +18,8 @@ from headatlas.service.engine.results import (
     HEAD_SUMS,
     PAIR_HISTS,
     BatchResult,
-    replicate_group,
     sum_dtype,
+    window_group,
 )
 from headatlas.service.engine.stats import (
     Workspace,
@@ -90,8 +90,12 @@ def analyze_batch(
     """
     started = time.perf_counter()
     input_ids, attention_mask = _on_device(model, batch)
-    # replicate groups present in the batch (ascending) and each window's index among them
-    reps, dense = np.unique([replicate_group(w) for w in batch.window_ids], return_inverse=True)
+    # replicate groups present in the batch (ascending) and each window's index among them; the
+    # scheme is the one the run resolved and recorded (SPEC §5d)
+    groups = [
+        window_group(params.replicates, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in batch.windows
+    ]
+    reps, dense = np.unique(groups, return_inverse=True)
     sentence = batch_sentences(model, batch, params)
     with torch.inference_mode():
         workspace = _WORKSPACES.setdefault(str(model.device), Workspace(model.device))

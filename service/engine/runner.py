@@ -31,6 +31,11 @@ class CorpusSummary:
     chars: int
     duplicates: int = 0  # documents whose exact text appeared earlier (analysed once)
 
+    @property
+    def distinct(self) -> int:
+        """Documents analysed: the replicate scheme falls back on this count (SPEC §5d)."""
+        return self.documents - self.duplicates
+
 
 def survey_corpus(
     spec: str, *, text_field: str = "text", encoding: str = "utf-8", label: str | None = None
@@ -152,6 +157,8 @@ def analyze_corpus(
     no corpus and changes no key, so a finished run given a probe computes just the probe.
     """
     store.ensure_schema()
+    # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
+    params = params.resolved(corpus.distinct)
     key = run_key(corpus.fingerprint, model, params)
     stored_params = params.to_dict()
     if control_of is not None:

@@ -15,7 +15,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.reports import compare, roles
-from headatlas.service.reports.plots import INTERVAL_NOTE, _col, _err, _title, new_figure
+from headatlas.service.reports.plots import _col, _err, _title, interval_caption, new_figure
 
 ROLE_COLOURS = {
     "previous-token": "#1f77b4",
@@ -210,7 +210,7 @@ def figure_compare(
     for ax in axes[panels:]:
         ax.set_visible(False)
     fig.suptitle(title)
-    fig.supxlabel(INTERVAL_NOTE + "; dotted line: chance (1)", fontsize=8)
+    fig.supxlabel(interval_caption(profile_a, profile_b) + "; dotted line: chance (1)", fontsize=8)
     return fig
 
 

@@ -1,13 +1,17 @@
 """Two runs side by side: each metric per layer (or per head) of both, their difference, and
-whether the difference is beyond the runs' 95% intervals (SPEC §5b, §7).
+whether the difference is beyond the runs' 95% intervals (SPEC §5d, §7).
 
 Returns (columns, rows) like ``service.reports.queries``. Layers and heads are 0-based.
 
+- Each run's interval is its own jackknife with t_{R-1} over its replicate groups, grouped by the
+  scheme the run recorded (``interval_by``: document, block:B, or window for runs stored before
+  SPEC §5d) — the same intervals as ``query`` and roles.
 - Difference = run A − run B. Its 95% interval is the delete-one-group jackknife of the
-  difference itself when both runs counted exactly the same windows (the replicate groups then
-  hold the same windows in both, so the leave-one-group-out differences are paired; a run and
-  its random-weights control are such a pair). Otherwise the runs are independent samples and
-  the half-width is ``sqrt(h_A² + h_B²)`` from each run's own jackknife half-width.
+  difference itself when both runs counted exactly the same windows under the same replicate
+  scheme (the groups then hold the same windows in both, so the leave-one-group-out differences
+  are paired; a run and its random-weights control are such a pair). Otherwise the runs are
+  independent samples and the half-width is ``sqrt(h_A² + h_B²)`` from each run's own
+  jackknife half-width.
 - Verdict: ``beyond`` when the difference's interval excludes 0, ``within`` when it holds 0,
   ``no interval`` when either run lacks replicate groups (stored before they existed) and
   ``no value`` when a metric is undefined in either run.
@@ -28,7 +32,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.reports import queries
-from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth
+from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth, scheme_of
 
 if TYPE_CHECKING:
     from headatlas.service.storage.store import Run
@@ -62,12 +66,14 @@ COLUMNS = [
     "difference_lo",
     "difference_hi",
     "interval",
+    "interval_by",
     "verdict",
 ]
 TABLE_COLUMNS = ["layer_a", "layer_b", "head", "metric", "value_a", "value_b", "difference", "verdict"]
 VERDICT_NOTE = (
     "difference = A − B; verdict: beyond = the difference's 95% interval excludes 0, within = it holds 0 "
-    "(interval: paired jackknife when both runs counted the same windows, else sqrt(hA² + hB²))"
+    "(interval: paired jackknife when both runs counted the same windows in the same replicate groups, "
+    "else sqrt(hA² + hB²))"
 )
 
 Rows = tuple[list[str], list[tuple]]
@@ -189,8 +195,11 @@ def compare(
             f"{run_b.name} is {run_b.n_layers}×{run_b.n_heads}; heads pair up only between runs of one shape: "
             "drop --heads/--head to compare layers (aligned by relative depth)"
         )
-    paired = same_windows(conn, run_a.run_id, run_b.run_id)
+    schemes = scheme_of(run_a.params), scheme_of(run_b.params)
+    # the same windows grouped by different schemes do not pair group by group
+    paired = schemes[0] == schemes[1] and same_windows(conn, run_a.run_id, run_b.run_id)
     interval = "paired" if paired else "independent"
+    interval_by = schemes[0] if schemes[0] == schemes[1] else " / ".join(schemes)
     values_a = metric_values(conn, run_a.run_id, chosen, heads=heads)
     # one read for a run compared with itself: float sums need not add up in the same order twice
     values_b = values_a if run_b.run_id == run_a.run_id else metric_values(conn, run_b.run_id, chosen, heads=heads)
@@ -217,7 +226,9 @@ def compare(
         depths = (relative_depth(key_a[0], run_a.n_layers), relative_depth(key_b[0], run_b.n_layers))
         for metric in chosen:
             *cells, word = _compare_cell(reps_a, reps_b, metric, paired)
-            rows.append((key_a[0], key_b[0], key_a[1] if heads else None, *depths, metric, *cells, interval, word))
+            rows.append(
+                (key_a[0], key_b[0], key_a[1] if heads else None, *depths, metric, *cells, interval, interval_by, word)
+            )
     return list(COLUMNS), rows
 
 
@@ -276,4 +287,4 @@ def layer_profile(conn: Connection, run, metrics: Sequence[str]) -> Rows:
     columns = ["layer", *chosen]
     rows = [(l, *(values.get((l,), {}).get(-1, {}).get(m) for m in chosen)) for l in range(run.n_layers)]
     reps = [(l, g, *(v[m] for m in chosen)) for (l,), by in values.items() for g, v in by.items() if g >= 0]
-    return add_intervals(columns, rows, reps, keys=("layer",), metrics=chosen)
+    return add_intervals(columns, rows, reps, keys=("layer",), metrics=chosen, scheme=scheme_of(run.params))

@@ -1,37 +1,143 @@
-"""95% intervals for ratio metrics: the delete-one-group jackknife over replicate groups (SPEC §5b).
+"""95% intervals for ratio metrics: the delete-one-group jackknife over replicate groups (SPEC §5d).
 
-Every additive sum is stored per replicate group (a stable hash of the window id picks one of
-``REPLICATES`` groups). The ``*_reps`` views give each metric computed on the whole run
-(``drop_rep = -1``) and on the run without each group ``g`` (``drop_rep = g``); from those,
+Every additive sum is stored per replicate group: a stable hash of the window's document (the
+default), of a block of consecutive windows of one document, or (runs stored before §5d) of the
+window itself picks one of ``REPLICATES`` groups; the run records its scheme. The ``*_reps``
+views give each metric computed on the whole run (``drop_rep = -1``) and on the run without each
+group ``g`` (``drop_rep = g``); from those,
 
-    θ̂ ± z · sqrt((R - 1) / R · Σ_g (θ_(g) - θ̄)²),   θ̄ = mean of θ_(g),
+    θ̂ ± t_{R-1, 0.975} · sqrt((R - 1) / R · Σ_g (θ_(g) - θ̄)²),   θ̄ = mean of θ_(g),
 
-with R the number of groups that hold windows (16 once a run has a few dozen windows). The
-interval says how much the metric moves with the sample of windows; it does not cover choices
-that are fixed for the run (model, ``select``, ``gate``).
+with R the number of groups that hold windows (16 once a run has a few dozen documents). Windows
+of one document are correlated; grouping by document keeps them together, so the interval covers
+the sampling of documents. It does not cover choices that are fixed for the run (model,
+``select``, ``gate``).
 
-numpy only: the query path stays free of torch.
+numpy only: the query path stays free of torch and scipy.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-Z95 = 1.959963984540054
+from headatlas.service.engine.results import REPLICATES
+
+Z95 = 1.959963984540054  # the normal quantile (the §5b rule; kept for callers that pass it as z)
+WINDOW_SCHEME = "window"  # runs stored before SPEC §5d record no scheme: theirs was by window
 
 
-def jackknife_halfwidth(leave_one_out: Sequence[float | None], *, z: float = Z95) -> float | None:
-    """Half-width of the jackknife interval from the leave-one-group-out estimates, or None
-    when it cannot be formed (fewer than 2 groups, or a group's estimate is undefined)."""
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for aa in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), for a, b > 0 and x in [0, 1]."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def t_upper_tail(t: float, df: float) -> float:
+    """P(T > t) for Student's t with ``df`` degrees of freedom, t ≥ 0."""
+    return 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom, for p in [0.5, 1):
+    bisection on the upper tail (t_{15, 0.975} = 2.131)."""
+    if not 0.5 <= p < 1.0 or not df > 0:
+        raise ValueError(f"t_quantile({p}, {df}): p must be in [0.5, 1) and df positive")
+    tail = 1.0 - p
+    lo, hi = 0.0, 1.0
+    while t_upper_tail(hi, df) > tail:
+        lo, hi = hi, hi * 2.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if t_upper_tail(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12:
+            break
+    return 0.5 * (lo + hi)
+
+
+_T95: dict[int, float] = {}
+
+
+def t95(df: int) -> float:
+    """t_{df, 0.975}: the two-sided 95% multiplier for an interval from ``df + 1`` groups."""
+    if df not in _T95:
+        _T95[df] = t_quantile(0.975, df)
+    return _T95[df]
+
+
+def scheme_of(params: Mapping | None) -> str:
+    """The replicate scheme a run's stored params record (``document``, ``block:B`` or
+    ``window``); runs stored before SPEC §5d record none and were grouped by window."""
+    return str((params or {}).get("replicates") or WINDOW_SCHEME)
+
+
+def scheme_words(scheme: str) -> str:
+    """How a footnote names a scheme: "by document", "by block of 8 windows", "by window"."""
+    unit, _, block = scheme.partition(":")
+    if unit == "block":
+        return f"by block of {block} consecutive windows of a document"
+    return f"by {unit}"
+
+
+def interval_note(schemes: Iterable[str]) -> str:
+    """The footnote under intervals: the rule and the replicate scheme(s) of the runs shown."""
+    named = sorted(set(schemes)) or [WINDOW_SCHEME]
+    caveats = []
+    if any(s.startswith("block") for s in named):
+        caveats.append("by block: the variation within these documents only")
+    if WINDOW_SCHEME in named:
+        caveats.append("by window: a run stored before §5d, too narrow (windows of one document are correlated)")
+    return (
+        f"[a, b]: 95% interval, delete-one-group jackknife with the t quantile over {REPLICATES} replicate groups "
+        f"{' / '.join(scheme_words(s) for s in named)} (SPEC §5d)"
+        + "".join(f"; {c}" for c in caveats)
+        + "; it does not cover the choice of model or parameters."
+    )
+
+
+def jackknife_halfwidth(leave_one_out: Sequence[float | None], *, z: float | None = None) -> float | None:
+    """Half-width of the jackknife interval from the leave-one-group-out estimates (one per group
+    holding windows), or None when it cannot be formed (fewer than 2 groups, or a group's estimate
+    is undefined). The multiplier is t_{R-1, 0.975} (SPEC §5d) unless ``z`` is given."""
     values = [v for v in leave_one_out]
     if len(values) < 2 or any(v is None or not math.isfinite(v) for v in values):
         return None
     loo = np.asarray(values, dtype=np.float64)
     r = len(loo)
-    return z * math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
+    multiplier = t95(r - 1) if z is None else z
+    return multiplier * math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
 
 
 def add_intervals(
@@ -41,8 +147,10 @@ def add_intervals(
     *,
     keys: Sequence[str],
     metrics: Sequence[str],
+    scheme: str | None = None,
 ) -> tuple[list[str], list[tuple]]:
-    """Insert ``<metric>_lo`` and ``<metric>_hi`` after each metric column of ``rows``.
+    """Insert ``<metric>_lo`` and ``<metric>_hi`` after each metric column of ``rows``; with
+    ``scheme`` (the run's, ``scheme_of``), also a last column ``interval_by`` naming it.
 
     ``replicate_rows``: tuples ``(*keys, drop_rep, *metrics)`` (drop_rep ≥ 0 only) — the metric
     on the run without each group. A row's interval is centred on its own value, so
@@ -71,5 +179,5 @@ def add_intervals(
                 m = list(metrics).index(column)
                 half = jackknife_halfwidth([g[m] for g in groups]) if value is not None else None
                 out += [None, None] if half is None else [value - half, value + half]
-        out_rows.append(tuple(out))
-    return out_columns, out_rows
+        out_rows.append(tuple(out) if scheme is None else (*out, scheme))
+    return (out_columns if scheme is None else [*out_columns, "interval_by"]), out_rows

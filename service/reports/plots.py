@@ -90,7 +90,20 @@ def _errorbar(ax, x, columns, rows, name, *, fmt="o-", **style):
     )
 
 
-INTERVAL_NOTE = "error bars: 95% jackknife intervals over 16 replicate groups of windows"
+INTERVAL_NOTE = "error bars: 95% jackknife intervals (t quantile, SPEC §5d)"
+
+
+def interval_caption(*tables: tuple[list[str], list[tuple]]) -> str:
+    """INTERVAL_NOTE with the replicate scheme(s) the rows' intervals use (their ``interval_by``
+    column): "… over 16 replicate groups by document"."""
+    from headatlas.service.engine.results import REPLICATES
+    from headatlas.service.reports.intervals import WINDOW_SCHEME, scheme_words
+
+    schemes = sorted({r[c.index("interval_by")] for c, rows in tables if "interval_by" in c for r in rows})
+    if not schemes:
+        return INTERVAL_NOTE
+    note = f"{INTERVAL_NOTE} over {REPLICATES} replicate groups {' / '.join(scheme_words(s) for s in schemes)}"
+    return note + (" (stored before §5d: too narrow)" if WINDOW_SCHEME in schemes else "")
 
 
 def _title(run) -> str:
@@ -229,7 +242,7 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
         ax.legend(fontsize=8)
     fig.suptitle(title)
     if "within_sentence_lo" in columns:
-        fig.supxlabel(INTERVAL_NOTE, fontsize=8)
+        fig.supxlabel(interval_caption((columns, rows)), fontsize=8)
     return fig
 
 
@@ -367,7 +380,7 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
         ax.set_xticks(layer)
     fig.suptitle(title)
     if "within_sentence_lo" in columns:
-        fig.supxlabel(INTERVAL_NOTE, fontsize=8)
+        fig.supxlabel(interval_caption((columns, rows)), fontsize=8)
     return fig
 
 

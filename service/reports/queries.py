@@ -52,6 +52,17 @@ def interval_metrics(columns: list[str]) -> list[str]:
     return [c for c in columns if c not in NO_INTERVAL]
 
 
+def replicate_scheme(conn: Connection, run_id: int) -> str:
+    """The replicate scheme a run's intervals use, as the run recorded it (SPEC §5d): ``document``,
+    ``block:B``, or ``window`` for runs stored before the scheme was recorded."""
+    from headatlas.service.reports.intervals import WINDOW_SCHEME
+
+    value = conn.execute(
+        text("SELECT json_extract_string(params, '$.replicates') FROM runs WHERE run_id = :run"), {"run": run_id}
+    ).scalar()
+    return value or WINDOW_SCHEME
+
+
 def _with_intervals(
     conn: Connection,
     rows: Rows,
@@ -63,7 +74,7 @@ def _with_intervals(
     params: dict | None = None,
 ) -> Rows:
     """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
-    leave-one-group-out rows."""
+    leave-one-group-out rows, and ``interval_by``: the run's replicate scheme."""
     from headatlas.service.reports.intervals import add_intervals
 
     columns, values = rows
@@ -75,7 +86,7 @@ def _with_intervals(
         ),
         {"run": run_id, **(params or {})},
     ).all()
-    return add_intervals(columns, values, rep_rows, keys=keys, metrics=metrics)
+    return add_intervals(columns, values, rep_rows, keys=keys, metrics=metrics, scheme=replicate_scheme(conn, run_id))
 
 
 def _check_sort(sort: str | None, allowed) -> None:
@@ -184,7 +195,7 @@ def distances(
     metrics = [c for c in keep if c.endswith(("share", "lift")) and c != "chance_share"]
     midx = [columns.index(c) for c in metrics]
     reps = [(r[1], r[0], *(r[i] for i in midx)) for r in all_rows if r[0] >= 0]
-    return add_intervals(keep, rows, reps, keys=("distance",), metrics=metrics)
+    return add_intervals(keep, rows, reps, keys=("distance",), metrics=metrics, scheme=replicate_scheme(conn, run_id))
 
 
 def boundaries(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
@@ -490,4 +501,7 @@ def trend(
     from headatlas.service.reports.intervals import add_intervals
 
     reps = [(r[1], r[4], r[5]) for r in all_rows if r[4] is not None and r[4] >= 0]
-    return add_intervals(keep, rows, reps, keys=("run_id",), metrics=[metric])
+    columns, rows = add_intervals(keep, rows, reps, keys=("run_id",), metrics=[metric])
+    # each fire's run says its own replicate scheme (SPEC §5d)
+    run_idx = columns.index("run_id")
+    return [*columns, "interval_by"], [(*r, replicate_scheme(conn, r[run_idx])) for r in rows]

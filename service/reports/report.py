@@ -23,10 +23,11 @@ HEAD_METRICS = (
     "attn_to_punct_lift",
     "anchor_frequency_share",
 )
-HEAD_TABLE_SKIP = ("top_anchors",)  # shown in their own section
+HEAD_TABLE_SKIP = ("top_anchors", "interval_by")  # anchors: their own section; the scheme: the note
 N_ANCHORS = 5
 
 PARAM_HELP = {
+    "replicates": "replicate groups of the 95% intervals (document, block:B; none recorded: by window, SPEC §5d)",
     "seq_len": "tokens per window, [CLS] and [SEP] included",
     "windowing": "chunks: cover each document; first: one window per document",
     "sentences": "how sentence ids are assigned (segmenter: a sentence-boundary library; punct: . ! ? end a sentence)",
@@ -103,9 +104,12 @@ def _table(columns, rows, *, text_columns=()) -> str:
 def build_report(conn, run) -> str:
     """The report page of ``run`` (a store ``Run``) as an HTML string."""
     from headatlas.service.reports import plots
+    from headatlas.service.reports.intervals import interval_note, scheme_of
 
     summary = queries.run_summary(conn, run.run_id)
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
+    # the footnote under every interval names the run's replicate scheme (SPEC §5d)
+    scheme_html = _e(interval_note([scheme_of(run.params)]).removeprefix("[a, b]: "))
     figures = [
         (
             "layers",
@@ -191,10 +195,8 @@ share expected of pairs at the head's own distances — structure beyond localit
 counts repeats of word tokens only (no <code>,</code>–<code>,</code>); <em>attn_to_*_lift</em> = attention /
 what uniform attention would give; <em>anchor_frequency_share</em> = share of windows whose anchor is simply the
 window's most frequent token; <em>noise_share</em> = similar pairs the head does not attend.
-Under each value: its 95% interval, the delete-one-group jackknife over 16 replicate groups of windows (SPEC
-§5b). Read a lift as established only when its interval excludes 1; the interval covers the sampling of
-windows, not the choice of model, <code>select</code> or <code>gate</code> (this tool's defaults, not the
-paper's).</p>
+Under each value: its {scheme_html} Read a lift as established only when its interval excludes 1; the choice
+of <code>select</code> and <code>gate</code> is this tool's default, not the paper's.</p>
 <div class="scroll">{table_html}</div>
 <h2>Top anchor tokens per head</h2>
 <p>The anchor of a window is the token that appears most often in the head's high-similarity pairs; each cell
@@ -228,6 +230,9 @@ def _atlas_section(conn, run) -> str:
         if family
         else "no correction: this run has no replicate groups, so each value was tested against its threshold"
     )
+    from headatlas.service.reports.intervals import interval_note, scheme_of
+
+    note = interval_note([scheme_of(run.params)]).replace("[a, b]", "Intervals")
     return f"""<h2>Head atlas</h2>
 <figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
 holds); letters list every role held. A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
@@ -237,7 +242,7 @@ Lifts marked _dm are against distance-matched chance, attn_*_lift against unifor
 <h3>Heads per role</h3>{count_html}
 <h3>Roles and their evidence</h3><p>One row per (head, role): the metric, its value and 95% interval, the threshold,
 p and the Holm-adjusted p (family: the number of tests), and whether it holds on each half (half_a: even groups,
-half_b: odd groups; stable: both).</p>
+half_b: odd groups; stable: both). {_e(note)}</p>
 <div class="scroll">{evidence_html}</div>"""
 
 
@@ -250,14 +255,17 @@ def _floor_section(conn, run) -> str:
         return ""
     fig = atlas_plots.run_compare(conn, run, control)
     columns, rows = compare.compare(conn, run, control)
-    keep = [c for c in columns if c not in ("head", "depth_a", "depth_b", "interval")]
+    from headatlas.service.reports.intervals import interval_note, scheme_of
+
+    scheme_note = interval_note([scheme_of(run.params), scheme_of(control.params)]).replace("[a, b]", "Intervals")
+    keep = [c for c in columns if c not in ("head", "depth_a", "depth_b", "interval", "interval_by")]
     idx = [columns.index(c) for c in keep]
     table_html = _table(keep, [tuple(r[i] for i in idx) for r in rows], text_columns=("metric", "verdict"))
     return f"""<h2>Against the random-weights control (the floor)</h2>
 <p>Run {_e(control.run_id)} ({_e(control.name)}): the same windows through {_e(control.model_name)}. Whatever a
 randomly initialised model of the same shape also shows is architecture and tokens, not training: the floor every
 claim should beat. difference = this run − control; verdict <em>beyond</em> = the difference's 95% interval (paired
-jackknife over the shared replicate groups) excludes 0.</p>
+jackknife over the shared replicate groups) excludes 0. {_e(scheme_note)}</p>
 <figure>{_img(plots.png_bytes(fig), "compare with control")}<figcaption>Layer profiles of this run and its control
 with 95% intervals; last panel: per-head difference of the first metric.</figcaption></figure>
 <div class="scroll">{table_html}</div>"""
