@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from headatlas.service.engine.adapters import FAMILIES, ModelAdapter
 from headatlas.service.errors import ModelError
 
-Accessor = Callable[[torch.nn.Module], torch.nn.Module]
+# a module reached by attribute (nn.Module's __getattr__ is typed Tensor | Module): typed Any
+Accessor = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
