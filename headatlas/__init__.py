@@ -4,6 +4,7 @@
     run = headatlas.analyze("corpus.txt", db="atlas.duckdb")      # the embedded engine
     run.heads(ci=True).to_pandas()                                 # an Arrow table
     headatlas.connect("atlas.duckdb").run("corpus-1a2b3c").layers()
+    headatlas.inspect("The cat sat on the mat.").csm(3, 5)         # one text: attention, z, CSM
 
 The functions are those of ``headatlas.service.api``; the CLI (``headatlas --help``) is a thin
 layer over the same library. Subpackages: ``headatlas.service`` (engine, measures, storage, what
@@ -16,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path as _Path
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "analyze", "connect"]
+__all__ = ["__version__", "analyze", "connect", "inspect"]
 
 # Installed, service/, workers/, cli/ and migrations/ are subpackages inside this folder. In a
 # source checkout they sit beside it (the repository keeps the design's folders at its top level),
@@ -28,7 +29,7 @@ if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py
 
 def __getattr__(name: str):
     # lazy, so that `import headatlas` (every CLI start) stays light until the API is used
-    if name in ("analyze", "connect"):
+    if name in ("analyze", "connect", "inspect"):
         from headatlas.service import api
 
         return getattr(api, name)

@@ -6,6 +6,8 @@
     atlas = headatlas.connect("atlas.duckdb")
     atlas.runs()
     atlas.run("corpus-1a2b3c").layers()
+    one = headatlas.inspect("The cat sat on the mat.", model="smollm2")   # one text, no database
+    one.attention[3, 5], one.z[3, 5], one.csm(3, 5)                        # numpy
 
 Column names are the SPEC's, exactly as ``headatlas query … --format json`` prints them; layers
 and heads are 0-based. Reads open the database read-only for the duration of one call, so a
@@ -16,14 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.errors import ParameterError
 from headatlas.service.storage.store import Run, Store, resolve_run
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.reports.inspection import InspectedText
 
 
 def table(columns: list[str], rows: list[tuple]) -> pa.Table:
@@ -178,3 +185,38 @@ def analyze(
         probe=spec,
     )
     return RunView(store, run)
+
+
+def inspect(
+    text: str,
+    model: str | LoadedModel = DEFAULTS["model"],
+    seq_len: int = DEFAULTS["seq_len"],
+    *,
+    device: str = DEFAULTS["device"],
+) -> InspectedText:
+    """One text through a model, nothing stored: the first window's token ids and tokens,
+    ``attention`` ``[layer, head, query, key]``, ``z`` ``[layer, head, pos, d_head]`` (each head's
+    output before W_O) and ``csm(layer, head)`` ``[n, n]`` (``C = z zᵀ``, ``C_ii = 0``), as numpy
+    arrays; ``model``, ``causal``, ``n_layers``, ``n_heads``. The window is the one ``analyze``
+    would make first (``seq_len`` tokens at most, specials included); ``truncated`` says whether
+    the text went on. ``model``: a spec as ``--model`` takes it (the last one loaded is kept for
+    the next call) or a model from ``headatlas.service.engine.model.load_model``."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.engine.model_check import check_loaded
+    from headatlas.service.reports.inspection import read_text
+
+    params = build_params(seq_len=seq_len)
+    loaded = model if isinstance(model, LoadedModel) else _inspect_model(model, device)
+    check_loaded(loaded, params.seq_len)
+    return read_text(loaded, text, params)
+
+
+@lru_cache(maxsize=1)
+def _inspect_model(spec: str, device: str) -> LoadedModel:
+    """A model for ``inspect``, loaded once for consecutive calls with the same spec and device."""
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.model_check import check_model_spec
+
+    check_model_spec(spec, seq_len=2, device=device)  # the shape and memory; seq_len is checked per call
+    return load_model(spec, device=device)

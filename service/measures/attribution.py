@@ -1,7 +1,8 @@
 """Hidden-token attribution by gradients (SPEC §6), batched.
 
 For output token i of head (l, h): ``g_ij = ‖∂(Σ_k z_ik)/∂e_j‖₂`` with ``e`` the output of the
-embedding layer and ``z`` the head output (the context layer before W_O); rows are normalised,
+embedding layer (the input of block 0: BERT's embeddings module, GPT-2's token plus position
+embeddings, Llama's token embeddings; rotary positions act inside attention) and ``z`` the head output (the context layer before W_O); rows are normalised,
 ``ĝ_ij = g_ij / Σ_j' g_ij'``. The layer-level row (head slot -1) uses the block output
 ``h^l_i`` instead of one head's ``z``: how much of token i's layer-l representation comes from
 each input token.
@@ -23,12 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
+from headatlas.service.engine.adapters import ModelAdapter, adapter_for
 from headatlas.service.engine.hooks import act_name, capture_attention
 from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.measures.blocks import parts
 
 DEFAULT_CHUNK = 2048  # gradient rows (windows × outputs) per batched backward call
 
@@ -39,7 +41,8 @@ class Trace:
 
     embeddings: ``[batch, pos, d_model]`` (a leaf when traced with gradients);
     z: ``[batch, pos, head·d_head]``; probs: ``[batch, head, pos, key]``;
-    resid_pre / resid_post: block input / output ``[batch, pos, d_model]``.
+    resid_pre / resid_post: block input / output ``[batch, pos, d_model]``; attn_in: the attention's
+    input ``[batch, pos, d_model]`` (resid_pre for post-norm blocks, its pre-norm otherwise).
     """
 
     embeddings: torch.Tensor
@@ -47,11 +50,12 @@ class Trace:
     probs: list[torch.Tensor]
     resid_pre: list[torch.Tensor]
     resid_post: list[torch.Tensor]
+    attn_in: list[torch.Tensor]
 
 
 @contextmanager
 def _replace_embeddings(
-    model: torch.nn.Module, store: dict, embeddings: torch.Tensor | None, grad: bool
+    model: torch.nn.Module, adapter: ModelAdapter, store: dict, embeddings: torch.Tensor | None, grad: bool
 ) -> Iterator[None]:
     """Make the embedding output a tensor we own: a fresh leaf (to differentiate against), or
     ``embeddings`` given by the caller (to evaluate the model at a perturbed point)."""
@@ -63,8 +67,7 @@ def _replace_embeddings(
         store["e"] = e
         return e
 
-    embeddings_block = cast(torch.nn.Module, model.embeddings)  # BertEmbeddings and its kin: a submodule
-    handle = embeddings_block.register_forward_hook(hook)
+    handle = parts(adapter).embedding_output(model).register_forward_hook(hook)
     try:
         yield
     finally:
@@ -72,7 +75,7 @@ def _replace_embeddings(
 
 
 @contextmanager
-def _capture_residual(blocks, store: dict) -> Iterator[None]:
+def _capture_residual(blocks, adapter: ModelAdapter, store: dict) -> Iterator[None]:
     handles = []
 
     def pre(layer):
@@ -87,10 +90,17 @@ def _capture_residual(blocks, store: dict) -> Iterator[None]:
 
         return hook
 
+    def attn_in(layer):
+        def hook(_module, args, kwargs):
+            store.setdefault("attn_in", {})[layer] = adapter.attention_input(args, kwargs)
+
+        return hook
+
     try:
         for layer, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(pre(layer), with_kwargs=True))
             handles.append(block.register_forward_hook(post(layer)))
+            handles.append(adapter.attention(block).register_forward_pre_hook(attn_in(layer), with_kwargs=True))
         yield
     finally:
         for handle in handles:
@@ -107,12 +117,13 @@ def trace(
 ) -> Trace:
     """Forward ``[batch, pos]`` inputs, keeping the graph from the embeddings when ``grad``."""
     blocks = encoder_layers(model.model)
+    adapter = adapter_for(model.model)
     store: dict = {}
     ctx = torch.enable_grad() if grad else torch.no_grad()
     with (
         ctx,
-        _replace_embeddings(model.model, store, embeddings, grad),
-        _capture_residual(blocks, store),
+        _replace_embeddings(model.model, adapter, store, embeddings, grad),
+        _capture_residual(blocks, adapter, store),
         capture_attention(model.model) as acts,
     ):
         model.model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device))
@@ -123,6 +134,7 @@ def trace(
         probs=[acts[act_name("pattern", layer)] for layer in range(n)],
         resid_pre=[store["pre"][layer] for layer in range(n)],
         resid_post=[store["post"][layer] for layer in range(n)],
+        attn_in=[store["attn_in"][layer] for layer in range(n)],
     )
 
 

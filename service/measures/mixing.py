@@ -6,12 +6,18 @@ Methods and what a row ``M_i·`` (over keys j, summing to 1) means:
   attribution  normalised gradient norms (service.measures.attribution); layer slot: the block output.
   rollout      ``(0.5·A^h + 0.5·I) R_{l-1}`` per head, ``R_l = (0.5·mean_h A + 0.5·I) R_{l-1}``
                for the layer (Abnar & Zuidema 2020), ``R_{-1} = I``. Heads average to the layer.
-  norm         ``‖A_ij f_h(x_j)‖`` with ``f_h(x) = (x W_V + b_V) W_O^h`` per head; layer slot
-               ``‖Σ_h A^h_ij f_h(x_j)‖`` (Kobayashi et al. 2020). Not composed across layers.
+  norm         ``‖A_ij f_h(x_j)‖`` with ``f_h(x) = (x W_V + b_V) W_O^h`` per head, x the attention's
+               input (after the pre-norm of GPT-2 and Llama blocks), head h reading value head
+               ``h // (H/H_kv)``; layer slot ``‖Σ_h A^h_ij f_h(x_j)‖`` (Kobayashi et al. 2020).
+               Not composed across layers.
   alti         layer slot only: Ferrando et al. 2022 — the attention block's output (residual and
-               LayerNorm included, LayerNorm linearised with the token's own scale) decomposed
-               into per-token vectors T_i(x_j); ``c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁)``,
-               normalised, then composed across layers like rollout.
+               norm included) decomposed into per-token vectors T_i(x_j); post-norm blocks
+               (BERT) linearise the LayerNorm with the token's own scale, pre-norm blocks (GPT-2,
+               Llama) need no linearisation (the norm acts on each token alone);
+               ``c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁)``, normalised, then composed across
+               layers like rollout.
+
+Causal models use the same formulas: their attention is lower-triangular, and so is every row.
 
 Every method's rows are reduced to the same additive sums per (layer, slot): mass to
 [CLS]/[SEP]/`.`,`,`/self/previous/next, row entropy, Jensen–Shannon divergence (base 2) to
@@ -23,17 +29,14 @@ Pure tensor code: imports neither Celery, Typer nor SQLAlchemy.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
+from headatlas.service.engine.adapters import ModelAdapter
 from headatlas.service.engine.model import LoadedModel, encoder_layers
 from headatlas.service.engine.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
 from headatlas.service.engine.stats import WindowFeatures, attention_sums
-
-if TYPE_CHECKING:
-    from transformers.models.bert.modeling_bert import BertLayer
+from headatlas.service.measures.blocks import adapter_of_block, parts
 
 
 # --- the measures ------------------------------------------------------------------------------
@@ -51,22 +54,31 @@ def rollout(probs: list[torch.Tensor], valid: torch.Tensor) -> tuple[list[torch.
     return heads, layers
 
 
-def value_vectors(block: BertLayer, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """``f_h(x_j) = (x_j W_V + b_V) W_O^h`` → ``[batch, head, pos, d_model]`` (no output bias)."""
-    value = block.attention.self.value
-    v = torch.nn.functional.linear(x, value.weight.to(x.dtype), value.bias.to(x.dtype))  # [batch, pos, head·d_head]
-    batch, n_pos, width = v.shape
-    v = v.view(batch, n_pos, n_heads, width // n_heads).transpose(1, 2)  # [batch, head, pos, d_head]
-    w_o = block.attention.output.dense.weight.to(x.dtype)  # [d_model, head·d_head]
-    w = w_o.view(w_o.shape[0], n_heads, width // n_heads).permute(1, 2, 0)  # [head, d_head, d_model]
+def value_vectors(
+    block: torch.nn.Module, x: torch.Tensor, n_heads: int, *, adapter: ModelAdapter | None = None
+) -> torch.Tensor:
+    """``f_h(x_j) = (x_j W_V + b_V) W_O^h`` → ``[batch, head, pos, d_model]`` (no output bias).
+
+    x: the attention's input ``[batch, pos, d_model]`` (after the pre-norm where the block has
+    one). Query head h reads the values of key-value head ``h // (H / H_kv)`` (grouped-query
+    attention, SPEC §8); the values and W_O come from the family's adapter."""
+    adapter = adapter or adapter_of_block(block)
+    v = adapter.values(block, x)  # [batch, kv_head, pos, d_head]
+    n_kv, d_head = v.shape[1], v.shape[-1]
+    if n_kv != n_heads:
+        v = v[:, torch.arange(n_heads, device=v.device) // (n_heads // n_kv)]  # [batch, head, pos, d_head]
+    w_o = adapter.output_weight(block).to(x.dtype)  # [d_model, head·d_head]
+    w = w_o.reshape(w_o.shape[0], n_heads, d_head).permute(1, 2, 0)  # [head, d_head, d_model]
     return torch.matmul(v, w)
 
 
-def norm_based(block: BertLayer, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kobayashi et al. 2020 for one layer. x: block input ``[batch, pos, d_model]``; attn
-    ``[batch, head, pos, key]``. Returns unnormalised head rows ``[batch, head, pos, key]`` and
-    layer rows ``[batch, pos, key]``."""
-    f = value_vectors(block, x, attn.shape[1])  # [batch, head, key, d_model]
+def norm_based(
+    block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor, *, adapter: ModelAdapter | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kobayashi et al. 2020 for one layer. x: the attention's input ``[batch, pos, d_model]``;
+    attn ``[batch, head, pos, key]``. Returns unnormalised head rows ``[batch, head, pos, key]``
+    and layer rows ``[batch, pos, key]``."""
+    f = value_vectors(block, x, attn.shape[1], adapter=adapter)  # [batch, head, key, d_model]
     heads = attn * f.norm(dim=-1)[:, :, None, :]
     layer = torch.stack(
         [torch.einsum("hij,hjd->ijd", attn[b], f[b]).norm(dim=-1) for b in range(x.shape[0])]
@@ -74,32 +86,66 @@ def norm_based(block: BertLayer, x: torch.Tensor, attn: torch.Tensor) -> tuple[t
     return heads, layer
 
 
-def alti_layer(block: BertLayer, x: torch.Tensor, attn: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """ALTI contributions of one layer, ``[batch, pos, key]``, rows normalised (Ferrando et al.
-    2022, eq. 6–9). y_i = LayerNorm(Σ_j Σ_h A^h_ij f_h(x_j) + b_O + x_i) is split into
-    ``T_i(x_j) = γ ⊙ (t_ij − mean(t_ij)) / σ_i`` with ``t_ij = Σ_h A^h_ij f_h(x_j) + δ_ij x_j``."""
-    f = value_vectors(block, x, attn.shape[1])
-    dense, ln = block.attention.output.dense, block.attention.output.LayerNorm
-    gamma, beta = ln.weight.to(x.dtype), ln.bias.to(x.dtype)
+def alti_layer(
+    block: torch.nn.Module,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    adapter: ModelAdapter | None = None,
+    attn_in: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ALTI contributions of one layer, ``[batch, pos, key]``, rows normalised. x: the block
+    input ``[batch, pos, d_model]``; ``attn_in``: the attention's input (default: x, or the
+    block's pre-norm of x).
+
+    Post-norm blocks (Ferrando et al. 2022, eq. 6–9): y_i = LayerNorm(Σ_j Σ_h A^h_ij f_h(x_j) +
+    b_O + x_i) is split into ``T_i(x_j) = γ ⊙ (t_ij − mean(t_ij)) / σ_i`` with
+    ``t_ij = Σ_h A^h_ij f_h(x_j) + δ_ij x_j`` (the LayerNorm linearised with token i's own scale).
+    Pre-norm blocks: y_i = x_i + Σ_j Σ_h A^h_ij f_h(LN(x_j)) + b_O is already a sum over tokens,
+    since the norm acts on each token alone: ``T_i(x_j) = t_ij`` with ``f_h`` applied to LN(x_j),
+    exactly (as Ferrando et al. 2023 decompose pre-norm decoders).
+    Then ``c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁)``, normalised over j."""
+    adapter = adapter or adapter_of_block(block)
+    family = parts(adapter)
+    norm = family.attention_norm(block)
+    if attn_in is None:
+        attn_in = norm(x) if family.pre_norm else x
+    f = value_vectors(block, attn_in, attn.shape[1], adapter=adapter)
+    bias: torch.Tensor | None = adapter.output_projection(block).bias  # type: ignore[assignment]  # Linear/Conv1D
+    b_o = bias.to(x.dtype) if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
     rows = []
     for b in range(x.shape[0]):  # per window: [pos, key, d_model] is the memory peak
         t = torch.einsum("hij,hjd->ijd", attn[b], f[b])
         t = t + torch.diag_embed(x[b].T).permute(1, 2, 0)  # δ_ij x_j on the diagonal
-        u = t.sum(1) + dense.bias.to(t.dtype)  # the LayerNorm input
-        sigma = torch.sqrt(u.var(-1, unbiased=False, keepdim=True) + ln.eps)  # [pos, 1]
-        transformed = gamma * (t - t.mean(-1, keepdim=True)) / sigma[:, None]
-        y = torch.nn.functional.layer_norm(u, u.shape[-1:], gamma, beta, ln.eps)  # [pos, d_model]
+        u = t.sum(1) + b_o  # post-norm: the LayerNorm input; pre-norm: the block's output y
+        if family.pre_norm:
+            y, transformed = u, t
+        else:
+            gamma, beta = norm.weight.to(x.dtype), norm.bias.to(x.dtype)
+            sigma = torch.sqrt(u.var(-1, unbiased=False, keepdim=True) + norm.eps)  # [pos, 1]
+            transformed = gamma * (t - t.mean(-1, keepdim=True)) / sigma[:, None]
+            y = torch.nn.functional.layer_norm(u, u.shape[-1:], gamma, beta, norm.eps)  # [pos, d_model]
         c = (y.abs().sum(-1, keepdim=True) - (y[:, None] - transformed).abs().sum(-1)).clamp_min(0)
         c = c * valid[b][None, :]
         rows.append(_normalise(c))
     return torch.stack(rows)
 
 
-def alti(blocks, resid_pre: list[torch.Tensor], probs: list[torch.Tensor], valid: torch.Tensor) -> list[torch.Tensor]:
+def alti(
+    blocks,
+    resid_pre: list[torch.Tensor],
+    probs: list[torch.Tensor],
+    valid: torch.Tensor,
+    *,
+    adapter: ModelAdapter | None = None,
+    attn_in: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """ALTI rolled out over layers: ``R_l = C_l R_{l-1}``, ``R_0 = C_0``. Per layer ``[batch, pos, key]``."""
     out, prev = [], None
-    for block, x, attn in zip(blocks, resid_pre, probs):
-        c = alti_layer(block, x, attn, valid)
+    for layer, (block, x, attn) in enumerate(zip(blocks, resid_pre, probs)):
+        given = None if attn_in is None else attn_in[layer]
+        c = alti_layer(block, x, attn, valid, adapter=adapter, attn_in=given)
         prev = c if prev is None else torch.matmul(c, prev)
         out.append(prev)
     return out
@@ -146,7 +192,8 @@ def _stack(per_layer: list[dict[str, torch.Tensor]], head_ids: list[int]) -> dic
 
 class TraceContext:
     """What every method reads: the model, the batch, its traced forward pass (attention maps
-    ``probs`` per layer ``[batch, head, pos, key]`` in float32, block inputs) and the valid mask."""
+    ``probs`` per layer ``[batch, head, pos, key]`` in float32, block and attention inputs) and the
+    valid mask."""
 
     def __init__(
         self, model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, chunk_size: int
@@ -157,6 +204,7 @@ class TraceContext:
         self.valid = attention_mask.to(model.device).bool()
         self.trace = trace(model, input_ids, attention_mask)
         self.blocks = encoder_layers(model.model)
+        self.adapter = model.adapter
         self.probs = [p.float() for p in self.trace.probs]
 
 
@@ -206,7 +254,8 @@ class NormBased(MixingMethod):
 
     def rows(self, ctx):
         pairs = [
-            norm_based(ctx.blocks[l], ctx.trace.resid_pre[l].float(), ctx.probs[l]) for l in range(ctx.model.n_layers)
+            norm_based(ctx.blocks[l], ctx.trace.attn_in[l].float(), ctx.probs[l], adapter=ctx.adapter)
+            for l in range(ctx.model.n_layers)
         ]
         return [_normalise(h) for h, _ in pairs], [_normalise(lay) for _, lay in pairs]
 
@@ -215,7 +264,8 @@ class Alti(MixingMethod):
     name = "alti"
 
     def rows(self, ctx):
-        return None, alti(ctx.blocks, [x.float() for x in ctx.trace.resid_pre], ctx.probs, ctx.valid)
+        resid_pre, attn_in = [x.float() for x in ctx.trace.resid_pre], [x.float() for x in ctx.trace.attn_in]
+        return None, alti(ctx.blocks, resid_pre, ctx.probs, ctx.valid, adapter=ctx.adapter, attn_in=attn_in)
 
 
 REGISTRY: dict[str, MixingMethod] = {m.name: m for m in (Attention(), Attribution(), Rollout(), NormBased(), Alti())}
