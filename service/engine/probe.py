@@ -159,9 +159,10 @@ def run_probe(model: LoadedModel, spec: ProbeSpec = ProbeSpec()) -> dict[str, to
         )
     candidates = ordinary_token_ids(model.tokenizer, getattr(config, "vocab_size", None))
     sequences = probe_sequences(candidates, layout, spec)
-    sums = dict.fromkeys(SCORES, 0.0)
+    sums: dict[str, torch.Tensor] = {}
     for chunk in sequences.split(CHUNK):
         scores = probe_scores(attention_maps(model, chunk), length=spec.length, start=layout.start)
         for name in SCORES:
-            sums[name] = sums[name] + scores[name].cpu() * len(chunk)
+            part = scores[name].cpu() * len(chunk)
+            sums[name] = sums[name] + part if name in sums else part
     return {name: total / spec.sequences for name, total in sums.items()}
