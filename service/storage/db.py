@@ -50,7 +50,7 @@ def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
 
 @contextmanager
 def transaction(
-    path: str | Path, *, read_only: bool = False, lock_wait_s: float = LOCK_WAIT_S, create: bool = True
+    path: str | Path, *, read_only: bool = False, lock_wait_s: float | None = None, create: bool = True
 ) -> Iterator[Connection]:
     """Open the database, yield a connection inside a transaction; commit on success, roll
     back on error, always close (releasing the file lock).
@@ -61,7 +61,7 @@ def transaction(
     dbfile.check_file(path, write=not read_only, create=create)
     engine = make_engine(path, read_only=read_only)
     try:
-        with _connected(engine, path, lock_wait_s) as conn:
+        with _connected(engine, path, LOCK_WAIT_S if lock_wait_s is None else lock_wait_s) as conn:
             try:
                 with conn.begin():
                     yield conn
