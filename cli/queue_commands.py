@@ -178,8 +178,13 @@ def worker(
     loglevel: str = options.Loglevel,
 ) -> None:
     """Run analysis workers: take batches from the queue, send their statistics to the writer."""
+    import re
+
+    from headatlas.service.errors import ModelError
     from headatlas.workers.launch import run_worker
 
+    if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ModelError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
     settings = _settings(broker_url=broker, device=device)
     run_worker(settings, queues=queues, concurrency=concurrency, loglevel=loglevel)
 

@@ -118,7 +118,10 @@ def parse_random_shape(spec: str) -> tuple[int, int, int]:
         raise ModelError(
             f"--model {spec!r}: use random:NAME ({', '.join(RANDOM_SHAPES)}) or random:LAYERS,HEADS,HIDDEN"
         ) from None
-    if min(layers, heads, hidden) < 1 or hidden % heads:
+    for field, value in (("LAYERS", layers), ("HEADS", heads), ("HIDDEN", hidden)):
+        if value < 1:
+            raise ModelError(f"--model {spec!r}: {field} must be at least 1 (random:LAYERS,HEADS,HIDDEN)")
+    if hidden % heads:
         raise ModelError(f"--model {spec!r}: HIDDEN must be a positive multiple of HEADS")
     return layers, heads, hidden
 

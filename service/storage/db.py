@@ -41,8 +41,9 @@ def driver_connection(conn: Connection) -> Any:
 
 
 def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
+    # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
     return create_engine(
-        f"duckdb:///{path}",
+        f"duckdb:///{Path(path).absolute()}",
         poolclass=NullPool,
         connect_args={"read_only": read_only} if read_only else {},
     )

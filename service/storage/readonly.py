@@ -124,7 +124,7 @@ def connect_readonly(db_path: str | Path, *, lock_wait_s: float = 10.0) -> Itera
     dbfile.check_file(path, write=False)
     try:
         connection = retry_on_lock(
-            lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
+            lambda: duckdb.connect(str(path.absolute()), read_only=True, config=dict(READONLY_CONFIG)),
             wait_s=lock_wait_s,
             what=f"the database {path}",
         )
