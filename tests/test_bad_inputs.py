@@ -408,6 +408,10 @@ CASES += [
     Case("analyze:corpus-dev-null", ["analyze", "/dev/null", "--db", "{db}"], "not a regular file"),
     Case("analyze:corpus-dev-zero", ["analyze", "/dev/zero", "--db", "{db}"], "not a regular file"),
     Case("analyze:select-percent", ["analyze", "{corpus}", "--select", "top:0%", "--db", "{db}"], "percentage"),
+    Case(
+        "sql:memory-limit-not-a-size", ["sql", "SELECT 1", "--memory-limit", "lots", "--db", "{db}"], "--memory-limit"
+    ),
+    Case("sql:temp-limit-not-a-size", ["sql", "SELECT 1", "--temp-limit", "-1", "--db", "{db}"], "--temp-limit"),
     Case("analyze:random-zero-layers", ["analyze", "{corpus}", "--model", "random:0,4,32", "--db", "{db}"], "LAYERS"),
 ]
 

@@ -147,6 +147,8 @@ def _source(spec: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def _loading(spec: str):
+    if spec != DEFAULT_MODEL and not spec.startswith("random:") and not Path(spec).expanduser().exists():
+        hub_offline_unless_reachable()
     try:
         yield
     except (OSError, ValueError) as exc:
@@ -154,6 +156,37 @@ def _loading(spec: str):
         raise ModelError(
             f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or random:bert-base"
         ) from None
+
+
+def hub_offline_unless_reachable(timeout_s: float = 3.0) -> None:
+    """Before a hub name is loaded: when the hub cannot be reached within ``timeout_s``, switch
+    the hub client to offline mode, so that loading answers at once (from the local cache, or
+    with one error) instead of after a minute of retries."""
+    import os
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    reached: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout_s).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)  # name resolution can outlast a socket timeout
+    thread.start()
+    thread.join(timeout_s)
+    if not reached:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        hub.HF_HUB_OFFLINE = True
 
 
 def _random_weights_key(shape: tuple[int, int, int]) -> str:
