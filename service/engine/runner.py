@@ -181,14 +181,18 @@ def analyze_corpus(
     )
     if run.status == "done":
         return run
-    tokens = TokenClasses.from_tokenizer(model.tokenizer)
-    skip = patiently(lambda: store.done_window_ids(run.run_id))
-    batch_id = patiently(lambda: store.next_batch_id(run.run_id))
-    # the first --attribution-windows windows get the mixing measures (counted across resumes)
-    mixing_left = (
-        params.attribution_windows - patiently(lambda: store.mixing_windows(run.run_id)) if params.mixes else 0
-    )
-    patiently(lambda: store.set_status(run.run_id, "running", started=True))
+    try:  # Ctrl-C from here on leaves the run marked interrupted, not created
+        tokens = TokenClasses.from_tokenizer(model.tokenizer)
+        skip = patiently(lambda: store.done_window_ids(run.run_id))
+        batch_id = patiently(lambda: store.next_batch_id(run.run_id))
+        # the first --attribution-windows windows get the mixing measures (counted across resumes)
+        mixing_left = (
+            params.attribution_windows - patiently(lambda: store.mixing_windows(run.run_id)) if params.mixes else 0
+        )
+        patiently(lambda: store.set_status(run.run_id, "running", started=True))
+    except KeyboardInterrupt:
+        store.set_status(run.run_id, "interrupted", error="interrupted by the user; re-run the same command to resume")
+        raise
     started = time.perf_counter()
     pending: list[tuple[int, BatchResult]] = []
     last_flush = time.perf_counter()
