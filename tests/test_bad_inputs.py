@@ -388,6 +388,7 @@ CASES += [
     Case("runs:newer-schema", ["runs", "--db", "{db}"], "newer headatlas", db="newer"),
     Case("db-upgrade:newer-schema", ["db", "upgrade", "--db", "{db}"], "upgrade headatlas", db="newer"),
     Case("analyze:newer-schema", [*DB_COMMANDS["analyze"], "--db", "{db}"], "newer headatlas", db="newer"),
+    Case("runs:other-tools-alembic", ["runs", "--db", "{db}"], "not headatlas's", db="alembic"),
     Case("plot:out-in-proc", ["plot", "heads", "--out", "/proc/x.png", "--db", "{db}"], "/proc/x.png"),
     Case(
         "inspect:out-in-proc",
@@ -464,12 +465,13 @@ def _prepare(case: Case, base, tmp_path: Path) -> tuple[list[str], Path | None]:
         connection.execute("CREATE TABLE invoices (id INTEGER, total DOUBLE)")
         connection.execute("INSERT INTO invoices VALUES (1, 9.5)")
         connection.close()
-    elif case.db == "newer":  # as a newer headatlas leaves it: a schema revision this one lacks
+    elif case.db in ("newer", "alembic"):  # a schema revision this headatlas lacks: newer, or another tool's
         import duckdb
 
         shutil.copy(good, db)
         connection = duckdb.connect(str(db))
-        connection.execute("UPDATE alembic_version SET version_num = '0099_future'")
+        revision = "0099_future" if case.db == "newer" else "ae1027a6acf"
+        connection.execute(f"UPDATE alembic_version SET version_num = '{revision}'")
         connection.close()
     elif case.db not in ("missing", "none"):
         db.write_bytes(_damaged(good.read_bytes(), case.db))

@@ -196,8 +196,18 @@ def check_schema(conn: Connection, path: str | Path) -> None:
 
 
 def check_known(current: str | None, path: str | Path) -> None:
-    """Refuse a schema revision this headatlas does not know: `db upgrade` could not migrate it."""
-    if current is not None and current != head_revision() and not known_revision(current):
+    """Refuse a schema revision this headatlas does not know and `db upgrade` could not migrate:
+    a newer headatlas's (a higher number than this one's head), or another tool's alembic
+    history. An unknown lower number falls through to the usual stale-schema error."""
+    if current is None or current == head_revision() or known_revision(current):
+        return
+    number, head = current.split("_", 1)[0], head_revision().split("_", 1)[0]
+    if not number.isdigit():
+        raise DatabaseFileError(
+            f"database {path} has schema revision {current!r}, which is not headatlas's (another tool's alembic "
+            "history?): pass another --db; headatlas reads and writes only its own databases"
+        )
+    if head.isdigit() and int(number) > int(head):
         raise StoreError(
             f"database {path} was written by a newer headatlas (schema {current}; this one knows up to "
             f"{head_revision()}): upgrade headatlas to use it"
