@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.config import Settings
@@ -61,20 +62,18 @@ class DatabaseAway(StoreBusy):
 def file_database_id(path: str | Path) -> str | None:
     """The id of the headatlas database at ``path``; None when there is no file, or it holds no
     headatlas database (empty, another tool's, unreadable). Reads only; never creates."""
-    from sqlalchemy import text
-
     from headatlas.service.storage import db
 
     if not Path(path).is_file():
         return None
     try:
         with db.transaction(path, read_only=True, create=False) as conn:
-            return _id_in(conn, text)
+            return _id_in(conn)
     except HeadatlasError:
         return None
 
 
-def _id_in(conn: Connection, text) -> str | None:
+def _id_in(conn: Connection) -> str | None:
     has = conn.execute(
         text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'database_info'")
     ).scalar()
@@ -121,14 +120,12 @@ class OwnStore(Store):
 
     @contextmanager
     def _guarded(self) -> Iterator[Connection]:
-        from sqlalchemy import text
-
         from headatlas.service.storage import db
 
         self.check()
         try:
             with db.transaction(self.path, create=False) as conn:
-                found = _id_in(conn, text)
+                found = _id_in(conn)
                 if found != self.database_id:
                     raise DatabaseAway(self._away(f"now {'database ' + found[:8] if found else 'another file'}"))
                 yield conn
@@ -263,8 +260,6 @@ class Writer:
         knows of its queued runs in flight (stored batches, status); the batches that were
         queued, running or analysed are gone with Redis and must be submitted again (a waiting
         `submit --wait` does it by itself). False when the database could not be read now."""
-        from sqlalchemy import text
-
         from headatlas.service.storage import queue_store
 
         log.warning("Redis lost its data (restarted without persistence?): queues and live run state are gone")
