@@ -627,12 +627,18 @@ def sql(
     fmt: Format = FormatOpt,
     max_rows: int = options.setting("sql_max_rows", "--max-rows", help="Row cap."),
     timeout: float = options.setting("sql_timeout_s", "--timeout", help="Time limit in seconds."),
+    memory_limit: str | None = typer.Option(
+        None, "--memory-limit", help="Memory the query may use, e.g. 2GB (default: a quarter of this machine's)."
+    ),
+    temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
 ) -> None:
     """Run read-only SQL against the results (tables and views: see README)."""
     from headatlas.service.storage.readonly import run_readonly_sql
 
     text = sys.stdin.read() if statement == "-" else statement
-    result = run_readonly_sql(db, text, max_rows=max_rows, timeout_s=timeout)
+    result = run_readonly_sql(
+        db, text, max_rows=max_rows, timeout_s=timeout, memory_limit=memory_limit, temp_limit=temp_limit
+    )
     render(result.columns, result.rows, fmt, truncated=result.truncated)
 
 

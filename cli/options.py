@@ -32,7 +32,26 @@ Db = setting("db", "--db", help="DuckDB results file.")
 Broker = setting("broker_url", "--broker", help="Redis URL of the queue.")
 Run = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
 Fmt = typer.Option(Format.table, "--format", "-f", help="Output format.")
-Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).")
+
+
+def check_run_name(name: str | None) -> str | None:
+    """A run name is printable text that cannot be read as a run id."""
+    from headatlas.service.errors import ParameterError
+
+    if name is None:
+        return None
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in name):
+        raise ParameterError(
+            f"--name {name!r}: holds a control character (newline, tab, terminal escape …); use printable text"
+        )
+    if not name.strip():
+        raise ParameterError("--name is empty: pass a name, or leave the option out for the default")
+    if name.strip().isdigit():
+        raise ParameterError(f"--name {name}: a number would be read as a run id; pass e.g. run-{name.strip()}")
+    return name
+
+
+Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).", callback=check_run_name)
 Ci = typer.Option(
     False,
     "--ci",

@@ -61,20 +61,24 @@ def submit(
     settings = _settings(db=db, broker_url=broker)
     # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
     check_model_spec(model, seq_len=params.seq_len, memory="total")
-    sub = submit_corpus(
-        corpus,
-        settings=settings,
-        model=model,
-        dtype=params.dtype,
-        params=params,
-        batch_size=batch_size,
-        name=name,
-        text_field=analysis.text_field,
-        encoding=analysis.encoding,
-        writer_wait_s=writer_wait,
-        probe=analysis.probe_spec,
-        log=lambda msg: stderr.print(msg),
-    )
+
+    def queue(log=lambda msg: stderr.print(msg)):
+        return submit_corpus(
+            corpus,
+            settings=settings,
+            model=model,
+            dtype=params.dtype,
+            params=params,
+            batch_size=batch_size,
+            name=name,
+            text_field=analysis.text_field,
+            encoding=analysis.encoding,
+            writer_wait_s=writer_wait,
+            probe=analysis.probe_spec,
+            log=log,
+        )
+
+    sub = queue()
     if sub.status == "done":
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
@@ -88,32 +92,61 @@ def submit(
     if sub.run_id is None:
         stderr.print("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
     if wait and sub.status != "done":
-        _wait(settings, sub)
+        _wait(settings, sub, resubmit=lambda: queue(log=lambda _msg: None))
     stdout.print(sub.run_id if sub.run_id is not None else sub.name)
 
 
-def _wait(settings, sub) -> None:
+def _wait(settings, sub, resubmit=None) -> None:
     """Progress as the database holds it: batches its writer has committed, until the database
-    says the run ended and nothing of it is in flight any more."""
+    says the run ended and nothing of it is in flight any more. Redis away: it waits for it
+    (saying so once); Redis back without its data: the missing batches are submitted again."""
+    import kombu.exceptions
+    import redis
+
+    from headatlas.service.errors import BrokerError
+    from headatlas.workers.lease import broker_epoch
     from headatlas.workers.ledger import Ledger, connect
 
-    ledger = Ledger(connect(settings.broker_url), sub.database_id)
-    started, base = time.monotonic(), ledger.windows_done(sub.run_key)
+    ledger = Ledger(connect(settings.broker_url, check=False), sub.database_id)
+    started, base, away, live = time.monotonic(), None, False, None
     with progress_bar("batches", "{task.fields[failed]} failed") as bar:
         task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
         while True:
-            live = ledger.live(sub.run_key)
-            rate = (ledger.windows_done(sub.run_key) - base) / max(time.monotonic() - started, 1e-9)
-            bar.update(task, completed=live.done + live.failed, failed=live.failed, rate=rate)
-            if ledger.run_status(sub.run_key) in ("done", "failed") and not ledger.in_flight(sub.run_key):
-                break
-            _check_writer(ledger, sub, settings)
+            try:
+                if resubmit is not None and (
+                    (sub.epoch and broker_epoch(ledger.r) != sub.epoch) or ledger.broker_lost(sub.run_key)
+                ):
+                    stderr.print(
+                        "the broker lost this run's queued batches (Redis restarted without its data): "
+                        "queuing what is not stored again"
+                    )
+                    again = resubmit()
+                    sub.epoch, sub.run_id = again.epoch, sub.run_id or again.run_id
+                if away:
+                    stderr.print("the broker is back; waiting for the run")
+                    away = False
+                if base is None:
+                    base = ledger.windows_done(sub.run_key)
+                live = ledger.live(sub.run_key)
+                rate = (ledger.windows_done(sub.run_key) - base) / max(time.monotonic() - started, 1e-9)
+                bar.update(task, completed=live.done + live.failed, failed=live.failed, rate=rate)
+                if ledger.run_status(sub.run_key) in ("done", "failed") and not ledger.in_flight(sub.run_key):
+                    break
+                _check_writer(ledger, sub, settings)
+            except (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError, BrokerError) as exc:
+                if not away:
+                    stderr.print(
+                        f"lost the broker at {settings.broker_url} ({type(exc).__name__}); waiting for it to come back"
+                    )
+                    away = True
+                time.sleep(1.0)
+                continue
             time.sleep(0.5)
     if sub.run_id is None:
         from headatlas.workers.submit import wait_for_run_id
 
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
-    if live.failed:
+    if live is not None and live.failed:
         stderr.print(
             f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again"
         )
@@ -149,8 +182,13 @@ def worker(
     loglevel: str = options.Loglevel,
 ) -> None:
     """Run analysis workers: take batches from the queue, send their statistics to the writer."""
+    import re
+
+    from headatlas.service.errors import ModelError
     from headatlas.workers.launch import run_worker
 
+    if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ModelError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
     settings = _settings(broker_url=broker, device=device)
     run_worker(settings, queues=queues, concurrency=concurrency, loglevel=loglevel)
 

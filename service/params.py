@@ -40,10 +40,14 @@ class Selection:
                 f"--select {text!r}: expected top:Q (share of pairs, e.g. top:0.02), "
                 "ratio:R (share of the maximum, e.g. ratio:0.5) or topk:K (e.g. topk:20)"
             )
+        if raw.strip().endswith("%"):
+            raise ParameterError(f"--select {text!r}: give a share, not a percentage (top:0.02 for 2%)")
         try:
             value = float(raw)
         except ValueError:
             raise ParameterError(f"--select {text!r}: {raw!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ParameterError(f"--select {text!r}: {raw!r} is not a finite number")
         if kind == "top" and not 0.0 < value <= 1.0:
             raise ParameterError(f"--select {text!r}: Q must be in (0, 1], e.g. top:0.02")
         if kind == "ratio" and not 0.0 < value <= 1.0:
@@ -100,8 +104,10 @@ class AnalysisParams:
         _check_choice("--sentences", self.sentences, SENTENCES)
         _check_choice("--vectors", self.vectors, VECTORS)
         _check_choice("--dtype", self.dtype, DTYPES)
-        if not self.gate > 0:
-            raise ParameterError(f"--gate {self.gate}: must be positive (default 4 = four times uniform)")
+        if not (self.gate > 0 and math.isfinite(self.gate)):
+            raise ParameterError(
+                f"--gate {self.gate}: must be a positive finite number (default 4 = four times uniform)"
+            )
         if self.short_range < 1:
             raise ParameterError(f"--short-range {self.short_range}: must be at least 1 (default 4)")
         for method in self.mixing:

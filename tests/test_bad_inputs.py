@@ -84,8 +84,24 @@ def base(tmp_path_factory):
         "latin1": _write(root / "latin.txt", "caf\u00e9 au lait.\n".encode("latin-1")),
         "binary": _write(root / "blob.txt", b"abc\x00\x01\x02" * 100),
         "odd_name": _write(root / "odd[bold].txt", b"A file whose name looks like markup.\n"),
+        "deep_jsonl": _write(root / "deep.jsonl", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"),
+        "utf16_bom": _write(root / "bom16.txt", "Text with a byte order mark.\n".encode("utf-16")),
+        "twelve": _config_changed(root / "twelve", source, num_attention_heads="twelve"),
     }
+    os.mkfifo(root / "fifo.txt")
+    files["fifo"] = root / "fifo.txt"
     return root, db, files
+
+
+def _config_changed(folder: Path, source: Path, **changes) -> Path:
+    """A model folder of the default model's files with ``changes`` in its config.json."""
+    folder.mkdir()
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
 
 
 def _write(path: Path, content: bytes) -> Path:
@@ -117,7 +133,7 @@ class Case:
     id: str
     args: list[str]
     hint: str  # must appear in the error line
-    db: str = "good"  # good | empty | text | random | truncated | flipped-* | folder | foreign | missing | none
+    db: str = "good"  # good | empty | … | flipped-* | folder | foreign | newer | missing | none
     input: str | None = None
 
 
@@ -366,6 +382,38 @@ CASES += [
         "time zone",
     ),
     Case("plot:bad-suffix", ["plot", "heads", "--out", "{root}/x.gif", "--db", "{db}"], ".gif"),
+    # production faults: files that are not files, schemas from the future, odd names and values
+    Case("runs:db-is-a-fifo", ["runs", "--db", "{fifo}"], "not a regular file", db="none"),
+    Case("sql:db-is-a-fifo", ["sql", "SELECT 1", "--db", "{fifo}"], "not a regular file", db="none"),
+    Case("runs:newer-schema", ["runs", "--db", "{db}"], "newer headatlas", db="newer"),
+    Case("db-upgrade:newer-schema", ["db", "upgrade", "--db", "{db}"], "upgrade headatlas", db="newer"),
+    Case("analyze:newer-schema", [*DB_COMMANDS["analyze"], "--db", "{db}"], "newer headatlas", db="newer"),
+    Case("runs:other-tools-alembic", ["runs", "--db", "{db}"], "not headatlas's", db="alembic"),
+    Case("plot:out-in-proc", ["plot", "heads", "--out", "/proc/x.png", "--db", "{db}"], "/proc/x.png"),
+    Case(
+        "inspect:out-in-proc",
+        ["inspect", "some text", "--out", "/proc/i.png", "--model", "random:tiny"],
+        "/proc/i.png",
+        db="none",
+    ),
+    Case("analyze:jsonl-nested-100000", ["analyze", "{deep_jsonl}", "--db", "{db}"], "nested too deeply"),
+    Case("analyze:config-heads-twelve", ["analyze", "{corpus}", "--model", "{twelve}", "--db", "{db}"], "twelve"),
+    Case("analyze:gate-inf", ["analyze", "{corpus}", "--gate", "inf", "--db", "{db}"], "--gate"),
+    Case("analyze:gate-nan", ["analyze", "{corpus}", "--gate", "nan", "--db", "{db}"], "--gate"),
+    Case("analyze:name-a-number", ["analyze", "{corpus}", "--name", "1", "--db", "{db}"], "run id"),
+    Case("analyze:name-newline", ["analyze", "{corpus}", "--name", "a\nb", "--db", "{db}"], "control character"),
+    Case("analyze:name-ansi", ["analyze", "{corpus}", "--name", "\x1b[31mred", "--db", "{db}"], "control character"),
+    Case("worker:device-tpu", ["worker", "--device", "tpu", "--broker", NO_BROKER], "--device", db="none"),
+    Case("analyze:utf16-with-bom", ["analyze", "{utf16_bom}", "--db", "{db}"], "--encoding utf-16"),
+    Case("analyze:corpus-fifo", ["analyze", "{fifo}", "--db", "{db}"], "not a regular file"),
+    Case("analyze:corpus-dev-null", ["analyze", "/dev/null", "--db", "{db}"], "not a regular file"),
+    Case("analyze:corpus-dev-zero", ["analyze", "/dev/zero", "--db", "{db}"], "not a regular file"),
+    Case("analyze:select-percent", ["analyze", "{corpus}", "--select", "top:0%", "--db", "{db}"], "percentage"),
+    Case(
+        "sql:memory-limit-not-a-size", ["sql", "SELECT 1", "--memory-limit", "lots", "--db", "{db}"], "--memory-limit"
+    ),
+    Case("sql:temp-limit-not-a-size", ["sql", "SELECT 1", "--temp-limit", "-1", "--db", "{db}"], "--temp-limit"),
+    Case("analyze:random-zero-layers", ["analyze", "{corpus}", "--model", "random:0,4,32", "--db", "{db}"], "LAYERS"),
 ]
 
 
@@ -416,6 +464,14 @@ def _prepare(case: Case, base, tmp_path: Path) -> tuple[list[str], Path | None]:
         connection = duckdb.connect(str(db))
         connection.execute("CREATE TABLE invoices (id INTEGER, total DOUBLE)")
         connection.execute("INSERT INTO invoices VALUES (1, 9.5)")
+        connection.close()
+    elif case.db in ("newer", "alembic"):  # a schema revision this headatlas lacks: newer, or another tool's
+        import duckdb
+
+        shutil.copy(good, db)
+        connection = duckdb.connect(str(db))
+        revision = "0099_future" if case.db == "newer" else "ae1027a6acf"
+        connection.execute(f"UPDATE alembic_version SET version_num = '{revision}'")
         connection.close()
     elif case.db not in ("missing", "none"):
         db.write_bytes(_damaged(good.read_bytes(), case.db))

@@ -178,8 +178,10 @@ def test_upgrade_is_repeatable(tmp_path):
 def test_compaction_keeps_every_view_value_and_the_ledger(store, tiny_model, small_corpus):
     from headatlas.service.storage.compact import compact_run
 
-    run = _run(store, tiny_model, small_corpus)
-    results = _results(tiny_model, small_corpus)
+    # blocks of one window: the small corpus's few documents still spread over several groups
+    params = AnalysisParams(replicates="block:1")
+    run = _run(store, tiny_model, small_corpus, params)
+    results = _results(tiny_model, small_corpus, params)
     store.ingest(run.run_id, list(enumerate(results[:-1])))
     # the *_reps views hold the leave-one-group-out values the intervals are built from
     views = (

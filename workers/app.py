@@ -29,6 +29,12 @@ def broker_options(settings: Settings) -> dict:
         "visibility_timeout": int(2 * settings.task_time_limit_s),
         "unacked_restore_interval": 2,
         "unacked_restore_throttle": 1,
+        # a Redis that went away without closing the socket (restarted on another host, a
+        # dropped network) is noticed by keepalive and health checks, not after hours
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+        "retry_on_timeout": True,
     }
 
 
@@ -46,7 +52,9 @@ def configure(app: Celery, settings: Settings, *, torch_threads: int | None = No
         broker_url=settings.broker_url,
         broker_transport_options=broker_options(settings),
         broker_connection_retry_on_startup=True,
-        broker_connection_max_retries=None,  # a restarted Redis is waited for, not given up on
+        broker_connection_retry=True,  # a lost connection is re-established, with backoff …
+        broker_connection_max_retries=None,  # … for as long as it takes: a restarted Redis is waited for
+        broker_channel_error_retry=True,  # a channel error while connecting is retried too
         task_serializer="json",
         accept_content=["json"],
         result_backend=None,

@@ -23,6 +23,50 @@ from headatlas.workers.ledger import Ledger, Running
 
 log = logging.getLogger("headatlas.heartbeat")
 
+WORKERS = "headatlas:workers:"  # + host:pid: a consuming worker process, expiring unless refreshed
+
+
+class WorkerBeacon:
+    """Says in Redis that this worker process consumes the analysis queue, while it does:
+    refreshed every HEARTBEAT_S from a thread, only while ``consuming()`` (the Celery consumer
+    is connected and running); `status` counts the live ones and says when there are none."""
+
+    def __init__(self, client: redis.Redis, name: str, info: dict, consuming=lambda: True):
+        self.r, self.name, self.info, self.consuming = client, name, info, consuming
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="worker-beacon", daemon=True)
+
+    def start(self) -> WorkerBeacon:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.r.delete(WORKERS + self.name)
+        except redis.RedisError:
+            pass
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                if self.consuming():
+                    self.r.set(WORKERS + self.name, json.dumps(self.info), ex=max(1, round(SILENT_S)))
+            except redis.RedisError:
+                pass  # Redis away: the key expires, as it should
+            except Exception:  # noqa: BLE001 - the beacon must not die of a consumer's state
+                log.debug("worker beacon", exc_info=True)
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+
+def live_workers(client: redis.Redis) -> list[str]:
+    """host:pid of every worker process whose beacon lives."""
+    return sorted(
+        k.decode()[len(WORKERS) :] if isinstance(k, bytes) else k[len(WORKERS) :]
+        for k in client.scan_iter(match=WORKERS + "*", count=1000)
+    )
+
 
 class BatchHeartbeat:
     """``with BatchHeartbeat(ledger, run_key, batch_id, worker):`` keeps the batch alive."""

@@ -21,6 +21,8 @@ import redis
 from headatlas.service.errors import StoreError, WriterConflict
 
 LEASE = "headatlas:writer:lease"
+LAST = "headatlas:writer:last"  # the database the last writer stored into (no expiry)
+EPOCH = "headatlas:epoch"  # a random value set once: a new one means Redis lost its data
 HEARTBEAT_S = 2.0  # a writer's lease and a worker's batch are refreshed this often …
 SILENT_S = 5 * HEARTBEAT_S  # … and count as gone when silent this long
 
@@ -116,8 +118,19 @@ class WriterLease:
             "(--broker, e.g. another Redis database number)"
         )
 
+    def reclaim(self) -> bool:
+        """Take the lease again after it vanished (it expired while Redis was away, or Redis
+        lost its data): True when it is ours again, False when another writer holds it."""
+        return bool(self.r.set(LEASE, self._value(), nx=True, px=int(SILENT_S * 1000)))
+
+    def last(self) -> dict | None:
+        """The database the last writer on this broker stored into: {db, database_id}."""
+        raw = self.r.get(LAST)
+        return json.loads(raw) if raw else None
+
     def set_database(self, database_id: str) -> None:
         self.database_id = database_id
+        self.r.set(LAST, json.dumps({"db": self.db, "database_id": database_id}))
         if not self.refresh():
             raise WriterConflict(
                 f"this writer lost the ingest queue of {self.broker_url} while opening {self.db}: "
@@ -134,6 +147,17 @@ class WriterLease:
 
     def release(self) -> None:
         self.r.eval(_RELEASE, 1, LEASE, self.token)
+
+
+def broker_epoch(client: redis.Redis) -> str:
+    """This Redis's epoch: a random value set by the first process that asks. It survives a
+    restart with persistence; a Redis that lost its data (restarted without it, flushed) has a
+    new one, which tells every process that the queues and the live state are gone."""
+    value = client.get(EPOCH)
+    if value is None:
+        client.set(EPOCH, uuid.uuid4().hex, nx=True)
+        value = client.get(EPOCH)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _left_behind(other: Holder) -> bool:

@@ -106,6 +106,7 @@ class Ledger:
     def put_run(self, run_key: str, meta: dict) -> None:
         pipe = self.r.pipeline()
         pipe.hset(self.key("run", run_key), mapping={"meta": json.dumps(meta)})
+        pipe.delete(self.key("broker_lost", run_key))  # submitted (again): what is missing is queued
         pipe.sadd(self.key("active", "runs"), run_key)  # swept for lost workers until it ends
         pipe.execute()
 
@@ -121,6 +122,15 @@ class Ledger:
         if size is None:  # the run's hash vanished between the two calls (Redis flushed or restarted)
             raise BrokerError(f"run {run_key}: the broker lost its batch size; submit again")
         return int(size)
+
+    def mark_broker_lost(self, run_key: str) -> None:
+        """Redis lost this run's queued batches (restarted without its data): until the corpus
+        is submitted again, `status` says so and `submit --wait` re-submits it."""
+        self.r.set(self.key("broker_lost", run_key), f"{time.time():.3f}")
+
+    def broker_lost(self, run_key: str) -> float | None:
+        raw = self.r.get(self.key("broker_lost", run_key))
+        return float(raw) if raw else None
 
     def set_run_id(self, run_key: str, run_id: int) -> None:
         self.r.hset(self.key("run", run_key), mapping={"run_id": run_id, "error": ""})

@@ -34,6 +34,9 @@ class RunStatus:
     backlog: int | None = None  # messages waiting for the writer, all runs
     errors: list[tuple[int, int, str]] = field(default_factory=list)
     lost: list[LostInfo] = field(default_factory=list)
+    writer: str | None = None  # who stores into this database, or why no one does (None: no broker)
+    workers: int | None = None  # worker processes consuming the analysis queue (heartbeat)
+    warnings: list[str] = field(default_factory=list)  # why the run may not move
 
     def record(self) -> dict:
         """The status as one record with named fields (--format json/csv); numbers stay numbers,
@@ -60,6 +63,11 @@ class RunStatus:
             ("ETA", "-" if self.eta_s is None else _duration(self.eta_s)),
             ("writer backlog (messages, all runs)", show(self.backlog)),
         ]
+        if self.writer is not None:
+            out.append(("writer", self.writer))
+        if self.workers is not None:
+            out.append(("workers consuming", show(self.workers)))
+        out += [("warning", w) for w in self.warnings]
         if self.error:
             out.append(("error", self.error))
         out += [(f"batch {b} (tried {a}×)", e) for b, a, e in self.errors]
@@ -94,9 +102,11 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
     plan = prog.plan
     batches = plan.batches if plan else None
     windows = plan.windows if plan else None
-    running = ingesting = backlog = None
+    running = ingesting = backlog = writer = workers = None
     lost: list[LostInfo] = []
+    warnings: list[str] = []
     if ledger is not None:
+        writer, workers, warnings = _consumers(ledger, run)
         backlog = ledger.backlog()
         if plan is not None:
             live = ledger.live(run.run_key)
@@ -137,7 +147,40 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
         backlog=backlog,
         errors=prog.errors,
         lost=lost,
+        writer=writer,
+        workers=workers,
+        warnings=warnings,
     )
+
+
+def _consumers(ledger, run) -> tuple[str, int, list[str]]:
+    """Who consumes what this run needs (the writer, the workers), and why it may not move."""
+    from headatlas.workers.heartbeat import live_workers
+    from headatlas.workers.lease import holder
+
+    other, _raw = holder(ledger.r)
+    workers = len(live_workers(ledger.r))
+    active = run.status not in ("done", "failed")
+    warnings = []
+    if other is None:
+        writer = "none"
+        if active:
+            warnings.append("no writer holds the ingest queue: nothing is stored; start `headatlas writer`")
+    else:
+        writer = f"{other.host}:{other.pid}, heartbeat {max(0.0, time.time() - other.beat):.0f} s ago"
+        if other.database_id and other.database_id != ledger.database_id:
+            writer = f"none for this database ({other.describe()})"
+            if active:
+                warnings.append(f"the writer on this broker stores into {other.db}: start a writer on this database")
+    if active and workers == 0:
+        warnings.append("no worker is consuming the analysis queue: nothing is analysed; start `headatlas worker`")
+    lost_at = ledger.broker_lost(run.run_key) if active else None
+    if lost_at is not None:
+        warnings.append(
+            f"the broker lost this run's queued batches {time.time() - lost_at:.0f} s ago (Redis restarted without "
+            "its data): submit the same corpus again to queue what is not stored"
+        )
+    return writer, workers, warnings
 
 
 def _duration(seconds: float) -> str:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from headatlas.service.config import Settings
-from headatlas.service.errors import CorpusError, StoreError
+from headatlas.service.errors import BrokerError, CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
 from headatlas.workers.ledger import Ledger, connect
 
@@ -41,6 +42,7 @@ class Submission:
     run_id: int | None = None  # None when no writer created the run within the wait
     status: str | None = None
     probe_queued: bool = False  # the synthetic probe was queued (SPEC §8)
+    epoch: str = ""  # the broker's epoch when it was queued (workers/lease.py: broker_epoch)
 
 
 def submit(
@@ -65,10 +67,11 @@ def submit(
     from headatlas.service.engine.model import load_model_info
     from headatlas.service.engine.runner import _short_name, run_key, survey_corpus
     from headatlas.workers.app import ANALYSIS_QUEUE, make_app
-    from headatlas.workers.lease import target_database
+    from headatlas.workers.lease import broker_epoch, target_database
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
     client = connect(settings.broker_url)  # fail before any work when Redis is away
+    epoch = broker_epoch(client)
     ledger = Ledger(client, target_database(client, settings.db, settings.broker_url, writer_wait_s))
     log(f"corpus: {summary.documents} documents, {summary.chars:,} characters; model {model} …")
     loaded = load_model_info(model)  # the tokenizer, config and weights' identity: no weights loaded
@@ -132,7 +135,7 @@ def submit(
     ledger.send_to_writer("open_run", run_key=key)
     batches = windows = queued = 0
     sent: list[int] = []
-    with app.producer_or_acquire() as producer:
+    with _broker_errors(settings.broker_url), app.producer_or_acquire() as producer:
         for batch_id, n_windows, payload in batch_payloads(
             spec,
             loaded,
@@ -161,10 +164,27 @@ def submit(
     meta.update(batches=batches, windows=windows)
     ledger.put_run(key, meta)
     ledger.send_to_writer("open_run", run_key=key)  # the plan is complete
-    result = Submission(key, run_name, size, batches, windows, queued, batches - queued, ledger.database_id)
+    result = Submission(
+        key, run_name, size, batches, windows, queued, batches - queued, ledger.database_id, epoch=epoch
+    )
     result.probe_queued = queue_probe()
     result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
     return result
+
+
+@contextmanager
+def _broker_errors(url: str):
+    """Redis lost while queuing: one line, not a traceback (what was sent stays queued)."""
+    import kombu.exceptions
+    import redis
+
+    try:
+        yield
+    except (kombu.exceptions.OperationalError, redis.ConnectionError, redis.TimeoutError) as exc:
+        raise BrokerError(
+            f"lost the broker at {url} while queuing ({type(exc).__name__}): submit again when it is back; "
+            "what was queued is kept and nothing is queued twice"
+        ) from None
 
 
 def batch_payloads(

@@ -219,6 +219,34 @@ def _deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+@signals.worker_ready.connect
+def _start_beacon(sender=None, **_kwargs) -> None:
+    """This worker consumes the analysis queue: say so in Redis while its consumer runs."""
+    import time
+
+    from celery import bootsteps
+
+    from headatlas.workers.heartbeat import WorkerBeacon
+    from headatlas.workers.ledger import connect
+
+    consumer = sender
+
+    def consuming() -> bool:
+        blueprint = getattr(consumer, "blueprint", None)
+        return blueprint is None or blueprint.state == bootsteps.RUN
+
+    name = f"{socket.gethostname()}:{os.getpid()}"
+    info = {"device": _settings().device, "started": time.time()}
+    _state["beacon"] = WorkerBeacon(connect(_settings().broker_url, check=False), name, info, consuming).start()
+
+
+@signals.worker_shutdown.connect
+def _stop_beacon(**_kwargs) -> None:
+    beacon = _state.pop("beacon", None)
+    if beacon is not None:
+        beacon.stop()
+
+
 @signals.worker_process_init.connect
 def _share_cores(**_kwargs) -> None:
     """Prefork children split the cores instead of each using all of them."""

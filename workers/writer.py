@@ -11,6 +11,12 @@ The writer holds the ingest queue by a lease (workers/lease.py): a second writer
 broker refuses to start. Messages name the database they are for; one for another database is
 dropped (and forgotten in that database's state, so that submitting there again queues it). A
 thread keeps the lease alive and requeues the batches of workers whose heartbeat stopped.
+
+Faults it rides out (docs/reliability.md): Redis away or restarted (it waits, takes its lease
+again when it expired meanwhile, and when Redis lost its data re-declares the analysis queue and
+what the database says of the runs in flight); its database file moved, deleted or replaced (it
+never creates a database once started: it pauses, says so, and keeps every analysed batch in
+Redis until the file it opened is back).
 """
 
 from __future__ import annotations
@@ -18,12 +24,17 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import redis
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.config import Settings
@@ -34,13 +45,100 @@ from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, Writ
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.store import Store, ingest_batches, store_probe
 from headatlas.workers.heartbeat import requeue_lost
-from headatlas.workers.lease import HEARTBEAT_S, WriterLease
+from headatlas.workers.lease import HEARTBEAT_S, SILENT_S, WriterLease, broker_epoch, holder
 from headatlas.workers.ledger import INGEST, PROCESSING, Ledger, connect
 
 log = logging.getLogger("headatlas.writer")
 
 GROUP = 32  # messages per transaction at most (bounds how long a reader may wait)
 READER_GAP_S = 0.025  # the file stays closed at least this long between transactions
+AWAY_POLL_S = 2.0  # how often a writer whose database is away looks for it again
+
+
+class DatabaseAway(StoreBusy):
+    """The writer's database file is missing, or the file at its path is another database: the
+    writer waits for its own (messages stay in Redis, as for a busy file)."""
+
+
+def file_database_id(path: str | Path) -> str | None:
+    """The id of the headatlas database at ``path``; None when there is no file, or it holds no
+    headatlas database (empty, another tool's, unreadable). Reads only; never creates."""
+    from headatlas.service.storage import db
+
+    if not Path(path).is_file():
+        return None
+    try:
+        with db.transaction(path, read_only=True, create=False) as conn:
+            return _id_in(conn)
+    except HeadatlasError:
+        return None
+
+
+def _id_in(conn: Connection) -> str | None:
+    has = conn.execute(
+        text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'database_info'")
+    ).scalar()
+    if not has:
+        return None
+    return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar()
+
+
+class OwnStore(Store):
+    """The writer's database: only the file it opened at start, never a new one. A transaction
+    on a missing file, or on a file that now holds another database (moved, deleted, replaced
+    under the writer), raises DatabaseAway before anything is written."""
+
+    def __init__(self, path: str | Path, database_id: str):
+        super().__init__(path)
+        self.database_id = database_id
+        self._ident = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def check(self) -> None:
+        ident = self._stat()
+        if ident is None:
+            raise DatabaseAway(self._away("missing (moved or deleted)"))
+        if ident != self._ident:  # another file at the path: the same database put back, or not
+            found = file_database_id(self.path)
+            if found != self.database_id:
+                raise DatabaseAway(
+                    self._away(f"now {'database ' + found[:8] if found else 'not a headatlas database'}")
+                )
+            self._ident = ident
+
+    def _away(self, what: str) -> str:
+        return (
+            f"database {self.path} is {what}: this writer stores into database {self.database_id[:8]} and never "
+            "creates another one while runs are in flight; analysed batches wait in Redis until that database "
+            f"is back at {self.path}"
+        )
+
+    @contextmanager
+    def _guarded(self) -> Iterator[Connection]:
+        from headatlas.service.storage import db
+
+        self.check()
+        try:
+            with db.transaction(self.path, create=False) as conn:
+                found = _id_in(conn)
+                if found != self.database_id:
+                    raise DatabaseAway(self._away(f"now {'database ' + found[:8] if found else 'another file'}"))
+                yield conn
+        except DatabaseAway:
+            raise
+        except StoreError:
+            if self._stat() != self._ident:  # the file went away while it was being opened
+                raise DatabaseAway(self._away("missing (moved or deleted)")) from None
+            raise
+
+    def write(self):
+        return self._guarded()
 
 
 class Writer:
@@ -53,15 +151,17 @@ class Writer:
         while True:  # a writer started before Redis (compose brings both up) waits for it
             try:
                 self.lease.acquire()  # before touching the file: a refused writer changes nothing
+                self.epoch = broker_epoch(client)
                 break
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("broker unreachable (%s); waiting for it", exc)
                 time.sleep(1.0)
         try:
-            self.store = Store(settings.db)
-            self.store.ensure_schema()  # a stale database fails now, not on the first batch
+            self._wait_for_last_database()  # before anything could create a database
+            Store(settings.db).ensure_schema()  # a stale database fails now, not on the first batch
             self.database_id = read_database_id(settings.db)
             self.lease.set_database(self.database_id)
+            self.store: Store = OwnStore(settings.db, self.database_id)
         except BaseException:
             self.lease.release()
             raise
@@ -70,6 +170,46 @@ class Writer:
         self.stopping = False
         self.lost_lease = False
         self._keeper_stop = threading.Event()
+        self._away: str | None = None  # why the database is away, while it is
+
+    def _wait_for_last_database(self) -> None:
+        """The last writer on this broker stored into this path, and messages or runs of its
+        database are still in flight, but the file is missing or another database: wait for it
+        instead of creating a new database (which would drop every analysed batch)."""
+        last = self.lease.last()
+        if not last or last.get("db") != self.lease.db or not last.get("database_id"):
+            return
+        wanted, said = last["database_id"], False
+        while True:
+            found = file_database_id(self.settings.db)
+            waiting = _messages_for(self.lease.r, wanted)
+            runs = Ledger(self.lease.r, wanted).active_runs()
+            if found == wanted or not (waiting or runs):
+                if said:
+                    log.warning("database %s is back; storing", self.settings.db)
+                return
+            if not said:
+                what = (
+                    "missing"
+                    if not Path(self.settings.db).exists()
+                    else f"database {found[:8]}"
+                    if found
+                    else "not that database"
+                )
+                log.error(
+                    "the last writer on this broker stored into %s (database %s), which %d message(s) and %d run(s) in "
+                    "flight are for, but that file is now %s: waiting for it to come back instead of creating a new "
+                    "database (nothing is dropped). To give those runs up and start afresh here, delete the Redis key "
+                    "headatlas:writer:last",
+                    self.settings.db,
+                    wanted[:8],
+                    waiting,
+                    len(runs),
+                    what,
+                )
+                said = True
+            self.lease.refresh()
+            time.sleep(AWAY_POLL_S)
 
     # --- lease and lost workers (a thread: a long transaction must not silence the lease) ------
     def _keep(self) -> None:
@@ -78,10 +218,12 @@ class Writer:
         options = broker_options(self.settings)
         while not self._keeper_stop.wait(HEARTBEAT_S):
             try:
-                if not self.lease.refresh():
-                    log.error("another writer took the ingest queue (this one was silent too long); stopping")
+                if not self.lease.refresh() and not self._reclaim():
                     self.lost_lease = self.stopping = True
                     return
+                epoch = broker_epoch(self.ledger.r)
+                if epoch != self.epoch and self._broker_reset():
+                    self.epoch = epoch
                 for lost in requeue_lost(self.ledger, self.settings.broker_url, options):
                     e = lost.entry
                     log.warning(
@@ -96,6 +238,64 @@ class Writer:
                 log.warning("lease and lost-worker sweep: broker unreachable (%s); retrying", exc)
             except Exception:  # noqa: BLE001 - the sweep must not stop the lease's heartbeat
                 log.exception("lost-worker sweep failed; retrying")
+
+    def _reclaim(self) -> bool:
+        """The lease is no longer ours: taken by another writer (stop), or gone (it expired
+        while Redis was away, or Redis lost its data: take it again)."""
+        other, _raw = holder(self.lease.r)
+        if other is None and self.lease.reclaim():
+            log.warning(
+                "the ingest queue's lease had vanished (Redis was away over %.0f s, or restarted without its data); "
+                "holding it again",
+                SILENT_S,
+            )
+            return True
+        log.error(
+            "another writer took the ingest queue (%s) while this one was silent; stopping",
+            other.describe() if other else "unknown",
+        )
+        return False
+
+    def _broker_reset(self) -> bool:
+        """Redis lost its data: declare the analysis queue again and put back what the database
+        knows of its queued runs in flight (stored batches, status); the batches that were
+        queued, running or analysed are gone with Redis and must be submitted again (a waiting
+        `submit --wait` does it by itself). False when the database could not be read now."""
+        from headatlas.service.storage import queue_store
+
+        log.warning("Redis lost its data (restarted without persistence?): queues and live run state are gone")
+        declare_queues(self.settings)
+        try:
+            with self.store.read() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT run_id, run_key, name FROM runs WHERE engine = 'queue' "
+                        "AND status NOT IN ('done', 'failed') ORDER BY run_id"
+                    )
+                ).all()
+                states = [
+                    (run_id, run_key, name, queue_store.stored_batches(conn, run_id), queue_store.plan_of(conn, run_id))
+                    for run_id, run_key, name in rows
+                ]
+                summaries = {run_key: queue_store.summary(conn, run_id) for run_id, run_key, _n in rows}
+        except HeadatlasError as exc:
+            log.warning("cannot read %s to re-declare the runs in flight (%s); trying again", self.settings.db, exc)
+            return False
+        for run_id, run_key, name, done, plan in states:
+            self.ledger.reconcile_done(run_key, done)
+            self.ledger.set_run_id(run_key, run_id)
+            self.ledger.mark_broker_lost(run_key)
+            self._announce(run_key, summaries[run_key])
+            self.ledger.r.sadd(self.ledger.key("active", "runs"), run_key)
+            missing = (plan.batches - len(done)) if plan and plan.batches is not None else None
+            log.warning(
+                "run %s (%s): %s batch(es) not stored were lost with Redis: submit the same corpus again to queue "
+                "them (a waiting `submit --wait` does so by itself)",
+                run_id,
+                name,
+                "?" if missing is None else missing,
+            )
+        return True
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -127,13 +327,37 @@ class Writer:
                 log.warning("broker unreachable (%s); retrying", exc)
                 recovered = False  # what was taken is back in the queue once Redis answers
                 time.sleep(1.0)
+            except DatabaseAway as exc:
+                recovered = False  # the taken messages go back to the queue, and wait there
+                self._database_away(str(exc))
+                time.sleep(AWAY_POLL_S)
+                continue
             except StoreBusy as exc:
                 log.warning("%s; retrying", exc)
                 recovered = False
                 time.sleep(1.0)
+            if self._away is not None and recovered:
+                log.warning("database %s is back; storing again", self.settings.db)
+                self._away = None
+
+    def _database_away(self, why: str) -> None:
+        if why != self._away:
+            try:
+                waiting = self.ledger.backlog()
+            except redis.RedisError:
+                waiting = -1
+            log.error(
+                "%s (%s message(s) waiting); the writer pauses and looks again every %.0f s",
+                why,
+                "?" if waiting < 0 else waiting,
+                AWAY_POLL_S,
+            )
+            self._away = why
 
     def step(self, timeout_s: float = 1.0) -> int:
         """Take up to GROUP messages, store them, commit, remove them. Returns how many."""
+        if isinstance(self.store, OwnStore):
+            self.store.check()  # a database away: take nothing
         raw = self._take(timeout_s)
         if not raw:
             return 0
@@ -240,6 +464,8 @@ class Writer:
                 with self.store.write() as conn:
                     self.ledger.reconcile_done(run_key, queue_store.stored_batches(conn, run_id))
                     self._publish(conn, run_key, run_id)
+        except StoreBusy:
+            raise  # busy or away: the message stays, and is handled when the file is back
         except HeadatlasError as exc:
             self.ledger.set_run_error(run_key, str(exc))  # the submitter is waiting for it
         finally:
@@ -337,3 +563,28 @@ class Writer:
             changed = queue_store.mark_failed(conn, run_id, msg["batch_id"], attempts=1, error=str(exc))
             return (True if changed else None), 0
         return False, len(result.window_ids) if stored else 0
+
+
+def _messages_for(client: redis.Redis, database_id: str) -> int:
+    """Messages on the ingest queue (waiting or taken) for the database ``database_id``."""
+    count = 0
+    for raw in [*client.lrange(INGEST, 0, -1), *client.lrange(PROCESSING, 0, -1)]:
+        try:
+            count += json.loads(raw).get("database_id") == database_id
+        except ValueError:
+            continue
+    return count
+
+
+def declare_queues(settings: Settings) -> None:
+    """Declare the analysis queue (its exchange binding lives in Redis, and a Redis that lost
+    its data has none: a task sent before a worker re-declared it would have no route)."""
+    from headatlas.workers.app import make_app
+
+    app = make_app(settings)
+    try:
+        with app.connection_for_write() as conn:
+            for queue in app.conf.task_queues:
+                queue(conn.default_channel).declare()
+    except Exception as exc:  # noqa: BLE001 - workers and submitters declare it too
+        log.warning("could not declare the analysis queue (%s)", exc)

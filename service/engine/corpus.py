@@ -94,6 +94,8 @@ def corpus_files(spec: str) -> list[Path]:
     if not spec.strip():  # Path("") is the current folder: never analyse that by accident
         raise CorpusError(f"the corpus is empty (''); {_SPEC_FIX}")
     path = Path(spec)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise CorpusError(f"{spec}: not a regular file (a pipe, socket or device); {_SPEC_FIX}")
     if path.is_file():
         _check_suffix(path, spec)
         return [path]
@@ -256,6 +258,16 @@ def _decoded_lines(stream: BinaryIO, source: str, codec: str, ascii_compatible: 
     if ascii_compatible:
         head = stream.read(_SNIFF_BYTES)
         nul = head.find(b"\0")
+        for bom, name in (
+            (codecs.BOM_UTF32_LE, "utf-32"),
+            (codecs.BOM_UTF32_BE, "utf-32"),
+            (codecs.BOM_UTF16_LE, "utf-16"),
+            (codecs.BOM_UTF16_BE, "utf-16"),
+        ):
+            if nul >= 0 and head.startswith(bom):
+                raise CorpusError(
+                    f"{source}: {name.upper()} text (it starts with a {name.upper()} byte order mark); pass --encoding {name}"
+                )
         if nul >= 0:
             raise CorpusError(f"{source}: binary file (NUL byte at offset {nul}); pass a text corpus ({_SUPPORTED})")
         lines = _decode_each_line(_raw_lines(head, stream), source, codec)
@@ -375,6 +387,8 @@ def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str)
         where = f"{source}:{lineno}"
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise CorpusError(f"{where}: JSON nested too deeply to read; write one flat JSON object per line") from None
         except json.JSONDecodeError as exc:
             raise CorpusError(
                 f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); write one JSON object per line"

@@ -141,7 +141,10 @@ def parse_random_shape(spec: str) -> RandomShape:
         raise ModelError(
             f"--model {spec!r}: use random:NAME ({', '.join(RANDOM_SHAPES)}) or random:LAYERS,HEADS,HIDDEN"
         ) from None
-    if min(layers, heads, hidden) < 1 or hidden % heads:
+    for part, value in (("LAYERS", layers), ("HEADS", heads), ("HIDDEN", hidden)):
+        if value < 1:
+            raise ModelError(f"--model {spec!r}: {part} must be at least 1 (random:LAYERS,HEADS,HIDDEN)")
+    if hidden % heads:
         raise ModelError(f"--model {spec!r}: HIDDEN must be a positive multiple of HEADS")
     return RandomShape(RANDOM_FAMILY, layers, heads, hidden)
 
@@ -173,6 +176,8 @@ _EXAMPLE_RANDOM = "minilm"  # the shape error messages suggest
 
 @contextlib.contextmanager
 def _loading(spec: str):
+    if spec != DEFAULT_MODEL and not spec.startswith("random:") and not Path(spec).expanduser().exists():
+        hub_offline_unless_reachable()
     try:
         yield
     except (OSError, ValueError) as exc:
@@ -181,6 +186,37 @@ def _loading(spec: str):
             f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or "
             f"random:{_EXAMPLE_RANDOM}"
         ) from None
+
+
+def hub_offline_unless_reachable(timeout_s: float = 3.0) -> None:
+    """Before a hub name is loaded: when the hub cannot be reached within ``timeout_s``, switch
+    the hub client to offline mode, so that loading answers at once (from the local cache, or
+    with one error) instead of after a minute of retries."""
+    import os
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    reached: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout_s).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)  # name resolution can outlast a socket timeout
+    thread.start()
+    thread.join(timeout_s)
+    if not reached:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        hub.HF_HUB_OFFLINE = True
 
 
 def _random_weights_key(adapter: ModelAdapter, shape: RandomShape) -> str:

@@ -138,6 +138,28 @@ def memory_bytes(kind: str, device: str) -> tuple[int | None, str]:
         return None, "this machine"
 
 
+CONFIG_COUNTS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def check_config_numbers(spec: str, config_path: Path, config: dict) -> None:
+    """The sizes in a model's config.json are positive whole numbers ("twelve" heads would fail
+    deep inside the model's library)."""
+    for name in CONFIG_COUNTS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelError(
+                f"--model {spec}: {config_path} has {name} = {value!r}, not a positive whole number; "
+                "restore it from the model's source"
+            )
+
+
 def _folder_shape(spec: str, folder: Path) -> ModelShape:
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -155,6 +177,7 @@ def _folder_shape(spec: str, folder: Path) -> ModelShape:
         raise ModelError(
             f"--model {spec}: {config_path} does not hold a JSON object; restore it from the model's source"
         )
+    check_config_numbers(spec, config_path, config)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(
             f"--model {spec}: folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} …); copy them from "

@@ -90,6 +90,10 @@ class BackgroundSink(Generic[T]):
         self.raise_error()
         self._queue.put(item)
 
+    def waiting(self) -> int:
+        """Items submitted and not yet taken by the consumer."""
+        return self._queue.qsize()
+
     def raise_error(self) -> None:
         if self._error is not None:
             raise self._error

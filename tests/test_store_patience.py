@@ -1,0 +1,79 @@
+"""A reader that holds the database file longer than the lock wait delays an embedded run's
+storing; it never fails the run (the finished batches wait in memory and are stored once the
+file is free), and every window is counted once."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import text
+
+from headatlas.service.params import AnalysisParams
+from headatlas.service.storage import db
+
+pytestmark = pytest.mark.integration
+
+HOLD_S = 6.0
+
+_HOLDER = """
+import sys, time, duckdb
+con = duckdb.connect(sys.argv[1], read_only=True)  # what `sql` does: a read-only connection
+con.execute("SELECT count(*) FROM runs").fetchall()
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_reader_holding_the_file_delays_an_embedded_run_without_failing_it(tiny_model, tmp_path, monkeypatch, caplog):
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
+
+    monkeypatch.setattr(db, "LOCK_WAIT_S", 0.5)  # a reader past the wait, without waiting 30 s
+    path = tmp_path / "c.duckdb"
+    store = Store(path)
+    store.ensure_schema()
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Paragraph {k}: the cat sat on the mat, and the dog did not.\n\n" for k in range(12)))
+    holder: list = []
+    analysed = []
+
+    def progress(windows: int, _chars: int) -> None:
+        analysed.append(windows)
+        if not holder:  # after the first batch: the reader takes the file for HOLD_S
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _HOLDER, str(path), str(HOLD_S)], stdout=subprocess.PIPE, text=True
+            )
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+            holder.append(proc)
+
+    caplog.set_level(logging.WARNING, logger="headatlas.engine")
+    params = AnalysisParams(seq_len=32)
+    summary = survey_corpus(str(corpus))
+    try:
+        run = analyze_corpus(
+            str(corpus),
+            store=store,
+            model=tiny_model,
+            params=params,
+            corpus=summary,
+            batch_size=2,
+            flush_s=0.0,
+            progress=progress,
+        )
+    finally:
+        for proc in holder[:1]:
+            proc.kill()
+            proc.wait()
+    assert holder, "the run ended before a reader could hold the file"
+    assert run.status == "done", run.error
+    assert any("the run keeps its results and tries again" in r.getMessage() for r in caplog.records)
+    with db.transaction(path, read_only=True) as conn:
+        q = lambda sql: conn.execute(text(sql), {"r": run.run_id}).scalar()  # noqa: E731
+        counted = q("SELECT count(*) FROM run_windows WHERE run_id = :r")
+        assert counted == q("SELECT count(DISTINCT window_id) FROM run_windows WHERE run_id = :r")
+        assert q("SELECT sum(windows) FROM run_chance WHERE run_id = :r") == counted
+    assert len(analysed) >= 3  # batches after the first waited for the reader
+    assert counted == sum(analysed) == 12  # every window analysed, counted once
