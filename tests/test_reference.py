@@ -71,7 +71,7 @@ INTEGER_SUMS = (
     "params",
     [
         AnalysisParams(),
-        AnalysisParams(sentences="punct"),
+        AnalysisParams(sentences="punct", replicates="window"),
         AnalysisParams(select=Selection("topk", 25), gate=2.0, include_special=True),
         AnalysisParams(seq_len=64, vectors="post_wo", select=Selection("top", 0.05), sentences="punct"),
     ],
@@ -115,8 +115,10 @@ def test_vectorised_statistics_equal_reference(model64, params):
     assert (total["heads"]["same_token_high"] > total["heads"]["same_word_high"]).any()  # punctuation repeats in H
     assert total["attended_hist"].sum() > 0
 
-    # per replicate group: each group's sums are the sums of its own windows
-    groups = [int(hashlib.sha256(w.encode()).hexdigest()[:8], 16) % 16 for w in batch.window_ids]
+    # per replicate group: each group's sums are the sums of its own windows; the group is a hash of
+    # the window's document (SPEC §5d), or of its id under the old rule
+    keys = [w.window_id if params.replicates == "window" else w.doc_id for w in batch.windows]
+    groups = [int(hashlib.sha256(k.encode()).hexdigest()[:8], 16) % 16 for k in keys]
     assert result.reps.tolist() == sorted(set(groups))
     for index, group in enumerate(result.reps.tolist()):
         own = summed([r for r, g in zip(records, groups) if g == group])

@@ -35,7 +35,12 @@ def store(tmp_path):
     return s
 
 
-def _results(model, corpus, params=AnalysisParams(), batch_size=4):
+# the parameters `analyze` runs small_corpus with: its 2 documents resolve `document` to block:8
+# (SPEC §5d), which spreads the windows over several replicate groups
+SMALL = AnalysisParams().resolved(2)
+
+
+def _results(model, corpus, params=SMALL, batch_size=4):
     tokens = TokenClasses.from_tokenizer(model.tokenizer)
     return [
         analyze_batch(model, b, params, tokens, documents=d)
@@ -43,7 +48,7 @@ def _results(model, corpus, params=AnalysisParams(), batch_size=4):
     ]
 
 
-def _run(store, model, corpus, params=AnalysisParams()):
+def _run(store, model, corpus, params=SMALL):
     summary = survey_corpus(str(corpus))
     from headatlas.service.engine.runner import run_key
 

@@ -118,7 +118,7 @@ def interval_note(schemes: Iterable[str]) -> str:
     if any(s.startswith("block") for s in named):
         caveats.append("by block: the variation within these documents only")
     if WINDOW_SCHEME in named:
-        caveats.append("by window: a run stored before §5d, too narrow (windows of one document are correlated)")
+        caveats.append("by window: the rule of runs stored before §5d, too narrow (windows of one document correlate)")
     return (
         f"[a, b]: 95% interval, delete-one-group jackknife with the t quantile over {REPLICATES} replicate groups "
         f"{' / '.join(scheme_words(s) for s in named)} (SPEC §5d)"
