@@ -55,8 +55,10 @@ test-fast: install-test
 bench: install-test
 	$(PY) benchmarks/run.py
 
-# Every figure of README.md ("What the numbers say") and docs/findings.md, from the shipped excerpt:
-# written to docs/findings-output.md (FINDINGS_ARGS: e.g. --decoder, or --corpus PATH --max-docs N).
+# Every figure of README.md ("What the numbers say") and docs/findings.md, from the shipped excerpt
+# with SmolLM2 beside MiniLM: written to docs/findings-output.md and copied into docs/findings.md
+# (FINDINGS_ARGS= for MiniLM alone; --corpus PATH --doc-chars N --out FILE for another corpus).
+FINDINGS_ARGS ?= --decoder
 findings: install
 	$(PY) benchmarks/findings.py $(FINDINGS_ARGS)
 

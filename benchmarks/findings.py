@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     db = Path(args.db)
     db.parent.mkdir(parents=True, exist_ok=True)
-    work = db.parent / "findings-corpora"
+    work = db.parent / f"{db.stem}-corpora"  # one per database: two runs of the script may share build/
     if not args.reuse:
         db.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
