@@ -93,3 +93,37 @@ def test_readme_example_table_rows_are_the_script_rows():
     assert len(rows) == 3
     for row in rows:
         assert row in OUTPUT, row
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_script", ROOT / "benchmarks" / "findings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_head_counts_by_value_and_by_lower_bound():
+    heads = [
+        {"m": 1.2, "m_lo": 1.05},  # both above 1
+        {"m": 1.1, "m_lo": 0.9},  # value only
+        {"m": 0.95, "m_lo": 0.8},  # neither
+        {"m": None, "m_lo": None},  # undefined: neither
+    ]
+    assert _script().count_rule(heads, "m", 1.0) == (2, 1)
+
+
+def test_the_output_is_copied_between_its_markers_only(tmp_path):
+    script = _script()
+    page = tmp_path / "findings.md"
+    page.write_text(
+        "prose 1.06\n<!-- begin docs/findings-output.md -->\nold\n<!-- end docs/findings-output.md -->\ntail\n",
+        encoding="utf-8",
+    )
+    assert script.copy_into(page, ROOT / "docs" / "findings-output.md", "new 1.07\n")
+    assert page.read_text(encoding="utf-8") == (
+        "prose 1.06\n<!-- begin docs/findings-output.md -->\nnew 1.07\n<!-- end docs/findings-output.md -->\ntail\n"
+    )
+    # a page without the file's markers is left alone
+    assert not script.copy_into(page, ROOT / "docs" / "findings-output-dev.md", "x\n")
