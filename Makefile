@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench gpu-check readme-images docs lint typecheck clean
+.PHONY: install install-test demo test test-fast bench findings gpu-check readme-images docs lint typecheck clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ test-fast: install-test
 
 bench: install-test
 	$(PY) benchmarks/run.py
+
+# Every figure of README.md ("What the numbers say") and docs/findings.md, from the shipped excerpt
+# with SmolLM2 beside MiniLM: written to docs/findings-output.md and copied into docs/findings.md
+# (FINDINGS_ARGS= for MiniLM alone; --corpus PATH --doc-chars N --out FILE for another corpus).
+FINDINGS_ARGS ?= --decoder
+findings: install
+	$(PY) benchmarks/findings.py $(FINDINGS_ARGS)
 
 # On a machine with an NVIDIA GPU (PyPI's torch for Linux is a CUDA build): the CUDA tests,
 # then the GPU rows of the benchmark table.
