@@ -564,7 +564,7 @@ def query_roles(
     stability: bool = typer.Option(
         False,
         "--stability",
-        help="Also test every role on each half of the run's replicate groups (even / odd ids: disjoint sets of "
+        help="Also test every role on each half of the run's replicate groups (alternate groups in id order: disjoint sets of "
         "documents where groups hold whole documents) and mark it stable when it holds on both.",
     ),
     db: str = DbOpt,

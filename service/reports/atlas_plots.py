@@ -137,7 +137,7 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
     fig.suptitle(title)
     fig.supxlabel(
         "a role: its one-sided jackknife t test rejects after Holm–Bonferroni over every (head, role) of the run "
-        "(SPEC §7); halves: even / odd replicate groups",
+        "(SPEC §7); halves: alternate replicate groups",
         fontsize=8,
     )
     return fig, index

@@ -1,8 +1,8 @@
 """Every head metric on a subset of a run's replicate groups, with its own jackknife interval over
 that subset's groups: the halves behind ``query roles --stability`` (SPEC §7).
 
-Where a run's groups hold whole documents (SPEC §5d), the even and the odd groups are two
-disjoint sets of documents. The metrics of a subset come from the same SQL as the views: the
+Where a run's groups hold whole documents (SPEC §5d), alternate groups (the even and the odd ids
+when all 16 hold windows) are two disjoint sets of documents. The metrics of a subset come from the same SQL as the views: the
 chain of ``*_reps`` views is read from the database's own catalog (whatever migration made it)
 and run as common table expressions over the additive tables restricted to the subset's groups,
 so that ``run_reps`` there holds only those groups and ``head_metrics_reps`` gives the subset's
@@ -38,8 +38,12 @@ def run_groups(conn: Connection, run_id: int) -> list[int]:
 
 
 def split(groups: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The two halves: even and odd group ids."""
-    return [g for g in groups if g % 2 == 0], [g for g in groups if g % 2 == 1]
+    """The two halves: the 1st, 3rd, 5th … and the 2nd, 4th … of the groups that hold windows, in
+    id order. With all 16 groups held these are the even and the odd ids; with fewer (a short run,
+    blocks) the halves still differ in size by one at most, where even / odd ids could split 7
+    groups 2 : 5 and leave one half a single degree of freedom."""
+    ordered = sorted(groups)
+    return ordered[0::2], ordered[1::2]
 
 
 def _view_body(conn: Connection, name: str) -> str:

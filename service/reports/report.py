@@ -237,12 +237,12 @@ def _atlas_section(conn, run) -> str:
 <figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
 holds); letters list every role held. A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
 jackknife's standard error, R − 1 degrees of freedom) rejects at α = {roles.ALPHA:g} after {_e(tested)} (SPEC §7).
-Hatched cells, letters followed by ?: roles that do not hold on both halves of the replicate groups (even / odd).
+Hatched cells, letters followed by ?: roles that do not hold on both halves of the replicate groups (alternate groups in id order).
 Lifts marked _dm are against distance-matched chance, attn_*_lift against uniform attention.</figcaption></figure>
 <h3>Heads per role</h3>{count_html}
 <h3>Roles and their evidence</h3><p>One row per (head, role): the metric, its value and 95% interval, the threshold,
-p and the Holm-adjusted p (family: the number of tests), and whether it holds on each half (half_a: even groups,
-half_b: odd groups; stable: both). {_e(note)}</p>
+p and the Holm-adjusted p (family: the number of tests), and whether it holds on each half (half_a: the 1st, 3rd, … groups in id order,
+half_b: the 2nd, 4th, …; stable: both). {_e(note)}</p>
 <div class="scroll">{evidence_html}</div>"""
 
 

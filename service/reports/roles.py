@@ -149,7 +149,7 @@ ROLES_NOTE = (
     "most specific role"
 )
 STABILITY_NOTE = (
-    "half_a / half_b: the same test on the run's even / odd replicate groups only (each half its own metrics, "
+    "half_a / half_b: the same test on the run's alternate replicate groups only (1st, 3rd, … and 2nd, 4th, … in id order) (each half its own metrics, "
     "jackknife and Holm family); stable: held on both halves"
 )
 COLUMNS = [
@@ -291,7 +291,7 @@ def run_context(conn: Connection, run_id: int) -> dict:
 def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.Rows:
     """Per (head, role): the evidence that earned it (metric, value, 95% interval, threshold, p,
     Holm-adjusted p, family size). ``stability``: also ``half_a``, ``half_b`` (held on the run's
-    even / odd replicate groups alone) and ``stable`` (both)."""
+    alternate replicate groups alone) and ``stable`` (both)."""
     columns, rows = queries.heads(conn, run_id, anchors=0, ci=True)
     dicts = [dict(zip(columns, r)) for r in rows]
     groups = halves.run_groups(conn, run_id)
