@@ -70,6 +70,8 @@ def hand_rows(with_probe: bool):
             attn_to_next=(0.9, 0.01),
         ),
         head(1, 2, p(0.0, 0.0), attn_to_prev=(0.9, 0.01)),  # t = 70: previous-token, offered to both
+        # t = 20 over the encoders' 1.10, t = −10 against the decoders' 1.25; local far past 3 × chance
+        head(2, 0, p(0.0, 0.0), within_sentence_lift_dm=(1.20, 0.005), short_range_share=(0.5, 0.01)),
     ]
 
 
@@ -93,7 +95,6 @@ def test_causal_runs_are_offered_the_decoder_roles_only():
         "repetition",
         "sentence-bound",
         "punctuation",
-        "local",
         "first-token sink",
     )
     assert roles.offered_roles(False) == (
@@ -120,9 +121,10 @@ def test_decoder_roles_known_answers_with_a_probe():
         (1, 0): ["duplicate-token"],
         (1, 1): ["first-token sink"],  # no [CLS] sink, [SEP] sink, next-token or broad in a causal run
         (1, 2): ["previous-token"],
+        (2, 0): [roles.NONE],  # random decoders reach 1.2: the causal bound is 1.25; local is not offered
     }
-    # 6 heads × 8 offered roles: next-token, [CLS] sink, [SEP] sink and broad are not in the family
-    assert {d["family"] for v in got.values() for d in v} == {48}
+    # 7 heads × 7 offered roles: next-token, local, [CLS] sink, [SEP] sink and broad are not in the family
+    assert {d["family"] for v in got.values() for d in v} == {49}
     ind = got[(0, 0)][0]
     assert ind["metric"] == "induction_lift" and ind["threshold"] == roles.INDUCTION_MIN
     assert ind["p"] == pytest.approx(significance.t_sf(10.0, 15), rel=1e-9)
@@ -152,11 +154,15 @@ def test_without_a_probe_the_corpus_test_alone_decides():
 
 
 def test_the_same_rows_in_a_bidirectional_run_get_the_encoder_roles():
-    """The decoder roles are not offered; next-token, [CLS] sink, [SEP] sink and broad are."""
+    """The decoder roles are not offered; next-token, local, [CLS] sink, [SEP] sink and broad are."""
+    from headatlas.service.reports import roles
+
     got = by_head(hand_rows(with_probe=True), BIDIRECTIONAL)
     assert [d["role"] for d in got[(0, 0)]] == ["broad"]
     assert [d["role"] for d in got[(1, 1)]] == ["next-token", "[CLS] sink", "[SEP] sink", "broad"]
-    assert {d["family"] for v in got.values() for d in v} == {54}  # 6 heads × 9 roles
+    assert [d["role"] for d in got[(2, 0)]] == ["sentence-bound", "local", "broad"]
+    assert got[(2, 0)][0]["threshold"] == roles.SENTENCE_MIN
+    assert {d["family"] for v in got.values() for d in v} == {63}  # 7 heads × 9 roles
 
 
 def test_a_run_is_causal_when_no_row_sees_its_next_token(tmp_path):
@@ -229,12 +235,13 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
 
     rows = json.loads(invoke("query", "roles", "--db", str(db), "--run", "1", "--format", "json"))
     assert "induction" not in {r["role"] for r in rows}
-    # the family: the causal run's offered roles only (8 per head, every value defined)
-    assert {r["family"] for r in rows} == {8 * n_heads}
+    # the family: the causal run's offered roles only (7 per head, every value defined)
+    assert {r["family"] for r in rows} == {7 * n_heads}
     table = invoke("query", "roles", "--db", str(db), "--run", "1", "--stability")
     counts = next(line for line in table.splitlines() if line.startswith("heads per role:"))
     assert "induction 0" in counts and "first-token sink" in counts and "duplicate-token" in counts
-    assert "next-token" not in counts and "[SEP] sink" not in counts and "[CLS] sink" not in counts
+    for absent in ("next-token", "[SEP] sink", "[CLS] sink", "broad", "local"):
+        assert absent not in counts
 
     lowered = [
         roles.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 0.0)
