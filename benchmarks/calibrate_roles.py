@@ -19,7 +19,9 @@ Decoders (SPEC §8): ``--model smollm2 --probe`` reads the roles a causal run is
 with their probe scores (induction_score, duplicate_score: for every seed the largest control
 head, for the real model the heads the probe ranks highest). ``--windowing first`` caps the
 development corpus at one window per document (151 windows of wikipedia_dev), which a 30-layer
-decoder on 2 CPU cores needs; the excerpt is analysed whole (chunks) either way.
+decoder on 2 CPU cores needs; the excerpt is analysed whole (chunks) either way. The decoder
+thresholds of service/reports/roles.py and SPEC §7 were read off that output on 2026-11-30
+(SmolLM2-135M, seeds 0..2: 1,647 s on 2 cores shared with other jobs).
 
 Prints, per corpus and per role's metric (as the rule reads it: ``short_range_share`` over
 ``short_range_chance``, ``attn_entropy`` over ln n̄): the largest control head of every seed

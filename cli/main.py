@@ -592,6 +592,8 @@ def query_roles(
         else "no replicate groups: each value tested against its threshold, uncorrected"
     )
     note = roles.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
+    if "induction" in offered:
+        note += f". {roles.PROBE_NOTE}"
     # the probe's columns where a role read a probe score (decoders' induction and duplicate-token)
     probed = any(row[columns.index("probe_score")] is not None for row in rows)
     hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))

@@ -242,6 +242,7 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
     assert "induction 0" in counts and "first-token sink" in counts and "duplicate-token" in counts
     for absent in ("next-token", "[SEP] sink", "[CLS] sink", "broad", "local"):
         assert absent not in counts
+    assert "probe_score" in " ".join(table.split())  # the note says how the probe enters
 
     lowered = [
         roles.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 0.0)

@@ -261,6 +261,10 @@ ROLES_NOTE = (
     "*_lift_dm: against distance-matched chance; attn_*_lift: against uniform attention; primary: the head's "
     "most specific role"
 )
+PROBE_NOTE = (
+    "induction / duplicate-token (causal runs): the corpus test and, where the run has a probe, probe_score (the "
+    "head's induction_score / duplicate_score on repeated random tokens, one probe per run: no interval) ≥ probe_min"
+)
 STABILITY_NOTE = (
     "half_a / half_b: the same test on the run's even / odd replicate groups only (each half its own metrics, "
     "jackknife and Holm family); stable: held on both halves"
