@@ -2,6 +2,7 @@
 and through random-weights controls of several seeds.
 
     python benchmarks/calibrate_roles.py [--seeds 3] [--doc-chars 1500] [--db calibrate.duckdb]
+    python benchmarks/calibrate_roles.py --model smollm2 --probe --windowing first   # decoder roles
 
 Development data (SPEC §7): the shipped excerpt (service/data/wiki_excerpt.txt, whole) and
 ../shared/corpora/wikipedia_dev.txt cut to its documents' leading paragraphs (whole paragraphs
@@ -12,6 +13,15 @@ excerpt's 52, 585 windows through 4 models); measured 985 s on 2 cores shared wi
 177,129 of those 277,982 characters. Each corpus is analysed with the default model and with ``--seeds`` controls (seeds
 0..N-1). The thresholds of service/reports/roles.py and SPEC §7 were read off this output
 (2026-11-30, window-hash replicate groups).
+
+Decoders (SPEC §8): ``--model smollm2 --probe`` reads the roles a causal run is offered
+(``roles.rules_for``): first-token sink, induction and duplicate-token among them, the last two
+with their probe scores (induction_score, duplicate_score: for every seed the largest control
+head, for the real model the heads the probe ranks highest). ``--windowing first`` caps the
+development corpus at one window per document (151 windows of wikipedia_dev), which a 30-layer
+decoder on 2 CPU cores needs; the excerpt is analysed whole (chunks) either way. The decoder
+thresholds of service/reports/roles.py and SPEC §7 were read off that output on 2026-11-30
+(SmolLM2-135M, seeds 0..2: 1,647 s on 2 cores shared with other jobs).
 
 Prints, per corpus and per role's metric (as the rule reads it: ``short_range_share`` over
 ``short_range_chance``, ``attn_entropy`` over ln n̄): the largest control head of every seed
@@ -45,14 +55,19 @@ DEV_CORPUS = next(
 ROLE_METRICS = {
     "previous-token": ("attn_to_prev", None),
     "next-token": ("attn_to_next", None),
+    "induction": ("induction_lift", None),
+    "duplicate-token": ("dup_lift", None),
     "repetition": ("repetition_words_lift_dm", None),
     "sentence-bound": ("within_sentence_lift_dm", None),
     "punctuation": ("attn_to_punct_lift", None),
     "local": ("short_range_share", "short_range_chance"),
     "[CLS] sink": ("attn_to_cls_lift", None),
+    "first-token sink": ("attn_to_first_lift", None),
     "[SEP] sink": ("attn_to_sep_lift", None),
     "broad": ("attn_entropy", "uniform_entropy"),
 }
+# a role's probe score (SPEC §8): printed as "<role> probe"
+PROBE_OF = {"induction": "induction_score", "duplicate-token": "duplicate_score"}
 
 
 def leading_paragraphs(source: Path, doc_chars: int, out: Path) -> Path:
@@ -85,6 +100,8 @@ def head_figures(conn, run_id: int) -> list[dict]:
             by = context.get(scale) if scale else 1.0
             cells = [d.get(metric), d.get(f"{metric}_lo"), d.get(f"{metric}_hi")]
             heads[role] = [None if v is None or not by else v / by for v in cells]
+        for role, score in PROBE_OF.items():
+            heads[f"{role} probe"] = [d.get(score), None, None]
         out.append(heads)
     return out
 
@@ -93,22 +110,32 @@ def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.3g}"
 
 
-def report(label: str, real: list[dict], controls: dict[int, list[dict]], windows: int) -> list[str]:
+def thresholds_of(causal: bool) -> dict[str, float]:
+    """Each offered role's threshold on the scale printed here (and its probe's, as "<role> probe")."""
     from headatlas.service.reports import roles
 
-    thresholds = {
-        "previous-token": roles.POSITION_MIN,
-        "next-token": roles.POSITION_MIN,
-        "repetition": roles.REPETITION_MIN,
-        "sentence-bound": roles.SENTENCE_MIN,
-        "punctuation": roles.PUNCT_MIN,
-        "local": roles.LOCAL_FACTOR,
-        "[CLS] sink": roles.SINK_MIN,
-        "[SEP] sink": roles.SINK_MIN,
-        "broad": roles.BROAD_MIN,
-    }
-    lines = [f"== {label}: {windows} windows, {len(real)} heads; controls: seeds {', '.join(map(str, controls))}"]
-    for role, (metric, scale) in ROLE_METRICS.items():
+    scaled = {"local": roles.LOCAL_FACTOR, "broad": roles.BROAD_MIN}
+    out = {}
+    for rule in roles.rules_for(causal):
+        out[rule.role] = scaled.get(rule.role) or rule.threshold({})
+        if rule.probe:
+            out[f"{rule.role} probe"] = rule.probe_min
+    return out
+
+
+def report(
+    label: str, real: list[dict], controls: dict[int, list[dict]], windows: int, causal: bool = False
+) -> list[str]:
+    thresholds = thresholds_of(causal)
+    kind = "causal" if causal else "bidirectional"
+    lines = [
+        f"== {label}: {windows} windows, {len(real)} heads ({kind}); controls: seeds {', '.join(map(str, controls))}"
+    ]
+    rows = {**{r: ROLE_METRICS[r] for r in thresholds if r in ROLE_METRICS}}
+    for role in list(rows):
+        if role in PROBE_OF:
+            rows[f"{role} probe"] = (PROBE_OF[role], None)
+    for role, (metric, scale) in rows.items():
         scale_text = f" / {scale}" if scale else ""
         lines.append(f"-- {role}: {metric}{scale_text}")
         for seed, heads in controls.items():
@@ -129,6 +156,12 @@ def report(label: str, real: list[dict], controls: dict[int, list[dict]], window
         lines.append(
             "   real top 12 (value [lower bound]): " + ", ".join(f"{_fmt(c[0])} [{_fmt(c[1])}]" for c in cells[:12])
         )
+        if role.endswith(" probe") or role == "first-token sink":
+            ranked = sorted((h for h in real if h[role][0] is not None), key=lambda h: -h[role][0])
+            lines.append(
+                "   real top heads (layer.head value): "
+                + ", ".join(f"{h['layer']}.{h['head']} {_fmt(h[role][0])}" for h in ranked[:12])
+            )
         threshold = thresholds[role]
         cleared = sum(1 for c in cells if (c[1] if c[1] is not None else c[0]) >= threshold)
         lines.append(f"   heads whose lower bound is ≥ the current threshold {threshold:g}: {cleared}")
@@ -142,11 +175,17 @@ def main() -> None:
     parser.add_argument("--dev", default=str(DEV_CORPUS), help="the development corpus")
     parser.add_argument("--db", default=None, help="results database (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write every head's figures here")
+    parser.add_argument("--model", default="default", help="the real model (default: the default encoder)")
+    parser.add_argument("--probe", action="store_true", help="also run the synthetic probe (SPEC §8) on every run")
+    parser.add_argument(
+        "--windowing", default="chunks", help="of the development corpus: chunks, or first (one window per document)"
+    )
     args = parser.parse_args()
 
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.corpus import demo_corpus_path
     from headatlas.service.engine.model import control_model, load_model
+    from headatlas.service.engine.probe import ProbeSpec
     from headatlas.service.engine.runner import analyze_corpus, survey_corpus
     from headatlas.service.storage.store import Store
 
@@ -161,15 +200,18 @@ def main() -> None:
     else:
         print(f"note: {dev} is missing (pass --dev PATH); the excerpt only", flush=True)
     print(f"machine: {machine()}; database {db}; --doc-chars {args.doc_chars}; seeds 0..{args.seeds - 1}", flush=True)
-    model = load_model("default", device="cpu")
-    params = build_params()
+    loading = time.perf_counter()
+    model = load_model(args.model, device="cpu")
+    print(f"model {args.model}: loaded in {time.perf_counter() - loading:.0f} s", flush=True)
+    probe = ProbeSpec() if args.probe else None
     store = Store(db)
     figures: dict = {}
     lines: list[str] = []
     started = time.perf_counter()
     for label, path in corpora.items():
         summary = survey_corpus(str(path))
-        run_on = dict(store=store, params=params, corpus=summary, batch_size=32)
+        params = build_params(windowing="chunks" if label == "excerpt" else args.windowing)
+        run_on = dict(store=store, params=params, corpus=summary, batch_size=32, probe=probe)
         run = analyze_corpus(str(path), model=model, name=label.split()[0], **run_on)
         controls = [
             analyze_corpus(str(path), model=control_model(model, seed=s), control_of=run, control_seed=s, **run_on)
@@ -177,13 +219,14 @@ def main() -> None:
         ]
         print(f"{label}: analysed ({time.perf_counter() - started:.0f} s so far)", flush=True)
         with store.checked_read() as conn:
-            from headatlas.service.reports import queries
+            from headatlas.service.reports import queries, roles
 
             windows = queries.run_summary(conn, run.run_id)["windows"]
             real = head_figures(conn, run.run_id)
             by_seed = {s: head_figures(conn, c.run_id) for s, c in enumerate(controls)}
-        figures[label] = {"windows": windows, "real": real, "controls": by_seed}
-        lines += report(label, real, by_seed, windows)
+            causal = roles.causal_run(conn, run.run_id)
+        figures[label] = {"windows": windows, "real": real, "controls": by_seed, "run_id": run.run_id}
+        lines += report(label, real, by_seed, windows, causal)
     print("\n".join(lines))
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:

@@ -4,7 +4,8 @@
     python benchmarks/run.py --quick    # smaller sizes, for a smoke test
 
 Rows: bare forward vs full analysis (ratio) and the naive per-window/per-head baseline
-(speed-up) for the default model and random:bert-base; embedded vs queue windows/s (ratio,
+(speed-up) for the default model and random:bert-base; the same ratio for a decoder (SmolLM2,
+with its first and cached load and peak memory); embedded vs queue windows/s (ratio,
 needs Redis); ingest rows/s and query latency on a 20,000-window, 144-head synthetic run;
 peak memory for 2,000 vs 20,000 windows. GPU rows run when CUDA is present, else they say
 "not measured".
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import forward_vs_full, memory, query_speed  # noqa: E402
+from benchmarks import decoder, forward_vs_full, memory, query_speed  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 
 
@@ -50,6 +51,12 @@ def main(argv=None) -> None:
             "Bare forward vs full analysis, CPU (target ratio ≤ 1.3; naive speed-up ≥ 1.8×)",
             forward_vs_full.main,
             ["--windows", windows, "--repeats", "2" if args.quick else "3"],
+        )
+        section(
+            "Decoder (SmolLM2-135M), CPU: full analysis / bare forward (target ≤ 1.3), first and cached load, "
+            "peak memory",
+            decoder.main,
+            ["--windows", "16" if args.quick else "32", "--repeats", "2" if args.quick else "3"],
         )
     if torch.cuda.is_available():
         section(

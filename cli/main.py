@@ -580,6 +580,7 @@ def query_roles(
     with _store(db).checked_read() as conn:
         r = _run(conn, run)
         columns, rows = roles.roles(conn, r.run_id, stability=stability)
+        offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
         controls = [
             (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
             for c in compare.controls_of(conn, r)
@@ -591,7 +592,12 @@ def query_roles(
         else "no replicate groups: each value tested against its threshold, uncorrected"
     )
     note = roles.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
-    table = [c for c in columns if c not in ("rule", "test", "p", "family")]
+    if "induction" in offered:
+        note += f". {roles.PROBE_NOTE}"
+    # the probe's columns where a role read a probe score (decoders' induction and duplicate-token)
+    probed = any(row[columns.index("probe_score")] is not None for row in rows)
+    hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
+    table = [c for c in columns if c not in hidden]
     render_metrics(
         columns,
         rows,
@@ -603,7 +609,7 @@ def query_roles(
     )
     if fmt != Format.table:
         return
-    counts, stable = roles.role_counts(columns, rows), roles.stable_counts(columns, rows)
+    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows)
     held = ", ".join(
         f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
         for role, n in counts.items()

@@ -20,11 +20,14 @@ from headatlas.service.reports.plots import _col, _err, _title, interval_caption
 ROLE_COLOURS = {
     "previous-token": "#1f77b4",
     "next-token": "#17becf",
+    "induction": "#393b79",
+    "duplicate-token": "#e7ba52",
     "repetition": "#d62728",
     "sentence-bound": "#2ca02c",
     "punctuation": "#9467bd",
     "local": "#ff7f0e",
     "[CLS] sink": "#8c564b",
+    "first-token sink": "#c49c94",
     "[SEP] sink": "#e377c2",
     "broad": "#bcbd22",
     roles.NONE: "#e4e4e4",
@@ -32,11 +35,14 @@ ROLE_COLOURS = {
 ROLE_CODES = {
     "previous-token": "P",
     "next-token": "N",
+    "induction": "I",
+    "duplicate-token": "D",
     "repetition": "R",
     "sentence-bound": "S",
     "punctuation": ".",
     "local": "L",
     "[CLS] sink": "C",
+    "first-token sink": "F",
     "[SEP] sink": "E",
     "broad": "B",
     roles.NONE: "",
@@ -56,11 +62,20 @@ def _quarter(inches: float) -> float:
     return math.ceil(inches * 4) / 4
 
 
-def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_heads: int, title: str) -> tuple:
+def figure_atlas(
+    columns: list[str],
+    rows: list[tuple],
+    *,
+    n_layers: int,
+    n_heads: int,
+    title: str,
+    offered: tuple[str, ...] | None = None,
+) -> tuple:
     """Layer × head grid coloured by each head's primary role; each cell lists the codes of every
     role the head holds (legend: code and colour). Where ``rows`` carry stability (``query roles
     --stability``), a cell whose primary role does not hold on both halves is hatched and an
-    unstable role's code is followed by ``?``. Returns (figure, role index grid)."""
+    unstable role's code is followed by ``?``. ``offered``: the run's roles (``roles.offered_roles``),
+    the legend's entries; default every role. Returns (figure, role index grid)."""
     grid = roles.primary_grid(columns, rows, n_layers, n_heads)
     index = np.full((n_layers, n_heads), np.nan)
     for (l, h), _ in np.ndenumerate(index):
@@ -87,7 +102,14 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
     for (l, h), codes in held.items():
         label = "".join(ROLE_CODES[c] + (UNSTABLE_MARK if (l, h, c) in unstable else "") for c in codes)
         if label:
-            dark = grid[l][h] in ("previous-token", "repetition", "sentence-bound", "punctuation", "[CLS] sink")
+            dark = grid[l][h] in (
+                "previous-token",
+                "induction",
+                "repetition",
+                "sentence-bound",
+                "punctuation",
+                "[CLS] sink",
+            )
             ax.text(
                 h,
                 l,
@@ -105,7 +127,8 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
     ax.grid(which="minor", color="white", lw=1.5)
     ax.tick_params(which="minor", length=0)
     ax.set(xlabel="head", ylabel="layer", title="primary role per head (letters: every role held)")
-    counts = roles.role_counts(columns, rows)
+    listed = roles.ROLE_ORDER if offered is None else offered
+    counts = roles.role_counts(columns, rows, listed)
     stable = roles.stable_counts(columns, rows)
     handles = [
         Patch(
@@ -116,6 +139,7 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
             + ")",
         )
         for r in ATLAS_ROLES
+        if r in counts
     ]
     if stable is not None:
         handles.append(
@@ -146,7 +170,8 @@ def figure_atlas(columns: list[str], rows: list[tuple], *, n_layers: int, n_head
 def run_atlas(conn, run) -> tuple:
     """The atlas of ``run`` (a store ``Run``) from ``roles.roles``, unstable roles marked."""
     columns, rows = roles.roles(conn, run.run_id, stability=True)
-    return figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run))
+    offered = roles.offered_roles(roles.causal_run(conn, run.run_id))
+    return figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run), offered=offered)
 
 
 # --- compare ------------------------------------------------------------------------------------

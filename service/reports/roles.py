@@ -13,6 +13,19 @@ correction, and the evidence says so (``test = value (no interval)``).
 ``--stability``: the same tests on each half of the run's replicate groups (``halves``), and a
 role is stable when it holds on both.
 
+Decoders (SPEC §8): a run is causal when its query rows never see their next token
+(``causal_run``: ``run_chance.next_rows`` sums to 0). A causal run is not offered the roles that
+need the next token or [SEP] (``next-token``, ``[SEP] sink``), nor ``broad`` (its ceiling is
+uniform attention's entropy, for causal rows the mean of ln k_i, a sum no run stores); its sink
+is ``first-token sink`` (attention on position 0, BOS) instead of ``[CLS] sink``; and it is
+offered ``induction`` and ``duplicate-token``, each from the corpus metric and the synthetic
+probe together: the corpus lift's test must reject and, where the run has a probe, the head's
+probe score must reach its own threshold (a value: one probe per run, no interval). Roles not
+offered are not tested and not in the Holm family. Calibrated on random decoders, two shared
+roles change for causal runs: ``sentence-bound`` needs 1.25× (random decoders reach 1.2×), and
+``local`` is not offered (random decoders' similar pairs are as local as any real head's: each
+row's output averages the same prefix as its neighbours'). Bidirectional runs keep their roles.
+
 Pure functions over metric rows (``assign``) plus the store query (``roles``).
 """
 
@@ -54,6 +67,31 @@ PUNCT_MIN = 1.5  # attn_to_punct_lift (1 = uniform attention)
 # controls' smallest entropy 1.01 · ln n̄ (uniform attention); real median 0.60 · ln n̄
 BROAD_MIN, BROAD_MAX = 0.75, 0.97  # attn_entropy as a share of uniform attention's entropy ln n̄
 
+# Decoder roles (SPEC §8), read off the development data through SmolLM2-135M (30 × 9 heads) and
+# random-weights controls of seeds 0, 1, 2 (benchmarks/calibrate_roles.py --model smollm2 --probe
+# --windowing first: the excerpt's 57 windows, one window of each of wikipedia_dev's 151 documents);
+# every threshold clears the largest control head of every seed on both corpora (docs/SPEC.md §7).
+# controls' largest 1.12, 1.11, 1.14 (excerpt; upper ends ≤ 1.20) and 1.13, 1.12, 1.12 (wikipedia_dev);
+# real heads without a gap (median 9.2, 75th percentile 15.7, largest 23.5): the bound of [CLS] sink, 8 × every control
+FIRST_SINK_MIN = 10.0  # attn_to_first_lift (1 = uniform attention over each row's visible keys)
+# controls' largest 1.02–1.03 (upper ends ≤ 1.05); real 7.68, 4.76, 4.18, 4.13 | 2.25, 2.03 (wikipedia_dev)
+# and 8.85, 5.98, 5.92, 5.52 | 2.94, 2.79 (excerpt): 3.5 sits in both gaps
+INDUCTION_MIN = 3.5  # induction_lift (1 = uniform attention over the row's visible keys)
+# controls' largest 0.0166, 0.0159, 0.0153; real 0.87, 0.75, 0.72, 0.62, 0.59, 0.48, 0.46, 0.43 | 0.27, 0.27
+INDUCTION_PROBE_MIN = 0.35  # induction_score: mean A[i, i − L + 1] over the probe's second copy
+# controls' largest 1.02–1.07 (upper ends ≤ 1.08); real 9.87 … 4.60, 4.48 | 3.89, 3.56 (wikipedia_dev) and
+# 10.5 … 5.27, 4.91 | 3.49, 3.34 (excerpt): 4 sits in both gaps
+DUP_MIN = 4.0  # dup_lift
+# controls' largest 0.0159, 0.0162, 0.0154; real 0.647, 0.636, 0.403, 0.303 | 0.231, 0.186, 0.125
+DUP_PROBE_MIN = 0.25  # duplicate_score: mean A[i, i − L]
+# causal runs: random decoders' within_sentence_lift_dm reaches 1.20 (upper end 1.22) on wikipedia_dev, past
+# SENTENCE_MIN; real heads run smoothly from 1.36 down: 1.25 is the first round value past every control.
+# (local is not offered to causal runs: controls reach 8.5 × short_range_chance, real heads 9.8 at most.)
+SENTENCE_MIN_CAUSAL = 1.25
+
+BIDIRECTIONAL, CAUSAL = "bidirectional", "causal"
+BOTH = frozenset({BIDIRECTIONAL, CAUSAL})
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -62,6 +100,9 @@ class Rule:
     side: str  # "lo": the interval's lower bound must reach the threshold; "hi": the upper bound stay under it
     threshold: Callable[[Mapping], float | None]  # from the run's context (chances, ln n̄)
     rule: str  # the test in words, with what it is measured against
+    kinds: frozenset[str] = BOTH  # the attention kinds the role is offered for
+    probe: str | None = None  # a probe score that must also reach probe_min, where the run has a probe
+    probe_min: float = 0.0
 
 
 def _ctx(name: str, factor: float = 1.0) -> Callable[[Mapping], float | None]:
@@ -82,6 +123,29 @@ RULES: tuple[Rule, ...] = (
         "lo",
         lambda c: POSITION_MIN,
         f"mean attention on the next token ≥ {POSITION_MIN} (uniform: 1/n̄)",
+        kinds=frozenset({BIDIRECTIONAL}),
+    ),
+    Rule(
+        "induction",
+        "induction_lift",
+        "lo",
+        lambda c: INDUCTION_MIN,
+        f"attention on the tokens after earlier copies of the query token ≥ {INDUCTION_MIN:g}× uniform attention, "
+        f"and, where the run has a probe, induction_score ≥ {INDUCTION_PROBE_MIN:g}",
+        kinds=frozenset({CAUSAL}),
+        probe="induction_score",
+        probe_min=INDUCTION_PROBE_MIN,
+    ),
+    Rule(
+        "duplicate-token",
+        "dup_lift",
+        "lo",
+        lambda c: DUP_MIN,
+        f"attention on earlier copies of the query token ≥ {DUP_MIN:g}× uniform attention, and, where the run has "
+        f"a probe, duplicate_score ≥ {DUP_PROBE_MIN:g}",
+        kinds=frozenset({CAUSAL}),
+        probe="duplicate_score",
+        probe_min=DUP_PROBE_MIN,
     ),
     Rule(
         "repetition",
@@ -96,6 +160,15 @@ RULES: tuple[Rule, ...] = (
         "lo",
         lambda c: SENTENCE_MIN,
         f"within-sentence share ≥ {SENTENCE_MIN:g}× distance-matched chance",
+        kinds=frozenset({BIDIRECTIONAL}),
+    ),
+    Rule(
+        "sentence-bound",
+        "within_sentence_lift_dm",
+        "lo",
+        lambda c: SENTENCE_MIN_CAUSAL,
+        f"within-sentence share ≥ {SENTENCE_MIN_CAUSAL:g}× distance-matched chance (causal: random decoders reach 1.2)",
+        kinds=frozenset({CAUSAL}),
     ),
     Rule(
         "punctuation",
@@ -110,6 +183,7 @@ RULES: tuple[Rule, ...] = (
         "lo",
         _ctx("short_range_chance", LOCAL_FACTOR),
         f"share of similar pairs within short_range ≥ {LOCAL_FACTOR:g}× short_range_chance",
+        kinds=frozenset({BIDIRECTIONAL}),
     ),
     Rule(
         "[CLS] sink",
@@ -117,6 +191,16 @@ RULES: tuple[Rule, ...] = (
         "lo",
         lambda c: SINK_MIN,
         f"attention on [CLS] ≥ {SINK_MIN:g}× uniform attention",
+        kinds=frozenset({BIDIRECTIONAL}),
+    ),
+    Rule(
+        "first-token sink",
+        "attn_to_first_lift",
+        "lo",
+        lambda c: FIRST_SINK_MIN,
+        f"attention on position 0 (BOS) ≥ {FIRST_SINK_MIN:g}× uniform attention over the visible keys "
+        "(the probe scores no sink: the corpus metric alone)",
+        kinds=frozenset({CAUSAL}),
     ),
     Rule(
         "[SEP] sink",
@@ -124,6 +208,7 @@ RULES: tuple[Rule, ...] = (
         "lo",
         lambda c: SINK_MIN,
         f"attention on [SEP] ≥ {SINK_MIN:g}× uniform attention",
+        kinds=frozenset({BIDIRECTIONAL}),
     ),
     Rule(
         "broad",
@@ -132,10 +217,38 @@ RULES: tuple[Rule, ...] = (
         _ctx("uniform_entropy", BROAD_MIN),
         f"attention entropy ≥ {BROAD_MIN:g}·ln n̄ and shown to be ≤ {BROAD_MAX:g}·ln n̄ "
         "(spread, yet measurably not uniform)",
+        kinds=frozenset({BIDIRECTIONAL}),
     ),
 )
-ROLE_ORDER = tuple(r.role for r in RULES)
+ROLE_ORDER = tuple(dict.fromkeys(r.role for r in RULES))
 ROLE_METRICS = tuple(dict.fromkeys(r.metric for r in RULES))
+PROBE_SCORES = tuple(dict.fromkeys(r.probe for r in RULES if r.probe))
+
+
+def kind_of(causal: bool) -> str:
+    return CAUSAL if causal else BIDIRECTIONAL
+
+
+def rules_for(causal: bool) -> tuple[Rule, ...]:
+    """The rules a run is offered: by its attention (bidirectional or causal)."""
+    kind = kind_of(causal)
+    return tuple(r for r in RULES if kind in r.kinds)
+
+
+def offered_roles(causal: bool) -> tuple[str, ...]:
+    """The roles a run is offered, in ``ROLE_ORDER``."""
+    return tuple(r.role for r in rules_for(causal))
+
+
+def causal_run(conn: Connection, run_id: int) -> bool:
+    """Whether the run's attention is causal (a decoder): its query rows never see their next
+    token (``run_chance.next_rows`` sums to 0 over rows that exist). Runs stored before
+    ``next_rows`` existed (NULL) were all bidirectional."""
+    row = conn.execute(
+        text("SELECT sum(next_rows), sum(attn_rows) FROM run_chance WHERE run_id = :run"), {"run": run_id}
+    ).first()
+    return row is not None and row[0] is not None and row[0] == 0 and (row[1] or 0) > 0
+
 
 ALPHA = 0.05  # family-wise error rate of a run's role tests (Holm–Bonferroni)
 HOLM = "one-sided jackknife t, Holm"
@@ -147,6 +260,10 @@ ROLES_NOTE = (
     "(family; p_holm: the adjusted p); runs without replicate groups test the value, uncorrected (SPEC §7). "
     "*_lift_dm: against distance-matched chance; attn_*_lift: against uniform attention; primary: the head's "
     "most specific role"
+)
+PROBE_NOTE = (
+    "induction / duplicate-token (causal runs): the corpus test and, where the run has a probe, probe_score (the "
+    "head's induction_score / duplicate_score on repeated random tokens, one probe per run: no interval) ≥ probe_min"
 )
 STABILITY_NOTE = (
     "half_a / half_b: the same test on the run's alternate replicate groups only (1st, 3rd, … and 2nd, 4th, … in id order) (each half its own metrics, "
@@ -166,6 +283,8 @@ COLUMNS = [
     "p",
     "p_holm",
     "family",
+    "probe_score",
+    "probe_min",
     "rule",
 ]
 STABILITY_COLUMNS = ["half_a", "half_b", "stable"]
@@ -199,6 +318,8 @@ class Tested:
     threshold: float
     p: float | None
     value_holds: bool  # the value itself clears the threshold (and, for broad, the ceiling)
+    probe: float | None = None  # the head's probe score the rule also reads (None: no probe condition)
+    probe_holds: bool = True  # the probe score reaches the rule's probe_min (True where there is none)
 
 
 def _one_sided_p(estimate: float, bound: float, se: float, df: int) -> float:
@@ -217,16 +338,19 @@ def _test(rule: Rule, row: Mapping, context: Mapping, groups: int | None) -> Tes
         return None
     ceiling = BROAD_MAX * context["uniform_entropy"] if rule.role == "broad" else None
     holds = value >= threshold and (ceiling is None or value <= ceiling)
+    # the probe (SPEC §8): one per run, no interval: its score is a condition on the value
+    probe = _num(row.get(rule.probe)) if rule.probe else None
+    probe_holds = probe is None or probe >= rule.probe_min
     q = interval_quantile(groups) if groups is not None else None
     if groups is None or q is None:  # a run stored before replicate groups: the value is tested
-        return Tested(row, rule, value, lo, hi, threshold, None, holds)
+        return Tested(row, rule, value, lo, hi, threshold, None, holds, probe, probe_holds)
     if lo is None or hi is None:  # the interval is undefined (a ratio without a denominator in some group)
         return None
     se, df = (hi - lo) / 2.0 / q, groups - 1
     p = _one_sided_p(value, threshold, se, df)
     if ceiling is not None:  # both must hold: the larger p of the two one-sided tests (intersection–union)
         p = max(p, _one_sided_p(ceiling, value, se, df))
-    return Tested(row, rule, value, lo, hi, threshold, p, holds)
+    return Tested(row, rule, value, lo, hi, threshold, p, holds, probe, probe_holds)
 
 
 def assign(rows: Sequence[Mapping], context: Mapping, *, groups: int | None, alpha: float = ALPHA) -> list[tuple]:
@@ -234,22 +358,28 @@ def assign(rows: Sequence[Mapping], context: Mapping, *, groups: int | None, alp
     ``ROLE_ORDER``; a head without any role gets one ``none established`` row.
 
     ``rows``: per head, ``layer``, ``head`` and each metric of ``ROLE_METRICS`` with ``_lo``/``_hi``.
-    ``context``: ``short_range_chance`` and ``uniform_entropy`` (ln n̄, n̄ = valid tokens per window).
+    ``context``: ``short_range_chance`` and ``uniform_entropy`` (ln n̄, n̄ = valid tokens per window);
+    ``causal`` (default False): the run's attention is causal, which chooses the rules (``rules_for``).
+    Rules with a probe condition read the row's probe score (``induction_score``, ``duplicate_score``;
+    None: the run has no probe, and the corpus test alone decides).
     ``groups``: the replicate groups R behind the intervals (t with R − 1 df); None or < 2: no
     intervals, and each value is tested against its threshold without a correction.
     Every (head, role) with a p-value is one test of the family; Holm–Bonferroni over it at ``alpha``.
     """
     ordered = sorted(rows, key=lambda r: (r["layer"], r["head"]))
-    tests = [[t for rule in RULES if (t := _test(rule, row, context, groups)) is not None] for row in ordered]
+    rules = rules_for(bool(context.get("causal")))
+    tests = [[t for rule in rules if (t := _test(rule, row, context, groups)) is not None] for row in ordered]
     family = [t for head_tests in tests for t in head_tests if t.p is not None]
     adjusted = dict(zip(map(id, family), holm([t.p for t in family if t.p is not None])))
     out: list[tuple] = []
     for row, head_tests in zip(ordered, tests):
         earned = [
-            t for t in head_tests if (t.value_holds if t.p is None else adjusted[id(t)] <= alpha and t.value_holds)
+            t
+            for t in head_tests
+            if t.probe_holds and (t.value_holds if t.p is None else adjusted[id(t)] <= alpha and t.value_holds)
         ]
         if not earned:
-            out.append((row["layer"], row["head"], NONE, True, *([None] * 8), len(family) or None, NO_ROLE))
+            out.append((row["layer"], row["head"], NONE, True, *([None] * 8), len(family) or None, None, None, NO_ROLE))
         for k, t in enumerate(earned):
             out.append(
                 (
@@ -266,6 +396,8 @@ def assign(rows: Sequence[Mapping], context: Mapping, *, groups: int | None, alp
                     t.p,
                     None if t.p is None else adjusted[id(t)],
                     len(family) or None,
+                    t.probe,
+                    None if t.probe is None else t.rule.probe_min,
                     t.rule.rule,
                 )
             )
@@ -295,10 +427,13 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.
     columns, rows = queries.heads(conn, run_id, anchors=0, ci=True)
     dicts = [dict(zip(columns, r)) for r in rows]
     groups = halves.run_groups(conn, run_id)
-    out = assign(dicts, run_context(conn, run_id), groups=len(groups) or None)
+    context = {**run_context(conn, run_id), "causal": causal_run(conn, run_id)}
+    out = assign(dicts, context, groups=len(groups) or None)
     if not stability:
         return list(COLUMNS), out
-    held = [_held_on(conn, run_id, half) for half in halves.split(groups)]
+    # the probe is one per run: each half reads the run's probe scores
+    probes = {(d["layer"], d["head"]): {k: d.get(k) for k in PROBE_SCORES} for d in dicts}
+    held = [_held_on(conn, run_id, half, context["causal"], probes) for half in halves.split(groups)]
     ri = COLUMNS.index("role")
     marked = []
     for r in out:
@@ -309,14 +444,17 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.
     return [*COLUMNS, *STABILITY_COLUMNS], marked
 
 
-def _held_on(conn: Connection, run_id: int, groups: list[int]) -> set[tuple] | None:
+def _held_on(
+    conn: Connection, run_id: int, groups: list[int], causal: bool, probes: Mapping[tuple, Mapping]
+) -> set[tuple] | None:
     """The (layer, head, role) earned on ``groups`` alone; None where they are too few to test
-    (under 2 groups: no interval)."""
+    (under 2 groups: no interval). ``probes``: the run's probe scores per (layer, head)."""
     if len(groups) < 2:
         return None
     columns, rows, context = halves.head_rows(conn, run_id, groups, ROLE_METRICS)
-    dicts = [dict(zip(columns, r)) for r in rows]
-    return {(r[0], r[1], r[2]) for r in assign(dicts, context, groups=len(groups)) if r[2] != NONE}
+    dicts = [{**dict(zip(columns, r)), **probes.get((r[0], r[1]), {})} for r in rows]
+    held = assign(dicts, {**context, "causal": causal}, groups=len(groups))
+    return {(r[0], r[1], r[2]) for r in held if r[2] != NONE}
 
 
 def primary_grid(columns: list[str], rows: list[tuple], n_layers: int, n_heads: int) -> list[list[str | None]]:
@@ -329,18 +467,23 @@ def primary_grid(columns: list[str], rows: list[tuple], n_layers: int, n_heads: 
     return grid
 
 
-def role_counts(columns: list[str], rows: list[tuple]) -> dict[str, int]:
-    """Heads holding each role (a head with several counts once per role), ``none established`` last."""
+def role_counts(columns: list[str], rows: list[tuple], offered: Sequence[str] | None = None) -> dict[str, int]:
+    """Heads holding each role (a head with several counts once per role), ``none established`` last.
+    ``offered``: the run's roles (``offered_roles``; default: a bidirectional run's); a role held
+    outside it is counted too."""
     ri = columns.index("role")
-    counts = {role: 0 for role in (*ROLE_ORDER, NONE)}
+    held = {r[ri] for r in rows}
+    listed = offered_roles(False) if offered is None else offered
+    counts = {role: 0 for role in ROLE_ORDER if role in listed or role in held}
+    counts[NONE] = 0
     for r in rows:
         counts[r[ri]] += 1
     return counts
 
 
 def stable_counts(columns: list[str], rows: list[tuple]) -> dict[str, int] | None:
-    """Heads holding each role on both halves (None: rows without stability columns, or halves
-    too small to test)."""
+    """Heads holding each role on both halves, for every role of ``ROLE_ORDER`` (None: rows
+    without stability columns, or halves too small to test)."""
     if "stable" not in columns:
         return None
     ri, si = columns.index("role"), columns.index("stable")
