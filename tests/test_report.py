@@ -137,7 +137,7 @@ def test_report_opens_in_headless_chromium(page, tmp_path):
     if chromium is None:
         pytest.skip("Debian `chromium` is not installed here (`apt-get install -y chromium`; .ci/run installs it)")
     shot = tmp_path / "shot.png"
-    width, height = 1280, 2400
+    width, height = 1280, 4800  # tall enough to reach the figures below the atlas and its tables
     done = subprocess.run(
         [
             chromium,

@@ -213,12 +213,14 @@ def _atlas_section(conn, run) -> str:
     from headatlas.service.reports import atlas_plots, plots, roles
 
     columns, rows = roles.roles(conn, run.run_id, stability=True)
-    offered = roles.offered_roles(roles.causal_run(conn, run.run_id))
+    causal = roles.causal_run(conn, run.run_id)
+    offered = roles.offered_roles(causal)
     fig, _ = atlas_plots.figure_atlas(
         columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=plots._title(run), offered=offered
     )
     counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows) or {}
-    rules = {r.role: r.rule for r in roles.RULES}
+    # the rules this run was tested with (a role's threshold may differ for causal runs)
+    rules = {r.role: r.rule for r in roles.rules_for(causal)}
     count_html = _table(
         ["role", "heads", "stable", "rule"],
         [(r, n, stable.get(r), rules.get(r, "")) for r, n in counts.items()],
