@@ -295,10 +295,14 @@ def section_heads(r: Reader, run) -> list[str]:
     return out
 
 
-def role_table(columns: list[str], rows: list[tuple], control_counts: list[dict[str, int]]) -> list[str]:
+def role_table(
+    columns: list[str], rows: list[tuple], control_counts: list[dict[str, int]], *, causal: bool = False
+) -> list[str]:
+    """Heads per role the run was offered (a causal run is not offered next-token, [SEP] sink, …)."""
     from headatlas.service.reports import roles
 
-    counts, stable = roles.role_counts(columns, rows), roles.stable_counts(columns, rows)
+    offered = roles.offered_roles(causal)
+    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows)
     seeds = " | ".join(f"control seed {s}" for s in range(len(control_counts)))
     out = [f"| role | heads | stable (both halves) | {seeds} |", "|---|---|---|" + "---|" * len(control_counts)]
     for role, n in counts.items():
@@ -403,7 +407,7 @@ def section_decoder(r: Reader, run, dec) -> list[str]:
     control_counts = []
     for c in r.controls(dec):
         c_columns, c_rows, _ = r.roles(c, stability=False)
-        control_counts.append(roles.role_counts(c_columns, c_rows))
+        control_counts.append(roles.role_counts(c_columns, c_rows, roles.offered_roles(True)))
     heads, layers = r.heads(dec), r.layers(dec)
     groups = "{} groups; halves of {} and {}".format(*r.groups(dec))
     out = [
@@ -414,7 +418,7 @@ def section_decoder(r: Reader, run, dec) -> list[str]:
         "",
         f"Roles (`query roles --stability`, Holm–Bonferroni over {family} tests; {groups}):",
         "",
-        *role_table(columns, rows, control_counts),
+        *role_table(columns, rows, control_counts, causal=True),
         "",
     ]
     if heads and heads[0].get("induction_score") is not None:
