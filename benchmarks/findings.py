@@ -42,6 +42,12 @@ from benchmarks.common import machine  # noqa: E402
 MODEL_NAME = "all-MiniLM-L6-v2"
 FINDINGS_PAGE = ROOT / "docs" / "findings.md"  # holds the output verbatim (tests/test_findings_docs.py)
 MAIN, PUNCT, HALF_A, HALF_B, DECODER = "findings", "findings-punct", "half-a", "half-b", "smollm2"
+# one analysis option changed at a time (name, options): how far the lifts and roles move
+VARIANTS = (
+    ("findings-select5", ("--select", "top:0.05")),
+    ("findings-gate8", ("--gate", "8")),
+    ("findings-seq64", ("--seq-len", "64")),
+)
 ROLE_METRICS = {  # role → (metric, scale in the run's context), as service/reports/roles.py reads them
     "previous-token": ("attn_to_prev", None),
     "next-token": ("attn_to_next", None),
@@ -378,6 +384,32 @@ def section_punct(r: Reader, run, punct) -> list[str]:
     ]
 
 
+def section_sensitivity(r: Reader, run, variants: list[tuple[str, object]]) -> list[str]:
+    """Per run (the default, then one option changed at a time): two lifts by layer, and the
+    (head, role) counts earned (Holm over each run's own family)."""
+    from headatlas.service.reports import roles
+
+    out = [
+        "### Sensitivity: one option changed at a time",
+        "",
+        "Layer values of `within_sentence_lift_dm` and `repetition_words_lift_dm` (layers 0, 1, …), and the "
+        "(head, role) earned (`query roles`, each run its own Holm family).",
+        "",
+        "| run | option | within_sentence_lift_dm | repetition_words_lift_dm | roles earned | by role |",
+        "|---|---|---|---|---|---|",
+    ]
+    for option, other in [("defaults", run), *variants]:
+        layers = r.layers(other)
+        columns, rows, _ = r.roles(other, stability=False)
+        counts = roles.role_counts(columns, rows)
+        earned = sum(n for role, n in counts.items() if role != roles.NONE)
+        held = ", ".join(f"{role} {n}" for role, n in counts.items() if n and role != roles.NONE)
+        ws = " ".join(f2(d["within_sentence_lift_dm"], 3) for d in layers)
+        rw = " ".join(f2(d["repetition_words_lift_dm"]) for d in layers)
+        out.append(f"| {other.name} | {option} | {ws} | {rw} | {earned} | {held or '–'} |")
+    return out
+
+
 def section_baselines(r: Reader, run, half_a, half_b) -> list[str]:
     out = ["### Baselines of `compare`", ""]
     for label, a, b in (
@@ -505,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     analyze(PUNCT, corpus, "--sentences", "punct")
     analyze(HALF_A, half_a)
     analyze(HALF_B, half_b)
+    for name, options in VARIANTS:
+        analyze(name, corpus, *options)
     if args.decoder:
         dec_corpus, _ = prepare_corpus(corpus, args.decoder_max_docs, 0, work / "decoder.txt")
         analyze(DECODER, dec_corpus, "--model", "smollm2", "--probe", "--control", "1")
@@ -537,6 +571,13 @@ def main(argv: list[str] | None = None) -> None:
         *section_roles(reader, run),
         "",
         *section_punct(reader, run, reader.run(PUNCT)),
+        "",
+        *section_sensitivity(
+            reader,
+            run,
+            [("--sentences punct", reader.run(PUNCT))]
+            + [(" ".join(options), reader.run(name)) for name, options in VARIANTS],
+        ),
         "",
         *section_baselines(reader, run, reader.run(HALF_A), reader.run(HALF_B)),
     ]
