@@ -651,6 +651,9 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
         text=True,
         env=env,
         cwd=ROOT,
+        # a suite started in the background by a shell without job control inherits SIGINT ignored,
+        # and so would the command; the test is of the command's own handling
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not db.exists() and process.poll() is None and time.monotonic() < deadline:
