@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import Timer, corpus_prefix, default_corpus, machine, median  # noqa: E402
+from benchmarks.common import Timer, corpus_prefix, default_corpus, forward_passes, machine, median  # noqa: E402
 from headatlas.service.engine import stats  # noqa: E402
-from headatlas.service.engine.analysis import analyze_batch, forward  # noqa: E402
-from headatlas.service.engine.hooks import act_name, capture_attention  # noqa: E402
+from headatlas.service.engine.analysis import forward  # noqa: E402
+from headatlas.service.engine.hooks import act_name  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
 from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
 from headatlas.service.engine.windows import TokenClasses  # noqa: E402
@@ -65,29 +65,7 @@ def main(argv=None) -> None:
             f"{len(batches)} batches of {args.batch_size}; seq_len 128; medians of {args.repeats}"
         )
 
-        def bare():
-            with torch.inference_mode():
-                for b in batches:
-                    model.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
-
-        def hooked():
-            with torch.inference_mode(), capture_attention(model.model, on_layer=lambda *_: None):
-                for b in batches:
-                    model.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
-
-        def full():
-            for b in batches:
-                analyze_batch(model, b, params, tokens)
-
-        # interleaved, so drifts in machine load hit all three
-        runs: dict[str, list[float]] = {"bare forward": [], "forward + hooks": [], "analyze_batch": []}
-        for fn in (bare, hooked, full):
-            fn()  # warm-up
-        for _ in range(args.repeats):
-            for name, fn in zip(runs, (bare, hooked, full)):
-                with Timer() as t:
-                    fn()
-                runs[name].append(t.seconds)
+        runs = forward_passes(model, batches, params, tokens, args.repeats)
         base = median(runs["bare forward"])
         print(f"\n{'pass':<18} {'ms/batch':>9} {'ms/window':>10} {'× bare':>7}")
         for name, seconds in runs.items():

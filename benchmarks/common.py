@@ -56,3 +56,37 @@ def machine() -> str:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {gpu}"
+
+
+def forward_passes(model, batches, params, tokens, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each pass over ``batches``, ``repeats`` times, interleaved so that drifts in
+    machine load hit all three: the bare forward, the forward with the capture hooks, and the whole
+    analysis (``analyze_batch``). One warm-up of each first."""
+    import torch
+
+    from headatlas.service.engine.analysis import analyze_batch
+    from headatlas.service.engine.hooks import capture_attention
+
+    def bare():
+        with torch.inference_mode():
+            for b in batches:
+                model.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+
+    def hooked():
+        with torch.inference_mode(), capture_attention(model.model, on_layer=lambda *_: None):
+            for b in batches:
+                model.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+
+    def full():
+        for b in batches:
+            analyze_batch(model, b, params, tokens)
+
+    runs: dict[str, list[float]] = {"bare forward": [], "forward + hooks": [], "analyze_batch": []}
+    for fn in (bare, hooked, full):
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in zip(runs, (bare, hooked, full)):
+            with Timer() as t:
+                fn()
+            runs[name].append(t.seconds)
+    return runs

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Timer, corpus_prefix, default_corpus, machine, median  # noqa: E402
+from benchmarks.common import Timer, corpus_prefix, default_corpus, forward_passes, machine, median  # noqa: E402
 
 TARGET = 1.3
 LOAD_SNIPPET = """
@@ -64,31 +64,10 @@ def breakdown(model, batches, params, tokens, repeats: int) -> list[str]:
     import torch
 
     from headatlas.service.engine import stats
-    from headatlas.service.engine.analysis import analyze_batch, forward
-    from headatlas.service.engine.hooks import act_name, capture_attention
+    from headatlas.service.engine.analysis import forward
+    from headatlas.service.engine.hooks import act_name
 
-    def bare():
-        with torch.inference_mode():
-            for b in batches:
-                model.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
-
-    def hooked():
-        with torch.inference_mode(), capture_attention(model.model, on_layer=lambda *_: None):
-            for b in batches:
-                model.model(input_ids=b.input_ids, attention_mask=b.attention_mask)
-
-    def full():
-        for b in batches:
-            analyze_batch(model, b, params, tokens)
-
-    runs: dict[str, list[float]] = {"bare forward": [], "forward + hooks": [], "analyze_batch": []}
-    for fn in (bare, hooked, full):
-        fn()
-    for _ in range(repeats):
-        for name, fn in zip(runs, (bare, hooked, full)):
-            with Timer() as t:
-                fn()
-            runs[name].append(t.seconds)
+    runs = forward_passes(model, batches, params, tokens, repeats)
     base = median(runs["bare forward"])
     lines = [f"{'pass':<18} {'s':>7} {'× bare':>7}"]
     lines += [f"{name:<18} {median(s):>7.2f} {median(s) / base:>7.2f}" for name, s in runs.items()]
