@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,23 @@ def run_cli(
 @pytest.fixture()
 def cli():
     return run_cli
+
+
+@contextmanager
+def attention_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
+    """Record, per layer, the hidden states each attention module receives (after any pre-norm):
+    what the adapter's ``values`` turns into v, for parity checks against ``A @ v``."""
+    adapter = model.adapter
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [
+        adapter.attention(block).register_forward_pre_hook(
+            lambda _m, args, kwargs, layer=layer: inputs.__setitem__(layer, adapter.attention_input(args, kwargs)),
+            with_kwargs=True,
+        )
+        for layer, block in enumerate(adapter.blocks(model.model))
+    ]
+    try:
+        yield inputs
+    finally:
+        for handle in handles:
+            handle.remove()

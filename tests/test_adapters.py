@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import attention_inputs
 
 from headatlas.service.engine.adapters import FAMILIES, adapter_for, kv_group
 from headatlas.service.engine.corpus import Document
@@ -49,20 +50,8 @@ def check_parity(model: LoadedModel) -> None:
     _tokens, windows, batch = _batch(model)
     assert len(windows) >= 2 and len(windows[-1].input_ids) < len(windows[0].input_ids)  # a padded row
     blocks = adapter.blocks(model.model)
-    inputs: dict[int, torch.Tensor] = {}
-    handles = [
-        adapter.attention(block).register_forward_pre_hook(
-            lambda _m, args, kwargs, layer=layer: inputs.__setitem__(layer, adapter.attention_input(args, kwargs)),
-            with_kwargs=True,
-        )
-        for layer, block in enumerate(blocks)
-    ]
-    try:
-        with torch.inference_mode(), capture_attention(model.model) as acts:
-            out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with attention_inputs(model) as inputs, torch.inference_mode(), capture_attention(model.model) as acts:
+        out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True)
     shape = adapter.shape(model.model.config)
     assert len(out.attentions) == model.n_layers == len(blocks)
     valid = batch.attention_mask.bool()

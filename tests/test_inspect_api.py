@@ -9,6 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from conftest import attention_inputs
 
 from headatlas.service.engine.adapters import kv_group
 from headatlas.service.engine.model import LoadedModel, load_model
@@ -31,23 +32,9 @@ def model(request) -> LoadedModel:
 
 def own_outputs(model: LoadedModel, ids: list[int]):
     """The model's own attention (output_attentions) and the attention inputs per layer."""
-    adapter = model.adapter
-    blocks = adapter.blocks(model.model)
-    inputs: dict[int, torch.Tensor] = {}
-    handles = [
-        adapter.attention(block).register_forward_pre_hook(
-            lambda _m, args, kwargs, layer=layer: inputs.__setitem__(layer, adapter.attention_input(args, kwargs)),
-            with_kwargs=True,
-        )
-        for layer, block in enumerate(blocks)
-    ]
-    try:
-        with torch.inference_mode():
-            tensor = torch.tensor([ids])
-            out = model.model(input_ids=tensor, attention_mask=torch.ones_like(tensor), output_attentions=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with attention_inputs(model) as inputs, torch.inference_mode():
+        tensor = torch.tensor([ids])
+        out = model.model(input_ids=tensor, attention_mask=torch.ones_like(tensor), output_attentions=True)
     return out.attentions, inputs
 
 
