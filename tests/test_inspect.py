@@ -21,13 +21,13 @@ def params():
 def reference_matrices(model, text: str):
     """C = z zᵀ (C_ii = 0) and A recomputed from Hugging Face outputs and the layers' weights,
     without the hooks: z_h = A_h V_h with V from the layer's input hidden state."""
-    from headatlas.service.engine.model import encoder_layers
+    from headatlas.service.engine.model import model_blocks
 
     enc = model.tokenizer(text, return_tensors="pt")
     with torch.inference_mode():
         out = model.model(**enc, output_attentions=True, output_hidden_states=True)
         csm, attn = [], []
-        for layer, block in enumerate(encoder_layers(model.model)):
+        for layer, block in enumerate(model_blocks(model.model)):
             a = out.attentions[layer][0].double()  # [head, pos, key]
             v = block.attention.self.value(out.hidden_states[layer])[0].double()  # [pos, head·d]
             v = v.view(v.shape[0], model.n_heads, -1).transpose(0, 1)  # [head, pos, d]

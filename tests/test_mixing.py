@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from headatlas.service.engine.model import encoder_layers
+from headatlas.service.engine.model import model_blocks
 from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.measures.attribution import gradient_norms, normalise_rows, trace, unit_outputs
 from headatlas.service.measures.mixing import alti_layer, jsd, norm_based, rollout, value_vectors
@@ -108,7 +108,7 @@ def test_jsd_known_values():
 def test_norm_and_alti_rows_are_distributions_and_alti_matches_per_token_loop(real_model, demo_corpus):
     batch = _real_windows(real_model, demo_corpus, (12,))
     tr = trace(real_model, batch.input_ids, batch.attention_mask)
-    blocks = encoder_layers(real_model.model)
+    blocks = model_blocks(real_model.model)
     valid = batch.attention_mask.bool()
     n = batch.input_ids.shape[1]
     for layer in (0, real_model.n_layers - 1):

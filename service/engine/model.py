@@ -442,7 +442,3 @@ def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) 
     per_window += element * seq_len * model.d_model * 16
     size = max(1, int(free * 0.6 // per_window))
     return min(4096, 1 << (size.bit_length() - 1))
-
-
-# the blocks of a loaded base model, under the name the attribution and mixing measures import
-encoder_layers = model_blocks

@@ -29,7 +29,7 @@ import torch
 
 from headatlas.service.engine.adapters import ModelAdapter, adapter_for
 from headatlas.service.engine.hooks import act_name, capture_attention
-from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.model import LoadedModel, model_blocks
 from headatlas.service.measures.blocks import parts
 
 DEFAULT_CHUNK = 2048  # gradient rows (windows × outputs) per batched backward call
@@ -116,7 +116,7 @@ def trace(
     embeddings: torch.Tensor | None = None,
 ) -> Trace:
     """Forward ``[batch, pos]`` inputs, keeping the graph from the embeddings when ``grad``."""
-    blocks = encoder_layers(model.model)
+    blocks = model_blocks(model.model)
     adapter = adapter_for(model.model)
     store: dict = {}
     ctx = torch.enable_grad() if grad else torch.no_grad()

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from headatlas.service.engine.adapters import ModelAdapter
-from headatlas.service.engine.model import LoadedModel, encoder_layers
+from headatlas.service.engine.model import LoadedModel, model_blocks
 from headatlas.service.engine.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
 from headatlas.service.engine.stats import WindowFeatures, attention_sums
 from headatlas.service.measures.blocks import adapter_of_block, parts
@@ -203,7 +203,7 @@ class TraceContext:
         self.model, self.input_ids, self.attention_mask, self.chunk_size = model, input_ids, attention_mask, chunk_size
         self.valid = attention_mask.to(model.device).bool()
         self.trace = trace(model, input_ids, attention_mask)
-        self.blocks = encoder_layers(model.model)
+        self.blocks = model_blocks(model.model)
         self.adapter = model.adapter
         self.probs = [p.float() for p in self.trace.probs]
 
