@@ -69,6 +69,21 @@ def main(argv=None) -> None:
             forward_vs_full.main,
             ["--windows", "4096", "--device", "cuda", "--batch-size", "256", "--dtype", "bfloat16", "--no-naive"],
         )
+        section(
+            "Decoder (SmolLM2-135M's shape, random weights: the same work per window), GPU: full / bare",
+            forward_vs_full.main,
+            [
+                "--models",
+                "random:smollm2",
+                "--windows",
+                "4096",
+                "--device",
+                "cuda",
+                "--batch-size",
+                "128",
+                "--no-naive",
+            ],
+        )
     else:
         print("\n## GPU rows\nnot measured: no CUDA device on this machine")
     if args.gpu_only:

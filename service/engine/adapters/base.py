@@ -55,6 +55,7 @@ class RandomShape:
     heads: int
     hidden: int
     kv_heads: int | None = None  # None: as many as query heads
+    intermediate: int | None = None  # the MLP's width; None: the family's default for ``hidden``
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv" if self.kv_heads not in (None, self.heads) else ""

@@ -23,7 +23,7 @@ class GPT2Adapter(ModelAdapter):
     title = "GPT-2"
     model_types = ("gpt2",)
     causal = True
-    random_shapes = {"gpt2": RandomShape("gpt2", 2, 4, 32)}
+    random_shapes = {"gpt2": RandomShape("gpt2", 2, 4, 32), "gpt2-small": RandomShape("gpt2", 12, 12, 768)}
 
     def blocks(self, model: Any) -> list[torch.nn.Module]:
         layers = getattr(model, "h", None)
@@ -58,6 +58,7 @@ class GPT2Adapter(ModelAdapter):
             n_layer=shape.layers,
             n_head=shape.heads,
             n_embd=shape.hidden,
+            n_inner=shape.intermediate,  # None: 4 × n_embd
             n_positions=512,
             bos_token_id=None,  # GPT-2's 50256 lies outside a borrowed vocabulary
             eos_token_id=None,

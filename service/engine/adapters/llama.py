@@ -24,7 +24,11 @@ class LlamaAdapter(ModelAdapter):
     title = "Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM2"
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     causal = True
-    random_shapes = {"llama": RandomShape("llama", 2, 4, 32, kv_heads=2)}
+    random_shapes = {
+        "llama": RandomShape("llama", 2, 4, 32, kv_heads=2),
+        # SmolLM2-135M's shape (its weights: --model smollm2), for timing where the GGUF is not installed
+        "smollm2": RandomShape("llama", 30, 9, 576, kv_heads=3, intermediate=1536),
+    }
 
     def blocks(self, model: Any) -> list[torch.nn.Module]:
         layers = getattr(model, "layers", None)
@@ -61,7 +65,7 @@ class LlamaAdapter(ModelAdapter):
         return LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=shape.hidden,
-            intermediate_size=2 * shape.hidden,
+            intermediate_size=shape.intermediate or 2 * shape.hidden,
             num_hidden_layers=shape.layers,
             num_attention_heads=shape.heads,
             num_key_value_heads=shape.kv_heads or shape.heads,
