@@ -297,10 +297,15 @@ LAYER_COLUMNS = ("layer", *(c.name for c in COLUMNS if c.layers))
 
 
 def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
-    """Per-layer summary: the progression from early to final layers."""
+    """Per-layer summary: the progression from early to final layers, and anchor distinctness
+    (SPEC §5): ``anchor_distinct_share`` = distinct anchors among the layer's anchored heads per
+    window, over those heads, pooled over windows (1: every head its own anchor; 1/H: one anchor
+    for all H heads)."""
     cols = ", ".join(f"l.{c}" for c in LAYER_COLUMNS)
+    # the view's distinct_share (windows in which *all* the layer's anchors differ) stays for SQL:
+    # with 12 heads that event almost never happens, so it measures the head count, not the heads
     sql = f"""
-        SELECT {cols}, d.distinct_share AS anchor_distinct_share, d.distinct_anchor_ratio
+        SELECT {cols}, d.distinct_anchor_ratio AS anchor_distinct_share
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
