@@ -410,6 +410,7 @@ def query_distances(
         r = _run(conn, run)
         _check_layer_head(r, layer, head)
         columns, rows = queries.distances(conn, r.run_id, layer=layer, head=head, split=split is not None, ci=ci)
+        unreliable = _interval_warnings(conn, r) if ci else []
     if max_distance:
         rows = [row for row in rows if row[0] <= max_distance]
     what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
@@ -430,6 +431,7 @@ def query_distances(
         for label, values in series.items():
             stdout.print(f"{label:<7}{sparkline(values, top=top)}", markup=False)
         stdout.print(f"       d=1{' ' * max(0, len(rows) - 8)}d={rows[-1][0]}")
+    _print_warnings(unreliable)
 
 
 @query_app.command("boundaries")
@@ -528,6 +530,7 @@ def compare(
                 "or analyse again with --control"
             )
         results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
+        unreliable = _interval_warnings(conn, a, *bs)
     table = (
         comparison.TABLE_COLUMNS
         if (heads or head is not None)
@@ -536,6 +539,7 @@ def compare(
     if fmt != Format.table and len(results) > 1:  # one document: every control's rows, named
         columns = ["run_b", *results[0][1][0]]
         render(columns, [(b.run_id, *r) for b, (_, rows) in results for r in rows], fmt)
+        _print_warnings(unreliable)
         return
     for b, (columns, rows) in results:
         floor = (
@@ -556,6 +560,7 @@ def compare(
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
             f"{b.n_layers} layers){floor}",
         )
+    _print_warnings(unreliable)
 
 
 @query_app.command("roles")
@@ -715,6 +720,7 @@ def _query(
         if check is not None:
             check(r)
         columns, rows = query(conn, r.run_id, **kwargs)
+        unreliable = _interval_warnings(conn, r) if kwargs.get("ci") else []
     render_metrics(
         columns,
         rows,
@@ -724,6 +730,19 @@ def _query(
         note=note,
         schemes=[scheme_of(r.params)],
     )
+    _print_warnings(unreliable)
+
+
+def _interval_warnings(conn, *runs) -> list[str]:
+    """Each run's warning that its intervals rest on too few replicate groups (SPEC §5d)."""
+    from headatlas.service.reports.queries import interval_warning
+
+    return [w for w in (interval_warning(conn, r.run_id) for r in runs) if w]
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _run(conn, ref):

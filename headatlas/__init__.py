@@ -2,7 +2,7 @@
 
     import headatlas
     run = headatlas.analyze("corpus.txt", db="atlas.duckdb")      # the embedded engine
-    run.heads(ci=True).to_pandas()                                 # an Arrow table
+    run.heads(ci=True).df()                                        # pandas (headatlas[pandas]); .arrow: Arrow
     headatlas.connect("atlas.duckdb").run("corpus-1a2b3c").layers()
     headatlas.inspect("The cat sat on the mat.").csm(3, 5)         # one text: attention, z, CSM
 
@@ -27,10 +27,18 @@ if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py
     __path__.append(str(_here.parent))
 
 
+_LAZY = ("analyze", "connect", "inspect")
+
+
 def __getattr__(name: str):
     # lazy, so that `import headatlas` (every CLI start) stays light until the API is used
-    if name in ("analyze", "connect", "inspect"):
+    if name in _LAZY:
         from headatlas.service import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'headatlas' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # what dir(headatlas) and tab completion show: the lazy functions too, the internals not
+    return sorted({*__all__, "cli", "migrations", "service", "workers"})

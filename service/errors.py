@@ -1,6 +1,9 @@
 """Domain errors. Each carries a message that names what went wrong, where, and the fix.
 
 The CLI prints ``str(error)`` on one line and exits non-zero; no traceback reaches the user.
+In Python they are also the built-in exceptions a caller expects: a bad value is a
+``ValueError``, an unknown run a ``LookupError``, a missing database a ``FileNotFoundError``
+(``headatlas.service.api`` rewrites their CLI flags as keyword arguments).
 """
 
 
@@ -10,7 +13,7 @@ class HeadatlasError(Exception):
     exit_code = 2
 
 
-class CorpusError(HeadatlasError):
+class CorpusError(HeadatlasError, ValueError):
     """Unreadable or unusable corpus input (file, line and fix in the message)."""
 
 
@@ -18,12 +21,16 @@ class ModelError(HeadatlasError):
     """Model cannot be found, loaded or hooked."""
 
 
-class ParameterError(HeadatlasError):
+class ParameterError(HeadatlasError, ValueError):
     """An analysis parameter has an invalid value."""
 
 
 class StoreError(HeadatlasError):
     """Database missing, stale schema, locked too long, or a refused query."""
+
+
+class RunNotFound(StoreError, LookupError):
+    """No run has the id or name asked for (or the database holds no run yet)."""
 
 
 class StoreBusy(StoreError):
@@ -32,6 +39,10 @@ class StoreBusy(StoreError):
 
 class DatabaseFileError(StoreError):
     """The database file is missing, not a (headatlas) DuckDB database, damaged, or not writable."""
+
+
+class DatabaseNotFound(DatabaseFileError, FileNotFoundError):
+    """No database file where one was named."""
 
 
 class BrokerError(HeadatlasError):

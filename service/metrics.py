@@ -58,6 +58,8 @@ class Column:
     interval: bool = True  # a ratio that gets a jackknife interval (--ci)
     heads: bool = True  # shown by `query heads`, accepted by --sort and `plot heads --metric`
     layers: bool = True  # shown by `query layers`
+    # the values it can take (low, high; None: unbounded): its interval is clipped to them
+    bounds: tuple[float | None, float | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class Metric:
     against: str  # what its lift or chance is, in a few words ("" where none)
     columns: tuple[Column, ...]
     sums: tuple[Sum, ...] = ()  # the sums it introduces (a sum is declared once, by its first metric)
+
+
+SHARE = (0.0, 1.0)  # a share, a probability, a mean attention weight
+POSITIVE = (0.0, None)  # a lift, a mean of non-negative values
 
 
 def head_int(name: str) -> Sum:
@@ -103,22 +109,25 @@ def _share(name: str, sum_high: str, sum_pairs: str, dm: str, what: str, layers:
     """A share of the high-similarity pairs against the share of all pairs (plain and matched to
     the head's distances, SPEC §5b)."""
     cols = (
-        Column(name, f"{sum_high} / nullif(high_pairs, 0)", f"share of H {what}"),
-        Column(f"{name}_chance", f"{sum_pairs} / nullif(pairs, 0)", f"share of all pairs P {what}"),
-        Column(f"{name}_lift", f"{name} / nullif({name}_chance, 0)", f"{name} / {name}_chance"),
+        Column(name, f"{sum_high} / nullif(high_pairs, 0)", f"share of H {what}", bounds=SHARE),
+        Column(f"{name}_chance", f"{sum_pairs} / nullif(pairs, 0)", f"share of all pairs P {what}", bounds=SHARE),
+        Column(f"{name}_lift", f"{name} / nullif({name}_chance, 0)", f"{name} / {name}_chance", bounds=POSITIVE),
         Column(
             f"{name}_chance_dm",
             f"{dm} / nullif(high_pairs, 0)",
             f"chance of {name} matched to the head's own distances",
+            bounds=SHARE,
         ),
-        Column(f"{name}_lift_dm", f"{name} / nullif({name}_chance_dm, 0)", f"{name} / {name}_chance_dm"),
+        Column(
+            f"{name}_lift_dm", f"{name} / nullif({name}_chance_dm, 0)", f"{name} / {name}_chance_dm", bounds=POSITIVE
+        ),
     )
     return Metric(
         name,
         "§5, §5b",
         f"share of the high-similarity pairs H {what}",
         "all pairs of the window; and all pairs at the head's own distances (_dm)",
-        tuple(Column(c.name, c.sql, c.definition, layers=c.name in layers) for c in cols),
+        tuple(Column(c.name, c.sql, c.definition, layers=c.name in layers, bounds=c.bounds) for c in cols),
         sums=(head_int(sum_high), run_int(sum_pairs)),
     )
 
@@ -134,8 +143,13 @@ def _attention_to(name: str, key: str, uniform: str, fallback: str, spec: str, s
         f"mean attention weight on {key}",
         "uniform attention over each row's visible keys",
         (
-            Column(name, f"{name} / nullif(attn_rows, 0)", f"mean weight on {key} per query row"),
-            Column(f"{name}_lift", f"{name} / nullif({expected}, 0)", f"{name} / its mean under uniform attention"),
+            Column(name, f"{name} / nullif(attn_rows, 0)", f"mean weight on {key} per query row", bounds=SHARE),
+            Column(
+                f"{name}_lift",
+                f"{name} / nullif({expected}, 0)",
+                f"{name} / its mean under uniform attention",
+                bounds=POSITIVE,
+            ),
         ),
         sums=sums,
     )
@@ -150,21 +164,39 @@ def _copies(name: str, rows: str, spec: str, definition: str, keys: str) -> Metr
         definition,
         "uniform attention over each row's visible keys",
         (
-            Column(attn, f"{attn} / nullif({rows}, 0)", f"mean weight on {keys}, per row that has one"),
-            Column(chance, f"{chance} / nullif({rows}, 0)", f"{attn} under uniform attention", layers=False),
-            Column(f"{name}_lift", f"{attn} / nullif({chance}, 0)", f"{attn} / {chance}"),
+            Column(attn, f"{attn} / nullif({rows}, 0)", f"mean weight on {keys}, per row that has one", bounds=SHARE),
+            Column(
+                chance, f"{chance} / nullif({rows}, 0)", f"{attn} under uniform attention", layers=False, bounds=SHARE
+            ),
+            Column(f"{name}_lift", f"{attn} / nullif({chance}, 0)", f"{attn} / {chance}", bounds=POSITIVE),
         ),
         sums=(head_float(attn), run_int(rows), run_float(chance)),
     )
 
 
-def _mean(name: str, definition: str, spec: str = "§4, §5", *, layers: bool = True, sql: str = "") -> Metric:
+def _mean(
+    name: str,
+    definition: str,
+    spec: str = "§4, §5",
+    *,
+    layers: bool = True,
+    sql: str = "",
+    bounds: tuple[float | None, float | None] = SHARE,
+) -> Metric:
     return Metric(
         name,
         spec,
         definition,
         "",
-        (Column(name, sql or f"{name} / nullif(attn_rows, 0)", f"{definition}, per query row", layers=layers),),
+        (
+            Column(
+                name,
+                sql or f"{name} / nullif(attn_rows, 0)",
+                f"{definition}, per query row",
+                layers=layers,
+                bounds=bounds,
+            ),
+        ),
         sums=(head_float(name),),
     )
 
@@ -200,7 +232,12 @@ METRICS: tuple[Metric, ...] = (
         "mean token distance j − i of the high-similarity pairs",
         "all pairs of the window",
         (
-            Column("mean_distance", "coalesce(distance_sum, 0) / nullif(high_pairs, 0)", "mean j − i over H"),
+            Column(
+                "mean_distance",
+                "coalesce(distance_sum, 0) / nullif(high_pairs, 0)",
+                "mean j − i over H",
+                bounds=(1.0, None),
+            ),
             Column("mean_distance_chance", "mean_distance_chance", "mean j − i over P", interval=False),
         ),
     ),
@@ -214,6 +251,7 @@ METRICS: tuple[Metric, ...] = (
                 "short_range_share",
                 "coalesce(short_range_pairs, 0) / nullif(high_pairs, 0)",
                 "share of H with j − i ≤ short_range",
+                bounds=SHARE,
             ),
             Column("short_range_chance", "short_range_chance", "the same share of P", interval=False),
         ),
@@ -223,7 +261,14 @@ METRICS: tuple[Metric, ...] = (
         "§3, §5",
         "share of the high-similarity pairs that fail the attention gate (similar without attention)",
         "",
-        (Column("noise_share", "1 - attended_high / nullif(high_pairs, 0)", "1 − attended_high / high_pairs"),),
+        (
+            Column(
+                "noise_share",
+                "1 - attended_high / nullif(high_pairs, 0)",
+                "1 − attended_high / high_pairs",
+                bounds=SHARE,
+            ),
+        ),
         sums=(head_int("attended_high"),),
     ),
     Metric(
@@ -286,11 +331,12 @@ METRICS: tuple[Metric, ...] = (
                 "CASE WHEN coalesce(next_rows, 1) > 0 THEN attn_to_next / nullif(attn_rows, 0) END",
                 "attention weight on the next token (A_i,i+1), per query row",
                 layers=False,
+                bounds=SHARE,
             ),
         ),
         sums=(head_float("attn_to_next"), run_int("next_rows")),
     ),
-    _mean("attn_entropy", "attention entropy −Σ_j A_ij ln A_ij (nats)"),
+    _mean("attn_entropy", "attention entropy −Σ_j A_ij ln A_ij (nats)", bounds=POSITIVE),
     Metric(
         "anchor_frequency_share",
         "§5b",
@@ -301,6 +347,7 @@ METRICS: tuple[Metric, ...] = (
                 "anchor_frequency_share",
                 "anchor_frequent / nullif(anchored_windows, 0)",
                 "anchor_frequent / anchored_windows",
+                bounds=SHARE,
             ),
         ),
         sums=(head_int("anchor_frequent"), head_int("anchored_windows")),

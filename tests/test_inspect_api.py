@@ -118,7 +118,7 @@ def test_a_spec_loads_once_and_the_seq_len_is_checked():
     headatlas.inspect("The dog sat.", model="random:gpt2", device="cpu")
     assert api._inspect_model.cache_info().hits == 1
     assert first.causal and first.n_heads == 4
-    with pytest.raises(ModelError, match="--seq-len 600"):
+    with pytest.raises(ModelError, match="seq_len=600"):  # in Python terms: the keyword argument
         headatlas.inspect("The cat sat.", model="random:gpt2", seq_len=600, device="cpu")
     api._inspect_model.cache_clear()
 

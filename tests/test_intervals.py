@@ -321,3 +321,105 @@ def test_a_worker_computes_the_groups_of_the_embedded_engine(tiny_model, paragra
     assert payload["params"]["replicates"] == "document"
     worker = BatchResult.from_bytes(base64.b64decode(_analyse(tiny_model, payload)))
     assert worker.reps.tolist() == expected
+
+
+# --- (d) bounds and few groups -------------------------------------------------------------------------
+
+
+def test_each_bound_metric_declares_its_range():
+    from headatlas.service.metrics import COLUMNS
+    from headatlas.service.reports.intervals import bounds_of
+
+    declared = {c.name: c.bounds for c in COLUMNS if c.interval}
+    for name, bounds in declared.items():
+        if name.endswith(("_lift", "_lift_dm")):
+            assert bounds == (0.0, None), name
+        elif name.endswith("_share") or name in ("within_sentence", "repetition", "repetition_words"):
+            assert bounds == (0.0, 1.0), name
+    assert bounds_of("mean_distance") == (1.0, None)  # j − i ≥ 1
+    assert bounds_of("attn_entropy") == (0.0, None)
+    assert bounds_of("sim_mean_high") == (None, None)  # a dot product: either sign
+    # the distance profiles' columns, declared nowhere, go by their names
+    assert bounds_of("attended_share") == (0.0, 1.0) and bounds_of("noise_lift") == (0.0, None)
+
+
+def test_a_share_interval_below_zero_is_clipped_and_says_so():
+    from headatlas.service.reports.intervals import CLIP_NOTE, add_intervals, clip_interval
+
+    # the reported case: anchor_frequency_share 0.1667 [-0.034, 0.367] with 12 windows
+    assert clip_interval("anchor_frequency_share", -0.034, 0.367) == (0.0, 0.367)
+    assert clip_interval("noise_share", 0.9, 1.2) == (0.9, 1.0)
+    assert clip_interval("within_sentence_lift_dm", -0.2, 2.5) == (0.0, 2.5)
+    assert clip_interval("mean_distance", 0.5, 9.0) == (1.0, 9.0)
+    assert clip_interval("sim_mean_all", -3.0, 2.0) == (-3.0, 2.0)
+    # leave-one-group-out values 0, 0, 0, 0.6 around a share of 0.15: half-width
+    # t_3 · sqrt(3/4 · (3 · 0.15² + 0.45²)) = 3.1824 · 0.4500 = 1.432 → [-1.28, 1.58] before clipping
+    loo = [0.0, 0.0, 0.0, 0.6]
+    rows = [(0, 0.15, 0.15)]
+    reps = [(0, g, v, v) for g, v in enumerate(loo)]
+    cols, clipped = add_intervals(
+        ["layer", "noise_share", "dup_lift"], rows, reps, keys=["layer"], metrics=["noise_share", "dup_lift"]
+    )
+    row = dict(zip(cols, clipped[0]))
+    half = 3.1824 * math.sqrt(0.75 * (3 * 0.15**2 + 0.45**2))
+    assert (row["noise_share_lo"], row["noise_share_hi"]) == (0.0, 1.0)
+    assert row["dup_lift_lo"] == 0.0 and row["dup_lift_hi"] == pytest.approx(0.15 + half, rel=1e-4)
+    _, raw = add_intervals(
+        ["layer", "noise_share"],
+        [(0, 0.15)],
+        [(0, g, v) for g, v in enumerate(loo)],
+        keys=["layer"],
+        metrics=["noise_share"],
+        clip=False,
+    )
+    assert raw[0][2] == pytest.approx(0.15 - half, rel=1e-4) and raw[0][2] < 0  # the tests' symmetric interval
+    assert CLIP_NOTE in interval_note(["document"]) and "[0, 1]" in CLIP_NOTE
+
+
+def test_few_groups_are_flagged():
+    from headatlas.service.reports.intervals import MIN_GROUPS, unreliable_note
+
+    note = unreliable_note(3, 12)
+    assert note is not None and "only 3 of 16 replicate groups" in note and "12 windows" in note
+    assert unreliable_note(MIN_GROUPS - 1, 400) is not None
+    assert unreliable_note(MIN_GROUPS, 400) is None
+    assert unreliable_note(0, 12) is None  # stored before groups existed: no interval to flag
+
+
+def test_a_short_run_warns_and_keeps_its_intervals_in_range(tmp_path, tiny_model, demo_corpus):
+    from typer.testing import CliRunner
+
+    from headatlas.cli.main import app
+    from headatlas.service.reports import queries
+    from headatlas.service.reports.intervals import bounds_of
+    from headatlas.service.storage.store import Store
+    from tests.figure_checks import analyse, corpus_of
+
+    small = corpus_of(demo_corpus, tmp_path, slice(0, 2), "two")  # 2 documents: block:8, few groups
+    db = tmp_path / "short.duckdb"
+    run = analyse(small, db, tiny_model, name="short", seq_len=64)
+    with Store(db).checked_read() as conn:
+        groups, windows = queries.interval_groups(conn, run.run_id)
+        assert 2 <= groups < 8 and windows > groups
+        assert "intervals unreliable" in (queries.interval_warning(conn, run.run_id) or "")
+        columns, rows = queries.heads(conn, run.run_id, ci=True)
+        _, raw_rows = queries.heads(conn, run.run_id, ci=True, clip=False)
+    data, raw = [dict(zip(columns, r)) for r in rows], [dict(zip(columns, r)) for r in raw_rows]
+    bounded = [c for c in columns if c.endswith("_lo") and bounds_of(c[:-3]) != (None, None)]
+    assert bounded
+    # some raw interval leaves its metric's range (this short run's intervals are wide) …
+    assert any(r[c] is not None and r[c] < bounds_of(c[:-3])[0] for r in raw for c in bounded)
+    # … none once clipped, and every value stays inside its interval
+    for row in data:
+        for lo in bounded:
+            name, (low, high) = lo[:-3], bounds_of(lo[:-3])
+            if row[lo] is None:
+                continue
+            assert low <= row[lo] <= row[name] <= row[f"{name}_hi"], name
+            assert high is None or row[f"{name}_hi"] <= high, name
+    out = CliRunner().invoke(app, ["query", "layers", "--ci", "--db", str(db)], env={"COLUMNS": "300"})
+    assert out.exit_code == 0, out.output
+    assert "warning: run" in out.stderr and "intervals unreliable" in out.stderr
+    assert "bounds clipped" in out.stdout
+    plain = CliRunner().invoke(app, ["query", "layers", "--db", str(db)], env={"COLUMNS": "300"})
+    assert plain.exit_code == 0 and "unreliable" not in plain.stderr  # no intervals, no warning

@@ -12,6 +12,8 @@ import contextlib
 import copy
 import hashlib
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,13 +181,39 @@ def _loading(spec: str):
     if spec != DEFAULT_MODEL and not spec.startswith("random:") and not Path(spec).expanduser().exists():
         hub_offline_unless_reachable()
     try:
-        yield
+        with quiet_transformers():
+            yield
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(
             f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or "
             f"random:{_EXAMPLE_RANDOM}"
         ) from None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """While loading: no progress bar ("Loading weights") and no log below errors from
+    transformers and the hub client, whatever the process set (a notebook sets nothing);
+    their settings are restored afterwards."""
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as transformers_logging
+
+    bars, verbosity = transformers_logging.is_progress_bar_enabled(), transformers_logging.get_verbosity()
+    hub_bars_off = hub.are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+        with warnings.catch_warnings():  # the hub warns when its variable keeps its bars off
+            warnings.simplefilter("ignore")
+            if bars:
+                transformers_logging.enable_progress_bar()
+            if not hub_bars_off:
+                hub.enable_progress_bars()
 
 
 def hub_offline_unless_reachable(timeout_s: float = 3.0) -> None:

@@ -32,7 +32,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.reports import queries
-from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth, scheme_of
+from headatlas.service.reports.intervals import add_intervals, clip_interval, jackknife_halfwidth, scheme_of
 
 if TYPE_CHECKING:
     from headatlas.service.storage.store import Run
@@ -151,8 +151,8 @@ def verdict(lo: float | None, hi: float | None) -> str:
 def _compare_cell(reps_a: dict, reps_b: dict, metric: str, paired: bool) -> tuple:
     a, b = _value(reps_a.get(-1, {}).get(metric)), _value(reps_b.get(-1, {}).get(metric))
     half_a, half_b = jackknife_halfwidth(_loo(reps_a, metric)), jackknife_halfwidth(_loo(reps_b, metric))
-    a_lo, a_hi = (a - half_a, a + half_a) if a is not None and half_a is not None else (None, None)
-    b_lo, b_hi = (b - half_b, b + half_b) if b is not None and half_b is not None else (None, None)
+    a_lo, a_hi = clip_interval(metric, a - half_a, a + half_a) if a is not None and half_a is not None else (None, None)
+    b_lo, b_hi = clip_interval(metric, b - half_b, b + half_b) if b is not None and half_b is not None else (None, None)
     if a is None or b is None:
         return a, a_lo, a_hi, b, b_lo, b_hi, None, None, None, "no value"
     diff = a - b

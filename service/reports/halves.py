@@ -87,7 +87,7 @@ def head_rows(
     conn: Connection, run_id: int, groups: Sequence[int], metrics: Sequence[str]
 ) -> tuple[list[str], list[tuple], dict]:
     """Per head of ``run_id`` on ``groups`` only: ``layer``, ``head`` and each metric with
-    ``_lo``/``_hi`` (the jackknife over those groups, ``intervals.add_intervals``), and the
+    ``_lo``/``_hi`` (the jackknife over those groups, ``intervals.add_intervals``, not clipped), and the
     subset's run context (``uniform_entropy`` = ln n̄, ``short_range_chance``)."""
     cols = ", ".join(metrics)
     rows = conn.execute(
@@ -120,5 +120,6 @@ def head_rows(
         .mappings()
         .first()
     )
-    out_columns, out_rows = add_intervals(columns, whole, reps, keys=("layer", "head"), metrics=metrics)
+    # not clipped: the role tests read the symmetric interval's half-width
+    out_columns, out_rows = add_intervals(columns, whole, reps, keys=("layer", "head"), metrics=metrics, clip=False)
     return out_columns, out_rows, dict(context) if context else {"uniform_entropy": None, "short_range_chance": None}

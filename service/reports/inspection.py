@@ -53,14 +53,17 @@ class InspectedText:
 
     @property
     def n_layers(self) -> int:
+        """Layers of the model."""
         return self.z.shape[0]
 
     @property
     def n_heads(self) -> int:
+        """Attention heads per layer."""
         return self.z.shape[1]
 
     @property
     def d_head(self) -> int:
+        """Size of a head's output z."""
         return self.z.shape[3]
 
     def csm(self, layer: int, head: int) -> np.ndarray:

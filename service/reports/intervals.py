@@ -13,6 +13,11 @@ of one document are correlated; grouping by document keeps them together, so the
 the sampling of documents. It does not cover choices that are fixed for the run (model,
 ``select``, ``gate``).
 
+The jackknife is symmetric; a metric is not always free to go both ways. Each bound is clipped to
+the values the metric can take (``bounds_of``: a share to [0, 1], a lift to ≥ 0), and the note
+under every interval says so. With fewer than ``MIN_GROUPS`` groups holding windows an interval
+rests on too few estimates to be read (``unreliable_note``).
+
 numpy only: the query path stays free of torch and scipy.
 """
 
@@ -24,9 +29,18 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from headatlas.service.engine.results import REPLICATES
+from headatlas.service.metrics import COLUMNS
 
 Z95 = 1.959963984540054  # the normal quantile (the §5b rule; kept for callers that pass it as z)
 WINDOW_SCHEME = "window"  # runs stored before SPEC §5d record no scheme: theirs was by window
+# Below this many groups holding windows (half of REPLICATES), intervals are flagged as unreliable.
+# An interval's width is itself an estimate from G - 1 degrees of freedom. By simulation
+# (benchmarks/few_groups.py: clustered corpora grouped by document) the spread of the half-width
+# (interquartile range over median) is 0.34 with 16 groups, 0.53 with 8, 0.84 with 4 and 1.3 with
+# 2, while t_{G-1, 0.975} grows from 2.13 to 2.36, 3.18 and 12.7; coverage slips from 95% (16) and
+# 92-94% (8-15) to 90-93% (3-7).
+MIN_GROUPS = 8
+_DECLARED_BOUNDS = {c.name: c.bounds for c in COLUMNS}
 
 
 def _beta_continued_fraction(a: float, b: float, x: float) -> float:
@@ -123,7 +137,47 @@ def interval_note(schemes: Iterable[str]) -> str:
         f"[a, b]: 95% interval, delete-one-group jackknife with the t quantile over {REPLICATES} replicate groups "
         f"{' / '.join(scheme_words(s) for s in named)} (SPEC §5d)"
         + "".join(f"; {c}" for c in caveats)
-        + "; it does not cover the choice of model or parameters."
+        + f"; {CLIP_NOTE}; it does not cover the choice of model or parameters."
+    )
+
+
+CLIP_NOTE = "bounds clipped to what the metric can take (a share to [0, 1], a lift to ≥ 0)"
+
+
+def bounds_of(column: str) -> tuple[float | None, float | None]:
+    """The values a metric can take, (low, high) with None for unbounded: as declared with it
+    (``service.metrics``), else by its name: ``share``/``*_share`` in [0, 1], ``lift``/``*_lift``
+    ≥ 0 (the distance profiles' columns)."""
+    if column in _DECLARED_BOUNDS:
+        return _DECLARED_BOUNDS[column]
+    if column == "share" or column.endswith("_share"):
+        return (0.0, 1.0)
+    if column == "lift" or column.endswith(("_lift", "_lift_dm")):
+        return (0.0, None)
+    return (None, None)
+
+
+def clip_interval(column: str, lo: float | None, hi: float | None) -> tuple[float | None, float | None]:
+    """``lo`` and ``hi`` clipped to the values ``column`` can take (``bounds_of``)."""
+    low, high = bounds_of(column)
+    if lo is not None:
+        lo = lo if low is None else max(lo, low)
+        lo = lo if high is None else min(lo, high)
+    if hi is not None:
+        hi = hi if high is None else min(hi, high)
+        hi = hi if low is None else max(hi, low)
+    return lo, hi
+
+
+def unreliable_note(groups: int, windows: int) -> str | None:
+    """A warning when a run's intervals rest on fewer than MIN_GROUPS replicate groups (None
+    otherwise): ``groups`` = groups holding windows, ``windows`` = the run's windows. A run
+    without groups (stored before they existed, or with no window yet) has no interval to warn of."""
+    if groups >= MIN_GROUPS or groups == 0:
+        return None
+    return (
+        f"intervals unreliable: only {groups} of {REPLICATES} replicate groups hold windows ({windows:,} windows; "
+        f"they need {MIN_GROUPS} or more): analyse more text, of 10 documents or more"
     )
 
 
@@ -148,14 +202,16 @@ def add_intervals(
     keys: Sequence[str],
     metrics: Sequence[str],
     scheme: str | None = None,
+    clip: bool = True,
 ) -> tuple[list[str], list[tuple]]:
     """Insert ``<metric>_lo`` and ``<metric>_hi`` after each metric column of ``rows``; with
     ``scheme`` (the run's, ``scheme_of``), also a last column ``interval_by`` naming it.
 
     ``replicate_rows``: tuples ``(*keys, drop_rep, *metrics)`` (drop_rep ≥ 0 only) — the metric
-    on the run without each group. A row's interval is centred on its own value, so
-    ``lo ≤ value ≤ hi`` always holds; where it cannot be formed (a run stored before replicate
-    groups existed, an undefined ratio) both bounds are None.
+    on the run without each group. A row's interval is centred on its own value, then clipped to
+    what the metric can take (``clip_interval``; ``clip=False``: the symmetric interval, whose
+    half-width tests read), so ``lo ≤ value ≤ hi`` always holds; where it cannot be formed (a run
+    stored before replicate groups existed, an undefined ratio) both bounds are None.
     """
     k = len(keys)
     loo: dict[tuple, list[list[float | None]]] = {}
@@ -178,6 +234,9 @@ def add_intervals(
             if column in metric_idx:
                 m = list(metrics).index(column)
                 half = jackknife_halfwidth([g[m] for g in groups]) if value is not None else None
-                out += [None, None] if half is None else [value - half, value + half]
+                if half is None:
+                    out += [None, None]
+                else:
+                    out += clip_interval(column, value - half, value + half) if clip else (value - half, value + half)
         out_rows.append(tuple(out) if scheme is None else (*out, scheme))
     return (out_columns if scheme is None else [*out_columns, "interval_by"]), out_rows

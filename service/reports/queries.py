@@ -72,9 +72,11 @@ def _with_intervals(
     run_id: int,
     where: str = "",
     params: dict | None = None,
+    clip: bool = True,
 ) -> Rows:
     """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
-    leave-one-group-out rows, and ``interval_by``: the run's replicate scheme."""
+    leave-one-group-out rows, and ``interval_by``: the run's replicate scheme. ``clip``: bounds
+    clipped to what each metric can take (``intervals.add_intervals``)."""
     from headatlas.service.reports.intervals import add_intervals
 
     columns, values = rows
@@ -86,7 +88,30 @@ def _with_intervals(
         ),
         {"run": run_id, **(params or {})},
     ).all()
-    return add_intervals(columns, values, rep_rows, keys=keys, metrics=metrics, scheme=replicate_scheme(conn, run_id))
+    return add_intervals(
+        columns, values, rep_rows, keys=keys, metrics=metrics, scheme=replicate_scheme(conn, run_id), clip=clip
+    )
+
+
+def interval_groups(conn: Connection, run_id: int) -> tuple[int, int]:
+    """(replicate groups holding windows, windows) of a run: what its intervals rest on."""
+    groups, windows = conn.execute(
+        text(
+            "SELECT (SELECT count(*) FROM run_reps WHERE run_id = :run), "
+            "(SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :run)"
+        ),
+        {"run": run_id},
+    ).one()
+    return int(groups), int(windows)
+
+
+def interval_warning(conn: Connection, run_id: int) -> str | None:
+    """The warning to show beside a run's intervals when they rest on too few replicate groups
+    (``intervals.unreliable_note``), else None."""
+    from headatlas.service.reports.intervals import unreliable_note
+
+    note = unreliable_note(*interval_groups(conn, run_id))
+    return None if note is None else f"run {run_id}: {note}"
 
 
 def _check_sort(sort: str | None, allowed) -> None:
@@ -103,7 +128,11 @@ def heads(
     top: int | None = None,
     anchors: int = 3,
     ci: bool = False,
+    clip: bool = True,
 ) -> Rows:
+    """Per head: every metric of ``head_metrics``, its top anchors and probe scores; ``ci``: with
+    95% intervals (``clip=False``: symmetric, not clipped to each metric's range, for tests that
+    read their half-width)."""
     _check_sort(sort, SORTABLE)
     order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
@@ -137,6 +166,7 @@ def heads(
             run_id=run_id,
             where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)",
             params=params,
+            clip=clip,
         )
     return rows
 
@@ -297,10 +327,15 @@ LAYER_COLUMNS = ("layer", *(c.name for c in COLUMNS if c.layers))
 
 
 def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
-    """Per-layer summary: the progression from early to final layers."""
+    """Per-layer summary: the progression from early to final layers, and anchor distinctness
+    (SPEC §5): ``anchor_distinct_share`` = distinct anchors among the layer's anchored heads per
+    window, over those heads, pooled over windows (1: every head its own anchor; 1/H: one anchor
+    for all H heads)."""
     cols = ", ".join(f"l.{c}" for c in LAYER_COLUMNS)
+    # the view's distinct_share (windows in which *all* the layer's anchors differ) stays for SQL:
+    # with 12 heads that event almost never happens, so it measures the head count, not the heads
     sql = f"""
-        SELECT {cols}, d.distinct_share AS anchor_distinct_share, d.distinct_anchor_ratio
+        SELECT {cols}, d.distinct_anchor_ratio AS anchor_distinct_share
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """

@@ -110,6 +110,8 @@ def build_report(conn, run) -> str:
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
     # the footnote under every interval names the run's replicate scheme (SPEC §5d)
     scheme_html = _e(interval_note([scheme_of(run.params)]).removeprefix("[a, b]: "))
+    warning = queries.interval_warning(conn, run.run_id)  # too few replicate groups (SPEC §5d)
+    scheme_html += f" <strong>Warning: {_e(warning)}.</strong>" if warning else ""
     figures = [
         (
             "layers",

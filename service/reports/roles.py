@@ -39,7 +39,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.reports import halves, queries
-from headatlas.service.reports.intervals import jackknife_halfwidth
+from headatlas.service.reports.intervals import clip_interval, jackknife_halfwidth
 from headatlas.service.reports.significance import holm, t_sf
 
 NONE = "none established"
@@ -350,6 +350,8 @@ def _test(rule: Rule, row: Mapping, context: Mapping, groups: int | None) -> Tes
     p = _one_sided_p(value, threshold, se, df)
     if ceiling is not None:  # both must hold: the larger p of the two one-sided tests (intersection–union)
         p = max(p, _one_sided_p(ceiling, value, se, df))
+    # the test reads the symmetric interval; the interval shown is clipped to the metric's range
+    lo, hi = clip_interval(rule.metric, lo, hi)
     return Tested(row, rule, value, lo, hi, threshold, p, holds, probe, probe_holds)
 
 
@@ -424,7 +426,7 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.
     """Per (head, role): the evidence that earned it (metric, value, 95% interval, threshold, p,
     Holm-adjusted p, family size). ``stability``: also ``half_a``, ``half_b`` (held on the run's
     alternate replicate groups alone) and ``stable`` (both)."""
-    columns, rows = queries.heads(conn, run_id, anchors=0, ci=True)
+    columns, rows = queries.heads(conn, run_id, anchors=0, ci=True, clip=False)  # tests read the half-width
     dicts = [dict(zip(columns, r)) for r in rows]
     groups = halves.run_groups(conn, run_id)
     context = {**run_context(conn, run_id), "causal": causal_run(conn, run_id)}

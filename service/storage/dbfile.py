@@ -19,7 +19,7 @@ from pathlib import Path
 import duckdb
 from sqlalchemy.exc import DBAPIError
 
-from headatlas.service.errors import DatabaseFileError
+from headatlas.service.errors import DatabaseFileError, DatabaseNotFound
 
 MAGIC = b"DUCK"
 MAGIC_OFFSET = 8
@@ -41,7 +41,7 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
         raise DatabaseFileError(f"--db {path} is not a regular file (a pipe, socket or device): pass a database file")
     if not path.exists():
         if not (write and create):
-            raise DatabaseFileError(
+            raise DatabaseNotFound(
                 f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db"
             )
         folder = path.parent if str(path.parent) else Path(".")

@@ -176,12 +176,14 @@ def run_readonly_sql(
     lock_wait_s: float = 10.0,
     memory_limit: str | None = None,
     temp_limit: str | None = DEFAULT_TEMP_LIMIT,
+    run_id: int | None = None,
 ) -> QueryResult:
     """Run one SELECT on the database at ``db_path``.
 
     ``params`` fill ``$name`` (dict) or ``?`` (list) placeholders. At most ``max_rows`` rows
     come back (``truncated`` says whether more existed). The query is interrupted after
     ``timeout_s`` seconds; a writer's lock is waited out for up to ``lock_wait_s`` seconds.
+    ``run_id``: every table and view reads that run's rows only (``scope_to_run``).
     A refused or failed query raises StoreError; a bad cap or time limit, ParameterError.
     """
     if max_rows < 0:
@@ -192,6 +194,8 @@ def run_readonly_sql(
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
 
     with connect_readonly(db_path, lock_wait_s=lock_wait_s, limits=limits) as connection:
+        if run_id is not None:
+            scope_to_run(connection, run_id)
         deadline = _Deadline(connection, timeout_s)
         started = time.perf_counter()
         try:
@@ -217,6 +221,38 @@ def run_readonly_sql(
         truncated=len(rows) > max_rows,
         elapsed_s=elapsed_s,
     )
+
+
+def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> None:
+    """Shadow, for this connection only, every table and view with a ``run_id`` column by a
+    temporary view of one run's rows, and ``windows`` / ``documents`` by the run's own: a plain
+    ``SELECT … FROM head_metrics`` then reads that run alone. A convenience for reading one
+    run, not an access control: a table named in full (``<database>.main.<table>``) is whole."""
+    catalog = connection.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+    main = '"' + catalog.replace('"', '""') + '".main'
+    names = [
+        r[0]
+        for r in connection.execute(
+            "SELECT DISTINCT table_name FROM information_schema.columns "
+            "WHERE table_catalog = ? AND table_schema = 'main' AND column_name = 'run_id' ORDER BY 1",
+            [catalog],
+        ).fetchall()
+    ]
+    run = int(run_id)
+    mine = f"SELECT window_id FROM {main}.run_windows WHERE run_id = {run}"
+    scoped = {name: f"SELECT * FROM {main}.{_quoted(name)} WHERE run_id = {run}" for name in names}
+    if "run_windows" in names:
+        scoped["windows"] = f"SELECT * FROM {main}.windows WHERE window_id IN ({mine})"
+        scoped["documents"] = (
+            f"SELECT * FROM {main}.documents WHERE doc_id IN "
+            f"(SELECT doc_id FROM {main}.windows WHERE window_id IN ({mine}))"
+        )
+    for name, body in scoped.items():
+        connection.execute(f"CREATE TEMP VIEW {_quoted(name)} AS {body}")
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 class _Deadline:

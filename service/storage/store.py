@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
-from headatlas.service.errors import StoreError
+from headatlas.service.errors import RunNotFound, StoreError
 from headatlas.service.storage import db
 from headatlas.service.storage.arrow_rows import TableRows
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
@@ -232,7 +232,7 @@ def resolve_run(conn: Connection, ref: str | int | None) -> Run:
     if ref is None:
         row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY run_id DESC LIMIT 1")).first()
         if row is None:
-            raise StoreError("no runs yet: run `headatlas analyze CORPUS` first")
+            raise RunNotFound("no runs yet: run `headatlas analyze CORPUS` first")
         return Run.from_row(row)
     ref_s = str(ref)
     if ref_s.isdigit():
@@ -240,7 +240,7 @@ def resolve_run(conn: Connection, ref: str | int | None) -> Run:
     else:
         row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE name = :r"), {"r": ref_s}).first()
     if row is None:
-        raise StoreError(f"no run {ref_s!r}: see `headatlas runs` for ids and names")
+        raise RunNotFound(f"no run {ref_s!r}: see `headatlas runs` for ids and names")
     return Run.from_row(row)
 
 
