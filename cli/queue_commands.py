@@ -223,7 +223,7 @@ def status(
     from headatlas.service.storage.queue_store import resolve_run
 
     with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
-        resolve_run(conn, run)
+        resolve_run(conn, run, any_status=True)
     try:
         client = connect(broker)
     except BrokerError as exc:
