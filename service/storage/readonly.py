@@ -61,6 +61,7 @@ class QueryResult:
     rows: list[tuple]
     truncated: bool  # True when more rows existed than max_rows
     elapsed_s: float
+    runs: int = 0  # runs in the database (whether a query without a run filter may mix several)
 
 
 def check_select_only(sql: str) -> str:
@@ -176,13 +177,16 @@ def run_readonly_sql(
     lock_wait_s: float = 10.0,
     memory_limit: str | None = None,
     temp_limit: str | None = DEFAULT_TEMP_LIMIT,
+    run_id: int | None = None,
 ) -> QueryResult:
     """Run one SELECT on the database at ``db_path``.
 
     ``params`` fill ``$name`` (dict) or ``?`` (list) placeholders. At most ``max_rows`` rows
     come back (``truncated`` says whether more existed). The query is interrupted after
     ``timeout_s`` seconds; a writer's lock is waited out for up to ``lock_wait_s`` seconds.
-    A refused or failed query raises StoreError; a bad cap or time limit, ParameterError.
+    ``run_id``: every table and view with a ``run_id`` column shows that run's rows alone
+    (``scope_to_run``). A refused or failed query raises StoreError; a bad cap or time limit,
+    ParameterError.
     """
     if max_rows < 0:
         raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
@@ -192,6 +196,9 @@ def run_readonly_sql(
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
 
     with connect_readonly(db_path, lock_wait_s=lock_wait_s, limits=limits) as connection:
+        runs = _count_runs(connection)
+        if run_id is not None:
+            scope_to_run(connection, run_id)
         deadline = _Deadline(connection, timeout_s)
         started = time.perf_counter()
         try:
@@ -216,7 +223,42 @@ def run_readonly_sql(
         rows=rows[:max_rows],
         truncated=len(rows) > max_rows,
         elapsed_s=elapsed_s,
+        runs=runs,
     )
+
+
+def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> list[str]:
+    """Shadow every table and view of the database that has a ``run_id`` column by a temporary
+    view of that run's rows, under the same name; returns the names. Temporary objects live in
+    memory and are looked up first, so the read-only file is untouched and unqualified names
+    (``head_metrics``) see one run; the catalog-qualified name still reaches the whole table."""
+    catalog = connection.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]  # one row
+    names = [
+        r[0]
+        for r in connection.execute(
+            "SELECT DISTINCT table_name FROM duckdb_columns() "
+            "WHERE database_name = ? AND schema_name = 'main' AND column_name = 'run_id' ORDER BY 1",
+            [catalog],
+        ).fetchall()
+    ]
+    source = _quote(catalog)
+    for name in names:
+        connection.execute(
+            f"CREATE TEMP VIEW {_quote(name)} AS SELECT * FROM {source}.main.{_quote(name)} WHERE run_id = {int(run_id)}"
+        )
+    return names
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _count_runs(connection: duckdb.DuckDBPyConnection) -> int:
+    try:
+        row = connection.execute("SELECT count(*) FROM runs").fetchone()
+    except duckdb.Error:  # not a headatlas database (yet): the query itself will say what is wrong
+        return 0
+    return int(row[0]) if row else 0
 
 
 class _Deadline:
