@@ -23,6 +23,7 @@ from headatlas.cli.output import (
     command_name,
     error,
     note,
+    print_wrapped,
     progress_bar,
     render,
     render_metrics,
@@ -276,7 +277,7 @@ def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
         return
     tops = [(name, max(heads, key=lambda h: h[name])) for name in scores]
     text = ", ".join(f"{name} {h['layer']}.{h['head']} ({h[name]:.3f})" for name, h in tops)
-    stdout.print(f"probe (SPEC §8), top head per score (layer.head): {text}", markup=False)
+    print_wrapped(f"probe (SPEC §8), top head per score (layer.head): {text}")
 
 
 class _progress:
@@ -315,7 +316,7 @@ def _print_run_summary(store, run_id: int) -> None:
         head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift_dm", top=5)
         rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
         probe_cols, probe_rows = queries.heads(conn, run_id, anchors=0)
-    stdout.print(
+    print_wrapped(
         f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
         f"{info['compute_s']:.1f} s compute"
@@ -353,7 +354,7 @@ def _print_run_summary(store, run_id: int) -> None:
     name = command_name()
     stdout.print(f"next: {name} query heads --run {run_id} --ci", markup=False, highlight=False)
     stdout.print(
-        f'      {name} sql --run {run_id} "SELECT layer, head, within_sentence FROM head_metrics ORDER BY 3 DESC LIMIT 5"',
+        f'      {name} sql --run {run_id} "SELECT layer, head, within_sentence FROM head_metrics LIMIT 5"',
         markup=False,
         highlight=False,
     )
@@ -709,7 +710,7 @@ def query_roles(
         f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
         for role, n in counts.items()
     )
-    stdout.print(f"heads per role: {held}", markup=False, highlight=False)
+    print_wrapped(f"heads per role: {held}")
     if stability and stable is None:
         stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
     for seed, control, control_counts in controls:
@@ -845,15 +846,7 @@ def _query(
     )
 
 
-def _run(conn, ref):
-    """The run ``ref`` names, or the default run; a note on stderr when it is not finished, or
-    when the latest run is in progress and the default passed it over."""
-    from headatlas.service.storage.store import pick_run
-
-    run, said = pick_run(conn, ref)
-    if said:
-        note(said)
-    return run
+_run = run_commands.resolve  # the run a command names, or the default one, with a note when unfinished
 
 
 def _check_layer_head(run, layer: int, head: int | None) -> None:

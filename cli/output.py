@@ -337,8 +337,8 @@ def render_metrics(
     if view.picked is not None:
         view.check(available)
     if fmt != Format.table:
-        if view.picked is not None:
-            keep = [c for c in columns if c in view.picked or (c[:-3] in view.picked and c.endswith(("_lo", "_hi")))]
+        if view.picked is not None:  # in the order asked for, each with its interval's bounds
+            keep = [b for c in view.picked for b in (c, f"{c}_lo", f"{c}_hi") if b in columns]
             keep += ["interval_by"] if has_intervals and "interval_by" in columns and "interval_by" not in keep else []
             index = [columns.index(c) for c in keep]
             columns, rows = keep, [tuple(r[i] for i in index) for r in rows]
@@ -386,6 +386,12 @@ def _print_trimmed(renderable) -> None:
     with stdout.capture() as captured:
         stdout.print(renderable, highlight=False)
     stdout.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+def print_wrapped(text: str) -> None:
+    """A line of text under a table (a summary), wrapped at the width tables fit."""
+    with _console_width(fit_width()):
+        _print_trimmed(Text(text))
 
 
 def note(text: str) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import replace
 
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, progress_bar, render_record, stderr, stdout
+from headatlas.cli.output import Format, note, progress_bar, render_record, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 
@@ -79,6 +80,11 @@ def submit(
         )
 
     sub = queue()
+    if name is not None and sub.name != name:  # the queue does not write the database: the name is not added
+        note(
+            f"run {sub.name} holds this corpus, model and parameters already and keeps its name; "
+            f"`headatlas runs rename {shlex.quote(sub.name)} {shlex.quote(name)}` renames it"
+        )
     if sub.status == "done":
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
@@ -209,7 +215,7 @@ def writer(
 
 
 def status(
-    run: str | None = typer.Argument(None, help="Run id or name (default: the latest run)."),
+    run: str | None = typer.Argument(None, help="Run id, name or alias (default: the latest run, finished or not)."),
     db: str = DbOpt,
     broker: str = BrokerOpt,
     fmt: Format = options.Fmt,

@@ -29,6 +29,17 @@ COLUMNS = [
 TABLE = ["run_id", "name", "status", "windows", "model", "aliases", "tags"]
 
 
+def resolve(conn, ref: str | int | None):
+    """The run ``ref`` names (id, name, alias), or the default run; a note on stderr when it is
+    not finished, or when the latest run is in progress and the default passed it over."""
+    from headatlas.service.storage.store import pick_run
+
+    run, said = pick_run(conn, ref)
+    if said:
+        note(said)
+    return run
+
+
 def _store(db: str):
     from headatlas.service.storage.store import Store
 
