@@ -207,6 +207,12 @@ def fit_width() -> int:
         return FIT_WIDTH
 
 
+def wraps_text() -> bool:
+    """Whether lines of text (titles, notes) wrap at ``fit_width()``: on a terminal or with
+    $COLUMNS set; piped without it, each stays one line (one note, one line to grep)."""
+    return stdout.is_terminal or bool(os.environ.get("COLUMNS", "").strip())
+
+
 @contextmanager
 def _console_width(width: int) -> Iterator[None]:
     before = stdout._width  # None: the terminal's, or rich's default
@@ -257,13 +263,13 @@ def print_table(
     if fit and _width(least[i] for i in keep) > width:  # … or, when even that is too wide, the terminal wraps
         fit = False
     total = _width(natural[i] for i in keep)
+    if title is not None:
+        print_wrapped(title)
     table = Table(
-        title=Text(title) if title is not None else None,
         box=box.SIMPLE_HEAD,
         show_edge=False,
         pad_edge=False,
         header_style="bold",
-        title_justify="left",
     )
     for i in keep:
         wraps = columns[i] in text_columns
@@ -372,26 +378,29 @@ def render_metrics(
 
 
 def print_note(text: str) -> None:
-    """A dim line under a table, wrapped at the width tables fit."""
-    with _console_width(fit_width()):
-        _print_trimmed(Text(text, style="dim"))
+    """A dim line under a table, wrapped at the width tables fit (``wraps_text``)."""
+    print_wrapped(text, style="dim")
 
 
-def _print_trimmed(renderable) -> None:
+def _print_trimmed(renderable, *, soft_wrap: bool = False) -> None:
     """Print without the spaces rich pads lines with, unless the output is a terminal (where they
     do not show, and cutting them could cut a style's codes): files and pipes get clean lines."""
     if stdout.is_terminal:
-        stdout.print(renderable, highlight=False)
+        stdout.print(renderable, highlight=False, soft_wrap=soft_wrap)
         return
     with stdout.capture() as captured:
-        stdout.print(renderable, highlight=False)
+        stdout.print(renderable, highlight=False, soft_wrap=soft_wrap)
     stdout.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
 
-def print_wrapped(text: str) -> None:
-    """A line of text under a table (a summary), wrapped at the width tables fit."""
+def print_wrapped(text: str, *, style: str = "") -> None:
+    """A line of text beside a table (a title, a summary), wrapped at the width tables fit where
+    text wraps (``wraps_text``), else left whole."""
+    if not wraps_text():
+        _print_trimmed(Text(text, style=style), soft_wrap=True)
+        return
     with _console_width(fit_width()):
-        _print_trimmed(Text(text))
+        _print_trimmed(Text(text, style=style))
 
 
 def note(text: str) -> None:

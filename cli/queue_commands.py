@@ -9,7 +9,7 @@ from dataclasses import replace
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, note, progress_bar, render_record, stderr, stdout
+from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 
@@ -96,7 +96,9 @@ def submit(
     if sub.probe_queued:
         stderr.print("probe: queued as one task; its scores reach `query heads` once a worker has run it")
     if sub.run_id is None:
-        stderr.print("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
+        stderr.print(
+            runnable("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
+        )
     if wait and sub.status != "done":
         _wait(settings, sub, resubmit=lambda: queue(log=lambda _msg: None))
     stdout.print(sub.run_id if sub.run_id is not None else sub.name)
@@ -154,7 +156,10 @@ def _wait(settings, sub, resubmit=None) -> None:
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
     if live is not None and live.failed:
         stderr.print(
-            f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again"
+            runnable(
+                f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, "
+                f"`headatlas retry {sub.run_id}` queues them again"
+            )
         )
 
 
