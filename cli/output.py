@@ -38,8 +38,8 @@ MAX_TABLE_CHARS = 200_000
 
 SPARK = "▁▂▃▄▅▆▇█"
 
-# Tables fit this many characters when the output is not a terminal and $COLUMNS is unset (a
-# terminal: its own width). Each command's default columns are chosen to fit it.
+# Tables fit a terminal's width, or $COLUMNS; each command's default columns are chosen to fit
+# this many characters (the width tables fit when $COLUMNS says nothing else).
 FIT_WIDTH = 100
 MIN_TEXT_WIDTH = 20  # a text column (anchors, definitions, paths) may wrap down to this width …
 MAX_WORD_WIDTH = 40  # … or to its longest word, up to this (a longer one, a path, breaks anywhere)
@@ -208,8 +208,9 @@ def fit_width() -> int:
 
 
 def wraps_text() -> bool:
-    """Whether lines of text (titles, notes) wrap at ``fit_width()``: on a terminal or with
-    $COLUMNS set; piped without it, each stays one line (one note, one line to grep)."""
+    """Whether output fits ``fit_width()`` (tables leave columns out and wrap text, titles and
+    notes wrap): on a terminal or with $COLUMNS set. Piped without it, every line stays whole
+    (one note, one row: one line to grep), and tables show their default columns."""
     return stdout.is_terminal or bool(os.environ.get("COLUMNS", "").strip())
 
 
@@ -254,6 +255,7 @@ def print_table(
     ]
     keep = list(range(len(columns)))
     width = fit_width()
+    fit = fit and wraps_text()  # piped without $COLUMNS: whole lines, every column asked for
     left_out: list[str] = []
     if fit and drop:
         while len(keep) > pinned and _width(least[i] for i in keep) > width:

@@ -21,8 +21,10 @@ from headatlas.cli.reference import command_paths
 TINY = ["--model", "random:tiny", "--batch-size", "8"]
 
 
-def invoke(*args: str, input: str | None = None, columns: int = 100):
-    return CliRunner().invoke(app, list(args), input=input, env={"COLUMNS": str(columns), "NO_COLOR": "1"})
+def invoke(*args: str, input: str | None = None, columns: int | None = 100):
+    """``columns``: $COLUMNS, the width the output fits (None: unset, as in a pipe)."""
+    env = {"COLUMNS": "" if columns is None else str(columns), "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), input=input, env=env)
 
 
 def ok(*args: str, **kwargs):
@@ -210,6 +212,12 @@ def test_tables_fit_the_terminal_and_never_break_a_header(atlas):
     shown = _header(narrow)
     assert shown == HEAD_TABLE[: len(shown)] and len(shown) < len(HEAD_TABLE)
     assert f"left out to fit 60 characters: {', '.join(HEAD_TABLE[len(shown) :])}" in " ".join(narrow.split())
+    # piped, with no width given: every default column, and each note on one line of its own
+    piped = ok("query", "heads", "--run", "mine", "--ci", "--db", str(db), columns=None).stdout
+    assert _header(piped) == HEAD_TABLE
+    assert any(
+        line.startswith("lift = share / chance;") and line.endswith("above that chance.") for line in piped.splitlines()
+    )
 
 
 def test_columns_picks_and_wide_shows_all(atlas):
