@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench findings gpu-check readme-images docs lint typecheck clean
+.PHONY: install install-test demo test test-fast bench findings gpu-check readme-images terminal-tables docs lint typecheck clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,10 @@ readme-images: install
 	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 32 --out $(IMG)/inspect-grid.png --dpi 60
 	$(PY) -c "import sys; from PIL import Image; [Image.open(p).convert('RGB').quantize(128).save(p, optimize=True) for p in sys.argv[1:]]" $(IMG)/*.png
 	ls -l $(IMG)
+
+# The terminal captures of docs/usage.md (a 100-column table), from a real run of the shipped excerpt.
+terminal-tables: install
+	$(PY) benchmarks/terminal_tables.py
 
 clean:
 	rm -rf $(VENV) *.egg-info build .pytest_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shlex
 import sys
 
 import typer
@@ -15,10 +16,25 @@ try:  # typer vendors its own click from 0.25 on; its usage errors are that clic
 except ImportError:  # pragma: no cover - older typer on the public click
     from click.exceptions import UsageError  # type: ignore[assignment]  # the same class, in click itself
 
-from headatlas.cli import options
-from headatlas.cli.output import Format, error, progress_bar, render, render_metrics, sparkline, stderr, stdout
+from headatlas.cli import options, run_commands
+from headatlas.cli.output import (
+    Format,
+    TableView,
+    command_name,
+    error,
+    note,
+    print_wrapped,
+    progress_bar,
+    render,
+    render_metrics,
+    sparkline,
+    stderr,
+    stdout,
+)
 from headatlas.service.config import Settings
 from headatlas.service.errors import HeadatlasError
+from headatlas.service.reports.columns import SORTABLE
+from headatlas.service.storage import relations
 
 INTERRUPTED = "interrupted; re-run the same command to resume"
 
@@ -39,6 +55,12 @@ class Commands(TyperGroup):
             if args[i] in self.OPTIONAL_VALUES and (i + 1 == len(args) or not args[i + 1].isdigit()):
                 args.insert(i + 1, self.OPTIONAL_VALUES[args[i]])
         return super().parse_args(ctx, args)
+
+    def main(self, *args, **kwargs):
+        from headatlas.cli.help import plain_help
+
+        plain_help(self)  # value names instead of types, help sentences unbroken
+        return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
         try:
@@ -62,47 +84,52 @@ app = typer.Typer(
     help="headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion: bash, zsh, fish, PowerShell
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 query_app = typer.Typer(help="Ask a stored run about its heads (layers and heads are 0-based).", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 app.add_typer(query_app, name="query")
 app.add_typer(db_app, name="db")
+app.add_typer(run_commands.runs_app, name="runs")  # list, rename, delete, tag
 
 DbOpt, RunOpt, FormatOpt, CiOpt = options.Db, options.Run, options.Fmt, options.Ci
+ColumnsOpt, WideOpt = options.Columns, options.Wide
 
-# what a table shows by default (JSON and CSV hold every column)
+
+def _version(value: bool) -> None:
+    if value:
+        from headatlas import __version__
+
+        stdout.print(f"headatlas {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
+    ),
+) -> None:
+    pass
+
+
+# what a table shows by default (JSON and CSV hold every column; --columns picks, --wide shows all):
+# each set fits 100 characters on the shipped excerpt (a narrower table leaves columns out from the right)
 HEAD_TABLE = [
     "layer",
     "head",
-    "within_sentence",
-    "within_sentence_lift",
     "within_sentence_lift_dm",
-    "repetition",
-    "repetition_words",
     "repetition_words_lift_dm",
     "mean_distance",
-    "short_range_share",
     "noise_share",
-    "attn_to_punct_lift",
-    "anchor_frequency_share",
-    "top_anchors",
 ]
 LAYER_TABLE = [
     "layer",
     "mean_distance",
-    "mean_distance_chance",
-    "short_range_share",
-    "within_sentence",
-    "within_sentence_lift",
     "within_sentence_lift_dm",
-    "repetition_words",
     "repetition_words_lift_dm",
-    "noise_share",
     "attn_to_cls_lift",
-    "attn_to_punct_lift",
-    "anchor_frequency_share",
-    "anchor_distinct_share",
 ]
 
 
@@ -166,7 +193,7 @@ def _analyze(
     from headatlas.service.engine.corpus import STDIN_SOURCE, remove_spool, spool_stdin
     from headatlas.service.engine.model import auto_batch_size, control_model, load_model, resolve_device
     from headatlas.service.engine.model_check import check_loaded, check_model_spec
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.runner import analyze_corpus, control_name, survey_corpus
     from headatlas.service.storage.db import check_headatlas_file
 
     params, model, device = analysis.params, analysis.model, analysis.device
@@ -206,6 +233,11 @@ def _analyze(
         )
         with _progress(summary.chars, quiet) as progress:
             run = run_on(model=loaded, name=name, progress=progress)
+        if name is not None and run.name != name and not quiet:
+            note(
+                f"run {run.run_id} ({run.name}) holds this corpus, model and parameters already: reused, and "
+                f"{name!r} now names it too (--run {shlex.quote(name)})"
+            )
         floors = []
         for seed in range(control):
             if not quiet:
@@ -215,7 +247,13 @@ def _analyze(
                 )
             with _progress(summary.chars, quiet) as progress:
                 floors.append(
-                    run_on(model=control_model(loaded, seed=seed), progress=progress, control_of=run, control_seed=seed)
+                    run_on(
+                        model=control_model(loaded, seed=seed),
+                        name=control_name(name, seed) if name is not None else None,
+                        progress=progress,
+                        control_of=run,
+                        control_seed=seed,
+                    )
                 )
     finally:
         if spooled:
@@ -227,7 +265,8 @@ def _analyze(
     _print_run_summary(store, run.run_id)
     for seed, floor in enumerate(floors):
         stdout.print(
-            f"control (seed {seed}): run {floor.run_id} ({floor.name}); compare with `headatlas compare {run.run_id}`",
+            f"control (seed {seed}): run {floor.run_id} ({floor.name}); compare with `{command_name()} compare "
+            f"{shlex.quote(name) if name else run.run_id}`",
             markup=False,
         )
 
@@ -238,7 +277,7 @@ def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
         return
     tops = [(name, max(heads, key=lambda h: h[name])) for name in scores]
     text = ", ".join(f"{name} {h['layer']}.{h['head']} ({h[name]:.3f})" for name, h in tops)
-    stdout.print(f"probe (SPEC §8), top head per score (layer.head): {text}", markup=False)
+    print_wrapped(f"probe (SPEC §8), top head per score (layer.head): {text}")
 
 
 class _progress:
@@ -277,41 +316,30 @@ def _print_run_summary(store, run_id: int) -> None:
         head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift_dm", top=5)
         rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
         probe_cols, probe_rows = queries.heads(conn, run_id, anchors=0)
-    stdout.print(
+    print_wrapped(
         f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
         f"{info['compute_s']:.1f} s compute"
     )
     render_metrics(
-        layer_cols, layer_rows, Format.table, title="Layer progression (0-based layers)", table_columns=LAYER_TABLE
+        layer_cols,
+        layer_rows,
+        Format.table,
+        title="Layer progression (0-based layers)",
+        table_columns=LAYER_TABLE,
+        offer_more=False,
     )
-    keep = [
-        "layer",
-        "head",
-        "within_sentence",
-        "within_sentence_lift",
-        "within_sentence_chance_dm",
-        "within_sentence_lift_dm",
-        "mean_distance",
-        "top_anchors",
-    ]
+    keep = ["layer", "head", "within_sentence", "within_sentence_lift_dm", "top_anchors"]
     render_metrics(
         head_cols,
         head_rows,
         Format.table,
         title="Most within-sentence heads (beyond their distances)",
         table_columns=keep,
+        pinned=2,
+        offer_more=False,
     )
-    keep = [
-        "layer",
-        "head",
-        "repetition",
-        "repetition_words",
-        "repetition_words_lift",
-        "repetition_words_lift_dm",
-        "anchor_frequency_share",
-        "top_anchors",
-    ]
+    keep = ["layer", "head", "repetition", "repetition_words", "repetition_words_lift_dm", "top_anchors"]
     render_metrics(
         rep_cols,
         rep_rows,
@@ -319,11 +347,16 @@ def _print_run_summary(store, run_id: int) -> None:
         title="Word-repetition heads (punctuation repeats excluded)",
         table_columns=keep,
         note=queries.LIFT_NOTE,
+        pinned=2,
+        offer_more=False,
     )
     _print_probe_tops([dict(zip(probe_cols, r, strict=True)) for r in probe_rows], queries.PROBE_COLUMNS)
+    name = command_name()
+    stdout.print(f"next: {name} query heads --run {run_id} --ci", markup=False, highlight=False)
     stdout.print(
-        f'next: headatlas query heads --run {run_id} --ci   |   headatlas sql "SELECT * FROM head_metrics LIMIT 5"',
+        f'      {name} sql --run {run_id} "SELECT layer, head, within_sentence FROM head_metrics LIMIT 5"',
         markup=False,
+        highlight=False,
     )
 
 
@@ -335,18 +368,10 @@ def models(fmt: Format = FormatOpt) -> None:
 
     rows = model_catalog()
     columns = ["kind", "model", "family", "what", "state"]
-    render(columns, [tuple(r[c] for c in columns) for r in rows], fmt)
+    render(columns, [tuple(r[c] for c in columns) for r in rows], fmt, title="what --model takes")
 
 
 # --- runs and queries ---------------------------------------------------------------------------
-@app.command()
-def runs(db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """List the stored runs."""
-    rows = _store(db).list_runs()
-    columns = ["run_id", "name", "status", "model", "windows", "compute_s", "wall_s", "created_at", "corpus"]
-    render(columns, [tuple(r[c] for c in columns) for r in rows], fmt)
-
-
 @query_app.command("heads")
 def query_heads(
     run: str | None = RunOpt,
@@ -355,17 +380,25 @@ def query_heads(
         None,
         "--sort",
         "-s",
-        help="Sort by this metric, descending (e.g. within_sentence_lift, repetition_lift, noise_share).",
+        metavar="METRIC",
+        help=f"Sort by this metric, largest first (--asc: smallest first); one of {', '.join(SORTABLE)}.",
     ),
+    asc: bool = typer.Option(False, "--asc", help="Sort smallest first."),
     top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
-    each against its chance (a table shows the main columns; --format json/csv has all)."""
+    each against its chance. A table shows the main columns (--columns picks, --wide shows all;
+    `headatlas metrics` defines each); --format json/csv has all."""
+    from headatlas.service.errors import ParameterError
     from headatlas.service.reports import queries
 
+    if asc and sort is None:
+        raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
     _query(
@@ -377,10 +410,13 @@ def query_heads(
         check=check,
         table_columns=table,
         note=queries.LIFT_NOTE,
+        view=TableView.of(columns, wide),
+        pinned=3 if sort is not None else 2,
         layer=layer,
         sort=sort,
         top=top,
         ci=ci,
+        ascending=asc,
     )
 
 
@@ -394,6 +430,8 @@ def query_distances(
         None, "--split", help="attended: also the profiles of attended (signal) and not-attended (noise) pairs."
     ),
     ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -409,20 +447,21 @@ def query_distances(
     with store.checked_read() as conn:
         r = _run(conn, run)
         _check_layer_head(r, layer, head)
-        columns, rows = queries.distances(conn, r.run_id, layer=layer, head=head, split=split is not None, ci=ci)
+        names, rows = queries.distances(conn, r.run_id, layer=layer, head=head, split=split is not None, ci=ci)
         unreliable = _interval_warnings(conn, r) if ci else []
     if max_distance:
         rows = [row for row in rows if row[0] <= max_distance]
     what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
     render_metrics(
-        columns,
+        names,
         rows,
         fmt,
         title=f"run {r.run_id}: distances, {what}",
         note="lift = share of the head's high-similarity pairs at d / share of all pairs at d (chance)",
+        view=TableView.of(columns, wide),
     )
     if fmt == Format.table and rows:
-        col = {c: i for i, c in enumerate(columns)}
+        col = {c: i for i, c in enumerate(names)}
         lines = [("high", "share"), ("chance", "chance_share")]
         if split:
             lines += [("signal", "attended_share"), ("noise", "noise_share")]
@@ -435,21 +474,54 @@ def query_distances(
 
 
 @query_app.command("boundaries")
-def query_boundaries(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+def query_boundaries(
+    run: str | None = RunOpt,
+    ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform."""
     from headatlas.service.reports import queries
 
-    _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer", note=queries.LIFT_NOTE, ci=ci)
+    _query(
+        db,
+        run,
+        fmt,
+        queries.boundaries,
+        "sentence boundaries per layer",
+        note=queries.LIFT_NOTE,
+        view=TableView.of(columns, wide),
+        ci=ci,
+    )
 
 
 @query_app.command("layers")
-def query_layers(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """Per layer summary: the progression from early to final layers (a table shows the main
-    columns; --format json/csv has all)."""
+def query_layers(
+    run: str | None = RunOpt,
+    ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+) -> None:
+    """Per layer summary: the progression from early to final layers. A table shows the main
+    columns (--columns picks, --wide shows all); --format json/csv has all."""
     from headatlas.service.reports import queries
 
-    _query(db, run, fmt, queries.layers, "layers", table_columns=LAYER_TABLE, note=queries.LIFT_NOTE, ci=ci)
+    _query(
+        db,
+        run,
+        fmt,
+        queries.layers,
+        "layers",
+        table_columns=LAYER_TABLE,
+        note=queries.LIFT_NOTE,
+        view=TableView.of(columns, wide),
+        ci=ci,
+    )
 
 
 @query_app.command("mixing")
@@ -461,6 +533,8 @@ def query_mixing(
     method: list[str] = typer.Option(
         [], "--method", help="attention, attribution, rollout, norm or alti (repeat); default: all stored."
     ),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -469,7 +543,17 @@ def query_mixing(
 
     what = f"layer {layer} heads" if layer is not None else "per layer"
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
-    _query(db, run, fmt, queries.mixing, f"mixing, {what}", check=check, layer=layer, methods=method or None)
+    _query(
+        db,
+        run,
+        fmt,
+        queries.mixing,
+        f"mixing, {what}",
+        check=check,
+        view=TableView.of(columns, wide),
+        layer=layer,
+        methods=method or None,
+    )
 
 
 @query_app.command("discrepancy")
@@ -479,6 +563,8 @@ def query_discrepancy(
         "attribution", "--method", help="Compare attention with this method (default attribution)."
     ),
     top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -488,9 +574,11 @@ def query_discrepancy(
     store = _store(db)
     with store.checked_read() as conn:
         r = _run(conn, run)
-        columns, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
+        names, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
         layer_cols, layer_rows = queries.discrepancy_layers(conn, r.run_id, method=method)
-    render(columns, rows, fmt, title=f"run {r.run_id} ({r.name}): attention vs {method}, per head")
+    view = TableView.of(columns, wide)
+    title = f"run {r.run_id} ({r.name}): attention vs {method}, per head"
+    render(names, rows, fmt, title=title, view=view if view.picked or view.wide else None)
     if fmt == Format.table:
         render(layer_cols, layer_rows, fmt, title="layer progression")
 
@@ -511,6 +599,8 @@ def compare(
     ),
     head: int | None = typer.Option(None, "--head", help="Only this head (0-based, needs --layer)."),
     heads: bool = typer.Option(False, "--heads", help="Compare heads instead of layers (runs of the same shape only)."),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -536,12 +626,13 @@ def compare(
         if (heads or head is not None)
         else [c for c in comparison.TABLE_COLUMNS if c != "head"]
     )
+    view = TableView.of(columns, wide)
     if fmt != Format.table and len(results) > 1:  # one document: every control's rows, named
-        columns = ["run_b", *results[0][1][0]]
-        render(columns, [(b.run_id, *r) for b, (_, rows) in results for r in rows], fmt)
+        names = ["run_b", *results[0][1][0]]
+        render(names, [(b.run_id, *r) for b, (_, rows) in results for r in rows], fmt, view=view)
         _print_warnings(unreliable)
         return
-    for b, (columns, rows) in results:
+    for b, (names, rows) in results:
         floor = (
             f" (B is A's random-weights control, seed {comparison.control_seed(b)}: the floor every claim should beat)"
             if comparison.is_control(a, b)
@@ -551,10 +642,11 @@ def compare(
         if differ and fmt == Format.table:
             stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
         render_metrics(
-            columns,
+            names,
             rows,
             fmt,
             table_columns=table,
+            view=view,
             note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
             schemes=[scheme_of(a.params), scheme_of(b.params)],
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
@@ -572,6 +664,8 @@ def query_roles(
         help="Also test every role on each half of the run's replicate groups (alternate groups in id order: disjoint sets of "
         "documents where groups hold whole documents) and mark it stable when it holds on both.",
     ),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
@@ -584,13 +678,13 @@ def query_roles(
 
     with _store(db).checked_read() as conn:
         r = _run(conn, run)
-        columns, rows = roles.roles(conn, r.run_id, stability=stability)
+        names, rows = roles.roles(conn, r.run_id, stability=stability)
         offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
         controls = [
             (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
             for c in compare.controls_of(conn, r)
         ]
-    family = roles.family_size(columns, rows)
+    family = roles.family_size(names, rows)
     tested = (
         f"Holm–Bonferroni over {family} (head, role) tests, α = {roles.ALPHA:g}"
         if family
@@ -600,26 +694,28 @@ def query_roles(
     if "induction" in offered:
         note += f". {roles.PROBE_NOTE}"
     # the probe's columns where a role read a probe score (decoders' induction and duplicate-token)
-    probed = any(row[columns.index("probe_score")] is not None for row in rows)
+    probed = any(row[names.index("probe_score")] is not None for row in rows)
     hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
-    table = [c for c in columns if c not in hidden]
+    table = [c for c in names if c not in hidden]
     render_metrics(
-        columns,
+        names,
         rows,
         fmt,
         title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}",
         table_columns=table,
         note=note,
         schemes=[scheme_of(r.params)],
+        view=TableView.of(columns, wide),
+        pinned=3,
     )
     if fmt != Format.table:
         return
-    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows)
+    counts, stable = roles.role_counts(names, rows, offered), roles.stable_counts(names, rows)
     held = ", ".join(
         f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
         for role, n in counts.items()
     )
-    stdout.print(f"heads per role: {held}", markup=False, highlight=False)
+    print_wrapped(f"heads per role: {held}")
     if stability and stable is None:
         stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
     for seed, control, control_counts in controls:
@@ -631,9 +727,16 @@ def query_roles(
         )
 
 
-@app.command()
+# the help lists the relations, as tests/test_cli_sql.py checks them against a new database
+@app.command(help=f"Run one read-only SELECT against the results; --run keeps to one run. {relations.sql_help()}")
 def sql(
     statement: str = typer.Argument(..., help="One SELECT or WITH … SELECT statement, or - to read it from stdin."),
+    run: str | None = typer.Option(
+        None,
+        "--run",
+        "-r",
+        help="Only this run (id, name or alias): every table and view with a run_id column holds its rows alone.",
+    ),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
     max_rows: int = options.setting("sql_max_rows", "--max-rows", help="Row cap."),
@@ -643,14 +746,27 @@ def sql(
     ),
     temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
 ) -> None:
-    """Run read-only SQL against the results (tables and views: see README)."""
     from headatlas.service.storage.readonly import run_readonly_sql
 
     text = sys.stdin.read() if statement == "-" else statement
+    run_id = None
+    if run is not None:
+        with _store(db).checked_read() as conn:
+            run_id = _run(conn, run).run_id
     result = run_readonly_sql(
-        db, text, max_rows=max_rows, timeout_s=timeout, memory_limit=memory_limit, temp_limit=temp_limit
+        db,
+        text,
+        max_rows=max_rows,
+        timeout_s=timeout,
+        memory_limit=memory_limit,
+        temp_limit=temp_limit,
+        run_id=run_id,
     )
     render(result.columns, result.rows, fmt, truncated=result.truncated)
+    if run is None and fmt == Format.table and result.runs > 1 and "run_id" not in text.lower():
+        note(
+            f"the database holds {result.runs} runs and the views hold them all: pass --run RUN for one, or select run_id"
+        )
 
 
 @app.command()
@@ -709,10 +825,12 @@ def _query(
     check=None,
     table_columns=None,
     note: str | None = None,
+    view: TableView = TableView(),
+    pinned: int = 1,
     **kwargs,
 ) -> None:
     """Open the store, resolve the run, ``check(run)`` the options against it, call one query
-    function, render its rows."""
+    function, render its rows (``view``, ``pinned``: see ``render_metrics``)."""
     from headatlas.service.reports.intervals import scheme_of
 
     with _store(db).checked_read() as conn:
@@ -729,6 +847,8 @@ def _query(
         table_columns=table_columns,
         note=note,
         schemes=[scheme_of(r.params)],
+        view=view,
+        pinned=pinned,
     )
     _print_warnings(unreliable)
 
@@ -745,10 +865,7 @@ def _print_warnings(warnings: list[str]) -> None:
         stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
 
 
-def _run(conn, ref):
-    from headatlas.service.storage.store import resolve_run
-
-    return resolve_run(conn, ref)
+_run = run_commands.resolve  # the run a command names, or the default one, with a note when unfinished
 
 
 def _check_layer_head(run, layer: int, head: int | None) -> None:

@@ -30,28 +30,33 @@ def setting(name: str, *decls: str, help: str, **kwargs) -> Any:  # noqa: A002 -
 
 Db = setting("db", "--db", help="DuckDB results file.")
 Broker = setting("broker_url", "--broker", help="Redis URL of the queue.")
-Run = typer.Option(None, "--run", "-r", help="Run id or name (default: the latest run).")
+Run = typer.Option(
+    None, "--run", "-r", help="Run id, name or alias (default: the latest finished run, controls aside)."
+)
 Fmt = typer.Option(Format.table, "--format", "-f", help="Output format.")
+Columns = typer.Option(
+    None,
+    "--columns",
+    metavar="NAME,…",
+    help="Show these columns, comma-separated, in any format (with --ci, each with its interval).",
+)
+Wide = typer.Option(False, "--wide", help="Show every column in the table, however wide.")
 
 
 def check_run_name(name: str | None) -> str | None:
     """A run name is printable text that cannot be read as a run id."""
-    from headatlas.service.errors import ParameterError
+    from headatlas.service.storage.run_labels import check_name
 
-    if name is None:
-        return None
-    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in name):
-        raise ParameterError(
-            f"--name {name!r}: holds a control character (newline, tab, terminal escape …); use printable text"
-        )
-    if not name.strip():
-        raise ParameterError("--name is empty: pass a name, or leave the option out for the default")
-    if name.strip().isdigit():
-        raise ParameterError(f"--name {name}: a number would be read as a run id; pass e.g. run-{name.strip()}")
-    return name
+    return None if name is None else check_name(name)
 
 
-Name = typer.Option(None, "--name", help="Run name (default: corpus name + key).", callback=check_run_name)
+Name = typer.Option(
+    None,
+    "--name",
+    help="Run name (default: corpus name + key). A run with the same corpus, model and parameters stored under "
+    "another name is reused, and this name becomes its alias.",
+    callback=check_run_name,
+)
 Ci = typer.Option(
     False,
     "--ci",

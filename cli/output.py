@@ -5,11 +5,19 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import shlex
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import date, datetime
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -29,6 +37,43 @@ MAX_CELL_CHARS = 2000
 MAX_TABLE_CHARS = 200_000
 
 SPARK = "▁▂▃▄▅▆▇█"
+
+# Tables fit a terminal's width, or $COLUMNS; each command's default columns are chosen to fit
+# this many characters (the width tables fit when $COLUMNS says nothing else).
+FIT_WIDTH = 100
+MIN_TEXT_WIDTH = 20  # a text column (anchors, definitions, paths) may wrap down to this width …
+MAX_WORD_WIDTH = 40  # … or to its longest word, up to this (a longer one, a path, breaks anywhere)
+
+
+@dataclass(frozen=True)
+class TableView:
+    """The columns a table shows: ``picked`` (``--columns``), every one (``wide``, ``--wide``),
+    or the command's default set, fitted to the width. ``picked`` applies to CSV and JSON too."""
+
+    picked: tuple[str, ...] | None = None
+    wide: bool = False
+
+    @classmethod
+    def of(cls, columns: str | None, wide: bool = False) -> TableView:
+        picked = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns is not None else None
+        if picked is not None and not picked:
+            from headatlas.service.errors import ParameterError
+
+            raise ParameterError("--columns is empty: pass names separated by commas, e.g. --columns layer,head")
+        return cls(picked, wide)
+
+    def check(self, available: list[str]) -> None:
+        """Refuse a picked name that is not one of ``available``, in one line that lists them."""
+        from headatlas.service.errors import ParameterError
+
+        unknown = [c for c in self.picked or () if c not in available]
+        if unknown:
+            raise ParameterError(
+                f"--columns {','.join(unknown)}: not a column here; choose from {', '.join(available)}"
+            )
+
+
+DEFAULT_VIEW = TableView()
 
 
 class Format(str, Enum):
@@ -89,7 +134,20 @@ def render(
     *,
     title: str | None = None,
     truncated: bool = False,
+    view: TableView | None = None,
+    table_columns: list[str] | None = None,
+    pinned: int = 1,
+    text_columns: set[str] | None = None,
 ) -> None:
+    """Rows as a table, CSV or JSON. ``view`` (``--columns``/``--wide``): what a table shows; by
+    default ``table_columns`` (all when None) fitted to the width (``fit_width``) by leaving out
+    columns from the right, never the first ``pinned``; without ``view`` every column, its text
+    wrapped to fit. ``text_columns``: those that may wrap (default: the columns whose values are
+    all text); headers and numbers never break."""
+    if view is not None and view.picked is not None:
+        view.check(columns)
+        index = [columns.index(c) for c in view.picked]
+        columns, rows = list(view.picked), [tuple(r[i] for i in index) for r in rows]
     if fmt == Format.json:
         data = [{c: _json_value(v) for c, v in zip(columns, row)} for row in rows]
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
@@ -99,16 +157,134 @@ def render(
         for row in rows:
             writer.writerow(["" if v is None else _json_value(v) for v in row])
     else:
-        table = Table(title=Text(title) if title is not None else None, show_lines=False, header_style="bold")
-        for column in columns:
-            table.add_column(Text(str(column)), overflow="fold")
-        for cells in _cells(rows):
-            table.add_row(*cells)
-        stdout.print(table)
+        if text_columns is None:
+            text_columns = _text_columns(columns, rows)
+        if view is not None and view.wide:  # all of them, at their width
+            print_table(columns, rows, title=title, fit=False, text_columns=text_columns)
+        elif view is None or view.picked is not None:  # these columns: text wraps, none is left out
+            print_table(columns, rows, title=title, drop=False, text_columns=text_columns)
+        else:
+            shown = [c for c in (table_columns or columns) if c in columns]
+            index = [columns.index(c) for c in shown]
+            print_table(
+                shown,
+                [tuple(r[i] for i in index) for r in rows],
+                title=title,
+                fit=True,
+                pinned=pinned,
+                text_columns=text_columns,
+                available=len(columns),
+            )
     if truncated:
         stderr.print(
             Text(f"truncated: showing the first {len(rows)} rows; narrow the query or raise --max-rows", style="yellow")
         )
+
+
+def _text_columns(columns: list[str], rows: list[tuple]) -> set[str]:
+    """Columns whose values are all text (names, paths, anchors, definitions): they may wrap."""
+    return {
+        c
+        for i, c in enumerate(columns)
+        if any(r[i] is not None for r in rows) and all(isinstance(r[i], str) for r in rows if r[i] is not None)
+    }
+
+
+def _width(widths) -> int:
+    """A table's width from its columns' (box.SIMPLE_HEAD without edges: one space of padding
+    either side of a column, inner ones only, and a one-space rule between columns)."""
+    widths = list(widths)
+    return sum(widths) + 3 * max(0, len(widths) - 1)
+
+
+def fit_width() -> int:
+    """The width tables fit: the terminal's, else $COLUMNS, else FIT_WIDTH."""
+    if stdout.is_terminal:
+        return stdout.size.width
+    try:
+        return max(20, int(os.environ.get("COLUMNS", "")))
+    except ValueError:
+        return FIT_WIDTH
+
+
+def wraps_text() -> bool:
+    """Whether output fits ``fit_width()`` (tables leave columns out and wrap text, titles and
+    notes wrap): on a terminal or with $COLUMNS set. Piped without it, every line stays whole
+    (one note, one row: one line to grep), and tables show their default columns."""
+    return stdout.is_terminal or bool(os.environ.get("COLUMNS", "").strip())
+
+
+@contextmanager
+def _console_width(width: int) -> Iterator[None]:
+    before = stdout._width  # None: the terminal's, or rich's default
+    stdout.width = width
+    try:
+        yield
+    finally:
+        stdout._width = before
+
+
+def print_table(
+    columns: list[str],
+    rows: list[tuple],
+    *,
+    title: str | None = None,
+    fit: bool = True,
+    drop: bool = True,
+    pinned: int = 1,
+    text_columns: set[str] = frozenset(),  # type: ignore[assignment]  # read only
+    available: int | None = None,
+) -> None:
+    """Print rows as a table whose headers and numbers never break. ``fit``: stay within
+    ``fit_width()`` — text columns wrap first, then (``drop``) columns are left out from the
+    right (never the first ``pinned``) and a line names them; else the table takes its natural
+    width. ``available``: how many columns the rows had (a line says how to see the others)."""
+    cells = _cells(rows)
+    natural = [
+        max([Text(str(c)).cell_len, *(max((len(line) for line in t.plain.split("\n")), default=0) for t in col)])
+        for c, col in zip(columns, zip(*cells) if cells else [[] for _ in columns])
+    ]
+    # a text column wraps between words, down to its longest word (up to MAX_WORD_WIDTH) or MIN_TEXT_WIDTH
+    words = [
+        max((len(word) for t in col for word in t.plain.split()), default=0)
+        for col in (zip(*cells) if cells else [[] for _ in columns])
+    ]
+    least = [
+        min(w, max(MIN_TEXT_WIDTH, len(c), min(word, MAX_WORD_WIDTH))) if c in text_columns else w
+        for c, w, word in zip(columns, natural, words)
+    ]
+    keep = list(range(len(columns)))
+    width = fit_width()
+    fit = fit and wraps_text()  # piped without $COLUMNS: whole lines, every column asked for
+    left_out: list[str] = []
+    if fit and drop:
+        while len(keep) > pinned and _width(least[i] for i in keep) > width:
+            left_out.insert(0, columns[keep.pop()])
+    if fit and _width(least[i] for i in keep) > width:  # then words break too …
+        least = [min(w, max(MIN_TEXT_WIDTH, len(c))) if c in text_columns else w for c, w in zip(columns, natural)]
+    if fit and _width(least[i] for i in keep) > width:  # … or, when even that is too wide, the terminal wraps
+        fit = False
+    total = _width(natural[i] for i in keep)
+    if title is not None:
+        print_wrapped(title)
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        header_style="bold",
+    )
+    for i in keep:
+        wraps = columns[i] in text_columns
+        table.add_column(Text(str(columns[i])), no_wrap=not wraps, overflow="fold", min_width=least[i])
+    for row in cells:
+        table.add_row(*(row[i] for i in keep))
+    with _console_width(min(total, width) if fit else max(total, 20)):
+        _print_trimmed(table)
+    if left_out:
+        more = " (--columns picks, --wide shows all)" if available is not None else ""
+        print_note(f"left out to fit {width} characters: {', '.join(left_out)}{more}")
+    elif available is not None and available > len(keep):
+        print_note(f"{len(keep)} of {available} columns (--columns picks, --wide shows all; csv/json have all)")
 
 
 def render_record(record: dict, fmt: Format = Format.table, *, title: str | None = None) -> None:
@@ -150,30 +326,89 @@ def render_metrics(
     table_columns: list[str] | None = None,
     note: str | None = None,
     schemes: list[str] | None = None,
+    view: TableView = DEFAULT_VIEW,
+    pinned: int = 1,
+    offer_more: bool = True,
 ) -> None:
     """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
-    default) with intervals folded into their cells, and ``note`` (what a lift is measured
-    against) printed under it, then the intervals' footnote naming their replicate scheme (SPEC
-    §5d): the rows' ``interval_by`` column, else ``schemes`` (the runs'). Rows with intervals but
-    no ``interval_by`` gain that column from ``schemes``, so JSON and CSV name it too."""
+    default) fitted to the width (``print_table``; ``view``: the columns picked, or all) with
+    intervals folded into their cells, and ``note`` (what a lift is measured against) printed
+    under it, then the intervals' footnote naming their replicate scheme (SPEC §5d): the rows'
+    ``interval_by`` column, else ``schemes`` (the runs'). Rows with intervals but no
+    ``interval_by`` gain that column from ``schemes``, so JSON and CSV name it too. ``--columns``
+    picks among the columns less their ``_lo``/``_hi`` bounds, which come with their metric.
+    ``offer_more``: say how to see the columns left out (where the command has ``--columns``)."""
     has_intervals = any(c.endswith("_lo") for c in columns)
     if has_intervals and "interval_by" not in columns and schemes:
         columns, rows = [*columns, "interval_by"], [(*r, " / ".join(sorted(set(schemes)))) for r in rows]
+    available = [c for c in columns if not (c.endswith(("_lo", "_hi")) and c[:-3] in columns)]
+    if view.picked is not None:
+        view.check(available)
     if fmt != Format.table:
+        if view.picked is not None:  # in the order asked for, each with its interval's bounds
+            keep = [b for c in view.picked for b in (c, f"{c}_lo", f"{c}_hi") if b in columns]
+            keep += ["interval_by"] if has_intervals and "interval_by" in columns and "interval_by" not in keep else []
+            index = [columns.index(c) for c in keep]
+            columns, rows = keep, [tuple(r[i] for i in index) for r in rows]
         render(columns, rows, fmt, title=title)
         return
-    shown = [c for c in (table_columns or columns) if c != "interval_by"]
-    shown, cells = merge_intervals(columns, rows, shown)
-    render(shown, cells, fmt, title=title)
+    text = _text_columns(columns, rows)
+    if view.picked is not None:
+        wanted = list(view.picked)
+    else:
+        wanted = [c for c in (available if view.wide else (table_columns or available)) if c != "interval_by"]
+    shown, cells = merge_intervals(columns, rows, wanted)
+    print_table(
+        shown,
+        cells,
+        title=title,
+        fit=not view.wide,
+        drop=view.picked is None,
+        pinned=pinned,
+        text_columns=text & set(shown),
+        available=len([c for c in available if c != "interval_by"]) if offer_more else None,
+    )
     if note:
-        stdout.print(note, style="dim", highlight=False, markup=False)
+        print_note(note)
     if has_intervals:
         from headatlas.service.reports.intervals import interval_note
 
         if "interval_by" in columns:
             at = columns.index("interval_by")
             schemes = [part for r in rows if r[at] for part in str(r[at]).split(" / ")]
-        stdout.print(interval_note(schemes or []), style="dim", highlight=False, markup=False)
+        print_note(interval_note(schemes or []))
+
+
+def print_note(text: str) -> None:
+    """A dim line under a table, wrapped at the width tables fit (``wraps_text``)."""
+    print_wrapped(text, style="dim")
+
+
+def _print_trimmed(renderable, *, soft_wrap: bool = False) -> None:
+    """Print without the spaces rich pads lines with, unless the output is a terminal (where they
+    do not show, and cutting them could cut a style's codes): files and pipes get clean lines."""
+    if stdout.is_terminal:
+        stdout.print(renderable, highlight=False, soft_wrap=soft_wrap)
+        return
+    with stdout.capture() as captured:
+        stdout.print(renderable, highlight=False, soft_wrap=soft_wrap)
+    stdout.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+def print_wrapped(text: str, *, style: str = "") -> None:
+    """A line of text beside a table (a title, a summary), wrapped at the width tables fit where
+    text wraps (``wraps_text``), else left whole."""
+    if not wraps_text():
+        _print_trimmed(Text(text, style=style), soft_wrap=True)
+        return
+    with _console_width(fit_width()):
+        _print_trimmed(Text(text, style=style))
+
+
+def note(text: str) -> None:
+    """A ``note: …`` line on stderr, unwrapped (one line whatever the width), its quoted commands
+    spelled as they are typed here."""
+    stderr.print(runnable(f"note: {text}"), markup=False, highlight=False, soft_wrap=True)
 
 
 def sparkline(values: list[float], *, top: float | None = None) -> str:
@@ -184,9 +419,37 @@ def sparkline(values: list[float], *, top: float | None = None) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in clean)
 
 
+def command_name() -> str:
+    """How headatlas is typed here: ``headatlas`` when that is on PATH (and is this program), else
+    the path this process was started by, e.g. ``.venv/bin/headatlas`` after ``make demo`` in a
+    shell where the virtual environment is not activated."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is None or script.name != "headatlas" or not script.is_file():
+        return "headatlas"  # the console script was not how this process started (tests, python -m)
+    found = shutil.which("headatlas")
+    try:
+        if found and os.path.samefile(found, script):
+            return "headatlas"
+    except OSError:
+        pass
+    path = os.path.relpath(script.absolute())
+    if path.startswith(".."):
+        path = str(script.absolute())
+    elif os.sep not in path:
+        path = os.path.join(".", path)
+    return shlex.quote(path)
+
+
+def runnable(text: str) -> str:
+    """``text`` with every quoted command (`headatlas …`) spelled as it is typed here."""
+    name = command_name()
+    return text if name == "headatlas" else text.replace("`headatlas ", f"`{name} ")
+
+
 def error(message: str) -> None:
-    """The CLI's one error line: messages that span lines (a driver's) are joined."""
-    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    """The CLI's one error line: messages that span lines (a driver's) are joined; the commands
+    it quotes are spelled as they are typed here (``runnable``)."""
+    line = runnable(" ".join(part.strip() for part in str(message).splitlines() if part.strip()))
     stderr.print(Text.assemble(("error:", "bold red"), " ", line), highlight=False, soft_wrap=True)
 
 

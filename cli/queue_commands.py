@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import replace
 
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, progress_bar, render_record, stderr, stdout
+from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 
@@ -79,6 +80,11 @@ def submit(
         )
 
     sub = queue()
+    if name is not None and sub.name != name:  # the queue does not write the database: the name is not added
+        note(
+            f"run {sub.name} holds this corpus, model and parameters already and keeps its name; "
+            f"`headatlas runs rename {shlex.quote(sub.name)} {shlex.quote(name)}` renames it"
+        )
     if sub.status == "done":
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
@@ -90,7 +96,9 @@ def submit(
     if sub.probe_queued:
         stderr.print("probe: queued as one task; its scores reach `query heads` once a worker has run it")
     if sub.run_id is None:
-        stderr.print("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
+        stderr.print(
+            runnable("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
+        )
     if wait and sub.status != "done":
         _wait(settings, sub, resubmit=lambda: queue(log=lambda _msg: None))
     stdout.print(sub.run_id if sub.run_id is not None else sub.name)
@@ -148,7 +156,10 @@ def _wait(settings, sub, resubmit=None) -> None:
         sub.run_id = wait_for_run_id(ledger, sub.run_key, 30.0)
     if live is not None and live.failed:
         stderr.print(
-            f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, `headatlas retry {sub.run_id}` queues them again"
+            runnable(
+                f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, "
+                f"`headatlas retry {sub.run_id}` queues them again"
+            )
         )
 
 
@@ -209,7 +220,7 @@ def writer(
 
 
 def status(
-    run: str | None = typer.Argument(None, help="Run id or name (default: the latest run)."),
+    run: str | None = typer.Argument(None, help="Run id, name or alias (default: the latest run, finished or not)."),
     db: str = DbOpt,
     broker: str = BrokerOpt,
     fmt: Format = options.Fmt,
@@ -223,7 +234,7 @@ def status(
     from headatlas.service.storage.queue_store import resolve_run
 
     with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
-        resolve_run(conn, run)
+        resolve_run(conn, run, any_status=True)
     try:
         client = connect(broker)
     except BrokerError as exc:

@@ -22,7 +22,7 @@ plot_app = typer.Typer(
 )
 
 DbOpt, RunOpt = options.Db, options.Run
-RunArg = typer.Argument(None, help="Run id or name (default: the latest run).")
+RunArg = typer.Argument(None, help="Run id, name or alias (default: the latest finished run, controls aside).")
 FigureOut = typer.Option(..., "--out", "-o", help="Output file: .png or .svg.")
 DpiOpt = typer.Option(100, "--dpi", help="Pixels per inch of a PNG (the figure size in inches is fixed).")
 
@@ -131,12 +131,13 @@ def _draw(db: str, out: Path, dpi: int, figure) -> None:
     """Check --out, draw ``figure(conn, resolve_run)`` from one read of the database, write it."""
     from functools import partial
 
+    from headatlas.cli.run_commands import resolve
     from headatlas.service.reports import plots
-    from headatlas.service.storage.store import Store, resolve_run
+    from headatlas.service.storage.store import Store
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
-        fig = figure(conn, partial(resolve_run, conn))
+        fig = figure(conn, partial(resolve, conn))
     _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)
 
 
@@ -309,11 +310,12 @@ def report(
     db: str = DbOpt,
 ) -> None:
     """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""
+    from headatlas.cli.run_commands import resolve
     from headatlas.service.reports.report import write_report
-    from headatlas.service.storage.store import Store, resolve_run
+    from headatlas.service.storage.store import Store
 
     with Store(db).checked_read() as conn:
-        r = resolve_run(conn, run)
+        r = resolve(conn, run)
         path = write_report(conn, r, out)
     stdout.print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KB): run {r.run_id} ({r.name})")
 

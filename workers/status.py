@@ -96,7 +96,7 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
     from headatlas.workers.ledger import Ledger
 
     with store.checked_read() as conn:
-        run = queue_store.resolve_run(conn, ref)
+        run = queue_store.resolve_run(conn, ref, any_status=True)
         prog = queue_store.progress(conn, run.run_id)
         ledger = Ledger(client, database_id(conn)) if client is not None else None
     plan = prog.plan

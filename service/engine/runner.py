@@ -177,12 +177,15 @@ def analyze_corpus(
     ``<run>-control-k``.
     ``probe``: also score every head on repeated random tokens (SPEC §8), once per run: it reads
     no corpus and changes no key, so a finished run given a probe computes just the probe.
+    ``name``: the run's name when it is created; a run with the same key stored under another
+    name keeps that name and gets this one as an alias (the returned run's ``name`` differs).
     """
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
     key = run_key(corpus.fingerprint, model, params)
     stored_params = params.to_dict()
+    asked = name  # a run already stored under another name gets the name asked for as an alias
     if control_of is not None:
         stored_params["control_of"] = control_of.run_key
         stored_params["control_seed"] = control_seed
@@ -197,6 +200,7 @@ def analyze_corpus(
             params=stored_params,
             engine="embedded",
             device=str(model.device),
+            alias=asked,
         )
     )
     if probe is not None:

@@ -11,12 +11,8 @@ from sqlalchemy.engine import Connection
 from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import ParameterError
 from headatlas.service.metrics import COLUMNS
+from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE
 
-# the columns of head_metrics that `query heads` shows, as declared (service.metrics)
-HEAD_COLUMNS = ("layer", "head", *(c.name for c in COLUMNS if c.heads), "windows")
-# the synthetic probe (SPEC §8): its own table, NULL for a run without one
-PROBE_COLUMNS = ("induction_score", "duplicate_score", "prev_token_score")
-SORTABLE = HEAD_COLUMNS[2:] + PROBE_COLUMNS
 # counts and run-level chances carry no interval of their own
 NO_INTERVAL = {
     *(c.name for c in COLUMNS if not c.interval),
@@ -116,7 +112,7 @@ def interval_warning(conn: Connection, run_id: int) -> str | None:
 
 def _check_sort(sort: str | None, allowed) -> None:
     if sort is not None and sort not in allowed:
-        raise ParameterError(f"--sort {sort!r}: choose one of {', '.join(allowed)}")
+        raise ParameterError(f"--sort {sort!r}: not a metric of the heads; choose one of {', '.join(allowed)}")
 
 
 def heads(
@@ -129,12 +125,14 @@ def heads(
     anchors: int = 3,
     ci: bool = False,
     clip: bool = True,
+    ascending: bool = False,
 ) -> Rows:
-    """Per head: every metric of ``head_metrics``, its top anchors and probe scores; ``ci``: with
-    95% intervals (``clip=False``: symmetric, not clipped to each metric's range, for tests that
-    read their half-width)."""
+    """Per head, every column of HEAD_COLUMNS, ``top_anchors`` and the probe's scores; sorted by
+    ``sort`` (descending, or ``ascending``; heads without a value last), else by layer and head.
+    ``ci``: with 95% intervals (``clip=False``: symmetric, not clipped to each metric's range, for
+    tests that read their half-width)."""
     _check_sort(sort, SORTABLE)
-    order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
+    order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
     probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
     sql = f"""

@@ -61,6 +61,7 @@ class QueryResult:
     rows: list[tuple]
     truncated: bool  # True when more rows existed than max_rows
     elapsed_s: float
+    runs: int = 0  # runs in the database (whether a query without a run filter may mix several)
 
 
 def check_select_only(sql: str) -> str:
@@ -183,8 +184,9 @@ def run_readonly_sql(
     ``params`` fill ``$name`` (dict) or ``?`` (list) placeholders. At most ``max_rows`` rows
     come back (``truncated`` says whether more existed). The query is interrupted after
     ``timeout_s`` seconds; a writer's lock is waited out for up to ``lock_wait_s`` seconds.
-    ``run_id``: every table and view reads that run's rows only (``scope_to_run``).
-    A refused or failed query raises StoreError; a bad cap or time limit, ParameterError.
+    ``run_id``: every table and view with a ``run_id`` column, and ``windows`` / ``documents``,
+    show that run's rows alone (``scope_to_run``). A refused or failed query raises StoreError;
+    a bad cap or time limit, ParameterError.
     """
     if max_rows < 0:
         raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
@@ -194,6 +196,7 @@ def run_readonly_sql(
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
 
     with connect_readonly(db_path, lock_wait_s=lock_wait_s, limits=limits) as connection:
+        runs = _count_runs(connection)
         if run_id is not None:
             scope_to_run(connection, run_id)
         deadline = _Deadline(connection, timeout_s)
@@ -220,6 +223,7 @@ def run_readonly_sql(
         rows=rows[:max_rows],
         truncated=len(rows) > max_rows,
         elapsed_s=elapsed_s,
+        runs=runs,
     )
 
 
@@ -253,6 +257,14 @@ def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> None:
 
 def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
+
+
+def _count_runs(connection: duckdb.DuckDBPyConnection) -> int:
+    try:
+        row = connection.execute("SELECT count(*) FROM runs").fetchone()
+    except duckdb.Error:  # not a headatlas database (yet): the query itself will say what is wrong
+        return 0
+    return int(row[0]) if row else 0
 
 
 class _Deadline:

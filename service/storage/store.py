@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
 from headatlas.service.errors import RunNotFound, StoreError
-from headatlas.service.storage import db
+from headatlas.service.storage import db, run_labels
 from headatlas.service.storage.arrow_rows import TableRows
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
@@ -95,13 +95,28 @@ class Store:
         params: dict,
         engine: str,
         device: str | None,
+        alias: str | None = None,
     ) -> tuple[Run, bool]:
-        """The run with this key, or a new one. Returns (run, created)."""
+        """The run with this key, or a new one named ``name``. Returns (run, created).
+
+        ``alias``: the name the caller asked for. A run found under another name gets it as an
+        alias (``run_aliases``), so that the name asked for resolves to the run that holds the
+        results; a name that another run holds is refused.
+        """
         with self.write() as conn:
             row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
             if row is not None:
-                return Run.from_row(row), False
-            if conn.execute(text("SELECT count(*) FROM runs WHERE name = :n"), {"n": name}).scalar():
+                run = Run.from_row(row)
+                if alias is not None and alias != run.name:
+                    owner = run_labels.owner_of(conn, alias)
+                    if owner is not None and owner != run.run_id:
+                        raise StoreError(
+                            f"run name {alias!r} is taken by run {owner}, and run {run.run_id} ({run.name}) already "
+                            "holds this corpus, model and parameters: pass another --name, or leave it out"
+                        )
+                    run_labels.add_alias(conn, run.run_id, alias)
+                return run, False
+            if run_labels.owner_of(conn, name) is not None:
                 raise StoreError(
                     f"run name {name!r} is taken by a run with other corpus, model or parameters: pass another --name"
                 )
@@ -158,7 +173,9 @@ class Store:
         with self.checked_read() as conn:
             return resolve_run(conn, ref)
 
-    def list_runs(self) -> list[dict]:
+    def list_runs(self, *, tags: tuple[str, ...] = ()) -> list[dict]:
+        """Every run (with ``tags``: those that have all of them), with its ``aliases`` and
+        ``tags`` (lists)."""
         with self.checked_read() as conn:
             rows = (
                 conn.execute(
@@ -171,7 +188,32 @@ class Store:
                 .mappings()
                 .all()
             )
-            return [dict(r) for r in rows]
+            labels = run_labels.labels(conn)
+        out = []
+        for row in rows:
+            aliases, tagged = labels.get(row["run_id"], ([], []))
+            if all(t in tagged for t in tags):
+                out.append({**row, "aliases": aliases, "tags": tagged})
+        return out
+
+    def rename_run(self, ref: str | int, new: str) -> tuple[Run, str]:
+        """Give the run ``ref`` names the name ``new``; returns (the run renamed, its old name)."""
+        with self.write() as conn:
+            run = resolve_run(conn, ref)
+            old = run_labels.rename(conn, run.run_id, new)
+            return resolve_run(conn, run.run_id), old
+
+    def tag_run(self, ref: str | int, add: list[str], remove: list[str]) -> tuple[Run, list[str], list[str]]:
+        """Add and remove tags; returns (the run, tags added, tags removed)."""
+        with self.write() as conn:
+            run = resolve_run(conn, ref)
+            return run, run_labels.tag(conn, run.run_id, add), run_labels.untag(conn, run.run_id, remove)
+
+    def delete_run(self, run_id: int) -> dict[str, int]:
+        """Delete a run and all its rows in one transaction (``run_labels.delete``)."""
+        with self.write() as conn:
+            resolve_run(conn, run_id)  # still there
+            return run_labels.delete(conn, run_id)
 
     def done_window_ids(self, run_id: int) -> set[str]:
         with self.read() as conn:
@@ -227,21 +269,67 @@ class Store:
             return ingest_batches(conn, run_id, items)
 
 
-def resolve_run(conn: Connection, ref: str | int | None) -> Run:
-    """A run by id, by name, or the latest when ``ref`` is None."""
-    if ref is None:
+def resolve_run(conn: Connection, ref: str | int | None, *, any_status: bool = False) -> Run:
+    """A run by id, name or alias; ``ref`` None: the default run (``pick_run``), or with
+    ``any_status`` the latest run whatever its status (what ``headatlas status`` watches)."""
+    if ref is None and any_status:
         row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY run_id DESC LIMIT 1")).first()
         if row is None:
             raise RunNotFound("no runs yet: run `headatlas analyze CORPUS` first")
         return Run.from_row(row)
+    return pick_run(conn, ref)[0]
+
+
+def pick_run(conn: Connection, ref: str | int | None) -> tuple[Run, str | None]:
+    """The run ``ref`` names (id, name or alias), or by default the latest finished run that is
+    not a random-weights control; with a note to show when the run is not finished, or when a
+    later run is still in progress and was passed over (None otherwise)."""
+    if ref is None:
+        return _default_run(conn)
     ref_s = str(ref)
     if ref_s.isdigit():
         row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = :r"), {"r": int(ref_s)}).first()
     else:
         row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE name = :r"), {"r": ref_s}).first()
+        if row is None and (aliased := run_labels.run_by_alias(conn, ref_s)) is not None:
+            row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = :r"), {"r": aliased}).first()
     if row is None:
         raise RunNotFound(f"no run {ref_s!r}: see `headatlas runs` for ids and names")
-    return Run.from_row(row)
+    run = Run.from_row(row)
+    return run, None if run.status == "done" else _unfinished(conn, run)
+
+
+def _default_run(conn: Connection) -> tuple[Run, str | None]:
+    # controls (analyze --control) are stored after their run: the latest run would be a control
+    rows = conn.execute(
+        text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY json_extract(params, '$.control_of') IS NOT NULL, run_id DESC")
+    ).all()
+    if not rows:
+        raise RunNotFound("no runs yet: run `headatlas analyze CORPUS` first")
+    runs = [Run.from_row(r) for r in rows]
+    latest = runs[0]
+    if latest.status == "done":
+        return latest, None
+    done = next((r for r in runs if r.status == "done" and _is_control(r) == _is_control(latest)), None)
+    if done is None:
+        return latest, _unfinished(conn, latest)
+    return done, (
+        f"run {latest.run_id} ({latest.name}) is {latest.status}; showing the latest finished run, "
+        f"{done.run_id} ({done.name}): pass --run {latest.run_id} for the other's results so far"
+    )
+
+
+def _is_control(run: Run) -> bool:
+    return "control_of" in run.params
+
+
+def _unfinished(conn: Connection, run: Run) -> str:
+    windows = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run.run_id}).scalar()
+    if run.status in run_labels.UNFINISHED:
+        state = "in progress"
+    else:
+        state = f"{run.status}, not finished (re-run its command to resume)"
+    return f"run {run.run_id} ({run.name}) is {state}: results so far, from {windows:,} windows"
 
 
 def probe_spec(conn: Connection, run_id: int) -> tuple[int, int, int] | None:

@@ -1,0 +1,67 @@
+"""The tables and views of a results database that SQL may read, named for ``headatlas sql --help``
+(tests/test_cli_sql.py checks the lists against a new database, so they cannot drift)."""
+
+from __future__ import annotations
+
+# views: computed from the stored sums when queried (SPEC §5), never stored twice
+VIEWS = (
+    "head_metrics",  # per head: every metric (`headatlas metrics` defines each)
+    "layer_metrics",  # per layer: every metric
+    "head_totals",
+    "chance_totals",
+    "pair_profile",
+    "distance_totals",
+    "head_distance",
+    "chance_distance",
+    "sentence_distance",
+    "anchor_counts",
+    "anchor_distinctness",
+    "csm_means",
+    "mixing_metrics",
+    "mixing_distance",
+)
+# the same per replicate group left out (drop_rep = g; -1: the whole run): the intervals' input
+REP_VIEWS = (
+    "head_metrics_reps",
+    "layer_metrics_reps",
+    "head_reps",
+    "chance_reps",
+    "distance_reps",
+    "pair_reps",
+    "head_distance_reps",
+    "chance_distance_reps",
+    "run_reps",
+)
+TABLES = (
+    "runs",
+    "run_aliases",
+    "run_tags",
+    "documents",
+    "windows",
+    "run_windows",
+    "batches",
+    "head_stats",
+    "run_chance",
+    "dist_hist",
+    "pair_hist",
+    "anchors",
+    "anchor_tokens",
+    "anchor_layers",
+    "csm_bins",
+    "mixing_stats",
+    "mixing_dist",
+    "probe_scores",
+    "queue_plans",
+    "schedules",
+    "schedule_fires",
+    "schedule_documents",
+    "database_info",
+)
+
+
+def sql_help() -> str:
+    """The relations, as ``headatlas sql --help`` lists them."""
+    return (
+        f"Views: {', '.join(VIEWS)}; each without one replicate group (drop_rep): {', '.join(REP_VIEWS)}. "
+        f"Tables: {', '.join(TABLES)}. `DESCRIBE head_metrics` lists a relation's columns."
+    )

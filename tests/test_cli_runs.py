@@ -1,0 +1,292 @@
+"""Runs by name (aliases, rename, delete, tags), the default run, `sql --run`, tables that fit the
+terminal, and help that reads as text — in-process through typer's CliRunner, on `random:tiny`
+runs of real text stored in a real DuckDB file."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import duckdb
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from headatlas.cli.main import app
+from headatlas.cli.reference import command_paths
+
+TINY = ["--model", "random:tiny", "--batch-size", "8"]
+
+
+def invoke(*args: str, input: str | None = None, columns: int | None = 100):
+    """``columns``: $COLUMNS, the width the output fits (None: unset, as in a pipe)."""
+    env = {"COLUMNS": "" if columns is None else str(columns), "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), input=input, env=env)
+
+
+def ok(*args: str, **kwargs):
+    result = invoke(*args, **kwargs)
+    assert result.exit_code == 0, (args, result.stdout, result.stderr)
+    return result
+
+
+def one_error_line(result, *words: str) -> str:
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def runs(db) -> list[dict]:
+    return json.loads(ok("runs", "--db", str(db), "--format", "json").stdout)
+
+
+def count(db, sql: str) -> int:
+    with duckdb.connect(str(db), read_only=True) as conn:
+        return conn.execute(sql).fetchone()[0]
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory, demo_corpus):
+    root = tmp_path_factory.mktemp("cli-runs")
+    docs = demo_corpus.read_text(encoding="utf-8").split("\n\n")
+    a, b = root / "a.txt", root / "b.txt"
+    a.write_text("\n\n".join(d.strip() for d in docs[:2]) + "\n", encoding="utf-8")
+    b.write_text("\n\n".join(d.strip() for d in docs[2:3]) + "\n", encoding="utf-8")
+    return root, a, b
+
+
+@pytest.fixture(scope="module")
+def atlas(corpora):
+    """mine (corpus a), wiki (the same analysis asked for again, with a control), other (corpus b)."""
+    root, a, b = corpora
+    db = root / "atlas.duckdb"
+    ok("analyze", str(a), "--name", "mine", "--db", str(db), "--quiet", *TINY)
+    again = ok("analyze", str(a), "--name", "wiki", "--control", "--db", str(db), *TINY)
+    ok("analyze", str(b), "--name", "other", "--db", str(db), "--quiet", *TINY)
+    return db, again
+
+
+def test_a_name_asked_for_an_identical_analysis_becomes_its_alias(atlas):
+    db, again = atlas
+    assert "run 1 (mine) holds this corpus, model and parameters already" in again.stderr
+    assert "'wiki' now names it too" in again.stderr
+    stored = {r["name"]: r for r in runs(db)}
+    assert set(stored) == {"mine", "wiki-control", "other"}  # nothing was analysed twice
+    assert stored["mine"]["aliases"] == ["wiki"]
+    assert stored["wiki-control"]["windows"] == stored["mine"]["windows"]
+    # the alias names the run wherever a run is named
+    assert ok("query", "layers", "--run", "wiki", "--db", str(db)).stdout.startswith("run 1 (mine): layers")
+    compared = ok("compare", "wiki", "--db", str(db))
+    assert "A = run 1 (mine" in compared.stdout and "wiki-control" in compared.stdout
+    assert "run 1 (mine): head roles" in ok("query", "roles", "--run", "wiki", "--db", str(db)).stdout
+
+
+@pytest.mark.parametrize(
+    "name,words",
+    [("42", ["run id", "run-42"]), ("two\nlines", ["control character"]), ("tab\there", ["control character"])],
+)
+def test_names_that_are_ids_or_hold_control_characters_are_refused(atlas, corpora, name, words):
+    db, _ = atlas
+    before = runs(db)
+    one_error_line(invoke("analyze", str(corpora[1]), "--name", name, "--db", str(db), *TINY), *words)
+    one_error_line(invoke("runs", "rename", "mine", name, "--db", str(db)), *words)
+    assert runs(db) == before
+
+
+def test_a_name_taken_by_another_run_is_refused(atlas, corpora):
+    db, _ = atlas
+    one_error_line(invoke("runs", "rename", "other", "wiki", "--db", str(db)), "taken by run 1")
+    # corpus b is stored as "other": the name asked for is taken by run 1 (corpus a)
+    taken = invoke("analyze", str(corpora[2]), "--name", "mine", "--quiet", "--db", str(db), *TINY)
+    one_error_line(taken, "taken by run 1", "run 3 (other) already holds")
+
+
+def test_rename_tag_and_delete(atlas, tmp_path):
+    db = tmp_path / "copy.duckdb"
+    shutil.copy(atlas[0], db)
+    done = ok("runs", "rename", "wiki", "base", "--db", str(db))  # by alias: the run it names
+    assert "'mine' → 'base'" in done.stdout
+    one_error_line(invoke("query", "layers", "--run", "mine", "--db", str(db)), "no run 'mine'")
+    ok("query", "layers", "--run", "wiki", "--db", str(db))
+    ok("runs", "tag", "base", "baseline", "q4", "--db", str(db))
+    ok("runs", "tag", "other", "baseline", "--db", str(db))
+    ok("runs", "tag", "base", "--remove", "q4", "--db", str(db))
+    tagged = json.loads(ok("runs", "--tag", "baseline", "--db", str(db), "--format", "json").stdout)
+    assert [(r["name"], r["tags"]) for r in tagged] == [("base", ["baseline"]), ("other", ["baseline"])]
+
+    other = next(r["run_id"] for r in runs(db) if r["name"] == "other")
+    kept = count(db, "SELECT count(*) FROM head_stats WHERE run_id <> " + str(other))
+    assert count(db, f"SELECT count(*) FROM head_stats WHERE run_id = {other}") > 0
+    refused = invoke("runs", "delete", "other", "--db", str(db), input="n\n")
+    assert refused.exit_code == 1 and "nothing deleted" in refused.stderr
+    assert "other" in {r["name"] for r in runs(db)}
+    deleted = ok("runs", "delete", "other", "--db", str(db), input="y\n")
+    assert "deleted run" in deleted.stdout
+    assert "other" not in {r["name"] for r in runs(db)}
+    for table in ("head_stats", "run_windows", "dist_hist", "anchors", "run_tags", "batches", "runs"):
+        assert count(db, f"SELECT count(*) FROM {table} WHERE run_id = {other}") == 0, table
+    assert count(db, f"SELECT count(*) FROM head_stats WHERE run_id <> {other}") == kept
+    # its windows went with it; the other runs' windows stay
+    assert count(db, "SELECT count(*) FROM windows WHERE window_id NOT IN (SELECT window_id FROM run_windows)") == 0
+    assert count(db, "SELECT count(*) FROM windows") == count(db, "SELECT count(DISTINCT window_id) FROM run_windows")
+    # a run's controls stay unless named; --yes asks nothing
+    done = ok("runs", "delete", "base", "--yes", "--db", str(db))
+    assert "controls stay" in done.stderr
+    assert [r["name"] for r in runs(db)] == ["wiki-control"]
+
+
+def test_the_default_run_passes_over_one_in_progress_with_a_note(atlas, tmp_path):
+    db = tmp_path / "copy.duckdb"
+    shutil.copy(atlas[0], db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE runs SET status = 'running' WHERE name = 'other'")
+    shown = ok("query", "layers", "--db", str(db))
+    assert "run 1 (mine): layers" in shown.stdout  # the latest finished run that is no control
+    assert "note: run 3 (other) is running; showing the latest finished run, 1 (mine)" in shown.stderr
+    asked = ok("query", "layers", "--run", "other", "--db", str(db))
+    assert "note: run 3 (other) is in progress: results so far" in asked.stderr
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE runs SET status = 'running'")
+    alone = ok("query", "heads", "--db", str(db))
+    assert "run 3 (other): heads" in alone.stdout and "is in progress" in alone.stderr
+    one_error_line(invoke("runs", "delete", "other", "--yes", "--db", str(db)), "--force")
+
+
+def test_sql_run_scopes_every_view_and_table_to_one_run(atlas):
+    db, _ = atlas
+    every = json.loads(
+        ok("sql", "SELECT count(DISTINCT run_id) AS n FROM head_metrics", "--db", str(db), "--format", "json").stdout
+    )
+    assert every == [{"n": 3}]
+    for relation in ("head_metrics", "layer_metrics", "head_stats", "runs", "run_windows"):
+        scoped = ok(
+            "sql", f"SELECT DISTINCT run_id FROM {relation}", "--run", "wiki", "--db", str(db), "--format", "csv"
+        )
+        assert scoped.stdout.split() == ["run_id", "1"], relation
+    mixed = ok("sql", "SELECT layer, head, noise_share FROM head_metrics LIMIT 3", "--db", str(db))
+    assert "note: the database holds 3 runs" in mixed.stderr
+    one_error_line(invoke("sql", "SELECT 1", "--run", "nope", "--db", str(db)), "no run 'nope'")
+
+
+def test_sql_help_names_every_table_and_view_of_a_new_database(tmp_path):
+    from headatlas.service.storage import relations
+    from headatlas.service.storage.db import upgrade
+
+    db = tmp_path / "new.duckdb"
+    upgrade(db)
+    with duckdb.connect(str(db), read_only=True) as conn:
+        found = {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    listed = {*relations.TABLES, *relations.VIEWS, *relations.REP_VIEWS}
+    assert found - {"alembic_version"} == listed
+    text = " ".join(ok("sql", "--help", columns=200).stdout.split())
+    for name in listed:
+        assert re.search(rf"\b{name}\b", text), name
+
+
+def _header(output: str) -> list[str]:
+    lines = output.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))
+    return lines[rule - 1].split()
+
+
+def test_tables_fit_the_terminal_and_never_break_a_header(atlas):
+    db, _ = atlas
+    from headatlas.cli.main import HEAD_TABLE, LAYER_TABLE
+
+    for args, default in ((["query", "heads"], HEAD_TABLE), (["query", "layers"], LAYER_TABLE)):
+        out = ok(*args, "--run", "mine", "--db", str(db)).stdout
+        assert all(len(line) <= 100 for line in out.splitlines()), out
+        assert _header(out) == default
+    for args in (["runs"], ["metrics"], ["query", "roles", "--run", "mine"], ["compare", "mine"]):
+        out = ok(*args, "--db", str(db)).stdout if args != ["metrics"] else ok(*args).stdout
+        assert all(len(line) <= 100 for line in out.splitlines()), (args, out)
+    # narrower: columns are left out from the right, and the line under the table names them
+    narrow = ok("query", "heads", "--run", "mine", "--db", str(db), columns=60).stdout
+    assert all(len(line) <= 60 for line in narrow.splitlines() if not line.startswith(("lift", "chance", "left")))
+    shown = _header(narrow)
+    assert shown == HEAD_TABLE[: len(shown)] and len(shown) < len(HEAD_TABLE)
+    assert f"left out to fit 60 characters: {', '.join(HEAD_TABLE[len(shown) :])}" in " ".join(narrow.split())
+    # piped, with no width given: every default column, and each note on one line of its own
+    piped = ok("query", "heads", "--run", "mine", "--ci", "--db", str(db), columns=None).stdout
+    assert _header(piped) == HEAD_TABLE
+    assert any(
+        line.startswith("lift = share / chance;") and line.endswith("above that chance.") for line in piped.splitlines()
+    )
+
+
+def test_columns_picks_and_wide_shows_all(atlas):
+    db, _ = atlas
+    picked = ok("query", "heads", "--run", "mine", "--columns", "layer,head,attn_entropy", "--db", str(db))
+    assert _header(picked.stdout) == ["layer", "head", "attn_entropy"]
+    csv = ok("query", "heads", "--run", "mine", "--columns", "head,layer", "--format", "csv", "--ci", "--db", str(db))
+    assert csv.stdout.splitlines()[0] == "head,layer,interval_by"
+    wide = _header(ok("query", "heads", "--run", "mine", "--wide", "--db", str(db)).stdout)
+    every = json.loads(ok("query", "heads", "--run", "mine", "--format", "json", "--db", str(db)).stdout)[0]
+    assert wide == list(every)
+    line = one_error_line(invoke("query", "heads", "--columns", "layer,nope", "--db", str(db)), "--columns nope")
+    assert "choose from layer, head," in line and "attn_entropy" in line
+
+
+def test_sort_names_its_metrics_and_sorts_both_ways(atlas):
+    db, _ = atlas
+    from headatlas.service.reports.columns import SORTABLE
+
+    line = one_error_line(invoke("query", "heads", "--sort", "nope", "--db", str(db)), "--sort 'nope'")
+    assert all(name in line for name in SORTABLE)
+    help_text = " ".join(ok("query", "heads", "--help", columns=200).stdout.split())
+    assert all(name in help_text for name in SORTABLE) and "--asc" in help_text
+
+    def order(*extra):
+        args = ("query", "heads", "--run", "mine", "--sort", "mean_distance", "--format", "json", "--db", str(db))
+        return [r["mean_distance"] for r in json.loads(ok(*args, *extra).stdout)]
+
+    assert order() == sorted(order(), reverse=True)
+    assert order("--asc") == sorted(order())
+    one_error_line(invoke("query", "heads", "--asc", "--db", str(db)), "--sort")
+
+
+def test_help_shows_value_names_not_types_and_keeps_sentences_whole():
+    paths = [(), *(p for p, _ in command_paths(typer.main.get_command(app)))]
+    assert len(paths) > 30
+    assert ok("query", "heads", "-h").stdout == ok("query", "heads", "--help").stdout
+    for path in paths:
+        out = ok(*path, "-h").stdout
+        for token in ("<bool>", "<str>", "<int", "<float", "<path>", "<list"):
+            assert token not in out, (path, token)
+    listing = ok("--help").stdout
+    # a command's help ends where its sentence ends, not where its source line did
+    assert re.search(r"models\s+List what --model takes: the named models .* and the supported model", listing, re.S)
+    assert not re.search(r"and the\s*│?\n\s*│?\s+supported", listing)
+
+
+def test_version_and_completion():
+    from headatlas import __version__
+
+    assert ok("--version").stdout.strip() == f"headatlas {__version__}"
+    script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="headatlas")
+    assert script.exit_code == 0 and "_HEADATLAS_COMPLETE" in script.stdout
+    assert "--install-completion" in ok("--help").stdout
+
+
+def test_hints_are_spelled_as_the_program_is_typed_here(tmp_path, monkeypatch):
+    from headatlas.cli.output import command_name, runnable
+
+    script = tmp_path / ".venv" / "bin" / "headatlas"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "demo"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert command_name() == os.path.join(".venv", "bin", "headatlas")
+    assert runnable("run `headatlas analyze CORPUS` first") == "run `.venv/bin/headatlas analyze CORPUS` first"
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin")  # activated: the plain name works
+    assert command_name() == "headatlas"
+    monkeypatch.setattr(sys, "argv", ["pytest"])  # not started as the console script
+    assert command_name() == "headatlas"
