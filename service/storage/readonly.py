@@ -64,6 +64,11 @@ class QueryResult:
     runs: int = 0  # runs in the database (whether a query without a run filter may mix several)
 
 
+# DuckDB 1.4 parses IMPORT DATABASE by reading the folder's schema.sql: refused before parsing,
+# so that no file is opened (nor quoted back in a parser error) on a user's behalf.
+_READ_WHILE_PARSED = frozenset({"IMPORT"})
+
+
 def check_select_only(sql: str) -> str:
     """Return ``sql`` as one SELECT statement without its trailing ';', or raise StoreError.
 
@@ -71,6 +76,9 @@ def check_select_only(sql: str) -> str:
     COPY, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA, EXPORT/IMPORT, CALL, CHECKPOINT, VACUUM …)
     and text DuckDB cannot parse.
     """
+    first = _FIRST_WORD.match(_LEADING_COMMENTS.sub("", sql, count=1).lstrip())
+    if first and first.group(0).upper() in _READ_WHILE_PARSED:
+        raise StoreError(f"refused: {_ALLOWED}; got {first.group(0).upper()}")
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.ParserException as error:
