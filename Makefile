@@ -86,6 +86,8 @@ readme-images: install
 	$(VENV)/bin/headatlas plot compare demo --db $(IMG_DB) --out $(IMG)/compare.png --dpi 60
 	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 48 --layer 2 --head 0 --out $(IMG)/inspect-head.png --dpi 80
 	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 32 --out $(IMG)/inspect-grid.png --dpi 60
+	$(VENV)/bin/headatlas inspect "The cat sat on the mat. It was happy." --layer 2 --head 0 --out $(IMG)/inspect-short.png --dpi 80
+	$(VENV)/bin/headatlas plot boundaries --by-distance --run demo --db $(IMG_DB) --out $(IMG)/boundaries-by-distance.png --dpi 70
 	$(PY) -c "import sys; from PIL import Image; [Image.open(p).convert('RGB').quantize(128).save(p, optimize=True) for p in sys.argv[1:]]" $(IMG)/*.png
 	ls -l $(IMG)
 

@@ -86,7 +86,7 @@ def main() -> None:
             / n
         )
         print(f"mixing {method:<16} {1000 * t:10.1f} ms/window  ({t / fwd:6.1f}× forward, incl. its own forward)")
-    batched = timed(lambda: gradient_norms(model, ids, mask, chunk_size=args.chunk), 1) / n
+    batched = timed(lambda: gradient_norms(model, ids, mask, chunk_size=args.chunk, batched=True), 1) / n
     print(f"attribution batched     {1000 * batched:10.1f} ms/window  ({batched / fwd:8.0f}× forward)")
     if not args.skip_loop:
         loop = timed(lambda: gradient_norms(model, ids, mask, batched=False), 1) / n

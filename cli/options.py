@@ -72,7 +72,7 @@ _DECLARED = object()
 def declared_option(option: Declared, *, help: str | None = None, default: Any = _DECLARED) -> Any:  # noqa: A002
     """The Typer option of one declared analysis option; another ``default`` (e.g. None: "unchanged")
     drops the environment variable, which would otherwise stand in for a value not given."""
-    decls = [f"{option.flag}/--no-{option.flag[2:]}" if option.type is bool else option.flag]
+    decls = [f"{option.flag}/--no-{option.flag[2:]}" if option.type is bool else option.flag, *option.aliases]
     if option.short:
         decls.append(option.short)
     text = help or option.help

@@ -30,6 +30,7 @@ class Declared:
     param: bool = True  # part of AnalysisParams (changes the numbers, so the run key)
     short: str | None = None
     min: int | None = None
+    aliases: tuple[str, ...] = ()  # other long flags for the same option
 
     @property
     def flag(self) -> str:
@@ -39,6 +40,12 @@ class Declared:
     def envvar(self) -> str | None:
         return f"HEADATLAS_{self.setting.upper()}" if self.setting else None
 
+
+# windows that get the mixing measures when --attribution-windows is not given: gradient attribution
+# costs one backward pass per (layer, head, token), about 10,000 a 128-token window of the default
+# model (benchmarks/attribution_estimate.py); the forward-only measures cost a few forward passes
+ATTRIBUTION_WINDOWS = 2
+MIXING_WINDOWS = 256
 
 # in the order `--help` lists them
 OPTIONS: tuple[Declared, ...] = (
@@ -89,10 +96,13 @@ OPTIONS: tuple[Declared, ...] = (
     Declared(
         "attribution_windows",
         int,
-        256,
-        "Only the run's first N windows get --attribution / --mixing.",
+        None,
+        f"The run's first N windows get --attribution / --mixing, the rest every other statistic (default: "
+        f"{ATTRIBUTION_WINDOWS} with --attribution, minutes on a laptop for the default model — analyze says its "
+        f"estimate before it starts —; {MIXING_WINDOWS} with --mixing alone).",
         spec="§6",
-        min=0,
+        min=1,
+        aliases=("--max-windows",),
     ),
     Declared(
         "mixing", list[str], (), "Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate).", "§6"

@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from headatlas.service.analysis_options import DEFAULTS
+from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, DEFAULTS, MIXING_WINDOWS
 from headatlas.service.engine.results import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
 from headatlas.service.errors import ParameterError
 
@@ -86,7 +86,8 @@ class AnalysisParams:
     dtype: str = DEFAULTS["dtype"]
     attribution: bool = DEFAULTS["attribution"]  # gradient attribution per head (SPEC §6)
     mixing: tuple[str, ...] = DEFAULTS["mixing"]  # forward-only mixing measures: rollout, norm, alti
-    attribution_windows: int = DEFAULTS["attribution_windows"]  # windows per run that get attribution / mixing
+    # windows per run that get attribution / mixing; None: ATTRIBUTION_WINDOWS with attribution, else MIXING_WINDOWS
+    attribution_windows: int = DEFAULTS["attribution_windows"]
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
     # replicate groups (SPEC §5d): document | block:B | window; a run records the one it used (resolved())
     replicates: str = DEFAULTS["replicates"]
@@ -112,8 +113,14 @@ class AnalysisParams:
             raise ParameterError(f"--short-range {self.short_range}: must be at least 1 (default 4)")
         for method in self.mixing:
             _check_choice("--mixing", method, MIXING)
+        if self.attribution_windows is None:  # the default depends on what is computed: keyed as resolved
+            default = ATTRIBUTION_WINDOWS if self.attribution else MIXING_WINDOWS
+            object.__setattr__(self, "attribution_windows", default)
         if self.attribution_windows < 1:
-            raise ParameterError(f"--attribution-windows {self.attribution_windows}: must be at least 1 (default 256)")
+            raise ParameterError(
+                f"--attribution-windows {self.attribution_windows}: must be at least 1 (default {ATTRIBUTION_WINDOWS} "
+                f"with --attribution, {MIXING_WINDOWS} with --mixing alone)"
+            )
         if self.csm_bin < 0:
             # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
             raise ParameterError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -73,3 +74,149 @@ def check_svg(path: Path, size_in: tuple[float, float]) -> ET.Element:
     paths = [e for e in root.iter() if e.tag.endswith("path") or e.tag.endswith("use")]
     assert len(paths) > 50, f"{path}: only {len(paths)} drawn elements"
     return root
+
+
+# --- readability: what a reader of the figure sees -------------------------------------------------
+def drawn_texts(fig) -> list:
+    """Every text a reader sees: the figure's (suptitle, supxlabel), and per axes its titles, axis
+    labels, the tick labels within its view, its own texts and its legend's."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    texts = list(fig.texts)
+    for legend in fig.legends:
+        texts += legend.get_texts()
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label]
+        texts += shown_ticklabels(ax.xaxis) + shown_ticklabels(ax.yaxis) + ax.texts
+        if ax.get_legend() is not None:
+            texts += ax.get_legend().get_texts()
+    return [t for t in texts if t.get_visible() and t.get_text().strip()]
+
+
+def shown_ticklabels(axis) -> list:
+    """The tick labels of the ticks within the axis's view (the locator may place more)."""
+    lo, hi = sorted(axis.get_view_interval())
+    span = (hi - lo) * 1e-9
+    return [
+        label
+        for loc, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels())
+        if lo - span <= loc <= hi + span
+    ]
+
+
+def check_text_inside(fig, *, tolerance_px: float = 1.0) -> None:
+    """Nothing cut at an edge: every drawn text lies inside the figure's canvas."""
+    texts = drawn_texts(fig)
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    for text in texts:
+        ext = text.get_window_extent(renderer)
+        inside = (
+            ext.x0 >= box.x0 - tolerance_px
+            and ext.x1 <= box.x1 + tolerance_px
+            and ext.y0 >= box.y0 - tolerance_px
+            and ext.y1 <= box.y1 + tolerance_px
+        )
+        assert inside, (
+            f"{text.get_text()!r} drawn at x {ext.x0:.0f}–{ext.x1:.0f}, y {ext.y0:.0f}–{ext.y1:.0f}, "
+            f"outside the {box.width:.0f} × {box.height:.0f} px figure"
+        )
+
+
+def check_axis_labels(ax) -> None:
+    """Both axes say what they are."""
+    assert ax.get_xlabel().strip() and ax.get_ylabel().strip(), (
+        f"{ax.get_title()!r}: x {ax.get_xlabel()!r}, y {ax.get_ylabel()!r}"
+    )
+
+
+def check_right_axes_labelled(fig) -> None:
+    """Every axis drawn on the right (a twin, a colour bar) has a label."""
+    drawn_texts(fig)
+    right = [ax for ax in fig.axes if ax.yaxis.get_label_position() == "right" and shown_ticklabels(ax.yaxis)]
+    for ax in right:
+        ticks = [t.get_text() for t in shown_ticklabels(ax.yaxis)]
+        assert ax.get_ylabel().strip(), f"a right-hand axis without a label (ticks {ticks})"
+
+
+def check_plain_ticks(axis, *, at_least: int = 3) -> list[float]:
+    """Tick labels a reader reads as numbers at a glance: plain decimals (no 10^k, no ×10⁻¹)."""
+    drawn_texts(axis.figure)
+    labels = [t.get_text() for t in shown_ticklabels(axis) if t.get_text().strip()]
+    assert len(labels) >= at_least, f"only {len(labels)} tick labels: {labels}"
+    values = []
+    for label in labels:
+        plain = label.replace("−", "-")
+        assert "$" not in plain and "^" not in plain and "×" not in plain, f"tick label {label!r} is not a plain number"
+        values.append(float(plain))
+    return values
+
+
+def check_round_ticks(values, *, digits: int = 2) -> None:
+    """Round tick values: each has at most ``digits`` significant digits (0.95, 1, 2.5, 3)."""
+    for v in values:
+        assert math.isclose(float(f"{v:.{digits}g}"), v, rel_tol=1e-9, abs_tol=1e-12), f"tick {v!r} is not round"
+
+
+CHAR_EM = 0.6  # a digit or letter of a sans-serif font, in em (a little wide: the check errs safe)
+
+
+def html_table_widths(page: str, *, root_px: float = 16.0, skip_folded: bool = True) -> list[float]:
+    """The narrowest each <table> of ``page`` can be drawn, in CSS pixels: per column the longest
+    piece that cannot wrap (a header wraps at spaces and <wbr>, a cell at <br>; an interval span is
+    one piece), at the table's font (0.82rem) and the interval's (0.75rem), plus the cell padding
+    (0.45rem a side) and border. Tables inside a <details> are skipped with ``skip_folded``."""
+    from html.parser import HTMLParser
+
+    cell_px, ci_px, pad_px = 0.82 * root_px * CHAR_EM, 0.75 * root_px * CHAR_EM, 2 * 0.45 * root_px + 1
+
+    class Tables(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self.folded, self.row, self.cell, self.ci = [], 0, None, None, False
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "details":
+                self.folded += 1
+            elif tag == "table":
+                self.tables.append(None if (self.folded and skip_folded) else [])
+            elif tag == "tr":
+                self.row = []
+            elif tag in ("td", "th"):
+                self.cell = [[""]]  # pieces: a list of [text, is_interval]
+            elif tag in ("br", "wbr") and self.cell is not None:
+                self.cell.append([""])
+            elif tag == "span" and dict(attrs).get("class") == "ci":
+                self.ci = True
+                if self.cell is not None:
+                    self.cell.append(["", True])
+
+        def handle_endtag(self, tag):
+            if tag == "details":
+                self.folded -= 1
+            elif tag in ("td", "th") and self.cell is not None and self.row is not None:
+                widths = []
+                for piece in self.cell:
+                    text, interval = piece[0], len(piece) > 1
+                    words = [text] if interval else text.split()
+                    widths += [len(w) * (ci_px if interval else cell_px) for w in words]
+                self.row.append(max(widths, default=0) + pad_px)
+                self.cell = None
+            elif tag == "tr" and self.row is not None and self.tables and self.tables[-1] is not None:
+                self.tables[-1].append(self.row)
+                self.row = None
+            elif tag == "span":
+                self.ci = False
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell[-1][0] += data
+
+    parser = Tables()
+    parser.feed(page)
+    widths = []
+    for rows in parser.tables:
+        if rows:
+            columns = max(len(r) for r in rows)
+            widths.append(sum(max((r[c] for r in rows if c < len(r)), default=0) for c in range(columns)))
+    return widths

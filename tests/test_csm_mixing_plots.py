@@ -123,7 +123,7 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
     # the numbers from the raw tables: H's within-sentence pairs by distance over H by distance;
     # chance = all pairs at that distance sharing a sentence over all pairs at that distance
     raw = {
-        (l, d): (s / c)
+        (l, d): (s / c, c)
         for l, d, s, c in conn.execute(
             text(
                 "SELECT layer, distance, sum(same_sentence), sum(count) FROM dist_hist WHERE run_id = :r GROUP BY ALL"
@@ -137,10 +137,11 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
             {"r": run.run_id},
         ).all()
     )
-    for layer in range(run.n_layers):
+    for layer in range(run.n_layers):  # drawn where the layer has enough pairs at the distance
         x, y = lines[f"layer {layer}"].get_data()
-        assert list(x) == sorted(d for l, d in raw if l == layer)
-        np.testing.assert_allclose(y, [raw[layer, d] for d in x])
+        assert list(x) == sorted(d for l, d in raw if l == layer and raw[l, d][1] >= plots.MIN_DISTANCE_PAIRS)
+        np.testing.assert_allclose(y, [raw[layer, d][0] for d in x])
+    assert len(raw) > sum(len(line.get_xdata()) for line in share_ax.get_lines()[1:])  # a thin tail was cut
     x, y = lines["chance: all pairs at that distance"].get_data()
     np.testing.assert_allclose(y, [chance[d] for d in x])
     # the per-distance counts add up to the head totals counted apart (head_stats)
@@ -157,9 +158,12 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
     )
     assert by_layer == totals and sum(totals.values()) > 0
     lift_lines = {line.get_label(): line for line in lift_ax.get_lines()}
-    li = columns.index("within_sentence_lift")
+    li, pi, ci = (columns.index(c) for c in ("within_sentence_lift", "high_pairs", "within_sentence_chance"))
+    kept = [r for r in rows if r[0] == 0 and r[pi] >= plots.MIN_DISTANCE_PAIRS]
     np.testing.assert_allclose(
-        lift_lines["layer 0"].get_ydata(), [r[li] if r[li] else np.nan for r in rows if r[0] == 0], equal_nan=True
+        lift_lines["layer 0"].get_ydata(),
+        [r[li] if r[li] and r[pi] * r[ci] >= plots.MIN_EXPECTED_PAIRS else np.nan for r in kept],
+        equal_nan=True,
     )
 
 

@@ -36,10 +36,11 @@ def _real_windows(model, demo_corpus, lengths):
     return collate(out, tokens.pad_id)
 
 
-def test_gradients_match_finite_differences(tiny64):
+@pytest.mark.parametrize("batched", [True, False], ids=["vmapped", "one-by-one"])
+def test_gradients_match_finite_differences(tiny64, batched):
     ids = torch.tensor([[101, 4937, 1012, 102]])
     mask = torch.ones_like(ids)
-    g = gradient_norms(tiny64, ids, mask, chunk_size=7)  # a chunk that does not divide the rows
+    g = gradient_norms(tiny64, ids, mask, chunk_size=7, batched=batched)  # a chunk that does not divide the rows
     e0 = trace(tiny64, ids, mask).embeddings.clone()
     n, d = e0.shape[1], e0.shape[2]
     eps = 1e-6
@@ -63,16 +64,17 @@ def test_gradients_match_finite_differences(tiny64):
 @pytest.mark.slow
 def test_batched_matches_one_output_at_a_time_on_real_windows(real_model, demo_corpus):
     batch = _real_windows(real_model, demo_corpus, (8, 6))  # two windows, the second padded
-    batched = gradient_norms(real_model, batch.input_ids, batch.attention_mask, chunk_size=300)
+    batched = gradient_norms(real_model, batch.input_ids, batch.attention_mask, chunk_size=300, batched=True)
+    # the loop runs the layer rows only (one pass per layer and token keeps it quick), window by
+    # window cut to its tokens; the head rows' indexing is checked against finite differences above
+    loop = gradient_norms(real_model, batch.input_ids, batch.attention_mask, heads=False, hidden=True, batched=False)
+    assert loop.shape == (2, real_model.n_layers, 1, 8, 8)
     for b in range(2):
         n = int(batch.attention_mask[b].sum())
-        ids, mask = batch.input_ids[b : b + 1, :n], batch.attention_mask[b : b + 1, :n]
-        # the loop runs the layer rows only (one pass per layer and token keeps it quick); the
-        # head rows' indexing is checked against finite differences above
-        loop = gradient_norms(real_model, ids, mask, heads=False, hidden=True, batched=False)
         # float32: summation order differs between the vmapped and the plain backward
-        torch.testing.assert_close(batched[b, :, -1, :n, :n], loop[0, :, 0], rtol=1e-3, atol=1e-5)
-        assert batched[b, ..., n:, :].abs().sum() == 0 and batched[b, ..., :, n:].abs().sum() == 0
+        torch.testing.assert_close(batched[b, :, -1, :n, :n], loop[b, :, 0, :n, :n], rtol=1e-3, atol=1e-5)
+        for g in (batched, loop):
+            assert g[b, ..., n:, :].abs().sum() == 0 and g[b, ..., :, n:].abs().sum() == 0
     rows = normalise_rows(batched)[0]
     torch.testing.assert_close(rows.sum(-1), torch.ones_like(rows.sum(-1)))
 

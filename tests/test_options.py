@@ -69,7 +69,7 @@ def test_each_command_offers_exactly_its_declared_options(path):
     for name in OFFERED[path]:
         declared, param = BY_NAME[name], params[name]
         assert param.opts[0] == declared.flag
-        assert (declared.short in param.opts) if declared.short else len(param.opts) == 1
+        assert param.opts == [declared.flag, *declared.aliases, *([declared.short] if declared.short else [])], name
         default = param.default if declared.type != list[str] else tuple(param.default)
         assert default == declared.default, name
         assert param.envvar == declared.envvar, name
@@ -113,8 +113,10 @@ def test_analysis_params_take_their_defaults_from_the_declaration():
     assert AnalysisParams() == build_params()
     assert AnalysisParams().select == Selection.parse(DEFAULTS["select"])
     for f in fields(AnalysisParams):
-        if f.name not in ("select", "mixing"):
+        if f.name not in ("select", "mixing", "attribution_windows"):
             assert getattr(AnalysisParams(), f.name) == DEFAULTS[f.name], f.name
+    # no declared number: it depends on --attribution (tests/test_attribution_budget.py)
+    assert DEFAULTS["attribution_windows"] is None
     with pytest.raises(ParameterError, match="unknown option 'seqlen'"):
         build_params(seqlen=64)
 

@@ -119,7 +119,9 @@ def test_report_is_self_contained_with_every_section(page, stored, tmp_path):
     assert text.index("Against the random-weights control") < text.index("Top anchor tokens per head")
     tables = [t for t, _ in parsed.tags if t == "table"]
     rows = [t for t, _ in parsed.tags if t == "tr"]
-    assert len(tables) == 4 + 3  # + heads per role, role evidence, comparison with the control
+    assert (
+        len(tables) == 4 + 3 + 1
+    )  # + heads per role, role evidence, comparison with the control; every head column, folded
     # head table: header + one row per head; anchor grid: header + one row per layer
     assert len(rows) >= (1 + run.n_layers * run.n_heads) + (1 + run.n_layers)
 

@@ -63,7 +63,10 @@ def configure(app: Celery, settings: Settings, *, torch_threads: int | None = No
         # is never lost to a crash, at the price of running twice (ingest is idempotent).
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,  # a worker holds no batch it is not working on
+        # a worker holds at most one batch per pool process; one it holds and has not started yet
+        # (pool children busy or starting, a retry's countdown) is claimed by its beacon from
+        # delivery on (workers/heartbeat.py), so a killed worker does not keep it either
+        worker_prefetch_multiplier=1,
         # a prefork child imports torch as it starts: on a loaded machine that takes longer
         # than Celery's 4 s, and children were killed and replaced in a loop
         worker_proc_alive_timeout=60.0,

@@ -1,12 +1,15 @@
-"""Lost workers noticed in seconds: a heartbeat per running batch, and the sweep that requeues
-a batch whose heartbeat stopped.
+"""Lost workers noticed in seconds: a heartbeat from a batch's delivery to its end, and the
+sweep that requeues a batch whose heartbeat stopped.
 
-A worker process refreshes its batch's heartbeat from a thread while it analyses the batch
-(``BatchHeartbeat``). A process killed with SIGKILL, by the out-of-memory killer or with its
-node stops refreshing; once silent for ``SILENT_S`` the writer's sweep (``requeue_lost``)
-moves the batch from running to lost and puts its unacknowledged message back at the head of
-the analysis queue, whatever the task time limit. Late acknowledgement and the visibility
-timeout stay as the second line of defence (no writer running, a message never started).
+From the moment a batch reaches a worker process until it starts, the process's beacon
+(``WorkerBeacon``, one per consuming process) keeps its delivery claimed (``Ledger.deliver``):
+a prefetched message, a retry waiting for its countdown, a prefork pool whose children are busy
+or still starting. Once started, the process running it refreshes the batch's own heartbeat from
+a thread (``BatchHeartbeat``). A process killed with SIGKILL, by the out-of-memory killer or
+with its node stops refreshing either; once silent for ``SILENT_S`` the writer's sweep
+(``requeue_lost``) moves the batch to lost and puts its unacknowledged message back at the head
+of the analysis queue, whatever the task time limit. Late acknowledgement and the visibility
+timeout stay as the second line of defence (no writer running).
 """
 
 from __future__ import annotations
@@ -19,17 +22,16 @@ from dataclasses import dataclass
 import redis
 
 from headatlas.workers.lease import HEARTBEAT_S, SILENT_S
-from headatlas.workers.ledger import Ledger, Running
+from headatlas.workers.ledger import WORKERS, Ledger, Running
 
 log = logging.getLogger("headatlas.heartbeat")
-
-WORKERS = "headatlas:workers:"  # + host:pid: a consuming worker process, expiring unless refreshed
 
 
 class WorkerBeacon:
     """Says in Redis that this worker process consumes the analysis queue, while it does:
     refreshed every HEARTBEAT_S from a thread, only while ``consuming()`` (the Celery consumer
-    is connected and running); `status` counts the live ones and says when there are none."""
+    is connected and running); `status` counts the live ones and says when there are none, and
+    the batches delivered to the process and not started yet live as long as it does."""
 
     def __init__(self, client: redis.Redis, name: str, info: dict, consuming=lambda: True):
         self.r, self.name, self.info, self.consuming = client, name, info, consuming
@@ -101,11 +103,12 @@ class LostBatch:
 
 
 def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> list[LostBatch]:
-    """Every running batch of this database's active runs whose heartbeat stopped: declared lost
-    (once, atomically) and its message put back at the head of the analysis queue."""
+    """Every batch of this database's active runs whose heartbeat stopped, running or delivered
+    and not started: declared lost (once, atomically) and its message put back at the head of the
+    analysis queue."""
     lost = []
     for run_key in ledger.active_runs():
-        for entry in ledger.silent(run_key):
+        for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, HEARTBEAT_S)]:
             if ledger.declare_lost(run_key, entry):
                 requeued = restore_message(broker_url, transport_options, entry.task_id, entry.beat)
                 lost.append(LostBatch(run_key, entry, requeued))

@@ -22,6 +22,7 @@ PREFIX = "headatlas"
 INGEST = f"{PREFIX}:ingest"  # messages for the writer, oldest first (a Redis list)
 PROCESSING = f"{PREFIX}:ingest:processing"  # taken by the writer, not yet committed
 WRITER = f"{PREFIX}:writer"  # what the writer is doing now (status, tests)
+WORKERS = f"{PREFIX}:workers:"  # + host:pid: a consuming worker process (its beacon), expiring unless refreshed
 
 # A heartbeat refresh that only counts while the batch is still this worker's: a batch
 # requeued as lost and started elsewhere must not be kept alive by the old process.
@@ -36,12 +37,22 @@ redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[4]))
 return 1
 """
 
-# Declare a running batch lost only if nothing changed since it was seen without a heartbeat.
+# Declare a batch lost only if nothing changed since it was seen without a heartbeat (KEYS[2]:
+# the batch's heartbeat key while it runs, its worker's beacon while it waits to start).
 _LOSE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+return 1
+"""
+
+# Forget a delivery only if the entry is still this message's (another worker may have it now).
+_UNDELIVER = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+if cjson.decode(raw).task ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
 return 1
 """
 
@@ -82,7 +93,9 @@ class Live:
 
 @dataclass
 class Running:
-    """A batch a worker process has started: who, since when, its last heartbeat (epoch s)."""
+    """A batch a worker process has started: who, since when, its last heartbeat (epoch s).
+    ``delivered``: not started yet, only delivered to the worker (``started`` and ``beat``: the
+    delivery), which keeps it claimed by its beacon."""
 
     batch_id: int
     worker: str  # host:pid
@@ -90,6 +103,7 @@ class Running:
     started: float
     beat: float
     raw: bytes | str  # as stored, to act on it only if unchanged
+    delivered: bool = False
 
 
 class Ledger:
@@ -184,6 +198,7 @@ class Ledger:
         for what in ("queued", "ingesting"):
             pipe.srem(self.key(what, run_key), batch_id)
         pipe.hdel(self.key("running", run_key), batch_id)
+        pipe.hdel(self.key("delivered", run_key), batch_id)
         pipe.execute()
 
     def set_run_status(self, run_key: str, status: str, *, done: int, failed: int, windows: int) -> None:
@@ -200,6 +215,25 @@ class Ledger:
     def is_finished(self, run_key: str, batch_id: int) -> bool:
         return bool(self.r.sismember(self.key("done", run_key), str(batch_id)))  # as redis-py encodes an int
 
+    def deliver(self, run_key: str, batch_id: int, worker: str, task_id: str) -> None:
+        """A batch reached a worker process (``worker``: the consumer's host:pid), which may hold it
+        a while before it starts (a prefetched message, a retry waiting for its countdown, a pool
+        whose processes are busy or still starting). Until ``start``, the worker's beacon keeps the
+        delivery claimed; a worker that dies before starting it has it requeued by the sweep
+        (``unclaimed``), not left to the broker's visibility timeout."""
+        t = time.time()  # unrounded: the sweep compares it with the broker's own delivery time
+        entry = json.dumps({"worker": worker, "task": task_id, "started": t, "beat": t})
+        pipe = self.r.pipeline()
+        pipe.hset(self.key("delivered", run_key), batch_id, entry)
+        pipe.sadd(self.key("active", "runs"), run_key)
+        pipe.execute()
+
+    def undeliver(self, run_key: str, batch_id: int, task_id: str) -> bool:
+        """The batch will not start after all (already stored, or its worker stops and the broker
+        connection gives the message back): forget the delivery of task ``task_id``, if it is
+        still the one recorded."""
+        return bool(self.r.eval(_UNDELIVER, 1, self.key("delivered", run_key), batch_id, task_id))
+
     def start(self, run_key: str, batch_id: int, worker: str, task_id: str, ttl_s: float) -> int:
         """A worker starts a batch: returns the attempt number (1 for the first try). The batch
         is running while its heartbeat key lives (``ttl_s``, refreshed by ``beat``)."""
@@ -207,6 +241,7 @@ class Ledger:
         entry = json.dumps({"worker": worker, "task": task_id, "started": t, "beat": t})
         pipe = self.r.pipeline()
         pipe.hincrby(self.key("attempts", run_key), batch_id, 1)
+        pipe.hdel(self.key("delivered", run_key), batch_id)  # from now on its own heartbeat keeps it
         pipe.hset(self.key("running", run_key), batch_id, entry)
         pipe.set(self.key("alive", f"{run_key}:{batch_id}"), worker, ex=max(1, round(ttl_s)))
         pipe.sadd(self.key("active", "runs"), run_key)
@@ -228,8 +263,15 @@ class Ledger:
         )
 
     def running(self, run_key: str) -> list[Running]:
+        return self._entries(run_key, "running")
+
+    def waiting(self, run_key: str) -> list[Running]:
+        """Batches delivered to a worker process and not started yet."""
+        return self._entries(run_key, "delivered")
+
+    def _entries(self, run_key: str, what: str) -> list[Running]:
         out = []
-        for batch_id, raw in self.r.hgetall(self.key("running", run_key)).items():
+        for batch_id, raw in self.r.hgetall(self.key(what, run_key)).items():
             entry = json.loads(raw)
             out.append(
                 Running(
@@ -239,6 +281,7 @@ class Ledger:
                     float(entry["started"]),
                     float(entry["beat"]),
                     raw,
+                    delivered=what == "delivered",
                 )
             )
         return sorted(out, key=lambda e: e.batch_id)
@@ -253,15 +296,34 @@ class Ledger:
             pipe.exists(self.key("alive", f"{run_key}:{e.batch_id}"))
         return [e for e, alive in zip(entries, pipe.execute()) if not alive]
 
+    def unclaimed(self, run_key: str, grace_s: float) -> list[Running]:
+        """Delivered batches not started whose worker process is gone (its beacon expired), seen
+        at least ``grace_s`` after their delivery (a beacon's first beat may trail it)."""
+        entries = [e for e in self.waiting(run_key) if time.time() - e.started >= grace_s]
+        if not entries:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for e in entries:
+            pipe.exists(WORKERS + e.worker)
+        return [e for e, alive in zip(entries, pipe.execute()) if not alive]
+
     def declare_lost(self, run_key: str, entry: Running) -> bool:
-        """Move a silent batch from running to lost, unless it beat or changed meanwhile."""
-        record = json.dumps({"worker": entry.worker, "beat": entry.beat, "requeued": time.time()})
+        """Move a silent batch (running, or delivered and not started) to lost, unless it beat or
+        changed meanwhile."""
+        record = json.dumps(
+            {"worker": entry.worker, "beat": entry.beat, "requeued": time.time(), "started": not entry.delivered}
+        )
+        held, alive = (
+            (self.key("delivered", run_key), WORKERS + entry.worker)
+            if entry.delivered
+            else (self.key("running", run_key), self.key("alive", f"{run_key}:{entry.batch_id}"))
+        )
         return bool(
             self.r.eval(
                 _LOSE,
                 3,
-                self.key("running", run_key),
-                self.key("alive", f"{run_key}:{entry.batch_id}"),
+                held,
+                alive,
                 self.key("lost", run_key),
                 entry.batch_id,
                 entry.raw,
@@ -325,6 +387,7 @@ class Ledger:
         for what in ("queued", "ingesting"):
             pipe.srem(self.key(what, run_key), batch_id)
         pipe.hdel(self.key("running", run_key), batch_id)
+        pipe.hdel(self.key("delivered", run_key), batch_id)
         pipe.hdel(self.key("lost", run_key), batch_id)
         pipe.sadd(self.key("failed" if failed else "done", run_key), batch_id)
         if not failed:

@@ -83,16 +83,19 @@ class LostInfo:
     worker: str  # host:pid
     silent_s: float
     requeued: bool  # False: noticed, the writer's sweep has not requeued it yet
+    started: bool = True  # False: delivered to the worker, which died before starting it
 
     def describe(self) -> str:
         then = "requeued" if self.requeued else "requeued when the writer's sweep runs"
-        return f"lost on {self.worker} {self.silent_s:.0f} s ago, {then}"
+        before = "" if self.started else " before starting it"
+        return f"lost on {self.worker}{before} {self.silent_s:.0f} s ago, {then}"
 
 
 def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
     """``client``: a Redis client of the broker, or None (the database's counts only)."""
     from headatlas.service.storage import queue_store
     from headatlas.service.storage.db import database_id
+    from headatlas.workers.lease import HEARTBEAT_S
     from headatlas.workers.ledger import Ledger
 
     with store.checked_read() as conn:
@@ -116,7 +119,11 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
             running = live.running - len(silent)
             lost = [LostInfo(e.batch_id, e.worker, t - e.beat, False) for e in silent]
             lost += [
-                LostInfo(b, x["worker"], t - float(x["beat"]), True)
+                LostInfo(e.batch_id, e.worker, t - e.beat, False, started=False)
+                for e in ledger.unclaimed(run.run_key, HEARTBEAT_S)
+            ]
+            lost += [
+                LostInfo(b, x["worker"], t - float(x["beat"]), True, started=x.get("started", True))
                 for b, x in sorted(ledger.lost(run.run_key).items())
             ]
     pending = None

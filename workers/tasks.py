@@ -76,6 +76,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         return
     ledger = _ledger(batch["database_id"])
     if ledger.is_finished(run_key, batch_id):
+        ledger.undeliver(run_key, batch_id, self.request.id or "")
         return  # delivered again after it was stored
     worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
     attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
@@ -219,6 +220,54 @@ def _deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+@signals.task_received.connect
+def _claim_delivery(request=None, **_kwargs) -> None:
+    """A batch reached this process (the consumer, before any pool child starts it): record the
+    delivery, which this process's beacon keeps claimed until the batch starts. A process killed
+    before starting it (a prefetched message, a retry waiting for its countdown, pool children
+    busy or still starting) then has it requeued by the writer's sweep within seconds instead of
+    the broker's visibility timeout (twice the task time limit)."""
+    if request is None or request.name != analyze_batch.name:
+        return
+    try:
+        run_key, batch_id, batch = request.args[:3]
+        database_id = batch["database_id"]
+    except (TypeError, ValueError, KeyError):
+        return  # a malformed or older message: the task itself says so
+    import redis
+
+    from headatlas.workers.ledger import Ledger, connect
+
+    try:
+        if "consumer_redis" not in _state:  # the consumer's own client, never a pool child's
+            _state["consumer_redis"] = connect(_settings().broker_url, check=False)
+        Ledger(_state["consumer_redis"], database_id).deliver(run_key, int(batch_id), _process_name(), request.id)
+    except redis.RedisError as exc:  # the broker is away: the visibility timeout still covers it
+        log.warning("batch %s: could not record its delivery (%s)", batch_id, exc)
+
+
+def _process_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _forget_unstarted() -> None:
+    """Stopping: the broker connection gave back the batches this process held and never started;
+    their deliveries are no longer this process's."""
+    from celery.worker import state
+
+    from headatlas.workers.ledger import Ledger
+
+    client = _state.get("consumer_redis")
+    if client is None:
+        return
+    for request in list(state.reserved_requests - state.active_requests):
+        try:
+            run_key, batch_id, batch = request.args[:3]
+            Ledger(client, batch["database_id"]).undeliver(run_key, int(batch_id), request.id)
+        except Exception:  # noqa: BLE001 - best effort: the sweep handles what is left
+            log.debug("forgetting the delivery of %s", request.id, exc_info=True)
+
+
 @signals.worker_ready.connect
 def _start_beacon(sender=None, **_kwargs) -> None:
     """This worker consumes the analysis queue: say so in Redis while its consumer runs."""
@@ -235,13 +284,14 @@ def _start_beacon(sender=None, **_kwargs) -> None:
         blueprint = getattr(consumer, "blueprint", None)
         return blueprint is None or blueprint.state == bootsteps.RUN
 
-    name = f"{socket.gethostname()}:{os.getpid()}"
+    name = _process_name()  # the name deliveries to this process are claimed under
     info = {"device": _settings().device, "started": time.time()}
     _state["beacon"] = WorkerBeacon(connect(_settings().broker_url, check=False), name, info, consuming).start()
 
 
 @signals.worker_shutdown.connect
 def _stop_beacon(**_kwargs) -> None:
+    _forget_unstarted()
     beacon = _state.pop("beacon", None)
     if beacon is not None:
         beacon.stop()

@@ -90,10 +90,12 @@ def iter_batches(
     text_field: str = "text",
     encoding: str = "utf-8",
     label: str | None = None,
+    single_first: int = 0,
 ) -> Iterator[tuple[Batch, list[dict], int]]:
     """Batches of windows not in ``skip``, with the rows of their documents and the number of
-    corpus characters consumed so far."""
-    pending, docs, consumed = [], {}, 0
+    corpus characters consumed so far. ``single_first``: the first that many windows come one
+    per batch (slow windows, each stored as soon as it is done)."""
+    pending, docs, consumed, emitted = [], {}, 0, 0
     seen: set[str] = set()  # a document repeated in the corpus is analysed once
     for doc in iter_documents(spec, text_field=text_field, encoding=encoding, label=label):
         consumed += len(doc.text)
@@ -105,8 +107,9 @@ def iter_batches(
                 continue
             pending.append(window)
             docs[doc.doc_id] = document_row(doc)
-            if len(pending) == batch_size:
+            if len(pending) == (1 if emitted < single_first else batch_size):
                 yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
+                emitted += len(pending)
                 pending = []
                 docs = {doc.doc_id: docs[doc.doc_id]}
     if pending:
@@ -115,6 +118,37 @@ def iter_batches(
 
 def _docs_of(windows, docs: dict[str, dict]) -> list[dict]:
     return [docs[d] for d in dict.fromkeys(w.doc_id for w in windows)]
+
+
+def first_windows(
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    count: int,
+    *,
+    skip: set[str] | frozenset[str] = frozenset(),
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    label: str | None = None,
+) -> list:
+    """The first ``count`` windows ``iter_batches`` will yield (tokenising only what they need)."""
+    out: list = []
+    for batch, _docs, _consumed in iter_batches(
+        spec,
+        model,
+        params,
+        tokens,
+        batch_size=max(1, count),
+        skip=skip,
+        text_field=text_field,
+        encoding=encoding,
+        label=label,
+    ):
+        out += batch.windows[: count - len(out)]
+        if len(out) >= count:
+            break
+    return out
 
 
 # How often the embedded engine stores its finished batches. Each store opens the database, writes
@@ -165,6 +199,7 @@ def analyze_corpus(
     control_of: Run | None = None,
     control_seed: int = 0,
     probe: ProbeSpec | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
@@ -179,6 +214,9 @@ def analyze_corpus(
     no corpus and changes no key, so a finished run given a probe computes just the probe.
     ``name``: the run's name when it is created; a run with the same key stored under another
     name keeps that name and gets this one as an alias (the returned run's ``name`` differs).
+    ``notice``: told, before they start, what the slow parts will cost (``--attribution``: its
+    estimated time and memory). On a CPU the attribution windows go one per batch, so that an
+    interrupted run keeps every window finished.
     """
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
@@ -215,6 +253,27 @@ def analyze_corpus(
         mixing_left = (
             params.attribution_windows - patiently(lambda: store.mixing_windows(run.run_id)) if params.mixes else 0
         )
+        single_first = 0
+        if params.attribution and mixing_left > 0:
+            from headatlas.service.measures.attribution import vmapped_on
+
+            single_first = 0 if vmapped_on(model) else mixing_left
+            if notice is not None:
+                notice(
+                    attribution_estimate(
+                        spec,
+                        model,
+                        params,
+                        tokens,
+                        mixing_left,
+                        skip=skip,
+                        text_field=text_field,
+                        encoding=encoding,
+                        label=label,
+                        batch_size=batch_size,
+                        chunk_size=attribution_chunk,
+                    )
+                )
         patiently(lambda: store.set_status(run.run_id, "running", started=True))
     except KeyboardInterrupt:
         store.set_status(run.run_id, "interrupted", error="interrupted by the user; re-run the same command to resume")
@@ -241,6 +300,7 @@ def analyze_corpus(
             text_field=text_field,
             encoding=encoding,
             label=label,
+            single_first=single_first,
         )
     )
     try:
@@ -289,6 +349,49 @@ def analyze_corpus(
             )
         )
     return store.get_run(run.run_id)
+
+
+def attribution_estimate(
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    count: int,
+    *,
+    skip: set[str] | frozenset[str] = frozenset(),
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    label: str | None = None,
+    batch_size: int = 32,
+    chunk_size: int = 2048,
+) -> str:
+    """What ``--attribution`` will cost on the next ``count`` windows of the run, said before it
+    starts (service/measures/attribution.py ``estimate``: passes timed on the longest window)."""
+    from headatlas.service.measures.attribution import duration, estimate
+
+    windows = first_windows(
+        spec, model, params, tokens, count, skip=skip, text_field=text_field, encoding=encoding, label=label
+    )
+    if not windows:
+        return "attribution: no window left to attribute"
+    longest = max(windows, key=lambda w: len(w.input_ids))
+    ids = collate([longest], tokens.pad_id).input_ids
+    cost = estimate(
+        model,
+        ids,
+        [len(w.input_ids) for w in windows],
+        batch_windows=min(batch_size, len(windows)),
+        chunk_size=chunk_size,
+    )
+    left = (
+        f"; {params.attribution_windows - count:,} of the run's {params.attribution_windows:,} done"
+        if count < params.attribution_windows
+        else ""
+    )
+    return (
+        f"{cost.describe()}{left}. Ctrl-C stops it, keeping every finished window (the same command resumes); "
+        f"--attribution-windows N changes how many windows get it (about {duration(cost.seconds / max(1, len(windows)))} each)"
+    )
 
 
 def add_probe(store: Store, run: Run, model: LoadedModel, probe: ProbeSpec) -> bool:

@@ -7,13 +7,17 @@ embeddings, Llama's token embeddings; rotary positions act inside attention) and
 ``h^l_i`` instead of one head's ``z``: how much of token i's layer-l representation comes from
 each input token.
 
-Cost is one backward pass per (layer, unit, output token). Three things keep it tractable:
-  * windows in a batch do not interact, so the same output index of every window shares one
-    backward pass (the outputs are summed over the batch before differentiating);
-  * the passes run vmapped (``torch.autograd.grad(..., is_grads_batched=True)``), ``chunk_size``
-    gradient rows at a time — that parameter bounds the memory;
-  * layer l's outputs are differentiated on their own, so the backward stops at layer 0 having
-    crossed only l + 1 blocks.
+Cost is one backward pass per (layer, unit, output token); layer l's outputs are differentiated
+on their own, so the backward stops at layer 0 having crossed only l + 1 blocks. How the passes
+run depends on the device (``gradient_norms``):
+  * on a GPU, vmapped (``torch.autograd.grad(..., is_grads_batched=True)``), ``chunk_size``
+    gradient rows at a time — that parameter bounds the memory — and shared by every window of
+    the batch (windows do not interact: the outputs are summed over the batch first);
+  * on a CPU, one plain pass per output, window by window, cut to the window's own tokens:
+    vmapping was 0.4–0.6× the speed of the plain loop there and took gigabytes (a 2-window
+    MiniLM batch at 2,048 rows a call reached 4.2 GB), while a window's graph is tens of
+    megabytes; and each pass lasts tens of milliseconds, so Ctrl-C lands at once.
+``estimate`` says what a run's attribution will cost before it starts.
 
 Pure tensor code: imports neither Celery, Typer nor SQLAlchemy.
 Dimension names: batch, layer, unit (head, then the layer-level slot), pos (query), key, d_model.
@@ -21,7 +25,10 @@ Dimension names: batch, layer, unit (head, then the layer-level slot), pos (quer
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -151,6 +158,12 @@ def unit_outputs(tr: Trace, layer: int, n_heads: int, *, heads: bool = True, hid
     return torch.cat(parts, 1)
 
 
+def vmapped_on(model: LoadedModel) -> bool:
+    """Whether ``gradient_norms`` vmaps its passes on this model's device (a GPU) or runs them
+    one by one, window by window (a CPU)."""
+    return torch.device(model.device).type != "cpu"
+
+
 def gradient_norms(
     model: LoadedModel,
     input_ids: torch.Tensor,
@@ -159,16 +172,19 @@ def gradient_norms(
     heads: bool = True,
     hidden: bool = True,
     chunk_size: int = DEFAULT_CHUNK,
-    batched: bool = True,
+    batched: bool | None = None,
 ) -> torch.Tensor:
     """Unnormalised ``g`` ``[batch, layer, unit, pos, key]`` float32 (units: the heads when
     ``heads``, then the layer output when ``hidden``). Pad keys and pad query rows are 0.
 
-    ``batched=False`` runs one backward pass per output (the reference the batched path is
-    checked against, and the benchmark's baseline).
+    ``batched``: vmapped passes, ``chunk_size`` rows a call, each serving every window of the
+    batch; False: one backward pass per output, window by window; None (default): vmapped on a
+    GPU, one by one on a CPU (``vmapped_on``). Both give the same numbers, up to float rounding.
     """
     if not (heads or hidden):
         raise ValueError("nothing to attribute: pass heads=True and/or hidden=True")
+    if not (vmapped_on(model) if batched is None else batched):
+        return _window_by_window(model, input_ids, attention_mask, heads=heads, hidden=hidden)
     tr = trace(model, input_ids, attention_mask, grad=True)
     e = tr.embeddings  # [batch, pos, d_model]
     batch, n_pos, _ = e.shape
@@ -182,21 +198,53 @@ def gradient_norms(
         s = unit_outputs(tr, layer, model.n_heads, heads=heads, hidden=hidden).sum(0).flatten()  # [unit·pos]
         n_rows = s.shape[0]
         last = layer == model.n_layers - 1
-        if batched:
-            for start in range(0, n_rows, per_call):
-                rows = torch.arange(start, min(start + per_call, n_rows), device=e.device)
-                cotangent = torch.zeros(len(rows), n_rows, dtype=s.dtype, device=e.device)
-                cotangent[torch.arange(len(rows)), rows] = 1
-                (g,) = torch.autograd.grad(
-                    s, e, cotangent, is_grads_batched=True, retain_graph=not (last and start + per_call >= n_rows)
-                )  # [row, batch, key, d_model]
-                norms = g.float().norm(dim=-1).permute(1, 0, 2)  # [batch, row, key]
-                unit, pos = rows // n_pos, rows % n_pos
-                out[:, layer, unit, pos] = norms
-        else:
-            for row in range(n_rows):
-                (g,) = torch.autograd.grad(s[row], e, retain_graph=not (last and row == n_rows - 1))
-                out[:, layer, row // n_pos, row % n_pos] = g.float().norm(dim=-1)
+        for start in range(0, n_rows, per_call):
+            rows = torch.arange(start, min(start + per_call, n_rows), device=e.device)
+            out[:, layer, rows // n_pos, rows % n_pos] = _vmapped(
+                s, e, rows, retain=not (last and start + per_call >= n_rows)
+            )
+    mask = (valid[:, :, None] & valid[:, None, :]).float()  # [batch, pos, key]
+    return out * mask[:, None, None]
+
+
+def _vmapped(s: torch.Tensor, e: torch.Tensor, rows: torch.Tensor, *, retain: bool) -> torch.Tensor:
+    """‖∂s_r/∂e_j‖ for the outputs ``rows`` of ``s`` ``[unit·pos]`` in one vmapped call:
+    ``[batch, row, key]``."""
+    cotangent = torch.zeros(len(rows), s.shape[0], dtype=s.dtype, device=e.device)
+    cotangent[torch.arange(len(rows)), rows] = 1
+    (g,) = torch.autograd.grad(
+        s, e, cotangent, is_grads_batched=True, retain_graph=retain
+    )  # [row, batch, key, d_model]
+    return g.float().norm(dim=-1).permute(1, 0, 2)
+
+
+def _one_pass(s: torch.Tensor, e: torch.Tensor, row: int, *, retain: bool) -> torch.Tensor:
+    """‖∂s_row/∂e_j‖ for one window's output ``row`` of ``s`` ``[unit·pos]``: ``[key]``."""
+    (g,) = torch.autograd.grad(s[row], e, retain_graph=retain)  # [1, key, d_model]
+    return g[0].float().norm(dim=-1)
+
+
+def _window_by_window(
+    model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, heads: bool, hidden: bool
+) -> torch.Tensor:
+    """``gradient_norms`` one plain backward pass per output, each window on its own and cut to
+    its tokens (a right-padded window: pads then cost nothing)."""
+    batch, n_pos = input_ids.shape
+    n_units = (model.n_heads if heads else 0) + (1 if hidden else 0)
+    out = torch.zeros(batch, model.n_layers, n_units, n_pos, n_pos, dtype=torch.float32, device=model.device)
+    for b in range(batch):
+        n = int(attention_mask[b].sum())
+        if not bool(attention_mask[b, :n].all()):
+            n = n_pos  # not right-padded: keep the pads (masked below)
+        tr = trace(model, input_ids[b : b + 1, :n], attention_mask[b : b + 1, :n], grad=True)
+        for layer in range(model.n_layers):
+            s = unit_outputs(tr, layer, model.n_heads, heads=heads, hidden=hidden)[0].flatten()  # [unit·pos]
+            last = layer == model.n_layers - 1
+            for row in range(s.shape[0]):
+                out[b, layer, row // n, row % n, :n] = _one_pass(
+                    s, tr.embeddings, row, retain=not (last and row == s.shape[0] - 1)
+                )
+    valid = attention_mask.to(out.device).bool()
     mask = (valid[:, :, None] & valid[:, None, :]).float()  # [batch, pos, key]
     return out * mask[:, None, None]
 
@@ -214,3 +262,158 @@ def attribution(
     layer output ``[batch, layer, pos, key]``."""
     g = normalise_rows(gradient_norms(model, input_ids, attention_mask, chunk_size=chunk_size))
     return g[:, :, : model.n_heads], g[:, :, model.n_heads]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a run's attribution will cost, said before it starts.
+
+    ``seconds``: backward passes timed on the run's longest window at the first and the last
+    layer (a pass at layer l crosses l + 1 blocks: the layers between are interpolated), times the
+    passes every window needs, a window's passes taken to cost in proportion to its length (an
+    upper bound where they grow faster); plus three forward passes per window (the one with
+    gradients, timed likewise, the analysis's and the mixing measures' own). On a GPU, whose vmapped passes serve every window of a batch at once, it is an upper
+    bound. ``memory_bytes``: the working set above the loaded model, from the model's shape
+    (``working_set``), or what the process grew by while the timed passes held the longest
+    window's graph (Linux) when that is more."""
+
+    windows: int
+    longest: int  # tokens in the longest window
+    passes: int  # backward passes, one per (window, layer, head or layer row, token)
+    seconds: float
+    memory_bytes: int
+    timed: int  # backward passes timed
+    timing_s: float  # how long measuring took
+
+    def describe(self) -> str:
+        return (
+            f"attribution: {self.windows:,} window(s) of up to {self.longest} tokens, {self.passes:,} backward "
+            f"passes: about {duration(self.seconds)} and {size(self.memory_bytes)} above the model "
+            f"(timed {self.timed} passes in {self.timing_s:.1f} s; memory from the model's shape)"
+        )
+
+
+def size(n_bytes: int) -> str:
+    """``40 MB``, ``1.3 GB``."""
+    return f"{n_bytes / 2**30:.1f} GB" if n_bytes >= 2**30 else f"{max(1, round(n_bytes / 2**20))} MB"
+
+
+def duration(seconds: float) -> str:
+    """``under 1 s``, ``42 s``, ``7 min 05 s``, ``2 h 14 min``."""
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return "under 1 s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def working_set(model: LoadedModel, n_pos: int, *, windows: int = 1, rows_per_call: int = 1) -> int:
+    """Bytes the attribution of ``windows`` windows of ``n_pos`` tokens holds at its peak, above
+    the loaded model, from its shape (float32): a window's graph kept from the embeddings
+    (per layer, three attention-sized tensors — scores, weights and a gradient — and about 24
+    model-wide activations per token, the feed-forward's included), a backward pass's transient
+    gradients (one layer's worth) per row in flight (``rows_per_call``: vmapped rows), and three
+    copies of the window's rows (gradient norms, normalised, split per head and layer).
+    Window by window (a CPU), one graph is alive at a time."""
+    graph = graph_bytes(model, n_pos)
+    rows = 4 * 3 * model.n_layers * (model.n_heads + 1) * n_pos * n_pos
+    in_flight = graph // model.n_layers * rows_per_call
+    if rows_per_call > 1:  # vmapped: the whole batch's graph at once
+        return windows * (graph + rows) + in_flight
+    return graph + in_flight + windows * rows
+
+
+def graph_bytes(model: LoadedModel, n_pos: int) -> int:
+    """The graph one window of ``n_pos`` tokens keeps for its backward passes, from the model's
+    shape (``working_set``)."""
+    per_layer = 3 * model.n_heads * n_pos * n_pos + 24 * n_pos * model.d_model
+    return 4 * model.n_layers * per_layer
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux: /proc/self/statm), or None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def estimate(
+    model: LoadedModel,
+    input_ids: torch.Tensor,
+    lengths: Sequence[int],
+    *,
+    batch_windows: int = 1,
+    chunk_size: int = DEFAULT_CHUNK,
+    sample: int = 3,
+) -> Estimate:
+    """The cost of attributing windows of ``lengths`` tokens, measured on ``input_ids``
+    ``[1, pos]`` (the longest of them, no padding) with ``sample`` to 20 passes per timed layer
+    (a quarter second's worth; one vmapped call of ``chunk_size`` rows on a GPU). ``batch_windows``: windows attributed together
+    (the memory of a vmapped batch)."""
+    started = time.perf_counter()
+    n_pos = int(input_ids.shape[1])
+    vmapped = vmapped_on(model)
+    cuda = torch.device(model.device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mask = torch.ones_like(input_ids)
+    before = resident_bytes()
+    sync()
+    t = time.perf_counter()
+    tr = trace(model, input_ids, mask, grad=True)
+    sync()
+    forward_s = time.perf_counter() - t
+    per_pass: dict[int, float] = {}
+    timed = 0
+    for layer in sorted({0, model.n_layers - 1}):
+        s = unit_outputs(tr, layer, model.n_heads)[0].flatten()  # [unit·pos]
+        if vmapped:
+            rows = torch.arange(min(chunk_size, s.shape[0]), device=s.device)
+            t = time.perf_counter()
+            _vmapped(s, tr.embeddings, rows, retain=True)
+            sync()
+            per_pass[layer] = (time.perf_counter() - t) / len(rows)
+            timed += len(rows)
+            continue
+        times: list[float] = []
+        # at least ``sample`` passes, more while they take under a quarter second (a busy machine's
+        # timings vary: more of them, averaged, is what the run's total will see), spread over the
+        # layer's heads and tokens
+        order = [(k * 7919) % s.shape[0] for k in range(min(20, s.shape[0]))]
+        while len(times) < min(len(order), max(sample, 20 if sum(times) < 0.25 else 0)):
+            t = time.perf_counter()
+            _one_pass(s, tr.embeddings, order[len(times)], retain=True)
+            times.append(time.perf_counter() - t)
+        per_pass[layer] = statistics.fmean(times)
+        timed += len(times)
+    after = resident_bytes()  # the longest window's graph is still held
+    del tr
+    first, last = per_pass[0], per_pass[model.n_layers - 1]
+    layers = model.n_layers
+    per_token = (model.n_heads + 1) * sum(
+        first + (last - first) * layer / max(1, layers - 1) for layer in range(layers)
+    )
+    lengths = [int(m) for m in lengths]
+    scale = sum(m * m for m in lengths) / n_pos  # Σ passes (∝ m) × their cost (∝ m / n_pos)
+    # each window also runs its analysis forward and the mixing measures' own (two more forwards)
+    seconds = per_token * scale + 3 * forward_s * sum(lengths) / n_pos
+    rows_per_call = max(1, chunk_size // max(1, batch_windows)) if vmapped else 1
+    shaped = working_set(model, n_pos, windows=batch_windows if vmapped else 1, rows_per_call=rows_per_call)
+    # what the process grew by while it held the window's graph (the autograd engine's own first
+    # allocations included), with the rows and the passes in flight the measurement did not hold
+    measured = 0
+    if before is not None and after is not None and not cuda:
+        measured = max(0, after - before) + shaped - graph_bytes(model, n_pos)
+    return Estimate(
+        windows=len(lengths),
+        longest=max(lengths, default=0),
+        passes=layers * (model.n_heads + 1) * sum(lengths),
+        seconds=seconds,
+        memory_bytes=max(shaped, measured),
+        timed=timed,
+        timing_s=time.perf_counter() - started,
+    )

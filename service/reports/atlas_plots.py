@@ -39,7 +39,7 @@ ROLE_CODES = {
     "duplicate-token": "D",
     "repetition": "R",
     "sentence-bound": "S",
-    "punctuation": ".",
+    "punctuation": "U",  # a letter: a "." beside another code read as an abbreviation ("P.")
     "local": "L",
     "[CLS] sink": "C",
     "first-token sink": "F",
@@ -160,7 +160,8 @@ def figure_atlas(
     )
     fig.suptitle(title)
     fig.supxlabel(
-        "a role: its one-sided jackknife t test rejects after Holm–Bonferroni over every (head, role) of the run "
+        # two lines: one ran past the edges of the narrowest atlas (8 inches)
+        "a role: its one-sided jackknife t test rejects after Holm–Bonferroni over every (head, role) of the run\n"
         "(SPEC §7); halves: alternate replicate groups",
         fontsize=8,
     )

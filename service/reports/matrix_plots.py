@@ -83,8 +83,11 @@ def figure_head(insp: Inspection, layer: int, head: int) -> Figure:
         ax.tick_params(length=1.5, pad=1)
         _boundaries(ax, insp.sentence_starts())
     select = insp.params.select
-    csm_ax.set_title(f"context similarity C = z zᵀ (C_ii = 0) · squares: high-similarity pairs ({select})")
-    attn_ax.set_title("attention A (rows = queries, columns = keys)")
+    # two short lines: one long line overran a short text's narrow panel and was cut at the edge
+    csm_ax.set_title(f"context similarity C = z zᵀ (C_ii = 0)\nsquares: high-similarity pairs ({select})", fontsize=10)
+    attn_ax.set_title("attention A\nrows = queries, columns = keys", fontsize=10)
+    csm_ax.set_xlabel("token j")
+    csm_ax.set_ylabel("token i")
     attn_ax.set_xlabel("key")
     attn_ax.set_ylabel("query")
     fig.suptitle(_title(insp, f"layer {layer}, head {head} (0-based)"))

@@ -251,48 +251,73 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
     return fig
 
 
+MIN_DISTANCE_PAIRS = 40  # a layer's within-sentence share at a distance is drawn from this many pairs on
+# … and its lift where chance expects this many of them within one sentence: the lift's relative
+# standard error is about sqrt((1 - chance) / expected), 14% at 50
+MIN_EXPECTED_PAIRS = 50
+
+
 def figure_boundaries_by_distance(columns: list[str], rows: list[tuple], *, n_layers: int, title: str) -> Figure:
     """Within-sentence share of the high-similarity pairs at each token distance, one line per layer
     (its heads pooled), against its chance: the share of all pairs at that distance that share a
-    sentence. Right: their ratio (1 = chance at that distance)."""
+    sentence. Right: their ratio (1 = chance at that distance). A layer's share is drawn where it
+    has MIN_DISTANCE_PAIRS high-similarity pairs at a distance, its lift where chance expects
+    MIN_EXPECTED_PAIRS of them within one sentence (a ratio of two near-zero shares is noise);
+    distances on a log scale labelled in plain numbers, the ratio on a linear one."""
     fig = new_figure(*RUN_FIGSIZE["boundaries"])
     share_ax, lift_ax = fig.subplots(1, 2)
     cmap = matplotlib.colormaps["viridis"]
     n = max(n_layers - 1, 1)
     li, di = columns.index("layer"), columns.index("distance")
-    chance = {r[di]: r[columns.index("within_sentence_chance")] for r in rows}
+    enough = [r for r in rows if (r[columns.index("high_pairs")] or 0) >= MIN_DISTANCE_PAIRS]
+    farthest = max((r[di] for r in enough), default=1)
+    chance = {r[di]: r[columns.index("within_sentence_chance")] for r in rows if r[di] <= farthest}
     d_chance = np.array(sorted(chance), dtype=float)
     y_chance = np.array([np.nan if chance[d] is None else float(chance[d]) for d in sorted(chance)])
     share_ax.plot(d_chance, y_chance, color="black", ls="--", lw=1.6, label="chance: all pairs at that distance")
+    lift_farthest = 1.0
     for layer in range(n_layers):
-        mine = [r for r in rows if r[li] == layer]
+        mine = [r for r in enough if r[li] == layer]
         if not mine:
             continue
         d = _col(columns, mine, "distance")
         share_ax.plot(d, _col(columns, mine, "within_sentence"), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
         lift = _col(columns, mine, "within_sentence_lift")
-        lift_ax.plot(d, np.where(lift > 0, lift, np.nan), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
+        expected = _col(columns, mine, "high_pairs") * _col(columns, mine, "within_sentence_chance")
+        kept = np.where((lift > 0) & (expected >= MIN_EXPECTED_PAIRS), lift, np.nan)
+        lift_ax.plot(d, kept, color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
+        if np.isfinite(kept).any():
+            lift_farthest = max(lift_farthest, float(d[np.isfinite(kept)].max()))
     share_ax.set(
-        xscale="log",
         ylim=(0, 1.05),
-        xlabel="token distance j − i",
         ylabel="share of high-similarity pairs within one sentence",
         title="within-sentence share by distance vs chance at that distance",
     )
     lift_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="chance at that distance")
-    lift_ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="token distance j − i",
-        ylabel="share / chance share at that distance",
-        title="lift against chance at the same distance",
-    )
-    share_ax.legend(fontsize=8, ncols=2)
-    lift_ax.legend(fontsize=8, ncols=2)
-    for ax in (share_ax, lift_ax):
-        ax.grid(alpha=0.3, which="both")
+    lift_ax.set(ylabel="share / chance share at that distance", title="lift against chance at the same distance")
+    for ax, last in ((share_ax, farthest), (lift_ax, lift_farthest)):
+        _plain_log_distance(ax, last)
+        ax.grid(alpha=0.3, which="major")
+        ax.legend(fontsize=8, ncols=2)
     fig.suptitle(title)
+    fig.supxlabel(
+        f"drawn where a layer has at least {MIN_DISTANCE_PAIRS} high-similarity pairs at a distance; its lift where "
+        f"chance expects at least {MIN_EXPECTED_PAIRS} of them within one sentence",
+        fontsize=8,
+    )
     return fig
+
+
+def _plain_log_distance(ax, farthest: float) -> None:
+    """A token-distance x axis on a log scale with plain numbers (1, 2, 5, 10, 20 …) as labels."""
+    from matplotlib import ticker
+
+    ax.set_xscale("log")
+    ax.set_xlim(0.9, max(2.0, farthest * 1.1))
+    ax.xaxis.set_major_locator(ticker.FixedLocator([k * 10**e for e in range(4) for k in (1, 2, 5)]))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _pos: f"{x:g}"))
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.set_xlabel("token distance j − i (log scale)")
 
 
 # --- heads ------------------------------------------------------------------------------------
@@ -317,8 +342,8 @@ def figure_heads(
     bar = fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
     if norm is not None:  # the default ticks of a two-slope scale leave the short side bare
         assert norm.vmin is not None and norm.vmax is not None  # given when the norm was made
-        bar.set_ticks(np.unique(np.r_[np.linspace(norm.vmin, 1.0, 3), np.linspace(1.0, norm.vmax, 5)]).tolist())
-        bar.ax.yaxis.set_major_formatter("{x:.3g}")
+        bar.set_ticks(two_slope_ticks(norm.vmin, norm.vmax))
+        bar.ax.yaxis.set_major_formatter("{x:g}")
     if n_heads <= 16 and n_layers <= 24:
         rgba = image.to_rgba(np.ma.masked_invalid(grid))
         for (l, h), v in np.ndenumerate(grid):
@@ -330,6 +355,20 @@ def figure_heads(
     ax.set(xlabel="head", ylabel="layer", title=f"{metric} per head")
     fig.suptitle(title)
     return fig
+
+
+def two_slope_ticks(vmin: float, vmax: float, centre: float = 1.0) -> list[float]:
+    """Round colour-bar ticks for a scale centred on ``centre``: a few on the short side, more on
+    the long one (steps of 1, 2, 2.5 or 5 × a power of ten), always the centre."""
+    from matplotlib import ticker
+
+    def side(lo: float, hi: float, bins: int) -> np.ndarray:
+        values = np.asarray(ticker.MaxNLocator(nbins=bins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi), dtype=float)
+        return values[(values >= lo - 1e-12) & (values <= hi + 1e-12)]
+
+    below, above = centre - vmin, vmax - centre
+    ticks = np.r_[side(vmin, centre, 2 if below < above else 5), centre, side(centre, vmax, 5 if below < above else 2)]
+    return sorted({round(float(t), 10) for t in ticks})
 
 
 # --- layers -----------------------------------------------------------------------------------
@@ -364,10 +403,13 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
             style = "--" if label == "chance" else "o-"
             color = "black" if label == "chance" else f"C{i}"
             values = _col(columns, rows, column)
-            if column == "anchor_distinct_share":
+            if column == "anchor_distinct_share":  # a share beside nats: its own axis, labelled
                 twin = ax.twinx()
                 twin.plot(layer, values, "s:", color="C3", label=label)
                 twin.set_ylim(0, 1.05)
+                twin.set_ylabel("distinct anchors (share of windows)", fontsize=8, color="C3")
+                twin.tick_params(axis="y", colors="C3", labelsize=8)
+                ax.set_ylabel("entropy (nats)", fontsize=8, color="C0")
                 twin.legend(fontsize=7, loc="lower right")
                 continue
             if label == "chance":

@@ -24,6 +24,21 @@ HEAD_METRICS = (
     "anchor_frequency_share",
 )
 HEAD_TABLE_SKIP = ("top_anchors", "interval_by")  # anchors: their own section; the scheme: the note
+# the head table on the page: the measures a reader ranks heads by, each with its interval below
+# (the 40-odd columns of `query heads` ran off the page; they follow, folded, and in `export`)
+HEAD_TABLE = (
+    "layer",
+    "head",
+    "within_sentence",
+    "within_sentence_lift_dm",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "short_range_share",
+    "noise_share",
+    "attn_to_punct_lift",
+    "attn_entropy",
+    "anchor_frequency_share",
+)
 N_ANCHORS = 5
 
 PARAM_HELP = {
@@ -51,6 +66,8 @@ table { border-collapse: collapse; font-size: .82rem; }
 th, td { border: 1px solid #ddd; padding: .25rem .45rem; text-align: right; }
 th { background: #f3f3f3; position: sticky; top: 0; } td.text, th.text { text-align: left; }
 .scroll { overflow-x: auto; max-height: 36rem; overflow-y: auto; }
+details > summary { cursor: pointer; color: #444; margin: .6rem 0; }
+@media print { .scroll { overflow: visible; max-height: none; } details { display: none; } table { font-size: .7rem; } }
 figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { color: #555; font-size: .9rem; }
 .kv td:first-child { text-align: left; font-weight: 600; } .kv td { text-align: left; }
@@ -81,7 +98,9 @@ def _table(columns, rows, *, text_columns=()) -> str:
     under the value, in the same cell."""
     index = {c: i for i, c in enumerate(columns)}
     shown = [c for c in columns if not (c.endswith(("_lo", "_hi")) and c[:-3] in index)]
-    head = "".join(f'<th class="text">{_e(c)}</th>' if c in text_columns else f"<th>{_e(c)}</th>" for c in shown)
+    head = "".join(
+        f'<th class="text">{_breakable(c)}</th>' if c in text_columns else f"<th>{_breakable(c)}</th>" for c in shown
+    )
     body = []
     for row in rows:
         cells = []
@@ -99,6 +118,12 @@ def _table(columns, rows, *, text_columns=()) -> str:
             cells.append(f"<td>{_num(v)}{interval}</td>")
         body.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _breakable(name: str) -> str:
+    """A column name that may wrap after its underscores (``within_sentence_lift_dm`` is one word
+    to a browser: its column was as wide as the name)."""
+    return "_<wbr>".join(_e(part) for part in str(name).split("_"))
 
 
 def build_report(conn, run) -> str:
@@ -171,7 +196,12 @@ def build_report(conn, run) -> str:
     )
 
     keep = [i for i, c in enumerate(head_cols) if c not in HEAD_TABLE_SKIP]
-    table_html = _table([head_cols[i] for i in keep], [tuple(r[i] for i in keep) for r in head_rows])
+    n_every = sum(not head_cols[i].endswith(("_lo", "_hi")) for i in keep)
+    every_html = _table([head_cols[i] for i in keep], [tuple(r[i] for i in keep) for r in head_rows])
+    main = [
+        i for i, c in enumerate(head_cols) if c in HEAD_TABLE or c.removesuffix("_lo").removesuffix("_hi") in HEAD_TABLE
+    ]
+    table_html = _table([head_cols[i] for i in main], [tuple(r[i] for i in main) for r in head_rows])
     anchors_html = _anchor_grid(head_cols, head_rows, run.n_layers, run.n_heads)
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
     title = f"headatlas · run {run.run_id} ({run.name})"
@@ -200,6 +230,8 @@ window's most frequent token; <em>noise_share</em> = similar pairs the head does
 Under each value: its {scheme_html} Read a lift as established only when its interval excludes 1; the choice
 of <code>select</code> and <code>gate</code> is this tool's default, not the paper's.</p>
 <div class="scroll">{table_html}</div>
+<details><summary>Every column of <code>headatlas query heads</code> ({n_every}; wide: scroll sideways)</summary>
+<div class="scroll">{every_html}</div></details>
 <h2>Top anchor tokens per head</h2>
 <p>The anchor of a window is the token that appears most often in the head's high-similarity pairs; each cell
 lists the {N_ANCHORS} most frequent anchors with the share of windows they anchor.</p>

@@ -1,0 +1,149 @@
+"""Figures a reader can read: nothing cut at an edge, every axis labelled, plain tick labels on
+log scales, round colour-bar ticks, no noisy tail, role codes that are letters, a head table that
+fits the page. Drawn from a small real run of a tiny random model (fast) and from hand-built rows;
+the checks are tests/figure_checks.py's."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.figure_checks import (
+    analyse,
+    check_axis_labels,
+    check_plain_ticks,
+    check_right_axes_labelled,
+    check_round_ticks,
+    check_text_inside,
+    corpus_of,
+    html_table_widths,
+)
+
+PAGE_PX = 1400 - 2 * 24  # the report's body: max-width 1400px, padding 1.5rem a side
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, tiny_model, demo_corpus):
+    folder = tmp_path_factory.mktemp("readable")
+    db = folder / "results.duckdb"
+    run = analyse(corpus_of(demo_corpus, folder, slice(0, 3), "three"), db, tiny_model, name="three")
+    assert run.status == "done"
+    return db, run
+
+
+@pytest.fixture()
+def conn(stored):
+    from headatlas.service.storage.store import Store
+
+    with Store(stored[0]).checked_read() as connection:
+        yield connection
+
+
+def test_inspect_of_a_short_text_keeps_its_titles_and_labels_its_axes(tiny_model):
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.reports import matrix_plots
+    from headatlas.service.reports.inspection import inspect_text
+
+    insp = inspect_text(tiny_model, "The cat sat on the mat. It was happy.", build_params())
+    assert len(insp.tokens) < 20  # short: the narrowest panels
+    fig = matrix_plots.figure_head(insp, 1, 2)
+    check_text_inside(fig)
+    csm_ax, attn_ax = fig.axes[:2]  # then their colour bars
+    for ax in (csm_ax, attn_ax):
+        check_axis_labels(ax)
+    assert "context similarity" in csm_ax.get_title() and "attention" in attn_ax.get_title()
+
+
+def test_boundaries_by_distance_reads_plainly_and_stops_before_the_noise(conn, stored):
+    from headatlas.service.reports import plots, queries
+
+    run = stored[1]
+    fig = plots.run_figure("boundaries", conn, run, by_distance=True)
+    share_ax, lift_ax = fig.axes
+    check_text_inside(fig)
+    for ax in (share_ax, lift_ax):
+        check_axis_labels(ax)
+        assert ax.get_xscale() == "log"
+        ticks = check_plain_ticks(ax.xaxis)
+        assert ticks[:3] == [1, 2, 5]
+    assert lift_ax.get_yscale() == "linear"
+    check_plain_ticks(lift_ax.yaxis)
+    columns, rows = queries.sentence_by_distance(conn, run.run_id)
+    at = {(r[columns.index("layer")], r[columns.index("distance")]): r for r in rows}
+    cut = 0
+    for ax, kind in ((share_ax, "share"), (lift_ax, "lift")):
+        for line in ax.get_lines():
+            if not line.get_label().startswith("layer "):
+                continue
+            layer = int(line.get_label().split()[1])
+            for d, y in zip(*line.get_data()):
+                if not np.isfinite(y):
+                    continue
+                r = at[(layer, int(d))]
+                pairs = r[columns.index("high_pairs")]
+                assert pairs >= plots.MIN_DISTANCE_PAIRS, (layer, d, pairs)
+                if kind == "lift":
+                    expected = pairs * r[columns.index("within_sentence_chance")]
+                    assert expected >= plots.MIN_EXPECTED_PAIRS, (layer, d, expected)
+        drawn = sum(int(np.isfinite(line.get_data()[1]).sum()) for line in ax.get_lines()[1:])
+        cut += sum(r[columns.index("within_sentence")] is not None for r in rows) - drawn
+    assert cut > 0  # the run has a thin tail, and it is not drawn
+
+
+def test_heads_colour_bar_ticks_are_round_on_both_sides_of_chance():
+    from headatlas.service.reports import plots
+
+    values = np.array([[1.11, 1.02, 0.918, 3.44], [2.5, 0.981, 1.64, 2.05], [1.8, 1.21, 0.945, 3.14]])
+    rows = [(l, h, float(v)) for (l, h), v in np.ndenumerate(values)]
+    fig = plots.figure_heads(
+        ["layer", "head", "within_sentence_lift"], rows, "within_sentence_lift", n_layers=3, n_heads=4, title="hand"
+    )
+    bar = fig.axes[1]
+    ticks = [t for t in bar.get_yticks() if values.min() <= t <= values.max()]
+    check_round_ticks(ticks)
+    assert 1.0 in ticks and min(ticks) < 1 and len([t for t in ticks if t > 1]) >= 3
+    check_plain_ticks(bar.yaxis)
+    check_right_axes_labelled(fig)
+    check_text_inside(fig)
+
+
+def test_layers_label_every_axis_on_the_right(conn, stored):
+    from headatlas.service.reports import plots
+
+    fig = plots.run_figure("layers", conn, stored[1])
+    twins = [ax for ax in fig.axes if ax.yaxis.get_label_position() == "right"]
+    assert twins  # the anchor-distinctness share has its own axis …
+    check_right_axes_labelled(fig)  # … and says what it is
+    check_text_inside(fig)
+
+
+def test_atlas_role_codes_are_letters_never_a_dot():
+    from headatlas.service.reports import atlas_plots, roles
+
+    codes = [atlas_plots.ROLE_CODES[r] for r in roles.ROLE_ORDER]
+    assert all(re.fullmatch("[A-Z]", c) for c in codes), codes
+    assert len(set(codes)) == len(codes)
+    columns = list(roles.COLUMNS)
+    filler = [None] * (len(columns) - 4)
+    rows = [(0, 0, "previous-token", True, *filler), (0, 0, "punctuation", False, *filler)]
+    rows += [(0, 1, "punctuation", True, *filler)]
+    fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=1, n_heads=2, title="hand-built")
+    labels = sorted(t.get_text() for t in fig.axes[0].texts)
+    assert labels == ["PU", "U"]
+    assert any(t.get_text().startswith("U  punctuation") for t in fig.legends[0].get_texts())
+    check_text_inside(fig)
+
+
+def test_report_head_table_fits_the_page_and_every_column_stays_reachable(conn, stored):
+    from headatlas.service.reports import report
+
+    page = report.build_report(conn, stored[1])
+    heads = page[page.index("<h2>Heads</h2>") : page.index("<h2>Top anchor tokens per head</h2>")]
+    widths = html_table_widths(heads)
+    assert len(widths) == 1 and widths[0] <= PAGE_PX, [round(w) for w in widths]
+    # the full head table is there, folded: wider than the page, as the head table used to be
+    folded = html_table_widths(heads, skip_folded=False)
+    assert len(folded) == 2 and folded[1] > 3 * PAGE_PX
+    assert "<details>" in page and "within_<wbr>sentence_<wbr>lift_<wbr>dm" in page
