@@ -1,8 +1,12 @@
-"""Alembic environment for the headatlas DuckDB schema.
+"""Alembic environment for the headatlas schema, on an embedded DuckDB file or on a lake.
 
 Migrations are hand-written SQL: duckdb-engine's reflection does not support autogenerate or
 batch_alter_table. Run through ``headatlas db upgrade`` (service.storage.db.upgrade), which
 passes an open connection in ``config.attributes["connection"]``.
+
+On a lake (DuckLake) every statement goes through ``lake_ddl``: no sequences, PRIMARY KEY or
+UNIQUE, only literal defaults, and alembic_version without its primary key. The migrations
+themselves are the same for both backends, and a file's DDL is never rewritten.
 
 The metric views are derived objects, not migrations: an upgrade that ends at the head revision
 rebuilds them from the metric declarations (``service.storage.views``) in its own transaction,
@@ -11,7 +15,7 @@ so a new database gets them and a new metric's columns appear with the migration
 
 from alembic import context
 from alembic.ddl.impl import DefaultImpl
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 
 class AlembicDuckDBImpl(DefaultImpl):
@@ -19,6 +23,27 @@ class AlembicDuckDBImpl(DefaultImpl):
 
     __dialect__ = "duckdb"
     transactional_ddl = True
+
+    def execute(self, sql, execution_options=None) -> None:
+        if isinstance(sql, str) and not _keys(self.connection):
+            from headatlas.service.storage.backends.lake import lake_ddl
+
+            rewritten = lake_ddl(sql)
+            if rewritten is None:
+                return
+            sql = rewritten
+        super().execute(sql, execution_options)
+
+
+def _keys(connection) -> bool:
+    """Whether the database takes keys and sequences (an embedded file; not a lake)."""
+    given = context.config.attributes.get("keys")
+    if given is not None:
+        return bool(given)
+    kind = connection.execute(
+        text("SELECT type FROM duckdb_databases() WHERE database_name = current_database()")
+    ).scalar()
+    return kind != "ducklake"
 
 
 def run_migrations_online() -> None:
@@ -34,7 +59,9 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:
-    context.configure(connection=connection, target_metadata=None, transactional_ddl=True)
+    context.configure(
+        connection=connection, target_metadata=None, transactional_ddl=True, version_table_pk=_keys(connection)
+    )
     with context.begin_transaction():
         context.run_migrations()
         if set(context.get_context().get_current_heads()) == set(context.script.get_heads()):

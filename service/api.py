@@ -69,7 +69,9 @@ class Atlas:
         """Read-only SQL, the same sandbox as ``headatlas sql``."""
         from headatlas.service.storage.readonly import run_readonly_sql
 
-        result = run_readonly_sql(self.store.path, statement, max_rows=max_rows, timeout_s=timeout_s)
+        result = run_readonly_sql(
+            self.store.backend, statement, max_rows=max_rows, timeout_s=timeout_s, at=self.store.at
+        )
         return table(result.columns, result.rows)
 
 

@@ -81,7 +81,12 @@ def holder(client: redis.Redis) -> tuple[Holder | None, bytes | str | None]:
 
 class WriterLease:
     def __init__(self, client: redis.Redis, db: str | Path, broker_url: str):
-        self.r, self.db, self.broker_url = client, str(Path(db).resolve()), broker_url
+        from headatlas.service.storage.backends import open_backend
+
+        backend = open_backend(db)
+        # a file by its absolute path; a lake by its URL, shown without a password
+        where = str(Path(db).resolve()) if backend.kind == "file" else backend.label
+        self.r, self.db, self.broker_url = client, where, broker_url
         self.token = uuid.uuid4().hex
         self.database_id: str | None = None
 
@@ -181,16 +186,18 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
     The live writer's database when one holds the ingest queue (``db``, when readable here,
     must be that same database); else ``db`` read from here (the batches wait for its writer).
     With neither, wait up to ``wait_s`` for a writer to start."""
+    from headatlas.service.storage.backends import open_backend
     from headatlas.service.storage.db import read_database_id
 
-    local = read_database_id(db) if Path(db).is_file() else None
+    backend = open_backend(db)
+    local = read_database_id(backend) if backend.exists() else None
     deadline = time.monotonic() + wait_s
     while True:
         other, _raw = holder(client)
         if other is not None and other.database_id:
             if local is not None and local != other.database_id:
                 raise WriterConflict(
-                    f"--db {db} is database {local[:8]}, but the writer on {broker_url} stores into "
+                    f"--db {backend.label} is database {local[:8]}, but the writer on {broker_url} stores into "
                     f"{other.describe()}: pass --db {other.db}, or stop that writer and start one on {db}; "
                     "nothing was queued"
                 )
@@ -199,7 +206,7 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
             return local
         if time.monotonic() >= deadline:
             raise StoreError(
-                f"no writer holds the ingest queue of {broker_url} and there is no database at {db} to read here: "
+                f"no writer holds the ingest queue of {broker_url} and there is no database at {backend.label} to read here: "
                 "start `headatlas writer` on this broker (it creates the database), or pass --db; nothing was queued"
             )
         time.sleep(0.2)

@@ -24,13 +24,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import redis
@@ -60,15 +58,18 @@ class DatabaseAway(StoreBusy):
     writer waits for its own (messages stay in Redis, as for a busy file)."""
 
 
-def file_database_id(path: str | Path) -> str | None:
-    """The id of the headatlas database at ``path``; None when there is no file, or it holds no
-    headatlas database (empty, another tool's, unreadable). Reads only; never creates."""
+def file_database_id(path) -> str | None:
+    """The id of the headatlas database ``path`` (a path, a ``ducklake:…`` URL or a backend);
+    None when there is none, or it holds no headatlas database (empty, another tool's,
+    unreadable). Reads only; never creates."""
     from headatlas.service.storage import db
+    from headatlas.service.storage.backends import open_backend
 
-    if not Path(path).is_file():
-        return None
+    backend = open_backend(path)
     try:
-        with db.transaction(path, read_only=True, create=False) as conn:
+        if not backend.exists():
+            return None
+        with db.transaction(backend, read_only=True, create=False) as conn:
             return _id_in(conn)
     except HeadatlasError:
         return None
@@ -88,24 +89,23 @@ class OwnStore(Store):
     on a missing file, or on a file that now holds another database (moved, deleted, replaced
     under the writer), raises DatabaseAway before anything is written."""
 
-    def __init__(self, path: str | Path, database_id: str):
+    def __init__(self, path, database_id: str):
         super().__init__(path)
         self.database_id = database_id
+        self._files = self.backend.identity() is not None  # a lake has no file to move away
         self._ident = self._stat()
 
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
+    def _stat(self):
+        return self.backend.identity()
 
     def check(self) -> None:
+        if not self._files:
+            return
         ident = self._stat()
         if ident is None:
             raise DatabaseAway(self._away("missing (moved or deleted)"))
         if ident != self._ident:  # another file at the path: the same database put back, or not
-            found = file_database_id(self.path)
+            found = file_database_id(self.backend)
             if found != self.database_id:
                 raise DatabaseAway(
                     self._away(f"now {'database ' + found[:8] if found else 'not a headatlas database'}")
@@ -114,9 +114,9 @@ class OwnStore(Store):
 
     def _away(self, what: str) -> str:
         return (
-            f"database {self.path} is {what}: this writer stores into database {self.database_id[:8]} and never "
+            f"database {self.backend.label} is {what}: this writer stores into database {self.database_id[:8]} and never "
             "creates another one while runs are in flight; analysed batches wait in Redis until that database "
-            f"is back at {self.path}"
+            f"is back at {self.backend.label}"
         )
 
     @contextmanager
@@ -125,15 +125,17 @@ class OwnStore(Store):
 
         self.check()
         try:
-            with db.transaction(self.path, create=False) as conn:
+            with db.transaction(self.backend, create=False) as conn:
                 found = _id_in(conn)
                 if found != self.database_id:
                     raise DatabaseAway(self._away(f"now {'database ' + found[:8] if found else 'another file'}"))
                 yield conn
         except DatabaseAway:
             raise
+        except StoreBusy:
+            raise  # busy, or a lake's commit conflict: tried again
         except StoreError:
-            if self._stat() != self._ident:  # the file went away while it was being opened
+            if self._files and self._stat() != self._ident:  # the file went away while it was being opened
                 raise DatabaseAway(self._away("missing (moved or deleted)")) from None
             raise
 
@@ -143,9 +145,12 @@ class OwnStore(Store):
 
 class Writer:
     def __init__(self, settings: Settings):
+        from headatlas.service.storage.backends import open_backend
         from headatlas.service.storage.db import read_database_id
 
         self.settings = settings
+        self.backend = open_backend(settings.db)
+        self.db_label = self.backend.label  # what logs and messages show (never a password)
         client = connect(settings.broker_url, check=False)
         self.lease = WriterLease(client, settings.db, settings.broker_url)
         while True:  # a writer started before Redis (compose brings both up) waits for it
@@ -158,10 +163,10 @@ class Writer:
                 time.sleep(1.0)
         try:
             self._wait_for_last_database()  # before anything could create a database
-            Store(settings.db).ensure_schema()  # a stale database fails now, not on the first batch
-            self.database_id = read_database_id(settings.db)
+            Store(self.backend).ensure_schema()  # a stale database fails now, not on the first batch
+            self.database_id = read_database_id(self.backend)
             self.lease.set_database(self.database_id)
-            self.store: Store = OwnStore(settings.db, self.database_id)
+            self.store: Store = OwnStore(self.backend, self.database_id)
         except BaseException:
             self.lease.release()
             raise
@@ -181,17 +186,17 @@ class Writer:
             return
         wanted, said = last["database_id"], False
         while True:
-            found = file_database_id(self.settings.db)
+            found = file_database_id(self.backend)
             waiting = _messages_for(self.lease.r, wanted)
             runs = Ledger(self.lease.r, wanted).active_runs()
             if found == wanted or not (waiting or runs):
                 if said:
-                    log.warning("database %s is back; storing", self.settings.db)
+                    log.warning("database %s is back; storing", self.db_label)
                 return
             if not said:
                 what = (
                     "missing"
-                    if not Path(self.settings.db).exists()
+                    if not self.backend.exists()
                     else f"database {found[:8]}"
                     if found
                     else "not that database"
@@ -201,7 +206,7 @@ class Writer:
                     "flight are for, but that file is now %s: waiting for it to come back instead of creating a new "
                     "database (nothing is dropped). To give those runs up and start afresh here, delete the Redis key "
                     "headatlas:writer:last",
-                    self.settings.db,
+                    self.db_label,
                     wanted[:8],
                     waiting,
                     len(runs),
@@ -279,7 +284,7 @@ class Writer:
                 ]
                 summaries = {run_key: queue_store.summary(conn, run_id) for run_id, run_key, _n in rows}
         except HeadatlasError as exc:
-            log.warning("cannot read %s to re-declare the runs in flight (%s); trying again", self.settings.db, exc)
+            log.warning("cannot read %s to re-declare the runs in flight (%s); trying again", self.db_label, exc)
             return False
         for run_id, run_key, name, done, plan in states:
             self.ledger.reconcile_done(run_key, done)
@@ -337,7 +342,7 @@ class Writer:
                 recovered = False
                 time.sleep(1.0)
             if self._away is not None and recovered:
-                log.warning("database %s is back; storing again", self.settings.db)
+                log.warning("database %s is back; storing again", self.db_label)
                 self._away = None
 
     def _database_away(self, why: str) -> None:
@@ -439,7 +444,7 @@ class Writer:
             msg["kind"],
             msg.get("run_key"),
             other,
-            self.settings.db,
+            self.db_label,
             self.database_id,
         )
         if not other:
@@ -451,7 +456,7 @@ class Writer:
             ledger.set_run_error(
                 msg["run_key"],
                 (
-                    f"the writer on {self.settings.broker_url} now stores into {self.settings.db} (database "
+                    f"the writer on {self.settings.broker_url} now stores into {self.db_label} (database "
                     f"{self.database_id[:8]}), not into database {other[:8]}: submit again"
                 ),
             )
