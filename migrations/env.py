@@ -5,8 +5,9 @@ batch_alter_table. Run through ``headatlas db upgrade`` (service.storage.db.upgr
 passes an open connection in ``config.attributes["connection"]``.
 
 On a lake (DuckLake) every statement goes through ``lake_ddl``: no sequences, PRIMARY KEY or
-UNIQUE, only literal defaults, and alembic_version without its primary key. The migrations
-themselves are the same for both backends, and a file's DDL is never rewritten.
+UNIQUE, only literal defaults, and alembic_version without its primary key; each migration
+commits on its own. The migrations themselves are the same for both backends, and a file's DDL
+is never rewritten.
 
 The metric views are derived objects, not migrations: an upgrade that ends at the head revision
 rebuilds them from the metric declarations (``service.storage.views``) in its own transaction,
@@ -59,8 +60,16 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:
+    keys = _keys(connection)
     context.configure(
-        connection=connection, target_metadata=None, transactional_ddl=True, version_table_pk=_keys(connection)
+        connection=connection,
+        target_metadata=None,
+        transactional_ddl=True,
+        version_table_pk=keys,
+        # a lake: one transaction per migration (DuckLake 0.3 loses a table created earlier in a
+        # transaction when a view created in that same transaction is dropped, and 0006 drops
+        # 0001's views); an upgrade that fails stops at the last migration committed
+        transaction_per_migration=not keys,
     )
     with context.begin_transaction():
         context.run_migrations()

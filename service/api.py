@@ -38,16 +38,20 @@ def table(columns: list[str], rows: list[tuple]) -> pa.Table:
     return pa.table({c: pa.array([r[i] for r in rows]) for i, c in enumerate(columns)})
 
 
-def connect(db: str | Path | None = None) -> Atlas:
-    """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``)."""
+def connect(db: str | Path | None = None, *, data_path: str | Path | None = None, at: int | None = None) -> Atlas:
+    """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``): a file, or a lake
+    (``ducklake:postgres:dbname=… host=…``; ``data_path``: this machine's mount of its files,
+    default HEADATLAS_DATA_PATH or what the lake recorded). ``at``: read it as of that snapshot
+    (a lake; ``runs()`` shows each run's last one), so that numbers taken later are the same."""
     from headatlas.service.config import Settings
 
-    path = Path(db if db is not None else Settings.from_env().db)
-    if not path.exists():
+    store = Store(db if db is not None else Settings.from_env().db, data_path=data_path, at=at)
+    if not store.backend.exists():
         raise ParameterError(
-            f"no database at {path}: analyse a corpus first (headatlas.analyze or `headatlas analyze CORPUS --db PATH`)"
+            f"no database at {store.backend.label}: analyse a corpus first (headatlas.analyze or "
+            "`headatlas analyze CORPUS --db PATH`)"
         )
-    return Atlas(Store(path))
+    return Atlas(store)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,7 @@ def analyze(
     probe: bool = DEFAULTS["probe"],
     probe_length: int = DEFAULTS["probe_length"],
     probe_sequences: int = DEFAULTS["probe_sequences"],
+    data_path: str | Path | None = None,
     **options: Any,
 ) -> RunView:
     """Analyse a corpus in this process (the embedded engine of ``headatlas analyze``) and return
@@ -161,7 +166,8 @@ def analyze(
     ``select``, ``gate``, ``sentences``, ``dtype``, …; see docs/SPEC.md). Resumes an unfinished
     run with the same corpus, model and options. ``probe``: also score every head on repeated
     random tokens (SPEC §8; ``probe_length`` = L, ``probe_sequences``), shown as
-    ``induction_score``, ``duplicate_score`` and ``prev_token_score`` in ``heads()``."""
+    ``induction_score``, ``duplicate_score`` and ``prev_token_score`` in ``heads()``. ``db`` may
+    be a lake (``ducklake:…``, with ``data_path``)."""
     from headatlas.service.analysis_options import build_params, parse_batch_size
     from headatlas.service.config import Settings
     from headatlas.service.engine.model import auto_batch_size, load_model
@@ -171,7 +177,7 @@ def analyze(
     params = build_params(**options)
     size = parse_batch_size(batch_size)
     spec = ProbeSpec(length=probe_length, sequences=probe_sequences) if probe else None
-    store = Store(Path(db if db is not None else Settings.from_env().db))
+    store = Store(db if db is not None else Settings.from_env().db, data_path=data_path)
     summary = survey_corpus(str(corpus), text_field=text_field, encoding=encoding)
     loaded = load_model(model, device=device, dtype=params.dtype)
     run = analyze_corpus(

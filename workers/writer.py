@@ -39,12 +39,12 @@ from headatlas.service.config import Settings
 from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
-from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
+from headatlas.service.errors import HeadatlasError, StoreBusy, StoreConflict, StoreError, WriterConflict
 from headatlas.service.storage import queue_store
-from headatlas.service.storage.store import Store, ingest_batches, store_probe
+from headatlas.service.storage.store import Store, ingest_batches, reserve_batches, store_probe
 from headatlas.workers.heartbeat import requeue_lost
-from headatlas.workers.lease import HEARTBEAT_S, SILENT_S, WriterLease, broker_epoch, holder
-from headatlas.workers.ledger import INGEST, PROCESSING, Ledger, connect
+from headatlas.workers.lease import HEARTBEAT_S, HELPER, SILENT_S, WriterLease, broker_epoch, holder
+from headatlas.workers.ledger import HELPER_PROCESSING, INGEST, PROCESSING, Ledger, connect, processing_lists
 
 log = logging.getLogger("headatlas.writer")
 
@@ -152,7 +152,7 @@ class Writer:
         self.backend = open_backend(settings.db)
         self.db_label = self.backend.label  # what logs and messages show (never a password)
         client = connect(settings.broker_url, check=False)
-        self.lease = WriterLease(client, settings.db, settings.broker_url)
+        self.lease = WriterLease(client, settings.db, settings.broker_url, shared=self.backend.shared_writers)
         while True:  # a writer started before Redis (compose brings both up) waits for it
             try:
                 self.lease.acquire()  # before touching the file: a refused writer changes nothing
@@ -171,6 +171,11 @@ class Writer:
             self.lease.release()
             raise
         self.ledger = Ledger(client, self.database_id)
+        # the messages this writer took and has not committed: a further writer of a lake keeps
+        # its own list, which the others put back on the queue when it is gone
+        self.processing = f"{HELPER_PROCESSING}{self.lease.token}" if self.lease.helper else PROCESSING
+        if self.lease.helper:
+            log.warning("another writer stores into this lake too: storing beside it")
         self.run_ids: dict[str, int] = {}
         self.stopping = False
         self.lost_lease = False
@@ -226,6 +231,7 @@ class Writer:
                 if not self.lease.refresh() and not self._reclaim():
                     self.lost_lease = self.stopping = True
                     return
+                self._sweep_writers()
                 epoch = broker_epoch(self.ledger.r)
                 if epoch != self.epoch and self._broker_reset():
                     self.epoch = epoch
@@ -243,6 +249,27 @@ class Writer:
                 log.warning("lease and lost-worker sweep: broker unreachable (%s); retrying", exc)
             except Exception:  # noqa: BLE001 - the sweep must not stop the lease's heartbeat
                 log.exception("lost-worker sweep failed; retrying")
+
+    def _sweep_writers(self) -> None:
+        """A lake's writers: the messages of a writer that is gone go back on the queue (the
+        batches it had committed are skipped when they come again), and a further writer takes
+        the lease of a first writer that is gone."""
+        if not self.lease.shared:
+            return
+        r = self.ledger.r
+        for name in processing_lists(r)[1:]:
+            token = name[len(HELPER_PROCESSING) :]
+            if token != self.lease.token and not r.exists(f"{HELPER}{token}"):
+                moved = 0
+                while r.lmove(name, INGEST, "RIGHT", "LEFT"):
+                    moved += 1
+                if moved:
+                    log.warning("a writer of this lake is gone: %d message(s) it had taken are queued again", moved)
+        if self.lease.helper and holder(r)[0] is None and self.lease.take_over():
+            moved = 0
+            while r.lmove(PROCESSING, INGEST, "RIGHT", "LEFT"):
+                moved += 1
+            log.warning("the first writer of this lake is gone: holding its lease; %d message(s) queued again", moved)
 
     def _reclaim(self) -> bool:
         """The lease is no longer ours: taken by another writer (stop), or gone (it expired
@@ -337,6 +364,10 @@ class Writer:
                 self._database_away(str(exc))
                 time.sleep(AWAY_POLL_S)
                 continue
+            except StoreConflict as exc:  # a lake: another writer committed the same rows first
+                log.info("%s", exc)
+                recovered = False  # the messages go back to the queue, and are stored (or skipped) again
+                time.sleep(0.05)
             except StoreBusy as exc:
                 log.warning("%s; retrying", exc)
                 recovered = False
@@ -368,7 +399,7 @@ class Writer:
             return 0
         started = time.monotonic()
         self.handle([json.loads(m) for m in raw])
-        self.ledger.r.delete(PROCESSING)
+        self.ledger.r.delete(self.processing)
         # With a backlog the writer would reopen the file at once, and readers (status, query,
         # sql), which retry on its lock with backoff, would seldom find it free: it stays
         # closed as long as it was held, so a reader's try succeeds at least every other time.
@@ -380,17 +411,17 @@ class Writer:
 
     def _recover(self) -> None:
         """Messages a previous writer took but did not finish go back to the head, in order."""
-        while self.ledger.r.lmove(PROCESSING, INGEST, "RIGHT", "LEFT"):
+        while self.ledger.r.lmove(self.processing, INGEST, "RIGHT", "LEFT"):
             pass
 
     def _take(self, timeout_s: float) -> list[bytes]:
         # BLMOVE takes a double timeout (seconds, fractions allowed); redis-py annotates it as int
-        first = self.ledger.r.blmove(INGEST, PROCESSING, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
+        first = self.ledger.r.blmove(INGEST, self.processing, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
         if first is None:
             return []
         pipe = self.ledger.r.pipeline()
         for _ in range(GROUP - 1):
-            pipe.lmove(INGEST, PROCESSING, "LEFT", "RIGHT")
+            pipe.lmove(INGEST, self.processing, "LEFT", "RIGHT")
         return [first, *(m for m in pipe.execute() if m is not None)]
 
     # --- messages -----------------------------------------------------------------------------
@@ -495,6 +526,9 @@ class Writer:
         known = [(m, run_id) for m in group if (run_id := self._run_id(m["run_key"])) is not None]
         self.ledger.writer_state("ingesting", batches=len(known))
         summaries: dict[str, queue_store.Summary] = {}
+        lake = not self.store.backend.keys
+        if lake:
+            self._reserve(known)
         try:
             try:
                 with self.store.write() as conn:
@@ -502,6 +536,8 @@ class Writer:
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
                     summaries = {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
+                if lake:  # a run's end, seen after this commit: with every writer's batches
+                    summaries = self.store.atomically(lambda conn: self._finish(conn, known))
             except StoreBusy:
                 raise  # a reader held the file for long: the messages stay in processing
             except StoreError:
@@ -521,6 +557,22 @@ class Writer:
         pipe.execute()
         for run_key, summary in summaries.items():
             self._announce(run_key, summary)
+
+    def _reserve(self, known) -> None:
+        """A lake: the group's batches get a ledger row each before they are stored, in a
+        transaction of their own (``store.reserve_batches``: what makes two stores of one batch
+        conflict)."""
+        by_run: dict[int, list[int]] = {}
+        for msg, run_id in known:
+            if msg["kind"] == "ingest":
+                by_run.setdefault(run_id, []).append(int(msg["batch_id"]))
+        if by_run:
+            self.store.atomically(lambda conn: [reserve_batches(conn, r, ids) for r, ids in by_run.items()])
+
+    def _finish(self, conn: Connection, known) -> dict[str, queue_store.Summary]:
+        for run_id in {r for _m, r in known}:
+            queue_store.finish_if_complete(conn, run_id)
+        return {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
 
     def _publish(self, conn: Connection, run_key: str, run_id: int) -> None:
         self._announce(run_key, queue_store.summary(conn, run_id))
@@ -562,6 +614,8 @@ class Writer:
         result = BatchResult.from_bytes(base64.b64decode(msg["payload"]))
         try:
             stored = ingest_batches(conn, run_id, [(msg["batch_id"], result)])
+        except StoreBusy:
+            raise  # a lake: not reserved, or a conflict; the group is stored again
         except StoreError as exc:
             # refused before anything was written (windows counted by another batch): the
             # transaction goes on; retrying cannot help
@@ -573,7 +627,10 @@ class Writer:
 def _messages_for(client: redis.Redis, database_id: str) -> int:
     """Messages on the ingest queue (waiting or taken) for the database ``database_id``."""
     count = 0
-    for raw in [*client.lrange(INGEST, 0, -1), *client.lrange(PROCESSING, 0, -1)]:
+    for raw in [
+        *client.lrange(INGEST, 0, -1),
+        *(m for name in processing_lists(client) for m in client.lrange(name, 0, -1)),
+    ]:
         try:
             count += json.loads(raw).get("database_id") == database_id
         except ValueError:

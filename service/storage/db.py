@@ -105,6 +105,15 @@ def transaction(
         yield conn
 
 
+class Unreserved(StoreConflict):
+    """On a lake, a batch without a ledger row was about to be stored: reserve it first
+    (``store.reserve_batches``), then store it again."""
+
+    def __init__(self, batch_ids: list[int]):
+        super().__init__(f"batches {batch_ids} have no ledger row to claim yet; they are reserved and stored again")
+        self.batch_ids = batch_ids
+
+
 def atomically(db: Target, work: Callable[[Connection], T], *, tries: int = CONFLICT_TRIES) -> T:
     """``work(conn)`` in one write transaction, tried again when a lake refuses the commit for a
     concurrent change to the same rows (the next try sees that change). An embedded file never
@@ -114,6 +123,8 @@ def atomically(db: Target, work: Callable[[Connection], T], *, tries: int = CONF
         try:
             with transaction(db) as conn:
                 return work(conn)
+        except Unreserved:
+            raise  # the caller reserves, then tries again
         except StoreConflict:
             if attempt == tries - 1:
                 raise
@@ -194,6 +205,7 @@ def _upgrade(backend: Backend) -> tuple[str | None, str]:
 def _migrate(command, conn: Connection, backend: Backend) -> tuple[str | None, str]:
     before = current_revision(conn)
     check_known(before, backend)
+    conn.commit()  # end the read's transaction: alembic begins its own (a lake: one per migration)
     config = _alembic_config()
     config.attributes["connection"] = conn
     config.attributes["keys"] = backend.keys

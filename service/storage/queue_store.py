@@ -198,6 +198,12 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
         )
     else:
         status, error = "done", None
+    ended = conn.execute(
+        text("SELECT count(*) FROM runs WHERE run_id = :r AND status = :s AND finished_at IS NOT NULL"),
+        {"r": run_id, "s": status},
+    ).scalar()
+    if ended:  # already ended so (and compacted): every writer of a lake asks after its commits
+        return
     conn.execute(
         text(
             "UPDATE runs SET status = :s, error = :e, finished_at = :ts, "

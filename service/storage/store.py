@@ -324,12 +324,7 @@ def store_probe(conn: Connection, run_id: int, spec: tuple[int, int, int], score
     return True
 
 
-class Unreserved(StoreError):
-    """On a lake, a batch without a ledger row was about to be stored: reserve it first."""
-
-    def __init__(self, batch_ids: list[int]):
-        super().__init__(f"batches {batch_ids} have no ledger row to claim")
-        self.batch_ids = batch_ids
+Unreserved = db.Unreserved
 
 
 def reserve_batches(conn: Connection, run_id: int, batch_ids: list[int]) -> int:

@@ -246,7 +246,8 @@ class LakeBackend(Backend):
     def attach_sql(self, alias: str, *, read_only: bool, at: int | None = None) -> list[str]:
         options = []
         if self.data_path:
-            options.append(f"DATA_PATH {_literal(self.data_path)}")
+            # this host's mount of the lake's files (it may differ from the host that created it)
+            options.append(f"DATA_PATH {_literal(self.data_path)}, OVERRIDE_DATA_PATH true")
         if read_only:
             options.append("READ_ONLY")
         if at is not None:
@@ -284,7 +285,7 @@ class LakeBackend(Backend):
             from headatlas.service.errors import ParameterError
 
             return ParameterError(f"--at {at}: no such snapshot in {self.label} ({first[:200]}); see `headatlas runs`")
-        if "DATA_PATH" in message or "data path" in message.lower():
+        if "data_path is not set" in message:
             return DatabaseFileError(
                 f"{self.label} is a new lake: pass --data-path FOLDER (or set HEADATLAS_DATA_PATH), the folder or "
                 "shared mount where its Parquet files go"
@@ -401,11 +402,14 @@ class LakeBackend(Backend):
             lambda: self.connect(read_only=True, config=limits, at=at), wait_s=lock_wait_s, what=self.label
         )
         try:
-            data = connection.execute(
-                f"SELECT value FROM ducklake_options('{ALIAS}') WHERE option_name = 'data_path'"
-            ).fetchone()
-            if data and data[0] and "://" not in data[0]:
-                connection.execute(f"SET allowed_directories = [{_literal(data[0])}]")
+            folder = self.data_path  # this host's mount, else the one the catalogue recorded
+            if folder is None:
+                row = connection.execute(
+                    f"SELECT value FROM ducklake_options('{ALIAS}') WHERE option_name = 'data_path'"
+                ).fetchone()
+                folder = row[0] if row else None
+            if folder and "://" not in folder:
+                connection.execute(f"SET allowed_directories = [{_literal(folder)}]")
             for name, value in READONLY_CONFIG.items():
                 if name not in NO_DOWNLOADS:
                     connection.execute(f"SET {name} = {str(value).lower()}")
@@ -512,3 +516,8 @@ def lake_ddl(statement: str) -> str | None:
     for pattern, replacement in _LAKE_DDL:
         statement = pattern.sub(replacement, statement)
     return statement
+
+
+def release(backend: LakeBackend) -> None:
+    """Close this process's attachment of ``backend``'s lake (its next use attaches again)."""
+    backend._forget_root()
