@@ -69,7 +69,7 @@ db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 app.add_typer(query_app, name="query")
 app.add_typer(db_app, name="db")
 
-DbOpt, RunOpt, FormatOpt, CiOpt = options.Db, options.Run, options.Fmt, options.Ci
+DbOpt, RunOpt, FormatOpt, CiOpt, AtOpt = options.Db, options.Run, options.Fmt, options.Ci, options.At
 
 # what a table shows by default (JSON and CSV hold every column)
 HEAD_TABLE = [
@@ -106,10 +106,25 @@ LAYER_TABLE = [
 ]
 
 
-def _store(db: str):
+def _store(db: str, at: int | None = None):
     from headatlas.service.storage.store import Store
 
-    return Store(db)
+    return Store(db, at=at)
+
+
+@app.callback()
+def _main(
+    data_path: str | None = typer.Option(
+        None,
+        "--data-path",
+        envvar="HEADATLAS_DATA_PATH",
+        help="Where a lake (--db ducklake:…) keeps its Parquet files: a folder or a shared mount, as this machine "
+        "sees it; needed when a lake is created (it is recorded there), and on hosts that mount it elsewhere.",
+    ),
+) -> None:
+    """headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable."""
+    if data_path:
+        os.environ["HEADATLAS_DATA_PATH"] = data_path  # every lake this command (and its children) opens
 
 
 # --- analysis ---------------------------------------------------------------------------------
@@ -340,10 +355,12 @@ def models(fmt: Format = FormatOpt) -> None:
 
 # --- runs and queries ---------------------------------------------------------------------------
 @app.command()
-def runs(db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """List the stored runs."""
-    rows = _store(db).list_runs()
+def runs(db: str = DbOpt, fmt: Format = FormatOpt, at: int | None = AtOpt) -> None:
+    """List the stored runs (on a lake with each run's last snapshot: `--at SNAPSHOT` reads that state again)."""
+    rows = _store(db, at).list_runs()
     columns = ["run_id", "name", "status", "model", "windows", "compute_s", "wall_s", "created_at", "corpus"]
+    if rows and "snapshot" in rows[0]:
+        columns.insert(3, "snapshot")
     render(columns, [tuple(r[c] for c in columns) for r in rows], fmt)
 
 
@@ -361,6 +378,7 @@ def query_heads(
     ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
     each against its chance (a table shows the main columns; --format json/csv has all)."""
@@ -369,7 +387,7 @@ def query_heads(
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
     _query(
-        db,
+        (db, at),
         run,
         fmt,
         queries.heads,
@@ -396,6 +414,7 @@ def query_distances(
     ci: bool = CiOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
     from headatlas.service.errors import ParameterError
@@ -405,7 +424,7 @@ def query_distances(
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
     if split not in (None, "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
-    store = _store(db)
+    store = _store(db, at)
     with store.checked_read() as conn:
         r = _run(conn, run)
         _check_layer_head(r, layer, head)
@@ -433,21 +452,25 @@ def query_distances(
 
 
 @query_app.command("boundaries")
-def query_boundaries(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+def query_boundaries(
+    run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt, at: int | None = AtOpt
+) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform."""
     from headatlas.service.reports import queries
 
-    _query(db, run, fmt, queries.boundaries, "sentence boundaries per layer", note=queries.LIFT_NOTE, ci=ci)
+    _query((db, at), run, fmt, queries.boundaries, "sentence boundaries per layer", note=queries.LIFT_NOTE, ci=ci)
 
 
 @query_app.command("layers")
-def query_layers(run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt) -> None:
+def query_layers(
+    run: str | None = RunOpt, ci: bool = CiOpt, db: str = DbOpt, fmt: Format = FormatOpt, at: int | None = AtOpt
+) -> None:
     """Per layer summary: the progression from early to final layers (a table shows the main
     columns; --format json/csv has all)."""
     from headatlas.service.reports import queries
 
-    _query(db, run, fmt, queries.layers, "layers", table_columns=LAYER_TABLE, note=queries.LIFT_NOTE, ci=ci)
+    _query((db, at), run, fmt, queries.layers, "layers", table_columns=LAYER_TABLE, note=queries.LIFT_NOTE, ci=ci)
 
 
 @query_app.command("mixing")
@@ -461,13 +484,14 @@ def query_mixing(
     ),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
     from headatlas.service.reports import queries
 
     what = f"layer {layer} heads" if layer is not None else "per layer"
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
-    _query(db, run, fmt, queries.mixing, f"mixing, {what}", check=check, layer=layer, methods=method or None)
+    _query((db, at), run, fmt, queries.mixing, f"mixing, {what}", check=check, layer=layer, methods=method or None)
 
 
 @query_app.command("discrepancy")
@@ -479,11 +503,12 @@ def query_discrepancy(
     top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
     from headatlas.service.reports import queries
 
-    store = _store(db)
+    store = _store(db, at)
     with store.checked_read() as conn:
         r = _run(conn, run)
         columns, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
@@ -511,6 +536,7 @@ def compare(
     heads: bool = typer.Option(False, "--heads", help="Compare heads instead of layers (runs of the same shape only)."),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Two runs side by side per layer (or head): both values, A − B, and whether the difference
     is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
@@ -519,7 +545,7 @@ def compare(
     from headatlas.service.reports import queries
     from headatlas.service.reports.intervals import scheme_of
 
-    with _store(db).checked_read() as conn:
+    with _store(db, at).checked_read() as conn:
         a = _run(conn, run_a)
         bs = [_run(conn, run_b)] if run_b is not None else comparison.controls_of(conn, a)
         if not bs:
@@ -569,6 +595,7 @@ def query_roles(
     ),
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
     95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
@@ -577,7 +604,7 @@ def query_roles(
     from headatlas.service.reports import compare, roles
     from headatlas.service.reports.intervals import scheme_of
 
-    with _store(db).checked_read() as conn:
+    with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
         columns, rows = roles.roles(conn, r.run_id, stability=stability)
         offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
@@ -637,13 +664,14 @@ def sql(
         None, "--memory-limit", help="Memory the query may use, e.g. 2GB (default: a quarter of this machine's)."
     ),
     temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
+    at: int | None = AtOpt,
 ) -> None:
     """Run read-only SQL against the results (tables and views: see README)."""
     from headatlas.service.storage.readonly import run_readonly_sql
 
     text = sys.stdin.read() if statement == "-" else statement
     result = run_readonly_sql(
-        db, text, max_rows=max_rows, timeout_s=timeout, memory_limit=memory_limit, temp_limit=temp_limit
+        db, text, max_rows=max_rows, timeout_s=timeout, memory_limit=memory_limit, temp_limit=temp_limit, at=at
     )
     render(result.columns, result.rows, fmt, truncated=result.truncated)
 
@@ -667,21 +695,67 @@ def metrics(fmt: Format = FormatOpt) -> None:
 @db_app.command("upgrade")
 def db_upgrade(db: str = DbOpt) -> None:
     """Create the schema or apply pending migrations."""
+    from headatlas.service.storage.backends import label
     from headatlas.service.storage.db import upgrade
 
     before, after = upgrade(db)
-    stdout.print(f"{db}: schema {before or 'none'} → {after}")
+    stdout.print(f"{label(db)}: schema {before or 'none'} → {after}", markup=False)
 
 
 @db_app.command("current")
 def db_current(db: str = DbOpt) -> None:
     """Show the schema revision of the database and the one this headatlas needs."""
+    from headatlas.service.storage.backends import label
     from headatlas.service.storage.db import check_not_foreign, current_revision, head_revision, transaction
 
     with transaction(db, read_only=True) as conn:
         check_not_foreign(conn, db)
         current = current_revision(conn)
-    stdout.print(f"{db}: schema {current or 'none'}, needed {head_revision()}")
+    stdout.print(f"{label(db)}: schema {current or 'none'}, needed {head_revision()}", markup=False)
+
+
+@db_app.command("compact")
+def db_compact(
+    db: str = DbOpt,
+    keep_days: float = typer.Option(
+        7.0,
+        "--keep-days",
+        min=0,
+        help="A lake: keep the snapshots of the last N days (older ones expire: --at can no longer read them, and "
+        "the files only they used are deleted); 0 keeps the current one only.",
+    ),
+    fmt: Format = FormatOpt,
+) -> None:
+    """Compact the storage: a lake merges its small Parquet files and expires old snapshots (DuckLake's own
+    functions); a file is checkpointed."""
+    from headatlas.service.storage.backends import open_backend
+    from headatlas.service.storage.db import check_schema, transaction
+
+    backend = open_backend(db)
+    with transaction(backend, read_only=True) as conn:
+        check_schema(conn, backend)
+    done = backend.maintain(older_than_days=keep_days)
+    render(list(done), [tuple(done.values())], fmt, title=f"compacted {backend.label}")
+
+
+@db_app.command("copy")
+def db_copy(
+    src: str = typer.Argument(..., help="Source database: a file or a ducklake:… URL."),
+    dst: str = typer.Argument(..., help="Target: a new file, or a lake whose catalogue holds no runs yet."),
+    fmt: Format = FormatOpt,
+) -> None:
+    """Copy every run and schedule from one database to another (file → lake, lake → file, …), verified by
+    counting each table on both sides. With a lake, --data-path names where its files go."""
+    from headatlas.service.storage.backends import label
+    from headatlas.service.storage.copy import copy_database
+
+    copied = copy_database(src, dst)
+    render(
+        ["table", "source_rows", "target_rows"],
+        [(c.table, c.source, c.target) for c in copied],
+        fmt,
+        title=f"copied {label(src)} → {label(dst)}",
+    )
 
 
 @app.command()
@@ -696,7 +770,7 @@ def config() -> None:
 
 
 def _query(
-    db: str,
+    db: str | tuple[str, int | None],
     run: str | None,
     fmt: Format,
     query,
@@ -710,7 +784,8 @@ def _query(
     function, render its rows."""
     from headatlas.service.reports.intervals import scheme_of
 
-    with _store(db).checked_read() as conn:
+    where, at = db if isinstance(db, tuple) else (db, None)
+    with _store(where, at).checked_read() as conn:
         r = _run(conn, run)
         if check is not None:
             check(r)

@@ -16,11 +16,17 @@ from headatlas.service.params import AnalysisParams
 PARAMS = AnalysisParams(seq_len=32)
 
 
-def _analyze(store, corpus, model, batch_size: int = 2):
+def _analyze(store, corpus, model, batch_size: int = 2, flush_s: float = 10.0):
     from headatlas.service.engine.runner import analyze_corpus, survey_corpus
 
     return analyze_corpus(
-        str(corpus), store=store, model=model, params=PARAMS, corpus=survey_corpus(str(corpus)), batch_size=batch_size
+        str(corpus),
+        store=store,
+        model=model,
+        params=PARAMS,
+        corpus=survey_corpus(str(corpus)),
+        batch_size=batch_size,
+        flush_s=flush_s,
     )
 
 
@@ -235,3 +241,123 @@ def test_two_claims_of_one_fire_on_a_lake_make_one(lake):
             cadence=Cadence(None, 60, "UTC", now()),
             only_new=False,
         )
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from headatlas.cli.main import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "250", "NO_COLOR": "1"})
+
+
+def test_at_a_snapshot_reads_the_state_then_and_compaction_keeps_the_numbers(lake, tiny_model, small_corpus, tmp_path):
+    import json
+
+    import headatlas
+    from headatlas.service.storage.store import Store
+
+    store = Store(lake.url)
+    run = _analyze(store, small_corpus, tiny_model, flush_s=0.0)  # a commit (a snapshot) per batch
+    listed = json.loads(_cli("runs", "--db", lake.url, "-f", "json").stdout)
+    done_at = listed[0]["snapshot"]
+    with store.read() as conn:  # the snapshot that stored the run's first batch
+        first = conn.execute(text("SELECT min(snapshot_id) FROM batches WHERE status = 'done'")).scalar()
+    assert first < done_at
+    heads_now = _cli("query", "heads", "--db", lake.url, "-f", "json").stdout
+    # later commits: a second run, and the run's rows compacted into other files
+    other = tmp_path / "other.txt"
+    other.write_text("Another text. It has two sentences.\n", encoding="utf-8")
+    _analyze(store, other, tiny_model)
+    merged = _cli("db", "compact", "--db", lake.url, "--keep-days", "7", "-f", "json")
+    assert merged.exit_code == 0, merged.stderr
+    facts = json.loads(merged.stdout)[0]  # each table's small files merged, every snapshot kept
+    assert facts["files_after"] < facts["files_before"] and facts["snapshots_after"] >= facts["snapshots_before"]
+    # as of the run's end: the same numbers, one run; as of its first batch: that batch's windows only
+    assert (
+        _cli("query", "heads", "--run", str(run.run_id), "--db", lake.url, "--at", str(done_at), "-f", "json").stdout
+        == heads_now
+    )
+    assert json.loads(
+        _cli("sql", "SELECT count(*) AS n FROM runs", "--db", lake.url, "--at", str(done_at), "-f", "json").stdout
+    ) == [{"n": 1}]
+    assert len(json.loads(_cli("runs", "--db", lake.url, "-f", "json").stdout)) == 2
+    with Store(lake.url, at=first).checked_read() as conn:
+        early = conn.execute(text("SELECT windows FROM chance_totals WHERE run_id = :r"), {"r": run.run_id}).scalar()
+    with store.checked_read() as conn:
+        total = conn.execute(text("SELECT windows FROM chance_totals WHERE run_id = :r"), {"r": run.run_id}).scalar()
+    assert 0 < early < total
+    assert headatlas.connect(lake.url, at=done_at).runs().num_rows == 1
+    report = _cli("report", "--db", lake.url, "--at", str(done_at), "--out", str(tmp_path / "r.html"))
+    assert report.exit_code == 0 and f"snapshot {done_at}" in report.stdout
+    assert f"report --at {done_at}" in (tmp_path / "r.html").read_text(encoding="utf-8")
+    # a file keeps no snapshots: --at says so in one line
+    bad = _cli("query", "heads", "--db", str(tmp_path / "x.duckdb"), "--at", "3")
+    assert bad.exit_code == 2 and "keeps no snapshots" in bad.stderr
+
+    # compaction keeping no old snapshot: the same numbers; the old snapshots are gone
+    compacted = _cli("db", "compact", "--db", lake.url, "--keep-days", "0", "-f", "json")
+    assert compacted.exit_code == 0, compacted.stderr
+    facts = json.loads(compacted.stdout)[0]
+    assert facts["snapshots_after"] == 1 < facts["snapshots_before"]
+    assert _cli("query", "heads", "--run", str(run.run_id), "--db", lake.url, "-f", "json").stdout == heads_now
+    gone = _cli("query", "heads", "--db", lake.url, "--at", str(first))
+    assert gone.exit_code == 2 and f"--at {first}" in gone.stderr
+
+
+def test_db_copy_moves_every_run_and_schedule_file_to_lake_and_back(lake, tiny_model, small_corpus, tmp_path):
+    from headatlas.service.schedules import Cadence
+    from headatlas.service.storage import schedule_store
+    from headatlas.service.storage.store import Store, now
+
+    path, back = tmp_path / "f.duckdb", tmp_path / "back.duckdb"
+    run = _analyze(Store(path), small_corpus, tiny_model)
+    schedule_store.add(
+        path,
+        name="hourly",
+        corpus=str(small_corpus),
+        model="random:tiny",
+        dtype="float32",
+        batch_size=2,
+        params=PARAMS.to_dict(),
+        cadence=Cadence(None, 3600, "UTC", now()),
+        only_new=False,
+    )
+    heads = _cli("query", "heads", "--db", str(path), "-f", "json").stdout
+    for src, dst in ((str(path), lake.url), (lake.url, str(back))):
+        copied = _cli("db", "copy", src, dst, "-f", "json")
+        assert copied.exit_code == 0, copied.stderr
+        import json
+
+        counts = {r["table"]: (r["source_rows"], r["target_rows"]) for r in json.loads(copied.stdout)}
+        assert counts["runs"] == (1, 1) and counts["schedules"] == (1, 1) and counts["head_stats"][0] > 0
+        assert all(a == b for a, b in counts.values())
+        assert _cli("query", "heads", "--db", dst, "-f", "json").stdout == heads
+    # the copy hands out new ids after the copied ones, and refuses a target that holds runs
+    assert _analyze(Store(back), small_corpus, tiny_model).run_id == run.run_id  # the copied run, found by key
+    again = _cli("db", "copy", str(path), lake.url)
+    assert again.exit_code == 2 and "already holds runs" in again.stderr
+
+
+def test_a_catalogue_password_is_never_printed(lake, tiny_model, small_corpus, tmp_path, caplog):
+    from dataclasses import replace
+
+    from headatlas.service.storage.store import Store
+
+    secret = "s3cr3t-Pa55"
+    with_password = replace(lake, password=secret)  # trust authentication here: taken and ignored
+    _analyze(Store(with_password.url), small_corpus, tiny_model)
+    outputs = [
+        _cli("runs", "--db", with_password.url),
+        _cli("db", "current", "--db", with_password.url),
+        _cli("db", "upgrade", "--db", with_password.url),
+        _cli("query", "heads", "--db", with_password.url),
+        _cli("runs", "--db", with_password.url.replace(lake.name, "ha_test_no_such_db")),  # fails to connect
+        _cli("query", "heads", "--db", with_password.url, "--at", "999999"),
+    ]
+    assert outputs[0].exit_code == 0 and "password=***" in outputs[1].stdout
+    assert outputs[4].exit_code == 2 and "ha_test_no_such_db" in outputs[4].stderr
+    for result in outputs:
+        assert secret not in result.stdout + result.stderr
+    assert secret not in caplog.text
+    assert secret not in str(Store(with_password.url).backend) and secret not in repr(Store(with_password.url).backend)

@@ -30,6 +30,13 @@ RUN_COLUMNS = (
 )
 
 
+# DuckLake's virtual column snapshot_id: the snapshot that wrote the row
+LAST_SNAPSHOT = (
+    "greatest(r.snapshot_id, (SELECT max(b.snapshot_id) FROM batches b WHERE b.run_id = r.run_id), "
+    "(SELECT max(p.snapshot_id) FROM probe_scores p WHERE p.run_id = r.run_id))"
+)
+
+
 def run_columns(conn: Connection) -> str:
     """RUN_COLUMNS for ``SELECT … FROM runs``: on a lake, compute_s is the sum over the run's
     stored batches (``LAKE_COMPUTE_S``), which ingest does not add to the run's row."""
@@ -107,6 +114,10 @@ class Store:
     def checked_read(self):
         """A read transaction on a database whose schema is current."""
         return db.checked_read(self.backend, at=self.at)
+
+    def snapshot(self, conn: Connection) -> int | None:
+        """The snapshot a read transaction of this store sees (None: a file, which keeps none)."""
+        return self.backend.snapshot_of(conn)
 
     # --- runs -----------------------------------------------------------------------------
     def find_or_create_run(
@@ -206,13 +217,17 @@ class Store:
 
     def list_runs(self) -> list[dict]:
         with self.checked_read() as conn:
-            compute = "r.compute_s" if db.has_keys(conn) else f"greatest(r.compute_s, {LAKE_COMPUTE_S.format(t='r')})"
+            keys = db.has_keys(conn)
+            compute = "r.compute_s" if keys else f"greatest(r.compute_s, {LAKE_COMPUTE_S.format(t='r')})"
+            # a lake: the last snapshot that changed the run (its row, its ledger, its probe): what
+            # `--at` reads to see the run as it is now
+            snapshot = "" if keys else f", {LAST_SNAPSHOT} AS snapshot"
             rows = (
                 conn.execute(
                     text(
                         "SELECT r.run_id, r.name, r.status, r.model_name AS model, r.corpus, "
                         f"coalesce(c.windows, 0) AS windows, {compute} AS compute_s, r.wall_s, r.created_at, "
-                        "r.finished_at FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
+                        f"r.finished_at{snapshot} FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
                     )
                 )
                 .mappings()

@@ -25,6 +25,13 @@ from sqlalchemy.engine import Connection
 NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
 
 
+def duckdb_config(**settings: Any) -> dict[str, Any]:
+    """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
+    downloads, and the shipped extensions findable (``LOAD ducklake`` on any connection)."""
+    folder = extension_directory()
+    return {**NO_DOWNLOADS, **({"extension_directory": folder} if folder else {}), **settings}
+
+
 def extension_directory() -> str | None:
     """The folder of the DuckDB extension binaries shipped on PyPI (``duckdb_ext/extensions``),
     or None when the wheels are not installed."""

@@ -23,7 +23,7 @@ from sqlalchemy.pool import NullPool
 
 from headatlas.service.errors import DatabaseFileError, StoreBusy
 from headatlas.service.storage import dbfile
-from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend
+from headatlas.service.storage.backends.base import Backend, duckdb_config
 from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, READONLY_CONFIG, retry_on_lock
 
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
@@ -68,7 +68,7 @@ class FileBackend(Backend):
 
     def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
-        return duckdb.connect(str(self.path.absolute()), read_only=read_only, config={**NO_DOWNLOADS, **(config or {})})
+        return duckdb.connect(str(self.path.absolute()), read_only=read_only, config=duckdb_config(**(config or {})))
 
     def engine(self, *, read_only: bool = False) -> Engine:
         from duckdb_engine import ConnectionWrapper

@@ -34,7 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError
-from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, extension_directory
+from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
 from headatlas.service.storage.readonly import READONLY_CONFIG, retry_on_lock
 
 PREFIX = "ducklake:"
@@ -260,9 +260,7 @@ class LakeBackend(Backend):
     ) -> duckdb.DuckDBPyConnection:
         """A new DuckDB instance with the lake attached as ``lake`` (and made the default)."""
         self.check(write=not read_only)
-        folder = extension_directory()
-        settings: dict[str, Any] = {**NO_DOWNLOADS, "extension_directory": folder, **(config or {})}
-        connection = duckdb.connect(config=settings)
+        connection = duckdb.connect(config=duckdb_config(**(config or {})))
         try:
             self.prepare_connection(connection)
             for statement in self.attach_sql(ALIAS, read_only=read_only, at=at):
