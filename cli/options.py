@@ -31,8 +31,7 @@ def setting(name: str, *decls: str, help: str, **kwargs) -> Any:  # noqa: A002 -
 Db = setting(
     "db",
     "--db",
-    help="Results database: a DuckDB file, or a lake: ducklake:postgres:dbname=NAME host=HOST … (catalogue in "
-    "PostgreSQL, data under --data-path) or ducklake:FILE.ducklake.",
+    help="Results database: a DuckDB file, or a lake (ducklake:postgres:dbname=… host=…, ducklake:FILE.ducklake).",
 )
 Broker = setting("broker_url", "--broker", help="Redis URL of the queue.")
 At = typer.Option(

@@ -309,8 +309,8 @@ def report(
     db: str = DbOpt,
     at: int | None = options.At,
 ) -> None:
-    """One self-contained HTML page about a run: parameters, figures, head table, top anchors (on a lake, as of
-    one snapshot, named on the page: `--at` it reproduces the same numbers later)."""
+    """One self-contained HTML page about a run: parameters, figures, head table, top anchors (on a lake: as of one
+    snapshot, named on the page; `--at` it gives the same numbers later)."""
     from headatlas.service.reports.report import write_report
     from headatlas.service.storage.store import Store, resolve_run
 
