@@ -68,8 +68,9 @@ def test_compose_services_and_settings():
     # profile lake: PostgreSQL holds the catalogue, a volume the Parquet files, and several writers store
     lake = services["writer-lake"]
     assert services["postgres"]["profiles"] == lake["profiles"] == ["lake"]
-    assert lake["environment"]["HEADATLAS_DB"].startswith("ducklake:postgres:") and "host=postgres" in (
-        lake["environment"]["HEADATLAS_DB"]
+    assert (
+        lake["environment"]["HEADATLAS_DB"].startswith("ducklake:postgres:")
+        and "host=postgres" in (lake["environment"]["HEADATLAS_DB"])
     )
     assert lake["environment"]["HEADATLAS_DATA_PATH"] == "/lake/" and "lake-data:/lake" in lake["volumes"]
     assert lake["deploy"]["replicas"] > 1 and "postgres" in lake["depends_on"]

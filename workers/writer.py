@@ -41,7 +41,7 @@ from headatlas.service.engine.results import (
 )  # numpy only: importing torch here cost seconds inside the first transaction
 from headatlas.service.errors import HeadatlasError, StoreBusy, StoreConflict, StoreError, WriterConflict
 from headatlas.service.storage import queue_store
-from headatlas.service.storage.store import Store, ingest_batches, reserve_batches, store_probe
+from headatlas.service.storage.store import Store, ingest_batch_ids, ingest_batches, reserve_batches, store_probe
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HEARTBEAT_S, HELPER, SILENT_S, WriterLease, broker_epoch, holder
 from headatlas.workers.ledger import HELPER_PROCESSING, INGEST, PROCESSING, Ledger, connect, processing_lists
@@ -532,7 +532,7 @@ class Writer:
         try:
             try:
                 with self.store.write() as conn:
-                    outcomes = [self._apply(conn, m, run_id) for m, run_id in known]
+                    outcomes = self._apply_group(conn, known)
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
                     summaries = {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
@@ -602,6 +602,32 @@ class Writer:
                     queue_store.finish_if_complete(conn, run_id)
                 outcome = (True if changed else None, 0)
             outcomes.append(outcome)
+        return outcomes
+
+    def _apply_group(self, conn: Connection, known) -> list[tuple[bool | None, int]]:
+        """The group's outcomes, as ``_apply`` message by message would give them, with each
+        run's batches stored by one insert per table (a lake writes a Parquet file per insert
+        and table). A batch any database would refuse raises: the group is then stored one by
+        one. Failures are recorded after the stores (never over a stored batch either way)."""
+        outcomes: list[tuple[bool | None, int]] = [(None, 0)] * len(known)
+        by_run: dict[int, list[tuple[int, dict]]] = {}
+        for i, (msg, run_id) in enumerate(known):
+            if msg["kind"] == "ingest":
+                by_run.setdefault(run_id, []).append((i, msg))
+        for run_id, entries in by_run.items():
+            results = {}
+            for _i, msg in entries:
+                if msg["batch_id"] not in results:
+                    results[msg["batch_id"]] = BatchResult.from_bytes(base64.b64decode(msg["payload"]))
+            stored = set(ingest_batch_ids(conn, run_id, list(results.items())))
+            for i, msg in entries:
+                batch_id = msg["batch_id"]
+                counted = batch_id in stored
+                stored.discard(batch_id)  # a second delivery in the group counts nothing
+                outcomes[i] = (False, len(results[batch_id].window_ids) if counted else 0)
+        for i, (msg, run_id) in enumerate(known):
+            if msg["kind"] == "failed":
+                outcomes[i] = self._apply(conn, msg, run_id)
         return outcomes
 
     def _apply(self, conn: Connection, msg: dict, run_id: int) -> tuple[bool | None, int]:

@@ -398,7 +398,17 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
     """Store batch results inside the caller's transaction; a batch already stored is skipped.
     On a lake each batch must hold a ledger row from an earlier transaction (``reserve_batches``;
     else ``Unreserved``): its rows are deleted here, which is what makes a concurrent store of
-    the same batch conflict."""
+    the same batch conflict. Returns the number of batches newly stored."""
+    return len(ingest_batch_ids(conn, run_id, items))
+
+
+def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> list[int]:
+    """``ingest_batches``, returning the ids of the batches newly stored. A batch id given twice
+    is stored once (its first result)."""
+    first: dict[int, BatchResult] = {}
+    for batch_id, res in items:
+        first.setdefault(batch_id, res)
+    items = list(first.items())
     keys = db.has_keys(conn)
     ledger = conn.execute(
         text(
@@ -410,7 +420,7 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
     done = {b for b, status in ledger if status == "done"}
     fresh = [(b, res) for b, res in items if b not in done]
     if not fresh:
-        return 0
+        return []
     fresh_ids = [b for b, _ in fresh]
     if not keys:
         held = {b for b, status in ledger if status != "done"}
@@ -488,7 +498,7 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
     finally:
         for name in tables:
             raw.unregister(f"_in_{name}")
-    return len(fresh)
+    return fresh_ids
 
 
 def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:
