@@ -41,9 +41,13 @@ def _keys(connection) -> bool:
     given = context.config.attributes.get("keys")
     if given is not None:
         return bool(given)
+    began = connection.in_transaction()
     kind = connection.execute(
         text("SELECT type FROM duckdb_databases() WHERE database_name = current_database()")
     ).scalar()
+    if not began and connection.in_transaction():
+        connection.commit()  # the question's own transaction: alembic begins the migrations' own
+    context.config.attributes["keys"] = kind != "ducklake"
     return kind != "ducklake"
 
 

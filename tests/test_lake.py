@@ -77,6 +77,30 @@ def test_a_lake_gets_the_schema_a_file_gets(lake, tmp_path):
     assert db.upgrade(backend) == (db.head_revision(), db.head_revision())  # an upgrade of a current lake
 
 
+def test_a_lake_made_by_an_older_headatlas_is_upgraded_to_the_head(lake_template, tmp_path, monkeypatch):
+    import lake_support
+    from alembic import command
+
+    from headatlas.service.storage import db
+
+    older = lake_support.new_lake(tmp_path)  # an empty catalogue
+    monkeypatch.setenv("HEADATLAS_DATA_PATH", str(older.data_path))
+    try:
+        backend = older.backend()
+        with backend.session() as conn:  # the schema as 0008 left it, views of 0006 included
+            config = db._alembic_config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0008_replicates")
+            conn.commit()
+        with pytest.raises(StoreError, match="db upgrade"):
+            with db.checked_read(backend):
+                pass
+        assert db.upgrade(backend) == ("0008_replicates", db.head_revision())
+        assert _shape(backend) == _shape(lake_template.backend())
+    finally:
+        lake_support.remove_lake(older)
+
+
 def test_an_embedded_run_on_a_lake_stores_and_reads_what_a_file_does(lake, tiny_model, small_corpus, tmp_path):
     import headatlas
     from headatlas.service.reports import queries

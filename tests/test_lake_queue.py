@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import run_cli
 from queue_support import (
     Cluster,
     RedisServer,
@@ -107,6 +108,8 @@ def test_a_run_stored_by_two_writers_equals_the_embedded_run_while_a_reader_hold
     assert_new_columns_present(cluster.db, run_id)
     assert_same_statistics(queued, embedded)
     assert_counted_once(cluster.db, run_id)
+    status = run_cli("status", submitted[0], "--format", "json", env=cluster.env)
+    assert status.returncode == 0 and '"done"' in status.stdout, status.stderr
     logs = cluster.logs()
     assert "storing beside it" in logs  # the second writer joined the first
     assert "Traceback" not in logs
