@@ -761,9 +761,12 @@ def db_copy(
 @app.command()
 def config() -> None:
     """Show the settings read from HEADATLAS_* environment variables."""
+    from headatlas.service.storage.backends import label
+
     current = Settings.from_env()
+    shown = {"HEADATLAS_DB": label}  # a lake's catalogue password is never printed
     rows = [
-        (var, str(getattr(current, var[len("HEADATLAS_") :].lower())), default, text)
+        (var, shown.get(var, str)(getattr(current, var[len("HEADATLAS_") :].lower())), default, text)
         for var, default, text in Settings.help()
     ]
     render(["variable", "value", "default", "meaning"], rows, Format.table)

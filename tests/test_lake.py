@@ -267,12 +267,12 @@ def test_two_claims_of_one_fire_on_a_lake_make_one(lake):
         )
 
 
-def _cli(*args: str):
+def _cli(*args: str, env: dict | None = None):
     from typer.testing import CliRunner
 
     from headatlas.cli.main import app
 
-    return CliRunner().invoke(app, list(args), env={"COLUMNS": "250", "NO_COLOR": "1"})
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "250", "NO_COLOR": "1", **(env or {})})
 
 
 def test_at_a_snapshot_reads_the_state_then_and_compaction_keeps_the_numbers(lake, tiny_model, small_corpus, tmp_path):
@@ -306,6 +306,8 @@ def test_at_a_snapshot_reads_the_state_then_and_compaction_keeps_the_numbers(lak
         _cli("sql", "SELECT count(*) AS n FROM runs", "--db", lake.url, "--at", str(done_at), "-f", "json").stdout
     ) == [{"n": 1}]
     assert len(json.loads(_cli("runs", "--db", lake.url, "-f", "json").stdout)) == 2
+    compared = _cli("compare", "1", "2", "--db", lake.url, "-f", "json")
+    assert compared.exit_code == 0 and json.loads(compared.stdout), compared.stderr
     with Store(lake.url, at=first).checked_read() as conn:
         early = conn.execute(text("SELECT windows FROM chance_totals WHERE run_id = :r"), {"r": run.run_id}).scalar()
     with store.checked_read() as conn:
@@ -378,6 +380,7 @@ def test_a_catalogue_password_is_never_printed(lake, tiny_model, small_corpus, t
         _cli("query", "heads", "--db", with_password.url),
         _cli("runs", "--db", with_password.url.replace(lake.name, "ha_test_no_such_db")),  # fails to connect
         _cli("query", "heads", "--db", with_password.url, "--at", "999999"),
+        _cli("config", env={"HEADATLAS_DB": with_password.url}),
     ]
     assert outputs[0].exit_code == 0 and "password=***" in outputs[1].stdout
     assert outputs[4].exit_code == 2 and "ha_test_no_such_db" in outputs[4].stderr

@@ -261,7 +261,7 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
             if local is not None and local != other.database_id:
                 raise WriterConflict(
                     f"--db {backend.label} is database {local[:8]}, but the writer on {broker_url} stores into "
-                    f"{other.describe()}: pass --db {other.db}, or stop that writer and start one on {db}; "
+                    f"{other.describe()}: pass --db {other.db}, or stop that writer and start one on {backend.label}; "
                     "nothing was queued"
                 )
             return other.database_id
