@@ -35,6 +35,7 @@ class Commands(TyperGroup):
 
     def parse_args(self, ctx, args):
         args = list(args)
+        _take_data_path(args)
         for i in reversed(range(len(args))):
             if args[i] in self.OPTIONAL_VALUES and (i + 1 == len(args) or not args[i + 1].isdigit()):
                 args.insert(i + 1, self.OPTIONAL_VALUES[args[i]])
@@ -55,6 +56,23 @@ class Commands(TyperGroup):
         except KeyboardInterrupt:
             error(INTERRUPTED)
             raise SystemExit(130) from None
+
+
+def _take_data_path(args: list[str]) -> None:
+    """``--data-path DIR`` anywhere on the command line (before or after the command, as users
+    write ``--db``): it names where the lakes this command opens keep their files, so it becomes
+    HEADATLAS_DATA_PATH for the command and its children."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        if arg == "--data-path" and i + 1 < len(args):
+            os.environ["HEADATLAS_DATA_PATH"] = args[i + 1]
+            del args[i : i + 2]
+            return
+        if arg.startswith("--data-path="):
+            os.environ["HEADATLAS_DATA_PATH"] = arg.split("=", 1)[1]
+            del args[i]
+            return
 
 
 app = typer.Typer(
@@ -119,7 +137,8 @@ def _main(
         "--data-path",
         envvar="HEADATLAS_DATA_PATH",
         help="Where a lake (--db ducklake:…) keeps its Parquet files: a folder or a shared mount, as this machine "
-        "sees it; needed when a lake is created (it is recorded there), and on hosts that mount it elsewhere.",
+        "sees it; needed when a lake is created (it is recorded there), and on hosts that mount it elsewhere. "
+        "Taken anywhere on the command line.",
     ),
 ) -> None:
     """headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable."""

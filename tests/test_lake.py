@@ -374,7 +374,7 @@ def test_a_catalogue_password_is_never_printed(lake, tiny_model, small_corpus, t
     with_password = replace(lake, password=secret)  # trust authentication here: taken and ignored
     _analyze(Store(with_password.url), small_corpus, tiny_model)
     outputs = [
-        _cli("runs", "--db", with_password.url),
+        _cli("runs", "--db", with_password.url, "--data-path", str(lake.data_path)),  # a global option, here too
         _cli("db", "current", "--db", with_password.url),
         _cli("db", "upgrade", "--db", with_password.url),
         _cli("query", "heads", "--db", with_password.url),
