@@ -51,6 +51,7 @@ class Commands(TyperGroup):
 
     def parse_args(self, ctx, args):
         args = list(args)
+        _take_data_path(args)
         for i in reversed(range(len(args))):
             if args[i] in self.OPTIONAL_VALUES and (i + 1 == len(args) or not args[i + 1].isdigit()):
                 args.insert(i + 1, self.OPTIONAL_VALUES[args[i]])
@@ -83,6 +84,23 @@ class Interrupted(SystemExit):
     """Ctrl-C, said and handled: what was finished is stored and every file is closed."""
 
 
+def _take_data_path(args: list[str]) -> None:
+    """``--data-path DIR`` anywhere on the command line (before or after the command, as users
+    write ``--db``): it names where the lakes this command opens keep their files, so it becomes
+    HEADATLAS_DATA_PATH for the command and its children."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        if arg == "--data-path" and i + 1 < len(args):
+            os.environ["HEADATLAS_DATA_PATH"] = args[i + 1]
+            del args[i : i + 2]
+            return
+        if arg.startswith("--data-path="):
+            os.environ["HEADATLAS_DATA_PATH"] = arg.split("=", 1)[1]
+            del args[i]
+            return
+
+
 app = typer.Typer(
     cls=Commands,
     help="headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable.",
@@ -97,7 +115,7 @@ app.add_typer(query_app, name="query")
 app.add_typer(db_app, name="db")
 app.add_typer(run_commands.runs_app, name="runs")  # list, rename, delete, tag
 
-DbOpt, RunOpt, FormatOpt, CiOpt = options.Db, options.Run, options.Fmt, options.Ci
+DbOpt, RunOpt, FormatOpt, CiOpt, AtOpt = options.Db, options.Run, options.Fmt, options.Ci, options.At
 ColumnsOpt, WideOpt = options.Columns, options.Wide
 
 
@@ -137,10 +155,26 @@ LAYER_TABLE = [
 ]
 
 
-def _store(db: str):
+def _store(db: str, at: int | None = None):
     from headatlas.service.storage.store import Store
 
-    return Store(db)
+    return Store(db, at=at)
+
+
+@app.callback()
+def _main(
+    data_path: str | None = typer.Option(
+        None,
+        "--data-path",
+        envvar="HEADATLAS_DATA_PATH",
+        help="Where a lake (--db ducklake:…) keeps its Parquet files: a folder or a shared mount, as this machine "
+        "sees it; needed when a lake is created (it is recorded there), and on hosts that mount it elsewhere. "
+        "Taken anywhere on the command line.",
+    ),
+) -> None:
+    """headatlas: what the attention heads of a transformer do, at corpus scale, stored and queryable."""
+    if data_path:
+        os.environ["HEADATLAS_DATA_PATH"] = data_path  # every lake this command (and its children) opens
 
 
 # --- analysis ---------------------------------------------------------------------------------
@@ -395,6 +429,7 @@ def query_heads(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
     each against its chance. A table shows the main columns (--columns picks, --wide shows all;
@@ -407,7 +442,7 @@ def query_heads(
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
     _query(
-        db,
+        (db, at),
         run,
         fmt,
         queries.heads,
@@ -439,6 +474,7 @@ def query_distances(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
     from headatlas.service.errors import ParameterError
@@ -448,7 +484,7 @@ def query_distances(
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
     if split not in (None, "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
-    store = _store(db)
+    store = _store(db, at)
     with store.checked_read() as conn:
         r = _run(conn, run)
         _check_layer_head(r, layer, head)
@@ -486,13 +522,14 @@ def query_boundaries(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform."""
     from headatlas.service.reports import queries
 
     _query(
-        db,
+        (db, at),
         run,
         fmt,
         queries.boundaries,
@@ -511,13 +548,14 @@ def query_layers(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Per layer summary: the progression from early to final layers. A table shows the main
     columns (--columns picks, --wide shows all); --format json/csv has all."""
     from headatlas.service.reports import queries
 
     _query(
-        db,
+        (db, at),
         run,
         fmt,
         queries.layers,
@@ -542,6 +580,7 @@ def query_mixing(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
     from headatlas.service.reports import queries
@@ -549,7 +588,7 @@ def query_mixing(
     what = f"layer {layer} heads" if layer is not None else "per layer"
     check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
     _query(
-        db,
+        (db, at),
         run,
         fmt,
         queries.mixing,
@@ -572,11 +611,12 @@ def query_discrepancy(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
     from headatlas.service.reports import queries
 
-    store = _store(db)
+    store = _store(db, at)
     with store.checked_read() as conn:
         r = _run(conn, run)
         names, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
@@ -608,6 +648,7 @@ def compare(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """Two runs side by side per layer (or head): both values, A − B, and whether the difference
     is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
@@ -616,7 +657,7 @@ def compare(
     from headatlas.service.reports import queries
     from headatlas.service.reports.intervals import scheme_of
 
-    with _store(db).checked_read() as conn:
+    with _store(db, at).checked_read() as conn:
         a = _run(conn, run_a)
         bs = [_run(conn, run_b)] if run_b is not None else comparison.controls_of(conn, a)
         if not bs:
@@ -673,6 +714,7 @@ def query_roles(
     wide: bool = WideOpt,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
 ) -> None:
     """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
     95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
@@ -681,7 +723,7 @@ def query_roles(
     from headatlas.service.reports import compare, roles
     from headatlas.service.reports.intervals import scheme_of
 
-    with _store(db).checked_read() as conn:
+    with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
         names, rows = roles.roles(conn, r.run_id, stability=stability)
         offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
@@ -750,13 +792,14 @@ def sql(
         None, "--memory-limit", help="Memory the query may use, e.g. 2GB (default: a quarter of this machine's)."
     ),
     temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
+    at: int | None = AtOpt,
 ) -> None:
     from headatlas.service.storage.readonly import run_readonly_sql
 
     text = sys.stdin.read() if statement == "-" else statement
     run_id = None
     if run is not None:
-        with _store(db).checked_read() as conn:
+        with _store(db, at).checked_read() as conn:
             run_id = _run(conn, run).run_id
     result = run_readonly_sql(
         db,
@@ -766,6 +809,7 @@ def sql(
         memory_limit=memory_limit,
         temp_limit=temp_limit,
         run_id=run_id,
+        at=at,
     )
     render(result.columns, result.rows, fmt, truncated=result.truncated)
     if run is None and fmt == Format.table and result.runs > 1 and "run_id" not in text.lower():
@@ -793,36 +837,85 @@ def metrics(fmt: Format = FormatOpt) -> None:
 @db_app.command("upgrade")
 def db_upgrade(db: str = DbOpt) -> None:
     """Create the schema or apply pending migrations."""
+    from headatlas.service.storage.backends import label
     from headatlas.service.storage.db import upgrade
 
     before, after = upgrade(db)
-    stdout.print(f"{db}: schema {before or 'none'} → {after}")
+    stdout.print(f"{label(db)}: schema {before or 'none'} → {after}", markup=False)
 
 
 @db_app.command("current")
 def db_current(db: str = DbOpt) -> None:
     """Show the schema revision of the database and the one this headatlas needs."""
+    from headatlas.service.storage.backends import label
     from headatlas.service.storage.db import check_not_foreign, current_revision, head_revision, transaction
 
     with transaction(db, read_only=True) as conn:
         check_not_foreign(conn, db)
         current = current_revision(conn)
-    stdout.print(f"{db}: schema {current or 'none'}, needed {head_revision()}")
+    stdout.print(f"{label(db)}: schema {current or 'none'}, needed {head_revision()}", markup=False)
+
+
+@db_app.command("compact")
+def db_compact(
+    db: str = DbOpt,
+    keep_days: float = typer.Option(
+        7.0,
+        "--keep-days",
+        min=0,
+        help="A lake: keep the snapshots of the last N days (older ones expire: --at can no longer read them, and "
+        "the files only they used are deleted); 0 keeps the current one only.",
+    ),
+    fmt: Format = FormatOpt,
+) -> None:
+    """Compact the storage: a lake merges its small Parquet files and expires old snapshots (DuckLake's own
+    functions); a file is checkpointed."""
+    from headatlas.service.storage.backends import open_backend
+    from headatlas.service.storage.db import check_schema, transaction
+
+    backend = open_backend(db)
+    with transaction(backend, read_only=True) as conn:
+        check_schema(conn, backend)
+    done = backend.maintain(older_than_days=keep_days)
+    render(list(done), [tuple(done.values())], fmt, title=f"compacted {backend.label}")
+
+
+@db_app.command("copy")
+def db_copy(
+    src: str = typer.Argument(..., help="Source database: a file or a ducklake:… URL."),
+    dst: str = typer.Argument(..., help="Target: a new file, or a lake whose catalogue holds no runs yet."),
+    fmt: Format = FormatOpt,
+) -> None:
+    """Copy every run and schedule from one database to another (file → lake, lake → file, …), verified by
+    counting each table on both sides. With a lake, --data-path names where its files go."""
+    from headatlas.service.storage.backends import label
+    from headatlas.service.storage.copy import copy_database
+
+    copied = copy_database(src, dst)
+    render(
+        ["table", "source_rows", "target_rows"],
+        [(c.table, c.source, c.target) for c in copied],
+        fmt,
+        title=f"copied {label(src)} → {label(dst)}",
+    )
 
 
 @app.command()
 def config() -> None:
     """Show the settings read from HEADATLAS_* environment variables."""
+    from headatlas.service.storage.backends import label
+
     current = Settings.from_env()
+    shown = {"HEADATLAS_DB": label}  # a lake's catalogue password is never printed
     rows = [
-        (var, str(getattr(current, var[len("HEADATLAS_") :].lower())), default, text)
+        (var, shown.get(var, str)(getattr(current, var[len("HEADATLAS_") :].lower())), default, text)
         for var, default, text in Settings.help()
     ]
     render(["variable", "value", "default", "meaning"], rows, Format.table)
 
 
 def _query(
-    db: str,
+    db: str | tuple[str, int | None],
     run: str | None,
     fmt: Format,
     query,
@@ -838,7 +931,8 @@ def _query(
     function, render its rows (``view``, ``pinned``: see ``render_metrics``)."""
     from headatlas.service.reports.intervals import scheme_of
 
-    with _store(db).checked_read() as conn:
+    where, at = db if isinstance(db, tuple) else (db, None)
+    with _store(where, at).checked_read() as conn:
         r = _run(conn, run)
         if check is not None:
             check(r)

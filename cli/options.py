@@ -28,8 +28,20 @@ def setting(name: str, *decls: str, help: str, **kwargs) -> Any:  # noqa: A002 -
     return typer.Option(Settings.default(name), *decls, envvar=f"HEADATLAS_{name.upper()}", help=help, **kwargs)
 
 
-Db = setting("db", "--db", help="DuckDB results file.")
+Db = setting(
+    "db",
+    "--db",
+    help="Results database: a DuckDB file, or a lake (ducklake:postgres:dbname=… host=…, ducklake:FILE.ducklake).",
+)
 Broker = setting("broker_url", "--broker", help="Redis URL of the queue.")
+At = typer.Option(
+    None,
+    "--at",
+    min=0,
+    metavar="SNAPSHOT",
+    help="Read the database as of this snapshot (a lake: every commit is one; `headatlas runs` shows each run's "
+    "last), so that numbers taken later are the same.",
+)
 Run = typer.Option(
     None, "--run", "-r", help="Run id, name or alias (default: the latest finished run, controls aside)."
 )

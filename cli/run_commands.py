@@ -40,10 +40,10 @@ def resolve(conn, ref: str | int | None):
     return run
 
 
-def _store(db: str):
+def _store(db: str, at: int | None = None):
     from headatlas.service.storage.store import Store
 
-    return Store(db)
+    return Store(db, at=at)
 
 
 @runs_app.callback()
@@ -54,18 +54,22 @@ def runs(
     wide: bool = options.Wide,
     db: str = options.Db,
     fmt: Format = options.Fmt,
+    at: int | None = options.At,
 ) -> None:
-    """List the stored runs, with their aliases and tags (names that --run also takes: aliases)."""
+    """List the stored runs, with their aliases and tags (names that --run also takes: aliases); on
+    a lake with each run's last snapshot (`--at SNAPSHOT` reads that state again)."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = _store(db).list_runs(tags=tuple(tag))
+    rows = _store(db, at).list_runs(tags=tuple(tag))
+    columns_all = [*COLUMNS[:3], "snapshot", *COLUMNS[3:]] if rows and "snapshot" in rows[0] else COLUMNS
+    table_all = [*TABLE[:3], "snapshot", *TABLE[3:]] if rows and "snapshot" in rows[0] else TABLE
     labelled = any(r["aliases"] or r["tags"] for r in rows)
     if fmt == Format.table:  # lists read as text in a table
         rows = [{**r, "aliases": ", ".join(r["aliases"]), "tags": ", ".join(r["tags"])} for r in rows]
-    table = TABLE if labelled else [c for c in TABLE if c not in ("aliases", "tags")]
+    table = table_all if labelled else [c for c in table_all if c not in ("aliases", "tags")]
     render(
-        COLUMNS,
-        [tuple(r[c] for c in COLUMNS) for r in rows],
+        columns_all,
+        [tuple(r[c] for c in columns_all) for r in rows],
         fmt,
         view=TableView.of(columns, wide),
         table_columns=table,

@@ -308,16 +308,21 @@ def report(
         Path("report.html"), "--out", "-o", help="Output HTML file (self-contained); a folder gets report.html in it."
     ),
     db: str = DbOpt,
+    at: int | None = options.At,
 ) -> None:
-    """One self-contained HTML page about a run: parameters, figures, head table, top anchors."""
+    """One self-contained HTML page about a run: parameters, figures, head table, top anchors (on a lake: as of one
+    snapshot, named on the page; `--at` it gives the same numbers later)."""
     from headatlas.cli.run_commands import resolve
     from headatlas.service.reports.report import write_report
     from headatlas.service.storage.store import Store
 
-    with Store(db).checked_read() as conn:
+    store = Store(db, at=at)
+    with store.checked_read() as conn:
         r = resolve(conn, run)
-        path = write_report(conn, r, out)
-    stdout.print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KB): run {r.run_id} ({r.name})")
+        snapshot = store.snapshot(conn)
+        path = write_report(conn, r, out, snapshot=snapshot)
+    where = f", snapshot {snapshot}" if snapshot is not None else ""
+    stdout.print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KB): run {r.run_id} ({r.name}){where}")
 
 
 def export(
@@ -325,11 +330,12 @@ def export(
     fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", "-f", help="parquet or csv."),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (created; files in it are replaced)."),
     db: str = DbOpt,
+    at: int | None = options.At,
 ) -> None:
     """Every table of a run as Parquet or CSV files (one per table) plus manifest.json."""
     from headatlas.service.reports.export import export_run
 
-    r, tables = export_run(db, run, fmt.value, out)
+    r, tables = export_run(db, run, fmt.value, out, at=at)
     for t in tables:
         stdout.print(f"{t.path}  {t.rows:,} rows")
     stdout.print(f"run {r.run_id} ({r.name}): {len(tables)} tables in {out} (manifest.json lists them)")

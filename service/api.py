@@ -216,17 +216,20 @@ def _cell(value) -> str:
 
 
 @_in_python_terms
-def connect(db: str | Path | None = None) -> Atlas:
-    """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``). A missing file
-    raises FileNotFoundError."""
+def connect(db: str | Path | None = None, *, data_path: str | Path | None = None, at: int | None = None) -> Atlas:
+    """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``): a file, or a lake
+    (``ducklake:postgres:dbname=… host=…``; ``data_path``: this machine's mount of its files,
+    default HEADATLAS_DATA_PATH or what the lake recorded). ``at``: read it as of that snapshot
+    (a lake; ``runs()`` shows each run's last one), so that numbers taken later are the same. A
+    missing database raises FileNotFoundError."""
     from headatlas.service.config import Settings
 
-    path = Path(db if db is not None else Settings.from_env().db)
-    if not path.exists():
+    store = Store(db if db is not None else Settings.from_env().db, data_path=data_path, at=at)
+    if not store.backend.exists():
         raise DatabaseNotFound(
-            f"no database at {path}: analyse a corpus into it first (headatlas.analyze(corpus, db=...))"
+            f"no database at {store.backend.label}: analyse a corpus into it first (headatlas.analyze(corpus, db=...))"
         )
-    return Atlas(Store(path))
+    return Atlas(store)
 
 
 @dataclass(frozen=True, repr=False)
@@ -236,7 +239,7 @@ class Atlas:
     store: Store
 
     def __repr__(self) -> str:
-        return f"<Atlas {str(self.store.path)!r}>"
+        return f"<Atlas {str(self.store.backend.label)!r}>"
 
     @_in_python_terms
     def runs(self) -> Table:
@@ -262,7 +265,9 @@ class Atlas:
 def _sql(store: Store, statement: str, *, max_rows: int, timeout_s: float, run_id: int | None) -> Table:
     from headatlas.service.storage.readonly import run_readonly_sql
 
-    result = run_readonly_sql(store.path, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=run_id)
+    result = run_readonly_sql(
+        store.backend, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=run_id, at=store.at
+    )
     notes = [f"{max_rows:,} rows shown: the result had more (pass max_rows=…)"] if result.truncated else []
     return Table.of(result.columns, result.rows, what="sql" if run_id is None else f"sql, run {run_id}", notes=notes)
 
@@ -418,6 +423,7 @@ def analyze(
     probe_length: int = DEFAULTS["probe_length"],
     probe_sequences: int = DEFAULTS["probe_sequences"],
     progress: bool = True,
+    data_path: str | Path | None = None,
     **options: Any,
 ) -> RunView:
     """Analyse a corpus in this process (the embedded engine of ``headatlas analyze``) and return
@@ -429,7 +435,8 @@ def analyze(
     and ``prev_token_score`` in ``heads()``. ``progress``: a progress bar on stderr (a widget in a
     notebook where ipywidgets is installed). ``model``: a spec as ``--model`` takes it, or a model
     from ``headatlas.service.engine.model.load_model`` (loaded once for several corpora;
-    ``device`` is then its own)."""
+    ``device`` is then its own). ``db`` may
+    be a lake (``ducklake:…``, with ``data_path``)."""
     from headatlas.service.analysis_options import build_params, parse_batch_size
     from headatlas.service.config import Settings
     from headatlas.service.engine.model import LoadedModel, auto_batch_size, load_model, resolve_device
@@ -441,14 +448,13 @@ def analyze(
     params = build_params(**options)
     size = parse_batch_size(batch_size)
     spec = ProbeSpec(length=probe_length, sequences=probe_sequences) if probe else None
-    path = Path(db if db is not None else Settings.from_env().db)
+    store = Store(db if db is not None else Settings.from_env().db, data_path=data_path)
     given = model if isinstance(model, LoadedModel) else None
     resolve_device(device)
-    check_headatlas_file(path)
+    check_headatlas_file(store.backend)
     if given is None:
         check_model_spec(str(model), seq_len=params.seq_len, device=device)
     summary = survey_corpus(str(corpus), text_field=text_field, encoding=encoding)
-    store = Store(path)
     done = _finished_run(store, summary, model, params, name=name, probe=spec)
     if done is not None:
         return done
@@ -483,7 +489,7 @@ def _finished_run(store: Store, corpus, model: str | LoadedModel, params, *, nam
     from headatlas.service.storage.queue_store import find_run_by_key
     from headatlas.service.storage.store import probe_spec
 
-    if not store.path.is_file():
+    if not store.backend.exists():
         return None
     info = model if not isinstance(model, str) else load_model_info(model)
     key = run_key(corpus.fingerprint, info, params.resolved(corpus.distinct))

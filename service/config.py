@@ -11,7 +11,9 @@ from headatlas.service.errors import ParameterError
 @dataclass(frozen=True)
 class Settings:
     db: str = "headatlas.duckdb"
-    """HEADATLAS_DB: path of the DuckDB results file."""
+    """HEADATLAS_DB: the results database: a DuckDB file, or a lake (ducklake:postgres:dbname=… host=…, ducklake:FILE.ducklake)."""
+    data_path: str = ""
+    """HEADATLAS_DATA_PATH: where a lake keeps its Parquet files (a folder or a shared mount, as this host sees it); needed when a lake is created."""
     model: str = "default"
     """HEADATLAS_MODEL: default model (`default` = all-MiniLM-L6-v2, a folder, a hub name, random:SHAPE)."""
     device: str = "auto"

@@ -37,6 +37,11 @@ class StoreBusy(StoreError):
     """Another process held the database file's lock for longer than the wait allowed."""
 
 
+class StoreConflict(StoreBusy):
+    """A lake refused a commit: a concurrent transaction changed the same rows (try the unit of
+    work again; it then sees what the other one committed)."""
+
+
 class DatabaseFileError(StoreError):
     """The database file is missing, not a (headatlas) DuckDB database, damaged, or not writable."""
 

@@ -91,3 +91,32 @@ def attention_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.fixture(scope="session")
+def lake_template(tmp_path_factory):
+    """A lake migrated to the head revision, copied for each test (lake_support)."""
+    import lake_support
+
+    why = lake_support.unavailable()
+    if why:
+        pytest.skip(why)
+    from headatlas.service.storage import db
+
+    template = lake_support.new_lake(tmp_path_factory.mktemp("lake-template"))
+    db.upgrade(template.backend())
+    template.release()
+    yield template
+    lake_support.remove_lake(template)
+
+
+@pytest.fixture()
+def lake(lake_template, tmp_path, monkeypatch):
+    """A lake of this test's own (catalogue in PostgreSQL, data under tmp_path), dropped after;
+    HEADATLAS_DATA_PATH names its data folder for the test."""
+    import lake_support
+
+    made = lake_support.new_lake(tmp_path, template=lake_template)
+    monkeypatch.setenv("HEADATLAS_DATA_PATH", str(made.data_path))
+    yield made
+    lake_support.remove_lake(made)

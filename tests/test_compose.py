@@ -31,7 +31,7 @@ def test_compose_file_is_accepted_by_compose():
             "neither the `docker compose` plugin nor `docker-compose` is installed here (the docker client alone cannot parse compose files)"
         )
     result = subprocess.run(
-        [*cli, "-f", str(COMPOSE), "--profile", "cpu", "--profile", "schedule", "config", "-q"],
+        [*cli, "-f", str(COMPOSE), "--profile", "cpu", "--profile", "schedule", "--profile", "lake", "config", "-q"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -65,3 +65,13 @@ def test_compose_services_and_settings():
         for volume in service.get("volumes", []):
             if volume.startswith("db:") and name not in ("writer", "beat"):
                 assert volume.endswith(":ro"), f"{name} mounts the database read-write"
+    # profile lake: PostgreSQL holds the catalogue, a volume the Parquet files, and several writers store
+    lake = services["writer-lake"]
+    assert services["postgres"]["profiles"] == lake["profiles"] == ["lake"]
+    assert (
+        lake["environment"]["HEADATLAS_DB"].startswith("ducklake:postgres:")
+        and "host=postgres" in (lake["environment"]["HEADATLAS_DB"])
+    )
+    assert lake["environment"]["HEADATLAS_DATA_PATH"] == "/lake/" and "lake-data:/lake" in lake["volumes"]
+    assert lake["deploy"]["replicas"] > 1 and "postgres" in lake["depends_on"]
+    assert {"pg-data", "lake-data"} <= spec["volumes"].keys()

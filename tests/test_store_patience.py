@@ -20,7 +20,12 @@ HOLD_S = 6.0
 
 _HOLDER = """
 import sys, time, duckdb
-con = duckdb.connect(sys.argv[1], read_only=True)  # what `sql` does: a read-only connection
+for _ in range(400):  # the run's storing thread may hold the file at this moment: wait for a gap
+    try:
+        con = duckdb.connect(sys.argv[1], read_only=True)  # what `sql` does: a read-only connection
+        break
+    except duckdb.IOException:
+        time.sleep(0.01)
 con.execute("SELECT count(*) FROM runs").fetchall()
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))

@@ -41,7 +41,12 @@ REREAD_S = 10.0  # schedules are read again at least this often, changed or not
 
 
 def _file_stamp(db: str) -> tuple:
-    """Changes whenever the database is written (its file or its write-ahead log)."""
+    """Changes whenever the database is written (its file or its write-ahead log). A lake has no
+    file to watch, and its readers never hold up a writer: it is read every tick."""
+    from headatlas.service.storage.backends import open_backend
+
+    if open_backend(db).kind != "file":
+        return (time.monotonic(),)
     out: list[tuple[int, int] | None] = []
     for path in (Path(db), Path(f"{db}.wal")):
         try:
@@ -62,7 +67,11 @@ class Fired:
 
 
 def spool_folder(settings: Settings, schedule: str) -> Path:
-    base = Path(settings.spool_dir) if settings.spool_dir else Path(settings.db).resolve().parent / "headatlas-spool"
+    from headatlas.service.storage.backends import open_backend
+
+    base = (
+        Path(settings.spool_dir) if settings.spool_dir else open_backend(settings.db).local_folder() / "headatlas-spool"
+    )
     return base / "schedules" / schedule
 
 
@@ -155,7 +164,9 @@ class Beat:
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)  # finish the fire in hand, then leave
-        log.info("beat: reading schedules from %s every %.1f s", self.settings.db, self.tick_s)
+        from headatlas.service.storage.backends import label
+
+        log.info("beat: reading schedules from %s every %.1f s", label(self.settings.db), self.tick_s)
         _warm_up()
         while not self.stopping:
             try:
@@ -170,9 +181,10 @@ class Beat:
 
     def tick(self) -> int:
         """Start a fire of every due schedule that has none in hand here. Returns how many."""
+        from headatlas.service.storage.backends import open_backend
         from headatlas.workers.ledger import connect
 
-        if not Path(self.settings.db).exists():
+        if not open_backend(self.settings.db).exists():
             return 0
         # Reading only when the file changed: beats reading every tick kept it held read-only
         # so often that claims (which write) waited seconds for it.

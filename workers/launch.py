@@ -101,9 +101,10 @@ def run_writer(settings: Settings) -> None:
     """The single database writer, in this process, until SIGTERM or Ctrl-C."""
     import logging
 
+    from headatlas.service.storage.backends import label
     from headatlas.workers.writer import Writer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     writer = Writer(settings)
-    logging.getLogger("headatlas.writer").info("storing into %s, from %s", settings.db, settings.broker_url)
+    logging.getLogger("headatlas.writer").info("storing into %s, from %s", label(settings.db), settings.broker_url)
     writer.run()

@@ -4,6 +4,12 @@ A broker has one ingest queue and one writer consuming it. The writer holds a le
 naming its database (file and id), host and pid, that expires unless a thread refreshes it. A
 second writer refuses to start while the lease lives, with a one-line error naming the first
 one's database; a submitter learns from the lease which database its batches are for.
+
+A lake takes many writers (several processes, on several hosts, commit at once): a writer of the
+same lake finds the lease held by a writer that shares it and joins as a further writer, with a
+key of its own (``headatlas:writer:helper:<token>``, expiring like the lease) and a processing
+list of its own. A writer whose key expired (killed) leaves its list to the others, who put the
+messages back on the queue.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import redis
 from headatlas.service.errors import StoreError, WriterConflict
 
 LEASE = "headatlas:writer:lease"
+HELPER = "headatlas:writer:helper:"  # + token: a further writer of a lake, alive while the key lives
 LAST = "headatlas:writer:last"  # the database the last writer stored into (no expiry)
 EPOCH = "headatlas:epoch"  # a random value set once: a new one means Redis lost its data
 HEARTBEAT_S = 2.0  # a writer's lease and a worker's batch are refreshed this often …
@@ -62,6 +69,7 @@ class Holder:
     pid: int
     beat: float  # last refresh, epoch seconds
     token: str
+    shared: bool = False  # a lake's writer: further writers of the same lake may join it
 
     def describe(self) -> str:
         ident = f"database {self.database_id[:8]}" if self.database_id else "database being opened"
@@ -75,15 +83,52 @@ def holder(client: redis.Redis) -> tuple[Holder | None, bytes | str | None]:
         return None, None
     data = json.loads(raw)
     return Holder(
-        data["db"], data.get("database_id"), data["host"], int(data["pid"]), float(data["beat"]), data["token"]
+        data["db"],
+        data.get("database_id"),
+        data["host"],
+        int(data["pid"]),
+        float(data["beat"]),
+        data["token"],
+        bool(data.get("shared", False)),
     ), raw
 
 
+def helpers(client: redis.Redis) -> list[Holder]:
+    """The further writers of a lake, alive."""
+    out = []
+    for name in client.scan_iter(f"{HELPER}*"):
+        raw = client.get(name)
+        if raw:
+            data = json.loads(raw)
+            out.append(
+                Holder(
+                    data["db"],
+                    data.get("database_id"),
+                    data["host"],
+                    int(data["pid"]),
+                    float(data["beat"]),
+                    data["token"],
+                    True,
+                )
+            )
+    return out
+
+
 class WriterLease:
-    def __init__(self, client: redis.Redis, db: str | Path, broker_url: str):
-        self.r, self.db, self.broker_url = client, str(Path(db).resolve()), broker_url
+    """``shared``: the database takes several writers (a lake with a PostgreSQL catalogue); the
+    lease then admits further writers of the same database (``helper``)."""
+
+    def __init__(self, client: redis.Redis, db: str | Path, broker_url: str, *, shared: bool = False):
+        from headatlas.service.storage.backends import open_backend
+
+        backend = open_backend(db)
+        # a file by its absolute path; a lake by its URL, shown without a password
+        where = str(Path(db).resolve()) if backend.kind == "file" else backend.label
+        self.r, self.db, self.broker_url = client, where, broker_url
         self.token = uuid.uuid4().hex
         self.database_id: str | None = None
+        self.shared = shared
+        self.helper = False  # True: a further writer of a lake whose lease another writer holds
 
     def _value(self) -> str:
         return json.dumps(
@@ -94,6 +139,7 @@ class WriterLease:
                 "pid": os.getpid(),
                 "beat": time.time(),
                 "token": self.token,
+                "shared": self.shared,
             }
         )
 
@@ -111,12 +157,20 @@ class WriterLease:
         other, _raw = holder(self.r)
         if other is None:  # expired meanwhile
             return self.acquire()
+        if self.shared and other.shared and other.db == self.db:
+            self.helper = True  # one more writer of the same lake
+            self.r.set(self.helper_key, self._value(), px=ttl)
+            return
         age = max(0.0, time.time() - other.beat)
         raise WriterConflict(
             f"the ingest queue of {self.broker_url} is held by another live writer: {other.describe()}, "
             f"heartbeat {age:.0f} s ago; stop that writer first, or give this database its own broker "
             "(--broker, e.g. another Redis database number)"
         )
+
+    @property
+    def helper_key(self) -> str:
+        return f"{HELPER}{self.token}"
 
     def reclaim(self) -> bool:
         """Take the lease again after it vanished (it expired while Redis was away, or Redis
@@ -138,7 +192,19 @@ class WriterLease:
             )
 
     def refresh(self) -> bool:
-        """False when the lease is no longer ours."""
+        """False when the lease is no longer ours (a further writer's key is simply renewed)."""
+        if self.helper:
+            self.r.set(self.helper_key, self._value(), px=int(SILENT_S * 1000))
+            self._refresh_lease()  # the lease too, once this writer took it over
+            return True
+        return self._refresh_lease()
+
+    def take_over(self) -> bool:
+        """A further writer takes the lease of a first writer that is gone (its lease expired),
+        so that status and submitters see a writer; it keeps its own processing list."""
+        return bool(self.r.set(LEASE, self._value(), nx=True, px=int(SILENT_S * 1000)))
+
+    def _refresh_lease(self) -> bool:
         return bool(
             self.r.eval(
                 _REFRESH, 1, LEASE, self.token, f"{time.time():.3f}", self.database_id or "", int(SILENT_S * 1000)
@@ -146,6 +212,8 @@ class WriterLease:
         )
 
     def release(self) -> None:
+        if self.helper:
+            self.r.delete(self.helper_key)
         self.r.eval(_RELEASE, 1, LEASE, self.token)
 
 
@@ -181,17 +249,19 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
     The live writer's database when one holds the ingest queue (``db``, when readable here,
     must be that same database); else ``db`` read from here (the batches wait for its writer).
     With neither, wait up to ``wait_s`` for a writer to start."""
+    from headatlas.service.storage.backends import open_backend
     from headatlas.service.storage.db import read_database_id
 
-    local = read_database_id(db) if Path(db).is_file() else None
+    backend = open_backend(db)
+    local = read_database_id(backend) if backend.exists() else None
     deadline = time.monotonic() + wait_s
     while True:
         other, _raw = holder(client)
         if other is not None and other.database_id:
             if local is not None and local != other.database_id:
                 raise WriterConflict(
-                    f"--db {db} is database {local[:8]}, but the writer on {broker_url} stores into "
-                    f"{other.describe()}: pass --db {other.db}, or stop that writer and start one on {db}; "
+                    f"--db {backend.label} is database {local[:8]}, but the writer on {broker_url} stores into "
+                    f"{other.describe()}: pass --db {other.db}, or stop that writer and start one on {backend.label}; "
                     "nothing was queued"
                 )
             return other.database_id
@@ -199,7 +269,7 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
             return local
         if time.monotonic() >= deadline:
             raise StoreError(
-                f"no writer holds the ingest queue of {broker_url} and there is no database at {db} to read here: "
+                f"no writer holds the ingest queue of {broker_url} and there is no database at {backend.label} to read here: "
                 "start `headatlas writer` on this broker (it creates the database), or pass --db; nothing was queued"
             )
         time.sleep(0.2)

@@ -21,6 +21,17 @@ from headatlas.service.errors import BrokerError
 PREFIX = "headatlas"
 INGEST = f"{PREFIX}:ingest"  # messages for the writer, oldest first (a Redis list)
 PROCESSING = f"{PREFIX}:ingest:processing"  # taken by the writer, not yet committed
+# taken by one of the further writers of a lake (PROCESSING:<writer token>), not yet committed
+HELPER_PROCESSING = f"{PROCESSING}:"
+
+
+def processing_lists(client: redis.Redis) -> list[str]:
+    """Every list of messages taken by a writer and not committed: the first writer's, and each
+    further writer's on a lake."""
+    helpers = [k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(f"{HELPER_PROCESSING}*")]
+    return [PROCESSING, *sorted(helpers)]
+
+
 WRITER = f"{PREFIX}:writer"  # what the writer is doing now (status, tests)
 WORKERS = f"{PREFIX}:workers:"  # + host:pid: a consuming worker process (its beacon), expiring unless refreshed
 
@@ -411,7 +422,7 @@ class Ledger:
 
     def backlog(self) -> int:
         """Messages waiting for the writer (all runs)."""
-        return int(self.r.llen(INGEST)) + int(self.r.llen(PROCESSING))
+        return int(self.r.llen(INGEST)) + sum(int(self.r.llen(name)) for name in processing_lists(self.r))
 
     def live(self, run_key: str) -> Live:
         pipe = self.r.pipeline()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from headatlas.service.config import Settings
 from headatlas.service.errors import BrokerError, CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
+from headatlas.service.storage.backends import open_backend
 from headatlas.workers.ledger import Ledger, connect
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def submit(
         raise CorpusError(
             f"{spec} changed since the run was submitted: its batches cannot be re-made; submit it as a new run"
         )
-    readable = Path(settings.db).is_file()
+    readable = open_backend(settings.db).exists()
     stored_run, plan, stored_done = _stored_state(settings.db, key)
     if stored_run is not None and stored_run.engine != "queue" and stored_run.status != "done":
         raise StoreError(
@@ -273,7 +274,10 @@ def _stored_probe(db: str, key: str) -> tuple[int, int, int] | None:
 
     with transaction(db, read_only=True) as conn:
         has_probes = conn.execute(
-            text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'probe_scores'")
+            text(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'probe_scores' "
+                "AND table_catalog = current_database()"
+            )
         ).scalar()
         run = find_run_by_key(conn, key) if has_probes else None
         return None if run is None else probe_spec(conn, run.run_id)
@@ -297,11 +301,14 @@ def _stored_state(db: str, key: str):
     from headatlas.service.storage.db import transaction
     from headatlas.service.storage.queue_store import find_run_by_key, plan_of
 
-    if not Path(db).is_file():
+    if not open_backend(db).exists():
         return None, None, set()
     with transaction(db, read_only=True) as conn:
         has_plans = conn.execute(
-            text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'queue_plans'")
+            text(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'queue_plans' "
+                "AND table_catalog = current_database()"
+            )
         ).scalar()
         run = find_run_by_key(conn, key)
         if run is None:

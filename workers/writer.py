@@ -24,13 +24,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import redis
@@ -41,12 +39,12 @@ from headatlas.service.config import Settings
 from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
-from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError, WriterConflict
+from headatlas.service.errors import HeadatlasError, StoreBusy, StoreConflict, StoreError, WriterConflict
 from headatlas.service.storage import queue_store
-from headatlas.service.storage.store import Store, ingest_batches, store_probe
+from headatlas.service.storage.store import Store, ingest_batch_ids, ingest_batches, reserve_batches, store_probe
 from headatlas.workers.heartbeat import requeue_lost
-from headatlas.workers.lease import HEARTBEAT_S, SILENT_S, WriterLease, broker_epoch, holder
-from headatlas.workers.ledger import INGEST, PROCESSING, Ledger, connect
+from headatlas.workers.lease import HEARTBEAT_S, HELPER, SILENT_S, WriterLease, broker_epoch, holder
+from headatlas.workers.ledger import HELPER_PROCESSING, INGEST, PROCESSING, Ledger, connect, processing_lists
 
 log = logging.getLogger("headatlas.writer")
 
@@ -60,15 +58,18 @@ class DatabaseAway(StoreBusy):
     writer waits for its own (messages stay in Redis, as for a busy file)."""
 
 
-def file_database_id(path: str | Path) -> str | None:
-    """The id of the headatlas database at ``path``; None when there is no file, or it holds no
-    headatlas database (empty, another tool's, unreadable). Reads only; never creates."""
+def file_database_id(path) -> str | None:
+    """The id of the headatlas database ``path`` (a path, a ``ducklake:…`` URL or a backend);
+    None when there is none, or it holds no headatlas database (empty, another tool's,
+    unreadable). Reads only; never creates."""
     from headatlas.service.storage import db
+    from headatlas.service.storage.backends import open_backend
 
-    if not Path(path).is_file():
-        return None
+    backend = open_backend(path)
     try:
-        with db.transaction(path, read_only=True, create=False) as conn:
+        if not backend.exists():
+            return None
+        with db.transaction(backend, read_only=True, create=False) as conn:
             return _id_in(conn)
     except HeadatlasError:
         return None
@@ -88,24 +89,23 @@ class OwnStore(Store):
     on a missing file, or on a file that now holds another database (moved, deleted, replaced
     under the writer), raises DatabaseAway before anything is written."""
 
-    def __init__(self, path: str | Path, database_id: str):
+    def __init__(self, path, database_id: str):
         super().__init__(path)
         self.database_id = database_id
+        self._files = self.backend.identity() is not None  # a lake has no file to move away
         self._ident = self._stat()
 
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
+    def _stat(self):
+        return self.backend.identity()
 
     def check(self) -> None:
+        if not self._files:
+            return
         ident = self._stat()
         if ident is None:
             raise DatabaseAway(self._away("missing (moved or deleted)"))
         if ident != self._ident:  # another file at the path: the same database put back, or not
-            found = file_database_id(self.path)
+            found = file_database_id(self.backend)
             if found != self.database_id:
                 raise DatabaseAway(
                     self._away(f"now {'database ' + found[:8] if found else 'not a headatlas database'}")
@@ -114,9 +114,9 @@ class OwnStore(Store):
 
     def _away(self, what: str) -> str:
         return (
-            f"database {self.path} is {what}: this writer stores into database {self.database_id[:8]} and never "
+            f"database {self.backend.label} is {what}: this writer stores into database {self.database_id[:8]} and never "
             "creates another one while runs are in flight; analysed batches wait in Redis until that database "
-            f"is back at {self.path}"
+            f"is back at {self.backend.label}"
         )
 
     @contextmanager
@@ -125,15 +125,17 @@ class OwnStore(Store):
 
         self.check()
         try:
-            with db.transaction(self.path, create=False) as conn:
+            with db.transaction(self.backend, create=False) as conn:
                 found = _id_in(conn)
                 if found != self.database_id:
                     raise DatabaseAway(self._away(f"now {'database ' + found[:8] if found else 'another file'}"))
                 yield conn
         except DatabaseAway:
             raise
+        except StoreBusy:
+            raise  # busy, or a lake's commit conflict: tried again
         except StoreError:
-            if self._stat() != self._ident:  # the file went away while it was being opened
+            if self._files and self._stat() != self._ident:  # the file went away while it was being opened
                 raise DatabaseAway(self._away("missing (moved or deleted)")) from None
             raise
 
@@ -143,11 +145,14 @@ class OwnStore(Store):
 
 class Writer:
     def __init__(self, settings: Settings):
+        from headatlas.service.storage.backends import open_backend
         from headatlas.service.storage.db import read_database_id
 
         self.settings = settings
+        self.backend = open_backend(settings.db)
+        self.db_label = self.backend.label  # what logs and messages show (never a password)
         client = connect(settings.broker_url, check=False)
-        self.lease = WriterLease(client, settings.db, settings.broker_url)
+        self.lease = WriterLease(client, settings.db, settings.broker_url, shared=self.backend.shared_writers)
         while True:  # a writer started before Redis (compose brings both up) waits for it
             try:
                 self.lease.acquire()  # before touching the file: a refused writer changes nothing
@@ -158,14 +163,19 @@ class Writer:
                 time.sleep(1.0)
         try:
             self._wait_for_last_database()  # before anything could create a database
-            Store(settings.db).ensure_schema()  # a stale database fails now, not on the first batch
-            self.database_id = read_database_id(settings.db)
+            Store(self.backend).ensure_schema()  # a stale database fails now, not on the first batch
+            self.database_id = read_database_id(self.backend)
             self.lease.set_database(self.database_id)
-            self.store: Store = OwnStore(settings.db, self.database_id)
+            self.store: Store = OwnStore(self.backend, self.database_id)
         except BaseException:
             self.lease.release()
             raise
         self.ledger = Ledger(client, self.database_id)
+        # the messages this writer took and has not committed: a further writer of a lake keeps
+        # its own list, which the others put back on the queue when it is gone
+        self.processing = f"{HELPER_PROCESSING}{self.lease.token}" if self.lease.helper else PROCESSING
+        if self.lease.helper:
+            log.warning("another writer stores into this lake too: storing beside it")
         self.run_ids: dict[str, int] = {}
         self.stopping = False
         self.lost_lease = False
@@ -181,17 +191,17 @@ class Writer:
             return
         wanted, said = last["database_id"], False
         while True:
-            found = file_database_id(self.settings.db)
+            found = file_database_id(self.backend)
             waiting = _messages_for(self.lease.r, wanted)
             runs = Ledger(self.lease.r, wanted).active_runs()
             if found == wanted or not (waiting or runs):
                 if said:
-                    log.warning("database %s is back; storing", self.settings.db)
+                    log.warning("database %s is back; storing", self.db_label)
                 return
             if not said:
                 what = (
                     "missing"
-                    if not Path(self.settings.db).exists()
+                    if not self.backend.exists()
                     else f"database {found[:8]}"
                     if found
                     else "not that database"
@@ -201,7 +211,7 @@ class Writer:
                     "flight are for, but that file is now %s: waiting for it to come back instead of creating a new "
                     "database (nothing is dropped). To give those runs up and start afresh here, delete the Redis key "
                     "headatlas:writer:last",
-                    self.settings.db,
+                    self.db_label,
                     wanted[:8],
                     waiting,
                     len(runs),
@@ -221,6 +231,7 @@ class Writer:
                 if not self.lease.refresh() and not self._reclaim():
                     self.lost_lease = self.stopping = True
                     return
+                self._sweep_writers()
                 epoch = broker_epoch(self.ledger.r)
                 if epoch != self.epoch and self._broker_reset():
                     self.epoch = epoch
@@ -238,6 +249,27 @@ class Writer:
                 log.warning("lease and lost-worker sweep: broker unreachable (%s); retrying", exc)
             except Exception:  # noqa: BLE001 - the sweep must not stop the lease's heartbeat
                 log.exception("lost-worker sweep failed; retrying")
+
+    def _sweep_writers(self) -> None:
+        """A lake's writers: the messages of a writer that is gone go back on the queue (the
+        batches it had committed are skipped when they come again), and a further writer takes
+        the lease of a first writer that is gone."""
+        if not self.lease.shared:
+            return
+        r = self.ledger.r
+        for name in processing_lists(r)[1:]:
+            token = name[len(HELPER_PROCESSING) :]
+            if token != self.lease.token and not r.exists(f"{HELPER}{token}"):
+                moved = 0
+                while r.lmove(name, INGEST, "RIGHT", "LEFT"):
+                    moved += 1
+                if moved:
+                    log.warning("a writer of this lake is gone: %d message(s) it had taken are queued again", moved)
+        if self.lease.helper and holder(r)[0] is None and self.lease.take_over():
+            moved = 0
+            while r.lmove(PROCESSING, INGEST, "RIGHT", "LEFT"):
+                moved += 1
+            log.warning("the first writer of this lake is gone: holding its lease; %d message(s) queued again", moved)
 
     def _reclaim(self) -> bool:
         """The lease is no longer ours: taken by another writer (stop), or gone (it expired
@@ -279,7 +311,7 @@ class Writer:
                 ]
                 summaries = {run_key: queue_store.summary(conn, run_id) for run_id, run_key, _n in rows}
         except HeadatlasError as exc:
-            log.warning("cannot read %s to re-declare the runs in flight (%s); trying again", self.settings.db, exc)
+            log.warning("cannot read %s to re-declare the runs in flight (%s); trying again", self.db_label, exc)
             return False
         for run_id, run_key, name, done, plan in states:
             self.ledger.reconcile_done(run_key, done)
@@ -332,12 +364,16 @@ class Writer:
                 self._database_away(str(exc))
                 time.sleep(AWAY_POLL_S)
                 continue
+            except StoreConflict as exc:  # a lake: another writer committed the same rows first
+                log.info("%s", exc)
+                recovered = False  # the messages go back to the queue, and are stored (or skipped) again
+                time.sleep(0.05)
             except StoreBusy as exc:
                 log.warning("%s; retrying", exc)
                 recovered = False
                 time.sleep(1.0)
             if self._away is not None and recovered:
-                log.warning("database %s is back; storing again", self.settings.db)
+                log.warning("database %s is back; storing again", self.db_label)
                 self._away = None
 
     def _database_away(self, why: str) -> None:
@@ -363,7 +399,7 @@ class Writer:
             return 0
         started = time.monotonic()
         self.handle([json.loads(m) for m in raw])
-        self.ledger.r.delete(PROCESSING)
+        self.ledger.r.delete(self.processing)
         # With a backlog the writer would reopen the file at once, and readers (status, query,
         # sql), which retry on its lock with backoff, would seldom find it free: it stays
         # closed as long as it was held, so a reader's try succeeds at least every other time.
@@ -375,17 +411,17 @@ class Writer:
 
     def _recover(self) -> None:
         """Messages a previous writer took but did not finish go back to the head, in order."""
-        while self.ledger.r.lmove(PROCESSING, INGEST, "RIGHT", "LEFT"):
+        while self.ledger.r.lmove(self.processing, INGEST, "RIGHT", "LEFT"):
             pass
 
     def _take(self, timeout_s: float) -> list[bytes]:
         # BLMOVE takes a double timeout (seconds, fractions allowed); redis-py annotates it as int
-        first = self.ledger.r.blmove(INGEST, PROCESSING, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
+        first = self.ledger.r.blmove(INGEST, self.processing, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
         if first is None:
             return []
         pipe = self.ledger.r.pipeline()
         for _ in range(GROUP - 1):
-            pipe.lmove(INGEST, PROCESSING, "LEFT", "RIGHT")
+            pipe.lmove(INGEST, self.processing, "LEFT", "RIGHT")
         return [first, *(m for m in pipe.execute() if m is not None)]
 
     # --- messages -----------------------------------------------------------------------------
@@ -439,7 +475,7 @@ class Writer:
             msg["kind"],
             msg.get("run_key"),
             other,
-            self.settings.db,
+            self.db_label,
             self.database_id,
         )
         if not other:
@@ -451,7 +487,7 @@ class Writer:
             ledger.set_run_error(
                 msg["run_key"],
                 (
-                    f"the writer on {self.settings.broker_url} now stores into {self.settings.db} (database "
+                    f"the writer on {self.settings.broker_url} now stores into {self.db_label} (database "
                     f"{self.database_id[:8]}), not into database {other[:8]}: submit again"
                 ),
             )
@@ -490,13 +526,18 @@ class Writer:
         known = [(m, run_id) for m in group if (run_id := self._run_id(m["run_key"])) is not None]
         self.ledger.writer_state("ingesting", batches=len(known))
         summaries: dict[str, queue_store.Summary] = {}
+        lake = not self.store.backend.keys
+        if lake:
+            self._reserve(known)
         try:
             try:
                 with self.store.write() as conn:
-                    outcomes = [self._apply(conn, m, run_id) for m, run_id in known]
+                    outcomes = self._apply_group(conn, known)
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
                     summaries = {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
+                if lake:  # a run's end, seen after this commit: with every writer's batches
+                    summaries = self.store.atomically(lambda conn: self._finish(conn, known))
             except StoreBusy:
                 raise  # a reader held the file for long: the messages stay in processing
             except StoreError:
@@ -516,6 +557,22 @@ class Writer:
         pipe.execute()
         for run_key, summary in summaries.items():
             self._announce(run_key, summary)
+
+    def _reserve(self, known) -> None:
+        """A lake: the group's batches get a ledger row each before they are stored, in a
+        transaction of their own (``store.reserve_batches``: what makes two stores of one batch
+        conflict)."""
+        by_run: dict[int, list[int]] = {}
+        for msg, run_id in known:
+            if msg["kind"] == "ingest":
+                by_run.setdefault(run_id, []).append(int(msg["batch_id"]))
+        if by_run:
+            self.store.atomically(lambda conn: [reserve_batches(conn, r, ids) for r, ids in by_run.items()])
+
+    def _finish(self, conn: Connection, known) -> dict[str, queue_store.Summary]:
+        for run_id in {r for _m, r in known}:
+            queue_store.finish_if_complete(conn, run_id)
+        return {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
 
     def _publish(self, conn: Connection, run_key: str, run_id: int) -> None:
         self._announce(run_key, queue_store.summary(conn, run_id))
@@ -547,6 +604,32 @@ class Writer:
             outcomes.append(outcome)
         return outcomes
 
+    def _apply_group(self, conn: Connection, known) -> list[tuple[bool | None, int]]:
+        """The group's outcomes, as ``_apply`` message by message would give them, with each
+        run's batches stored by one insert per table (a lake writes a Parquet file per insert
+        and table). A batch any database would refuse raises: the group is then stored one by
+        one. Failures are recorded after the stores (never over a stored batch either way)."""
+        outcomes: list[tuple[bool | None, int]] = [(None, 0)] * len(known)
+        by_run: dict[int, list[tuple[int, dict]]] = {}
+        for i, (msg, run_id) in enumerate(known):
+            if msg["kind"] == "ingest":
+                by_run.setdefault(run_id, []).append((i, msg))
+        for run_id, entries in by_run.items():
+            results = {}
+            for _i, msg in entries:
+                if msg["batch_id"] not in results:
+                    results[msg["batch_id"]] = BatchResult.from_bytes(base64.b64decode(msg["payload"]))
+            stored = set(ingest_batch_ids(conn, run_id, list(results.items())))
+            for i, msg in entries:
+                batch_id = msg["batch_id"]
+                counted = batch_id in stored
+                stored.discard(batch_id)  # a second delivery in the group counts nothing
+                outcomes[i] = (False, len(results[batch_id].window_ids) if counted else 0)
+        for i, (msg, run_id) in enumerate(known):
+            if msg["kind"] == "failed":
+                outcomes[i] = self._apply(conn, msg, run_id)
+        return outcomes
+
     def _apply(self, conn: Connection, msg: dict, run_id: int) -> tuple[bool | None, int]:
         """(failed?, windows newly counted); failed is None when nothing changed."""
         if msg["kind"] == "failed":
@@ -557,6 +640,8 @@ class Writer:
         result = BatchResult.from_bytes(base64.b64decode(msg["payload"]))
         try:
             stored = ingest_batches(conn, run_id, [(msg["batch_id"], result)])
+        except StoreBusy:
+            raise  # a lake: not reserved, or a conflict; the group is stored again
         except StoreError as exc:
             # refused before anything was written (windows counted by another batch): the
             # transaction goes on; retrying cannot help
@@ -568,7 +653,10 @@ class Writer:
 def _messages_for(client: redis.Redis, database_id: str) -> int:
     """Messages on the ingest queue (waiting or taken) for the database ``database_id``."""
     count = 0
-    for raw in [*client.lrange(INGEST, 0, -1), *client.lrange(PROCESSING, 0, -1)]:
+    for raw in [
+        *client.lrange(INGEST, 0, -1),
+        *(m for name in processing_lists(client) for m in client.lrange(name, 0, -1)),
+    ]:
         try:
             count += json.loads(raw).get("database_id") == database_id
         except ValueError:

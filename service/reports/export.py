@@ -3,9 +3,10 @@
 Tables keyed by run_id are filtered by it; ``windows`` and ``documents`` (shared between runs)
 keep the rows the run references. A ``manifest.json`` lists the files with their row counts.
 
-The export opens its own read-only DuckDB connection. It cannot use the locked-down one of
-``headatlas sql`` (``storage.readonly.connect_readonly``): that one disables file access on
-purpose, and COPY … TO writes files. Only fixed statements built here run on this connection.
+The export runs in one read transaction of the store (every table as of one state, on a lake
+one snapshot). It cannot use the locked-down connection of ``headatlas sql``
+(``storage.readonly.connect_readonly``): that one disables file access on purpose, and COPY … TO
+writes files. Only fixed statements built here run on this connection.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
+from sqlalchemy import exc as sa_exc
 
 from headatlas.service.errors import ParameterError, StoreError
-from headatlas.service.storage.readonly import retry_on_lock
 
 if TYPE_CHECKING:
     from headatlas.service.storage.store import Run
@@ -30,9 +31,14 @@ RUN_TABLES = {
     "runs": "SELECT * FROM runs WHERE run_id = {run}",
     "batches": "SELECT * FROM batches WHERE run_id = {run}",
     "run_windows": "SELECT * FROM run_windows WHERE run_id = {run}",
-    "windows": "SELECT * FROM windows WHERE window_id IN (SELECT window_id FROM run_windows WHERE run_id = {run})",
+    # content-addressed rows shared between runs: once each (a lake, having no keys, may hold
+    # one twice when two writers stored it at the same moment)
+    "windows": (
+        "SELECT DISTINCT ON (window_id) * FROM windows "
+        "WHERE window_id IN (SELECT window_id FROM run_windows WHERE run_id = {run})"
+    ),
     "documents": (
-        "SELECT * FROM documents WHERE doc_id IN (SELECT w.doc_id FROM windows w "
+        "SELECT DISTINCT ON (doc_id) * FROM documents WHERE doc_id IN (SELECT w.doc_id FROM windows w "
         "JOIN run_windows r USING (window_id) WHERE r.run_id = {run})"
     ),
     "head_stats": "SELECT * FROM head_stats WHERE run_id = {run}",
@@ -62,7 +68,13 @@ def table_query(table: str, run_id: int) -> str:
 
 
 def export_run(
-    db_path: str | Path, run_ref: str | int | None, fmt: str, out_dir: str | Path, *, lock_wait_s: float = 30.0
+    db_path: str | Path,
+    run_ref: str | int | None,
+    fmt: str,
+    out_dir: str | Path,
+    *,
+    lock_wait_s: float = 30.0,
+    at: int | None = None,
 ) -> tuple[Run, list[ExportedTable]]:
     """Write every table of the run to ``out_dir/<table>.<fmt>`` and a manifest.
 
@@ -71,10 +83,10 @@ def export_run(
 
     if fmt not in FORMATS:
         raise ParameterError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    store = Store(db_path)
-    with store.checked_read() as conn:  # checks the schema and resolves the run
-        from headatlas.service.storage.store import resolve_run
+    from headatlas.service.storage.store import resolve_run
 
+    store = Store(db_path, at=at)
+    with store.checked_read() as conn:  # checks the schema and resolves the run
         run = resolve_run(conn, run_ref)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -87,23 +99,19 @@ def export_run(
         ) from None
     options = "FORMAT parquet, COMPRESSION zstd" if fmt == "parquet" else "FORMAT csv, HEADER true"
     exported = []
-    connection = retry_on_lock(
-        lambda: duckdb.connect(str(db_path), read_only=True), wait_s=lock_wait_s, what=f"the database {db_path}"
-    )
-    try:
+    with store.checked_read() as conn:  # every table as of one state
         for table in RUN_TABLES:
             path = out / f"{table}.{fmt}"
             query = table_query(table, run.run_id)
             try:
-                connection.execute(f"COPY ({query}) TO {_literal(path)} ({options})")
-                count = connection.execute(f"SELECT count(*) FROM ({query})").fetchone()
-                assert count is not None  # count(*) always returns one row
-                rows = count[0]
-            except duckdb.IOException as error:
-                raise StoreError(f"cannot write {path}: {str(error).splitlines()[0]}; check --out") from None
+                conn.exec_driver_sql(f"COPY ({query}) TO {_literal(path)} ({options})")
+                rows = conn.exec_driver_sql(f"SELECT count(*) FROM ({query})").scalar_one()
+            except (duckdb.IOException, sa_exc.DBAPIError) as error:
+                if isinstance(error, sa_exc.DBAPIError) and not isinstance(error.orig, duckdb.IOException):
+                    raise
+                first = str(getattr(error, "orig", error)).splitlines()[0]
+                raise StoreError(f"cannot write {path}: {first}; check --out") from None
             exported.append(ExportedTable(table, path, int(rows)))
-    finally:
-        connection.close()
     manifest = {
         "run_id": run.run_id,
         "name": run.name,
@@ -111,7 +119,7 @@ def export_run(
         "params": run.params,
         "format": fmt,
         "exported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "database": str(Path(db_path).resolve()),
+        "database": str(Path(db_path).resolve()) if store.backend.kind == "file" else store.backend.label,
         "tables": {t.table: {"file": t.path.name, "rows": t.rows} for t in exported},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

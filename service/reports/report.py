@@ -126,8 +126,9 @@ def _breakable(name: str) -> str:
     return "_<wbr>".join(_e(part) for part in str(name).split("_"))
 
 
-def build_report(conn, run) -> str:
-    """The report page of ``run`` (a store ``Run``) as an HTML string."""
+def build_report(conn, run, *, snapshot: int | None = None) -> str:
+    """The report page of ``run`` (a store ``Run``) as an HTML string; ``snapshot``: the lake's
+    snapshot it was read at (named on the page, so that `--at` reproduces it)."""
     from headatlas.service.reports import plots
     from headatlas.service.reports.intervals import interval_note, scheme_of
 
@@ -188,6 +189,10 @@ def build_report(conn, run) -> str:
         ("compute", f"{run.compute_s:.1f} s"),
         ("wall time", f"{run.wall_s:.1f} s"),
     ]
+    if snapshot is not None:
+        facts.append(
+            ("snapshot", f"{snapshot} (the lake's state read; `headatlas report --at {snapshot}` reads it again)")
+        )
     if run.error:
         facts.append(("error", run.error))
     facts_html = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in facts)
@@ -370,7 +375,7 @@ def split_anchors(text: str | None) -> list[str]:
     return [p + "%" for p in parts[:-1]] + [parts[-1]]
 
 
-def write_report(conn, run, out: str | Path) -> Path:
+def write_report(conn, run, out: str | Path, *, snapshot: int | None = None) -> Path:
     """Write the report to ``out``; a folder gets ``report.html`` in it (as ``cp FILE DIR`` does)."""
     from headatlas.service.errors import ParameterError
 
@@ -379,7 +384,7 @@ def write_report(conn, run, out: str | Path) -> Path:
         path = path / "report.html"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(build_report(conn, run), encoding="utf-8")
+        path.write_text(build_report(conn, run, snapshot=snapshot), encoding="utf-8")
     except OSError as exc:
         raise ParameterError(f"--out {out}: cannot write {path} ({exc.strerror}); pass a writable file path") from None
     return path

@@ -42,7 +42,8 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
             r[0]
             for r in conn.execute(
                 text(
-                    "SELECT column_name FROM information_schema.columns WHERE table_name = :t ORDER BY ordinal_position"
+                    "SELECT column_name FROM information_schema.columns WHERE table_name = :t "
+                    "AND table_catalog = current_database() ORDER BY ordinal_position"
                 ),
                 {"t": table},
             )

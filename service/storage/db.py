@@ -1,36 +1,73 @@
-"""Database access: one helper scopes every unit of work, connections are short-lived.
+"""Database access: one helper scopes every unit of work, on whichever backend holds the results.
 
-DuckDB lets one process hold a file read-write, and while it does no other process may open it
-at all. So every unit of work opens the file, does its work in one transaction, and closes it:
-the lock is held for milliseconds, and other processes (a writer, ``query``, ``status``) wait
-for it with ``retry_on_lock`` instead of failing.
+``transaction(db)`` and ``checked_read(db)`` take a database as the user named it (a path, a
+``ducklake:…`` URL) or a ``Backend`` (``service/storage/backends``): the backend decides how a
+connection is opened and held. An embedded file is opened for each unit of work and closed after
+it, so that its lock is held for milliseconds (other processes wait for it with
+``retry_on_lock``); a lake is attached once per process and every unit of work gets its own
+connection to it. The rest of this module (schema checks, migrations, identity) is the same for
+every backend.
 """
 
 from __future__ import annotations
 
 import json
-import threading
+import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.pool import NullPool
 
-from headatlas.service.errors import DatabaseFileError, StoreBusy, StoreError
-from headatlas.service.storage import dbfile
-from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, retry_on_lock
+from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError
+from headatlas.service.storage.backends import Backend, label, open_backend
+from headatlas.service.storage.backends.file import PROCESS_LOCK as _PROCESS_LOCK  # noqa: F401 - kept importable
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 LOCK_WAIT_S = 30.0
-# DuckDB refuses a read-only and a read-write connection to one file in one process at once:
-# threads of one process (beat's tick and the fires it runs) open the file in turn.
-_PROCESS_LOCK = threading.RLock()
+CONFLICT_TRIES = 20  # a unit of work a lake refused for a concurrent change is tried this often
+T = TypeVar("T")
+
+Target = str | Path | Backend
+
+
+def backend_of(db: Target) -> Backend:
+    return open_backend(db)
+
+
+def has_keys(conn: Connection) -> bool:
+    """Whether the database under ``conn`` enforces keys (PRIMARY KEY, UNIQUE, ON CONFLICT,
+    sequences, RETURNING on inserts): an embedded file does, a lake does not. Asked once per
+    connection."""
+    info = conn.connection.info
+    if "headatlas_keys" not in info:
+        kind = conn.execute(
+            text("SELECT type FROM duckdb_databases() WHERE database_name = current_database()")
+        ).scalar()
+        info["headatlas_keys"] = kind != "ducklake"
+    return bool(info["headatlas_keys"])
+
+
+def serialize(conn: Connection) -> None:
+    """On a lake: make this transaction conflict with every other one that calls this, so that
+    read-then-insert (a new run's id, a unique name) cannot interleave; the loser's commit is
+    refused and ``atomically`` tries it again on the winner's state. DuckLake refuses a commit
+    that deletes a row another committed transaction deleted, and an UPDATE deletes the old row.
+    Nothing on an embedded file, whose keys and sequences do this."""
+    if not has_keys(conn):
+        conn.execute(text("UPDATE database_info SET value = value WHERE key = 'database_id'"))
+
+
+def next_id(conn: Connection, table: str, column: str) -> int:
+    """The next id of ``table`` on a lake (no sequences there): one past the largest, read under
+    ``serialize`` so that two writers never take the same."""
+    serialize(conn)
+    return int(conn.execute(text(f"SELECT coalesce(max({column}), 0) + 1 FROM {table}")).scalar_one())
 
 
 def driver_connection(conn: Connection) -> Any:
@@ -40,78 +77,68 @@ def driver_connection(conn: Connection) -> Any:
     return raw
 
 
-def make_engine(path: str | Path, *, read_only: bool = False) -> Engine:
-    # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
-    return create_engine(
-        f"duckdb:///{Path(path).absolute()}",
-        poolclass=NullPool,
-        connect_args={"read_only": read_only} if read_only else {},
-    )
+def make_engine(path: Target, *, read_only: bool = False) -> Engine:
+    """An engine on an embedded file (migration tests drive Alembic through it)."""
+    from headatlas.service.storage.backends.file import FileBackend
+
+    backend = backend_of(path)
+    assert isinstance(backend, FileBackend)
+    return backend.engine(read_only=read_only)
 
 
 @contextmanager
 def transaction(
-    path: str | Path, *, read_only: bool = False, lock_wait_s: float | None = None, create: bool = True
+    db: Target,
+    *,
+    read_only: bool = False,
+    lock_wait_s: float | None = None,
+    create: bool = True,
+    at: int | None = None,
 ) -> Iterator[Connection]:
-    """Open the database, yield a connection inside a transaction; commit on success, roll
-    back on error, always close (releasing the file lock).
-
-    The file is checked first (dbfile.check_file); DuckDB's own failures on a damaged file, at
-    open or while reading, become a DatabaseFileError. ``create=False``: a missing file is an
-    error, never a new empty database (the queue's writer, whose file may be moved away)."""
-    dbfile.check_file(path, write=not read_only, create=create)
-    engine = make_engine(path, read_only=read_only)
-    try:
-        with _connected(engine, path, LOCK_WAIT_S if lock_wait_s is None else lock_wait_s) as conn:
-            try:
-                with conn.begin():
-                    yield conn
-            except Exception as exc:
-                raise dbfile.open_error(path, exc) or exc  # noqa: B904 - the error or its translation
-    finally:
-        engine.dispose()
+    """A connection inside one transaction on ``db``: committed on success, rolled back on error,
+    always closed. ``create=False``: a missing database is an error, never a new empty one (the
+    queue's writer, whose file may be moved away). ``at``: as of that snapshot (a lake)."""
+    backend = backend_of(db)
+    with backend.transaction(
+        read_only=read_only, lock_wait_s=LOCK_WAIT_S if lock_wait_s is None else lock_wait_s, create=create, at=at
+    ) as conn:
+        yield conn
 
 
-@contextmanager
-def _connected(engine: Engine, path: str | Path, lock_wait_s: float) -> Iterator[Connection]:
-    """A connection, with this process's lock held while it is open. Waiting for another
-    process's file lock happens outside it, so this process's other threads are not held up."""
-    deadline, delay = time.monotonic() + lock_wait_s, 0.05
-    while True:
-        with _PROCESS_LOCK:
-            conn = _connect(engine, path, 0)
-            if conn is not None:
-                try:
-                    yield conn
-                finally:
-                    conn.close()
-                return
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise StoreBusy(
-                f"{path} is busy: another process is writing to it and held its lock for more than "
-                f"{lock_wait_s:g} s; retry when that process finishes"
-            )
-        time.sleep(min(delay, left))
-        delay = min(delay * 2, MAX_RETRY_DELAY_S)
+class Unreserved(StoreConflict):
+    """On a lake, a batch without a ledger row was about to be stored: reserve it first
+    (``store.reserve_batches``), then store it again."""
+
+    def __init__(self, batch_ids: list[int]):
+        super().__init__(f"batches {batch_ids} have no ledger row to claim yet; they are reserved and stored again")
+        self.batch_ids = batch_ids
 
 
-def _connect(engine: Engine, path: str | Path, lock_wait_s: float) -> Connection | None:
-    """A connection, or None when the file stayed locked for ``lock_wait_s``; DuckDB's failures
-    on a damaged file become a DatabaseFileError."""
-    try:
-        return retry_on_lock(engine.connect, wait_s=lock_wait_s, what=str(path))
-    except StoreBusy:
-        return None
-    except Exception as exc:
-        raise dbfile.open_error(path, exc) or exc  # noqa: B904 - the error or its translation
+def atomically(db: Target, work: Callable[[Connection], T], *, tries: int = CONFLICT_TRIES) -> T:
+    """``work(conn)`` in one write transaction, tried again when a lake refuses the commit for a
+    concurrent change to the same rows (the next try sees that change). An embedded file never
+    refuses one: its single writer is serialised by the file lock."""
+    delay = 0.02
+    for attempt in range(tries):
+        try:
+            with transaction(db) as conn:
+                return work(conn)
+        except Unreserved:
+            raise  # the caller reserves, then tries again
+        except StoreConflict:
+            if attempt == tries - 1:
+                raise
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 @contextmanager
-def checked_read(path: str | Path, *, lock_wait_s: float = LOCK_WAIT_S) -> Iterator[Connection]:
+def checked_read(db: Target, *, lock_wait_s: float = LOCK_WAIT_S, at: int | None = None) -> Iterator[Connection]:
     """A read-only transaction on a database whose schema is current (every read path uses it)."""
-    with transaction(path, read_only=True, lock_wait_s=lock_wait_s) as conn:
-        check_schema(conn, path)
+    backend = backend_of(db)
+    with transaction(backend, read_only=True, lock_wait_s=lock_wait_s, at=at) as conn:
+        check_schema(conn, backend)
         yield conn
 
 
@@ -150,42 +177,48 @@ def _alembic_config():
 
 def current_revision(conn: Connection) -> str | None:
     exists = conn.execute(
-        text("SELECT count(*) FROM information_schema.tables WHERE table_name = 'alembic_version'")
+        text(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'alembic_version' "
+            "AND table_catalog = current_database()"
+        )
     ).scalar()
     if not exists:
         return None
     return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
-def upgrade(path: str | Path) -> tuple[str | None, str]:
+def upgrade(db: Target) -> tuple[str | None, str]:
     """Apply pending migrations. Returns (revision before, revision after)."""
+    backend = backend_of(db)
+    backend.prepare()
+    check_headatlas_file(backend)
+    return _upgrade(backend)
+
+
+def _upgrade(backend: Backend) -> tuple[str | None, str]:
     from alembic import command
 
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DatabaseFileError(
-            f"cannot create the folder of {path} ({exc.strerror}); pass --db in a writable folder"
-        ) from None
-    check_headatlas_file(path)
-    engine = make_engine(path)
-    try:
-        with _connected(engine, path, LOCK_WAIT_S) as conn:
-            before = current_revision(conn)
-            check_known(before, path)
-            config = _alembic_config()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-            conn.commit()
-            after = current_revision(conn)
-            assert after is not None  # alembic_version now holds the head it upgraded to
-            return before, after
-    finally:
-        engine.dispose()
+    with backend.session(lock_wait_s=LOCK_WAIT_S) as conn:
+        return _migrate(command, conn, backend)
 
 
-def check_schema(conn: Connection, path: str | Path) -> None:
+def _migrate(command, conn: Connection, backend: Backend) -> tuple[str | None, str]:
+    before = current_revision(conn)
+    check_known(before, backend)
+    conn.commit()  # end the read's transaction: alembic begins its own (a lake: one per migration)
+    config = _alembic_config()
+    config.attributes["connection"] = conn
+    config.attributes["keys"] = backend.keys
+    command.upgrade(config, "head")
+    conn.commit()
+    after = current_revision(conn)
+    assert after is not None  # alembic_version now holds the head it upgraded to
+    return before, after
+
+
+def check_schema(conn: Connection, path: Target) -> None:
     """Refuse to work on a database whose schema is not the current head."""
+    path = label(path)
     check_not_foreign(conn, path)
     current, head = current_revision(conn), head_revision()
     check_known(current, path)
@@ -195,12 +228,13 @@ def check_schema(conn: Connection, path: str | Path) -> None:
         )
 
 
-def check_known(current: str | None, path: str | Path) -> None:
+def check_known(current: str | None, path: Target) -> None:
     """Refuse a schema revision this headatlas does not know and `db upgrade` could not migrate:
     a newer headatlas's (a higher number than this one's head), or another tool's alembic
     history. An unknown lower number falls through to the usual stale-schema error."""
     if current is None or current == head_revision() or known_revision(current):
         return
+    path = label(path)
     number, head = current.split("_", 1)[0], head_revision().split("_", 1)[0]
     if not number.isdigit():
         raise DatabaseFileError(
@@ -226,44 +260,50 @@ def known_revision(revision: str) -> bool:
         return False
 
 
-def check_headatlas_file(path: str | Path) -> None:
-    """Refuse to write into a file that is not a headatlas database: damaged, not DuckDB, or a
-    DuckDB database with other tables and no headatlas schema. A missing file or an empty
-    DuckDB database passes (the schema is created in it). Reads only."""
-    dbfile.check_file(path, write=True)
-    if not Path(path).exists():
+def check_headatlas_file(db: Target) -> None:
+    """Refuse to write into a database that is not a headatlas database: damaged, not DuckDB, or
+    a DuckDB database with other tables and no headatlas schema. A missing file or an empty
+    database passes (the schema is created in it). Reads only."""
+    backend = backend_of(db)
+    backend.check(write=True)
+    if not backend.exists():
         return
-    with transaction(path, read_only=True) as conn:
-        check_not_foreign(conn, path)
+    with transaction(backend, read_only=True) as conn:
+        check_not_foreign(conn, backend.label)
 
 
-def check_not_foreign(conn: Connection, path: str | Path) -> None:
-    """Refuse a DuckDB database that holds tables but no headatlas schema (another tool's)."""
+def check_not_foreign(conn: Connection, path: Target) -> None:
+    """Refuse a database that holds tables but no headatlas schema (another tool's)."""
     if current_revision(conn) is None and _has_tables(conn):
         raise DatabaseFileError(
-            f"{path} is a DuckDB database of something else (tables but no headatlas schema): "
+            f"{label(path)} is a DuckDB database of something else (tables but no headatlas schema): "
             "pass another --db; headatlas reads and writes only its own databases"
         )
 
 
-def ensure_schema(path: str | Path) -> None:
-    """Create the schema in a new database; refuse a stale existing one, and any file that is
+def ensure_schema(db: Target) -> None:
+    """Create the schema in a new database; refuse a stale existing one, and any database that is
     not a headatlas database."""
-    check_headatlas_file(path)
-    if not Path(path).exists():
-        upgrade(path)
+    backend = backend_of(db)
+    check_headatlas_file(backend)
+    if not backend.exists():
+        upgrade(backend)
         return
-    with transaction(path) as conn:
+    with transaction(backend) as conn:
         if current_revision(conn) is None:
-            pass  # an empty DuckDB database (checked above): safe to create the schema below
+            pass  # an empty database (checked above): safe to create the schema below
         else:
-            check_schema(conn, path)
+            check_schema(conn, backend)
             return
-    upgrade(path)
+    upgrade(backend)
 
 
 def _has_tables(conn: Connection) -> bool:
-    return bool(conn.execute(text("SELECT count(*) FROM information_schema.tables")).scalar())
+    return bool(
+        conn.execute(
+            text("SELECT count(*) FROM information_schema.tables WHERE table_catalog = current_database()")
+        ).scalar()
+    )
 
 
 def database_id(conn: Connection) -> str:
@@ -272,8 +312,7 @@ def database_id(conn: Connection) -> str:
     return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar_one()
 
 
-def read_database_id(path: str | Path) -> str:
-    """The id of the database at ``path``, read-only; a stale schema is refused first."""
-    with transaction(path, read_only=True) as conn:
-        check_schema(conn, path)
+def read_database_id(db: Target) -> str:
+    """The id of the database ``db``, read-only; a stale schema is refused first."""
+    with checked_read(db) as conn:
         return database_id(conn)

@@ -12,6 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import StoreError
+from headatlas.service.storage import db
 from headatlas.service.storage.store import Run, Store, now, resolve_run
 
 
@@ -63,9 +64,9 @@ def stored_batches(conn: Connection, run_id: int) -> set[int]:
 
 
 def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
-    from headatlas.service.storage.store import RUN_COLUMNS
+    from headatlas.service.storage.store import run_columns
 
-    row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
+    row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
     return Run.from_row(row) if row is not None else None
 
 
@@ -85,7 +86,9 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
         engine="queue",
         device=meta.get("device"),
     )
-    with store.write() as conn:
+
+    def work(conn: Connection) -> Plan | None:
+        db.serialize(conn)  # on a lake, two writers opening the run record one plan
         plan = plan_of(conn, run.run_id)
         if plan is None:
             conn.execute(
@@ -105,11 +108,14 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
             conn.execute(
                 text(
                     "UPDATE runs SET status = 'running', started_at = coalesce(started_at, :ts), error = NULL "
-                    "WHERE run_id = :r"
+                    "WHERE run_id = :r AND status IN ('created', 'interrupted')"
                 ),
                 {"ts": now(), "r": run.run_id},
             )
         finish_if_complete(conn, run.run_id)
+        return plan
+
+    plan = store.atomically(work)
     assert plan is not None  # recorded above when missing
     return store.get_run(run.run_id), plan
 
@@ -129,26 +135,41 @@ def mark_failed(conn: Connection, run_id: int, batch_id: int, *, attempts: int, 
     ).scalar()
     if status == "done":
         return False
+    values = {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]}
+    if db.has_keys(conn):
+        conn.execute(
+            text(
+                "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
+                "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
+                "status = 'failed', attempts = excluded.attempts, error = excluded.error"
+            ),
+            values,
+        )
+        return True
+    # a lake: the batch's other rows give way to one failed row (and a concurrent store of the
+    # batch, which deletes them too, conflicts with this)
+    conn.execute(text("DELETE FROM batches WHERE run_id = :r AND batch_id = :b AND status <> 'done'"), values)
     conn.execute(
         text(
             "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
-            "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
-            "status = 'failed', attempts = excluded.attempts, error = excluded.error"
+            "VALUES (:r, :b, 0, 'failed', :a, :e)"
         ),
-        {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]},
+        values,
     )
     return True
 
 
 def reopen_failed(store: Store, run_id: int) -> list[int]:
     """Forget the failed batches of a run so they count as pending again; the run is running."""
-    with store.write() as conn:
+
+    def work(conn: Connection) -> list[int]:
         ids = [
             r[0]
             for r in conn.execute(
-                text("DELETE FROM batches WHERE run_id = :r AND status = 'failed' RETURNING batch_id"), {"r": run_id}
+                text("SELECT DISTINCT batch_id FROM batches WHERE run_id = :r AND status = 'failed'"), {"r": run_id}
             )
         ]
+        conn.execute(text("DELETE FROM batches WHERE run_id = :r AND status = 'failed'"), {"r": run_id})
         conn.execute(
             text(
                 "UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = :r "
@@ -157,6 +178,8 @@ def reopen_failed(store: Store, run_id: int) -> list[int]:
             {"r": run_id},
         )
         return sorted(ids)
+
+    return store.atomically(work)
 
 
 def finish_if_complete(conn: Connection, run_id: int) -> None:
@@ -175,6 +198,12 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
         )
     else:
         status, error = "done", None
+    ended = conn.execute(
+        text("SELECT count(*) FROM runs WHERE run_id = :r AND status = :s AND finished_at IS NOT NULL"),
+        {"r": run_id, "s": status},
+    ).scalar()
+    if ended:  # already ended so (and compacted): every writer of a lake asks after its commits
+        return
     conn.execute(
         text(
             "UPDATE runs SET status = :s, error = :e, finished_at = :ts, "
@@ -217,10 +246,14 @@ def run_and_plan(store: Store, ref: str | int | None) -> tuple[Run, Plan]:
 
 
 def _counts(conn: Connection, run_id: int) -> tuple[int, int]:
+    """(batches stored, batches failed and not stored). A lake's ledger may hold more than one
+    row of a batch for a moment (a failure recorded beside a concurrent store): a stored batch
+    counts as stored only."""
     row = conn.execute(
         text(
-            "SELECT count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'failed') "
-            "FROM batches WHERE run_id = :r"
+            "WITH b AS (SELECT batch_id, bool_or(status = 'done') AS done, bool_or(status = 'failed') AS failed "
+            "FROM batches WHERE run_id = :r GROUP BY batch_id) "
+            "SELECT count(*) FILTER (WHERE done), count(*) FILTER (WHERE failed AND NOT done) FROM b"
         ),
         {"r": run_id},
     ).one()  # an aggregate: always one row

@@ -5,10 +5,12 @@ Two layers keep user SQL from touching anything but the stored results:
 1. ``check_select_only`` parses the text with DuckDB's own parser and accepts exactly one
    statement of type SELECT (``WITH … SELECT``, ``FROM t``, ``SHOW``/``DESCRIBE`` parse as
    SELECT too).
-2. ``connect_readonly`` opens the file read-only with external access disabled, extension
+2. ``connect_readonly`` opens the database read-only with external access disabled, extension
    autoload/autoinstall off and the configuration locked, so a SELECT that calls a file-reading
    table function (``read_csv``, ``read_text``, ``glob`` …) fails in the engine, and nothing can
-   be ``SET`` back.
+   be ``SET`` back. A lake is attached read-only (its catalogue's PostgreSQL runs read-only
+   transactions), may read files under its own data path only, and refuses the functions that
+   would reach past its tables (``postgres_query``, DuckLake's maintenance; ``Backend.refuse_in_sandbox``).
 
 The connection is opened with the ``duckdb`` module rather than through SQLAlchemy. Both work:
 duckdb-engine 0.17 passes known settings in ``connect_args["config"]`` straight to
@@ -28,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import duckdb
@@ -64,11 +65,6 @@ class QueryResult:
     runs: int = 0  # runs in the database (whether a query without a run filter may mix several)
 
 
-# DuckDB 1.4 parses IMPORT DATABASE by reading the folder's schema.sql: refused before parsing,
-# so that no file is opened (nor quoted back in a parser error) on a user's behalf.
-_READ_WHILE_PARSED = frozenset({"IMPORT"})
-
-
 def check_select_only(sql: str) -> str:
     """Return ``sql`` as one SELECT statement without its trailing ';', or raise StoreError.
 
@@ -76,9 +72,10 @@ def check_select_only(sql: str) -> str:
     COPY, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA, EXPORT/IMPORT, CALL, CHECKPOINT, VACUUM …)
     and text DuckDB cannot parse.
     """
-    first = _FIRST_WORD.match(_LEADING_COMMENTS.sub("", sql, count=1).lstrip())
-    if first and first.group(0).upper() in _READ_WHILE_PARSED:
-        raise StoreError(f"refused: {_ALLOWED}; got {first.group(0).upper()}")
+    first = _FIRST_WORD.match(_LEADING_COMMENTS.sub("", sql, count=1))
+    if first and first.group(0).upper() == "IMPORT":
+        # DuckDB 1.4's parser opens IMPORT DATABASE's folder and parses its schema.sql: refused unread
+        raise StoreError(f"refused: {_ALLOWED}; got IMPORT")
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.ParserException as error:
@@ -153,30 +150,19 @@ def _limits(memory_limit: str | None, temp_limit: str | None) -> dict[str, str]:
 
 @contextmanager
 def connect_readonly(
-    db_path: str | Path, *, lock_wait_s: float = 10.0, limits: dict[str, str] | None = None
+    db_path, *, lock_wait_s: float = 10.0, limits: dict[str, str] | None = None, at: int | None = None
 ) -> Iterator[duckdb.DuckDBPyConnection]:
-    """Open the results database read-only and confined to that file; close it on exit.
-    ``limits``: DuckDB settings set before the configuration is locked (memory, spill)."""
-    from headatlas.service.storage import dbfile
+    """Open the results database read-only and confined to it; close it on exit. ``db_path``: a
+    path, a ``ducklake:…`` URL or a backend. ``limits``: DuckDB settings set before the
+    configuration is locked (memory, spill). ``at``: as of that snapshot (a lake)."""
+    from headatlas.service.storage.backends import open_backend
 
-    path = Path(db_path)
-    dbfile.check_file(path, write=False)
-    try:
-        connection = retry_on_lock(
-            lambda: duckdb.connect(str(path.absolute()), read_only=True, config={**(limits or {}), **READONLY_CONFIG}),
-            wait_s=lock_wait_s,
-            what=f"the database {path}",
-        )
-    except duckdb.Error as error:
-        raise dbfile.open_error(path, error) or error  # noqa: B904 - the error or its translation
-    try:
+    with open_backend(db_path).sandbox(limits=limits, lock_wait_s=lock_wait_s, at=at) as connection:
         yield connection
-    finally:
-        connection.close()
 
 
 def run_readonly_sql(
-    db_path: str | Path,
+    db_path,
     sql: str,
     *,
     params: dict | list | None = None,
@@ -186,8 +172,10 @@ def run_readonly_sql(
     memory_limit: str | None = None,
     temp_limit: str | None = DEFAULT_TEMP_LIMIT,
     run_id: int | None = None,
+    at: int | None = None,
 ) -> QueryResult:
-    """Run one SELECT on the database at ``db_path``.
+    """Run one SELECT on the database ``db_path`` (a path, a ``ducklake:…`` URL or a backend),
+    as of snapshot ``at`` when given (a lake).
 
     ``params`` fill ``$name`` (dict) or ``?`` (list) placeholders. At most ``max_rows`` rows
     come back (``truncated`` says whether more existed). The query is interrupted after
@@ -200,10 +188,16 @@ def run_readonly_sql(
         raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
     if not (math.isfinite(timeout_s) and timeout_s > 0):  # nan compares false: it would disable the limit
         raise ParameterError(f"--timeout {timeout_s}: pass a finite positive number of seconds, e.g. --timeout 30")
+    from headatlas.service.storage.backends import open_backend
+
     statement = check_select_only(sql)
+    backend = open_backend(db_path)
+    refused = backend.refuse_in_sandbox(statement)
+    if refused:
+        raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
 
-    with connect_readonly(db_path, lock_wait_s=lock_wait_s, limits=limits) as connection:
+    with connect_readonly(backend, lock_wait_s=lock_wait_s, limits=limits, at=at) as connection:
         runs = _count_runs(connection)
         if run_id is not None:
             scope_to_run(connection, run_id)

@@ -3,7 +3,9 @@
 Every change is one short write transaction (the file is held for milliseconds; a writer or a
 reader holding it is waited for with ``retry_on_lock``, and the writer retries likewise). A fire
 is claimed by inserting its (schedule, fire time) row: the primary key makes a second claim of
-the same fire — a second beat process, a tick handled twice — a no-op.
+the same fire — a second beat process, a tick handled twice — a no-op. A lake has no keys: a
+claim there also updates its schedule's row, so two concurrent claims of one schedule conflict
+and the second, tried again, finds the fire taken.
 """
 
 from __future__ import annotations
@@ -94,34 +96,47 @@ def add(
 ) -> Schedule:
     t = now().replace(microsecond=0)
     cadence = Cadence(cadence.cron, cadence.every_s, cadence.timezone, t)
-    with _write(path) as conn:
+    values = {
+        "name": name,
+        "corpus": corpus,
+        "model": model,
+        "dtype": dtype,
+        "bs": batch_size,
+        "params": json.dumps(params),
+        "cron": cadence.cron,
+        "every": cadence.every_s,
+        "tz": cadence.timezone,
+        "only_new": only_new,
+        "anchor": t,
+        "next": cadence.next_after(t),
+    }
+    columns = (
+        "name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, only_new, anchor, "
+        "next_fire, created_at"
+    )
+    given = ":name, :corpus, :model, :dtype, :bs, :params, :cron, :every, :tz, true, :only_new, :anchor, :next, :anchor"
+
+    def work(conn: Connection) -> Schedule:
+        keys = db.has_keys(conn)
+        db.serialize(conn)  # a lake: two adds of one name take turns (no UNIQUE there)
         if conn.execute(text("SELECT count(*) FROM schedules WHERE name = :n"), {"n": name}).scalar():
             raise ParameterError(
                 f"a schedule named {name!r} exists: choose another name, or change it with "
                 f"`headatlas schedule edit {name}`"
             )
-        row = conn.execute(
-            text(
-                "INSERT INTO schedules (name, corpus, model, dtype, batch_size, params, cron, every_s, timezone, enabled, "
-                "only_new, anchor, next_fire, created_at) VALUES (:name, :corpus, :model, :dtype, :bs, :params, :cron, "
-                f":every, :tz, true, :only_new, :anchor, :next, :anchor) RETURNING {COLUMNS}"
-            ),
-            {
-                "name": name,
-                "corpus": corpus,
-                "model": model,
-                "dtype": dtype,
-                "bs": batch_size,
-                "params": json.dumps(params),
-                "cron": cadence.cron,
-                "every": cadence.every_s,
-                "tz": cadence.timezone,
-                "only_new": only_new,
-                "anchor": t,
-                "next": cadence.next_after(t),
-            },
-        ).first()
-        return Schedule.from_row(row)
+        if keys:
+            row = conn.execute(
+                text(f"INSERT INTO schedules ({columns}) VALUES ({given}) RETURNING {COLUMNS}"), values
+            ).first()
+            return Schedule.from_row(row)
+        schedule_id = int(conn.execute(text("SELECT coalesce(max(schedule_id), 0) + 1 FROM schedules")).scalar_one())
+        conn.execute(
+            text(f"INSERT INTO schedules (schedule_id, {columns}) VALUES (:id, {given})"), {**values, "id": schedule_id}
+        )
+        return _get(conn, name)
+
+    db.ensure_schema(path)
+    return db.atomically(path, work)
 
 
 def edit(path: str | Path, name: str, **changes) -> Schedule:
@@ -199,32 +214,58 @@ def claim(
     claimed only while the schedule exists, is enabled and the fire is not older than its next
     fire (a beat process working from a stale read cannot fire a tick already passed);
     ``doc_ids`` (only_new) are recorded as sent in the same transaction."""
-    with db.transaction(path) as conn:
+
+    def work(conn: Connection) -> bool:
         row = conn.execute(text(f"SELECT {COLUMNS} FROM schedules WHERE schedule_id = :s"), {"s": schedule_id}).first()
         if row is None:
             return False
         sched = Schedule.from_row(row)
         if kind == "scheduled" and (not sched.enabled or fire_time < sched.next_fire):
             return False
-        inserted = conn.execute(
-            text(
-                "INSERT INTO schedule_fires (schedule_id, fire_time, kind, claimed_at, status) "
-                "VALUES (:s, :t, :kind, :now, 'claimed') ON CONFLICT DO NOTHING RETURNING fire_time"
-            ),
-            {"s": schedule_id, "t": fire_time, "kind": kind, "now": now()},
-        ).first()
-        if inserted is None:
-            return False
+        keys = db.has_keys(conn)
+        claim = {"s": schedule_id, "t": fire_time, "kind": kind, "now": now()}
+        if keys:
+            inserted = conn.execute(
+                text(
+                    "INSERT INTO schedule_fires (schedule_id, fire_time, kind, claimed_at, status) "
+                    "VALUES (:s, :t, :kind, :now, 'claimed') ON CONFLICT DO NOTHING RETURNING fire_time"
+                ),
+                claim,
+            ).first()
+            if inserted is None:
+                return False
+        else:
+            # a lake: the update of the schedule's row below makes two claims of one schedule
+            # conflict, so the one that commits second is tried again and finds this fire
+            taken = conn.execute(
+                text("SELECT count(*) FROM schedule_fires WHERE schedule_id = :s AND fire_time = :t"), claim
+            ).scalar()
+            if taken:
+                return False
+            conn.execute(
+                text(
+                    "INSERT INTO schedule_fires (schedule_id, fire_time, kind, claimed_at, status) "
+                    "VALUES (:s, :t, :kind, :now, 'claimed')"
+                ),
+                claim,
+            )
         if doc_ids:
             import pyarrow as pa
 
             raw = db.driver_connection(conn)
             raw.register("new_docs", pa.table({"doc_id": doc_ids}))
             try:
-                raw.execute(
-                    "INSERT INTO schedule_documents SELECT ?, doc_id, ? FROM new_docs ON CONFLICT DO NOTHING",
-                    [schedule_id, fire_time],
-                )
+                if keys:
+                    raw.execute(
+                        "INSERT INTO schedule_documents SELECT ?, doc_id, ? FROM new_docs ON CONFLICT DO NOTHING",
+                        [schedule_id, fire_time],
+                    )
+                else:
+                    raw.execute(
+                        "INSERT INTO schedule_documents SELECT DISTINCT ?, doc_id, ? FROM new_docs n WHERE NOT EXISTS "
+                        "(SELECT 1 FROM schedule_documents d WHERE d.schedule_id = ? AND d.doc_id = n.doc_id)",
+                        [schedule_id, fire_time, schedule_id],
+                    )
             finally:
                 raw.unregister("new_docs")
         values = {"last_fire": max(fire_time, sched.last_fire or fire_time)}
@@ -232,6 +273,8 @@ def claim(
             values["next_fire"] = sched.cadence.next_after(max(fire_time, now()))
         _update(conn, schedule_id, values)
         return True
+
+    return db.atomically(path, work)
 
 
 def finish_fire(

@@ -20,6 +20,7 @@ from headatlas.service.engine.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, 
 from headatlas.service.errors import RunNotFound, StoreError
 from headatlas.service.storage import db, run_labels
 from headatlas.service.storage.arrow_rows import TableRows
+from headatlas.service.storage.backends import Backend, open_backend
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 RUN_COLUMNS = (
@@ -27,6 +28,22 @@ RUN_COLUMNS = (
     "params, seq_len, short_range, engine, device, status, created_at, started_at, finished_at, "
     "compute_s, wall_s, error"
 )
+
+
+# DuckLake's virtual column snapshot_id: the snapshot that wrote the row
+LAST_SNAPSHOT = (
+    "greatest(r.snapshot_id, (SELECT max(b.snapshot_id) FROM batches b WHERE b.run_id = r.run_id), "
+    "(SELECT max(p.snapshot_id) FROM probe_scores p WHERE p.run_id = r.run_id))"
+)
+
+
+def run_columns(conn: Connection) -> str:
+    """RUN_COLUMNS for ``SELECT … FROM runs``: on a lake, compute_s is the sum over the run's
+    stored batches (``LAKE_COMPUTE_S``), which ingest does not add to the run's row."""
+    if db.has_keys(conn):
+        return RUN_COLUMNS
+    summed = LAKE_COMPUTE_S.format(t="runs")
+    return RUN_COLUMNS.replace("compute_s,", f"greatest(compute_s, {summed}) AS compute_s,")
 
 
 @dataclass(frozen=True)
@@ -66,22 +83,41 @@ now = db.now
 
 
 class Store:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    """The results database (``db``: a path, a ``ducklake:…`` URL, or a backend). Every read and
+    write of the results goes through it or through the functions below on one of its
+    transactions; ``at``: read the database as of that snapshot (a lake)."""
+
+    def __init__(self, path: str | Path | Backend, *, data_path: str | Path | None = None, at: int | None = None):
+        self.backend = open_backend(path, data_path=data_path)
+        self.at = at
+        # a file's path (what tests and tools expect); a lake is named by its label
+        self.path: Path | str = getattr(self.backend, "path", None) or self.backend.label
+
+    def __str__(self) -> str:
+        return self.backend.label
 
     # --- sessions -------------------------------------------------------------------------
     def write(self):
-        return db.transaction(self.path)
+        return db.transaction(self.backend)
+
+    def atomically(self, work):
+        """``work(conn)`` in one write transaction, tried again when a lake refuses the commit
+        for a concurrent change (``db.atomically``)."""
+        return db.atomically(self.backend, work)
 
     def read(self):
-        return db.transaction(self.path, read_only=True)
+        return db.transaction(self.backend, read_only=True, at=self.at)
 
     def ensure_schema(self) -> None:
-        db.ensure_schema(self.path)
+        db.ensure_schema(self.backend)
 
     def checked_read(self):
         """A read transaction on a database whose schema is current."""
-        return db.checked_read(self.path)
+        return db.checked_read(self.backend, at=self.at)
+
+    def snapshot(self, conn: Connection) -> int | None:
+        """The snapshot a read transaction of this store sees (None: a file, which keeps none)."""
+        return self.backend.snapshot_of(conn)
 
     # --- runs -----------------------------------------------------------------------------
     def find_or_create_run(
@@ -103,8 +139,29 @@ class Store:
         alias (``run_aliases``), so that the name asked for resolves to the run that holds the
         results; a name that another run holds is refused.
         """
-        with self.write() as conn:
-            row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
+        values = {
+            "run_key": run_key,
+            "name": name,
+            "corpus": corpus,
+            "fp": corpus_fingerprint,
+            "model": model["spec"],
+            "model_name": model["name"],
+            "n_layers": model["layers"],
+            "n_heads": model["heads"],
+            "d_head": model["d_head"],
+            "params": json.dumps(params),
+            "seq_len": params["seq_len"],
+            "short_range": params["short_range"],
+            "engine": engine,
+            "device": device,
+            "created_at": now(),
+        }
+
+        def work(conn: Connection) -> tuple[Run, bool]:
+            keys = db.has_keys(conn)
+            if not keys:
+                db.serialize(conn)  # two writers opening one run (or two runs named alike) take turns
+            row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
             if row is not None:
                 run = Run.from_row(row)
                 if alias is not None and alias != run.name:
@@ -120,33 +177,30 @@ class Store:
                 raise StoreError(
                     f"run name {name!r} is taken by a run with other corpus, model or parameters: pass another --name"
                 )
-            row = conn.execute(
-                text(
-                    "INSERT INTO runs (run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, "
-                    "n_heads, d_head, params, seq_len, short_range, engine, device, status, created_at) VALUES "
-                    "(:run_key, :name, :corpus, :fp, :model, :model_name, :n_layers, :n_heads, :d_head, :params, "
-                    ":seq_len, :short_range, :engine, :device, 'created', :created_at) "
-                    f"RETURNING {RUN_COLUMNS}"
-                ),
-                {
-                    "run_key": run_key,
-                    "name": name,
-                    "corpus": corpus,
-                    "fp": corpus_fingerprint,
-                    "model": model["spec"],
-                    "model_name": model["name"],
-                    "n_layers": model["layers"],
-                    "n_heads": model["heads"],
-                    "d_head": model["d_head"],
-                    "params": json.dumps(params),
-                    "seq_len": params["seq_len"],
-                    "short_range": params["short_range"],
-                    "engine": engine,
-                    "device": device,
-                    "created_at": now(),
-                },
-            ).first()
+            columns = (
+                "run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, d_head, params, "
+                "seq_len, short_range, engine, device, status, created_at"
+            )
+            given = (
+                ":run_key, :name, :corpus, :fp, :model, :model_name, :n_layers, :n_heads, :d_head, :params, "
+                ":seq_len, :short_range, :engine, :device, 'created', :created_at"
+            )
+            if keys:
+                row = conn.execute(
+                    text(f"INSERT INTO runs ({columns}) VALUES ({given}) RETURNING {RUN_COLUMNS}"), values
+                ).first()
+            else:  # no sequence on a lake: the next id, taken under serialize (above)
+                run_id = int(conn.execute(text("SELECT coalesce(max(run_id), 0) + 1 FROM runs")).scalar_one())
+                conn.execute(
+                    text(f"INSERT INTO runs (run_id, {columns}, compute_s, wall_s) VALUES (:run_id, {given}, 0, 0)"),
+                    {**values, "run_id": run_id},
+                )
+                row = conn.execute(
+                    text(f"SELECT {run_columns(conn)} FROM runs WHERE run_id = :r"), {"r": run_id}
+                ).first()
             return Run.from_row(row), True
+
+        return self.atomically(work)
 
     def set_status(
         self,
@@ -163,11 +217,14 @@ class Store:
             sets.append("started_at = coalesce(started_at, :ts)")
         if finished:
             sets.append("finished_at = :ts")
-        with self.write() as conn:
+
+        def work(conn: Connection) -> None:
             conn.execute(
                 text(f"UPDATE runs SET {', '.join(sets)} WHERE run_id = :run_id"),
                 {"status": status, "error": error, "ts": now(), "run_id": run_id, "wall": add_wall_s},
             )
+
+        self.atomically(work)
 
     def get_run(self, ref: str | int | None = None) -> Run:
         with self.checked_read() as conn:
@@ -177,12 +234,17 @@ class Store:
         """Every run (with ``tags``: those that have all of them), with its ``aliases`` and
         ``tags`` (lists)."""
         with self.checked_read() as conn:
+            keys = db.has_keys(conn)
+            compute = "r.compute_s" if keys else f"greatest(r.compute_s, {LAKE_COMPUTE_S.format(t='r')})"
+            # a lake: the last snapshot that changed the run (its row, its ledger, its probe): what
+            # `--at` reads to see the run as it is now
+            snapshot = "" if keys else f", {LAST_SNAPSHOT} AS snapshot"
             rows = (
                 conn.execute(
                     text(
                         "SELECT r.run_id, r.name, r.status, r.model_name AS model, r.corpus, "
-                        "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s, r.created_at, r.finished_at "
-                        "FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
+                        f"coalesce(c.windows, 0) AS windows, {compute} AS compute_s, r.wall_s, r.created_at, "
+                        f"r.finished_at{snapshot} FROM runs r LEFT JOIN chance_totals c USING (run_id) ORDER BY r.run_id"
                     )
                 )
                 .mappings()
@@ -232,8 +294,7 @@ class Store:
         """Fold the run's partial sums into one row set (views unchanged, queries faster)."""
         from headatlas.service.storage.compact import compact_run
 
-        with self.write() as conn:
-            return compact_run(conn, run_id)
+        return self.atomically(lambda conn: compact_run(conn, run_id))
 
     def mixing_windows(self, run_id: int) -> int:
         """Windows of this run that already carry mixing measures (for the --attribution-windows cap)."""
@@ -258,22 +319,20 @@ class Store:
         """Store the run's probe scores (``scores``: name -> ``[layer, head]``) in one transaction.
         One probe per run: the same probe stored again is skipped (returns False), another one
         (other length, sequences or seed) replaces it."""
-        with self.write() as conn:
-            return store_probe(conn, run_id, spec, scores)
+        return self.atomically(lambda conn: store_probe(conn, run_id, spec, scores))
 
     # --- ingest ---------------------------------------------------------------------------
     def ingest(self, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
         """Store batch results in one transaction. A batch already stored is skipped (so a
         redelivered batch is harmless); returns the number of batches newly stored."""
-        with self.write() as conn:
-            return ingest_batches(conn, run_id, items)
+        return store_batches(self, run_id, items)
 
 
 def resolve_run(conn: Connection, ref: str | int | None, *, any_status: bool = False) -> Run:
     """A run by id, name or alias; ``ref`` None: the default run (``pick_run``), or with
     ``any_status`` the latest run whatever its status (what ``headatlas status`` watches)."""
     if ref is None and any_status:
-        row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY run_id DESC LIMIT 1")).first()
+        row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs ORDER BY run_id DESC LIMIT 1")).first()
         if row is None:
             raise RunNotFound("no runs yet: run `headatlas analyze CORPUS` first")
         return Run.from_row(row)
@@ -288,11 +347,11 @@ def pick_run(conn: Connection, ref: str | int | None) -> tuple[Run, str | None]:
         return _default_run(conn)
     ref_s = str(ref)
     if ref_s.isdigit():
-        row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = :r"), {"r": int(ref_s)}).first()
+        row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE run_id = :r"), {"r": int(ref_s)}).first()
     else:
-        row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE name = :r"), {"r": ref_s}).first()
+        row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE name = :r"), {"r": ref_s}).first()
         if row is None and (aliased := run_labels.run_by_alias(conn, ref_s)) is not None:
-            row = conn.execute(text(f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = :r"), {"r": aliased}).first()
+            row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE run_id = :r"), {"r": aliased}).first()
     if row is None:
         raise RunNotFound(f"no run {ref_s!r}: see `headatlas runs` for ids and names")
     run = Run.from_row(row)
@@ -302,7 +361,9 @@ def pick_run(conn: Connection, ref: str | int | None) -> tuple[Run, str | None]:
 def _default_run(conn: Connection) -> tuple[Run, str | None]:
     # controls (analyze --control) are stored after their run: the latest run would be a control
     rows = conn.execute(
-        text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY json_extract(params, '$.control_of') IS NOT NULL, run_id DESC")
+        text(
+            f"SELECT {run_columns(conn)} FROM runs ORDER BY json_extract(params, '$.control_of') IS NOT NULL, run_id DESC"
+        )
     ).all()
     if not rows:
         raise RunNotFound("no runs yet: run `headatlas analyze CORPUS` first")
@@ -368,20 +429,101 @@ def store_probe(conn: Connection, run_id: int, spec: tuple[int, int, int], score
     return True
 
 
-def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
-    done = {
+Unreserved = db.Unreserved
+
+
+def reserve_batches(conn: Connection, run_id: int, batch_ids: list[int]) -> int:
+    """On a lake, in a transaction committed before the batches are stored: a ``reserved``
+    ledger row for each batch that has no row yet. Storing a batch deletes the rows it finds, so
+    two transactions storing the same batch both delete one row and DuckLake refuses the second
+    commit (docs/architecture.md, "Exactly once on a lake"). Returns the rows added."""
+    have = {
         r[0]
         for r in conn.execute(
             text(
-                "SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done' AND batch_id IN "
+                "SELECT DISTINCT batch_id FROM batches WHERE run_id = :r AND batch_id IN "
                 "(SELECT unnest(CAST(:ids AS INTEGER[])))"
             ),
-            {"r": run_id, "ids": [b for b, _ in items]},
+            {"r": run_id, "ids": list(batch_ids)},
         )
     }
+    missing = sorted(set(batch_ids) - have)
+    if missing:
+        raw = db.driver_connection(conn)
+        raw.register("_in_reserved", pa.table({"batch_id": pa.array(missing, type=pa.int32())}))
+        try:
+            conn.execute(
+                text(
+                    "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts) "
+                    "SELECT :r, batch_id, 0, 'reserved', 0 FROM _in_reserved"
+                ),
+                {"r": run_id},
+            )
+        finally:
+            raw.unregister("_in_reserved")
+    return len(missing)
+
+
+def store_batches(store: Store, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
+    """``ingest_batches`` in its own transaction, exactly once on any backend: on a lake the
+    batches are reserved first, and a commit refused for a concurrent store of the same batch
+    is tried again (it then finds the batch stored and skips it)."""
+    ids = [b for b, _ in items]
+    for _ in range(db.CONFLICT_TRIES):
+        try:
+            return store.atomically(lambda conn: ingest_batches(conn, run_id, items))
+        except Unreserved as exc:
+            store.atomically(lambda conn, missing=exc.batch_ids: reserve_batches(conn, run_id, missing))
+    raise StoreError(f"run {run_id}: batches {ids} could not be reserved for storing; try again")
+
+
+# compute_s of a run on a lake: the sum over its stored batches (a per-batch update of the run's
+# row would make every two writers of one run conflict)
+LAKE_COMPUTE_S = (
+    "(SELECT coalesce(sum(b.compute_s), 0) FROM batches b WHERE b.run_id = {t}.run_id AND b.status = 'done')"
+)
+
+
+def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
+    """Store batch results inside the caller's transaction; a batch already stored is skipped.
+    On a lake each batch must hold a ledger row from an earlier transaction (``reserve_batches``;
+    else ``Unreserved``): its rows are deleted here, which is what makes a concurrent store of
+    the same batch conflict. Returns the number of batches newly stored."""
+    return len(ingest_batch_ids(conn, run_id, items))
+
+
+def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> list[int]:
+    """``ingest_batches``, returning the ids of the batches newly stored. A batch id given twice
+    is stored once (its first result)."""
+    first: dict[int, BatchResult] = {}
+    for batch_id, res in items:
+        first.setdefault(batch_id, res)
+    items = list(first.items())
+    keys = db.has_keys(conn)
+    ledger = conn.execute(
+        text(
+            "SELECT batch_id, status FROM batches WHERE run_id = :r AND batch_id IN "
+            "(SELECT unnest(CAST(:ids AS INTEGER[])))"
+        ),
+        {"r": run_id, "ids": [b for b, _ in items]},
+    ).all()
+    done = {b for b, status in ledger if status == "done"}
     fresh = [(b, res) for b, res in items if b not in done]
     if not fresh:
-        return 0
+        return []
+    fresh_ids = [b for b, _ in fresh]
+    if not keys:
+        held = {b for b, status in ledger if status != "done"}
+        unreserved = [b for b in fresh_ids if b not in held]
+        if unreserved:
+            raise Unreserved(unreserved)
+        conn.execute(
+            text(
+                "DELETE FROM batches WHERE run_id = :r AND status <> 'done' AND batch_id IN "
+                "(SELECT unnest(CAST(:ids AS INTEGER[])))"
+            ),
+            {"r": run_id, "ids": fresh_ids},
+        )
     raw = db.driver_connection(conn)
     tables = _arrow_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))
@@ -395,12 +537,22 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
         ).all()[0][0]
         if clash:
             raise StoreError(f"run {run_id}: {clash} window(s) of this batch were already counted by another batch")
-        conn.exec_driver_sql(
-            "INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING"
-        )
+        if keys:
+            conn.exec_driver_sql(
+                "INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents ON CONFLICT DO NOTHING"
+            )
+            conn.exec_driver_sql(
+                "INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows ON CONFLICT DO NOTHING"
+            )
+        else:  # content-addressed rows: the ones not stored yet
+            conn.exec_driver_sql(
+                "INSERT INTO documents SELECT DISTINCT ON (doc_id) * FROM _in_documents i "
+                "WHERE NOT EXISTS (SELECT 1 FROM documents d WHERE d.doc_id = i.doc_id)"
+            )
+            conn.exec_driver_sql(
+                "INSERT INTO windows SELECT DISTINCT ON (window_id) * FROM _in_windows i "
+                "WHERE NOT EXISTS (SELECT 1 FROM windows w WHERE w.window_id = i.window_id)"
+            )
         for name in (
             "run_windows",
             "head_stats",
@@ -417,20 +569,26 @@ def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchRe
         for name in MIXING_TABLES:
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
-        conn.exec_driver_sql(
-            "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "
-            "SELECT run_id, batch_id, n_windows, 'done', 1, compute_s, now() FROM _in_batches "
-            "ON CONFLICT (run_id, batch_id) DO UPDATE SET status = 'done', compute_s = excluded.compute_s, "
-            "ingested_at = excluded.ingested_at, error = NULL"
-        )
-        conn.execute(
-            text("UPDATE runs SET compute_s = compute_s + :s WHERE run_id = :r"),
-            {"s": float(sum(res.compute_s for _, res in fresh)), "r": run_id},
-        )
+        if keys:
+            conn.exec_driver_sql(
+                "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "
+                "SELECT run_id, batch_id, n_windows, 'done', 1, compute_s, now() FROM _in_batches "
+                "ON CONFLICT (run_id, batch_id) DO UPDATE SET status = 'done', compute_s = excluded.compute_s, "
+                "ingested_at = excluded.ingested_at, error = NULL"
+            )
+            conn.execute(
+                text("UPDATE runs SET compute_s = compute_s + :s WHERE run_id = :r"),
+                {"s": float(sum(res.compute_s for _, res in fresh)), "r": run_id},
+            )
+        else:  # the batches' rows deleted above; compute_s is summed from here when read
+            conn.exec_driver_sql(
+                "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "
+                "SELECT run_id, batch_id, n_windows, 'done', 1, compute_s, now() FROM _in_batches"
+            )
     finally:
         for name in tables:
             raw.unregister(f"_in_{name}")
-    return len(fresh)
+    return fresh_ids
 
 
 def _arrow_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:

@@ -1,0 +1,162 @@
+"""What every storage backend provides: one way to open a connection, and what it can do.
+
+A backend is where the results live: an embedded DuckDB file (``file``), or a DuckLake (``lake``:
+a catalogue in PostgreSQL or in a local file, table data as Parquet files in a folder). Everything
+above ``service/storage`` sees only ``transaction()`` (a SQLAlchemy connection inside one
+transaction, closed on exit) and the read-only sandbox of ``headatlas sql``; ``connect()`` —
+the one place a DuckDB connection is opened — stays inside the storage package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import duckdb
+from sqlalchemy.engine import Connection
+
+# DuckDB settings every connection opened by headatlas gets: extensions come from the installed
+# wheels only (duckdb-ext-ducklake, duckdb-ext-postgres), never from the network
+NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+
+
+def duckdb_config(**settings: Any) -> dict[str, Any]:
+    """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
+    downloads, and the shipped extensions findable (``LOAD ducklake`` on any connection)."""
+    folder = extension_directory()
+    return {**NO_DOWNLOADS, **({"extension_directory": folder} if folder else {}), **settings}
+
+
+def extension_directory() -> str | None:
+    """The folder of the DuckDB extension binaries shipped on PyPI (``duckdb_ext/extensions``),
+    or None when the wheels are not installed."""
+    spec = importlib.util.find_spec("duckdb_ext")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "extensions")
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+class Backend(ABC):
+    """One database: where it is, how to open it, and what its engine can do."""
+
+    kind: ClassVar[str]
+    # PRIMARY KEY / UNIQUE / ON CONFLICT / sequences / RETURNING on inserts: the embedded file has
+    # them; a lake has none, and the store keeps its invariants by other means there
+    keys: ClassVar[bool] = True
+    # every commit is a snapshot that can be read later (--at)
+    snapshots: ClassVar[bool] = False
+    # several processes (on several hosts) may write at once
+    shared_writers: bool = False
+
+    url: str
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """How the database is named in messages, logs and status: never holds a password."""
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label!r})"
+
+    @abstractmethod
+    def check(self, *, write: bool, create: bool = True) -> None:
+        """Raise DatabaseFileError when the database cannot be used (``write``: for writing;
+        ``create``: a missing one may be created). Opens nothing that could change it."""
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Whether there is a database here (a file; a lake catalogue that holds tables)."""
+
+    def prepare(self) -> None:  # noqa: B027 - a default that does nothing
+        """Make the place for a new database (a file's folder); raise DatabaseFileError if impossible."""
+
+    @abstractmethod
+    def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+        """A new DuckDB connection on this database (storage-internal: nothing above the storage
+        package holds one). ``config``: DuckDB settings for the connection (limits)."""
+
+    @abstractmethod
+    def transaction(
+        self,
+        *,
+        read_only: bool = False,
+        lock_wait_s: float | None = None,
+        create: bool = True,
+        at: int | None = None,
+    ) -> AbstractContextManager[Connection]:
+        """A SQLAlchemy connection inside one transaction: committed on success, rolled back on
+        error, closed on exit. ``at``: read the database as of that snapshot (backends with
+        ``snapshots`` only)."""
+
+    @abstractmethod
+    def session(self, *, lock_wait_s: float | None = None) -> AbstractContextManager[Connection]:
+        """A connection outside any transaction (migrations run their own)."""
+
+    @abstractmethod
+    def sandbox(
+        self, *, limits: dict[str, str] | None = None, lock_wait_s: float = 10.0, at: int | None = None
+    ) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
+        """A read-only connection confined to this database (no other files, no settings that
+        can be changed back), for user SQL."""
+
+    def refuse_in_sandbox(self, sql: str) -> str | None:
+        """Why a SELECT may not run in the sandbox although it parses as one (a function that
+        would reach past the database), or None."""
+        return None
+
+    def local_folder(self) -> Path:
+        """A folder on this machine beside the database (a spool's default home)."""
+        return Path.cwd()
+
+    def identity(self) -> Any:
+        """What tells this database's storage apart from another put in its place (a file's
+        device and inode), or None when nothing can be swapped under a running process."""
+        return None
+
+    def open_error(self, exc: BaseException) -> Exception | None:
+        """``exc`` as a one-line error about this database, or None when it is not about it."""
+        return None
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a commit refused because a concurrent transaction changed the same
+        rows (the unit of work can be tried again)."""
+        return False
+
+    def attach_sql(self, alias: str, *, read_only: bool) -> list[str]:
+        """Statements that attach this database as ``alias`` to another connection (which
+        ``prepare_connection`` was run on), for copying between databases."""
+        raise NotImplementedError
+
+    def prepare_connection(self, connection: duckdb.DuckDBPyConnection) -> None:  # noqa: B027
+        """Load what ``attach_sql`` needs on a connection of another backend."""
+
+    def maintain(self, **options: Any) -> dict[str, Any]:
+        """Compact the storage (merge small files, expire old snapshots); returns what was done."""
+        raise NotImplementedError
+
+    def snapshot_of(self, conn: Connection) -> int | None:
+        """The snapshot a read transaction sees (None without snapshots)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for status output: kind and where (no secrets)."""
+        return {"backend": self.kind, "database": self.label}
+
+
+def closing(connection: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConnection]:
+    try:
+        yield connection
+    finally:
+        connection.close()

@@ -1,0 +1,189 @@
+"""The embedded backend: one DuckDB file on this machine's disk.
+
+DuckDB lets one process hold a file read-write, and while it does no other process may open it
+at all. So every unit of work opens the file, does its work in one transaction, and closes it:
+the lock is held for milliseconds, and other processes (a writer, ``query``, ``status``) wait
+for it with ``retry_on_lock`` instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import duckdb
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from headatlas.service.errors import DatabaseFileError, StoreBusy
+from headatlas.service.storage import dbfile
+from headatlas.service.storage.backends.base import Backend, duckdb_config
+from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, READONLY_CONFIG, retry_on_lock
+
+# DuckDB refuses a read-only and a read-write connection to one file in one process at once:
+# threads of one process (beat's tick and the fires it runs) open the file in turn.
+PROCESS_LOCK = threading.RLock()
+
+
+class FileBackend(Backend):
+    kind = "file"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.url = str(path)
+
+    @property
+    def label(self) -> str:
+        return str(self.path)
+
+    def check(self, *, write: bool, create: bool = True) -> None:
+        dbfile.check_file(self.path, write=write, create=create)
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def prepare(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DatabaseFileError(
+                f"cannot create the folder of {self.path} ({exc.strerror}); pass --db in a writable folder"
+            ) from None
+
+    def local_folder(self) -> Path:
+        return self.path.absolute().parent
+
+    def identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+        # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
+        return duckdb.connect(str(self.path.absolute()), read_only=read_only, config=duckdb_config(**(config or {})))
+
+    def engine(self, *, read_only: bool = False) -> Engine:
+        from duckdb_engine import ConnectionWrapper
+
+        return create_engine(
+            "duckdb://", creator=lambda: ConnectionWrapper(self.connect(read_only=read_only)), poolclass=NullPool
+        )
+
+    @contextmanager
+    def transaction(
+        self,
+        *,
+        read_only: bool = False,
+        lock_wait_s: float | None = None,
+        create: bool = True,
+        at: int | None = None,
+    ) -> Iterator[Connection]:
+        """The file is checked first (dbfile.check_file); DuckDB's own failures on a damaged file,
+        at open or while reading, become a DatabaseFileError. ``create=False``: a missing file is
+        an error, never a new empty database (the queue's writer, whose file may be moved away)."""
+        if at is not None:
+            from headatlas.service.errors import ParameterError
+
+            raise ParameterError(
+                f"--at {at}: {self.label} is an embedded DuckDB file, which keeps no snapshots; "
+                "snapshots are kept by a lake (--db ducklake:…)"
+            )
+        self.check(write=not read_only, create=create)
+        engine = self.engine(read_only=read_only)
+        try:
+            with self.connected(engine, 30.0 if lock_wait_s is None else lock_wait_s) as conn:
+                try:
+                    with conn.begin():
+                        yield conn
+                except Exception as exc:
+                    raise self.open_error(exc) or exc  # noqa: B904 - the error or its translation
+        finally:
+            engine.dispose()
+
+    @contextmanager
+    def session(self, *, lock_wait_s: float | None = None) -> Iterator[Connection]:
+        engine = self.engine()
+        try:
+            with self.connected(engine, 30.0 if lock_wait_s is None else lock_wait_s) as conn:
+                yield conn
+        finally:
+            engine.dispose()
+
+    @contextmanager
+    def connected(self, engine: Engine, lock_wait_s: float) -> Iterator[Connection]:
+        """A connection, with this process's lock held while it is open. Waiting for another
+        process's file lock happens outside it, so this process's other threads are not held up."""
+        deadline, delay = time.monotonic() + lock_wait_s, 0.05
+        while True:
+            with PROCESS_LOCK:
+                conn = self._connect(engine)
+                if conn is not None:
+                    try:
+                        yield conn
+                    finally:
+                        conn.close()
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreBusy(
+                    f"{self.label} is busy: another process is writing to it and held its lock for more than "
+                    f"{lock_wait_s:g} s; retry when that process finishes"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
+
+    def _connect(self, engine: Engine) -> Connection | None:
+        """A connection, or None while the file is locked by another process; DuckDB's failures
+        on a damaged file become a DatabaseFileError."""
+        try:
+            return retry_on_lock(engine.connect, wait_s=0, what=self.label)
+        except StoreBusy:
+            return None
+        except Exception as exc:
+            raise self.open_error(exc) or exc  # noqa: B904 - the error or its translation
+
+    def open_error(self, exc: BaseException) -> Exception | None:
+        return dbfile.open_error(self.path, exc)
+
+    @contextmanager
+    def sandbox(
+        self, *, limits: dict[str, str] | None = None, lock_wait_s: float = 10.0, at: int | None = None
+    ) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The file read-only with external access disabled, extension autoload/autoinstall off
+        and the configuration locked."""
+        if at is not None:
+            with self.transaction(read_only=True, at=at):
+                pass  # raises: a file keeps no snapshots
+        self.check(write=False)
+        try:
+            connection = retry_on_lock(
+                lambda: self.connect(read_only=True, config={**(limits or {}), **READONLY_CONFIG}),
+                wait_s=lock_wait_s,
+                what=f"the database {self.label}",
+            )
+        except duckdb.Error as error:
+            raise self.open_error(error) or error  # noqa: B904 - the error or its translation
+        try:
+            yield connection
+        finally:
+            connection.close()
+
+    def attach_sql(self, alias: str, *, read_only: bool) -> list[str]:
+        path = str(self.path.absolute()).replace("'", "''")
+        return [f"ATTACH '{path}' AS {alias}" + (" (READ_ONLY)" if read_only else "")]
+
+    def maintain(self, **options: Any) -> dict[str, Any]:
+        """A file reclaims its free blocks on checkpoint: that is all there is to do."""
+        self.check(write=True, create=False)
+        before = self.path.stat().st_size
+        with self.session() as conn:
+            conn.execute(text("CHECKPOINT"))
+        return {"bytes_before": before, "bytes_after": self.path.stat().st_size}

@@ -1,0 +1,521 @@
+"""The lake backend: DuckLake, its catalogue in PostgreSQL (or in a local file), its table data
+as Parquet files in a folder that every host mounts.
+
+``--db ducklake:postgres:dbname=atlas host=db.lab user=atlas`` with ``--data-path /mnt/atlas/``
+(or ``HEADATLAS_DATA_PATH``): many processes on many hosts read and write at once, each commit
+is a snapshot, and readers never block writers. ``--db ducklake:atlas.ducklake``: the catalogue
+in a local DuckDB file, for one host (one process at a time holds it, as with an embedded file).
+
+The extensions are loaded from the PyPI wheels ``duckdb-ext-ducklake`` and
+``duckdb-ext-postgres`` (built for DuckDB 1.4.4): nothing is downloaded at run time. Loading
+them and attaching the catalogue takes about a second, so a process attaches a PostgreSQL lake
+once and gives each unit of work its own connection (a cursor) to that instance.
+
+A catalogue password never reaches a message: it is taken out of the connection string into a
+DuckDB secret, and ``label`` shows the URL with ``password=***``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import duckdb
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError
+from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
+from headatlas.service.storage.readonly import READONLY_CONFIG, retry_on_lock
+
+PREFIX = "ducklake:"
+ALIAS = "lake"
+METADATA = f"__ducklake_metadata_{ALIAS}"
+_PACKAGES = "duckdb-ext-ducklake==1.4.4.20260205 duckdb-ext-postgres==1.4.4.20260205"
+# table functions a SELECT may call in the sandbox although their names say ducklake: they read
+SANDBOX_READS = frozenset(
+    {
+        "ducklake_snapshots",
+        "ducklake_current_snapshot",
+        "ducklake_last_committed_snapshot",
+        "ducklake_table_info",
+        "ducklake_list_files",
+        "ducklake_table_changes",
+        "ducklake_table_insertions",
+        "ducklake_table_deletions",
+        "ducklake_options",
+    }
+)
+
+_ROOTS: dict[tuple, tuple[int, duckdb.DuckDBPyConnection, Engine]] = {}
+_ROOTS_LOCK = threading.Lock()
+
+
+def parse_conninfo(text_: str) -> dict[str, str]:
+    """A libpq connection string (``key=value …``, values optionally single-quoted) or URI
+    (``postgresql://user:password@host:port/dbname?key=value``) as a dict."""
+    if text_.startswith(("postgresql://", "postgres://")):
+        parts = urlsplit(text_)
+        out: dict[str, str] = {}
+        if parts.hostname:
+            out["host"] = parts.hostname
+        if parts.port:
+            out["port"] = str(parts.port)
+        if parts.username:
+            out["user"] = unquote(parts.username)
+        if parts.password:
+            out["password"] = unquote(parts.password)
+        if parts.path.strip("/"):
+            out["dbname"] = unquote(parts.path.strip("/"))
+        for pair in filter(None, parts.query.split("&")):
+            key, _, value = pair.partition("=")
+            out[unquote(key)] = unquote(value)
+        return out
+    out = {}
+    pos, n = 0, len(text_)
+    while pos < n:
+        while pos < n and text_[pos].isspace():
+            pos += 1
+        if pos >= n:
+            break
+        match = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*=\s*").match(text_, pos)
+        if match is None:
+            raise ValueError(f"expected key=value at {text_[pos : pos + 20]!r}")
+        key, pos = match.group(1), match.end()
+        if pos < n and text_[pos] == "'":
+            pos += 1
+            chars: list[str] = []
+            while pos < n and text_[pos] != "'":
+                if text_[pos] == "\\" and pos + 1 < n:
+                    pos += 1
+                chars.append(text_[pos])
+                pos += 1
+            if pos >= n:
+                raise ValueError(f"unterminated quote in the value of {key}")
+            pos += 1
+            out[key] = "".join(chars)
+        else:
+            start = pos
+            while pos < n and not text_[pos].isspace():
+                pos += 1
+            out[key] = text_[start:pos]
+    return out
+
+
+def format_conninfo(values: dict[str, str]) -> str:
+    def quote(value: str) -> str:
+        if value and not re.search(r"[\s'\\]", value):
+            return value
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    return " ".join(f"{k}={quote(v)}" for k, v in values.items())
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def is_lake_url(url: str) -> bool:
+    return str(url).startswith(PREFIX)
+
+
+class LakeBackend(Backend):
+    kind = "lake"
+    keys = False
+    snapshots = True
+
+    def __init__(self, url: str, *, data_path: str | Path | None = None):
+        self.url = str(url)
+        spec = self.url[len(PREFIX) :]
+        self.password: str | None = None
+        if spec.startswith("postgres:"):
+            self.catalog = "postgres"
+            try:
+                values = parse_conninfo(spec[len("postgres:") :])
+            except ValueError as exc:
+                raise StoreError(
+                    f"--db {self._redacted(self.url)}: not a PostgreSQL connection string ({exc})"
+                ) from None
+            self.password = values.pop("password", None) or None
+            self.conninfo = format_conninfo(values)
+            self.metadata = f"postgres:{self.conninfo}"
+            self.file: Path | None = None
+        elif spec and not spec.startswith(("sqlite:", "mysql:")):
+            self.catalog = "duckdb"
+            self.file = Path(spec).absolute()
+            self.conninfo = ""
+            self.metadata = str(self.file)
+        else:
+            raise StoreError(
+                f"--db {self._redacted(self.url)}: use ducklake:postgres:dbname=NAME host=HOST … (a catalogue in "
+                "PostgreSQL) or ducklake:FILE.ducklake (a catalogue in a local file)"
+            )
+        # a PostgreSQL catalogue takes many writers; a file catalogue is held by one process at a time
+        self.shared_writers = self.catalog == "postgres"
+        given = str(data_path) if data_path else os.environ.get("HEADATLAS_DATA_PATH", "")
+        self.data_path = _folder(given) if given else None
+
+    # --- naming -----------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        if self.catalog == "postgres":
+            shown = self.conninfo + (" password=***" if self.password else "")
+            return f"{PREFIX}postgres:{shown}"
+        return f"{PREFIX}{self.file}"
+
+    def _redacted(self, message: str) -> str:
+        """``message`` with any password in it replaced by ***."""
+        message = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", message)
+        message = re.sub(r"(postgres(?:ql)?://[^:/@\s]*:)[^@\s]*@", r"\1***@", message)
+        if getattr(self, "password", None):
+            message = message.replace(self.password, "***")  # type: ignore[arg-type]
+        return message
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.kind,
+            "database": self.label,
+            "data_path": self.data_path or "(stored in the catalogue)",
+        }
+
+    def local_folder(self) -> Path:
+        if self.data_path and "://" not in self.data_path:
+            return Path(self.data_path)
+        return self.file.parent if self.file is not None else Path.cwd()
+
+    # --- checks -----------------------------------------------------------------------------
+    def check(self, *, write: bool, create: bool = True) -> None:
+        if extension_directory() is None:
+            raise DatabaseFileError(
+                f"--db {self.label} needs DuckDB's DuckLake and PostgreSQL extensions: pip install {_PACKAGES}"
+            )
+        if self.file is not None:
+            from headatlas.service.storage import dbfile
+
+            if self.file.exists() or not (write and create):
+                dbfile.check_file(self.file, write=write, create=create)
+
+    def exists(self) -> bool:
+        """Whether the catalogue holds tables (a new PostgreSQL database is attached, and so made
+        a lake, but holds none)."""
+        if self.file is not None:
+            return self.file.is_file()
+        try:
+            with self.transaction(read_only=True) as conn:
+                return bool(
+                    conn.execute(
+                        text("SELECT count(*) FROM information_schema.tables WHERE table_catalog = :c"), {"c": ALIAS}
+                    ).scalar()
+                )
+        except StoreError:
+            return False
+
+    def prepare(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DatabaseFileError(f"cannot create the folder of {self.file} ({exc.strerror})") from None
+        if self.data_path and "://" not in self.data_path:
+            try:
+                Path(self.data_path).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DatabaseFileError(
+                    f"--data-path {self.data_path}: cannot create the folder ({exc.strerror}); pass a writable folder"
+                ) from None
+
+    # --- connections ------------------------------------------------------------------------
+    def prepare_connection(self, connection: duckdb.DuckDBPyConnection) -> None:
+        connection.execute("LOAD ducklake")
+        if self.catalog == "postgres":
+            connection.execute("LOAD postgres_scanner")
+        if self.password:
+            connection.execute(
+                f"CREATE OR REPLACE TEMPORARY SECRET (TYPE postgres, PASSWORD {_literal(self.password)})"
+            )
+
+    def attach_sql(self, alias: str, *, read_only: bool, at: int | None = None) -> list[str]:
+        options = []
+        if self.data_path:
+            # this host's mount of the lake's files (it may differ from the host that created it)
+            options.append(f"DATA_PATH {_literal(self.data_path)}, OVERRIDE_DATA_PATH true")
+        if read_only:
+            options.append("READ_ONLY")
+        if at is not None:
+            options.append(f"SNAPSHOT_VERSION {int(at)}")
+        tail = f" ({', '.join(options)})" if options else ""
+        return [f"ATTACH {_literal(PREFIX + self.metadata)} AS {alias}{tail}"]
+
+    def connect(
+        self, *, read_only: bool = False, config: dict[str, Any] | None = None, at: int | None = None
+    ) -> duckdb.DuckDBPyConnection:
+        """A new DuckDB instance with the lake attached as ``lake`` (and made the default)."""
+        self.check(write=not read_only)
+        connection = duckdb.connect(config=duckdb_config(**(config or {})))
+        try:
+            self.prepare_connection(connection)
+            for statement in self.attach_sql(ALIAS, read_only=read_only, at=at):
+                connection.execute(statement)
+            connection.execute(f"USE {ALIAS}")
+            connection.execute("SET ducklake_max_retry_count = 100")
+        except duckdb.Error as exc:
+            connection.close()
+            raise self._attach_error(exc, at) from None
+        return connection
+
+    def _attach_error(self, exc: duckdb.Error, at: int | None) -> Exception:
+        from headatlas.service.storage.readonly import is_lock_conflict
+
+        if is_lock_conflict(exc):
+            return exc  # a file catalogue held by another process: retry_on_lock waits for it
+        message = self._redacted(str(exc))
+        first = next((line.strip() for line in message.splitlines() if line.strip()), type(exc).__name__)
+        if at is not None and "snapshot" in message.lower():
+            from headatlas.service.errors import ParameterError
+
+            return ParameterError(f"--at {at}: no such snapshot in {self.label} ({first[:200]}); see `headatlas runs`")
+        if "data_path is not set" in message:
+            return DatabaseFileError(
+                f"{self.label} is a new lake: pass --data-path FOLDER (or set HEADATLAS_DATA_PATH), the folder or "
+                "shared mount where its Parquet files go"
+            )
+        return DatabaseFileError(f"cannot open the lake {self.label} ({first[:300]})")
+
+    def _root(self) -> tuple[duckdb.DuckDBPyConnection, Engine]:
+        """This process's instance of the lake (a PostgreSQL catalogue), attached once."""
+        key = (self.metadata, self.password, self.data_path)
+        with _ROOTS_LOCK:
+            held = _ROOTS.get(key)
+            if held is not None and held[0] == os.getpid():
+                return held[1], held[2]
+            root = self.connect()
+            engine = self._engine(root)
+            _ROOTS[key] = (os.getpid(), root, engine)
+            return root, engine
+
+    def _forget_root(self) -> None:
+        key = (self.metadata, self.password, self.data_path)
+        with _ROOTS_LOCK:
+            held = _ROOTS.pop(key, None)
+        if held is not None and held[0] == os.getpid():
+            try:
+                held[1].close()
+            except duckdb.Error:
+                pass
+
+    @staticmethod
+    def _engine(root: duckdb.DuckDBPyConnection) -> Engine:
+        from duckdb_engine import ConnectionWrapper
+
+        def cursor():
+            connection = root.cursor()
+            connection.execute(f"USE {ALIAS}")
+            return ConnectionWrapper(connection)
+
+        return create_engine("duckdb://", creator=cursor, poolclass=NullPool)
+
+    @contextmanager
+    def _engine_for(self, *, read_only: bool, at: int | None, lock_wait_s: float | None) -> Iterator[Engine]:
+        if at is None and self.catalog == "postgres":
+            yield self._root()[1]
+            return
+        # a snapshot, or a file catalogue (one process at a time): an instance of its own,
+        # closed at the end
+        wait = 30.0 if lock_wait_s is None else lock_wait_s
+        own = retry_on_lock(
+            lambda: self.connect(read_only=read_only or at is not None, at=at), wait_s=wait, what=self.label
+        )
+        engine = self._engine(own)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+            own.close()
+
+    @contextmanager
+    def transaction(
+        self,
+        *,
+        read_only: bool = False,
+        lock_wait_s: float | None = None,
+        create: bool = True,
+        at: int | None = None,
+    ) -> Iterator[Connection]:
+        with self._engine_for(read_only=read_only, at=at, lock_wait_s=lock_wait_s) as engine:
+            with engine.connect() as conn:
+                try:
+                    with conn.begin():
+                        yield conn
+                except Exception as exc:
+                    raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
+
+    @contextmanager
+    def session(self, *, lock_wait_s: float | None = None) -> Iterator[Connection]:
+        with self._engine_for(read_only=False, at=None, lock_wait_s=lock_wait_s) as engine:
+            with engine.connect() as conn:
+                try:
+                    yield conn
+                except Exception as exc:
+                    raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
+
+    def _translate(self, exc: BaseException) -> Exception | None:
+        if isinstance(exc, StoreError):
+            return None
+        if self.is_conflict(exc):
+            return StoreConflict(
+                f"{self.label}: a concurrent transaction changed the same rows; the unit of work is tried again"
+            )
+        orig = getattr(exc, "orig", None) or exc
+        message = str(orig)
+        if isinstance(orig, duckdb.Error) and re.search(r"connection|Unable to connect|server closed", message, re.I):
+            self._forget_root()  # the catalogue went away: attach afresh next time
+            first = self._redacted(message).strip().splitlines()[0][:300]
+            return StoreError(f"lost the lake's catalogue {self.label} ({first}); retry when it is reachable")
+        return None
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        message = str(getattr(exc, "orig", None) or exc)
+        return "Transaction conflict" in message or "Failed to commit DuckLake transaction" in message
+
+    def open_error(self, exc: BaseException) -> Exception | None:
+        return self._translate(exc)
+
+    # --- user SQL ---------------------------------------------------------------------------
+    @contextmanager
+    def sandbox(
+        self, *, limits: dict[str, str] | None = None, lock_wait_s: float = 10.0, at: int | None = None
+    ) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The lake attached read-only (its catalogue too: PostgreSQL runs the reads in read-only
+        transactions), files readable only under its data path, the configuration locked."""
+        connection = retry_on_lock(
+            lambda: self.connect(read_only=True, config=limits, at=at), wait_s=lock_wait_s, what=self.label
+        )
+        try:
+            folder = self.data_path  # this host's mount, else the one the catalogue recorded
+            if folder is None:
+                row = connection.execute(
+                    f"SELECT value FROM ducklake_options('{ALIAS}') WHERE option_name = 'data_path'"
+                ).fetchone()
+                folder = row[0] if row else None
+            if folder and "://" not in folder:
+                connection.execute(f"SET allowed_directories = [{_literal(folder)}]")
+            for name, value in READONLY_CONFIG.items():
+                if name not in NO_DOWNLOADS:
+                    connection.execute(f"SET {name} = {str(value).lower()}")
+            yield connection
+        finally:
+            connection.close()
+
+    def refuse_in_sandbox(self, sql: str) -> str | None:
+        """Functions that reach past the lake's tables: PostgreSQL's (``postgres_query`` reads any
+        table of the catalogue's server), and DuckLake's maintenance functions; and the
+        catalogue's own tables."""
+        try:
+            tree = json.loads(duckdb.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])  # type: ignore[index]
+        except (duckdb.Error, TypeError, ValueError):
+            return None  # the engine's own parser reports it
+        for node in _nodes(tree):
+            name = node.get("function_name")
+            if isinstance(name, str):
+                low = name.lower()
+                if (
+                    low.startswith(("postgres_", "pg_"))
+                    and low not in ("pg_typeof",)
+                    or (low.startswith("ducklake_") and low not in SANDBOX_READS)
+                ):
+                    return f"function {name}() reaches past the results"
+            for key in ("catalog_name", "schema_name"):
+                value = node.get(key)
+                if isinstance(value, str) and value.lower().startswith("__ducklake_metadata"):
+                    return f"{value} is the lake's catalogue, not its results"
+        return None
+
+    # --- snapshots and maintenance ----------------------------------------------------------
+    def snapshot_of(self, conn: Connection) -> int | None:
+        return conn.execute(text(f"SELECT id FROM ducklake_current_snapshot('{ALIAS}')")).scalar()
+
+    def maintain(self, *, older_than_days: float = 7.0, **_options: Any) -> dict[str, Any]:
+        """Merge small Parquet files, expire snapshots older than ``older_than_days`` (0: all but
+        the current one) and delete the files no snapshot needs any more: DuckLake's own
+        functions, one at a time (each is its own commit)."""
+        cutoff = f"now() - INTERVAL {float(older_than_days) * 86400:.0f} SECOND"
+        root = self.connect()
+        try:
+            before = _lake_counts(root)
+            started = time.monotonic()
+            root.execute(f"CALL ducklake_merge_adjacent_files('{ALIAS}')")
+            root.execute(f"CALL ducklake_expire_snapshots('{ALIAS}', older_than => {cutoff})")
+            root.execute(f"CALL ducklake_cleanup_old_files('{ALIAS}', cleanup_all => true)")
+            after = _lake_counts(root)
+            return {
+                "files_before": before[0],
+                "files_after": after[0],
+                "snapshots_before": before[1],
+                "snapshots_after": after[1],
+                "seconds": round(time.monotonic() - started, 2),
+            }
+        finally:
+            root.close()
+
+
+def _lake_counts(connection: duckdb.DuckDBPyConnection) -> tuple[int, int]:
+    """(live Parquet data files, snapshots) of the lake."""
+    files = connection.execute(
+        f"SELECT count(*) FROM {METADATA}.ducklake_data_file WHERE end_snapshot IS NULL"
+    ).fetchone()
+    snaps = connection.execute(f"SELECT count(*) FROM ducklake_snapshots('{ALIAS}')").fetchone()
+    return int(files[0]) if files else 0, int(snaps[0]) if snaps else 0
+
+
+def _nodes(tree: Any) -> Iterator[dict]:
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _folder(path: str) -> str:
+    """A data path as DuckLake wants it: absolute for a local folder, ending in a slash."""
+    if "://" not in path:
+        path = str(Path(path).expanduser().absolute())
+    return path if path.endswith("/") else path + "/"
+
+
+_SKIP_DDL = re.compile(r"^\s*(CREATE|DROP)\s+SEQUENCE\b", re.IGNORECASE)
+_LAKE_DDL = [
+    (re.compile(r"\s+DEFAULT\s+nextval\s*\(\s*'[^']*'\s*\)", re.IGNORECASE), ""),
+    (re.compile(r"\s+DEFAULT\s+current_timestamp\b", re.IGNORECASE), ""),
+    (re.compile(r",\s*PRIMARY\s+KEY\s*\([^)]*\)", re.IGNORECASE), ""),
+    (re.compile(r"\s+PRIMARY\s+KEY\b", re.IGNORECASE), ""),
+    (re.compile(r"\s+UNIQUE\b(?!\s*\()", re.IGNORECASE), ""),
+]
+
+
+def lake_ddl(statement: str) -> str | None:
+    """A migration's statement as a lake takes it, or None to skip it: DuckLake has no
+    sequences, PRIMARY KEY or UNIQUE, and only literal defaults. The store keeps those
+    invariants itself there (ids under a serialising update, ledger checks with conflict
+    retry); an embedded file keeps its constraints, and its DDL is never rewritten."""
+    if _SKIP_DDL.match(statement):
+        return None
+    for pattern, replacement in _LAKE_DDL:
+        statement = pattern.sub(replacement, statement)
+    return statement
+
+
+def release(backend: LakeBackend) -> None:
+    """Close this process's attachment of ``backend``'s lake (its next use attaches again)."""
+    backend._forget_root()

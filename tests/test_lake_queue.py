@@ -1,0 +1,137 @@
+"""Distributed runs into a lake (real Redis, `headatlas writer` ×2, `headatlas worker`, this
+machine's PostgreSQL): two writers store one run side by side and it equals the embedded run on
+a file, every count; a reader holding one snapshot for 30 s meanwhile sees nothing move and
+fails no one; a writer killed with kill -9 mid-run leaves every window counted once."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+from conftest import run_cli
+from queue_support import (
+    Cluster,
+    RedisServer,
+    assert_counted_once,
+    assert_new_columns_present,
+    assert_same_statistics,
+    make_corpus,
+    stored,
+    tmpdir,
+)
+from sqlalchemy import text
+
+from headatlas.service.params import AnalysisParams
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "2"]
+
+
+@pytest.fixture()
+def cluster(lake):
+    """Redis of our own, and two writers of the lake (the second joins the first)."""
+    folder = tmpdir("headatlas-lake-queue-")
+    server = RedisServer(folder / "redis").start()
+    cluster = Cluster(server.url, folder)
+    cluster.db = lake.url
+    cluster.env.update(lake.env)
+    try:
+        cluster._start("writer", "writer")
+        _wait(lambda: _writers(cluster) == 1, "the first writer")
+        cluster._start("writer-2", "writer")
+        _wait(lambda: _writers(cluster) == 2, "the second writer")
+        yield cluster
+    finally:
+        cluster.stop()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _writers(cluster) -> int:
+    from headatlas.workers.lease import helpers, holder
+
+    first, _raw = holder(cluster.redis)
+    return (first is not None and first.database_id is not None) + len(helpers(cluster.redis))
+
+
+def _wait(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_a_run_stored_by_two_writers_equals_the_embedded_run_while_a_reader_holds_a_snapshot(
+    cluster, lake, tiny_model, demo_corpus, tmp_path
+):
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lakequeue")
+    cluster.start_worker()
+    submitted: list[str] = []
+    thread = threading.Thread(target=lambda: submitted.append(cluster.submit(corpus, *ARGS, "--wait")))
+
+    # a reader holds one snapshot for 30 s while the writers commit
+    store = Store(lake.url, data_path=lake.data_path)
+    started = time.monotonic()
+    seen = set()
+    with store.read() as conn:
+        before = conn.execute(text("SELECT count(*) FROM batches")).scalar()
+        thread.start()
+        while time.monotonic() - started < 30:
+            seen.add(conn.execute(text("SELECT count(*) FROM batches")).scalar())
+            conn.execute(text("SELECT count(*), sum(high_pairs) FROM head_stats")).all()
+            time.sleep(0.5)
+    assert seen == {before}  # its snapshot: nothing moved under it
+    thread.join(300)
+    assert submitted, cluster.logs()
+    run_id = store.get_run(submitted[0]).run_id
+    assert cluster.wait_status(submitted[0]) == "done"
+
+    embedded_db = tmp_path / "embedded.duckdb"
+    run = analyze_corpus(
+        str(corpus),
+        store=Store(embedded_db),
+        model=tiny_model,
+        params=AnalysisParams(seq_len=32),
+        corpus=survey_corpus(str(corpus)),
+        batch_size=2,
+    )
+    assert store.get_run(run_id).run_key == run.run_key
+    queued, embedded = stored(cluster.db, run_id), stored(str(embedded_db), run.run_id)
+    assert len(embedded["run_windows"]) > 8
+    assert_new_columns_present(cluster.db, run_id)
+    assert_same_statistics(queued, embedded)
+    assert_counted_once(cluster.db, run_id)
+    status = run_cli("status", submitted[0], "--format", "json", env=cluster.env)
+    assert status.returncode == 0 and '"done"' in status.stdout, status.stderr
+    logs = cluster.logs()
+    assert "storing beside it" in logs  # the second writer joined the first
+    assert "Traceback" not in logs
+
+
+def test_a_writer_killed_mid_run_leaves_every_window_counted_once(cluster, lake, demo_corpus, tmp_path):
+    from headatlas.workers.ledger import PROCESSING
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=6, tag="lakekill")
+    cluster.start_worker()
+    cluster.start_worker("worker-2")
+    submitted: list[str] = []
+    thread = threading.Thread(target=lambda: submitted.append(cluster.submit(corpus, *ARGS, "--wait")))
+    thread.start()
+    # the first writer has taken messages and not committed them: kill -9 it there
+    _wait(lambda: cluster.redis.llen(PROCESSING) > 0, "the first writer to take messages", timeout=120)
+    cluster.kill("writer")
+    thread.join(300)
+    assert submitted, cluster.logs()
+    assert cluster.wait_status(submitted[0], timeout=180) == "done"
+    from headatlas.service.storage.store import Store
+
+    run_id = Store(lake.url, data_path=lake.data_path).get_run(submitted[0]).run_id
+    assert_counted_once(cluster.db, run_id)
+    assert "the first writer of this lake is gone" in cluster.logs()
