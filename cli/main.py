@@ -127,15 +127,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
-    ),
-) -> None:
-    pass
-
-
 # what a table shows by default (JSON and CSV hold every column; --columns picks, --wide shows all):
 # each set fits 100 characters on the shipped excerpt (a narrower table leaves columns out from the right)
 HEAD_TABLE = [
@@ -163,6 +154,9 @@ def _store(db: str, at: int | None = None):
 
 @app.callback()
 def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
+    ),
     data_path: str | None = typer.Option(
         None,
         "--data-path",

@@ -6,7 +6,8 @@ What runs: every line of the README's ```bash blocks and every ```python block, 
 lines are set-up this test stands in for, each said here:
 
 - ``make demo`` / ``make test``: the virtual environment and the test suite themselves (this test
-  is part of it); ``source .venv/bin/activate``: putting ``headatlas`` on PATH.
+  is part of it); ``source .venv/bin/activate``: putting ``headatlas`` on PATH; ``.venv/bin/pip
+  install -e '.[pandas]'``: the test extra holds pandas.
 - ``cp service/data/wiki_excerpt.txt corpus.txt``: copies the excerpt's first document only (12
   windows), so that every analysis takes seconds.
 - ``--model smollm2``: ``random:llama``, a small Llama-family decoder (the same adapter and probe),
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SET_UP = ("make", "source")  # done by the environment this test runs in
+SET_UP = ("make", "source", ".venv/bin/pip")  # done by the environment this test runs in
 NOT_HERE = "At scale"  # the distributed section: Redis and Celery processes
 MODELS = {"smollm2": "random:llama"}
 
