@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench findings gpu-check readme-images docs lint typecheck clean
+.PHONY: install install-test demo test test-fast test-heavy bench findings gpu-check readme-images docs lint typecheck clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,7 +50,11 @@ typecheck: install-test
 	cd build/typecheck && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p headatlas
 
 test-fast: install-test
-	$(PY) -m pytest -q -m "not slow and not integration"
+	$(PY) -m pytest -q -m "not slow and not integration and not heavy"
+
+# the opt-in tests `make test` leaves out (docs/testing.md): the 500-batch load test
+test-heavy: install-test
+	$(PY) -m pytest -q -m heavy
 
 bench: install-test
 	$(PY) benchmarks/run.py
