@@ -47,7 +47,7 @@ typecheck: install-test
 	rm -rf $(TC) && mkdir -p $(TC)
 	ln -s $(CURDIR)/headatlas/__init__.py $(TC)/__init__.py
 	for d in service workers cli migrations; do ln -s $(CURDIR)/$$d $(TC)/$$d; done
-	cd build/typecheck && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p headatlas
+	cd build/typecheck && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml -p headatlas
 
 test-fast: install-test
 	$(PY) -m pytest -q -m "not slow and not integration and not heavy"

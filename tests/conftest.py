@@ -184,3 +184,33 @@ def attention_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+# --- time per module (docs/testing.md): pytest --module-times -------------------------------------
+def pytest_addoption(parser):
+    parser.addoption(
+        "--module-times",
+        action="store_true",
+        help="print the seconds each test module took (setup, call and teardown of its tests, summed)",
+    )
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+_MODULE_TESTS: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--module-times", default=False) or not _MODULE_SECONDS:
+        return
+    terminalreporter.section("seconds per module")
+    total = sum(_MODULE_SECONDS.values())
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {_MODULE_TESTS.get(module, 0):4d}  {module}")
+    terminalreporter.write_line(f"{total:8.1f}  {sum(_MODULE_TESTS.values()):4d}  (sum; tests run in parallel overlap)")
