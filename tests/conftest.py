@@ -22,12 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer.rich_utils  # noqa: F401  # reads TERMINAL_WIDTH once: here, not under one test's env
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores are shared among pytest-xdist's workers when the suite runs in several (-n N)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")
@@ -184,6 +187,15 @@ def attention_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in one worker (one
+    writer and worker for the session, not one per xdist worker)."""
+    for item in items:
+        if "queue_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("queue_cluster"))
 
 
 # --- time per module (docs/testing.md): pytest --module-times -------------------------------------
