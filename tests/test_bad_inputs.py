@@ -657,10 +657,18 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
         # and so would the command; the test is of the command's own handling
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    def stored_windows() -> int:
+        if not db.exists():
+            return 0
+        listed = invoke("runs", "--db", str(db), "--format", "json")
+        return sum(run["windows"] or 0 for run in json.loads(listed.stdout)) if listed.exit_code == 0 else 0
+
+    # into the analysis (its first batches stored; the model loaded, however busy the machine),
+    # well before its end
     deadline = time.monotonic() + 120
-    while not db.exists() and process.poll() is None and time.monotonic() < deadline:
+    while not stored_windows() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(2.0)  # into the analysis, well before its end
+    assert process.poll() is None, "the analysis ended before it could be interrupted"
     process.send_signal(signal.SIGINT)
     _out, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
