@@ -30,6 +30,18 @@ def invoke(*args: str, input: str | bytes | None = None):
     return CliRunner().invoke(app, list(args), input=input)
 
 
+@pytest.fixture(autouse=True)
+def _cut_files_judged_at_once(monkeypatch):
+    """A database file that ends mid-block is watched for 1 s (another process may be extending
+    it) before it is called cut short; here no process is, so the cases need not wait."""
+    from headatlas.service.storage import dbfile
+
+    settles = dbfile._settles_aligned
+    monkeypatch.setattr(
+        dbfile, "_settles_aligned", lambda path, block, wait_s=0.05: settles(path, block, wait_s=wait_s)
+    )
+
+
 def digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
@@ -657,6 +669,7 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
         # and so would the command; the test is of the command's own handling
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
     def stored_windows() -> int:
         if not db.exists():
             return 0
