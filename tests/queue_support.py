@@ -40,6 +40,7 @@ class RedisServer:
     def __init__(self, folder: Path, *, persist: bool = True, binary: str | None = None, databases: int = 16):
         self.folder, self.port, self.proc = Path(folder), free_port(), None
         self.persist, self.binary, self.databases = persist, binary, databases
+        self.started = False
         self.folder.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -51,6 +52,18 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> RedisServer:
+        """Start the server; a first start whose free port another process took in the meantime
+        (a parallel test worker, say) tries another port."""
+        for attempt in range(3):
+            if self._start_once():
+                self.started = True
+                return self
+            if self.started or attempt == 2:
+                break  # a restart keeps its port: the URL is in the processes' settings
+            self.port = free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port} (in {self.folder})")
+
+    def _start_once(self) -> bool:
         mode = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
             [
@@ -72,14 +85,21 @@ class RedisServer:
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    return False  # exited: the port was taken
+                try:
+                    client.ping()
+                    return True
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.proc.kill()
+                        self.proc.wait()
+                        return False
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def stop(self, *, kill: bool = False) -> None:
         """Shut down (flushing the append-only file), or ``kill`` it as a crash would."""
