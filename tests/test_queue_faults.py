@@ -4,7 +4,6 @@ once: a worker killed mid-batch, the writer killed mid-ingest, Redis restarted m
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import pytest
@@ -12,12 +11,9 @@ import redis
 from queue_support import (
     Cluster,
     RedisServer,
-    any_redis,
     assert_counted_once,
     assert_whole_batches,
     make_corpus,
-    running_cluster,
-    tmpdir,
 )
 
 from headatlas.service.config import Settings
@@ -30,10 +26,9 @@ MODEL = "random:4,4,256"  # slow enough (a few tenths of a second a batch) to be
 PARAMS = AnalysisParams(seq_len=128)
 
 
-@pytest.fixture(scope="module")
-def shared():
-    with running_cluster("headatlas-faults-") as c:
-        yield c
+@pytest.fixture()
+def shared(queue_cluster):
+    return queue_cluster
 
 
 def _submit(cluster, corpus):
@@ -108,15 +103,14 @@ def test_redis_restarted_mid_run(demo_corpus, tmp_path):
         server.stop()
 
 
-def test_pool_child_killed_mid_batch(demo_corpus, tmp_path):
+def test_pool_child_killed_mid_batch(redis_url, demo_corpus, tmp_path):
     """`worker --concurrency 2` (prefork): a child killed mid-batch is replaced and its batch
     requeued at once (reject on worker lost), without waiting for the visibility timeout."""
     import os
     import signal
 
-    folder = tmpdir("headatlas-pool-")
-    server = any_redis(folder / "redis")
-    cluster = Cluster(server.url, folder)
+    folder = tmp_path / "pool"
+    cluster = Cluster(redis_url, folder)
     try:
         cluster.start_writer()
         cluster.start_worker("pool", "--concurrency", "2")
@@ -134,5 +128,3 @@ def test_pool_child_killed_mid_batch(demo_corpus, tmp_path):
         assert "WorkerLostError" in (folder / "pool.log").read_text()
     finally:
         cluster.stop()
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)

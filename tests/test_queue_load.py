@@ -3,18 +3,18 @@ window once, the writer's memory flat."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
-from conftest import run_cli
-from queue_support import Cluster, any_redis, assert_counted_once, make_corpus, tmpdir
+from conftest import invoke_cli
+from queue_support import Cluster, assert_counted_once, make_corpus
 
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 from headatlas.workers.ledger import key
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# minutes of work: opt-in (`make test-heavy`), deselected from `make test`
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 
 def _rss_mb(pid: int) -> float:
@@ -24,18 +24,16 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
+def test_five_hundred_batches_two_workers(redis_url, demo_corpus, tmp_path):
     from headatlas.workers.submit import submit
 
-    folder = tmpdir("headatlas-load-")
-    server = any_redis(folder / "redis")
-    cluster = Cluster(server.url, folder, time_limit_s=30)
+    cluster = Cluster(redis_url, tmp_path / "cluster", time_limit_s=30)
     try:
         writer = cluster.start_writer()
         cluster.start_worker("w1")
         cluster.start_worker("w2")
         corpus = make_corpus(tmp_path, demo_corpus, paragraphs=60, tag="load", copies=2)
-        settings = Settings(broker_url=server.url, db=cluster.db)
+        settings = Settings(broker_url=redis_url, db=cluster.db)
         sub = submit(
             str(corpus),
             settings=settings,
@@ -62,7 +60,7 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
                     ("sql", "SELECT count(*) AS n FROM run_windows"),
                     ("query", "layers", "--run", sub.name),
                 ):
-                    result = run_cli(*args, env=cluster.env)
+                    result = invoke_cli(*args, env=cluster.env)
                     assert result.returncode == 0, result.stderr
                 reads += 1
             time.sleep(1.0)
@@ -73,5 +71,3 @@ def test_five_hundred_batches_two_workers(demo_corpus, tmp_path):
         assert samples[-1] - samples[0] < 40, samples
     finally:
         cluster.stop()
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)

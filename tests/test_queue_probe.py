@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from queue_support import make_corpus, running_cluster
+from queue_support import make_corpus
 
 from headatlas.service.engine.probe import SCORES, ProbeSpec, run_probe
 
@@ -36,21 +36,21 @@ def probe_rows(db: str, run: str, timeout: float = 120.0, length: int | None = N
         time.sleep(0.3)
 
 
-def test_submit_probe_stores_the_embedded_probe_once(tiny_model, demo_corpus, tmp_path):
+def test_submit_probe_stores_the_embedded_probe_once(queue_cluster, tiny_model, demo_corpus, tmp_path):
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="probe")
-    with running_cluster("headatlas-probe-") as cluster:
-        ref = cluster.submit(corpus, *ARGS, "--probe", "--probe-length", "10", "--probe-sequences", "4", "--wait")
-        assert cluster.wait_status(ref) == "done"
-        rows = probe_rows(cluster.db, ref)
-        expected = run_probe(tiny_model, ProbeSpec(length=10, sequences=4))
-        assert len(rows) == tiny_model.n_layers * tiny_model.n_heads
-        for layer, head, length, sequences, seed, *scores in rows:
-            assert (length, sequences, seed) == (10, 4, 0)
-            for name, value in zip(SCORES, scores, strict=True):
-                assert value == pytest.approx(float(expected[name][layer, head]), rel=1e-6)
+    cluster = queue_cluster
+    ref = cluster.submit(corpus, *ARGS, "--probe", "--probe-length", "10", "--probe-sequences", "4", "--wait")
+    assert cluster.wait_status(ref) == "done"
+    rows = probe_rows(cluster.db, ref)
+    expected = run_probe(tiny_model, ProbeSpec(length=10, sequences=4))
+    assert len(rows) == tiny_model.n_layers * tiny_model.n_heads
+    for layer, head, length, sequences, seed, *scores in rows:
+        assert (length, sequences, seed) == (10, 4, 0)
+        for name, value in zip(SCORES, scores, strict=True):
+            assert value == pytest.approx(float(expected[name][layer, head]), rel=1e-6)
 
-        # the finished run with another probe: nothing analysed again, the probe replaced
-        again = cluster.submit(corpus, *ARGS, "--probe", "--probe-length", "12", "--probe-sequences", "4")
-        assert again == ref
-        rows = probe_rows(cluster.db, ref, length=12)
-        assert len(rows) == tiny_model.n_layers * tiny_model.n_heads
+    # the finished run with another probe: nothing analysed again, the probe replaced
+    again = cluster.submit(corpus, *ARGS, "--probe", "--probe-length", "12", "--probe-sequences", "4")
+    assert again == ref
+    rows = probe_rows(cluster.db, ref, length=12)
+    assert len(rows) == tiny_model.n_layers * tiny_model.n_heads

@@ -9,8 +9,8 @@ import json
 import time
 
 import pytest
-from conftest import run_cli
-from queue_support import assert_counted_once, make_corpus, running_cluster
+from conftest import invoke_cli
+from queue_support import assert_counted_once, make_corpus
 
 from headatlas.service.config import Settings
 
@@ -19,11 +19,11 @@ pytestmark = pytest.mark.integration
 ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    # the default time limit: a lost batch must not wait for twice it (20 minutes)
-    with running_cluster("headatlas-reliable-", time_limit_s=Settings().task_time_limit_s) as c:
-        yield c
+@pytest.fixture()
+def cluster(queue_cluster):
+    # the session's cluster runs at the default time limit: a lost batch must not wait for twice it
+    assert queue_cluster.env["HEADATLAS_TASK_TIME_LIMIT_S"] == str(Settings().task_time_limit_s)
+    return queue_cluster
 
 
 def _run(db: str, ref: str):
@@ -44,7 +44,7 @@ def test_a_database_replaced_under_a_live_broker_gets_its_run(cluster, demo_corp
     (cluster.folder / "queue.duckdb").rename(moved)
     cluster.start_writer()
 
-    result = run_cli("submit", str(corpus), *ARGS, "--wait", env=cluster.env, timeout=180)
+    result = invoke_cli("submit", str(corpus), *ARGS, "--wait", env=cluster.env)
     assert result.returncode == 0, result.stderr + cluster.logs()
     assert "queued 0" not in result.stderr, result.stderr  # the new database holds nothing: all of it queued
     run = _run(cluster.db, result.stdout.strip().splitlines()[-1])
@@ -55,7 +55,7 @@ def test_a_database_replaced_under_a_live_broker_gets_its_run(cluster, demo_corp
 
 def test_a_second_writer_on_the_broker_refuses_naming_the_first_ones_database(cluster, tmp_path):
     other = tmp_path / "other.duckdb"
-    result = run_cli("writer", "--db", str(other), env=cluster.env, timeout=60)
+    result = invoke_cli("writer", "--db", str(other), env=cluster.env)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -95,7 +95,7 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     seen = None
     while seen is None:
         assert time.monotonic() - killed < 30, f"not requeued within 30 s; {cluster.logs()}"
-        result = run_cli("status", str(run_id), "--format", "json", env=cluster.env, timeout=60)
+        result = invoke_cli("status", str(run_id), "--format", "json", env=cluster.env)
         assert result.returncode == 0, result.stderr
         state = json.loads(result.stdout)
         lost = [x for x in state["lost"] if x["batch"] == int(victim)]
@@ -103,7 +103,7 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
             seen = lost[0]
     requeued_after = time.monotonic() - killed
     assert seen["worker"] == worker and state["running"] == 0
-    table = run_cli("status", str(run_id), env=cluster.env, timeout=60).stdout
+    table = invoke_cli("status", str(run_id), env=cluster.env).stdout
     assert f"lost on {worker}" in table and "requeued" in table
 
     cluster.start_worker()

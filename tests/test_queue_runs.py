@@ -12,7 +12,6 @@ from queue_support import (
     assert_new_columns_present,
     assert_same_statistics,
     make_corpus,
-    running_cluster,
     stored,
 )
 
@@ -24,10 +23,9 @@ pytestmark = pytest.mark.integration
 ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "4"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with running_cluster("headatlas-queue-") as c:
-        yield c
+@pytest.fixture()
+def cluster(queue_cluster):
+    return queue_cluster
 
 
 def _run_id(cluster, ref: str) -> int:

@@ -67,15 +67,24 @@ INTEGER_SUMS = (
 )
 
 
+# Two parameter sets take every branch the parameters choose between: the sentence source
+# (segmenter / punct), the replicate groups (document / window), the selection (top:Q / topk:K),
+# [CLS]/[SEP] in pairs or not, head vectors before or after W_O, and two window lengths and gates.
 @pytest.mark.parametrize(
     "params",
     [
         AnalysisParams(),
-        AnalysisParams(sentences="punct", replicates="window"),
-        AnalysisParams(select=Selection("topk", 25), gate=2.0, include_special=True),
-        AnalysisParams(seq_len=64, vectors="post_wo", select=Selection("top", 0.05), sentences="punct"),
+        AnalysisParams(
+            seq_len=64,
+            sentences="punct",
+            replicates="window",
+            select=Selection("topk", 25),
+            gate=2.0,
+            include_special=True,
+            vectors="post_wo",
+        ),
     ],
-    ids=["defaults", "punct", "topk-special", "post_wo-seq64-punct"],
+    ids=["defaults", "punct-window-topk-special-post_wo-seq64"],
 )
 def test_vectorised_statistics_equal_reference(model64, params):
     tokens, windows = real_windows(model64, params)

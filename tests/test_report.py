@@ -52,11 +52,11 @@ def stored(tmp_path_factory, real_model, demo_corpus):
 @pytest.fixture(scope="module")
 def page(stored, tmp_path_factory):
     """The report written by the command, as the user gets it."""
-    from tests.conftest import run_cli
+    from tests.conftest import invoke_cli
 
     db, run = stored
     out = tmp_path_factory.mktemp("page") / "nested" / "report.html"
-    done = run_cli("report", run.name, "--out", str(out), "--db", str(db))
+    done = invoke_cli("report", run.name, "--out", str(out), "--db", str(db))
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}" in done.stdout
     return out

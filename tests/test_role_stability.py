@@ -211,9 +211,11 @@ def test_query_roles_stability_from_the_command_line(tiny_db):
     data = json.loads(done.output)
     assert {(d["layer"], d["head"]) for d in data} == {(l, h) for l in range(2) for h in range(4)}
     assert all({"half_a", "half_b", "stable", "p_holm", "family"} <= set(d) for d in data)
-    for d in data:
-        if d["role"] != roles.NONE and d["half_a"] is not None:
-            assert d["stable"] == (d["half_a"] and d["half_b"])
+    for d in data:  # stable: held on both halves; no role, or halves too few to test: nothing to hold
+        halves = [d["half_a"], d["half_b"]]
+        assert d["stable"] == (None if None in halves else all(halves)), d
+        if d["role"] == roles.NONE:
+            assert halves == [None, None], d
     table = runner.invoke(app, ["query", "roles", "--run", "two", "--stability", "--db", str(db)])
     assert table.exit_code == 0, table.output
     out = " ".join(table.output.split())

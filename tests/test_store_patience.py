@@ -18,13 +18,18 @@ pytestmark = pytest.mark.integration
 
 HOLD_S = 6.0
 
+# The reader opens the file as `sql` does (a read-only connection), trying again while the run is
+# storing a batch (the file is then held for writing: a busy machine can start it at that moment).
 _HOLDER = """
 import sys, time, duckdb
-for _ in range(400):  # the run's storing thread may hold the file at this moment: wait for a gap
+deadline = time.monotonic() + 60
+while True:
     try:
-        con = duckdb.connect(sys.argv[1], read_only=True)  # what `sql` does: a read-only connection
+        con = duckdb.connect(sys.argv[1], read_only=True)
         break
     except duckdb.IOException:
+        if time.monotonic() > deadline:
+            raise
         time.sleep(0.01)
 con.execute("SELECT count(*) FROM runs").fetchall()
 print("held", flush=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 
 import pytest
-from queue_support import any_redis, make_corpus, stored, tmpdir
+from queue_support import make_corpus, stored
 
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
@@ -17,10 +17,11 @@ PARAMS = AnalysisParams(seq_len=32)
 
 
 @pytest.fixture()
-def setting(tmp_path):
-    server = any_redis(tmpdir("headatlas-writer-") / "redis")
-    yield Settings(broker_url=server.url, db=str(tmp_path / "w.duckdb"))
-    server.stop()
+def setting(redis_url, tmp_path):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()  # each test's writer takes the broker's lease for its own file
+    return Settings(broker_url=redis_url, db=str(tmp_path / "w.duckdb"))
 
 
 def _results(corpus, model):

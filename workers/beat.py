@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -75,8 +76,11 @@ def spool_folder(settings: Settings, schedule: str) -> Path:
     return base / "schedules" / schedule
 
 
-def fire(settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str = "scheduled") -> Fired:
-    """Claim (schedule, fire_time) and, when this caller won the claim, submit its run."""
+def fire(
+    settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str = "scheduled", at: datetime | None = None
+) -> Fired:
+    """Claim (schedule, fire_time) and, when this caller won the claim, submit its run. ``at``: the
+    time of the claim (default now)."""
     from headatlas.service.engine.corpus import iter_documents
     from headatlas.service.params import AnalysisParams
     from headatlas.workers.submit import submit
@@ -91,7 +95,7 @@ def fire(settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str 
             if doc.doc_id not in seen:
                 new.setdefault(doc.doc_id, doc.text)
     if not schedule_store.claim(
-        settings.db, sched.schedule_id, fire_time, kind=kind, doc_ids=list(new) if new is not None else None
+        settings.db, sched.schedule_id, fire_time, kind=kind, doc_ids=list(new) if new is not None else None, at=at
     ):
         return Fired(False)
     run_name = f"{sched.name}-{fire_time:%Y%m%d-%H%M%S}"
@@ -153,8 +157,11 @@ def _warm_up() -> None:
 
 
 class Beat:
-    def __init__(self, settings: Settings, *, tick_s: float = 1.0):
-        self.settings, self.tick_s, self.stopping = settings, tick_s, False
+    """``clock``: what "now" is (UTC, naive), read once a tick and for each claim; tests pass a
+    clock of their own, so that when fires come is checked without waiting for them."""
+
+    def __init__(self, settings: Settings, *, tick_s: float = 1.0, clock: Callable[[], datetime] = now):
+        self.settings, self.tick_s, self.stopping, self.clock = settings, tick_s, False, clock
         self.in_hand: dict[int, threading.Thread] = {}  # schedule id -> its fire being submitted
         self.started: dict[int, datetime] = {}  # schedule id -> the latest fire time started here
         self.schedules: list[Schedule] = []  # as last read
@@ -196,11 +203,12 @@ class Beat:
                 self.read_stamp, self.read_at = stamp, time.monotonic()
             except StoreBusy:
                 pass  # another process holds the file: fire from the last read; the claim checks it
+        at = self.clock()
         due = [
             (s, t)
             for s in self.schedules
             if s.enabled
-            and (t := due_fire(s.cadence, s.next_fire, now())) is not None
+            and (t := due_fire(s.cadence, s.next_fire, at)) is not None
             and t > self.started.get(s.schedule_id, datetime.min)
         ]
         if not due:
@@ -220,7 +228,7 @@ class Beat:
 
     def _fire(self, sched: Schedule, fire_time: datetime) -> None:
         try:
-            result = fire(self.settings, sched, fire_time)
+            result = fire(self.settings, sched, fire_time, at=self.clock())
         except HeadatlasError as exc:  # the database or Redis away: the fire stays due, or claimed
             log.warning("schedule %s, fire %s: %s", sched.name, fire_time, exc)
             return

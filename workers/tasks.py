@@ -144,7 +144,10 @@ def _analyse(model, batch: dict) -> str:
 
     _check_files(model, batch)
     params = AnalysisParams.from_dict(batch["params"])
-    tokens = _state.setdefault(("tokens", model.tokenizer_key, model.family), TokenClasses.for_model(model))
+    key = ("tokens", model.tokenizer_key, model.family)
+    tokens = _state.get(key)
+    if tokens is None:  # once per tokenizer: it scans the whole vocabulary (tenths of a second)
+        tokens = _state[key] = TokenClasses.for_model(model)
     windows = [Window.from_message(row) for row in batch["windows"]]
     # --attribution / --mixing cover the run's first attribution_windows windows, as embedded
     mixing = 0

@@ -93,8 +93,10 @@ def add(
     params: dict,
     cadence: Cadence,
     only_new: bool,
+    at: datetime | None = None,
 ) -> Schedule:
-    t = now().replace(microsecond=0)
+    """A new schedule, anchored at ``at`` (default: now; every ``at`` here is the caller's clock)."""
+    t = (at or now()).replace(microsecond=0)
     cadence = Cadence(cadence.cron, cadence.every_s, cadence.timezone, t)
     values = {
         "name": name,
@@ -139,8 +141,8 @@ def add(
     return db.atomically(path, work)
 
 
-def edit(path: str | Path, name: str, **changes) -> Schedule:
-    """Change some fields; a new cadence starts from now (its next fire is recomputed)."""
+def edit(path: str | Path, name: str, *, at: datetime | None = None, **changes) -> Schedule:
+    """Change some fields; a new cadence starts from now, or ``at`` (its next fire is recomputed)."""
     changes = {k: v for k, v in changes.items() if v is not None}
     with _write(path) as conn:
         old = _get(conn, name)
@@ -151,7 +153,7 @@ def edit(path: str | Path, name: str, **changes) -> Schedule:
         if "every_s" in changes:
             fields["cron"] = None
         if {"cron", "every_s", "timezone"} & changes.keys():
-            t = now().replace(microsecond=0)
+            t = (at or now()).replace(microsecond=0)
             fields["anchor"] = t
             fields["next_fire"] = Cadence(fields["cron"], fields["every_s"], fields["timezone"], t).next_after(t)
         _update(
@@ -177,14 +179,14 @@ def edit(path: str | Path, name: str, **changes) -> Schedule:
         return _get(conn, name)
 
 
-def set_enabled(path: str | Path, name: str, enabled: bool) -> Schedule:
+def set_enabled(path: str | Path, name: str, enabled: bool, *, at: datetime | None = None) -> Schedule:
     """Pause or resume. Resuming does not catch up the fires missed while paused: the next fire
-    is the first scheduled time after now."""
+    is the first scheduled time after now (or ``at``)."""
     with _write(path) as conn:
         old = _get(conn, name)
         values: dict[str, bool | datetime] = {"enabled": enabled}
         if enabled and not old.enabled:
-            values["next_fire"] = old.cadence.next_after(now())
+            values["next_fire"] = old.cadence.next_after(at or now())
         _update(conn, old.schedule_id, values)
         return _get(conn, name)
 
@@ -208,12 +210,20 @@ def _update(conn: Connection, schedule_id: int, values: dict) -> None:
 
 
 def claim(
-    path: str | Path, schedule_id: int, fire_time: datetime, *, kind: str, doc_ids: list[str] | None = None
+    path: str | Path,
+    schedule_id: int,
+    fire_time: datetime,
+    *,
+    kind: str,
+    doc_ids: list[str] | None = None,
+    at: datetime | None = None,
 ) -> bool:
     """Claim a fire: True when this caller owns it and must submit its run. A scheduled fire is
     claimed only while the schedule exists, is enabled and the fire is not older than its next
     fire (a beat process working from a stale read cannot fire a tick already passed);
-    ``doc_ids`` (only_new) are recorded as sent in the same transaction."""
+    ``doc_ids`` (only_new) are recorded as sent in the same transaction. ``at``: the claim's
+    time (default now)."""
+    claimed_at = at or now()
 
     def work(conn: Connection) -> bool:
         row = conn.execute(text(f"SELECT {COLUMNS} FROM schedules WHERE schedule_id = :s"), {"s": schedule_id}).first()
@@ -223,7 +233,7 @@ def claim(
         if kind == "scheduled" and (not sched.enabled or fire_time < sched.next_fire):
             return False
         keys = db.has_keys(conn)
-        claim = {"s": schedule_id, "t": fire_time, "kind": kind, "now": now()}
+        claim = {"s": schedule_id, "t": fire_time, "kind": kind, "now": claimed_at}
         if keys:
             inserted = conn.execute(
                 text(
@@ -270,7 +280,7 @@ def claim(
                 raw.unregister("new_docs")
         values = {"last_fire": max(fire_time, sched.last_fire or fire_time)}
         if kind == "scheduled":
-            values["next_fire"] = sched.cadence.next_after(max(fire_time, now()))
+            values["next_fire"] = sched.cadence.next_after(max(fire_time, claimed_at))
         _update(conn, schedule_id, values)
         return True
 
