@@ -19,7 +19,6 @@ from queue_support import (
     assert_same_statistics,
     make_corpus,
     stored,
-    tmpdir,
 )
 from sqlalchemy import text
 
@@ -31,9 +30,10 @@ ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "2"]
 
 
 @pytest.fixture()
-def cluster(lake):
+def cluster(lake, tmp_path):
     """Redis of our own, and two writers of the lake (the second joins the first)."""
-    folder = tmpdir("headatlas-lake-queue-")
+    folder = tmp_path / "queue"
+    folder.mkdir()
     server = RedisServer(folder / "redis").start()
     cluster = Cluster(server.url, folder)
     cluster.db = lake.url
