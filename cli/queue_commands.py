@@ -130,6 +130,9 @@ def _wait(settings, sub, resubmit=None) -> None:
                     )
                     again = resubmit()
                     sub.epoch, sub.run_id = again.epoch, sub.run_id or again.run_id
+                    if again.status == "done":  # the database holds it all: Redis has nothing left to say
+                        live = None
+                        break
                 if away:
                     stderr.print("the broker is back; waiting for the run")
                     away = False

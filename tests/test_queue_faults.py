@@ -82,10 +82,6 @@ def test_writer_killed_mid_ingest(shared, demo_corpus, tmp_path):
     assert_counted_once(shared.db, run_id)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails since the store-interface, delivery-claim and test-suite changes were combined (each passes alone); being investigated: see docs/reliability.md, Known gaps",
-)
 def test_redis_restarted_mid_run(demo_corpus, tmp_path):
     server = RedisServer(tmp_path / "redis").start()
     cluster = Cluster(server.url, tmp_path)

