@@ -28,6 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# The CLI under test writes to a pipe, as in CI: whole lines, unless a test sets $COLUMNS itself
+# (pytest-xdist's workers inherit COLUMNS=80 from the terminal they were started from).
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 # the cores are shared among pytest-xdist's workers when the suite runs in several (-n N)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
