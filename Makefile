@@ -32,8 +32,11 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/headatlas demo --db $(DB)
 
+# Two pytest-xdist workers (--dist loadgroup keeps the tests of the shared queue cluster in one):
+# on 2 cores, 7.4 min against about 17 serially; a third worker was slower (docs/testing.md).
+TEST_WORKERS ?= 2
 test: install-test lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # ruff: lint and format, configured in pyproject.toml (run by `make test`, hence by CI)
 lint: install-test

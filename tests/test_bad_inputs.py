@@ -626,18 +626,13 @@ def test_report_into_a_folder_writes_report_html(base, tmp_path):
     ],
     ids=["one-20MB-cell", "1000-rows-of-80KB"],
 )
-def test_huge_results_render_within_the_time_limit(sql, cut, base):
-    """Tables of huge values: cells cut (csv/json keep them whole), printed well inside --timeout
-    (uncut, the second took 20 s to lay out)."""
-    import time
-
+def test_huge_results_render_cut(sql, cut, base):
+    """Tables of huge values: cells cut, saying how long they were (csv/json keep them whole).
+    Uncut, the second took 20 s to lay out; the time itself is not asserted (a loaded machine)."""
     _root, db, _files = base
-    started = time.perf_counter()
     result = invoke("sql", sql, "--db", str(db), "--timeout", "5")
-    elapsed = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     assert cut in result.stdout and len(result.stdout) < 2_000_000
-    assert elapsed < 5, f"{elapsed:.1f} s"
 
 
 # --- Ctrl-C ----------------------------------------------------------------------------------------------------
