@@ -225,7 +225,7 @@ def _analyze(
     from headatlas.service.engine.corpus import STDIN_SOURCE, remove_spool, spool_stdin
     from headatlas.service.engine.model import auto_batch_size, control_model, load_model, resolve_device
     from headatlas.service.engine.model_check import check_loaded, check_model_spec
-    from headatlas.service.engine.runner import analyze_corpus, control_name, survey_corpus
+    from headatlas.service.engine.runner import analyze_corpus, control_name, finished_run, survey_corpus
     from headatlas.service.storage.db import check_headatlas_file
 
     params, model, device = analysis.params, analysis.model, analysis.device
@@ -240,6 +240,19 @@ def _analyze(
     spec, label = (str(spooled), STDIN_SOURCE) if spooled else (corpus, None)
     try:
         summary = survey_corpus(spec, text_field=text_field, encoding=encoding, label=label)
+        store = _store(db)
+        done = (
+            finished_run(store, summary.fingerprint, summary.distinct, model, params, name=name, probe=probe)
+            if control == 0
+            else None
+        )
+        if done is not None:  # found without loading the model's weights
+            if quiet:
+                stdout.print(done.run_id)
+            else:
+                note(f"run {done.run_id} ({done.name}) is complete: nothing to analyse")
+                _print_run_summary(store, done.run_id)
+            return
         if not quiet:
             dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
             stderr.print(
@@ -248,7 +261,6 @@ def _analyze(
         loaded = load_model(model, device=device, dtype=params.dtype)
         check_loaded(loaded, params.seq_len)
         size = size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len)
-        store = _store(db)
         # the run and its control (--control) analyse the same windows the same way
         run_on = functools.partial(
             analyze_corpus,

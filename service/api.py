@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 
 from headatlas.service.analysis_options import BY_NAME, DEFAULTS
-from headatlas.service.errors import DatabaseNotFound, HeadatlasError, ParameterError, StoreError
+from headatlas.service.errors import DatabaseNotFound, HeadatlasError, ParameterError
 from headatlas.service.storage.store import Run, Store, resolve_run
 
 if TYPE_CHECKING:
@@ -481,28 +481,14 @@ def analyze(
 
 
 def _finished_run(store: Store, corpus, model: str | LoadedModel, params, *, name: str | None, probe) -> RunView | None:
-    """The stored run with this corpus, model and options when it is done (and holds the probe
-    asked for, and ``name`` is None or its name): found from the model's identity alone (its
-    tokenizer, config and a sample of its weight files), without loading the weights."""
-    from headatlas.service.engine.model import load_model_info
-    from headatlas.service.engine.runner import run_key
-    from headatlas.service.storage.queue_store import find_run_by_key
-    from headatlas.service.storage.store import probe_spec
+    """The stored run with this corpus, model and options when it is done (runner.finished_run)."""
+    from headatlas.service.engine.runner import finished_run
 
-    if not store.backend.exists():
+    run = finished_run(store, corpus.fingerprint, corpus.distinct, model, params, name=name, probe=probe)
+    if run is None:
         return None
-    info = model if not isinstance(model, str) else load_model_info(model)
-    key = run_key(corpus.fingerprint, info, params.resolved(corpus.distinct))
-    try:
-        with store.checked_read() as conn:
-            run = find_run_by_key(conn, key)
-            if run is None or run.status != "done" or (name is not None and name != run.name):
-                return None  # analysed, resumed, or named by the usual path
-            if probe is not None and probe_spec(conn, run.run_id) != (probe.length, probe.sequences, probe.seed):
-                return None
-            return RunView.read(store, conn, run.run_id)
-    except StoreError:  # a schema to upgrade first: the usual path does it
-        return None
+    with store.checked_read() as conn:
+        return RunView.read(store, conn, run.run_id)
 
 
 class _Bar:

@@ -248,10 +248,14 @@ def lake(lake_template, tmp_path, monkeypatch):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in one worker (one
-    writer and worker for the session, not one per xdist worker)."""
+    writer and worker for the session, not one per xdist worker), and so do the tests of SmolLM2
+    (its GGUF weights converted once, about 15 s, not once per worker)."""
     for item in items:
-        if "queue_cluster" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "queue_cluster" in fixtures:
             item.add_marker(pytest.mark.xdist_group("queue_cluster"))
+        elif "smollm2" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("smollm2"))
 
 
 # --- time per module (docs/testing.md): pytest --module-times -------------------------------------

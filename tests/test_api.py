@@ -88,6 +88,28 @@ def test_a_finished_run_returns_without_loading_the_model(analysed, monkeypatch)
         headatlas.analyze(corpus, db=db, model="random:tiny", seq_len=48, progress=False)
 
 
+def test_the_cli_analyzing_a_finished_run_does_not_load_the_model(analysed, monkeypatch):
+    from headatlas.cli.main import app
+    from headatlas.service.engine import model as model_module
+
+    db, run, corpus = analysed
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the model was loaded for a finished run")
+
+    monkeypatch.setattr(model_module, "load_model", no_loading)
+    args = ["analyze", str(corpus), "--db", str(db), "--model", "random:tiny", "--batch-size", "8", "--seq-len", "64"]
+    again = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert again.exit_code == 0, again.output
+    assert f"run {run.run_id} (nb) is complete: nothing to analyse" in again.stderr
+    assert "heads" in again.stdout  # the run's summary, as after an analysis
+    quiet = CliRunner().invoke(app, [*args, "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stdout.strip() == str(run.run_id), quiet.output
+    # a control asked for: the usual path (which loads the model)
+    controlled = CliRunner().invoke(app, [*args, "--control"])
+    assert controlled.exit_code == 1 and "the model was loaded" in repr(controlled.exception)
+
+
 @pytest.mark.filterwarnings("ignore::headatlas.service.api.IntervalWarning")  # a short run, on purpose
 def test_heads_equal_the_cli_json(analysed):
     db, run, _ = analysed

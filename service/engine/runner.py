@@ -69,6 +69,34 @@ def run_key(corpus_fp: str, model: ModelInfo, params: AnalysisParams) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def finished_run(
+    store: Store, corpus_fp: str, distinct: int, model: str | ModelInfo, params: AnalysisParams, *, name, probe
+) -> Run | None:
+    """The stored run of this corpus (fingerprint, distinct documents), model and parameters when
+    it is done, holds the probe asked for, and ``name`` is None or its name: found from the model's
+    identity alone (its tokenizer, config and a sample of its weight files), without loading the
+    weights, so analysing a finished run again returns at once."""
+    from headatlas.service.engine.model import load_model_info
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.queue_store import find_run_by_key
+    from headatlas.service.storage.store import probe_spec
+
+    if not store.backend.exists():
+        return None
+    info = load_model_info(model) if isinstance(model, str) else model
+    key = run_key(corpus_fp, info, params.resolved(distinct))
+    try:
+        with store.checked_read() as conn:
+            run = find_run_by_key(conn, key)
+            if run is None or run.status != "done" or (name is not None and name != run.name):
+                return None  # analysed, resumed, or named by the usual path
+            if probe is not None and probe_spec(conn, run.run_id) != (probe.length, probe.sequences, probe.seed):
+                return None
+            return run
+    except StoreError:  # a schema to upgrade first: the usual path does it
+        return None
+
+
 def document_row(doc: Document) -> dict:
     return {
         "doc_id": doc.doc_id,
