@@ -87,3 +87,30 @@ def test_a_reader_holding_the_file_delays_an_embedded_run_without_failing_it(tin
         assert q("SELECT sum(windows) FROM run_chance WHERE run_id = :r") == counted
     assert len(analysed) >= 3  # batches after the first waited for the reader
     assert counted == sum(analysed) == 12  # every window analysed, counted once
+
+
+def test_a_lock_refused_inside_a_transaction_is_busy_and_nothing_is_written(tmp_path):
+    """DuckDB may refuse a commit on another process's lock (on the .wal file): the transaction is
+    rolled back and the error is StoreBusy, which the writer and the embedded run retry, instead of
+    an error that stops them."""
+    import duckdb
+    from sqlalchemy import text
+
+    from headatlas.service.errors import StoreBusy
+    from headatlas.service.storage import db
+
+    path = tmp_path / "busy.duckdb"
+    with db.transaction(path) as conn:
+        conn.execute(text("CREATE TABLE t (x INTEGER)"))
+    refused = (
+        'Failed to commit: Could not set lock on file "busy.duckdb.wal": Conflicting lock is held in python (PID 1)'
+    )
+    with pytest.raises(StoreBusy, match="nothing was written, retry"):
+        with db.transaction(path) as conn:
+            conn.execute(text("INSERT INTO t VALUES (1)"))
+            raise duckdb.TransactionException(refused)
+    with pytest.raises(ValueError, match="lock"):  # other errors pass as they are
+        with db.transaction(path) as conn:
+            raise ValueError("a lock of hair")
+    with db.transaction(path, read_only=True) as conn:
+        assert conn.execute(text("SELECT count(*) FROM t")).scalar() == 0

@@ -19,12 +19,13 @@ from typing import Any
 import duckdb
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from headatlas.service.errors import DatabaseFileError, StoreBusy
 from headatlas.service.storage import dbfile
 from headatlas.service.storage.backends.base import Backend, duckdb_config
-from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, READONLY_CONFIG, retry_on_lock
+from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, READONLY_CONFIG, is_lock_conflict, retry_on_lock
 
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
 # threads of one process (beat's tick and the fires it runs) open the file in turn.
@@ -104,6 +105,13 @@ class FileBackend(Backend):
                     with conn.begin():
                         yield conn
                 except Exception as exc:
+                    if isinstance(exc, (duckdb.Error, DBAPIError)) and is_lock_conflict(exc):
+                        # DuckDB refused the commit (or a statement) on another process's lock,
+                        # e.g. on the .wal file: rolled back, nothing written; the caller retries
+                        raise StoreBusy(
+                            f"{self.label} is busy: another process held a lock on it while this transaction "
+                            "committed; nothing was written, retry"
+                        ) from exc
                     raise self.open_error(exc) or exc  # noqa: B904 - the error or its translation
         finally:
             engine.dispose()
