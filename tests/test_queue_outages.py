@@ -102,11 +102,6 @@ def test_redis_restarted_with_its_data_mid_run(setup):
 
 
 @pytest.mark.parametrize("setup", [False], indirect=True)
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent, about 1 run in 6 on a loaded machine: after the data-less restart the "
-    "re-queued batches never reach a worker and submit --wait keeps waiting (docs/reliability.md, Known gaps)",
-)
 def test_redis_restarted_without_its_data_mid_run(setup):
     server, cluster, corpus = setup
     cluster.start_writer()

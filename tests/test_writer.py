@@ -150,3 +150,19 @@ def test_the_writer_stores_real_messages_without_loading_torch(setting, tiny_mod
     assert f"STORED {len(results) + 1}" in done.stdout, done.stdout + done.stderr
     assert "LOADED []" in done.stdout, done.stdout
     assert Store(setting.db).get_run("writer-k3").status == "done"
+
+
+def test_a_batch_stored_before_submit_marks_it_queued_is_not_in_flight(redis_url):
+    """submit marks a chunk of batches queued after sending it; a fast worker and writer can store
+    one of them first. That batch must not stay in flight: the run would never be seen to end, and
+    `submit --wait` would wait forever (seen after a Redis restart without its data)."""
+    from headatlas.workers.ledger import Ledger, connect
+
+    client = connect(redis_url)
+    client.flushdb()
+    ledger = Ledger(client, "d" * 36)
+    ledger.finished("run", 5, failed=False, windows=4)  # the writer stored batch 5 ...
+    ledger.mark_queued("run", [5, 6])  # ... before submit marked its chunk queued
+    assert ledger.in_flight("run") == {6}
+    ledger.finished("run", 6, failed=False, windows=4)
+    assert ledger.in_flight("run") == set()

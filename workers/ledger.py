@@ -68,6 +68,16 @@ return 1
 """
 
 
+# Mark batches queued unless the writer has stored them already: submit marks a chunk after
+# sending it, and a fast worker and writer may store one of it first (it would stay "queued").
+_MARK_QUEUED = """
+for _, b in ipairs(ARGV) do
+  if redis.call('SISMEMBER', KEYS[2], b) == 0 then redis.call('SADD', KEYS[1], b) end
+end
+return 0
+"""
+
+
 def connect(url: str, *, check: bool = True) -> redis.Redis:
     client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
     if check:
@@ -175,8 +185,9 @@ class Ledger:
         return {int(b) for b in self.r.smembers(self.key("done", run_key))}
 
     def mark_queued(self, run_key: str, batch_ids: list[int]) -> None:
+        """Batches just sent to the analysis queue, except those already stored."""
         if batch_ids:
-            self.r.sadd(self.key("queued", run_key), *batch_ids)
+            self.r.eval(_MARK_QUEUED, 2, self.key("queued", run_key), self.key("done", run_key), *batch_ids)
 
     def mark_done(self, run_key: str, batch_ids: set[int]) -> None:
         """Batches the database has stored (a Redis that lost its data learns them again)."""
@@ -199,8 +210,10 @@ class Ledger:
         pipe.smembers(self.key("queued", run_key))
         pipe.hkeys(self.key("running", run_key))
         pipe.smembers(self.key("ingesting", run_key))
-        queued, running, ingesting = pipe.execute()
-        return {int(b) for b in (*queued, *running, *ingesting)}
+        pipe.smembers(self.key("done", run_key))
+        queued, running, ingesting, done = pipe.execute()
+        # a stored batch is never in flight again (a copy of it delivered later is skipped)
+        return {int(b) for b in (*queued, *running, *ingesting)} - {int(b) for b in done}
 
     def forget(self, run_key: str, batch_id: int) -> None:
         """A message this database's writer will never store (it reached another database's
