@@ -1045,3 +1045,25 @@ def test_old_run_compacted_or_resumed_after_the_upgrade_never_shows_a_partial_su
     for row in view_rows(path, "head_metrics", run, "layer, head"):
         assert all(row[c] is None for c in NEW_HEAD_COLUMNS)
     assert {r["drop_rep"] for r in view_rows(path, "head_metrics_reps", run, "layer, head")} == {-1}
+
+
+def test_top_head_of_tied_heads_is_the_lowest(store):
+    """`query boundaries`' top_head: heads 1 and 2 see the same vectors, so their within_sentence
+    ties exactly (a ratio of counts); the lowest of them is named, on every engine and every run."""
+    from headatlas.service.reports import queries
+
+    # W1 = [CLS] a , . a , b [SEP]: head 0 pairs a–a across the "." (Z1); heads 1 and 2 pair ", b"
+    # after it, within the second sentence
+    within = onehot_z([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 3), (5, 3), (6, 1)])
+    wids = ids_in_distinct_groups(1)
+    run = new_run(store, "tied-heads", heads=3)
+    z = torch.stack([Z1, within, within])[None, None]  # [window, layer, head, seq, dim]
+    attn = torch.stack([uniform_attn(8)] * 3)[None, None]
+    store.ingest(run, [(0, build_result(wids, [W1], z, attn))])
+    with store.read() as conn:
+        per_head = dict(
+            conn.execute(text("SELECT head, within_sentence FROM head_metrics WHERE run_id = :r"), {"r": run}).all()
+        )
+        columns, rows = queries.boundaries(conn, run)
+    assert per_head[1] == per_head[2] > per_head[0], per_head
+    assert [r[columns.index("top_head")] for r in rows] == [1]

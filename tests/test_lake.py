@@ -35,11 +35,11 @@ def assert_same_rows(got: tuple[list, list], want: tuple[list, list]) -> None:
     assert got[0] == want[0]
     assert len(got[1]) == len(want[1])
     for row_a, row_b in zip(got[1], want[1], strict=True):
-        for x, y in zip(row_a, row_b, strict=True):
+        for column, x, y in zip(got[0], row_a, row_b, strict=True):
             if isinstance(x, float) and isinstance(y, float):
-                assert x == pytest.approx(y, rel=1e-9, abs=1e-12), (row_a, row_b)
+                assert x == pytest.approx(y, rel=1e-9, abs=1e-12), (column, row_a, row_b)
             else:
-                assert x == y, (row_a, row_b)
+                assert x == y, (column, row_a, row_b)
 
 
 def _shape(target) -> list[tuple]:

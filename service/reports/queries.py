@@ -234,7 +234,9 @@ def boundaries(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
             SELECT layer, count(*) FILTER (WHERE within_sentence_lift > 1) AS heads_above_chance,
                    count(within_sentence_lift_dm) FILTER (WHERE within_sentence_lift_dm > 1) AS heads_above_chance_dm,
                    max(within_sentence) AS max_head_within_sentence,
-                   arg_max(head, within_sentence) AS top_head
+                   -- the lowest of tied heads: arg_max picks any of them, and not always the same
+                   -- (within_sentence is a ratio of counts, so small runs have exact ties)
+                   arg_max(head, [within_sentence, -head]) FILTER (WHERE within_sentence IS NOT NULL) AS top_head
             FROM head_metrics WHERE run_id = :run GROUP BY layer
         )
         SELECT l.layer, l.within_sentence, l.within_sentence_chance, l.within_sentence_lift,
