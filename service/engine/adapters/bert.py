@@ -89,7 +89,7 @@ class BertAdapter(ModelAdapter):
             num_attention_heads=shape.heads,
             hidden_size=shape.hidden,
             intermediate_size=4 * shape.hidden,
-            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
+            attn_implementation="eager",
         )
 
     def random_model(self, config: PretrainedConfig) -> PreTrainedModel:

@@ -62,5 +62,5 @@ class GPT2Adapter(ModelAdapter):
             n_positions=512,
             bos_token_id=None,  # GPT-2's 50256 lies outside a borrowed vocabulary
             eos_token_id=None,
-            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
+            attn_implementation="eager",
         )

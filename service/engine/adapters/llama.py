@@ -70,5 +70,5 @@ class LlamaAdapter(ModelAdapter):
             num_attention_heads=shape.heads,
             num_key_value_heads=shape.kv_heads or shape.heads,
             max_position_embeddings=512,
-            attn_implementation="eager",  # type: ignore[call-arg]  # accepted (accept_kwargs), not a declared field
+            attn_implementation="eager",
         )
