@@ -63,7 +63,7 @@ def submit(
     # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
     check_model_spec(model, seq_len=params.seq_len, memory="total")
 
-    def queue(log=lambda msg: stderr.print(msg)):
+    def queue(log=lambda msg: stderr.print(msg), only=None):
         return submit_corpus(
             corpus,
             settings=settings,
@@ -76,6 +76,7 @@ def submit(
             encoding=analysis.encoding,
             writer_wait_s=writer_wait,
             probe=analysis.probe_spec,
+            only=only,
             log=log,
         )
 
@@ -100,7 +101,7 @@ def submit(
             runnable("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
         )
     if wait and sub.status != "done":
-        _wait(settings, sub, resubmit=lambda: queue(log=lambda _msg: None))
+        _wait(settings, sub, resubmit=lambda only=None: queue(log=lambda _msg: None, only=only))
     stdout.print(sub.run_id if sub.run_id is not None else sub.name)
 
 
@@ -117,6 +118,7 @@ def _wait(settings, sub, resubmit=None) -> None:
 
     ledger = Ledger(connect(settings.broker_url, check=False), sub.database_id)
     started, base, away, live = time.monotonic(), None, False, None
+    stranded: tuple[float, int, set[int]] | None = None  # first seen: when, batches done then, which
     with progress_bar("batches", "{task.fields[failed]} failed") as bar:
         task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
         while True:
@@ -144,6 +146,8 @@ def _wait(settings, sub, resubmit=None) -> None:
                 if ledger.run_status(sub.run_key) in ("done", "failed") and not ledger.in_flight(sub.run_key):
                     break
                 _check_writer(ledger, sub, settings)
+                if resubmit is not None:
+                    stranded = _requeue_stranded(ledger, sub, stranded, live.done, resubmit)
             except (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError, BrokerError) as exc:
                 if not away:
                     stderr.print(
@@ -164,6 +168,30 @@ def _wait(settings, sub, resubmit=None) -> None:
                 f"`headatlas retry {sub.run_id}` queues them again"
             )
         )
+
+
+STRANDED_S = 5.0  # seen stranded this long, with no batch stored meanwhile, before queuing again
+
+
+def _requeue_stranded(ledger, sub, seen, done: int, resubmit):
+    """Batches in flight that no message carries (lost as Redis went down, ``Ledger.stranded``)
+    are queued again once they stay so for STRANDED_S with nothing stored meanwhile: the run
+    would otherwise never end. A batch analysed twice is stored once."""
+    lost = ledger.stranded(sub.run_key)
+    if not lost:
+        return None
+    now = time.monotonic()
+    if seen is None or seen[1] != done or not lost <= seen[2]:
+        return (now, done, lost)
+    if now - seen[0] < STRANDED_S:
+        return seen
+    stderr.print(
+        f"{len(lost)} queued batch(es) of run {sub.name} are in no queue and with no worker "
+        "(their messages were lost as Redis went down): queuing them again"
+    )
+    ledger.unqueue(sub.run_key, lost)
+    resubmit(only=lost)
+    return None
 
 
 def _check_writer(ledger, sub, settings) -> None:

@@ -215,6 +215,28 @@ class Ledger:
         # a stored batch is never in flight again (a copy of it delivered later is skipped)
         return {int(b) for b in (*queued, *running, *ingesting)} - {int(b) for b in done}
 
+    def stranded(self, run_key: str, queue: str = "analysis") -> set[int]:
+        """Batches in flight that no message carries any more: the ledger has them queued, yet
+        the analysis queue and the broker's unacknowledged deliveries are empty, no worker holds
+        one delivered or running, and nothing waits for the writer. Redis shut down in the instant
+        between a worker's pop of a message and its record of it loses that message; nothing
+        would ever analyse the batch. Empty while any message is anywhere (a run still moving)."""
+        pipe = self.r.pipeline()
+        for name in (queue, *(f"{queue}\x06\x16{p}" for p in (1, 2, 3, 4, 5, 6, 7, 8, 9))):  # kombu's priorities
+            pipe.llen(name)
+        pipe.hlen("unacked")
+        pipe.hlen(self.key("delivered", run_key))
+        pipe.hlen(self.key("running", run_key))
+        pipe.scard(self.key("ingesting", run_key))
+        if any(int(n) for n in pipe.execute()) or self.backlog():
+            return set()
+        return self.in_flight(run_key)
+
+    def unqueue(self, run_key: str, batch_ids: set[int]) -> None:
+        """No longer queued (their messages are gone): a submission queues them again."""
+        if batch_ids:
+            self.r.srem(self.key("queued", run_key), *batch_ids)
+
     def forget(self, run_key: str, batch_id: int) -> None:
         """A message this database's writer will never store (it reached another database's
         writer): no longer in flight, so the next submission queues the batch again."""

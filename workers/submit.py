@@ -131,7 +131,8 @@ def submit(
         ledger.reconcile_done(key, stored_done)  # the database is the truth; Redis a copy of it
     else:
         stored_done = ledger.done(key)  # as the database's own writer reported it after committing
-    skip = stored_done | (set() if only is not None else ledger.in_flight(key))
+    # a batch whose message is gone (stranded) is queued again: in flight, but nothing carries it
+    skip = stored_done | (set() if only is not None else ledger.in_flight(key) - ledger.stranded(key, ANALYSIS_QUEUE))
     app = make_app(settings)
     ledger.send_to_writer("open_run", run_key=key)
     batches = windows = queued = 0
