@@ -302,9 +302,12 @@ def _stop_beacon(**_kwargs) -> None:
 
 @signals.worker_process_init.connect
 def _share_cores(**_kwargs) -> None:
-    """Prefork children split the cores instead of each using all of them."""
+    """Prefork children split the cores instead of each using all of them, and import
+    transformers as they start (seconds on a slow machine): a child that replaces a lost one
+    would otherwise pay it inside its first batch's time limit."""
     threads = app.conf.headatlas_torch_threads
     if threads:
         import torch
 
         torch.set_num_threads(int(threads))
+    import transformers  # noqa: F401
