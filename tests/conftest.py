@@ -263,17 +263,49 @@ def pytest_addoption(parser):
     parser.addoption(
         "--module-times",
         action="store_true",
-        help="print the seconds each test module took (setup, call and teardown of its tests, summed)",
+        help="print the seconds each test module took (setup, call and teardown of its tests, summed), "
+        "wall-clock and CPU (the test's process and the processes it started and waited for)",
     )
 
 
 _MODULE_SECONDS: dict[str, float] = {}
+_MODULE_CPU: dict[str, float] = {}
 _MODULE_TESTS: dict[str, int] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With --module-times: the CPU seconds of each test travel in its reports (to the
+    controller, under pytest-xdist)."""
+    if not item.config.getoption("--module-times", default=False):
+        return (yield)
+    started = _cpu_seconds()
+    item.user_properties.append(("cpu_started", started))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    started = dict(item.user_properties).get("cpu_started")
+    if started is not None and call.when == "teardown":
+        report.user_properties.append(("cpu_s", _cpu_seconds() - started))
+    return report
 
 
 def pytest_runtest_logreport(report):
     module = report.nodeid.split("::")[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    cpu = dict(report.user_properties).get("cpu_s")
+    if cpu is not None:
+        _MODULE_CPU[module] = _MODULE_CPU.get(module, 0.0) + cpu
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
 
@@ -281,8 +313,12 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter, config):
     if not config.getoption("--module-times", default=False) or not _MODULE_SECONDS:
         return
-    terminalreporter.section("seconds per module")
-    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.section("seconds per module: wall-clock, CPU, tests")
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
-        terminalreporter.write_line(f"{seconds:8.1f}  {_MODULE_TESTS.get(module, 0):4d}  {module}")
-    terminalreporter.write_line(f"{total:8.1f}  {sum(_MODULE_TESTS.values()):4d}  (sum; tests run in parallel overlap)")
+        terminalreporter.write_line(
+            f"{seconds:8.1f}  {_MODULE_CPU.get(module, 0.0):8.1f}  {_MODULE_TESTS.get(module, 0):4d}  {module}"
+        )
+    terminalreporter.write_line(
+        f"{sum(_MODULE_SECONDS.values()):8.1f}  {sum(_MODULE_CPU.values()):8.1f}  "
+        f"{sum(_MODULE_TESTS.values()):4d}  (sum; tests run in parallel overlap)"
+    )
