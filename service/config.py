@@ -25,7 +25,7 @@ class Settings:
     spool_dir: str = ""
     """HEADATLAS_SPOOL_DIR: folder shared by submitters, workers and the writer (default: next to the database)."""
     task_time_limit_s: float = 600.0
-    """HEADATLAS_TASK_TIME_LIMIT_S: longest one analysis batch may run, seconds (the broker's visibility timeout is twice this)."""
+    """HEADATLAS_TASK_TIME_LIMIT_S: longest one batch's analysis may run, seconds, not counting a worker's first build of the model (a process still running at 1.5 times this is killed; the broker's visibility timeout is twice this)."""
     max_attempts: int = 3
     """HEADATLAS_MAX_ATTEMPTS: tries per batch before it is marked failed (poison guard); `headatlas retry RUN` re-queues it."""
     sql_max_rows: int = 1000

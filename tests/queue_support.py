@@ -195,10 +195,32 @@ class Cluster:
             except Exception:  # noqa: BLE001 - the writer may not have created it yet
                 status = None
             if status in statuses:
+                if status == "failed":  # shown with the test's output when it expected "done"
+                    print(f"run {run} failed: {self.batch_errors(run)}\nlogs: {self.logs()}")
                 return status
             if time.monotonic() > deadline:
                 raise AssertionError(f"run {run} still {status} after {timeout} s; logs: {self.logs()}")
             time.sleep(0.3)
+
+    def batch_errors(self, run: str) -> list[tuple]:
+        """(batch, status, attempts, error) of the run's batches that did not end done."""
+        from sqlalchemy import text
+
+        from headatlas.service.storage.db import transaction
+        from headatlas.service.storage.store import Store
+
+        run_id = Store(self.db).get_run(run).run_id
+        with transaction(self.db, read_only=True) as conn:
+            return [
+                tuple(row)
+                for row in conn.execute(
+                    text(
+                        "SELECT batch_id, status, attempts, error FROM batches "
+                        "WHERE run_id = :r AND status <> 'done' ORDER BY batch_id"
+                    ),
+                    {"r": run_id},
+                )
+            ]
 
     def run_id(self, sub, timeout: float = 120.0) -> int:
         """The id the writer gave a submission's run (a busy machine may take longer than the

@@ -17,6 +17,9 @@ from kombu import Exchange, Queue
 from headatlas.service.config import Settings
 
 ANALYSIS_QUEUE = "analysis"
+HARD_LIMIT = 1.5
+"""Celery kills a task's process after this many times HEADATLAS_TASK_TIME_LIMIT_S (the
+visibility timeout, twice the limit, stays longer)."""
 
 
 def broker_options(settings: Settings) -> dict:
@@ -70,8 +73,12 @@ def configure(app: Celery, settings: Settings, *, torch_threads: int | None = No
         # a prefork child imports torch as it starts: on a loaded machine that takes longer
         # than Celery's 4 s, and children were killed and replaced in a loop
         worker_proc_alive_timeout=60.0,
-        task_time_limit=settings.task_time_limit_s,
-        task_soft_time_limit=0.9 * settings.task_time_limit_s,
+        # The time limit is the analysis's own, in every pool: workers/tasks.py raises it by an
+        # alarm around the analysis, after the model is built (a pool child replacing a lost one
+        # builds it inside its first task). Celery's soft limit would count the build too; its
+        # hard limit, which kills the process, is the backstop for a batch stuck where the alarm
+        # cannot interrupt it, and leaves room for the build.
+        task_time_limit=HARD_LIMIT * settings.task_time_limit_s,
         task_default_queue=ANALYSIS_QUEUE,
         task_queues=[Queue(ANALYSIS_QUEUE, Exchange(ANALYSIS_QUEUE, type="direct"), routing_key=ANALYSIS_QUEUE)],
         task_routes={"headatlas.analyze_batch": {"queue": ANALYSIS_QUEUE}},

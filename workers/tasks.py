@@ -90,7 +90,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         with BatchHeartbeat(ledger, run_key, batch_id, worker):
             # once per process (and per checkpoint), outside the batch's time limit
             model = _model(batch["model"], batch["dtype"], batch.get("weights_key"))
-            with _deadline(0.95 * _settings().task_time_limit_s):
+            with _deadline(_settings().task_time_limit_s):
                 payload = _analyse(model, batch)
     except Exception as exc:  # noqa: BLE001 - every failure counts against the poison guard
         error = _describe(exc)
@@ -205,8 +205,9 @@ def _describe(exc: BaseException) -> str:
 
 @contextmanager
 def _deadline(seconds: float):
-    """Raise SoftTimeLimitExceeded after ``seconds`` in the main thread. Celery enforces time
-    limits in prefork children only; the solo pool (one process per GPU) needs this."""
+    """Raise SoftTimeLimitExceeded after ``seconds`` in the main thread: the batch's time limit,
+    the same in a prefork child and in a single-process worker (one per GPU), around the
+    analysis only (Celery's soft limit would count the model's build as well)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
@@ -311,3 +312,5 @@ def _share_cores(**_kwargs) -> None:
 
         torch.set_num_threads(int(threads))
     import transformers  # noqa: F401
+
+    import headatlas.service.engine.analysis  # noqa: F401 - imported by the analysis, inside its limit
