@@ -166,3 +166,33 @@ def test_a_batch_stored_before_submit_marks_it_queued_is_not_in_flight(redis_url
     assert ledger.in_flight("run") == {6}
     ledger.finished("run", 6, failed=False, windows=4)
     assert ledger.in_flight("run") == set()
+
+
+def test_a_writer_whose_database_takes_longer_to_open_than_its_lease_lives_keeps_it(setting, monkeypatch):
+    """Creating the schema took 7 s on a loaded machine: with no refresh meanwhile the lease
+    expired and the writer stopped, saying that another writer had taken the queue."""
+    import time
+
+    import redis
+
+    from headatlas.service.storage.store import Store
+    from headatlas.workers import lease
+    from headatlas.workers.writer import Writer
+
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(lease, "SILENT_S", 0.5)
+    slow, held_meanwhile = Store.ensure_schema, []
+
+    def ensure_schema(self):
+        time.sleep(1.5)  # three lease lifetimes
+        held_meanwhile.append(lease.holder(redis.Redis.from_url(setting.broker_url))[0] is not None)
+        return slow(self)
+
+    monkeypatch.setattr(Store, "ensure_schema", ensure_schema)
+    writer = Writer(setting)
+    assert held_meanwhile == [True]
+    held, _raw = lease.holder(writer.lease.r)
+    assert held is not None and held.token == writer.lease.token and held.database_id == writer.database_id
+    # without the refresh the lease is gone after the same wait (what the writer saw before)
+    time.sleep(1.0)
+    assert lease.holder(writer.lease.r)[0] is None

@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,10 +185,32 @@ class WriterLease:
         raw = self.r.get(LAST)
         return json.loads(raw) if raw else None
 
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """Refresh the lease from a thread while the block runs: opening a database (creating or
+        upgrading its schema) can take longer than the lease lives on a loaded machine, and a
+        lease that expired meanwhile would read as taken by another writer."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                try:
+                    self.refresh()
+                except redis.RedisError:
+                    pass  # the broker is away: set_database finds out, or the keeper later
+
+        thread = threading.Thread(target=beat, name="writer-lease-opening", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
     def set_database(self, database_id: str) -> None:
         self.database_id = database_id
         self.r.set(LAST, json.dumps({"db": self.db, "database_id": database_id}))
-        if not self.refresh():
+        if not self.refresh() and not self.reclaim():  # vanished (Redis away meanwhile): ours again
             raise WriterConflict(
                 f"this writer lost the ingest queue of {self.broker_url} while opening {self.db}: "
                 "another writer took it; stop one of them"

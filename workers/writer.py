@@ -163,8 +163,9 @@ class Writer:
                 time.sleep(1.0)
         try:
             self._wait_for_last_database()  # before anything could create a database
-            Store(self.backend).ensure_schema()  # a stale database fails now, not on the first batch
-            self.database_id = read_database_id(self.backend)
+            with self.lease.kept():  # creating or upgrading the schema can outlast the lease
+                Store(self.backend).ensure_schema()  # a stale database fails now, not on the first batch
+                self.database_id = read_database_id(self.backend)
             self.lease.set_database(self.database_id)
             self.store: Store = OwnStore(self.backend, self.database_id)
         except BaseException:
