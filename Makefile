@@ -38,9 +38,10 @@ demo: install
 
 # Two pytest-xdist workers (--dist loadgroup keeps the tests of the shared queue cluster in one):
 # on 2 cores, 7.4 min against about 17 serially; a third worker was slower (docs/testing.md).
+# --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it
 TEST_WORKERS ?= 2
 test: install-test lint typecheck
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --module-times
 
 # ruff: lint and format, configured in pyproject.toml (run by `make test`, hence by CI)
 lint: install-test
