@@ -234,6 +234,7 @@ def _analyze(
     probe = analysis.probe_spec
     # every check that needs no model weights comes before the corpus is read or a model loaded
     resolve_device(device)
+    store_every_s = Settings.from_env().store_every_s
     check_headatlas_file(db)
     check_model_spec(model, seq_len=params.seq_len, device=device)
     spooled = spool_stdin() if corpus == "-" else None
@@ -273,6 +274,7 @@ def _analyze(
             encoding=encoding,
             label=label,
             attribution_chunk=attribution_chunk,
+            flush_s=store_every_s,
             probe=probe,
             notice=None if quiet else (lambda text: stderr.print(text, markup=False, highlight=False)),
         )

@@ -448,7 +448,8 @@ def analyze(
     params = build_params(**options)
     size = parse_batch_size(batch_size)
     spec = ProbeSpec(length=probe_length, sequences=probe_sequences) if probe else None
-    store = Store(db if db is not None else Settings.from_env().db, data_path=data_path)
+    settings = Settings.from_env()
+    store = Store(db if db is not None else settings.db, data_path=data_path)
     given = model if isinstance(model, LoadedModel) else None
     resolve_device(device)
     check_headatlas_file(store.backend)
@@ -473,6 +474,7 @@ def analyze(
             batch_size=size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len),
             text_field=text_field,
             encoding=encoding,
+            flush_s=settings.store_every_s,
             probe=spec,
             progress=bar.update,
         )

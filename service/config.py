@@ -34,6 +34,14 @@ class Settings:
     """HEADATLAS_SQL_TIMEOUT_S: time limit of `headatlas sql`, seconds."""
     attribution_chunk: int = 2048
     """HEADATLAS_ATTRIBUTION_CHUNK: gradient rows (windows × outputs) per batched backward call of --attribution; bounds memory."""
+    store_every_s: float = 10.0
+    """HEADATLAS_STORE_EVERY_S: how often `analyze` stores its finished batches, seconds (one transaction each; a killed run loses at most this much analysis, which the next run resumes)."""
+
+    def __post_init__(self) -> None:
+        if not self.store_every_s >= 0:  # also refuses nan
+            raise ParameterError(
+                f"HEADATLAS_STORE_EVERY_S={self.store_every_s!r}: expected seconds, 0 or more (0: store every batch)"
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

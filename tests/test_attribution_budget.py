@@ -110,7 +110,7 @@ def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, dem
     from queue_support import assert_whole_batches
 
     db = tmp_path / "c.duckdb"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HEADATLAS_STORE_EVERY_S="1")  # stores soon: less to wait for
     process = subprocess.Popen(
         [
             *headatlas_cmd(),
@@ -134,7 +134,7 @@ def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, dem
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as test_bad_inputs' Ctrl-C test
     )
     stored, deadline = 0, time.monotonic() + 180
-    while stored == 0:  # the first windows stored (finished batches are stored every 10 s)
+    while stored == 0:  # the first windows stored (finished batches are stored every second here)
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.5)
         try:

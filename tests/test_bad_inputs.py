@@ -515,6 +515,21 @@ def test_bad_input_is_one_clean_line(case: Case, base, tmp_path):
             assert sorted(os.listdir(db)) == listing
 
 
+@pytest.mark.parametrize("value", ["nan", "-1", "soon"])
+def test_a_bad_store_interval_is_one_line_before_the_database_is_touched(value, base, tmp_path, monkeypatch):
+    """HEADATLAS_STORE_EVERY_S is read before the corpus or a model: one line naming the variable."""
+    _root, good, files = base
+    db = tmp_path / "copy.duckdb"
+    db.write_bytes(good.read_bytes())
+    before = digest(db)
+    monkeypatch.setenv("HEADATLAS_STORE_EVERY_S", value)
+    result = invoke("analyze", str(files["corpus"]), "--db", str(db), "--model", "random:tiny")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: HEADATLAS_STORE_EVERY_S=") and "Traceback" not in result.output, lines
+    assert digest(db) == before
+
+
 def test_the_counts_the_docs_state_are_the_table():
     """docs/reliability.md and the README state how many bad inputs the table tries (each case
     above must give a clean error) and how many were clean before it: those numbers are the
@@ -652,7 +667,7 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
     corpus = tmp_path / "long.txt"
     corpus.write_text("\n\n".join(f"Copy {k}. {d}" for k in range(12) for d in docs) + "\n", encoding="utf-8")
     db = tmp_path / "c.duckdb"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HEADATLAS_STORE_EVERY_S="1")  # the first batches stored soon
     process = subprocess.Popen(
         [*headatlas_cmd(), "analyze", str(corpus), "--db", str(db), "--model", "random:minilm", "--batch-size", "8"],
         stdout=subprocess.PIPE,

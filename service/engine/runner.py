@@ -19,6 +19,7 @@ from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
+from headatlas.service.config import Settings
 from headatlas.service.errors import CorpusError, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.store import Run, Store
@@ -179,12 +180,12 @@ def first_windows(
     return out
 
 
-# How often the embedded engine stores its finished batches. Each store opens the database, writes
-# one transaction and closes it (so that readers get in between), and the close checkpoints: fewer
-# stores, less of that. At one store per batch (every 2 s on 2 cores) a run took 1.1-1.2x as long
-# (benchmarks/store_interval.py); a kill -9 loses at most this much analysis, which the next run
-# resumes.
-FLUSH_S = 10.0
+# How often the embedded engine stores its finished batches (HEADATLAS_STORE_EVERY_S). Each store
+# opens the database, writes one transaction and closes it (so that readers get in between), and the
+# close checkpoints: fewer stores, less of that. At one store per batch (every 2 s on 2 cores) a run
+# took 1.1-1.2x as long (benchmarks/store_interval.py); a kill -9 loses at most this much analysis,
+# which the next run resumes.
+FLUSH_S = Settings.default("store_every_s")
 STORE_RETRY_MAX_S = 5.0  # longest pause between two tries to store while another process holds the file
 
 
@@ -220,7 +221,7 @@ def analyze_corpus(
     batch_size: int = 32,
     text_field: str = "text",
     encoding: str = "utf-8",
-    flush_s: float = FLUSH_S,
+    flush_s: float | None = None,
     progress: ProgressFn | None = None,
     label: str | None = None,
     attribution_chunk: int = 2048,
@@ -232,7 +233,8 @@ def analyze_corpus(
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
     ``label``: how the corpus is named in the run (e.g. ``<stdin>`` for a spooled copy).
-    ``flush_s``: finished batches are stored together at most this often (one transaction).
+    ``flush_s``: finished batches are stored together at most this often (one transaction);
+    default: ``HEADATLAS_STORE_EVERY_S`` (10 s).
     ``control_of``: this is the random-weights control of that run (``model.control_model``,
     built with ``control_seed``); the link is kept in the run's params as ``control_of`` = that
     run's key and ``control_seed``, outside the analysis parameters, so it changes no number and
@@ -246,6 +248,8 @@ def analyze_corpus(
     estimated time and memory). On a CPU the attribution windows go one per batch, so that an
     interrupted run keeps every window finished.
     """
+    if flush_s is None:
+        flush_s = Settings.from_env().store_every_s
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
