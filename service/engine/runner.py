@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from headatlas.service.config import Settings
 from headatlas.service.engine.analysis import BatchResult, OomSplitter
 from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
-from headatlas.service.config import Settings
 from headatlas.service.errors import CorpusError, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.store import Run, Store
