@@ -66,6 +66,9 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     assert Store(cluster.db).get_run(ref).params["sentences"] == run.params["sentences"] == "segmenter"
     assert_same_statistics(queued, embedded)
     assert_counted_once(cluster.db, run_id)
+    # the copies submit kept of the messages (for batches Redis loses) went as each batch was stored
+    run_key = Store(cluster.db).get_run(run_id).run_key
+    assert [k for k in cluster.redis.scan_iter(f"headatlas:*:copy:{run_key}")] == []
 
     # the same corpus and parameters again: the same run, nothing queued, nothing changed
     again = cluster.submit(corpus, *ARGS, "--batch-size", "7")
@@ -159,6 +162,13 @@ def test_a_batch_delivered_twice_is_counted_once(cluster, tiny_model, demo_corpu
     time.sleep(1)
     assert stored(cluster.db, run_id) == before
     assert_counted_once(cluster.db, run_id)
+    # and the ended run is not active again (an active run keeps a writer from a new database at its path)
+    from headatlas.workers.ledger import Ledger
+
+    ledger = Ledger(client, sub.database_id)
+    while sub.run_key in ledger.active_runs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sub.run_key not in ledger.active_runs()
 
 
 def test_a_batch_that_keeps_failing_is_marked_failed_then_retried(cluster, tiny_model, demo_corpus, tmp_path, cli):

@@ -189,6 +189,18 @@ class Ledger:
         if batch_ids:
             self.r.eval(_MARK_QUEUED, 2, self.key("queued", run_key), self.key("done", run_key), *batch_ids)
 
+    def keep_copies(self, run_key: str, copies: dict[int, str]) -> None:
+        """A copy of each batch's message body (JSON), kept until the batch is stored or failed:
+        a batch whose message Redis lost (``stranded``) is queued again from it by the writer."""
+        if copies:
+            self.r.hset(self.key("copy", run_key), mapping=copies)
+
+    def copies(self, run_key: str, batch_ids: set[int]) -> dict[int, dict]:
+        """The kept copies of ``batch_ids`` that exist (a batch submitted without one is absent)."""
+        ids = sorted(batch_ids)
+        raw = self.r.hmget(self.key("copy", run_key), ids) if ids else []
+        return {b: json.loads(v) for b, v in zip(ids, raw, strict=True) if v is not None}
+
     def mark_done(self, run_key: str, batch_ids: set[int]) -> None:
         """Batches the database has stored (a Redis that lost its data learns them again)."""
         if batch_ids:
@@ -388,6 +400,17 @@ class Ledger:
     def inactive(self, run_key: str) -> None:
         self.r.srem(self.key("active", "runs"), run_key)
 
+    def settle(self, run_key: str) -> None:
+        """A run that has ended with nothing of it in flight or delivered is no longer active
+        (a copy of a stored batch delivered after the run ended made it active again; an active
+        run keeps a writer from starting a new database at its path)."""
+        if (
+            self.run_status(run_key) in ("done", "failed")
+            and not self.in_flight(run_key)
+            and not self.r.hlen(self.key("delivered", run_key))
+        ):
+            self.inactive(run_key)
+
     def send_to_writer(self, kind: str, **fields) -> None:
         """A message on the ingest queue: open_run, ingest, failed or reopen, for this database."""
         self.r.rpush(INGEST, json.dumps({"kind": kind, "database_id": self.database_id, **fields}))
@@ -435,6 +458,7 @@ class Ledger:
         pipe.hdel(self.key("running", run_key), batch_id)
         pipe.hdel(self.key("delivered", run_key), batch_id)
         pipe.hdel(self.key("lost", run_key), batch_id)
+        pipe.hdel(self.key("copy", run_key), batch_id)
         pipe.sadd(self.key("failed" if failed else "done", run_key), batch_id)
         if not failed:
             pipe.srem(self.key("failed", run_key), batch_id)

@@ -77,6 +77,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     ledger = _ledger(batch["database_id"])
     if ledger.is_finished(run_key, batch_id):
         ledger.undeliver(run_key, batch_id, self.request.id or "")
+        ledger.settle(run_key)  # its delivery made the run active again: not when the run has ended
         return  # delivered again after it was stored
     worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
     attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
