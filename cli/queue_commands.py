@@ -170,7 +170,10 @@ def _wait(settings, sub, resubmit=None) -> None:
         )
 
 
-STRANDED_S = 5.0  # seen stranded this long, with no batch stored meanwhile, before queuing again
+# seen stranded this long, with no batch stored meanwhile, before queuing again: longer than the
+# writer waits (workers.writer.STRANDED_S, which queues them again from the copies submit kept), so
+# that this is the fallback for batches with no copy
+STRANDED_S = 15.0
 
 
 def _requeue_stranded(ledger, sub, seen, done: int, resubmit):

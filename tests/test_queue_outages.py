@@ -235,3 +235,38 @@ def test_batches_no_message_carries_are_queued_again_by_submit_wait(redis_url, m
     waiting.join(timeout=20)
     assert not waiting.is_alive(), "submit --wait kept waiting for batches no message carries"
     assert calls == [{2, 3}]
+
+
+def test_the_writer_queues_stranded_batches_again_from_their_kept_copies(redis_url, monkeypatch):
+    """The same loss with a plain `submit` (nothing waits): the writer's sweep sees batches in
+    flight that no message carries, and once they stay so with nothing stored, sends each again
+    from the copy `submit` kept (a batch with no copy is named, for a second `submit`)."""
+    import json
+    import types
+
+    from headatlas.service.config import Settings
+    from headatlas.workers import writer
+    from headatlas.workers.ledger import Ledger
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    monkeypatch.setattr(writer, "STRANDED_S", 0.0)
+    ledger = Ledger(client, "d" * 36)
+    run_key = "w" * 24
+    client.sadd(ledger.key("active", "runs"), run_key)
+    ledger.keep_copies(run_key, {b: json.dumps({"batch": b, "windows": [[b, 0, 0, [1, 2]]]}) for b in (0, 1, 2)})
+    ledger.mark_queued(run_key, [0, 1, 2])
+    ledger.finished(run_key, 0, failed=False, windows=4)  # stored: its copy goes with it
+    assert ledger.copies(run_key, {0, 1, 2}).keys() == {1, 2}
+    client.hdel(ledger.key("copy", run_key), 2)  # as if submitted by a version that kept none
+    sweeper = types.SimpleNamespace(ledger=ledger, settings=Settings(broker_url=redis_url), _stranded={})
+    writer.Writer._requeue_stranded(sweeper)  # first seen
+    assert client.llen("analysis") == 0
+    writer.Writer._requeue_stranded(sweeper)  # still stranded, nothing stored: sent again
+    messages = [json.loads(m) for m in client.lrange("analysis", 0, -1)]
+    assert [m["headers"]["task"] for m in messages] == ["headatlas.analyze_batch"]
+    import base64
+
+    args = json.loads(base64.b64decode(messages[0]["body"]))[0]
+    assert args == [run_key, 1, {"batch": 1, "windows": [[1, 0, 0, [1, 2]]]}]
+    assert ledger.stranded(run_key) == set()  # a message carries the run again

@@ -11,6 +11,7 @@ writer last reported it) or when it is in flight for this database.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -136,7 +137,19 @@ def submit(
     app = make_app(settings)
     ledger.send_to_writer("open_run", run_key=key)
     batches = windows = queued = 0
-    sent: list[int] = []
+    chunk: dict[int, dict] = {}
+
+    def send(producer) -> None:
+        # a copy of each message first (the writer queues a batch whose message Redis lost again
+        # from it; a batch stored meanwhile drops its copy), then the messages, then the ledger
+        ledger.keep_copies(key, {b: json.dumps(p) for b, p in chunk.items()})
+        for batch_id, payload in chunk.items():
+            app.send_task(
+                "headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE, producer=producer
+            )
+        ledger.mark_queued(key, list(chunk))  # after sending: a crash here re-sends, never loses
+        chunk.clear()
+
     with _broker_errors(settings.broker_url), app.producer_or_acquire() as producer:
         for batch_id, n_windows, payload in batch_payloads(
             spec,
@@ -154,15 +167,11 @@ def submit(
             windows += n_windows
             if payload is None:
                 continue
-            app.send_task(
-                "headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE, producer=producer
-            )
-            sent.append(batch_id)
+            chunk[batch_id] = payload
             queued += 1
-            if len(sent) >= SEND_CHUNK:
-                ledger.mark_queued(key, sent)  # after sending: a crash here re-sends, never loses
-                sent = []
-    ledger.mark_queued(key, sent)
+            if len(chunk) >= SEND_CHUNK:
+                send(producer)
+        send(producer)
     meta.update(batches=batches, windows=windows)
     ledger.put_run(key, meta)
     ledger.send_to_writer("open_run", run_key=key)  # the plan is complete

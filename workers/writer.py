@@ -143,6 +143,9 @@ class OwnStore(Store):
         return self._guarded()
 
 
+STRANDED_S = 5.0  # a batch seen stranded this long, with no batch stored meanwhile, is queued again
+
+
 class Writer:
     def __init__(self, settings: Settings):
         from headatlas.service.storage.backends import open_backend
@@ -182,6 +185,7 @@ class Writer:
         self.lost_lease = False
         self._keeper_stop = threading.Event()
         self._away: str | None = None  # why the database is away, while it is
+        self._stranded: dict[str, tuple[float, int, set[int]]] = {}  # run key: first seen, stored then, which
 
     def _wait_for_last_database(self) -> None:
         """The last writer on this broker stored into this path, and messages or runs of its
@@ -246,10 +250,52 @@ class Writer:
                         time.time() - e.beat,
                         "requeued" if lost.requeued else "its pool had requeued it",
                     )
+                self._requeue_stranded()
             except redis.RedisError as exc:
                 log.warning("lease and lost-worker sweep: broker unreachable (%s); retrying", exc)
             except Exception:  # noqa: BLE001 - the sweep must not stop the lease's heartbeat
                 log.exception("lost-worker sweep failed; retrying")
+
+    def _requeue_stranded(self) -> None:
+        """Batches in flight that no message carries any more (Redis shut down between a
+        worker's pop of a message and its record of it, ``Ledger.stranded``) are queued again
+        from the copies that `submit` kept, once they stay so for STRANDED_S with nothing stored
+        meanwhile: the run would otherwise never end. A batch analysed twice is stored once."""
+        from headatlas.workers.app import ANALYSIS_QUEUE, make_app
+
+        now = time.monotonic()
+        for run_key in self.ledger.active_runs():
+            lost = self.ledger.stranded(run_key, ANALYSIS_QUEUE)
+            if not lost:
+                self._stranded.pop(run_key, None)
+                continue
+            done = len(self.ledger.done(run_key))
+            seen = self._stranded.get(run_key)
+            if seen is None or seen[1] != done or not lost <= seen[2]:
+                self._stranded[run_key] = (now, done, lost)
+                continue
+            if now - seen[0] < STRANDED_S:
+                continue
+            del self._stranded[run_key]
+            copies = self.ledger.copies(run_key, lost)
+            app = make_app(self.settings)
+            with app.producer_or_acquire() as producer:
+                for batch_id, payload in copies.items():
+                    app.send_task(
+                        "headatlas.analyze_batch",
+                        args=[run_key, batch_id, payload],
+                        queue=ANALYSIS_QUEUE,
+                        producer=producer,
+                    )
+            log.warning(
+                "run %s: batch(es) %s were in no queue and with no worker (their messages were lost as Redis went "
+                "down): %s",
+                run_key[:12],
+                ", ".join(map(str, sorted(lost))),
+                "queued again from their kept copies"
+                if len(copies) == len(lost)
+                else f"{len(copies)} queued again from kept copies; submit the corpus again for the rest",
+            )
 
     def _sweep_writers(self) -> None:
         """A lake's writers: the messages of a writer that is gone go back on the queue (the
