@@ -245,17 +245,24 @@ def lake(lake_template, tmp_path, monkeypatch):
     lake_support.remove_lake(made)
 
 
+# modules whose module-scoped fixture analyses real text with the real model (about 20-25 s of CPU):
+# one worker makes it, rather than each worker that gets one of the module's tests
+SHARED_SETUP_MODULES = ("test_cli.py", "test_report.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in one worker (one
     writer and worker for the session, not one per xdist worker), and so do the tests of SmolLM2
-    (its GGUF weights converted once, about 15 s, not once per worker)."""
+    (its GGUF weights converted once, not once per worker) and those of SHARED_SETUP_MODULES."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "queue_cluster" in fixtures:
             item.add_marker(pytest.mark.xdist_group("queue_cluster"))
         elif "smollm2" in fixtures:
             item.add_marker(pytest.mark.xdist_group("smollm2"))
+        elif item.path.name in SHARED_SETUP_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 # --- time per module (docs/testing.md): pytest --module-times -------------------------------------
