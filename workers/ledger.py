@@ -193,7 +193,7 @@ class Ledger:
         """A copy of each batch's message body (JSON), kept until the batch is stored or failed:
         a batch whose message Redis lost (``stranded``) is queued again from it by the writer."""
         if copies:
-            self.r.hset(self.key("copy", run_key), mapping=copies)
+            self.r.hset(self.key("copy", run_key), mapping={str(b): body for b, body in copies.items()})
 
     def copies(self, run_key: str, batch_ids: set[int]) -> dict[int, dict]:
         """The kept copies of ``batch_ids`` that exist (a batch submitted without one is absent)."""
