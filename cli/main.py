@@ -998,20 +998,7 @@ class _NoInterruptTracebacks(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
 
 
-# Commands that never need pandas. DuckDB imports it (about 2 s) at a process's first query with
-# parameters whenever it is installed (to recognise pandas values among them): these commands
-# mark it absent, Python's own way (a None in sys.modules), so that `query` answers that much sooner.
-WITHOUT_PANDAS = frozenset({"runs", "query", "sql", "status", "writer", "db", "export", "compare"})
-
-
-def _keep_pandas_out(argv: list[str]) -> None:
-    command = next((a for a in argv[1:] if not a.startswith("-")), None)
-    if command in WITHOUT_PANDAS and "pandas" not in sys.modules:
-        sys.modules["pandas"] = None  # type: ignore[assignment]
-
-
 def main() -> None:
-    _keep_pandas_out(sys.argv)
     for handler in [logging.lastResort, *logging.getLogger().handlers]:
         if handler is not None:
             handler.addFilter(_NoInterruptTracebacks())
