@@ -180,13 +180,11 @@ def _requeue_stranded(ledger, sub, seen, done: int, resubmit):
     """Batches in flight that no message carries (lost as Redis went down, ``Ledger.stranded``)
     are queued again once they stay so for STRANDED_S with nothing stored meanwhile: the run
     would otherwise never end. A batch analysed twice is stored once."""
+    from headatlas.workers.ledger import stranded_long_enough
+
     lost = ledger.stranded(sub.run_key)
-    if not lost:
-        return None
-    now = time.monotonic()
-    if seen is None or seen[1] != done or not lost <= seen[2]:
-        return (now, done, lost)
-    if now - seen[0] < STRANDED_S:
+    seen, now_due = stranded_long_enough(seen, lost, done, time.monotonic(), STRANDED_S)
+    if not now_due:
         return seen
     stderr.print(
         f"{len(lost)} queued batch(es) of run {sub.name} are in no queue and with no worker "

@@ -240,7 +240,8 @@ def test_batches_no_message_carries_are_queued_again_by_submit_wait(redis_url, m
 def test_the_writer_queues_stranded_batches_again_from_their_kept_copies(redis_url, monkeypatch):
     """The same loss with a plain `submit` (nothing waits): the writer's sweep sees batches in
     flight that no message carries, and once they stay so with nothing stored, sends each again
-    from the copy `submit` kept (a batch with no copy is named, for a second `submit`)."""
+    from the copy `submit` kept (a batch with no copy is left to a second `submit`)."""
+    import base64
     import json
     import types
 
@@ -265,8 +266,6 @@ def test_the_writer_queues_stranded_batches_again_from_their_kept_copies(redis_u
     writer.Writer._requeue_stranded(sweeper)  # still stranded, nothing stored: sent again
     messages = [json.loads(m) for m in client.lrange("analysis", 0, -1)]
     assert [m["headers"]["task"] for m in messages] == ["headatlas.analyze_batch"]
-    import base64
-
     args = json.loads(base64.b64decode(messages[0]["body"]))[0]
     assert args == [run_key, 1, {"batch": 1, "windows": [[1, 0, 0, [1, 2]]]}]
     assert ledger.stranded(run_key) == set()  # a message carries the run again

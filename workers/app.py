@@ -41,6 +41,11 @@ def broker_options(settings: Settings) -> dict:
     }
 
 
+def send_batch(app: Celery, run_key: str, batch_id: int, payload: dict, producer=None) -> None:
+    """One batch's message on the analysis queue (``payload``: as ``submit.batch_payloads`` makes it)."""
+    app.send_task("headatlas.analyze_batch", args=[run_key, batch_id, payload], queue=ANALYSIS_QUEUE, producer=producer)
+
+
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     app = Celery("headatlas", broker=settings.broker_url, include=["headatlas.workers.tasks"])

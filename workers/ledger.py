@@ -127,6 +127,24 @@ class Running:
     delivered: bool = False
 
 
+Stranded = tuple[float, int, set[int]]  # first seen (monotonic s), batches stored then, which batches
+
+
+def stranded_long_enough(
+    seen: Stranded | None, lost: set[int], done: int, now: float, wait_s: float
+) -> tuple[Stranded | None, bool]:
+    """Whether to queue the stranded batches ``lost`` again now (``Ledger.stranded``): once they
+    have stayed stranded ``wait_s`` with no batch stored meanwhile (``done``: batches stored).
+    Returns what to remember for the next look, and the answer."""
+    if not lost:
+        return None, False
+    if seen is None or seen[1] != done or not lost <= seen[2]:
+        return (now, done, lost), False
+    if now - seen[0] < wait_s:
+        return seen, False
+    return None, True
+
+
 class Ledger:
     """The Redis state of one database's runs (``database_id``: its id, see migration 0005)."""
 

@@ -68,7 +68,7 @@ def submit(
     ``probe``: also queue the synthetic probe (one task) unless the database holds it."""
     from headatlas.service.engine.model import load_model_info
     from headatlas.service.engine.runner import _short_name, run_key, survey_corpus
-    from headatlas.workers.app import ANALYSIS_QUEUE, make_app
+    from headatlas.workers.app import ANALYSIS_QUEUE, make_app, send_batch
     from headatlas.workers.lease import broker_epoch, target_database
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
@@ -144,9 +144,7 @@ def submit(
         # from it; a batch stored meanwhile drops its copy), then the messages, then the ledger
         ledger.keep_copies(key, {b: json.dumps(p) for b, p in chunk.items()})
         for batch_id, payload in chunk.items():
-            app.send_task(
-                "headatlas.analyze_batch", args=[key, batch_id, payload], queue=ANALYSIS_QUEUE, producer=producer
-            )
+            send_batch(app, key, batch_id, payload, producer)
         ledger.mark_queued(key, list(chunk))  # after sending: a crash here re-sends, never loses
         chunk.clear()
 

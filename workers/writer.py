@@ -44,7 +44,16 @@ from headatlas.service.storage import queue_store
 from headatlas.service.storage.store import Store, ingest_batch_ids, ingest_batches, reserve_batches, store_probe
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HEARTBEAT_S, HELPER, SILENT_S, WriterLease, broker_epoch, holder
-from headatlas.workers.ledger import HELPER_PROCESSING, INGEST, PROCESSING, Ledger, connect, processing_lists
+from headatlas.workers.ledger import (
+    HELPER_PROCESSING,
+    INGEST,
+    PROCESSING,
+    Ledger,
+    Stranded,
+    connect,
+    processing_lists,
+    stranded_long_enough,
+)
 
 log = logging.getLogger("headatlas.writer")
 
@@ -185,7 +194,7 @@ class Writer:
         self.lost_lease = False
         self._keeper_stop = threading.Event()
         self._away: str | None = None  # why the database is away, while it is
-        self._stranded: dict[str, tuple[float, int, set[int]]] = {}  # run key: first seen, stored then, which
+        self._stranded: dict[str, Stranded] = {}  # run key: stranded batches as first seen
 
     def _wait_for_last_database(self) -> None:
         """The last writer on this broker stored into this path, and messages or runs of its
@@ -261,32 +270,24 @@ class Writer:
         worker's pop of a message and its record of it, ``Ledger.stranded``) are queued again
         from the copies that `submit` kept, once they stay so for STRANDED_S with nothing stored
         meanwhile: the run would otherwise never end. A batch analysed twice is stored once."""
-        from headatlas.workers.app import ANALYSIS_QUEUE, make_app
+        from headatlas.workers.app import ANALYSIS_QUEUE, make_app, send_batch
 
         now = time.monotonic()
         for run_key in self.ledger.active_runs():
             lost = self.ledger.stranded(run_key, ANALYSIS_QUEUE)
-            if not lost:
+            done = len(self.ledger.done(run_key)) if lost else 0
+            seen, now_due = stranded_long_enough(self._stranded.get(run_key), lost, done, now, STRANDED_S)
+            if seen is None:
                 self._stranded.pop(run_key, None)
+            else:
+                self._stranded[run_key] = seen
+            if not now_due:
                 continue
-            done = len(self.ledger.done(run_key))
-            seen = self._stranded.get(run_key)
-            if seen is None or seen[1] != done or not lost <= seen[2]:
-                self._stranded[run_key] = (now, done, lost)
-                continue
-            if now - seen[0] < STRANDED_S:
-                continue
-            del self._stranded[run_key]
             copies = self.ledger.copies(run_key, lost)
             app = make_app(self.settings)
             with app.producer_or_acquire() as producer:
                 for batch_id, payload in copies.items():
-                    app.send_task(
-                        "headatlas.analyze_batch",
-                        args=[run_key, batch_id, payload],
-                        queue=ANALYSIS_QUEUE,
-                        producer=producer,
-                    )
+                    send_batch(app, run_key, batch_id, payload, producer)
             log.warning(
                 "run %s: batch(es) %s were in no queue and with no worker (their messages were lost as Redis went "
                 "down): %s",
