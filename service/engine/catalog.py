@@ -17,6 +17,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,10 +132,11 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
     work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model: Any = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, attn_implementation="eager"
-            )
+            with _gguf_parsed_once():
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                model: Any = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, attn_implementation="eager"
+                )
         except (OSError, ValueError, ImportError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(
@@ -158,6 +161,31 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
     return seconds
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file's header (for SmolLM2, a 49,152-token vocabulary and its
+    merges, one Python object at a time: 2.6 s) once for the tokenizer, once for the config and
+    once for the weights; within this block it is parsed once. The reader only maps the file
+    read-only, so the three share it safely."""
+    import gguf
+
+    package: Any = gguf
+    parse = package.GGUFReader
+    readers: dict[tuple, Any] = {}
+
+    def parsed(path: Any, mode: Any = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    package.GGUFReader = parsed  # transformers imports it from the package at each load
+    try:
+        yield
+    finally:
+        package.GGUFReader = parse
 
 
 def resolve_named(spec: str) -> tuple[str, str, Path] | None:
