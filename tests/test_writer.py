@@ -115,7 +115,8 @@ def test_a_refused_batch_is_marked_failed_and_the_rest_of_its_group_stored(setti
 
 def test_the_writer_stores_real_messages_without_loading_torch(setting, tiny_model, demo_corpus, tmp_path):
     """The writer, in its own interpreter, takes real ingest messages and stores them; torch and
-    transformers are never imported (the writer stays light: it only reads numpy payloads)."""
+    transformers are never imported (the writer stays light: it only reads numpy payloads), and
+    neither is pandas, kept out as `headatlas writer` keeps it out (DuckDB would import it)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -134,7 +135,9 @@ def test_the_writer_stores_real_messages_without_loading_torch(setting, tiny_mod
         ledger.send_to_writer("ingest", run_key="k3", batch_id=batch_id, payload=payload)
     code = (
         "import atexit, sys\n"
-        "atexit.register(lambda: print('LOADED', sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "atexit.register(lambda: print('LOADED', sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules)))\n"
+        "from headatlas.workers.launch import without_pandas\n"
+        "without_pandas()\n"
         "from headatlas.service.config import Settings\n"
         "from headatlas.workers.writer import Writer\n"
         "print('STORED', Writer(Settings(broker_url=sys.argv[1], db=sys.argv[2])).step(timeout_s=5.0))\n"

@@ -75,8 +75,9 @@ def configure(app: Celery, settings: Settings, *, torch_threads: int | None = No
         # (pool children busy or starting, a retry's countdown) is claimed by its beacon from
         # delivery on (workers/heartbeat.py), so a killed worker does not keep it either
         worker_prefetch_multiplier=1,
-        # a prefork child imports torch as it starts: on a loaded machine that takes longer
-        # than Celery's 4 s, and children were killed and replaced in a loop
+        # a prefork child builds its model as it starts (its parent imported torch and
+        # transformers before forking): on a loaded machine that took longer than Celery's 4 s,
+        # and children were killed and replaced in a loop
         worker_proc_alive_timeout=60.0,
         # The time limit is the analysis's own, in every pool: workers/tasks.py raises it by an
         # alarm around the analysis, after the model is built (a pool child replacing a lost one
