@@ -297,21 +297,29 @@ def test_the_query_and_writer_paths_do_not_load_torch():
     assert done.stdout.strip() == "[]"
 
 
-# Runs a command of the real CLI in a fresh interpreter and reports, at exit, whether torch or
-# transformers was ever imported while it worked (not only at import time).
+# Runs commands of the real CLI in turn in one fresh interpreter (as the console script would, one
+# interpreter start instead of six) and reports after each whether torch or transformers was ever
+# imported while it worked (not only at import time).
 _NO_TORCH_RUNNER = """
-import atexit, sys
-atexit.register(lambda: print("LOADED", sorted(m for m in ("torch", "transformers") if m in sys.modules),
-                              file=sys.stderr))
-sys.argv = ["headatlas", *sys.argv[1:]]
+import json, sys
 from headatlas.cli.main import main
-main()
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["headatlas", *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    loaded = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+    print("DONE", json.dumps({"args": args, "exit": code, "loaded": loaded}), file=sys.stderr, flush=True)
 """
 
 
 def test_reading_commands_never_load_torch_while_they_work(tmp_path, tiny_model, small_corpus):
     """runs, sql, query heads|layers|distances (with intervals) and status on a real stored run:
-    each answers without ever importing the model stack."""
+    each answers without ever importing the model stack (one process runs them in turn, as
+    the console script would, and names what it has imported after each)."""
+    import json
     import subprocess
     import sys
 
@@ -328,13 +336,15 @@ def test_reading_commands_never_load_torch_while_they_work(tmp_path, tiny_model,
         ["query", "distances", "--layer", "0", "--split", "attended"],
         ["status", "--broker", "redis://127.0.0.1:1/0"],  # no broker: what the database knows
     ]
-    for args in commands:
-        done = subprocess.run(
-            [sys.executable, "-c", _NO_TORCH_RUNNER, *args, "--db", str(db)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=Path(__file__).parents[1],
-        )
-        assert done.returncode == 0, (args, done.stderr)
-        assert "LOADED []" in done.stderr, (args, done.stderr[-500:])
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH_RUNNER, json.dumps([[*args, "--db", str(db)] for args in commands])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads(line[5:]) for line in done.stderr.splitlines() if line.startswith("DONE ")]
+    assert [r["args"][: len(a)] for r, a in zip(reports, commands, strict=True)] == commands, done.stderr
+    for report in reports:
+        assert report["exit"] == 0 and report["loaded"] == [], (report, done.stderr[-500:])
