@@ -1,7 +1,7 @@
 """Distributed runs into a lake (real Redis, `headatlas writer` ×2, `headatlas worker`, this
 machine's PostgreSQL): two writers store one run side by side and it equals the embedded run on
-a file, every count; a reader holding one snapshot for 30 s meanwhile sees nothing move and
-fails no one; a writer killed with kill -9 mid-run leaves every window counted once."""
+a file, every count; a reader holding one snapshot while they commit sees nothing move and fails
+no one; a writer killed with kill -9 mid-run leaves every window counted once."""
 
 from __future__ import annotations
 
@@ -76,17 +76,20 @@ def test_a_run_stored_by_two_writers_equals_the_embedded_run_while_a_reader_hold
     submitted: list[str] = []
     thread = threading.Thread(target=lambda: submitted.append(cluster.submit(corpus, *ARGS, "--wait")))
 
-    # a reader holds one snapshot for 30 s while the writers commit
+    # a reader holds one snapshot while the writers commit: until they have stored batches of the
+    # run (Redis counts what they committed) and at least 5 s
     store = Store(lake.url, data_path=lake.data_path)
     started = time.monotonic()
-    seen = set()
+    seen, committed = set(), 0
     with store.read() as conn:
         before = conn.execute(text("SELECT count(*) FROM batches")).scalar()
         thread.start()
-        while time.monotonic() - started < 30:
+        while committed < 4 or time.monotonic() - started < 5:
+            assert time.monotonic() - started < 120, f"no batch committed while the reader held; {cluster.logs()}"
             seen.add(conn.execute(text("SELECT count(*) FROM batches")).scalar())
             conn.execute(text("SELECT count(*), sum(high_pairs) FROM head_stats")).all()
             time.sleep(0.5)
+            committed = max((cluster.redis.scard(k) for k in cluster.redis.scan_iter("headatlas:*:done:*")), default=0)
     assert seen == {before}  # its snapshot: nothing moved under it
     thread.join(300)
     assert submitted, cluster.logs()
