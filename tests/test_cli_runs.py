@@ -269,9 +269,15 @@ def test_version_and_completion():
     from headatlas import __version__
 
     assert ok("--version").stdout.strip() == f"headatlas {__version__}"
-    script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="headatlas")
-    assert script.exit_code == 0 and "_HEADATLAS_COMPLETE" in script.stdout
     assert "--install-completion" in ok("--help").stdout
+    # what bash asks of the script once its completion is installed (`--show-completion` prints that
+    # script for the shell it detects among its parents: `sh` under make, which it does not support)
+    asked = {"_HEADATLAS_COMPLETE": "complete_bash", "COMP_WORDS": "headatlas que", "COMP_CWORD": "1"}
+    words = CliRunner().invoke(app, [], prog_name="headatlas", env=asked)
+    assert words.exit_code == 0 and words.stdout.split() == ["query"], words.stdout + words.stderr
+    asked.update(COMP_WORDS="headatlas query he", COMP_CWORD="2")
+    words = CliRunner().invoke(app, [], prog_name="headatlas", env=asked)
+    assert words.exit_code == 0 and words.stdout.split() == ["heads"], words.stdout + words.stderr
 
 
 def test_hints_are_spelled_as_the_program_is_typed_here(tmp_path, monkeypatch):
