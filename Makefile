@@ -38,10 +38,17 @@ demo: install
 
 # Two pytest-xdist workers (--dist loadgroup keeps the tests of the shared queue cluster in one):
 # on 2 cores, 7.4 min against about 17 serially; a third worker was slower (docs/testing.md).
-# --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it
+# --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it.
+# mypy runs beside the tests, at a lower priority (the tests wait on processes they start and
+# leave a core idle now and then): its verdict, and its output, come after theirs, and either
+# failing fails `make test`.
 TEST_WORKERS ?= 2
-test: install-test lint typecheck
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --module-times
+test: install-test lint
+	@mkdir -p build
+	@(nice -n 10 $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1; echo $$? > build/typecheck.rc) & \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --module-times; tests=$$?; \
+	wait; echo "--- make typecheck (run beside the tests)"; cat build/typecheck.log; \
+	types=$$(cat build/typecheck.rc); [ "$$tests" = 0 ] && [ "$$types" = 0 ]
 
 # ruff: lint and format, configured in pyproject.toml (run by `make test`, hence by CI)
 lint: install-test
