@@ -95,6 +95,8 @@ def configure(app: Celery, settings: Settings, *, torch_threads: int | None = No
         task_send_sent_event=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_enable_remote_control=False,  # no pidbox queues: fewer keys, faster start
+        # a lost broker is tried again every second, not after Celery's 2, 4, 6, … s (consumer.py)
+        worker_consumer="headatlas.workers.consumer:SteadyReconnectConsumer",
     )
     app.conf.headatlas = settings
     app.conf.headatlas_torch_threads = torch_threads
