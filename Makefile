@@ -9,6 +9,13 @@ DB ?= headatlas.duckdb
 
 .PHONY: install install-test demo test test-fast test-heavy bench findings gpu-check readme-images terminal-tables docs lint typecheck clean
 
+# Python writes a module's bytecode (__pycache__) the first time it imports it, as pip installs
+# without compiling (below). Where the environment sets PYTHONDONTWRITEBYTECODE, as container images
+# often do, nothing is ever written and every process compiles what it imports from source again:
+# torch and transformers took 9-13 s of CPU in each worker, writer and command the tests start,
+# against 4 s once compiled.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
