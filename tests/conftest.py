@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import typer.rich_utils  # noqa: F401  # reads TERMINAL_WIDTH once: here, not under one test's env
+import typer.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,6 +36,22 @@ os.environ.pop("LINES", None)
 # the cores are shared among pytest-xdist's workers when the suite runs in several (-n N)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+
+
+_BUILD_COMMAND = typer.testing._get_command
+_COMMANDS: dict[int, tuple[object, object]] = {}
+
+
+def _command_built_once(app):
+    """typer's runner builds the click command tree of the whole CLI at every call (60 ms: over
+    a thousand calls in a suite run); the console script builds it once per process, and so does
+    the suite now, per app."""
+    if id(app) not in _COMMANDS:
+        _COMMANDS[id(app)] = (app, _BUILD_COMMAND(app))  # the app kept alive: its id stays its own
+    return _COMMANDS[id(app)][1]
+
+
+typer.testing._get_command = _command_built_once
 
 
 @pytest.fixture(scope="session")
