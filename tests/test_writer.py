@@ -199,3 +199,24 @@ def test_a_writer_whose_database_takes_longer_to_open_than_its_lease_lives_keeps
     # without the refresh the lease is gone after the same wait (what the writer saw before)
     time.sleep(1.0)
     assert lease.holder(writer.lease.r)[0] is None
+
+
+def test_the_writers_transactions_never_create_a_database_at_a_path_left_empty(tmp_path):
+    """Every transaction of the writer's store goes through its guard, `atomically` too (the path
+    of `open_run` and of storing a group): a file moved away between the writer's look at it and
+    the transaction raises DatabaseAway, and no empty database appears at the path (seen in a
+    suite run: `open_run` created one and failed on its missing tables; the writer never paused)."""
+    from sqlalchemy import text
+
+    from headatlas.service.storage.db import read_database_id
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.writer import DatabaseAway, OwnStore
+
+    path = tmp_path / "own.duckdb"
+    Store(path).ensure_schema()
+    own = OwnStore(str(path), read_database_id(str(path)))
+    assert own.atomically(lambda conn: conn.execute(text("SELECT count(*) FROM runs")).scalar()) == 0
+    path.rename(tmp_path / "moved.duckdb")
+    with pytest.raises(DatabaseAway, match="missing"):
+        own.atomically(lambda conn: conn.execute(text("SELECT count(*) FROM runs")).scalar())
+    assert not path.exists()

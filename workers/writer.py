@@ -151,6 +151,14 @@ class OwnStore(Store):
     def write(self):
         return self._guarded()
 
+    def atomically(self, work):
+        """As Store's, through the guard: a run opened or a group stored just after the file was
+        moved away must not create an empty database at its path (seen: `open_run` did, and failed
+        on the missing tables, while the writer never paused)."""
+        from headatlas.service.storage import db
+
+        return db.atomically(self.backend, work, session=self._guarded)
+
 
 STRANDED_S = 5.0  # a batch seen stranded this long, with no batch stored meanwhile, is queued again
 

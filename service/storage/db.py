@@ -15,7 +15,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
@@ -114,14 +114,22 @@ class Unreserved(StoreConflict):
         self.batch_ids = batch_ids
 
 
-def atomically(db: Target, work: Callable[[Connection], T], *, tries: int = CONFLICT_TRIES) -> T:
+def atomically(
+    db: Target,
+    work: Callable[[Connection], T],
+    *,
+    tries: int = CONFLICT_TRIES,
+    session: Callable[[], AbstractContextManager[Connection]] | None = None,
+) -> T:
     """``work(conn)`` in one write transaction, tried again when a lake refuses the commit for a
     concurrent change to the same rows (the next try sees that change). An embedded file never
-    refuses one: its single writer is serialised by the file lock."""
+    refuses one: its single writer is serialised by the file lock. ``session``: what opens the
+    transaction (default ``transaction(db)``; the queue's writer passes one that never creates a
+    database)."""
     delay = 0.02
     for attempt in range(tries):
         try:
-            with transaction(db) as conn:
+            with (session or (lambda: transaction(db)))() as conn:
                 return work(conn)
         except Unreserved:
             raise  # the caller reserves, then tries again
