@@ -43,13 +43,14 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/headatlas demo --db $(DB)
 
-# Two pytest-xdist workers (--dist loadgroup keeps the tests of the shared queue cluster in one):
-# on 2 cores, 7.4 min against about 17 serially; a third worker was slower (docs/testing.md).
+# Three pytest-xdist workers on 2 cores (--dist loadgroup keeps the tests of the shared queue cluster
+# in one): the fault tests spend much of their time waiting on the processes they start, and a third
+# worker fills those waits (6 min 37 s against 7 min 40 s with two, 2026-12-02; docs/testing.md).
 # --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it.
 # mypy runs beside the tests, at a lower priority (the tests wait on processes they start and
 # leave a core idle now and then): its verdict, and its output, come after theirs, and either
 # failing fails `make test`.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: install-test lint
 	@mkdir -p build
 	@(nice -n 10 $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1; echo $$? > build/typecheck.rc) & \

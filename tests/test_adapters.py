@@ -219,7 +219,7 @@ def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     transformers itself; the run's identity is the GGUF file's, whether converted or not."""
     from transformers import AutoModelForCausalLM
 
-    from headatlas.service.engine.catalog import NAMED_MODELS, gguf_cache_folder, is_converted
+    from headatlas.service.engine.catalog import NAMED_MODELS, _gguf_parsed_once, gguf_cache_folder, is_converted
     from headatlas.service.engine.model import load_model_info, weights_fingerprint
 
     gguf = NAMED_MODELS["smollm2"].require()
@@ -227,7 +227,8 @@ def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     assert is_converted(folder)
     assert smollm2.weights_key == weights_fingerprint(gguf) == load_model_info("smollm2").weights_key
     assert load_model_info("smollm2").describe() == smollm2.describe()
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, attn_implementation="eager")
+    with _gguf_parsed_once():  # transformers' own loading; the file's header parsed once, not twice
+        reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, attn_implementation="eager")
     cached = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
     tok = smollm2.tokenizer
     ids = torch.tensor([[tok.bos_token_id, *tok("The capital of France is", add_special_tokens=False)["input_ids"]]])
