@@ -34,14 +34,19 @@ def setup(tmp_path, demo_corpus, request):
     # 200 batches: a worker analyses random:tiny batches in ~10 ms and the writer stores up to 32
     # per transaction, so a shorter run can be stored whole before the fault lands mid-run
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=20, tag=f"outage{int(persist)}")
+    cluster.submitters = []  # `submit --wait` processes, ended below
     yield server, cluster, corpus
+    for proc in cluster.submitters:  # a test that failed left it waiting
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     cluster.stop()
     server.stop(kill=True)
 
 
 def _submit_waiting(cluster: Cluster, corpus: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), **cluster.env)
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [*headatlas_cmd(), "submit", str(corpus), *ARGS, "--wait"],
         env=env,
         cwd=ROOT,
@@ -49,6 +54,8 @@ def _submit_waiting(cluster: Cluster, corpus: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+    cluster.submitters.append(proc)
+    return proc
 
 
 def _wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> None:
