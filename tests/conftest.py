@@ -262,9 +262,9 @@ def lake(lake_template, tmp_path, monkeypatch):
     lake_support.remove_lake(made)
 
 
-# modules whose module-scoped fixture analyses real text with the real model (about 20-25 s of CPU):
-# one worker makes it, rather than each worker that gets one of the module's tests
-SHARED_SETUP_MODULES = ("test_cli.py", "test_report.py")
+# modules whose module-scoped fixture analyses real text with the real model (about 20-25 s of CPU),
+# or builds the wheel: one worker makes it, rather than each worker that gets one of the module's tests
+SHARED_SETUP_MODULES = ("test_cli.py", "test_report.py", "test_packaging.py")
 
 
 @pytest.hookimpl(tryfirst=True)

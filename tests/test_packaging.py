@@ -14,9 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel, built from a copy of the source: setuptools builds in the source's build/ folder,
+    and two builds there at once (two test workers) failed copying files the other had moved."""
+    import shutil
+
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source") / "headatlas"
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "__pycache__", "*.egg-info", ".*_cache", "*.duckdb*")
+    shutil.copytree(ROOT, source, ignore=skip)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=300,
