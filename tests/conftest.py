@@ -39,16 +39,16 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 _BUILD_COMMAND = typer.testing._get_command
-_COMMANDS: dict[int, tuple[object, object]] = {}
+_COMMANDS: dict[typer.Typer, object] = {}
 
 
 def _command_built_once(app):
     """typer's runner builds the click command tree of the whole CLI at every call (60 ms: over
     a thousand calls in a suite run); the console script builds it once per process, and so does
     the suite now, per app."""
-    if id(app) not in _COMMANDS:
-        _COMMANDS[id(app)] = (app, _BUILD_COMMAND(app))  # the app kept alive: its id stays its own
-    return _COMMANDS[id(app)][1]
+    if app not in _COMMANDS:
+        _COMMANDS[app] = _BUILD_COMMAND(app)
+    return _COMMANDS[app]
 
 
 typer.testing._get_command = _command_built_once

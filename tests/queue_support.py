@@ -135,11 +135,10 @@ class RedisServer:
 _LAUNCHER = r"""
 import json, os, signal, socket, sys, traceback
 os.environ["OMP_NUM_THREADS"] = "1"  # read once, as OpenMP loads with torch: the children's value
-import torch  # noqa: F401
-import transformers.modeling_utils  # noqa: F401
 import celery, kombu, redis, duckdb, sqlalchemy  # noqa: F401,E401
 import headatlas.cli.main
-import headatlas.service.engine.analysis, headatlas.service.engine.model  # noqa: F401,E401
+from headatlas.workers.launch import import_model_stack
+import_model_stack()  # torch, transformers and the analysis code, as a prefork pool's parent does
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
 server = socket.socket(socket.AF_UNIX)
@@ -363,6 +362,10 @@ class Cluster:
                 raise AssertionError(f"no writer created run {sub.name}; logs: {self.logs()}")
             time.sleep(0.2)
         return int(raw)
+
+    def stored_batches(self) -> int:
+        """Batches stored so far of the only run on this Redis (as the writer reports them)."""
+        return max((self.redis.scard(k) for k in self.redis.scan_iter("headatlas:*:done:*")), default=0)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.folder.glob("*.log"))

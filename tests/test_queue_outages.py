@@ -70,11 +70,6 @@ def _wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> 
         time.sleep(0.05)
 
 
-def _stored(cluster: Cluster) -> int:
-    """Batches stored so far of the only run (read from Redis, as the writer reports them)."""
-    return max((cluster.redis.scard(k) for k in cluster.redis.scan_iter("headatlas:*:done:*")), default=0)
-
-
 def _finish(proc: subprocess.Popen, cluster: Cluster, since: float, timeout: float = 90.0) -> tuple[str, float, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -92,7 +87,7 @@ def test_redis_restarted_with_its_data_mid_run(setup):
     cluster.start_writer()
     cluster.start_worker()
     proc = _submit_waiting(cluster, corpus)
-    _wait_for(lambda: _stored(cluster) >= 2, cluster, "stored batches")
+    _wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     server.stop()
     time.sleep(11)  # longer than the writer's lease lives (10 s): it expires while Redis is away
     server.start()
@@ -125,7 +120,7 @@ def test_redis_restarted_without_its_data_mid_run(setup):
         time.sleep(0.5)
     assert "no worker is consuming the analysis queue" in status.stdout, status.stdout + status.stderr
     cluster.start_worker()
-    _wait_for(lambda: _stored(cluster) >= 2, cluster, "stored batches")
+    _wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     server.stop(kill=True)
     server.start()  # empty: queues, run state and the writer's lease are gone
     restarted = time.monotonic()
@@ -142,7 +137,7 @@ def test_database_moved_away_mid_run_waits_for_it(setup):
     cluster.start_writer()
     cluster.start_worker()
     proc = _submit_waiting(cluster, corpus)
-    _wait_for(lambda: _stored(cluster) >= 2, cluster, "stored batches")
+    _wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     db, moved = Path(cluster.db), cluster.folder / "moved.duckdb"
     db.rename(moved)
     _wait_for(lambda: "is missing (moved or deleted)" in (cluster.folder / "writer.log").read_text(), cluster, "pause")
