@@ -989,6 +989,10 @@ from headatlas.cli.visual import register as _register_visual  # noqa: E402
 
 _register_visual(app)
 
+from headatlas.cli.effects_command import register as _register_effects  # noqa: E402
+
+_register_effects(app)
+
 
 class _NoInterruptTracebacks(logging.Filter):
     """Ctrl-C can land while a library closes a connection; SQLAlchemy then logs the interrupt

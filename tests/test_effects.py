@@ -217,3 +217,49 @@ def test_minilm_zero_ablation_matches_its_own_forward_with_w_o_zeroed(real_model
         )
     torch.testing.assert_close(got.effect["zero"][:, layer, head], want.double(), rtol=1e-4, atol=1e-7)
     assert want.min() > 0
+
+
+def test_the_jackknife_interval_by_hand() -> None:
+    import numpy as np
+
+    from headatlas.service.engine.effect_runs import jackknife
+    from headatlas.service.reports.intervals import t95
+
+    values = np.array([[1.0], [3.0], [2.0], [6.0]])
+    groups = np.array([0, 0, 1, 2])
+    mean, lo, hi, r = jackknife(values, groups)
+    # leave-one-group-out means: without 0 → (2+6)/2 = 4, without 1 → 10/3, without 2 → 2
+    drops = np.array([4.0, 10 / 3, 2.0])
+    half = t95(2) * np.sqrt(2 / 3 * ((drops - drops.mean()) ** 2).sum())
+    assert r == 3 and mean[0] == 3.0
+    assert lo[0] == pytest.approx(3.0 - half) and hi[0] == pytest.approx(3.0 + half)
+    _m, lo1, _h, r1 = jackknife(values, np.zeros(4, dtype=int))
+    assert r1 == 1 and np.isnan(lo1).all()  # one group: no interval
+
+
+def test_effects_command_and_api_agree_on_real_text(tmp_path, small_corpus) -> None:
+    import json
+
+    from conftest import invoke_cli
+
+    import headatlas
+
+    args = ["--model", "random:gpt2", "--seq-len", "32", "--windows", "6", "--reference", "4"]
+    done = invoke_cli("effects", str(small_corpus), *args, "--effects", "zero,mean,gradient", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert len(rows) == 2 * 4 and {r["layer"] for r in rows} == {0, 1}
+    for row in rows:
+        for name in ("effect_zero", "effect_mean", "importance"):
+            assert row[f"{name}_lo"] <= row[name] <= row[f"{name}_hi"], row
+        assert row["importance"] >= 0 and row["drift_zero"] > 0
+    api = headatlas.effects(
+        small_corpus, "random:gpt2", kinds="zero,mean,gradient", windows=6, reference=4, seq_len=32
+    ).to_pylist()
+    for a, b in zip(api, rows, strict=True):
+        assert a["effect_zero"] == pytest.approx(b["effect_zero"], rel=1e-9)
+        assert a["importance"] == pytest.approx(b["importance"], rel=1e-9)
+    assert "next_token_loss" in headatlas.effects(small_corpus, "random:gpt2", windows=2, seq_len=32).notes[0]
+    # the default model's objective is a drift: gradient importance is refused in one line, before any work
+    refused = invoke_cli("effects", str(small_corpus), "--model", "random:tiny", "--effects", "gradient")
+    assert refused.returncode == 2 and "not a loss" in refused.stderr

@@ -98,6 +98,7 @@ def _child(work: Callable[[Callable[[], None]], T], out: int, memory_bytes: int 
 
             cap = address_space_now() + memory_bytes + MARGIN_BYTES + THREAD_MARGIN_BYTES * max(1, threads)
             resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
+
         def started() -> None:
             os.write(out, _STARTED)
 
