@@ -263,3 +263,41 @@ def test_effects_command_and_api_agree_on_real_text(tmp_path, small_corpus) -> N
     # the default model's objective is a drift: gradient importance is refused in one line, before any work
     refused = invoke_cli("effects", str(small_corpus), "--model", "random:tiny", "--effects", "gradient")
     assert refused.returncode == 2 and "not a loss" in refused.stderr
+
+
+def test_spearman_by_hand() -> None:
+    import numpy as np
+
+    from headatlas.service.engine.pruning import spearman
+
+    assert spearman(np.array([1.0, 2.0, 3.0]), np.array([10.0, 30.0, 20.0])) == pytest.approx(0.5)
+    assert spearman(np.array([1.0, 2.0, 3.0, 4.0]), np.array([4.0, 3.0, 2.0, 1.0])) == pytest.approx(-1.0)
+    # ties take their mean rank: x ranks (0.5, 0.5, 2), y ranks (0, 1, 2); centred, Σxy = 1.5, Σx² = 1.5, Σy² = 2
+    assert spearman(np.array([1.0, 1.0, 2.0]), np.array([1.0, 2.0, 3.0])) == pytest.approx(1.5 / (1.5 * 2) ** 0.5)
+
+
+def test_prune_a_stored_run(tmp_path, small_corpus) -> None:
+    """The curves' known answers: with no head removed every order gives the intact model, with all
+    removed every order gives the same model; noise orders by the run's own noise_share."""
+    import json
+
+    from conftest import invoke_cli
+
+    db = str(tmp_path / "p.duckdb")
+    done = invoke_cli("analyze", str(small_corpus), "--model", "random:gpt2", "--seq-len", "32", "--db", db, "-q")
+    assert done.returncode == 0, done.stderr
+    args = ["--db", db, "--windows", "4", "--reference", "4", "--step", "50%", "--seeds", "2"]
+    out = tmp_path / "curves.png"
+    done = invoke_cli("prune", *args, "--format", "json", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    orders = {r["order"] for r in rows}
+    assert orders == {"effect", "importance", "noise", "random:0", "random:1"}
+    first = {r["objective"] for r in rows if r["heads_removed"] == 0}
+    last = [r["objective"] for r in rows if r["heads_removed"] == 8]
+    assert len(first) == 1 and len(last) == len(orders)
+    assert max(last) - min(last) < 1e-9 and abs(last[0] - first.pop()) > 1e-6
+    assert [r["heads_removed"] for r in rows if r["order"] == "noise"] == [0, 4, 8]
+    assert out.stat().st_size > 10_000
+    refused = invoke_cli("prune", "--db", db, "--step", "0%")
+    assert refused.returncode == 2 and "--step '0%'" in refused.stderr
