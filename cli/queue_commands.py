@@ -238,8 +238,9 @@ def worker(
     import re
 
     from headatlas.service.errors import ModelError
-    from headatlas.workers.launch import run_worker
+    from headatlas.workers.launch import check_concurrency, run_worker
 
+    check_concurrency(concurrency)  # before anything starts
     if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ModelError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
     settings = _settings(broker_url=broker, device=device)
