@@ -11,6 +11,7 @@ first read of a missing block, which ``open_error`` turns into a one-line error 
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import time
@@ -35,6 +36,10 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
     file or folder this process may not write. A missing file passes when ``write`` and
     ``create`` (it will be created) and fails otherwise."""
     path = Path(path)
+    if _loops(path):  # Path.exists() says False: it would be "no database" or a failed create
+        raise DatabaseFileError(
+            f"--db {path} is a symbolic link loop (the link leads back to itself): point it at a database file"
+        )
     if path.is_dir():
         raise DatabaseFileError(f"--db {path} is a folder: pass a database file such as {path / 'headatlas.duckdb'}")
     if path.exists() and not path.is_file():
@@ -72,6 +77,14 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
                 f"{path} lies in read-only folder {folder}: DuckDB needs to write {path.name}.wal there; "
                 "make the folder writable or copy the database elsewhere"
             )
+
+
+def _loops(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def _settles_aligned(path: Path, block: int, *, wait_s: float = 1.0) -> bool:
