@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -124,7 +125,33 @@ def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None
     # IOException: unreadable, not a database, cut short; the bare duckdb.Error: a checksum
     # mismatch ("Corrupt database file"); FatalException: the database was invalidated.
     if isinstance(orig, (duckdb.IOException, duckdb.FatalException)) or type(orig) is duckdb.Error:
+        if "newer version of DuckDB" in str(orig):
+            return _newer_duckdb(path, str(orig))
         lines = [line.strip() for line in str(orig).splitlines() if line.strip()]
         detail = lines[0] if lines else type(orig).__name__
         return DatabaseFileError(f"cannot use database {path} ({detail[:300]}); {_REPLACE}")
     return None
+
+
+_GIT_DESC = slice(52, 84)  # the main header's library_git_desc: the DuckDB release that wrote the file
+
+
+def _newer_duckdb(path: str | Path, message: str) -> DatabaseFileError:
+    """A file in a storage format this DuckDB cannot read: not damaged, and no copy of it would do."""
+    try:
+        with open(path, "rb") as stream:
+            desc = stream.read(_GIT_DESC.stop)[_GIT_DESC].split(b"\0", 1)[0].decode("ascii", "replace")
+    except OSError:
+        desc = ""
+    writer = f"DuckDB {desc}" if desc.startswith("v") else "a newer DuckDB"
+    versions = re.search(r"version number (\d+), but we can only read versions between (\d+) and (\d+)", message)
+    storage = (
+        f"storage version {versions[1]}; this headatlas's DuckDB {duckdb.__version__} reads {versions[2]} to "
+        f"{versions[3]}"
+        if versions
+        else f"this headatlas's DuckDB is {duckdb.__version__}"
+    )
+    return DatabaseFileError(
+        f"{path} was written by {writer} ({storage}): upgrade headatlas and duckdb "
+        "(`pip install -U headatlas duckdb`), or pass another --db; the file is kept as it is"
+    )
