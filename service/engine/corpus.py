@@ -401,16 +401,16 @@ def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str)
             record = json.loads(line)
         except RecursionError:
             raise CorpusError(f"{where}: JSON nested too deeply to read; write one flat JSON object per line") from None
-        except ValueError as exc:  # not a JSONDecodeError: an integer beyond Python's int-string limit
-            if isinstance(exc, json.JSONDecodeError) or "integer string conversion" not in str(exc):
+        except json.JSONDecodeError as exc:
+            raise CorpusError(
+                f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); write one JSON object per line"
+            ) from None
+        except ValueError as exc:  # an integer beyond Python's int-string limit
+            if "integer string conversion" not in str(exc):
                 raise
             raise CorpusError(
                 f"{where}: a JSON number of more than {sys.get_int_max_str_digits():,} digits; "
                 "store it as a JSON string (in quotes), or leave it out"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise CorpusError(
-                f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); write one JSON object per line"
             ) from None
         if not isinstance(record, dict):
             raise CorpusError(
