@@ -269,10 +269,8 @@ def status(
     fmt: Format = options.Fmt,
 ) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
-    import redis
-
     from headatlas.service.errors import BrokerDatabaseOutOfRange, BrokerError, BrokerOutOfMemory
-    from headatlas.workers.broker_errors import refusal
+    from headatlas.workers.broker_errors import refusals_said
     from headatlas.workers.ledger import connect
     from headatlas.workers.status import run_status
 
@@ -288,13 +286,8 @@ def status(
     except BrokerError as exc:
         client = None
         stderr.print(f"{exc}; showing what the database knows")
-    try:
+    with refusals_said(broker):
         state = run_status(_store(db), run, client)
-    except redis.RedisError as exc:
-        refused = refusal(broker, exc)
-        if refused is None:
-            raise
-        raise refused from None
     # json: named fields with raw values; table and csv: the readable field/value rows
     render_record(state.record() if fmt == Format.json else dict(state.rows()), fmt)
 
@@ -309,6 +302,7 @@ def retry(
     from headatlas.service.errors import CorpusError
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.queue_store import progress, run_and_plan
+    from headatlas.workers.broker_errors import refusals_said
     from headatlas.workers.ledger import Ledger, connect
     from headatlas.workers.submit import submit as submit_corpus
 
@@ -323,9 +317,10 @@ def retry(
     from headatlas.workers.lease import target_database
 
     client = connect(broker)
-    ledger = Ledger(client, target_database(client, db, broker, writer_wait))
-    ledger.reset_failed(found.run_key, failed)
-    ledger.send_to_writer("reopen", run_key=found.run_key)
+    with refusals_said(broker, kept="nothing was queued again; retry once it has room"):
+        ledger = Ledger(client, target_database(client, db, broker, writer_wait))
+        ledger.reset_failed(found.run_key, failed)
+        ledger.send_to_writer("reopen", run_key=found.run_key)
     params = AnalysisParams.from_dict(found.params)
     try:
         sub = submit_corpus(

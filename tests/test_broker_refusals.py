@@ -40,12 +40,14 @@ def server(tmp_path_factory):
 
 @pytest.fixture()
 def full(server):
-    """The server at its maxmemory: 1 MiB, filled until it refuses a write; emptied afterwards."""
+    """The server past its maxmemory of 1 MiB, emptied afterwards. Filled beyond the limit before
+    it is set, well beyond: filled only up to it, a freed buffer can bring it back under for a write."""
     client = redis.Redis(port=server.port)
+    for i in range(0, 2000, 100):
+        client.mset({f"fill:{j}": "x" * 1000 for j in range(i, i + 100)})
     client.config_set("maxmemory", "1mb")
     with pytest.raises(redis.exceptions.OutOfMemoryError):
-        for i in range(10_000):
-            client.set(f"fill:{i}", "x" * 1000)
+        client.set("one-more", "x")
     yield server.url
     client.config_set("maxmemory", "0")
     client.flushall()

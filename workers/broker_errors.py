@@ -8,6 +8,9 @@ or unreachable sends them to restart a Redis that runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import redis
 
 from headatlas.service.errors import BrokerDatabaseOutOfRange, BrokerError, BrokerOutOfMemory
@@ -43,6 +46,18 @@ def refusal(url: str, exc: BaseException, *, kept: str = "") -> BrokerError | No
             f"({_databases(url)}): use a database number in range in the URL, or raise `databases` in redis.conf"
         )
     return None
+
+
+@contextmanager
+def refusals_said(url: str, *, kept: str = "") -> Iterator[None]:
+    """Within the block, Redis's refusals (see :func:`refusal`) are raised as their BrokerError."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        refused = refusal(url, exc, kept=kept)
+        if refused is None:
+            raise
+        raise refused from None
 
 
 def _database(url: str) -> str:

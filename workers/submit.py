@@ -53,17 +53,10 @@ def _refusals_said(queue: Callable[..., Submission]) -> Callable[..., Submission
 
     @functools.wraps(queue)
     def said(spec: str, *, settings: Settings, **kwargs) -> Submission:
-        import redis
+        from headatlas.workers.broker_errors import refusals_said
 
-        from headatlas.workers.broker_errors import refusal
-
-        try:
+        with refusals_said(settings.broker_url, kept=_KEPT):
             return queue(spec, settings=settings, **kwargs)
-        except redis.ResponseError as exc:
-            refused = refusal(settings.broker_url, exc, kept=_KEPT)
-            if refused is None:
-                raise
-            raise refused from None
 
     return said
 
