@@ -181,14 +181,14 @@ def prune(
     columns, rows = result.rows()
     render(columns, rows, fmt, title=f"pruning curves: {result.model}, {result.objective} ({result.unit})")
     claim = result.claim()
-    if fmt == Format.table:
-        stderr.print(
-            f"note: {result.evaluation_windows} evaluation windows ({result.groups} replicate groups, {result.scheme}); "
-            f"orders set on {result.selection_windows} other windows; removed heads take their mean over "
-            f"{reference} windows. {claim}",
-            highlight=False,
-            soft_wrap=True,
-        )
+    # on stderr in every format: the claim's verdict is the answer
+    stderr.print(
+        f"note: {result.evaluation_windows} evaluation windows ({result.groups} replicate groups, {result.scheme}); "
+        f"orders set on {result.selection_windows} other windows; removed heads take their mean over "
+        f"{reference} windows. {claim}",
+        highlight=False,
+        soft_wrap=True,
+    )
     if out is not None:
         from pathlib import Path
 
