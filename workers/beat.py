@@ -81,7 +81,6 @@ def spool_folder(settings: Settings, schedule: str) -> Path:
 
 
 LEASE_S = 60.0  # a fire's holder renews its hold every third of this; a beat dead this long is taken over
-PAUSE_AFTER_CLAIM_ENV = "HEADATLAS_TEST_PAUSE_AFTER_CLAIM"  # tests: seconds to wait between claim and submit
 
 
 def holder_name() -> str:
@@ -142,9 +141,6 @@ def _submit(settings: Settings, sched: Schedule, fire_time: datetime, new: dict[
     from headatlas.service.params import AnalysisParams
     from headatlas.workers.submit import submit
 
-    pause = os.environ.get(PAUSE_AFTER_CLAIM_ENV)
-    if pause:
-        time.sleep(float(pause))
     spec = sched.corpus
     run_name = f"{sched.name}-{fire_time:%Y%m%d-%H%M%S}"
     if new is not None:

@@ -6,6 +6,11 @@ is claimed by inserting its (schedule, fire time) row: the primary key makes a s
 the same fire — a second beat process, a tick handled twice — a no-op. A lake has no keys: a
 claim there also updates its schedule's row, so two concurrent claims of one schedule conflict
 and the second, tried again, finds the fire taken.
+
+A claimed fire is held under a lease (holder, until when) that its holder renews while it
+submits; one left ``claimed`` past its lease (its process died) is taken over by the next claim
+of its schedule. An ``only_new`` fire's documents are kept with the fire and count as sent only
+when its run is submitted.
 """
 
 from __future__ import annotations
