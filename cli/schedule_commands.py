@@ -75,11 +75,13 @@ def _render_one(sched, fmt: Format, **more) -> None:
 
 
 def _check_name(name: str) -> str:
+    """A schedule name starts the names of its runs: it is checked as they are."""
     from headatlas.service.errors import ParameterError
+    from headatlas.service.storage.run_labels import check_label
 
     if not name.strip():
         raise ParameterError("schedule name is empty: pass a name, e.g. `headatlas schedule add nightly --corpus …`")
-    return name
+    return check_label(name, what="schedule name")
 
 
 @schedule_app.command("add")
