@@ -255,3 +255,25 @@ def test_a_setting_out_of_its_range_is_refused_where_it_is_read_and_flagged_by_c
 def test_config_passes_good_values():
     shown = invoke("config", env={"HEADATLAS_MAX_ATTEMPTS": "5", "HEADATLAS_TASK_TIME_LIMIT_S": "0.5"})
     assert shown.exit_code == 0 and "BAD" not in shown.stdout
+
+
+@pytest.mark.parametrize(
+    "command, variable, raw",
+    [
+        (["worker", "--device", "cpu"], "HEADATLAS_MAX_ATTEMPTS", "0"),
+        (["worker", "--device", "cpu"], "HEADATLAS_TASK_TIME_LIMIT_S", "nan"),
+        (["writer"], "HEADATLAS_TASK_TIME_LIMIT_S", "-5"),
+        (["beat"], "HEADATLAS_MAX_ATTEMPTS", "-1"),
+    ],
+)
+def test_processes_refuse_a_bad_setting_before_they_start(monkeypatch, tmp_path, command, variable, raw):
+    from headatlas.workers import beat, launch
+
+    started = []
+    monkeypatch.setattr(launch, "run_writer", lambda settings: started.append(settings))
+    monkeypatch.setattr(launch, "run_worker", lambda settings, **kw: started.append(settings))
+    monkeypatch.setattr(beat.Beat, "run", lambda self: started.append(self.settings))
+    env = {variable: raw, "HEADATLAS_DB": str(tmp_path / "w.duckdb"), "HEADATLAS_BROKER_URL": "redis://127.0.0.1:1/0"}
+    done = CliRunner().invoke(app, command, env={**WIDE, **env})
+    assert done.exit_code == 2 and started == []
+    assert done.output.strip().splitlines()[-1].startswith(f"error: {variable}={raw!r}: expected ")
