@@ -913,9 +913,8 @@ def config() -> None:
     """Show the settings read from HEADATLAS_* environment variables; a value outside its allowed
     range is marked BAD with the reason, and the command then exits 2."""
     from headatlas.service.config import check_values
-    from headatlas.service.storage.backends import label
 
-    rows, bad = check_values(os.environ, shown={"HEADATLAS_DB": label})  # a lake's password is never printed
+    rows, bad = check_values(os.environ)  # a lake's catalogue password is never printed
     render(["variable", "value", "default", "check", "meaning"], rows, Format.table)
     if bad:
         print(f"error: {len(bad)} bad setting{'s' if len(bad) > 1 else ''}: {', '.join(bad)}", file=sys.stderr)

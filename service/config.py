@@ -109,7 +109,7 @@ class Settings:
         for f in fields(self):
             problem = self.problem(f.name, getattr(self, f.name))
             if problem is not None:
-                raise ParameterError(f"{variable(f.name)}={getattr(self, f.name)!r}: expected {problem}")
+                raise ParameterError(f"{variable(f.name)}={shown(f.name, getattr(self, f.name))!r}: expected {problem}")
 
     @classmethod
     def problem(cls, name: str, value) -> str | None:
@@ -137,11 +137,11 @@ class Settings:
             try:
                 value = allowed(f.name).parse(raw)
             except ValueError as exc:
-                bad[key] = f"{key}={raw!r}: expected {exc}"
+                bad[key] = f"{key}={shown(f.name, raw)!r}: expected {exc}"
                 continue
             problem = cls.problem(f.name, value)
             if problem is not None:
-                bad[key] = f"{key}={raw!r}: expected {problem}"
+                bad[key] = f"{key}={shown(f.name, raw)!r}: expected {problem}"
                 continue
             values[f.name] = value
         return values, bad
@@ -172,6 +172,15 @@ class Settings:
         return out
 
 
+def shown(name: str, value):
+    """A setting's value as messages print it: a lake's catalogue password never is."""
+    if name != "db" or not isinstance(value, str):
+        return value
+    from headatlas.service.storage.backends import label
+
+    return label(value)
+
+
 def variable(name: str) -> str:
     return f"HEADATLAS_{name.upper()}"
 
@@ -181,17 +190,16 @@ def allowed(name: str) -> Allowed:
     return next(f.metadata["allowed"] for f in fields(Settings) if f.name == name)
 
 
-def check_values(environ: Mapping[str, str], *, shown: Mapping[str, Any] = {}) -> tuple[list[tuple], list[str]]:
+def check_values(environ: Mapping[str, str]) -> tuple[list[tuple], list[str]]:
     """(variable, value, default, check, meaning) for every setting, and the variables whose
-    value is refused (check: ``BAD: the reason``). ``shown``: how to print a variable's value."""
+    value is refused (check: ``BAD: the reason``)."""
     values, bad = Settings.read(environ)
     rows = []
     for var, default, meaning in Settings.help():
         name = var[len("HEADATLAS_") :].lower()
         raw = environ[var] if var in bad else values.get(name, Settings.default(name))
-        show = str if var in bad else shown.get(var, str)
-        check = f"BAD: {bad[var].split(': ', 1)[1]}" if var in bad else "ok"
-        rows.append((var, show(str(raw)), default, check, meaning))
+        check = f"BAD: expected {bad[var].split(': expected ', 1)[1]}" if var in bad else "ok"
+        rows.append((var, str(shown(name, raw)), default, check, meaning))
     return rows, list(bad)
 
 
@@ -201,7 +209,11 @@ def check_setting(name: str, value, *, flag: str | None = None):
         return check_broker_url(value)  # its own line names the URL forms
     problem = Settings.problem(name, value)
     if problem is not None:
-        where = f"{flag} {value!r} (or {variable(name)})" if flag else f"{variable(name)}={value!r}"
+        where = (
+            f"{flag} {shown(name, value)!r} (or {variable(name)})"
+            if flag
+            else f"{variable(name)}={shown(name, value)!r}"
+        )
         raise ParameterError(f"{where}: expected {problem}")
     return value
 

@@ -277,3 +277,14 @@ def test_processes_refuse_a_bad_setting_before_they_start(monkeypatch, tmp_path,
     done = CliRunner().invoke(app, command, env={**WIDE, **env})
     assert done.exit_code == 2 and started == []
     assert done.output.strip().splitlines()[-1].startswith(f"error: {variable}={raw!r}: expected ")
+
+
+def test_a_bad_database_setting_never_prints_its_password():
+    from headatlas.service.config import Settings
+
+    url = "ducklake:postgres:dbname=x password=s3cr3t-Pa55 host=h\t"
+    with pytest.raises(ParameterError) as refused:
+        Settings.from_env({"HEADATLAS_DB": url})
+    shown = invoke("config", env={"COLUMNS": "300", "HEADATLAS_DB": url})
+    assert shown.exit_code == 2 and "BAD" in shown.stdout
+    assert "s3cr3t" not in str(refused.value) + shown.stdout + shown.stderr
