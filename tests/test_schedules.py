@@ -450,8 +450,7 @@ def test_a_fire_left_by_a_killed_beat_is_submitted_by_the_next(queue_cluster, de
     _tick(beat)
     clock.advance(2)
     _tick(beat)
-    fires = _fires(cluster, "crash")[1:]
-    assert fires[0][0] == left[0]
+    fires = [f for f in _fires(cluster, "crash") if f[0] >= left[0]]  # (fires before it found nothing new)
     assert [(f[2], f[5]) for f in fires] == [("submitted", len(expected)), ("no_new_documents", 0)], fires
     run = fires[0][4]
     assert cluster.wait_status(run, timeout=90) == "done"
