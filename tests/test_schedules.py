@@ -365,6 +365,7 @@ def test_cli_errors(tmp_path):
             "'0 3 * *' is not a cron expression",
         ),
         (["schedule", "add", "x", "--corpus", str(tmp_path), "--every", "6 hours"], "is not an interval"),
+        (["schedule", "add", "night\u202ely", "--corpus", str(tmp_path), "--every", "1h"], "holds U+202E"),
     ]
     (tmp_path / "c.txt").write_text("A document.\n", encoding="utf-8")
     added = invoke_cli("schedule", "add", "dup", "--corpus", str(tmp_path / "c.txt"), "--cron", "0 3 * * *", env=env)
