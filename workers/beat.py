@@ -6,6 +6,12 @@ fire has come, claims the fire in the database and submits the run. The claim â€
 (schedule, fire time) row â€” is what makes a fire create at most one run: two beat processes, or
 one handling a tick twice, race for the same key and one insert wins.
 
+A beat that dies between a claim and the end of its submission leaves the fire ``claimed``: the
+claim carries a lease (holder, until when) that the beat renews while it submits, and once it has
+run out the next beat to find the schedule due takes that fire over and submits it again, with
+the documents it held (submission is idempotent: a run half queued is completed). An
+``only_new`` fire's documents count as sent only once its run is submitted.
+
 Missed fires (beat was down): only the latest scheduled time that has passed fires, once; the
 next fire is the first scheduled time after now.
 
