@@ -162,7 +162,9 @@ class LakeBackend(Backend):
             )
         # a PostgreSQL catalogue takes many writers; a file catalogue is held by one process at a time
         self.shared_writers = self.catalog == "postgres"
-        given = str(data_path) if data_path else os.environ.get("HEADATLAS_DATA_PATH", "")
+        from headatlas.service.config import check_setting
+
+        given = str(data_path) if data_path else check_setting("data_path", os.environ.get("HEADATLAS_DATA_PATH", ""))
         self.data_path = _folder(given) if given else None
 
     # --- naming -----------------------------------------------------------------------------
