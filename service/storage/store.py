@@ -509,21 +509,25 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
     ).all()
     done = {b for b, status in ledger if status == "done"}
     fresh = [(b, res) for b, res in items if b not in done]
-    if not fresh:
-        return []
     fresh_ids = [b for b, _ in fresh]
     if not keys:
-        held = {b for b, status in ledger if status != "done"}
+        held = sorted({b for b, status in ledger if status != "done"})
         unreserved = [b for b in fresh_ids if b not in held]
         if unreserved:
             raise Unreserved(unreserved)
-        conn.execute(
-            text(
-                "DELETE FROM batches WHERE run_id = :r AND status <> 'done' AND batch_id IN "
-                "(SELECT unnest(CAST(:ids AS INTEGER[])))"
-            ),
-            {"r": run_id, "ids": fresh_ids},
-        )
+        # every row but a done one goes: the reservations of the batches stored now, and those of
+        # batches already stored, which a writer committed after reading the ledger before another
+        # writer stored them (a writer stopped inside its reservation): one row per batch, always
+        if held:
+            conn.execute(
+                text(
+                    "DELETE FROM batches WHERE run_id = :r AND status <> 'done' AND batch_id IN "
+                    "(SELECT unnest(CAST(:ids AS INTEGER[])))"
+                ),
+                {"r": run_id, "ids": held},
+            )
+    if not fresh:
+        return []
     raw = db.driver_connection(conn)
     tables = _arrow_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))

