@@ -154,6 +154,14 @@ def delete(
         counts = store.delete_run(run_id)
         rows = sum(counts.values())
         stdout.print(f"deleted run {run_id} ({r.name}): {rows:,} rows", markup=False, highlight=False)
+    in_flight = {r.run_key: r.run_id for r in chosen.values() if r.engine == "queue" and r.status in UNFINISHED}
+    if in_flight:
+        from headatlas.service.config import Settings
+        from headatlas.service.storage.db import read_database_id
+        from headatlas.workers.ledger import mark_runs_deleted
+
+        if not mark_runs_deleted(Settings.from_env().broker_url, read_database_id(store.backend), in_flight):
+            note("the broker did not answer: writers drop the deleted runs' batches when they next see one")
     if kept:
         note(
             f"their random-weights controls stay (runs {', '.join(map(str, kept))}); "

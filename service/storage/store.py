@@ -272,10 +272,14 @@ class Store:
             return run, run_labels.tag(conn, run.run_id, add), run_labels.untag(conn, run.run_id, remove)
 
     def delete_run(self, run_id: int) -> dict[str, int]:
-        """Delete a run and all its rows in one transaction (``run_labels.delete``)."""
-        with self.write() as conn:
+        """Delete a run and all its rows in one transaction (``run_labels.delete``); on a lake,
+        tried again when a writer storing the run committed first (``run_is_there``)."""
+
+        def work(conn: Connection) -> dict[str, int]:
             resolve_run(conn, run_id)  # still there
             return run_labels.delete(conn, run_id)
+
+        return self.atomically(work)
 
     def done_window_ids(self, run_id: int) -> set[str]:
         with self.read() as conn:
@@ -462,6 +466,19 @@ def reserve_batches(conn: Connection, run_id: int, batch_ids: list[int]) -> int:
         finally:
             raw.unregister("_in_reserved")
     return len(missing)
+
+
+def run_is_there(conn: Connection, run_id: int, run_key: str, *, hold: bool = False) -> bool:
+    """Whether run ``run_id`` is still in the database under ``run_key``: `runs delete` may have
+    deleted it while a writer stores it (and a lake may give its id to a new run). ``hold``, on a
+    lake, in the transaction that reserves the run's batches: the run's row is rewritten too, so
+    that this transaction and a concurrent delete of the run conflict; the delete, tried again,
+    sees the reservations and deletes them, and a store of them then conflicts with it in turn:
+    no batch is stored into a run deleted meanwhile."""
+    args = {"r": run_id, "k": run_key}
+    if hold and not db.has_keys(conn):
+        conn.execute(text("UPDATE runs SET status = status WHERE run_id = :r AND run_key = :k"), args)
+    return bool(conn.execute(text("SELECT count(*) FROM runs WHERE run_id = :r AND run_key = :k"), args).scalar())
 
 
 def store_batches(store: Store, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
