@@ -62,3 +62,41 @@ def test_db_copy_of_a_lake_holding_a_batch_twice_copies_it_once(lake, tiny_model
     counts = {r["table"]: (r["source_rows"], r["target_rows"]) for r in json.loads(copied.stdout)}
     assert counts["batches"] == (1, 1) and counts["run_windows"][0] == counts["run_windows"][1] > 0
     assert _ledger(Store(tmp_path / "copy.duckdb"), run.run_id) == [(0, "done")]
+
+
+def test_db_compact_keeps_the_files_an_open_transaction_reads(lake, tiny_model, small_corpus):
+    from test_lake import _analyze
+
+    from headatlas.service.storage.store import Store
+
+    _analyze(Store(lake.url, data_path=lake.data_path), small_corpus, tiny_model, flush_s=0.0)  # files per batch
+    backend = lake.backend()
+    on_disk = lambda: len(list(lake.data_path.rglob("*.parquet")))  # noqa: E731
+    reader = backend.connect(read_only=True)  # a writer's or reader's transaction, begun before the compaction
+    try:
+        reader.execute("BEGIN")
+        sql = "SELECT count(*), sum(high_pairs), (SELECT count(*) FROM run_windows) FROM head_stats"
+        want = reader.execute(sql).fetchall()
+        before = on_disk()
+        facts = backend.maintain(older_than_days=0)  # every old snapshot expires
+        assert facts["files_after"] < facts["files_before"] and facts["snapshots_after"] == 1
+        assert reader.execute(sql).fetchall() == want  # its files are still there
+        reader.execute("COMMIT")
+    finally:
+        reader.close()
+    assert on_disk() > before  # merged files added, none deleted yet
+    backend.maintain(older_than_days=0, files_grace_s=0)  # past the grace: deleted
+    assert on_disk() < before
+
+
+def test_a_second_db_compact_while_one_runs_is_refused_in_one_line(lake):
+    backend = lake.backend()
+    token = backend._claim_compaction()  # a compaction in progress
+    try:
+        second = _cli("db", "compact", "--db", lake.url)
+        assert second.exit_code == 2, second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1 and "another `db compact`" in second.stderr
+    finally:
+        backend._release_compaction(token)
+    again = _cli("db", "compact", "--db", lake.url)
+    assert again.exit_code == 0, again.stderr
