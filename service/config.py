@@ -36,8 +36,12 @@ class Settings:
     """HEADATLAS_ATTRIBUTION_CHUNK: gradient rows (windows × outputs) per batched backward call of --attribution; bounds memory."""
     store_every_s: float = 10.0
     """HEADATLAS_STORE_EVERY_S: how often `analyze` stores its finished batches, seconds (one transaction each; a killed run loses at most this much analysis, which the next run resumes)."""
+    lease_s: float = 10.0
+    """HEADATLAS_LEASE_S: how long a writer's lease, a running batch's heartbeat and a worker's beacon live unrefreshed before their process counts as gone (its messages and batches are taken over), seconds; each is refreshed every fifth of it."""
 
     def __post_init__(self) -> None:
+        if not self.lease_s > 0:  # also refuses nan
+            raise ParameterError(f"HEADATLAS_LEASE_S={self.lease_s!r}: expected seconds, more than 0")
         if not self.store_every_s >= 0:  # also refuses nan
             raise ParameterError(
                 f"HEADATLAS_STORE_EVERY_S={self.store_every_s!r}: expected seconds, 0 or more (0: store every batch)"
