@@ -103,3 +103,35 @@ def test_a_second_db_compact_while_one_runs_is_refused_in_one_line(lake):
         backend._release_compaction(token)
     again = _cli("db", "compact", "--db", lake.url)
     assert again.exit_code == 0, again.stderr
+
+
+def test_a_run_deleted_while_a_writer_stores_it_leaves_no_rows_on_a_lake(lake, tiny_model, small_corpus):
+    from headatlas.service.errors import StoreConflict
+    from headatlas.service.storage import run_labels
+    from headatlas.service.storage.store import Store, ingest_batches, reserve_batches, run_is_there
+
+    store = Store(lake.url, data_path=lake.data_path)
+    run, _ = _run(store, "deleted", tiny_model)
+    result = _one_batch(tiny_model, small_corpus)
+    # `runs delete` has deleted the run's rows, not committed yet …
+    deleting = store.write()
+    d = deleting.__enter__()
+    run_labels.delete(d, run.run_id)
+    # … a writer reserves a batch of the run (holding its row) and stores it …
+    store.atomically(
+        lambda c: run_is_there(c, run.run_id, run.run_key, hold=True) and reserve_batches(c, run.run_id, [0])
+    )
+    storing = store.write()
+    s = storing.__enter__()
+    assert run_is_there(s, run.run_id, run.run_key)  # the delete is not committed
+    assert ingest_batches(s, run.run_id, [(0, result)]) == 1
+    with pytest.raises(StoreConflict):  # the reservation rewrote the run's row: the delete is refused …
+        deleting.__exit__(None, None, None)
+    storing.__exit__(None, None, None)
+    store.delete_run(run.run_id)  # … and tried again, it deletes what the writer stored
+    with store.write() as conn:  # the writer's next group finds the run gone
+        assert not run_is_there(conn, run.run_id, run.run_key)
+    with store.read() as conn:
+        for table in ("batches", "run_windows", "head_stats", "run_chance"):
+            left = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run.run_id}).scalar()
+            assert left == 0, f"{left} {table} rows of the deleted run"
