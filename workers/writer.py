@@ -639,11 +639,15 @@ class Writer:
 
     def _known(self, group: list[dict]) -> list[tuple[dict, int]]:
         """The group's messages with their run's id; a deleted run's are dropped."""
-        known, dropped = [], []
+        known: list[tuple[dict, int]] = []
+        dropped: list[dict] = []
         for msg in group:
             run_id = self._run_id(msg["run_key"])
-            (known if run_id is not None else dropped).append((msg, run_id))
-        for msg, _none in dropped:
+            if run_id is None:
+                dropped.append(msg)
+            else:
+                known.append((msg, run_id))
+        for msg in dropped:
             if self.ledger.deleted(msg["run_key"]):
                 self.ledger.forget(msg["run_key"], msg["batch_id"])
         return known
@@ -717,7 +721,7 @@ class Writer:
 
     def _one_by_one(self, known):
         """After a group failed: each message in its own transaction, a bad one marked failed."""
-        outcomes = []
+        outcomes: list[tuple[bool | None, int]] = []
         for msg, run_id in known:
             try:
                 with self.store.write() as conn:
