@@ -113,7 +113,10 @@ def delete(
     runs: list[str] = typer.Argument(..., help="Runs to delete: ids, names or aliases."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
     force: bool = typer.Option(
-        False, "--force", help="Also delete a run marked in progress (only when no process is writing to it)."
+        False,
+        "--force",
+        help="Also delete a run marked in progress: a queued run's writers drop its batches still in flight, and a "
+        "waiting `submit --wait` ends (stop an embedded `analyze` of it first).",
     ),
     db: str = options.Db,
 ) -> None:
