@@ -140,8 +140,8 @@ def delete(
     for r in chosen.values():
         if r.status in UNFINISHED and not force:
             raise ParameterError(
-                f"run {r.run_id} ({r.name}) is {r.status}: a process may be writing to it; let it finish or stop it "
-                "(Ctrl-C), or pass --force when none is"
+                f"run {r.run_id} ({r.name}) is {r.status}: a process may be writing to it; let it finish, or pass "
+                "--force (a queued run's writers then drop its batches in flight; stop an embedded `analyze` first)"
             )
     listed = "; ".join(f"run {r.run_id} ({r.name}, {r.status}, {windows[r.run_id]:,} windows)" for r in chosen.values())
     if not yes:
