@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import invoke_cli, run_cli
 from queue_support import (
     Cluster,
     RedisServer,
@@ -162,7 +162,7 @@ def test_a_writer_stopped_while_it_holds_messages_then_resumed_leaves_one_ledger
     from headatlas.workers.ledger import processing_lists
 
     cluster = short_leases
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=6, tag="lakestop")
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lakestop")
     cluster.start_worker()
     cluster.start_worker("worker-2")
     submitted: list[str] = []
@@ -194,5 +194,5 @@ def test_a_writer_stopped_while_it_holds_messages_then_resumed_leaves_one_ledger
             text("SELECT batch_id, list(status) FROM batches GROUP BY batch_id HAVING count(*) > 1")
         ).all()
     assert not twice, f"batches with more than one ledger row: {twice}"
-    copied = run_cli("db", "copy", lake.url, str(tmp_path / "copy.duckdb"), env=cluster.env)
+    copied = invoke_cli("db", "copy", lake.url, str(tmp_path / "copy.duckdb"), env=cluster.env)
     assert copied.returncode == 0 and "Traceback" not in copied.stderr, copied.stderr
