@@ -65,11 +65,13 @@ def test_db_copy_of_a_lake_holding_a_batch_twice_copies_it_once(lake, tiny_model
 
 
 def test_db_compact_keeps_the_files_an_open_transaction_reads(lake, tiny_model, small_corpus):
-    from test_lake import _analyze
+    from headatlas.service.storage.store import Store, store_batches
 
-    from headatlas.service.storage.store import Store
-
-    _analyze(Store(lake.url, data_path=lake.data_path), small_corpus, tiny_model, flush_s=0.0)  # files per batch
+    store = Store(lake.url, data_path=lake.data_path)
+    result = _one_batch(tiny_model, small_corpus)
+    for key in ("c1", "c2", "c3"):  # a commit, and files, per run: small files to merge
+        run, _ = _run(store, key, tiny_model)
+        store_batches(store, run.run_id, [(0, result)])
     backend = lake.backend()
     on_disk = lambda: len(list(lake.data_path.rglob("*.parquet")))  # noqa: E731
     reader = backend.connect(read_only=True)  # a writer's or reader's transaction, begun before the compaction
