@@ -34,6 +34,7 @@ HELPER = "headatlas:writer:helper:"  # + token: a further writer of a lake, aliv
 LAST = "headatlas:writer:last"  # the database the last writer stored into (no expiry)
 EPOCH = "headatlas:epoch"  # a random value set once: a new one means Redis lost its data
 
+
 def _lease_s() -> float:
     """HEADATLAS_LEASE_S (every process of a broker is given the same environment); a value the
     settings refuse is refused in one line by the command that reads them, not here at import."""
