@@ -273,7 +273,7 @@ def main(argv=None) -> None:
                 compacted = ""
                 if kind == "lake":
                     before = lake_files(target)
-                    target.backend().maintain(older_than_days=0)
+                    target.backend().maintain(older_than_days=0, files_grace_s=0)  # nothing reads: delete at once
                     after = lake_files(target)
                     per = 1000 / args.batches
                     files = tuple(f"{x * per:,.0f}" for x in (*before, *after))

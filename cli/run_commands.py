@@ -113,7 +113,10 @@ def delete(
     runs: list[str] = typer.Argument(..., help="Runs to delete: ids, names or aliases."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
     force: bool = typer.Option(
-        False, "--force", help="Also delete a run marked in progress (only when no process is writing to it)."
+        False,
+        "--force",
+        help="Also delete a run marked in progress: a queued run's writers drop its batches still in flight, and a "
+        "waiting `submit --wait` ends (stop an embedded `analyze` of it first).",
     ),
     db: str = options.Db,
 ) -> None:
@@ -137,8 +140,8 @@ def delete(
     for r in chosen.values():
         if r.status in UNFINISHED and not force:
             raise ParameterError(
-                f"run {r.run_id} ({r.name}) is {r.status}: a process may be writing to it; let it finish or stop it "
-                "(Ctrl-C), or pass --force when none is"
+                f"run {r.run_id} ({r.name}) is {r.status}: a process may be writing to it; let it finish, or pass "
+                "--force (a queued run's writers then drop its batches in flight; stop an embedded `analyze` first)"
             )
     listed = "; ".join(f"run {r.run_id} ({r.name}, {r.status}, {windows[r.run_id]:,} windows)" for r in chosen.values())
     if not yes:
@@ -154,6 +157,14 @@ def delete(
         counts = store.delete_run(run_id)
         rows = sum(counts.values())
         stdout.print(f"deleted run {run_id} ({r.name}): {rows:,} rows", markup=False, highlight=False)
+    in_flight = {r.run_key: r.run_id for r in chosen.values() if r.engine == "queue" and r.status in UNFINISHED}
+    if in_flight:
+        from headatlas.service.config import Settings
+        from headatlas.service.storage.db import read_database_id
+        from headatlas.workers.ledger import mark_runs_deleted
+
+        if not mark_runs_deleted(Settings.from_env().broker_url, read_database_id(store.backend), in_flight):
+            note("the broker did not answer: writers drop the deleted runs' batches when they next see one")
     if kept:
         note(
             f"their random-weights controls stay (runs {', '.join(map(str, kept))}); "

@@ -104,6 +104,10 @@ class Settings:
         10.0, Allowed(float, "seconds, 0 or more and at most 86400 (0: store every batch)", low=0, high=86400)
     )
     """HEADATLAS_STORE_EVERY_S: how often `analyze` stores its finished batches, seconds (one transaction each; a killed run loses at most this much analysis, which the next run resumes)."""
+    lease_s: float = setting(
+        10.0, Allowed(float, "seconds, more than 0 and at most 3600 (an hour)", low=0, high=3600, low_open=True)
+    )
+    """HEADATLAS_LEASE_S: how long a writer's lease, a running batch's heartbeat and a worker's beacon live unrefreshed before their process counts as gone (its messages and batches are taken over), seconds; each is refreshed every fifth of it."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -1,7 +1,9 @@
 """Distributed runs into a lake (real Redis, `headatlas writer` ×2, `headatlas worker`, this
 machine's PostgreSQL): two writers store one run side by side and it equals the embedded run on
 a file, every count; a reader holding one snapshot while they commit sees nothing move and fails
-no one; a writer killed with kill -9 mid-run leaves every window counted once."""
+no one; a writer killed with kill -9 mid-run leaves every window counted once; a writer stopped
+while it holds messages, then resumed beside the other, leaves one ledger row per batch and a lake
+that `db copy` copies."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import invoke_cli, run_cli
 from queue_support import (
     Cluster,
     RedisServer,
@@ -32,12 +34,22 @@ ARGS = ["--model", "random:tiny", "--seq-len", "32", "--batch-size", "2"]
 @pytest.fixture()
 def cluster(lake, tmp_path):
     """Redis of our own, and two writers of the lake (the second joins the first)."""
+    yield from _two_writers(lake, tmp_path)
+
+
+@pytest.fixture()
+def short_leases(lake, tmp_path):
+    """As ``cluster``, with 4 s leases: a stopped writer's messages go back to the queue soon."""
+    yield from _two_writers(lake, tmp_path, HEADATLAS_LEASE_S="4")
+
+
+def _two_writers(lake, tmp_path, **env):
     folder = tmp_path / "queue"
     folder.mkdir()
     server = RedisServer(folder / "redis").start()
     cluster = Cluster(server.url, folder)
     cluster.db = lake.url
-    cluster.env.update(lake.env)
+    cluster.env.update(lake.env, **env)
     try:
         cluster._start("writer", "writer")
         _wait(lambda: _writers(cluster) == 1, "the first writer")
@@ -138,3 +150,49 @@ def test_a_writer_killed_mid_run_leaves_every_window_counted_once(cluster, lake,
     run_id = Store(lake.url, data_path=lake.data_path).get_run(submitted[0]).run_id
     assert_counted_once(cluster.db, run_id)
     assert "the first writer of this lake is gone" in cluster.logs()
+
+
+def test_a_writer_stopped_while_it_holds_messages_then_resumed_leaves_one_ledger_row_per_batch(
+    short_leases, lake, demo_corpus, tmp_path
+):
+    import os
+    import signal
+
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.ledger import processing_lists
+
+    cluster = short_leases
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lakestop")
+    cluster.start_worker()
+    cluster.start_worker("worker-2")
+    submitted: list[str] = []
+    thread = threading.Thread(target=lambda: submitted.append(cluster.submit(corpus, *ARGS, "--wait")))
+    thread.start()
+    # a writer has taken messages and not committed them: stop it there (SIGSTOP, as a stalled host)
+    holding: list[str] = []
+    _wait(
+        lambda: holding.extend(n for n in processing_lists(cluster.redis) if cluster.redis.llen(n)) or holding,
+        "a writer to take messages",
+        timeout=120,
+    )
+    name = "writer" if holding[0].endswith(":processing") else "writer-2"
+    stopped = cluster.procs[name]
+    os.killpg(stopped.pid, signal.SIGSTOP)
+    try:
+        # past its lease the other writer puts its messages back on the queue and stores them
+        _wait(lambda: not cluster.redis.llen(holding[0]), "its messages to go back to the queue", timeout=60)
+        time.sleep(2)
+    finally:
+        os.killpg(stopped.pid, signal.SIGCONT)  # it resumes beside the other, the group still in hand
+    thread.join(300)
+    assert submitted, cluster.logs()
+    assert cluster.wait_status(submitted[0], timeout=180) == "done"
+    run_id = Store(lake.url, data_path=lake.data_path).get_run(submitted[0]).run_id
+    assert_counted_once(cluster.db, run_id)
+    with Store(lake.url, data_path=lake.data_path).read() as conn:
+        twice = conn.execute(
+            text("SELECT batch_id, list(status) FROM batches GROUP BY batch_id HAVING count(*) > 1")
+        ).all()
+    assert not twice, f"batches with more than one ledger row: {twice}"
+    copied = invoke_cli("db", "copy", lake.url, str(tmp_path / "copy.duckdb"), env=cluster.env)
+    assert copied.returncode == 0 and "Traceback" not in copied.stderr, copied.stderr

@@ -219,6 +219,8 @@ BAD_SETTINGS = [
     ("attribution_chunk", "0"),
     ("store_every_s", "-1"),
     ("store_every_s", "inf"),
+    ("lease_s", "0"),
+    ("lease_s", "nan"),
 ]
 
 

@@ -231,3 +231,65 @@ def test_unreachable_broker_is_a_one_line_error_and_stores_nothing(cli, small_co
     assert "cannot reach the broker" in result.stderr and "HEADATLAS_BROKER_URL" in result.stderr
     assert "Traceback" not in result.stderr
     assert not db.exists()
+
+
+def test_a_run_deleted_while_it_is_stored_leaves_no_rows_stays_deleted_and_ends_the_wait(
+    cluster, demo_corpus, tmp_path
+):
+    import threading
+
+    from conftest import run_cli
+    from sqlalchemy import text
+
+    from headatlas.service.storage.db import transaction
+    from headatlas.service.storage.store import Store
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="deletedmidrun")
+    waited: list = []
+    thread = threading.Thread(
+        target=lambda: waited.append(
+            run_cli("submit", str(corpus), *ARGS[:-1], "2", "--name", "deletedmidrun", "--wait", env=cluster.env)
+        )
+    )
+    thread.start()
+
+    def stored_so_far() -> tuple[int, int]:
+        try:
+            with transaction(cluster.db, read_only=True) as conn:
+                row = conn.execute(
+                    text(
+                        "SELECT r.run_id, count(b.batch_id) FROM runs r LEFT JOIN batches b ON b.run_id = r.run_id "
+                        "AND b.status = 'done' WHERE r.name = 'deletedmidrun' GROUP BY r.run_id"
+                    )
+                ).first()
+        except Exception:  # noqa: BLE001 - the writer holds the file a moment
+            return 0, 0
+        return (row[0], row[1]) if row else (0, 0)
+
+    deadline = time.monotonic() + 120
+    while (got := stored_so_far())[1] < 1:
+        assert time.monotonic() < deadline and thread.is_alive(), cluster.logs()
+        time.sleep(0.2)
+    run_id = got[0]
+    key = Store(cluster.db).get_run(run_id).run_key
+    deleted = run_cli("runs", "delete", str(run_id), "--force", "--yes", env=cluster.env)
+    assert deleted.returncode == 0, deleted.stderr
+    thread.join(60)
+    assert waited, f"submit --wait still waiting after the run was deleted; {cluster.logs()}"
+    assert waited[0].returncode != 0
+    error = waited[0].stderr.strip().splitlines()[-1]
+    assert f"run {run_id} was deleted" in error and "Traceback" not in waited[0].stderr, waited[0].stderr
+    # what was in flight drains; the writer stays up, and a restarted one does not open the run again
+    deadline = time.monotonic() + 60
+    while cluster.redis.llen("analysis") or cluster.redis.hlen("unacked") or cluster.redis.llen("headatlas:ingest"):
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.2)
+    assert cluster.procs["writer"].poll() is None, cluster.logs()
+    cluster.kill("writer")
+    cluster.start_writer()
+    time.sleep(3)
+    with transaction(cluster.db, read_only=True) as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs WHERE run_key = :k"), {"k": key}).scalar() == 0
+        for table in ("batches", "run_windows", "head_stats", "run_chance"):
+            left = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run_id}).scalar()
+            assert left == 0, f"{left} {table} rows of the deleted run"

@@ -150,6 +150,27 @@ def stranded_long_enough(
     return None, True
 
 
+def deleted_message(run_id: int) -> str:
+    """What a waiting `submit --wait` says of a run deleted while in flight."""
+    return (
+        f"run {run_id} was deleted (`headatlas runs delete`) while it ran; its batches in flight were dropped: "
+        "submit the corpus again to analyse it anew"
+    )
+
+
+def mark_runs_deleted(broker_url: str, database_id: str, runs: dict[str, int]) -> bool:
+    """After `runs delete` of queued runs that may be in flight ({run key: run id}): their
+    batches are dropped (``Ledger.mark_deleted``). False when the broker does not answer: a
+    writer then finds out when it next stores one of their batches."""
+    try:
+        ledger = Ledger(connect(broker_url, check=False), database_id)
+        for run_key, run_id in runs.items():
+            ledger.mark_deleted(run_key, deleted_message(run_id))
+        return True
+    except redis.RedisError:
+        return False
+
+
 class Ledger:
     """The Redis state of one database's runs (``database_id``: its id, see migration 0005)."""
 
@@ -163,6 +184,8 @@ class Ledger:
     # --- run description (written by submit, read by the writer to create the run) ----------
     def put_run(self, run_key: str, meta: dict) -> None:
         pipe = self.r.pipeline()
+        if self.deleted(run_key):  # submitted again after `runs delete`: a new run
+            pipe.hdel(self.key("run", run_key), "deleted", "error", "run_id")
         pipe.hset(self.key("run", run_key), mapping={"meta": json.dumps(meta)})
         pipe.delete(self.key("broker_lost", run_key))  # submitted (again): what is missing is queued
         pipe.sadd(self.key("active", "runs"), run_key)  # swept for lost workers until it ends
@@ -195,6 +218,21 @@ class Ledger:
 
     def set_run_error(self, run_key: str, error: str) -> None:
         self.r.hset(self.key("run", run_key), "error", error)
+
+    def mark_deleted(self, run_key: str, message: str) -> None:
+        """The run was deleted from the database (`runs delete`) while it may still be in flight:
+        writers drop its messages and never open it again, workers skip its batches, and a
+        waiting `submit --wait` ends with ``message``, until the corpus is submitted again."""
+        pipe = self.r.pipeline()
+        pipe.hset(self.key("run", run_key), mapping={"deleted": f"{time.time():.3f}", "error": message})
+        pipe.hdel(self.key("run", run_key), "status")
+        for what in ("queued", "ingesting", "copy", "done", "failed", "lost"):
+            pipe.delete(self.key(what, run_key))
+        pipe.srem(self.key("active", "runs"), run_key)  # nothing of it is swept or queued again
+        pipe.execute()
+
+    def deleted(self, run_key: str) -> bool:
+        return bool(self.r.hexists(self.key("run", run_key), "deleted"))
 
     def run_id(self, run_key: str) -> tuple[int | None, str]:
         run_id, error = self.r.hmget(self.key("run", run_key), ["run_id", "error"])

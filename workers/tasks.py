@@ -79,6 +79,9 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         ledger.undeliver(run_key, batch_id, self.request.id or "")
         ledger.settle(run_key)  # its delivery made the run active again: not when the run has ended
         return  # delivered again after it was stored
+    if ledger.deleted(run_key):
+        ledger.undeliver(run_key, batch_id, self.request.id or "")
+        return  # its run was deleted (`runs delete`) while it was queued
     worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
     attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
     if attempt > _settings().max_attempts:

@@ -41,7 +41,14 @@ from headatlas.service.engine.results import (
 )  # numpy only: importing torch here cost seconds inside the first transaction
 from headatlas.service.errors import HeadatlasError, StoreBusy, StoreConflict, StoreError, WriterConflict
 from headatlas.service.storage import queue_store
-from headatlas.service.storage.store import Store, ingest_batch_ids, ingest_batches, reserve_batches, store_probe
+from headatlas.service.storage.store import (
+    Store,
+    ingest_batch_ids,
+    ingest_batches,
+    reserve_batches,
+    run_is_there,
+    store_probe,
+)
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HEARTBEAT_S, HELPER, SILENT_S, WriterLease, broker_epoch, holder
 from headatlas.workers.ledger import (
@@ -51,6 +58,7 @@ from headatlas.workers.ledger import (
     Ledger,
     Stranded,
     connect,
+    deleted_message,
     processing_lists,
     stranded_long_enough,
 )
@@ -516,7 +524,8 @@ class Writer:
         spec = (int(msg["length"]), int(msg["sequences"]), int(msg["seed"]))
         try:
             with self.store.write() as conn:
-                store_probe(conn, run_id, spec, {name: np.asarray(v) for name, v in msg["scores"].items()})
+                if run_is_there(conn, run_id, run_key):  # not a run deleted meanwhile
+                    store_probe(conn, run_id, spec, {name: np.asarray(v) for name, v in msg["scores"].items()})
         except StoreBusy:
             raise
         except Exception:  # noqa: BLE001 - a probe the database refuses must not stop the writer
@@ -565,12 +574,23 @@ class Writer:
 
     def _run_id(self, run_key: str, *, refresh: bool = False) -> int | None:
         """The database id of a run, created from the submitter's description on first sight;
-        ``refresh`` re-reads the description (the submitter has finished cutting the corpus)."""
+        ``refresh`` re-reads the description (the submitter has finished cutting the corpus).
+        None for a run deleted (`runs delete`) since a writer opened it: never created again,
+        until the corpus is submitted again."""
         if run_key not in self.run_ids or refresh:
+            if self.ledger.deleted(run_key):
+                return None
             meta = self.ledger.run_meta(run_key)
             if meta is None:
                 log.warning("run %s: no description in Redis (lost?); submit the corpus again", run_key)
                 return None
+            opened, _error = self.ledger.run_id(run_key)
+            if opened is not None and not refresh:  # a writer opened it: it is in the database, or was deleted
+                with self.store.read() as conn:
+                    there = queue_store.find_run_by_key(conn, run_key) is not None
+                if not there:
+                    self._run_gone(run_key, opened)
+                    return None
             run, _plan = queue_store.open_run(self.store, meta)
             self.ledger.set_run_id(run_key, run.run_id)
             self.run_ids[run_key] = run.run_id
@@ -579,15 +599,19 @@ class Writer:
     def _store_group(self, group: list[dict]) -> None:
         if not group:
             return
-        known = [(m, run_id) for m in group if (run_id := self._run_id(m["run_key"])) is not None]
+        known = self._known(group)
         self.ledger.writer_state("ingesting", batches=len(known))
         summaries: dict[str, queue_store.Summary] = {}
         lake = not self.store.backend.keys
         if lake:
-            self._reserve(known)
+            known = self._without(known, self._reserve(known))
+        if not known:
+            self.ledger.writer_state("idle")
+            return
         try:
             try:
                 with self.store.write() as conn:
+                    known = self._without(known, self._gone(conn, known))
                     outcomes = self._apply_group(conn, known)
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
@@ -602,8 +626,7 @@ class Writer:
                 log.exception("a group of %d message(s) failed; storing them one by one", len(known))
                 outcomes = self._one_by_one(known)
             if not summaries:
-                with self.store.write() as conn:
-                    summaries = {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
+                summaries = self.store.atomically(lambda conn: self._finish(conn, known, finish=False))
         finally:
             self.ledger.writer_state("idle")
         pipe = self.ledger.r.pipeline()
@@ -614,21 +637,76 @@ class Writer:
         for run_key, summary in summaries.items():
             self._announce(run_key, summary)
 
-    def _reserve(self, known) -> None:
+    def _known(self, group: list[dict]) -> list[tuple[dict, int]]:
+        """The group's messages with their run's id; a deleted run's are dropped."""
+        known: list[tuple[dict, int]] = []
+        dropped: list[dict] = []
+        for msg in group:
+            run_id = self._run_id(msg["run_key"])
+            if run_id is None:
+                dropped.append(msg)
+            else:
+                known.append((msg, run_id))
+        for msg in dropped:
+            if self.ledger.deleted(msg["run_key"]):
+                self.ledger.forget(msg["run_key"], msg["batch_id"])
+        return known
+
+    def _reserve(self, known) -> set[int]:
         """A lake: the group's batches get a ledger row each before they are stored, in a
         transaction of their own (``store.reserve_batches``: what makes two stores of one batch
-        conflict)."""
+        conflict), which holds each run's row (``run_is_there``: what makes a store and a delete
+        of the run conflict). Returns the runs deleted meanwhile."""
         by_run: dict[int, list[int]] = {}
+        runs = {run_id: msg["run_key"] for msg, run_id in known}
         for msg, run_id in known:
             if msg["kind"] == "ingest":
                 by_run.setdefault(run_id, []).append(int(msg["batch_id"]))
-        if by_run:
-            self.store.atomically(lambda conn: [reserve_batches(conn, r, ids) for r, ids in by_run.items()])
 
-    def _finish(self, conn: Connection, known) -> dict[str, queue_store.Summary]:
-        for run_id in {r for _m, r in known}:
-            queue_store.finish_if_complete(conn, run_id)
-        return {m["run_key"]: queue_store.summary(conn, r) for m, r in known}
+        def work(conn: Connection) -> set[int]:
+            gone = {r for r, k in runs.items() if not run_is_there(conn, r, k, hold=True)}
+            for r, ids in by_run.items():
+                if r not in gone:
+                    reserve_batches(conn, r, ids)
+            return gone
+
+        return self.store.atomically(work) if runs else set()
+
+    def _gone(self, conn: Connection, known) -> set[int]:
+        """The runs of ``known`` deleted from the database (`runs delete`)."""
+        runs = {run_id: msg["run_key"] for msg, run_id in known}
+        return {r for r, k in runs.items() if not run_is_there(conn, r, k)}
+
+    def _without(self, known, gone: set[int]) -> list[tuple[dict, int]]:
+        """``known`` without the messages of the runs ``gone``, which are dropped."""
+        if not gone:
+            return known
+        for run_id in gone:
+            run_key = next(m["run_key"] for m, r in known if r == run_id)
+            self._run_gone(run_key, run_id)
+        for msg, run_id in known:
+            if run_id in gone:
+                self.ledger.forget(msg["run_key"], msg["batch_id"])
+        return [(m, r) for m, r in known if r not in gone]
+
+    def _run_gone(self, run_key: str, run_id: int) -> None:
+        """Run ``run_id`` was deleted from the database while in flight: its messages are dropped,
+        it is never created again (until submitted again), and a waiting `submit --wait` ends."""
+        self.run_ids.pop(run_key, None)
+        if self.ledger.deleted(run_key):
+            return
+        log.warning("run %s was deleted from the database while in flight: its batches are dropped", run_id)
+        self.ledger.mark_deleted(run_key, deleted_message(run_id))
+
+    def _finish(self, conn: Connection, known, *, finish: bool = True) -> dict[str, queue_store.Summary]:
+        """Each run's end (``finish``) and summary; a run deleted since the group was stored has none."""
+        gone = self._gone(conn, known)
+        for run_id in gone:
+            self._run_gone(next(m["run_key"] for m, r in known if r == run_id), run_id)
+        for run_id in {r for _m, r in known} - gone:
+            if finish:
+                queue_store.finish_if_complete(conn, run_id)
+        return {m["run_key"]: queue_store.summary(conn, r) for m, r in known if r not in gone}
 
     def _publish(self, conn: Connection, run_key: str, run_id: int) -> None:
         self._announce(run_key, queue_store.summary(conn, run_id))
@@ -643,10 +721,13 @@ class Writer:
 
     def _one_by_one(self, known):
         """After a group failed: each message in its own transaction, a bad one marked failed."""
-        outcomes = []
+        outcomes: list[tuple[bool | None, int]] = []
         for msg, run_id in known:
             try:
                 with self.store.write() as conn:
+                    if not run_is_there(conn, run_id, msg["run_key"]):
+                        outcomes.append((None, 0))  # deleted meanwhile: dropped after the group
+                        continue
                     outcome = self._apply(conn, msg, run_id)
                     queue_store.finish_if_complete(conn, run_id)
             except StoreBusy:

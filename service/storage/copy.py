@@ -3,7 +3,9 @@ lake, a lake into a file, or between two of either kind.
 
 The target is created at the current schema (or must be one, holding no runs and no schedules);
 the source is attached read-only to a connection of the target, and every table's rows are
-inserted in one transaction, so a copy that fails leaves the target as it was. The target keeps
+inserted in one transaction, so a copy that fails leaves the target as it was. A lake has no keys,
+and writers that interleave can leave a key there twice; a file's keys take it once (the stored
+batch over a reservation beside it). The target keeps
 its own database id (state kept outside a database, in Redis, is scoped by it). Each table is
 then counted on both sides: the copy is verified, not assumed.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import duckdb
 from sqlalchemy import text
 
 from headatlas.service.errors import ParameterError, StoreError
@@ -73,11 +76,14 @@ def copy_database(src: str | Backend, dst: str | Backend) -> list[Copied]:
             ]
             for t in tables
         }
+        keys = _primary_keys(connection) if target.keys else {}
         connection.execute("BEGIN")
         try:
             for table in tables:
                 names = ", ".join(columns[table])
-                connection.execute(f"INSERT INTO {table} ({names}) SELECT {names} FROM copy_source.main.{table}")
+                connection.execute(
+                    f"INSERT INTO {table} ({names}) SELECT {names} FROM {_source_rows(table, keys.get(table))}"
+                )
             if target.keys:
                 for sequence, (table, column) in SEQUENCES.items():
                     # ids the copy brought must not be handed out again
@@ -85,13 +91,19 @@ def copy_database(src: str | Backend, dst: str | Backend) -> list[Copied]:
                         f"SELECT max(nextval('{sequence}')) FROM range((SELECT max({column}) FROM {table}))"
                     )
             connection.execute("COMMIT")
+        except duckdb.Error as exc:
+            connection.execute("ROLLBACK")
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise StoreError(
+                f"db copy: {target.label} refused the rows of {table} ({first}); nothing was copied"
+            ) from None
         except Exception:
             connection.execute("ROLLBACK")
             raise
         counts = [
             Copied(
                 table,
-                int(connection.execute(f"SELECT count(*) FROM copy_source.main.{table}").fetchone()[0]),  # type: ignore[index]
+                int(connection.execute(f"SELECT count(*) FROM {_source_rows(table, keys.get(table))}").fetchone()[0]),  # type: ignore[index]
                 int(connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]),  # type: ignore[index]
             )
             for table in tables
@@ -103,3 +115,28 @@ def copy_database(src: str | Backend, dst: str | Backend) -> list[Copied]:
         listed = ", ".join(f"{c.table} {c.source} → {c.target}" for c in wrong)
         raise StoreError(f"db copy: counts differ after the copy ({listed})")
     return counts
+
+
+def _primary_keys(connection) -> dict[str, list[str]]:
+    """The target's tables with a primary key, and its columns (a file's; a lake has none)."""
+    rows = connection.execute(
+        "SELECT table_name, constraint_column_names FROM duckdb_constraints() "
+        "WHERE constraint_type = 'PRIMARY KEY' AND database_name = current_database()"
+    ).fetchall()
+    return {table: list(names) for table, names in rows}
+
+
+def _source_rows(table: str, key: list[str] | None) -> str:
+    """The source's rows of ``table`` as the target takes them: one per primary key. A lake has
+    no keys, and writers that interleave may leave a key twice (a batch's reservation beside the
+    row that stored it, a window two writers first stored at once): the stored batch is kept,
+    and content-addressed rows are equal."""
+    source = f"copy_source.main.{table}"
+    if not key:
+        return source
+    prefer = "(status = 'done') DESC, " if table == "batches" else ""
+    partition = ", ".join(key)
+    return (
+        f"(SELECT * EXCLUDE (_copy_rank) FROM (SELECT *, row_number() OVER (PARTITION BY {partition} "
+        f"ORDER BY {prefer}{partition}) AS _copy_rank FROM {source}) WHERE _copy_rank = 1)"
+    )

@@ -272,10 +272,14 @@ class Store:
             return run, run_labels.tag(conn, run.run_id, add), run_labels.untag(conn, run.run_id, remove)
 
     def delete_run(self, run_id: int) -> dict[str, int]:
-        """Delete a run and all its rows in one transaction (``run_labels.delete``)."""
-        with self.write() as conn:
+        """Delete a run and all its rows in one transaction (``run_labels.delete``); on a lake,
+        tried again when a writer storing the run committed first (``run_is_there``)."""
+
+        def work(conn: Connection) -> dict[str, int]:
             resolve_run(conn, run_id)  # still there
             return run_labels.delete(conn, run_id)
+
+        return self.atomically(work)
 
     def done_window_ids(self, run_id: int) -> set[str]:
         with self.read() as conn:
@@ -464,6 +468,19 @@ def reserve_batches(conn: Connection, run_id: int, batch_ids: list[int]) -> int:
     return len(missing)
 
 
+def run_is_there(conn: Connection, run_id: int, run_key: str, *, hold: bool = False) -> bool:
+    """Whether run ``run_id`` is still in the database under ``run_key``: `runs delete` may have
+    deleted it while a writer stores it (and a lake may give its id to a new run). ``hold``, on a
+    lake, in the transaction that reserves the run's batches: the run's row is rewritten too, so
+    that this transaction and a concurrent delete of the run conflict; the delete, tried again,
+    sees the reservations and deletes them, and a store of them then conflicts with it in turn:
+    no batch is stored into a run deleted meanwhile."""
+    args = {"r": run_id, "k": run_key}
+    if hold and not db.has_keys(conn):
+        conn.execute(text("UPDATE runs SET status = status WHERE run_id = :r AND run_key = :k"), args)
+    return bool(conn.execute(text("SELECT count(*) FROM runs WHERE run_id = :r AND run_key = :k"), args).scalar())
+
+
 def store_batches(store: Store, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
     """``ingest_batches`` in its own transaction, exactly once on any backend: on a lake the
     batches are reserved first, and a commit refused for a concurrent store of the same batch
@@ -509,21 +526,25 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
     ).all()
     done = {b for b, status in ledger if status == "done"}
     fresh = [(b, res) for b, res in items if b not in done]
-    if not fresh:
-        return []
     fresh_ids = [b for b, _ in fresh]
     if not keys:
-        held = {b for b, status in ledger if status != "done"}
+        held = sorted({b for b, status in ledger if status != "done"})
         unreserved = [b for b in fresh_ids if b not in held]
         if unreserved:
             raise Unreserved(unreserved)
-        conn.execute(
-            text(
-                "DELETE FROM batches WHERE run_id = :r AND status <> 'done' AND batch_id IN "
-                "(SELECT unnest(CAST(:ids AS INTEGER[])))"
-            ),
-            {"r": run_id, "ids": fresh_ids},
-        )
+        # every row but a done one goes: the reservations of the batches stored now, and those of
+        # batches already stored, which a writer committed after reading the ledger before another
+        # writer stored them (a writer stopped inside its reservation): one row per batch, always
+        if held:
+            conn.execute(
+                text(
+                    "DELETE FROM batches WHERE run_id = :r AND status <> 'done' AND batch_id IN "
+                    "(SELECT unnest(CAST(:ids AS INTEGER[])))"
+                ),
+                {"r": run_id, "ids": held},
+            )
+    if not fresh:
+        return []
     raw = db.driver_connection(conn)
     tables = _arrow_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))

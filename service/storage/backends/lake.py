@@ -55,6 +55,13 @@ SANDBOX_READS = frozenset(
     }
 )
 
+# a file no snapshot needs any more is deleted this long after (by a later compaction): longer than
+# any writer's transaction (a group of batches) or reader's query (`sql --timeout`) that may still
+# read it from a snapshot it began at
+FILES_GRACE_S = 600.0
+COMPACTION = "compaction"  # database_info key: the compaction in progress (host, pid, since)
+COMPACTION_STALE_S = 24 * 3600.0  # another host's claim older than this is left behind
+
 _ROOTS: dict[tuple, tuple[int, duckdb.DuckDBPyConnection, Engine]] = {}
 _ROOTS_LOCK = threading.Lock()
 
@@ -437,28 +444,113 @@ class LakeBackend(Backend):
     def snapshot_of(self, conn: Connection) -> int | None:
         return conn.execute(text(f"SELECT id FROM ducklake_current_snapshot('{ALIAS}')")).scalar()
 
-    def maintain(self, *, older_than_days: float = 7.0, **_options: Any) -> dict[str, Any]:
+    def maintain(
+        self, *, older_than_days: float = 7.0, files_grace_s: float = FILES_GRACE_S, **_options: Any
+    ) -> dict[str, Any]:
         """Merge small Parquet files, expire snapshots older than ``older_than_days`` (0: all but
         the current one) and delete the files no snapshot needs any more: DuckLake's own
-        functions, one at a time (each is its own commit)."""
+        functions, one at a time (each is its own commit). One compaction at a time: a second is
+        refused while the first runs (``_claim_compaction``). A file is deleted only once no
+        snapshot has needed it for ``files_grace_s``: a writer's or reader's transaction that
+        began before the expiry still reads it (the next compaction deletes it)."""
         cutoff = f"now() - INTERVAL {float(older_than_days) * 86400:.0f} SECOND"
-        root = self.connect()
+        files_cutoff = f"now() - INTERVAL {max(0.0, float(files_grace_s)):.0f} SECOND"
+        token = self._claim_compaction()
         try:
-            before = _lake_counts(root)
-            started = time.monotonic()
-            root.execute(f"CALL ducklake_merge_adjacent_files('{ALIAS}')")
-            root.execute(f"CALL ducklake_expire_snapshots('{ALIAS}', older_than => {cutoff})")
-            root.execute(f"CALL ducklake_cleanup_old_files('{ALIAS}', cleanup_all => true)")
-            after = _lake_counts(root)
-            return {
-                "files_before": before[0],
-                "files_after": after[0],
-                "snapshots_before": before[1],
-                "snapshots_after": after[1],
-                "seconds": round(time.monotonic() - started, 2),
-            }
+            root = self.connect()
+            try:
+                before = _lake_counts(root)
+                started = time.monotonic()
+                self._maintenance(root, f"CALL ducklake_merge_adjacent_files('{ALIAS}')")
+                self._maintenance(root, f"CALL ducklake_expire_snapshots('{ALIAS}', older_than => {cutoff})")
+                self._maintenance(root, f"CALL ducklake_cleanup_old_files('{ALIAS}', older_than => {files_cutoff})")
+                after = _lake_counts(root)
+                return {
+                    "files_before": before[0],
+                    "files_after": after[0],
+                    "snapshots_before": before[1],
+                    "snapshots_after": after[1],
+                    "seconds": round(time.monotonic() - started, 2),
+                }
+            finally:
+                root.close()
         finally:
-            root.close()
+            self._release_compaction(token)
+
+    def _maintenance(self, root: duckdb.DuckDBPyConnection, call: str, tries: int = 20) -> None:
+        """One maintenance call, tried again when a writer's commit changed the same files."""
+        delay = 0.05
+        for attempt in range(tries):
+            try:
+                root.execute(call)
+                return
+            except duckdb.Error as exc:
+                if not self.is_conflict(exc):
+                    raise self._translate(exc) or DatabaseFileError(
+                        f"db compact of {self.label}: {self._redacted(str(exc)).strip().splitlines()[0][:300]}"
+                    ) from None
+                if attempt == tries - 1:
+                    raise StoreConflict(
+                        f"db compact of {self.label}: writers kept changing the files it merges; run it again"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _claim_compaction(self) -> str:
+        """Hold the lake's compaction (a row in database_info, claimed under ``db.serialize``:
+        two claims at once conflict, and the second, tried again, finds the first). A second
+        `db compact` while one runs is refused in one line; a claim whose process is gone (this
+        host) or older than COMPACTION_STALE_S (another host) is taken over."""
+        import socket
+        import uuid
+
+        from headatlas.service.errors import StoreBusy
+        from headatlas.service.storage import db
+
+        token = uuid.uuid4().hex
+        mine = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+
+        def claim(conn: Connection) -> None:
+            db.serialize(conn)
+            raw = conn.execute(text("SELECT value FROM database_info WHERE key = :k"), {"k": COMPACTION}).scalar()
+            held = json.loads(raw) if raw else None
+            if held is not None and not _claim_gone(held):
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held["since"]))
+                raise StoreBusy(
+                    f"another `db compact` of {self.label} is running ({held['host']}:{held['pid']}, since {started}): "
+                    "wait for it to end, then run it again if needed"
+                )
+            conn.execute(text("DELETE FROM database_info WHERE key = :k"), {"k": COMPACTION})
+            conn.execute(text("INSERT INTO database_info VALUES (:k, :v)"), {"k": COMPACTION, "v": json.dumps(mine)})
+
+        db.atomically(self, claim)
+        return token
+
+    def _release_compaction(self, token: str) -> None:
+        from headatlas.service.storage import db
+
+        def release(conn: Connection) -> None:
+            raw = conn.execute(text("SELECT value FROM database_info WHERE key = :k"), {"k": COMPACTION}).scalar()
+            if raw and json.loads(raw).get("token") == token:
+                conn.execute(text("DELETE FROM database_info WHERE key = :k"), {"k": COMPACTION})
+
+        db.atomically(self, release)
+
+
+def _claim_gone(held: dict) -> bool:
+    """Whether a compaction claim is left behind: its process is gone (this host), or it is older
+    than COMPACTION_STALE_S (another host's, which cannot be asked)."""
+    import socket
+
+    if held.get("host") == socket.gethostname():
+        try:
+            os.kill(int(held["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    return time.time() - float(held.get("since", 0)) > COMPACTION_STALE_S
 
 
 def _lake_counts(connection: duckdb.DuckDBPyConnection) -> tuple[int, int]:
