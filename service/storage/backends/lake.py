@@ -17,6 +17,7 @@ DuckDB secret, and ``label`` shows the URL with ``password=***``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
