@@ -263,9 +263,8 @@ def status(
     from headatlas.workers.status import run_status
 
     check_broker_url(broker)
-    from headatlas.service.storage.queue_store import resolve_run
-
     from headatlas.service.errors import StoreUnavailable
+    from headatlas.service.storage.queue_store import resolve_run
 
     try:
         with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
