@@ -74,6 +74,7 @@ READER_GAP_S = 0.025  # the file stays closed at least this long between transac
 AWAY_POLL_S = 2.0  # how often a writer whose database is away looks for it again
 PAUSE_FIRST_S = 0.5  # a writer whose lake is unavailable tries again after this, …
 PAUSE_MAX_S = 5.0  # … doubling up to this
+FLAP_S = 30.0  # a pause this soon after the last one ended goes on with its wait (no new backoff)
 ORPHANS = "orphans"  # Ledger key (+ "lake"): uncatalogued data files the writer saw after a data-path fault
 
 
@@ -210,6 +211,7 @@ class Writer:
                 log.warning("broker unreachable (%s); waiting for it", exc)
                 time.sleep(1.0)
         self._pause: Pause | None = None  # what the writer waits for, while its lake is unavailable
+        self._resumed_at = (-FLAP_S, PAUSE_FIRST_S)  # when the last pause ended, and its last wait
         try:
             with self.lease.kept():  # waiting, or creating or upgrading the schema, can outlast the lease
                 while True:  # a lake whose catalogue is not up yet: wait for it
@@ -446,12 +448,11 @@ class Writer:
             try:
                 if self._pause is not None:
                     self._probe()  # still unavailable: raises, and the messages stay queued
+                    self._resumed()
                 if not recovered:
                     self._recover()
                     recovered = True
                 self.step()
-                if self._pause is not None:
-                    self._resumed()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("broker unreachable (%s); retrying", exc)
                 recovered = False  # what was taken is back in the queue once Redis answers
@@ -483,6 +484,8 @@ class Writer:
         if pause is None or (pause.waits_for, pause.cause) != (exc.waits_for, exc.cause):
             if pause is None:
                 pause = self._pause = Pause(exc.waits_for, exc.cause, time.monotonic(), time.time())
+                if time.monotonic() - self._resumed_at[0] < FLAP_S:  # the probe passed, the work did not:
+                    pause.delay = self._resumed_at[1]  # go on backing off (a data path with little room)
                 verb = "paused"
             else:
                 pause.waits_for, pause.cause = exc.waits_for, exc.cause
@@ -517,9 +520,11 @@ class Writer:
             self.backend.probe(self._pause.waits_for if self._pause is not None else CATALOGUE)
 
     def _resumed(self) -> None:
-        """The fault cleared: say after how long, and the data files the failed writes left."""
+        """The fault cleared (the probe passed): say after how long, and the data files the failed
+        writes left; the messages go back on the queue and are stored now."""
         pause, self._pause = self._pause, None
         assert pause is not None
+        self._resumed_at = (time.monotonic(), pause.delay)
         took = time.monotonic() - pause.since
         orphans = ""
         if pause.data_path:
