@@ -8,7 +8,6 @@ counted once. The recovery times printed are the figures of docs/reliability.md.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import socket
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import ROOT, headatlas_cmd, run_cli
+from conftest import invoke_cli
 from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus
 
 pytestmark = pytest.mark.integration
@@ -34,30 +33,19 @@ def cluster(lake, tmp_path):
     cluster = Cluster(server.url, folder)
     cluster.db = lake.url
     cluster.env.update(lake.env)
-    cluster.submitters = []
     try:
         yield cluster
     finally:
-        for proc in cluster.submitters:  # a test that failed left it waiting
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
         cluster.stop()
         server.stop()
 
 
-def _submit_waiting(cluster: Cluster, corpus: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **cluster.env)
-    proc = subprocess.Popen(
-        [*headatlas_cmd(), "submit", str(corpus), *ARGS, "--wait"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    cluster.submitters.append(proc)
-    return proc
+def _submit(cluster: Cluster, corpus: Path) -> str:
+    """`headatlas submit` (in this process): the run's id once the writer has opened it."""
+    from headatlas.workers.lease import holder
+
+    _wait_for(lambda: getattr(holder(cluster.redis)[0], "database_id", None), cluster, "the writer to be ready")
+    return cluster.submit(corpus, *ARGS, "--writer-wait", "60")
 
 
 def _wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> None:
@@ -77,15 +65,9 @@ def _log(cluster: Cluster) -> str:
     return " ".join(path.read_text(errors="replace").split()) if path.exists() else ""
 
 
-def _finish(proc: subprocess.Popen, cluster: Cluster, timeout: float = 90.0) -> int:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"submit --wait still waiting; {err}\n{cluster.logs()}") from None
-    assert proc.returncode == 0, err + cluster.logs()
-    return int(out.strip().splitlines()[-1])
+def _finish(cluster: Cluster, run: str) -> int:
+    assert cluster.wait_status(run, timeout=90) == "done", cluster.logs()
+    return int(run)
 
 
 def _resumed_after(cluster: Cluster) -> float:
@@ -102,22 +84,12 @@ def _assert_rode_it_out(cluster: Cluster, run_id: int, lake) -> None:
     assert "Traceback" not in _log(cluster), cluster.logs()
 
 
-def _opened_run(cluster: Cluster) -> None:
-    """Wait until the writer has opened the submitted run (no worker yet: nothing is stored)."""
-
-    def opened() -> bool:
-        return any(cluster.redis.hget(k, "run_id") for k in cluster.redis.scan_iter("headatlas:*:run:*"))
-
-    _wait_for(opened, cluster, "the writer to open the run")
-
-
 def test_catalogue_sessions_ended_by_the_server_mid_ingest(cluster, lake, demo_corpus, tmp_path):
     import lake_support
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=2, tag="lakepgterm")
     cluster.start_writer()
-    proc = _submit_waiting(cluster, corpus)
-    _opened_run(cluster)
+    run = _submit(cluster, corpus)  # the writer opened the run; no worker yet: nothing is stored
     # every session the writer holds on the catalogue, ended by the server
     ended = lake_support._psql(
         f"SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{lake.name}' "
@@ -125,7 +97,7 @@ def test_catalogue_sessions_ended_by_the_server_mid_ingest(cluster, lake, demo_c
     )
     assert ended.returncode == 0 and int(ended.stdout) > 0, ended.stderr
     cluster.start_worker()  # its batches meet the dead sessions
-    run_id = _finish(proc, cluster)
+    run_id = _finish(cluster, run)
     log = _log(cluster)
     assert "paused: lost the connection to the lake's catalogue" in log, cluster.logs()
     assert "server closed the connection unexpectedly" in log or "terminating connection" in log
@@ -194,7 +166,7 @@ def test_no_postgresql_listening_when_the_writer_starts(cluster, lake, demo_corp
         _wait_for(lambda: "paused: lost the connection to the lake's catalogue" in _log(cluster), cluster, "pause")
         assert "Connection refused" in _log(cluster)
         _wait_for(lambda: writer_pauses(cluster.redis), cluster, "the pause said to status")
-        status = run_cli("status", env=cluster.env)  # the catalogue is down for status too: it says why
+        status = invoke_cli("status", env=cluster.env)  # the catalogue is down for status too: it says why
         assert status.returncode != 0
         said = " ".join(status.stderr.split())
         assert "waiting for the lake's catalogue (Connection refused)" in said, said
@@ -204,7 +176,7 @@ def test_no_postgresql_listening_when_the_writer_starts(cluster, lake, demo_corp
         assert not writer_pauses(cluster.redis)
         cluster.start_worker()
         corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag="lakepgdown")
-        run_id = _finish(_submit_waiting(cluster, corpus), cluster)
+        run_id = _finish(cluster, _submit(cluster, corpus))
         _assert_rode_it_out(cluster, run_id, lake)
     finally:
         cluster.stop()  # before the forwarder: the writer's sessions end with it
@@ -246,7 +218,7 @@ def _status_warnings(cluster: Cluster) -> str:
     """`headatlas status` of the latest run: its warnings."""
     import json
 
-    status = run_cli("status", "--format", "json", env=cluster.env)
+    status = invoke_cli("status", "--format", "json", env=cluster.env)
     assert status.returncode == 0, status.stderr
     return " ".join(json.loads(status.stdout)["warnings"])
 
@@ -256,8 +228,7 @@ def test_a_full_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path,
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=2, tag="lakefull")
     cluster.start_writer()
-    proc = _submit_waiting(cluster, corpus)
-    _opened_run(cluster)
+    run = _submit(cluster, corpus)  # the writer opened the run; no worker yet: nothing is stored
     _fill(small_data_path)
     cluster.start_worker()
     _wait_for(lambda: "paused: the lake's data path" in _log(cluster), cluster, "pause")
@@ -266,7 +237,7 @@ def test_a_full_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path,
     assert "waiting for the lake's data path" in said and "No space left on device" in said, said
     (small_data_path / "filler").unlink()
     took = _time_to_go_on(cluster)
-    run_id = _finish(proc, cluster)
+    run_id = _finish(cluster, run)
     _assert_rode_it_out(cluster, run_id, lake)
     # the failed writes' files: counted (log, status), and removed by `db compact`
     left = re.search(r"(\d+) uncatalogued data file\(s\) in the data path", _log(cluster))
@@ -285,8 +256,7 @@ def test_a_full_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path,
 def test_a_read_only_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path):
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=2, tag="lakero")
     cluster.start_writer()
-    proc = _submit_waiting(cluster, corpus)
-    _opened_run(cluster)
+    run = _submit(cluster, corpus)  # the writer opened the run; no worker yet: nothing is stored
     remounted = subprocess.run(["mount", "-o", "remount,ro", str(small_data_path)], capture_output=True, text=True)
     assert remounted.returncode == 0, remounted.stderr
     cluster.start_worker()
@@ -296,7 +266,7 @@ def test_a_read_only_data_path(cluster, lake, small_data_path, demo_corpus, tmp_
     assert "waiting for the lake's data path" in said and "Read-only file system" in said, said
     subprocess.run(["mount", "-o", "remount,rw", str(small_data_path)], check=True)
     took = _time_to_go_on(cluster)
-    run_id = _finish(proc, cluster)
+    run_id = _finish(cluster, run)
     _assert_rode_it_out(cluster, run_id, lake)
     print(f"\ndata path read-only: the writer went on {took:.1f} s after the remount read-write")
 
