@@ -529,7 +529,13 @@ class Writer:
         orphans = ""
         if pause.data_path:
             orphans = self._count_orphans()
-        log.warning("%s is back after %.1f s (%d tries); storing again%s", pause.waits_for, took, pause.tries, orphans)
+        log.warning(
+            "%s is back after %.1f s (%d failed attempt(s)); storing again%s",
+            pause.waits_for,
+            took,
+            pause.tries,
+            orphans,
+        )
         try:
             self.lease.clear_paused()
         except redis.RedisError:

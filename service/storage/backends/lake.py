@@ -450,16 +450,16 @@ class LakeBackend(Backend):
     def _translate(self, exc: BaseException) -> Exception | None:
         if isinstance(exc, StoreError):
             return None
+        fault = lake_fault(exc, self.label)  # first: a commit that lost its catalogue is no conflict
+        if fault is not None:
+            if fault.waits_for == CATALOGUE:
+                self._forget_root()  # its connections to PostgreSQL are dead: attach afresh next time
+            return self._redacted_fault(fault)
         if self.is_conflict(exc):
             return StoreConflict(
                 f"{self.label}: a concurrent transaction changed the same rows; the unit of work is tried again"
             )
-        fault = lake_fault(exc, self.label)
-        if fault is None:
-            return None
-        if fault.waits_for == CATALOGUE:
-            self._forget_root()  # its connections to PostgreSQL are dead: attach afresh next time
-        return self._redacted_fault(fault)
+        return None
 
     def _redacted_fault(self, fault: StoreUnavailable) -> StoreUnavailable:
         if self.password and self.password in str(fault) + fault.cause:
