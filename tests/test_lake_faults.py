@@ -162,3 +162,29 @@ def test_a_catalogue_session_ended_by_the_server_is_reattached(lake):
     assert caught.value.waits_for == CATALOGUE
     with backend.transaction(read_only=True) as conn:
         assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == before
+
+
+def test_catalogue_sessions_ended_by_idle_session_timeout_are_reattached(lake):
+    """PostgreSQL's idle_session_timeout ends the lake's sessions while the process sits idle: the
+    next transaction reports the catalogue unavailable, the one after attaches afresh."""
+    import time
+
+    import lake_support
+
+    def alter(setting: str) -> None:
+        done = lake_support._psql(f'ALTER DATABASE "{lake.name}" {setting}')
+        assert done.returncode == 0, done.stderr
+
+    backend = lake.backend()
+    alter("SET idle_session_timeout = '1s'")
+    lake.release()  # sessions opened from now on end after 1 s idle
+    with backend.transaction(read_only=True) as conn:
+        before = conn.execute(text("SELECT count(*) FROM runs")).scalar()
+    alter("RESET idle_session_timeout")  # the sessions attached afresh keep theirs
+    time.sleep(2.5)
+    with pytest.raises(StoreUnavailable) as caught:
+        with backend.transaction(read_only=True) as conn:
+            conn.execute(text("SELECT count(*) FROM runs")).scalar()
+    assert caught.value.waits_for == CATALOGUE
+    with backend.transaction(read_only=True) as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == before
