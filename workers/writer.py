@@ -211,7 +211,8 @@ class Writer:
                 log.warning("broker unreachable (%s); waiting for it", exc)
                 time.sleep(1.0)
         self._pause: Pause | None = None  # what the writer waits for, while its lake is unavailable
-        self._resumed_at = (-FLAP_S, PAUSE_FIRST_S)  # when the last pause ended, and its last wait
+        # when the last pause ended, its last wait, and what it waited for
+        self._resumed_at: tuple[float, float, tuple[str, str] | None] = (-FLAP_S, PAUSE_FIRST_S, None)
         try:
             with self.lease.kept():  # waiting, or creating or upgrading the schema, can outlast the lease
                 while True:  # a lake whose catalogue is not up yet: wait for it
@@ -484,16 +485,19 @@ class Writer:
         if pause is None or (pause.waits_for, pause.cause) != (exc.waits_for, exc.cause):
             if pause is None:
                 pause = self._pause = Pause(exc.waits_for, exc.cause, time.monotonic(), time.time())
-                if time.monotonic() - self._resumed_at[0] < FLAP_S:  # the probe passed, the work did not:
-                    pause.delay = self._resumed_at[1]  # go on backing off (a data path with little room)
-                verb = "paused"
+                ended, delay, cause = self._resumed_at
+                again = time.monotonic() - ended < FLAP_S  # the probe passed, the work did not (a data
+                if again:  # path with little room): go on backing off, and say it once
+                    pause.delay = delay
+                verb = "" if again and cause == (exc.waits_for, exc.cause) else "paused"
             else:
                 pause.waits_for, pause.cause = exc.waits_for, exc.cause
                 verb = f"still paused ({time.monotonic() - pause.since:.1f} s)"
-            log.error(
+            log.log(
+                logging.ERROR if verb else logging.DEBUG,
                 "%s: %s; %s message(s) wait in Redis (none is lost); waiting for %s, trying again every %.1f s "
                 "doubling to %.0f s",
-                verb,
+                verb or "paused again",
                 exc,
                 self._backlog(),
                 exc.waits_for,
@@ -524,7 +528,7 @@ class Writer:
         writes left; the messages go back on the queue and are stored now."""
         pause, self._pause = self._pause, None
         assert pause is not None
-        self._resumed_at = (time.monotonic(), pause.delay)
+        self._resumed_at = (time.monotonic(), pause.delay, (pause.waits_for, pause.cause))
         took = time.monotonic() - pause.since
         orphans = ""
         if pause.data_path:

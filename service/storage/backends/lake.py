@@ -177,19 +177,19 @@ def lake_fault(exc: BaseException, label: str = "the lake") -> StoreUnavailable 
         return exc
     orig = getattr(exc, "orig", None) or exc
     if isinstance(orig, OSError) and orig.errno in DATA_PATH_ERRNOS:
-        cause = f"{orig.strerror}: {orig.filename}" if orig.filename else str(orig.strerror)
-        return _unavailable(DATA_PATH, cause, label)
+        detail = f"{orig.strerror}: {orig.filename}" if orig.filename else str(orig.strerror)
+        return _unavailable(DATA_PATH, os.strerror(orig.errno), detail, label)
     if not isinstance(orig, duckdb.Error):
         return None
     message = str(orig)
     if isinstance(orig, duckdb.IOException):
         for words, _why in DATA_PATH_FULL:
             if words in message:
-                return _unavailable(DATA_PATH, _first_line(message), label)
+                return _unavailable(DATA_PATH, words, _first_line(message), label)
     low = message.lower()
     for words, _why in CATALOGUE_LOST:
         if words.lower() in low:
-            return _unavailable(CATALOGUE, words, label)
+            return _unavailable(CATALOGUE, words, words, label)
     return None
 
 
@@ -197,11 +197,12 @@ def _first_line(message: str) -> str:
     return next((line.strip() for line in message.splitlines() if line.strip()), "")[:300]
 
 
-def _unavailable(waits_for: str, cause: str, label: str) -> StoreUnavailable:
+def _unavailable(waits_for: str, cause: str, detail: str, label: str) -> StoreUnavailable:
+    """``cause``: the words matched (what a writer tells apart); ``detail``: what the message shows."""
     if waits_for == CATALOGUE:
-        text_ = f"lost the connection to {waits_for} of {label} ({cause}); nothing was committed"
+        text_ = f"lost the connection to {waits_for} of {label} ({detail}); nothing was committed"
     else:
-        text_ = f"{waits_for} of {label} takes no file now ({cause}); nothing was committed"
+        text_ = f"{waits_for} of {label} takes no file now ({detail}); nothing was committed"
     return StoreUnavailable(text_, waits_for=waits_for, cause=cause)
 
 
