@@ -156,8 +156,6 @@ class Forwarder:
 
 
 def test_no_postgresql_listening_when_the_writer_starts(cluster, lake, demo_corpus, tmp_path):
-    from headatlas.workers.status import writer_pauses
-
     forwarder = Forwarder(("127.0.0.1", 5432))
     # the writer reaches the catalogue through a port where nothing listens yet
     cluster.env["HEADATLAS_DB"] = cluster.db = f"{lake.url} host=127.0.0.1 port={forwarder.port}"
@@ -165,6 +163,8 @@ def test_no_postgresql_listening_when_the_writer_starts(cluster, lake, demo_corp
         cluster.start_writer()
         _wait_for(lambda: "paused: lost the connection to the lake's catalogue" in _log(cluster), cluster, "pause")
         assert "Connection refused" in _log(cluster)
+        from headatlas.workers.status import writer_pauses
+
         _wait_for(lambda: writer_pauses(cluster.redis), cluster, "the pause said to status")
         status = invoke_cli("status", env=cluster.env)  # the catalogue is down for status too: it says why
         assert status.returncode != 0
