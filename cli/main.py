@@ -910,16 +910,15 @@ def db_copy(
 
 @app.command()
 def config() -> None:
-    """Show the settings read from HEADATLAS_* environment variables."""
-    from headatlas.service.storage.backends import label
+    """Show the settings read from HEADATLAS_* environment variables; a value outside its allowed
+    range is marked BAD with the reason, and the command then exits 2."""
+    from headatlas.service.config import check_values
 
-    current = Settings.from_env()
-    shown = {"HEADATLAS_DB": label}  # a lake's catalogue password is never printed
-    rows = [
-        (var, shown.get(var, str)(getattr(current, var[len("HEADATLAS_") :].lower())), default, text)
-        for var, default, text in Settings.help()
-    ]
-    render(["variable", "value", "default", "meaning"], rows, Format.table)
+    rows, bad = check_values(os.environ)  # a lake's catalogue password is never printed
+    render(["variable", "value", "default", "check", "meaning"], rows, Format.table)
+    if bad:
+        print(f"error: {len(bad)} bad setting{'s' if len(bad) > 1 else ''}: {', '.join(bad)}", file=sys.stderr)
+        raise typer.Exit(2)
 
 
 def _query(
@@ -988,6 +987,10 @@ def _check_layer_head(run, layer: int, head: int | None) -> None:
 from headatlas.cli.visual import register as _register_visual  # noqa: E402
 
 _register_visual(app)
+
+from headatlas.cli.effects_command import register as _register_effects  # noqa: E402
+
+_register_effects(app)
 
 
 class _NoInterruptTracebacks(logging.Filter):

@@ -25,7 +25,16 @@ from headatlas.service.params import AnalysisParams
 def setting(name: str, *decls: str, help: str, **kwargs) -> Any:  # noqa: A002 - typer's name
     """An option whose default is a Settings field, overridden by its HEADATLAS_* variable. Typed
     ``Any`` as ``typer.Option`` is: it stands as the default of a parameter of the value's type."""
-    return typer.Option(Settings.default(name), *decls, envvar=f"HEADATLAS_{name.upper()}", help=help, **kwargs)
+    from headatlas.service.config import check_setting
+
+    flag = next((d for d in decls if d.startswith("--")), None)
+
+    def check(value):  # the range declared with the setting, whether from the option or its variable
+        return value if value is None else check_setting(name, value, flag=flag)
+
+    return typer.Option(
+        Settings.default(name), *decls, envvar=f"HEADATLAS_{name.upper()}", help=help, callback=check, **kwargs
+    )
 
 
 Db = setting(

@@ -112,12 +112,13 @@ def _wait(settings, sub, resubmit=None) -> None:
     import kombu.exceptions
     import redis
 
-    from headatlas.service.errors import BrokerError
+    from headatlas.service.errors import BrokerError, BrokerOutOfMemory
+    from headatlas.workers.broker_errors import refusal
     from headatlas.workers.lease import broker_epoch
     from headatlas.workers.ledger import Ledger, connect
 
     ledger = Ledger(connect(settings.broker_url, check=False), sub.database_id)
-    started, base, away, live = time.monotonic(), None, False, None
+    started, base, away, full, live = time.monotonic(), None, False, False, None
     stranded: tuple[float, int, set[int]] | None = None  # first seen: when, batches done then, which
     with progress_bar("batches", "{task.fields[failed]} failed") as bar:
         task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
@@ -135,9 +136,9 @@ def _wait(settings, sub, resubmit=None) -> None:
                     if again.status == "done":  # the database holds it all: Redis has nothing left to say
                         live = None
                         break
-                if away:
+                if away or full:
                     stderr.print("the broker is back; waiting for the run")
-                    away = False
+                    away = full = False
                 if base is None:
                     base = ledger.windows_done(sub.run_key)
                 live = ledger.live(sub.run_key)
@@ -148,6 +149,15 @@ def _wait(settings, sub, resubmit=None) -> None:
                 _check_writer(ledger, sub, settings)
                 if resubmit is not None:
                     stranded = _requeue_stranded(ledger, sub, stranded, live.done, resubmit)
+            except (redis.ResponseError, BrokerOutOfMemory) as exc:
+                refused = exc if isinstance(exc, BrokerOutOfMemory) else refusal(settings.broker_url, exc)
+                if not isinstance(refused, BrokerOutOfMemory):
+                    raise
+                if not full:  # the workers cannot store a result either: the run waits for memory
+                    stderr.print(f"{refused}; waiting for it")
+                    full = True
+                time.sleep(1.0)
+                continue
             except (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError, BrokerError) as exc:
                 if not away:
                     stderr.print(
@@ -228,8 +238,9 @@ def worker(
     import re
 
     from headatlas.service.errors import ModelError
-    from headatlas.workers.launch import run_worker
+    from headatlas.workers.launch import check_concurrency, run_worker
 
+    check_concurrency(concurrency)  # before anything starts
     if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ModelError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
     settings = _settings(broker_url=broker, device=device)
@@ -258,7 +269,8 @@ def status(
     fmt: Format = options.Fmt,
 ) -> None:
     """Where a run stands: batches done / running / failed / pending, windows/s, ETA."""
-    from headatlas.service.errors import BrokerError
+    from headatlas.service.errors import BrokerDatabaseOutOfRange, BrokerError, BrokerOutOfMemory
+    from headatlas.workers.broker_errors import refusals_said
     from headatlas.workers.ledger import connect
     from headatlas.workers.status import run_status
 
@@ -274,10 +286,13 @@ def status(
         raise
     try:
         client = connect(broker)
+    except (BrokerOutOfMemory, BrokerDatabaseOutOfRange):
+        raise  # a Redis that is there but refuses: its fix, not the database's counts
     except BrokerError as exc:
         client = None
         stderr.print(f"{exc}; showing what the database knows")
-    state = run_status(_store(db), run, client)
+    with refusals_said(broker):
+        state = run_status(_store(db), run, client)
     # json: named fields with raw values; table and csv: the readable field/value rows
     render_record(state.record() if fmt == Format.json else dict(state.rows()), fmt)
 
@@ -306,6 +321,7 @@ def retry(
     from headatlas.service.errors import CorpusError
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.queue_store import progress, run_and_plan
+    from headatlas.workers.broker_errors import refusals_said
     from headatlas.workers.ledger import Ledger, connect
     from headatlas.workers.submit import submit as submit_corpus
 
@@ -320,9 +336,10 @@ def retry(
     from headatlas.workers.lease import target_database
 
     client = connect(broker)
-    ledger = Ledger(client, target_database(client, db, broker, writer_wait))
-    ledger.reset_failed(found.run_key, failed)
-    ledger.send_to_writer("reopen", run_key=found.run_key)
+    with refusals_said(broker, kept="nothing was queued again; retry once it has room"):
+        ledger = Ledger(client, target_database(client, db, broker, writer_wait))
+        ledger.reset_failed(found.run_key, failed)
+        ledger.send_to_writer("reopen", run_key=found.run_key)
     params = AnalysisParams.from_dict(found.params)
     try:
         sub = submit_corpus(

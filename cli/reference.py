@@ -1,8 +1,10 @@
-"""The CLI reference, docs/cli.md, generated from every command's ``--help``, and the metric list,
-docs/metrics.md, from the metric declarations (``service.metrics``, as ``headatlas metrics``).
+"""The CLI reference, docs/cli.md, generated from every command's ``--help``; the metric list,
+docs/metrics.md, from the metric declarations (``service.metrics``, as ``headatlas metrics``); the
+settings table of docs/configuration.md, from the settings' declarations (``service.config``, as
+``headatlas config``).
 
-    python -m headatlas.cli.reference          # rewrite docs/cli.md and docs/metrics.md
-    python -m headatlas.cli.reference --check  # exit 1 when either is stale (run by the tests)
+    python -m headatlas.cli.reference          # rewrite docs/cli.md, docs/metrics.md, the settings table
+    python -m headatlas.cli.reference --check  # exit 1 when one is stale (run by the tests)
 
 Generated in a fixed terminal width and without HEADATLAS_* variables, so that the defaults shown
 are the built-in ones, whoever runs it.
@@ -16,6 +18,8 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 METRICS_OUT = OUT.with_name("metrics.md")
+CONFIG_OUT = OUT.with_name("configuration.md")
+TABLE_START, TABLE_END = "<!-- settings table: generated, see cli/reference.py -->", "<!-- end of settings table -->"
 WIDTH = "100"
 
 HEADER = """# CLI reference
@@ -82,9 +86,25 @@ def render_metrics() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_configuration(page: str) -> str:
+    """docs/configuration.md with its settings table made again from the declarations: each
+    variable's default, allowed values and meaning."""
+    from headatlas.service.config import Settings, allowed
+
+    lines = [TABLE_START, "| variable | default | allowed | meaning |", "|---|---|---|---|"]
+    for var, default, meaning in Settings.help():
+        name = var[len("HEADATLAS_") :].lower()
+        shown = f"`{default}`" if default else "—"
+        lines.append(f"| `{var}` | {shown} | {allowed(name).text} | {meaning} |")
+    lines.append(TABLE_END)
+    head, rest = page.split(TABLE_START, 1)
+    return head + "\n".join(lines) + rest.split(TABLE_END, 1)[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     pages = {OUT: render(), METRICS_OUT: render_metrics()}
+    pages[CONFIG_OUT] = render_configuration(CONFIG_OUT.read_text(encoding="utf-8"))
     if "--check" in argv:
         for path, text in pages.items():
             if not path.exists() or path.read_text(encoding="utf-8") != text:

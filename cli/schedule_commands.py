@@ -75,11 +75,13 @@ def _render_one(sched, fmt: Format, **more) -> None:
 
 
 def _check_name(name: str) -> str:
+    """A schedule name starts the names of its runs: it is checked as they are."""
     from headatlas.service.errors import ParameterError
+    from headatlas.service.storage.run_labels import check_label
 
     if not name.strip():
         raise ParameterError("schedule name is empty: pass a name, e.g. `headatlas schedule add nightly --corpus …`")
-    return name
+    return check_label(name, what="schedule name")
 
 
 @schedule_app.command("add")
@@ -234,8 +236,12 @@ def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerO
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, name)
     result = fire(settings, sched, now().replace(microsecond=0), kind="manual")
+    if result.status == "in_hand":
+        raise HeadatlasError(f"schedule {name} has a fire being submitted by a beat: try again when it is done")
     if not result.claimed:
         raise HeadatlasError(f"schedule {name} was fired this very second already: try again")
+    if result.resumed:
+        stdout.print(f"schedule {name}: submitted a fire a stopped beat had left, not a new one", markup=False)
     if result.status == "error":
         raise HeadatlasError(result.error)
     if result.status == "no_new_documents":

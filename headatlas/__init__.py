@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path as _Path
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "analyze", "connect", "inspect"]
+__all__ = ["__version__", "analyze", "connect", "effects", "inspect"]
 
 # Installed, service/, workers/, cli/ and migrations/ are subpackages inside this folder. In a
 # source checkout they sit beside it (the repository keeps the design's folders at its top level),
@@ -27,7 +27,7 @@ if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py
     __path__.append(str(_here.parent))
 
 
-_LAZY = ("analyze", "connect", "inspect")
+_LAZY = ("analyze", "connect", "effects", "inspect")
 
 
 def __getattr__(name: str):

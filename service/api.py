@@ -580,3 +580,41 @@ def _inspect_model(spec: str, device: str) -> LoadedModel:
 
     check_model_spec(spec, seq_len=2, device=device)  # the shape and memory; seq_len is checked per call
     return load_model(spec, device=device)
+
+
+@_in_python_terms
+def effects(
+    corpus: str | Path,
+    model: str | LoadedModel = DEFAULTS["model"],
+    *,
+    kinds: str = "zero,mean",
+    windows: int = 16,
+    reference: int = 256,
+    seq_len: int = DEFAULTS["seq_len"],
+    batch_size: int = 4,
+    device: str = DEFAULTS["device"],
+) -> Table:
+    """Which heads the model needs (SPEC §9), measured on ``corpus`` in this process, nothing
+    stored: one row per head with ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the
+    model's own objective) and ``importance`` (``kinds`` with ``gradient``), each with its 95%
+    interval (``_lo``, ``_hi``), and the output drift of each ablation. ``.notes`` says what the
+    effects are measured against. The same as ``headatlas effects``."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.effect_runs import measure_effects
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.engine.model_check import check_loaded
+    from headatlas.service.measures.effects import parse_kinds
+
+    params = build_params(seq_len=seq_len)
+    loaded = model if isinstance(model, LoadedModel) else _inspect_model(model, device)
+    check_loaded(loaded, params.seq_len)
+    result = measure_effects(
+        str(corpus),
+        loaded,
+        params,
+        kinds=parse_kinds(kinds),
+        windows=windows,
+        reference=reference,
+        batch_size=batch_size,
+    )
+    return Table.of(result.columns, result.rows, what=f"head effects: {result.model}", notes=[result.note()])

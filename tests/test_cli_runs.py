@@ -89,7 +89,18 @@ def test_a_name_asked_for_an_identical_analysis_becomes_its_alias(atlas):
 
 @pytest.mark.parametrize(
     "name,words",
-    [("42", ["run id", "run-42"]), ("two\nlines", ["control character"]), ("tab\there", ["control character"])],
+    [
+        ("42", ["run id", "run-42"]),
+        ("two\nlines", ["control character"]),
+        ("tab\there", ["control character"]),
+        ("report\u202efdp.exe", ["U+202E", "RIGHT-TO-LEFT OVERRIDE", "reorders"]),
+        ("a\u2066b", ["U+2066", "reorders"]),
+        ("zero\u200bwidth", ["U+200B", "ZERO WIDTH SPACE", "invisible"]),
+        ("zw\u200cnj", ["U+200C"]),
+        ("zw\u200dj", ["U+200D"]),
+        ("word\u2060joiner", ["U+2060"]),
+        ("\ufeffbom", ["U+FEFF"]),
+    ],
 )
 def test_names_that_are_ids_or_hold_control_characters_are_refused(atlas, corpora, name, words):
     db, _ = atlas

@@ -248,11 +248,20 @@ def test_two_claims_of_one_fire_on_a_lake_make_one(lake):
         batch_size=4,
         params=PARAMS.to_dict(),
         cadence=Cadence(None, 60, "UTC", now()),
-        only_new=False,
+        only_new=True,
     )
     fire = sched.next_fire + timedelta(seconds=0)
-    assert schedule_store.claim(lake.url, sched.schedule_id, fire, kind="manual")
-    assert not schedule_store.claim(lake.url, sched.schedule_id, fire, kind="manual")
+    a, b = {"holder": "beat-a", "lease_s": 60}, {"holder": "beat-b", "lease_s": 60}
+    assert schedule_store.claim(lake.url, sched.schedule_id, fire, kind="manual", doc_ids=["d1"], at=fire, **a)
+    assert not schedule_store.claim(lake.url, sched.schedule_id, fire, kind="manual", at=fire, **b)
+    # beat-a died: beat-b takes its fire over once the lease has run out, with its documents
+    later = fire + timedelta(seconds=61)
+    taken = schedule_store.claim(lake.url, sched.schedule_id, later, kind="manual", doc_ids=["d2"], at=later, **b)
+    assert taken is not None and (taken.fire_time, taken.doc_ids, taken.resumed) == (fire, ["d1"], True)
+    schedule_store.finish_fire(lake.url, sched.schedule_id, fire, status="submitted", run_key="k", documents=1)
+    with schedule_store.read(lake.url) as conn:
+        assert schedule_store.seen_documents(conn, sched.schedule_id) == {"d1"}
+        assert schedule_store.in_hand(conn, sched.schedule_id) is None
     with pytest.raises(Exception, match="exists"):
         schedule_store.add(
             lake.url,

@@ -154,8 +154,9 @@ def test_a_bad_setting_is_a_one_line_error_when_the_command_runs():
         [sys.executable, "-c", "import headatlas.cli.main"], env=env, capture_output=True, text=True, timeout=120
     )
     assert imported.returncode == 0, imported.stderr  # nothing is read at import
-    done = invoke("config", env={"HEADATLAS_MAX_ATTEMPTS": "many"})
-    assert done.exit_code == 2 and done.output.strip() == "error: HEADATLAS_MAX_ATTEMPTS='many': expected a int"
+    done = invoke("analyze", "x.txt", env={"HEADATLAS_MAX_ATTEMPTS": "many"})
+    assert done.exit_code == 2
+    assert done.output.strip() == "error: HEADATLAS_MAX_ATTEMPTS='many': expected an integer from 1 to 100"
     done = invoke("analyze", "x.txt", env={"HEADATLAS_BATCH_SIZE": "lots"})
     assert done.exit_code == 2 and done.output.strip() == "error: --batch-size 'lots': use a positive integer or auto"
     done = invoke("sql", "SELECT 1", env={"HEADATLAS_SQL_MAX_ROWS": "all"})
@@ -192,3 +193,98 @@ def test_the_usage_page_states_the_declared_defaults():
         assert value in accepted, (option.flag, value, default)
         checked += 1
     assert checked >= 10
+
+
+# a value each setting refuses; several for the numbers that harmed runs when they were accepted
+BAD_SETTINGS = [
+    ("db", "  "),
+    ("db", "runs\n.duckdb"),
+    ("data_path", "lake\tfiles"),
+    ("model", ""),
+    ("device", "gpu"),
+    ("batch_size", "0"),
+    ("batch_size", "lots"),
+    ("broker_url", "http://127.0.0.1:6379"),
+    ("spool_dir", "spool\x1b[31m"),
+    ("task_time_limit_s", "-5"),
+    ("task_time_limit_s", "0"),
+    ("task_time_limit_s", "nan"),
+    ("task_time_limit_s", "inf"),
+    ("max_attempts", "0"),
+    ("max_attempts", "-1"),
+    ("max_attempts", "1.5"),
+    ("sql_max_rows", "0"),
+    ("sql_timeout_s", "nan"),
+    ("sql_timeout_s", "-1"),
+    ("attribution_chunk", "0"),
+    ("store_every_s", "-1"),
+    ("store_every_s", "inf"),
+]
+
+
+def test_every_setting_has_a_bad_value_tested():
+    from headatlas.service.config import Settings
+
+    assert {name for name, _ in BAD_SETTINGS} == {f.name for f in fields(Settings)}
+
+
+@pytest.mark.parametrize("name, raw", BAD_SETTINGS)
+def test_a_setting_out_of_its_range_is_refused_where_it_is_read_and_flagged_by_config(name, raw):
+    from headatlas.service.config import Settings, allowed
+
+    variable = f"HEADATLAS_{name.upper()}"
+    with pytest.raises(ParameterError) as refused:
+        Settings.from_env({variable: raw})
+    assert str(refused.value) == f"{variable}={raw!r}: expected {allowed(name).text}"
+    assert "\n" not in str(refused.value)
+    try:
+        value = type(Settings.default(name))(raw)
+    except ValueError:
+        pass  # not even of the setting's type
+    else:  # built in code (a command's option over the environment): refused there too
+        with pytest.raises(ParameterError, match=re.escape(variable)):
+            Settings(**{name: value})
+    shown = invoke("config", env={"COLUMNS": "300", variable: raw})
+    assert shown.exit_code == 2
+    [row] = [line for line in shown.stdout.splitlines() if line.startswith(variable)]
+    assert f"BAD: expected {allowed(name).text}" in row
+    assert shown.stderr.strip() == f"error: 1 bad setting: {variable}"
+    assert [line for line in shown.stdout.splitlines() if "BAD" in line] == [row]
+
+
+def test_config_passes_good_values():
+    shown = invoke("config", env={"HEADATLAS_MAX_ATTEMPTS": "5", "HEADATLAS_TASK_TIME_LIMIT_S": "0.5"})
+    assert shown.exit_code == 0 and "BAD" not in shown.stdout
+
+
+@pytest.mark.parametrize(
+    "command, variable, raw",
+    [
+        (["worker", "--device", "cpu"], "HEADATLAS_MAX_ATTEMPTS", "0"),
+        (["worker", "--device", "cpu"], "HEADATLAS_TASK_TIME_LIMIT_S", "nan"),
+        (["writer"], "HEADATLAS_TASK_TIME_LIMIT_S", "-5"),
+        (["beat"], "HEADATLAS_MAX_ATTEMPTS", "-1"),
+    ],
+)
+def test_processes_refuse_a_bad_setting_before_they_start(monkeypatch, tmp_path, command, variable, raw):
+    from headatlas.workers import beat, launch
+
+    started = []
+    monkeypatch.setattr(launch, "run_writer", lambda settings: started.append(settings))
+    monkeypatch.setattr(launch, "run_worker", lambda settings, **kw: started.append(settings))
+    monkeypatch.setattr(beat.Beat, "run", lambda self: started.append(self.settings))
+    env = {variable: raw, "HEADATLAS_DB": str(tmp_path / "w.duckdb"), "HEADATLAS_BROKER_URL": "redis://127.0.0.1:1/0"}
+    done = CliRunner().invoke(app, command, env={**WIDE, **env})
+    assert done.exit_code == 2 and started == []
+    assert done.output.strip().splitlines()[-1].startswith(f"error: {variable}={raw!r}: expected ")
+
+
+def test_a_bad_database_setting_never_prints_its_password():
+    from headatlas.service.config import Settings
+
+    url = "ducklake:postgres:dbname=x password=s3cr3t-Pa55 host=h\t"
+    with pytest.raises(ParameterError) as refused:
+        Settings.from_env({"HEADATLAS_DB": url})
+    shown = invoke("config", env={"COLUMNS": "300", "HEADATLAS_DB": url})
+    assert shown.exit_code == 2 and "BAD" in shown.stdout
+    assert "s3cr3t" not in str(refused.value) + shown.stdout + shown.stderr

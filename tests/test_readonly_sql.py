@@ -166,10 +166,13 @@ def test_empty_multiple_and_malformed_sql_is_refused(db_path: Path, sql: str, ex
     ],
     ids=["read_csv", "read_text", "read_blob", "glob", "read_parquet", "replacement_scan", "http"],
 )
-def test_file_reading_selects_fail_in_the_engine(db_path: Path, sql: str) -> None:
-    assert check_select_only(sql)  # passes the statement check: the engine must stop it
-    with pytest.raises(StoreError, match="query failed: Permission Error"):
+def test_file_reading_selects_are_refused_and_fail_in_the_engine(db_path: Path, sql: str) -> None:
+    assert check_select_only(sql)  # a SELECT by its statement: the sandbox's inspection refuses it ...
+    with pytest.raises(StoreError, match=r"^(refused: table function \w+\(\) is not allowed|query failed: Permission)"):
         run_readonly_sql(db_path, sql)
+    # ... and the engine alone, had the inspection missed it, stops it too (defence in depth)
+    with connect_readonly(db_path) as connection, pytest.raises(duckdb.Error, match="Permission Error"):
+        connection.execute(sql).fetchall()
 
 
 @pytest.mark.parametrize(

@@ -92,16 +92,28 @@ def test_a_fire_is_claimed_once(tmp_path):
         only_new=True,
     )
     t = sched.next_fire
-    assert schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["a", "b"])
-    assert not schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["c"])  # a second beat
-    assert not schedule_store.claim(db, sched.schedule_id, t - timedelta(seconds=5), kind="scheduled")  # stale
+    one, two = {"holder": "beat-1", "lease_s": 60}, {"holder": "beat-2", "lease_s": 60}
+    got = schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["a", "b"], at=t, **one)
+    assert got is not None and (got.fire_time, sorted(got.doc_ids), got.resumed) == (t, ["a", "b"], False)
+    assert schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", doc_ids=["c"], at=t, **two) is None
+    later = t + timedelta(seconds=5)  # the next slot, while the first fire is still in hand: it waits
+    assert schedule_store.claim(db, sched.schedule_id, later, kind="scheduled", doc_ids=["c"], at=later, **two) is None
+    with Store(db).checked_read() as conn:
+        assert schedule_store.seen_documents(conn, sched.schedule_id) == set()  # claimed is not sent
+    # the first beat died: once its lease has run out, a second beat takes the fire over, same documents
+    stale = t + timedelta(seconds=61)
+    taken = schedule_store.claim(db, sched.schedule_id, stale, kind="scheduled", doc_ids=["c"], at=stale, **two)
+    assert taken is not None and (taken.fire_time, sorted(taken.doc_ids), taken.resumed) == (t, ["a", "b"], True)
+    schedule_store.finish_fire(db, sched.schedule_id, t, status="submitted", run_key="k", run_name="s-1", documents=2)
+    assert not schedule_store.claim(db, sched.schedule_id, t - timedelta(seconds=5), kind="scheduled", **two)  # stale
     with Store(db).checked_read() as conn:
         after = schedule_store.get(conn, "s")
         assert schedule_store.seen_documents(conn, sched.schedule_id) == {"a", "b"}
+        assert schedule_store.in_hand(conn, sched.schedule_id) is None
     assert after.last_fire == t and after.next_fire > max(t, now() - timedelta(seconds=1))
     schedule_store.set_enabled(db, "s", False)
-    assert not schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="scheduled")  # paused
-    assert schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="manual")  # run-now still fires
+    assert not schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="scheduled", **one)  # paused
+    assert schedule_store.claim(db, sched.schedule_id, after.next_fire, kind="manual", **one)  # run-now still fires
     with pytest.raises(ParameterError, match="exists"):
         schedule_store.add(
             db,

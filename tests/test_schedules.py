@@ -365,6 +365,7 @@ def test_cli_errors(tmp_path):
             "'0 3 * *' is not a cron expression",
         ),
         (["schedule", "add", "x", "--corpus", str(tmp_path), "--every", "6 hours"], "is not an interval"),
+        (["schedule", "add", "night\u202ely", "--corpus", str(tmp_path), "--every", "1h"], "holds U+202E"),
     ]
     (tmp_path / "c.txt").write_text("A document.\n", encoding="utf-8")
     added = invoke_cli("schedule", "add", "dup", "--corpus", str(tmp_path / "c.txt"), "--cron", "0 3 * * *", env=env)
@@ -405,3 +406,57 @@ def test_schedule_commands_store_what_they_say(tmp_path):
     after = stored()
     assert after.enabled and f"next fire {after.next_fire}" in resumed.stdout
     assert before < after.next_fire <= now() + timedelta(seconds=2)  # from now on: nothing missed caught up
+
+
+def test_a_fire_left_by_a_killed_beat_is_submitted_by_the_next(queue_cluster, demo_corpus, tmp_path):
+    """A beat killed (SIGKILL) between its claim and its submission: Redis refuses writes for a
+    few seconds, so the beat claims a fire in the database and then waits in its submission, where
+    it is killed. The next beat takes the fire over once its lease has run out: the documents it
+    held are analysed, once, and no fire or run is left in hand."""
+    import redis
+
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.storage.store import now
+    from headatlas.workers.lease import holder
+
+    cluster = queue_cluster
+    folder = tmp_path / "growing"
+    folder.mkdir()
+    parts = _parts(tmp_path, demo_corpus, 2)
+    shutil.copy(parts[0], folder / "a.txt")
+    expected = {d.doc_id for d in iter_documents(str(parts[1]))}
+    client = redis.Redis.from_url(cluster.env["HEADATLAS_BROKER_URL"])
+    cluster._start("killed-beat", "beat", "--tick", "0.3")
+    try:
+        _add(cluster, "crash", folder, every=2, only_new=True, at=now())
+        _wait("a first fire", lambda: [f for f in _fires(cluster, "crash") if f[2] == "submitted"], 90, cluster)
+        # the writer and workers keep their leases for 10 s: a pause of a few seconds loses none
+        client.execute_command("CLIENT", "PAUSE", 15_000, "WRITE")  # reads (the beat's ping) still answered
+        try:
+            shutil.copy(parts[1], tmp_path / "incoming.txt")
+            (tmp_path / "incoming.txt").rename(folder / "b.txt")
+            _wait("the fire claimed", lambda: [f for f in _fires(cluster, "crash") if f[2] == "claimed"], 10, cluster)
+            time.sleep(0.3)  # in its submission, waiting for Redis
+            cluster.kill("killed-beat")
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+    finally:
+        cluster.stop_process("killed-beat")
+    left = _fires(cluster, "crash")[-1]
+    assert left[2] == "claimed" and left[4] is None  # claimed, never submitted
+    _wait("the writer's lease", lambda: holder(client)[0] is not None, 30, cluster)
+
+    clock = Clock(now().replace(microsecond=0) + timedelta(seconds=120))  # past the dead beat's lease
+    beat = _beat(cluster, clock)
+    _tick(beat)
+    clock.advance(2)
+    _tick(beat)
+    fires = [f for f in _fires(cluster, "crash") if f[0] >= left[0]]  # (fires before it found nothing new)
+    assert [(f[2], f[5]) for f in fires] == [("submitted", len(expected)), ("no_new_documents", 0)], fires
+    run = fires[0][4]
+    assert cluster.wait_status(run, timeout=90) == "done"
+    assert _doc_ids(cluster, run) == expected  # the documents the dead beat held, in one run
+    assert _read(cluster, "SELECT count(*) FROM runs WHERE name LIKE 'crash-%'") == [(2,)]
+    for first in _read(cluster, "SELECT name FROM runs WHERE name LIKE 'crash-%' AND name <> :n", n=run):
+        assert cluster.wait_status(first[0], timeout=90) == "done"
+    _cli(cluster, "schedule", "remove", "crash")

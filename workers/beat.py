@@ -6,6 +6,12 @@ fire has come, claims the fire in the database and submits the run. The claim â€
 (schedule, fire time) row â€” is what makes a fire create at most one run: two beat processes, or
 one handling a tick twice, race for the same key and one insert wins.
 
+A beat that dies between a claim and the end of its submission leaves the fire ``claimed``: the
+claim carries a lease (holder, until when) that the beat renews while it submits, and once it has
+run out the next beat to find the schedule due takes that fire over and submits it again, with
+the documents it held (submission is idempotent: a run half queued is completed). An
+``only_new`` fire's documents count as sent only once its run is submitted.
+
 Missed fires (beat was down): only the latest scheduled time that has passed fires, once; the
 next fire is the first scheduled time after now.
 
@@ -21,11 +27,14 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from headatlas.service.config import Settings
@@ -65,6 +74,7 @@ class Fired:
     run_name: str | None = None
     documents: int | None = None
     error: str | None = None
+    resumed: bool = False  # the fire submitted was one another process had left
 
 
 def spool_folder(settings: Settings, schedule: str) -> Path:
@@ -76,28 +86,68 @@ def spool_folder(settings: Settings, schedule: str) -> Path:
     return base / "schedules" / schedule
 
 
-def fire(
-    settings: Settings, sched: Schedule, fire_time: datetime, *, kind: str = "scheduled", at: datetime | None = None
-) -> Fired:
-    """Claim (schedule, fire_time) and, when this caller won the claim, submit its run. ``at``: the
-    time of the claim (default now)."""
-    from headatlas.service.engine.corpus import iter_documents
-    from headatlas.service.params import AnalysisParams
-    from headatlas.workers.submit import submit
+LEASE_S = 60.0  # a fire's holder renews its hold every third of this; a beat dead this long is taken over
 
-    spec = sched.corpus
+
+def holder_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def fire(
+    settings: Settings,
+    sched: Schedule,
+    fire_time: datetime,
+    *,
+    kind: str = "scheduled",
+    at: datetime | None = None,
+    holder: str | None = None,
+    lease_s: float = LEASE_S,
+    clock: Callable[[], datetime] = now,
+) -> Fired:
+    """Claim (schedule, fire_time) and, when this caller won the claim, submit its run. A fire of
+    the schedule that another process claimed and left unsubmitted (its lease ran out) is
+    submitted first, in its place (``Fired.resumed``; the fire asked for stays due). ``at``: the
+    time of the claim (default now); ``clock``: the time the lease is renewed against."""
+    from headatlas.service.engine.corpus import iter_documents
+
+    holder = holder or holder_name()
+    at = at or clock()
+    with Store(settings.db).checked_read() as conn:
+        if schedule_store.held_elsewhere(schedule_store.in_hand(conn, sched.schedule_id), holder, at):
+            return Fired(False, "in_hand")  # another live process is submitting one: this fire stays due
+        seen = schedule_store.seen_documents(conn, sched.schedule_id) if sched.only_new else set()
     new: dict[str, str] | None = None
     if sched.only_new:
-        with Store(settings.db).checked_read() as conn:
-            seen = schedule_store.seen_documents(conn, sched.schedule_id)
         new = {}
         for doc in iter_documents(sched.corpus):
             if doc.doc_id not in seen:
                 new.setdefault(doc.doc_id, doc.text)
-    if not schedule_store.claim(
-        settings.db, sched.schedule_id, fire_time, kind=kind, doc_ids=list(new) if new is not None else None, at=at
-    ):
+    got = schedule_store.claim(
+        settings.db,
+        sched.schedule_id,
+        fire_time,
+        kind=kind,
+        holder=holder,
+        lease_s=lease_s,
+        doc_ids=list(new) if new is not None else None,
+        at=at,
+    )
+    if got is None:
         return Fired(False)
+    if new is not None and got.doc_ids is not None:
+        wanted = set(got.doc_ids)
+        new = {d: t for d, t in new.items() if d in wanted}  # a fire taken over sends what it had
+    with _lease(settings, sched.schedule_id, got.fire_time, holder, lease_s, clock):
+        result = _submit(settings, sched, got.fire_time, new)
+    result.resumed = got.resumed
+    return result
+
+
+def _submit(settings: Settings, sched: Schedule, fire_time: datetime, new: dict[str, str] | None) -> Fired:
+    from headatlas.service.params import AnalysisParams
+    from headatlas.workers.submit import submit
+
+    spec = sched.corpus
     run_name = f"{sched.name}-{fire_time:%Y%m%d-%H%M%S}"
     if new is not None:
         if not new:
@@ -134,6 +184,29 @@ def fire(
     return Fired(True, "submitted", sub.name, documents)
 
 
+@contextmanager
+def _lease(settings: Settings, schedule_id: int, fire_time: datetime, holder: str, lease_s: float, clock):
+    """Renew the hold on a fire every third of its lease while its run is submitted."""
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(lease_s / 3):
+            try:
+                schedule_store.renew(
+                    settings.db, schedule_id, fire_time, holder=holder, until=clock() + timedelta(seconds=lease_s)
+                )
+            except HeadatlasError as exc:  # the next renewal may get through; a lapse means a resubmission
+                log.warning("fire %s: lease not renewed: %s", fire_time, exc)
+
+    thread = threading.Thread(target=renew, name=f"lease-{schedule_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def _spool(path: Path, texts) -> Path:
     """The new documents as a JSONL corpus (written once, renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,8 +233,11 @@ class Beat:
     """``clock``: what "now" is (UTC, naive), read once a tick and for each claim; tests pass a
     clock of their own, so that when fires come is checked without waiting for them."""
 
-    def __init__(self, settings: Settings, *, tick_s: float = 1.0, clock: Callable[[], datetime] = now):
+    def __init__(
+        self, settings: Settings, *, tick_s: float = 1.0, clock: Callable[[], datetime] = now, lease_s: float = LEASE_S
+    ):
         self.settings, self.tick_s, self.stopping, self.clock = settings, tick_s, False, clock
+        self.holder, self.lease_s = holder_name(), lease_s  # this beat's name on the fires it holds
         self.in_hand: dict[int, threading.Thread] = {}  # schedule id -> its fire being submitted
         self.started: dict[int, datetime] = {}  # schedule id -> the latest fire time started here
         self.schedules: list[Schedule] = []  # as last read
@@ -228,18 +304,23 @@ class Beat:
 
     def _fire(self, sched: Schedule, fire_time: datetime) -> None:
         try:
-            result = fire(self.settings, sched, fire_time, at=self.clock())
+            result = fire(
+                self.settings, sched, fire_time, at=self.clock(), holder=self.holder, lease_s=self.lease_s, clock=self.clock
+            )
         except HeadatlasError as exc:  # the database or Redis away: the fire stays due, or claimed
             log.warning("schedule %s, fire %s: %s", sched.name, fire_time, exc)
             return
         except Exception:  # noqa: BLE001 - one schedule's failure must not stop the others
             log.exception("schedule %s, fire %s failed", sched.name, fire_time)
             return
+        if result.resumed or result.status == "in_hand":
+            # the fire asked for was not claimed (another fire of the schedule came first): still due
+            self.started.pop(sched.schedule_id, None)
         if result.claimed:
             log.info(
-                "schedule %s fired for %s: %s %s",
+                "schedule %s fired%s: %s %s",
                 sched.name,
-                fire_time,
+                " (a fire left by a beat that stopped, taken over)" if result.resumed else f" for {fire_time}",
                 result.status,
                 result.run_name or result.error or "",
             )

@@ -17,6 +17,8 @@ from dataclasses import replace
 from headatlas.service.config import Settings
 
 WORKER_FLAGS = ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+# Each pool process holds a model of its own; more than this is a typo, not a machine.
+MAX_CONCURRENCY = 256
 
 
 def gpu_count() -> int:
@@ -28,10 +30,18 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def check_concurrency(concurrency: int | None) -> None:
+    if concurrency is not None and not 1 <= concurrency <= MAX_CONCURRENCY:
+        from headatlas.service.errors import ParameterError
+
+        raise ParameterError(f"--concurrency {concurrency} is out of range: use 1 to {MAX_CONCURRENCY} processes")
+
+
 def run_worker(settings: Settings, *, queues: str, concurrency: int | None, loglevel: str = "info") -> None:
     """Analysis workers. On GPUs: one process per GPU with the solo pool (each loads the model
     once, on its own device). On CPU: one process (solo), or a prefork pool of ``concurrency``
     children sharing the cores."""
+    check_concurrency(concurrency)
     device = settings.device
     gpus = gpu_count() if device in ("auto", "cuda") else (1 if device.startswith("cuda") else 0)
     if gpus > 1 and device in ("auto", "cuda") and not concurrency:

@@ -84,6 +84,11 @@ def connect(url: str, *, check: bool = True) -> redis.Redis:
         try:
             client.ping()
         except redis.RedisError as exc:
+            from headatlas.workers.broker_errors import refusal
+
+            refused = refusal(url, exc, kept="nothing was queued")
+            if refused is not None:
+                raise refused from None
             raise BrokerError(
                 f"cannot reach the broker at {url} ({type(exc).__name__}): start Redis or set "
                 "HEADATLAS_BROKER_URL; nothing was queued, submit again to resume"

@@ -47,6 +47,24 @@ class Submission:
     epoch: str = ""  # the broker's epoch when it was queued (workers/lease.py: broker_epoch)
 
 
+def _refusals_said(queue: Callable[..., Submission]) -> Callable[..., Submission]:
+    """A Redis at maxmemory refuses the ledger's writes before anything is sent, too: its fix,
+    not a traceback."""
+
+    @functools.wraps(queue)
+    def said(spec: str, *, settings: Settings, **kwargs) -> Submission:
+        from headatlas.workers.broker_errors import refusals_said
+
+        with refusals_said(settings.broker_url, kept=_KEPT):
+            return queue(spec, settings=settings, **kwargs)
+
+    return said
+
+
+_KEPT = "what was queued is kept and nothing is queued twice: submit again once it has room"
+
+
+@_refusals_said
 def submit(
     spec: str,
     *,
@@ -187,9 +205,16 @@ def _broker_errors(url: str):
     import kombu.exceptions
     import redis
 
+    from headatlas.workers.broker_errors import refusal
+
     try:
         yield
-    except (kombu.exceptions.OperationalError, redis.ConnectionError, redis.TimeoutError) as exc:
+    except (kombu.exceptions.OperationalError, redis.RedisError) as exc:
+        refused = refusal(url, exc, kept=_KEPT)
+        if refused is not None:
+            raise refused from None
+        if not isinstance(exc, (kombu.exceptions.OperationalError, redis.ConnectionError, redis.TimeoutError)):
+            raise
         raise BrokerError(
             f"lost the broker at {url} while queuing ({type(exc).__name__}): submit again when it is back; "
             "what was queued is kept and nothing is queued twice"

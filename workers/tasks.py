@@ -111,8 +111,16 @@ def _requeue_on_broker_loss():
     import kombu.exceptions
     import redis
 
+    from headatlas.workers.broker_errors import refusal
+
     try:
         yield
+    except redis.exceptions.ResponseError as exc:
+        refused = refusal(_settings().broker_url, exc, kept="the batch goes back to the queue")
+        if refused is None:
+            raise
+        log.error("%s", refused)  # not a lost broker: a restart would not help
+        raise Reject(str(refused), requeue=True) from exc
     except (
         redis.exceptions.ConnectionError,
         redis.exceptions.TimeoutError,

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Iterator
@@ -125,11 +126,13 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
     its weights are plain float tensors already, so the quantizer is dropped and the config is
     saved without ``quantization_config``. The folder is built beside its place and renamed into
     it, so that a crash leaves no half-written folder that looks finished."""
+    from headatlas.service.engine.gguf_file import check_gguf
+
+    check_gguf(gguf, spec)  # a file cut short fails here at once, not inside transformers' reader
+    started = time.perf_counter()
+    work = _work_folder(folder)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    started = time.perf_counter()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         try:
             with _gguf_parsed_once():
@@ -137,11 +140,15 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
                 model: Any = AutoModelForCausalLM.from_pretrained(
                     gguf.parent, gguf_file=gguf.name, attn_implementation="eager"
                 )
-        except (OSError, ValueError, ImportError) as exc:
+        except (OSError, ValueError, ImportError, struct.error) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            fix = (
+                "`pip install gguf accelerate`"
+                if isinstance(exc, ImportError)
+                else "it may be damaged or of a kind this transformers cannot read: download or copy it again"
+            )
             raise ModelError(
-                f"--model {spec}: cannot read the GGUF file {gguf} ({first[:200]}); "
-                "`pip install gguf accelerate`, or pass a model folder"
+                f"--model {spec}: cannot read the GGUF file {gguf} ({first[:200]}); {fix}, or pass a model folder"
             ) from None
         model.hf_quantizer = None
         model.config.quantization_config = None
@@ -161,6 +168,19 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
     return seconds
+
+
+def _work_folder(folder: Path) -> Path:
+    """A new folder beside ``folder`` to convert into, creating the cache's folders first."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError as exc:
+        where = f"{CACHE_ENV}={os.environ[CACHE_ENV]}" if os.environ.get(CACHE_ENV) else f"the cache {cache_dir()}"
+        raise ModelError(
+            f"cannot create the model cache directory {folder.parent} ({exc.strerror or exc}): {where} is not a "
+            f"writable place; set {CACHE_ENV} to a writable folder"
+        ) from None
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import errno
 import glob
 import hashlib
 import json
@@ -115,7 +116,18 @@ def corpus_files(spec: str) -> list[Path]:
         for file in files:
             _check_suffix(file, spec)
         return files
+    if is_symlink_loop(path):
+        raise CorpusError(f"{spec}: a symbolic link loop (the link leads back to itself); point it at the corpus")
     raise CorpusError(f"{spec}: no such file or directory; {_SPEC_FIX}")
+
+
+def is_symlink_loop(path: Path) -> bool:
+    """Whether ``path`` cannot be followed because its links loop (``Path.exists`` says False)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def corpus_size_bytes(spec: str) -> int:
@@ -392,6 +404,13 @@ def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str)
         except json.JSONDecodeError as exc:
             raise CorpusError(
                 f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); write one JSON object per line"
+            ) from None
+        except ValueError as exc:  # an integer beyond Python's int-string limit
+            if "integer string conversion" not in str(exc):
+                raise
+            raise CorpusError(
+                f"{where}: a JSON number of more than {sys.get_int_max_str_digits():,} digits; "
+                "store it as a JSON string (in quotes), or leave it out"
             ) from None
         if not isinstance(record, dict):
             raise CorpusError(

@@ -68,7 +68,11 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
         random = parse_random_shape(spec)
         shape = ModelShape(random.layers, random.hidden, 4 * random.hidden, DEFAULT_VOCAB, DEFAULT_POSITIONS)
     elif spec != DEFAULT_MODEL and (spec in NAMED_MODELS or is_gguf(spec)):
-        return None  # a GGUF file (converted on first load): checked once loaded
+        if spec not in NAMED_MODELS and Path(spec).expanduser().is_file():
+            from headatlas.service.engine.gguf_file import check_gguf
+
+            check_gguf(Path(spec).expanduser(), spec)  # its framing: a file cut short is said before any queue
+        return None  # a GGUF file (converted on first load): its shape checked once loaded
     else:
         folder = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
         if folder.exists() and not folder.is_dir():

@@ -35,20 +35,25 @@ class BlockParts:
     input of block 0 (token embeddings plus learned positions where the family has them).
     attention_norm(block): pre-norm, the norm applied to the block input before attention;
     post-norm, the norm after the attention's residual sum.
+    final_norm(model): the norm the base model applies after its last block (pre-norm families),
+    or None; the causal effects (SPEC §9) replay the blocks and need it to end where the model ends.
     """
 
     pre_norm: bool
     embedding_output: Accessor
     attention_norm: Accessor
+    final_norm: Accessor = lambda _model: None
 
 
 PARTS: dict[str, BlockParts] = {
     # BertEmbeddings: words + positions + token types, LayerNorm, dropout
     "bert": BlockParts(False, lambda model: model.embeddings, lambda block: block.attention.output.LayerNorm),
     # GPT2Model: wte + wpe, then the embedding dropout (an identity in eval mode) hands it to h[0]
-    "gpt2": BlockParts(True, lambda model: model.drop, lambda block: block.ln_1),
+    "gpt2": BlockParts(True, lambda model: model.drop, lambda block: block.ln_1, lambda model: model.ln_f),
     # LlamaModel: embed_tokens hands its output to layers[0]; RoPE acts inside attention
-    "llama": BlockParts(True, lambda model: model.embed_tokens, lambda block: block.input_layernorm),
+    "llama": BlockParts(
+        True, lambda model: model.embed_tokens, lambda block: block.input_layernorm, lambda model: model.norm
+    ),
 }
 
 

@@ -11,7 +11,9 @@ first read of a missing block, which ``open_error`` turns into a one-line error 
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -35,6 +37,10 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
     file or folder this process may not write. A missing file passes when ``write`` and
     ``create`` (it will be created) and fails otherwise."""
     path = Path(path)
+    if _loops(path):  # Path.exists() says False: it would be "no database" or a failed create
+        raise DatabaseFileError(
+            f"--db {path} is a symbolic link loop (the link leads back to itself): point it at a database file"
+        )
     if path.is_dir():
         raise DatabaseFileError(f"--db {path} is a folder: pass a database file such as {path / 'headatlas.duckdb'}")
     if path.exists() and not path.is_file():
@@ -74,6 +80,14 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
             )
 
 
+def _loops(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def _settles_aligned(path: Path, block: int, *, wait_s: float = 1.0) -> bool:
     """Whether the file is headers plus whole blocks, or becomes so within ``wait_s``: another
     process extending the file (a checkpoint) is seen mid-write for a moment; a cut file stays cut."""
@@ -111,7 +125,33 @@ def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None
     # IOException: unreadable, not a database, cut short; the bare duckdb.Error: a checksum
     # mismatch ("Corrupt database file"); FatalException: the database was invalidated.
     if isinstance(orig, (duckdb.IOException, duckdb.FatalException)) or type(orig) is duckdb.Error:
+        if "newer version of DuckDB" in str(orig):
+            return _newer_duckdb(path, str(orig))
         lines = [line.strip() for line in str(orig).splitlines() if line.strip()]
         detail = lines[0] if lines else type(orig).__name__
         return DatabaseFileError(f"cannot use database {path} ({detail[:300]}); {_REPLACE}")
     return None
+
+
+_GIT_DESC = slice(52, 84)  # the main header's library_git_desc: the DuckDB release that wrote the file
+
+
+def _newer_duckdb(path: str | Path, message: str) -> DatabaseFileError:
+    """A file in a storage format this DuckDB cannot read: not damaged, and no copy of it would do."""
+    try:
+        with open(path, "rb") as stream:
+            desc = stream.read(_GIT_DESC.stop)[_GIT_DESC].split(b"\0", 1)[0].decode("ascii", "replace")
+    except OSError:
+        desc = ""
+    writer = f"DuckDB {desc}" if desc.startswith("v") else "a newer DuckDB"
+    versions = re.search(r"version number (\d+), but we can only read versions between (\d+) and (\d+)", message)
+    storage = (
+        f"storage version {versions[1]}; this headatlas's DuckDB {duckdb.__version__} reads {versions[2]} to "
+        f"{versions[3]}"
+        if versions
+        else f"this headatlas's DuckDB is {duckdb.__version__}"
+    )
+    return DatabaseFileError(
+        f"{path} was written by {writer} ({storage}): upgrade headatlas and duckdb "
+        "(`pip install -U headatlas duckdb`), or pass another --db; the file is kept as it is"
+    )

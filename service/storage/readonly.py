@@ -1,16 +1,21 @@
 """Read-only, time-limited, row-capped raw SQL against the results database.
 
-Two layers keep user SQL from touching anything but the stored results:
+Four layers keep user SQL from touching anything but the stored results (the escape table in
+docs/reliability.md tries each):
 
 1. ``check_select_only`` parses the text with DuckDB's own parser and accepts exactly one
    statement of type SELECT (``WITH … SELECT``, ``FROM t``, ``SHOW``/``DESCRIBE`` parse as
-   SELECT too).
-2. ``connect_readonly`` opens the database read-only with external access disabled, extension
-   autoload/autoinstall off and the configuration locked, so a SELECT that calls a file-reading
-   table function (``read_csv``, ``read_text``, ``glob`` …) fails in the engine, and nothing can
-   be ``SET`` back. A lake is attached read-only (its catalogue's PostgreSQL runs read-only
-   transactions), may read files under its own data path only, and refuses the functions that
-   would reach past its tables (``postgres_query``, DuckLake's maintenance; ``Backend.refuse_in_sandbox``).
+   SELECT too); IMPORT and PRAGMA are refused by their keyword.
+2. ``Backend.refuse_in_sandbox`` (``sql_check.refusal``) walks the whole parse tree: table
+   functions on an allow-list only (no ``query()``, ``query_table()``, ``postgres_query()``, file
+   readers), no PostgreSQL functions, no table of a lake's catalogue.
+3. ``connect_readonly`` opens the database read-only with external access disabled, extension
+   autoload/autoinstall off and the configuration locked, so a file-reading SELECT the inspection
+   missed still fails in the engine, and nothing can be ``SET`` back. A lake is attached read-only
+   (its catalogue's PostgreSQL sessions read-only too) and may read files under its data path only.
+4. ``run_readonly_sql`` runs the query in a confined child process (``confined.run_confined``):
+   an address-space limit holds the memory limit for values DuckDB builds outside its buffer
+   manager, and a kill at the deadline holds the time limit for a query that ignores interrupts.
 
 The connection is opened with the ``duckdb`` module rather than through SQLAlchemy. Both work:
 duckdb-engine 0.17 passes known settings in ``connect_args["config"]`` straight to
@@ -25,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +41,9 @@ from typing import TypeVar
 import duckdb
 
 from headatlas.service.errors import ParameterError, StoreBusy, StoreError
+from headatlas.service.storage.confined import ChildFailed, run_confined
+from headatlas.service.storage.sql_check import ALLOWED as _ALLOWED
+from headatlas.service.storage.sql_check import refuse_import
 
 T = TypeVar("T")
 
@@ -48,9 +57,8 @@ READONLY_CONFIG: dict[str, str | bool] = {
 }
 
 MAX_RETRY_DELAY_S = 0.2
-_ALLOWED = "only one SELECT or WITH … SELECT statement is allowed"
 _LOCK_WORD = re.compile(r"\block\b", re.IGNORECASE)
-_LEADING_COMMENTS = re.compile(r"^(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.DOTALL)
+_LEADING_COMMENTS = re.compile(r"^(?:\s+|--[^\n\r]*(?:\r\n|\n|\r|$)|/\*.*?\*/)*", re.DOTALL)
 _FIRST_WORD = re.compile(r"[A-Za-z_]+")
 
 
@@ -70,12 +78,9 @@ def check_select_only(sql: str) -> str:
 
     Refuses empty text, several statements, any statement that is not a SELECT (DDL, DML,
     COPY, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA, EXPORT/IMPORT, CALL, CHECKPOINT, VACUUM …)
-    and text DuckDB cannot parse.
+    and text DuckDB cannot parse. What a SELECT may call is checked by ``sql_check.refusal``.
     """
-    first = _FIRST_WORD.match(_LEADING_COMMENTS.sub("", sql, count=1))
-    if first and first.group(0).upper() == "IMPORT":
-        # DuckDB 1.4's parser opens IMPORT DATABASE's folder and parses its schema.sql: refused unread
-        raise StoreError(f"refused: {_ALLOWED}; got IMPORT")
+    refuse_import(sql)  # DuckDB 1.4's parser opens IMPORT DATABASE's folder: refused unparsed
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.ParserException as error:
@@ -89,8 +94,11 @@ def check_select_only(sql: str) -> str:
         kinds = ", ".join(_statement_kind(s) for s in statements)
         raise StoreError(f"refused: {_ALLOWED}; got {len(statements)} statements ({kinds})")
     statement = statements[0]
-    if _statement_type(statement) != "SELECT":
-        raise StoreError(f"refused: {_ALLOWED}; got {_statement_kind(statement)}")
+    kind = _statement_kind(statement)
+    if _first_word(sql) == "PRAGMA":
+        kind = "PRAGMA"  # the parser hands PRAGMA database_list back as SELECT * FROM pragma_database_list
+    if _statement_type(statement) != "SELECT" or kind == "PRAGMA":
+        raise StoreError(f"refused: {_ALLOWED}; got {kind}")
     return statement.query.strip().rstrip(";").rstrip()
 
 
@@ -192,41 +200,106 @@ def run_readonly_sql(
 
     statement = check_select_only(sql)
     backend = open_backend(db_path)
-    refused = backend.refuse_in_sandbox(statement)
+    refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
     if refused:
         raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
+    memory_bytes = _bytes(limits["memory_limit"])
+    threads = os.cpu_count() or 1
 
-    with connect_readonly(backend, lock_wait_s=lock_wait_s, limits=limits, at=at) as connection:
-        runs = _count_runs(connection)
-        if run_id is not None:
-            scope_to_run(connection, run_id)
-        deadline = _Deadline(connection, timeout_s)
-        started = time.perf_counter()
-        try:
-            with deadline:
-                if params is None:
-                    cursor = connection.execute(statement)
-                else:
-                    cursor = connection.execute(statement, params)
-                columns = [column[0] for column in cursor.description or []]
-                # One row past the cap tells us whether the result was cut.
-                rows = cursor.fetchmany(max_rows + 1)
-        except duckdb.Error as error:
-            if deadline.fired:
-                raise StoreError(
-                    f"query stopped after {timeout_s:g} s (time limit); narrow it or pass --timeout"
-                ) from error
-            raise StoreError(f"query failed: {_first_line(error)}") from error
-        elapsed_s = time.perf_counter() - started
+    def query(started: Callable[[], None]) -> QueryResult:
+        # in the confined child (confined.run_confined): its own temporary folder, so that the
+        # engine's spill folder (which external-access rules let it read) holds nothing but its own
+        with tempfile.TemporaryDirectory(prefix="headatlas-sql-") as spill:
+            settings = {**limits, "temp_directory": spill, "threads": str(threads)}
+            with connect_readonly(backend, lock_wait_s=lock_wait_s, limits=settings, at=at) as connection:
+                return _execute(connection, statement, params, max_rows, timeout_s, run_id, started)
 
+    try:
+        return run_confined(
+            query, memory_bytes=memory_bytes, threads=threads, timeout_s=timeout_s, setup_s=lock_wait_s + SETUP_S
+        )
+    except ChildFailed as failed:
+        if failed.timed_out:
+            raise StoreError(f"{failed}; narrow it or pass --timeout") from None
+        raise StoreError(
+            f"query stopped: {failed} (memory limit {limits['memory_limit']}); narrow it or pass --memory-limit"
+        ) from None
+
+
+SETUP_S = 60.0  # connecting (a lake attaches its catalogue) before a query's time limit starts
+
+
+def _execute(
+    connection: duckdb.DuckDBPyConnection,
+    statement: str,
+    params: dict | list | None,
+    max_rows: int,
+    timeout_s: float,
+    run_id: int | None,
+    started: Callable[[], None],
+) -> QueryResult:
+    runs = _count_runs(connection)
+    if run_id is not None:
+        scope_to_run(connection, run_id)
+    deadline = _Deadline(connection, timeout_s)
+    started()
+    began = time.perf_counter()
+    try:
+        with deadline:
+            if params is None:
+                cursor = connection.execute(statement)
+            else:
+                cursor = connection.execute(statement, params)
+            columns = [column[0] for column in cursor.description or []]
+            # One row past the cap tells us whether the result was cut.
+            rows = cursor.fetchmany(max_rows + 1)
+    except duckdb.Error as error:
+        if deadline.fired:
+            raise StoreError(f"query stopped after {timeout_s:g} s (time limit); narrow it or pass --timeout") from None
+        if isinstance(error, duckdb.OutOfMemoryException):
+            raise StoreError(
+                f"query stopped: it needs more memory than its limit ({_first_line(error)}); narrow it or pass "
+                "--memory-limit"
+            ) from None
+        raise StoreError(f"query failed: {_first_line(error)}") from None
+    except MemoryError:
+        raise StoreError(
+            "query stopped: it needs more memory than its limit; narrow it or pass --memory-limit"
+        ) from None
     return QueryResult(
         columns=columns,
         rows=rows[:max_rows],
         truncated=len(rows) > max_rows,
-        elapsed_s=elapsed_s,
+        elapsed_s=time.perf_counter() - began,
         runs=runs,
     )
+
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def _bytes(size: str) -> int:
+    """A size as ``_limits`` accepts it (``512MB``, ``2GiB``) in bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", size)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ParameterError(f"{size!r}: use a size such as 512MB or 2GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _first_word(statement: str) -> str:
+    match = _FIRST_WORD.match(_LEADING_COMMENTS.sub("", statement, count=1))
+    return match.group(0).upper() if match else "SELECT"
 
 
 def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> None:

@@ -55,6 +55,8 @@ TABLES = (
     "schedules",
     "schedule_fires",
     "schedule_documents",
+    "schedule_fire_leases",
+    "schedule_fire_documents",
     "database_info",
 )
 

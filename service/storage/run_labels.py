@@ -7,6 +7,8 @@ never resolve one. Every function works in the caller's transaction.
 
 from __future__ import annotations
 
+import unicodedata
+
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
@@ -14,14 +16,26 @@ from headatlas.service.errors import ParameterError, StoreError
 
 # statuses of a run that a process may still be writing to
 UNFINISHED = ("created", "running")
+BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)}
 
 
 def check_label(label: str, *, what: str = "--name") -> str:
-    """A run name, alias or tag is printable text; a name or alias cannot be read as a run id.
-    ``what``: how the value is named in the message (``--name``, ``NEW_NAME``, ``tag``)."""
+    """A run name, alias or tag is printable text, with no invisible formatting character; a name
+    or alias cannot be read as a run id. ``what``: how the value is named in the message
+    (``--name``, ``NEW_NAME``, ``tag``)."""
     if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in label):
         raise ParameterError(
             f"{what} {label!r}: holds a control character (newline, tab, terminal escape …); use printable text"
+        )
+    # bidi overrides and isolates (U+202A..U+202E, U+2066..U+2069) reorder what a terminal shows, and
+    # zero-width characters (U+200B..U+200D, U+2060, U+FEFF) hide in it: either would let a name
+    # display as another's. Unicode's format characters (category Cf) are all of these and their kin.
+    hidden = next((c for c in label if unicodedata.category(c) == "Cf"), None)
+    if hidden is not None:
+        kind = "reorders the text shown" if hidden in BIDI else "is invisible"
+        raise ParameterError(
+            f"{what} {label!r}: holds U+{ord(hidden):04X} ({unicodedata.name(hidden, 'a format character')}), "
+            f"which {kind}; remove it"
         )
     if not label.strip():
         raise ParameterError(f"{what} is empty: pass some text")

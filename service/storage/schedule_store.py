@@ -6,13 +6,18 @@ is claimed by inserting its (schedule, fire time) row: the primary key makes a s
 the same fire — a second beat process, a tick handled twice — a no-op. A lake has no keys: a
 claim there also updates its schedule's row, so two concurrent claims of one schedule conflict
 and the second, tried again, finds the fire taken.
+
+A claimed fire is held under a lease (holder, until when) that its holder renews while it
+submits; one left ``claimed`` past its lease (its process died) is taken over by the next claim
+of its schedule. An ``only_new`` fire's documents are kept with the fire and count as sent only
+when its run is submitted.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import text
@@ -195,7 +200,13 @@ def remove(path: str | Path, name: str) -> Schedule:
     """Delete the schedule and its record of fires; the runs it created stay."""
     with _write(path) as conn:
         old = _get(conn, name)
-        for table in ("schedule_documents", "schedule_fires", "schedules"):
+        for table in (
+            "schedule_fire_documents",
+            "schedule_fire_leases",
+            "schedule_documents",
+            "schedule_fires",
+            "schedules",
+        ):
             conn.execute(text(f"DELETE FROM {table} WHERE schedule_id = :s"), {"s": old.schedule_id})
         return old
 
@@ -209,29 +220,85 @@ def _update(conn: Connection, schedule_id: int, values: dict) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A fire this caller now holds and must submit. ``doc_ids``: an ``only_new`` fire's
+    documents, fixed at its first claim (None for a schedule that sends its whole corpus);
+    ``resumed``: a fire another process claimed and left before its run was submitted (its lease
+    ran out), taken over instead of the fire asked for, which stays due."""
+
+    fire_time: datetime
+    doc_ids: list[str] | None
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class InHand:
+    fire_time: datetime
+    holder: str
+    lease_until: datetime | None  # None: claimed before fires had leases (by then long left)
+
+
+def in_hand(conn: Connection, schedule_id: int) -> InHand | None:
+    """The schedule's fire claimed and not yet finished, if any (at most one is in hand)."""
+    row = conn.execute(
+        text(
+            "SELECT f.fire_time, coalesce(l.holder, ''), l.lease_until FROM schedule_fires f "
+            "LEFT JOIN schedule_fire_leases l USING (schedule_id, fire_time) "
+            "WHERE f.schedule_id = :s AND f.status = 'claimed' ORDER BY f.fire_time LIMIT 1"
+        ),
+        {"s": schedule_id},
+    ).first()
+    return None if row is None else InHand(row[0], row[1], row[2])
+
+
+def held_elsewhere(hand: InHand | None, holder: str, at: datetime) -> bool:
+    """Whether another live process holds the fire in hand (its lease has not run out)."""
+    return hand is not None and hand.holder != holder and hand.lease_until is not None and hand.lease_until > at
+
+
 def claim(
     path: str | Path,
     schedule_id: int,
     fire_time: datetime,
     *,
     kind: str,
+    holder: str,
+    lease_s: float,
     doc_ids: list[str] | None = None,
     at: datetime | None = None,
-) -> bool:
-    """Claim a fire: True when this caller owns it and must submit its run. A scheduled fire is
-    claimed only while the schedule exists, is enabled and the fire is not older than its next
-    fire (a beat process working from a stale read cannot fire a tick already passed);
-    ``doc_ids`` (only_new) are recorded as sent in the same transaction. ``at``: the claim's
-    time (default now)."""
+) -> Claim | None:
+    """Claim a fire for ``holder`` until ``at + lease_s``: a Claim when this caller must submit a
+    run, None when not. A scheduled fire is claimed only while the schedule exists, is enabled and
+    the fire is not older than its next fire (a beat process working from a stale read cannot
+    fire a tick already passed). While another fire of the schedule is in hand under a live lease,
+    nothing is claimed (the fire stays due); one whose lease ran out is taken over first, with the
+    documents it had. ``doc_ids`` (only_new): this fire's documents, kept with the fire until its
+    run is submitted. ``at``: the claim's time (default now)."""
     claimed_at = at or now()
+    lease = {"s": schedule_id, "holder": holder, "until": claimed_at + timedelta(seconds=lease_s)}
 
-    def work(conn: Connection) -> bool:
+    def work(conn: Connection) -> Claim | None:
+        db.serialize(conn)  # a lake: two claims of one database take turns (no keys there)
         row = conn.execute(text(f"SELECT {COLUMNS} FROM schedules WHERE schedule_id = :s"), {"s": schedule_id}).first()
         if row is None:
-            return False
+            return None
         sched = Schedule.from_row(row)
+        hand = in_hand(conn, schedule_id)
+        if hand is not None:
+            if held_elsewhere(hand, holder, claimed_at):
+                return None
+            conn.execute(
+                text("DELETE FROM schedule_fire_leases WHERE schedule_id = :s AND fire_time = :t"),
+                {"s": schedule_id, "t": hand.fire_time},
+            )
+            conn.execute(
+                text("INSERT INTO schedule_fire_leases VALUES (:s, :t, :holder, :until)"),
+                dict(lease, t=hand.fire_time),
+            )
+            return Claim(hand.fire_time, _fire_documents(conn, schedule_id, hand.fire_time, sched.only_new), True)
         if kind == "scheduled" and (not sched.enabled or fire_time < sched.next_fire):
-            return False
+            return None
         keys = db.has_keys(conn)
         claim = {"s": schedule_id, "t": fire_time, "kind": kind, "now": claimed_at}
         if keys:
@@ -243,15 +310,13 @@ def claim(
                 claim,
             ).first()
             if inserted is None:
-                return False
+                return None
         else:
-            # a lake: the update of the schedule's row below makes two claims of one schedule
-            # conflict, so the one that commits second is tried again and finds this fire
             taken = conn.execute(
                 text("SELECT count(*) FROM schedule_fires WHERE schedule_id = :s AND fire_time = :t"), claim
             ).scalar()
             if taken:
-                return False
+                return None
             conn.execute(
                 text(
                     "INSERT INTO schedule_fires (schedule_id, fire_time, kind, claimed_at, status) "
@@ -259,32 +324,51 @@ def claim(
                 ),
                 claim,
             )
+        conn.execute(text("INSERT INTO schedule_fire_leases VALUES (:s, :t, :holder, :until)"), dict(lease, t=fire_time))
         if doc_ids:
-            import pyarrow as pa
-
-            raw = db.driver_connection(conn)
-            raw.register("new_docs", pa.table({"doc_id": doc_ids}))
-            try:
-                if keys:
-                    raw.execute(
-                        "INSERT INTO schedule_documents SELECT ?, doc_id, ? FROM new_docs ON CONFLICT DO NOTHING",
-                        [schedule_id, fire_time],
-                    )
-                else:
-                    raw.execute(
-                        "INSERT INTO schedule_documents SELECT DISTINCT ?, doc_id, ? FROM new_docs n WHERE NOT EXISTS "
-                        "(SELECT 1 FROM schedule_documents d WHERE d.schedule_id = ? AND d.doc_id = n.doc_id)",
-                        [schedule_id, fire_time, schedule_id],
-                    )
-            finally:
-                raw.unregister("new_docs")
+            _insert_ids(conn, "schedule_fire_documents", schedule_id, fire_time, sorted(set(doc_ids)))
         values = {"last_fire": max(fire_time, sched.last_fire or fire_time)}
         if kind == "scheduled":
             values["next_fire"] = sched.cadence.next_after(max(fire_time, claimed_at))
         _update(conn, schedule_id, values)
-        return True
+        return Claim(fire_time, list(doc_ids or []) if doc_ids is not None else None)
 
     return db.atomically(path, work)
+
+
+def _fire_documents(conn: Connection, schedule_id: int, fire_time: datetime, only_new: bool) -> list[str] | None:
+    if not only_new:
+        return None
+    return [
+        r[0]
+        for r in conn.execute(
+            text("SELECT doc_id FROM schedule_fire_documents WHERE schedule_id = :s AND fire_time = :t"),
+            {"s": schedule_id, "t": fire_time},
+        )
+    ]
+
+
+def _insert_ids(conn: Connection, table: str, schedule_id: int, fire_time: datetime, doc_ids: list[str]) -> None:
+    import pyarrow as pa
+
+    raw = db.driver_connection(conn)
+    raw.register("new_docs", pa.table({"doc_id": doc_ids}))
+    try:
+        raw.execute(f"INSERT INTO {table} SELECT ?, ?, doc_id FROM new_docs", [schedule_id, fire_time])
+    finally:
+        raw.unregister("new_docs")
+
+
+def renew(path: str | Path, schedule_id: int, fire_time: datetime, *, holder: str, until: datetime) -> None:
+    """Extend the holder's lease on a fire it is submitting (nothing when it lost the fire)."""
+    with db.transaction(path) as conn:
+        conn.execute(
+            text(
+                "UPDATE schedule_fire_leases SET lease_until = :until "
+                "WHERE schedule_id = :s AND fire_time = :t AND holder = :holder"
+            ),
+            {"s": schedule_id, "t": fire_time, "holder": holder, "until": until},
+        )
 
 
 def finish_fire(
@@ -298,22 +382,31 @@ def finish_fire(
     documents: int | None = None,
     error: str | None = None,
 ) -> None:
-    with db.transaction(path) as conn:
+    """Record a fire's outcome and release it. Its documents count as sent (never sent again)
+    only when its run was submitted; after an error the next fire sends them."""
+    key = {"s": schedule_id, "t": fire_time}
+
+    def work(conn: Connection) -> None:
         conn.execute(
             text(
                 "UPDATE schedule_fires SET status = :status, run_key = :key, run_name = :name, documents = :docs, "
                 "error = :error WHERE schedule_id = :s AND fire_time = :t"
             ),
-            {
-                "status": status,
-                "key": run_key,
-                "name": run_name,
-                "docs": documents,
-                "error": error,
-                "s": schedule_id,
-                "t": fire_time,
-            },
+            dict(key, status=status, key=run_key, name=run_name, docs=documents, error=error),
         )
+        if status == "submitted":
+            conn.execute(
+                text(
+                    "INSERT INTO schedule_documents SELECT DISTINCT f.schedule_id, f.doc_id, f.fire_time "
+                    "FROM schedule_fire_documents f WHERE f.schedule_id = :s AND f.fire_time = :t AND NOT EXISTS "
+                    "(SELECT 1 FROM schedule_documents d WHERE d.schedule_id = :s AND d.doc_id = f.doc_id)"
+                ),
+                key,
+            )
+        for table in ("schedule_fire_documents", "schedule_fire_leases"):
+            conn.execute(text(f"DELETE FROM {table} WHERE schedule_id = :s AND fire_time = :t"), key)
+
+    db.atomically(path, work)
 
 
 def seen_documents(conn: Connection, schedule_id: int) -> set[str]:

@@ -70,5 +70,6 @@ class LlamaAdapter(ModelAdapter):
             num_attention_heads=shape.heads,
             num_key_value_heads=shape.kv_heads or shape.heads,
             max_position_embeddings=512,
+            tie_word_embeddings=True,  # as SmolLM2's: the next-token loss (SPEC §9) needs the LM head
             attn_implementation="eager",
         )

@@ -111,10 +111,22 @@ class Backend(ABC):
         """A read-only connection confined to this database (no other files, no settings that
         can be changed back), for user SQL."""
 
-    def refuse_in_sandbox(self, sql: str) -> str | None:
+    # table functions a SELECT may call in this backend's sandbox beyond the common ones
+    # (``sql_check.TABLE_FUNCTIONS``), and prefixes of database or schema names that are not results
+    sandbox_table_functions: ClassVar[frozenset[str]] = frozenset()
+    sandbox_hidden_catalogs: ClassVar[tuple[str, ...]] = ()
+
+    def refuse_in_sandbox(self, sql: str, *, keyword: str = "SELECT") -> str | None:
         """Why a SELECT may not run in the sandbox although it parses as one (a function that
-        would reach past the database), or None."""
-        return None
+        would reach past the database, a table of its catalogue), or None."""
+        from headatlas.service.storage.sql_check import refusal
+
+        return refusal(
+            sql,
+            table_functions=self.sandbox_table_functions,
+            hidden_catalogs=self.sandbox_hidden_catalogs,
+            keyword=keyword,
+        )
 
     def local_folder(self) -> Path:
         """A folder on this machine beside the database (a spool's default home)."""

@@ -18,7 +18,6 @@ DuckDB secret, and ``label`` shows the URL with ``password=***``.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import threading
@@ -210,6 +209,8 @@ class LakeBackend(Backend):
     kind = "lake"
     keys = False
     snapshots = True
+    sandbox_table_functions = SANDBOX_READS
+    sandbox_hidden_catalogs = ("__ducklake_metadata",)
 
     def __init__(self, url: str, *, data_path: str | Path | None = None):
         self.url = str(url)
@@ -239,7 +240,9 @@ class LakeBackend(Backend):
             )
         # a PostgreSQL catalogue takes many writers; a file catalogue is held by one process at a time
         self.shared_writers = self.catalog == "postgres"
-        given = str(data_path) if data_path else os.environ.get("HEADATLAS_DATA_PATH", "")
+        from headatlas.service.config import check_setting
+
+        given = str(data_path) if data_path else check_setting("data_path", os.environ.get("HEADATLAS_DATA_PATH", ""))
         self.data_path = _folder(given) if given else None
 
     # --- naming -----------------------------------------------------------------------------
@@ -321,7 +324,9 @@ class LakeBackend(Backend):
                 f"CREATE OR REPLACE TEMPORARY SECRET (TYPE postgres, PASSWORD {_literal(self.password)})"
             )
 
-    def attach_sql(self, alias: str, *, read_only: bool, at: int | None = None) -> list[str]:
+    def attach_sql(self, alias: str, *, read_only: bool, at: int | None = None, confined: bool = False) -> list[str]:
+        """``confined``: for the sandbox, the catalogue's sessions are read-only on the server too
+        (``default_transaction_read_only``), whatever reaches them."""
         options = []
         if self.data_path:
             # this host's mount of the lake's files (it may differ from the host that created it)
@@ -331,17 +336,28 @@ class LakeBackend(Backend):
         if at is not None:
             options.append(f"SNAPSHOT_VERSION {int(at)}")
         tail = f" ({', '.join(options)})" if options else ""
-        return [f"ATTACH {_literal(PREFIX + self.metadata)} AS {alias}{tail}"]
+        metadata = self.metadata
+        if confined and self.catalog == "postgres":
+            values = parse_conninfo(self.conninfo)
+            values["options"] = (values.get("options", "") + " -c default_transaction_read_only=on").strip()
+            metadata = f"postgres:{format_conninfo(values)}"
+        return [f"ATTACH {_literal(PREFIX + metadata)} AS {alias}{tail}"]
 
     def connect(
-        self, *, read_only: bool = False, config: dict[str, Any] | None = None, at: int | None = None
+        self,
+        *,
+        read_only: bool = False,
+        config: dict[str, Any] | None = None,
+        at: int | None = None,
+        confined: bool = False,
     ) -> duckdb.DuckDBPyConnection:
-        """A new DuckDB instance with the lake attached as ``lake`` (and made the default)."""
+        """A new DuckDB instance with the lake attached as ``lake`` (and made the default);
+        ``confined``: for the sandbox (``attach_sql``)."""
         self.check(write=not read_only)
         connection = duckdb.connect(config=duckdb_config(**(config or {})))
         try:
             self.prepare_connection(connection)
-            for statement in self.attach_sql(ALIAS, read_only=read_only, at=at):
+            for statement in self.attach_sql(ALIAS, read_only=read_only, at=at, confined=confined):
                 connection.execute(statement)
             connection.execute(f"USE {ALIAS}")
             connection.execute("SET ducklake_max_retry_count = 100")
@@ -519,7 +535,9 @@ class LakeBackend(Backend):
         """The lake attached read-only (its catalogue too: PostgreSQL runs the reads in read-only
         transactions), files readable only under its data path, the configuration locked."""
         connection = retry_on_lock(
-            lambda: self.connect(read_only=True, config=limits, at=at), wait_s=lock_wait_s, what=self.label
+            lambda: self.connect(read_only=True, config=limits, at=at, confined=True),
+            wait_s=lock_wait_s,
+            what=self.label,
         )
         try:
             folder = self.data_path  # this host's mount, else the one the catalogue recorded
@@ -536,30 +554,6 @@ class LakeBackend(Backend):
             yield connection
         finally:
             connection.close()
-
-    def refuse_in_sandbox(self, sql: str) -> str | None:
-        """Functions that reach past the lake's tables: PostgreSQL's (``postgres_query`` reads any
-        table of the catalogue's server), and DuckLake's maintenance functions; and the
-        catalogue's own tables."""
-        try:
-            tree = json.loads(duckdb.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])  # type: ignore[index]
-        except (duckdb.Error, TypeError, ValueError):
-            return None  # the engine's own parser reports it
-        for node in _nodes(tree):
-            name = node.get("function_name")
-            if isinstance(name, str):
-                low = name.lower()
-                if (
-                    low.startswith(("postgres_", "pg_"))
-                    and low not in ("pg_typeof",)
-                    or (low.startswith("ducklake_") and low not in SANDBOX_READS)
-                ):
-                    return f"function {name}() reaches past the results"
-            for key in ("catalog_name", "schema_name"):
-                value = node.get(key)
-                if isinstance(value, str) and value.lower().startswith("__ducklake_metadata"):
-                    return f"{value} is the lake's catalogue, not its results"
-        return None
 
     # --- snapshots and maintenance ----------------------------------------------------------
     def snapshot_of(self, conn: Connection) -> int | None:
@@ -622,17 +616,6 @@ def _lake_counts(connection: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     ).fetchone()
     snaps = connection.execute(f"SELECT count(*) FROM ducklake_snapshots('{ALIAS}')").fetchone()
     return int(files[0]) if files else 0, int(snaps[0]) if snaps else 0
-
-
-def _nodes(tree: Any) -> Iterator[dict]:
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            yield item
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 def _folder(path: str) -> str:

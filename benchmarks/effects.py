@@ -1,0 +1,99 @@
+"""The cost of causal head effects (SPEC §9) against the full forward passes they replace.
+
+    python benchmarks/effects.py [--models default,smollm2] [--windows 4] [--seq-len 128] [--repeats 3]
+
+Per model, on windows of the development corpus (or the shipped excerpt), in one process and
+interleaved: one intact forward pass; ablating every head of every layer (zero ablation:
+``head_effects`` restarts each layer's ablations from its recorded input and stacks the layer's
+heads) against layers × heads full forward passes (target ≤ 0.6×); gradient importance (one
+forward and one backward pass through every head's gate) against one forward pass (target ≤ 3×;
+only where the objective is a loss: not for MiniLM, whose objective is an embedding drift).
+Medians of ``--repeats`` with their range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import default_corpus, machine, median  # noqa: E402
+from headatlas.service.engine.model import load_model  # noqa: E402
+from headatlas.service.measures import effects as fx  # noqa: E402
+
+
+def windows(model, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    docs = [d.strip() for d in default_corpus().read_text(encoding="utf-8").split("\n\n") if len(d) > 800][:n]
+    tokens = model.tokenizer(docs, max_length=seq_len, truncation=True, padding="max_length", return_tensors="pt")
+    return tokens["input_ids"], tokens["attention_mask"]
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - began)
+    return out
+
+
+def show(values: list[float]) -> str:
+    return f"{median(values):.3f} s ({min(values):.3f}–{max(values):.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="default,smollm2")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"{machine()}, {torch.get_num_threads()} threads; {args.windows} windows × {args.seq_len} tokens")
+    print("| model | what | seconds (median, range) | against | ratio | target |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.models.split(","):
+        model = load_model(spec, device="cpu")
+        ids, mask = windows(model, args.windows, args.seq_len)
+        heads = model.n_layers * model.n_heads
+
+        def forward(model=model, ids=ids, mask=mask) -> None:
+            with torch.no_grad():
+                fx._run_model(model, ids, mask)
+
+        forward()  # warm
+        fwd, ablate, grad = [], [], []
+        for _ in range(args.repeats):  # interleaved: the machine's load hits all three alike
+            fwd += timed(forward, 1)
+            ablate += timed(
+                lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("zero",)), 1
+            )
+            if fx.objective_of(model).is_loss:
+                grad += timed(
+                    lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("gradient",)), 1
+                )
+        name = model.name
+        print(f"| {name} | one forward pass | {show(fwd)} | | | |")
+        ratio = median(ablate) / (heads * median(fwd))
+        print(
+            f"| {name} | zero-ablate all {heads} heads | {show(ablate)} | {heads} forward passes, "
+            f"{heads * median(fwd):.2f} s | **{ratio:.2f}×** | ≤ 0.6 |"
+        )
+        if grad:
+            # head_effects also runs the intact pass it compares with: the gradient's own cost is the rest
+            print(
+                f"| {name} | gradient importance (with its intact pass) | {show(grad)} | one forward pass | "
+                f"**{median(grad) / median(fwd):.2f}×** | ≤ 3 |"
+            )
+        else:
+            print(
+                f"| {name} | gradient importance | n/a: the objective is {fx.objective_of(model).name}, not a loss | | | |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""`headatlas effects` and `headatlas prune`: which heads the model needs, measured on a corpus in this process (SPEC §9).
+
+Registered on the main app by ``register(app)``; thin like the rest of the CLI: parse options, call
+``service.engine.effect_runs.measure_effects``, render its table.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from headatlas.cli import options
+from headatlas.cli.output import Format, render, stderr
+
+WindowsOpt = typer.Option(
+    16,
+    "--windows",
+    min=1,
+    help="Windows to measure, spread over the corpus's documents (each head's ablation is a partial forward "
+    "pass per window: cost grows with windows × layers × heads).",
+)
+ReferenceOpt = typer.Option(
+    256, "--reference", min=1, help="Mean ablation: the corpus's first N windows give each head's mean output."
+)
+EffectsOpt = typer.Option(
+    "zero,mean",
+    "--effects",
+    help="Effects to measure: zero and mean ablation, and gradient importance (objectives that are losses only).",
+)
+TopOpt = typer.Option(0, "--top", min=0, help="Show only the N heads with the largest first effect (0: every head).")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(effects)
+    app.command()(prune)
+
+
+@options.analysis_options("model", "device", "seq_len", "batch_size", "text_field", "encoding")
+def effects(
+    corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory or a glob."),
+    *,
+    kinds: str = EffectsOpt,
+    windows: int = WindowsOpt,
+    reference: int = ReferenceOpt,
+    top: int = TopOpt,
+    analysis: options.AnalysisOptions,
+    fmt: Format = options.Fmt,
+) -> None:
+    """Which heads the model needs: every head removed in turn, and what the model's objective loses.
+
+    For each head, effect = O(ablated) − O(intact) over --windows windows, with its 95% interval
+    (jackknife over replicate groups by document): zero ablation sets the head's output to 0, mean
+    ablation to its mean over the reference windows; gradient importance is |∂O/∂gate|. O is the
+    model's own: next-token loss (nats) for decoders with a tied LM head, embedding drift
+    (1 − cos of the pooled embedding) for sentence-embedding encoders such as the default. Measured
+    in this process; nothing is stored.
+    """
+    from headatlas.service.engine.corpus import corpus_files
+    from headatlas.service.engine.effect_runs import measure_effects
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.model_check import check_loaded, check_model_spec
+    from headatlas.service.measures.effects import parse_kinds
+
+    chosen = parse_kinds(kinds)
+    params = analysis.params
+    corpus_files(corpus)  # a missing corpus is said before the model loads
+    check_model_spec(analysis.model, seq_len=params.seq_len, device=analysis.device)
+    loaded = load_model(analysis.model, device=analysis.device)
+    check_loaded(loaded, params.seq_len)
+    batch = int(analysis.batch_size) if str(analysis.batch_size).isdigit() else 4
+    passes = loaded.n_heads * (loaded.n_layers + 1) / 2 * len([k for k in chosen if k != "gradient"])
+    stderr.print(
+        f"measuring {', '.join(chosen)} on {windows} windows: about {passes:.0f} forward passes' worth per window",
+        highlight=False,
+    )
+
+    def progress(done: int, total: int) -> None:
+        stderr.print(f"  {done}/{total} windows", highlight=False)
+
+    table = measure_effects(
+        corpus,
+        loaded,
+        params,
+        kinds=chosen,
+        windows=windows,
+        reference=reference,
+        batch_size=max(1, batch),
+        text_field=analysis.text_field,
+        encoding=analysis.encoding,
+        on_batch=progress,
+    )
+    rows = table.rows
+    if top:
+        rows = sorted(rows, key=lambda r: -abs(r[2]) if r[2] == r[2] else 0.0)[:top]
+    render(table.columns, rows, fmt, title=f"head effects: {table.model}")
+    if fmt == Format.table:
+        stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
+
+
+def parse_step(text: str) -> float:
+    """``10%`` or ``0.1`` → 0.1; a ParameterError naming the value otherwise."""
+    from headatlas.service.errors import ParameterError
+
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise ParameterError(f"--step {text!r}: a share of the heads removed per step, such as 10% or 0.1")
+    return value
+
+
+def prune(
+    run: str | None = typer.Argument(None, help="Run id, name or alias (default: the latest finished run)."),
+    *,
+    db: str = options.Db,
+    order: str = typer.Option(
+        "effect,importance,noise,random",
+        "--order",
+        help="Orders to remove heads in: effect (smallest first), importance (smallest first; loss objectives), "
+        "noise (the run's noise_share, largest first), random.",
+    ),
+    step: str = typer.Option("10%", "--step", help="Share of the heads removed at each step."),
+    seeds: int = typer.Option(3, "--seeds", min=1, help="Random orders (one per seed)."),
+    windows: int = typer.Option(
+        16, "--windows", min=1, help="Evaluation windows (as many selection windows again set the effect order)."
+    ),
+    reference: int = typer.Option(64, "--reference", min=1, help="Windows whose mean output replaces a removed head."),
+    device: str = typer.Option("auto", "--device", help="Device: auto, cpu, cuda or cuda:N."),
+    out: str | None = typer.Option(None, "--out", "-o", help="Also draw every order's curve into this .png/.svg."),
+    fmt: Format = options.Fmt,
+) -> None:
+    """Pruning curves: heads removed cumulatively (mean ablation), the model's objective after each step with
+    its interval, and the seed paper's claim tested (the noise order against random ones, and Spearman's ρ
+    between noise_share and the effect). The run gives the model, the corpus and noise_share; the curves are
+    measured in this process and not stored."""
+    from sqlalchemy import text
+
+    from headatlas.cli.run_commands import resolve
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.pruning import ORDERS, prune_curves
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.storage.store import Store
+
+    orders = [o.strip() for o in order.split(",") if o.strip()]
+    for name in orders:
+        if name not in ORDERS:
+            raise ParameterError(f"--order {order!r}: {name!r} is not an order; use {', '.join(ORDERS)}")
+    fraction = parse_step(step)
+    if out is not None:
+        from pathlib import Path
+
+        from headatlas.service.reports.plots import output_format
+
+        output_format(Path(out))
+    with Store(db).checked_read() as conn:
+        found = resolve(conn, run)
+        noise = {
+            (int(r[0]), int(r[1])): float(r[2])
+            for r in conn.execute(
+                text("SELECT layer, head, noise_share FROM head_metrics WHERE run_id = :r AND noise_share IS NOT NULL"),
+                {"r": found.run_id},
+            )
+        }
+    params = AnalysisParams.from_dict(found.params)
+    loaded = load_model(found.model, device=device)
+    stderr.print(f"run {found.run_id} ({found.name}): {loaded.name} on {found.corpus}", highlight=False)
+    result = prune_curves(
+        found.corpus,
+        loaded,
+        params,
+        orders=orders,
+        noise_share=noise,
+        step=fraction,
+        seeds=seeds,
+        windows=windows,
+        reference=reference,
+        on_step=lambda name, done, total: stderr.print(f"  {name}: step {done}/{total}", highlight=False),
+    )
+    columns, rows = result.rows()
+    render(columns, rows, fmt, title=f"pruning curves: {result.model}, {result.objective} ({result.unit})")
+    claim = result.claim()
+    # on stderr in every format: the claim's verdict is the answer
+    stderr.print(
+        f"note: {result.evaluation_windows} evaluation windows ({result.groups} replicate groups, {result.scheme}); "
+        f"orders set on {result.selection_windows} other windows; removed heads take their mean over "
+        f"{reference} windows. {claim}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if out is not None:
+        from pathlib import Path
+
+        from headatlas.service.reports.plots import save
+        from headatlas.service.reports.prune_plot import figure_prune
+
+        fig = figure_prune(result)
+        stderr.print(f"wrote {save(fig, Path(out))}", highlight=False)

@@ -1,0 +1,299 @@
+"""Pruning curves and the test of the seed paper's claim (SPEC §9), measured in this process.
+
+Heads are removed cumulatively (mean ablation: each removed head's z replaced by its reference
+mean, all of them in one full forward pass) in an order, and the objective is measured on
+*evaluation* windows after each step. The orders are by measured effect (smallest first), by
+gradient importance (smallest first; objectives that are losses only), by ``noise_share`` of a
+stored run (largest first: the seed's claim, that heads whose similar pairs attention ignores can
+go), and random (``seeds`` of them). The effects and importances that set the first two orders are
+measured on *selection* windows, disjoint from the evaluation windows (every other window of the
+spread), so that no order is read off the windows it is judged on.
+
+The claim is tested two ways, each with a §5d interval (jackknife over the evaluation windows'
+replicate groups): the **area** between the noise-ordered curve and the mean of the random ones
+(trapezoids over the fraction removed; negative: pruning by noise costs less than at random), and
+**Spearman's ρ** between ``noise_share`` and the mean-ablation effect across heads (the effects'
+groups dropped one at a time; the run's ``noise_share`` is taken as fixed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headatlas.service.engine.effect_runs import jackknife, spread_windows
+from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.results import window_group
+from headatlas.service.engine.windows import TokenClasses, Window, collate
+from headatlas.service.errors import ParameterError
+from headatlas.service.measures import effects as fx
+from headatlas.service.measures.objectives import wide
+from headatlas.service.params import AnalysisParams
+from headatlas.service.reports.intervals import t95
+
+ORDERS = ("effect", "importance", "noise", "random")
+Head = tuple[int, int]
+
+
+@contextmanager
+def removed(model: LoadedModel, heads: Sequence[Head], means: torch.Tensor) -> Iterator[None]:
+    """Inside: every head of ``heads`` has its z replaced by its mean (``means [layer, head, d_head]``)."""
+    d = model.d_head
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+    handles = []
+
+    def hook_for(layer: int, chosen: list[int]):
+        keep = torch.ones(model.n_heads, 1, device=model.device)
+        fill = torch.zeros(model.n_heads, d, device=model.device)
+        for head in chosen:
+            keep[head] = 0.0
+            fill[head] = means[layer, head].to(model.device, torch.float32)
+
+        def hook(_module, args):
+            z = args[0]
+            z4 = z.reshape(*z.shape[:2], model.n_heads, d)
+            return ((z4 * keep.to(z.dtype) + fill.to(z.dtype)).reshape(z.shape), *args[1:])
+
+        return hook
+
+    for layer, chosen in by_layer.items():
+        block = model.blocks[layer]
+        handles.append(model.adapter.output_projection(block).register_forward_pre_hook(hook_for(layer, chosen)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def objective_with(
+    model: LoadedModel, batches: list, heads: Sequence[Head], means: torch.Tensor, intact: list[torch.Tensor]
+) -> np.ndarray:
+    """The objective per evaluation window ``[window]`` with ``heads`` removed."""
+    objective = fx.objective_of(model)
+    out = []
+    with torch.no_grad(), removed(model, heads, means):
+        for batch, reference in zip(batches, intact, strict=True):
+            final = wide(fx._run_model(model, batch.input_ids, batch.attention_mask))
+            out.append(objective.per_window(final, batch.input_ids, batch.attention_mask, reference).double().cpu())
+    return torch.cat(out).numpy()
+
+
+@dataclass
+class Curve:
+    order: str  # effect, importance, noise, random:SEED
+    steps: list[int]  # heads removed after each step (0 first)
+    values: np.ndarray  # [step, window]: the objective on each evaluation window
+
+
+@dataclass
+class PruneResult:
+    model: str
+    objective: str
+    unit: str
+    selection_windows: int
+    evaluation_windows: int
+    groups: int
+    scheme: str
+    total_heads: int
+    curves: list[Curve] = field(default_factory=list)
+    area: tuple[float, float, float] | None = None  # noise − random: (value, lo, hi)
+    rho: tuple[float, float, float] | None = None  # Spearman ρ(noise_share, effect_mean)
+    group_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+
+    def rows(self) -> tuple[list[str], list[tuple]]:
+        """One row per order and step: the objective with its interval, and its increase over the
+        intact model (paired, window by window) with its interval."""
+        columns = ["order", "step", "heads_removed", "fraction", "objective", "objective_lo", "objective_hi"]
+        columns += ["increase", "increase_lo", "increase_hi"]
+        rows = []
+        for curve in self.curves:
+            mean, lo, hi, _r = jackknife(curve.values.T, self.group_ids)
+            up, up_lo, up_hi, _r = jackknife((curve.values - curve.values[0]).T, self.group_ids)
+            for step, n in enumerate(curve.steps):
+                cells = (mean[step], lo[step], hi[step], up[step], up_lo[step], up_hi[step])
+                rows.append((curve.order, step, n, n / self.total_heads, *(float(c) for c in cells)))
+        return columns, rows
+
+    def claim(self) -> str:
+        """The seed's claim as SPEC §9 tests it, in words with the figures."""
+        parts = []
+        if self.area is not None:
+            value, lo, hi = self.area
+            verdict = "supported" if hi < 0 else "contradicted" if lo > 0 else "undecided (the interval holds 0)"
+            parts.append(
+                f"area between the noise-ordered curve and random ones {value:+.4g} {self.unit}·fraction "
+                f"[{lo:+.4g}, {hi:+.4g}] (negative: pruning by noise costs less): {verdict}"
+            )
+        if self.rho is not None and math.isnan(self.rho[0]):
+            parts.append("Spearman ρ(noise_share, effect) undefined: one of them does not vary across heads")
+        elif self.rho is not None:
+            value, lo, hi = self.rho
+            parts.append(f"Spearman ρ(noise_share, mean-ablation effect) = {value:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        return "; ".join(parts)
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's ρ (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="mergesort")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v[~np.isnan(v)]):  # ties: their mean rank
+            tied = v == value
+            r[tied] = r[tied].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = math.sqrt((rx**2).sum() * (ry**2).sum())
+    return float((rx * ry).sum() / denominator) if denominator else math.nan
+
+
+def _interval(full: float, drops: list[float]) -> tuple[float, float, float]:
+    r = len(drops)
+    if r < 2:
+        return full, math.nan, math.nan
+    d = np.array(drops)
+    half = t95(r - 1) * math.sqrt((r - 1) / r * ((d - d.mean()) ** 2).sum())
+    return full, full - half, full + half
+
+
+def prune_curves(
+    corpus: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    *,
+    orders: Sequence[str] = ORDERS,
+    noise_share: dict[Head, float] | None = None,
+    step: float = 0.1,
+    seeds: int = 3,
+    windows: int = 16,
+    reference: int = 64,
+    batch_size: int = 4,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> PruneResult:
+    """The pruning curves of ``orders`` and the test of the seed's claim (the module docstring)."""
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.engine.effect_runs import first_windows
+
+    for order in orders:
+        if order not in ORDERS:
+            raise ParameterError(f"--order {order!r}: use {', '.join(ORDERS)}")
+    if "noise" in orders and not noise_share:
+        raise ParameterError("--order noise needs a stored run's noise_share: pass the run (analysed with this model)")
+    objective = fx.objective_of(model)
+    if "importance" in orders and not objective.is_loss:
+        raise ParameterError(
+            f"--order importance: this model's objective is {objective.name}, not a loss; use effect, noise, random"
+        )
+    if not 0 < step <= 1:
+        raise ParameterError(f"--step {step:g}: a fraction of the heads in (0, 1], e.g. 10%")
+
+    def docs():
+        return iter_documents(corpus, text_field=text_field, encoding=encoding)
+
+    spread = spread_windows(docs(), model, params, 2 * windows)
+    selection, evaluation = spread[0::2], spread[1::2]
+    if not evaluation:
+        raise ParameterError(f"{corpus}: too few windows for a pruning curve (it needs at least 2)")
+    pad = TokenClasses.from_tokenizer(model.tokenizer).pad_id
+    ref = first_windows(docs(), model, params, reference)
+    means, _positions = fx.reference_means(
+        model, ((b.input_ids, b.attention_mask) for b in _batches(ref, pad, batch_size))
+    )
+    total = model.n_layers * model.n_heads
+    every = [(layer, head) for layer in range(model.n_layers) for head in range(model.n_heads)]
+    counts = sorted({0, *(min(total, math.ceil(k * step * total - 1e-9)) for k in range(1, math.ceil(1 / step) + 1))})
+
+    # the selection windows' effects (for the effect order and ρ) and importances
+    want = ("mean", "gradient") if "importance" in orders else ("mean",)
+    per_window: dict[str, list[torch.Tensor]] = {k: [] for k in want}
+    for batch in _batches(selection, pad, batch_size):
+        got = fx.head_effects(model, batch.input_ids, batch.attention_mask, kinds=want, means=means)
+        for kind in want:
+            per_window[kind].append(got.effect[kind])
+    effect = torch.cat(per_window["mean"]).numpy()  # [window, layer, head]
+    ranked: dict[str, list[Head]] = {}
+    mean_effect = effect.mean(axis=0)
+    ranked["effect"] = sorted(every, key=lambda lh: (mean_effect[lh], lh))
+    if "gradient" in per_window:
+        importance = torch.cat(per_window["gradient"]).numpy().mean(axis=0)
+        ranked["importance"] = sorted(every, key=lambda lh: (importance[lh], lh))
+    if noise_share:
+        ranked["noise"] = sorted(every, key=lambda lh: (-noise_share.get(lh, -math.inf), lh))
+    for seed in range(seeds):
+        shuffled = list(every)
+        random.Random(seed).shuffle(shuffled)
+        ranked[f"random:{seed}"] = shuffled
+
+    batches = _batches(evaluation, pad, batch_size)
+    with torch.no_grad():
+        intact = [wide(fx._run_model(model, b.input_ids, b.attention_mask)) for b in batches]
+    scheme = params.resolved(len({w.doc_id for w in evaluation})).replicates
+    groups = np.array([window_group(scheme, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in evaluation])
+    result = PruneResult(
+        model=model.name,
+        objective=objective.name,
+        unit=objective.unit,
+        selection_windows=len(selection),
+        evaluation_windows=len(evaluation),
+        groups=len(np.unique(groups)),
+        scheme=scheme,
+        total_heads=total,
+        group_ids=groups,
+    )
+    names = [o for o in orders if o != "random"] + ([f"random:{s}" for s in range(seeds)] if "random" in orders else [])
+    for name in names:
+        heads_in_order = ranked[name]
+        values = []
+        for index, n in enumerate(counts):
+            values.append(objective_with(model, batches, heads_in_order[:n], means, intact))
+            if on_step is not None:
+                on_step(name, index + 1, len(counts))
+        result.curves.append(Curve(order=name, steps=counts, values=np.stack(values)))
+
+    curves = {c.order: c for c in result.curves}
+    randoms = [c.values for name, c in curves.items() if name.startswith("random:")]
+    if "noise" in curves and randoms:
+        fractions = np.array(counts) / total
+        gap = curves["noise"].values - np.mean(randoms, axis=0)  # [step, window]
+
+        def area(columns: np.ndarray) -> float:
+            return float(np.trapezoid(gap[:, columns].mean(axis=1), fractions))
+
+        all_columns = np.ones(len(groups), dtype=bool)
+        present = np.unique(groups)
+        result.area = _interval(area(all_columns), [area(groups != g) for g in present] if len(present) > 1 else [])
+    if noise_share:
+        sel_groups = np.array(
+            [window_group(scheme, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in selection]
+        )
+        noise = np.array([noise_share.get(lh, math.nan) for lh in every])
+        keep = ~np.isnan(noise)
+
+        def rho(rows: np.ndarray) -> float:
+            e = effect[rows].mean(axis=0).reshape(-1)
+            return spearman(noise[keep], e[keep])
+
+        present = np.unique(sel_groups)
+        result.rho = _interval(
+            rho(np.ones(len(selection), dtype=bool)),
+            [rho(sel_groups != g) for g in present] if len(present) > 1 else [],
+        )
+    return result
+
+
+def _batches(windows: list[Window], pad: int, size: int) -> list:
+    return [collate(windows[i : i + size], pad) for i in range(0, len(windows), size)]
