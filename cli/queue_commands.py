@@ -275,10 +275,15 @@ def status(
     from headatlas.workers.status import run_status
 
     check_broker_url(broker)
+    from headatlas.service.errors import StoreUnavailable
     from headatlas.service.storage.queue_store import resolve_run
 
-    with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
-        resolve_run(conn, run, any_status=True)
+    try:
+        with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning
+            resolve_run(conn, run, any_status=True)
+    except StoreUnavailable:
+        _say_writer_pauses(broker)  # a lake's catalogue is down: what the writers wait for, then the error
+        raise
     try:
         client = connect(broker)
     except (BrokerOutOfMemory, BrokerDatabaseOutOfRange):
@@ -290,6 +295,20 @@ def status(
         state = run_status(_store(db), run, client)
     # json: named fields with raw values; table and csv: the readable field/value rows
     render_record(state.record() if fmt == Format.json else dict(state.rows()), fmt)
+
+
+def _say_writer_pauses(broker: str) -> None:
+    import redis
+
+    from headatlas.service.errors import BrokerError
+    from headatlas.workers.ledger import connect
+    from headatlas.workers.status import writer_pauses
+
+    try:
+        for line in writer_pauses(connect(broker)):
+            stderr.print(f"warning: {line}", markup=False, highlight=False)
+    except (BrokerError, redis.RedisError):
+        pass
 
 
 def retry(

@@ -42,6 +42,18 @@ class StoreConflict(StoreBusy):
     work again; it then sees what the other one committed)."""
 
 
+class StoreUnavailable(StoreBusy):
+    """A lake cannot be reached or written now: its catalogue's connection was lost (PostgreSQL
+    restarted, down, or the session ended by the server), or its data path is full or read-only.
+    Nothing of the unit of work was committed; it is tried again when the fault clears.
+    ``waits_for`` names what it waits for ("the lake's catalogue", "the lake's data path")."""
+
+    def __init__(self, message: str, *, waits_for: str, cause: str = ""):
+        super().__init__(message)
+        self.waits_for = waits_for
+        self.cause = cause  # the driver's own words, first line
+
+
 class DatabaseFileError(StoreError):
     """The database file is missing, not a (headatlas) DuckDB database, damaged, or not writable."""
 

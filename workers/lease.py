@@ -31,6 +31,7 @@ from headatlas.service.errors import ParameterError, StoreError, WriterConflict
 
 LEASE = "headatlas:writer:lease"
 HELPER = "headatlas:writer:helper:"  # + token: a further writer of a lake, alive while the key lives
+PAUSED = "headatlas:writer:paused:"  # + token: what a paused writer waits for (status), expiring unless refreshed
 LAST = "headatlas:writer:last"  # the database the last writer stored into (no expiry)
 EPOCH = "headatlas:epoch"  # a random value set once: a new one means Redis lost its data
 
@@ -130,6 +131,17 @@ def helpers(client: redis.Redis) -> list[Holder]:
     return out
 
 
+def paused_writers(client: redis.Redis) -> list[dict]:
+    """The writers waiting for their database to come back (``WriterLease.say_paused``): each a
+    dict with host, pid, waits_for, cause, since (epoch seconds), retry_s, tries."""
+    out = []
+    for name in client.scan_iter(f"{PAUSED}*"):
+        raw = client.get(name)
+        if raw:
+            out.append(json.loads(raw))
+    return sorted(out, key=lambda p: p.get("since", 0.0))
+
+
 class WriterLease:
     """``shared``: the database takes several writers (a lake with a PostgreSQL catalogue); the
     lease then admits further writers of the same database (``helper``)."""
@@ -183,6 +195,22 @@ class WriterLease:
             f"heartbeat {age:.0f} s ago; stop that writer first, or give this database its own broker "
             "(--broker, e.g. another Redis database number)"
         )
+
+    def say_paused(self, waits_for: str, cause: str, since: float, retry_s: float, tries: int) -> None:
+        """Tell `status` what this writer waits for, until ``clear_paused`` (or it stops saying so)."""
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "waits_for": waits_for,
+            "cause": cause,
+            "since": since,
+            "retry_s": retry_s,
+            "tries": tries,
+        }
+        self.r.set(f"{PAUSED}{self.token}", json.dumps(record), px=int((retry_s + SILENT_S) * 1000))
+
+    def clear_paused(self) -> None:
+        self.r.delete(f"{PAUSED}{self.token}")
 
     @property
     def helper_key(self) -> str:

@@ -179,6 +179,14 @@ def _consumers(ledger, run) -> tuple[str, int, list[str]]:
             writer = f"none for this database ({other.describe()})"
             if active:
                 warnings.append(f"the writer on this broker stores into {other.db}: start a writer on this database")
+    warnings += writer_pauses(ledger.r)
+    orphans = ledger.r.hgetall(ledger.key("orphans", "lake"))
+    if orphans and int(orphans.get(b"files", 0)):
+        seen = time.time() - float(orphans.get(b"at", 0))
+        warnings.append(
+            f"{int(orphans[b'files'])} uncatalogued data file(s) in the lake's data path, left by writes that failed "
+            f"(counted by the writer {seen:.0f} s ago): `headatlas db compact` removes them once an hour old"
+        )
     if active and workers == 0:
         warnings.append("no worker is consuming the analysis queue: nothing is analysed; start `headatlas worker`")
     lost_at = ledger.broker_lost(run.run_key) if active else None
@@ -188,6 +196,20 @@ def _consumers(ledger, run) -> tuple[str, int, list[str]]:
             "its data): submit the same corpus again to queue what is not stored"
         )
     return writer, workers, warnings
+
+
+def writer_pauses(client) -> list[str]:
+    """What each paused writer of the broker waits for (its lake's catalogue or data path)."""
+    from headatlas.workers.lease import paused_writers
+
+    out = []
+    for p in paused_writers(client):
+        out.append(
+            f"writer {p['host']}:{p['pid']} paused {max(0.0, time.time() - p['since']):.0f} s, waiting for "
+            f"{p['waits_for']} ({p['cause']}): tried {p['tries']}×, next in {p['retry_s']:.1f} s; the analysed "
+            "batches wait in Redis"
+        )
+    return out
 
 
 def _duration(seconds: float) -> str:

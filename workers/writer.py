@@ -16,7 +16,11 @@ Faults it rides out (docs/reliability.md): Redis away or restarted (it waits, ta
 again when it expired meanwhile, and when Redis lost its data re-declares the analysis queue and
 what the database says of the runs in flight); its database file moved, deleted or replaced (it
 never creates a database once started: it pauses, says so, and keeps every analysed batch in
-Redis until the file it opened is back).
+Redis until the file it opened is back); a lake's catalogue connection lost (PostgreSQL
+restarted, down at start, the session ended by the server) or its data path full or read-only
+(it pauses, says what it waits for in its log and to `headatlas status`, tries again with
+backoff, and goes on when the fault clears; the messages in hand go back to the queue, and a
+batch stored twice counts once).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -39,7 +44,14 @@ from headatlas.service.config import Settings
 from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
-from headatlas.service.errors import HeadatlasError, StoreBusy, StoreConflict, StoreError, WriterConflict
+from headatlas.service.errors import (
+    HeadatlasError,
+    StoreBusy,
+    StoreConflict,
+    StoreError,
+    StoreUnavailable,
+    WriterConflict,
+)
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.store import (
     Store,
@@ -68,6 +80,23 @@ log = logging.getLogger("headatlas.writer")
 GROUP = 32  # messages per transaction at most (bounds how long a reader may wait)
 READER_GAP_S = 0.025  # the file stays closed at least this long between transactions
 AWAY_POLL_S = 2.0  # how often a writer whose database is away looks for it again
+PAUSE_FIRST_S = 0.5  # a writer whose lake is unavailable tries again after this, …
+PAUSE_MAX_S = 5.0  # … doubling up to this
+FLAP_S = 30.0  # a pause this soon after the last one ended goes on with its wait (no new backoff)
+ORPHANS = "orphans"  # Ledger key (+ "lake"): uncatalogued data files the writer saw after a data-path fault
+
+
+@dataclass
+class Pause:
+    """The writer waits for its lake (``StoreUnavailable.waits_for``) since ``since``."""
+
+    waits_for: str
+    cause: str
+    since: float  # time.monotonic()
+    wall: float  # time.time(), for status
+    delay: float = PAUSE_FIRST_S
+    tries: int = 0
+    data_path: bool = False  # a write failed on the data path during the pause: look for orphans
 
 
 class DatabaseAway(StoreBusy):
@@ -189,11 +218,22 @@ class Writer:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("broker unreachable (%s); waiting for it", exc)
                 time.sleep(1.0)
+        self._pause: Pause | None = None  # what the writer waits for, while its lake is unavailable
+        # when the last pause ended, its last wait, and what it waited for
+        self._resumed_at: tuple[float, float, tuple[str, str] | None] = (-FLAP_S, PAUSE_FIRST_S, None)
         try:
-            self._wait_for_last_database()  # before anything could create a database
-            with self.lease.kept():  # creating or upgrading the schema can outlast the lease
-                Store(self.backend).ensure_schema()  # a stale database fails now, not on the first batch
-                self.database_id = read_database_id(self.backend)
+            with self.lease.kept():  # waiting, or creating or upgrading the schema, can outlast the lease
+                while True:  # a lake whose catalogue is not up yet: wait for it
+                    try:
+                        self._probe()  # a lake's catalogue answers (else _wait_for_last_database would say "missing")
+                        self._wait_for_last_database()  # before anything could create a database
+                        Store(self.backend).ensure_schema()  # a stale database fails now, not on the first batch
+                        self.database_id = read_database_id(self.backend)
+                        break
+                    except StoreUnavailable as exc:
+                        self._unavailable(exc)
+            if self._pause is not None:
+                self._resumed()
             self.lease.set_database(self.database_id)
             self.store: Store = OwnStore(self.backend, self.database_id)
         except BaseException:
@@ -415,6 +455,9 @@ class Writer:
         recovered = False
         while not self.stopping:
             try:
+                if self._pause is not None:
+                    self._probe()  # still unavailable: raises, and the messages stay queued
+                    self._resumed()
                 if not recovered:
                     self._recover()
                     recovered = True
@@ -423,6 +466,9 @@ class Writer:
                 log.warning("broker unreachable (%s); retrying", exc)
                 recovered = False  # what was taken is back in the queue once Redis answers
                 time.sleep(1.0)
+            except StoreUnavailable as exc:  # a lake: its catalogue or data path, for now
+                recovered = False  # the taken messages go back to the queue, and are stored again
+                self._unavailable(exc)
             except DatabaseAway as exc:
                 recovered = False  # the taken messages go back to the queue, and wait there
                 self._database_away(str(exc))
@@ -439,6 +485,104 @@ class Writer:
             if self._away is not None and recovered:
                 log.warning("database %s is back; storing again", self.db_label)
                 self._away = None
+
+    # --- a lake unavailable: its catalogue connection lost, its data path full or read-only ------
+    def _unavailable(self, exc: StoreUnavailable) -> None:
+        """Pause: say so (once per cause) in the log and to `status`, wait, double the wait."""
+        pause = self._pause
+        if pause is None or (pause.waits_for, pause.cause) != (exc.waits_for, exc.cause):
+            if pause is None:
+                pause = self._pause = Pause(exc.waits_for, exc.cause, time.monotonic(), time.time())
+                ended, delay, cause = self._resumed_at
+                again = time.monotonic() - ended < FLAP_S  # the probe passed, the work did not (a data
+                if again:  # path with little room): go on backing off, and say it once
+                    pause.delay = delay
+                verb = "" if again and cause == (exc.waits_for, exc.cause) else "paused"
+            else:
+                pause.waits_for, pause.cause = exc.waits_for, exc.cause
+                verb = f"still paused ({time.monotonic() - pause.since:.1f} s)"
+            log.log(
+                logging.ERROR if verb else logging.DEBUG,
+                "%s: %s; %s message(s) wait in Redis (none is lost); waiting for %s, trying again every %.1f s "
+                "doubling to %.0f s",
+                verb or "paused again",
+                exc,
+                self._backlog(),
+                exc.waits_for,
+                PAUSE_FIRST_S,
+                PAUSE_MAX_S,
+            )
+        from headatlas.service.storage.backends.lake import DATA_PATH
+
+        pause.data_path = pause.data_path or exc.waits_for == DATA_PATH
+        pause.tries += 1
+        try:
+            self.lease.say_paused(pause.waits_for, pause.cause, pause.wall, pause.delay, pause.tries)
+        except redis.RedisError:
+            pass  # the broker is away too: the loop finds out
+        time.sleep(pause.delay)
+        pause.delay = min(2 * pause.delay, PAUSE_MAX_S)
+
+    def _probe(self) -> None:
+        """Raise StoreUnavailable while what the writer waits for (its lake's catalogue, when it
+        is not paused) is still unavailable."""
+        from headatlas.service.storage.backends.lake import CATALOGUE, LakeBackend
+
+        if isinstance(self.backend, LakeBackend):
+            self.backend.probe(self._pause.waits_for if self._pause is not None else CATALOGUE)
+
+    def _resumed(self) -> None:
+        """The fault cleared (the probe passed): say after how long, and the data files the failed
+        writes left; the messages go back on the queue and are stored now."""
+        pause, self._pause = self._pause, None
+        assert pause is not None
+        self._resumed_at = (time.monotonic(), pause.delay, (pause.waits_for, pause.cause))
+        took = time.monotonic() - pause.since
+        orphans = ""
+        if pause.data_path:
+            orphans = self._count_orphans()
+        log.warning(
+            "%s is back after %.1f s (%d failed attempt(s)); storing again%s",
+            pause.waits_for,
+            took,
+            pause.tries,
+            orphans,
+        )
+        try:
+            self.lease.clear_paused()
+        except redis.RedisError:
+            pass
+
+    def _count_orphans(self) -> str:
+        """The lake's uncatalogued data files (writes that failed after creating their file), for
+        the log and `status`; `db compact` removes them once they are an hour old (a younger one
+        may still be committed by a transaction in flight elsewhere)."""
+        from headatlas.service.storage.backends.lake import ORPHAN_AGE_S, LakeBackend
+
+        if not isinstance(self.backend, LakeBackend):
+            return ""
+        try:
+            found = len(self.backend.orphan_files())
+        except HeadatlasError as exc:
+            return f"; could not count the uncatalogued data files ({exc})"
+        try:
+            ledger = getattr(self, "ledger", None) or Ledger(self.lease.r, self.database_id)
+            ledger.r.hset(ledger.key(ORPHANS, "lake"), mapping={"files": found, "at": f"{time.time():.3f}"})
+        except redis.RedisError:
+            pass
+        if not found:
+            return "; the failed writes left no data file"
+        return (
+            f"; {found} uncatalogued data file(s) in the data path, left by the writes that failed: "
+            f"`headatlas db compact` removes them once {ORPHAN_AGE_S / 3600:.0f} h old"
+        )
+
+    def _backlog(self) -> int | str:
+        try:
+            r = self.lease.r
+            return int(r.llen(INGEST)) + sum(int(r.llen(name)) for name in processing_lists(r))
+        except redis.RedisError:
+            return "?"
 
     def _database_away(self, why: str) -> None:
         if why != self._away:

@@ -17,6 +17,7 @@ DuckDB secret, and ``label`` shows the URL with ``password=***``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError
+from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError, StoreUnavailable
 from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
 from headatlas.service.storage.readonly import READONLY_CONFIG, retry_on_lock
 
@@ -62,6 +63,10 @@ SANDBOX_READS = frozenset(
 FILES_GRACE_S = 600.0
 COMPACTION = "compaction"  # database_info key: the compaction in progress (host, pid, since)
 COMPACTION_STALE_S = 24 * 3600.0  # another host's claim older than this is left behind
+# an uncatalogued data file younger than this may still be committed by a transaction in flight
+# (another writer's, `db compact`'s merge): `db compact` removes only older ones
+ORPHAN_AGE_S = 3600.0
+PROBE_BYTES = 256 * 1024  # what the data path must take before a paused writer tries its work again
 
 _ROOTS: dict[tuple, tuple[int, duckdb.DuckDBPyConnection, Engine]] = {}
 _ROOTS_LOCK = threading.Lock()
@@ -133,6 +138,78 @@ def _literal(value: str) -> str:
 
 def is_lake_url(url: str) -> bool:
     return str(url).startswith(PREFIX)
+
+
+CATALOGUE = "the lake's catalogue"
+DATA_PATH = "the lake's data path"
+
+# A lost or refused catalogue connection. DuckDB's PostgreSQL extension raises a plain
+# duckdb.Error carrying libpq's message, with neither SQLSTATE nor errno: its text is all there
+# is. Each entry is one message (its SQLSTATE or errno where PostgreSQL or the OS has one);
+# tests/test_lake_faults.py holds a real message for each.
+CATALOGUE_LOST: tuple[tuple[str, str], ...] = (
+    ("server closed the connection unexpectedly", "the server ended the session (libpq)"),
+    ("terminating connection due to administrator command", "pg_terminate_backend or a shutdown (57P01)"),
+    ("terminating connection due to idle-session timeout", "idle_session_timeout (57P05)"),
+    ("terminating connection because of crash of another server process", "a server crash (57P02)"),
+    ("the database system is shutting down", "a shutdown (57P03)"),
+    ("the database system is starting up", "a start (57P03)"),
+    ("the database system is not yet accepting connections", "recovery (57P03)"),
+    ("the database system is in recovery mode", "recovery (57P03)"),
+    ("no connection to the server", "a connection already lost (libpq)"),
+    ("could not receive data from server", "the network (libpq)"),
+    ("could not send data to server", "the network (libpq)"),
+    ("SSL connection has been closed unexpectedly", "the network (libpq)"),
+    ("timeout expired", "connect_timeout (libpq)"),
+    (os.strerror(errno.ECONNREFUSED), "nothing listening (ECONNREFUSED)"),
+    (os.strerror(errno.ECONNRESET), "the network (ECONNRESET)"),
+    (os.strerror(errno.ETIMEDOUT), "the network (ETIMEDOUT)"),
+    (os.strerror(errno.EHOSTUNREACH), "the network (EHOSTUNREACH)"),
+)
+# The data path cannot take a file now: DuckDB raises duckdb.IOException with the OS's words for
+# the errno (it keeps no errno); a Python OSError keeps its errno.
+DATA_PATH_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+DATA_PATH_FULL: tuple[tuple[str, str], ...] = tuple(
+    (os.strerror(code), errno.errorcode[code]) for code in DATA_PATH_ERRNOS
+)
+
+
+def lake_fault(exc: BaseException, label: str = "the lake") -> StoreUnavailable | None:
+    """``exc`` (or the DuckDB error inside SQLAlchemy's) as the lake being unavailable for now —
+    its catalogue connection lost or refused, its data path full or read-only — or None. The one
+    place that recognises these faults: by type first (an OSError's errno, DuckDB's
+    IOException), then by the message, which is all DuckDB keeps of libpq's and the OS's."""
+    if isinstance(exc, StoreUnavailable):
+        return exc
+    orig = getattr(exc, "orig", None) or exc
+    if isinstance(orig, OSError) and orig.errno in DATA_PATH_ERRNOS:
+        detail = f"{orig.strerror}: {orig.filename}" if orig.filename else str(orig.strerror)
+        return _unavailable(DATA_PATH, os.strerror(orig.errno), detail, label)
+    if not isinstance(orig, duckdb.Error):
+        return None
+    message = str(orig)
+    if isinstance(orig, duckdb.IOException):
+        for words, _why in DATA_PATH_FULL:
+            if words in message:
+                return _unavailable(DATA_PATH, words, _first_line(message), label)
+    low = message.lower()
+    for words, _why in CATALOGUE_LOST:
+        if words.lower() in low:
+            return _unavailable(CATALOGUE, words, words, label)
+    return None
+
+
+def _first_line(message: str) -> str:
+    return next((line.strip() for line in message.splitlines() if line.strip()), "")[:300]
+
+
+def _unavailable(waits_for: str, cause: str, detail: str, label: str) -> StoreUnavailable:
+    """``cause``: the words matched (what a writer tells apart); ``detail``: what the message shows."""
+    if waits_for == CATALOGUE:
+        text_ = f"lost the connection to {waits_for} of {label} ({detail}); nothing was committed"
+    else:
+        text_ = f"{waits_for} of {label} takes no file now ({detail}); nothing was committed"
+    return StoreUnavailable(text_, waits_for=waits_for, cause=cause)
 
 
 class LakeBackend(Backend):
@@ -301,6 +378,9 @@ class LakeBackend(Backend):
 
         if is_lock_conflict(exc):
             return exc  # a file catalogue held by another process: retry_on_lock waits for it
+        fault = lake_fault(exc, self.label)
+        if fault is not None:
+            return self._redacted_fault(fault)
         message = self._redacted(str(exc))
         first = next((line.strip() for line in message.splitlines() if line.strip()), type(exc).__name__)
         if at is not None and "snapshot" in message.lower():
@@ -374,37 +454,78 @@ class LakeBackend(Backend):
         create: bool = True,
         at: int | None = None,
     ) -> Iterator[Connection]:
-        with self._engine_for(read_only=read_only, at=at, lock_wait_s=lock_wait_s) as engine:
-            with engine.connect() as conn:
-                try:
-                    with conn.begin():
-                        yield conn
-                except Exception as exc:
-                    raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
+        # the cursor's ``USE lake`` (in engine.connect) is the first to meet a lost catalogue
+        try:
+            with self._engine_for(read_only=read_only, at=at, lock_wait_s=lock_wait_s) as engine:
+                with engine.connect() as conn, conn.begin():
+                    yield conn
+        except Exception as exc:
+            raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
 
     @contextmanager
     def session(self, *, lock_wait_s: float | None = None) -> Iterator[Connection]:
-        with self._engine_for(read_only=False, at=None, lock_wait_s=lock_wait_s) as engine:
-            with engine.connect() as conn:
-                try:
+        try:
+            with self._engine_for(read_only=False, at=None, lock_wait_s=lock_wait_s) as engine:
+                with engine.connect() as conn:
                     yield conn
-                except Exception as exc:
-                    raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
+        except Exception as exc:
+            raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
 
     def _translate(self, exc: BaseException) -> Exception | None:
         if isinstance(exc, StoreError):
             return None
+        fault = lake_fault(exc, self.label)  # first: a commit that lost its catalogue is no conflict
+        if fault is not None:
+            if fault.waits_for == CATALOGUE:
+                self._forget_root()  # its connections to PostgreSQL are dead: attach afresh next time
+            return self._redacted_fault(fault)
         if self.is_conflict(exc):
             return StoreConflict(
                 f"{self.label}: a concurrent transaction changed the same rows; the unit of work is tried again"
             )
-        orig = getattr(exc, "orig", None) or exc
-        message = str(orig)
-        if isinstance(orig, duckdb.Error) and re.search(r"connection|Unable to connect|server closed", message, re.I):
-            self._forget_root()  # the catalogue went away: attach afresh next time
-            first = self._redacted(message).strip().splitlines()[0][:300]
-            return StoreError(f"lost the lake's catalogue {self.label} ({first}); retry when it is reachable")
         return None
+
+    def _redacted_fault(self, fault: StoreUnavailable) -> StoreUnavailable:
+        if self.password and self.password in str(fault) + fault.cause:
+            return StoreUnavailable(
+                self._redacted(str(fault)), waits_for=fault.waits_for, cause=self._redacted(fault.cause)
+            )
+        return fault
+
+    def probe(self, waits_for: str) -> None:
+        """Raise StoreUnavailable while ``waits_for`` is still unavailable: the catalogue, by a
+        read that reaches it; the data path (a local folder), by writing and removing a file of
+        a few blocks there (a full or read-only one refuses it)."""
+        with self.transaction(read_only=True) as conn:
+            conn.execute(text(f"SELECT id FROM ducklake_current_snapshot('{ALIAS}')")).scalar()
+        if waits_for != DATA_PATH or not self.data_path or "://" in self.data_path:
+            return
+        probe = Path(self.data_path) / f".headatlas-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as out:
+                out.write(b"\0" * PROBE_BYTES)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            raise lake_fault(exc, self.label) or StoreUnavailable(
+                f"{DATA_PATH} of {self.label} takes no file now ({exc.strerror})", waits_for=DATA_PATH
+            ) from None
+        finally:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
+
+    def orphan_files(self) -> list[str]:
+        """The lake's data files that its catalogue does not know (a write that failed after
+        its file was created), by DuckLake's own listing; only its ``ducklake-*.parquet``."""
+        with self.session() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT path FROM ducklake_delete_orphaned_files('{ALIAS}', dry_run => true, cleanup_all => true)"
+                )
+            ).all()
+        return sorted(p for (p,) in rows if _is_data_file(p))
 
     def is_conflict(self, exc: BaseException) -> bool:
         message = str(getattr(exc, "orig", None) or exc)
@@ -465,12 +586,14 @@ class LakeBackend(Backend):
                 self._maintenance(root, f"CALL ducklake_merge_adjacent_files('{ALIAS}')")
                 self._maintenance(root, f"CALL ducklake_expire_snapshots('{ALIAS}', older_than => {cutoff})")
                 self._maintenance(root, f"CALL ducklake_cleanup_old_files('{ALIAS}', older_than => {files_cutoff})")
+                orphans = _remove_orphans(root, ORPHAN_AGE_S)
                 after = _lake_counts(root)
                 return {
                     "files_before": before[0],
                     "files_after": after[0],
                     "snapshots_before": before[1],
                     "snapshots_after": after[1],
+                    "orphans_removed": orphans,
                     "seconds": round(time.monotonic() - started, 2),
                 }
             finally:
@@ -552,6 +675,30 @@ def _claim_gone(held: dict) -> bool:
             return False
         return False
     return time.time() - float(held.get("since", 0)) > COMPACTION_STALE_S
+
+
+def _is_data_file(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith("ducklake-") and name.endswith(".parquet")
+
+
+def _remove_orphans(connection: duckdb.DuckDBPyConnection, older_than_s: float) -> int:
+    """Delete the lake's data files its catalogue does not know, last changed over
+    ``older_than_s`` ago (a younger one may belong to a transaction still in flight elsewhere);
+    only DuckLake's own files (``ducklake-*.parquet``). How many."""
+    rows = connection.execute(
+        f"SELECT path FROM ducklake_delete_orphaned_files('{ALIAS}', dry_run => true, "
+        f"older_than => now() - INTERVAL {max(0.0, float(older_than_s)):.0f} SECOND)"
+    ).fetchall()
+    removed = 0
+    for (path,) in rows:
+        if _is_data_file(path) and "://" not in path:
+            try:
+                os.remove(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _lake_counts(connection: duckdb.DuckDBPyConnection) -> tuple[int, int]:
