@@ -361,7 +361,11 @@ CASES += [
     ),
     # sql time limit
     *[
-        Case(f"sql:timeout-{value}", ["sql", "SELECT 1", "--timeout", value, "--db", "{db}"], "expected seconds, more than 0")
+        Case(
+            f"sql:timeout-{value}",
+            ["sql", "SELECT 1", "--timeout", value, "--db", "{db}"],
+            "expected seconds, more than 0",
+        )
         for value in ("nan", "inf", "-inf", "0", "-1")
     ],
     # queries against the run's shape

@@ -305,7 +305,13 @@ class Beat:
     def _fire(self, sched: Schedule, fire_time: datetime) -> None:
         try:
             result = fire(
-                self.settings, sched, fire_time, at=self.clock(), holder=self.holder, lease_s=self.lease_s, clock=self.clock
+                self.settings,
+                sched,
+                fire_time,
+                at=self.clock(),
+                holder=self.holder,
+                lease_s=self.lease_s,
+                clock=self.clock,
             )
         except HeadatlasError as exc:  # the database or Redis away: the fire stays due, or claimed
             log.warning("schedule %s, fire %s: %s", sched.name, fire_time, exc)

@@ -324,7 +324,9 @@ def claim(
                 ),
                 claim,
             )
-        conn.execute(text("INSERT INTO schedule_fire_leases VALUES (:s, :t, :holder, :until)"), dict(lease, t=fire_time))
+        conn.execute(
+            text("INSERT INTO schedule_fire_leases VALUES (:s, :t, :holder, :until)"), dict(lease, t=fire_time)
+        )
         if doc_ids:
             _insert_ids(conn, "schedule_fire_documents", schedule_id, fire_time, sorted(set(doc_ids)))
         values = {"last_fire": max(fire_time, sched.last_fire or fire_time)}
