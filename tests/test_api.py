@@ -197,7 +197,9 @@ def test_errors_are_python_exceptions_in_python_terms(analysed, tmp_path):
         atlas.run("nope")
     with pytest.raises(ValueError, match=r"^layer=5: run \d+ has layers 0..1"):
         run.distances(5)
-    with pytest.raises(ValueError, match=r"^sort='nope': .*choose one of"):
+    with pytest.raises(
+        ValueError, match=r"^sort='nope': not a metric of the heads; `headatlas metrics` lists every metric$"
+    ):
         run.heads(sort="nope")
     with pytest.raises(ValueError, match=r"^batch_size='many': use a positive integer or auto"):
         api.analyze(corpus, db=db, batch_size="many")
