@@ -296,3 +296,15 @@ def test_hints_are_spelled_as_the_program_is_typed_here(tmp_path, monkeypatch):
     assert command_name() == "headatlas"
     monkeypatch.setattr(sys, "argv", ["pytest"])  # not started as the console script
     assert command_name() == "headatlas"
+
+
+def test_trend_sparkline_spans_the_values_own_range():
+    """Two lifts far from 0, one falling a little and one rising: drawn from 0 both were two full
+    bars; drawn over their own range one falls and the other rises."""
+    from headatlas.cli.output import SPARK, trend_line
+
+    falling, rising = trend_line("lift", [1.035, 1.015]), trend_line("lift", [1.142, 1.194])
+    assert falling == f"lift {SPARK[-1]}{SPARK[0]}  (1.015 … 1.035)"
+    assert rising == f"lift {SPARK[0]}{SPARK[-1]}  (1.142 … 1.194)"
+    assert trend_line("lift", [0.5, None, 0.75, 1.0]) == f"lift {SPARK[0]} {SPARK[4]}{SPARK[-1]}  (0.5 … 1)"
+    assert trend_line("lift", [2.0, 2.0]) == f"lift {SPARK[3]}{SPARK[3]}  (2 … 2)"
