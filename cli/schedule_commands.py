@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, render, render_metrics, render_record, sparkline, stdout
+from headatlas.cli.output import Format, render, render_metrics, render_record, stdout, trend_line
 from headatlas.service.analysis_options import BY_NAME, DEFAULTS
 from headatlas.service.config import Settings
 
@@ -298,6 +298,4 @@ def query_trend(
         note=queries.LIFT_NOTE if "lift" in metric else None,
     )
     if fmt == Format.table and rows:
-        values = [r[columns.index(metric)] for r in rows]
-        clean = [v for v in values if v is not None]
-        stdout.print(f"{metric} {sparkline(values)}  ({min(clean, default=0):.4g} … {max(clean, default=0):.4g})")
+        stdout.print(trend_line(metric, [r[columns.index(metric)] for r in rows]))

@@ -190,11 +190,11 @@ def plot_heads(
     dpi: int = DpiOpt,
 ) -> None:
     """Layer × head heatmap of one metric; lifts are centred on 1 (chance)."""
-    from headatlas.service.errors import ParameterError
     from headatlas.service.reports import queries
+    from headatlas.service.reports.columns import unknown_metric
 
     if metric not in queries.SORTABLE:
-        raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(queries.SORTABLE)}")
+        raise unknown_metric("--metric", metric, queries.SORTABLE)
     _plot("heads", run, db, out, dpi, metric=metric)
 
 

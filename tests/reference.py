@@ -3,7 +3,8 @@
 Deliberately naive: Python loops over windows, heads and pairs, numpy float64, head outputs
 recomputed from Hugging Face's own attention probabilities and hidden states (not from the
 hooks), sentence ids by a token-by-token scan, word tokens from the tokenizer's own token texts
-with ``unicodedata`` (not service.engine.windows). Slow, but easy to check against the SPEC.
+(a byte-level vocabulary's decoded from GPT-2's byte alphabet) with ``unicodedata`` (not
+service.engine.windows). Slow, but easy to check against the SPEC.
 """
 
 from __future__ import annotations
@@ -75,6 +76,47 @@ def word_piece_is_word(token: str) -> bool:
     return any(unicodedata.category(ch).startswith(("L", "N")) for ch in token)
 
 
+def _gpt2_byte_of_symbol() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: the stand-in character of each byte -> the byte
+    (printable Latin-1 bytes stand for themselves, the other 68 are shifted to U+0100 onwards)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(shifted)}}
+
+
+BYTE_OF_SYMBOL = _gpt2_byte_of_symbol()
+
+
+def vocabulary_is_byte_level(tokenizer) -> bool:
+    """A byte-level BPE vocabulary: its tokenizer.json decoder is (or holds) ByteLevel."""
+    import json
+
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder")
+    return '"type": "ByteLevel"' in json.dumps(decoder)
+
+
+def byte_level_text(token: str) -> str:
+    """The text a byte-level token stands for: its symbols as bytes, decoded as UTF-8 (an
+    incomplete character becomes U+FFFD); a symbol outside the alphabet stands for itself."""
+    raw = b"".join(bytes([BYTE_OF_SYMBOL[ch]]) if ch in BYTE_OF_SYMBOL else ch.encode() for ch in token)
+    return raw.decode("utf-8", errors="replace")
+
+
+def reference_word_ids(tokenizer) -> set[int]:
+    """Ids of the word tokens (SPEC §5b), special tokens included (the caller excludes them): on
+    the vocabulary string, or on the decoded text for a byte-level vocabulary (no prefix there)."""
+    byte_level = vocabulary_is_byte_level(tokenizer)
+    words = set()
+    for token, idx in tokenizer.get_vocab().items():
+        if byte_level:
+            word = any(unicodedata.category(ch).startswith(("L", "N")) for ch in byte_level_text(token))
+        else:
+            word = word_piece_is_word(token)
+        if word:
+            words.add(idx)
+    return words
+
+
 def reference_windows(
     model,
     input_ids,
@@ -100,12 +142,12 @@ def reference_windows(
     n_layers, n_heads, d = model.n_layers, model.n_heads, model.d_head
     blocks = hf.encoder.layer
     records = []
+    word_ids = reference_word_ids(model.tokenizer)
     for w in range(input_ids.shape[0]):
         n = int(attention_mask[w].sum())
         ids = input_ids[w, :n].tolist()
-        texts = model.tokenizer.convert_ids_to_tokens(ids)
         special = [t in tokens.special_ids for t in ids]
-        word = [not special[i] and word_piece_is_word(texts[i]) for i in range(n)]
+        word = [not special[i] and ids[i] in word_ids for i in range(n)]
         members = [i for i in range(n) if include_special or not special[i]]
         sentence, current, new_sentence = [-1] * n, 0, False
         seen_word = False

@@ -214,6 +214,27 @@ def test_smollm2_z_is_attention_times_values_of_its_group(smollm2):
 
 
 @pytest.mark.slow
+def test_smollm2_word_tokens_are_judged_on_their_decoded_text(smollm2):
+    """SmolLM2's vocabulary is byte-level: the newline (198), runs of spaces and lone bytes of
+    longer characters are not words (627 tokens passed for words on their vocabulary strings), in
+    the statistics and in the probe's candidates; the tests' reference agrees on every token."""
+    from headatlas.service.engine.probe import ordinary_token_ids
+    from headatlas.service.engine.windows import is_word_token
+    from tests.reference import reference_word_ids
+
+    tok = smollm2.tokenizer
+    words = TokenClasses.for_model(smollm2).is_word
+    vocab = tok.get_vocab()
+    assert not words[198] and tok.decode([198]) == "\n"
+    assert not words[vocab["ĠĠ"]] and not words[vocab["Ã"]] and words[vocab["Ġthe"]]
+    assert set(words.nonzero().flatten().tolist()) == reference_word_ids(tok) - set(tok.all_special_ids)
+    by_string = {i for text, i in vocab.items() if is_word_token(text)} - set(tok.all_special_ids)
+    assert sum(1 for i in by_string if not words[i]) == 627
+    candidates = ordinary_token_ids(tok).tolist()
+    assert 198 not in candidates and vocab["ĠĠ"] not in candidates
+
+
+@pytest.mark.slow
 def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     """The converted folder holds the same weights: identical logits to the GGUF file loaded by
     transformers itself; the run's identity is the GGUF file's, whether converted or not."""

@@ -88,6 +88,25 @@ def test_a_finished_run_returns_without_loading_the_model(analysed, monkeypatch)
         headatlas.analyze(corpus, db=db, model="random:tiny", seq_len=48, progress=False)
 
 
+def test_a_renamed_copy_of_the_corpus_is_the_same_run(analysed, tmp_path, monkeypatch):
+    """A run is identified by the corpus's content: the same file copied under another name is
+    the finished run, reported without loading the model."""
+    import shutil
+
+    import headatlas
+    from headatlas.service.engine import model as model_module
+
+    db, run, corpus = analysed
+    copy = shutil.copy(corpus, tmp_path / "corpus.txt")
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the model was loaded for a finished run")
+
+    monkeypatch.setattr(model_module, "load_model", no_loading)
+    again = headatlas.analyze(copy, db=db, model="random:tiny", batch_size=8, seq_len=64, progress=False)
+    assert again.run_id == run.run_id and again.status == "done"
+
+
 def test_the_cli_analyzing_a_finished_run_does_not_load_the_model(analysed, monkeypatch):
     from headatlas.cli.main import app
     from headatlas.service.engine import model as model_module
@@ -178,7 +197,9 @@ def test_errors_are_python_exceptions_in_python_terms(analysed, tmp_path):
         atlas.run("nope")
     with pytest.raises(ValueError, match=r"^layer=5: run \d+ has layers 0..1"):
         run.distances(5)
-    with pytest.raises(ValueError, match=r"^sort='nope': .*choose one of"):
+    with pytest.raises(
+        ValueError, match=r"^sort='nope': not a metric of the heads; `headatlas metrics` lists every metric$"
+    ):
         run.heads(sort="nope")
     with pytest.raises(ValueError, match=r"^batch_size='many': use a positive integer or auto"):
         api.analyze(corpus, db=db, batch_size="many")

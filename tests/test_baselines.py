@@ -132,6 +132,78 @@ def test_word_mask_of_the_real_tokenizer(tiny_model):
     assert not any(bool(tokens.is_word[i]) for i in tok.all_special_ids)
 
 
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer by hand (the 256 byte symbols of GPT-2 and seven merges), the
+    kind of vocabulary SmolLM2 and GPT-2 have: its strings spell bytes, not text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    merges = [("Ġ", "t"), ("Ġt", "h"), ("Ġth", "e"), ("Ċ", "Ċ"), ("Ġ", "Ġ"), ("Ã", "©"), ("×", "©")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>")
+
+
+@pytest.mark.parametrize(
+    ("token", "word"),
+    [
+        ("Ġthe", True),  # " the"
+        ("a", True),
+        ("7", True),
+        ("Ã©", True),  # "é": two bytes of one letter
+        ("×©", True),  # "ש": a Hebrew letter, though neither symbol is one
+        ("Ċ", False),  # "\n": the newline token (198 in SmolLM2)
+        ("ĊĊ", False),  # "\n\n"
+        ("Ġ", False),  # " "
+        ("ĠĠ", False),  # "  ": a run of spaces, not the letter Ġ after a prefix
+        ("Ã", False),  # the first byte of a two-byte character: U+FFFD alone
+        ("©", False),  # a continuation byte alone
+        (",", False),
+    ],
+)
+def test_byte_level_words_are_judged_on_their_decoded_text(token, word):
+    from tests.reference import reference_word_ids
+
+    tok = byte_level_tokenizer()
+    idx = tok.convert_tokens_to_ids(token)
+    assert bool(TokenClasses.from_tokenizer(tok, specials=(0, None)).is_word[idx]) is word
+    assert (idx in reference_word_ids(tok)) is word  # the tests' reference says the same
+
+
+def test_word_masks_equal_the_reference_over_whole_vocabularies(tiny_model):
+    from headatlas.service.engine.windows import word_token_mask
+    from tests.reference import reference_word_ids
+
+    for tok in (tiny_model.tokenizer, byte_level_tokenizer()):
+        mask = word_token_mask(tok)
+        expected = reference_word_ids(tok) - set(tok.all_special_ids)
+        assert set(mask.nonzero().flatten().tolist()) == expected
+
+
+def test_byte_level_runs_have_a_key_of_their_own(tiny_model):
+    """The word rule changed for byte-level vocabularies: their run key names it, so that a run
+    stored under the old rule is not resumed; every other vocabulary keeps its key."""
+    import dataclasses
+    import hashlib
+
+    from headatlas.service.engine.runner import run_key
+    from headatlas.service.params import AnalysisParams
+
+    params = AnalysisParams()
+
+    def old_key(model) -> str:  # the key as computed before the rule changed
+        blob = "|".join(["fp", model.spec, model.name, model.tokenizer_key, model.weights_key, params.key()])
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    assert run_key("fp", tiny_model, params) == old_key(tiny_model)
+    byte_level = dataclasses.replace(tiny_model, tokenizer=byte_level_tokenizer())
+    assert run_key("fp", byte_level, params) != old_key(byte_level)
+
+
 # --- chance sums of one window ----------------------------------------------------------------------
 
 

@@ -133,6 +133,21 @@ def test_query_heads_sort_top_layer(analysed, cli):
     assert lifts == sorted(lifts, reverse=True)
 
 
+def test_query_heads_refuses_a_mistyped_or_empty_sort_in_one_line(analysed, cli):
+    _, db, _ = analysed
+    typo = cli("query", "heads", "--db", str(db), "--sort", "within_sentance_lift_dm")
+    assert typo.returncode == 2
+    assert typo.stderr.strip().splitlines() == [
+        "error: --sort 'within_sentance_lift_dm': not a metric of the heads; did you mean within_sentence_lift_dm, "
+        "within_sentence_lift or within_sentence_chance_dm? `headatlas metrics` lists every metric"
+    ]
+    # the run has no probe: its scores are NULL for every head, a sort by them orders nothing
+    unprobed = cli("query", "heads", "--db", str(db), "--sort", "induction_score")
+    assert unprobed.returncode == 2
+    lines = unprobed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run 1 has no probe" in lines[0] and "--probe" in lines[0], unprobed.stderr
+
+
 def test_query_distances_has_chance_and_sparkline(analysed, cli):
     _, db, _ = analysed
     out = cli("query", "distances", "--db", str(db), "--layer", "2", "--head", "3")

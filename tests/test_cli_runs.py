@@ -248,8 +248,11 @@ def test_sort_names_its_metrics_and_sorts_both_ways(atlas):
     db, _ = atlas
     from headatlas.service.reports.columns import SORTABLE
 
-    line = one_error_line(invoke("query", "heads", "--sort", "nope", "--db", str(db)), "--sort 'nope'")
-    assert all(name in line for name in SORTABLE)
+    # a mistyped name is told the closest ones and where the list is, not the whole list
+    line = one_error_line(
+        invoke("query", "heads", "--sort", "mean_distanse", "--db", str(db)), "--sort 'mean_distanse'"
+    )
+    assert "did you mean mean_distance" in line and "`headatlas metrics`" in line and len(line) < 200
     help_text = " ".join(ok("query", "heads", "--help", columns=200).stdout.split())
     assert all(name in help_text for name in SORTABLE) and "--asc" in help_text
 
@@ -307,3 +310,15 @@ def test_hints_are_spelled_as_the_program_is_typed_here(tmp_path, monkeypatch):
     assert command_name() == "headatlas"
     monkeypatch.setattr(sys, "argv", ["pytest"])  # not started as the console script
     assert command_name() == "headatlas"
+
+
+def test_trend_sparkline_spans_the_values_own_range():
+    """Two lifts far from 0, one falling a little and one rising: drawn from 0 both were two full
+    bars; drawn over their own range one falls and the other rises."""
+    from headatlas.cli.output import SPARK, trend_line
+
+    falling, rising = trend_line("lift", [1.035, 1.015]), trend_line("lift", [1.142, 1.194])
+    assert falling == f"lift {SPARK[-1]}{SPARK[0]}  (1.015 … 1.035)"
+    assert rising == f"lift {SPARK[0]}{SPARK[-1]}  (1.142 … 1.194)"
+    assert trend_line("lift", [0.5, None, 0.75, 1.0]) == f"lift {SPARK[0]} {SPARK[4]}{SPARK[-1]}  (0.5 … 1)"
+    assert trend_line("lift", [2.0, 2.0]) == f"lift {SPARK[3]}{SPARK[3]}  (2 … 2)"

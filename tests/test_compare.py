@@ -213,7 +213,10 @@ def test_head_comparison_needs_one_shape_and_options_are_checked(cli, conn, stor
         compare.compare(conn, runs["tiny"], runs["deep"], heads=True)
     with pytest.raises(ParameterError, match="--head 1 needs --layer"):
         compare.compare(conn, runs["real"], runs["control"], head=1)
-    with pytest.raises(ParameterError, match="--metric 'nonsense': choose one of within_sentence"):
+    with pytest.raises(
+        ParameterError,
+        match="--metric 'nonsense': not a metric here; did you mean noise_share\\? `headatlas metrics` lists",
+    ):
         compare.compare(conn, runs["real"], runs["control"], metrics=["nonsense"])
     done = cli("compare", "tiny", "--db", str(db))
     assert done.returncode == 2

@@ -158,14 +158,27 @@ def test_fingerprint_of_stdin_needs_spooling():
         corpus_fingerprint("-")
 
 
-def test_fingerprint_tracks_content_and_names(tmp_path):
+def test_fingerprint_of_one_file_tracks_its_content_and_suffix_not_its_name(tmp_path):
     one = write(tmp_path / "one" / "c.txt", "same\n")
     two = write(tmp_path / "two" / "c.txt", "same\n")
     assert corpus_fingerprint(str(one)) == corpus_fingerprint(str(two))
-    renamed = write(tmp_path / "three" / "d.txt", "same\n")
-    assert corpus_fingerprint(str(renamed)) != corpus_fingerprint(str(one))
+    renamed = write(tmp_path / "three" / "d.TXT", "same\n")  # a copy under another name: the same corpus
+    assert corpus_fingerprint(str(renamed)) == corpus_fingerprint(str(one))
+    as_csv = write(tmp_path / "four" / "c.csv", "same\n")  # read as CSV: another corpus
+    assert corpus_fingerprint(str(as_csv)) != corpus_fingerprint(str(one))
     write(one, "changed\n")
     assert corpus_fingerprint(str(one)) != corpus_fingerprint(str(two))
+
+
+def test_fingerprint_of_several_files_keeps_their_names(tmp_path):
+    write(tmp_path / "a" / "x.txt", "first\n")
+    write(tmp_path / "a" / "y.txt", "second\n")
+    write(tmp_path / "b" / "x.txt", "first\n")
+    write(tmp_path / "b" / "z.txt", "second\n")
+    write(tmp_path / "c" / "x.txt", "first\n")
+    write(tmp_path / "c" / "y.txt", "second\n")
+    assert corpus_fingerprint(str(tmp_path / "a")) == corpus_fingerprint(str(tmp_path / "c"))
+    assert corpus_fingerprint(str(tmp_path / "a")) != corpus_fingerprint(str(tmp_path / "b"))
 
 
 # --- ids -------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_unknown_metric_and_format_are_refused(conn, stored, tmp_path):
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports import plots
 
-    with pytest.raises(ParameterError, match="--metric 'top_anchors': choose one of within_sentence"):
+    with pytest.raises(ParameterError, match="--metric 'top_anchors': not a metric here; `headatlas metrics` lists"):
         plots.run_figure("heads", conn, stored[1], metric="top_anchors")
     fig = plots.run_figure("boundaries", conn, stored[1])
     with pytest.raises(ParameterError, match=r"must end in \.png or \.svg"):
@@ -96,7 +96,7 @@ def test_plot_command_writes_the_file_and_refuses_bad_options(cli, stored, tmp_p
     check_svg(out, (11, 6.5))
     bad = cli("plot", "heads", "--metric", "nonsense", "--out", str(tmp_path / "x.png"), "--db", str(db))
     assert bad.returncode == 2
-    assert bad.stderr.strip().startswith("error: --metric 'nonsense': choose one of")
+    assert bad.stderr.strip().startswith("error: --metric 'nonsense': not a metric here;")
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "x.png").exists()
 

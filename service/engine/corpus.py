@@ -138,7 +138,11 @@ def corpus_size_bytes(spec: str) -> int:
 def corpus_fingerprint(spec: str) -> str:
     """sha256 hex over each file's name (relative to their common folder), size and bytes.
 
-    Same files with the same names give the same fingerprint wherever the corpus lies.
+    A corpus of one file is identified by its content and how it is read: its suffix stands for
+    its name (``corpus.txt`` holding the demo's text is the demo corpus; ``corpus.csv`` is not,
+    being read otherwise). Where there are several files their relative paths are kept: they are
+    the corpus's layout, ordering the files and naming each document's source. Same files with the
+    same names give the same fingerprint wherever the corpus lies.
     Stdin cannot be fingerprinted: it would be consumed; spool it first.
     """
     if os.fspath(spec) == STDIN_SPEC:
@@ -150,7 +154,7 @@ def corpus_fingerprint(spec: str) -> str:
     base = os.path.commonpath([str(path.parent.absolute()) for path in files])
     digest = hashlib.sha256()
     for path in files:
-        name = Path(os.path.relpath(path.absolute(), base)).as_posix()
+        name = path.suffix.lower() if len(files) == 1 else Path(os.path.relpath(path.absolute(), base)).as_posix()
         digest.update(f"{name}\0{path.stat().st_size}\0".encode())
         with path.open("rb") as stream:
             for chunk in iter(lambda: stream.read(_CHUNK_BYTES), b""):
@@ -162,9 +166,9 @@ def spool_stdin(stream: BinaryIO | None = None) -> Path:
     """Copy stdin (or *stream*) to ``stdin.txt`` in a new temporary folder and return its path.
 
     The path then works as a normal spec for every function here; pass ``label=STDIN_SOURCE``
-    so that documents and errors name ``<stdin>``. The file's name is the same for every spool,
-    so the fingerprint (names, sizes, bytes) depends on the content alone: the same text piped
-    twice is the same corpus. The caller owns the folder: delete it when done
+    so that documents and errors name ``<stdin>``. The fingerprint of one file depends on its
+    content and suffix alone: the same text piped twice, or saved as any ``.txt`` file, is the
+    same corpus. The caller owns the folder: delete it when done
     (:func:`remove_spool`). Raises CorpusError if the input is empty.
     """
     source = sys.stdin.buffer if stream is None else getattr(stream, "buffer", stream)

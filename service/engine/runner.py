@@ -19,7 +19,7 @@ from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_d
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.probe import ProbeSpec, run_probe
-from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows
+from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows, word_rule
 from headatlas.service.errors import CorpusError, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.store import Run, Store
@@ -65,8 +65,15 @@ def survey_corpus(
 
 def run_key(corpus_fp: str, model: ModelInfo, params: AnalysisParams) -> str:
     """The identity of a run: corpus, model (spec, name, vocabulary, weights) and parameters.
-    ``model`` is loaded (analyze) or not (submit): the key is the same."""
-    blob = "|".join([corpus_fp, model.spec, model.name, model.tokenizer_key, model.weights_key, params.key()])
+    ``model`` is loaded (analyze) or not (submit): the key is the same. A byte-level vocabulary's
+    word tokens are judged on their decoded text (SPEC §5b), a rule its earlier runs did not
+    follow: its key names the rule, so that those runs are not resumed or reported as this one;
+    every other vocabulary keeps the key it had."""
+    parts = [corpus_fp, model.spec, model.name, model.tokenizer_key, model.weights_key, params.key()]
+    rule = word_rule(model.tokenizer)
+    if rule:
+        parts.append(f"words={rule}")
+    blob = "|".join(parts)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

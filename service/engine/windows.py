@@ -10,6 +10,7 @@ batch twice can be recognised.
 from __future__ import annotations
 
 import hashlib
+import json
 import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -69,7 +70,8 @@ class TokenClasses:
     special_ids: frozenset[int]
     sentence_end_ids: frozenset[int]  # . ! ?  (end their sentence, SPEC §1)
     punct_ids: frozenset[int]  # . ,  (the separators of the paper, SPEC §4)
-    # [vocab] bool: the token's text (without a word-piece prefix) holds a letter or digit (SPEC §5b)
+    # [vocab] bool: the token's text (without a word-piece prefix; a byte-level token's decoded text)
+    # holds a letter or digit (SPEC §5b)
     is_word: torch.Tensor = field(
         default_factory=lambda: torch.zeros(0, dtype=torch.bool), compare=False, hash=False, repr=False
     )
@@ -123,6 +125,9 @@ class TokenClasses:
 
 
 WORD_PIECE_PREFIXES = ("##", "Ġ", "▁")
+# How a tokenizer's word tokens are judged (SPEC §5b), recorded in the run key where it is not the
+# vocabulary string: a run made under another rule is another run, not one to resume.
+DECODED_WORDS = "decoded"
 
 
 def is_word_token(text: str) -> bool:
@@ -132,15 +137,53 @@ def is_word_token(text: str) -> bool:
         if text.startswith(prefix):
             text = text[len(prefix) :]
             break
+    return holds_letter_or_digit(text)
+
+
+def holds_letter_or_digit(text: str) -> bool:
     return any(unicodedata.category(ch)[0] in "LN" for ch in text)
 
 
+def is_byte_level(tokenizer) -> bool:
+    """Whether the vocabulary is byte-level BPE (GPT-2, SmolLM2): its strings spell bytes as
+    stand-in characters (``Ċ`` is a newline, ``Ã`` half of a two-byte letter), not text."""
+    if getattr(tokenizer, "byte_decoder", None):  # a slow (Python) byte-level tokenizer
+        return True
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.decoder is None:
+        return False
+    return _names_byte_level(json.loads(backend.to_str()).get("decoder"))
+
+
+def _names_byte_level(decoder) -> bool:
+    """Whether a tokenizer.json decoder (possibly a Sequence of decoders) holds a ByteLevel one."""
+    if isinstance(decoder, dict):
+        return decoder.get("type") == "ByteLevel" or any(_names_byte_level(v) for v in decoder.values())
+    if isinstance(decoder, list):
+        return any(_names_byte_level(v) for v in decoder)
+    return False
+
+
+def word_rule(tokenizer) -> str:
+    """How word tokens are judged: ``""`` on the vocabulary string (WordPiece, SentencePiece: the
+    rule of every earlier run), ``DECODED_WORDS`` on the text the token decodes to (byte-level BPE)."""
+    return DECODED_WORDS if is_byte_level(tokenizer) else ""
+
+
 def word_token_mask(tokenizer) -> torch.Tensor:
-    """``[vocab]`` bool, True for word tokens; special tokens are never words."""
-    size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    """``[vocab]`` bool, True for word tokens; special tokens are never words. A byte-level
+    vocabulary's tokens are judged on the text each decodes to (a lone byte of a longer UTF-8
+    character decodes to U+FFFD, no letter), with no prefix to remove: its leading space is a
+    space; other vocabularies' on their string."""
+    vocab = tokenizer.get_vocab()
+    if word_rule(tokenizer) == DECODED_WORDS:
+        words = {idx: holds_letter_or_digit(tokenizer.convert_tokens_to_string([text])) for text, idx in vocab.items()}
+    else:
+        words = {idx: is_word_token(text) for text, idx in vocab.items()}
+    size = max(len(tokenizer), max(words, default=-1) + 1)
     mask = torch.zeros(size, dtype=torch.bool)
-    for text, idx in tokenizer.get_vocab().items():
-        mask[idx] = is_word_token(text)
+    for idx, word in words.items():
+        mask[idx] = word
     for idx in tokenizer.all_special_ids:
         if 0 <= idx < size:
             mask[idx] = False

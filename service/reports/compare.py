@@ -32,6 +32,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.reports import queries
+from headatlas.service.reports.columns import unknown_metric
 from headatlas.service.reports.intervals import add_intervals, clip_interval, jackknife_halfwidth, scheme_of
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def check_metrics(metrics: Sequence[str] | None) -> list[str]:
     chosen = list(dict.fromkeys(metrics or DEFAULT_METRICS))
     for m in chosen:
         if m not in METRICS:
-            raise ParameterError(f"--metric {m!r}: choose one of {', '.join(METRICS)}")
+            raise unknown_metric("--metric", m, METRICS)
     return chosen
 
 

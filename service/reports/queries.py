@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection
 from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import ParameterError
 from headatlas.service.metrics import COLUMNS
-from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE
+from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE, unknown_metric
 
 # counts and run-level chances carry no interval of their own
 NO_INTERVAL = {
@@ -112,7 +112,20 @@ def interval_warning(conn: Connection, run_id: int) -> str | None:
 
 def _check_sort(sort: str | None, allowed) -> None:
     if sort is not None and sort not in allowed:
-        raise ParameterError(f"--sort {sort!r}: not a metric of the heads; choose one of {', '.join(allowed)}")
+        raise unknown_metric("--sort", sort, allowed, what="a metric of the heads")
+
+
+def _check_probe_sort(conn: Connection, run_id: int, sort: str | None) -> None:
+    """A probe score sorts nothing on a run without a probe (every value NULL): refused, with how
+    to add one."""
+    if sort not in PROBE_COLUMNS:
+        return
+    probed = conn.execute(text("SELECT 1 FROM probe_scores WHERE run_id = :run LIMIT 1"), {"run": run_id}).first()
+    if probed is None:
+        raise ParameterError(
+            f"--sort {sort}: run {run_id} has no probe; run its analyze command again with --probe "
+            "(only the probe is computed), or its submit command with --probe"
+        )
 
 
 def heads(
@@ -132,6 +145,7 @@ def heads(
     ``ci``: with 95% intervals (``clip=False``: symmetric, not clipped to each metric's range, for
     tests that read their half-width)."""
     _check_sort(sort, SORTABLE)
+    _check_probe_sort(conn, run_id, sort)
     order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
     probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
@@ -506,7 +520,7 @@ def trend(
         raise ParameterError("--head needs --layer: a head is named by its layer and its index")
     allowed = SORTABLE if head is not None else LAYER_METRICS
     if metric not in allowed:
-        raise ParameterError(f"--metric {metric!r}: choose one of {', '.join(allowed)}")
+        raise unknown_metric("--metric", metric, allowed)
     if layer is not None:
         _check_schedule_shape(conn, schedule_id, layer, head)
     if head is not None:
