@@ -138,12 +138,15 @@ def _doc_ids(cluster, run_name: str) -> set[str]:
 
 
 def _parts(folder, demo_corpus, n: int) -> list:
-    """n small corpora of different paragraphs of the shipped excerpt."""
+    """n small corpora of different paragraphs of the shipped excerpt, each paragraph tagged with the
+    test's folder: a run is identified by its corpus's content, and the tests of the shared cluster
+    must not find each other's runs finished already."""
     paragraphs = [p.strip() for p in demo_corpus.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     parts = []
     for k in range(n):
         path = folder / f"part{k}.txt"
-        path.write_text("\n\n".join(paragraphs[2 * k : 2 * k + 2]) + "\n", encoding="utf-8")
+        tagged = [f"{folder.name} {p}" for p in paragraphs[2 * k : 2 * k + 2]]
+        path.write_text("\n\n".join(tagged) + "\n", encoding="utf-8")
         parts.append(path)
     return parts
 
