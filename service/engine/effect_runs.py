@@ -82,17 +82,6 @@ def spread_windows(docs: Iterator, model: LoadedModel, params: AnalysisParams, c
     return out
 
 
-def first_windows(docs: Iterator, model: LoadedModel, params: AnalysisParams, count: int) -> list[Window]:
-    tokens = TokenClasses.from_tokenizer(model.tokenizer)
-    out: list[Window] = []
-    for doc in docs:
-        for window in iter_document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params):
-            out.append(window)
-            if len(out) >= count:
-                return out
-    return out
-
-
 def jackknife(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Mean of ``values`` ``[window, ...]`` and its §5d interval over the windows' ``groups``:
     ``(mean, lo, hi, groups holding windows)``; NaN bounds with fewer than two groups."""
@@ -125,14 +114,16 @@ def measure_effects(
 ) -> EffectTable:
     """Every head's effects on ``windows`` windows of ``corpus`` (the module docstring)."""
     from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.engine.runner import first_windows
 
     if windows < 1:
         raise ParameterError(f"--windows {windows}: must be at least 1")
     if reference < 1:
         raise ParameterError(f"--reference {reference}: must be at least 1 window")
-    if "gradient" in kinds and not fx.objective_of(model).is_loss:
+    objective = fx.objective_of(model)
+    if "gradient" in kinds and not objective.is_loss:
         raise ParameterError(
-            f"--effects gradient: this model's objective is {fx.objective_of(model).name}, not a loss (its "
+            f"--effects gradient: this model's objective is {objective.name}, not a loss (its "
             "gradient is 0 at the intact model); use --effects zero,mean"
         )
     began = time.perf_counter()
@@ -148,7 +139,15 @@ def measure_effects(
     pad = TokenClasses.from_tokenizer(model.tokenizer).pad_id
     means, positions, ref_windows = None, 0, 0
     if "mean" in kinds:
-        ref = first_windows(docs(), model, params, reference)
+        ref = first_windows(
+            corpus,
+            model,
+            params,
+            TokenClasses.from_tokenizer(model.tokenizer),
+            reference,
+            text_field=text_field,
+            encoding=encoding,
+        )
         ref_windows = len(ref)
         batches = (collate(ref[i : i + batch_size], pad) for i in range(0, len(ref), batch_size))
         means, positions = fx.reference_means(model, ((b.input_ids, b.attention_mask) for b in batches))
@@ -156,7 +155,6 @@ def measure_effects(
     per_kind: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
     drifts: dict[str, list[torch.Tensor]] = {k: [] for k in kinds if k in fx.ABLATIONS}
     intact: list[torch.Tensor] = []
-    objective = fx.objective_of(model)
     for start in range(0, len(chosen), batch_size):
         batch = collate(chosen[start : start + batch_size], pad)
         got = fx.head_effects(model, batch.input_ids, batch.attention_mask, kinds=kinds, means=means)

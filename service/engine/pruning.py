@@ -35,7 +35,7 @@ from headatlas.service.errors import ParameterError
 from headatlas.service.measures import effects as fx
 from headatlas.service.measures.objectives import wide
 from headatlas.service.params import AnalysisParams
-from headatlas.service.reports.intervals import t95
+from headatlas.service.reports.intervals import jackknife_halfwidth
 
 ORDERS = ("effect", "importance", "noise", "random")
 Head = tuple[int, int]
@@ -160,11 +160,9 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def _interval(full: float, drops: list[float]) -> tuple[float, float, float]:
-    r = len(drops)
-    if r < 2:
+    half = jackknife_halfwidth(drops)
+    if half is None:
         return full, math.nan, math.nan
-    d = np.array(drops)
-    half = t95(r - 1) * math.sqrt((r - 1) / r * ((d - d.mean()) ** 2).sum())
     return full, full - half, full + half
 
 
@@ -186,7 +184,7 @@ def prune_curves(
 ) -> PruneResult:
     """The pruning curves of ``orders`` and the test of the seed's claim (the module docstring)."""
     from headatlas.service.engine.corpus import iter_documents
-    from headatlas.service.engine.effect_runs import first_windows
+    from headatlas.service.engine.runner import first_windows
 
     for order in orders:
         if order not in ORDERS:
@@ -209,7 +207,15 @@ def prune_curves(
     if not evaluation:
         raise ParameterError(f"{corpus}: too few windows for a pruning curve (it needs at least 2)")
     pad = TokenClasses.from_tokenizer(model.tokenizer).pad_id
-    ref = first_windows(docs(), model, params, reference)
+    ref = first_windows(
+        corpus,
+        model,
+        params,
+        TokenClasses.from_tokenizer(model.tokenizer),
+        reference,
+        text_field=text_field,
+        encoding=encoding,
+    )
     means, _positions = fx.reference_means(
         model, ((b.input_ids, b.attention_mask) for b in _batches(ref, pad, batch_size))
     )

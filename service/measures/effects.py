@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from headatlas.service.engine.adapters import adapter_for
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.errors import ParameterError
 from headatlas.service.measures.objectives import Objective, objective_of, output_drift, wide
@@ -324,13 +323,3 @@ def reference_means(
     if positions == 0:
         raise ParameterError("the reference windows hold no tokens: mean ablation needs a reference set")
     return (sums / positions).reshape(n_layers, n_heads, d_head), positions
-
-
-def adapter_supports_effects(model: LoadedModel) -> str | None:
-    """Why effects cannot run for this model, or None."""
-    from headatlas.service.measures.blocks import PARTS
-
-    family = adapter_for(model.model).family
-    if family not in PARTS:
-        return f"model family {family!r}: effects need its final norm and embeddings (service/measures/blocks.py)"
-    return None
