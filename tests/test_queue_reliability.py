@@ -82,9 +82,12 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     )
     run_id = cluster.run_id(sub)
     running = key("running", sub.run_key, sub.database_id)
-    deadline = time.monotonic() + 60
+    # the shared worker may first finish batches an earlier test left queued, on a machine that
+    # runs the rest of the suite beside it: the time that counts starts at the kill, not here
+    deadline = time.monotonic() + 240
     while not (entries := cluster.redis.hgetall(running)):  # one read: a batch may end between two
-        assert time.monotonic() < deadline, cluster.logs()
+        waiting = cluster.redis.llen("analysis")
+        assert time.monotonic() < deadline, f"no batch started in 240 s ({waiting} queued); {cluster.logs()}"
         time.sleep(0.01)
     victim, raw = next(iter(entries.items()))
     worker = json.loads(raw)["worker"]
@@ -107,7 +110,7 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     assert f"lost on {worker}" in table and "requeued" in table
 
     cluster.start_worker()
-    assert cluster.wait_status(sub.name, timeout=max(1.0, 60 - (time.monotonic() - killed))) == "done"
+    assert cluster.wait_status(sub.name, timeout=180) == "done"
     done_after = time.monotonic() - killed
     assert_counted_once(cluster.db, run_id)
     attempts = int(cluster.redis.hget(key("attempts", sub.run_key, sub.database_id), victim))
