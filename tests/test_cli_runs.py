@@ -208,7 +208,7 @@ def _header(output: str) -> list[str]:
 
 def test_tables_fit_the_terminal_and_never_break_a_header(atlas):
     db, _ = atlas
-    from headatlas.cli.main import HEAD_TABLE, LAYER_TABLE
+    from headatlas.cli.query_commands import HEAD_TABLE, LAYER_TABLE
 
     for args, default in ((["query", "heads"], HEAD_TABLE), (["query", "layers"], LAYER_TABLE)):
         out = ok(*args, "--run", "mine", "--db", str(db)).stdout

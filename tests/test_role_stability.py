@@ -256,10 +256,10 @@ def test_control_takes_an_optional_count(args, seen, tmp_path, monkeypatch):
     """The count parsed, without analysing anything: _analyze is replaced by a recorder."""
     from typer.testing import CliRunner
 
-    from headatlas.cli import main
+    from headatlas.cli import analysis_commands, main
 
     got = {}
-    monkeypatch.setattr(main, "_analyze", lambda *a, **k: got.update(control=k["control"]))
+    monkeypatch.setattr(analysis_commands, "_analyze", lambda *a, **k: got.update(control=k["control"]))
     done = CliRunner().invoke(main.app, ["analyze", *args, "corpus.txt", "--db", str(tmp_path / "x.duckdb")])
     assert done.exit_code == 0, done.output
     assert got == {"control": seen}

@@ -1,0 +1,162 @@
+"""Judging heads against a floor: `compare` (two runs, or a run and its random-weights controls)
+and `query roles` (the head atlas)."""
+
+from __future__ import annotations
+
+import typer
+
+from headatlas.cli import options
+from headatlas.cli.output import Format, TableView, print_wrapped, render, render_metrics, stderr, stdout
+from headatlas.cli.query_commands import _interval_warnings, _print_warnings, _run, _store
+
+DbOpt, RunOpt, FormatOpt, AtOpt = options.Db, options.Run, options.Fmt, options.At
+ColumnsOpt, WideOpt = options.Columns, options.Wide
+
+
+def register(app: typer.Typer, query_app: typer.Typer) -> None:
+    app.command()(compare)
+    query_app.command("roles")(query_roles)
+
+
+def compare(
+    run_a: str = typer.Argument(..., help="Run A: id or name."),
+    run_b: str | None = typer.Argument(
+        None,
+        help="Run B: id or name (default: each of run A's random-weights controls, from analyze --control N; "
+        "with several, JSON and CSV rows start with run_b).",
+    ),
+    metric: list[str] = typer.Option(
+        [], "--metric", "-M", help="A metric of `query layers` (repeat); default: the main lifts and shares."
+    ),
+    layer: int | None = typer.Option(
+        None, "--layer", "-l", help="Only this layer of run A (0-based); with --heads or --head: its heads."
+    ),
+    head: int | None = typer.Option(None, "--head", help="Only this head (0-based, needs --layer)."),
+    heads: bool = typer.Option(False, "--heads", help="Compare heads instead of layers (runs of the same shape only)."),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Two runs side by side per layer (or head): both values, A − B, and whether the difference
+    is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import compare as comparison
+    from headatlas.service.reports import queries
+    from headatlas.service.reports.intervals import scheme_of
+
+    with _store(db, at).checked_read() as conn:
+        a = _run(conn, run_a)
+        bs = [_run(conn, run_b)] if run_b is not None else comparison.controls_of(conn, a)
+        if not bs:
+            raise ParameterError(
+                f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
+                "or analyse again with --control"
+            )
+        results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
+        unreliable = _interval_warnings(conn, a, *bs)
+    table = (
+        comparison.TABLE_COLUMNS
+        if (heads or head is not None)
+        else [c for c in comparison.TABLE_COLUMNS if c != "head"]
+    )
+    view = TableView.of(columns, wide)
+    if fmt != Format.table and len(results) > 1:  # one document: every control's rows, named
+        names = ["run_b", *results[0][1][0]]
+        render(names, [(b.run_id, *r) for b, (_, rows) in results for r in rows], fmt, view=view)
+        _print_warnings(unreliable)
+        return
+    for b, (names, rows) in results:
+        floor = (
+            f" (B is A's random-weights control, seed {comparison.control_seed(b)}: the floor every claim should beat)"
+            if comparison.is_control(a, b)
+            else ""
+        )
+        differ = comparison.parameter_differences(a, b)
+        if differ and fmt == Format.table:
+            stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+        render_metrics(
+            names,
+            rows,
+            fmt,
+            table_columns=table,
+            view=view,
+            note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+            schemes=[scheme_of(a.params), scheme_of(b.params)],
+            title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
+            f"{b.n_layers} layers){floor}",
+        )
+    _print_warnings(unreliable)
+
+
+def query_roles(
+    run: str | None = RunOpt,
+    stability: bool = typer.Option(
+        False,
+        "--stability",
+        help="Also test every role on each half of the run's replicate groups (alternate groups in id order: disjoint sets of "
+        "documents where groups hold whole documents) and mark it stable when it holds on both.",
+    ),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
+    95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
+    SPEC §7). Heads without a role: "none established". A table also counts each role, and what
+    the run's random-weights controls earn."""
+    from headatlas.service.reports import compare, roles
+    from headatlas.service.reports.intervals import scheme_of
+
+    with _store(db, at).checked_read() as conn:
+        r = _run(conn, run)
+        names, rows = roles.roles(conn, r.run_id, stability=stability)
+        offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
+        controls = [
+            (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
+            for c in compare.controls_of(conn, r)
+        ]
+    family = roles.family_size(names, rows)
+    tested = (
+        f"Holm–Bonferroni over {family} (head, role) tests, α = {roles.ALPHA:g}"
+        if family
+        else "no replicate groups: each value tested against its threshold, uncorrected"
+    )
+    note = roles.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
+    if "induction" in offered:
+        note += f". {roles.PROBE_NOTE}"
+    # the probe's columns where a role read a probe score (decoders' induction and duplicate-token)
+    probed = any(row[names.index("probe_score")] is not None for row in rows)
+    hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
+    table = [c for c in names if c not in hidden]
+    render_metrics(
+        names,
+        rows,
+        fmt,
+        title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}",
+        table_columns=table,
+        note=note,
+        schemes=[scheme_of(r.params)],
+        view=TableView.of(columns, wide),
+        pinned=3,
+    )
+    if fmt != Format.table:
+        return
+    counts, stable = roles.role_counts(names, rows, offered), roles.stable_counts(names, rows)
+    held = ", ".join(
+        f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
+        for role, n in counts.items()
+    )
+    print_wrapped(f"heads per role: {held}")
+    if stability and stable is None:
+        stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
+    for seed, control, control_counts in controls:
+        earned = sum(n for role, n in control_counts.items() if role != roles.NONE)
+        stdout.print(
+            f"control seed {seed} (run {control.run_id}, {control.name}): {earned} (head, role) earned",
+            markup=False,
+            highlight=False,
+        )

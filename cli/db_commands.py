@@ -1,0 +1,98 @@
+"""The database and the settings: `db upgrade|current|compact|copy` and `config`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from headatlas.cli import options
+from headatlas.cli.output import Format, render, stdout
+
+db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
+
+DbOpt, FormatOpt = options.Db, options.Fmt
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(db_app, name="db")
+    db_app.command("upgrade")(db_upgrade)
+    db_app.command("current")(db_current)
+    db_app.command("compact")(db_compact)
+    db_app.command("copy")(db_copy)
+    app.command()(config)
+
+
+def db_upgrade(db: str = DbOpt) -> None:
+    """Create the schema or apply pending migrations."""
+    from headatlas.service.storage.backends import label
+    from headatlas.service.storage.db import upgrade
+
+    before, after = upgrade(db)
+    stdout.print(f"{label(db)}: schema {before or 'none'} → {after}", markup=False)
+
+
+def db_current(db: str = DbOpt) -> None:
+    """Show the schema revision of the database and the one this headatlas needs."""
+    from headatlas.service.storage.backends import label
+    from headatlas.service.storage.db import check_not_foreign, current_revision, head_revision, transaction
+
+    with transaction(db, read_only=True) as conn:
+        check_not_foreign(conn, db)
+        current = current_revision(conn)
+    stdout.print(f"{label(db)}: schema {current or 'none'}, needed {head_revision()}", markup=False)
+
+
+def db_compact(
+    db: str = DbOpt,
+    keep_days: float = typer.Option(
+        7.0,
+        "--keep-days",
+        min=0,
+        help="A lake: keep the snapshots of the last N days (older ones expire: --at can no longer read them, and "
+        "the files only they used are deleted); 0 keeps the current one only.",
+    ),
+    fmt: Format = FormatOpt,
+) -> None:
+    """Compact the storage: a lake merges its small Parquet files and expires old snapshots (DuckLake's own
+    functions); a file is checkpointed."""
+    from headatlas.service.storage.backends import open_backend
+    from headatlas.service.storage.db import check_schema, transaction
+
+    backend = open_backend(db)
+    with transaction(backend, read_only=True) as conn:
+        check_schema(conn, backend)
+    done = backend.maintain(older_than_days=keep_days)
+    render(list(done), [tuple(done.values())], fmt, title=f"compacted {backend.label}")
+
+
+def db_copy(
+    src: str = typer.Argument(..., help="Source database: a file or a ducklake:… URL."),
+    dst: str = typer.Argument(..., help="Target: a new file, or a lake whose catalogue holds no runs yet."),
+    fmt: Format = FormatOpt,
+) -> None:
+    """Copy every run and schedule from one database to another (file → lake, lake → file, …), verified by
+    counting each table on both sides. With a lake, --data-path names where its files go."""
+    from headatlas.service.storage.backends import label
+    from headatlas.service.storage.copy import copy_database
+
+    copied = copy_database(src, dst)
+    render(
+        ["table", "source_rows", "target_rows"],
+        [(c.table, c.source, c.target) for c in copied],
+        fmt,
+        title=f"copied {label(src)} → {label(dst)}",
+    )
+
+
+def config() -> None:
+    """Show the settings read from HEADATLAS_* environment variables; a value outside its allowed
+    range is marked BAD with the reason, and the command then exits 2."""
+    from headatlas.service.config import check_values
+
+    rows, bad = check_values(os.environ)  # a lake's catalogue password is never printed
+    render(["variable", "value", "default", "check", "meaning"], rows, Format.table)
+    if bad:
+        print(f"error: {len(bad)} bad setting{'s' if len(bad) > 1 else ''}: {', '.join(bad)}", file=sys.stderr)
+        raise typer.Exit(2)

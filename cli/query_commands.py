@@ -1,0 +1,325 @@
+"""Questions to one stored run: `query heads|distances|boundaries|layers|mixing|discrepancy`."""
+
+from __future__ import annotations
+
+import typer
+
+from headatlas.cli import options, run_commands
+from headatlas.cli.output import Format, TableView, render, render_metrics, sparkline, stderr, stdout
+from headatlas.service.reports.columns import SORTABLE
+
+query_app = typer.Typer(help="Ask a stored run about its heads (layers and heads are 0-based).", no_args_is_help=True)
+
+DbOpt, RunOpt, FormatOpt, CiOpt, AtOpt = options.Db, options.Run, options.Fmt, options.Ci, options.At
+ColumnsOpt, WideOpt = options.Columns, options.Wide
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(query_app, name="query")
+    for name, command in (
+        ("heads", query_heads),
+        ("distances", query_distances),
+        ("boundaries", query_boundaries),
+        ("layers", query_layers),
+        ("mixing", query_mixing),
+        ("discrepancy", query_discrepancy),
+    ):
+        query_app.command(name)(command)
+
+
+# what a table shows by default (JSON and CSV hold every column; --columns picks, --wide shows all):
+# each set fits 100 characters on the shipped excerpt (a narrower table leaves columns out from the right)
+HEAD_TABLE = [
+    "layer",
+    "head",
+    "within_sentence_lift_dm",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "noise_share",
+]
+LAYER_TABLE = [
+    "layer",
+    "mean_distance",
+    "within_sentence_lift_dm",
+    "repetition_words_lift_dm",
+    "attn_to_cls_lift",
+]
+
+
+def _store(db: str, at: int | None = None):
+    from headatlas.service.storage.store import Store
+
+    return Store(db, at=at)
+
+
+def query_heads(
+    run: str | None = RunOpt,
+    layer: int | None = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
+    sort: str | None = typer.Option(
+        None,
+        "--sort",
+        "-s",
+        metavar="METRIC",
+        help=f"Sort by this metric, largest first (--asc: smallest first); one of {', '.join(SORTABLE)}.",
+    ),
+    asc: bool = typer.Option(False, "--asc", help="Sort smallest first."),
+    top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
+    ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
+    each against its chance. A table shows the main columns (--columns picks, --wide shows all;
+    `headatlas metrics` defines each); --format json/csv has all."""
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import queries
+
+    if asc and sort is None:
+        raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
+    table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
+    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
+    _query(
+        (db, at),
+        run,
+        fmt,
+        queries.heads,
+        "heads",
+        check=check,
+        table_columns=table,
+        note=queries.LIFT_NOTE,
+        view=TableView.of(columns, wide),
+        pinned=3 if sort is not None else 2,
+        layer=layer,
+        sort=sort,
+        top=top,
+        ci=ci,
+        ascending=asc,
+    )
+
+
+def query_distances(
+    layer: int = typer.Option(..., "--layer", "-l", help="Layer (0-based)."),
+    head: int | None = typer.Option(None, "--head", help="Head (0-based); default: the layer's heads pooled."),
+    run: str | None = RunOpt,
+    max_distance: int | None = typer.Option(None, "--max-distance", help="Show distances up to this one."),
+    split: str | None = typer.Option(
+        None, "--split", help="attended: also the profiles of attended (signal) and not-attended (noise) pairs."
+    ),
+    ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.reports import queries
+
+    if max_distance is not None and max_distance < 1:
+        raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
+    if split not in (None, "attended"):
+        raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
+    store = _store(db, at)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        _check_layer_head(r, layer, head)
+        names, rows = queries.distances(conn, r.run_id, layer=layer, head=head, split=split is not None, ci=ci)
+        unreliable = _interval_warnings(conn, r) if ci else []
+    if max_distance:
+        rows = [row for row in rows if row[0] <= max_distance]
+    what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
+    render_metrics(
+        names,
+        rows,
+        fmt,
+        title=f"run {r.run_id}: distances, {what}",
+        note="lift = share of the head's high-similarity pairs at d / share of all pairs at d (chance)",
+        view=TableView.of(columns, wide),
+    )
+    if fmt == Format.table and rows:
+        col = {c: i for i, c in enumerate(names)}
+        lines = [("high", "share"), ("chance", "chance_share")]
+        if split:
+            lines += [("signal", "attended_share"), ("noise", "noise_share")]
+        series = {label: [row[col[c]] for row in rows] for label, c in lines}
+        top = max((v or 0) for values in series.values() for v in values) if rows else 0
+        for label, values in series.items():
+            stdout.print(f"{label:<7}{sparkline(values, top=top)}", markup=False)
+        stdout.print(f"       d=1{' ' * max(0, len(rows) - 8)}d={rows[-1][0]}")
+    _print_warnings(unreliable)
+
+
+def query_boundaries(
+    run: str | None = RunOpt,
+    ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
+    distance), attention to separators vs uniform."""
+    from headatlas.service.reports import queries
+
+    _query(
+        (db, at),
+        run,
+        fmt,
+        queries.boundaries,
+        "sentence boundaries per layer",
+        note=queries.LIFT_NOTE,
+        view=TableView.of(columns, wide),
+        ci=ci,
+    )
+
+
+def query_layers(
+    run: str | None = RunOpt,
+    ci: bool = CiOpt,
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Per layer summary: the progression from early to final layers. A table shows the main
+    columns (--columns picks, --wide shows all); --format json/csv has all."""
+    from headatlas.service.reports import queries
+
+    _query(
+        (db, at),
+        run,
+        fmt,
+        queries.layers,
+        "layers",
+        table_columns=LAYER_TABLE,
+        note=queries.LIFT_NOTE,
+        view=TableView.of(columns, wide),
+        ci=ci,
+    )
+
+
+def query_mixing(
+    run: str | None = RunOpt,
+    layer: int | None = typer.Option(
+        None, "--layer", "-l", help="Show this layer's heads (0-based); default: one row set per layer."
+    ),
+    method: list[str] = typer.Option(
+        [], "--method", help="attention, attribution, rollout, norm or alti (repeat); default: all stored."
+    ),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
+    from headatlas.service.reports import queries
+
+    what = f"layer {layer} heads" if layer is not None else "per layer"
+    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
+    _query(
+        (db, at),
+        run,
+        fmt,
+        queries.mixing,
+        f"mixing, {what}",
+        check=check,
+        view=TableView.of(columns, wide),
+        layer=layer,
+        methods=method or None,
+    )
+
+
+def query_discrepancy(
+    run: str | None = RunOpt,
+    method: str = typer.Option(
+        "attribution", "--method", help="Compare attention with this method (default attribution)."
+    ),
+    top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
+    from headatlas.service.reports import queries
+
+    store = _store(db, at)
+    with store.checked_read() as conn:
+        r = _run(conn, run)
+        names, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
+        layer_cols, layer_rows = queries.discrepancy_layers(conn, r.run_id, method=method)
+    view = TableView.of(columns, wide)
+    title = f"run {r.run_id} ({r.name}): attention vs {method}, per head"
+    render(names, rows, fmt, title=title, view=view if view.picked or view.wide else None)
+    if fmt == Format.table:
+        render(layer_cols, layer_rows, fmt, title="layer progression")
+
+
+def _query(
+    db: str | tuple[str, int | None],
+    run: str | None,
+    fmt: Format,
+    query,
+    title: str,
+    check=None,
+    table_columns=None,
+    note: str | None = None,
+    view: TableView = TableView(),
+    pinned: int = 1,
+    **kwargs,
+) -> None:
+    """Open the store, resolve the run, ``check(run)`` the options against it, call one query
+    function, render its rows (``view``, ``pinned``: see ``render_metrics``)."""
+    from headatlas.service.reports.intervals import scheme_of
+
+    where, at = db if isinstance(db, tuple) else (db, None)
+    with _store(where, at).checked_read() as conn:
+        r = _run(conn, run)
+        if check is not None:
+            check(r)
+        columns, rows = query(conn, r.run_id, **kwargs)
+        unreliable = _interval_warnings(conn, r) if kwargs.get("ci") else []
+    render_metrics(
+        columns,
+        rows,
+        fmt,
+        title=f"run {r.run_id} ({r.name}): {title}",
+        table_columns=table_columns,
+        note=note,
+        schemes=[scheme_of(r.params)],
+        view=view,
+        pinned=pinned,
+    )
+    _print_warnings(unreliable)
+
+
+def _interval_warnings(conn, *runs) -> list[str]:
+    """Each run's warning that its intervals rest on too few replicate groups (SPEC §5d)."""
+    from headatlas.service.reports.queries import interval_warning
+
+    return [w for w in (interval_warning(conn, r.run_id) for r in runs) if w]
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+
+
+_run = run_commands.resolve  # the run a command names, or the default one, with a note when unfinished
+
+
+def _check_layer_head(run, layer: int, head: int | None) -> None:
+    from headatlas.service.errors import ParameterError
+
+    if not 0 <= layer < run.n_layers:
+        raise ParameterError(f"--layer {layer}: run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
+    if head is not None and not 0 <= head < run.n_heads:
+        raise ParameterError(f"--head {head}: run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")
