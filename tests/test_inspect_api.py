@@ -107,7 +107,7 @@ def test_figures_draw_from_the_same_object(model):
 
 def test_a_spec_loads_once_and_the_seq_len_is_checked():
     import headatlas
-    from headatlas.service import api
+    from headatlas.service.api import inspection as api
     from headatlas.service.errors import ModelError
 
     api._inspect_model.cache_clear()

@@ -37,7 +37,8 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel):
     assert top == {"headatlas"}
     for needed in (
         "headatlas/__init__.py",
-        "headatlas/service/api.py",
+        "headatlas/service/api/__init__.py",
+        "headatlas/service/api/views.py",
         "headatlas/service/engine/runner.py",
         "headatlas/service/measures/mixing.py",
         "headatlas/service/reports/queries.py",

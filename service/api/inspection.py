@@ -1,0 +1,90 @@
+"""A model measured in this process, nothing stored: ``inspect`` (one text's attention, z and
+similarity matrices) and ``effects`` (which heads the model needs)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from headatlas.service.analysis_options import DEFAULTS
+from headatlas.service.api.tables import Table
+from headatlas.service.api.terms import _in_python_terms
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.reports.inspection import InspectedText
+
+
+@_in_python_terms
+def inspect(
+    text: str,
+    model: str | LoadedModel = DEFAULTS["model"],
+    seq_len: int = DEFAULTS["seq_len"],
+    *,
+    device: str = DEFAULTS["device"],
+) -> InspectedText:
+    """One text through a model, nothing stored: the first window's token ids and tokens,
+    ``attention`` ``[layer, head, query, key]``, ``z`` ``[layer, head, pos, d_head]`` (each head's
+    output before W_O) and ``csm(layer, head)`` ``[n, n]`` (``C = z zᵀ``, ``C_ii = 0``), as numpy
+    arrays; ``model``, ``causal``, ``n_layers``, ``n_heads``. The window is the one ``analyze``
+    would make first (``seq_len`` tokens at most, specials included); ``truncated`` says whether
+    the text went on. ``model``: a spec as ``--model`` takes it (the last one loaded is kept for
+    the next call) or a model from ``headatlas.service.engine.model.load_model``."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.engine.model_check import check_loaded
+    from headatlas.service.reports.inspection import read_text
+
+    params = build_params(seq_len=seq_len)
+    loaded = model if isinstance(model, LoadedModel) else _inspect_model(model, device)
+    check_loaded(loaded, params.seq_len)
+    return read_text(loaded, text, params)
+
+
+@lru_cache(maxsize=1)
+def _inspect_model(spec: str, device: str) -> LoadedModel:
+    """A model for ``inspect``, loaded once for consecutive calls with the same spec and device."""
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.model_check import check_model_spec
+
+    check_model_spec(spec, seq_len=2, device=device)  # the shape and memory; seq_len is checked per call
+    return load_model(spec, device=device)
+
+
+@_in_python_terms
+def effects(
+    corpus: str | Path,
+    model: str | LoadedModel = DEFAULTS["model"],
+    *,
+    kinds: str = "zero,mean",
+    windows: int = 16,
+    reference: int = 256,
+    seq_len: int = DEFAULTS["seq_len"],
+    batch_size: int = 4,
+    device: str = DEFAULTS["device"],
+) -> Table:
+    """Which heads the model needs (SPEC §9), measured on ``corpus`` in this process, nothing
+    stored: one row per head with ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the
+    model's own objective) and ``importance`` (``kinds`` with ``gradient``), each with its 95%
+    interval (``_lo``, ``_hi``), and the output drift of each ablation. ``.notes`` says what the
+    effects are measured against. The same as ``headatlas effects``."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.effect_runs import measure_effects
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.engine.model_check import check_loaded
+    from headatlas.service.measures.effects import parse_kinds
+
+    params = build_params(seq_len=seq_len)
+    loaded = model if isinstance(model, LoadedModel) else _inspect_model(model, device)
+    check_loaded(loaded, params.seq_len)
+    result = measure_effects(
+        str(corpus),
+        loaded,
+        params,
+        kinds=parse_kinds(kinds),
+        windows=windows,
+        reference=reference,
+        batch_size=batch_size,
+    )
+    return Table.of(result.columns, result.rows, what=f"head effects: {result.model}", notes=[result.note()])

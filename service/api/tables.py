@@ -1,0 +1,97 @@
+"""What every question of the Python API returns: a ``Table`` over an Arrow table, with its notes."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pandas
+
+
+def table(columns: list[str], rows: list[tuple]) -> pa.Table:
+    """Query rows as an Arrow table (types inferred per column; None is null)."""
+    return pa.table({c: pa.array([r[i] for r in rows]) for i, c in enumerate(columns)})
+
+
+class Table:
+    """The rows of one question. ``.df()``: a pandas DataFrame; ``.arrow``: the Arrow table, which
+    the object also reads as (``num_rows``, ``column_names``, ``column("x")``, ``to_pylist()``,
+    ``len(t)``, ``t["x"]``; and any library that takes Arrow data: ``polars.DataFrame(t)``,
+    ``pa.table(t)``). ``.notes``: what its numbers are measured against and how its intervals
+    were made, as under a CLI table (also in the Arrow schema's metadata, ``headatlas.notes``)."""
+
+    def __init__(self, arrow: pa.Table, *, what: str, notes: Sequence[str] = ()) -> None:
+        self.what = what
+        self.notes = tuple(n for n in notes if n)
+        meta = {b"headatlas.notes": "\n".join(self.notes).encode()} if self.notes else None
+        self.arrow = arrow.replace_schema_metadata(meta) if meta else arrow
+
+    @classmethod
+    def of(cls, columns: list[str], rows: list[tuple], *, what: str, notes: Sequence[str] = ()) -> Table:
+        """A table of query rows (``columns``, ``rows`` as the query functions return them)."""
+        return cls(table(columns, rows), what=what, notes=notes)
+
+    def df(self) -> pandas.DataFrame:
+        """The rows as a pandas DataFrame (its ``attrs["notes"]``: ``.notes``). Needs pandas:
+        ``pip install 'headatlas[pandas]'``."""
+        try:
+            import pandas  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "Table.df() needs pandas: pip install 'headatlas[pandas]' (or read .arrow, the Arrow table)"
+            ) from None
+        frame = self.arrow.to_pandas()
+        frame.attrs["notes"] = list(self.notes)
+        return frame
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """The same as ``df()`` (pyarrow's name for it)."""
+        return self.df()
+
+    def to_pylist(self) -> list[dict]:
+        """The rows as dicts, column name to value."""
+        return self.arrow.to_pylist()
+
+    def __len__(self) -> int:
+        return self.arrow.num_rows
+
+    def __getitem__(self, key):
+        return self.arrow[key]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "arrow":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.arrow, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | {n for n in dir(self.arrow) if not n.startswith("_")})
+
+    def __arrow_c_stream__(self, requested_schema=None):
+        return self.arrow.__arrow_c_stream__(requested_schema)
+
+    def __repr__(self) -> str:
+        return f"<Table {self.what}: {self.arrow.num_rows:,} rows × {self.arrow.num_columns} columns>"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the first rows, then the notes."""
+        shown = self.arrow.slice(0, 20)
+        try:
+            body = shown.to_pandas()._repr_html_()
+        except ImportError:
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in shown.column_names)
+            rows = "".join(
+                "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row.values()) + "</tr>"
+                for row in shown.to_pylist()
+            )
+            body = f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+        more = f"<p>… {self.arrow.num_rows - 20:,} more rows</p>" if self.arrow.num_rows > 20 else ""
+        notes = "".join(f"<p><small>{html.escape(n)}</small></p>" for n in self.notes)
+        return f"<p>{html.escape(repr(self))}</p>{body}{more}{notes}"
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)

@@ -1,0 +1,209 @@
+"""A results database and its runs in Python: ``connect``, ``Atlas`` (the runs, SQL over them) and
+``RunView`` (one run's questions, each a ``Table``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from headatlas.service.api.tables import Table
+from headatlas.service.api.terms import _in_python_terms
+from headatlas.service.errors import DatabaseNotFound, ParameterError
+from headatlas.service.storage.store import Run, Store, resolve_run
+
+
+class IntervalWarning(UserWarning):
+    """A run's intervals rest on too few replicate groups to be read (SPEC §5d)."""
+
+
+@_in_python_terms
+def connect(db: str | Path | None = None, *, data_path: str | Path | None = None, at: int | None = None) -> Atlas:
+    """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``): a file, or a lake
+    (``ducklake:postgres:dbname=… host=…``; ``data_path``: this machine's mount of its files,
+    default HEADATLAS_DATA_PATH or what the lake recorded). ``at``: read it as of that snapshot
+    (a lake; ``runs()`` shows each run's last one), so that numbers taken later are the same. A
+    missing database raises FileNotFoundError."""
+    from headatlas.service.config import Settings
+
+    store = Store(db if db is not None else Settings.from_env().db, data_path=data_path, at=at)
+    if not store.backend.exists():
+        raise DatabaseNotFound(
+            f"no database at {store.backend.label}: analyse a corpus into it first (headatlas.analyze(corpus, db=...))"
+        )
+    return Atlas(store)
+
+
+@dataclass(frozen=True, repr=False)
+class Atlas:
+    """A results database: its runs, and read-only SQL over everything it holds."""
+
+    store: Store
+
+    def __repr__(self) -> str:
+        return f"<Atlas {str(self.store.backend.label)!r}>"
+
+    @_in_python_terms
+    def runs(self) -> Table:
+        """Every stored run: id, name, status, model, corpus, windows, times."""
+        rows = self.store.list_runs()
+        columns = list(rows[0]) if rows else ["run_id", "name", "status", "model", "corpus", "windows"]
+        return Table.of(columns, [tuple(r[c] for c in columns) for r in rows], what="runs")
+
+    @_in_python_terms
+    def run(self, ref: str | int | None = None) -> RunView:
+        """A run by id or name; the latest when ``ref`` is None. An unknown one raises
+        LookupError."""
+        with self.store.checked_read() as conn:
+            return RunView.read(self.store, conn, ref)
+
+    @_in_python_terms
+    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:
+        """Read-only SQL over every run, the same sandbox as ``headatlas sql`` (one SELECT; at most
+        ``max_rows`` rows; stopped after ``timeout_s`` seconds). ``Atlas.run(…).sql`` reads one run."""
+        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=None)
+
+
+def _sql(store: Store, statement: str, *, max_rows: int, timeout_s: float, run_id: int | None) -> Table:
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    result = run_readonly_sql(
+        store.backend, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=run_id, at=store.at
+    )
+    notes = [f"{max_rows:,} rows shown: the result had more (pass max_rows=…)"] if result.truncated else []
+    return Table.of(result.columns, result.rows, what="sql" if run_id is None else f"sql, run {run_id}", notes=notes)
+
+
+@dataclass(frozen=True, repr=False)
+class RunView:
+    """One stored run: its facts (``run``, as stored when this view was made) and its questions,
+    each a ``Table``."""
+
+    store: Store
+    run: Run
+    windows: int = 0  # windows stored when the view was made
+
+    @classmethod
+    def read(cls, store: Store, conn, ref: str | int | None) -> RunView:
+        """The view of a run (by id or name; the latest when ``ref`` is None) through an open
+        read connection."""
+        from sqlalchemy import text
+
+        run = resolve_run(conn, ref)
+        windows = conn.execute(
+            text("SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r"), {"r": run.run_id}
+        ).scalar()
+        return cls(store, run, int(windows or 0))
+
+    def __repr__(self) -> str:
+        return f"<Run {self.run.run_id} {self.run.name!r} {self.run.status}, {self.windows:,} windows>"
+
+    @property
+    def run_id(self) -> int:
+        """The run's id (what ``headatlas … --run`` takes, as its name)."""
+        return self.run.run_id
+
+    @property
+    def name(self) -> str:
+        """The run's name."""
+        return self.run.name
+
+    @property
+    def status(self) -> str:
+        """created, running, done, interrupted or failed (when this view was made)."""
+        return self.run.status
+
+    @_in_python_terms
+    def refresh(self) -> RunView:
+        """The same run read again: its status and windows now."""
+        with self.store.checked_read() as conn:
+            return RunView.read(self.store, conn, self.run.run_id)
+
+    def _query(self, query: Callable[..., Any], what: str, *, note: str = "", ci: bool = False, **kwargs: Any) -> Table:
+        from headatlas.service.reports import queries
+        from headatlas.service.reports.intervals import interval_note, scheme_of
+
+        with self.store.checked_read() as conn:
+            resolve_run(conn, self.run.run_id)  # still there
+            columns, rows = (
+                query(conn, self.run.run_id, ci=ci, **kwargs) if ci else query(conn, self.run.run_id, **kwargs)
+            )
+            warning = queries.interval_warning(conn, self.run.run_id) if ci else None
+        notes = [note]
+        if ci:
+            notes.append(interval_note([scheme_of(self.run.params)]))
+        if warning:
+            notes.append(f"warning: {warning}")
+            warnings.warn(warning, IntervalWarning, stacklevel=4)  # the caller's line: past the method and its wrapper
+        return Table.of(columns, rows, what=f"{what}, run {self.run.run_id}", notes=notes)
+
+    @_in_python_terms
+    def heads(
+        self, *, layer: int | None = None, sort: str | None = None, top: int | None = None, ci: bool = False
+    ) -> Table:
+        """Per head: every metric of ``headatlas query heads`` (with ``_lo``/``_hi`` when ``ci``),
+        sorted by ``sort`` (descending) and cut to ``top`` rows when given."""
+        from headatlas.service.reports import queries
+
+        self._check(layer)
+        return self._query(queries.heads, "heads", note=queries.LIFT_NOTE, layer=layer, sort=sort, top=top, ci=ci)
+
+    @_in_python_terms
+    def layers(self, *, ci: bool = False) -> Table:
+        """Per layer: the metrics of ``headatlas query layers`` (the progression from early to final
+        layers) and anchor distinctness."""
+        from headatlas.service.reports import queries
+
+        return self._query(queries.layers, "layers", note=queries.LIFT_NOTE, ci=ci)
+
+    @_in_python_terms
+    def boundaries(self, *, ci: bool = False) -> Table:
+        """Per layer: within-sentence shares against their chances (plain and matched to distance)
+        and attention to the sentence separators against uniform."""
+        from headatlas.service.reports import queries
+
+        return self._query(queries.boundaries, "boundaries", note=queries.LIFT_NOTE, ci=ci)
+
+    @_in_python_terms
+    def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> Table:
+        """Distance profile of a head (or a layer's heads pooled) against chance; ``split``: also
+        the attended (signal) and not-attended (noise) pairs."""
+        from headatlas.service.reports import queries
+
+        self._check(layer, head)
+        note = "lift = share of the high-similarity pairs at d / share of all pairs at d (chance)"
+        return self._query(queries.distances, "distances", note=note, layer=layer, head=head, split=split, ci=ci)
+
+    @_in_python_terms
+    def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> Table:
+        """Attribution and mixing measures per layer (or ``layer``'s heads), one column set per
+        method (``methods``: attention, attribution, rollout, norm, alti; default: all stored)."""
+        from headatlas.service.reports import queries
+
+        self._check(layer)
+        return self._query(queries.mixing, "mixing", layer=layer, methods=methods)
+
+    @_in_python_terms
+    def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> Table:
+        """Per head: the Jensen–Shannon divergence between attention and ``method``'s rows,
+        ranked, and the layer progression."""
+        from headatlas.service.reports import queries
+
+        return self._query(queries.discrepancy, "discrepancy", method=method, top=top)
+
+    @_in_python_terms
+    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:
+        """Read-only SQL over this run alone: every table and view (``head_metrics``,
+        ``layer_metrics``, ``anchors``, ``windows``, …) holds its rows only. The sandbox of
+        ``headatlas sql``: one SELECT, at most ``max_rows`` rows, stopped after ``timeout_s`` s."""
+        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=self.run.run_id)
+
+    def _check(self, layer: int | None, head: int | None = None) -> None:
+        if layer is not None and not 0 <= layer < self.run.n_layers:
+            raise ParameterError(
+                f"layer={layer}: run {self.run.run_id} has layers 0..{self.run.n_layers - 1} (0-based)"
+            )
+        if head is not None and not 0 <= head < self.run.n_heads:
+            raise ParameterError(f"head={head}: run {self.run.run_id} has heads 0..{self.run.n_heads - 1} (0-based)")
