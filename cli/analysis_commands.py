@@ -272,9 +272,9 @@ def _print_run_summary(store, run_id: int) -> None:
 
 def models(fmt: Format = FormatOpt) -> None:
     """List what --model takes: the named models (installed, converted), the random shapes and the
-    supported model families."""
+    supported model families, with their origin (headatlas, or an installed plugin)."""
     from headatlas.service.engine.catalog import model_catalog
 
     rows = model_catalog()
-    columns = ["kind", "model", "family", "what", "state"]
+    columns = ["kind", "model", "family", "what", "state", "origin"]
     render(columns, [tuple(r[c] for c in columns) for r in rows], fmt, title="what --model takes")

@@ -21,6 +21,11 @@ class ModelError(HeadatlasError):
     """Model cannot be found, loaded or hooked."""
 
 
+class AdapterIncomplete(ModelError):
+    """A model family's adapter lacks a part of the adapter contract (or claims what another
+    family serves): it is refused when registered, before any model loads or any run exists."""
+
+
 class ParameterError(HeadatlasError, ValueError):
     """An analysis parameter has an invalid value."""
 
@@ -76,3 +81,8 @@ class BrokerDatabaseOutOfRange(BrokerError):
 
 class WriterConflict(HeadatlasError):
     """The ingest queue is held by another live writer, or belongs to another database."""
+
+
+class PluginError(HeadatlasError):
+    """An installed plugin (an entry point of ``headatlas.families``, ``headatlas.backends`` or
+    ``headatlas.metrics``) cannot be loaded or breaks its extension point's contract."""

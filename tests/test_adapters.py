@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import attention_inputs
 
-from headatlas.service.engine.adapters import FAMILIES, adapter_for, kv_group
+from headatlas.service.engine.adapters import ADAPTERS, RandomShape, adapter_for, families, kv_group
 from headatlas.service.engine.corpus import Document
 from headatlas.service.engine.hooks import act_name, capture_attention
 from headatlas.service.engine.model import LoadedModel, load_model
@@ -146,7 +146,7 @@ def test_unsupported_architecture_is_one_line_listing_the_families():
             adapter_for(config, "some/model")
         message = str(err.value)
         assert "\n" not in message and message.startswith("--model some/model:")
-        for adapter in FAMILIES.values():
+        for adapter in families().values():
             assert adapter.title in message
     assert "'t5'" in str(pytest.raises(ModelError, adapter_for, T5Config()).value)
 
@@ -199,8 +199,10 @@ def test_models_lists_named_models_random_shapes_and_families():
     assert rows[("named", "default")]["state"] == "installed"
     assert rows[("named", "smollm2")]["family"] == "llama"
     assert rows[("named", "smollm2")]["state"].startswith("installed" if SMOLLM2 else "not installed")
-    assert {"random:tiny", "random:gpt2", "random:llama"} <= {m for k, m in rows if k == "random"}
-    assert sorted(r["family"] for r in listed if r["kind"] == "family") == sorted(FAMILIES)
+    assert {"random:tiny", "random:gpt2", "random:llama", "random:distilbert"} <= {m for k, m in rows if k == "random"}
+    assert sorted(r["family"] for r in listed if r["kind"] == "family") == sorted(families())
+    distil = next(r for r in listed if r["kind"] == "family" and r["family"] == "distilbert")
+    assert distil["state"] == "config model_type: distilbert" and distil["origin"] == "headatlas"
 
 
 # --- SmolLM2 (a real decoder, GGUF): slow, converted once into the test session's cache (conftest) ---
@@ -261,33 +263,22 @@ def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     assert tok.decode(int(expected[0, -1].argmax())).strip() == "Paris"
 
 
-def test_the_documented_example_adapter_works(monkeypatch):
-    """docs/architecture.md's worked example (GPT-NeoX) registers, loads as random:neox and passes
-    the parity check: adding a family is that one module."""
+def test_the_documented_family_is_the_plugins_module_loaded_from_its_entry_point():
+    """docs/architecture.md shows the tests' plugin family (GPT-NeoX) whole; headatlas found it
+    through the headatlas.families entry point, and the contract tests below run it."""
     import re
     from pathlib import Path
 
-    from headatlas.service.engine import model as model_module
-    from headatlas.service.engine.adapters import ADAPTERS
-
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
-    section = doc.split("## Adding a model family", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", doc.split("## Adding a model family", 1)[1], re.S)
     assert code is not None
-    before = dict(ADAPTERS), dict(FAMILIES)
-    namespace: dict = {}
-    try:
-        exec(compile(code.group(1), "docs/architecture.md", "exec"), namespace)  # noqa: S102  (our own docs)
-        adapter = FAMILIES["gpt_neox"]
-        monkeypatch.setitem(model_module.RANDOM_SHAPES, "neox", adapter.random_shapes["neox"])
-        neox = load_model("random:neox", device="cpu")
-        assert (neox.family, neox.causal, neox.n_heads) == ("gpt_neox", True, 4)
-        check_parity(neox)
-    finally:
-        ADAPTERS.clear()
-        ADAPTERS.update(before[0])
-        FAMILIES.clear()
-        FAMILIES.update(before[1])
+    module = root / "tests" / "plugins" / "headatlas_test_plugins" / "neox.py"
+    assert code.group(1) == module.read_text(encoding="utf-8")
+    adapter = families()["gpt_neox"]
+    assert type(adapter).__module__ == "headatlas_test_plugins.neox"
+    assert adapter.origin == "plugin gpt_neox (headatlas-test-plugins 0.1.0)"
+    assert adapter_for({"model_type": "gpt_neox"}) is adapter
 
 
 def test_a_decoder_analyses_end_to_end(tmp_path, small_corpus):
@@ -302,3 +293,184 @@ def test_a_decoder_analyses_end_to_end(tmp_path, small_corpus):
     assert run.heads().num_rows == 2 * 4
     longest = atlas.sql("SELECT max(n_tokens) AS n FROM windows").to_pylist()[0]["n"]  # the only run
     assert longest == 32
+
+
+# --- the adapter contract: every family (the plugins' included) provides every part -----------------
+
+
+def _smallest_shape(adapter) -> str:
+    return min(adapter.random_shapes, key=lambda n: adapter.random_shapes[n].layers * adapter.random_shapes[n].hidden)
+
+
+@pytest.fixture(scope="module", params=sorted(families()))
+def family_model(request) -> LoadedModel:
+    """The smallest random model of every family, as `random:NAME` builds it."""
+    return load_model(f"random:{_smallest_shape(families()[request.param])}", device="cpu")
+
+
+def test_the_contract_is_every_part_and_every_family_provides_it():
+    from headatlas.service.engine.adapters.base import CONTRACT, missing_parts
+
+    assert set(CONTRACT) >= {
+        "family",
+        "title",
+        "model_types",
+        "causal",
+        "pre_norm",
+        "config_keys",
+        "random_shapes",  # fmt: skip
+        "blocks",
+        "attention",
+        "output_projection",
+        "output_weight",
+        "values",  # fmt: skip
+        "embedding_output",
+        "attention_norm",
+        "final_norm",
+        "random_config",  # fmt: skip
+    }
+    assert {"bert", "distilbert", "gpt2", "llama"} <= set(families())
+    for adapter in families().values():
+        assert missing_parts(type(adapter)) == [], adapter.family
+        assert all(shape.family == adapter.family for shape in adapter.random_shapes.values())
+
+
+def test_a_family_that_lacks_a_part_is_refused_when_registered():
+    """An adapter written before the block parts and the config keys were the adapter's: refused,
+    one line naming what it lacks, and nothing registered (so no run can start with it)."""
+    from headatlas.service.engine.adapters.base import ModelAdapter, register
+    from headatlas.service.errors import AdapterIncomplete
+
+    class Partial(ModelAdapter):
+        family, title, model_types, causal = "partial", "Partial", ("partial",), False
+        random_shapes = {"partial": RandomShape("partial", 1, 1, 8)}
+        blocks = attention = output_projection = output_weight = values = random_config = lambda *a: None
+
+    before = dict(families())
+    with pytest.raises(AdapterIncomplete) as err:
+        register(Partial)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("model family 'partial'")
+    for part in ("pre_norm", "config_keys", "embedding_output", "attention_norm", "final_norm"):
+        assert part in message
+    assert families() == before and "partial" not in ADAPTERS
+
+
+def test_a_family_cannot_take_another_familys_model_type():
+    from headatlas.service.engine.adapters.base import register
+    from headatlas.service.engine.adapters.distilbert import DistilBertAdapter
+    from headatlas.service.errors import AdapterIncomplete
+
+    class Thief(DistilBertAdapter):
+        family = "thief"
+        model_types = ("bert",)
+        random_shapes = {}
+
+    with pytest.raises(AdapterIncomplete, match="random_shapes"):
+        register(Thief)
+    Thief.random_shapes = {"thief": RandomShape("thief", 1, 1, 8)}
+    with pytest.raises(AdapterIncomplete, match="model type 'bert' is already served by family 'bert'"):
+        register(Thief)
+    assert ADAPTERS["bert"].family == "bert" and "thief" not in families()
+
+
+def test_every_family_captures_z_as_attention_times_values(family_model):
+    check_parity(family_model)
+
+
+def test_every_familys_config_keys_read_its_shape(family_model):
+    """What the model check reads from config.json through the family's keys is the shape the
+    loaded model has."""
+    adapter = family_model.adapter
+    config = family_model.model.config.to_dict()
+    keys = adapter.config_keys
+    assert (config[keys.layers], config[keys.heads], config[keys.hidden]) == (
+        family_model.n_layers,
+        family_model.n_heads,
+        family_model.d_model,
+    )
+    assert all(isinstance(config.get(k), int) for k in keys.required())
+    assert adapter.positions(config) > 0
+
+
+def test_every_familys_block_parts_are_where_the_model_computes_them(family_model):
+    """embedding_output's output is what block 0 reads; attention_norm is the norm the block
+    applies to the attention's input (pre-norm) or to the residual sum after W_O (post-norm);
+    final_norm turns the last block's output into the model's output."""
+    model, adapter = family_model, family_model.adapter
+    blocks = adapter.blocks(model.model)
+    seen: dict[str, torch.Tensor] = {}
+
+    first, last = blocks[0], blocks[-1]
+    handles = [
+        adapter.embedding_output(model.model).register_forward_hook(lambda _m, _a, out: seen.update(e=out)),
+        first.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.update(x0=args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+        ),
+        adapter.attention(first).register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.update(attn_in=adapter.attention_input(args, kwargs)), with_kwargs=True
+        ),
+        adapter.output_projection(first).register_forward_hook(lambda _m, _a, out: seen.update(attn_out=out)),
+        adapter.attention_norm(first).register_forward_pre_hook(lambda _m, args: seen.update(norm_in=args[0])),
+        adapter.attention_norm(first).register_forward_hook(lambda _m, _a, out: seen.update(norm_out=out)),
+        last.register_forward_hook(lambda _m, _a, out: seen.update(last=out[0] if isinstance(out, tuple) else out)),
+    ]
+    _tokens, _windows, batch = _batch(model)
+    try:
+        with torch.inference_mode():
+            out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(seen["e"], seen["x0"], rtol=0, atol=0)
+    if adapter.pre_norm:
+        torch.testing.assert_close(seen["attn_in"], seen["norm_out"], rtol=0, atol=0)
+        torch.testing.assert_close(seen["norm_in"], seen["x0"], rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(seen["attn_in"], seen["x0"], rtol=0, atol=0)
+        torch.testing.assert_close(seen["norm_in"], seen["x0"] + seen["attn_out"])
+    final = adapter.final_norm(model.model)
+    with torch.inference_mode():
+        expected = seen["last"] if final is None else final(seen["last"])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_every_familys_output_weight_maps_z_to_the_attention_output(family_model):
+    adapter = family_model.adapter
+    block = adapter.blocks(family_model.model)[0]
+    proj = adapter.output_projection(block)
+    z = torch.randn(2, 5, family_model.n_heads * family_model.d_head)
+    bias = getattr(proj, "bias", None)
+    with torch.no_grad():
+        torch.testing.assert_close(proj(z), z @ adapter.output_weight(block).T + (0 if bias is None else bias))
+
+
+def test_distilbert_is_an_encoder_with_cls_and_sep_windows():
+    model = load_model("random:distilbert", device="cpu")
+    assert (model.family, model.causal, model.n_layers, model.n_heads, model.d_head) == ("distilbert", False, 2, 4, 8)
+    tokens, windows, _batch_ = _batch(model, seq_len=16)
+    cls, sep = model.tokenizer.cls_token_id, model.tokenizer.sep_token_id
+    assert (tokens.first_id, tokens.last_id) == (cls, sep)
+    assert all(w.input_ids[0] == cls and w.input_ids[-1] == sep for w in windows)
+
+
+def test_a_distilbert_folder_analyses_end_to_end_with_the_mixing_measures(tmp_path):
+    """A saved DistilBERT folder (config.json naming n_layers, n_heads, dim, hidden_dim) passes the
+    model check, loads through its adapter and runs every statistic and ALTI (post-norm)."""
+    import headatlas
+
+    folder = tmp_path / "distil"
+    model = load_model("random:distilbert", device="cpu")
+    model.model.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT + "\n" + TEXT.upper() + "\n", encoding="utf-8")
+    run = headatlas.analyze(
+        corpus, db=tmp_path / "d.duckdb", model=str(folder), device="cpu", seq_len=16, mixing=["alti"], progress=False
+    )
+    assert run.heads().num_rows == 2 * 4
+    atlas = headatlas.connect(tmp_path / "d.duckdb")
+    row = atlas.sql(f"SELECT n_layers, n_heads FROM runs WHERE run_id = {run.run_id}").to_pylist()[0]
+    assert row == {"n_layers": 2, "n_heads": 4}
+    methods = atlas.sql("SELECT DISTINCT method FROM mixing_stats").to_pylist()
+    assert "alti" in {r["method"] for r in methods}

@@ -41,3 +41,42 @@ def test_a_checkpoint_replaced_in_the_same_folder_is_another_model(tmp_path):
     data[header:] ^= 1  # fine-tuned: the same names, shapes and size, other values
     weights.write_bytes(data.tobytes())
     assert load_model_info(str(folder)).weights_key != first
+
+
+def test_a_distilbert_folder_is_checked_through_its_own_config_keys(tmp_path):
+    """DistilBERT's config.json names its sizes n_layers, n_heads, dim and hidden_dim: the model
+    check reads them through the family's adapter, and a config that lost one is refused naming
+    the field and the family it is (not "use a model of a supported family", which it is)."""
+    import json
+
+    import pytest
+
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.model_check import check_model_spec
+    from headatlas.service.errors import ModelError
+
+    folder = tmp_path / "distil"
+    model = load_model("random:distilbert", device="cpu")
+    model.model.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    shape = check_model_spec(str(folder), seq_len=64)
+    assert shape is not None
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.positions) == (2, 32, 128, 512)
+    info = load_model_info(str(folder))
+    assert (info.family, info.n_layers, info.n_heads, info.d_head) == ("distilbert", 2, 4, 8)
+    with pytest.raises(ModelError, match="has 512 positions; pass --seq-len 512 or less"):
+        check_model_spec(str(folder), seq_len=600)
+
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["n_heads"] = "four"
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(ModelError, match=r"has n_heads = 'four', not a positive whole number"):
+        check_model_spec(str(folder), seq_len=64)
+    del config["n_heads"]
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(ModelError) as err:
+        check_model_spec(str(folder), seq_len=64)
+    message = str(err.value)
+    assert "\n" not in message and "lacks 'n_heads', which a DistilBERT config (model_type 'distilbert')" in message
+    assert "supported famil" not in message

@@ -101,3 +101,42 @@ def test_act_names_are_canonical():
     assert act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
     with pytest.raises(ValueError):
         act_name("q", 0)
+
+
+@pytest.fixture(scope="module")
+def distilbert():
+    from headatlas.service.engine.model import load_model
+
+    return load_model("random:distilbert", device="cpu")
+
+
+def test_distilbert_capture_equals_output_attentions_and_attention_times_values(distilbert, demo_corpus):
+    """DistilBERT through its adapter: the captured attention is Hugging Face's output_attentions,
+    and the captured head outputs are A·V recomputed in float64 from each layer's own v_lin
+    weights and input hidden states (padded windows included)."""
+    tokens = TokenClasses.for_model(distilbert)
+    doc = next(iter_documents(str(demo_corpus)))
+    windows = document_windows(doc, distilbert.tokenizer, tokens, distilbert.tokenizer_key, AnalysisParams(seq_len=48))
+    batch = collate(windows[:2] + windows[-1:], tokens.pad_id)
+    assert batch.attention_mask[-1].sum() < batch.attention_mask[0].sum()  # a padded window
+    acts = forward(distilbert, batch)
+    with torch.no_grad():
+        out = distilbert.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            output_attentions=True,
+            output_hidden_states=True,
+        )
+    heads, d = distilbert.n_heads, distilbert.d_head
+    valid = batch.attention_mask.bool()
+    for layer, block in enumerate(distilbert.model.transformer.layer):
+        assert torch.equal(acts[act_name("pattern", layer)], out.attentions[layer]), f"layer {layer}"
+        with torch.no_grad():
+            value = block.attention.v_lin
+            hidden = out.hidden_states[layer].double()
+            v = hidden @ value.weight.double().T + value.bias.double()
+            v = v.view(*hidden.shape[:2], heads, d).transpose(1, 2)
+            expected = out.attentions[layer].double() @ v  # [batch, head, pos, d_head]
+            captured = acts[act_name("z", layer)].double().view(*hidden.shape[:2], heads, d).transpose(1, 2)
+            error = (captured - expected).abs().amax(dim=(1, 3))[valid]  # padded query rows are not compared
+        assert float(error.max()) <= 1e-5, f"layer {layer}"

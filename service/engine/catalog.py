@@ -239,8 +239,9 @@ def named_state(named: NamedModel) -> str:
 
 def model_catalog() -> list[dict[str, str]]:
     """What ``--model`` takes, for ``headatlas models``: the named models with their state, the
-    random shapes, and the supported families."""
-    from headatlas.service.engine.adapters import FAMILIES, random_shapes
+    random shapes, and the supported families, each with its origin (headatlas, or the plugin
+    that added its family)."""
+    from headatlas.service.engine.adapters import families, random_shapes
 
     rows = [
         {"kind": "named", "model": n.name, "family": n.family, "what": n.title, "state": named_state(n)}
@@ -275,6 +276,7 @@ def model_catalog() -> list[dict[str, str]]:
             "what": a.title + (" (causal)" if a.causal else " (bidirectional)"),
             "state": "config model_type: " + ", ".join(a.model_types),
         }
-        for a in FAMILIES.values()
+        for a in families().values()
     ]
-    return rows
+    origins = {a.family: a.origin for a in families().values()}
+    return [{**row, "origin": origins.get(row["family"], "headatlas")} for row in rows]

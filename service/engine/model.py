@@ -26,6 +26,7 @@ from headatlas.service.engine.adapters import (
     RandomShape,
     adapter_by_family,
     adapter_for,
+    random_shape,
     random_shapes,
 )
 from headatlas.service.engine.catalog import NAMED_MODELS, resolve_named
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = NAMED_MODELS[DEFAULT_MODEL].title
-RANDOM_SHAPES = random_shapes()  # random:NAME, every family's
 RANDOM_FAMILY = ENCODER_FAMILY  # random:LAYERS,HEADS,HIDDEN
 RANDOM_SEED = 0
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json", ".gguf")
@@ -135,13 +135,14 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 def parse_random_shape(spec: str) -> RandomShape:
     """``random:NAME`` (a named shape of any family) or ``random:LAYERS,HEADS,HIDDEN`` (an encoder)."""
     body = spec.split(":", 1)[1].strip()
-    if body in RANDOM_SHAPES:
-        return RANDOM_SHAPES[body]
+    named = random_shape(body)
+    if named is not None:
+        return named
     try:
         layers, heads, hidden = (int(x) for x in body.split(","))
     except ValueError:
         raise ModelError(
-            f"--model {spec!r}: use random:NAME ({', '.join(RANDOM_SHAPES)}) or random:LAYERS,HEADS,HIDDEN"
+            f"--model {spec!r}: use random:NAME ({', '.join(random_shapes())}) or random:LAYERS,HEADS,HIDDEN"
         ) from None
     for part, value in (("LAYERS", layers), ("HEADS", heads), ("HIDDEN", hidden)):
         if value < 1:

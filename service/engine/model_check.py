@@ -15,8 +15,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headatlas.service.errors import ModelError
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.adapters import ModelAdapter
 
 # Any one of these makes a tokenizer (fast tokenizer, WordPiece, BPE, SentencePiece).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "spm.model")
@@ -142,26 +146,24 @@ def memory_bytes(kind: str, device: str) -> tuple[int | None, str]:
         return None, "this machine"
 
 
-CONFIG_COUNTS = (
-    "num_hidden_layers",
-    "num_attention_heads",
-    "hidden_size",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
-
-def check_config_numbers(spec: str, config_path: Path, config: dict) -> None:
-    """The sizes in a model's config.json are positive whole numbers ("twelve" heads would fail
-    deep inside the model's library)."""
-    for name in CONFIG_COUNTS:
+def check_config_numbers(spec: str, config_path: Path, config: dict, adapter: ModelAdapter) -> None:
+    """The sizes in a model's config.json (the fields its family's adapter names) are positive
+    whole numbers ("twelve" heads would fail deep inside the model's library)."""
+    for name in adapter.config_keys.counts():
         value = config.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelError(
                 f"--model {spec}: {config_path} has {name} = {value!r}, not a positive whole number; "
                 "restore it from the model's source"
             )
+
+
+def config_adapter(config: dict, spec: str) -> ModelAdapter:
+    """The adapter of a config.json: its ``model_type``'s (a ModelError listing the supported
+    families when none serves it); a config that names none is read as an encoder's."""
+    from headatlas.service.engine.adapters import ENCODER_FAMILY, adapter_by_family, adapter_for
+
+    return adapter_for(config, spec) if "model_type" in config else adapter_by_family(ENCODER_FAMILY)
 
 
 def _folder_shape(spec: str, folder: Path) -> ModelShape:
@@ -181,7 +183,8 @@ def _folder_shape(spec: str, folder: Path) -> ModelShape:
         raise ModelError(
             f"--model {spec}: {config_path} does not hold a JSON object; restore it from the model's source"
         )
-    check_config_numbers(spec, config_path, config)
+    adapter = config_adapter(config, spec)  # an architecture without an adapter: the supported families
+    check_config_numbers(spec, config_path, config, adapter)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(
             f"--model {spec}: folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} …); copy them from "
@@ -195,44 +198,30 @@ def _folder_shape(spec: str, folder: Path) -> ModelShape:
         )
     if weights[0].name == "model.safetensors":
         check_safetensors(spec, weights[0])
-    if "model_type" in config:
-        from headatlas.service.engine.adapters import adapter_for
-
-        adapter_for(config, spec)  # an architecture without an adapter: the supported families
-    try:
-        hidden = int(_first(config, "hidden_size", "n_embd"))
-        return ModelShape(
-            layers=int(_first(config, "num_hidden_layers", "n_layer")),
-            hidden=hidden,
-            intermediate=int(config.get("intermediate_size") or config.get("n_inner") or 4 * hidden),
-            vocab=int(config.get("vocab_size", DEFAULT_VOCAB)),
-            positions=_positions(config),
-            type_vocab=int(config.get("type_vocab_size", 2) or 1),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        from headatlas.service.engine.adapters import supported_families
-
+    keys = adapter.config_keys
+    missing = [key for key in keys.required() if config.get(key) is None]
+    if missing:
         raise ModelError(
-            f"--model {spec}: {config_path} lacks a usable {exc}; use a model of a supported family: "
-            f"{supported_families()}"
-        ) from None
-
-
-def _first(config: dict, *keys: str):
-    """The first of ``keys`` present in a config.json (families name the same field differently)."""
-    for key in keys:
-        if key in config:
-            return config[key]
-    raise KeyError(keys[0])
+            f"--model {spec}: {config_path} lacks {', '.join(repr(k) for k in missing)}, which a {adapter.title} "
+            f"config (model_type {config.get('model_type', adapter.model_types[0])!r}) holds; restore it from the "
+            "model's source"
+        )
+    hidden = int(config[keys.hidden])
+    intermediate = config.get(keys.intermediate) if keys.intermediate else None
+    return ModelShape(
+        layers=int(config[keys.layers]),
+        hidden=hidden,
+        intermediate=int(intermediate or 4 * hidden),
+        vocab=int(config.get(keys.vocab) or DEFAULT_VOCAB),
+        positions=_positions(config),
+        type_vocab=int(config.get("type_vocab_size", 2) or 1),
+    )
 
 
 def _positions(config: dict) -> int:
-    """Usable positions of a window (the family's adapter knows offsets); without a model_type, as
-    an encoder's config."""
-    from headatlas.service.engine.adapters import ADAPTERS, ENCODER_FAMILY, adapter_by_family
-
-    adapter = ADAPTERS.get(str(config.get("model_type")), adapter_by_family(ENCODER_FAMILY))
-    return adapter.positions(config) or DEFAULT_POSITIONS
+    """Usable positions of a window (the family's adapter knows where they are stated and their
+    offsets); without a model_type, as an encoder's config."""
+    return config_adapter(config, "").positions(config) or DEFAULT_POSITIONS
 
 
 def check_safetensors(spec: str, path: Path) -> None:

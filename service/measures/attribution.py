@@ -37,7 +37,6 @@ import torch
 from headatlas.service.engine.adapters import ModelAdapter, adapter_for
 from headatlas.service.engine.hooks import act_name, capture_attention
 from headatlas.service.engine.model import LoadedModel, model_blocks
-from headatlas.service.measures.blocks import parts
 
 DEFAULT_CHUNK = 2048  # gradient rows (windows × outputs) per batched backward call
 
@@ -74,7 +73,7 @@ def _replace_embeddings(
         store["e"] = e
         return e
 
-    handle = parts(adapter).embedding_output(model).register_forward_hook(hook)
+    handle = adapter.embedding_output(model).register_forward_hook(hook)
     try:
         yield
     finally:

@@ -132,8 +132,6 @@ def _repeat(value: Any, copies: int, batch: int) -> Any:
 def _replay(model: LoadedModel, recording: _Recording, start: int, hidden: torch.Tensor, copies: int) -> torch.Tensor:
     """The final hidden states from layer ``start`` on, its input replaced by ``hidden`` (the
     batch repeated ``copies`` times), through the model's final norm."""
-    from headatlas.service.measures.blocks import parts
-
     batch = _hidden(recording.calls[0]).shape[0]
     blocks = model.blocks
     x = hidden
@@ -144,7 +142,7 @@ def _replay(model: LoadedModel, recording: _Recording, start: int, hidden: torch
             extra = {k: _repeat(v, copies, batch) for k, v in kwargs.items() if k != "hidden_states"}
             out = blocks[layer](x, *rest, **extra) if args else blocks[layer](hidden_states=x, **extra)
             x = out[0] if isinstance(out, tuple) else out
-        norm = parts(model.adapter).final_norm(model.model)
+        norm = model.adapter.final_norm(model.model)
         if norm is not None:
             x = norm(x)
     return x

@@ -29,14 +29,15 @@ Pure tensor code: imports neither Celery, Typer nor SQLAlchemy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from headatlas.service.engine.adapters import ModelAdapter
+from headatlas.service.engine.adapters import ModelAdapter, adapter_of_block
 from headatlas.service.engine.model import LoadedModel, model_blocks
 from headatlas.service.engine.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
 from headatlas.service.engine.stats import WindowFeatures, attention_sums
-from headatlas.service.measures.blocks import adapter_of_block, parts
 
 
 # --- the measures ------------------------------------------------------------------------------
@@ -107,10 +108,9 @@ def alti_layer(
     exactly (as Ferrando et al. 2023 decompose pre-norm decoders).
     Then ``c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁)``, normalised over j."""
     adapter = adapter or adapter_of_block(block)
-    family = parts(adapter)
-    norm = family.attention_norm(block)
+    norm: Any = adapter.attention_norm(block)  # a LayerNorm or RMSNorm: its weight, bias, eps
     if attn_in is None:
-        attn_in = norm(x) if family.pre_norm else x
+        attn_in = norm(x) if adapter.pre_norm else x
     f = value_vectors(block, attn_in, attn.shape[1], adapter=adapter)
     bias: torch.Tensor | None = adapter.output_projection(block).bias  # type: ignore[assignment]  # Linear/Conv1D
     b_o = bias.to(x.dtype) if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
@@ -119,7 +119,7 @@ def alti_layer(
         t = torch.einsum("hij,hjd->ijd", attn[b], f[b])
         t = t + torch.diag_embed(x[b].T).permute(1, 2, 0)  # δ_ij x_j on the diagonal
         u = t.sum(1) + b_o  # post-norm: the LayerNorm input; pre-norm: the block's output y
-        if family.pre_norm:
+        if adapter.pre_norm:
             y, transformed = u, t
         else:
             gamma, beta = norm.weight.to(x.dtype), norm.bias.to(x.dtype)

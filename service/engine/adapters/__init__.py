@@ -1,15 +1,24 @@
-"""Model adapters, one module per family (see base.py). Importing the package registers them."""
+"""Model adapters, one module per family (see base.py). Importing the package registers the
+built-in ones; families from installed plugins (the ``headatlas.families`` entry point) are
+registered the first time a model type, a family or a ``random:`` shape is not found among
+them, or when every family is listed (``families()``)."""
 
-from headatlas.service.engine.adapters import bert, gpt2, llama  # noqa: F401  (registration)
+from headatlas.service.engine.adapters import bert, distilbert, gpt2, llama  # noqa: F401  (registration)
 from headatlas.service.engine.adapters.base import (
     ADAPTERS,
+    CONTRACT,
     FAMILIES,
+    ConfigKeys,
     ModelAdapter,
     RandomShape,
     Shape,
     adapter_by_family,
     adapter_for,
+    adapter_of_block,
+    families,
     kv_group,
+    random_shape,
+    random_shapes,
     supported_families,
 )
 
@@ -19,18 +28,18 @@ ENCODER_FAMILY = bert.BertAdapter.family
 __all__ = [
     "ENCODER_FAMILY",
     "ADAPTERS",
+    "CONTRACT",
     "FAMILIES",
+    "ConfigKeys",
     "ModelAdapter",
     "RandomShape",
     "Shape",
     "adapter_by_family",
     "adapter_for",
+    "adapter_of_block",
+    "families",
     "kv_group",
+    "random_shape",
     "random_shapes",
     "supported_families",
 ]
-
-
-def random_shapes() -> dict[str, RandomShape]:
-    """Every family's named random shapes: ``random:NAME``."""
-    return {name: shape for adapter in FAMILIES.values() for name, shape in adapter.random_shapes.items()}

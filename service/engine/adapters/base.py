@@ -1,14 +1,23 @@
 """The model-adapter interface and its registry (SPEC §8).
 
-An adapter maps one model family's modules onto the vocabulary the rest of the engine speaks:
-its blocks, each block's attention module, the per-head outputs z *before* the output projection,
-the attention probabilities, the output projection's weight (for ``--vectors post_wo``), the value
-projection, the head counts, whether attention is causal, how a window is laid out, and how a
-random-weights model of the family is built. Nothing outside ``service/engine/adapters/`` names a
-family's modules; everything downstream asks the adapter of the model at hand (``adapter_for``).
+An adapter holds everything about one model family, so that nothing outside
+``service/engine/adapters/`` names a family's modules or its config's fields; everything
+downstream asks the adapter of the model at hand (``adapter_for``). The contract (``CONTRACT``,
+checked by ``register`` before a family can be used, enumerated by tests/test_adapters.py):
 
-Adding a family is one module here that subclasses ``ModelAdapter`` and is registered with
-``@register`` (docs/architecture.md, "Adding a model family").
+- structure: its blocks, each block's attention module, the per-head outputs z *before* the
+  output projection, the attention probabilities, the output projection's weight (for
+  ``--vectors post_wo``), the value projection, whether attention is causal;
+- the block parts the mixing measures and the effects need (SPEC §6, §9): the embedding output
+  (what block 0 reads), pre- or post-norm, the norm beside the attention, the final norm;
+- the config: which config.json fields hold the layers, heads, width, … (``ConfigKeys``), read
+  by the model check before anything is loaded, and the shape read from a loaded config;
+- random configs: its named ``random:`` shapes and how a random-weights model is built;
+- how a window is laid out (its special tokens).
+
+Adding a family is one module that subclasses ``ModelAdapter`` and is registered with
+``@register``: here, or in a package of its own through the ``headatlas.families`` entry point
+(docs/architecture.md, "Adding a model family").
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from headatlas.service.errors import ModelError
+from headatlas.service.errors import AdapterIncomplete, ModelError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -62,6 +71,32 @@ class RandomShape:
         return f"{self.layers}x{self.heads}x{self.hidden}{kv}"
 
 
+@dataclass(frozen=True)
+class ConfigKeys:
+    """The config.json fields of a family that hold its sizes (families name them differently:
+    BERT's ``num_hidden_layers`` is GPT-2's ``n_layer`` and DistilBERT's ``n_layers``). The model
+    check reads a folder's config.json through them before anything is loaded; ``shape`` reads a
+    loaded config through them. None: the family has no such field."""
+
+    layers: str = "num_hidden_layers"
+    heads: str = "num_attention_heads"
+    hidden: str = "hidden_size"
+    intermediate: str | None = "intermediate_size"  # None or a null value: 4 × hidden
+    vocab: str = "vocab_size"
+    positions: str | None = "max_position_embeddings"
+    kv_heads: str | None = None  # grouped-query attention's key-value heads
+    head_dim: str | None = None  # where the head size is not hidden / heads
+
+    def required(self) -> tuple[str, ...]:
+        """The fields every config of the family has."""
+        return (self.layers, self.heads, self.hidden)
+
+    def counts(self) -> tuple[str, ...]:
+        """Every field that, when present, must be a positive whole number."""
+        named = (self.layers, self.heads, self.hidden, self.intermediate, self.vocab, self.positions, self.kv_heads)
+        return tuple(n for n in (*named, self.head_dim) if n)
+
+
 class ModelAdapter(ABC):
     """One model family. Adapters hold no state: every method takes the model, block or config."""
 
@@ -69,7 +104,12 @@ class ModelAdapter(ABC):
     title: ClassVar[str]  # the architectures it covers, for messages and docs
     model_types: ClassVar[tuple[str, ...]]  # config.model_type values it serves
     causal: ClassVar[bool]  # decoder (causal) or encoder (bidirectional) attention
-    random_shapes: ClassVar[dict[str, RandomShape]] = {}  # random:NAME shapes of this family
+    # the block normalises the attention's input (``x + Attn(LN(x))``: GPT-2, Llama); otherwise it
+    # normalises after the residual sum (``LN(x + Attn(x))``: BERT, DistilBERT)
+    pre_norm: ClassVar[bool]
+    config_keys: ClassVar[ConfigKeys]  # its config.json's field names
+    random_shapes: ClassVar[dict[str, RandomShape]]  # random:NAME shapes of this family (one at least)
+    origin: ClassVar[str] = "headatlas"  # where it comes from: headatlas, or the plugin that registered it
 
     # --- structure -------------------------------------------------------------------------------
     @abstractmethod
@@ -95,9 +135,31 @@ class ModelAdapter(ABC):
         pre-norm: what the attention module receives), ``[batch, kv_head, pos, d_head]``; bias
         included. Rotary embeddings do not touch values."""
 
-    @abstractmethod
     def shape(self, config: PretrainedConfig) -> Shape:
-        """Layers, heads, key-value heads, head size and width from the config."""
+        """Layers, heads, key-value heads, head size and width from a loaded config, through
+        ``config_keys`` (the fields the model check reads in config.json)."""
+        keys = self.config_keys
+        heads, hidden = int(getattr(config, keys.heads)), int(getattr(config, keys.hidden))
+        kv = getattr(config, keys.kv_heads, None) if keys.kv_heads else None
+        d_head = getattr(config, keys.head_dim, None) if keys.head_dim else None
+        return Shape(int(getattr(config, keys.layers)), heads, int(kv or heads), int(d_head or hidden // heads), hidden)
+
+    # --- block parts (the mixing measures, SPEC §6; the effects, SPEC §9) ------------------------
+    @abstractmethod
+    def embedding_output(self, model: Any) -> torch.nn.Module:
+        """The module whose output is the embedding-layer output ``e`` ``[batch, pos, d_model]``:
+        exactly what block 0 reads (token embeddings plus learned positions where the family has
+        them). Gradient attribution differentiates against it."""
+
+    @abstractmethod
+    def attention_norm(self, block: Any) -> torch.nn.Module:
+        """Pre-norm (``pre_norm``): the norm applied to the block input before attention;
+        post-norm: the norm after the attention's residual sum. ALTI runs through it."""
+
+    @abstractmethod
+    def final_norm(self, model: Any) -> torch.nn.Module | None:
+        """The norm the base model applies after its last block (pre-norm families), or None;
+        the effects replay the blocks and end where the model ends."""
 
     def attention_input(self, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
         """The hidden states handed to ``attention(block)`` (a forward pre-hook's arguments)."""
@@ -127,7 +189,8 @@ class ModelAdapter(ABC):
 
     def positions(self, config: Mapping[str, Any]) -> int:
         """Usable token positions of one window, from a config.json dict (0: not stated)."""
-        return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+        key = self.config_keys.positions
+        return int((config.get(key) if key else 0) or 0)
 
     # --- windows -------------------------------------------------------------------------------
     def window_specials(self, tokenizer) -> tuple[int | None, int | None]:
@@ -176,9 +239,65 @@ class ModelAdapter(ABC):
 ADAPTERS: dict[str, ModelAdapter] = {}  # config.model_type -> adapter
 FAMILIES: dict[str, ModelAdapter] = {}  # family name -> adapter
 
+# The contract: every class attribute and method an adapter provides (the methods without a
+# default are ModelAdapter's abstract methods). ``register`` refuses a class that lacks one.
+CONTRACT_ATTRIBUTES: dict[str, type | tuple[type, ...]] = {
+    "family": str,
+    "title": str,
+    "model_types": tuple,
+    "causal": bool,
+    "pre_norm": bool,
+    "config_keys": ConfigKeys,
+    "random_shapes": dict,
+}
+CONTRACT_METHODS: tuple[str, ...] = tuple(
+    sorted(name for name in dir(ModelAdapter) if getattr(getattr(ModelAdapter, name), "__isabstractmethod__", False))
+)
+CONTRACT: tuple[str, ...] = (*CONTRACT_ATTRIBUTES, *CONTRACT_METHODS)
+
+
+def missing_parts(cls: type[ModelAdapter]) -> list[str]:
+    """The parts of the contract ``cls`` does not provide (or provides with the wrong type)."""
+    missing = [
+        name
+        for name, kind in CONTRACT_ATTRIBUTES.items()
+        if not isinstance(getattr(cls, name, None), kind) or getattr(cls, name) in ("", (), {})
+    ]
+    missing += sorted(getattr(cls, "__abstractmethods__", ()))
+    return missing
+
+
+def check_contract(cls: type[ModelAdapter]) -> None:
+    """Raise AdapterIncomplete, one line, when ``cls`` cannot serve its family: a part of the
+    contract missing, a random shape of another family, or a model type another family serves."""
+    name = getattr(cls, "family", None) or cls.__name__
+    missing = missing_parts(cls)
+    if missing:
+        raise AdapterIncomplete(
+            f"model family {name!r} ({cls.__module__}.{cls.__qualname__}) lacks {', '.join(missing)}: "
+            "an adapter provides every part of ModelAdapter (docs/architecture.md, Adding a model family)"
+        )
+    for shape_name, shape in cls.random_shapes.items():
+        if shape.family != cls.family:
+            raise AdapterIncomplete(
+                f"model family {name!r}: random:{shape_name} is declared for family {shape.family!r}"
+            )
+        taken = next((a for a in FAMILIES.values() if shape_name in a.random_shapes and a.family != name), None)
+        if taken is not None:
+            raise AdapterIncomplete(f"model family {name!r}: random:{shape_name} is already family {taken.family!r}'s")
+    for model_type in cls.model_types:
+        other = ADAPTERS.get(model_type)
+        if other is not None and other.family != cls.family:
+            raise AdapterIncomplete(
+                f"model family {name!r}: model type {model_type!r} is already served by family {other.family!r} "
+                f"({other.origin})"
+            )
+
 
 def register(cls: type[ModelAdapter]) -> type[ModelAdapter]:
-    """Class decorator: make ``cls`` the adapter of its ``model_types``."""
+    """Class decorator: make ``cls`` the adapter of its ``model_types``, once it provides every
+    part of the contract (AdapterIncomplete otherwise: nothing is registered)."""
+    check_contract(cls)
     adapter = cls()
     FAMILIES[cls.family] = adapter
     for model_type in cls.model_types:
@@ -186,9 +305,51 @@ def register(cls: type[ModelAdapter]) -> type[ModelAdapter]:
     return cls
 
 
+def _install_plugin(plugin: Any, value: Any) -> None:
+    """A ``headatlas.families`` entry point names a ModelAdapter subclass; it is registered, with
+    its origin, once it provides the whole contract."""
+    from headatlas.service.errors import PluginError
+
+    if not (isinstance(value, type) and issubclass(value, ModelAdapter)):
+        raise PluginError(f"{plugin.value} is not a ModelAdapter subclass")
+    registered = FAMILIES.get(getattr(value, "family", ""))
+    if registered is not None and type(registered) is value:  # registered already (a @register at import)
+        type(registered).origin = plugin.origin
+        return
+    value.origin = plugin.origin
+    register(value)
+
+
+def load_plugins() -> None:
+    """Register the families of installed plugins (once per process)."""
+    from headatlas.service import plugins
+
+    plugins.load(plugins.FAMILIES, _install_plugin)
+
+
+def families() -> dict[str, ModelAdapter]:
+    """Every family, the plugins' included: family name -> adapter."""
+    load_plugins()
+    return FAMILIES
+
+
+def random_shapes() -> dict[str, RandomShape]:
+    """Every family's named random shapes (``random:NAME``), the plugins' included."""
+    return {name: shape for adapter in families().values() for name, shape in adapter.random_shapes.items()}
+
+
+def random_shape(name: str) -> RandomShape | None:
+    """The named shape ``random:NAME`` of any family (plugins are read only when no built-in
+    family has it), or None."""
+    for adapter in list(FAMILIES.values()):
+        if name in adapter.random_shapes:
+            return adapter.random_shapes[name]
+    return random_shapes().get(name)
+
+
 def supported_families() -> str:
     """One line: every family and its model types."""
-    return "; ".join(f"{a.title} ({', '.join(a.model_types)})" for a in FAMILIES.values())
+    return "; ".join(f"{a.title} ({', '.join(a.model_types)})" for a in families().values())
 
 
 def model_type_of(model_or_config: Any) -> str | None:
@@ -205,6 +366,9 @@ def adapter_for(model_or_config: Any, spec: str = "") -> ModelAdapter:
     ModelError naming the supported families when there is none."""
     model_type = model_type_of(model_or_config)
     adapter = ADAPTERS.get(model_type or "")
+    if adapter is None and model_type:
+        load_plugins()
+        adapter = ADAPTERS.get(model_type)
     if adapter is None:
         what = model_type or type(getattr(model_or_config, "config", model_or_config)).__name__
         raise ModelError(
@@ -214,12 +378,24 @@ def adapter_for(model_or_config: Any, spec: str = "") -> ModelAdapter:
 
 
 def adapter_by_family(family: str) -> ModelAdapter:
-    try:
-        return FAMILIES[family]
-    except KeyError:
-        raise ModelError(f"model family {family!r} is unknown; supported families: {supported_families()}") from None
+    adapter = FAMILIES.get(family) or families().get(family)
+    if adapter is None:
+        raise ModelError(f"model family {family!r} is unknown; supported families: {supported_families()}")
+    return adapter
 
 
 def kv_group(head: int, shape: Shape) -> int:
     """The key-value head that query head ``head`` reads (grouped-query attention, SPEC §8)."""
     return head // shape.group_size
+
+
+def adapter_of_block(block: torch.nn.Module) -> ModelAdapter:
+    """The adapter whose blocks look like ``block`` (for callers that hold a block, not a model)."""
+    for adapter in FAMILIES.values():
+        try:
+            adapter.attention(block)
+            adapter.output_projection(block)
+        except AttributeError:
+            continue
+        return adapter
+    raise ModelError(f"{type(block).__name__} is not a block of a supported family ({', '.join(FAMILIES)})")

@@ -1,6 +1,6 @@
 """BERT-family encoders: BERT, RoBERTa, ELECTRA, MiniLM (and RoBERTa's kin XLM-R, CamemBERT).
 
-Post-norm blocks ``encoder.layer[i]`` whose self-attention (``attention.self``) returns the context
+Post-norm blocks ``encoder.layer[i]`` (``LN(x + Attn(x))``) whose self-attention (``attention.self``) returns the context
 layer (z, before W_O) and the probabilities together; W_O is ``attention.output.dense``.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from headatlas.service.engine.adapters.base import Emit, ModelAdapter, RandomShape, Shape, register
+from headatlas.service.engine.adapters.base import ConfigKeys, Emit, ModelAdapter, RandomShape, register
 from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ class BertAdapter(ModelAdapter):
     title = "BERT-family encoders: BERT, RoBERTa, ELECTRA, MiniLM"
     model_types = ("bert", "roberta", "electra", "xlm-roberta", "camembert")
     causal = False
+    pre_norm = False
+    config_keys = ConfigKeys()
     random_shapes = {
         # name: (layers, heads, hidden)
         "bert-base": RandomShape("bert", 12, 12, 768),
@@ -66,9 +68,15 @@ class BertAdapter(ModelAdapter):
         v = attn.value(x).view(batch, n_pos, attn.num_attention_heads, attn.attention_head_size)
         return v.transpose(1, 2)
 
-    def shape(self, config: PretrainedConfig) -> Shape:
-        heads, hidden = config.num_attention_heads, config.hidden_size
-        return Shape(config.num_hidden_layers, heads, heads, hidden // heads, hidden)
+    # BertEmbeddings: words + positions + token types, LayerNorm, dropout
+    def embedding_output(self, model: Any) -> torch.nn.Module:
+        return model.embeddings
+
+    def attention_norm(self, block: Any) -> torch.nn.Module:
+        return block.attention.output.LayerNorm
+
+    def final_norm(self, model: Any) -> None:
+        return None
 
     def capture(self, block: Any, emit: Emit) -> list[RemovableHandle]:
         # one hook: the self-attention returns the context layer (z) and the probabilities together

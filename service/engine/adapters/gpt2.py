@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from headatlas.service.engine.adapters.base import ModelAdapter, RandomShape, Shape, register
+from headatlas.service.engine.adapters.base import ConfigKeys, ModelAdapter, RandomShape, register
 from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
@@ -23,6 +23,10 @@ class GPT2Adapter(ModelAdapter):
     title = "GPT-2"
     model_types = ("gpt2",)
     causal = True
+    pre_norm = True
+    config_keys = ConfigKeys(
+        layers="n_layer", heads="n_head", hidden="n_embd", intermediate="n_inner", positions="n_positions"
+    )
     random_shapes = {"gpt2": RandomShape("gpt2", 2, 4, 32), "gpt2-small": RandomShape("gpt2", 12, 12, 768)}
 
     def blocks(self, model: Any) -> list[torch.nn.Module]:
@@ -46,9 +50,15 @@ class GPT2Adapter(ModelAdapter):
         v = attn.c_attn(x).split(attn.split_size, dim=2)[2]
         return v.view(batch, n_pos, attn.num_heads, attn.head_dim).transpose(1, 2)
 
-    def shape(self, config: PretrainedConfig) -> Shape:
-        heads, hidden = config.n_head, config.n_embd
-        return Shape(config.n_layer, heads, heads, hidden // heads, hidden)
+    # GPT2Model: wte + wpe, then the embedding dropout (an identity in eval mode) hands it to h[0]
+    def embedding_output(self, model: Any) -> torch.nn.Module:
+        return model.drop
+
+    def attention_norm(self, block: Any) -> torch.nn.Module:
+        return block.ln_1
+
+    def final_norm(self, model: Any) -> torch.nn.Module:
+        return model.ln_f
 
     def random_config(self, shape: RandomShape, vocab_size: int) -> PretrainedConfig:
         from transformers import GPT2Config

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from headatlas.service.engine.adapters.base import ModelAdapter, RandomShape, Shape, register
+from headatlas.service.engine.adapters.base import ConfigKeys, ModelAdapter, RandomShape, register
 from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ class LlamaAdapter(ModelAdapter):
     title = "Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM2"
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     causal = True
+    pre_norm = True
+    config_keys = ConfigKeys(kv_heads="num_key_value_heads", head_dim="head_dim")
     random_shapes = {
         "llama": RandomShape("llama", 2, 4, 32, kv_heads=2),
         # SmolLM2-135M's shape (its weights: --model smollm2), for timing where the GGUF is not installed
@@ -53,11 +55,15 @@ class LlamaAdapter(ModelAdapter):
         batch, n_pos, _ = x.shape
         return attn.v_proj(x).view(batch, n_pos, -1, attn.head_dim).transpose(1, 2)
 
-    def shape(self, config: PretrainedConfig) -> Shape:
-        heads, hidden = config.num_attention_heads, config.hidden_size
-        d_head = getattr(config, "head_dim", None) or hidden // heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        return Shape(config.num_hidden_layers, heads, kv, d_head, hidden)
+    # LlamaModel: embed_tokens hands its output to layers[0]; RoPE acts inside attention
+    def embedding_output(self, model: Any) -> torch.nn.Module:
+        return model.embed_tokens
+
+    def attention_norm(self, block: Any) -> torch.nn.Module:
+        return block.input_layernorm
+
+    def final_norm(self, model: Any) -> torch.nn.Module:
+        return model.norm
 
     def random_config(self, shape: RandomShape, vocab_size: int) -> PretrainedConfig:
         from transformers import LlamaConfig

@@ -1,0 +1,2 @@
+"""headatlas extensions from outside the package, each declared as an entry point in
+pyproject.toml and read by headatlas when it first needs it: a model family (GPT-NeoX)."""
