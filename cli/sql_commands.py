@@ -67,14 +67,16 @@ def sql(
 
 def metrics(fmt: Format = FormatOpt) -> None:
     """List every metric of the views (head_metrics, layer_metrics): its column, SPEC section and
-    one-line definition, as declared once in service/metrics.py."""
+    one-line definition, as declared once in service/metrics.py or by an installed plugin (its
+    origin)."""
     from headatlas.service.metrics import reference
 
     columns, rows = reference()
+    plugged = any(row[columns.index("origin")] != "headatlas" for row in rows)
     render_metrics(
         columns,
         rows,
         fmt,
         title="metrics (columns of head_metrics and layer_metrics)",
-        table_columns=["column", "spec", "definition"],
+        table_columns=["column", "spec", "definition", *(["origin"] if plugged else [])],
     )

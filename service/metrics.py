@@ -10,7 +10,11 @@ the batch payload (``service.engine.results``), ingest (``service.storage.store`
 
 Adding a metric: one ``Metric`` below, its sums computed in ``service.engine.stats`` (a head sum
 in ``head_statistics``, a run sum in ``chance_statistics``), and one small migration that adds
-its sums' columns (docs/architecture.md, "Adding a metric").
+its sums' columns (docs/architecture.md, "Adding a metric"). A package installed beside
+headatlas adds a metric through the ``headatlas.metrics`` entry point: a ``Metric`` whose columns
+are SQL over the sums stored already, with no sums of its own (tables change only by headatlas's
+own migrations); ``all_metrics()`` and ``all_columns()`` include it, the views are built from
+them, ``METRICS`` and ``COLUMNS`` are headatlas's own.
 
 Expressions are SQL over one row of totals: a head's sums beside its run's (a layer's heads
 summed, with the run sums once per head, for ``layer_metrics``), plus the distance inputs of
@@ -22,8 +26,9 @@ column that is not also a sum. No numpy, no torch: the CLI's queries import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
 
 class Scope(str, Enum):
@@ -70,6 +75,7 @@ class Metric:
     against: str  # what its lift or chance is, in a few words ("" where none)
     columns: tuple[Column, ...]
     sums: tuple[Sum, ...] = ()  # the sums it introduces (a sum is declared once, by its first metric)
+    origin: str = "headatlas"  # headatlas, or the plugin that declared it
 
 
 SHARE = (0.0, 1.0)  # a share, a probability, a mean attention weight
@@ -384,16 +390,81 @@ INT_SUMS: frozenset[str] = frozenset(s.name for s in SUMS if s.kind is int)
 SUM_KINDS: dict[str, type] = {s.name: s.kind for s in SUMS}
 
 
+# --- metrics of installed plugins (the headatlas.metrics entry point) ------------------------------
+_PLUGIN_METRICS: dict[str, tuple[Metric, ...]] = {}  # origin -> its metrics
+
+
+def _install_plugin(plugin: Any, value: Any) -> None:
+    """A ``headatlas.metrics`` entry point names a Metric (or a tuple of them) whose columns read
+    only what the views already have; anything else is refused, naming the plugin."""
+    from headatlas.service.errors import PluginError
+
+    metrics = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not metrics or not all(isinstance(m, Metric) for m in metrics):
+        raise PluginError(f"{plugin.value} is not a Metric (or a tuple of them)")
+    taken = {c.name for c in all_columns()} | {s.name for s in SUMS} | set(DISTANCE_INPUTS)
+    for metric in metrics:
+        if metric.sums:
+            raise PluginError(
+                f"metric {metric.name!r} declares sums ({', '.join(s.name for s in metric.sums)}): a plugin metric "
+                "reads only the sums stored already, whose columns headatlas's own migrations create"
+            )
+        for column in metric.columns:
+            if column.name in taken:
+                raise PluginError(f"metric {metric.name!r}: column {column.name!r} is a column or sum already")
+            taken.add(column.name)
+    check_columns([c for m in metrics for c in m.columns])
+    _PLUGIN_METRICS[plugin.origin] = tuple(replace(m, origin=plugin.origin) for m in metrics)
+
+
+def check_columns(columns: list[Column]) -> None:
+    """Raise PluginError when a column's SQL does not bind over the totals the views read (every
+    sum, the distance inputs, the declared columns before it), as the views would bind it."""
+    import duckdb
+
+    from headatlas.service.errors import PluginError
+
+    inputs = ", ".join(f"NULL::DOUBLE AS {name}" for name in (*(s.name for s in SUMS), *DISTANCE_INPUTS))
+    declared = ",\n".join(f"{c.sql} AS {c.name}" for c in COLUMNS)
+    with duckdb.connect(":memory:") as conn:
+        for column in columns:
+            try:
+                conn.execute(f"SELECT {declared}, {column.sql} AS {column.name} FROM (SELECT {inputs}) LIMIT 0")
+            except duckdb.Error as exc:
+                first = str(exc).strip().splitlines()[0]
+                raise PluginError(
+                    f"column {column.name!r}: {column.sql!r} does not bind over the sums ({first})"
+                ) from None
+
+
+def plugin_metrics() -> tuple[Metric, ...]:
+    """The metrics of installed plugins (read once per process)."""
+    from headatlas.service import plugins
+
+    installed = plugins.load(plugins.METRICS, _install_plugin)
+    return tuple(m for plugin, _value in installed for m in _PLUGIN_METRICS.get(plugin.origin, ()))
+
+
+def all_metrics() -> tuple[Metric, ...]:
+    """headatlas's metrics, then the plugins'."""
+    return METRICS + plugin_metrics()
+
+
+def all_columns() -> tuple[Column, ...]:
+    """Every view column, the plugins' included: what the views are built from."""
+    return COLUMNS + tuple(c for m in plugin_metrics() for c in m.columns)
+
+
 def reference() -> tuple[list[str], list[tuple]]:
-    """One row per view column: its metric, SPEC section, one-line definition and what it is
-    read against (``headatlas metrics``)."""
-    rows = [(c.name, m.name, m.spec, c.definition, m.against) for m in METRICS for c in m.columns]
-    return ["column", "metric", "spec", "definition", "against"], rows
+    """One row per view column: its metric, SPEC section, one-line definition, what it is read
+    against, and where it comes from (``headatlas metrics``)."""
+    rows = [(c.name, m.name, m.spec, c.definition, m.against, m.origin) for m in all_metrics() for c in m.columns]
+    return ["column", "metric", "spec", "definition", "against", "origin"], rows
 
 
 def metric_of(column: str) -> Metric:
     """The metric a view column belongs to."""
-    for metric in METRICS:
+    for metric in all_metrics():
         if any(c.name == column for c in metric.columns):
             return metric
     raise KeyError(column)

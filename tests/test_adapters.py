@@ -263,18 +263,9 @@ def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     assert tok.decode(int(expected[0, -1].argmax())).strip() == "Paris"
 
 
-def test_the_documented_family_is_the_plugins_module_loaded_from_its_entry_point():
-    """docs/architecture.md shows the tests' plugin family (GPT-NeoX) whole; headatlas found it
-    through the headatlas.families entry point, and the contract tests below run it."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    doc = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
-    code = re.search(r"```python\n(.*?)```", doc.split("## Adding a model family", 1)[1], re.S)
-    assert code is not None
-    module = root / "tests" / "plugins" / "headatlas_test_plugins" / "neox.py"
-    assert code.group(1) == module.read_text(encoding="utf-8")
+def test_the_plugins_family_is_loaded_from_its_entry_point():
+    """The tests' plugin family (GPT-NeoX, docs/architecture.md) was found through the
+    headatlas.families entry point; the contract tests below run it like every other family."""
     adapter = families()["gpt_neox"]
     assert type(adapter).__module__ == "headatlas_test_plugins.neox"
     assert adapter.origin == "plugin gpt_neox (headatlas-test-plugins 0.1.0)"

@@ -5,7 +5,9 @@ derived objects instead: dropped and created again from the declarations at the 
 upgrade that reaches the head revision (``migrations/env.py``), which is also how a new
 database gets them. A metric added to the declarations therefore needs only the migration that
 adds its sums' columns; its view columns follow. ``headatlas db upgrade`` on a current database
-rebuilds them too.
+rebuilds them too. The columns of installed plugins' metrics (``metrics.all_columns``) are
+built in beside headatlas's own: a plugin installed later shows in the views after the next
+``headatlas db upgrade``, and one removed leaves its columns, which read only stored sums.
 
 The views (the names and shapes of migration 0006, which first wrote them by hand):
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.metrics import CHANCE_SUMS, COLUMNS, DISTANCE_INPUTS, HEAD_SUMS
+from headatlas.service.metrics import CHANCE_SUMS, DISTANCE_INPUTS, HEAD_SUMS, all_columns
 
 # created in this order, dropped in the reverse
 DERIVED_VIEWS = (
@@ -66,8 +68,8 @@ def replicated_view(name: str, table: str, keys: tuple[str, ...], sums: tuple[st
 
 
 def metric_columns() -> str:
-    """Every declared column, over a relation of totals."""
-    return ",\n        ".join(f"{c.sql} AS {c.name}" for c in COLUMNS)
+    """Every declared column (the installed plugins' included), over a relation of totals."""
+    return ",\n        ".join(f"{c.sql} AS {c.name}" for c in all_columns())
 
 
 def view_statements() -> list[str]:

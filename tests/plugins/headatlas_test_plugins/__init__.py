@@ -1,2 +1,3 @@
 """headatlas extensions from outside the package, each declared as an entry point in
-pyproject.toml and read by headatlas when it first needs it: a model family (GPT-NeoX)."""
+pyproject.toml and read by headatlas when it first needs it: a model family (GPT-NeoX) and a
+metric derived from the stored sums."""
