@@ -200,6 +200,12 @@ def run_readonly_sql(
 
     statement = check_select_only(sql)
     backend = open_backend(db_path)
+    if not backend.confines_sql:
+        raise StoreError(
+            f"--db {backend.label}: the {backend.kind} backend ({backend.origin}) cannot confine the sql sandbox to "
+            "its database, so sql refuses it; read it with query, report or headatlas.connect(…).heads(), or copy it "
+            "to a file first (`headatlas db copy`)"
+        )
     refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
     if refused:
         raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")

@@ -56,6 +56,13 @@ class Backend(ABC):
     snapshots: ClassVar[bool] = False
     # several processes (on several hosts) may write at once
     shared_writers: bool = False
+    # its ``sandbox()`` confines user SQL to this database (the escape table holds); ``sql``
+    # refuses a backend that does not say so
+    confines_sql: ClassVar[bool] = False
+    # other processes open the same database by its URL and see what this one committed (False:
+    # the database lives in one process, as an in-memory one does)
+    between_processes: ClassVar[bool] = True
+    origin: ClassVar[str] = "headatlas"  # headatlas, or the plugin that added it
 
     url: str
 
@@ -108,8 +115,8 @@ class Backend(ABC):
     def sandbox(
         self, *, limits: dict[str, str] | None = None, lock_wait_s: float = 10.0, at: int | None = None
     ) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
-        """A read-only connection confined to this database (no other files, no settings that
-        can be changed back), for user SQL."""
+        """A read-only connection for user SQL, confined to this database (no other files, no
+        settings that can be changed back) where ``confines_sql`` says so."""
 
     # table functions a SELECT may call in this backend's sandbox beyond the common ones
     # (``sql_check.TABLE_FUNCTIONS``), and prefixes of database or schema names that are not results

@@ -34,6 +34,7 @@ PROCESS_LOCK = threading.RLock()
 
 class FileBackend(Backend):
     kind = "file"
+    confines_sql = True  # read-only, external access off, configuration locked (sandbox)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -216,6 +216,7 @@ class LakeBackend(Backend):
     kind = "lake"
     keys = False
     snapshots = True
+    confines_sql = True  # read-only attach, external access off, its catalogue hidden (sandbox)
     sandbox_table_functions = SANDBOX_READS
     sandbox_hidden_catalogs = ("__ducklake_metadata",)
 
