@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from headatlas.service.engine.adapters import ENCODER_FAMILY
+from headatlas.service.engine.fingerprints import weights_fingerprint
 from headatlas.service.errors import ModelError
 
 CACHE_ENV = "HEADATLAS_CACHE"
@@ -102,8 +103,6 @@ def is_gguf(spec: str) -> bool:
 def gguf_cache_folder(gguf: Path) -> Path:
     """Where ``gguf`` is (or would be) converted: keyed by the file's fingerprint, so that a changed
     file gets a new folder."""
-    from headatlas.service.engine.model import weights_fingerprint
-
     return cache_dir() / "models" / f"{gguf.stem}-{weights_fingerprint(gguf)}"
 
 

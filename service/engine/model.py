@@ -30,6 +30,7 @@ from headatlas.service.engine.adapters import (
     random_shapes,
 )
 from headatlas.service.engine.catalog import NAMED_MODELS, resolve_named
+from headatlas.service.engine.fingerprints import tokenizer_fingerprint, weights_fingerprint
 from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
@@ -39,8 +40,6 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = NAMED_MODELS[DEFAULT_MODEL].title
 RANDOM_FAMILY = ENCODER_FAMILY  # random:LAYERS,HEADS,HIDDEN
 RANDOM_SEED = 0
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json", ".gguf")
-SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its identity (1 MiB)
 
 
 @dataclass
@@ -313,36 +312,6 @@ def _weights_folder(source: str) -> Path:
     return Path(config_file).parent
 
 
-def weights_fingerprint(folder: Path, spec: str = "") -> str:
-    """Identity of a folder's weight files (or of one weights file, e.g. a GGUF file) without
-    loading them: each file's name and size, a safetensors file's header (tensor names, dtypes,
-    shapes, metadata), and SAMPLES blocks read at even offsets — a fine-tuned checkpoint has the
-    same header, not the same bytes."""
-    if folder.is_file():
-        files = [folder]
-    else:
-        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-    if not files:
-        raise ModelError(
-            f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
-            "pass a complete model folder"
-        )
-    digest = hashlib.sha256()
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}\t{size}\n".encode())
-        with open(path, "rb") as f:
-            if path.suffix == ".safetensors" and size >= 8:
-                length = int.from_bytes(f.read(8), "little")
-                if 0 < length <= min(size - 8, 100 << 20):
-                    digest.update(f.read(length))
-            step = max(1, size // SAMPLES)
-            for k in range(SAMPLES):
-                f.seek(min(k * step, max(0, size - SAMPLE_BYTES)))
-                digest.update(f.read(SAMPLE_BYTES))
-    return digest.hexdigest()[:16]
-
-
 def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "float32") -> LoadedModel:
     """Load a model's base transformer through its family's adapter, with eager attention, in
     eval mode, on ``device``."""
@@ -437,16 +406,6 @@ def model_blocks(model: torch.nn.Module, spec: str = "") -> list[torch.nn.Module
     adapter = adapter_for(model, spec)
     adapter.ensure_eager(model)
     return adapter.blocks(model)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    vocab = tokenizer.get_vocab()
-    digest = hashlib.sha256()
-    digest.update(type(tokenizer).__name__.encode())
-    digest.update(str(getattr(tokenizer, "do_lower_case", "")).encode())
-    for token, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
-        digest.update(f"{idx}\t{token}\n".encode())
-    return digest.hexdigest()[:16]
 
 
 def looks_like_path(spec: str) -> bool:

@@ -117,7 +117,7 @@ def block_size(head: bytes) -> int | None:
 def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None:
     """DuckDB's failure to open or read ``path`` as a one-line DatabaseFileError; None for errors
     that are not about the file (a lock conflict, a query's mistake)."""
-    from headatlas.service.storage.readonly import is_lock_conflict
+    from headatlas.service.storage.locks import is_lock_conflict
 
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     if orig is None or is_lock_conflict(orig):  # None: a DBAPIError without the driver's error

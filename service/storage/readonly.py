@@ -40,24 +40,15 @@ from typing import TypeVar
 
 import duckdb
 
-from headatlas.service.errors import ParameterError, StoreBusy, StoreError
+from headatlas.service.errors import ParameterError, StoreError
 from headatlas.service.storage.confined import ChildFailed, run_confined
+from headatlas.service.storage.duckdb_settings import READONLY_CONFIG  # noqa: F401 - where callers found it
+from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock  # noqa: F401
 from headatlas.service.storage.sql_check import ALLOWED as _ALLOWED
 from headatlas.service.storage.sql_check import refuse_import
 
 T = TypeVar("T")
 
-# Settings that confine a connection to the database file it opened. lock_configuration
-# comes last in spirit: once set, SET/RESET of any option fails for the connection's life.
-READONLY_CONFIG: dict[str, str | bool] = {
-    "enable_external_access": False,
-    "autoload_known_extensions": False,
-    "autoinstall_known_extensions": False,
-    "lock_configuration": True,
-}
-
-MAX_RETRY_DELAY_S = 0.2
-_LOCK_WORD = re.compile(r"\block\b", re.IGNORECASE)
 _LEADING_COMMENTS = re.compile(r"^(?:\s+|--[^\n\r]*(?:\r\n|\n|\r|$)|/\*.*?\*/)*", re.DOTALL)
 _FIRST_WORD = re.compile(r"[A-Za-z_]+")
 
@@ -100,34 +91,6 @@ def check_select_only(sql: str) -> str:
     if _statement_type(statement) != "SELECT" or kind == "PRAGMA":
         raise StoreError(f"refused: {_ALLOWED}; got {kind}")
     return statement.query.strip().rstrip(";").rstrip()
-
-
-def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the database") -> T:
-    """Call ``fn`` until it stops failing on a DuckDB file lock, for at most ``wait_s`` seconds.
-
-    DuckDB lets one process hold a file for writing and refuses every other process meanwhile,
-    even read-only ones ("Could not set lock on file … Conflicting lock is held"). Waits back
-    off exponentially (50 ms doubling, capped at 200 ms: a failed try costs a few milliseconds,
-    and a longer cap made a waiting process miss the writer's gaps for seconds — a beat fire
-    came 3 s late). Works on raw duckdb errors and on
-    SQLAlchemy errors wrapping them. Other errors pass through at once.
-    """
-    deadline = time.monotonic() + wait_s
-    delay = 0.05
-    while True:
-        try:
-            return fn()
-        except Exception as error:
-            if not is_lock_conflict(error):
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreBusy(
-                    f"{what} is busy: another process is writing to it and held its lock for "
-                    f"more than {wait_s:g} s; retry when that process finishes"
-                ) from error
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
 
 def default_memory_limit() -> str:
@@ -378,12 +341,6 @@ class _Deadline:
                 return
             self.fired = True
             self._connection.interrupt()
-
-
-def is_lock_conflict(error: BaseException) -> bool:
-    # "has been locked" (a locked configuration) does not match the whole word "lock".
-    message = str(error)
-    return "Conflicting lock" in message or bool(_LOCK_WORD.search(message))
 
 
 def _statement_kind(statement: duckdb.Statement) -> str:

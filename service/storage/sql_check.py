@@ -1,6 +1,6 @@
 """What user SQL may say before it reaches the sandbox: one SELECT, reading the results alone.
 
-The engine's settings (``readonly.READONLY_CONFIG``: no external access, locked configuration)
+The engine's settings (``duckdb_settings.READONLY_CONFIG``: no external access, locked configuration)
 stop a SELECT from reading files or changing settings, but not from running SQL that it carries
 as a string: ``query('…')`` and ``query_table('…')`` run text the statement check never saw, and
 on a lake the PostgreSQL extension (loaded for the catalogue) runs anything on the catalogue's
@@ -70,7 +70,7 @@ def table_function_names() -> frozenset[str]:
     """Every table function DuckDB knows here, its shipped extensions' included (once per process)."""
     global _table_functions
     if _table_functions is None:
-        from headatlas.service.storage.backends.base import duckdb_config
+        from headatlas.service.storage.duckdb_settings import duckdb_config
 
         with duckdb.connect(config=duckdb_config()) as connection:
             for extension in ("ducklake", "postgres_scanner"):

@@ -9,8 +9,6 @@ the one place a DuckDB connection is opened — stays inside the storage package
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -20,29 +18,9 @@ from typing import Any, ClassVar
 import duckdb
 from sqlalchemy.engine import Connection
 
-# DuckDB settings every connection opened by headatlas gets: extensions come from the installed
-# wheels only (duckdb-ext-ducklake, duckdb-ext-postgres), never from the network
-NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+from headatlas.service.storage.duckdb_settings import NO_DOWNLOADS, duckdb_config, extension_directory
 
-
-def duckdb_config(**settings: Any) -> dict[str, Any]:
-    """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
-    downloads, and the shipped extensions findable (``LOAD ducklake`` on any connection)."""
-    folder = extension_directory()
-    return {**NO_DOWNLOADS, **({"extension_directory": folder} if folder else {}), **settings}
-
-
-def extension_directory() -> str | None:
-    """The folder of the DuckDB extension binaries shipped on PyPI (``duckdb_ext/extensions``),
-    or None when the wheels are not installed."""
-    spec = importlib.util.find_spec("duckdb_ext")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, "extensions")
-        if os.path.isdir(path):
-            return path
-    return None
+__all__ = ["NO_DOWNLOADS", "Backend", "closing", "duckdb_config", "extension_directory"]
 
 
 class Backend(ABC):

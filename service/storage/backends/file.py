@@ -24,8 +24,9 @@ from sqlalchemy.pool import NullPool
 
 from headatlas.service.errors import DatabaseFileError, StoreBusy
 from headatlas.service.storage import dbfile
-from headatlas.service.storage.backends.base import Backend, duckdb_config
-from headatlas.service.storage.readonly import MAX_RETRY_DELAY_S, READONLY_CONFIG, is_lock_conflict, retry_on_lock
+from headatlas.service.storage.backends.base import Backend
+from headatlas.service.storage.duckdb_settings import READONLY_CONFIG, duckdb_config
+from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock
 
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
 # threads of one process (beat's tick and the fires it runs) open the file in turn.

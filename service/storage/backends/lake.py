@@ -36,7 +36,8 @@ from sqlalchemy.pool import NullPool
 
 from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError, StoreUnavailable
 from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
-from headatlas.service.storage.readonly import READONLY_CONFIG, retry_on_lock
+from headatlas.service.storage.duckdb_settings import READONLY_CONFIG
+from headatlas.service.storage.locks import retry_on_lock
 
 PREFIX = "ducklake:"
 ALIAS = "lake"

@@ -1,0 +1,53 @@
+"""The identities of a model's weights and tokenizer, without loading either: what a run's key
+is made of (``model.load_model_info``) and what a converted GGUF file's cache folder is named
+after (``catalog``). A leaf: it imports nothing of headatlas but its errors."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from headatlas.service.errors import ModelError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json", ".gguf")
+SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its identity (1 MiB)
+
+
+def weights_fingerprint(folder: Path, spec: str = "") -> str:
+    """Identity of a folder's weight files (or of one weights file, e.g. a GGUF file) without
+    loading them: each file's name and size, a safetensors file's header (tensor names, dtypes,
+    shapes, metadata), and SAMPLES blocks read at even offsets — a fine-tuned checkpoint has the
+    same header, not the same bytes."""
+    if folder.is_file():
+        files = [folder]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise ModelError(
+            f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
+            "pass a complete model folder"
+        )
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\t{size}\n".encode())
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors" and size >= 8:
+                length = int.from_bytes(f.read(8), "little")
+                if 0 < length <= min(size - 8, 100 << 20):
+                    digest.update(f.read(length))
+            step = max(1, size // SAMPLES)
+            for k in range(SAMPLES):
+                f.seek(min(k * step, max(0, size - SAMPLE_BYTES)))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256()
+    digest.update(type(tokenizer).__name__.encode())
+    digest.update(str(getattr(tokenizer, "do_lower_case", "")).encode())
+    for token, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        digest.update(f"{idx}\t{token}\n".encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,43 @@
+"""The DuckDB settings headatlas opens connections with: every connection's (no extension
+downloads, the shipped extensions findable) and the `sql` sandbox's (confined to its database).
+A leaf of the storage package."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+# DuckDB settings every connection opened by headatlas gets: extensions come from the installed
+# wheels only (duckdb-ext-ducklake, duckdb-ext-postgres), never from the network
+NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+
+
+def duckdb_config(**settings: Any) -> dict[str, Any]:
+    """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
+    downloads, and the shipped extensions findable (``LOAD ducklake`` on any connection)."""
+    folder = extension_directory()
+    return {**NO_DOWNLOADS, **({"extension_directory": folder} if folder else {}), **settings}
+
+
+def extension_directory() -> str | None:
+    """The folder of the DuckDB extension binaries shipped on PyPI (``duckdb_ext/extensions``),
+    or None when the wheels are not installed."""
+    spec = importlib.util.find_spec("duckdb_ext")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "extensions")
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+# Settings that confine a connection to the database file it opened. lock_configuration
+# comes last in spirit: once set, SET/RESET of any option fails for the connection's life.
+READONLY_CONFIG: dict[str, str | bool] = {
+    "enable_external_access": False,
+    "autoload_known_extensions": False,
+    "autoinstall_known_extensions": False,
+    "lock_configuration": True,
+}
