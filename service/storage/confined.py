@@ -3,19 +3,27 @@
 DuckDB's ``memory_limit`` bounds its buffer manager only: a scalar value built outside it
 (``len(range(0, 400000000))`` builds a 3.2 GB list, ``repeat('x', 4000000000))`` a 4 GB string)
 grows the process past it, and a query that never checks for interruption (the same two) runs on
-past ``interrupt()``. So the work runs in a forked child:
+past ``interrupt()``. So the work runs in a child process:
 
-- its address space is capped (``RLIMIT_AS``) at what it had when forked plus the memory limit plus
-  a margin (``MARGIN_BYTES`` and ``THREAD_MARGIN_BYTES`` per DuckDB thread, for stacks and allocator
-  arenas): an allocation past that fails inside the child (DuckDB: "Out of Memory Error … bad
-  allocation"; Python: MemoryError), and a child that dies of it takes nothing else with it;
+- its address space is capped (``RLIMIT_AS``) at what it had when it started plus the memory limit
+  plus a margin (``MARGIN_BYTES`` and ``THREAD_MARGIN_BYTES`` per DuckDB thread, for stacks and
+  allocator arenas): an allocation past that fails inside the child (DuckDB: "Out of Memory Error …
+  bad allocation"; Python: MemoryError), and a child that dies of it takes nothing else with it;
 - the parent kills it (SIGKILL) ``KILL_GRACE_S`` after the time limit, when the child's own
-  interruption has not ended the query by then.
+  interruption has not ended the query by then; and the child is killed when its parent dies.
 
-The child is made by ``fork``: it starts in milliseconds with everything imported, and touches only
-objects it creates itself (a fresh DuckDB connection). Where there is no ``fork`` or no enforced
-``RLIMIT_AS`` (not Linux), the work runs in the calling process with DuckDB's own limits only, and
-``confinement()`` says so.
+**Where the child comes from.** A child made by ``fork`` starts in milliseconds with everything
+imported, but only the forking thread lives on in it: a lock another thread held at that moment
+(DuckDB's worker threads, a notebook's cached lake connection, a Python thread inside an import or
+a write) stays held in the child for ever, and the child can hang on it. So the calling process is
+forked only while it runs one thread (``threads_now``). Any other caller — `headatlas sql` too:
+importing ``duckdb`` starts the default connection's worker threads, importing ``numpy`` its BLAS
+pool — hands the work to a **clean helper** (``_Zygote``): a process started once per caller with a
+fresh interpreter, which imports the sandbox's modules, stops DuckDB's default worker threads
+(``single_threaded``) and so runs one thread; it forks each child. The
+work and its answer travel pickled (the work carries the caller's ``sys.path``, working directory
+and environment). Where there is no ``fork`` or no enforced ``RLIMIT_AS`` (not Linux), the work
+runs in the calling process with DuckDB's own limits only, and ``confinement()`` says so.
 """
 
 from __future__ import annotations
@@ -24,9 +32,14 @@ import os
 import pickle
 import select
 import signal
+import socket
+import struct
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -34,7 +47,11 @@ T = TypeVar("T")
 MARGIN_BYTES = 256 * 2**20  # the interpreter's and DuckDB's own allocations beside the query's
 THREAD_MARGIN_BYTES = 16 * 2**20  # a thread's stack and allocator arena, per DuckDB thread
 KILL_GRACE_S = 1.0  # after the time limit, before the child is killed
+HELPER_START_S = 60.0  # the longest a clean helper may take to start (a fresh interpreter's imports)
 _STARTED = b"S"
+_RUN, _REAP, _READY = b"R", b"W", b"K"
+_HEADER = struct.Struct("!cq")  # a request's kind and its length (run) or pid (reap)
+_PRELOAD = "headatlas.service.storage.readonly"  # what the helper imports before its first child
 
 
 class ChildFailed(Exception):
@@ -59,6 +76,22 @@ def address_space_now() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def threads_now() -> int:
+    """How many threads this process runs now, native ones (DuckDB's) included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def single_threaded() -> bool:
+    """Stop the worker threads of DuckDB's default connection (made when ``duckdb`` is imported),
+    so that a process with no other thread forks its children directly. For a process of our own
+    (the clean helper, a script), never a caller's: it changes the default connection's ``threads``.
+    Whether the process now runs one thread."""
+    import duckdb
+
+    duckdb.execute("SET threads = 1")
+    return threads_now() == 1
+
+
 def run_confined(
     work: Callable[[Callable[[], None]], T],
     *,
@@ -72,27 +105,37 @@ def run_confined(
     ``work`` calls ``started()`` when its time limit begins (after connecting and waiting out
     locks, which ``setup_s`` bounds). The child's growth is capped at ``memory_bytes`` plus the
     margins (None: uncapped); it is killed ``timeout_s + KILL_GRACE_S`` after ``started()``. The
-    value and any exception must pickle. Raises ChildFailed when no answer came back.
+    value and any exception must pickle, and so must ``work`` unless this process runs one thread
+    (then it is forked). Raises ChildFailed when no answer came back.
     """
     if confinement() is not None:
         return work(lambda: None)
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        os.close(read_end)
-        _child(work, write_end, memory_bytes, threads)
-    os.close(write_end)
     try:
-        return _await(pid, read_end, timeout_s=timeout_s, setup_s=setup_s)
+        if threads_now() == 1:
+            child: _Child = _fork(work, write_end, memory_bytes, threads)
+        else:
+            child = _zygote().start(work, write_end, memory_bytes, threads)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    try:
+        return _await(child, read_end, timeout_s=timeout_s, setup_s=setup_s)
     finally:
         os.close(read_end)
-        _reap(pid)
+        child.end()
+
+
+# --- the child ---------------------------------------------------------------------------------
 
 
 def _child(work: Callable[[Callable[[], None]], T], out: int, memory_bytes: int | None, threads: int) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C and kills the child
+        _die_with_parent()
         if memory_bytes is not None:
             import resource
 
@@ -121,7 +164,248 @@ def _child(work: Callable[[Callable[[], None]], T], out: int, memory_bytes: int 
         os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
 
 
-def _await(pid: int, fd: int, *, timeout_s: float, setup_s: float) -> T:  # type: ignore[type-var]
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``): a query whose caller
+    is gone has no deadline left to be killed at."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(5)
+
+
+# --- how the parent sees a child ------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    """A started child: ``exit_code()`` waits for its end (negative: the signal that ended it);
+    ``end()`` kills it if it still runs and reaps it."""
+
+    pid: int
+
+    def exit_code(self) -> int:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class _Forked(_Child):
+    def exit_code(self) -> int:
+        try:
+            _pid, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            return 0
+        return os.waitstatus_to_exitcode(status)
+
+    def end(self) -> None:
+        try:
+            done, _status = os.waitpid(self.pid, os.WNOHANG)
+            if done == 0:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        except (ChildProcessError, ProcessLookupError):
+            pass
+
+
+def _fork(work: Callable, out: int, memory_bytes: int | None, threads: int) -> _Child:
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        _child(work, out, memory_bytes, threads)
+    return _Forked(pid)
+
+
+@dataclass
+class _Helped(_Child):
+    """A child of the clean helper: killed by pid (it is not reaped until the helper is asked, so
+    the pid cannot have been reused), reaped by the helper, which reports how it ended."""
+
+    zygote: _Zygote
+    code: int | None = None
+
+    def exit_code(self) -> int:
+        if self.code is None:
+            self.code = self.zygote.reap(self.pid)
+        return self.code
+
+    def end(self) -> None:
+        if self.code is not None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.exit_code()
+        except OSError:
+            pass  # the helper is gone: its children went with it (PR_SET_PDEATHSIG)
+
+
+# --- the clean helper ---------------------------------------------------------------------------
+
+
+class _Zygote:
+    """A single-threaded process that forks the children of a multi-threaded caller (module
+    docstring). Requests over a Unix socket: run (the work pickled, the answer pipe passed as a
+    file descriptor; answered with the child's pid) and reap (a pid; answered with its exit code)."""
+
+    def __init__(self) -> None:
+        parent, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in sys.path if p)}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", f"from {__name__} import _zygote_main; _zygote_main({mine.fileno()})"],
+                pass_fds=(mine.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            mine.close()
+        self.socket = parent
+        self.owner = os.getpid()
+        self.lock = threading.Lock()
+        parent.settimeout(HELPER_START_S)
+        try:
+            ready = _recv_exactly(parent, 1)
+        except OSError as exc:
+            ready = b""
+            why = str(exc)
+        else:
+            why = "it ended"
+        parent.settimeout(None)
+        if ready != _READY:
+            self.close()
+            raise ChildFailed(f"the query's helper process did not start ({why}; {sys.executable})")
+
+    def start(self, work: Callable, out: int, memory_bytes: int | None, threads: int) -> _Child:
+        payload = pickle.dumps(
+            (sys.path, os.getcwd(), dict(os.environ), memory_bytes, threads, pickle.dumps(work)),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        try:
+            with self.lock:
+                socket.send_fds(self.socket, [_HEADER.pack(_RUN, len(payload))], [out])
+                self.socket.sendall(payload)
+                (pid,) = struct.unpack("!q", _recv_exactly(self.socket, 8))
+        except OSError as exc:
+            raise ChildFailed(f"the query's helper process ended ({exc}); run the query again") from None
+        return _Helped(pid, self)
+
+    def reap(self, pid: int) -> int:
+        with self.lock:
+            self.socket.sendall(_HEADER.pack(_REAP, pid))
+            (code,) = struct.unpack("!q", _recv_exactly(self.socket, 8))
+        return code
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.process.poll() is None
+
+    def close(self) -> None:
+        self.socket.close()
+        if self.owner == os.getpid():
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote() -> _Zygote:
+    """This process's clean helper, started on first use (again after it died, or in a forked copy
+    of this process, which must not share its parent's)."""
+    global _ZYGOTE
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is not None and not _ZYGOTE.alive():
+            if _ZYGOTE.owner == os.getpid():
+                _ZYGOTE.close()
+            _ZYGOTE = None
+        if _ZYGOTE is None:
+            _ZYGOTE = _Zygote()
+        return _ZYGOTE
+
+
+def _zygote_main(fd: int) -> None:
+    """The clean helper's loop: one thread, for ever, until its caller closes the socket."""
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is its caller's to handle
+    # no PR_SET_PDEATHSIG here: it follows the caller's thread that started the helper, which may
+    # end long before the caller; the helper ends when the caller's socket closes (it exits)
+    import importlib
+
+    importlib.import_module(_PRELOAD)  # the children start with the sandbox imported
+    single_threaded()  # and this process runs one thread (tests/test_sandbox_escapes.py checks it)
+    sock.sendall(_READY)
+    while True:
+        try:
+            header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 1)
+        except OSError:
+            break
+        if len(header) < _HEADER.size:
+            break  # the caller is gone
+        kind, value = _HEADER.unpack(header)
+        if kind == _REAP:
+            try:
+                _pid, status = os.waitpid(value, 0)
+                code = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:
+                code = 0
+            sock.sendall(struct.pack("!q", code))
+            continue
+        payload = _recv_exactly(sock, value)
+        out = fds[0]
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            path, cwd, environ, memory_bytes, threads, work = pickle.loads(payload)  # noqa: S301 - our caller's
+            sys.path[:] = path
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(environ)
+            try:
+                job = pickle.loads(work)  # noqa: S301 - our caller's own work, over our own socket
+            except BaseException as exc:  # noqa: BLE001 - an unpicklable job is an answer too
+                job = _Raise(exc)
+            _child(job, out, memory_bytes, threads)
+        os.close(out)
+        sock.sendall(struct.pack("!q", pid))
+    os._exit(0)
+
+
+@dataclass
+class _Raise:
+    """A job that could not be unpickled in the child: its error, as the child's answer."""
+
+    error: BaseException
+
+    def __call__(self, started: Callable[[], None]) -> None:
+        raise RuntimeError(f"the query could not be handed to its process ({self.error})")
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        data = sock.recv(min(left, 1 << 20))
+        if not data:
+            raise OSError("the helper process ended")
+        chunks.append(data)
+        left -= len(data)
+    return b"".join(chunks)
+
+
+# --- the parent's wait --------------------------------------------------------------------------
+
+
+def _await(child: _Child, fd: int, *, timeout_s: float, setup_s: float) -> T:  # type: ignore[type-var]
     chunks: list[bytes] = []
     started_at: float | None = None
     setup_deadline = time.monotonic() + setup_s
@@ -147,35 +431,19 @@ def _await(pid: int, fd: int, *, timeout_s: float, setup_s: float) -> T:  # type
         chunks.append(data)
     payload = b"".join(chunks)
     if not payload:
-        raise ChildFailed(_death(pid))
+        raise ChildFailed(_death(child.exit_code()))
     kind, value = pickle.loads(payload)  # noqa: S301 - our own child's answer, over our own pipe
     if kind == "error":
         raise value
     return value
 
 
-def _death(pid: int) -> str:
-    """What ended a child that sent no answer."""
-    try:
-        _pid, status = os.waitpid(pid, 0)
-    except ChildProcessError:
-        return "the query's process ended without an answer"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig == signal.SIGKILL:
+def _death(code: int) -> str:
+    """What ended a child that sent no answer, from its exit code (negative: a signal)."""
+    if code < 0:
+        if -code == signal.SIGKILL:
             return "the query's process was killed (out of memory?)"
-        return f"the query's process died ({signal.Signals(sig).name}), most likely out of memory"
-    code = os.WEXITSTATUS(status)
+        return f"the query's process died ({signal.Signals(-code).name}), most likely out of memory"
     if code == 3:
         return "the query ran out of memory"
     return f"the query's process ended without an answer (exit code {code})"
-
-
-def _reap(pid: int) -> None:
-    try:
-        done, _status = os.waitpid(pid, os.WNOHANG)
-        if done == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    except (ChildProcessError, ProcessLookupError):
-        pass

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import duckdb
 
@@ -45,7 +45,10 @@ from headatlas.service.storage.confined import ChildFailed, run_confined
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG  # noqa: F401 - where callers found it
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock  # noqa: F401
 from headatlas.service.storage.sql_check import ALLOWED as _ALLOWED
-from headatlas.service.storage.sql_check import refuse_import
+from headatlas.service.storage.sql_check import parser, refuse_import
+
+if TYPE_CHECKING:
+    from headatlas.service.storage.backends.base import Backend
 
 T = TypeVar("T")
 
@@ -73,7 +76,7 @@ def check_select_only(sql: str) -> str:
     """
     refuse_import(sql)  # DuckDB 1.4's parser opens IMPORT DATABASE's folder: refused unparsed
     try:
-        statements = duckdb.extract_statements(sql)
+        statements = parser().extract_statements(sql)
     except duckdb.ParserException as error:
         raise StoreError(f"refused: SQL syntax error: {_first_line(error)}") from error
     except duckdb.Error as error:
@@ -173,20 +176,15 @@ def run_readonly_sql(
     if refused:
         raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
-    memory_bytes = _bytes(limits["memory_limit"])
     threads = os.cpu_count() or 1
-
-    def query(started: Callable[[], None]) -> QueryResult:
-        # in the confined child (confined.run_confined): its own temporary folder, so that the
-        # engine's spill folder (which external-access rules let it read) holds nothing but its own
-        with tempfile.TemporaryDirectory(prefix="headatlas-sql-") as spill:
-            settings = {**limits, "temp_directory": spill, "threads": str(threads)}
-            with connect_readonly(backend, lock_wait_s=lock_wait_s, limits=settings, at=at) as connection:
-                return _execute(connection, statement, params, max_rows, timeout_s, run_id, started)
-
+    query = _SandboxQuery(backend, statement, params, max_rows, timeout_s, lock_wait_s, limits, threads, run_id, at)
     try:
         return run_confined(
-            query, memory_bytes=memory_bytes, threads=threads, timeout_s=timeout_s, setup_s=lock_wait_s + SETUP_S
+            query,
+            memory_bytes=_bytes(limits["memory_limit"]),
+            threads=threads,
+            timeout_s=timeout_s,
+            setup_s=lock_wait_s + SETUP_S,
         )
     except ChildFailed as failed:
         if failed.timed_out:
@@ -194,6 +192,35 @@ def run_readonly_sql(
         raise StoreError(
             f"query stopped: {failed} (memory limit {limits['memory_limit']}); narrow it or pass --memory-limit"
         ) from None
+
+
+@dataclass(frozen=True)
+class _SandboxQuery:
+    """One checked SELECT as the confined child runs it (``confined.run_confined``); it pickles,
+    for a child that a clean helper starts."""
+
+    backend: Backend
+    statement: str
+    params: dict | list | None
+    max_rows: int
+    timeout_s: float
+    lock_wait_s: float
+    limits: dict[str, str]
+    threads: int
+    run_id: int | None
+    at: int | None
+
+    def __call__(self, started: Callable[[], None]) -> QueryResult:
+        # a temporary folder of its own, so that the engine's spill folder (which external-access
+        # rules let it read) holds nothing but its own
+        with tempfile.TemporaryDirectory(prefix="headatlas-sql-") as spill:
+            settings = {**self.limits, "temp_directory": spill, "threads": str(self.threads)}
+            with connect_readonly(
+                self.backend, lock_wait_s=self.lock_wait_s, limits=settings, at=self.at
+            ) as connection:
+                return _execute(
+                    connection, self.statement, self.params, self.max_rows, self.timeout_s, self.run_id, started
+                )
 
 
 SETUP_S = 60.0  # connecting (a lake attaches its catalogue) before a query's time limit starts
