@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -333,9 +334,10 @@ class LakeBackend(Backend):
                 f"CREATE OR REPLACE TEMPORARY SECRET (TYPE postgres, PASSWORD {_literal(self.password)})"
             )
 
-    def attach_sql(self, alias: str, *, read_only: bool, at: int | None = None, confined: bool = False) -> list[str]:
-        """``confined``: for the sandbox, the catalogue's sessions are read-only on the server too
-        (``default_transaction_read_only``), whatever reaches them."""
+    def attach_sql(
+        self, alias: str, *, read_only: bool, at: int | None = None, metadata: str | None = None
+    ) -> list[str]:
+        """``metadata``: a catalogue other than the lake's own (the sandbox's copy of it)."""
         options = []
         if self.data_path:
             # this host's mount of the lake's files (it may differ from the host that created it)
@@ -345,12 +347,7 @@ class LakeBackend(Backend):
         if at is not None:
             options.append(f"SNAPSHOT_VERSION {int(at)}")
         tail = f" ({', '.join(options)})" if options else ""
-        metadata = self.metadata
-        if confined and self.catalog == "postgres":
-            values = parse_conninfo(self.conninfo)
-            values["options"] = (values.get("options", "") + " -c default_transaction_read_only=on").strip()
-            metadata = f"postgres:{format_conninfo(values)}"
-        return [f"ATTACH {_literal(PREFIX + metadata)} AS {alias}{tail}"]
+        return [f"ATTACH {_literal(PREFIX + (metadata or self.metadata))} AS {alias}{tail}"]
 
     def connect(
         self,
@@ -358,15 +355,19 @@ class LakeBackend(Backend):
         read_only: bool = False,
         config: dict[str, Any] | None = None,
         at: int | None = None,
-        confined: bool = False,
+        metadata: str | None = None,
     ) -> duckdb.DuckDBPyConnection:
         """A new DuckDB instance with the lake attached as ``lake`` (and made the default);
-        ``confined``: for the sandbox (``attach_sql``)."""
+        ``metadata``: a copy of its catalogue in a DuckDB file instead of the catalogue itself
+        (only DuckLake is loaded then, not the PostgreSQL extension)."""
         self.check(write=not read_only)
         connection = duckdb.connect(config=duckdb_config(**(config or {})))
         try:
-            self.prepare_connection(connection)
-            for statement in self.attach_sql(ALIAS, read_only=read_only, at=at, confined=confined):
+            if metadata is None:
+                self.prepare_connection(connection)
+            else:
+                connection.execute("LOAD ducklake")
+            for statement in self.attach_sql(ALIAS, read_only=read_only, at=at, metadata=metadata):
                 connection.execute(statement)
             connection.execute(f"USE {ALIAS}")
             connection.execute("SET ducklake_max_retry_count = 100")
@@ -374,6 +375,35 @@ class LakeBackend(Backend):
             connection.close()
             raise self._attach_error(exc, at) from None
         return connection
+
+    def copy_catalogue(self, target: Path) -> None:
+        """The catalogue's tables (``ducklake_*``) into a new DuckDB file ``target``, as of one
+        moment: one repeatable-read PostgreSQL transaction, read-only on the server too
+        (``default_transaction_read_only``). The sandbox attaches the copy, so that the instance
+        that runs a reader's SQL never loads the PostgreSQL extension nor holds a session."""
+        values = parse_conninfo(self.conninfo)
+        values["options"] = (values.get("options", "") + " -c default_transaction_read_only=on").strip()
+        source = duckdb.connect(config=duckdb_config(threads=1))
+        try:
+            self.prepare_connection(source)  # ducklake is not needed, but the secret is
+            source.execute(f"ATTACH {_literal(format_conninfo(values))} AS catalogue (TYPE postgres, READ_ONLY)")
+            source.execute(f"ATTACH {_literal(str(target))} AS copy")
+            source.execute("BEGIN")
+            names = [
+                name
+                for (name,) in source.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = 'catalogue' "
+                    "AND schema_name = 'public' AND starts_with(table_name, 'ducklake_') ORDER BY 1"
+                ).fetchall()
+            ]
+            for name in names:
+                quoted = '"' + name.replace('"', '""') + '"'
+                source.execute(f"CREATE TABLE copy.main.{quoted} AS SELECT * FROM catalogue.public.{quoted}")
+            source.execute("COMMIT")
+        except duckdb.Error as exc:
+            raise self._attach_error(exc, None) from None
+        finally:
+            source.close()
 
     def _attach_error(self, exc: duckdb.Error, at: int | None) -> Exception:
         from headatlas.service.storage.readonly import is_lock_conflict
@@ -541,28 +571,36 @@ class LakeBackend(Backend):
     def sandbox(
         self, *, limits: dict[str, str] | None = None, lock_wait_s: float = 10.0, at: int | None = None
     ) -> Iterator[duckdb.DuckDBPyConnection]:
-        """The lake attached read-only (its catalogue too: PostgreSQL runs the reads in read-only
-        transactions), files readable only under its data path, the configuration locked."""
-        connection = retry_on_lock(
-            lambda: self.connect(read_only=True, config=limits, at=at, confined=True),
-            wait_s=lock_wait_s,
-            what=self.label,
-        )
-        try:
-            folder = self.data_path  # this host's mount, else the one the catalogue recorded
-            if folder is None:
-                row = connection.execute(
-                    f"SELECT value FROM ducklake_options('{ALIAS}') WHERE option_name = 'data_path'"
-                ).fetchone()
-                folder = row[0] if row else None
-            if folder and "://" not in folder:
-                connection.execute(f"SET allowed_directories = [{_literal(folder)}]")
-            for name, value in READONLY_CONFIG.items():
-                if name not in NO_DOWNLOADS:
-                    connection.execute(f"SET {name} = {str(value).lower()}")
-            yield connection
-        finally:
-            connection.close()
+        """The lake attached read-only in an instance that can reach nothing but it: files readable
+        only under its data path, the configuration locked. A PostgreSQL catalogue is first copied
+        (``copy_catalogue``) into a private folder and the copy attached: the instance never loads
+        the PostgreSQL extension (its functions do not exist there, and ``LOAD`` is refused with
+        external access off) and holds no session, no password, no connection string."""
+        with tempfile.TemporaryDirectory(prefix="headatlas-catalogue-") as folder:
+            metadata = None
+            if self.catalog == "postgres":
+                metadata = str(Path(folder) / "catalogue.ducklake")
+                self.copy_catalogue(Path(metadata))
+            connection = retry_on_lock(
+                lambda: self.connect(read_only=True, config=limits, at=at, metadata=metadata),
+                wait_s=lock_wait_s,
+                what=self.label,
+            )
+            try:
+                data = self.data_path  # this host's mount, else the one the catalogue recorded
+                if data is None:
+                    row = connection.execute(
+                        f"SELECT value FROM ducklake_options('{ALIAS}') WHERE option_name = 'data_path'"
+                    ).fetchone()
+                    data = row[0] if row else None
+                if data and "://" not in data:
+                    connection.execute(f"SET allowed_directories = [{_literal(data)}]")
+                for name, value in READONLY_CONFIG.items():
+                    if name not in NO_DOWNLOADS:
+                        connection.execute(f"SET {name} = {str(value).lower()}")
+                yield connection
+            finally:
+                connection.close()
 
     # --- snapshots and maintenance ----------------------------------------------------------
     def snapshot_of(self, conn: Connection) -> int | None:
