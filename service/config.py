@@ -109,6 +109,9 @@ class Settings:
     )
     """HEADATLAS_LEASE_S: how long a writer's lease, a running batch's heartbeat and a worker's beacon live unrefreshed before their process counts as gone (its messages and batches are taken over), seconds; each is refreshed every fifth of it."""
 
+    cache: str = setting("", FOLDER)
+    """HEADATLAS_CACHE: where GGUF models are kept once converted (default: $XDG_CACHE_HOME/headatlas, else ~/.cache/headatlas)."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             problem = self.problem(f.name, getattr(self, f.name))

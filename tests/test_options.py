@@ -221,6 +221,7 @@ BAD_SETTINGS = [
     ("store_every_s", "inf"),
     ("lease_s", "0"),
     ("lease_s", "nan"),
+    ("cache", "models\ncache"),
 ]
 
 

@@ -89,9 +89,13 @@ NAMED_MODELS = {
 
 
 def cache_dir() -> Path:
-    """``$HEADATLAS_CACHE``, else ``$XDG_CACHE_HOME/headatlas``, else ``~/.cache/headatlas``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
+    """``$HEADATLAS_CACHE``, else ``$XDG_CACHE_HOME/headatlas``, else ``~/.cache/headatlas``; a
+    value that is not a folder path is refused in one line (``config.check_setting``)."""
+    from headatlas.service.config import check_setting
+
+    given = check_setting("cache", os.environ.get(CACHE_ENV, ""))
+    if given:
+        return Path(given).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
     return Path(base).expanduser() / "headatlas"
 
