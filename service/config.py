@@ -52,6 +52,7 @@ def setting(default, allowed: Allowed) -> Any:
 
 
 WEEK_S = 7 * 86400
+SQL_TIMEOUT_MAX_S = 86400.0  # the longest `sql` may run (a lake keeps the files a query may read this long and more)
 PRINTABLE = r"[^\x00-\x1f\x7f]*"  # a path or name: no control character (a newline, a tab, an escape)
 FOLDER = Allowed(str, "a folder path, or empty (no control characters)", pattern=PRINTABLE)
 
@@ -95,7 +96,8 @@ class Settings:
     sql_max_rows: int = setting(1000, Allowed(int, "an integer from 1 to 100000000", low=1, high=100_000_000))
     """HEADATLAS_SQL_MAX_ROWS: row cap of `headatlas sql`."""
     sql_timeout_s: float = setting(
-        30.0, Allowed(float, "seconds, more than 0 and at most 86400 (a day)", low=0, high=86400, low_open=True)
+        30.0,
+        Allowed(float, "seconds, more than 0 and at most 86400 (a day)", low=0, high=SQL_TIMEOUT_MAX_S, low_open=True),
     )
     """HEADATLAS_SQL_TIMEOUT_S: time limit of `headatlas sql`, seconds."""
     attribution_chunk: int = setting(2048, Allowed(int, "an integer from 1 to 16777216", low=1, high=2**24))

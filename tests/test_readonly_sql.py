@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from headatlas.service.errors import StoreError
+from headatlas.service.errors import ParameterError, StoreError
 from headatlas.service.storage.readonly import (
     QueryResult,
     check_select_only,
@@ -201,6 +201,26 @@ def test_time_limit_interrupts_a_long_query(db_path: Path) -> None:
     with pytest.raises(StoreError, match=r"query stopped after 0.5 s \(time limit\)"):
         run_readonly_sql(db_path, "SELECT count(*) FROM range(10000000000)", timeout_s=0.5)
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("timeout_s", [86400.5, 7 * 86400, float("nan"), 0.0, -1.0])
+def test_the_time_limit_is_at_most_a_day_for_every_caller(db_path: Path, timeout_s: float) -> None:
+    """The API's timeout_s is held to the CLI's range (a day at most): a lake's compaction keeps the
+    files a query may read for longer than that, and no longer."""
+    with pytest.raises(ParameterError, match=r"more than 0 and at most 86400 \(a day\)"):
+        run_readonly_sql(db_path, "SELECT 1", timeout_s=timeout_s)
+
+
+def test_a_lake_keeps_unneeded_files_longer_than_any_sql_may_read_them() -> None:
+    """A file no snapshot needs is deleted FILES_GRACE_S after: past the longest `sql` allowed (its
+    time limit, its start and the kill grace), which reads one snapshot throughout."""
+    from headatlas.service.config import SQL_TIMEOUT_MAX_S, allowed
+    from headatlas.service.storage import confined, readonly
+    from headatlas.service.storage.backends.lake import FILES_GRACE_S
+
+    assert allowed("sql_timeout_s").high == SQL_TIMEOUT_MAX_S
+    longest = SQL_TIMEOUT_MAX_S + readonly.SETUP_S + 10.0 + confined.KILL_GRACE_S  # 10 s: the default lock wait
+    assert FILES_GRACE_S >= longest
 
 
 def test_runtime_error_gives_duckdb_first_line(db_path: Path) -> None:

@@ -160,8 +160,15 @@ def run_readonly_sql(
     """
     if max_rows < 0:
         raise ParameterError(f"max_rows must be 0 or more, got {max_rows}")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):  # nan compares false: it would disable the limit
-        raise ParameterError(f"--timeout {timeout_s}: pass a finite positive number of seconds, e.g. --timeout 30")
+    from headatlas.service.config import SQL_TIMEOUT_MAX_S
+
+    # nan compares false: it would disable the limit; past a day, a lake may have deleted the files
+    # of the snapshot the query reads (backends.lake.FILES_GRACE_S)
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= SQL_TIMEOUT_MAX_S):
+        raise ParameterError(
+            f"--timeout {timeout_s}: pass a finite number of seconds, more than 0 and at most {SQL_TIMEOUT_MAX_S:.0f} "
+            "(a day), e.g. --timeout 30"
+        )
     from headatlas.service.storage.backends import open_backend
 
     statement = check_select_only(sql)

@@ -35,6 +35,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
+from headatlas.service.config import SQL_TIMEOUT_MAX_S
 from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError, StoreUnavailable
 from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG
@@ -60,9 +61,10 @@ SANDBOX_READS = frozenset(
 )
 
 # a file no snapshot needs any more is deleted this long after (by a later compaction): longer than
-# any writer's transaction (a group of batches) or reader's query (`sql --timeout`) that may still
-# read it from a snapshot it began at
-FILES_GRACE_S = 600.0
+# any writer's transaction (a group of batches, seconds) or reader's query that may still read it
+# from a snapshot it began at: `sql` runs at most SQL_TIMEOUT_MAX_S (a day), after a start of at most
+# its lock wait and readonly.SETUP_S; an hour more covers those
+FILES_GRACE_S = SQL_TIMEOUT_MAX_S + 3600.0
 COMPACTION = "compaction"  # database_info key: the compaction in progress (host, pid, since)
 COMPACTION_STALE_S = 24 * 3600.0  # another host's claim older than this is left behind
 # an uncatalogued data file younger than this may still be committed by a transaction in flight
