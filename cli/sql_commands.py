@@ -41,8 +41,10 @@ def sql(
     temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
     at: int | None = AtOpt,
 ) -> None:
+    from headatlas.service.storage import confined
     from headatlas.service.storage.readonly import run_readonly_sql
 
+    confined.prepare()  # the query's clean helper starts while the statement is read and inspected
     text = sys.stdin.read() if statement == "-" else statement
     run_id = None
     if run is not None:

@@ -267,6 +267,8 @@ def test_values_built_outside_the_buffer_manager_stop_at_the_memory_limit(file_t
         run_readonly_sql(file_target, sql, memory_limit="1GB", timeout_s=60)
     assert "--memory-limit" in str(caught.value) and "\n" not in str(caught.value)
     assert time.monotonic() - began < 30  # before: 84-165 s, then the kernel's OOM killer
+    peak = confined.last_peak_bytes()
+    assert peak is not None and 0 < peak < 10**9  # the query's process stayed under its 1 GB (before: 17 GB)
 
 
 def test_a_process_with_other_threads_starts_its_query_from_a_clean_helper(monkeypatch) -> None:

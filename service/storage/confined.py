@@ -28,6 +28,7 @@ runs in the calling process with DuckDB's own limits only, and ``confinement()``
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import select
@@ -51,7 +52,13 @@ HELPER_START_S = 60.0  # the longest a clean helper may take to start (a fresh i
 _STARTED = b"S"
 _RUN, _REAP, _READY = b"R", b"W", b"K"
 _HEADER = struct.Struct("!cq")  # a request's kind and its length (run) or pid (reap)
-_PRELOAD = "headatlas.service.storage.readonly"  # what the helper imports before its first child
+# what the helper imports before its first child, so that no child imports them again (SQLAlchemy,
+# which the backends import, took 2.8 s on a loaded machine)
+_PRELOAD = (
+    "headatlas.service.storage.readonly",
+    "headatlas.service.storage.backends.file",
+    "headatlas.service.storage.backends.lake",
+)
 
 
 class ChildFailed(Exception):
@@ -181,37 +188,54 @@ def _die_with_parent() -> None:
 # --- how the parent sees a child ------------------------------------------------------------------
 
 
+_LAST = threading.local()
+
+
+def last_peak_bytes() -> int | None:
+    """The peak resident memory of the last child this thread's ``run_confined`` ended (its
+    ``ru_maxrss``), or None: for benchmarks and tests of the memory bound."""
+    return getattr(_LAST, "peak", None)
+
+
 @dataclass
 class _Child:
     """A started child: ``exit_code()`` waits for its end (negative: the signal that ended it);
-    ``end()`` kills it if it still runs and reaps it."""
+    ``end()`` kills it if it still runs and reaps it. Either records its peak resident memory."""
 
     pid: int
+    code: int | None = None
 
     def exit_code(self) -> int:
-        raise NotImplementedError
+        if self.code is None:
+            self.code, peak_kb = self._wait()
+            _LAST.peak = peak_kb * 1024
+        return self.code
 
     def end(self) -> None:
+        if self.code is not None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # unreaped, its pid cannot be another process's yet
+        except ProcessLookupError:
+            pass
+        try:
+            self.exit_code()
+        except OSError:
+            pass  # its helper is gone: its children went with it (PR_SET_PDEATHSIG)
+
+    def _wait(self) -> tuple[int, int]:
+        """(exit code, peak resident memory in KiB), once it has ended."""
         raise NotImplementedError
 
 
 @dataclass
 class _Forked(_Child):
-    def exit_code(self) -> int:
+    def _wait(self) -> tuple[int, int]:
         try:
-            _pid, status = os.waitpid(self.pid, 0)
+            _pid, status, usage = os.wait4(self.pid, 0)
         except ChildProcessError:
-            return 0
-        return os.waitstatus_to_exitcode(status)
-
-    def end(self) -> None:
-        try:
-            done, _status = os.waitpid(self.pid, os.WNOHANG)
-            if done == 0:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-        except (ChildProcessError, ProcessLookupError):
-            pass
+            return 0, 0
+        return os.waitstatus_to_exitcode(status), usage.ru_maxrss
 
 
 def _fork(work: Callable, out: int, memory_bytes: int | None, threads: int) -> _Child:
@@ -223,28 +247,13 @@ def _fork(work: Callable, out: int, memory_bytes: int | None, threads: int) -> _
 
 @dataclass
 class _Helped(_Child):
-    """A child of the clean helper: killed by pid (it is not reaped until the helper is asked, so
-    the pid cannot have been reused), reaped by the helper, which reports how it ended."""
+    """A child of the clean helper, which reaps it and reports how it ended."""
 
-    zygote: _Zygote
-    code: int | None = None
+    zygote: _Zygote | None = None
 
-    def exit_code(self) -> int:
-        if self.code is None:
-            self.code = self.zygote.reap(self.pid)
-        return self.code
-
-    def end(self) -> None:
-        if self.code is not None:
-            return
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.exit_code()
-        except OSError:
-            pass  # the helper is gone: its children went with it (PR_SET_PDEATHSIG)
+    def _wait(self) -> tuple[int, int]:
+        assert self.zygote is not None
+        return self.zygote.reap(self.pid)
 
 
 # --- the clean helper ---------------------------------------------------------------------------
@@ -253,7 +262,8 @@ class _Helped(_Child):
 class _Zygote:
     """A single-threaded process that forks the children of a multi-threaded caller (module
     docstring). Requests over a Unix socket: run (the work pickled, the answer pipe passed as a
-    file descriptor; answered with the child's pid) and reap (a pid; answered with its exit code)."""
+    file descriptor; answered with the child's pid) and reap (a pid; answered with its exit code
+    and peak resident memory)."""
 
     def __init__(self) -> None:
         parent, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -270,18 +280,23 @@ class _Zygote:
         self.socket = parent
         self.owner = os.getpid()
         self.lock = threading.Lock()
-        parent.settimeout(HELPER_START_S)
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Wait until the helper has imported what its children need (HELPER_START_S at most)."""
+        if self.ready:
+            return
+        self.socket.settimeout(HELPER_START_S)
         try:
-            ready = _recv_exactly(parent, 1)
-        except OSError as exc:
-            ready = b""
-            why = str(exc)
-        else:
+            answer = _recv_exactly(self.socket, 1)
             why = "it ended"
-        parent.settimeout(None)
-        if ready != _READY:
+        except OSError as exc:
+            answer, why = b"", str(exc) or type(exc).__name__
+        self.socket.settimeout(None)
+        if answer != _READY:
             self.close()
             raise ChildFailed(f"the query's helper process did not start ({why}; {sys.executable})")
+        self.ready = True
 
     def start(self, work: Callable, out: int, memory_bytes: int | None, threads: int) -> _Child:
         payload = pickle.dumps(
@@ -295,20 +310,21 @@ class _Zygote:
                 (pid,) = struct.unpack("!q", _recv_exactly(self.socket, 8))
         except OSError as exc:
             raise ChildFailed(f"the query's helper process ended ({exc}); run the query again") from None
-        return _Helped(pid, self)
+        return _Helped(pid, zygote=self)
 
-    def reap(self, pid: int) -> int:
+    def reap(self, pid: int) -> tuple[int, int]:
+        """(exit code, peak resident memory in KiB) of the helper's child ``pid``, once it ended."""
         with self.lock:
             self.socket.sendall(_HEADER.pack(_REAP, pid))
-            (code,) = struct.unpack("!q", _recv_exactly(self.socket, 8))
-        return code
+            code, peak = struct.unpack("!qq", _recv_exactly(self.socket, 16))
+        return code, peak
 
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.process.poll() is None
 
     def close(self) -> None:
         self.socket.close()
-        if self.owner == os.getpid():
+        if self.owner == os.getpid() and self.process.returncode is None:
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -320,9 +336,9 @@ _ZYGOTE: _Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
-def _zygote() -> _Zygote:
+def _zygote(*, wait: bool = True) -> _Zygote:
     """This process's clean helper, started on first use (again after it died, or in a forked copy
-    of this process, which must not share its parent's)."""
+    of this process, which must not share its parent's); ``wait``: until it is ready."""
     global _ZYGOTE
     with _ZYGOTE_LOCK:
         if _ZYGOTE is not None and not _ZYGOTE.alive():
@@ -331,7 +347,23 @@ def _zygote() -> _Zygote:
             _ZYGOTE = None
         if _ZYGOTE is None:
             _ZYGOTE = _Zygote()
-        return _ZYGOTE
+            atexit.register(_ZYGOTE.close)  # its socket closed, it ends; waited for, not left behind
+        helper = _ZYGOTE
+        if wait:
+            try:
+                helper.wait_ready()
+            except ChildFailed:
+                _ZYGOTE = None
+                raise
+        return helper
+
+
+def prepare() -> None:
+    """Start the clean helper now, without waiting for it, when this process will need one (it
+    runs other threads): `headatlas sql` overlaps the helper's start with its own parsing and
+    inspection."""
+    if confinement() is None and threads_now() > 1:
+        _zygote(wait=False)
 
 
 def _zygote_main(fd: int) -> None:
@@ -342,7 +374,8 @@ def _zygote_main(fd: int) -> None:
     # end long before the caller; the helper ends when the caller's socket closes (it exits)
     import importlib
 
-    importlib.import_module(_PRELOAD)  # the children start with the sandbox imported
+    for module in _PRELOAD:  # the children start with the sandbox imported
+        importlib.import_module(module)
     single_threaded()  # and this process runs one thread (tests/test_sandbox_escapes.py checks it)
     sock.sendall(_READY)
     while True:
@@ -355,11 +388,11 @@ def _zygote_main(fd: int) -> None:
         kind, value = _HEADER.unpack(header)
         if kind == _REAP:
             try:
-                _pid, status = os.waitpid(value, 0)
-                code = os.waitstatus_to_exitcode(status)
+                _pid, status, usage = os.wait4(value, 0)
+                code, peak = os.waitstatus_to_exitcode(status), usage.ru_maxrss
             except ChildProcessError:
-                code = 0
-            sock.sendall(struct.pack("!q", code))
+                code, peak = 0, 0
+            sock.sendall(struct.pack("!qq", code, peak))
             continue
         payload = _recv_exactly(sock, value)
         out = fds[0]

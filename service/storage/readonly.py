@@ -312,12 +312,12 @@ def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> None:
     run, not an access control: a table named in full (``<database>.main.<table>``) is whole."""
     catalog = connection.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
     main = '"' + catalog.replace('"', '""') + '".main'
+    # no bound parameter: binding a Python value makes DuckDB import pandas (seconds, in every query's process)
     names = [
         r[0]
         for r in connection.execute(
             "SELECT DISTINCT table_name FROM information_schema.columns "
-            "WHERE table_catalog = ? AND table_schema = 'main' AND column_name = 'run_id' ORDER BY 1",
-            [catalog],
+            "WHERE table_catalog = current_database() AND table_schema = 'main' AND column_name = 'run_id' ORDER BY 1"
         ).fetchall()
     ]
     run = int(run_id)
