@@ -8,11 +8,14 @@ docs/reliability.md tries each):
    SELECT too); IMPORT and PRAGMA are refused by their keyword.
 2. ``Backend.refuse_in_sandbox`` (``sql_check.refusal``) walks the whole parse tree: table
    functions on an allow-list only (no ``query()``, ``query_table()``, ``postgres_query()``, file
-   readers), no PostgreSQL functions, no table of a lake's catalogue.
+   readers), no system view or table function named as a table however qualified, names passed as
+   strings inspected, no PostgreSQL functions, no table of a lake's catalogue, and on a lake no
+   listing that would show the catalogue.
 3. ``connect_readonly`` opens the database read-only with external access disabled, extension
    autoload/autoinstall off and the configuration locked, so a file-reading SELECT the inspection
-   missed still fails in the engine, and nothing can be ``SET`` back. A lake is attached read-only
-   (its catalogue's PostgreSQL sessions read-only too) and may read files under its data path only.
+   missed still fails in the engine, and nothing can be ``SET`` back. A lake is attached read-only,
+   through a private copy of its catalogue in an instance without the PostgreSQL extension
+   (``LakeBackend.sandbox``), and may read files under its data path only.
 4. ``run_readonly_sql`` runs the query in a confined child process (``confined.run_confined``):
    an address-space limit holds the memory limit for values DuckDB builds outside its buffer
    manager, and a kill at the deadline holds the time limit for a query that ignores interrupts.

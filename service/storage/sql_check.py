@@ -3,18 +3,30 @@
 The engine's settings (``duckdb_settings.READONLY_CONFIG``: no external access, locked configuration)
 stop a SELECT from reading files or changing settings, but not from running SQL that it carries
 as a string: ``query('…')`` and ``query_table('…')`` run text the statement check never saw, and
-on a lake the PostgreSQL extension (loaded for the catalogue) runs anything on the catalogue's
-server (``postgres_query``). So the whole parse tree is inspected, every node of every subquery:
+DuckDB's system views (``duckdb_databases``, ``pragma_database_list``) show the databases'
+paths and connection strings. So the whole parse tree is inspected, every node of every subquery:
 
 - **table functions** (called with parentheses, or named bare as a table: ``FROM duckdb_databases``
-  calls the function) must be on an allow-list (``TABLE_FUNCTIONS``, plus a backend's own readers,
-  ``Backend.sandbox_table_functions``): ``query``, ``query_table``, ``postgres_query``,
-  ``postgres_scan``, ``json_execute_serialized_sql``, ``duckdb_databases`` (which shows a
-  catalogue's connection string), the file readers and every function added later are refused;
+  reaches its system view) must be on an allow-list (``TABLE_FUNCTIONS``, plus a backend's own
+  readers, ``Backend.sandbox_table_functions``): ``query``, ``query_table``, ``postgres_query``,
+  ``postgres_scan``, ``json_execute_serialized_sql``, ``duckdb_databases``, the file readers and
+  every function added later are refused;
+- **tables** named like one of DuckDB's system views or table functions are refused whatever their
+  qualifiers, quotes or case (``main.duckdb_databases``, ``system.main.…``, ``temp.main.…``,
+  ``pg_catalog.pg_settings``): no results table has such a name; the information schema is open
+  where nothing is hidden;
+- **names passed as strings** (``pragma_table_info('t')``, DuckLake's listings) must be literals,
+  inspected like tables the statement named; ``current_setting``, ``nextval``, ``currval`` and the
+  SQL (de)serialisers are refused;
 - **scalar functions** named ``postgres_*`` / ``pg_*`` (but ``pg_typeof``) are refused;
-- **tables** of a hidden catalogue (a lake's ``__ducklake_metadata_*``) are refused, however quoted;
+- **a hidden catalogue** (a lake's ``__ducklake_metadata_*``) is refused wherever it is named,
+  however quoted, and where a backend hides one the listings of every database (``LISTINGS``, the
+  information schema, SHOW ALL TABLES) are refused, since they would list it;
 - ``SHOW DATABASES`` is refused (connection strings), and a statement that cannot be serialised
   for inspection is refused rather than run unseen.
+
+On a lake the PostgreSQL extension is not even loaded where the SQL runs (``LakeBackend.sandbox``):
+what reaches the catalogue's server does not rest on this inspection.
 
 Text the parser itself opens is stopped before parsing: ``IMPORT DATABASE`` reads the folder's
 ``schema.sql`` while being parsed, so the statement starts are found with DuckDB's tokenizer

@@ -387,7 +387,9 @@ class LakeBackend(Backend):
         values["options"] = (values.get("options", "") + " -c default_transaction_read_only=on").strip()
         source = duckdb.connect(config=duckdb_config(threads=1))
         try:
-            self.prepare_connection(source)  # ducklake is not needed, but the secret is
+            source.execute("LOAD postgres_scanner")
+            if self.password:
+                source.execute(f"CREATE TEMPORARY SECRET (TYPE postgres, PASSWORD {_literal(self.password)})")
             source.execute(f"ATTACH {_literal(format_conninfo(values))} AS catalogue (TYPE postgres, READ_ONLY)")
             source.execute(f"ATTACH {_literal(str(target))} AS copy")
             source.execute("BEGIN")
