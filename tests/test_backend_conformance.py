@@ -158,6 +158,9 @@ def test_sql_confines_a_backend_that_says_so_and_refuses_one_that_does_not(backe
     assert run_readonly_sql(backend, "SELECT count(*) FROM runs").rows == [(0,)]
     before = _state(backend)
     for name, sql, *expected in cases:
+        if stages[expected[column]] is None:  # not an escape on this backend: it runs, showing no catalogue
+            assert "__ducklake" not in str(run_readonly_sql(backend, sql, timeout_s=30).rows), name
+            continue
         with pytest.raises(StoreError) as caught:
             run_readonly_sql(backend, sql, timeout_s=30)
         message = str(caught.value)

@@ -94,7 +94,9 @@ class Backend(ABC):
         self, *, limits: dict[str, str] | None = None, lock_wait_s: float = 10.0, at: int | None = None
     ) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
         """A read-only connection for user SQL, confined to this database (no other files, no
-        settings that can be changed back) where ``confines_sql`` says so."""
+        settings that can be changed back) where ``confines_sql`` says so. It is opened in the
+        query's own process (``confined.run_confined``), which may get this backend pickled from
+        its caller: such a backend keeps plain attributes and opens its connections here."""
 
     # table functions a SELECT may call in this backend's sandbox beyond the common ones
     # (``sql_check.TABLE_FUNCTIONS``), and prefixes of database or schema names that are not results
