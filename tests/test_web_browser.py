@@ -38,6 +38,10 @@ def site(tmp_path_factory, tiny_model, demo_corpus):
         batch_size=8,
         control_of=run,
     )
+    # twelve heads a layer, as the report's anchor grid has for MiniLM and BERT: the report's test
+    from headatlas.service.engine.model import load_model
+
+    analyse(corpus, db, load_model("random:2,12,48", device="cpu"), name="wide", seq_len=64)
     downloads = folder / "downloads"
     downloads.mkdir()
     with serving(WebApp(str(db))) as url, chromium(downloads) as browser:
@@ -149,3 +153,28 @@ def test_compare_two_runs(site):
     assert verdicts == [r["verdict"] for r in want]
     beyond = browser.find_element(By.CSS_SELECTOR, "#verdicts + p strong").text
     assert int(beyond) == sum(r["verdict"] == "beyond" for r in want)
+
+
+def test_the_reports_tables_stay_on_the_page_at_1400_px(site, tmp_path):
+    """`headatlas report`: no table scrolls inside a box of its own, none runs off a 1,400 px page
+    (the folded table of every column may scroll sideways: it is wider than any page)."""
+    url, browser, db, _ = site
+    out = tmp_path / "report.html"
+    done = invoke_cli("report", "wide", "--out", str(out), "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    browser.set_window_size(1400, 1000)
+    try:
+        browser.get(out.as_uri())
+        wait_for(browser, "table.anchors")
+        page_width = browser.execute_script("return document.documentElement.clientWidth")
+        wide = browser.execute_script(
+            "return [...document.querySelectorAll('table')].filter(t => !t.closest('details'))"
+            ".map(t => t.getBoundingClientRect().right).filter(r => r > document.documentElement.clientWidth).length"
+        )
+        boxed = browser.execute_script(
+            "return [...document.querySelectorAll('.scroll')].filter(d => d.scrollHeight > d.clientHeight + 1).length"
+        )
+        assert browser.execute_script("return document.documentElement.scrollWidth") <= page_width
+        assert wide == 0 and boxed == 0
+    finally:
+        browser.set_window_size(1400, 1000)
