@@ -57,7 +57,9 @@ def serve(
         store = Store(db, at=at)
         with store.checked_read():  # a missing database, a stale schema or a bad --at: said now, once
             pass
-        server.set_app(WebApp(db, at=at, device=analysis.device))
+        app = WebApp(db, at=at, device=analysis.device)
+        server.set_app(app)
+        app.warm()  # the latest runs' pages read ahead, in the background
         snapshot = f", snapshot {at}" if at is not None else ""
         stderr.print(f"reading {store.backend.label}{snapshot}, read-only; Ctrl-C stops", markup=False, highlight=False)
         server.serve_forever()

@@ -384,3 +384,12 @@ def test_the_command_prints_its_address_warns_off_loopback_and_serves(stored, tm
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_the_server_reads_the_latest_runs_pages_ahead(stored):
+    from headatlas.service.web.app import WebApp
+
+    app = WebApp(str(stored[0]))
+    app.warm(runs=1).join(300)
+    remembered = {key[2] for key in app.memo._items}
+    assert {"runs", "run", "layers", "roles", "heads"} <= remembered

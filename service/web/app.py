@@ -19,7 +19,9 @@ message the CLI gives for it, a database held by a writer past the wait a 503.
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
@@ -90,6 +92,22 @@ class WebApp:
                 (r"/static/(?P<name>[^/]+)", self._static),
             )
         ]
+
+    def warm(self, runs: int = 4) -> threading.Thread:
+        """Read the pages of the latest ``runs`` finished runs in a background thread, so that their
+        first visit does not wait for their queries (a second or two each on a large run)."""
+
+        def work() -> None:
+            listed = self.respond(Request.of("GET", "/runs.json"))
+            if listed.status != 200:
+                return  # the runs page says why when it is opened
+            finished = [r["run_id"] for r in json.loads(listed.body) if r["status"] == "done"]
+            for run_id in reversed(finished[-runs:]):
+                self.respond(Request.of("GET", f"/runs/{run_id}.json"))
+
+        thread = threading.Thread(target=work, name="headatlas-web-warm", daemon=True)
+        thread.start()
+        return thread
 
     # --- WSGI -----------------------------------------------------------------------------------
     def __call__(self, environ: dict, start_response: Callable) -> list[bytes]:
