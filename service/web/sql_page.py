@@ -3,7 +3,9 @@ limits (one SELECT, ``HEADATLAS_SQL_MAX_ROWS`` rows, ``HEADATLAS_SQL_TIMEOUT_S``
 the machine's memory), every table and view holding the run's rows alone.
 
 ``/runs/R/sql?q=SELECT …``: the result as a table; ``sql.csv`` and ``sql.json`` hold it as ``headatlas
-sql --run R --format csv|json`` writes it.
+sql --run R --format csv|json`` writes it. A result is kept for the database's state, as every page's
+values are: the same statement on an unchanged database answers at once (and so gives its first
+answer again, even where it calls ``random()`` or ``now()``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from headatlas.service.config import Settings
 from headatlas.service.errors import ParameterError, StoreError
 from headatlas.service.storage import relations
 from headatlas.service.storage.backends.file import PROCESS_LOCK
-from headatlas.service.storage.readonly import run_readonly_sql
+from headatlas.service.storage.readonly import QueryResult, run_readonly_sql
 from headatlas.service.web.context import Ctx, run_path
 from headatlas.service.web.documents import records
 from headatlas.service.web.html import e, table
@@ -31,14 +33,15 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
             raise ParameterError("pass the statement as q=SELECT …")
         return View(title, [], lambda: _form(ctx, run, EXAMPLE), crumbs=crumbs)
     settings = Settings.from_env()
-    # The sandbox runs the query in a forked child, which inherits DuckDB's open databases: a file
-    # opened by this process then could not be opened again with the sandbox's settings. So the
-    # request's own transaction is closed, and no other request's is open while the child starts
-    # (they open the file under PROCESS_LOCK, as this does).
-    ctx.reads.close()
-    try:
+
+    def query() -> QueryResult:
+        # The sandbox runs the query in a forked child, which inherits DuckDB's open databases: a
+        # file opened by this process then could not be opened again with the sandbox's settings.
+        # So the request's own transaction is closed, and no other request's is open while the child
+        # starts (they open the file under PROCESS_LOCK, as this does).
+        ctx.reads.close()
         with PROCESS_LOCK:
-            result = run_readonly_sql(
+            return run_readonly_sql(
                 ctx.store.backend,
                 statement,
                 max_rows=settings.sql_max_rows,
@@ -46,6 +49,11 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
                 run_id=run.run_id,
                 at=ctx.store.at,
             )
+
+    try:
+        # a result is kept for the database's state, as every page's: its CSV and JSON come at once
+        limits = (settings.sql_max_rows, settings.sql_timeout_s)
+        result = ctx.reads.get(("sql", run.run_id, statement, limits), query)
     except (StoreError, ParameterError) as refused:
         message = str(refused)
         return View(
