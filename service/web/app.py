@@ -182,7 +182,15 @@ class WebApp:
                 return Response(
                     view.status, documents.json_bytes(view.data, compact=as_data == "compact"), "application/json"
                 )
-            return _html(view.status, layout(ctx, view.title, view.body(), crumbs=view.crumbs))
+            page = layout(
+                view.title,
+                view.body(),
+                home=ctx.url("/runs"),
+                database=store.backend.label,
+                at=store.at,
+                crumbs=view.crumbs,
+            )
+            return _html(view.status, page)
 
     def _home(self, request: Request) -> Response:
         return Response(

@@ -84,7 +84,7 @@ def _header(ctx: Ctx, a: Run, b: Run, by: str, metrics: list[str]) -> str:
     form = (
         f'<form method="get" class="inline">{select("by", by_options, by, label="by")} '
         f'<details><summary>metrics ({len(metrics)})</summary><div class="choices">{picked}</div>'
-        f'<button type="submit">show</button></details>{hidden(ctx, "layer")}</form>'
+        f'<button type="submit">show</button></details>{hidden(ctx.request, "layer")}</form>'
     )
     links = f'<a href="{e(ctx.url(run_path(a)))}">run A</a> · <a href="{e(ctx.url(run_path(b)))}">run B</a> · <a href="{e(ctx.url(f"/compare/{b.run_id}/{a.run_id}", by=by))}">swap</a>'
     return record(facts) + f'<p class="pager">{links}</p>' + form

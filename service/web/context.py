@@ -14,6 +14,7 @@ from urllib.parse import parse_qs, quote, urlencode
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.storage.store import Run, Store
+from headatlas.service.web.documents import run_record
 from headatlas.service.web.reads import Reads
 
 
@@ -108,9 +109,7 @@ class Ctx:
 
     def run_row(self, run: Run) -> dict:
         """The run's row of ``headatlas runs --format json``."""
-        from headatlas.service.web.runs_page import in_order
-
-        return in_order(next(r for r in self.runs() if r["run_id"] == run.run_id))
+        return run_record(next(r for r in self.runs() if r["run_id"] == run.run_id))
 
     def query(self, key: tuple, compute: Callable[[Any], Any]) -> Any:
         """``compute(conn)``, remembered under ``key`` (``Reads.get``)."""

@@ -18,6 +18,29 @@ from typing import Any
 Rows = tuple[list[str], list[tuple]]
 
 
+# the fields of a run in `headatlas runs --format json`, in its order (a lake adds its last snapshot)
+RUN_FIELDS = (
+    "run_id",
+    "name",
+    "status",
+    "snapshot",
+    "windows",
+    "model",
+    "aliases",
+    "tags",
+    "created_at",
+    "compute_s",
+    "wall_s",
+    "corpus",
+    "finished_at",
+)
+
+
+def run_record(run: dict) -> dict:
+    """A row of ``Store.list_runs`` with its fields in the CLI's order."""
+    return {k: run[k] for k in RUN_FIELDS if k in run} | {k: v for k, v in run.items() if k not in RUN_FIELDS}
+
+
 def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from html import escape
 
-from headatlas.service.web.context import Ctx
+from headatlas.service.web.context import Request
 
 
 def e(value: object) -> str:
@@ -118,10 +118,10 @@ def select(name: str, options: Sequence[tuple[str, str]], chosen: str | None, *,
     return f'<label>{e(label)} <select name="{e(name)}" data-autosubmit>{opts}</select></label>'
 
 
-def hidden(ctx: Ctx, *keep: str) -> str:
+def hidden(request: Request, *keep: str) -> str:
     """The request's parameters ``keep`` (and ``at``) as hidden fields of a form."""
     return "".join(
-        f'<input type="hidden" name="{e(n)}" value="{e(v)}">' for n in (*keep, "at") for v in ctx.request.args(n)
+        f'<input type="hidden" name="{e(n)}" value="{e(v)}">' for n in (*keep, "at") for v in request.args(n)
     )
 
 
@@ -171,16 +171,25 @@ def legend_bar(low: float, high: float, label: str, *, diverging: bool = False) 
 
 
 # --- the page -------------------------------------------------------------------------------------
-def layout(ctx: Ctx, title: str, body: str, *, crumbs: Sequence[tuple[str, str]] = ()) -> str:
-    """A whole page: the navigation line (database, snapshot, the way back), ``body``, a footer."""
-    where = e(ctx.store.backend.label)
-    snapshot = f" · snapshot <strong>{e(ctx.at)}</strong>" if ctx.at is not None else ""
+def layout(
+    title: str,
+    body: str,
+    *,
+    home: str,
+    database: str,
+    at: int | None = None,
+    crumbs: Sequence[tuple[str, str]] = (),
+) -> str:
+    """A whole page: the navigation line (``home``: the runs' address; ``database`` and the snapshot
+    ``at`` read; the way back), ``body``, a footer."""
+    where = e(database)
+    snapshot = f" · snapshot <strong>{e(at)}</strong>" if at is not None else ""
     trail = "".join(f' › <a href="{e(url)}">{e(label)}</a>' for label, url in crumbs)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{e(title)} · headatlas</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="stylesheet" href="/static/style.css"><script src="/static/app.js" defer></script></head>
-<body><nav><a class="home" href="{e(ctx.url("/runs"))}">headatlas</a>{trail}
+<body><nav><a class="home" href="{e(home)}">headatlas</a>{trail}
 <span class="db">{where}{snapshot} · read-only</span></nav>
 <main><h1>{e(title)}</h1>
 {body}

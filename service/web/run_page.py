@@ -170,7 +170,7 @@ def _layer_section(ctx: Ctx, layer_rows: queries.Rows, metric: str) -> str:
     options = [(m, m) for m in LAYER_METRICS]
     form = (
         f'<form class="inline" method="get">{select("metric", options, metric, label="metric")}'
-        f"{hidden(ctx, 'color', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
+        f"{hidden(ctx.request, 'color', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
     )
     return (
         f'<h2 id="layers">Layer progression</h2>{form}<figure>{chart}<figcaption>{e(metric)} per layer with its 95% '
@@ -239,7 +239,7 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
     numeric = [c for c in SORTABLE if c in head_cols]
     form = (
         f'<form class="inline" method="get">{select("color", [("role", "role"), *((c, c) for c in numeric)], color, label="colour by")}'
-        f"{hidden(ctx, 'metric', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
+        f"{hidden(ctx.request, 'metric', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
     )
     return (
         f'<h2 id="atlas">Head atlas</h2>{form}<div class="table-wrap"><table class="atlas" id="atlas-grid">'
@@ -314,7 +314,7 @@ def _heads_section(ctx, run, head_rows, sort, asc, layer, role, offered) -> str:
         f'<form class="inline" method="get" id="heads-filter">{select("layer", layer_options, None if layer is None else str(layer), label="layer")}'
         f" {select('role', role_options, role, label='role')}"
         f' <label>top <input type="number" name="top" min="1" value="{e(ctx.arg("top") or "")}" size="4"></label>'
-        f'{hidden(ctx, "metric", "color", "sort", "asc", "wide")} <button type="submit">filter</button>'
+        f'{hidden(ctx.request, "metric", "color", "sort", "asc", "wide")} <button type="submit">filter</button>'
         f' <input type="search" placeholder="find in the table (anchors …)" data-filter="#heads-table">'
         f' <a href="{e(ctx.here(wide=None if wide else 1))}#heads">{"main columns" if wide else "every column"}</a></form>'
     )

@@ -9,31 +9,11 @@ from __future__ import annotations
 
 from headatlas.service.storage.run_labels import UNFINISHED
 from headatlas.service.web.context import Ctx, run_path
+from headatlas.service.web.documents import run_record
 from headatlas.service.web.html import Html, e, num, record, when
 from headatlas.service.web.views import View
 
 SHOWN = ("run_id", "name", "status", "windows", "model", "aliases", "tags", "snapshot", "created_at", "compute_s")
-# the fields of a run in `headatlas runs --format json`, in its order (a lake adds its last snapshot)
-FIELDS = (
-    "run_id",
-    "name",
-    "status",
-    "snapshot",
-    "windows",
-    "model",
-    "aliases",
-    "tags",
-    "created_at",
-    "compute_s",
-    "wall_s",
-    "corpus",
-    "finished_at",
-)
-
-
-def in_order(run: dict) -> dict:
-    """A row of ``Store.list_runs`` with its fields in the CLI's order."""
-    return {k: run[k] for k in FIELDS if k in run} | {k: v for k, v in run.items() if k not in FIELDS}
 
 
 def runs_view(ctx: Ctx) -> View:
@@ -58,7 +38,7 @@ def runs_view(ctx: Ctx) -> View:
         )
         return _tag_filter(ctx, tags) + table + _compare_form(ctx, rows)
 
-    return View(f"Runs ({len(rows)})", [in_order(r) for r in rows], body)
+    return View(f"Runs ({len(rows)})", [run_record(r) for r in rows], body)
 
 
 def _row(ctx: Ctx, run: dict, shown: list[str], progress: dict | None) -> str:
