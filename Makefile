@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast test-heavy bench findings gpu-check readme-images terminal-tables docs lint typecheck clean
+.PHONY: install install-test demo test test-fast test-heavy bench findings gpu-check readme-images screenshots terminal-tables docs lint typecheck clean
 
 # Python writes a module's bytecode (__pycache__) the first time it imports it, as pip installs
 # without compiling (below). Where the environment sets PYTHONDONTWRITEBYTECODE, as container images
@@ -121,6 +121,12 @@ readme-images: install
 	$(VENV)/bin/headatlas plot boundaries --by-distance --run demo --db $(IMG_DB) --out $(IMG)/boundaries-by-distance.png --dpi 70
 	$(PY) -c "import sys; from PIL import Image; [Image.open(p).convert('RGB').quantize(128).save(p, optimize=True) for p in sys.argv[1:]]" $(IMG)/*.png
 	ls -l $(IMG)
+
+# The screenshots of `headatlas serve` in docs/usage.md: each page in headless Chromium at 1,400 px
+# (Debian's chromium and chromium-driver, selenium from the test extra), from a run of the shipped
+# excerpt and its control, made in build/ when missing.
+screenshots: install-test
+	$(PY) benchmarks/screenshots.py
 
 # The terminal captures of docs/usage.md (a 100-column table), from a real run of the shipped excerpt.
 terminal-tables: install

@@ -6,7 +6,8 @@
 Rows: bare forward vs full analysis (ratio) and the naive per-window/per-head baseline
 (speed-up) for the default model and random:bert-base; the same ratio for a decoder (SmolLM2,
 with its first and cached load and peak memory); embedded vs queue windows/s (ratio,
-needs Redis); ingest rows/s and query latency on a 20,000-window, 144-head synthetic run;
+needs Redis); ingest rows/s and query latency on a 20,000-window, 144-head synthetic run; the web
+app's page times on a 20,000-window run and a head's example window;
 peak memory for 2,000 vs 20,000 windows. GPU rows run when CUDA is present, else they say
 "not measured".
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import decoder, forward_vs_full, memory, query_speed  # noqa: E402
+from benchmarks import decoder, forward_vs_full, memory, query_speed, web_pages  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 
 
@@ -100,6 +101,12 @@ def main(argv=None) -> None:
         "Ingest and query latency, 20,000 windows × 144 heads (target < 0.5 s)",
         query_speed.main,
         ["--windows", "2000" if args.quick else "20000"],
+    )
+    section(
+        "headatlas serve: each page rendered on the server, 20,000 windows (target < 0.3 s); a head's example "
+        "window, MiniLM on CPU (target < 3 s); start",
+        web_pages.main,
+        ["--windows", "2000" if args.quick else "20000", "--repeats", "3"],
     )
     section(
         "Peak memory, 2,000 vs 20,000 windows (must be flat)",

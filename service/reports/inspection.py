@@ -107,6 +107,7 @@ class Inspection:
     high: np.ndarray  # bool, (i, j) and (j, i) marked for each pair in H
     truncated: bool  # the text had more word pieces than one window holds
     text: InspectedText  # the tensors the matrices above are computed from
+    window_id: str = ""  # the window's id, as a run that analysed the text would store it
 
     @property
     def n_layers(self) -> int:
@@ -122,9 +123,9 @@ class Inspection:
         return [p for p in range(1, len(s)) if s[p] >= 0 and s[p - 1] >= 0 and s[p] != s[p - 1]]
 
 
-def _first_window(model: LoadedModel, text: str, params: AnalysisParams) -> tuple[list[Window], Batch]:
+def _first_window(model: LoadedModel, text: str, params: AnalysisParams, index: int = 0) -> tuple[list[Window], Batch]:
     """The text's windows (chunks, so that a second one tells us the text was cut) and a batch
-    of the first."""
+    of the one at ``index`` (the first by default)."""
     text = text.strip()
     if not text:
         raise CorpusError("inspect: the text is empty; pass some text or --file FILE")
@@ -133,7 +134,9 @@ def _first_window(model: LoadedModel, text: str, params: AnalysisParams) -> tupl
     windows = document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, replace(params, windowing="chunks"))
     if not windows:
         raise CorpusError("inspect: the text has no word pieces; pass some words")
-    return windows, collate(windows[:1], tokens.pad_id)
+    if not 0 <= index < len(windows):
+        raise ParameterError(f"window {index}: the text has windows 0..{len(windows) - 1} (0-based)")
+    return windows[index:], collate(windows[index : index + 1], tokens.pad_id)
 
 
 def _activations(model: LoadedModel, windows: list[Window], batch: Batch) -> InspectedText:
@@ -163,10 +166,12 @@ def read_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspecte
     return _activations(model, *_first_window(model, text, params))
 
 
-def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspection:
+def inspect_text(model: LoadedModel, text: str, params: AnalysisParams, *, window: int = 0) -> Inspection:
     """Analyse the first window of ``text`` (``params.seq_len`` tokens at most) and keep every
-    head's matrices. ``params.windowing`` is ignored: one window, from the start of the text."""
-    windows, batch = _first_window(model, text, params)
+    head's matrices. ``params.windowing`` is ignored: one window, from the start of the text;
+    ``window``: the window at that index of the text's chunks instead (what ``analyze`` stored as
+    the document's window ``window``)."""
+    windows, batch = _first_window(model, text, params, window)
     seen = _activations(model, windows, batch)
     tokens = TokenClasses.for_model(model)
     blocks = model.blocks
@@ -201,6 +206,7 @@ def inspect_text(model: LoadedModel, text: str, params: AnalysisParams) -> Inspe
         high=torch.stack(high).cpu().numpy(),
         truncated=seen.truncated,
         text=seen,
+        window_id=windows[0].window_id,
     )
 
 

@@ -62,16 +62,22 @@ body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2r
 .ci { color: #777; font-size: .75rem; white-space: nowrap; }
 h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; }
 .sub { color: #666; margin-top: 0; }
-table { border-collapse: collapse; font-size: .82rem; }
-th, td { border: 1px solid #ddd; padding: .25rem .45rem; text-align: right; }
+table { border-collapse: collapse; font-size: .82rem; max-width: 100%; }
+th, td { border: 1px solid #ddd; padding: .25rem .45rem; text-align: right; vertical-align: top; }
 th { background: #f3f3f3; position: sticky; top: 0; } td.text, th.text { text-align: left; }
-.scroll { overflow-x: auto; max-height: 36rem; overflow-y: auto; }
+td.text { overflow-wrap: anywhere; }
+/* tables grow with the page (no box of their own to scroll in); only a table wider than the page,
+   the folded one of every column, scrolls sideways */
+.scroll { overflow-x: auto; }
 details > summary { cursor: pointer; color: #444; margin: .6rem 0; }
-@media print { .scroll { overflow: visible; max-height: none; } details { display: none; } table { font-size: .7rem; } }
+@media print { .scroll { overflow: visible; } details { display: none; } table { font-size: .7rem; } }
 figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { color: #555; font-size: .9rem; }
 .kv td:first-child { text-align: left; font-weight: 600; } .kv td { text-align: left; }
-.anchors td { text-align: left; vertical-align: top; min-width: 7rem; }
+/* the anchor grid: its columns share the page's width, and a long token wraps in its cell */
+table.anchors { table-layout: fixed; width: 100%; font-size: .75rem; }
+.anchors td { text-align: left; vertical-align: top; overflow-wrap: anywhere; }
+.anchors th:first-child { width: 3.2rem; }
 footer { margin-top: 3rem; color: #777; font-size: .85rem; }
 """
 

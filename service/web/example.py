@@ -1,0 +1,178 @@
+"""An example window of a run's corpus, through the run's model: a head's context similarity
+matrix and attention map (``service.reports.inspection``, what ``headatlas inspect`` draws).
+
+The window is the run's ``window``-th (0-based, in document order: source, line, window within the
+document). Its text is read again from the corpus file the run recorded, and cut into windows as
+the run cut it (its parameters), so the window shown is the one the run analysed: its id, a hash of
+the document, the window's index, the tokenizer and the window parameters, is compared with the
+stored one (``same_window``). Where the file is gone or changed, the document's stored preview (its
+first 80 characters) stands in, and ``note`` says so.
+
+Computed on demand, one window at a time, with the run's model (loaded once, on ``device``), and
+kept: the last few windows' matrices, for every head, so that the heads of one window come at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import text
+
+from headatlas.service.errors import ParameterError
+from headatlas.service.storage.store import Run
+from headatlas.service.web.reads import Memo
+
+# the run's window number k, in document order (documents and windows are content-addressed: a
+# lake may hold a row twice, hence one row per id)
+WINDOW_SQL = """
+    SELECT w.window_id, w.doc_id, w.window_index, d.source, d.line, d.preview
+    FROM run_windows r
+    JOIN (SELECT window_id, any_value(doc_id) AS doc_id, any_value(window_index) AS window_index
+          FROM windows GROUP BY window_id) w USING (window_id)
+    JOIN (SELECT doc_id, any_value(source) AS source, any_value(line) AS line, any_value(preview) AS preview
+          FROM documents GROUP BY doc_id) d USING (doc_id)
+    WHERE r.run_id = :run
+    ORDER BY d.source, d.line, w.window_index, w.window_id
+    LIMIT 1 OFFSET :k
+"""
+
+
+@dataclass(frozen=True)
+class StoredWindow:
+    window_id: str
+    doc_id: str
+    window_index: int
+    source: str
+    line: int
+    preview: str
+
+
+def stored_window(conn, run: Run, k: int) -> StoredWindow:
+    row = conn.execute(text(WINDOW_SQL), {"run": run.run_id, "k": k}).first()
+    if row is None:
+        count = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run.run_id}).scalar()
+        raise ParameterError(f"window {k}: run {run.run_id} has windows 0..{count - 1} (0-based)")
+    return StoredWindow(*row)
+
+
+def document_text(window: StoredWindow) -> str | None:
+    """The document's text from its corpus file, or None where the file cannot give it."""
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.errors import CorpusError
+
+    if not Path(window.source).is_file():
+        return None
+    try:
+        for doc in iter_documents(window.source):
+            if doc.doc_id == window.doc_id:
+                return doc.text
+            if doc.line > window.line:
+                return None
+    except (CorpusError, OSError):
+        return None
+    return None
+
+
+class Examples:
+    """The run models and the windows computed so far (one computation at a time)."""
+
+    def __init__(self, *, device: str = "cpu", windows: int = 8) -> None:
+        self.device = device
+        self._models: dict[str, object] = {}
+        self.load_s: dict[str, float] = {}  # seconds each model took to load
+        self._windows = Memo(windows)
+        self._lock = threading.Lock()
+
+    def model(self, run: Run):
+        """The run's model: its spec (a control's: its parent's, with the control's seed), on
+        ``device``, in the run's precision; loaded once."""
+        from headatlas.service.engine.model import control_model, load_model
+        from headatlas.service.params import AnalysisParams
+
+        key = self._key(run)
+        params = AnalysisParams.from_dict(run.params)
+        if key not in self._models:
+            started = time.perf_counter()
+            spec = run.model
+            if spec.startswith("control:"):
+                parent = load_model(spec.removeprefix("control:"), device=self.device, dtype=params.dtype)
+                self._models[key] = control_model(parent, seed=int(run.params.get("control_seed", 0)))
+            else:
+                self._models[key] = load_model(spec, device=self.device, dtype=params.dtype)
+            self.load_s[key] = time.perf_counter() - started
+        return self._models[key]
+
+    @staticmethod
+    def _key(run: Run) -> str:
+        return f"{run.model}|{run.params.get('dtype', 'float32')}"
+
+    def window(self, run: Run, stored: StoredWindow) -> dict:
+        """Every head's matrices on ``stored``, computed once (``seconds``: how long it took)."""
+        return self._windows.get((run.run_key, stored.window_id), lambda: self._compute(run, stored))
+
+    def _compute(self, run: Run, stored: StoredWindow) -> dict:
+        from headatlas.service.params import AnalysisParams
+        from headatlas.service.reports.inspection import inspect_text
+
+        with self._lock:
+            loaded = self._key(run) in self._models
+            model = self.model(run)  # loaded once, timed apart from the window
+            started = time.perf_counter()
+            params = AnalysisParams.from_dict(run.params)
+            body = document_text(stored)
+            note = None
+            index = stored.window_index
+            if body is None:
+                body, index = stored.preview, 0
+                note = (
+                    f"the corpus file {stored.source} no longer holds this document: showing its first "
+                    f"{len(stored.preview)} characters, as stored"
+                )
+            seen = inspect_text(model, body, params, window=index)
+            return {
+                "inspection": seen,
+                "note": note,
+                "same_window": seen.window_id == stored.window_id,
+                "seconds": time.perf_counter() - started,
+                "load_s": 0.0 if loaded else self.load_s[self._key(run)],
+            }
+
+
+def _rounded(matrix: np.ndarray) -> list[list[float]]:
+    """Four significant digits: what a heatmap and its tooltip need, a quarter of the text."""
+    return [[float(f"{v:.4g}") for v in row] for row in matrix.tolist()]
+
+
+def head_example(examples: Examples, conn, run: Run, k: int, layer: int, head: int) -> dict:
+    """The JSON document of one head on the run's window ``k``."""
+    stored = stored_window(conn, run, k)
+    started = time.perf_counter()
+    computed = examples.window(run, stored)
+    seen = computed["inspection"]
+    high = seen.high[layer, head]
+    pairs = [[int(i), int(j)] for i, j in zip(*np.nonzero(np.triu(high, 1)))]
+    return {
+        "window": k,
+        "window_id": stored.window_id,
+        "same_window": computed["same_window"],
+        "source": stored.source,
+        "line": stored.line,
+        "document_window": stored.window_index,
+        "model": seen.model_name,
+        "layer": layer,
+        "head": head,
+        "tokens": seen.tokens,
+        "sentence_starts": seen.sentence_starts(),
+        "csm": _rounded(seen.csm[layer, head]),
+        "attention": _rounded(seen.attention[layer, head]),
+        "high_pairs": pairs,
+        "truncated": seen.truncated,
+        "note": computed["note"],
+        "computed_s": round(computed["seconds"], 3),
+        "model_load_s": round(computed["load_s"], 3),
+        "served_s": round(time.perf_counter() - started, 3),
+    }

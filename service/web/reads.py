@@ -1,0 +1,111 @@
+"""What a page reads: one read transaction per request, and results remembered per database state.
+
+A page calls the library through ``Reads.get(key, compute)``. The result is kept in a small cache
+(``Memo``, shared by the requests of one server) under ``key`` and the database's state:
+
+- a DuckDB file: its size, modification time and inode, and its write-ahead log's (every commit
+  changes one of them), read before the transaction begins;
+- a lake: the snapshot the request's transaction sees (every commit is one);
+- ``--at SNAPSHOT``: that snapshot, which never changes.
+
+So a write to the database (a run stored, renamed, tagged or deleted, a batch of a running run) is
+seen by the next request, and a page read twice runs its queries once. A value read from a state
+newer than its key (a commit between the stat and the transaction) is replaced at the next request,
+whose key differs; a value is never older than its key. The transaction is opened at the first
+value not remembered, so a page whose values are all remembered opens nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from contextlib import ExitStack
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Connection
+
+from headatlas.service.storage.store import Store
+
+T = TypeVar("T")
+
+
+class Memo:
+    """A bounded cache, least recently used out first; safe to share between threads (two threads
+    asking for the same missing value may each compute it once)."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, compute: Callable[[], T]) -> T:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = compute()  # outside the lock: a slow query holds up no other request
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Reads:
+    """One request's reads of ``store``: ``get`` remembers, ``conn`` is the request's one read
+    transaction (opened when first needed, closed with the request)."""
+
+    def __init__(self, store: Store, memo: Memo) -> None:
+        self.store, self.memo = store, memo
+        self._stack = ExitStack()
+        self._conn: Connection | None = None
+        self._state: Hashable | None = None
+
+    def __enter__(self) -> Reads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def close(self) -> None:
+        """Close the request's transaction now (a later read opens another)."""
+        self._stack.close()
+        self._stack, self._conn = ExitStack(), None
+
+    @property
+    def conn(self) -> Connection:
+        if self._conn is None:
+            self._conn = self._stack.enter_context(self.store.checked_read())
+        return self._conn
+
+    def state(self) -> Hashable:
+        """The database's state, as this request found it (see the module's docstring)."""
+        if self._state is None:
+            self._state = self._find_state()
+        return self._state
+
+    def _find_state(self) -> Hashable:
+        if self.store.at is not None:
+            return ("at", self.store.at)
+        if getattr(self.store.backend, "snapshots", False):
+            return ("snapshot", self.store.snapshot(self.conn))
+        path = getattr(self.store.backend, "path", None)
+        try:
+            stats = [os.stat(path)] if path is not None else []
+        except OSError:  # missing or unreadable: the transaction says so, in the store's words
+            return ("opened", id(self.conn))
+        try:
+            stats.append(os.stat(f"{path}.wal"))
+        except OSError:
+            pass
+        return ("file", *((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats))
+
+    def get(self, key: tuple, compute: Callable[[], T]) -> T:
+        """``compute()`` (which reads ``self.conn`` or the store), remembered under ``key`` for the
+        database's present state."""
+        return self.memo.get((self.store.backend.label, self.state(), *key), compute)

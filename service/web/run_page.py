@@ -1,0 +1,334 @@
+"""A run: its layer progression, the head atlas, the roles with their evidence and stability, and a
+sortable, filterable table of its heads with their intervals.
+
+Parameters (the CLI's names): ``metric`` (the layer progression's, one of ``query layers``'
+columns), ``color`` (the atlas: ``role`` or any numeric column of ``query heads``), ``sort``,
+``asc``, ``layer``, ``top`` (as ``query heads``), ``role`` (heads holding that role), ``wide``
+(every column). The JSON document: ``run`` (its row of ``headatlas runs``), ``layers`` (``query
+layers --ci``), ``heads`` (``query heads --ci`` with the same sort, layer and top; then the role
+filter), ``roles`` (``query roles --stability``).
+"""
+
+from __future__ import annotations
+
+from headatlas.service.errors import ParameterError
+from headatlas.service.reports import compare, queries, roles
+from headatlas.service.reports.columns import SORTABLE, unknown_metric
+from headatlas.service.reports.intervals import interval_note, scheme_of
+from headatlas.service.storage.store import Run
+from headatlas.service.web import charts
+from headatlas.service.web.context import Ctx, check_layer_head, run_path
+from headatlas.service.web.documents import records, with_scheme
+from headatlas.service.web.html import Html, colour, e, hidden, ink, legend_bar, num, record, select, table, when
+from headatlas.service.web.views import View
+
+LAYER_METRICS = queries.LAYER_COLUMNS[1:]
+DEFAULT_METRIC = "within_sentence_lift_dm"
+# the head table on the page: the measures a reader ranks heads by (as the report's), then anchors
+HEAD_TABLE = (
+    "layer",
+    "head",
+    "within_sentence",
+    "within_sentence_lift_dm",
+    "repetition_words_lift_dm",
+    "mean_distance",
+    "short_range_share",
+    "noise_share",
+    "attn_to_punct_lift",
+    "attn_entropy",
+    "anchor_frequency_share",
+    "top_anchors",
+)
+
+
+def run_reads(ctx: Ctx, run: Run) -> dict:
+    """What the run page reads, through the library (remembered per database state)."""
+    r = run.run_id
+    return {
+        "layers": ctx.query(("layers", r), lambda c: queries.layers(c, r, ci=True)),
+        "roles": ctx.query(("roles", r), lambda c: roles.roles(c, r, stability=True)),
+        "causal": ctx.query(("causal", r), lambda c: roles.causal_run(c, r)),
+        "controls": ctx.query(("controls", r), lambda c: compare.controls_of(c, run)),
+        "warning": ctx.query(("warning", r), lambda c: queries.interval_warning(c, r)),
+        "all_heads": heads_of(ctx, run),
+    }
+
+
+def heads_of(ctx: Ctx, run: Run, *, layer=None, sort=None, asc=False, top=None) -> queries.Rows:
+    """``query heads --ci`` with these options."""
+    r = run.run_id
+    return ctx.query(
+        ("heads", r, layer, sort, asc, top),
+        lambda c: queries.heads(c, r, layer=layer, sort=sort, top=top, ci=True, ascending=asc),
+    )
+
+
+def run_view(ctx: Ctx, ref: str) -> View:
+    run = ctx.run(ref)
+    metric = ctx.arg("metric") or DEFAULT_METRIC
+    if metric not in LAYER_METRICS:
+        raise unknown_metric("--metric", metric, LAYER_METRICS)
+    sort, asc, layer, top = ctx.arg("sort"), ctx.flag("asc"), ctx.number("layer"), ctx.number("top", minimum=1)
+    if asc and sort is None:
+        raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
+    check_layer_head(run, layer)
+    read = run_reads(ctx, run)
+    offered = roles.offered_roles(read["causal"])
+    role = ctx.arg("role")
+    if role is not None and role not in (*offered, roles.NONE):
+        raise ParameterError(f"role {role!r}: not a role of run {run.run_id}; choose one of {', '.join(offered)}")
+    color = ctx.arg("color") or "role"
+    all_cols = read["all_heads"][0]
+    numeric = [c for c in SORTABLE if c in all_cols]
+    if color != "role" and color not in numeric:
+        raise unknown_metric("color", color, ["role", *numeric])
+    head_cols, head_rows = heads_of(ctx, run, layer=layer, sort=sort, asc=asc, top=top)
+    if role is not None:
+        holders = _holders(read["roles"], role)
+        head_rows = [h for h in head_rows if (h[0], h[1]) in holders]
+    scheme = [scheme_of(run.params)]
+    data = {
+        "run": ctx.run_row(run),
+        "layers": records(*read["layers"]),
+        "heads": records(head_cols, head_rows),
+        "roles": records(*with_scheme(read["roles"][0], read["roles"][1], scheme)),
+    }
+
+    def body() -> str:
+        return "".join(
+            [
+                _facts(ctx, run, read),
+                _layer_section(ctx, read["layers"], metric),
+                _atlas_section(ctx, run, read, color, offered),
+                _roles_section(ctx, run, read, offered),
+                _heads_section(ctx, run, (head_cols, head_rows), sort, asc, layer, role, offered),
+            ]
+        )
+
+    return View(f"Run {run.run_id}: {run.name}", data, body, crumbs=[(f"run {run.run_id}", ctx.url(run_path(run)))])
+
+
+def _holders(role_rows: queries.Rows, role: str) -> set[tuple[int, int]]:
+    columns, rows = role_rows
+    ri = columns.index("role")
+    return {(r[0], r[1]) for r in rows if r[ri] == role}
+
+
+def _facts(ctx: Ctx, run: Run, read: dict) -> str:
+    row = ctx.run_row(run)
+    params = " · ".join(f"{k} {v}" for k, v in run.params.items() if k not in ("control_of", "control_seed"))
+    links = [f'<a href="{e(ctx.url(run_path(run, "sql")))}">SQL over this run</a>']
+    links += [
+        f'<a href="{e(ctx.url(f"/compare/{run.run_id}/{c.run_id}"))}">against its control, seed {compare.control_seed(c)}</a>'
+        for c in read["controls"]
+    ]
+    facts = [
+        ("status", run.status + (f" ({run.error})" if run.error else "")),
+        ("model", f"{run.model_name} [{run.model}]"),
+        ("shape", f"{run.n_layers} layers × {run.n_heads} heads, head size {run.d_head}"),
+        ("windows", f"{row['windows']:,}"),
+        ("corpus", run.corpus),
+        ("parameters", params),
+        ("created", when(row["created_at"])),
+        ("compute", f"{row['compute_s'] or 0:.1f} s"),
+    ]
+    if row["aliases"] or row["tags"]:
+        facts.append(("names", ", ".join([*row["aliases"], *(f"#{t}" for t in row["tags"])])))
+    if "snapshot" in row:
+        facts.append(("last snapshot", row["snapshot"]))
+    facts.append(("see also", Html(" · ".join(links))))
+    warn = f'<p class="warning">warning: {e(read["warning"])}</p>' if read["warning"] else ""
+    return record(facts) + warn
+
+
+def _layer_section(ctx: Ctx, layer_rows: queries.Rows, metric: str) -> str:
+    columns, rows = layer_rows
+    named = [dict(zip(columns, r)) for r in rows]
+    points = [
+        charts.Point(
+            d["layer"],
+            d.get(metric),
+            d.get(f"{metric}_lo"),
+            d.get(f"{metric}_hi"),
+            f"layer {d['layer']}: {metric} {num(d.get(metric))}"
+            + (
+                f" [{num(d[metric + '_lo'])}, {num(d[metric + '_hi'])}]"
+                if d.get(f"{metric}_lo") is not None
+                else " (no interval)"
+            ),
+        )
+        for d in named
+    ]
+    chance = (1.0, "1 = chance") if metric.endswith(("_lift", "_lift_dm")) else None
+    chart = charts.line_chart(
+        [charts.Series(metric, points)],
+        x_label="layer (0-based)",
+        y_label=metric,
+        x_ticks=[p.x for p in points],
+        reference=chance,
+    )
+    options = [(m, m) for m in LAYER_METRICS]
+    form = (
+        f'<form class="inline" method="get">{select("metric", options, metric, label="metric")}'
+        f"{hidden(ctx.request, 'color', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
+    )
+    return (
+        f'<h2 id="layers">Layer progression</h2>{form}<figure>{chart}<figcaption>{e(metric)} per layer with its 95% '
+        f"interval (hover a point). {e(queries.LIFT_NOTE)}</figcaption></figure>"
+    )
+
+
+def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[str, ...]) -> str:
+    from headatlas.service.reports.atlas_plots import ROLE_CODES, ROLE_COLOURS
+
+    columns, rows = read["roles"]
+    at = {c: i for i, c in enumerate(columns)}
+    held: dict[tuple[int, int], list[tuple[str, bool | None]]] = {}
+    primary: dict[tuple[int, int], str] = {}
+    for r in rows:
+        key = (r[0], r[1])
+        if r[at["role"]] != roles.NONE:
+            held.setdefault(key, []).append((r[at["role"]], r[at["stable"]] if "stable" in at else None))
+        if r[at["primary"]]:
+            primary[key] = r[at["role"]]
+    head_cols, head_rows = read["all_heads"]
+    hi = {c: i for i, c in enumerate(head_cols)}
+    values = {(h[0], h[1]): h for h in head_rows}
+    shown = [v[hi[color]] for v in head_rows if color != "role" and v[hi[color]] is not None]
+    low, high = (min(shown), max(shown)) if shown else (0.0, 1.0)
+    grid = []
+    for layer in range(run.n_layers):
+        cells = [f"<th>{layer}</th>"]
+        for head in range(run.n_heads):
+            key = (layer, head)
+            codes = "".join(
+                ROLE_CODES.get(role, "?") + ("?" if stable is False else "") for role, stable in held.get(key, [])
+            )
+            name = primary.get(key, roles.NONE)
+            tip = f"layer {layer}, head {head}: {name}"
+            if held.get(key):
+                tip += (
+                    " ("
+                    + ", ".join(role + (", not on both halves" if s is False else "") for role, s in held[key])
+                    + ")"
+                )
+            if color == "role":
+                bg, text = ROLE_COLOURS.get(name, "#e4e4e4"), codes
+            else:
+                h = values.get(key)
+                v = h[hi[color]] if h is not None else None
+                bg, text = colour(v, low, high), num(v)
+                if h is not None and f"{color}_lo" in hi:
+                    tip += f"; {color} {num(v)} [{num(h[hi[color + '_lo']])}, {num(h[hi[color + '_hi']])}]"
+            unstable = " unstable" if any(s is False for r_, s in held.get(key, []) if r_ == name) else ""
+            href = e(ctx.url(run_path(run, "heads", layer, head)))
+            cells.append(
+                f'<td><a class="cell{unstable}" href="{href}" data-layer="{layer}" data-head="{head}" '
+                f'style="background:{bg};color:{ink(bg)}" data-tip="{e(tip)}" title="{e(tip)}">{e(text)}</a></td>'
+            )
+        grid.append(f"<tr>{''.join(cells)}</tr>")
+    head_row = "<th>layer \\ head</th>" + "".join(f"<th>{h}</th>" for h in range(run.n_heads))
+    if color == "role":
+        legend = '<div class="legend">' + "".join(
+            f'<span><i style="background:{ROLE_COLOURS.get(r, "#e4e4e4")}"></i>{e(ROLE_CODES.get(r, ""))} {e(r)}</span>'
+            for r in (*offered, roles.NONE)
+        )
+        legend += "<span>? after a letter, hatched cell: not on both halves</span></div>"
+    else:
+        legend = legend_bar(low, high, color)
+    numeric = [c for c in SORTABLE if c in head_cols]
+    form = (
+        f'<form class="inline" method="get">{select("color", [("role", "role"), *((c, c) for c in numeric)], color, label="colour by")}'
+        f"{hidden(ctx.request, 'metric', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
+    )
+    return (
+        f'<h2 id="atlas">Head atlas</h2>{form}<div class="table-wrap"><table class="atlas" id="atlas-grid">'
+        f"<thead><tr>{head_row}</tr></thead><tbody>{''.join(grid)}</tbody></table></div>{legend}"
+        f'<p class="muted">Click a head for its metrics, roles, anchors, distances and an example window. '
+        f"A role is earned when its one-sided test survives Holm–Bonferroni over every (head, role) of the run "
+        f"(α = {roles.ALPHA:g}, SPEC §7).</p>"
+    )
+
+
+def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> str:
+    columns, rows = read["roles"]
+    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows) or {}
+    rules = {r.role: r.rule for r in roles.rules_for(read["causal"])}
+    count_rows = [(r, n, stable.get(r), rules.get(r, "")) for r, n in counts.items()]
+    count_table = table(
+        ["role", "heads", "stable", "rule"],
+        count_rows,
+        text_columns=("role", "rule"),
+        links={"role": lambda d: ctx.here(role=d["role"]) + "#heads"},
+    )
+    ri = columns.index("role")
+    earned = [r for r in rows if r[ri] != roles.NONE]
+    family = roles.family_size(columns, rows)
+    tested = (
+        f"Holm–Bonferroni over {family} (head, role) tests, α = {roles.ALPHA:g}"
+        if family
+        else "no replicate groups: each value tested against its threshold, uncorrected"
+    )
+    shown = [
+        c
+        for c in columns
+        if c
+        not in ("rule", "family", "test")
+        + (() if any(r[columns.index("probe_score")] is not None for r in rows) else ("probe_score", "probe_min"))
+    ]
+    evidence = table(
+        columns,
+        earned,
+        shown=shown,
+        text_columns=("role", "metric"),
+        links={"head": lambda d: ctx.url(run_path(run, "heads", d["layer"], d["head"]))},
+        table_id="roles",
+    )
+    note = roles.ROLES_NOTE + ". " + roles.STABILITY_NOTE
+    return (
+        f'<h2 id="roles">Roles</h2><p class="muted">{e(tested)}.</p>{count_table}'
+        f"<h3>Evidence ({len(earned)} roles earned)</h3>{evidence}"
+        f'<p class="muted">{e(note)}. {e(interval_note([scheme_of(run.params)]))}</p>'
+    )
+
+
+def _heads_section(ctx, run, head_rows, sort, asc, layer, role, offered) -> str:
+    columns, rows = head_rows
+    wide = ctx.flag("wide")
+    shown = [c for c in columns if c != "interval_by"] if wide else [c for c in HEAD_TABLE if c in columns]
+
+    def header(c: str) -> str:
+        from headatlas.service.web.html import breakable
+
+        if c in ("layer", "head"):
+            return f'<a href="{e(ctx.here(sort=None, asc=None))}#heads">{breakable(c)}</a>'
+        if c not in SORTABLE:
+            return breakable(c)
+        mark = (" ▲" if asc else " ▼") if c == sort else ""
+        href = ctx.here(sort=c, asc=(not asc) if c == sort else None)
+        return f'<a class="sort" href="{e(href)}#heads">{breakable(c)}{mark}</a>'
+
+    layer_options = [("", "all"), *((str(l), str(l)) for l in range(run.n_layers))]
+    role_options = [("", "any"), *((r, r) for r in (*offered, roles.NONE))]
+    form = (
+        f'<form class="inline" method="get" id="heads-filter">{select("layer", layer_options, None if layer is None else str(layer), label="layer")}'
+        f" {select('role', role_options, role, label='role')}"
+        f' <label>top <input type="number" name="top" min="1" value="{e(ctx.arg("top") or "")}" size="4"></label>'
+        f'{hidden(ctx.request, "metric", "color", "sort", "asc", "wide")} <button type="submit">filter</button>'
+        f' <input type="search" placeholder="find in the table (anchors …)" data-filter="#heads-table">'
+        f' <a href="{e(ctx.here(wide=None if wide else 1))}#heads">{"main columns" if wide else "every column"}</a></form>'
+    )
+    body = table(
+        columns,
+        rows,
+        shown=shown,
+        header=header,
+        links={"head": lambda d: ctx.url(run_path(run, "heads", d["layer"], d["head"]))},
+        table_id="heads-table",
+        text_columns=("top_anchors",),
+    )
+    said = f"{len(rows)} heads" + (f", sorted by {sort} ({'smallest' if asc else 'largest'} first)" if sort else "")
+    return (
+        f'<h2 id="heads">Heads</h2>{form}<p class="muted">{e(said)}. Under each value: its 95% interval. '
+        f"Click a column to sort by it (again: the other way). {e(queries.LIFT_NOTE)}</p>{body}"
+    )

@@ -1,0 +1,94 @@
+"""Read-only SQL over one run: the sandbox of ``headatlas sql --run RUN`` (``run_readonly_sql``), with its
+limits (one SELECT, ``HEADATLAS_SQL_MAX_ROWS`` rows, ``HEADATLAS_SQL_TIMEOUT_S`` seconds, a quarter of
+the machine's memory), every table and view holding the run's rows alone.
+
+``/runs/R/sql?q=SELECT …``: the result as a table; ``sql.csv`` and ``sql.json`` hold it as ``headatlas
+sql --run R --format csv|json`` writes it. A result is kept for the database's state, as every page's
+values are: the same statement on an unchanged database answers at once (and so gives its first
+answer again, even where it calls ``random()`` or ``now()``).
+"""
+
+from __future__ import annotations
+
+from headatlas.service.config import Settings
+from headatlas.service.errors import ParameterError, StoreError
+from headatlas.service.storage import relations
+from headatlas.service.storage.backends.file import PROCESS_LOCK
+from headatlas.service.storage.readonly import QueryResult, run_readonly_sql
+from headatlas.service.web.context import Ctx, run_path
+from headatlas.service.web.documents import records
+from headatlas.service.web.html import e, table
+from headatlas.service.web.views import View
+
+EXAMPLE = "SELECT layer, head, within_sentence_lift_dm, repetition_words_lift_dm\nFROM head_metrics\nORDER BY 3 DESC\nLIMIT 10"
+
+
+def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
+    run = ctx.run(ref)
+    statement = ctx.request.arg("q")
+    title = f"SQL over run {run.run_id} ({run.name})"
+    crumbs = [(f"run {run.run_id}", ctx.url(run_path(run))), ("SQL", ctx.url(run_path(run, "sql")))]
+    if statement is None:
+        if wants_data:
+            raise ParameterError("pass the statement as q=SELECT …")
+        return View(title, [], lambda: _form(ctx, run, EXAMPLE), crumbs=crumbs)
+    settings = Settings.from_env()
+
+    def query() -> QueryResult:
+        # The sandbox runs the query in a forked child, which inherits DuckDB's open databases: a
+        # file opened by this process then could not be opened again with the sandbox's settings.
+        # So the request's own transaction is closed, and no other request's is open while the child
+        # starts (they open the file under PROCESS_LOCK, as this does).
+        ctx.reads.close()
+        with PROCESS_LOCK:
+            return run_readonly_sql(
+                ctx.store.backend,
+                statement,
+                max_rows=settings.sql_max_rows,
+                timeout_s=settings.sql_timeout_s,
+                run_id=run.run_id,
+                at=ctx.store.at,
+            )
+
+    try:
+        # a result is kept for the database's state, as every page's: its CSV and JSON come at once
+        limits = (settings.sql_max_rows, settings.sql_timeout_s)
+        result = ctx.reads.get(("sql", run.run_id, statement, limits), query)
+    except (StoreError, ParameterError) as refused:
+        message = str(refused)
+        return View(
+            title,
+            {"error": message, "status": 400},
+            lambda: _form(ctx, run, statement) + f'<p class="error" id="sql-error">error: {e(message)}</p>',
+            crumbs=crumbs,
+            status=400,
+        )
+
+    def body() -> str:
+        csv_url = ctx.url(run_path(run, "sql.csv"), q=statement)
+        json_url = ctx.url(run_path(run, "sql.json"), q=statement)
+        cut = (
+            f' <strong class="warning">truncated: the first {len(result.rows):,} rows (HEADATLAS_SQL_MAX_ROWS); narrow the '
+            "query</strong>"
+            if result.truncated
+            else ""
+        )
+        said = (
+            f'<p id="sql-said">{len(result.rows):,} rows in {result.elapsed_s:.2f} s.{cut} Download: '
+            f'<a id="download-csv" href="{e(csv_url)}" download>CSV</a> · <a id="download-json" href="{e(json_url)}">JSON</a></p>'
+        )
+        return _form(ctx, run, statement) + said + table(result.columns, result.rows, table_id="sql-result", digits=8)
+
+    return View(title, records(result.columns, result.rows), body, crumbs=crumbs, table=(result.columns, result.rows))
+
+
+def _form(ctx: Ctx, run, statement: str) -> str:
+    at = f'<input type="hidden" name="at" value="{e(ctx.request.arg("at"))}">' if ctx.request.arg("at") else ""
+    views = " ".join(
+        f'<a href="{e(ctx.url(run_path(run, "sql"), q=f"SELECT * FROM {name} LIMIT 20"))}"><code>{e(name)}</code></a>'
+        for name in (*relations.VIEWS, *relations.TABLES)
+    )
+    return f"""<form method="get" id="sql-form" class="sql"><textarea name="q" rows="6" spellcheck="false">{e(statement)}</textarea>
+{at}<p><button type="submit" id="run-sql">run</button> <span class="muted">one read-only SELECT; every table and view
+holds run {e(run.run_id)}'s rows alone; at most {Settings.from_env().sql_max_rows:,} rows, {Settings.from_env().sql_timeout_s:g} s.</span></p></form>
+<details><summary>tables and views</summary><p>{views}</p><p class="muted">{e(relations.sql_help())}</p></details>"""

@@ -1,0 +1,395 @@
+"""`headatlas serve`'s app through an in-process client: every page and its JSON against the CLI's own
+output (`headatlas … --format json|csv`, run in this process), escaping of a run named `<script>`, the
+404 and 400 pages (with the message the CLI gives), no path outside the app, the example window (the
+window the run analysed, its matrices as `inspect` computes them), a lake read now and at a snapshot,
+and the command itself (a process: it prints its address, warns off loopback, serves)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from web_support import Client
+
+from tests.conftest import headatlas_cmd, invoke_cli
+from tests.figure_checks import analyse, corpus_of
+
+NAUGHTY = "<script>alert(1)</script>"
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, tiny_model, demo_corpus):
+    """A database with a tiny run, its control, and a deeper run named NAUGHTY (random weights)."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.model import control_model, load_model
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
+
+    folder = tmp_path_factory.mktemp("web")
+    db = folder / "web.duckdb"
+    corpus = corpus_of(demo_corpus, folder, slice(0, 1), "one")
+    run = analyse(corpus, db, tiny_model, name="tiny", seq_len=64)
+    analyze_corpus(
+        str(corpus),
+        store=Store(db),
+        model=control_model(tiny_model),
+        params=build_params(seq_len=64),
+        corpus=survey_corpus(str(corpus)),
+        batch_size=8,
+        control_of=run,
+    )
+    deep = analyse(corpus, db, load_model("random:3,4,32", device="cpu"), name=NAUGHTY, seq_len=64)
+    return db, run, deep
+
+
+@pytest.fixture(scope="module")
+def client(stored):
+    from headatlas.service.web.app import WebApp
+
+    return Client(WebApp(str(stored[0])))
+
+
+def cli_json(db, *args: str):
+    done = invoke_cli(*args, "--format", "json", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def same(got, want) -> bool:
+    """The same document: keys, order and values; floats to 1e-9 relative (DuckDB sums in parallel, so
+    two runs of one query may differ in the last bits, the CLI's with itself too)."""
+    if isinstance(got, float) and isinstance(want, float):
+        return got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    if isinstance(got, dict) and isinstance(want, dict):
+        return list(got) == list(want) and all(same(got[k], want[k]) for k in got)
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(same(a, b) for a, b in zip(got, want))
+    return got == want
+
+
+def cli_error(db, *args: str) -> str:
+    done = invoke_cli(*args, "--db", str(db))
+    assert done.returncode == 2, done.stdout
+    return done.stderr.strip().removeprefix("error: ")
+
+
+def page_text(answer) -> str:
+    """The page's text as a reader sees it (tags dropped, entities read)."""
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", answer.text))
+
+
+def test_every_page_answers_and_its_json_is_the_clis(stored, client):
+    db, run, _ = stored
+    for path in ("/runs", "/runs/tiny", "/runs/tiny/heads/1/2", "/compare/tiny/tiny-control", "/runs/tiny/sql"):
+        answer = client.get(path)
+        assert answer.status == 200 and answer.headers["Content-Type"].startswith("text/html"), path
+        assert "default-src 'self'" in answer.headers["Content-Security-Policy"]
+    assert client.get("/").status == 302 and client.get("/").headers["Location"] == "/runs"
+    assert same(client.get("/runs.json").json(), cli_json(db, "runs"))
+    page = client.get("/runs/tiny.json").json()
+    assert same(page["run"], next(r for r in cli_json(db, "runs") if r["name"] == "tiny"))
+    assert same(page["layers"], cli_json(db, "query", "layers", "--run", "tiny", "--ci"))
+    assert same(page["heads"], cli_json(db, "query", "heads", "--run", "tiny", "--ci"))
+    assert same(page["roles"], cli_json(db, "query", "roles", "--run", "tiny", "--stability"))
+    sorted_page = client.get("/runs/tiny.json?sort=mean_distance&asc=1&layer=1&top=3").json()
+    assert same(
+        sorted_page["heads"],
+        cli_json(
+            db,
+            "query",
+            "heads",
+            "--run",
+            "tiny",
+            "--sort",
+            "mean_distance",
+            "--asc",
+            "--layer",
+            "1",
+            "--top",
+            "3",
+            "--ci",
+        ),
+    )
+    head = client.get(f"/runs/{run.run_id}/heads/1/2.json").json()
+    layer_rows = cli_json(db, "query", "heads", "--run", "tiny", "--layer", "1", "--ci")
+    assert same(head["metrics"], [r for r in layer_rows if r["head"] == 2])
+    assert same(
+        head["distances"], cli_json(db, "query", "distances", "--run", "tiny", "--layer", "1", "--head", "2", "--ci")
+    )
+    roles = cli_json(db, "query", "roles", "--run", "tiny", "--stability")
+    assert same(head["roles"], [r for r in roles if (r["layer"], r["head"]) == (1, 2)])
+    assert head["top_anchors"] and all(a.endswith("%") for a in head["top_anchors"])
+
+
+def test_compare_by_layer_head_and_depth_is_the_clis(stored, client):
+    db, _, deep = stored
+    by_layer = client.get("/compare/tiny/tiny-control.json").json()
+    assert same(by_layer["rows"], cli_json(db, "compare", "tiny", "tiny-control"))
+    assert {r["verdict"] for r in by_layer["rows"]} <= {"beyond", "within", "no value", "no interval"}
+    by_head = client.get("/compare/tiny/tiny-control.json?by=head&metric=mean_distance").json()
+    assert same(
+        by_head["rows"], cli_json(db, "compare", "tiny", "tiny-control", "--heads", "--metric", "mean_distance")
+    )
+    # 2 layers against 3: aligned by relative depth (the run named NAUGHTY has a "/" in its name: by id)
+    by_depth = client.get(f"/compare/tiny/{deep.run_id}.json?by=depth").json()
+    assert same(by_depth["rows"], cli_json(db, "compare", "tiny", NAUGHTY))
+    assert [r["layer"] for r in by_depth["profiles"]["b"]] == [0, 1, 2]
+    assert (
+        client.get("/compare?a=tiny&b=tiny-control&by=head").headers["Location"] == "/compare/tiny/tiny-control?by=head"
+    )
+    assert "beyond" in client.get("/compare/tiny/tiny-control?by=head").text
+    # heads pair up only between runs of one shape: refused as the CLI refuses --heads
+    refused = client.get(f"/compare/tiny/{deep.run_id}?by=head")
+    assert refused.status == 400
+    assert cli_error(db, "compare", "tiny", NAUGHTY, "--heads") in page_text(refused)
+
+
+def test_sql_over_a_run_is_the_clis_with_its_limits(stored, client, monkeypatch):
+    db, run, _ = stored
+    q = "SELECT layer, head, within_sentence_lift_dm, mean_distance FROM head_metrics ORDER BY 3 DESC"
+    assert same(client.get("/runs/tiny/sql.json", {"q": q}).json(), cli_json(db, "sql", "--run", "tiny", q))
+    # the CSV as the CLI writes it, to the byte (counts: no float summed in another order)
+    counts = (
+        "SELECT layer, head, high_pairs, windows, 'a,\"b\"' AS quoted, NULL AS nothing FROM head_metrics ORDER BY 1, 2"
+    )
+    csv_answer = client.get("/runs/tiny/sql.csv", {"q": counts})
+    done = invoke_cli("sql", "--run", "tiny", counts, "--format", "csv", "--db", str(db))
+    assert csv_answer.text == done.stdout
+    assert csv_answer.headers["Content-Disposition"] == 'attachment; filename="run-tiny-sql.csv"'
+    # scoped to the run: the views hold its rows alone
+    scoped = client.get("/runs/tiny/sql.json", {"q": "SELECT DISTINCT run_id FROM head_metrics"}).json()
+    assert scoped == [{"run_id": run.run_id}]
+    page = client.get("/runs/tiny/sql", {"q": q})
+    assert page.status == 200 and page.text.count("<tr>") == 1 + run.n_layers * run.n_heads
+    # the sandbox's refusals and limits hold, in the CLI's words
+    refused = client.get("/runs/tiny/sql", {"q": "DROP TABLE runs"})
+    assert refused.status == 400 and cli_error(db, "sql", "--run", "tiny", "DROP TABLE runs") in page_text(refused)
+    assert client.get("/runs/tiny/sql.json", {"q": "DROP TABLE runs"}).json()["status"] == 400
+    monkeypatch.setenv("HEADATLAS_SQL_MAX_ROWS", "100")
+    capped = client.get("/runs/tiny/sql", {"q": "SELECT * FROM range(5000)"})
+    assert "truncated: the first 100 rows" in capped.text and capped.text.count("<tr>") == 101
+
+
+def test_a_run_named_script_is_text_on_every_page(stored, client):
+    db, _, deep = stored
+    naughty = deep.run_id
+    pages = [
+        "/runs",
+        f"/runs/{naughty}",
+        f"/runs/{naughty}/heads/0/0",
+        f"/compare/tiny/{naughty}",
+        f"/runs/{naughty}/sql?q=SELECT+'<img src=x onerror=alert(2)>'+AS+v",
+    ]
+    for path in pages:
+        answer = client.get(path)
+        assert answer.status == 200, path
+        assert "<script>alert" not in answer.text and "<img src=x" not in answer.text, path
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in answer.text, path
+    assert "&lt;img src=x onerror=alert(2)&gt;" in client.get(pages[4]).text
+    # by its name in the address: its "/" splits the path (as every server decodes %2F), so no page is
+    # there, and the 404 page names the address as text
+    missing = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
+    assert missing.status == 404 and "<script>alert" not in missing.text and "&lt;script&gt;" in missing.text
+    # the page's only scripts are the app's own file
+    assert re.findall(r"<script[^>]*>", client.get(f"/runs/{naughty}").text) == ['<script src="/static/app.js" defer>']
+
+
+def test_bad_addresses_get_a_404_page(stored, client):
+    db, _, deep = stored
+    for path in ("/nope", "/runs/tiny/heads/9/0", "/runs/tiny/heads/x/0", "/runs/tiny/layers", "/favicon.ico"):
+        answer = client.get(path)
+        assert answer.status == 404 and "Not found" in answer.text, path
+    missing = client.get("/runs/no-such-run")
+    assert missing.status == 404
+    assert cli_error(db, "query", "layers", "--run", "no-such-run") in page_text(missing)
+    assert client.get("/runs/no-such-run.json").json() == {
+        "error": cli_error(db, "query", "layers", "--run", "no-such-run"),
+        "status": 404,
+    }
+    assert client.get("/runs", method="POST").status == 405
+
+
+@pytest.mark.parametrize(
+    ("query", "cli"),
+    [
+        ("sort=bogus", ("query", "heads", "--run", "tiny", "--sort", "bogus")),
+        ("layer=7", ("query", "heads", "--run", "tiny", "--layer", "7")),
+        ("asc=1", ("query", "heads", "--run", "tiny", "--asc")),
+        ("at=3", ("query", "heads", "--run", "tiny", "--at", "3")),
+    ],
+)
+def test_a_bad_parameter_gets_a_400_page_with_the_clis_message(stored, client, query, cli):
+    answer = client.get(f"/runs/tiny?{query}")
+    assert answer.status == 400
+    assert cli_error(stored[0], *cli) in page_text(answer)
+
+
+def test_no_path_outside_the_app_is_served(client):
+    secret = open("pyproject.toml", encoding="utf-8").read()[:40]
+    for path in (
+        "/static/../pyproject.toml",
+        "/static/../../pyproject.toml",
+        "/static/%2e%2e/%2e%2e/pyproject.toml",
+        "/static/..%2f..%2fpyproject.toml",
+        "/static/app.py",
+        "/static/",
+        "//etc/passwd",
+        "/runs/../../../etc/passwd",
+        "/static/app.js/../../app.py",
+    ):
+        answer = client.get(path)
+        assert answer.status == 404, path
+        assert secret not in answer.text and "root:" not in answer.text, path
+    script = client.get("/static/app.js")
+    assert script.status == 200 and script.headers["Content-Type"].startswith("text/javascript")
+    assert "http://" not in script.text and "https://" not in script.text  # nothing loaded from elsewhere
+
+
+def test_the_example_window_is_the_window_the_run_analysed(stored, client, tiny_model):
+    import numpy as np
+
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.reports.inspection import inspect_text
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.example import document_text, stored_window
+
+    db, run, _ = stored
+    first = client.get(f"/runs/{run.run_id}/heads/1/2/example.json?window=1")
+    assert first.status == 200, first.text
+    doc = first.json()
+    assert doc["same_window"] and doc["note"] is None
+    with Store(db).checked_read() as conn:
+        window = stored_window(conn, run, 1)
+    assert doc["window_id"] == window.window_id
+    # the matrices inspect computes for that window, with the run's own parameters
+    seen = inspect_text(
+        tiny_model, document_text(window), AnalysisParams.from_dict(run.params), window=window.window_index
+    )
+    assert doc["tokens"] == seen.tokens
+    np.testing.assert_allclose(doc["csm"], seen.csm[1, 2], rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(doc["attention"]).sum(axis=1), 1.0, atol=1e-2)
+    high = {tuple(p) for p in doc["high_pairs"]}
+    assert high == {(i, j) for i, j in zip(*np.nonzero(np.triu(seen.high[1, 2], 1)))}
+    # every head of the window is kept: another head comes without computing again
+    other = client.get(f"/runs/{run.run_id}/heads/0/3/example.json?window=1").json()
+    assert other["computed_s"] == doc["computed_s"] and other["window_id"] == doc["window_id"]
+    assert client.get(f"/runs/{run.run_id}/heads/1/2/example.json?window=99999").status == 400
+    page = client.get(f"/runs/{run.run_id}/heads/1/2?window=1")
+    assert f'data-src="/runs/{run.run_id}/heads/1/2/example.json?window=1"' in page.text and "computing" in page.text
+
+
+def test_a_write_to_the_database_is_seen_at_the_next_request(stored, client):
+    from headatlas.service.storage.store import Store
+
+    db, run, _ = stored
+    before = client.get("/runs.json").json()
+    Store(db).tag_run(run.run_id, ["seen"], [])
+    try:
+        after = client.get("/runs.json").json()
+        assert next(r for r in after if r["run_id"] == run.run_id)["tags"] == ["seen"]
+        assert after != before and client.get("/runs?tag=seen").text.count('href="/runs/') == 2  # the run, twice
+    finally:
+        Store(db).tag_run(run.run_id, [], ["seen"])
+
+
+def test_progress_of_an_unfinished_run(stored, tmp_path):
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db = tmp_path / "open.duckdb"
+    store = Store(db)
+    store.ensure_schema()
+    store.find_or_create_run(
+        run_key="k",
+        name="open",
+        corpus="c.txt",
+        corpus_fingerprint="-",
+        model={"spec": "random:tiny", "name": "tiny", "layers": 2, "heads": 4, "d_head": 8},
+        params={"seq_len": 32, "short_range": 4},
+        engine="embedded",
+        device="cpu",
+    )
+    client = Client(WebApp(str(db)))
+    assert client.get("/progress.json").json() == [
+        {
+            "run_id": 1,
+            "status": "created",
+            "windows": 0,
+            "batches_done": 0,
+            "batches_failed": 0,
+            "batches_planned": None,
+            "windows_planned": None,
+            "share": None,
+        }
+    ]
+    assert 'data-progress="/progress.json"' in client.get("/runs").text
+
+
+@pytest.mark.slow
+def test_a_lake_now_and_at_a_snapshot(lake, tiny_model, small_corpus):
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    store = Store(lake.url, data_path=lake.data_path)
+    run = analyze_corpus(
+        str(small_corpus),
+        store=store,
+        model=tiny_model,
+        params=build_params(seq_len=32),
+        corpus=survey_corpus(str(small_corpus)),
+        name="on-lake",
+        batch_size=8,
+    )
+    snapshot = cli_json(lake.url, "runs")[0]["snapshot"]
+    client = Client(WebApp(lake.url))
+    assert same(client.get("/runs.json").json(), cli_json(lake.url, "runs"))
+    layers = cli_json(lake.url, "query", "layers", "--run", "on-lake", "--ci", "--at", str(snapshot))
+    assert same(client.get(f"/runs/{run.run_id}.json?at={snapshot}").json()["layers"], layers)
+    store.rename_run(run.run_id, "renamed")
+    assert client.get("/runs.json").json()[0]["name"] == "renamed"
+    assert client.get(f"/runs.json?at={snapshot}").json()[0]["name"] == "on-lake"
+    assert f"?at={snapshot}" in client.get(f"/runs?at={snapshot}").text  # links keep the snapshot
+
+
+@pytest.mark.slow
+def test_the_command_prints_its_address_warns_off_loopback_and_serves(stored, tmp_path):
+    db, _, deep = stored
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [*headatlas_cmd(), "serve", "--db", str(db), "--host", "0.0.0.0", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = process.stdout.readline()
+        took = time.perf_counter() - started
+        address = re.search(r"http://0\.0\.0\.0:(\d+)/", line)
+        assert address, line
+        assert took < 20, f"{took:.1f} s to print the address"  # 2 s on an idle machine: docs/benchmarks.md
+        warning = process.stderr.readline()
+        assert warning.startswith("warning: listening on 0.0.0.0: anyone who can reach this machine"), warning
+        with urllib.request.urlopen(f"http://127.0.0.1:{address.group(1)}/runs.json", timeout=60) as answer:
+            assert same(json.loads(answer.read()), cli_json(db, "runs"))
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_the_server_reads_the_latest_runs_pages_ahead(stored):
+    from headatlas.service.web.app import WebApp
+
+    app = WebApp(str(stored[0]))
+    app.warm(runs=1).join(300)
+    remembered = {key[2] for key in app.memo._items}
+    assert {"runs", "run", "layers", "roles", "heads"} <= remembered
