@@ -46,6 +46,11 @@ class Declared:
 # model (benchmarks/attribution_estimate.py); the forward-only measures cost a few forward passes
 ATTRIBUTION_WINDOWS = 2
 MIXING_WINDOWS = 256
+# windows that get --effects when --effect-windows is not given: ablating every head of a window costs
+# about half of (layers × heads) forward passes of it (benchmarks/effects.py); the reference set
+# of mean ablation is the run's first EFFECT_REFERENCE windows (SPEC §9)
+EFFECT_WINDOWS = 64
+EFFECT_REFERENCE = 256
 
 # in the order `--help` lists them
 OPTIONS: tuple[Declared, ...] = (
@@ -108,6 +113,32 @@ OPTIONS: tuple[Declared, ...] = (
         "mixing", list[str], (), "Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate).", "§6"
     ),
     Declared(
+        "effects",
+        str,
+        "",
+        "Causal effects of every head on the model's own objective and on output drift: zero and mean "
+        "ablation, gradient importance (comma-separate: zero,mean,gradient; gradient for objectives that are "
+        "losses). Costly: each window's ablations cost about half of layers × heads forward passes; analyze "
+        "says its estimate before it starts.",
+        spec="§9",
+    ),
+    Declared(
+        "effect_windows",
+        int,
+        EFFECT_WINDOWS,
+        "--effects: the run's first N windows get them (the rest every other statistic).",
+        spec="§9",
+        min=1,
+    ),
+    Declared(
+        "effect_reference",
+        int,
+        EFFECT_REFERENCE,
+        "--effects mean: each head's output is replaced by its mean over the run's first N windows (recorded).",
+        spec="§9",
+        min=1,
+    ),
+    Declared(
         "csm_bin",
         int,
         8,
@@ -158,6 +189,7 @@ def build_params(**values: Any) -> AnalysisParams:
     given = {name: values.get(name, DEFAULTS[name]) for name in PARAM_NAMES}
     given["select"] = Selection.parse(given["select"])
     given["mixing"] = parse_mixing(given["mixing"])
+    given["effects"] = parse_effects(given["effects"])
     return AnalysisParams(**given)
 
 
@@ -172,6 +204,22 @@ def parse_mixing(values) -> tuple[str, ...]:
 
         raise ParameterError(f"--mixing {unknown[0]!r}: choose from {', '.join(MIXING)} (several allowed)")
     return tuple(m for m in MIXING if m in given)
+
+
+def parse_effects(value) -> tuple[str, ...]:
+    """``--effects``: a comma-separated text or a sequence of kinds, deduplicated in SPEC order
+    (zero, mean, gradient); empty: none."""
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.params import EFFECT_KINDS
+
+    parts = [value] if isinstance(value, str) else list(value or ())
+    given = [k.strip().lower() for part in parts for k in str(part).split(",") if k.strip()]
+    unknown = [k for k in given if k not in EFFECT_KINDS]
+    if unknown:
+        raise ParameterError(
+            f"--effects {unknown[0]!r}: choose from {', '.join(EFFECT_KINDS)} (comma-separated, e.g. zero,mean)"
+        )
+    return tuple(k for k in EFFECT_KINDS if k in given)
 
 
 @overload

@@ -207,6 +207,90 @@ def _mean(
     )
 
 
+# SPEC §9: what a head's removal costs. O is the run's own objective (``run_effects.objective`` and
+# ``unit``): next-token loss (nats) for decoders, masked-LM loss (nats) for encoders with an MLM head,
+# embedding drift (1 − cos of the pooled embedding) for sentence-embedding encoders.
+EFFECT_AGAINST = (
+    "the intact model on the same windows: O(ablated) − O(intact), O the run's own objective "
+    "(next-token or masked-LM loss in nats, or embedding drift 1 − cos; named under every table)"
+)
+DRIFT_AGAINST = "the intact model's final hidden states: Σ‖h' − h‖² / Σ‖h‖² (0 = unchanged)"
+
+
+def _effect(kind: str, what: str) -> Column:
+    return Column(
+        f"effect_{kind}",
+        f"effect_{kind} / nullif(effect_windows, 0)",
+        f"O with the head's output {what} − O intact, mean over the effect windows",
+    )
+
+
+EFFECT_METRICS: tuple[Metric, ...] = (
+    Metric(
+        "effect",
+        "§9",
+        "what the model's objective loses when the head is ablated (zero or mean ablation)",
+        EFFECT_AGAINST,
+        (
+            _effect("zero", "set to 0"),
+            _effect("mean", "set to its mean over the reference windows"),
+            Column(
+                "objective",
+                "objective / nullif(effect_windows, 0)",
+                "O of the intact model, mean over the effect windows (the same for every head)",
+                heads=False,
+                layers=False,
+            ),
+        ),
+        sums=(head_float("effect_zero"), head_float("effect_mean"), run_int("effect_windows"), run_float("objective")),
+    ),
+    Metric(
+        "importance",
+        "§9",
+        "gradient importance (Michel et al. 2019): mean over windows of |∂O/∂ξ|, ξ a gate on the head's output",
+        "the intact model (ξ = 1); O the run's own objective, a loss (nats)",
+        (
+            Column(
+                "importance",
+                "importance / nullif(effect_windows, 0)",
+                "mean |∂O/∂ξ| over the effect windows (nats per unit of gate)",
+                bounds=POSITIVE,
+            ),
+        ),
+        sums=(head_float("importance"),),
+    ),
+    Metric(
+        "drift",
+        "§9",
+        "output drift of the final hidden states when the head is ablated",
+        DRIFT_AGAINST,
+        (
+            Column(
+                "drift_zero",
+                "drift_zero / nullif(effect_windows, 0)",
+                "output drift with the head's output set to 0, mean over the effect windows",
+                layers=False,
+                bounds=POSITIVE,
+            ),
+            Column(
+                "drift_mean",
+                "drift_mean / nullif(effect_windows, 0)",
+                "output drift with the head's output set to its reference mean, mean over the effect windows",
+                layers=False,
+                bounds=POSITIVE,
+            ),
+        ),
+        sums=(head_float("drift_zero"), head_float("drift_mean")),
+    ),
+)
+EFFECT_COLUMNS = tuple(c.name for m in EFFECT_METRICS for c in m.columns)
+# the per-head sums of each effect kind (SPEC §9), in the payload and head_stats
+EFFECT_SUMS = {
+    "zero": ("effect_zero", "drift_zero"),
+    "mean": ("effect_mean", "drift_mean"),
+    "gradient": ("importance",),
+}
+
 METRICS: tuple[Metric, ...] = (
     _share(
         "within_sentence",
@@ -380,6 +464,7 @@ METRICS: tuple[Metric, ...] = (
         (Column("high_pairs", "high_pairs", "|H| summed over windows", interval=False, layers=False),),
         sums=(head_int("high_pairs"), run_int("windows"), run_int("pairs"), run_int("attn_rows")),
     ),
+    *EFFECT_METRICS,
 )
 
 COLUMNS: tuple[Column, ...] = tuple(c for m in METRICS for c in m.columns)
@@ -388,6 +473,11 @@ HEAD_SUMS: tuple[str, ...] = tuple(s.name for s in SUMS if s.scope is Scope.HEAD
 CHANCE_SUMS: tuple[str, ...] = tuple(s.name for s in SUMS if s.scope is Scope.RUN)
 INT_SUMS: frozenset[str] = frozenset(s.name for s in SUMS if s.kind is int)
 SUM_KINDS: dict[str, type] = {s.name: s.kind for s in SUMS}
+# the sums of the causal effects (SPEC §9), computed on the run's effect windows only; the others
+# are computed on every window by the statistics (service.engine.stats)
+EFFECT_SUM_NAMES: frozenset[str] = frozenset(s.name for m in EFFECT_METRICS for s in m.sums)
+STAT_HEAD_SUMS: tuple[str, ...] = tuple(n for n in HEAD_SUMS if n not in EFFECT_SUM_NAMES)
+STAT_CHANCE_SUMS: tuple[str, ...] = tuple(n for n in CHANCE_SUMS if n not in EFFECT_SUM_NAMES)
 
 
 # --- metrics of installed plugins (the headatlas.metrics entry point) ------------------------------

@@ -21,6 +21,8 @@ VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
 MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
+EFFECT_KINDS = ("zero", "mean", "gradient")  # SPEC §9: the two ablations and gradient importance
+EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference")  # recorded only when in use
 CSM_BIN = DEFAULTS["csm_bin"]  # default bin of the corpus-averaged similarity matrices, in tokens per side
 
 
@@ -88,6 +90,10 @@ class AnalysisParams:
     mixing: tuple[str, ...] = DEFAULTS["mixing"]  # forward-only mixing measures: rollout, norm, alti
     # windows per run that get attribution / mixing; None: ATTRIBUTION_WINDOWS with attribution, else MIXING_WINDOWS
     attribution_windows: int = DEFAULTS["attribution_windows"]
+    # causal effects of heads (SPEC §9): kinds, windows that get them, reference windows of mean ablation
+    effects: tuple[str, ...] = DEFAULTS["effects"] or ()
+    effect_windows: int = DEFAULTS["effect_windows"]
+    effect_reference: int = DEFAULTS["effect_reference"]
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
     # replicate groups (SPEC §5d): document | block:B | window; a run records the one it used (resolved())
     replicates: str = DEFAULTS["replicates"]
@@ -121,6 +127,12 @@ class AnalysisParams:
                 f"--attribution-windows {self.attribution_windows}: must be at least 1 (default {ATTRIBUTION_WINDOWS} "
                 f"with --attribution, {MIXING_WINDOWS} with --mixing alone)"
             )
+        for kind in self.effects:
+            _check_choice("--effects", kind, EFFECT_KINDS)
+        if self.effect_windows < 1:
+            raise ParameterError(f"--effect-windows {self.effect_windows}: must be at least 1")
+        if self.effect_reference < 1:
+            raise ParameterError(f"--effect-reference {self.effect_reference}: must be at least 1 window")
         if self.csm_bin < 0:
             # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
             raise ParameterError(
@@ -150,6 +162,13 @@ class AnalysisParams:
         out = asdict(self)
         out["select"] = str(self.select)
         out["mixing"] = list(self.mixing)
+        out["effects"] = list(self.effects)
+        if not self.effects:
+            # runs without effects keep the parameters (and the run key) they had before they existed
+            for name in EFFECT_FIELDS:
+                out.pop(name)
+        elif "mean" not in self.effects:
+            out.pop("effect_reference")  # no reference set: no mean ablation
         if not self.mixes:
             # runs without mixing keep the parameters (and the run key) they had before it existed
             for name in MIXING_FIELDS:
@@ -178,6 +197,8 @@ class AnalysisParams:
             data["select"] = Selection.parse(data["select"])
         if "mixing" in data:
             data["mixing"] = tuple(data["mixing"])
+        if "effects" in data:
+            data["effects"] = tuple(data["effects"])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from headatlas.service.engine.effect_batch import ReferenceMeans
 from headatlas.service.engine.hooks import capture_attention
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import (
@@ -81,12 +82,17 @@ def analyze_batch(
     documents: list[dict] | None = None,
     mixing_windows: int | None = None,
     attribution_chunk: int = 2048,
+    effect_windows: int = 0,
+    effect_means: ReferenceMeans | None = None,
 ) -> BatchResult:
     """Forward ``batch`` with hooks and summarise every head of every layer.
 
     ``documents``: rows for the documents whose windows are in the batch (stored with it).
     ``mixing_windows``: how many of the batch's first windows get the mixing measures when
     ``params.mixes`` (default: all); ``attribution_chunk``: gradient rows per backward call.
+    ``effect_windows``: how many of the batch's first windows get the causal effects when
+    ``params.effects`` (SPEC §9; ``effect_batch``), ``effect_means`` the run's reference means
+    (for mean ablation).
     """
     started = time.perf_counter()
     input_ids, attention_mask = _on_device(model, batch)
@@ -177,13 +183,31 @@ def analyze_batch(
             chunk_size=attribution_chunk,
         )
         mixed_rows = int(sub_mask.sum())
+    effects: dict = {}
+    if params.effects:
+        from headatlas.service.engine.effect_batch import effect_sums
+
+        effect_heads, effect_run, effects = effect_sums(
+            model,
+            batch,
+            params,
+            count=max(0, min(effect_windows, len(batch.windows))),
+            group=dense.reshape(-1),
+            n_groups=len(reps),
+            means=effect_means,
+            pad_id=tokens.pad_id,
+        )
+        heads.update(effect_heads)
+    rep_chance = {k: chance[k].cpu().numpy().astype(sum_dtype(k)) for k in CHANCE_SUMS}
+    if effects:
+        rep_chance.update(effect_run)
     return BatchResult(
         window_ids=batch.window_ids,
         reps=reps.astype(np.int16),
         rep_heads=heads,
         rep_dist_hist=stacked["dist_hist"].cpu().numpy().astype(np.int64),
         rep_attended_hist=stacked["attended_hist"].cpu().numpy().astype(np.int64),
-        rep_chance={k: chance[k].cpu().numpy().astype(sum_dtype(k)) for k in CHANCE_SUMS},
+        rep_chance=rep_chance,
         rep_pair_hist={k: chance[f"hist.{k}"].cpu().numpy().astype(np.int64) for k in PAIR_HISTS},
         anchor_token=anchor_np,
         anchor_count=stacked["anchor_count"].cpu().numpy().astype(np.int32),
@@ -204,6 +228,7 @@ def analyze_batch(
         # float32 sums: a batch's share of a picture needs no more, and they are most of its payload
         csm_sum=stacked["csm_sum"].cpu().numpy().astype(np.float32) if params.csm_bin else None,
         csm_count=stacked["csm_count"].cpu().numpy().astype(np.int32) if params.csm_bin else None,
+        effects=effects,
     )
 
 
@@ -229,14 +254,17 @@ class OomSplitter:
         pad_id: int,
         mixing_windows: int | None = None,
         attribution_chunk: int = 2048,
+        effect_windows: int = 0,
+        effect_means: ReferenceMeans | None = None,
     ) -> list[BatchResult]:
         """``mixing_windows``: how many of the batch's first windows get the mixing measures
-        (None: all); split batches hand them on in order."""
+        (None: all); ``effect_windows``: the causal effects; split batches hand them on in order."""
         windows = batch.windows
         size = len(windows) if self.max_windows is None else min(len(windows), self.max_windows)
         if size < len(windows):
             results = []
             left = len(windows) if mixing_windows is None else mixing_windows
+            effects_left = effect_windows
             for i in range(0, len(windows), size):
                 part = collate(windows[i : i + size], pad_id)
                 results += self.analyze(
@@ -248,8 +276,11 @@ class OomSplitter:
                     pad_id=pad_id,
                     mixing_windows=max(0, min(left, len(part.windows))),
                     attribution_chunk=attribution_chunk,
+                    effect_windows=max(0, min(effects_left, len(part.windows))),
+                    effect_means=effect_means,
                 )
                 left -= len(part.windows)
+                effects_left -= len(part.windows)
             return results
         try:
             return [
@@ -261,6 +292,8 @@ class OomSplitter:
                     documents=documents,
                     mixing_windows=mixing_windows,
                     attribution_chunk=attribution_chunk,
+                    effect_windows=effect_windows,
+                    effect_means=effect_means,
                 )
             ]
         except RuntimeError as exc:
@@ -278,4 +311,6 @@ class OomSplitter:
             pad_id=pad_id,
             mixing_windows=mixing_windows,
             attribution_chunk=attribution_chunk,
+            effect_windows=effect_windows,
+            effect_means=effect_means,
         )

@@ -15,8 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # The additive sums, declared with the metrics that read them (service.metrics): per head
-# (HEAD_SUMS, table head_stats) and per run (CHANCE_SUMS, table run_chance).
-from headatlas.service.metrics import CHANCE_SUMS, HEAD_SUMS, INT_SUMS, SUM_KINDS  # noqa: F401
+# (HEAD_SUMS, table head_stats) and per run (CHANCE_SUMS, table run_chance) that the statistics
+# compute for every window; the causal effects' sums (SPEC §9), on a run's effect windows only,
+# travel beside them when the run has effects (EFFECT_SUM_NAMES).
+from headatlas.service.metrics import EFFECT_SUM_NAMES, INT_SUMS, STAT_CHANCE_SUMS, STAT_HEAD_SUMS, SUM_KINDS  # noqa: F401
+
+HEAD_SUMS = STAT_HEAD_SUMS
+CHANCE_SUMS = STAT_CHANCE_SUMS
 
 # The mixing methods (service.measures.mixing registers one class for each), in display order: attention is
 # always measured (the others are compared with it), attribution is asked for with --attribution,
@@ -141,6 +146,10 @@ class BatchResult:
     csm_bin: int = 0
     csm_sum: np.ndarray | None = None  # float32 (summed in float64 by the store)
     csm_count: np.ndarray | None = None  # int32
+    # the causal effects (SPEC §9) of a run that has them: what they are measured against (objective,
+    # unit, kinds, the reference set of mean ablation and the fingerprint of its means); their sums
+    # travel in rep_heads / rep_chance (EFFECT_SUM_NAMES), zero in a batch without effect windows
+    effects: dict = field(default_factory=dict)
 
     # --- batch totals -------------------------------------------------------------------------
     @property
@@ -181,7 +190,9 @@ class BatchResult:
             mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
             **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
             meta=np.frombuffer(
-                json.dumps({"windows": self.windows, "documents": self.documents, "vocab": self.vocab}).encode(),
+                json.dumps(
+                    {"windows": self.windows, "documents": self.documents, "vocab": self.vocab, "effects": self.effects}
+                ).encode(),
                 dtype=np.uint8,
             ),
         )
@@ -233,4 +244,5 @@ class BatchResult:
                 csm_bin=int(data["csm_bin"]) if has_csm else 0,
                 csm_sum=data["csm_sum"] if has_csm else None,
                 csm_count=data["csm_count"] if has_csm else None,
+                effects=meta.get("effects") or {},
             )

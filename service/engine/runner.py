@@ -257,6 +257,10 @@ def analyze_corpus(
     """
     if flush_s is None:
         flush_s = Settings.from_env().store_every_s
+    if params.effects:
+        from headatlas.service.engine.effect_batch import check_effects
+
+        check_effects(model, params)  # refused before the run is created
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
@@ -313,6 +317,34 @@ def analyze_corpus(
                         chunk_size=attribution_chunk,
                     )
                 )
+        # the first --effect-windows windows get the causal effects (counted across resumes)
+        effect_left = (
+            params.effect_windows - patiently(lambda: store.effect_windows(run.run_id)) if params.effects else 0
+        )
+        effect_means = None
+        if effect_left > 0:
+            if model.device.type == "cpu":
+                single_first = max(single_first, effect_left)  # each stored as soon as it is done
+            if notice is not None:
+                notice(
+                    effects_estimate(
+                        spec, model, params, tokens, effect_left, text_field=text_field, encoding=encoding, label=label
+                    )
+                )
+            if "mean" in params.effects:
+                from headatlas.service.engine.effect_batch import reference_means
+
+                reference = first_windows(
+                    spec,
+                    model,
+                    params,
+                    tokens,
+                    params.effect_reference,
+                    text_field=text_field,
+                    encoding=encoding,
+                    label=label,
+                )
+                effect_means = reference_means(model, reference, tokens.pad_id)
         patiently(lambda: store.set_status(run.run_id, "running", started=True))
     except KeyboardInterrupt:
         store.set_status(run.run_id, "interrupted", error="interrupted by the user; re-run the same command to resume")
@@ -353,8 +385,11 @@ def analyze_corpus(
                 pad_id=tokens.pad_id,
                 mixing_windows=max(0, mixing_left),
                 attribution_chunk=attribution_chunk,
+                effect_windows=max(0, effect_left),
+                effect_means=effect_means,
             ):
                 mixing_left -= result.mixing_windows
+                effect_left -= len(result.window_ids) if params.effects else 0
                 pending.append((batch_id, result))
                 batch_id += 1
             if time.perf_counter() - last_flush >= flush_s and sink.waiting() == 0:
@@ -430,6 +465,32 @@ def attribution_estimate(
     return (
         f"{cost.describe()}{left}. Ctrl-C stops it, keeping every finished window (the same command resumes); "
         f"--attribution-windows N changes how many windows get it (about {duration(cost.seconds / max(1, len(windows)))} each)"
+    )
+
+
+def effects_estimate(
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    count: int,
+    *,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    label: str | None = None,
+) -> str:
+    """What ``--effects`` will cost on the run's next ``count`` windows, said before it starts
+    (``effect_batch.estimate``: passes timed on the longest of them)."""
+    from headatlas.service.engine.effect_batch import estimate
+    from headatlas.service.measures.attribution import duration
+
+    windows = first_windows(spec, model, params, tokens, count, text_field=text_field, encoding=encoding, label=label)
+    if not windows:
+        return "effects: no window left to measure"
+    cost = estimate(model, params, windows, len(windows), tokens.pad_id)
+    return (
+        f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); "
+        f"--effect-windows N changes how many windows get them (about {duration(cost.per_window)} each)"
     )
 
 

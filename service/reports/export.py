@@ -52,6 +52,9 @@ RUN_TABLES = {
     "mixing_dist": "SELECT * FROM mixing_dist WHERE run_id = {run}",
     "csm_bins": "SELECT * FROM csm_bins WHERE run_id = {run}",
     "probe_scores": "SELECT * FROM probe_scores WHERE run_id = {run}",
+    "run_effects": "SELECT * FROM run_effects WHERE run_id = {run}",
+    "prunes": "SELECT * FROM prunes WHERE run_id = {run}",
+    "prune_curves": "SELECT * FROM prune_curves WHERE run_id = {run}",
 }
 
 

@@ -16,11 +16,13 @@ import pyarrow as pa
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.engine.results import CHANCE_SUMS, CSM_KINDS, HEAD_SUMS, PAIR_HISTS, BatchResult
+from headatlas.service.engine.results import CSM_KINDS, PAIR_HISTS, BatchResult
 from headatlas.service.errors import RunNotFound, StoreError
+from headatlas.service.metrics import CHANCE_SUMS, HEAD_SUMS  # every declared sum, the effects' included
 from headatlas.service.storage import db, run_labels
 from headatlas.service.storage.arrow_rows import TableRows
 from headatlas.service.storage.backends import Backend, open_backend
+from headatlas.service.storage.effect_rows import insert_run_effects
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 RUN_COLUMNS = (
@@ -314,6 +316,13 @@ class Store:
             )
 
     # --- the synthetic probe (SPEC §8) ----------------------------------------------------
+    def effect_windows(self, run_id: int) -> int:
+        """Windows of this run that already carry causal effects (for the --effect-windows cap)."""
+        from headatlas.service.storage.effect_rows import effect_windows
+
+        with self.read() as conn:
+            return effect_windows(conn, run_id)
+
     def probe_of(self, run_id: int) -> tuple[int, int, int] | None:
         """The stored probe's (length, sequences, seed), or None when the run has none."""
         with self.read() as conn:
@@ -590,6 +599,8 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
         for name in MIXING_TABLES:
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
+        # what the batches' causal effects are measured against (SPEC §9)
+        insert_run_effects(conn, run_id, [res.effects for _, res in fresh])
         if keys:
             conn.exec_driver_sql(
                 "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, compute_s, ingested_at) "

@@ -1,0 +1,294 @@
+"""The causal effects of one analysed batch (SPEC §9), as additive sums, and the reference means
+of mean ablation.
+
+An analysis with ``--effects`` measures every head's effect on the run's first
+``effect_windows`` windows (``service.measures.effects.head_effects``) and sums them per replicate
+group (SPEC §5d), beside the batch's other statistics: the per-head sums of ``EFFECT_SUMS`` and the
+per-run ``effect_windows`` (windows measured) and ``objective`` (the intact model's objective
+summed), so that every effect's mean has its jackknife interval like any other metric. A batch of
+an effect run without effect windows carries zeros (its run's sums stay whole); a window whose
+objective is undefined (a decoder window of one token, a masked-LM window with nothing to mask)
+is left out of every effect sum and of the count.
+
+The reference means are each head's z averaged over the valid positions of the run's first
+``effect_reference`` windows, in batches of ``REFERENCE_BATCH`` windows in order, accumulated in
+float64 — the same computation wherever it runs. They are identified by the fingerprint of their
+bytes and recorded with the run (``run_effects``), with the fingerprint of the reference windows'
+ids. Queued workers share one copy (``workers.tasks``: the first worker to need them publishes
+them in the broker, every worker uses the published bytes).
+
+Pure computation: imports neither Celery, Typer nor SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.windows import Batch, Window, collate
+from headatlas.service.errors import ParameterError
+from headatlas.service.metrics import EFFECT_SUMS
+from headatlas.service.params import AnalysisParams
+
+REFERENCE_BATCH = 8  # windows per forward pass of the reference means (fixed: the same sums everywhere)
+EFFECT_CHUNK = 8  # effect windows ablated together: the stacked pass holds heads × windows copies
+
+
+@dataclass(frozen=True)
+class ReferenceMeans:
+    """``m^{l,h}`` (SPEC §9): ``means`` ``[layer, head, d_head]`` float64 over ``positions`` valid
+    positions of ``windows`` reference windows, whose ids in order hash to ``windows_fingerprint``."""
+
+    means: np.ndarray
+    windows: int
+    positions: int
+    windows_fingerprint: str
+
+    @property
+    def fingerprint(self) -> str:
+        """The means' identity: a hash of their float64 bytes."""
+        return hashlib.sha256(np.ascontiguousarray(self.means, dtype=np.float64).tobytes()).hexdigest()[:16]
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(self.means, dtype=np.float64))
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez(
+            buf,
+            means=np.asarray(self.means, dtype=np.float64),
+            counts=np.array([self.windows, self.positions], dtype=np.int64),
+            windows_fingerprint=np.array(self.windows_fingerprint),
+        )
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> ReferenceMeans:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as data:
+            counts = data["counts"]
+            return cls(data["means"], int(counts[0]), int(counts[1]), str(data["windows_fingerprint"]))
+
+
+def windows_fingerprint(window_ids: list[str]) -> str:
+    """The identity of a reference set: a hash of its window ids, in order."""
+    return hashlib.sha256("\n".join(window_ids).encode()).hexdigest()[:16]
+
+
+def reference_means(model: LoadedModel, windows: list[Window], pad_id: int) -> ReferenceMeans:
+    """Every head's mean z over ``windows`` (the run's first ``effect_reference`` windows)."""
+    from headatlas.service.measures.effects import reference_means as mean_z
+
+    if not windows:
+        raise ParameterError("--effects mean: the corpus gives no reference window")
+    batches = (collate(windows[i : i + REFERENCE_BATCH], pad_id) for i in range(0, len(windows), REFERENCE_BATCH))
+    means, positions = mean_z(model, ((b.input_ids, b.attention_mask) for b in batches))
+    return ReferenceMeans(means.numpy(), len(windows), positions, windows_fingerprint([w.window_id for w in windows]))
+
+
+def objective_named(model: LoadedModel) -> tuple[str, str, bool]:
+    """(name, unit, is a loss) of the model's own objective (``objectives.objective_of``)."""
+    from headatlas.service.measures.objectives import objective_of
+
+    objective = objective_of(model)
+    return objective.name, objective.unit, objective.is_loss
+
+
+def check_effects(model: LoadedModel, params: AnalysisParams) -> None:
+    """Refuse, before anything runs, effects this model cannot give: gradient importance of an
+    objective that is not a loss."""
+    if "gradient" not in params.effects:
+        return
+    name, _unit, is_loss = objective_named(model)
+    if not is_loss:
+        raise ParameterError(
+            f"--effects gradient: {model.name}'s objective is {name}, not a loss (its gradient is 0 at the "
+            "intact model); use --effects zero,mean"
+        )
+
+
+def objective_of_spec(spec: str) -> str:
+    """The objective a model will be measured with, from its config alone (no weights): what
+    ``submit`` can check before anything is queued. The worker's loaded model decides in the end
+    (``objectives.objective_of``); a checkpoint whose config names a masked-LM architecture but
+    whose weights lack the head is measured by embedding drift there."""
+    from transformers import AutoConfig
+
+    from headatlas.service.engine import model as models
+    from headatlas.service.engine.adapters import adapter_by_family, adapter_for
+
+    if spec.startswith("random:"):
+        shape = models.parse_random_shape(spec)
+        adapter = adapter_by_family(shape.family)
+        config = adapter.random_config(shape, 128)
+        if shape.mlm:
+            return "masked_lm_loss"
+    else:
+        _name, source, _weights = models._source(spec)
+        with models._loading(spec):
+            config = AutoConfig.from_pretrained(source)
+        adapter = adapter_for(config, spec)
+    if adapter.causal:
+        return "next_token_loss" if getattr(config, "tie_word_embeddings", False) else "embedding_drift"
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures):
+        return "masked_lm_loss"
+    return "embedding_drift"
+
+
+def check_effects_spec(spec: str, params: AnalysisParams) -> None:
+    """``check_effects`` from the model's config alone (``submit``, ``schedule add``)."""
+    if "gradient" in params.effects:
+        name = objective_of_spec(spec)
+        if name == "embedding_drift":
+            raise ParameterError(
+                f"--effects gradient: --model {spec}'s objective is {name}, not a loss (its gradient is 0 at the "
+                "intact model); use --effects zero,mean"
+            )
+
+
+def effect_sums(
+    model: LoadedModel,
+    batch: Batch,
+    params: AnalysisParams,
+    *,
+    count: int,
+    group: np.ndarray,
+    n_groups: int,
+    means: ReferenceMeans | None,
+    pad_id: int,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
+    """The effect sums of the batch's first ``count`` windows per replicate group (``group``:
+    each window's index among the batch's ``n_groups`` groups): ``(head sums [group, layer,
+    head], run sums [group], what they are measured against)``."""
+    from headatlas.service.measures import effects as fx
+
+    kinds = params.effects
+    if "mean" in kinds and count and means is None:
+        raise ParameterError("--effects mean: the batch was given no reference means")
+    name, unit, _is_loss = objective_named(model)
+    shape = (n_groups, model.n_layers, model.n_heads)
+    heads = {s: np.zeros(shape) for kind in kinds for s in EFFECT_SUMS[kind]}
+    measured = np.zeros(n_groups, dtype=np.int64)
+    objective = np.zeros(n_groups)
+    windows = batch.windows[:count]
+    for start in range(0, len(windows), EFFECT_CHUNK):
+        part = collate(windows[start : start + EFFECT_CHUNK], pad_id)
+        got = fx.head_effects(
+            model,
+            part.input_ids,
+            part.attention_mask,
+            kinds=kinds,
+            means=means.tensor() if means is not None and "mean" in kinds else None,
+            window_ids=part.window_ids,
+        )
+        rows = group[start : start + len(part.windows)]
+        values = {kind: got.effect[kind].numpy() for kind in kinds}
+        drifts = {kind: got.drift[kind].numpy() for kind in got.drift}
+        ok = np.isfinite(got.intact.numpy())
+        for v in (*values.values(), *drifts.values()):
+            ok &= np.isfinite(v).all(axis=(1, 2))
+        for kind in kinds:
+            names = EFFECT_SUMS[kind]
+            np.add.at(heads[names[0]], rows[ok], values[kind][ok])
+            if len(names) > 1:
+                np.add.at(heads[names[1]], rows[ok], drifts[kind][ok])
+        np.add.at(measured, rows[ok], 1)
+        np.add.at(objective, rows[ok], got.intact.numpy()[ok])
+    meta = {
+        "objective": name,
+        "unit": unit,
+        "kinds": list(kinds),
+        "windows": int(measured.sum()),
+        "reference_windows": means.windows if means is not None else 0,
+        "reference_positions": means.positions if means is not None else 0,
+        "reference_fingerprint": means.windows_fingerprint if means is not None else "",
+        "means_fingerprint": means.fingerprint if means is not None else "",
+    }
+    return heads, {"effect_windows": measured, "objective": objective}, meta
+
+
+@dataclass(frozen=True)
+class EffectCost:
+    """What ``--effects`` will cost: ``seconds`` for ``windows`` windows (``per_window`` each),
+    the reference means' share of it, and ``memory_bytes`` above the loaded model at the peak."""
+
+    windows: int
+    longest: int
+    kinds: tuple[str, ...]
+    per_window: float
+    reference_s: float
+    memory_bytes: int
+    timing_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.per_window * self.windows + self.reference_s
+
+    def describe(self) -> str:
+        from headatlas.service.measures.attribution import duration, size
+
+        reference = f", the reference means {duration(self.reference_s)} of it" if self.reference_s else ""
+        return (
+            f"effects ({', '.join(self.kinds)}): {self.windows:,} window(s) of up to {self.longest} tokens: about "
+            f"{duration(self.seconds)}{reference}, and {size(self.memory_bytes)} above the model (timed on one "
+            f"window in {self.timing_s:.1f} s; memory from the model's shape)"
+        )
+
+
+def estimate(model: LoadedModel, params: AnalysisParams, windows: list[Window], count: int, pad_id: int) -> EffectCost:
+    """Time the effects of the longest of ``windows`` and scale to ``count`` windows.
+
+    An ablation of a head of layer l replays layers l … L−1 and the objective, so a layer's stacked
+    pass costs ``a + b·(L − l)``: timed at the first and the last layer (one window, zero
+    ablation), the L layers sum to ``L·a + b·L(L+1)/2`` per ablation kind; gradient importance is
+    timed as it is (one forward and one backward pass). The reference means cost
+    ``effect_reference`` windows of forward passes, from the timed intact pass."""
+    import time
+
+    from headatlas.service.measures import effects as fx
+
+    began = time.perf_counter()
+    longest = max(windows, key=lambda w: len(w.input_ids))
+    one = collate([longest], pad_id)
+    n_layers = model.n_layers
+
+    def timed(**kwargs) -> float:
+        start = time.perf_counter()
+        fx.head_effects(model, one.input_ids, one.attention_mask, window_ids=one.window_ids, **kwargs)
+        return time.perf_counter() - start
+
+    ablations = [k for k in params.effects if k in fx.ABLATIONS]
+    per_window = 0.0
+    if ablations:
+        first = timed(kinds=("zero",), layers=[0])
+        last = timed(kinds=("zero",), layers=[n_layers - 1]) if n_layers > 1 else first
+        b = max(0.0, (first - last) / max(1, n_layers - 1))
+        a = max(0.0, last - b)
+        per_window += len(ablations) * (n_layers * a + b * n_layers * (n_layers + 1) / 2)
+    if "gradient" in params.effects:
+        per_window += timed(kinds=("gradient",))
+    reference_s = 0.0
+    if "mean" in params.effects:
+        start = time.perf_counter()
+        with torch.no_grad():
+            fx._run_model(model, one.input_ids.to(model.device), one.attention_mask.to(model.device))
+        reference_s = (time.perf_counter() - start) * params.effect_reference
+    n_pos = len(longest.input_ids)
+    chunk = min(EFFECT_CHUNK, count)
+    floats = model.n_heads * chunk * n_pos * model.d_model * 16  # the stacked copies' activations
+    floats += n_layers * chunk * n_pos * model.d_model  # every block's recorded input
+    floats += 3 * (1 << 25)  # a chunk of logits, its softmax and its gradient
+    return EffectCost(
+        windows=count,
+        longest=n_pos,
+        kinds=params.effects,
+        per_window=per_window,
+        reference_s=reference_s,
+        memory_bytes=4 * floats,
+        timing_s=time.perf_counter() - began,
+    )

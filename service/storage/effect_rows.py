@@ -1,0 +1,214 @@
+"""The rows of the causal effects (SPEC §9) that are not additive sums: what a run's effects are
+measured against (``run_effects``, migration 0013) and the stored pruning curves (``prunes``,
+``prune_curves``, migration 0014). Written inside the caller's transaction, on either backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+EFFECT_FIELDS = (
+    "objective",
+    "unit",
+    "kinds",
+    "reference_windows",
+    "reference_positions",
+    "reference_fingerprint",
+    "means_fingerprint",
+)
+
+
+def insert_run_effects(conn: Connection, run_id: int, metas: list[dict]) -> None:
+    """Record what the batches' effects were measured against: one row per distinct set of
+    means, inserted where absent (a lake has no keys: two writers storing the first effect
+    batches of one run at the same instant may each insert it, and readers take one per set)."""
+    seen: dict[str, dict] = {}
+    for meta in metas:
+        if meta and meta.get("windows"):
+            seen.setdefault(str(meta.get("means_fingerprint") or ""), meta)
+    for fingerprint, meta in seen.items():
+        values = {
+            "r": run_id,
+            "objective": meta["objective"],
+            "unit": meta["unit"],
+            "kinds": ",".join(meta["kinds"]),
+            "reference_windows": int(meta.get("reference_windows") or 0),
+            "reference_positions": int(meta.get("reference_positions") or 0),
+            "reference_fingerprint": str(meta.get("reference_fingerprint") or ""),
+            "means_fingerprint": fingerprint,
+        }
+        conn.execute(
+            text(
+                "INSERT INTO run_effects (run_id, objective, unit, kinds, reference_windows, reference_positions, "
+                "reference_fingerprint, means_fingerprint) SELECT :r, :objective, :unit, :kinds, :reference_windows, "
+                ":reference_positions, :reference_fingerprint, :means_fingerprint WHERE NOT EXISTS "
+                "(SELECT 1 FROM run_effects WHERE run_id = :r AND means_fingerprint = :means_fingerprint)"
+            ),
+            values,
+        )
+
+
+def run_effects(conn: Connection, run_id: int) -> list[dict]:
+    """What run ``run_id``'s effects are measured against, one dict per set of means (none for a
+    run without effects)."""
+    rows = conn.execute(
+        text(
+            f"SELECT DISTINCT {', '.join(EFFECT_FIELDS)} FROM run_effects WHERE run_id = :r ORDER BY means_fingerprint"
+        ),
+        {"r": run_id},
+    ).all()
+    return [dict(zip(EFFECT_FIELDS, r)) for r in rows]
+
+
+def effect_windows(conn: Connection, run_id: int) -> int:
+    """Windows of the run whose effects are stored (for the --effect-windows cap across resumes)."""
+    value = conn.execute(
+        text("SELECT coalesce(sum(effect_windows), 0) FROM run_chance WHERE run_id = :r"), {"r": run_id}
+    ).scalar()
+    return int(value or 0)
+
+
+def effect_note(conn: Connection, run_id: int) -> str | None:
+    """The line under a table of effects: what they are measured against, for this run."""
+    found = run_effects(conn, run_id)
+    if not found:
+        return None
+    first = found[0]
+    windows = effect_windows(conn, run_id)
+    kinds = first["kinds"].split(",")
+    parts = []
+    if "zero" in kinds:
+        parts.append("effect_zero: the head's output set to 0")
+    if "mean" in kinds:
+        parts.append(f"effect_mean: set to its mean over the run's first {first['reference_windows']} windows")
+    if "gradient" in kinds:
+        parts.append("importance: mean |∂O/∂ξ| at the intact model")
+    means = f"; {len(found)} sets of reference means were used" if len(found) > 1 else ""
+    return (
+        f"effect_* = O(ablated) − O(intact), O = {first['objective']} ({first['unit']}), mean over the run's "
+        f"first {windows} windows ({'; '.join(parts)}); drift_*: output drift of the final hidden states, "
+        f"0 = unchanged (SPEC §9){means}"
+    )
+
+
+# --- pruning curves ------------------------------------------------------------------------------
+
+PRUNE_FIELDS = (
+    "prune_id",
+    "created_at",
+    "objective",
+    "unit",
+    "orders",
+    "step",
+    "seeds",
+    "evaluation_windows",
+    "selection",
+    "reference_windows",
+    "scheme",
+    "groups",
+    "area",
+    "area_lo",
+    "area_hi",
+    "rho",
+    "rho_lo",
+    "rho_hi",
+    "claim",
+    "seconds",
+)
+CURVE_COLUMNS = (
+    "order",
+    "step",
+    "heads_removed",
+    "fraction",
+    "objective",
+    "objective_lo",
+    "objective_hi",
+    "increase",
+    "increase_lo",
+    "increase_hi",
+)
+
+
+@dataclass
+class StoredPrune:
+    """A stored prune: how it was made and the claim (``meta``, PRUNE_FIELDS), and its curve rows
+    (CURVE_COLUMNS, plus the heads removed at each step in ``removed``)."""
+
+    run_id: int
+    meta: dict
+    columns: list[str] = field(default_factory=lambda: list(CURVE_COLUMNS))
+    rows: list[tuple] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+def _number(value) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def store_prune(conn: Connection, run_id: int, meta: dict, rows: list[tuple], removed: list[str]) -> int:
+    """Store one prune of run ``run_id`` (``meta``: PRUNE_FIELDS less ``prune_id`` and
+    ``created_at``; ``rows``: CURVE_COLUMNS; ``removed``: per row, the heads removed at that step).
+    Returns its ``prune_id``."""
+    prune_id = int(
+        conn.execute(
+            text("SELECT coalesce(max(prune_id), 0) + 1 FROM prunes WHERE run_id = :r"), {"r": run_id}
+        ).scalar()
+        or 1
+    )
+    values = {k: meta[k] for k in PRUNE_FIELDS if k not in ("prune_id", "created_at")}
+    for k in ("area", "area_lo", "area_hi", "rho", "rho_lo", "rho_hi"):
+        values[k] = _number(values[k])
+    names = ", ".join(values)
+    conn.execute(
+        text(
+            f"INSERT INTO prunes (run_id, prune_id, created_at, {names}) "
+            f"VALUES (:r, :p, now(), {', '.join(':' + k for k in values)})"
+        ),
+        {"r": run_id, "p": prune_id, **values},
+    )
+    for row, heads in zip(rows, removed, strict=True):
+        cells = dict(zip(CURVE_COLUMNS, row))
+        conn.execute(
+            text(
+                "INSERT INTO prune_curves (run_id, prune_id, order_name, step, heads_removed, fraction, objective, "
+                "objective_lo, objective_hi, increase, increase_lo, increase_hi, removed) VALUES (:r, :p, :order, "
+                ":step, :heads_removed, :fraction, :objective, :objective_lo, :objective_hi, :increase, "
+                ":increase_lo, :increase_hi, :removed)"
+            ),
+            {
+                "r": run_id,
+                "p": prune_id,
+                **{k: (_number(v) if isinstance(v, float) else v) for k, v in cells.items()},
+                "removed": heads,
+            },
+        )
+    return prune_id
+
+
+def stored_prunes(conn: Connection, run_id: int) -> list[dict]:
+    """The run's stored prunes (PRUNE_FIELDS), newest first."""
+    rows = conn.execute(
+        text(f"SELECT {', '.join(PRUNE_FIELDS)} FROM prunes WHERE run_id = :r ORDER BY prune_id DESC"), {"r": run_id}
+    ).all()
+    return [dict(zip(PRUNE_FIELDS, r)) for r in rows]
+
+
+def load_prune(conn: Connection, run_id: int, prune_id: int | None = None) -> StoredPrune | None:
+    """A stored prune of the run (the newest when ``prune_id`` is None), or None."""
+    prunes = stored_prunes(conn, run_id)
+    meta = next((p for p in prunes if prune_id is None or p["prune_id"] == prune_id), None)
+    if meta is None:
+        return None
+    found = conn.execute(
+        text(
+            "SELECT order_name, step, heads_removed, fraction, objective, objective_lo, objective_hi, increase, "
+            "increase_lo, increase_hi, removed FROM prune_curves WHERE run_id = :r AND prune_id = :p "
+            "ORDER BY CASE WHEN order_name LIKE 'random:%' THEN 1 ELSE 0 END, order_name, step"
+        ),
+        {"r": run_id, "p": meta["prune_id"]},
+    ).all()
+    return StoredPrune(run_id, meta, rows=[tuple(r[:-1]) for r in found], removed=[r[-1] for r in found])
