@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,19 @@ class LoadedModel(ModelInfo):
     model: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
+    # builds the masked-LM head of an encoder that ships one (SPEC §9), on first use: analyses
+    # without effects never load it
+    head_loader: Callable[[], torch.nn.Module | None] | None = field(default=None, kw_only=True, repr=False)
+
+    def mlm_head(self) -> torch.nn.Module | None:
+        """The model's masked-LM head (final hidden states → vocabulary logits), loaded once on
+        first use; None for a decoder, or an encoder whose checkpoint has none (MiniLM)."""
+        if "_mlm_head" not in self.__dict__:
+            head = self.head_loader() if self.head_loader is not None and not self.causal else None
+            if head is not None:
+                head.eval().to(self.device)
+            self.__dict__["_mlm_head"] = head
+        return self.__dict__["_mlm_head"]
 
     def autocast(self):
         """The forward pass's precision: float32 as is; bfloat16/float16 by autocast, which
@@ -327,6 +341,11 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         with torch.random.fork_rng():
             torch.manual_seed(RANDOM_SEED)  # same spec, same weights: runs stay comparable
             model = adapter.random_model(config)
+            head = None
+            if random.mlm:  # after the encoder: random:tiny-mlm's encoder is random:tiny's
+                torch.manual_seed(RANDOM_SEED + 1)
+                head = adapter.random_mlm_head(config, model)
+        loader = None if head is None else (lambda head=head: head)
         name, weights = adapter.random_name(random, RANDOM_SEED), _random_weights_key(adapter, random)
     else:
         name, source, weights_at = _source(spec)
@@ -335,9 +354,23 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
             adapter = adapter_for(AutoConfig.from_pretrained(source), spec)
             model = adapter.load(source)
         weights = weights_fingerprint(weights_at or _weights_folder(source), spec)
+        loader = functools.partial(_load_head, adapter, spec, source)
     return _ready(
-        adapter, model, spec=spec, name=name, tokenizer=tokenizer, weights=weights, dev=dev, dtype=torch_dtype
+        adapter,
+        model,
+        spec=spec,
+        name=name,
+        tokenizer=tokenizer,
+        weights=weights,
+        dev=dev,
+        dtype=torch_dtype,
+        head_loader=loader,
     )
+
+
+def _load_head(adapter: ModelAdapter, spec: str, source: str) -> torch.nn.Module | None:
+    with _loading(spec):
+        return adapter.load_mlm_head(source)
 
 
 def _ready(
@@ -351,6 +384,7 @@ def _ready(
     dev: torch.device,
     dtype: torch.dtype,
     tokenizer_key: str | None = None,
+    head_loader: Callable[[], torch.nn.Module | None] | None = None,
 ) -> LoadedModel:
     adapter.ensure_eager(model)
     model.eval()
@@ -374,6 +408,7 @@ def _ready(
         family=adapter.family,
         causal=adapter.causal,
         n_kv_heads=shape.n_kv_heads,
+        head_loader=head_loader,
     )
 
 
@@ -386,6 +421,16 @@ def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedMode
         torch.manual_seed(seed)  # same model, same control: runs stay comparable
         model = adapter.from_config(config)
     shape = adapter.shape(config)
+
+    def head() -> torch.nn.Module | None:
+        # a parent with a masked-LM head gives its control a random one, so that both measure the
+        # same objective (SPEC §9); drawn after the encoder, from a seed of its own
+        if loaded.mlm_head() is None:
+            return None
+        with torch.random.fork_rng():
+            torch.manual_seed(seed + 1)
+            return adapter.random_mlm_head(config, model)
+
     return _ready(
         adapter,
         model,
@@ -397,6 +442,7 @@ def control_model(loaded: LoadedModel, *, seed: int = RANDOM_SEED) -> LoadedMode
         weights=hashlib.sha256(f"control of {loaded.weights_key} seed {seed}".encode()).hexdigest()[:16],
         dev=loaded.device,
         dtype=loaded.dtype,
+        head_loader=head,
     )
 
 

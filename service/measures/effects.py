@@ -169,7 +169,7 @@ def _ablate_layer(
     model: LoadedModel,
     recording: _Recording,
     objective: Objective,
-    input_ids: torch.Tensor,
+    targets: torch.Tensor,
     attention_mask: torch.Tensor,
     layer: int,
     heads: Sequence[int],
@@ -178,7 +178,7 @@ def _ablate_layer(
     """Objective and output drift ``[batch, len(heads)]`` with each head of ``heads`` (of
     ``layer``) replaced by ``replacement[head]`` ``[d_head]``, one stacked pass."""
     n_heads, d_head = model.n_heads, model.d_head
-    batch = input_ids.shape[0]
+    batch = targets.shape[0]
     copies = len(heads)
     keep = torch.ones(copies, 1, 1, n_heads, 1, device=replacement.device, dtype=replacement.dtype)
     fill = torch.zeros(copies, 1, 1, n_heads, d_head, device=replacement.device, dtype=replacement.dtype)
@@ -195,7 +195,7 @@ def _ablate_layer(
     with _edit_z(model.blocks[layer], model, edit):
         final = _replay(model, recording, layer, _repeat(start, copies, batch), copies)
     final = wide(final).reshape(copies, batch, *final.shape[1:])
-    ids = input_ids.unsqueeze(0).expand(copies, -1, -1).reshape(copies * batch, -1)
+    ids = targets.unsqueeze(0).expand(copies, -1, -1).reshape(copies * batch, -1)
     mask = attention_mask.unsqueeze(0).expand(copies, -1, -1).reshape(copies * batch, -1)
     intact = wide(recording.final).unsqueeze(0).expand(copies, -1, -1, -1).reshape(copies * batch, *final.shape[2:])
     flat = final.reshape(copies * batch, *final.shape[2:])
@@ -205,9 +205,14 @@ def _ablate_layer(
 
 
 def _gradient(
-    model: LoadedModel, objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: LoadedModel,
+    objective: Objective,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
 ) -> torch.Tensor:
-    """``|∂O(w)/∂ξ_{l,h}|`` ``[batch, layer, head]``: one gate per window and head, one backward."""
+    """``|∂O(w)/∂ξ_{l,h}|`` ``[batch, layer, head]``: one gate per window and head, one backward
+    (``input_ids``: what the model is run on, ``targets``: what the objective reads)."""
     batch = input_ids.shape[0]
     n_layers, n_heads, d_head = model.n_layers, model.n_heads, model.d_head
     dtype = next(model.model.parameters()).dtype
@@ -228,7 +233,8 @@ def _gradient(
     try:
         with torch.enable_grad():
             final = wide(_run_model(model, input_ids, attention_mask))
-            values = objective.per_window(final, input_ids, attention_mask, None)
+            values = objective.per_window(final, targets, attention_mask, None)
+            values = torch.nan_to_num(values)  # a window without a prediction adds nothing
             (grad,) = torch.autograd.grad(values.sum(), gate)
     finally:
         for handle in handles:
@@ -245,12 +251,14 @@ def head_effects(
     means: torch.Tensor | None = None,
     heads_per_pass: int | None = None,
     layers: Iterable[int] | None = None,
+    window_ids: list[str] | None = None,
 ) -> WindowEffects:
     """Every head's effect on a batch of windows, for each of ``kinds`` (SPEC §9).
 
     ``means``: the reference means ``[layer, head, d_head]`` (``reference_means``), needed for
     ``mean``; ``heads_per_pass``: heads ablated together in one stacked pass (None: every head of
-    a layer); ``layers``: only these layers' heads (the others' effects are NaN).
+    a layer); ``layers``: only these layers' heads (the others' effects are NaN);
+    ``window_ids``: the windows' ids, which fix the masked positions of a masked-LM objective.
     """
     kinds = tuple(kinds)
     for kind in kinds:
@@ -259,8 +267,8 @@ def head_effects(
     if "mean" in kinds and means is None:
         raise ParameterError("mean ablation needs the reference means (reference_means)")
     objective = objective_of(model)
-    input_ids = input_ids.to(model.device)
     attention_mask = attention_mask.to(model.device)
+    input_ids, targets = objective.prepare(input_ids.to(model.device), attention_mask, window_ids)
     batch, n_layers, n_heads = input_ids.shape[0], model.n_layers, model.n_heads
     chosen = list(range(n_layers)) if layers is None else sorted(set(layers))
     step = max(1, min(heads_per_pass or n_heads, n_heads))
@@ -268,7 +276,7 @@ def head_effects(
     with torch.no_grad():
         recording = _record(model, input_ids, attention_mask)
         final = wide(recording.final)
-        intact = objective.per_window(final, input_ids, attention_mask, final)
+        intact = objective.per_window(final, targets, attention_mask, final)
         out = WindowEffects(objective=objective, intact=intact.double().cpu())
         for kind in (k for k in kinds if k in ABLATIONS):
             effect = torch.full((batch, n_layers, n_heads), math.nan, dtype=torch.float64)
@@ -282,7 +290,7 @@ def head_effects(
                 for first in range(0, n_heads, step):
                     heads = list(range(first, min(first + step, n_heads)))
                     values, drifts = _ablate_layer(
-                        model, recording, objective, input_ids, attention_mask, layer, heads, replacement
+                        model, recording, objective, targets, attention_mask, layer, heads, replacement
                     )
                     effect[:, layer, heads] = (values - intact.unsqueeze(1)).double().cpu()
                     drift[:, layer, heads] = drifts.double().cpu()
@@ -294,7 +302,7 @@ def head_effects(
                 f"gradient importance needs an objective that is a loss; this model's is {objective.name} "
                 "(a drift is minimal at the intact model: its gradient is 0 there); use --effects zero,mean"
             )
-        out.effect["gradient"] = _gradient(model, objective, input_ids, attention_mask).double().cpu()
+        out.effect["gradient"] = _gradient(model, objective, input_ids, attention_mask, targets).double().cpu()
     return out
 
 

@@ -65,10 +65,11 @@ class RandomShape:
     hidden: int
     kv_heads: int | None = None  # None: as many as query heads
     intermediate: int | None = None  # the MLP's width; None: the family's default for ``hidden``
+    mlm: bool = False  # with a (random) masked-LM head: the objective of SPEC §9 is then a masked-LM loss
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv" if self.kv_heads not in (None, self.heads) else ""
-        return f"{self.layers}x{self.heads}x{self.hidden}{kv}"
+        return f"{self.layers}x{self.heads}x{self.hidden}{kv}" + (" with an MLM head" if self.mlm else "")
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,16 @@ class ModelAdapter(ABC):
     def random_model(self, config: PretrainedConfig) -> PreTrainedModel:
         """A random-weights model of a ``random:`` shape (the caller seeds the generator)."""
         return self.from_config(config)
+
+    def load_mlm_head(self, source: str) -> torch.nn.Module | None:
+        """The masked-LM head the checkpoint at ``source`` ships (final hidden states → logits), or
+        None: a family or checkpoint without one (SPEC §9 then measures embedding drift)."""
+        return None
+
+    def random_mlm_head(self, config: PretrainedConfig, model: Any) -> torch.nn.Module | None:
+        """A freshly initialised masked-LM head for ``model`` (the caller seeds the generator), its
+        decoder tied to the model's input embeddings; None where the family has none."""
+        return None
 
     def random_name(self, shape: RandomShape, seed: int) -> str:
         return f"random {self.family} {shape.describe()} (seed {seed})"

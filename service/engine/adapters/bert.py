@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer")
 
 
+def _mlm_head_of(mlm: Any) -> torch.nn.Module | None:
+    """The head of a ``*ForMaskedLM`` model: BERT's ``cls``, RoBERTa's ``lm_head``, ELECTRA's
+    generator head."""
+    if hasattr(mlm, "cls"):
+        return mlm.cls
+    if hasattr(mlm, "lm_head"):
+        return mlm.lm_head
+    if hasattr(mlm, "generator_predictions") and hasattr(mlm, "generator_lm_head"):
+        return torch.nn.Sequential(mlm.generator_predictions, mlm.generator_lm_head)
+    return None
+
+
 @register
 class BertAdapter(ModelAdapter):
     family = "bert"
@@ -36,6 +48,8 @@ class BertAdapter(ModelAdapter):
         "bert-large": RandomShape("bert", 24, 16, 1024),
         "minilm": RandomShape("bert", 6, 12, 384),
         "tiny": RandomShape("bert", 2, 4, 32),
+        # the encoder of random:tiny with a random masked-LM head: the MLM objective of SPEC §9
+        "tiny-mlm": RandomShape("bert", 2, 4, 32, mlm=True),
     }
 
     def positions(self, config: Mapping[str, Any]) -> int:
@@ -106,7 +120,41 @@ class BertAdapter(ModelAdapter):
         return BertModel(cast("BertConfig", config), add_pooling_layer=False)
 
     def random_name(self, shape: RandomShape, seed: int) -> str:
-        return f"random BERT {shape.layers}x{shape.heads}x{shape.hidden} (seed {seed})"
+        head = " with an MLM head" if shape.mlm else ""
+        return f"random BERT {shape.layers}x{shape.heads}x{shape.hidden}{head} (seed {seed})"
 
     def random_key(self, shape: RandomShape, seed: int) -> str:
-        return f"random {(shape.layers, shape.heads, shape.hidden)} seed {seed}"  # the keys of earlier runs
+        key = f"random {(shape.layers, shape.heads, shape.hidden)} seed {seed}"  # the keys of earlier runs
+        return f"{key} mlm" if shape.mlm else key
+
+    def load_mlm_head(self, source: str) -> torch.nn.Module | None:
+        """The checkpoint's masked-LM head when its config names a masked-LM architecture and its
+        weights hold the head (a sentence-embedding checkpoint such as MiniLM has none)."""
+        from transformers import AutoConfig, AutoModelForMaskedLM
+
+        config = AutoConfig.from_pretrained(source)
+        architectures = getattr(config, "architectures", None) or []
+        if not any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures):
+            return None
+        mlm, info = AutoModelForMaskedLM.from_pretrained(source, output_loading_info=True)
+        head = _mlm_head_of(mlm)
+        prefixes = tuple(f"{name}." for name, _ in mlm.named_children() if name != mlm.base_model_prefix)
+        if head is None or any(k.startswith(prefixes) for k in info.get("missing_keys", [])):
+            return None  # a head the checkpoint does not hold would be random
+        return head
+
+    def random_mlm_head(self, config: PretrainedConfig, model: Any) -> torch.nn.Module | None:
+        model_type = getattr(config, "model_type", "bert")
+        if model_type == "bert":
+            from transformers.models.bert.modeling_bert import BertOnlyMLMHead
+
+            head: Any = BertOnlyMLMHead(config)
+            head.predictions.decoder.weight = model.embeddings.word_embeddings.weight
+            return head
+        if model_type in OFFSET_POSITIONS[:3]:
+            from transformers.models.roberta.modeling_roberta import RobertaLMHead
+
+            head = RobertaLMHead(config)
+            head.decoder.weight = model.embeddings.word_embeddings.weight
+            return head
+        return None
