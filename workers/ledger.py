@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -32,6 +33,7 @@ def processing_lists(client: redis.Redis) -> list[str]:
     return [PROCESSING, *sorted(helpers)]
 
 
+SHARED_TTL_S = 30 * 86400  # a run's shared values (Ledger.shared) outlive any run's queue
 WRITER = f"{PREFIX}:writer"  # what the writer is doing now (status, tests)
 WORKERS = f"{PREFIX}:workers:"  # + host:pid: a consuming worker process (its beacon), expiring unless refreshed
 
@@ -194,6 +196,20 @@ class Ledger:
     def run_meta(self, run_key: str) -> dict | None:
         raw = self.r.hget(self.key("run", run_key), "meta")
         return json.loads(raw) if raw else None
+
+    def shared(self, run_key: str, what: str, compute: Callable[[], bytes], ttl_s: float = SHARED_TTL_S) -> bytes:
+        """One value of a run that every worker must use alike (the reference means of mean
+        ablation, SPEC §9): the value stored under ``what``, or, when there is none, ``compute()``
+        stored if still absent (the first to store wins) and read back, so that every worker
+        uses the same bytes whoever computed them."""
+        name = self.key(what, run_key)
+        found = self.r.get(name)
+        if found is None:
+            self.r.set(name, compute(), nx=True, ex=max(1, round(ttl_s)))
+            found = self.r.get(name)
+        if found is None:  # expired between the two calls: compute it again
+            return self.shared(run_key, what, compute, ttl_s)
+        return found if isinstance(found, bytes) else str(found).encode()
 
     def claim_batch_size(self, run_key: str, batch_size: int) -> int:
         """The run's batch size: the first submission's. Batch ids must keep naming the same

@@ -90,6 +90,10 @@ def submit(
     from headatlas.workers.lease import broker_epoch, target_database
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
+    if params.effects:
+        from headatlas.service.engine.effect_batch import check_effects_spec
+
+        check_effects_spec(model, params)  # gradient importance of an objective that is not a loss: refused
     client = connect(settings.broker_url)  # fail before any work when Redis is away
     epoch = broker_epoch(client)
     ledger = Ledger(client, target_database(client, settings.db, settings.broker_url, writer_wait_s))
@@ -145,6 +149,9 @@ def submit(
         "batches": None,
         "windows": None,
     }
+    if "mean" in params.effects:
+        # the reference windows of mean ablation (SPEC §9): the workers compute the means from them
+        meta["effect_reference"] = _reference_windows(spec, loaded, params, text_field=text_field, encoding=encoding)
     ledger.put_run(key, meta)  # before any message: the writer creates the run from it
     if readable:
         ledger.reconcile_done(key, stored_done)  # the database is the truth; Redis a copy of it
@@ -197,6 +204,18 @@ def submit(
     result.probe_queued = queue_probe()
     result.run_id = wait_for_run_id(ledger, key, writer_wait_s)
     return result
+
+
+def _reference_windows(spec: str, loaded, params: AnalysisParams, *, text_field: str, encoding: str) -> list:
+    """The run's first ``effect_reference`` windows, as batch messages carry windows."""
+    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.windows import TokenClasses
+
+    tokens = TokenClasses.for_model(loaded)
+    chosen = first_windows(
+        spec, loaded, params, tokens, params.effect_reference, text_field=text_field, encoding=encoding
+    )
+    return [w.to_message() for w in chosen]
 
 
 @contextmanager

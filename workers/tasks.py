@@ -95,7 +95,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
             # once per process (and per checkpoint), outside the batch's time limit
             model = _model(batch["model"], batch["dtype"], batch.get("weights_key"))
             with _deadline(_settings().task_time_limit_s):
-                payload = _analyse(model, batch)
+                payload = _analyse(model, batch, run_key=run_key)
     except Exception as exc:  # noqa: BLE001 - every failure counts against the poison guard
         error = _describe(exc)
         ledger.errored(run_key, batch_id, error)
@@ -149,7 +149,7 @@ def _check_files(model, batch: dict) -> None:
         )
 
 
-def _analyse(model, batch: dict) -> str:
+def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     from headatlas.service.engine.analysis import analyze_batch as analyse
     from headatlas.service.engine.windows import TokenClasses, Window, collate
     from headatlas.service.params import AnalysisParams
@@ -165,6 +165,12 @@ def _analyse(model, batch: dict) -> str:
     mixing = 0
     if params.mixes:
         mixing = max(0, min(len(windows), params.attribution_windows - int(batch.get("first_window", 0))))
+    # --effects cover the run's first effect_windows windows, as embedded (SPEC §9)
+    effects, means = 0, None
+    if params.effects:
+        effects = max(0, min(len(windows), params.effect_windows - int(batch.get("first_window", 0))))
+        if effects and "mean" in params.effects:
+            means = _reference_means(run_key, model, batch, tokens)
     result = analyse(
         model,
         collate(windows, tokens.pad_id),
@@ -173,8 +179,39 @@ def _analyse(model, batch: dict) -> str:
         documents=batch["documents"],
         mixing_windows=mixing,
         attribution_chunk=_settings().attribution_chunk,
+        effect_windows=effects,
+        effect_means=means,
     )
     return base64.b64encode(result.to_bytes()).decode("ascii")
+
+
+def _reference_means(run_key: str, model, batch: dict, tokens):
+    """The run's reference means of mean ablation (SPEC §9), the same bytes in every worker: the
+    submitter put the reference windows in the run's description; the first worker to need the
+    means computes them and publishes them in the broker (``Ledger.shared``: the first to store
+    wins), and every worker, this one included, uses the published copy, kept in this process
+    for the rest of the run. Workers therefore never open the database, and never disagree even
+    where their devices or thread counts would round differently."""
+    from headatlas.service.engine.effect_batch import ReferenceMeans, reference_means
+    from headatlas.service.engine.windows import Window
+    from headatlas.service.errors import ParameterError
+
+    cache = _state.setdefault("reference_means", {})
+    key = (run_key, batch["database_id"], model.weights_key)
+    if key not in cache:
+        ledger = _ledger(batch["database_id"])
+
+        def compute() -> bytes:
+            messages = (ledger.run_meta(run_key) or {}).get("effect_reference")
+            if not messages:
+                raise ParameterError(
+                    f"run {run_key}: its description names no reference windows for --effects mean; submit it again"
+                )
+            windows = [Window.from_message(m) for m in messages]
+            return reference_means(model, windows, tokens.pad_id).to_bytes()
+
+        cache[key] = ReferenceMeans.from_bytes(ledger.shared(run_key, "effect_means", compute))
+    return cache[key]
 
 
 # --- the synthetic probe (SPEC §8) -----------------------------------------------------------------
