@@ -114,86 +114,92 @@ def prune(
     run: str | None = typer.Argument(None, help="Run id, name or alias (default: the latest finished run)."),
     *,
     db: str = options.Db,
-    order: str = typer.Option(
-        "effect,importance,noise,random",
+    order: str | None = typer.Option(
+        None,
         "--order",
-        help="Orders to remove heads in: effect (smallest first), importance (smallest first; loss objectives), "
-        "noise (the run's noise_share, largest first), random.",
+        help="Orders to remove heads in, comma-separated: effect (smallest first), importance (smallest first; "
+        "loss objectives), noise (the run's noise_share, largest first), random (default: every one the run's "
+        "objective allows).",
     ),
     step: str = typer.Option("10%", "--step", help="Share of the heads removed at each step."),
     seeds: int = typer.Option(3, "--seeds", min=1, help="Random orders (one per seed)."),
     windows: int = typer.Option(
-        16, "--windows", min=1, help="Evaluation windows (as many selection windows again set the effect order)."
+        16,
+        "--windows",
+        min=1,
+        help="Evaluation windows (without stored effects, as many other windows again set the effect order).",
     ),
-    reference: int = typer.Option(64, "--reference", min=1, help="Windows whose mean output replaces a removed head."),
+    reference: int | None = typer.Option(
+        None,
+        "--reference",
+        min=1,
+        help="Windows whose mean output replaces a removed head (default: the run's --effect-reference when it "
+        "has effects, else 64).",
+    ),
     device: str = typer.Option("auto", "--device", help="Device: auto, cpu, cuda or cuda:N."),
+    show: bool = typer.Option(False, "--show", help="Show the run's newest stored curves; measure nothing."),
     out: str | None = typer.Option(None, "--out", "-o", help="Also draw every order's curve into this .png/.svg."),
     fmt: Format = options.Fmt,
 ) -> None:
     """Pruning curves: heads removed cumulatively (mean ablation), the model's objective after each step with
-    its interval, and the seed paper's claim tested (the noise order against random ones, and Spearman's ρ
-    between noise_share and the effect). The run gives the model, the corpus and noise_share; the curves are
-    measured in this process and not stored."""
-    from sqlalchemy import text
+    its interval, and the seed paper's claim tested (the area between the noise order and random ones, with an
+    interval that includes the spread between seeds, and Spearman's ρ between noise_share and the effect). The
+    run gives the model, the corpus and noise_share, and its stored effects (analyze --effects) set the effect
+    and importance orders; the curves are measured in this process and stored with the run (--show reads them
+    back)."""
+    from pathlib import Path
 
     from headatlas.cli.run_commands import resolve
-    from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.pruning import ORDERS, prune_curves
+    from headatlas.service.engine.pruning import ORDERS
     from headatlas.service.errors import ParameterError
-    from headatlas.service.params import AnalysisParams
+    from headatlas.service.storage.effect_rows import load_prune
     from headatlas.service.storage.store import Store
 
-    orders = [o.strip() for o in order.split(",") if o.strip()]
-    for name in orders:
+    orders = None if order is None else [o.strip() for o in order.split(",") if o.strip()]
+    for name in orders or []:
         if name not in ORDERS:
             raise ParameterError(f"--order {order!r}: {name!r} is not an order; use {', '.join(ORDERS)}")
     fraction = parse_step(step)
     if out is not None:
-        from pathlib import Path
-
         from headatlas.service.reports.plots import output_format
 
         output_format(Path(out))
-    with Store(db).checked_read() as conn:
+    store = Store(db)
+    with store.checked_read() as conn:
         found = resolve(conn, run)
-        noise = {
-            (int(r[0]), int(r[1])): float(r[2])
-            for r in conn.execute(
-                text("SELECT layer, head, noise_share FROM head_metrics WHERE run_id = :r AND noise_share IS NOT NULL"),
-                {"r": found.run_id},
-            )
-        }
-    params = AnalysisParams.from_dict(found.params)
-    loaded = load_model(found.model, device=device)
-    stderr.print(f"run {found.run_id} ({found.name}): {loaded.name} on {found.corpus}", highlight=False)
-    result = prune_curves(
-        found.corpus,
-        loaded,
-        params,
-        orders=orders,
-        noise_share=noise,
-        step=fraction,
-        seeds=seeds,
-        windows=windows,
-        reference=reference,
-        on_step=lambda name, done, total: stderr.print(f"  {name}: step {done}/{total}", highlight=False),
-    )
-    columns, rows = result.rows()
-    render(columns, rows, fmt, title=f"pruning curves: {result.model}, {result.objective} ({result.unit})")
-    claim = result.claim()
+        saved = load_prune(conn, found.run_id) if show else None
+    if show and saved is None:
+        raise ParameterError(
+            f"run {found.run_id} ({found.name}) has no stored pruning curves: run `prune` without --show"
+        )
+    if saved is None:
+        from headatlas.service.engine.prune_runs import prune_run
+
+        stderr.print(f"run {found.run_id} ({found.name}): {found.model_name} on {found.corpus}", highlight=False)
+        _result, saved = prune_run(
+            store,
+            found,
+            orders=orders,
+            step=fraction,
+            seeds=seeds,
+            windows=windows,
+            reference=reference,
+            device=device,
+            on_step=lambda name, done, total: stderr.print(f"  {name}: step {done}/{total}", highlight=False),
+        )
+    render(saved.columns, saved.rows, fmt, title=f"run {found.run_id} ({found.name}): pruning curves")
+    meta = saved.meta
     # on stderr in every format: the claim's verdict is the answer
     stderr.print(
-        f"note: {result.evaluation_windows} evaluation windows ({result.groups} replicate groups, {result.scheme}); "
-        f"orders set on {result.selection_windows} other windows; removed heads take their mean over "
-        f"{reference} windows. {claim}",
+        f"note: prune {meta['prune_id']}: O = {meta['objective']} ({meta['unit']}) on {meta['evaluation_windows']} "
+        f"evaluation windows ({meta['groups']} replicate groups, {meta['scheme']}); orders from {meta['selection']}; "
+        f"removed heads take their mean over the run's first {meta['reference_windows']} windows. {meta['claim']}",
         highlight=False,
         soft_wrap=True,
     )
     if out is not None:
-        from pathlib import Path
-
         from headatlas.service.reports.plots import save
         from headatlas.service.reports.prune_plot import figure_prune
 
-        fig = figure_prune(result)
+        fig = figure_prune(saved, title=f"pruning curves: run {found.run_id} ({found.name})")
         stderr.print(f"wrote {save(fig, Path(out))}", highlight=False)

@@ -9,11 +9,17 @@ go), and random (``seeds`` of them). The effects and importances that set the fi
 measured on *selection* windows, disjoint from the evaluation windows (every other window of the
 spread), so that no order is read off the windows it is judged on.
 
-The claim is tested two ways, each with a §5d interval (jackknife over the evaluation windows'
-replicate groups): the **area** between the noise-ordered curve and the mean of the random ones
-(trapezoids over the fraction removed; negative: pruning by noise costs less than at random), and
-**Spearman's ρ** between ``noise_share`` and the mean-ablation effect across heads (the effects'
-groups dropped one at a time; the run's ``noise_share`` is taken as fixed).
+When the run stores its effects (``analyze --effects``), the effect and importance orders are
+read from them (``StoredOrders``: measured on the run's effect windows, which the evaluation
+windows then exclude) and nothing is measured twice.
+
+The claim is tested two ways, each with a 95% interval: the **area** between the noise-ordered
+curve and the mean of the random ones (trapezoids over the fraction removed; negative: pruning by
+noise costs less than at random), whose standard error joins the jackknife over the evaluation
+windows' replicate groups (§5d) and the spread of the area between the random seeds (the random
+orders are themselves a sample: ``s²/S`` of the seeds' areas), with Welch–Satterthwaite degrees of
+freedom; and **Spearman's ρ** between ``noise_share`` and the mean-ablation effect across heads (the
+effects' groups dropped one at a time; the run's ``noise_share`` is taken as fixed).
 """
 
 from __future__ import annotations
@@ -77,14 +83,41 @@ def removed(model: LoadedModel, heads: Sequence[Head], means: torch.Tensor) -> I
 def objective_with(
     model: LoadedModel, batches: list, heads: Sequence[Head], means: torch.Tensor, intact: list[torch.Tensor]
 ) -> np.ndarray:
-    """The objective per evaluation window ``[window]`` with ``heads`` removed."""
+    """The objective per evaluation window ``[window]`` with ``heads`` removed (``batches``:
+    ``prepared`` batches)."""
     objective = fx.objective_of(model)
     out = []
     with torch.no_grad(), removed(model, heads, means):
-        for batch, reference in zip(batches, intact, strict=True):
-            final = wide(fx._run_model(model, batch.input_ids, batch.attention_mask))
-            out.append(objective.per_window(final, batch.input_ids, batch.attention_mask, reference).double().cpu())
+        for (model_ids, targets, mask), reference in zip(batches, intact, strict=True):
+            final = wide(fx._run_model(model, model_ids, mask))
+            out.append(objective.per_window(final, targets, mask, reference).double().cpu())
     return torch.cat(out).numpy()
+
+
+def prepared(model: LoadedModel, batches: list) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each batch as the objective runs it: ``(model_ids, targets, attention_mask)`` on the
+    model's device (a masked-LM objective masks its windows' positions, fixed by their ids)."""
+    objective = fx.objective_of(model)
+    out = []
+    for b in batches:
+        mask = b.attention_mask.to(model.device)
+        model_ids, targets = objective.prepare(b.input_ids.to(model.device), mask, b.window_ids)
+        out.append((model_ids, targets, mask))
+    return out
+
+
+@dataclass
+class StoredOrders:
+    """The effect and importance orders read from a run's stored effects (``analyze --effects``):
+    ``effect`` ``[layer, head]`` (mean ablation), ``importance`` or None, ``effect_drops`` the effect
+    without each replicate group (for ρ's interval), ``windows`` the ids of the windows they were
+    measured on (kept out of the evaluation windows)."""
+
+    effect: np.ndarray | None
+    importance: np.ndarray | None
+    effect_drops: list[np.ndarray]
+    windows: set[str]
+    source: str
 
 
 @dataclass
@@ -92,6 +125,7 @@ class Curve:
     order: str  # effect, importance, noise, random:SEED
     steps: list[int]  # heads removed after each step (0 first)
     values: np.ndarray  # [step, window]: the objective on each evaluation window
+    order_heads: list[Head] = field(default_factory=list)  # the order itself, first removed first
 
 
 @dataclass
@@ -108,6 +142,19 @@ class PruneResult:
     area: tuple[float, float, float] | None = None  # noise − random: (value, lo, hi)
     rho: tuple[float, float, float] | None = None  # Spearman ρ(noise_share, effect_mean)
     group_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+    selection: str = ""  # where the effect and importance orders came from
+    reference_windows: int = 0
+    seed_areas: list[float] = field(default_factory=list)  # noise − each random seed, every window
+
+    def removed(self) -> list[str]:
+        """Per row of ``rows()``: the heads removed at that step, ``layer.head`` space-separated."""
+        out = []
+        for curve in self.curves:
+            previous = 0
+            for n in curve.steps:
+                out.append(" ".join(f"{layer}.{head}" for layer, head in curve.order_heads[previous:n]))
+                previous = n
+        return out
 
     def rows(self) -> tuple[list[str], list[tuple]]:
         """One row per order and step: the objective with its interval, and its increase over the
@@ -166,6 +213,32 @@ def _interval(full: float, drops: list[float]) -> tuple[float, float, float]:
     return full, full - half, full + half
 
 
+def area_interval(full: float, drops: list[float], seed_areas: list[float]) -> tuple[float, float, float]:
+    """The area's 95% interval from two sources of error: the evaluation windows (the jackknife
+    over ``drops``, the area without each replicate group: standard error ``h / t_{R−1}``) and the
+    random orders (``seed_areas``, the area against each seed alone: standard error ``s / √S``).
+    The standard errors add in quadrature; the t quantile takes Welch–Satterthwaite's degrees of
+    freedom. With one seed the seeds' spread is unknown and only the windows' error counts; with
+    fewer than two groups the interval is NaN."""
+    from headatlas.service.reports.intervals import t95, t_quantile
+
+    half = jackknife_halfwidth(drops)
+    if half is None:
+        return full, math.nan, math.nan
+    r = len(drops)
+    se_windows = half / t95(r - 1)
+    seeds = len(seed_areas)
+    if seeds < 2:
+        return full, full - half, full + half
+    se_seeds = float(np.std(seed_areas, ddof=1)) / math.sqrt(seeds)
+    se = math.sqrt(se_windows**2 + se_seeds**2)
+    if se == 0:
+        return full, full, full
+    df = se**4 / (se_windows**4 / (r - 1) + se_seeds**4 / (seeds - 1))
+    half = t_quantile(0.975, df) * se
+    return full, full - half, full + half
+
+
 def prune_curves(
     corpus: str,
     model: LoadedModel,
@@ -181,8 +254,10 @@ def prune_curves(
     text_field: str = "text",
     encoding: str = "utf-8",
     on_step: Callable[[str, int, int], None] | None = None,
+    stored: StoredOrders | None = None,
 ) -> PruneResult:
-    """The pruning curves of ``orders`` and the test of the seed's claim (the module docstring)."""
+    """The pruning curves of ``orders`` and the test of the seed's claim (the module docstring);
+    ``stored``: the run's stored effects, which set the effect and importance orders."""
     from headatlas.service.engine.corpus import iter_documents
     from headatlas.service.engine.runner import first_windows
 
@@ -202,8 +277,16 @@ def prune_curves(
     def docs():
         return iter_documents(corpus, text_field=text_field, encoding=encoding)
 
-    spread = spread_windows(docs(), model, params, 2 * windows)
-    selection, evaluation = spread[0::2], spread[1::2]
+    use_stored = stored is not None and stored.effect is not None
+    if use_stored and "importance" in orders and stored is not None and stored.importance is None:
+        use_stored = False  # importance not stored: both orders measured here, on the same windows
+    if use_stored and stored is not None:
+        candidates = spread_windows(docs(), model, params, windows + len(stored.windows))
+        spread = [w for w in candidates if w.window_id not in stored.windows]
+        selection, evaluation = [], spread[:windows]
+    else:
+        spread = spread_windows(docs(), model, params, 2 * windows)
+        selection, evaluation = spread[0::2], spread[1::2]
     if not evaluation:
         raise ParameterError(f"{corpus}: too few windows for a pruning curve (it needs at least 2)")
     pad = TokenClasses.from_tokenizer(model.tokenizer).pad_id
@@ -216,26 +299,42 @@ def prune_curves(
         text_field=text_field,
         encoding=encoding,
     )
-    means, _positions = fx.reference_means(
-        model, ((b.input_ids, b.attention_mask) for b in _batches(ref, pad, batch_size))
-    )
+    from headatlas.service.engine.effect_batch import reference_means
+
+    # computed as an analysis computes them: the means of a run's stored effects, on the same windows
+    means = reference_means(model, ref, pad).tensor()
     total = model.n_layers * model.n_heads
     every = [(layer, head) for layer in range(model.n_layers) for head in range(model.n_heads)]
     counts = sorted({0, *(min(total, math.ceil(k * step * total - 1e-9)) for k in range(1, math.ceil(1 / step) + 1))})
 
-    # the selection windows' effects (for the effect order and ρ) and importances
-    want = ("mean", "gradient") if "importance" in orders else ("mean",)
-    per_window: dict[str, list[torch.Tensor]] = {k: [] for k in want}
-    for batch in _batches(selection, pad, batch_size):
-        got = fx.head_effects(model, batch.input_ids, batch.attention_mask, kinds=want, means=means)
-        for kind in want:
-            per_window[kind].append(got.effect[kind])
-    effect = torch.cat(per_window["mean"]).numpy()  # [window, layer, head]
+    # the selection windows' effects (for the effect order and ρ) and importances, or the stored ones
     ranked: dict[str, list[Head]] = {}
-    mean_effect = effect.mean(axis=0)
+    effect_drops: list[np.ndarray] = []
+    if use_stored and stored is not None and stored.effect is not None:
+        mean_effect, importance = stored.effect, stored.importance
+        effect_drops = stored.effect_drops
+        selection_text = stored.source
+    else:
+        want = ("mean", "gradient") if "importance" in orders else ("mean",)
+        per_window: dict[str, list[torch.Tensor]] = {k: [] for k in want}
+        for batch in _batches(selection, pad, batch_size):
+            got = fx.head_effects(
+                model, batch.input_ids, batch.attention_mask, kinds=want, means=means, window_ids=batch.window_ids
+            )
+            for kind in want:
+                per_window[kind].append(got.effect[kind])
+        effect = torch.cat(per_window["mean"]).numpy()  # [window, layer, head]
+        mean_effect = effect.mean(axis=0)
+        importance = torch.cat(per_window["gradient"]).numpy().mean(axis=0) if "gradient" in per_window else None
+        sel_scheme = params.resolved(len({w.doc_id for w in selection})).replicates
+        sel_groups = np.array(
+            [window_group(sel_scheme, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in selection]
+        )
+        present = np.unique(sel_groups)
+        effect_drops = [effect[sel_groups != g].mean(axis=0) for g in present] if len(present) > 1 else []
+        selection_text = f"measured on {len(selection)} other windows"
     ranked["effect"] = sorted(every, key=lambda lh: (mean_effect[lh], lh))
-    if "gradient" in per_window:
-        importance = torch.cat(per_window["gradient"]).numpy().mean(axis=0)
+    if importance is not None:
         ranked["importance"] = sorted(every, key=lambda lh: (importance[lh], lh))
     if noise_share:
         ranked["noise"] = sorted(every, key=lambda lh: (-noise_share.get(lh, -math.inf), lh))
@@ -244,9 +343,9 @@ def prune_curves(
         random.Random(seed).shuffle(shuffled)
         ranked[f"random:{seed}"] = shuffled
 
-    batches = _batches(evaluation, pad, batch_size)
+    batches = prepared(model, _batches(evaluation, pad, batch_size))
     with torch.no_grad():
-        intact = [wide(fx._run_model(model, b.input_ids, b.attention_mask)) for b in batches]
+        intact = [wide(fx._run_model(model, ids, mask)) for ids, _targets, mask in batches]
     scheme = params.resolved(len({w.doc_id for w in evaluation})).replicates
     groups = np.array([window_group(scheme, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in evaluation])
     result = PruneResult(
@@ -259,6 +358,8 @@ def prune_curves(
         scheme=scheme,
         total_heads=total,
         group_ids=groups,
+        selection=selection_text,
+        reference_windows=len(ref),
     )
     names = [o for o in orders if o != "random"] + ([f"random:{s}" for s in range(seeds)] if "random" in orders else [])
     for name in names:
@@ -268,7 +369,7 @@ def prune_curves(
             values.append(objective_with(model, batches, heads_in_order[:n], means, intact))
             if on_step is not None:
                 on_step(name, index + 1, len(counts))
-        result.curves.append(Curve(order=name, steps=counts, values=np.stack(values)))
+        result.curves.append(Curve(order=name, steps=counts, values=np.stack(values), order_heads=heads_in_order))
 
     curves = {c.order: c for c in result.curves}
     randoms = [c.values for name, c in curves.items() if name.startswith("random:")]
@@ -276,28 +377,23 @@ def prune_curves(
         fractions = np.array(counts) / total
         gap = curves["noise"].values - np.mean(randoms, axis=0)  # [step, window]
 
-        def area(columns: np.ndarray) -> float:
-            return float(np.trapezoid(gap[:, columns].mean(axis=1), fractions))
+        def area(columns: np.ndarray, against: np.ndarray = gap) -> float:
+            return float(np.trapezoid(against[:, columns].mean(axis=1), fractions))
 
         all_columns = np.ones(len(groups), dtype=bool)
         present = np.unique(groups)
-        result.area = _interval(area(all_columns), [area(groups != g) for g in present] if len(present) > 1 else [])
-    if noise_share:
-        sel_groups = np.array(
-            [window_group(scheme, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in selection]
+        result.seed_areas = [area(all_columns, curves["noise"].values - r) for r in randoms]
+        result.area = area_interval(
+            area(all_columns), [area(groups != g) for g in present] if len(present) > 1 else [], result.seed_areas
         )
+    if noise_share:
         noise = np.array([noise_share.get(lh, math.nan) for lh in every])
         keep = ~np.isnan(noise)
 
-        def rho(rows: np.ndarray) -> float:
-            e = effect[rows].mean(axis=0).reshape(-1)
-            return spearman(noise[keep], e[keep])
+        def rho(effect_of_heads: np.ndarray) -> float:
+            return spearman(noise[keep], effect_of_heads.reshape(-1)[keep])
 
-        present = np.unique(sel_groups)
-        result.rho = _interval(
-            rho(np.ones(len(selection), dtype=bool)),
-            [rho(sel_groups != g) for g in present] if len(present) > 1 else [],
-        )
+        result.rho = _interval(rho(mean_effect), [rho(d) for d in effect_drops])
     return result
 
 

@@ -1,5 +1,6 @@
 """The pruning curves of ``headatlas prune`` on one plot (SPEC §9): every order, the objective's
-increase over the intact model against the share of heads removed, with its 95% interval as a band; random orders in grey."""
+increase over the intact model against the share of heads removed, with its 95% interval as a
+band; random orders in grey. Drawn from a stored prune (``prune_curves``)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,33 @@ from matplotlib.figure import Figure
 from headatlas.service.reports.plots import new_figure
 
 if TYPE_CHECKING:
-    from headatlas.service.engine.pruning import PruneResult
+    from headatlas.service.storage.effect_rows import StoredPrune
 
 COLOURS = {"effect": "#1b6ca8", "importance": "#2a9d5b", "noise": "#c0392b"}
 
 
-def figure_prune(result: PruneResult) -> Figure:
-    columns, rows = result.rows()
+def figure_prune(prune: StoredPrune, *, title: str) -> Figure:
+    at = {c: i for i, c in enumerate(prune.columns)}
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot(1, 1, 1)
-    for curve in result.curves:
-        mine = [r for r in rows if r[0] == curve.order]
-        x = [r[3] for r in mine]
-        y, lo, hi = [r[7] for r in mine], [r[8] for r in mine], [r[9] for r in mine]
-        is_random = curve.order.startswith("random:")
-        colour = "#999999" if is_random else COLOURS.get(curve.order, "#444444")
-        label = "random" if curve.order == "random:0" else None if is_random else curve.order
+    orders = list(dict.fromkeys(r[at["order"]] for r in prune.rows))
+    first_random = next((o for o in orders if o.startswith("random:")), None)
+    for order in orders:
+        mine = [r for r in prune.rows if r[at["order"]] == order]
+        x = [r[at["fraction"]] for r in mine]
+        y = [r[at["increase"]] for r in mine]
+        lo, hi = [r[at["increase_lo"]] for r in mine], [r[at["increase_hi"]] for r in mine]
+        is_random = order.startswith("random:")
+        colour = "#999999" if is_random else COLOURS.get(order, "#444444")
+        label = "random" if order == first_random else None if is_random else order
         ax.plot(x, y, color=colour, lw=1.0 if is_random else 2.0, label=label)
-        if not is_random:
+        if not is_random and all(v is not None for v in (*lo, *hi)):
             ax.fill_between(x, lo, hi, color=colour, alpha=0.15, lw=0)
+    meta = prune.meta
     ax.set_xlabel("share of heads removed (mean ablation)")
-    ax.set_ylabel(f"increase of {result.objective} ({result.unit})")
+    ax.set_ylabel(f"increase of {meta['objective']} ({meta['unit']})")
     ax.axhline(0.0, color="#000000", lw=0.5)
-    claim = result.claim().split("; ")
-    ax.set_title("\n".join([f"pruning curves: {result.model}", *claim]), fontsize=7)
+    claim = str(meta["claim"]).split("; ")
+    ax.set_title("\n".join([title, *claim]), fontsize=7)
     ax.legend(frameon=False, fontsize=8)
     return fig

@@ -1,0 +1,151 @@
+"""``headatlas prune RUN`` and ``run.prune(...)``: a stored run's pruning curves, measured in this
+process and stored with the run (SPEC §9; tables ``prunes`` and ``prune_curves``).
+
+The run gives the model, the corpus, its parameters and its heads' ``noise_share``; where it
+stores causal effects (``analyze --effects mean``), they set the effect order (and ``importance``
+the importance order), measured on the run's effect windows, and the evaluation windows are
+others. Mean ablation takes the run's own reference set when it has one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, prune_curves
+from headatlas.service.params import AnalysisParams
+from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, load_prune, store_prune
+from headatlas.service.storage.store import Run, Store
+
+
+def noise_shares(conn: Connection, run_id: int) -> dict[tuple[int, int], float]:
+    return {
+        (int(r[0]), int(r[1])): float(r[2])
+        for r in conn.execute(
+            text("SELECT layer, head, noise_share FROM head_metrics WHERE run_id = :r AND noise_share IS NOT NULL"),
+            {"r": run_id},
+        )
+    }
+
+
+def stored_effects(conn: Connection, run_id: int) -> tuple[np.ndarray | None, np.ndarray | None, list[np.ndarray]]:
+    """The run's stored mean-ablation effect and importance ``[layer, head]`` (None where not
+    stored) and the effect without each replicate group (for ρ's interval)."""
+    rows = conn.execute(
+        text(
+            "SELECT layer, head, drop_rep, effect_mean, importance FROM head_metrics_reps WHERE run_id = :r "
+            "ORDER BY drop_rep, layer, head"
+        ),
+        {"r": run_id},
+    ).all()
+    if not rows:
+        return None, None, []
+    n_layers = 1 + max(int(r[0]) for r in rows)
+    n_heads = 1 + max(int(r[1]) for r in rows)
+    by_drop: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for layer, head, drop, effect, importance in rows:
+        e, i = by_drop.setdefault(
+            int(drop), (np.full((n_layers, n_heads), np.nan), np.full((n_layers, n_heads), np.nan))
+        )
+        e[layer, head] = np.nan if effect is None else effect
+        i[layer, head] = np.nan if importance is None else importance
+    effect, importance = by_drop.get(-1, (None, None))
+    effect = effect if effect is not None and np.isfinite(effect).all() else None
+    importance = importance if importance is not None and np.isfinite(importance).all() else None
+    drops = [e for d, (e, _i) in sorted(by_drop.items()) if d >= 0 and np.isfinite(e).all()]
+    return effect, importance, drops if effect is not None else []
+
+
+def prune_run(
+    store: Store,
+    run: Run,
+    *,
+    orders: Sequence[str] | None,
+    step: float,
+    seeds: int,
+    windows: int,
+    reference: int | None,
+    device: str = "auto",
+    on_step: Callable[[str, int, int], None] | None = None,
+    model=None,
+) -> tuple[PruneResult, StoredPrune]:
+    """Measure the run's pruning curves and store them; returns the result and the stored prune.
+    ``reference``: windows of mean ablation's reference set (None: the run's own
+    ``effect_reference`` when it has effects, else 64); ``model``: a loaded model to use instead
+    of loading the run's; ``orders`` None: every order the run's objective allows (importance
+    needs a loss)."""
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.windows import TokenClasses
+
+    params = AnalysisParams.from_dict(run.params)
+    with store.checked_read() as conn:
+        noise = noise_shares(conn, run.run_id)
+        effect, importance, drops = stored_effects(conn, run.run_id)
+    loaded = model or load_model(run.model, device=device)
+    if orders is None:
+        from headatlas.service.measures.objectives import objective_of
+
+        is_loss = objective_of(loaded).is_loss
+        orders = [o for o in ORDERS if o != "importance" or is_loss]
+    began = time.perf_counter()
+    stored = None
+    if effect is not None:
+        tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
+        measured = first_windows(run.corpus, loaded, params, tokens, params.effect_windows)
+        stored = StoredOrders(
+            effect=effect,
+            importance=importance,
+            effect_drops=drops,
+            windows={w.window_id for w in measured},
+            source=f"the run's stored effects ({len(measured)} windows)",
+        )
+    if reference is None:
+        reference = params.effect_reference if effect is not None else 64
+    result = prune_curves(
+        run.corpus,
+        loaded,
+        params,
+        orders=orders,
+        noise_share=noise,
+        step=step,
+        seeds=seeds,
+        windows=windows,
+        reference=reference,
+        on_step=on_step,
+        stored=stored,
+    )
+    columns, rows = result.rows()
+    assert tuple(columns) == CURVE_COLUMNS
+    area = result.area or (None, None, None)
+    rho = result.rho or (None, None, None)
+    meta = {
+        "objective": result.objective,
+        "unit": result.unit,
+        "orders": ",".join(orders),
+        "step": step,
+        "seeds": seeds,
+        "evaluation_windows": result.evaluation_windows,
+        "selection": result.selection,
+        "reference_windows": result.reference_windows,
+        "scheme": result.scheme,
+        "groups": result.groups,
+        "area": area[0],
+        "area_lo": area[1],
+        "area_hi": area[2],
+        "rho": rho[0],
+        "rho_lo": rho[1],
+        "rho_hi": rho[2],
+        "claim": result.claim(),
+        "seconds": time.perf_counter() - began,
+    }
+    removed = result.removed()
+    prune_id = store.atomically(lambda conn: store_prune(conn, run.run_id, meta, rows, removed))
+    with store.read() as conn:
+        saved = load_prune(conn, run.run_id, prune_id)
+    assert saved is not None
+    return result, saved
