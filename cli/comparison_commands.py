@@ -108,12 +108,15 @@ def query_roles(
     95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
     SPEC §7). Heads without a role: "none established". A table also counts each role, and what
     the run's random-weights controls earn."""
-    from headatlas.service.reports import compare, roles
+    from headatlas.service.reports import compare, role_effects, roles
     from headatlas.service.reports.intervals import scheme_of
 
     with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
         names, rows = roles.roles(conn, r.run_id, stability=stability)
+        role_names = list(names)  # the roles' own columns, for the counts
+        names, rows = role_effects.with_effects(conn, r.run_id, names, rows)  # each head's effect (SPEC §9)
+        effect_lines = _role_effect_lines(conn, r.run_id, names, rows)
         offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
         controls = [
             (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
@@ -145,12 +148,15 @@ def query_roles(
     )
     if fmt != Format.table:
         return
-    counts, stable = roles.role_counts(names, rows, offered), roles.stable_counts(names, rows)
+    role_rows = [row[: len(role_names)] for row in rows]
+    counts, stable = roles.role_counts(role_names, role_rows, offered), roles.stable_counts(role_names, role_rows)
     held = ", ".join(
         f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
         for role, n in counts.items()
     )
     print_wrapped(f"heads per role: {held}")
+    for line in effect_lines:
+        print_wrapped(line)
     if stability and stable is None:
         stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
     for seed, control, control_counts in controls:
@@ -160,3 +166,24 @@ def query_roles(
             markup=False,
             highlight=False,
         )
+
+
+def _role_effect_lines(conn, run_id: int, names: list[str], rows: list[tuple]) -> list[str]:
+    """Under `query roles` of a run with effects: what each role's heads cost when removed (SPEC §9)."""
+    import math
+
+    from headatlas.service.reports import role_effects
+    from headatlas.service.storage.effect_rows import effect_note, run_effects
+
+    per_role = role_effects.by_role(conn, run_id, names, rows)
+    found = run_effects(conn, run_id)
+    if per_role is None or not found:
+        return []
+    unit = found[0]["unit"]
+    parts = [
+        role_effects.describe(f"{role} ({n} heads)", value, lo, hi, unit)
+        + ("" if math.isnan(gap) else f", {gap:+.3g} against the heads without a role [{g_lo:+.3g}, {g_hi:+.3g}]")
+        for role, n, value, lo, hi, gap, g_lo, g_hi in per_role
+    ]
+    lines = [f"mean effect of each role's heads (primary role; 95% intervals): {'; '.join(parts)}"]
+    return lines + [note] if (note := effect_note(conn, run_id)) else lines

@@ -287,6 +287,7 @@ def _query(
             check(r)
         columns, rows = query(conn, r.run_id, **kwargs)
         unreliable = _interval_warnings(conn, r) if kwargs.get("ci") else []
+        table_columns, note = _with_effects(conn, r.run_id, columns, rows, table_columns, note)
     render_metrics(
         columns,
         rows,
@@ -299,6 +300,22 @@ def _query(
         pinned=pinned,
     )
     _print_warnings(unreliable)
+
+
+def _with_effects(conn, run_id: int, columns, rows, table_columns, note):
+    """A run with causal effects (SPEC §9): its main effect column joins the table's default
+    columns, and the note says what the effects are measured against."""
+    from headatlas.service.metrics import EFFECT_COLUMNS
+    from headatlas.service.storage.effect_rows import effect_note
+
+    held = [c for c in EFFECT_COLUMNS if c in columns and any(r[columns.index(c)] is not None for r in rows)]
+    if not held:
+        return table_columns, note
+    main = next(c for c in ("effect_mean", "effect_zero", "importance", *held) if c in held)
+    if table_columns is not None and main not in table_columns:
+        table_columns = [*table_columns, main]
+    said = effect_note(conn, run_id)
+    return table_columns, (f"{note}\n{said}" if note and said else note or said)
 
 
 def _interval_warnings(conn, *runs) -> list[str]:

@@ -261,11 +261,23 @@ def plot_discrepancy(
 
 
 @plot_app.command("atlas")
-def plot_atlas(run: str | None = RunOpt, out: Path = FigureOut, db: str = DbOpt, dpi: int = DpiOpt) -> None:
-    """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7)."""
+def plot_atlas(
+    run: str | None = RunOpt,
+    out: Path = FigureOut,
+    db: str = DbOpt,
+    dpi: int = DpiOpt,
+    colour: str | None = typer.Option(
+        None,
+        "--colour",
+        metavar="METRIC",
+        help="Colour the cells by this head metric instead of the role, e.g. effect_mean (what removing the head "
+        "costs, SPEC §9); the role codes stay written in them.",
+    ),
+) -> None:
+    """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7), or by a metric."""
     from headatlas.service.reports import atlas_plots
 
-    _draw(db, out, dpi, lambda conn, resolve: atlas_plots.run_atlas(conn, resolve(run))[0])
+    _draw(db, out, dpi, lambda conn, resolve: atlas_plots.run_atlas(conn, resolve(run), colour=colour)[0])
 
 
 @plot_app.command("compare")

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
 from headatlas.service.api.terms import _in_python_terms
 from headatlas.service.errors import DatabaseNotFound, ParameterError
@@ -192,6 +193,61 @@ class RunView:
         from headatlas.service.reports import queries
 
         return self._query(queries.discrepancy, "discrepancy", method=method, top=top)
+
+    @_in_python_terms
+    def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:
+        """Per head, the causal effects the run stores (``analyze --effects``, SPEC §9):
+        ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the run's objective), ``importance``
+        (mean |∂O/∂ξ|) and the output drift of each ablation, with 95% intervals (``ci``);
+        ``.notes`` says what they are measured against."""
+        from headatlas.service.reports.effect_queries import effects
+        from headatlas.service.storage.effect_rows import effect_note
+
+        with self.store.checked_read() as conn:
+            said = effect_note(conn, self.run.run_id) or ""
+        return self._query(effects, "head effects", note=said, ci=ci, sort=sort)
+
+    @_in_python_terms
+    def prune(
+        self,
+        *,
+        orders: Sequence[str] | None = None,
+        step: float = 0.1,
+        seeds: int = 3,
+        windows: int = 16,
+        reference: int | None = None,
+        device: str = DEFAULTS["device"],
+        show: bool = False,
+    ) -> Table:
+        """The pruning curves of ``headatlas prune`` (SPEC §9): heads removed cumulatively in each
+        order (``orders``: effect, importance, noise, random; default all the run's objective
+        allows), the objective and its increase over the intact model with 95% intervals, measured
+        in this process and stored with the run (``show``: the newest stored ones, nothing
+        measured). ``.notes`` holds the seed paper's claim tested: the area between the noise
+        order and random ones, and Spearman's ρ(noise_share, effect), each with its interval."""
+        from headatlas.service.engine.prune_runs import prune_run
+        from headatlas.service.storage.effect_rows import load_prune
+
+        saved = None
+        if show:
+            with self.store.checked_read() as conn:
+                saved = load_prune(conn, self.run.run_id)
+            if saved is None:
+                raise ParameterError(f"run {self.run.run_id} has no stored pruning curves: call prune() without show")
+        else:
+            _result, saved = prune_run(
+                self.store,
+                self.run,
+                orders=None if orders is None else list(orders),
+                step=step,
+                seeds=seeds,
+                windows=windows,
+                reference=reference,
+                device=device,
+            )
+        return Table.of(
+            saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=[saved.meta["claim"]]
+        )
 
     @_in_python_terms
     def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:

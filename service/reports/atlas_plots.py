@@ -70,12 +70,15 @@ def figure_atlas(
     n_heads: int,
     title: str,
     offered: tuple[str, ...] | None = None,
+    shade: tuple[str, np.ndarray] | None = None,
 ) -> tuple:
     """Layer × head grid coloured by each head's primary role; each cell lists the codes of every
     role the head holds (legend: code and colour). Where ``rows`` carry stability (``query roles
     --stability``), a cell whose primary role does not hold on both halves is hatched and an
     unstable role's code is followed by ``?``. ``offered``: the run's roles (``roles.offered_roles``),
-    the legend's entries; default every role. Returns (figure, role index grid)."""
+    the legend's entries; default every role. ``shade``: (metric, ``[layer, head]`` values) colours
+    the cells by that metric (e.g. ``effect_mean``, SPEC §9) instead of the role, the role codes
+    written over it. Returns (figure, role index grid)."""
     grid = roles.primary_grid(columns, rows, n_layers, n_heads)
     index = np.full((n_layers, n_heads), np.nan)
     for (l, h), _ in np.ndenumerate(index):
@@ -93,7 +96,12 @@ def figure_atlas(
     ax = fig.subplots()
     cmap = colors.ListedColormap([ROLE_COLOURS[r] for r in ATLAS_ROLES]).with_extremes(bad="#ffffff")
     norm = colors.BoundaryNorm(np.arange(len(ATLAS_ROLES) + 1) - 0.5, len(ATLAS_ROLES))
-    ax.imshow(np.ma.masked_invalid(index), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    if shade is None:
+        ax.imshow(np.ma.masked_invalid(index), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    else:
+        metric, values = shade
+        image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto", interpolation="nearest")
+        fig.colorbar(image, ax=ax, label=metric, location="left")
     for l, h, role in sorted(unstable):
         if grid[l][h] == role:
             ax.add_patch(
@@ -110,6 +118,10 @@ def figure_atlas(
                 "punctuation",
                 "[CLS] sink",
             )
+            if shade is not None:  # viridis: light cells at the top of the scale
+                value, top = shade[1][l, h], np.nanmax(shade[1])
+                low = np.nanmin(shade[1])
+                dark = not (np.isfinite(value) and top > low and (value - low) / (top - low) > 0.6)
             ax.text(
                 h,
                 l,
@@ -168,11 +180,33 @@ def figure_atlas(
     return fig, index
 
 
-def run_atlas(conn, run) -> tuple:
-    """The atlas of ``run`` (a store ``Run``) from ``roles.roles``, unstable roles marked."""
+def run_atlas(conn, run, *, colour: str | None = None) -> tuple:
+    """The atlas of ``run`` (a store ``Run``) from ``roles.roles``, unstable roles marked;
+    ``colour``: a column of ``query heads`` (``effect_mean``: what removing each head costs) to
+    colour the cells by, instead of the role."""
+    from sqlalchemy import text
+
+    from headatlas.service.reports.columns import HEAD_COLUMNS, unknown_metric
+
     columns, rows = roles.roles(conn, run.run_id, stability=True)
     offered = roles.offered_roles(roles.causal_run(conn, run.run_id))
-    return figure_atlas(columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run), offered=offered)
+    shade = None
+    if colour is not None:
+        if colour not in HEAD_COLUMNS[2:-1]:
+            raise unknown_metric("--colour", colour, HEAD_COLUMNS[2:-1])
+        values = np.full((run.n_layers, run.n_heads), np.nan)
+        for layer, head, value in conn.execute(
+            text(f"SELECT layer, head, {colour} FROM head_metrics WHERE run_id = :r"), {"r": run.run_id}
+        ):
+            values[layer, head] = np.nan if value is None else value
+        if np.isnan(values).all():
+            from headatlas.service.errors import ParameterError
+
+            raise ParameterError(f"--colour {colour}: run {run.run_id} has no value of it (effects: analyze --effects)")
+        shade = (colour, values)
+    return figure_atlas(
+        columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run), offered=offered, shade=shade
+    )
 
 
 # --- compare ------------------------------------------------------------------------------------

@@ -180,6 +180,9 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
     atlas_html = _atlas_section(conn, run)
     floor_html = _floor_section(conn, run)
     mixing_html = _mixing_section(conn, run)
+    from headatlas.service.reports.effect_report import effects_section
+
+    effects_html = effects_section(conn, run, table=_table, img=_img)
 
     facts = [
         ("run", f"{run.run_id} ({run.name})"),
@@ -228,6 +231,7 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
 <h2>Parameters</h2><table class="kv"><thead><tr><th class="text">parameter</th><th class="text">value</th>
 <th class="text">meaning</th></tr></thead><tbody>{params_html}</tbody></table>
 {floor_html}
+{effects_html}
 <h2>Figures</h2>{figure_html}
 {mixing_html}
 <h2>Heads</h2>

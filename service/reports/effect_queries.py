@@ -1,0 +1,37 @@
+"""The causal effects of a run's heads (SPEC §9) as a table: ``run.effects()``, the report."""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from headatlas.service.errors import ParameterError
+from headatlas.service.metrics import EFFECT_COLUMNS
+from headatlas.service.reports import queries
+
+HEAD_EFFECTS = [c for c in EFFECT_COLUMNS if c != "objective"]
+
+
+def effects(conn: Connection, run_id: int, *, ci: bool = False, sort: str | None = None) -> queries.Rows:
+    """Per head, the effects the run stores (columns of kinds it did not measure left out), with
+    95% intervals when ``ci``; sorted by ``sort`` (largest first) or by layer and head."""
+    stored = [
+        c
+        for c in HEAD_EFFECTS
+        if conn.execute(text(f"SELECT count({c}) FROM head_metrics WHERE run_id = :r"), {"r": run_id}).scalar()
+    ]
+    if not stored:
+        raise ParameterError(
+            f"run {run_id} has no causal effects: analyse with --effects zero,mean (and gradient for a loss), "
+            "or measure them without storing with `headatlas effects CORPUS`"
+        )
+    if sort is not None and sort not in stored:
+        raise ParameterError(f"--sort {sort!r}: run {run_id} stores {', '.join(stored)}")
+    order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
+    columns = ["layer", "head", *stored]
+    rows = queries._rows(
+        conn, f"SELECT {', '.join(columns)} FROM head_metrics WHERE run_id = :run ORDER BY {order}", {"run": run_id}
+    )
+    if ci:
+        rows = queries._with_intervals(conn, rows, view="head_metrics_reps", keys=("layer", "head"), run_id=run_id)
+    return rows
