@@ -174,9 +174,12 @@ def pooled(final: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def embedding_drift(final: torch.Tensor, intact: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``1 − cos(e', e)`` per window ``[batch]``, e the pooled embedding of the intact model."""
-    cos = torch.nn.functional.cosine_similarity(pooled(final, attention_mask), pooled(intact, attention_mask), dim=-1)
-    return 1.0 - cos
+    """``1 − cos(e', e)`` per window ``[batch]``, e the pooled embedding of the intact model; in
+    float64, so that the intact model's drift is 0 to 1e-15, not to float32's 1e-7 (an effect is
+    this minus that)."""
+    a, b = pooled(final.double(), attention_mask), pooled(intact.double(), attention_mask)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return (1.0 - cos).to(final.dtype if final.dtype == torch.float64 else torch.float64)
 
 
 def output_drift(final: torch.Tensor, intact: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
