@@ -1,0 +1,167 @@
+"""The causal-effect findings of docs/findings.md (SPEC §9): which heads matter, whether the roles'
+heads matter more than the role-less ones, the pruning curves, and the seed paper's claim.
+
+    python benchmarks/effect_findings.py [--corpus PATH] [--doc-chars 800] [--models default,smollm2]
+                                         [--effect-windows default=100,smollm2=24] [--prune-windows 32]
+                                         [--out docs/findings-output-effects.md] [--db build/effect-findings.duckdb]
+
+``make findings`` runs it after benchmarks/findings.py. Per model, into a fresh database: the
+corpus (the development corpus where it exists, each document cut to its leading paragraphs under
+``--doc-chars`` characters) analysed with ``--windowing first`` (one window per document, so that
+the effect windows come from as many documents as there are windows) and ``--effects`` on the
+run's first ``--effect-windows`` windows (zero and mean ablation; gradient importance where the
+objective is a loss), then ``headatlas prune`` on ``--prune-windows`` other windows, its figure in
+docs/img. The markdown goes to ``--out`` and into docs/findings.md between the markers naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import default_corpus, machine  # noqa: E402
+from benchmarks.findings import FINDINGS_PAGE, copy_into, prepare_corpus  # noqa: E402
+
+SEED_CLAIM = (
+    "Halevi et al. claim that the noise of a head's similarity matrix (pairs whose outputs are similar but "
+    "which attention does not connect) points to heads that can be pruned. Tested here (SPEC §9) by "
+    "`noise_share` (the share of a head's most similar pairs that fail the attention gate): removing heads in "
+    "the order of their noise_share (largest first) should cost less than removing them at random, and "
+    "noise_share should correlate negatively with the effect of removing the head."
+)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "headatlas.cli.main", *args]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return done
+
+
+def query(db: str, *args: str) -> list[dict]:
+    return json.loads(cli(*args, "--db", db, "--format", "json").stdout)
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:+.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def ci(row: dict, name: str) -> str:
+    lo, hi = row.get(f"{name}_lo"), row.get(f"{name}_hi")
+    bounds = "" if lo is None or hi is None else f" [{fmt(lo)}, {fmt(hi)}]"
+    return f"{fmt(row.get(name))}{bounds}"
+
+
+def role_effects(db: str, run: str) -> list[str]:
+    """The lines `query roles` prints about each role's mean effect."""
+    out = cli("query", "roles", run, "--db", db).stdout
+    return [line for line in out.splitlines() if line.startswith(("mean effect", "effect_* ="))]
+
+
+def model_section(db: str, run: str, model: str, windows: int, seconds: float, figure: Path) -> list[str]:
+    heads = query(db, "query", "heads", "--run", run, "--ci")
+    kinds = [k for k in ("effect_mean", "effect_zero", "importance") if heads[0].get(k) is not None]
+    main = kinds[0]
+    ranked = sorted(heads, key=lambda h: -h[main])
+    lines = [
+        f"### {model}",
+        "",
+        f"`headatlas analyze --windowing first --effects {','.join(k.removeprefix('effect_') if k != 'importance' else 'gradient' for k in kinds)} "
+        f"--effect-windows {windows}`: {windows} windows with effects, {seconds / 60:.0f} min of analysis on this machine.",
+        "",
+        f"Top heads by {main} (`headatlas query heads --sort {main} --ci`):",
+        "",
+        "| layer | head | " + " | ".join(kinds) + " | noise_share |",
+        "|---|---|" + "---|" * len(kinds) + "---|",
+    ]
+    for h in ranked[:8]:
+        lines.append(
+            f"| {h['layer']} | {h['head']} | " + " | ".join(ci(h, k) for k in kinds) + f" | {h['noise_share']:.3f} |"
+        )
+    clear = sum(1 for h in heads if (h.get(f"{main}_lo") or 0) > 0)
+    lines += ["", f"- Heads whose {main} interval lies above 0: {clear} of {len(heads)}."]
+    lines += [f"- {line}" for line in role_effects(db, run)]
+    prune = json.loads(cli("prune", run, "--db", db, "--show", "--format", "json").stdout)
+    note = cli("prune", run, "--db", db, "--show").stderr.strip().replace("\n", " ")
+    lines += ["", f"Pruning curves (`headatlas prune {run}`), increase of the objective over the intact model:", ""]
+    orders = list(dict.fromkeys(r["order"] for r in prune))
+    steps = sorted({r["fraction"] for r in prune})
+    lines.append("| share removed | " + " | ".join(orders) + " |")
+    lines.append("|---|" + "---|" * len(orders))
+    for step in steps:
+        cells = []
+        for order in orders:
+            row = next(r for r in prune if r["order"] == order and r["fraction"] == step)
+            cells.append(ci(row, "increase"))
+        lines.append(f"| {step:.0%} | " + " | ".join(cells) + " |")
+    lines += ["", f"![pruning curves of {model}](img/{figure.name})", "", f"- {note.removeprefix('note: ')}", ""]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--corpus", type=Path, default=None)
+    parser.add_argument("--doc-chars", type=int, default=800)
+    parser.add_argument("--models", default="default,smollm2")
+    parser.add_argument("--effect-windows", default="default=100,smollm2=24")
+    parser.add_argument("--prune-windows", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "findings-output-effects.md")
+    parser.add_argument("--db", type=Path, default=ROOT / "build" / "effect-findings.duckdb")
+    args = parser.parse_args()
+    source = args.corpus or default_corpus()
+    work = args.db.parent / "effect-findings"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    args.db.unlink(missing_ok=True)
+    corpus, documents = prepare_corpus(source, 0, 0, work / "corpus.txt", doc_chars=args.doc_chars)
+    counts = dict(part.split("=") for part in args.effect_windows.split(","))
+    db = str(args.db)
+    lines = [
+        f"## Findings: which heads matter (SPEC §9), `{source.name}`",
+        "",
+        f"Made by `python benchmarks/effect_findings.py --doc-chars {args.doc_chars} --models {args.models} "
+        f"--effect-windows {args.effect_windows} --prune-windows {args.prune_windows}` on "
+        f"{datetime.now(UTC).date()} ({machine()}). Corpus: {source.name}, each document cut under "
+        f"{args.doc_chars} characters, one window per document (--windowing first): {documents} windows. "
+        "Effects are O(ablated) − O(intact) in the model's own objective; 95 % intervals, replicate groups by document.",
+        "",
+        f"What the paper claims: {SEED_CLAIM}",
+        "",
+    ]
+    for model in args.models.split(","):
+        run = f"effects-{model}"
+        windows = int(counts.get(model, 24))
+        kinds = "zero,mean,gradient" if model != "default" else "zero,mean"
+        began = time.perf_counter()
+        print(f"{model}: analysing with effects on {windows} windows …", file=sys.stderr)
+        cli(
+            "analyze", str(corpus), "--model", model, "--db", db, "--name", run, "--windowing", "first",
+            "--effects", kinds, "--effect-windows", str(windows), "-q",
+        )  # fmt: skip
+        seconds = time.perf_counter() - began
+        figure = ROOT / "docs" / "img" / f"prune-{model}.png"
+        print(f"{model}: pruning …", file=sys.stderr)
+        cli("prune", run, "--db", db, "--windows", str(args.prune_windows), "--out", str(figure))
+        lines += model_section(db, run, model, windows, seconds, figure)
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text, encoding="utf-8")
+    print(text)
+    if copy_into(FINDINGS_PAGE, args.out, text):
+        print(f"and copied into {FINDINGS_PAGE}: now check its prose against it", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
