@@ -90,8 +90,12 @@ bench: install-test
 # with SmolLM2 beside MiniLM: written to docs/findings-output.md and copied into docs/findings.md
 # (FINDINGS_ARGS= for MiniLM alone; --corpus PATH --doc-chars N --out FILE for another corpus).
 FINDINGS_ARGS ?= --decoder
+# Then the causal effects (SPEC §9) of MiniLM and SmolLM2 on the development corpus: which heads matter,
+# the pruning curves and the seed paper's claim (docs/findings-output-effects.md, about an hour on 2 cores).
+EFFECT_FINDINGS_ARGS ?=
 findings: install
 	$(PY) benchmarks/findings.py $(FINDINGS_ARGS)
+	$(PY) benchmarks/effect_findings.py $(EFFECT_FINDINGS_ARGS)
 
 # On a machine with an NVIDIA GPU (PyPI's torch for Linux is a CUDA build): the CUDA tests,
 # then the GPU rows of the benchmark table.

@@ -114,11 +114,11 @@ OPTIONS: tuple[Declared, ...] = (
     ),
     Declared(
         "effects",
-        str,
-        "",
+        list[str],
+        (),
         "Causal effects of every head on the model's own objective and on output drift: zero and mean "
-        "ablation, gradient importance (comma-separate: zero,mean,gradient; gradient for objectives that are "
-        "losses). Costly: each window's ablations cost about half of layers × heads forward passes; analyze "
+        "ablation, gradient importance (repeat or comma-separate: zero,mean,gradient; gradient for objectives "
+        "that are losses). Costly: each window's ablations cost about half of layers × heads forward passes; analyze "
         "says its estimate before it starts.",
         spec="§9",
     ),

@@ -91,7 +91,7 @@ class AnalysisParams:
     # windows per run that get attribution / mixing; None: ATTRIBUTION_WINDOWS with attribution, else MIXING_WINDOWS
     attribution_windows: int = DEFAULTS["attribution_windows"]
     # causal effects of heads (SPEC §9): kinds, windows that get them, reference windows of mean ablation
-    effects: tuple[str, ...] = DEFAULTS["effects"] or ()
+    effects: tuple[str, ...] = DEFAULTS["effects"]
     effect_windows: int = DEFAULTS["effect_windows"]
     effect_reference: int = DEFAULTS["effect_reference"]
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)

@@ -27,6 +27,9 @@ TABLES = (
     "mixing_dist",
     "csm_bins",
     "probe_scores",
+    "run_effects",
+    "prunes",
+    "prune_curves",
 )
 
 
@@ -78,7 +81,8 @@ def test_parquet_files_read_back_as_the_stored_rows(stored, tmp_path):
         got = reader.execute(f"SELECT * FROM read_parquet('{t.path}') ORDER BY ALL").fetchall()
         assert got == expected, t.table
         assert t.rows == len(expected), t.table
-        assert t.rows > 0 or t.table.startswith("mixing_"), t.table  # mixing only with --mixing
+        # mixing only with --mixing, effects and prunes only with --effects and `prune`
+        assert t.rows > 0 or t.table.startswith(("mixing_", "run_effects", "prune")), t.table
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["run_id"] == first.run_id and manifest["format"] == "parquet"
     assert manifest["tables"]["head_stats"] == {"file": "head_stats.parquet", "rows": exported[5].rows}

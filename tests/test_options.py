@@ -45,6 +45,9 @@ OFFERED = {
         "probe_length",
         "probe_sequences",
         "replicates",  # one window: no intervals
+        "effects",  # nothing stored: `headatlas effects` measures them
+        "effect_windows",
+        "effect_reference",
     },
     ("demo",): {"model", "device", "batch_size"},
 }
