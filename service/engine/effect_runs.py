@@ -157,7 +157,9 @@ def measure_effects(
     intact: list[torch.Tensor] = []
     for start in range(0, len(chosen), batch_size):
         batch = collate(chosen[start : start + batch_size], pad)
-        got = fx.head_effects(model, batch.input_ids, batch.attention_mask, kinds=kinds, means=means)
+        got = fx.head_effects(
+            model, batch.input_ids, batch.attention_mask, kinds=kinds, means=means, window_ids=batch.window_ids
+        )
         intact.append(got.intact)
         for kind in kinds:
             per_kind[kind].append(got.effect[kind])
