@@ -2,16 +2,18 @@
 heads matter more than the role-less ones, the pruning curves, and the seed paper's claim.
 
     python benchmarks/effect_findings.py [--corpus PATH] [--doc-chars 800] [--models default,smollm2]
-                                         [--effect-windows default=100,smollm2=24] [--prune-windows 32]
+                                         [--effect-windows default=64,smollm2=16]
+                                         [--prune default=32:10%,smollm2=12:20%]
                                          [--out docs/findings-output-effects.md] [--db build/effect-findings.duckdb]
 
 ``make findings`` runs it after benchmarks/findings.py. Per model, into a fresh database: the
 corpus (the development corpus where it exists, each document cut to its leading paragraphs under
 ``--doc-chars`` characters) analysed with ``--windowing first`` (one window per document, so that
 the effect windows come from as many documents as there are windows) and ``--effects`` on the
-run's first ``--effect-windows`` windows (zero and mean ablation; gradient importance where the
-objective is a loss), then ``headatlas prune`` on ``--prune-windows`` other windows, its figure in
-docs/img. The markdown goes to ``--out`` and into docs/findings.md between the markers naming it.
+run's first ``--effect-windows`` windows (``KINDS``: MiniLM zero and mean ablation; SmolLM2 mean
+ablation and gradient importance, zero ablation left out for time), then ``headatlas prune`` on
+``--prune`` WINDOWS:STEP other windows, its figure in docs/img. The counts are what about 30 minutes
+per model allow on a 2-core machine. The markdown goes to ``--out`` and into docs/findings.md between the markers naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import default_corpus, machine  # noqa: E402
 from benchmarks.findings import FINDINGS_PAGE, copy_into, prepare_corpus  # noqa: E402
 
+KINDS = {"default": "zero,mean", "smollm2": "mean,gradient"}  # other models: zero,mean
 SEED_CLAIM = (
     "Halevi et al. claim that the noise of a head's similarity matrix (pairs whose outputs are similar but "
     "which attention does not connect) points to heads that can be pruned. Tested here (SPEC §9) by "
@@ -67,7 +70,7 @@ def ci(row: dict, name: str) -> str:
 
 def role_effects(db: str, run: str) -> list[str]:
     """The lines `query roles` prints about each role's mean effect."""
-    out = cli("query", "roles", run, "--db", db).stdout
+    out = cli("query", "roles", "--run", run, "--db", db).stdout
     return [line for line in out.splitlines() if line.startswith(("mean effect", "effect_* ="))]
 
 
@@ -79,7 +82,7 @@ def model_section(db: str, run: str, model: str, windows: int, seconds: float, f
     lines = [
         f"### {model}",
         "",
-        f"`headatlas analyze --windowing first --effects {','.join(k.removeprefix('effect_') if k != 'importance' else 'gradient' for k in kinds)} "
+        f"`headatlas analyze --windowing first --effects {','.join('gradient' if k == 'importance' else k.removeprefix('effect_') for k in kinds)} "
         f"--effect-windows {windows}`: {windows} windows with effects, {seconds / 60:.0f} min of analysis on this machine.",
         "",
         f"Top heads by {main} (`headatlas query heads --sort {main} --ci`):",
@@ -116,8 +119,8 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=None)
     parser.add_argument("--doc-chars", type=int, default=800)
     parser.add_argument("--models", default="default,smollm2")
-    parser.add_argument("--effect-windows", default="default=100,smollm2=24")
-    parser.add_argument("--prune-windows", type=int, default=32)
+    parser.add_argument("--effect-windows", default="default=64,smollm2=16")
+    parser.add_argument("--prune", default="default=32:10%,smollm2=12:20%")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "findings-output-effects.md")
     parser.add_argument("--db", type=Path, default=ROOT / "build" / "effect-findings.duckdb")
     args = parser.parse_args()
@@ -128,12 +131,13 @@ def main() -> None:
     args.db.unlink(missing_ok=True)
     corpus, documents = prepare_corpus(source, 0, 0, work / "corpus.txt", doc_chars=args.doc_chars)
     counts = dict(part.split("=") for part in args.effect_windows.split(","))
+    prunes = dict(part.split("=") for part in args.prune.split(","))
     db = str(args.db)
     lines = [
         f"## Findings: which heads matter (SPEC §9), `{source.name}`",
         "",
         f"Made by `python benchmarks/effect_findings.py --doc-chars {args.doc_chars} --models {args.models} "
-        f"--effect-windows {args.effect_windows} --prune-windows {args.prune_windows}` on "
+        f"--effect-windows {args.effect_windows} --prune {args.prune}` on "
         f"{datetime.now(UTC).date()} ({machine()}). Corpus: {source.name}, each document cut under "
         f"{args.doc_chars} characters, one window per document (--windowing first): {documents} windows. "
         "Effects are O(ablated) − O(intact) in the model's own objective; 95 % intervals, replicate groups by document.",
@@ -143,8 +147,9 @@ def main() -> None:
     ]
     for model in args.models.split(","):
         run = f"effects-{model}"
-        windows = int(counts.get(model, 24))
-        kinds = "zero,mean,gradient" if model != "default" else "zero,mean"
+        windows = int(counts.get(model, 16))
+        kinds = KINDS.get(model, "zero,mean")
+        prune_windows, step = prunes.get(model, "16:10%").split(":")
         began = time.perf_counter()
         print(f"{model}: analysing with effects on {windows} windows …", file=sys.stderr)
         cli(
@@ -154,7 +159,7 @@ def main() -> None:
         seconds = time.perf_counter() - began
         figure = ROOT / "docs" / "img" / f"prune-{model}.png"
         print(f"{model}: pruning …", file=sys.stderr)
-        cli("prune", run, "--db", db, "--windows", str(args.prune_windows), "--out", str(figure))
+        cli("prune", run, "--db", db, "--windows", prune_windows, "--step", step, "--out", str(figure))
         lines += model_section(db, run, model, windows, seconds, figure)
     text = "\n".join(lines) + "\n"
     args.out.write_text(text, encoding="utf-8")
