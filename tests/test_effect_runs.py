@@ -350,3 +350,17 @@ def test_an_old_database_is_upgraded_with_the_effect_columns_null(tmp_path, tiny
         assert new["effect_mean"] is None and new["importance"] is None
         for column, value in old.items():
             assert new[column] == pytest.approx(value, nan_ok=True), column
+
+
+def test_a_control_run_gets_effects_on_the_same_objective(tmp_path, small_corpus, cli) -> None:
+    """`--control` analyses the same windows through random weights with the same effects; a
+    parent with a masked-LM head gives its control a (random) head, so both measure one objective."""
+    db = str(tmp_path / "c.duckdb")
+    extra = ["--effects", "zero", "--effect-windows", "2", "--control", "--name", "mlm"]
+    done = cli("analyze", str(small_corpus), "--model", "random:tiny-mlm", *ARGS, "--db", db, *extra)
+    assert done.returncode == 0, done.stderr
+    for run in ("mlm", "mlm-control"):
+        rows = json.loads(cli("sql", "--db", db, "--run", run, "SELECT * FROM run_effects", "--format", "json").stdout)
+        assert [r["objective"] for r in rows] == ["masked_lm_loss"], run
+        heads = json.loads(cli("query", "heads", "--db", db, "--run", run, "--format", "json").stdout)
+        assert all(h["effect_zero"] is not None for h in heads), run
