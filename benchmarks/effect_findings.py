@@ -123,12 +123,16 @@ def main() -> None:
     parser.add_argument("--prune", default="default=32:10%,smollm2=12:20%")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "findings-output-effects.md")
     parser.add_argument("--db", type=Path, default=ROOT / "build" / "effect-findings.duckdb")
+    parser.add_argument(
+        "--reuse", action="store_true", help="Keep the database: a model analysed and pruned there is not run again."
+    )
     args = parser.parse_args()
     source = args.corpus or default_corpus()
     work = args.db.parent / "effect-findings"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    args.db.unlink(missing_ok=True)
+    if not args.reuse:
+        shutil.rmtree(work, ignore_errors=True)
+        args.db.unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     corpus, documents = prepare_corpus(source, 0, 0, work / "corpus.txt", doc_chars=args.doc_chars)
     counts = dict(part.split("=") for part in args.effect_windows.split(","))
     prunes = dict(part.split("=") for part in args.prune.split(","))
@@ -150,16 +154,24 @@ def main() -> None:
         windows = int(counts.get(model, 16))
         kinds = KINDS.get(model, "zero,mean")
         prune_windows, step = prunes.get(model, "16:10%").split(":")
-        began = time.perf_counter()
-        print(f"{model}: analysing with effects on {windows} windows …", file=sys.stderr)
-        cli(
-            "analyze", str(corpus), "--model", model, "--db", db, "--name", run, "--windowing", "first",
-            "--effects", kinds, "--effect-windows", str(windows), "-q",
-        )  # fmt: skip
-        seconds = time.perf_counter() - began
         figure = ROOT / "docs" / "img" / f"prune-{model}.png"
-        print(f"{model}: pruning …", file=sys.stderr)
-        cli("prune", run, "--db", db, "--windows", prune_windows, "--step", step, "--out", str(figure))
+        done = args.reuse and args.db.exists() and run in cli("runs", "--db", db).stdout
+        began = time.perf_counter()
+        if not done:
+            print(f"{model}: analysing with effects on {windows} windows …", file=sys.stderr)
+            cli(
+                "analyze", str(corpus), "--model", model, "--db", db, "--name", run, "--windowing", "first",
+                "--effects", kinds, "--effect-windows", str(windows), "-q",
+            )  # fmt: skip
+        seconds = time.perf_counter() - began
+        if (
+            not done
+            or subprocess.run(
+                [sys.executable, "-m", "headatlas.cli.main", "prune", run, "--db", db, "--show"], capture_output=True
+            ).returncode
+        ):
+            print(f"{model}: pruning …", file=sys.stderr)
+            cli("prune", run, "--db", db, "--windows", prune_windows, "--step", step, "--out", str(figure))
         lines += model_section(db, run, model, windows, seconds, figure)
     text = "\n".join(lines) + "\n"
     args.out.write_text(text, encoding="utf-8")
