@@ -48,6 +48,15 @@ KNOWN_BACKWARD_EDGES = {
     ("headatlas.service.engine.pruning", "headatlas.service.measures.effects"),
     ("headatlas.service.engine.pruning", "headatlas.service.measures.objectives"),
     ("headatlas.service.engine.pruning", "headatlas.service.reports.intervals"),
+    # an analysis's per-batch effects (SPEC §9) and the stored pruning curves: the engine running the
+    # measures it stores, as effect_runs and pruning do, and prune_runs storing like runner
+    ("headatlas.service.engine.effect_batch", "headatlas.service.measures"),
+    ("headatlas.service.engine.effect_batch", "headatlas.service.measures.attribution"),
+    ("headatlas.service.engine.effect_batch", "headatlas.service.measures.effects"),
+    ("headatlas.service.engine.effect_batch", "headatlas.service.measures.objectives"),
+    ("headatlas.service.engine.prune_runs", "headatlas.service.measures.objectives"),
+    ("headatlas.service.engine.prune_runs", "headatlas.service.storage.effect_rows"),
+    ("headatlas.service.engine.prune_runs", "headatlas.service.storage.store"),
 }
 LOWER = "engine"  # the package the others build on
 
