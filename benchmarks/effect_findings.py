@@ -82,7 +82,7 @@ def model_section(db: str, run: str, model: str, windows: int, seconds: float, f
     lines = [
         f"### {model}",
         "",
-        f"`headatlas analyze --windowing first --effects {','.join('gradient' if k == 'importance' else k.removeprefix('effect_') for k in kinds)} "
+        f"`headatlas analyze --windowing first --effects {KINDS.get(model, 'zero,mean')} "
         f"--effect-windows {windows}`: {windows} windows with effects, {seconds / 60:.0f} min of analysis on this machine.",
         "",
         f"Top heads by {main} (`headatlas query heads --sort {main} --ci`):",
@@ -163,7 +163,9 @@ def main() -> None:
                 "analyze", str(corpus), "--model", model, "--db", db, "--name", run, "--windowing", "first",
                 "--effects", kinds, "--effect-windows", str(windows), "-q",
             )  # fmt: skip
-        seconds = time.perf_counter() - began
+        # the analysis's own wall time, as the run recorded it (a reused run's too)
+        listed = json.loads(cli("runs", "--db", db, "--format", "json").stdout)
+        seconds = next((r["wall_s"] for r in listed if r["name"] == run), time.perf_counter() - began)
         if (
             not done
             or subprocess.run(

@@ -4,6 +4,7 @@ band; random orders in grey. Drawn from a stored prune (``prune_curves``)."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
@@ -37,7 +38,8 @@ def figure_prune(prune: StoredPrune, *, title: str) -> Figure:
     ax.set_xlabel("share of heads removed (mean ablation)")
     ax.set_ylabel(f"increase of {meta['objective']} ({meta['unit']})")
     ax.axhline(0.0, color="#000000", lw=0.5)
-    claim = str(meta["claim"]).split("; ")
+    # each part of the claim on lines of its own, short enough for the figure's width
+    claim = [textwrap.fill(part, 105) for part in str(meta["claim"]).split("; ")]
     ax.set_title("\n".join([title, *claim]), fontsize=7)
     ax.legend(frameon=False, fontsize=8)
     return fig
