@@ -20,6 +20,7 @@ from sqlalchemy import text
 from headatlas.service.errors import ParameterError, StoreError
 from headatlas.service.storage import db
 from headatlas.service.storage.backends import Backend, open_backend
+from headatlas.service.storage.statuses import BatchStatus, sql
 
 # rows that belong to the database itself, not to its results
 OWN_TABLES = ("alembic_version", "database_info")
@@ -134,7 +135,7 @@ def _source_rows(table: str, key: list[str] | None) -> str:
     source = f"copy_source.main.{table}"
     if not key:
         return source
-    prefer = "(status = 'done') DESC, " if table == "batches" else ""
+    prefer = f"(status = {sql(BatchStatus.DONE)}) DESC, " if table == "batches" else ""
     partition = ", ".join(key)
     return (
         f"(SELECT * EXCLUDE (_copy_rank) FROM (SELECT *, row_number() OVER (PARTITION BY {partition} "

@@ -13,7 +13,11 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import StoreError
 from headatlas.service.storage import db
-from headatlas.service.storage.store import Run, Store, now, resolve_run
+from headatlas.service.storage.runs import Run, now, resolve_run, run_columns
+from headatlas.service.storage.statuses import BatchStatus, RunStatus, sql
+from headatlas.service.storage.store import Store
+
+DONE, FAILED = sql(BatchStatus.DONE), sql(BatchStatus.FAILED)
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class Progress:
 class Summary:
     """A queued run as the database holds it: its status, batches stored and failed, windows."""
 
-    status: str
+    status: RunStatus
     done: int
     failed: int
     windows: int
@@ -51,21 +55,21 @@ def summary(conn: Connection, run_id: int) -> Summary:
         raise StoreError(f"no run {run_id} in the database")
     done, failed = _counts(conn, run_id)
     windows = conn.execute(
-        text("SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id}
+        text(f"SELECT coalesce(sum(n_windows), 0) FROM batches WHERE run_id = :r AND status = {DONE}"), {"r": run_id}
     ).scalar_one()
-    return Summary(status, done, failed, int(windows))
+    return Summary(RunStatus(status), done, failed, int(windows))
 
 
 def stored_batches(conn: Connection, run_id: int) -> set[int]:
     return {
         r[0]
-        for r in conn.execute(text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run_id})
+        for r in conn.execute(
+            text(f"SELECT batch_id FROM batches WHERE run_id = :r AND status = {DONE}"), {"r": run_id}
+        )
     }
 
 
 def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
-    from headatlas.service.storage.store import run_columns
-
     row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE run_key = :k"), {"k": run_key}).first()
     return Run.from_row(row) if row is not None else None
 
@@ -104,11 +108,12 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
                 {"r": run.run_id, "b": meta["batches"], "w": meta["windows"]},
             )
         plan = plan_of(conn, run.run_id)
-        if run.status in ("created", "interrupted"):
+        startable = (RunStatus.CREATED, RunStatus.INTERRUPTED)
+        if run.status in startable:
             conn.execute(
                 text(
-                    "UPDATE runs SET status = 'running', started_at = coalesce(started_at, :ts), error = NULL "
-                    "WHERE run_id = :r AND status IN ('created', 'interrupted')"
+                    f"UPDATE runs SET status = {sql(RunStatus.RUNNING)}, started_at = coalesce(started_at, :ts), "
+                    f"error = NULL WHERE run_id = :r AND status IN {sql(*startable)}"
                 ),
                 {"ts": now(), "r": run.run_id},
             )
@@ -133,26 +138,26 @@ def mark_failed(conn: Connection, run_id: int, batch_id: int, *, attempts: int, 
     status = conn.execute(
         text("SELECT status FROM batches WHERE run_id = :r AND batch_id = :b"), {"r": run_id, "b": batch_id}
     ).scalar()
-    if status == "done":
+    if status == BatchStatus.DONE:
         return False
     values = {"r": run_id, "b": batch_id, "a": attempts, "e": error[:1000]}
     if db.has_keys(conn):
         conn.execute(
             text(
                 "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
-                "VALUES (:r, :b, 0, 'failed', :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
-                "status = 'failed', attempts = excluded.attempts, error = excluded.error"
+                f"VALUES (:r, :b, 0, {FAILED}, :a, :e) ON CONFLICT (run_id, batch_id) DO UPDATE SET "
+                f"status = {FAILED}, attempts = excluded.attempts, error = excluded.error"
             ),
             values,
         )
         return True
     # a lake: the batch's other rows give way to one failed row (and a concurrent store of the
     # batch, which deletes them too, conflicts with this)
-    conn.execute(text("DELETE FROM batches WHERE run_id = :r AND batch_id = :b AND status <> 'done'"), values)
+    conn.execute(text(f"DELETE FROM batches WHERE run_id = :r AND batch_id = :b AND status <> {DONE}"), values)
     conn.execute(
         text(
             "INSERT INTO batches (run_id, batch_id, n_windows, status, attempts, error) "
-            "VALUES (:r, :b, 0, 'failed', :a, :e)"
+            f"VALUES (:r, :b, 0, {FAILED}, :a, :e)"
         ),
         values,
     )
@@ -166,14 +171,14 @@ def reopen_failed(store: Store, run_id: int) -> list[int]:
         ids = [
             r[0]
             for r in conn.execute(
-                text("SELECT DISTINCT batch_id FROM batches WHERE run_id = :r AND status = 'failed'"), {"r": run_id}
+                text(f"SELECT DISTINCT batch_id FROM batches WHERE run_id = :r AND status = {FAILED}"), {"r": run_id}
             )
         ]
-        conn.execute(text("DELETE FROM batches WHERE run_id = :r AND status = 'failed'"), {"r": run_id})
+        conn.execute(text(f"DELETE FROM batches WHERE run_id = :r AND status = {FAILED}"), {"r": run_id})
         conn.execute(
             text(
-                "UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = :r "
-                "AND status <> 'done'"
+                f"UPDATE runs SET status = {sql(RunStatus.RUNNING)}, error = NULL, finished_at = NULL "
+                f"WHERE run_id = :r AND status <> {sql(RunStatus.DONE)}"
             ),
             {"r": run_id},
         )
@@ -193,14 +198,14 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
         return
     if failed:
         status, error = (
-            "failed",
+            RunStatus.FAILED,
             f"{failed} batch(es) failed: see `headatlas status {run_id}`, then `headatlas retry {run_id}`",
         )
     else:
-        status, error = "done", None
+        status, error = RunStatus.DONE, None
     ended = conn.execute(
         text("SELECT count(*) FROM runs WHERE run_id = :r AND status = :s AND finished_at IS NOT NULL"),
-        {"r": run_id, "s": status},
+        {"r": run_id, "s": status.value},
     ).scalar()
     if ended:  # already ended so (and compacted): every writer of a lake asks after its commits
         return
@@ -210,9 +215,9 @@ def finish_if_complete(conn: Connection, run_id: int) -> None:
             "wall_s = epoch(CAST(:ts AS TIMESTAMP)) - epoch(coalesce(started_at, created_at)) "
             "WHERE run_id = :r AND (status <> :s OR finished_at IS NULL)"
         ),
-        {"s": status, "e": error, "ts": now(), "r": run_id},
+        {"s": status.value, "e": error, "ts": now(), "r": run_id},
     )
-    if status == "done":
+    if status == RunStatus.DONE:
         from headatlas.service.storage.compact import compact_run
 
         compact_run(conn, run_id)  # same transaction: the views read few rows from now on
@@ -225,7 +230,7 @@ def progress(conn: Connection, run_id: int, *, max_errors: int = 5) -> Progress:
         tuple(r)
         for r in conn.execute(
             text(
-                "SELECT batch_id, attempts, error FROM batches WHERE run_id = :r AND status = 'failed' "
+                f"SELECT batch_id, attempts, error FROM batches WHERE run_id = :r AND status = {FAILED} "
                 "ORDER BY batch_id LIMIT :n"
             ),
             {"r": run_id, "n": max_errors},
@@ -251,7 +256,7 @@ def _counts(conn: Connection, run_id: int) -> tuple[int, int]:
     counts as stored only."""
     row = conn.execute(
         text(
-            "WITH b AS (SELECT batch_id, bool_or(status = 'done') AS done, bool_or(status = 'failed') AS failed "
+            f"WITH b AS (SELECT batch_id, bool_or(status = {DONE}) AS done, bool_or(status = {FAILED}) AS failed "
             "FROM batches WHERE run_id = :r GROUP BY batch_id) "
             "SELECT count(*) FILTER (WHERE done), count(*) FILTER (WHERE failed AND NOT done) FROM b"
         ),
