@@ -139,6 +139,8 @@ terminal-tables: install
 clean:
 	rm -rf $(VENV) *.egg-info build .pytest_cache
 
-# The CLI reference, docs/cli.md, from every command's --help (tests/test_docs.py fails when stale).
+# The CLI reference, docs/cli.md, from every command's --help, and the table of the queue's timings in
+# docs/reliability.md, from workers/policy.py (tests/test_docs.py fails when either is stale).
 docs: install
 	$(PY) -m headatlas.cli.reference
+	$(PY) -m headatlas.workers.policy

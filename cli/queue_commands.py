@@ -12,6 +12,7 @@ from headatlas.cli import options
 from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
+from headatlas.workers.policy import RESUBMIT_STRANDED_S
 
 DbOpt, BrokerOpt = options.Db, options.Broker
 
@@ -180,17 +181,14 @@ def _wait(settings, sub, resubmit=None) -> None:
         )
 
 
-# seen stranded this long, with no batch stored meanwhile, before queuing again: longer than the
-# writer waits (workers.writer.STRANDED_S, which queues them again from the copies submit kept), so
-# that this is the fallback for batches with no copy
-STRANDED_S = 15.0
+STRANDED_S = RESUBMIT_STRANDED_S  # workers/policy.py
 
 
 def _requeue_stranded(ledger, sub, seen, done: int, resubmit):
     """Batches in flight that no message carries (lost as Redis went down, ``Ledger.stranded``)
     are queued again once they stay so for STRANDED_S with nothing stored meanwhile: the run
     would otherwise never end. A batch analysed twice is stored once."""
-    from headatlas.workers.ledger import stranded_long_enough
+    from headatlas.workers.policy import stranded_long_enough
 
     lost = ledger.stranded(sub.run_key)
     seen, now_due = stranded_long_enough(seen, lost, done, time.monotonic(), STRANDED_S)

@@ -62,3 +62,13 @@ def test_every_setting_is_documented():
     for variable, _default, meaning in Settings.help():
         assert meaning.strip()
         assert variable in config, f"{variable} is not in docs/configuration.md"
+
+
+def test_reliability_timings_are_current():
+    """docs/reliability.md's table of the queue's timings is generated from their declarations
+    (workers/policy.py): a timing added or changed there and not in the docs fails here."""
+    from headatlas.workers import policy
+
+    doc = (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    assert policy.BEGIN in doc and policy.END in doc
+    assert policy.with_timings(doc) == doc, "docs/reliability.md is stale: run `python -m headatlas.workers.policy`"

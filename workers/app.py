@@ -15,28 +15,29 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from headatlas.service.config import Settings
+from headatlas.workers.policy import (
+    BROKER_CONNECT_TIMEOUT_S,
+    BROKER_HEALTH_CHECK_S,
+    UNACKED_RESTORE_S,
+    WORKER_START_S,
+    hard_limit_s,
+    visibility_timeout_s,
+)
 
 ANALYSIS_QUEUE = "analysis"
-HARD_LIMIT = 1.5
-"""Celery kills a task's process after this many times HEADATLAS_TASK_TIME_LIMIT_S (the
-visibility timeout, twice the limit, stays longer)."""
 
 
 def broker_options(settings: Settings) -> dict:
-    """Redis transport options. The visibility timeout (how long a delivered, unacknowledged
-    message waits before another worker may get it) must exceed the longest task, or a slow
-    batch would be handed out twice while it still runs: it is twice the task time limit.
-    The unacked-restore sweep defaults to ~100 s (interval 10 × throttle 10); every 2 s keeps
-    redelivery after a lost worker close to the visibility timeout."""
+    """Redis transport options, from the fault policy (workers/policy.py): the visibility timeout
+    (how long a delivered, unacknowledged message waits before another worker may get it), the
+    unacked-restore sweep's pace (kombu's interval × throttle), the broker's timeouts."""
     return {
-        "visibility_timeout": int(2 * settings.task_time_limit_s),
-        "unacked_restore_interval": 2,
+        "visibility_timeout": int(visibility_timeout_s(settings)),
+        "unacked_restore_interval": UNACKED_RESTORE_S,
         "unacked_restore_throttle": 1,
-        # a Redis that went away without closing the socket (restarted on another host, a
-        # dropped network) is noticed by keepalive and health checks, not after hours
-        "socket_connect_timeout": 5,
+        "socket_connect_timeout": BROKER_CONNECT_TIMEOUT_S,
         "socket_keepalive": True,
-        "health_check_interval": 10,
+        "health_check_interval": BROKER_HEALTH_CHECK_S,
         "retry_on_timeout": True,
     }
 
@@ -78,13 +79,13 @@ def configure(app: Celery, settings: Settings, *, torch_threads: int | None = No
         # a prefork child builds its model as it starts (its parent imported torch and
         # transformers before forking): on a loaded machine that took longer than Celery's 4 s,
         # and children were killed and replaced in a loop
-        worker_proc_alive_timeout=60.0,
+        worker_proc_alive_timeout=WORKER_START_S,
         # The time limit is the analysis's own, in every pool: workers/tasks.py raises it by an
         # alarm around the analysis, after the model is built (a pool child replacing a lost one
         # builds it inside its first task). Celery's soft limit would count the build too; its
         # hard limit, which kills the process, is the backstop for a batch stuck where the alarm
         # cannot interrupt it, and leaves room for the build.
-        task_time_limit=HARD_LIMIT * settings.task_time_limit_s,
+        task_time_limit=hard_limit_s(settings),
         task_default_queue=ANALYSIS_QUEUE,
         task_queues=[Queue(ANALYSIS_QUEUE, Exchange(ANALYSIS_QUEUE, type="direct"), routing_key=ANALYSIS_QUEUE)],
         task_routes={"headatlas.analyze_batch": {"queue": ANALYSIS_QUEUE}},

@@ -2,7 +2,7 @@
 
 Celery's consumer reconnects after 2, 4, 6, … s (up to 30 s between tries): a Redis away for 11 s
 was reached again up to 8 s after it was back (the tries fell 2, 6, 12 and 20 s after the loss),
-and every worker of the cluster idled meanwhile. This one tries every RECONNECT_EVERY_S.
+and every worker of the cluster idled meanwhile. This one tries every RECONNECT_EVERY_S (policy.py).
 Configured by name (``worker_consumer`` in workers/app.py), so only a worker imports it.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from celery.worker.consumer import Consumer
 
-RECONNECT_EVERY_S = 1.0
+from headatlas.workers.policy import RECONNECT_EVERY_S
 
 
 class SteadyReconnectConsumer(Consumer):

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import redis
 
-from headatlas.workers.lease import HEARTBEAT_S, SILENT_S
 from headatlas.workers.ledger import WORKERS, Ledger, Running
+from headatlas.workers.policy import DELIVERY_GRACE_S, HEARTBEAT_S, SILENT_S
 
 log = logging.getLogger("headatlas.heartbeat")
 
@@ -108,7 +108,7 @@ def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> li
     analysis queue."""
     lost = []
     for run_key in ledger.active_runs():
-        for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, HEARTBEAT_S)]:
+        for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, DELIVERY_GRACE_S)]:
             if ledger.declare_lost(run_key, entry):
                 requeued = restore_message(broker_url, transport_options, entry.task_id, entry.beat)
                 lost.append(LostBatch(run_key, entry, requeued))

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import redis
 
-from headatlas.service.errors import ParameterError, StoreError, WriterConflict
+from headatlas.service.errors import StoreError, WriterConflict
+from headatlas.workers.policy import HEARTBEAT_S, SILENT_S, WRITER_POLL_S
 
 LEASE = "headatlas:writer:lease"
 HELPER = "headatlas:writer:helper:"  # + token: a further writer of a lake, alive while the key lives
@@ -35,20 +36,6 @@ PAUSED = "headatlas:writer:paused:"  # + token: what a paused writer waits for (
 LAST = "headatlas:writer:last"  # the database the last writer stored into (no expiry)
 EPOCH = "headatlas:epoch"  # a random value set once: a new one means Redis lost its data
 
-
-def _lease_s() -> float:
-    """HEADATLAS_LEASE_S (every process of a broker is given the same environment); a value the
-    settings refuse is refused in one line by the command that reads them, not here at import."""
-    from headatlas.service.config import Settings
-
-    try:
-        return Settings.from_env({k: v for k, v in os.environ.items() if k == "HEADATLAS_LEASE_S"}).lease_s
-    except ParameterError:
-        return Settings().lease_s
-
-
-SILENT_S = _lease_s()  # a writer's lease and a worker's batch count as gone when silent this long …
-HEARTBEAT_S = SILENT_S / 5  # … and are refreshed this often
 
 # Refresh only our own lease: after a stall long enough for another writer to take over, the
 # stalled one must find out, not take the queue back.
@@ -338,4 +325,4 @@ def target_database(client: redis.Redis, db: str, broker_url: str, wait_s: float
                 f"no writer holds the ingest queue of {broker_url} and there is no database at {backend.label} to read here: "
                 "start `headatlas writer` on this broker (it creates the database), or pass --db; nothing was queued"
             )
-        time.sleep(0.2)
+        time.sleep(WRITER_POLL_S)
