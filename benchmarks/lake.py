@@ -128,7 +128,8 @@ def store_all(target: Target, redis_url: str, messages: list[str], writers: int,
 
     from headatlas.service.storage import db
     from headatlas.workers.lease import helpers, holder
-    from headatlas.workers.ledger import Ledger
+    from headatlas.workers.ledger import INGEST, Ledger
+    from headatlas.workers.messages import BatchAnalysed, encode
 
     client = redis.Redis.from_url(redis_url)
     client.flushall()
@@ -177,18 +178,7 @@ def store_all(target: Target, redis_url: str, messages: list[str], writers: int,
         started = time.perf_counter()
         pipe = client.pipeline()
         for batch_id, payload in enumerate(messages):
-            pipe.rpush(
-                "headatlas:ingest",
-                __import__("json").dumps(
-                    {
-                        "kind": "ingest",
-                        "database_id": database_id,
-                        "run_key": key,
-                        "batch_id": batch_id,
-                        "payload": payload,
-                    }
-                ),
-            )
+            pipe.rpush(INGEST, encode(BatchAnalysed(database_id, key, batch_id, payload)))
         pipe.execute()
         while ledger.run_status(key) != "done":
             if time.monotonic() > deadline + 3600:

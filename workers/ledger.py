@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import redis
 
 from headatlas.service.errors import BrokerError
+from headatlas.service.storage.statuses import ENDED, RunStatus
+from headatlas.workers.messages import PARKED, BatchAnalysed, Message, encode, of_kind
+from headatlas.workers.policy import BROKER_CONNECT_TIMEOUT_S, BROKER_READ_TIMEOUT_S
 
 PREFIX = "headatlas"
 INGEST = f"{PREFIX}:ingest"  # messages for the writer, oldest first (a Redis list)
@@ -35,6 +38,7 @@ def processing_lists(client: redis.Redis) -> list[str]:
 
 SHARED_TTL_S = 30 * 86400  # a run's shared values (Ledger.shared) outlive any run's queue
 WRITER = f"{PREFIX}:writer"  # what the writer is doing now (status, tests)
+ORPHANS = "orphans"  # key (+ "lake"): uncatalogued data files the writer saw after a data-path fault
 WORKERS = f"{PREFIX}:workers:"  # + host:pid: a consuming worker process (its beacon), expiring unless refreshed
 
 # A heartbeat refresh that only counts while the batch is still this worker's: a batch
@@ -81,7 +85,12 @@ return 0
 
 
 def connect(url: str, *, check: bool = True) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
+    client = redis.Redis.from_url(
+        url,
+        socket_connect_timeout=BROKER_CONNECT_TIMEOUT_S,
+        socket_timeout=BROKER_READ_TIMEOUT_S,
+        health_check_interval=BROKER_READ_TIMEOUT_S,
+    )
     if check:
         try:
             client.ping()
@@ -132,24 +141,6 @@ class Running:
     beat: float
     raw: bytes | str  # as stored, to act on it only if unchanged
     delivered: bool = False
-
-
-Stranded = tuple[float, int, set[int]]  # first seen (monotonic s), batches stored then, which batches
-
-
-def stranded_long_enough(
-    seen: Stranded | None, lost: set[int], done: int, now: float, wait_s: float
-) -> tuple[Stranded | None, bool]:
-    """Whether to queue the stranded batches ``lost`` again now (``Ledger.stranded``): once they
-    have stayed stranded ``wait_s`` with no batch stored meanwhile (``done``: batches stored).
-    Returns what to remember for the next look, and the answer."""
-    if not lost:
-        return None, False
-    if seen is None or seen[1] != done or not lost <= seen[2]:
-        return (now, done, lost), False
-    if now - seen[0] < wait_s:
-        return seen, False
-    return None, True
 
 
 def deleted_message(run_id: int) -> str:
@@ -336,16 +327,21 @@ class Ledger:
         pipe.hdel(self.key("delivered", run_key), batch_id)
         pipe.execute()
 
-    def set_run_status(self, run_key: str, status: str, *, done: int, failed: int, windows: int) -> None:
+    def set_run_status(self, run_key: str, status: RunStatus, *, done: int, failed: int, windows: int) -> None:
         """What the database holds for the run, as the writer read it after committing."""
         self.r.hset(
             self.key("run", run_key),
-            mapping={"status": status, "stored": done, "failed_stored": failed, "windows_done": windows},
+            mapping={
+                "status": RunStatus(status).value,
+                "stored": done,
+                "failed_stored": failed,
+                "windows_done": windows,
+            },
         )
 
-    def run_status(self, run_key: str) -> str | None:
+    def run_status(self, run_key: str) -> RunStatus | None:
         raw = self.r.hget(self.key("run", run_key), "status")
-        return _text(raw) if raw else None
+        return RunStatus(_text(raw)) if raw else None
 
     def is_finished(self, run_key: str, batch_id: int) -> bool:
         return bool(self.r.sismember(self.key("done", run_key), str(batch_id)))  # as redis-py encodes an int
@@ -482,31 +478,25 @@ class Ledger:
         (a copy of a stored batch delivered after the run ended made it active again; an active
         run keeps a writer from starting a new database at its path)."""
         if (
-            self.run_status(run_key) in ("done", "failed")
+            self.run_status(run_key) in ENDED
             and not self.in_flight(run_key)
             and not self.r.hlen(self.key("delivered", run_key))
         ):
             self.inactive(run_key)
 
+    def send(self, message: Message) -> None:
+        """A message on the ingest queue, for the writer (workers/messages.py)."""
+        self.r.rpush(INGEST, encode(message))
+
     def send_to_writer(self, kind: str, **fields) -> None:
-        """A message on the ingest queue: open_run, ingest, failed or reopen, for this database."""
-        self.r.rpush(INGEST, json.dumps({"kind": kind, "database_id": self.database_id, **fields}))
+        """The message of kind ``kind`` (open_run, ingest, failed, reopen, probe) with ``fields``,
+        for this database (``messages.of_kind``)."""
+        self.send(of_kind(kind, database_id=self.database_id, **fields))
 
     def analysed(self, run_key: str, batch_id: int, payload: str) -> None:
         """The result goes to the writer and the batch stops running, atomically."""
         pipe = self.r.pipeline()  # MULTI/EXEC
-        pipe.rpush(
-            INGEST,
-            json.dumps(
-                {
-                    "kind": "ingest",
-                    "database_id": self.database_id,
-                    "run_key": run_key,
-                    "batch_id": batch_id,
-                    "payload": payload,
-                }
-            ),
-        )
+        pipe.rpush(INGEST, encode(BatchAnalysed(self.database_id, run_key, batch_id, payload)))
         pipe.hdel(self.key("running", run_key), batch_id)
         pipe.delete(self.key("alive", f"{run_key}:{batch_id}"))
         pipe.sadd(self.key("ingesting", run_key), batch_id)
@@ -559,6 +549,10 @@ class Ledger:
     def backlog(self) -> int:
         """Messages waiting for the writer (all runs)."""
         return int(self.r.llen(INGEST)) + sum(int(self.r.llen(name)) for name in processing_lists(self.r))
+
+    def parked(self) -> int:
+        """Messages the writer could not read and parked (all runs, every database)."""
+        return int(self.r.llen(PARKED))
 
     def live(self, run_key: str) -> Live:
         pipe = self.r.pipeline()

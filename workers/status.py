@@ -12,11 +12,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
+from headatlas.service.storage.statuses import ENDED, RunStatus
 from headatlas.service.storage.store import Store, now
+from headatlas.workers.ledger import ORPHANS
+from headatlas.workers.messages import PARKED
 
 
 @dataclass
-class RunStatus:
+class RunReport:
     run_id: int
     name: str
     status: str
@@ -32,6 +35,7 @@ class RunStatus:
     eta_s: float | None
     error: str | None
     backlog: int | None = None  # messages waiting for the writer, all runs
+    parked: int | None = None  # messages the writer could not read, parked (all runs)
     errors: list[tuple[int, int, str]] = field(default_factory=list)
     lost: list[LostInfo] = field(default_factory=list)
     writer: str | None = None  # who stores into this database, or why no one does (None: no broker)
@@ -63,6 +67,8 @@ class RunStatus:
             ("ETA", "-" if self.eta_s is None else _duration(self.eta_s)),
             ("writer backlog (messages, all runs)", show(self.backlog)),
         ]
+        if self.parked:
+            out.append(("messages parked (unreadable, all runs)", show(self.parked)))
         if self.writer is not None:
             out.append(("writer", self.writer))
         if self.workers is not None:
@@ -91,12 +97,12 @@ class LostInfo:
         return f"lost on {self.worker}{before} {self.silent_s:.0f} s ago, {then}"
 
 
-def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
+def run_status(store: Store, ref: str | int | None, client=None) -> RunReport:
     """``client``: a Redis client of the broker, or None (the database's counts only)."""
     from headatlas.service.storage import queue_store
     from headatlas.service.storage.db import database_id
-    from headatlas.workers.lease import HEARTBEAT_S
     from headatlas.workers.ledger import Ledger
+    from headatlas.workers.policy import DELIVERY_GRACE_S
 
     with store.checked_read() as conn:
         run = queue_store.resolve_run(conn, ref, any_status=True)
@@ -105,12 +111,18 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
     plan = prog.plan
     batches = plan.batches if plan else None
     windows = plan.windows if plan else None
-    running = ingesting = backlog = writer = workers = None
+    running = ingesting = backlog = parked = writer = workers = None
     lost: list[LostInfo] = []
     warnings: list[str] = []
     if ledger is not None:
         writer, workers, warnings = _consumers(ledger, run)
         backlog = ledger.backlog()
+        parked = ledger.parked()
+        if parked:
+            warnings.append(
+                f"{parked} message(s) on the ingest queue could not be read by the writer and are parked, nothing of "
+                f"them stored (its log says why): `redis-cli LRANGE {PARKED} 0 -1` shows them"
+            )
         if plan is not None:
             live = ledger.live(run.run_key)
             ingesting = live.ingesting
@@ -120,7 +132,7 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
             lost = [LostInfo(e.batch_id, e.worker, t - e.beat, False) for e in silent]
             lost += [
                 LostInfo(e.batch_id, e.worker, t - e.beat, False, started=False)
-                for e in ledger.unclaimed(run.run_key, HEARTBEAT_S)
+                for e in ledger.unclaimed(run.run_key, DELIVERY_GRACE_S)
             ]
             lost += [
                 LostInfo(b, x["worker"], t - float(x["beat"]), True, started=x.get("started", True))
@@ -134,9 +146,9 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
         end: datetime = run.finished_at or now()
         elapsed = (end - run.started_at).total_seconds()
         rate = prog.windows_done / elapsed if elapsed > 0 else None
-        if rate and windows is not None and run.status == "running":
+        if rate and windows is not None and run.status == RunStatus.RUNNING:
             eta = max(0.0, (windows - prog.windows_done) / rate)
-    return RunStatus(
+    return RunReport(
         run_id=run.run_id,
         name=run.name,
         status=run.status,
@@ -152,6 +164,7 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunStatus:
         eta_s=eta,
         error=run.error,
         backlog=backlog,
+        parked=parked,
         errors=prog.errors,
         lost=lost,
         writer=writer,
@@ -167,7 +180,7 @@ def _consumers(ledger, run) -> tuple[str, int, list[str]]:
 
     other, _raw = holder(ledger.r)
     workers = len(live_workers(ledger.r))
-    active = run.status not in ("done", "failed")
+    active = run.status not in ENDED
     warnings = []
     if other is None:
         writer = "none"
@@ -180,7 +193,7 @@ def _consumers(ledger, run) -> tuple[str, int, list[str]]:
             if active:
                 warnings.append(f"the writer on this broker stores into {other.db}: start a writer on this database")
     warnings += writer_pauses(ledger.r)
-    orphans = ledger.r.hgetall(ledger.key("orphans", "lake"))
+    orphans = ledger.r.hgetall(ledger.key(ORPHANS, "lake"))
     if orphans and int(orphans.get(b"files", 0)):
         seen = time.time() - float(orphans.get(b"at", 0))
         warnings.append(

@@ -24,6 +24,8 @@ from headatlas.service.errors import BrokerError, CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.backends import open_backend
 from headatlas.workers.ledger import Ledger, connect
+from headatlas.workers.messages import OpenRun
+from headatlas.workers.policy import WRITER_POLL_S
 
 if TYPE_CHECKING:
     from headatlas.service.engine.probe import ProbeSpec
@@ -160,7 +162,7 @@ def submit(
     # a batch whose message is gone (stranded) is queued again: in flight, but nothing carries it
     skip = stored_done | (set() if only is not None else ledger.in_flight(key) - ledger.stranded(key, ANALYSIS_QUEUE))
     app = make_app(settings)
-    ledger.send_to_writer("open_run", run_key=key)
+    ledger.send(OpenRun(ledger.database_id, key))
     batches = windows = queued = 0
     chunk: dict[int, dict] = {}
 
@@ -197,7 +199,7 @@ def submit(
         send(producer)
     meta.update(batches=batches, windows=windows)
     ledger.put_run(key, meta)
-    ledger.send_to_writer("open_run", run_key=key)  # the plan is complete
+    ledger.send(OpenRun(ledger.database_id, key))  # the plan is complete
     result = Submission(
         key, run_name, size, batches, windows, queued, batches - queued, ledger.database_id, epoch=epoch
     )
@@ -343,7 +345,7 @@ def wait_for_run_id(ledger: Ledger, key: str, wait_s: float) -> int | None:
             raise StoreError(error)
         if run_id is not None or time.monotonic() >= deadline:
             return run_id
-        time.sleep(0.2)
+        time.sleep(WRITER_POLL_S)
 
 
 def _stored_state(db: str, key: str):

@@ -19,6 +19,7 @@ from celery import signals
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from headatlas.workers.app import app
+from headatlas.workers.messages import BatchFailed, ProbeScores
 
 log = logging.getLogger("headatlas.worker")
 
@@ -65,7 +66,7 @@ def analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
 
 def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
     from headatlas.workers.heartbeat import BatchHeartbeat
-    from headatlas.workers.lease import SILENT_S
+    from headatlas.workers.policy import SILENT_S, gives_up, out_of_attempts, retry_countdown, time_limit_s
 
     if "database_id" not in batch:
         log.warning(
@@ -84,7 +85,7 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         return  # its run was deleted (`runs delete`) while it was queued
     worker = f"{socket.gethostname()}:{os.getpid()}"  # this process, not a parent
     attempt = ledger.start(run_key, batch_id, worker, self.request.id or "", SILENT_S)
-    if attempt > _settings().max_attempts:
+    if out_of_attempts(attempt, _settings().max_attempts):
         error = (
             ledger.last_error(run_key, batch_id) or "the worker was lost (killed, or out of memory) while analysing it"
         )
@@ -94,15 +95,15 @@ def _analyze_batch(self, run_key: str, batch_id: int, batch: dict) -> None:
         with BatchHeartbeat(ledger, run_key, batch_id, worker):
             # once per process (and per checkpoint), outside the batch's time limit
             model = _model(batch["model"], batch["dtype"], batch.get("weights_key"))
-            with _deadline(_settings().task_time_limit_s):
+            with _deadline(time_limit_s(_settings())):
                 payload = _analyse(model, batch, run_key=run_key)
     except Exception as exc:  # noqa: BLE001 - every failure counts against the poison guard
         error = _describe(exc)
         ledger.errored(run_key, batch_id, error)
-        if attempt >= _settings().max_attempts:
+        if gives_up(attempt, _settings().max_attempts):
             _give_up(ledger, run_key, batch_id, attempt, error)
             return
-        raise self.retry(countdown=min(2**attempt, 30), exc=None)  # noqa: B904 - Celery's retry idiom
+        raise self.retry(countdown=retry_countdown(attempt), exc=None)  # noqa: B904 - Celery's retry idiom
     ledger.analysed(run_key, batch_id, payload)
 
 
@@ -222,28 +223,29 @@ def probe_run(run_key: str, probe: dict) -> None:
     writer as one ``probe`` message; storing them again is harmless (one probe per run)."""
     with _requeue_on_broker_loss():
         model = _model(probe["model"], probe["dtype"], probe.get("weights_key"))
-        _ledger(probe["database_id"]).send_to_writer("probe", run_key=run_key, **probe_message(model, probe))
+        _ledger(probe["database_id"]).send(probe_message(model, run_key, probe))
 
 
-def probe_message(model, probe: dict) -> dict:
-    """The fields of the writer's ``probe`` message: the probe's parameters and its scores
-    (name -> ``[layer][head]`` lists)."""
+def probe_message(model, run_key: str, probe: dict) -> ProbeScores:
+    """The writer's message of the probe: its parameters and its scores (name -> ``[layer][head]``)."""
     from headatlas.service.engine.probe import ProbeSpec, run_probe
 
     _check_files(model, probe)
     spec = ProbeSpec(length=int(probe["length"]), sequences=int(probe["sequences"]), seed=int(probe["seed"]))
     scores = run_probe(model, spec)
-    return {
-        "length": spec.length,
-        "sequences": spec.sequences,
-        "seed": spec.seed,
-        "scores": {name: values.tolist() for name, values in scores.items()},
-    }
+    return ProbeScores(
+        database_id=probe["database_id"],
+        run_key=run_key,
+        length=spec.length,
+        sequences=spec.sequences,
+        seed=spec.seed,
+        scores={name: values.tolist() for name, values in scores.items()},
+    )
 
 
 def _give_up(ledger, run_key: str, batch_id: int, attempts: int, error: str) -> None:
     ledger.errored(run_key, batch_id, error)
-    ledger.send_to_writer("failed", run_key=run_key, batch_id=batch_id, attempts=attempts, error=error)
+    ledger.send(BatchFailed(ledger.database_id, run_key, batch_id, attempts, error))
 
 
 def _describe(exc: BaseException) -> str:
