@@ -42,6 +42,12 @@ class StoreBusy(StoreError):
     """Another process held the database file's lock for longer than the wait allowed."""
 
 
+class DatabaseLocked(StoreBusy):
+    """Another process holds the database file (or a lake's catalogue file): DuckDB lets one
+    process open a file for writing and refuses every other one meanwhile. Nothing was written;
+    waited out with backoff (``readonly.retry_on_lock``), and tried again."""
+
+
 class StoreConflict(StoreBusy):
     """A lake refused a commit: a concurrent transaction changed the same rows (try the unit of
     work again; it then sees what the other one committed)."""

@@ -233,7 +233,10 @@ def analyze_batch(
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    """The device ran out of memory: torch raises its own type when the device's allocator runs
+    out (torch.OutOfMemoryError; torch.cuda.OutOfMemoryError is the same class). No message is read:
+    a RuntimeError that merely says "out of memory" is not this."""
+    return isinstance(exc, torch.OutOfMemoryError)
 
 
 class OomSplitter:

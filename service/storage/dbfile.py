@@ -6,7 +6,9 @@ and a writer then appends to it. So before a file is opened we read its first 12
 the block size: the file is 12 KiB of headers and then whole blocks, so a copy cut mid-block
 shows. (The header's block count is no bound: DuckDB cuts free blocks off the end without
 lowering it. A cut that falls exactly on a block boundary passes here; DuckDB then fails on the
-first read of a missing block, which ``open_error`` turns into a one-line error too.)
+first read of a missing block, which ``translate`` turns into a one-line error too.)
+
+``translate`` is the file backend's one translation of DuckDB's errors into headatlas's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 import duckdb
 from sqlalchemy.exc import DBAPIError
 
-from headatlas.service.errors import DatabaseFileError, DatabaseNotFound
+from headatlas.service.errors import DatabaseFileError, DatabaseLocked, DatabaseNotFound, HeadatlasError
+from headatlas.service.storage import duckdb_errors
 
 MAGIC = b"DUCK"
 MAGIC_OFFSET = 8
@@ -114,13 +117,18 @@ def block_size(head: bytes) -> int | None:
     return None if best is None else best[1]
 
 
-def open_error(path: str | Path, exc: BaseException) -> DatabaseFileError | None:
-    """DuckDB's failure to open or read ``path`` as a one-line DatabaseFileError; None for errors
-    that are not about the file (a lock conflict, a query's mistake)."""
-    from headatlas.service.storage.locks import is_lock_conflict
-
+def translate(path: str | Path, exc: BaseException) -> HeadatlasError | None:
+    """DuckDB's error ``exc`` about the file ``path`` as headatlas's: another process holding the
+    file is ``DatabaseLocked`` (nothing was written: retry); a failure to open or read it is a
+    one-line ``DatabaseFileError``; None for errors that are not about the file (a query's
+    mistake), which pass as they are."""
+    if duckdb_errors.is_lock_conflict(exc):
+        return DatabaseLocked(
+            f"{path} is busy: another process held a lock on it while this transaction committed; nothing was "
+            "written, retry"
+        )
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
-    if orig is None or is_lock_conflict(orig):  # None: a DBAPIError without the driver's error
+    if orig is None:  # a DBAPIError without the driver's error
         return None
     # IOException: unreadable, not a database, cut short; the bare duckdb.Error: a checksum
     # mismatch ("Corrupt database file"); FatalException: the database was invalidated.

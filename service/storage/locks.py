@@ -1,26 +1,21 @@
 """A DuckDB file's lock, as another process meets it: recognising the conflict and waiting it
 out. A leaf of the storage package (the file backend, the file checks and the sandbox use it),
-importing nothing of headatlas but its errors."""
+importing nothing of headatlas but its errors and the recognition of DuckDB's errors
+(duckdb_errors.py, another leaf)."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from headatlas.service.errors import StoreBusy
+from headatlas.service.errors import DatabaseLocked
+from headatlas.service.storage.duckdb_errors import is_lock_conflict
 
 T = TypeVar("T")
 
 MAX_RETRY_DELAY_S = 0.2
-_LOCK_WORD = re.compile(r"\block\b", re.IGNORECASE)
-
-
-def is_lock_conflict(error: BaseException) -> bool:
-    # "has been locked" (a locked configuration) does not match the whole word "lock".
-    message = str(error)
-    return "Conflicting lock" in message or bool(_LOCK_WORD.search(message))
+__all__ = ["MAX_RETRY_DELAY_S", "is_lock_conflict", "retry_on_lock"]
 
 
 def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the database") -> T:
@@ -31,7 +26,8 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
     off exponentially (50 ms doubling, capped at 200 ms: a failed try costs a few milliseconds,
     and a longer cap made a waiting process miss the writer's gaps for seconds — a beat fire
     came 3 s late). Works on raw duckdb errors and on
-    SQLAlchemy errors wrapping them. Other errors pass through at once.
+    SQLAlchemy errors wrapping them, and on a backend's translation of them (``DatabaseLocked``).
+    Other errors pass through at once.
     """
     deadline = time.monotonic() + wait_s
     delay = 0.05
@@ -39,11 +35,11 @@ def retry_on_lock(fn: Callable[[], T], *, wait_s: float, what: str = "the databa
         try:
             return fn()
         except Exception as error:
-            if not is_lock_conflict(error):
+            if not (isinstance(error, DatabaseLocked) or is_lock_conflict(error)):
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StoreBusy(
+                raise DatabaseLocked(
                     f"{what} is busy: another process is writing to it and held its lock for "
                     f"more than {wait_s:g} s; retry when that process finishes"
                 ) from error

@@ -124,14 +124,13 @@ class Backend(ABC):
         device and inode), or None when nothing can be swapped under a running process."""
         return None
 
-    def open_error(self, exc: BaseException) -> Exception | None:
-        """``exc`` as a one-line error about this database, or None when it is not about it."""
+    def translate(self, exc: BaseException) -> Exception | None:
+        """The backend's one translation of a driver's error into headatlas's error types, or None
+        when ``exc`` is not about the database: ``DatabaseLocked`` (another process holds it),
+        ``StoreConflict`` (a commit refused for a concurrent change: try the work again),
+        ``StoreUnavailable`` (unreachable for now), ``DatabaseFileError`` (unusable). Code that
+        must react to a busy database catches those types, never a message."""
         return None
-
-    def is_conflict(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is a commit refused because a concurrent transaction changed the same
-        rows (the unit of work can be tried again)."""
-        return False
 
     def attach_sql(self, alias: str, *, read_only: bool) -> list[str]:
         """Statements that attach this database as ``alias`` to another connection (which

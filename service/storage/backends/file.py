@@ -19,14 +19,13 @@ from typing import Any
 import duckdb
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from headatlas.service.errors import DatabaseFileError, StoreBusy
 from headatlas.service.storage import dbfile
 from headatlas.service.storage.backends.base import Backend
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG, duckdb_config
-from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock
+from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, retry_on_lock
 
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
 # threads of one process (beat's tick and the fires it runs) open the file in turn.
@@ -107,14 +106,9 @@ class FileBackend(Backend):
                     with conn.begin():
                         yield conn
                 except Exception as exc:
-                    if isinstance(exc, (duckdb.Error, DBAPIError)) and is_lock_conflict(exc):
-                        # DuckDB refused the commit (or a statement) on another process's lock,
-                        # e.g. on the .wal file: rolled back, nothing written; the caller retries
-                        raise StoreBusy(
-                            f"{self.label} is busy: another process held a lock on it while this transaction "
-                            "committed; nothing was written, retry"
-                        ) from exc
-                    raise self.open_error(exc) or exc  # noqa: B904 - the error or its translation
+                    # DuckDB refused the commit (or a statement) on another process's lock, e.g. on
+                    # the .wal file: rolled back, nothing written, DatabaseLocked (the caller retries)
+                    raise self.translate(exc) or exc  # noqa: B904 - the error or its translation
         finally:
             engine.dispose()
 
@@ -158,10 +152,10 @@ class FileBackend(Backend):
         except StoreBusy:
             return None
         except Exception as exc:
-            raise self.open_error(exc) or exc  # noqa: B904 - the error or its translation
+            raise self.translate(exc) or exc  # noqa: B904 - the error or its translation
 
-    def open_error(self, exc: BaseException) -> Exception | None:
-        return dbfile.open_error(self.path, exc)
+    def translate(self, exc: BaseException) -> Exception | None:
+        return dbfile.translate(self.path, exc)
 
     @contextmanager
     def sandbox(
@@ -180,7 +174,7 @@ class FileBackend(Backend):
                 what=f"the database {self.label}",
             )
         except duckdb.Error as error:
-            raise self.open_error(error) or error  # noqa: B904 - the error or its translation
+            raise self.translate(error) or error  # noqa: B904 - the error or its translation
         try:
             yield connection
         finally:

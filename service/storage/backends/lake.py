@@ -17,7 +17,6 @@ DuckDB secret, and ``label`` shows the URL with ``password=***``.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -37,7 +36,19 @@ from sqlalchemy.pool import NullPool
 
 from headatlas.service.config import SQL_TIMEOUT_MAX_S
 from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError, StoreUnavailable
+from headatlas.service.storage import duckdb_errors
+from headatlas.service.storage.backends import lake_errors
 from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
+
+# the lake's faults (lake_errors.py), named here too, where the writer and the tests find them
+from headatlas.service.storage.backends.lake_errors import (  # noqa: F401
+    CATALOGUE,
+    CATALOGUE_LOST,
+    DATA_PATH,
+    DATA_PATH_ERRNOS,
+    DATA_PATH_FULL,
+    lake_fault,
+)
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG
 from headatlas.service.storage.locks import retry_on_lock
 
@@ -142,78 +153,6 @@ def _literal(value: str) -> str:
 
 def is_lake_url(url: str) -> bool:
     return str(url).startswith(PREFIX)
-
-
-CATALOGUE = "the lake's catalogue"
-DATA_PATH = "the lake's data path"
-
-# A lost or refused catalogue connection. DuckDB's PostgreSQL extension raises a plain
-# duckdb.Error carrying libpq's message, with neither SQLSTATE nor errno: its text is all there
-# is. Each entry is one message (its SQLSTATE or errno where PostgreSQL or the OS has one);
-# tests/test_lake_faults.py holds a real message for each.
-CATALOGUE_LOST: tuple[tuple[str, str], ...] = (
-    ("server closed the connection unexpectedly", "the server ended the session (libpq)"),
-    ("terminating connection due to administrator command", "pg_terminate_backend or a shutdown (57P01)"),
-    ("terminating connection due to idle-session timeout", "idle_session_timeout (57P05)"),
-    ("terminating connection because of crash of another server process", "a server crash (57P02)"),
-    ("the database system is shutting down", "a shutdown (57P03)"),
-    ("the database system is starting up", "a start (57P03)"),
-    ("the database system is not yet accepting connections", "recovery (57P03)"),
-    ("the database system is in recovery mode", "recovery (57P03)"),
-    ("no connection to the server", "a connection already lost (libpq)"),
-    ("could not receive data from server", "the network (libpq)"),
-    ("could not send data to server", "the network (libpq)"),
-    ("SSL connection has been closed unexpectedly", "the network (libpq)"),
-    ("timeout expired", "connect_timeout (libpq)"),
-    (os.strerror(errno.ECONNREFUSED), "nothing listening (ECONNREFUSED)"),
-    (os.strerror(errno.ECONNRESET), "the network (ECONNRESET)"),
-    (os.strerror(errno.ETIMEDOUT), "the network (ETIMEDOUT)"),
-    (os.strerror(errno.EHOSTUNREACH), "the network (EHOSTUNREACH)"),
-)
-# The data path cannot take a file now: DuckDB raises duckdb.IOException with the OS's words for
-# the errno (it keeps no errno); a Python OSError keeps its errno.
-DATA_PATH_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
-DATA_PATH_FULL: tuple[tuple[str, str], ...] = tuple(
-    (os.strerror(code), errno.errorcode[code]) for code in DATA_PATH_ERRNOS
-)
-
-
-def lake_fault(exc: BaseException, label: str = "the lake") -> StoreUnavailable | None:
-    """``exc`` (or the DuckDB error inside SQLAlchemy's) as the lake being unavailable for now —
-    its catalogue connection lost or refused, its data path full or read-only — or None. The one
-    place that recognises these faults: by type first (an OSError's errno, DuckDB's
-    IOException), then by the message, which is all DuckDB keeps of libpq's and the OS's."""
-    if isinstance(exc, StoreUnavailable):
-        return exc
-    orig = getattr(exc, "orig", None) or exc
-    if isinstance(orig, OSError) and orig.errno in DATA_PATH_ERRNOS:
-        detail = f"{orig.strerror}: {orig.filename}" if orig.filename else str(orig.strerror)
-        return _unavailable(DATA_PATH, os.strerror(orig.errno), detail, label)
-    if not isinstance(orig, duckdb.Error):
-        return None
-    message = str(orig)
-    if isinstance(orig, duckdb.IOException):
-        for words, _why in DATA_PATH_FULL:
-            if words in message:
-                return _unavailable(DATA_PATH, words, _first_line(message), label)
-    low = message.lower()
-    for words, _why in CATALOGUE_LOST:
-        if words.lower() in low:
-            return _unavailable(CATALOGUE, words, words, label)
-    return None
-
-
-def _first_line(message: str) -> str:
-    return next((line.strip() for line in message.splitlines() if line.strip()), "")[:300]
-
-
-def _unavailable(waits_for: str, cause: str, detail: str, label: str) -> StoreUnavailable:
-    """``cause``: the words matched (what a writer tells apart); ``detail``: what the message shows."""
-    if waits_for == CATALOGUE:
-        text_ = f"lost the connection to {waits_for} of {label} ({detail}); nothing was committed"
-    else:
-        text_ = f"{waits_for} of {label} takes no file now ({detail}); nothing was committed"
-    return StoreUnavailable(text_, waits_for=waits_for, cause=cause)
 
 
 class LakeBackend(Backend):
@@ -410,24 +349,14 @@ class LakeBackend(Backend):
             source.close()
 
     def _attach_error(self, exc: duckdb.Error, at: int | None) -> Exception:
-        from headatlas.service.storage.readonly import is_lock_conflict
-
-        if is_lock_conflict(exc):
-            return exc  # a file catalogue held by another process: retry_on_lock waits for it
-        fault = lake_fault(exc, self.label)
-        if fault is not None:
-            return self._redacted_fault(fault)
-        message = self._redacted(str(exc))
-        first = next((line.strip() for line in message.splitlines() if line.strip()), type(exc).__name__)
-        if at is not None and "snapshot" in message.lower():
-            from headatlas.service.errors import ParameterError
-
-            return ParameterError(f"--at {at}: no such snapshot in {self.label} ({first[:200]}); see `headatlas runs`")
-        if "data_path is not set" in message:
-            return DatabaseFileError(
-                f"{self.label} is a new lake: pass --data-path FOLDER (or set HEADATLAS_DATA_PATH), the folder or "
-                "shared mount where its Parquet files go"
-            )
+        """Attaching failed: the translation (a file catalogue held by another process is
+        ``DatabaseLocked``, which ``retry_on_lock`` waits out), else the driver's first line."""
+        translated = lake_errors.translate(exc, self.label, at=at)
+        if isinstance(translated, StoreUnavailable):
+            return self._redacted_fault(translated)
+        if translated is not None:
+            return translated
+        first = self._redacted(duckdb_errors.first_line(exc))
         return DatabaseFileError(f"cannot open the lake {self.label} ({first[:300]})")
 
     def _root(self) -> tuple[duckdb.DuckDBPyConnection, Engine]:
@@ -496,7 +425,7 @@ class LakeBackend(Backend):
                 with engine.connect() as conn, conn.begin():
                     yield conn
         except Exception as exc:
-            raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
+            raise self.translate(exc) or exc  # noqa: B904 - the error or its translation
 
     @contextmanager
     def session(self, *, lock_wait_s: float | None = None) -> Iterator[Connection]:
@@ -505,21 +434,17 @@ class LakeBackend(Backend):
                 with engine.connect() as conn:
                     yield conn
         except Exception as exc:
-            raise self._translate(exc) or exc  # noqa: B904 - the error or its translation
+            raise self.translate(exc) or exc  # noqa: B904 - the error or its translation
 
-    def _translate(self, exc: BaseException) -> Exception | None:
-        if isinstance(exc, StoreError):
-            return None
-        fault = lake_fault(exc, self.label)  # first: a commit that lost its catalogue is no conflict
-        if fault is not None:
-            if fault.waits_for == CATALOGUE:
-                self._forget_root()  # its connections to PostgreSQL are dead: attach afresh next time
-            return self._redacted_fault(fault)
-        if self.is_conflict(exc):
-            return StoreConflict(
-                f"{self.label}: a concurrent transaction changed the same rows; the unit of work is tried again"
-            )
-        return None
+    def translate(self, exc: BaseException) -> Exception | None:
+        """``lake_errors.translate``; a lost catalogue also drops this process's attachment (its
+        connections to PostgreSQL are dead: the next unit of work attaches afresh)."""
+        translated = lake_errors.translate(exc, self.label)
+        if isinstance(translated, StoreUnavailable):
+            if translated.waits_for == CATALOGUE:
+                self._forget_root()
+            return self._redacted_fault(translated)
+        return translated
 
     def _redacted_fault(self, fault: StoreUnavailable) -> StoreUnavailable:
         if self.password and self.password in str(fault) + fault.cause:
@@ -562,13 +487,6 @@ class LakeBackend(Backend):
                 )
             ).all()
         return sorted(p for (p,) in rows if _is_data_file(p))
-
-    def is_conflict(self, exc: BaseException) -> bool:
-        message = str(getattr(exc, "orig", None) or exc)
-        return "Transaction conflict" in message or "Failed to commit DuckLake transaction" in message
-
-    def open_error(self, exc: BaseException) -> Exception | None:
-        return self._translate(exc)
 
     # --- user SQL ---------------------------------------------------------------------------
     @contextmanager
@@ -653,8 +571,9 @@ class LakeBackend(Backend):
                 root.execute(call)
                 return
             except duckdb.Error as exc:
-                if not self.is_conflict(exc):
-                    raise self._translate(exc) or DatabaseFileError(
+                translated = self.translate(exc)
+                if not isinstance(translated, StoreConflict):
+                    raise translated or DatabaseFileError(
                         f"db compact of {self.label}: {self._redacted(str(exc)).strip().splitlines()[0][:300]}"
                     ) from None
                 if attempt == tries - 1:
