@@ -12,6 +12,7 @@ from headatlas.cli import options
 from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
+from headatlas.service.storage.statuses import ENDED, RunStatus
 from headatlas.workers.policy import RESUBMIT_STRANDED_S
 
 DbOpt, BrokerOpt = options.Db, options.Broker
@@ -87,7 +88,7 @@ def submit(
             f"run {sub.name} holds this corpus, model and parameters already and keeps its name; "
             f"`headatlas runs rename {shlex.quote(sub.name)} {shlex.quote(name)}` renames it"
         )
-    if sub.status == "done":
+    if sub.status == RunStatus.DONE:
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
     else:
@@ -101,7 +102,7 @@ def submit(
         stderr.print(
             runnable("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
         )
-    if wait and sub.status != "done":
+    if wait and sub.status != RunStatus.DONE:
         _wait(settings, sub, resubmit=lambda only=None: queue(log=lambda _msg: None, only=only))
     stdout.print(sub.run_id if sub.run_id is not None else sub.name)
 
@@ -134,7 +135,7 @@ def _wait(settings, sub, resubmit=None) -> None:
                     )
                     again = resubmit()
                     sub.epoch, sub.run_id = again.epoch, sub.run_id or again.run_id
-                    if again.status == "done":  # the database holds it all: Redis has nothing left to say
+                    if again.status == RunStatus.DONE:  # the database holds it all: Redis has nothing left to say
                         live = None
                         break
                 if away or full:
@@ -145,7 +146,7 @@ def _wait(settings, sub, resubmit=None) -> None:
                 live = ledger.live(sub.run_key)
                 rate = (ledger.windows_done(sub.run_key) - base) / max(time.monotonic() - started, 1e-9)
                 bar.update(task, completed=live.done + live.failed, failed=live.failed, rate=rate)
-                if ledger.run_status(sub.run_key) in ("done", "failed") and not ledger.in_flight(sub.run_key):
+                if ledger.run_status(sub.run_key) in ENDED and not ledger.in_flight(sub.run_key):
                     break
                 _check_writer(ledger, sub, settings)
                 if resubmit is not None:
@@ -332,12 +333,13 @@ def retry(
         stdout.print(f"run {found.run_id} ({found.name}): no failed batch to retry")
         return
     from headatlas.workers.lease import target_database
+    from headatlas.workers.messages import ReopenFailed
 
     client = connect(broker)
     with refusals_said(broker, kept="nothing was queued again; retry once it has room"):
         ledger = Ledger(client, target_database(client, db, broker, writer_wait))
         ledger.reset_failed(found.run_key, failed)
-        ledger.send_to_writer("reopen", run_key=found.run_key)
+        ledger.send(ReopenFailed(ledger.database_id, found.run_key))
     params = AnalysisParams.from_dict(found.params)
     try:
         sub = submit_corpus(

@@ -23,6 +23,7 @@ from headatlas.service.config import Settings
 from headatlas.service.errors import BrokerError, CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.backends import open_backend
+from headatlas.service.storage.statuses import BatchStatus, RunStatus, sql
 from headatlas.workers.ledger import Ledger, connect
 from headatlas.workers.messages import OpenRun
 from headatlas.workers.policy import WRITER_POLL_S
@@ -44,7 +45,7 @@ class Submission:
     skipped: int  # batches already stored or already in the queue
     database_id: str = ""
     run_id: int | None = None  # None when no writer created the run within the wait
-    status: str | None = None
+    status: RunStatus | None = None
     probe_queued: bool = False  # the synthetic probe was queued (SPEC §8)
     epoch: str = ""  # the broker's epoch when it was queued (workers/lease.py: broker_epoch)
 
@@ -111,7 +112,7 @@ def submit(
         )
     readable = open_backend(settings.db).exists()
     stored_run, plan, stored_done = _stored_state(settings.db, key)
-    if stored_run is not None and stored_run.engine != "queue" and stored_run.status != "done":
+    if stored_run is not None and stored_run.engine != "queue" and stored_run.status != RunStatus.DONE:
         raise StoreError(
             f"run {stored_run.run_id} ({stored_run.name}) has the same corpus, model and parameters and was started "
             "by `headatlas analyze`: resume it with the same analyze command"
@@ -120,7 +121,7 @@ def submit(
     queue_probe = functools.partial(
         _queue_probe, settings, ledger, key, probe, model=model, dtype=dtype, loaded=loaded, readable=readable
     )
-    if stored_run is not None and stored_run.status == "done" and only is None:
+    if stored_run is not None and stored_run.status == RunStatus.DONE and only is None:
         return Submission(
             key,
             run_name,
@@ -131,7 +132,7 @@ def submit(
             0,
             ledger.database_id,
             stored_run.run_id,
-            "done",
+            RunStatus.DONE,
             queue_probe(),
         )
     size = plan.batch_size if plan else ledger.claim_batch_size(key, batch_size)
@@ -371,7 +372,8 @@ def _stored_state(db: str, key: str):
         done = {
             r[0]
             for r in conn.execute(
-                text("SELECT batch_id FROM batches WHERE run_id = :r AND status = 'done'"), {"r": run.run_id}
+                text(f"SELECT batch_id FROM batches WHERE run_id = :r AND status = {sql(BatchStatus.DONE)}"),
+                {"r": run.run_id},
             )
         }
     return run, plan, done if plan is not None else set()

@@ -22,6 +22,7 @@ from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows, word_rule
 from headatlas.service.errors import CorpusError, StoreBusy
 from headatlas.service.params import AnalysisParams
+from headatlas.service.storage.statuses import RunStatus
 from headatlas.service.storage.store import Run, Store
 
 log = logging.getLogger("headatlas.engine")
@@ -96,7 +97,7 @@ def finished_run(
     try:
         with store.checked_read() as conn:
             run = find_run_by_key(conn, key)
-            if run is None or run.status != "done" or (name is not None and name != run.name):
+            if run is None or run.status != RunStatus.DONE or (name is not None and name != run.name):
                 return None  # analysed, resumed, or named by the usual path
             if probe is not None and probe_spec(conn, run.run_id) != (probe.length, probe.sequences, probe.seed):
                 return None
@@ -286,7 +287,7 @@ def analyze_corpus(
     )
     if probe is not None:
         add_probe(store, run, model, probe)
-    if run.status == "done":
+    if run.status == RunStatus.DONE:
         return run
     try:  # Ctrl-C from here on leaves the run marked interrupted, not created
         tokens = TokenClasses.for_model(model)
@@ -345,14 +346,17 @@ def analyze_corpus(
                     label=label,
                 )
                 effect_means = reference_means(model, reference, tokens.pad_id)
-        patiently(lambda: store.set_status(run.run_id, "running", started=True))
+        patiently(lambda: store.set_status(run.run_id, RunStatus.RUNNING, started=True))
     except KeyboardInterrupt:
-        store.set_status(run.run_id, "interrupted", error="interrupted by the user; re-run the same command to resume")
+        store.set_status(
+            run.run_id, RunStatus.INTERRUPTED, error="interrupted by the user; re-run the same command to resume"
+        )
         raise
     started = time.perf_counter()
     pending: list[tuple[int, BatchResult]] = []
     last_flush = time.perf_counter()
-    status, error = "done", None
+    status: RunStatus = RunStatus.DONE
+    error: str | None = None
     # tokenisation runs ahead of the model, storing runs behind it (one thread each)
     # a reader holding the file only delays storing: the sink retries, and while it waits the
     # model goes on and finished batches gather in memory (stored together once it is free)
@@ -403,23 +407,27 @@ def analyze_corpus(
         sink.close()
         patiently(lambda: store.compact(run.run_id))
     except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted by the user; re-run the same command to resume"
+        status, error = RunStatus.INTERRUPTED, "interrupted by the user; re-run the same command to resume"
         raise
     except BaseException as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"[:500]
+        status, error = RunStatus.FAILED, f"{type(exc).__name__}: {exc}"[:500]
         raise
     finally:
         batches.close()
-        if pending and status == "interrupted":
+        if pending and status == RunStatus.INTERRUPTED:
             sink.submit(pending)  # finished batches are kept
         try:
             sink.close()  # every submitted batch is stored before the status changes
         except BaseException:
-            if status == "done":
+            if status == RunStatus.DONE:
                 raise
         patiently(
             lambda: store.set_status(
-                run.run_id, status, error=error, finished=status == "done", add_wall_s=time.perf_counter() - started
+                run.run_id,
+                status,
+                error=error,
+                finished=status == RunStatus.DONE,
+                add_wall_s=time.perf_counter() - started,
             )
         )
     return store.get_run(run.run_id)
