@@ -12,7 +12,7 @@ from headatlas.cli import options
 from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
-from headatlas.service.storage.statuses import ENDED, RunStatus
+from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.workers.policy import RESUBMIT_STRANDED_S
 
 DbOpt, BrokerOpt = options.Db, options.Broker

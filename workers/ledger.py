@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import redis
 
 from headatlas.service.errors import BrokerError
-from headatlas.service.storage.statuses import ENDED, RunStatus
+from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.workers.messages import PARKED, BatchAnalysed, Message, encode, of_kind
 from headatlas.workers.policy import BROKER_CONNECT_TIMEOUT_S, BROKER_READ_TIMEOUT_S
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from headatlas.service.storage.statuses import ENDED, RunStatus
+from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.service.storage.store import Store, now
 from headatlas.workers.ledger import ORPHANS
 from headatlas.workers.messages import PARKED

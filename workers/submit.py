@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from headatlas.service.config import Settings
 from headatlas.service.errors import BrokerError, CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
+from headatlas.service.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage.backends import open_backend
-from headatlas.service.storage.statuses import BatchStatus, RunStatus, sql
 from headatlas.workers.ledger import Ledger, connect
 from headatlas.workers.messages import OpenRun
 from headatlas.workers.policy import WRITER_POLL_S

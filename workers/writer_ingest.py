@@ -16,10 +16,10 @@ from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
 from headatlas.service.errors import StoreBusy, StoreError
+from headatlas.service.statuses import ENDED
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.ingest import ingest_batch_ids, ingest_batches, reserve_batches
 from headatlas.service.storage.runs import run_is_there
-from headatlas.service.storage.statuses import ENDED
 from headatlas.service.storage.store import Store
 from headatlas.workers.ledger import Ledger, deleted_message
 from headatlas.workers.messages import BatchAnalysed, BatchFailed, BatchMessage

@@ -16,8 +16,8 @@ from sqlalchemy import text
 
 from headatlas.service.config import Settings
 from headatlas.service.errors import HeadatlasError
+from headatlas.service.statuses import ENDED, sql
 from headatlas.service.storage import queue_store
-from headatlas.service.storage.statuses import ENDED, sql
 from headatlas.service.storage.store import Store
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HELPER, WriterLease, broker_epoch, holder

@@ -22,7 +22,7 @@ from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows, word_rule
 from headatlas.service.errors import CorpusError, StoreBusy
 from headatlas.service.params import AnalysisParams
-from headatlas.service.storage.statuses import RunStatus
+from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.store import Run, Store
 
 log = logging.getLogger("headatlas.engine")

@@ -18,9 +18,9 @@ import duckdb
 from sqlalchemy import text
 
 from headatlas.service.errors import ParameterError, StoreError
+from headatlas.service.statuses import BatchStatus, sql
 from headatlas.service.storage import db
 from headatlas.service.storage.backends import Backend, open_backend
-from headatlas.service.storage.statuses import BatchStatus, sql
 
 # rows that belong to the database itself, not to its results
 OWN_TABLES = ("alembic_version", "database_info")

@@ -1,5 +1,6 @@
 """Storing batch results: idempotent ingest in the caller's transaction, a lake's reservations,
-and what a run has stored already (for resuming it).
+and what a run has stored already (for resuming it); ``store.store_batches`` runs them in
+transactions of their own.
 
 Bulk rows go in through Arrow tables (batch_rows.py, mixing_rows.py) registered on the raw
 DuckDB connection and ``INSERT … SELECT`` inside the batch's transaction (about 100× faster than
@@ -9,22 +10,17 @@ harmless.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pyarrow as pa
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import BatchResult
 from headatlas.service.errors import StoreError
+from headatlas.service.statuses import BatchStatus, sql
 from headatlas.service.storage import db
 from headatlas.service.storage.batch_rows import batch_tables
 from headatlas.service.storage.effect_rows import insert_run_effects
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
-from headatlas.service.storage.statuses import BatchStatus, sql
-
-if TYPE_CHECKING:
-    from headatlas.service.storage.store import Store
 
 Unreserved = db.Unreserved
 DONE = sql(BatchStatus.DONE)
@@ -173,19 +169,6 @@ def reserve_batches(conn: Connection, run_id: int, batch_ids: list[int]) -> int:
         finally:
             raw.unregister("_in_reserved")
     return len(missing)
-
-
-def store_batches(store: Store, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
-    """``ingest_batches`` in its own transaction, exactly once on any backend: on a lake the
-    batches are reserved first, and a commit refused for a concurrent store of the same batch
-    is tried again (it then finds the batch stored and skips it)."""
-    ids = [b for b, _ in items]
-    for _ in range(db.CONFLICT_TRIES):
-        try:
-            return store.atomically(lambda conn: ingest_batches(conn, run_id, items))
-        except Unreserved as exc:
-            store.atomically(lambda conn, missing=exc.batch_ids: reserve_batches(conn, run_id, missing))
-    raise StoreError(f"run {run_id}: batches {ids} could not be reserved for storing; try again")
 
 
 def done_window_ids(conn: Connection, run_id: int) -> set[str]:

@@ -12,9 +12,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import StoreError
+from headatlas.service.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage import db
 from headatlas.service.storage.runs import Run, now, resolve_run, run_columns
-from headatlas.service.storage.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage.store import Store
 
 DONE, FAILED = sql(BatchStatus.DONE), sql(BatchStatus.FAILED)

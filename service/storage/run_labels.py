@@ -13,7 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError, StoreError
-from headatlas.service.storage.statuses import UNFINISHED  # noqa: F401 - where the commands have read it
+from headatlas.service.statuses import UNFINISHED  # noqa: F401 - where the commands have read it
 
 BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)}
 

@@ -12,8 +12,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import RunNotFound, StoreError
+from headatlas.service.statuses import UNFINISHED, BatchStatus, RunStatus, sql
 from headatlas.service.storage import db, run_labels
-from headatlas.service.storage.statuses import UNFINISHED, BatchStatus, RunStatus, sql
 
 RUN_COLUMNS = (
     "run_id, run_key, name, corpus, corpus_fingerprint, model, model_name, n_layers, n_heads, d_head, "

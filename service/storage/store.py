@@ -2,7 +2,8 @@
 transaction (or reads in one) and calls the module that knows its tables:
 
 - runs.py: the runs table (a run's row, its status, finding a run by id, name or alias);
-- ingest.py: storing batch results exactly once, and what a run has stored already;
+- ingest.py: storing batch results exactly once, and what a run has stored already
+  (``store_batches``, below, stores them in transactions of their own);
 - probes.py: a run's synthetic probe scores;
 - run_labels.py: names, aliases, tags, deleting a run.
 
@@ -19,6 +20,8 @@ import numpy as np
 from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import BatchResult
+from headatlas.service.errors import StoreError
+from headatlas.service.statuses import RunStatus
 from headatlas.service.storage import db, ingest, probes, run_labels, runs
 from headatlas.service.storage.backends import Backend, open_backend
 from headatlas.service.storage.batch_rows import anchor_layer_sums, anchor_token_sums
@@ -27,7 +30,6 @@ from headatlas.service.storage.ingest import (
     ingest_batch_ids,
     ingest_batches,
     reserve_batches,
-    store_batches,
 )
 from headatlas.service.storage.probes import probe_spec, store_probe
 from headatlas.service.storage.runs import (
@@ -41,7 +43,6 @@ from headatlas.service.storage.runs import (
     run_columns,
     run_is_there,
 )
-from headatlas.service.storage.statuses import RunStatus
 
 __all__ = [
     "LAKE_COMPUTE_S",
@@ -241,3 +242,16 @@ class Store:
         """Store batch results in one transaction. A batch already stored is skipped (so a
         redelivered batch is harmless); returns the number of batches newly stored."""
         return store_batches(self, run_id, items)
+
+
+def store_batches(store: Store, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
+    """``ingest_batches`` in its own transaction, exactly once on any backend: on a lake the
+    batches are reserved first, and a commit refused for a concurrent store of the same batch
+    is tried again (it then finds the batch stored and skips it)."""
+    ids = [b for b, _ in items]
+    for _ in range(db.CONFLICT_TRIES):
+        try:
+            return store.atomically(lambda conn: ingest_batches(conn, run_id, items))
+        except Unreserved as exc:
+            store.atomically(lambda conn, missing=exc.batch_ids: reserve_batches(conn, run_id, missing))
+    raise StoreError(f"run {run_id}: batches {ids} could not be reserved for storing; try again")
