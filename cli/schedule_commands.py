@@ -243,7 +243,7 @@ def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerO
     if result.resumed:
         stdout.print(f"schedule {name}: submitted a fire a stopped beat had left, not a new one", markup=False)
     if result.status == "error":
-        raise HeadatlasError(result.error)
+        raise HeadatlasError(str(result.error))
     if result.status == "no_new_documents":
         stdout.print(f"schedule {name}: no new document to analyse")
         return

@@ -13,7 +13,8 @@ from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
 from headatlas.service.api.terms import _in_python_terms
 from headatlas.service.errors import DatabaseNotFound, ParameterError
-from headatlas.service.storage.store import Run, Store, resolve_run
+from headatlas.service.operations.runs import find_run
+from headatlas.service.storage.store import Run, Store
 
 
 class IntervalWarning(UserWarning):
@@ -61,17 +62,34 @@ class Atlas:
             return RunView.read(self.store, conn, ref)
 
     @_in_python_terms
-    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:
+    def sql(
+        self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
+    ) -> Table:
         """Read-only SQL over every run, the same sandbox as ``headatlas sql`` (one SELECT; at most
-        ``max_rows`` rows; stopped after ``timeout_s`` seconds). ``Atlas.run(…).sql`` reads one run."""
-        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=None)
+        ``max_rows`` rows; stopped after ``timeout_s`` seconds; ``memory_limit`` such as ``2GB``,
+        default a quarter of this machine's). ``Atlas.run(…).sql`` reads one run."""
+        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, memory_limit=memory_limit)
 
 
-def _sql(store: Store, statement: str, *, max_rows: int, timeout_s: float, run_id: int | None) -> Table:
+def _sql(
+    store: Store,
+    statement: str,
+    *,
+    max_rows: int,
+    timeout_s: float,
+    memory_limit: str | None = None,
+    run_id: int | None = None,
+) -> Table:
     from headatlas.service.storage.readonly import run_readonly_sql
 
     result = run_readonly_sql(
-        store.backend, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=run_id, at=store.at
+        store.backend,
+        statement,
+        max_rows=max_rows,
+        timeout_s=timeout_s,
+        memory_limit=memory_limit,
+        run_id=run_id,
+        at=store.at,
     )
     notes = [f"{max_rows:,} rows shown: the result had more (pass max_rows=…)"] if result.truncated else []
     return Table.of(result.columns, result.rows, what="sql" if run_id is None else f"sql, run {run_id}", notes=notes)
@@ -92,7 +110,7 @@ class RunView:
         read connection."""
         from sqlalchemy import text
 
-        run = resolve_run(conn, ref)
+        run = find_run(conn, ref)
         windows = conn.execute(
             text("SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r"), {"r": run.run_id}
         ).scalar()
@@ -123,22 +141,20 @@ class RunView:
             return RunView.read(self.store, conn, self.run.run_id)
 
     def _query(self, query: Callable[..., Any], what: str, *, note: str = "", ci: bool = False, **kwargs: Any) -> Table:
-        from headatlas.service.reports import queries
+        """Ask this run (service/operations/runs.py ``ask``, as the CLI's `query` commands do)."""
+        from headatlas.service.operations.runs import ask
         from headatlas.service.reports.intervals import interval_note, scheme_of
 
-        with self.store.checked_read() as conn:
-            resolve_run(conn, self.run.run_id)  # still there
-            columns, rows = (
-                query(conn, self.run.run_id, ci=ci, **kwargs) if ci else query(conn, self.run.run_id, **kwargs)
-            )
-            warning = queries.interval_warning(conn, self.run.run_id) if ci else None
+        answer = ask(self.store, self.run.run_id, query, ci=ci, **kwargs)
         notes = [note]
         if ci:
-            notes.append(interval_note([scheme_of(self.run.params)]))
-        if warning:
+            notes.append(interval_note([scheme_of(answer.run.params)]))
+        if answer.effects_note and answer.effects_note not in notes:  # what the effects are measured against
+            notes.append(answer.effects_note)
+        for warning in answer.warnings:
             notes.append(f"warning: {warning}")
             warnings.warn(warning, IntervalWarning, stacklevel=4)  # the caller's line: past the method and its wrapper
-        return Table.of(columns, rows, what=f"{what}, run {self.run.run_id}", notes=notes)
+        return Table.of(answer.columns, answer.rows, what=f"{what}, run {self.run.run_id}", notes=notes)
 
     @_in_python_terms
     def heads(
@@ -148,7 +164,6 @@ class RunView:
         sorted by ``sort`` (descending) and cut to ``top`` rows when given."""
         from headatlas.service.reports import queries
 
-        self._check(layer)
         return self._query(queries.heads, "heads", note=queries.LIFT_NOTE, layer=layer, sort=sort, top=top, ci=ci)
 
     @_in_python_terms
@@ -173,7 +188,6 @@ class RunView:
         the attended (signal) and not-attended (noise) pairs."""
         from headatlas.service.reports import queries
 
-        self._check(layer, head)
         note = "lift = share of the high-similarity pairs at d / share of all pairs at d (chance)"
         return self._query(queries.distances, "distances", note=note, layer=layer, head=head, split=split, ci=ci)
 
@@ -183,7 +197,6 @@ class RunView:
         method (``methods``: attention, attribution, rollout, norm, alti; default: all stored)."""
         from headatlas.service.reports import queries
 
-        self._check(layer)
         return self._query(queries.mixing, "mixing", layer=layer, methods=methods)
 
     @_in_python_terms
@@ -250,16 +263,18 @@ class RunView:
         )
 
     @_in_python_terms
-    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:
+    def sql(
+        self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
+    ) -> Table:
         """Read-only SQL over this run alone: every table and view (``head_metrics``,
         ``layer_metrics``, ``anchors``, ``windows``, …) holds its rows only. The sandbox of
-        ``headatlas sql``: one SELECT, at most ``max_rows`` rows, stopped after ``timeout_s`` s."""
-        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=self.run.run_id)
-
-    def _check(self, layer: int | None, head: int | None = None) -> None:
-        if layer is not None and not 0 <= layer < self.run.n_layers:
-            raise ParameterError(
-                f"layer={layer}: run {self.run.run_id} has layers 0..{self.run.n_layers - 1} (0-based)"
-            )
-        if head is not None and not 0 <= head < self.run.n_heads:
-            raise ParameterError(f"head={head}: run {self.run.run_id} has heads 0..{self.run.n_heads - 1} (0-based)")
+        ``headatlas sql``: one SELECT, at most ``max_rows`` rows, stopped after ``timeout_s`` s,
+        within ``memory_limit``."""
+        return _sql(
+            self.store,
+            statement,
+            max_rows=max_rows,
+            timeout_s=timeout_s,
+            memory_limit=memory_limit,
+            run_id=self.run.run_id,
+        )

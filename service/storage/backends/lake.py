@@ -36,7 +36,15 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from headatlas.service.config import SQL_TIMEOUT_MAX_S
-from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError, StoreUnavailable
+from headatlas.service.errors import (
+    RUNS,
+    DatabaseFileError,
+    Param,
+    Placeholder,
+    StoreConflict,
+    StoreError,
+    StoreUnavailable,
+)
 from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG
 from headatlas.service.storage.locks import retry_on_lock
@@ -234,7 +242,7 @@ class LakeBackend(Backend):
                 values = parse_conninfo(spec[len("postgres:") :])
             except ValueError as exc:
                 raise StoreError(
-                    f"--db {self._redacted(self.url)}: not a PostgreSQL connection string ({exc})"
+                    Param("db", self._redacted(self.url)), f": not a PostgreSQL connection string ({exc})"
                 ) from None
             self.password = values.pop("password", None) or None
             self.conninfo = format_conninfo(values)
@@ -247,8 +255,9 @@ class LakeBackend(Backend):
             self.metadata = str(self.file)
         else:
             raise StoreError(
-                f"--db {self._redacted(self.url)}: use ducklake:postgres:dbname=NAME host=HOST … (a catalogue in "
-                "PostgreSQL) or ducklake:FILE.ducklake (a catalogue in a local file)"
+                Param("db", self._redacted(self.url)),
+                ": use ducklake:postgres:dbname=NAME host=HOST … (a catalogue in PostgreSQL) or ducklake:FILE.ducklake "
+                "(a catalogue in a local file)",
             )
         # a PostgreSQL catalogue takes many writers; a file catalogue is held by one process at a time
         self.shared_writers = self.catalog == "postgres"
@@ -289,7 +298,7 @@ class LakeBackend(Backend):
     def check(self, *, write: bool, create: bool = True) -> None:
         if extension_directory() is None:
             raise DatabaseFileError(
-                f"--db {self.label} needs DuckDB's DuckLake and PostgreSQL extensions: pip install {_PACKAGES}"
+                Param("db", self.label), f" needs DuckDB's DuckLake and PostgreSQL extensions: pip install {_PACKAGES}"
             )
         if self.file is not None:
             from headatlas.service.storage import dbfile
@@ -323,7 +332,9 @@ class LakeBackend(Backend):
                 Path(self.data_path).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise DatabaseFileError(
-                    f"--data-path {self.data_path}: cannot create the folder ({exc.strerror}); pass a writable folder"
+                    Param("data_path", self.data_path),
+                    f": cannot create the folder ({exc.strerror})",
+                    hint="pass a writable folder",
                 ) from None
 
     # --- connections ------------------------------------------------------------------------
@@ -422,11 +433,14 @@ class LakeBackend(Backend):
         if at is not None and "snapshot" in message.lower():
             from headatlas.service.errors import ParameterError
 
-            return ParameterError(f"--at {at}: no such snapshot in {self.label} ({first[:200]}); see `headatlas runs`")
+            return ParameterError(
+                Param("at", at), f": no such snapshot in {self.label} ({first[:200]})", hint=("see ", RUNS)
+            )
         if "data_path is not set" in message:
             return DatabaseFileError(
-                f"{self.label} is a new lake: pass --data-path FOLDER (or set HEADATLAS_DATA_PATH), the folder or "
-                "shared mount where its Parquet files go"
+                f"{self.label} is a new lake: pass ",
+                Param("data_path", Placeholder("FOLDER")),
+                " (or set HEADATLAS_DATA_PATH), the folder or shared mount where its Parquet files go",
             )
         return DatabaseFileError(f"cannot open the lake {self.label} ({first[:300]})")
 
