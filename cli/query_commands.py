@@ -122,17 +122,18 @@ def query_distances(
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
     if split not in (None, "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
+    unreliable: list[str] = []
     answer = ask(
         _store(db, at),
         run,
         queries.distances,
         ci=ci,
-        events=run_commands.notes,
+        events=_said(unreliable),
         layer=layer,
         head=head,
         split=split is not None,
     )
-    r, names, rows, unreliable = answer.run, answer.columns, answer.rows, list(answer.warnings)
+    r, names, rows = answer.run, answer.columns, answer.rows
     if max_distance:
         rows = [row for row in rows if row[0] <= max_distance]
     what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
@@ -284,7 +285,8 @@ def _query(
     from headatlas.service.reports.intervals import scheme_of
 
     where, at = db if isinstance(db, tuple) else (db, None)
-    answer = ask(_store(where, at), run, query, events=run_commands.notes, **kwargs)
+    unreliable: list[str] = []
+    answer = ask(_store(where, at), run, query, events=_said(unreliable), **kwargs)
     r = answer.run
     table_columns, note = _with_effects(answer, table_columns, note)
     render_metrics(
@@ -298,7 +300,7 @@ def _query(
         view=view,
         pinned=pinned,
     )
-    _print_warnings(list(answer.warnings))
+    _print_warnings(unreliable)
 
 
 def _with_effects(answer, table_columns, note):
@@ -319,6 +321,19 @@ def _interval_warnings(conn, *runs) -> list[str]:
     from headatlas.service.operations.runs import interval_warnings
 
     return interval_warnings(conn, *runs)
+
+
+def _said(warnings: list[str]):
+    """The sink of a question: notes about its run at once, its warnings kept for under its table."""
+    from headatlas.service.operations.events import ResultWarning
+
+    def sink(event) -> None:
+        if isinstance(event, ResultWarning):
+            warnings.append(event.text)
+        else:
+            run_commands.notes(event)
+
+    return sink
 
 
 def _print_warnings(warnings: list[str]) -> None:

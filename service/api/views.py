@@ -13,6 +13,7 @@ from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
 from headatlas.service.api.terms import _in_python_terms
 from headatlas.service.errors import DatabaseNotFound, ParameterError
+from headatlas.service.operations.events import Event, ResultWarning, Sink
 from headatlas.service.operations.runs import find_run
 from headatlas.service.storage.store import Run, Store
 
@@ -145,13 +146,14 @@ class RunView:
         from headatlas.service.operations.runs import ask
         from headatlas.service.reports.intervals import interval_note, scheme_of
 
-        answer = ask(self.store, self.run.run_id, query, ci=ci, **kwargs)
+        said: list[str] = []
+        answer = ask(self.store, self.run.run_id, query, ci=ci, events=_warnings_into(said), **kwargs)
         notes = [note]
         if ci:
             notes.append(interval_note([scheme_of(answer.run.params)]))
         if answer.effects_note and answer.effects_note not in notes:  # what the effects are measured against
             notes.append(answer.effects_note)
-        for warning in answer.warnings:
+        for warning in said:
             notes.append(f"warning: {warning}")
             warnings.warn(warning, IntervalWarning, stacklevel=4)  # the caller's line: past the method and its wrapper
         return Table.of(answer.columns, answer.rows, what=f"{what}, run {self.run.run_id}", notes=notes)
@@ -278,3 +280,14 @@ class RunView:
             memory_limit=memory_limit,
             run_id=self.run.run_id,
         )
+
+
+def _warnings_into(said: list[str]) -> Sink:
+    """The sink of a run view's question: its warnings kept, to go under its table and to the
+    caller as IntervalWarning; a note about the run (a view is of one run, as it was read) dropped."""
+
+    def sink(event: Event) -> None:
+        if isinstance(event, ResultWarning):
+            said.append(event.text)
+
+    return sink

@@ -78,13 +78,23 @@ class RunReused:
 
 
 @dataclass(frozen=True)
-class Warning:  # noqa: A001 - the event's name; Python's own warning class is not used here
-    """A result to read with care (intervals from too few replicate groups, SPEC §5d)."""
+class NameKept:
+    """The corpus, model and parameters are those of the queued run ``run_name``, which keeps its
+    name: the queue does not write the database, so ``asked`` is not added as an alias."""
+
+    run_name: str
+    asked: str
+
+
+@dataclass(frozen=True)
+class ResultWarning:
+    """A result to read with care: ``text`` says why (intervals from too few replicate groups,
+    SPEC §5d). A front end shows it after the result it concerns."""
 
     text: str
 
 
-Event = CorpusRead | PassStarted | Progress | PassEnded | Estimate | Notice | RunReused | Warning
+Event = CorpusRead | PassStarted | Progress | PassEnded | Estimate | Notice | RunReused | NameKept | ResultWarning
 Sink = Callable[[Event], None]
 
 

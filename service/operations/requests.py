@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from headatlas.service.analysis_options import DEFAULTS, PARAM_NAMES, RUN_NAMES, build_params, parse_batch_size
 from headatlas.service.config import Settings
-from headatlas.service.errors import CorpusError, Param, ParameterError
+from headatlas.service.errors import Param, ParameterError
 
 if TYPE_CHECKING:
     from headatlas.service.engine.model import LoadedModel
@@ -142,8 +142,6 @@ class QueuedAnalysis:
     @classmethod
     def build(cls, corpus: str | Path, *, name: str | None = None, **options: Any) -> QueuedAnalysis:
         """A validated request from option values as typed (as ``AnalysisRequest.build``)."""
-        if str(corpus) == STDIN:
-            raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
         values, run = _split(options)
         return cls(
             corpus=CorpusSource(

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ANALYZE, RUNS, Param, ParameterError, RunNotFound
-from headatlas.service.operations.events import Notice, Sink, ignore
+from headatlas.service.operations.events import Notice, ResultWarning, Sink, ignore
 from headatlas.service.storage.store import Run, Store
 
 
@@ -57,14 +57,12 @@ def interval_warnings(conn: Connection, *runs: Run) -> list[str]:
 
 @dataclass(frozen=True)
 class Answer:
-    """A question's rows, the run they are of, and the warnings to read them with; ``effects``:
-    the causal effect columns that hold values (SPEC §9), and ``effects_note`` what they are
-    measured against."""
+    """A question's rows and the run they are of; ``effects``: the causal effect columns that hold
+    values (SPEC §9), and ``effects_note`` what they are measured against."""
 
     run: Run
     columns: list[str]
     rows: list[tuple]
-    warnings: tuple[str, ...] = ()
     effects: tuple[str, ...] = ()
     effects_note: str | None = None
 
@@ -80,16 +78,18 @@ def ask(
 ) -> Answer:
     """``query(conn, run_id, **options)`` of the run ``ref`` names, in one read: ``layer`` and
     ``head`` among the options are checked against the run's shape first; ``ci``: with 95%
-    intervals, and the warning when they rest on too few replicate groups. ``events`` hears the
-    run's notice (not finished, or passed over)."""
+    intervals. ``events`` hears the run's notice (not finished, or passed over) and, with ``ci``,
+    the warning that the intervals rest on too few replicate groups."""
     with store.checked_read() as conn:
         run = find_run(conn, ref, events)
         check_layer_head(run, options.get("layer"), options.get("head"))
         columns, rows = query(conn, run.run_id, **options, **({"ci": True} if ci else {}))
-        warnings = tuple(interval_warnings(conn, run)) if ci else ()
+        warnings = interval_warnings(conn, run) if ci else []
         effects = held_effects(columns, rows)
         said = effects_note(conn, run.run_id) if effects else None
-    return Answer(run, columns, rows, warnings, effects, said)
+    for warning in warnings:
+        events(ResultWarning(warning))
+    return Answer(run, columns, rows, effects, said)
 
 
 def held_effects(columns: list[str], rows: list[tuple]) -> tuple[str, ...]:
