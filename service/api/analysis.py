@@ -79,7 +79,6 @@ def analyze(
     finally:
         if shown is not None:
             shown.close()
-    assert done.store is not None
     with done.store.checked_read() as conn:
         return RunView.read(done.store, conn, done.run.run_id)
 

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from headatlas.service.engine.model import ModelInfo
-from headatlas.service.engine.runner import CorpusSummary, run_key
+from headatlas.service.engine.runner import CorpusSummary, run_key, survey_corpus
 from headatlas.service.operations.events import (
     CorpusRead,
     Estimate,
@@ -33,13 +33,13 @@ from headatlas.service.storage.store import Run, Store
 
 @dataclass(frozen=True)
 class Analysed:
-    """What an analysis stored: the run, its random-weights controls by seed, and whether the run
-    was found finished (nothing analysed, no model loaded)."""
+    """What an analysis stored, and where: the run, its random-weights controls by seed, and
+    whether the run was found finished (nothing analysed, no model loaded)."""
 
+    store: Store
     run: Run
     controls: tuple[Run, ...] = ()
     found_finished: bool = False
-    store: Store | None = None
 
 
 def analyze(request: AnalysisRequest, events: Sink = ignore) -> Analysed:
@@ -63,12 +63,13 @@ def analyze(request: AnalysisRequest, events: Sink = ignore) -> Analysed:
     spooled = spool_stdin() if corpus.is_stdin else None
     spec, label = (str(spooled), STDIN_SOURCE) if spooled else (corpus.spec, None)
     try:
-        summary = survey_corpus(spec, corpus.text_field, corpus.encoding, label=label)
+        # the whole corpus read and validated once: a bad line anywhere stores nothing
+        summary = survey_corpus(spec, text_field=corpus.text_field, encoding=corpus.encoding, label=label)
         if request.control == 0:
             model = given if given is not None else str(request.model)
             done = finished_run(store, summary, model, params, name=request.name, probe=request.probe)
             if done is not None:  # found without loading the model's weights
-                return Analysed(done, found_finished=True, store=store)
+                return Analysed(store, done, found_finished=True)
         events(CorpusRead(summary, None if given is not None else str(request.model)))
         return _analyse(request, store, spec, label, summary, store_every_s, events)
     finally:
@@ -129,7 +130,7 @@ def _analyse(
                     control_seed=seed,
                 )
             )
-    return Analysed(run, tuple(controls), store=store)
+    return Analysed(store, run, tuple(controls))
 
 
 class _pass:
@@ -144,13 +145,6 @@ class _pass:
 
     def __exit__(self, kind, _value, _traceback) -> None:
         self.events(PassEnded(completed=kind is None))
-
-
-def survey_corpus(spec: str, text_field: str, encoding: str, *, label: str | None = None) -> CorpusSummary:
-    """The whole corpus read and validated once, before anything is stored (engine.runner)."""
-    from headatlas.service.engine.runner import survey_corpus as survey
-
-    return survey(spec, text_field=text_field, encoding=encoding, label=label)
 
 
 def finished_run(
