@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headatlas.service.analysis_options import DEFAULTS
-from headatlas.service.api.terms import _in_python_terms
+from headatlas.service.api.terms import in_python_terms
 from headatlas.service.api.views import RunView
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from headatlas.service.operations.events import Event
 
 
-@_in_python_terms
+@in_python_terms
 def analyze(
     corpus: str | Path,
     *,

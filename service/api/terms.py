@@ -36,7 +36,7 @@ class PythonTerms:
 PYTHON = PythonTerms()
 
 
-def _in_python_terms(fn: F) -> F:
+def in_python_terms(fn: F) -> F:
     """Raise the library's errors from ``fn`` with their messages in Python terms."""
 
     @functools.wraps(fn)

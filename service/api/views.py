@@ -11,7 +11,7 @@ from typing import Any
 
 from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
-from headatlas.service.api.terms import _in_python_terms
+from headatlas.service.api.terms import in_python_terms
 from headatlas.service.errors import DatabaseNotFound, ParameterError
 from headatlas.service.operations.events import Event, ResultWarning, Sink
 from headatlas.service.operations.runs import find_run
@@ -22,7 +22,7 @@ class IntervalWarning(UserWarning):
     """A run's intervals rest on too few replicate groups to be read (SPEC §5d)."""
 
 
-@_in_python_terms
+@in_python_terms
 def connect(db: str | Path | None = None, *, data_path: str | Path | None = None, at: int | None = None) -> Atlas:
     """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``): a file, or a lake
     (``ducklake:postgres:dbname=… host=…``; ``data_path``: this machine's mount of its files,
@@ -48,21 +48,21 @@ class Atlas:
     def __repr__(self) -> str:
         return f"<Atlas {str(self.store.backend.label)!r}>"
 
-    @_in_python_terms
+    @in_python_terms
     def runs(self) -> Table:
         """Every stored run: id, name, status, model, corpus, windows, times."""
         rows = self.store.list_runs()
         columns = list(rows[0]) if rows else ["run_id", "name", "status", "model", "corpus", "windows"]
         return Table.of(columns, [tuple(r[c] for c in columns) for r in rows], what="runs")
 
-    @_in_python_terms
+    @in_python_terms
     def run(self, ref: str | int | None = None) -> RunView:
         """A run by id or name; the latest when ``ref`` is None. An unknown one raises
         LookupError."""
         with self.store.checked_read() as conn:
             return RunView.read(self.store, conn, ref)
 
-    @_in_python_terms
+    @in_python_terms
     def sql(
         self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
     ) -> Table:
@@ -135,7 +135,7 @@ class RunView:
         """created, running, done, interrupted or failed (when this view was made)."""
         return self.run.status
 
-    @_in_python_terms
+    @in_python_terms
     def refresh(self) -> RunView:
         """The same run read again: its status and windows now."""
         with self.store.checked_read() as conn:
@@ -158,7 +158,7 @@ class RunView:
             warnings.warn(warning, IntervalWarning, stacklevel=4)  # the caller's line: past the method and its wrapper
         return Table.of(answer.columns, answer.rows, what=f"{what}, run {self.run.run_id}", notes=notes)
 
-    @_in_python_terms
+    @in_python_terms
     def heads(
         self, *, layer: int | None = None, sort: str | None = None, top: int | None = None, ci: bool = False
     ) -> Table:
@@ -168,7 +168,7 @@ class RunView:
 
         return self._query(queries.heads, "heads", note=queries.LIFT_NOTE, layer=layer, sort=sort, top=top, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def layers(self, *, ci: bool = False) -> Table:
         """Per layer: the metrics of ``headatlas query layers`` (the progression from early to final
         layers) and anchor distinctness."""
@@ -176,7 +176,7 @@ class RunView:
 
         return self._query(queries.layers, "layers", note=queries.LIFT_NOTE, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def boundaries(self, *, ci: bool = False) -> Table:
         """Per layer: within-sentence shares against their chances (plain and matched to distance)
         and attention to the sentence separators against uniform."""
@@ -184,7 +184,7 @@ class RunView:
 
         return self._query(queries.boundaries, "boundaries", note=queries.LIFT_NOTE, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> Table:
         """Distance profile of a head (or a layer's heads pooled) against chance; ``split``: also
         the attended (signal) and not-attended (noise) pairs."""
@@ -193,7 +193,7 @@ class RunView:
         note = "lift = share of the high-similarity pairs at d / share of all pairs at d (chance)"
         return self._query(queries.distances, "distances", note=note, layer=layer, head=head, split=split, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> Table:
         """Attribution and mixing measures per layer (or ``layer``'s heads), one column set per
         method (``methods``: attention, attribution, rollout, norm, alti; default: all stored)."""
@@ -201,7 +201,7 @@ class RunView:
 
         return self._query(queries.mixing, "mixing", layer=layer, methods=methods)
 
-    @_in_python_terms
+    @in_python_terms
     def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> Table:
         """Per head: the Jensen–Shannon divergence between attention and ``method``'s rows,
         ranked, and the layer progression."""
@@ -209,7 +209,7 @@ class RunView:
 
         return self._query(queries.discrepancy, "discrepancy", method=method, top=top)
 
-    @_in_python_terms
+    @in_python_terms
     def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:
         """Per head, the causal effects the run stores (``analyze --effects``, SPEC §9):
         ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the run's objective), ``importance``
@@ -222,7 +222,7 @@ class RunView:
             said = effect_note(conn, self.run.run_id) or ""
         return self._query(effects, "head effects", note=said, ci=ci, sort=sort)
 
-    @_in_python_terms
+    @in_python_terms
     def prune(
         self,
         *,
@@ -264,7 +264,7 @@ class RunView:
             saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=[saved.meta["claim"]]
         )
 
-    @_in_python_terms
+    @in_python_terms
     def sql(
         self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
     ) -> Table:

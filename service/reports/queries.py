@@ -404,7 +404,10 @@ MIXING_MEASURES = {
 METHOD_ORDER = MIXING_METHODS
 
 
-def _mixing_methods(conn: Connection, run_id: int, methods: list[str] | None) -> list[str]:
+def _mixing_methods(
+    conn: Connection, run_id: int, methods: list[str] | None, *, parameter: str = "methods"
+) -> list[str]:
+    """The stored methods asked for (all stored when none); ``parameter``: the option that asked."""
     stored = [
         r[0]
         for r in conn.execute(text("SELECT DISTINCT method FROM mixing_metrics WHERE run_id = :run"), {"run": run_id})
@@ -420,11 +423,11 @@ def _mixing_methods(conn: Connection, run_id: int, methods: list[str] | None) ->
         return [m for m in METHOD_ORDER if m in stored]
     for m in methods:
         if m not in METHOD_ORDER:
-            raise ParameterError(Param("methods", m, quoted=True), f": choose one of {', '.join(METHOD_ORDER)}")
+            raise ParameterError(Param(parameter, m, quoted=True), f": choose one of {', '.join(METHOD_ORDER)}")
         if m not in stored:
             adds = Param("attribution", True) if m == "attribution" else Param("mixing", m)
             raise ParameterError(
-                Param("methods", m),
+                Param(parameter, m),
                 f": run {run_id} has only {', '.join(x for x in METHOD_ORDER if x in stored)}",
                 hint=("analyse with ", adds, " to add it"),
             )
@@ -464,7 +467,7 @@ def mixing(conn: Connection, run_id: int, *, layer: int | None = None, methods: 
 def discrepancy(conn: Connection, run_id: int, *, method: str = "attribution", top: int | None = None) -> Rows:
     """Per head: how far ``method``'s rows are from the head's attention rows (mean JSD, bits),
     ranked, with the layer's mean and what each says about self and distance."""
-    _mixing_methods(conn, run_id, [method])
+    _mixing_methods(conn, run_id, [method], parameter="method")
     sql = """
         WITH m AS (SELECT * FROM mixing_metrics WHERE run_id = :run AND head >= 0)
         SELECT row_number() OVER (ORDER BY x.jsd_attention DESC, x.layer, x.head) AS rank,
@@ -482,7 +485,7 @@ def discrepancy(conn: Connection, run_id: int, *, method: str = "attribution", t
 
 def discrepancy_layers(conn: Connection, run_id: int, *, method: str = "attribution") -> Rows:
     """Per layer: mean and spread of the per-head JSD, and the layer-level rows' JSD and self share."""
-    _mixing_methods(conn, run_id, [method])
+    _mixing_methods(conn, run_id, [method], parameter="method")
     sql = """
         SELECT layer,
                avg(jsd_attention) FILTER (WHERE head >= 0) AS mean_head_jsd,
