@@ -211,7 +211,7 @@ def parse_mixing(values) -> tuple[str, ...]:
 def parse_effects(value) -> tuple[str, ...]:
     """``--effects``: a comma-separated text or a sequence of kinds, deduplicated in SPEC order
     (zero, mean, gradient); empty: none."""
-    from headatlas.service.errors import ParameterError
+    from headatlas.service.errors import Param, ParameterError
     from headatlas.service.params import EFFECT_KINDS
 
     parts = [value] if isinstance(value, str) else list(value or ())
@@ -219,7 +219,8 @@ def parse_effects(value) -> tuple[str, ...]:
     unknown = [k for k in given if k not in EFFECT_KINDS]
     if unknown:
         raise ParameterError(
-            f"--effects {unknown[0]!r}: choose from {', '.join(EFFECT_KINDS)} (comma-separated, e.g. zero,mean)"
+            Param("effects", unknown[0], quoted=True),
+            f": choose from {', '.join(EFFECT_KINDS)} (comma-separated, e.g. zero,mean)",
         )
     return tuple(k for k in EFFECT_KINDS if k in given)
 

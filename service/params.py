@@ -136,11 +136,11 @@ class AnalysisParams:
                 " alone)",
             )
         for kind in self.effects:
-            _check_choice("--effects", kind, EFFECT_KINDS)
+            _check_choice("effects", kind, EFFECT_KINDS)
         if self.effect_windows < 1:
-            raise ParameterError(f"--effect-windows {self.effect_windows}: must be at least 1")
+            raise ParameterError(Param("effect_windows", self.effect_windows), ": must be at least 1")
         if self.effect_reference < 1:
-            raise ParameterError(f"--effect-reference {self.effect_reference}: must be at least 1 window")
+            raise ParameterError(Param("effect_reference", self.effect_reference), ": must be at least 1 window")
         if self.csm_bin < 0:
             # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
             raise ParameterError(

@@ -452,19 +452,20 @@ def effects_estimate(
     text_field: str = "text",
     encoding: str = "utf-8",
     label: str | None = None,
-) -> str:
+) -> tuple[Part, ...]:
     """What ``--effects`` will cost on the run's next ``count`` windows, said before it starts
-    (``effect_batch.estimate``: passes timed on the longest of them)."""
+    (``effect_batch.estimate``: passes timed on the longest of them), as message parts."""
     from headatlas.service.engine.effect_batch import estimate
     from headatlas.service.measures.attribution import duration
 
     windows = first_windows(spec, model, params, tokens, count, text_field=text_field, encoding=encoding, label=label)
     if not windows:
-        return "effects: no window left to measure"
+        return ("effects: no window left to measure",)
     cost = estimate(model, params, windows, len(windows), tokens.pad_id)
     return (
-        f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); "
-        f"--effect-windows N changes how many windows get them (about {duration(cost.per_window)} each)"
+        f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); ",
+        Param("effect_windows", Placeholder("N")),
+        f" changes how many windows get them (about {duration(cost.per_window)} each)",
     )
 
 
