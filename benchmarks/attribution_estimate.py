@@ -29,6 +29,7 @@ from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, build_params
 from headatlas.service.engine.corpus import demo_corpus_path  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
 from headatlas.service.engine.runner import analyze_corpus, survey_corpus  # noqa: E402
+from headatlas.service.errors import FLAGS, render  # noqa: E402
 from headatlas.service.measures.attribution import resident_bytes  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
 
@@ -75,7 +76,7 @@ def main() -> None:
                 walls[attribution] = time.perf_counter() - started
             peaks[attribution] = (peak.peak - before) / 2**20
     print(f"model {model.name}, {args.windows} windows × ≤{args.seq_len} tokens, {args.threads} threads")
-    print(said[0])
+    print(render(said[0], FLAGS))
     print(
         f"actual: {walls[True] - walls[False]:.1f} s of attribution ({walls[True]:.1f} s with, {walls[False]:.1f} s "
         f"without); peak memory above the process before the run: {peaks[True]:.0f} MB with, "

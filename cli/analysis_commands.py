@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import shlex
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from headatlas.cli import options
+from headatlas.cli.app import cli_terms
 from headatlas.cli.output import (
     Format,
     command_name,
@@ -20,7 +21,11 @@ from headatlas.cli.output import (
     stdout,
 )
 from headatlas.cli.query_commands import LAYER_TABLE
-from headatlas.service.config import Settings
+from headatlas.service.errors import render as render_text
+
+if TYPE_CHECKING:
+    from headatlas.service.operations.events import Event
+    from headatlas.service.operations.requests import AnalysisRequest
 
 DbOpt, FormatOpt = options.Db, options.Fmt
 
@@ -29,12 +34,6 @@ def register(app: typer.Typer) -> None:
     app.command()(analyze)
     app.command()(demo)
     app.command()(models)
-
-
-def _store(db: str, at: int | None = None):
-    from headatlas.service.storage.store import Store
-
-    return Store(db, at=at)
 
 
 @options.analysis_options()
@@ -62,123 +61,88 @@ def analyze(
     ),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
-    _analyze(corpus, analysis, name=name, db=db, quiet=quiet, attribution_chunk=attribution_chunk, control=control)
+    from headatlas.service.operations.requests import AnalysisRequest
+
+    request = AnalysisRequest.build(
+        corpus, db=db, name=name, control=control, attribution_chunk=attribution_chunk, **analysis.values
+    )
+    _analyze(request, quiet=quiet)
 
 
 @options.analysis_options("model", "device", "batch_size")
 def demo(*, analysis: options.AnalysisOptions, db: str = DbOpt) -> None:
     """Analyse the shipped Wikipedia excerpt with the default model and show what the heads do."""
-    from headatlas.service.engine.corpus import demo_corpus_path
+    from headatlas.service.operations.analysis import demo_request
 
-    chunk = Settings.default("attribution_chunk")  # the demo computes no attribution
-    _analyze(str(demo_corpus_path()), analysis, name="demo", db=db, quiet=False, attribution_chunk=chunk, control=0)
+    _analyze(demo_request(db=db, **analysis.values), quiet=False)
 
 
-def _analyze(
-    corpus: str,
-    analysis: options.AnalysisOptions,
-    *,
-    name: str | None,
-    db: str,
-    quiet: bool,
-    attribution_chunk: int,
-    control: int,
-) -> None:
-    from headatlas.service.analysis_options import parse_batch_size
-    from headatlas.service.engine.corpus import STDIN_SOURCE, remove_spool, spool_stdin
-    from headatlas.service.engine.model import auto_batch_size, control_model, load_model, resolve_device
-    from headatlas.service.engine.model_check import check_loaded, check_model_spec
-    from headatlas.service.engine.runner import analyze_corpus, control_name, finished_run, survey_corpus
-    from headatlas.service.storage.db import check_headatlas_file
+def _analyze(request: AnalysisRequest, *, quiet: bool) -> None:
+    """Run the analysis (service/operations/analysis.py), showing its events as they come, then
+    what was stored: the run's summary and its controls (``quiet``: their ids alone)."""
+    from headatlas.service.operations.analysis import analyze as run_analysis
+    from headatlas.service.operations.events import ignore
 
-    params, model, device = analysis.params, analysis.model, analysis.device
-    text_field, encoding = analysis.text_field, analysis.encoding
-    size = parse_batch_size(analysis.batch_size)
-    probe = analysis.probe_spec
-    # every check that needs no model weights comes before the corpus is read or a model loaded
-    resolve_device(device)
-    store_every_s = Settings.from_env().store_every_s
-    check_headatlas_file(db)
-    check_model_spec(model, seq_len=params.seq_len, device=device)
-    spooled = spool_stdin() if corpus == "-" else None
-    spec, label = (str(spooled), STDIN_SOURCE) if spooled else (corpus, None)
-    try:
-        summary = survey_corpus(spec, text_field=text_field, encoding=encoding, label=label)
-        store = _store(db)
-        done = (
-            finished_run(store, summary.fingerprint, summary.distinct, model, params, name=name, probe=probe)
-            if control == 0
-            else None
+    done = run_analysis(request, ignore if quiet else _Shown())
+    if quiet:
+        for stored in (done.run, *done.controls):
+            stdout.print(stored.run_id)
+        return
+    if done.found_finished:
+        note(f"run {done.run.run_id} ({done.run.name}) is complete: nothing to analyse")
+    _print_run_summary(done.store, done.run.run_id)
+    name = request.name
+    for seed, floor in enumerate(done.controls):
+        stdout.print(
+            f"control (seed {seed}): run {floor.run_id} ({floor.name}); compare with `{command_name()} compare "
+            f"{shlex.quote(name) if name else done.run.run_id}`",
+            markup=False,
         )
-        if done is not None:  # found without loading the model's weights
-            if quiet:
-                stdout.print(done.run_id)
-            else:
-                note(f"run {done.run_id} ({done.name}) is complete: nothing to analyse")
-                _print_run_summary(store, done.run_id)
-            return
-        if not quiet:
+
+
+class _Shown:
+    """An analysis as the command line shows it while it runs: what was read and what loads, the
+    estimate of a slow part, a progress bar per pass over the corpus (windows, windows/s and ETA,
+    from corpus characters consumed), and a run reused under another name."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def __call__(self, event: Event) -> None:
+        from headatlas.service.operations import events
+
+        if isinstance(event, events.CorpusRead):
+            summary = event.corpus
             dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
-            stderr.print(
-                f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters; loading model {model} …"
-            )
-        loaded = load_model(model, device=device, dtype=params.dtype)
-        check_loaded(loaded, params.seq_len)
-        size = size if isinstance(size, int) else auto_batch_size(loaded, params.seq_len)
-        # the run and its control (--control) analyse the same windows the same way
-        run_on = functools.partial(
-            analyze_corpus,
-            spec,
-            store=store,
-            params=params,
-            corpus=summary,
-            batch_size=size,
-            text_field=text_field,
-            encoding=encoding,
-            label=label,
-            attribution_chunk=attribution_chunk,
-            flush_s=store_every_s,
-            probe=probe,
-            notice=None if quiet else (lambda text: stderr.print(text, markup=False, highlight=False)),
-        )
-        with _progress(summary.chars, quiet) as progress:
-            run = run_on(model=loaded, name=name, progress=progress)
-        if name is not None and run.name != name and not quiet:
+            loading = f"; loading model {event.model} …" if event.model is not None else ""
+            stderr.print(f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters{loading}")
+        elif isinstance(event, events.PassStarted):
+            if event.control_seed is not None:
+                stderr.print(
+                    f"control {event.control_seed + 1}/{event.controls}: the same windows through a randomly "
+                    f"initialised {event.n_layers}×{event.n_heads} model (seed {event.control_seed}) …"
+                )
+            self.total, self.windows = event.total_chars, 0
+            self.bar = progress_bar("analysing", "{task.fields[windows]:,} windows")
+            self.bar.__enter__()
+            self.task = self.bar.add_task("analyse", total=self.total, windows=0, rate=0.0)
+        elif isinstance(event, events.Progress):
+            self.windows += event.windows
+            elapsed = self.bar.tasks[0].elapsed or 1e-9
+            self.bar.update(self.task, completed=event.consumed, windows=self.windows, rate=self.windows / elapsed)
+        elif isinstance(event, events.PassEnded):
+            if event.completed:  # an interrupted or failed run stops where it was, not at 100 %
+                self.bar.update(self.task, completed=self.total)
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+        elif isinstance(event, (events.Estimate, events.Notice)):
+            stderr.print(render_text(event.text, cli_terms()), markup=False, highlight=False)
+        elif isinstance(event, events.RunReused):
+            run, name = event.run, event.name
             note(
                 f"run {run.run_id} ({run.name}) holds this corpus, model and parameters already: reused, and "
                 f"{name!r} now names it too (--run {shlex.quote(name)})"
             )
-        floors = []
-        for seed in range(control):
-            if not quiet:
-                stderr.print(
-                    f"control {seed + 1}/{control}: the same windows through a randomly initialised "
-                    f"{loaded.n_layers}×{loaded.n_heads} model (seed {seed}) …"
-                )
-            with _progress(summary.chars, quiet) as progress:
-                floors.append(
-                    run_on(
-                        model=control_model(loaded, seed=seed),
-                        name=control_name(name, seed) if name is not None else None,
-                        progress=progress,
-                        control_of=run,
-                        control_seed=seed,
-                    )
-                )
-    finally:
-        if spooled:
-            remove_spool(spooled)
-    if quiet:
-        for stored in (run, *floors):
-            stdout.print(stored.run_id)
-        return
-    _print_run_summary(store, run.run_id)
-    for seed, floor in enumerate(floors):
-        stdout.print(
-            f"control (seed {seed}): run {floor.run_id} ({floor.name}); compare with `{command_name()} compare "
-            f"{shlex.quote(name) if name else run.run_id}`",
-            markup=False,
-        )
 
 
 def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
@@ -188,33 +152,6 @@ def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
     tops = [(name, max(heads, key=lambda h: h[name])) for name in scores]
     text = ", ".join(f"{name} {h['layer']}.{h['head']} ({h[name]:.3f})" for name, h in tops)
     print_wrapped(f"probe (SPEC §8), top head per score (layer.head): {text}")
-
-
-class _progress:
-    """Progress bar on stderr: windows, windows/s and ETA (from corpus characters consumed)."""
-
-    def __init__(self, total_chars: int, quiet: bool):
-        self.total, self.quiet, self.windows = total_chars, quiet, 0
-
-    def __enter__(self):
-        if self.quiet:
-            return None
-        self.bar = progress_bar("analysing", "{task.fields[windows]:,} windows")
-        self.bar.__enter__()
-        self.task = self.bar.add_task("analyse", total=self.total, windows=0, rate=0.0)
-        return self.update
-
-    def update(self, windows: int, consumed: int) -> None:
-        self.windows += windows
-        elapsed = self.bar.tasks[0].elapsed or 1e-9
-        self.bar.update(self.task, completed=consumed, windows=self.windows, rate=self.windows / elapsed)
-
-    def __exit__(self, *exc):
-        if not self.quiet:
-            if exc[0] is None:  # an interrupted or failed run stops where it was, not at 100 %
-                self.bar.update(self.task, completed=self.total)
-            self.bar.__exit__(*exc)
-        return False
 
 
 def _print_run_summary(store, run_id: int) -> None:

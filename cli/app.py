@@ -3,6 +3,7 @@ stderr: the Typer app, its global options (``--version``, ``--data-path``) and t
 
 from __future__ import annotations
 
+import functools
 import os
 
 import typer
@@ -14,7 +15,7 @@ except ImportError:  # pragma: no cover - older typer on the public click
     from click.exceptions import UsageError  # type: ignore[assignment]  # the same class, in click itself
 
 from headatlas.cli.output import error, stdout
-from headatlas.service.errors import HeadatlasError
+from headatlas.service.errors import FlagTerms, HeadatlasError
 
 INTERRUPTED = "interrupted; re-run the same command to resume"
 
@@ -47,7 +48,7 @@ class Commands(TyperGroup):
         try:
             return super().invoke(ctx)
         except HeadatlasError as exc:
-            error(str(exc))
+            error(exc.render(cli_terms()))
             raise SystemExit(exc.exit_code) from None
         except UsageError as exc:
             if not exc.format_message():  # "no arguments: show the help" is not a mistake
@@ -58,6 +59,36 @@ class Commands(TyperGroup):
         except KeyboardInterrupt:
             error(INTERRUPTED)
             raise Interrupted(130) from None
+
+
+class CliTerms(FlagTerms):
+    """A parameter as the command line spells it: the flag of the option of that name (the
+    effects' ``kinds`` is ``--effects``), read from the commands; every option name has one flag."""
+
+    def __init__(self, flags: dict[str, str]) -> None:
+        self.flags = flags
+
+    def flag(self, name: str) -> str:
+        return self.flags.get(name) or super().flag(name)
+
+
+@functools.cache
+def cli_terms() -> CliTerms:
+    """The terms of this command line, read once from its commands (all registered by now)."""
+    import typer.main
+
+    flags: dict[str, str] = {}
+
+    def read(command) -> None:
+        for param in command.params:
+            long = [o for o in param.opts if o.startswith("--")]
+            if long and param.name:
+                flags.setdefault(param.name, long[0])
+        for sub in getattr(command, "commands", {}).values():
+            read(sub)
+
+    read(typer.main.get_command(app))
+    return CliTerms(flags)
 
 
 class Interrupted(SystemExit):

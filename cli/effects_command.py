@@ -114,7 +114,7 @@ def prune(
     run: str | None = typer.Argument(None, help="Run id, name or alias (default: the latest finished run)."),
     *,
     db: str = options.Db,
-    order: str | None = typer.Option(
+    orders: str | None = typer.Option(
         None,
         "--order",
         help="Orders to remove heads in, comma-separated: effect (smallest first), importance (smallest first; "
@@ -155,10 +155,10 @@ def prune(
     from headatlas.service.storage.effect_rows import load_prune
     from headatlas.service.storage.store import Store
 
-    orders = None if order is None else [o.strip() for o in order.split(",") if o.strip()]
-    for name in orders or []:
+    chosen = None if orders is None else [o.strip() for o in orders.split(",") if o.strip()]
+    for name in chosen or []:
         if name not in ORDERS:
-            raise ParameterError(f"--order {order!r}: {name!r} is not an order; use {', '.join(ORDERS)}")
+            raise ParameterError(f"--order {orders!r}: {name!r} is not an order; use {', '.join(ORDERS)}")
     fraction = parse_step(step)
     if out is not None:
         from headatlas.service.reports.plots import output_format
@@ -179,7 +179,7 @@ def prune(
         _result, saved = prune_run(
             store,
             found,
-            orders=orders,
+            orders=chosen,
             step=fraction,
             seeds=seeds,
             windows=windows,

@@ -20,7 +20,7 @@ from headatlas.cli import (
     sql_commands,
     visual,
 )
-from headatlas.cli.app import INTERRUPTED, Interrupted, app
+from headatlas.cli.app import INTERRUPTED, Interrupted, app, cli_terms
 from headatlas.cli.output import error
 from headatlas.service.config import Settings
 from headatlas.service.errors import HeadatlasError
@@ -61,7 +61,7 @@ def main() -> None:
     except Interrupted:
         _leave_now(130)
     except HeadatlasError as exc:  # raised outside a command (Commands.invoke maps those inside)
-        error(str(exc))
+        error(exc.render(cli_terms()))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         error(INTERRUPTED)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import typer
 
 from headatlas.cli.output import Format
-from headatlas.service.analysis_options import BY_NAME, OPTIONS, RUN_NAMES, Declared, build_params
+from headatlas.service.analysis_options import BY_NAME, OPTIONS, PARAM_NAMES, Declared, build_params
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams
 
@@ -107,31 +107,46 @@ def declared_option(option: Declared, *, help: str | None = None, default: Any =
 
 @dataclass(frozen=True)
 class AnalysisOptions:
-    """What a command was asked to analyse with: the validated parameters and the run settings."""
+    """The declared analysis options a command was given, by name, as typed (``values``): the
+    library's requests validate them (service/operations/requests.py); ``params`` and the other
+    properties read them for a command that needs no request."""
 
-    params: AnalysisParams
-    model: str = BY_NAME["model"].default
-    device: str = BY_NAME["device"].default
-    batch_size: str = BY_NAME["batch_size"].default
-    text_field: str = BY_NAME["text_field"].default
-    encoding: str = BY_NAME["encoding"].default
-    probe: bool = BY_NAME["probe"].default
-    probe_length: int = BY_NAME["probe_length"].default
-    probe_sequences: int = BY_NAME["probe_sequences"].default
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def params(self) -> AnalysisParams:
+        """The validated analysis parameters."""
+        return build_params(**{name: v for name, v in self.values.items() if name in PARAM_NAMES})
+
+    def _given(self, name: str) -> Any:
+        return self.values.get(name, BY_NAME[name].default)
+
+    @property
+    def model(self) -> str:
+        return self._given("model")
+
+    @property
+    def device(self) -> str:
+        return self._given("device")
+
+    @property
+    def batch_size(self) -> str:
+        return self._given("batch_size")
+
+    @property
+    def text_field(self) -> str:
+        return self._given("text_field")
+
+    @property
+    def encoding(self) -> str:
+        return self._given("encoding")
 
     @property
     def probe_spec(self):
         """The synthetic probe asked for (``ProbeSpec``), or None without ``--probe``."""
-        if not self.probe:
-            return None
-        from headatlas.service.engine.probe import ProbeSpec
+        from headatlas.service.operations.requests import probe_of
 
-        return ProbeSpec(length=self.probe_length, sequences=self.probe_sequences)
-
-    @classmethod
-    def build(cls, **values) -> AnalysisOptions:
-        run = {name: values.pop(name) for name in RUN_NAMES if name in values}
-        return cls(params=build_params(**values), **run)
+        return probe_of(self.values)
 
 
 def analysis_options(*names: str, exclude: tuple[str, ...] = (), help: dict[str, str] | None = None) -> Callable:  # noqa: A002
@@ -169,7 +184,7 @@ def analysis_options(*names: str, exclude: tuple[str, ...] = (), help: dict[str,
         @functools.wraps(command)
         def run(**kwargs):
             values = {o.name: kwargs.pop(o.name) for o in chosen}
-            return command(analysis=AnalysisOptions.build(**values), **kwargs)
+            return command(analysis=AnalysisOptions(values), **kwargs)
 
         del run.__wrapped__  # Typer reads the rewritten signature, not the command's
         run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by inspect, unknown to wraps' type

@@ -80,14 +80,12 @@ def query_heads(
     if asc and sort is None:
         raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
-    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
     _query(
         (db, at),
         run,
         fmt,
         queries.heads,
         "heads",
-        check=check,
         table_columns=table,
         note=queries.LIFT_NOTE,
         view=TableView.of(columns, wide),
@@ -117,18 +115,25 @@ def query_distances(
 ) -> None:
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
     from headatlas.service.errors import ParameterError
+    from headatlas.service.operations.runs import ask
     from headatlas.service.reports import queries
 
     if max_distance is not None and max_distance < 1:
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
     if split not in (None, "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs)")
-    store = _store(db, at)
-    with store.checked_read() as conn:
-        r = _run(conn, run)
-        _check_layer_head(r, layer, head)
-        names, rows = queries.distances(conn, r.run_id, layer=layer, head=head, split=split is not None, ci=ci)
-        unreliable = _interval_warnings(conn, r) if ci else []
+    unreliable: list[str] = []
+    answer = ask(
+        _store(db, at),
+        run,
+        queries.distances,
+        ci=ci,
+        events=_said(unreliable),
+        layer=layer,
+        head=head,
+        split=split is not None,
+    )
+    r, names, rows = answer.run, answer.columns, answer.rows
     if max_distance:
         rows = [row for row in rows if row[0] <= max_distance]
     what = f"layer {layer}" + (f" head {head}" if head is not None else " (all heads)")
@@ -209,7 +214,7 @@ def query_mixing(
     layer: int | None = typer.Option(
         None, "--layer", "-l", help="Show this layer's heads (0-based); default: one row set per layer."
     ),
-    method: list[str] = typer.Option(
+    methods: list[str] = typer.Option(
         [], "--method", help="attention, attribution, rollout, norm or alti (repeat); default: all stored."
     ),
     columns: str | None = ColumnsOpt,
@@ -222,17 +227,15 @@ def query_mixing(
     from headatlas.service.reports import queries
 
     what = f"layer {layer} heads" if layer is not None else "per layer"
-    check = None if layer is None else lambda r: _check_layer_head(r, layer, None)
     _query(
         (db, at),
         run,
         fmt,
         queries.mixing,
         f"mixing, {what}",
-        check=check,
         view=TableView.of(columns, wide),
         layer=layer,
-        methods=method or None,
+        methods=methods or None,
     )
 
 
@@ -269,28 +272,26 @@ def _query(
     fmt: Format,
     query,
     title: str,
-    check=None,
     table_columns=None,
     note: str | None = None,
     view: TableView = TableView(),
     pinned: int = 1,
     **kwargs,
 ) -> None:
-    """Open the store, resolve the run, ``check(run)`` the options against it, call one query
-    function, render its rows (``view``, ``pinned``: see ``render_metrics``)."""
+    """Ask the run one question (service/operations/runs.py ``ask``: the run resolved, ``layer``
+    and ``head`` checked against it) and render its rows (``view``, ``pinned``: see
+    ``render_metrics``), then its warnings."""
+    from headatlas.service.operations.runs import ask
     from headatlas.service.reports.intervals import scheme_of
 
     where, at = db if isinstance(db, tuple) else (db, None)
-    with _store(where, at).checked_read() as conn:
-        r = _run(conn, run)
-        if check is not None:
-            check(r)
-        columns, rows = query(conn, r.run_id, **kwargs)
-        unreliable = _interval_warnings(conn, r) if kwargs.get("ci") else []
-        table_columns, note = _with_effects(conn, r.run_id, columns, rows, table_columns, note)
+    unreliable: list[str] = []
+    answer = ask(_store(where, at), run, query, events=_said(unreliable), **kwargs)
+    r = answer.run
+    table_columns, note = _with_effects(answer, table_columns, note)
     render_metrics(
-        columns,
-        rows,
+        answer.columns,
+        answer.rows,
         fmt,
         title=f"run {r.run_id} ({r.name}): {title}",
         table_columns=table_columns,
@@ -302,27 +303,37 @@ def _query(
     _print_warnings(unreliable)
 
 
-def _with_effects(conn, run_id: int, columns, rows, table_columns, note):
+def _with_effects(answer, table_columns, note):
     """A run with causal effects (SPEC §9): its main effect column joins the table's default
     columns, and the note says what the effects are measured against."""
-    from headatlas.service.metrics import EFFECT_COLUMNS
-    from headatlas.service.storage.effect_rows import effect_note
-
-    held = [c for c in EFFECT_COLUMNS if c in columns and any(r[columns.index(c)] is not None for r in rows)]
+    held = answer.effects
     if not held:
         return table_columns, note
     main = next(c for c in ("effect_mean", "effect_zero", "importance", *held) if c in held)
     if table_columns is not None and main not in table_columns:
         table_columns = [*table_columns, main]
-    said = effect_note(conn, run_id)
+    said = answer.effects_note
     return table_columns, (f"{note}\n{said}" if note and said else note or said)
 
 
 def _interval_warnings(conn, *runs) -> list[str]:
     """Each run's warning that its intervals rest on too few replicate groups (SPEC §5d)."""
-    from headatlas.service.reports.queries import interval_warning
+    from headatlas.service.operations.runs import interval_warnings
 
-    return [w for w in (interval_warning(conn, r.run_id) for r in runs) if w]
+    return interval_warnings(conn, *runs)
+
+
+def _said(warnings: list[str]):
+    """The sink of a question: notes about its run at once, its warnings kept for under its table."""
+    from headatlas.service.operations.events import ResultWarning
+
+    def sink(event) -> None:
+        if isinstance(event, ResultWarning):
+            warnings.append(event.text)
+        else:
+            run_commands.notes(event)
+
+    return sink
 
 
 def _print_warnings(warnings: list[str]) -> None:
@@ -331,12 +342,3 @@ def _print_warnings(warnings: list[str]) -> None:
 
 
 _run = run_commands.resolve  # the run a command names, or the default one, with a note when unfinished
-
-
-def _check_layer_head(run, layer: int, head: int | None) -> None:
-    from headatlas.service.errors import ParameterError
-
-    if not 0 <= layer < run.n_layers:
-        raise ParameterError(f"--layer {layer}: run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
-    if head is not None and not 0 <= head < run.n_heads:
-        raise ParameterError(f"--head {head}: run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")

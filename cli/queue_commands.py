@@ -9,9 +9,11 @@ from dataclasses import replace
 import typer
 
 from headatlas.cli import options
+from headatlas.cli.app import cli_terms
 from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
+from headatlas.service.errors import render as render_text
 from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.workers.policy import RESUBMIT_STRANDED_S
 
@@ -51,43 +53,12 @@ def submit(
     broker: str = BrokerOpt,
 ) -> None:
     """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
-    from headatlas.service.analysis_options import parse_batch_size
-    from headatlas.service.engine.model_check import check_model_spec
-    from headatlas.workers.submit import submit as submit_corpus
+    from headatlas.service.operations.requests import QueuedAnalysis
+    from headatlas.service.operations.submission import submit as queue
 
-    if corpus == "-":
-        from headatlas.service.errors import CorpusError
-
-        raise CorpusError("submit reads a file, folder or glob, not stdin: save the text to a file first")
-    params, model = analysis.params, analysis.model
-    batch_size = parse_batch_size(analysis.batch_size, queued=True)
+    request = QueuedAnalysis.build(corpus, name=name, **analysis.values)
     settings = _settings(db=db, broker_url=broker)
-    # before anything is queued: a worker elsewhere loads the model, so it must fit a machine like this
-    check_model_spec(model, seq_len=params.seq_len, memory="total")
-
-    def queue(log=lambda msg: stderr.print(msg), only=None):
-        return submit_corpus(
-            corpus,
-            settings=settings,
-            model=model,
-            dtype=params.dtype,
-            params=params,
-            batch_size=batch_size,
-            name=name,
-            text_field=analysis.text_field,
-            encoding=analysis.encoding,
-            writer_wait_s=writer_wait,
-            probe=analysis.probe_spec,
-            only=only,
-            log=log,
-        )
-
-    sub = queue()
-    if name is not None and sub.name != name:  # the queue does not write the database: the name is not added
-        note(
-            f"run {sub.name} holds this corpus, model and parameters already and keeps its name; "
-            f"`headatlas runs rename {shlex.quote(sub.name)} {shlex.quote(name)}` renames it"
-        )
+    sub = queue(request, settings, writer_wait_s=writer_wait, events=_said)
     if sub.status == RunStatus.DONE:
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
@@ -103,8 +74,21 @@ def submit(
             runnable("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
         )
     if wait and sub.status != RunStatus.DONE:
-        _wait(settings, sub, resubmit=lambda only=None: queue(log=lambda _msg: None, only=only))
+        _wait(settings, sub, resubmit=lambda only=None: queue(request, settings, writer_wait_s=writer_wait, only=only))
     stdout.print(sub.run_id if sub.run_id is not None else sub.name)
+
+
+def _said(event) -> None:
+    """What the submission tells as it plans: its notices on stderr, and a name the run does not take."""
+    from headatlas.service.operations.events import NameKept, Notice
+
+    if isinstance(event, Notice):
+        stderr.print(render_text(event.text, cli_terms()))
+    elif isinstance(event, NameKept):  # the queue does not write the database: the name is not added
+        note(
+            f"run {event.run_name} holds this corpus, model and parameters already and keeps its name; "
+            f"`headatlas runs rename {shlex.quote(event.run_name)} {shlex.quote(event.asked)}` renames it"
+        )
 
 
 def _wait(settings, sub, resubmit=None) -> None:

@@ -32,12 +32,19 @@ TABLE = ["run_id", "name", "status", "windows", "model", "aliases", "tags"]
 def resolve(conn, ref: str | int | None):
     """The run ``ref`` names (id, name, alias), or the default run; a note on stderr when it is
     not finished, or when the latest run is in progress and the default passed it over."""
-    from headatlas.service.storage.store import pick_run
+    from headatlas.service.operations.runs import find_run
 
-    run, said = pick_run(conn, ref)
-    if said:
-        note(said)
-    return run
+    return find_run(conn, ref, notes)
+
+
+def notes(event) -> None:
+    """The sink of a command that asks a run a question: its notices, as ``note: …`` lines."""
+    from headatlas.cli.app import cli_terms
+    from headatlas.service.errors import render as render_text
+    from headatlas.service.operations.events import Notice
+
+    if isinstance(event, Notice):
+        note(render_text(event.text, cli_terms()))
 
 
 def _store(db: str, at: int | None = None):

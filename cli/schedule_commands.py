@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import typer
 
@@ -28,24 +27,6 @@ def _settings(db: str, broker: str | None = None) -> Settings:
     from headatlas.cli.queue_commands import _settings as export
 
     return export(db=db, broker_url=broker)
-
-
-def _cadence(cron: str | None, every: str | None, tz: str):
-    from headatlas.service.schedules import Cadence, parse_every
-
-    return Cadence(cron, parse_every(every) if every is not None else None, tz)
-
-
-def _corpus(spec: str) -> str:
-    """Check the corpus exists and holds a document now (a clear error at `add`, not at the first
-    fire) and keep an absolute path, so that beat finds it whatever its working directory."""
-    from headatlas.service.engine.corpus import iter_documents
-
-    next(iter(iter_documents(spec)))  # reads up to the first document; an empty corpus raises
-    path = Path(spec)
-    if path.exists():
-        return str(path.resolve())
-    return str(path if path.is_absolute() else Path.cwd() / path)  # a glob: anchored here
 
 
 def _show(sched) -> list[tuple]:
@@ -74,16 +55,6 @@ def _render_one(sched, fmt: Format, **more) -> None:
         render(SHOW_COLUMNS, _show(sched), fmt)
 
 
-def _check_name(name: str) -> str:
-    """A schedule name starts the names of its runs: it is checked as they are."""
-    from headatlas.service.errors import ParameterError
-    from headatlas.service.storage.run_labels import check_label
-
-    if not name.strip():
-        raise ParameterError("schedule name is empty: pass a name, e.g. `headatlas schedule add nightly --corpus …`")
-    return check_label(name, what="schedule name")
-
-
 @schedule_app.command("add")
 @options.analysis_options(exclude=("device", "text_field", "encoding", "probe", "probe_length", "probe_sequences"))
 def schedule_add(
@@ -103,26 +74,18 @@ def schedule_add(
     fmt: Format = FormatOpt,
 ) -> None:
     """Add a schedule: analyse CORPUS with MODEL on a cron expression or an interval."""
-    from headatlas.service.analysis_options import parse_batch_size
-    from headatlas.service.engine.model_check import check_model_spec
-    from headatlas.service.storage import schedule_store
+    from headatlas.service.operations.requests import QueuedAnalysis
+    from headatlas.service.operations.submission import ScheduleRequest, add_schedule
 
-    _check_name(name)
-    cadence = _cadence(cron, every, timezone)
-    params, model = analysis.params, analysis.model
-    check_model_spec(model, seq_len=params.seq_len, memory="total")  # workers load it at each fire
-    sched = schedule_store.add(
-        db,
-        name=name,
-        corpus=_corpus(corpus),
-        model=model,
-        dtype=params.dtype,
-        batch_size=parse_batch_size(analysis.batch_size, queued=True),
-        params=params.to_dict(),
-        cadence=cadence,
+    request = ScheduleRequest(
+        name,
+        QueuedAnalysis.build(corpus, **analysis.values),
+        cron=cron,
+        every=every,
+        timezone=timezone,
         only_new=only_new,
     )
-    _render_one(sched, fmt)
+    _render_one(add_schedule(request, db), fmt)
 
 
 @schedule_app.command("edit")
@@ -140,6 +103,7 @@ def schedule_edit(
     """Change a schedule; a running beat uses the change at its next tick."""
     from headatlas.service.engine.model_check import check_model_spec
     from headatlas.service.errors import ParameterError
+    from headatlas.service.operations.submission import schedule_corpus
     from headatlas.service.schedules import check_cron, check_timezone, parse_every
     from headatlas.service.storage import schedule_store
 
@@ -154,7 +118,7 @@ def schedule_edit(
     sched = schedule_store.edit(
         db,
         name,
-        corpus=_corpus(corpus) if corpus is not None else None,
+        corpus=schedule_corpus(corpus) if corpus is not None else None,
         model=model,
         only_new=only_new,
         cron=check_cron(cron) if cron is not None else None,
@@ -243,7 +207,7 @@ def schedule_run_now(name: str = NameArg, db: str = DbOpt, broker: str = BrokerO
     if result.resumed:
         stdout.print(f"schedule {name}: submitted a fire a stopped beat had left, not a new one", markup=False)
     if result.status == "error":
-        raise HeadatlasError(result.error)
+        raise HeadatlasError(str(result.error))
     if result.status == "no_new_documents":
         stdout.print(f"schedule {name}: no new document to analyse")
         return

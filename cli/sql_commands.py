@@ -34,7 +34,7 @@ def sql(
     db: str = DbOpt,
     fmt: Format = FormatOpt,
     max_rows: int = options.setting("sql_max_rows", "--max-rows", help="Row cap."),
-    timeout: float = options.setting("sql_timeout_s", "--timeout", help="Time limit in seconds."),
+    timeout_s: float = options.setting("sql_timeout_s", "--timeout", help="Time limit in seconds."),
     memory_limit: str | None = typer.Option(
         None, "--memory-limit", help="Memory the query may use, e.g. 2GB (default: a quarter of this machine's)."
     ),
@@ -54,7 +54,7 @@ def sql(
         db,
         text,
         max_rows=max_rows,
-        timeout_s=timeout,
+        timeout_s=timeout_s,
         memory_limit=memory_limit,
         temp_limit=temp_limit,
         run_id=run_id,

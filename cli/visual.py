@@ -194,7 +194,7 @@ def plot_heads(
     from headatlas.service.reports.columns import unknown_metric
 
     if metric not in queries.SORTABLE:
-        raise unknown_metric("--metric", metric, queries.SORTABLE)
+        raise unknown_metric("metric", metric, queries.SORTABLE)
     _plot("heads", run, db, out, dpi, metric=metric)
 
 

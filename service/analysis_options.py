@@ -200,16 +200,18 @@ def parse_mixing(values) -> tuple[str, ...]:
     given = [part.strip().lower() for value in values for part in str(value).split(",") if part.strip()]
     unknown = [m for m in given if m not in MIXING]
     if unknown:
-        from headatlas.service.errors import ParameterError
+        from headatlas.service.errors import Param, ParameterError
 
-        raise ParameterError(f"--mixing {unknown[0]!r}: choose from {', '.join(MIXING)} (several allowed)")
+        raise ParameterError(
+            Param("mixing", unknown[0], quoted=True), f": choose from {', '.join(MIXING)} (several allowed)"
+        )
     return tuple(m for m in MIXING if m in given)
 
 
 def parse_effects(value) -> tuple[str, ...]:
     """``--effects``: a comma-separated text or a sequence of kinds, deduplicated in SPEC order
     (zero, mean, gradient); empty: none."""
-    from headatlas.service.errors import ParameterError
+    from headatlas.service.errors import Param, ParameterError
     from headatlas.service.params import EFFECT_KINDS
 
     parts = [value] if isinstance(value, str) else list(value or ())
@@ -217,7 +219,8 @@ def parse_effects(value) -> tuple[str, ...]:
     unknown = [k for k in given if k not in EFFECT_KINDS]
     if unknown:
         raise ParameterError(
-            f"--effects {unknown[0]!r}: choose from {', '.join(EFFECT_KINDS)} (comma-separated, e.g. zero,mean)"
+            Param("effects", unknown[0], quoted=True),
+            f": choose from {', '.join(EFFECT_KINDS)} (comma-separated, e.g. zero,mean)",
         )
     return tuple(k for k in EFFECT_KINDS if k in given)
 
@@ -230,13 +233,13 @@ def parse_batch_size(value: str | int, *, queued: bool = False) -> int | Literal
     """``--batch-size``: a positive integer or ``auto`` (sized to the model and device once it is
     loaded). A queued run's batches are cut before a worker is known, so there ``auto`` is the CPU
     size, 32."""
-    from headatlas.service.errors import ParameterError
+    from headatlas.service.errors import Param, ParameterError
 
     text = str(value).strip().lower()
     if text == "auto":
         return AUTO_QUEUED if queued else "auto"
     if not text.isdigit() or int(text) < 1:
-        raise ParameterError(f"--batch-size {value!r}: use a positive integer or auto")
+        raise ParameterError(Param("batch_size", value, quoted=True), ": use a positive integer or auto")
     return int(text)
 
 

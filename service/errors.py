@@ -1,16 +1,146 @@
-"""Domain errors. Each carries a message that names what went wrong, where, and the fix.
+"""Domain errors, structured: what went wrong (the problem), the parameter and value it concerns,
+and the fix (the hint), each front end rendering the parameter its own way.
 
-The CLI prints ``str(error)`` on one line and exits non-zero; no traceback reaches the user.
-In Python they are also the built-in exceptions a caller expects: a bad value is a
-``ValueError``, an unknown run a ``LookupError``, a missing database a ``FileNotFoundError``
-(``headatlas.service.api`` rewrites their CLI flags as keyword arguments).
+A message is a sequence of parts: text, and the terms a front end spells its own way: a
+``Param`` (the CLI writes ``--seq-len 0``, the Python API ``seq_len=0``) and a ``Phrase`` (a
+command to run, ``headatlas runs``, is ``headatlas.connect(db).runs()`` in Python). ``str(error)``
+is the command line's spelling; ``error.render(terms)`` another front end's. The CLI prints it on
+one line and exits non-zero; no traceback reaches the user. In Python they are also the built-in
+exceptions a caller expects: a bad value is a ``ValueError``, an unknown run a ``LookupError``, a
+missing database a ``FileNotFoundError``.
 """
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class _NoValue:
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE = _NoValue()  # a parameter named without a value: ``--layer``, ``layer=...``
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """A value for the reader to fill in, shown as it is in every front end: ``N``, ``FOLDER``."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter named in a message. ``value`` True: a switch (``--ci``, ``ci=True``); NO_VALUE:
+    the parameter alone (``--layer``, ``layer=...``); ``quoted``: the command line shows the value
+    as a literal (``--select 'top:7'``; Python always does: ``select='top:7'``)."""
+
+    name: str
+    value: object = NO_VALUE
+    quoted: bool = False
+
+
+@dataclass(frozen=True)
+class Phrase:
+    """Words each front end says its own way, such as a command to run: ``cli`` on the command
+    line, ``python`` in the Python API (the same as ``cli`` when None)."""
+
+    cli: str
+    python: str | None = None
+
+
+RUNS = Phrase("`headatlas runs`", "`headatlas.connect(db).runs()`")
+ANALYZE = Phrase("run `headatlas analyze CORPUS`", "call `headatlas.analyze(corpus, db=...)`")
+
+Part = str | Param | Phrase
+
+
+class Terms(Protocol):
+    """How a front end spells the parts of a message."""
+
+    def param(self, param: Param) -> str: ...
+
+    def phrase(self, phrase: Phrase) -> str: ...
+
+
+class FlagTerms:
+    """The command line's spelling: a parameter is its flag, ``--`` and its name with dashes (a
+    front end whose flags are named otherwise overrides ``flag``)."""
+
+    def flag(self, name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    def param(self, param: Param) -> str:
+        flag = self.flag(param.name)
+        if param.value is NO_VALUE or param.value is True:
+            return flag
+        return f"{flag} {param.value!r}" if param.quoted else f"{flag} {param.value}"
+
+    def phrase(self, phrase: Phrase) -> str:
+        return phrase.cli
+
+
+FLAGS = FlagTerms()
+
+
+def render(parts: Sequence[Part], terms: Terms) -> str:
+    """``parts`` as one line of text in ``terms``."""
+    out = []
+    for part in parts:
+        if isinstance(part, Param):
+            out.append(terms.param(part))
+        elif isinstance(part, Phrase):
+            out.append(terms.phrase(part))
+        else:
+            out.append(str(part))
+    return "".join(out)
 
 
 class HeadatlasError(Exception):
-    """Base of every error a user can cause and fix."""
+    """Base of every error a user can cause and fix.
+
+    ``HeadatlasError(*parts, hint=…)``: the problem, as text and terms; ``hint``: the fix,
+    rendered after ``; ``. ``parameter`` and ``value`` are those of the first part when it is a
+    ``Param`` (``ParameterError(Param("seq_len", 0), ": must be between 4 and 4096")``), or given.
+    """
 
     exit_code = 2
+
+    def __init__(
+        self,
+        *parts: Part,
+        hint: str | Sequence[Part] | None = None,
+        parameter: str | None = None,
+        value: object = NO_VALUE,
+    ) -> None:
+        self.parts: tuple[Part, ...] = parts
+        self.hint: tuple[Part, ...] = (hint,) if isinstance(hint, str) else tuple(hint or ())
+        first = parts[0] if parts else None
+        if parameter is None and isinstance(first, Param):
+            parameter, value = first.name, first.value
+        self.parameter, self.value = parameter, value
+        super().__init__(self.render(FLAGS))
+
+    @property
+    def kind(self) -> str:
+        """What went wrong, as a name: ``parameter_error``, ``run_not_found``, ``store_busy`` …"""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+    @property
+    def problem(self) -> tuple[Part, ...]:
+        return self.parts
+
+    def render(self, terms: Terms) -> str:
+        """The message in a front end's terms."""
+        text = render(self.parts, terms)
+        return f"{text}; {render(self.hint, terms)}" if self.hint else text
 
 
 class CorpusError(HeadatlasError, ValueError):
@@ -59,8 +189,8 @@ class StoreUnavailable(StoreBusy):
     Nothing of the unit of work was committed; it is tried again when the fault clears.
     ``waits_for`` names what it waits for ("the lake's catalogue", "the lake's data path")."""
 
-    def __init__(self, message: str, *, waits_for: str, cause: str = ""):
-        super().__init__(message)
+    def __init__(self, *parts: Part, waits_for: str, cause: str = "", **fields) -> None:
+        super().__init__(*parts, **fields)
         self.waits_for = waits_for
         self.cause = cause  # the driver's own words, first line
 

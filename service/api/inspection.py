@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
-from headatlas.service.api.terms import _in_python_terms
+from headatlas.service.api.terms import in_python_terms
 
 if TYPE_CHECKING:
     from headatlas.service.engine.model import LoadedModel
     from headatlas.service.reports.inspection import InspectedText
 
 
-@_in_python_terms
+@in_python_terms
 def inspect(
     text: str,
     model: str | LoadedModel = DEFAULTS["model"],
@@ -52,7 +52,7 @@ def _inspect_model(spec: str, device: str) -> LoadedModel:
     return load_model(spec, device=device)
 
 
-@_in_python_terms
+@in_python_terms
 def effects(
     corpus: str | Path,
     model: str | LoadedModel = DEFAULTS["model"],

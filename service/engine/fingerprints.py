@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from headatlas.service.errors import ModelError
+from headatlas.service.errors import ModelError, Param
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".index.json", ".gguf")
 SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # bytes of each weight file read for its identity (1 MiB)
@@ -24,8 +24,8 @@ def weights_fingerprint(folder: Path, spec: str = "") -> str:
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not files:
         raise ModelError(
-            f"--model {spec or folder}: no weight files (*.safetensors, *.bin) in {folder}; "
-            "pass a complete model folder"
+            Param("model", spec or folder),
+            f": no weight files (*.safetensors, *.bin) in {folder}; pass a complete model folder",
         )
     digest = hashlib.sha256()
     for path in files:

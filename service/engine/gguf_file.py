@@ -13,7 +13,7 @@ import mmap
 import struct
 from pathlib import Path
 
-from headatlas.service.errors import ModelError
+from headatlas.service.errors import ModelError, Param
 
 MAGIC = b"GGUF"
 _FIXED = {0: 1, 1: 1, 7: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 10: 8, 11: 8, 12: 8}  # value type: bytes
@@ -40,26 +40,28 @@ def check_gguf(path: Path, spec: str) -> None:
     fix = "download or copy it again, or pass a model folder"
     if size < 24:
         raise ModelError(
-            f"--model {spec}: the GGUF file {path} is truncated ({size:,} bytes, not even a header); {fix}"
+            Param("model", spec), f": the GGUF file {path} is truncated ({size:,} bytes, not even a header); {fix}"
         )
     with path.open("rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as blob:
         if blob[:4] != MAGIC:
-            raise ModelError(f"--model {spec}: {path} is not a GGUF file (it does not start with GGUF); {fix}")
+            raise ModelError(Param("model", spec), f": {path} is not a GGUF file (it does not start with GGUF); {fix}")
         try:
             need = _data_end(blob)
         except _Cut:
             raise ModelError(
-                f"--model {spec}: the GGUF file {path} is truncated or corrupt ({size:,} bytes, ending inside its "
-                f"header); {fix}"
+                Param("model", spec),
+                f": the GGUF file {path} is truncated or corrupt ({size:,} bytes, ending inside its header); {fix}",
             ) from None
         except _Bad as exc:
-            raise ModelError(f"--model {spec}: the GGUF file {path} is corrupt ({exc}); {fix}") from None
+            raise ModelError(Param("model", spec), f": the GGUF file {path} is corrupt ({exc}); {fix}") from None
         except _Unsupported as exc:
-            raise ModelError(f"--model {spec}: {path} is {exc}: convert it again with a current llama.cpp") from None
+            raise ModelError(
+                Param("model", spec), f": {path} is {exc}: convert it again with a current llama.cpp"
+            ) from None
     if need is not None and need > size:
         raise ModelError(
-            f"--model {spec}: the GGUF file {path} is truncated ({size:,} bytes, not the {need:,} its tensors "
-            f"need); {fix}"
+            Param("model", spec),
+            f": the GGUF file {path} is truncated ({size:,} bytes, not the {need:,} its tensors need); {fix}",
         )
 
 

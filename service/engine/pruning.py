@@ -37,7 +37,7 @@ from headatlas.service.engine.effect_runs import jackknife, spread_windows
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import window_group
 from headatlas.service.engine.windows import TokenClasses, Window, collate
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
 from headatlas.service.measures.objectives import wide
 from headatlas.service.params import AnalysisParams
@@ -263,16 +263,19 @@ def prune_curves(
 
     for order in orders:
         if order not in ORDERS:
-            raise ParameterError(f"--order {order!r}: use {', '.join(ORDERS)}")
+            raise ParameterError(Param("orders", order, quoted=True), f": use {', '.join(ORDERS)}")
     if "noise" in orders and not noise_share:
-        raise ParameterError("--order noise needs a stored run's noise_share: pass the run (analysed with this model)")
+        raise ParameterError(
+            Param("orders", "noise"), " needs a stored run's noise_share: pass the run (analysed with this model)"
+        )
     objective = fx.objective_of(model)
     if "importance" in orders and not objective.is_loss:
         raise ParameterError(
-            f"--order importance: this model's objective is {objective.name}, not a loss; use effect, noise, random"
+            Param("orders", "importance"),
+            f": this model's objective is {objective.name}, not a loss; use effect, noise, random",
         )
     if not 0 < step <= 1:
-        raise ParameterError(f"--step {step:g}: a fraction of the heads in (0, 1], e.g. 10%")
+        raise ParameterError(Param("step", step), ": a fraction of the heads in (0, 1], e.g. 10%")
 
     def docs():
         return iter_documents(corpus, text_field=text_field, encoding=encoding)

@@ -20,7 +20,7 @@ from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.probe import ProbeSpec, run_probe
 from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows, word_rule
-from headatlas.service.errors import CorpusError, StoreBusy
+from headatlas.service.errors import CorpusError, Param, Part, Placeholder, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.store import Run, Store
@@ -60,7 +60,7 @@ def survey_corpus(
         chars += len(doc.text)
         seen.add(doc.doc_id)
     if documents == 0:
-        raise CorpusError(f"{label or spec}: no document with text; check the file and --text-field")
+        raise CorpusError(f"{label or spec}: no document with text", hint=("check the file and ", Param("text_field")))
     return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars, duplicates=documents - len(seen))
 
 
@@ -76,34 +76,6 @@ def run_key(corpus_fp: str, model: ModelInfo, params: AnalysisParams) -> str:
         parts.append(f"words={rule}")
     blob = "|".join(parts)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def finished_run(
-    store: Store, corpus_fp: str, distinct: int, model: str | ModelInfo, params: AnalysisParams, *, name, probe
-) -> Run | None:
-    """The stored run of this corpus (fingerprint, distinct documents), model and parameters when
-    it is done, holds the probe asked for, and ``name`` is None or its name: found from the model's
-    identity alone (its tokenizer, config and a sample of its weight files), without loading the
-    weights, so analysing a finished run again returns at once."""
-    from headatlas.service.engine.model import load_model_info
-    from headatlas.service.errors import StoreError
-    from headatlas.service.storage.queue_store import find_run_by_key
-    from headatlas.service.storage.store import probe_spec
-
-    if not store.backend.exists():
-        return None
-    info = load_model_info(model) if isinstance(model, str) else model
-    key = run_key(corpus_fp, info, params.resolved(distinct))
-    try:
-        with store.checked_read() as conn:
-            run = find_run_by_key(conn, key)
-            if run is None or run.status != RunStatus.DONE or (name is not None and name != run.name):
-                return None  # analysed, resumed, or named by the usual path
-            if probe is not None and probe_spec(conn, run.run_id) != (probe.length, probe.sequences, probe.seed):
-                return None
-            return run
-    except StoreError:  # a schema to upgrade first: the usual path does it
-        return None
 
 
 def document_row(doc: Document) -> dict:
@@ -236,7 +208,7 @@ def analyze_corpus(
     control_of: Run | None = None,
     control_seed: int = 0,
     probe: ProbeSpec | None = None,
-    notice: Callable[[str], None] | None = None,
+    notice: Callable[[tuple[Part, ...]], None] | None = None,
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
@@ -253,7 +225,7 @@ def analyze_corpus(
     ``name``: the run's name when it is created; a run with the same key stored under another
     name keeps that name and gets this one as an alias (the returned run's ``name`` differs).
     ``notice``: told, before they start, what the slow parts will cost (``--attribution``: its
-    estimated time and memory). On a CPU the attribution windows go one per batch, so that an
+    estimated time and memory), as message parts (service/errors.py). On a CPU the attribution windows go one per batch, so that an
     interrupted run keeps every window finished.
     """
     if flush_s is None:
@@ -446,16 +418,17 @@ def attribution_estimate(
     label: str | None = None,
     batch_size: int = 32,
     chunk_size: int = 2048,
-) -> str:
+) -> tuple[Part, ...]:
     """What ``--attribution`` will cost on the next ``count`` windows of the run, said before it
-    starts (service/measures/attribution.py ``estimate``: passes timed on the longest window)."""
+    starts (service/measures/attribution.py ``estimate``: passes timed on the longest window), as
+    message parts: its advice names a parameter."""
     from headatlas.service.measures.attribution import duration, estimate
 
     windows = first_windows(
         spec, model, params, tokens, count, skip=skip, text_field=text_field, encoding=encoding, label=label
     )
     if not windows:
-        return "attribution: no window left to attribute"
+        return ("attribution: no window left to attribute",)
     longest = max(windows, key=lambda w: len(w.input_ids))
     ids = collate([longest], tokens.pad_id).input_ids
     cost = estimate(
@@ -471,8 +444,9 @@ def attribution_estimate(
         else ""
     )
     return (
-        f"{cost.describe()}{left}. Ctrl-C stops it, keeping every finished window (the same command resumes); "
-        f"--attribution-windows N changes how many windows get it (about {duration(cost.seconds / max(1, len(windows)))} each)"
+        f"{cost.describe()}{left}. Ctrl-C stops it, keeping every finished window (the same command resumes); ",
+        Param("attribution_windows", Placeholder("N")),
+        f" changes how many windows get it (about {duration(cost.seconds / max(1, len(windows)))} each)",
     )
 
 
@@ -486,19 +460,20 @@ def effects_estimate(
     text_field: str = "text",
     encoding: str = "utf-8",
     label: str | None = None,
-) -> str:
+) -> tuple[Part, ...]:
     """What ``--effects`` will cost on the run's next ``count`` windows, said before it starts
-    (``effect_batch.estimate``: passes timed on the longest of them)."""
+    (``effect_batch.estimate``: passes timed on the longest of them), as message parts."""
     from headatlas.service.engine.effect_batch import estimate
     from headatlas.service.measures.attribution import duration
 
     windows = first_windows(spec, model, params, tokens, count, text_field=text_field, encoding=encoding, label=label)
     if not windows:
-        return "effects: no window left to measure"
+        return ("effects: no window left to measure",)
     cost = estimate(model, params, windows, len(windows), tokens.pad_id)
     return (
-        f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); "
-        f"--effect-windows N changes how many windows get them (about {duration(cost.per_window)} each)"
+        f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); ",
+        Param("effect_windows", Placeholder("N")),
+        f" changes how many windows get them (about {duration(cost.per_window)} each)",
     )
 
 

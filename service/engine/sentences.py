@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 
 
 def sentence_starts(text: str) -> list[int]:
@@ -49,8 +49,9 @@ def encode_with_sentences(tokenizer, text: str) -> tuple[list[int], list[int]]:
         encoded = tokenizer(text, add_special_tokens=False, truncation=False, return_offsets_mapping=True)
     except NotImplementedError:
         raise ParameterError(
-            f"--sentences segmenter: the tokenizer {type(tokenizer).__name__} gives no character offsets "
-            "(it is not a fast tokenizer); use a model folder with tokenizer.json or pass --sentences punct"
+            Param("sentences", "segmenter"),
+            f": the tokenizer {type(tokenizer).__name__} gives no character offsets (it is not a fast tokenizer)",
+            hint=("use a model folder with tokenizer.json or pass ", Param("sentences", "punct")),
         ) from None
     return list(encoded["input_ids"]), piece_sentences(text, encoded["offset_mapping"])
 

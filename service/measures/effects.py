@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from headatlas.service.engine.model import LoadedModel
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures.objectives import Objective, objective_of, output_drift, wide
 
 KINDS = ("zero", "mean", "gradient")
@@ -43,10 +43,12 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     """``zero,mean,gradient`` → the kinds in SPEC order; a ParameterError naming a wrong one."""
     kinds = [part.strip().lower() for part in text.split(",") if part.strip()]
     if not kinds:
-        raise ParameterError(f"--effects {text!r}: name at least one of {', '.join(KINDS)}")
+        raise ParameterError(Param("kinds", text, quoted=True), f": name at least one of {', '.join(KINDS)}")
     for kind in kinds:
         if kind not in KINDS:
-            raise ParameterError(f"--effects {text!r}: {kind!r} is not an effect; use {', '.join(KINDS)}")
+            raise ParameterError(
+                Param("kinds", text, quoted=True), f": {kind!r} is not an effect; use {', '.join(KINDS)}"
+            )
     return tuple(k for k in KINDS if k in kinds)
 
 
@@ -300,7 +302,8 @@ def head_effects(
         if not objective.is_loss:
             raise ParameterError(
                 f"gradient importance needs an objective that is a loss; this model's is {objective.name} "
-                "(a drift is minimal at the intact model: its gradient is 0 there); use --effects zero,mean"
+                "(a drift is minimal at the intact model: its gradient is 0 there)",
+                hint=("use ", Param("kinds", "zero,mean")),
             )
         out.effect["gradient"] = _gradient(model, objective, input_ids, attention_mask, targets).double().cpu()
     return out

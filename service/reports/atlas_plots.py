@@ -193,7 +193,7 @@ def run_atlas(conn, run, *, colour: str | None = None) -> tuple:
     shade = None
     if colour is not None:
         if colour not in HEAD_COLUMNS[2:-1]:
-            raise unknown_metric("--colour", colour, HEAD_COLUMNS[2:-1])
+            raise unknown_metric("colour", colour, HEAD_COLUMNS[2:-1])
         values = np.full((run.n_layers, run.n_heads), np.nan)
         for layer, head, value in conn.execute(
             text(f"SELECT layer, head, {colour} FROM head_metrics WHERE run_id = :r"), {"r": run.run_id}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import COLUMNS
 
 # the columns of head_metrics that `query heads` shows, as declared (service.metrics)
@@ -16,10 +16,15 @@ PROBE_COLUMNS = ("induction_score", "duplicate_score", "prev_token_score")
 SORTABLE = HEAD_COLUMNS[2:] + PROBE_COLUMNS
 
 
-def unknown_metric(option: str, value: str, allowed: Sequence[str], *, what: str = "a metric here") -> ParameterError:
-    """The one-line refusal of a metric name not in ``allowed``: the closest names, not the whole
-    list (forty names and more), which ``headatlas metrics`` shows with what each means."""
+def unknown_metric(
+    parameter: str, value: str, allowed: Sequence[str], *, what: str = "a metric here"
+) -> ParameterError:
+    """The one-line refusal of a metric name not in ``allowed`` (``parameter``: the option that
+    named it, e.g. ``sort``): the closest names, not the whole list (forty names and more), which
+    ``headatlas metrics`` shows with what each means."""
     close = difflib.get_close_matches(value, allowed, n=3)
     named = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else "".join(close)
     hint = f"did you mean {named}? " if close else ""
-    return ParameterError(f"{option} {value!r}: not {what}; {hint}`headatlas metrics` lists every metric")
+    return ParameterError(
+        Param(parameter, value, quoted=True), f": not {what}", hint=f"{hint}`headatlas metrics` lists every metric"
+    )

@@ -103,7 +103,7 @@ def check_metrics(metrics: Sequence[str] | None) -> list[str]:
     chosen = list(dict.fromkeys(metrics or DEFAULT_METRICS))
     for m in chosen:
         if m not in METRICS:
-            raise unknown_metric("--metric", m, METRICS)
+            raise unknown_metric("metric", m, METRICS)
     return chosen
 
 

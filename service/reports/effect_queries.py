@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError, Phrase
 from headatlas.service.metrics import EFFECT_COLUMNS
 from headatlas.service.reports import queries
 
@@ -22,11 +22,13 @@ def effects(conn: Connection, run_id: int, *, ci: bool = False, sort: str | None
     ]
     if not stored:
         raise ParameterError(
-            f"run {run_id} has no causal effects: analyse with --effects zero,mean (and gradient for a loss), "
-            "or measure them without storing with `headatlas effects CORPUS`"
+            f"run {run_id} has no causal effects: analyse with ",
+            Param("effects", "zero,mean"),
+            " (and gradient for a loss), or measure them without storing with ",
+            Phrase("`headatlas effects CORPUS`", "`headatlas.effects(corpus)`"),
         )
     if sort is not None and sort not in stored:
-        raise ParameterError(f"--sort {sort!r}: run {run_id} stores {', '.join(stored)}")
+        raise ParameterError(Param("sort", sort, quoted=True), f": run {run_id} stores {', '.join(stored)}")
     order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
     columns = ["layer", "head", *stored]
     rows = queries._rows(

@@ -26,7 +26,7 @@ from headatlas.service.engine.hooks import act_name
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.stats import head_vectors, select_pairs, window_features
 from headatlas.service.engine.windows import Batch, TokenClasses, Window, collate, document_windows
-from headatlas.service.errors import CorpusError, ParameterError
+from headatlas.service.errors import CorpusError, ParameterError, Phrase
 from headatlas.service.params import AnalysisParams
 
 
@@ -128,7 +128,7 @@ def _first_window(model: LoadedModel, text: str, params: AnalysisParams, index: 
     of the one at ``index`` (the first by default)."""
     text = text.strip()
     if not text:
-        raise CorpusError("inspect: the text is empty; pass some text or --file FILE")
+        raise CorpusError("inspect: the text is empty; ", Phrase("pass some text or --file FILE", "pass some text"))
     tokens = TokenClasses.for_model(model)
     doc = Document(doc_id=document_id(text), source="<inspect>", index=0, line=1, text=text)
     windows = document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, replace(params, windowing="chunks"))

@@ -327,7 +327,7 @@ def figure_heads(
 ) -> Figure:
     """Layer × head heatmap of one column of ``query heads``; lifts are centred on 1 (chance)."""
     if metric not in queries.SORTABLE:
-        raise unknown_metric("--metric", metric, queries.SORTABLE)
+        raise unknown_metric("metric", metric, queries.SORTABLE)
     grid = np.full((n_layers, n_heads), np.nan)
     for l, h, v in zip(_col(columns, rows, "layer"), _col(columns, rows, "head"), _col(columns, rows, metric)):
         grid[int(l), int(h)] = v
@@ -471,7 +471,7 @@ def run_figure(
         return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title)
     if kind == "heads":
         if metric not in queries.SORTABLE:
-            raise unknown_metric("--metric", metric, queries.SORTABLE)
+            raise unknown_metric("metric", metric, queries.SORTABLE)
         columns, rows = queries.heads(conn, run.run_id, anchors=0)
         return figure_heads(columns, rows, metric, n_layers=run.n_layers, n_heads=run.n_heads, title=title)
     if kind == "layers":

@@ -9,7 +9,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import MIXING_METHODS
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import COLUMNS
 from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE, unknown_metric
 
@@ -112,7 +112,7 @@ def interval_warning(conn: Connection, run_id: int) -> str | None:
 
 def _check_sort(sort: str | None, allowed) -> None:
     if sort is not None and sort not in allowed:
-        raise unknown_metric("--sort", sort, allowed, what="a metric of the heads")
+        raise unknown_metric("sort", sort, allowed, what="a metric of the heads")
 
 
 def _check_probe_sort(conn: Connection, run_id: int, sort: str | None) -> None:
@@ -123,8 +123,14 @@ def _check_probe_sort(conn: Connection, run_id: int, sort: str | None) -> None:
     probed = conn.execute(text("SELECT 1 FROM probe_scores WHERE run_id = :run LIMIT 1"), {"run": run_id}).first()
     if probed is None:
         raise ParameterError(
-            f"--sort {sort}: run {run_id} has no probe; run its analyze command again with --probe "
-            "(only the probe is computed), or its submit command with --probe"
+            Param("sort", sort),
+            f": run {run_id} has no probe",
+            hint=(
+                "run its analyze command again with ",
+                Param("probe", True),
+                " (only the probe is computed), or its submit command with ",
+                Param("probe", True),
+            ),
         )
 
 
@@ -290,8 +296,8 @@ def sentence_by_distance(conn: Connection, run_id: int, *, layer: int | None = N
     columns, rows = _rows(conn, sql, {"run": run_id, "layer": layer})
     if rows and any(r[columns.index("same_sentence_high")] is None for r in rows):
         raise ParameterError(
-            f"run {run_id} was stored before within-sentence pairs were counted by distance; "
-            "analyse the corpus again into a new database (--db) to draw them"
+            f"run {run_id} was stored before within-sentence pairs were counted by distance",
+            hint=("analyse the corpus again into a new database (", Param("db"), ") to draw them"),
         )
     return columns, rows
 
@@ -307,7 +313,7 @@ def csm(conn: Connection, run_id: int, *, layer: int, head: int | None = None, k
     from headatlas.service.engine.results import CSM_KINDS
 
     if kind is not None and kind not in CSM_KINDS:
-        raise ParameterError(f"--kind {kind!r}: choose one of {', '.join(CSM_KINDS)}")
+        raise ParameterError(Param("kind", kind, quoted=True), f": choose one of {', '.join(CSM_KINDS)}")
     windows, covered = conn.execute(
         text(
             "SELECT sum(windows), CASE WHEN count(csm_windows) = count(*) THEN sum(csm_windows) END "
@@ -318,12 +324,15 @@ def csm(conn: Connection, run_id: int, *, layer: int, head: int | None = None, k
     if covered is None or (windows and covered and covered < windows):
         raise ParameterError(
             f"run {run_id}: its averaged similarity matrices cover only some windows (batches stored "
-            "before they existed); analyse the corpus again into a new database (--db) to draw them"
+            "before they existed)",
+            hint=("analyse the corpus again into a new database (", Param("db"), ") to draw them"),
         )
     if not covered:
         raise ParameterError(
-            f"run {run_id} has no averaged similarity matrices (analysed with --csm-bin 0); "
-            "analyse again with --csm-bin 8 (the default) or 1 (full resolution)"
+            f"run {run_id} has no averaged similarity matrices (analysed with ",
+            Param("csm_bin", 0),
+            ")",
+            hint=("analyse again with ", Param("csm_bin", 8), " (the default) or 1 (full resolution)"),
         )
     return _rows(
         conn,
@@ -395,24 +404,32 @@ MIXING_MEASURES = {
 METHOD_ORDER = MIXING_METHODS
 
 
-def _mixing_methods(conn: Connection, run_id: int, methods: list[str] | None) -> list[str]:
+def _mixing_methods(
+    conn: Connection, run_id: int, methods: list[str] | None, *, parameter: str = "methods"
+) -> list[str]:
+    """The stored methods asked for (all stored when none); ``parameter``: the option that asked."""
     stored = [
         r[0]
         for r in conn.execute(text("SELECT DISTINCT method FROM mixing_metrics WHERE run_id = :run"), {"run": run_id})
     ]
     if not stored:
         raise ParameterError(
-            f"run {run_id} has no mixing measures: analyse with --attribution and/or --mixing rollout,norm,alti"
+            f"run {run_id} has no mixing measures: analyse with ",
+            Param("attribution", True),
+            " and/or ",
+            Param("mixing", "rollout,norm,alti"),
         )
     if not methods:
         return [m for m in METHOD_ORDER if m in stored]
     for m in methods:
         if m not in METHOD_ORDER:
-            raise ParameterError(f"--method {m!r}: choose one of {', '.join(METHOD_ORDER)}")
+            raise ParameterError(Param(parameter, m, quoted=True), f": choose one of {', '.join(METHOD_ORDER)}")
         if m not in stored:
+            adds = Param("attribution", True) if m == "attribution" else Param("mixing", m)
             raise ParameterError(
-                f"--method {m}: run {run_id} has only {', '.join(x for x in METHOD_ORDER if x in stored)}; "
-                f"analyse with {'--attribution' if m == 'attribution' else '--mixing ' + m} to add it"
+                Param(parameter, m),
+                f": run {run_id} has only {', '.join(x for x in METHOD_ORDER if x in stored)}",
+                hint=("analyse with ", adds, " to add it"),
             )
     return list(dict.fromkeys(methods))
 
@@ -450,7 +467,7 @@ def mixing(conn: Connection, run_id: int, *, layer: int | None = None, methods: 
 def discrepancy(conn: Connection, run_id: int, *, method: str = "attribution", top: int | None = None) -> Rows:
     """Per head: how far ``method``'s rows are from the head's attention rows (mean JSD, bits),
     ranked, with the layer's mean and what each says about self and distance."""
-    _mixing_methods(conn, run_id, [method])
+    _mixing_methods(conn, run_id, [method], parameter="method")
     sql = """
         WITH m AS (SELECT * FROM mixing_metrics WHERE run_id = :run AND head >= 0)
         SELECT row_number() OVER (ORDER BY x.jsd_attention DESC, x.layer, x.head) AS rank,
@@ -468,7 +485,7 @@ def discrepancy(conn: Connection, run_id: int, *, method: str = "attribution", t
 
 def discrepancy_layers(conn: Connection, run_id: int, *, method: str = "attribution") -> Rows:
     """Per layer: mean and spread of the per-head JSD, and the layer-level rows' JSD and self share."""
-    _mixing_methods(conn, run_id, [method])
+    _mixing_methods(conn, run_id, [method], parameter="method")
     sql = """
         SELECT layer,
                avg(jsd_attention) FILTER (WHERE head >= 0) AS mean_head_jsd,
@@ -499,9 +516,9 @@ def _check_schedule_shape(conn: Connection, schedule_id: int, layer: int, head: 
     if n_layers is None:  # no run yet: nothing to check against, and an empty trend is the truth
         return
     if not 0 <= layer < n_layers:
-        raise ParameterError(f"--layer {layer}: the schedule's runs have layers 0..{n_layers - 1} (0-based)")
+        raise ParameterError(Param("layer", layer), f": the schedule's runs have layers 0..{n_layers - 1} (0-based)")
     if head is not None and not 0 <= head < n_heads:
-        raise ParameterError(f"--head {head}: the schedule's runs have heads 0..{n_heads - 1} (0-based)")
+        raise ParameterError(Param("head", head), f": the schedule's runs have heads 0..{n_heads - 1} (0-based)")
 
 
 def trend(
@@ -517,10 +534,10 @@ def trend(
     head_metrics), one layer (``layer``, from layer_metrics) or the mean over layers. A run
     shared by several fires (nothing changed between them) appears once, at its first fire."""
     if head is not None and layer is None:
-        raise ParameterError("--head needs --layer: a head is named by its layer and its index")
+        raise ParameterError(Param("head"), " needs ", Param("layer"), ": a head is named by its layer and its index")
     allowed = SORTABLE if head is not None else LAYER_METRICS
     if metric not in allowed:
-        raise unknown_metric("--metric", metric, allowed)
+        raise unknown_metric("metric", metric, allowed)
     if layer is not None:
         _check_schedule_shape(conn, schedule_id, layer, head)
     if head is not None:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
-from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError
+from headatlas.service.errors import DatabaseFileError, Param, StoreConflict, StoreError
 from headatlas.service.storage.backends import Backend, label, open_backend
 from headatlas.service.storage.backends.file import PROCESS_LOCK as _PROCESS_LOCK  # noqa: F401 - kept importable
 
@@ -247,7 +247,9 @@ def check_known(current: str | None, path: Target) -> None:
     if not number.isdigit():
         raise DatabaseFileError(
             f"database {path} has schema revision {current!r}, which is not headatlas's (another tool's alembic "
-            "history?): pass another --db; headatlas reads and writes only its own databases"
+            "history?): pass another ",
+            Param("db"),
+            "; headatlas reads and writes only its own databases",
         )
     if head.isdigit() and int(number) > int(head):
         raise StoreError(
@@ -284,8 +286,9 @@ def check_not_foreign(conn: Connection, path: Target) -> None:
     """Refuse a database that holds tables but no headatlas schema (another tool's)."""
     if current_revision(conn) is None and _has_tables(conn):
         raise DatabaseFileError(
-            f"{label(path)} is a DuckDB database of something else (tables but no headatlas schema): "
-            "pass another --db; headatlas reads and writes only its own databases"
+            f"{label(path)} is a DuckDB database of something else (tables but no headatlas schema): pass another ",
+            Param("db"),
+            "; headatlas reads and writes only its own databases",
         )
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import duckdb
 from sqlalchemy.exc import DBAPIError
 
-from headatlas.service.errors import DatabaseFileError, DatabaseLocked, DatabaseNotFound, HeadatlasError
+from headatlas.service.errors import ANALYZE, DatabaseFileError, DatabaseLocked, DatabaseNotFound, HeadatlasError, Param
 from headatlas.service.storage import duckdb_errors
 
 MAGIC = b"DUCK"
@@ -31,7 +31,7 @@ MAGIC_OFFSET = 8
 HEADER_BYTES = 4096  # the file header, then two database headers of this size each
 _DB_HEADERS = (HEADER_BYTES, 2 * HEADER_BYTES)
 _FIRST_BLOCK = 3 * HEADER_BYTES
-_REPLACE = "pass another --db (a new file is created), or restore this one from a copy"
+_REPLACE = ("pass another ", Param("db"), " (a new file is created), or restore this one from a copy")
 
 
 def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
@@ -42,39 +42,46 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
     path = Path(path)
     if _loops(path):  # Path.exists() says False: it would be "no database" or a failed create
         raise DatabaseFileError(
-            f"--db {path} is a symbolic link loop (the link leads back to itself): point it at a database file"
+            Param("db", path), " is a symbolic link loop (the link leads back to itself): point it at a database file"
         )
     if path.is_dir():
-        raise DatabaseFileError(f"--db {path} is a folder: pass a database file such as {path / 'headatlas.duckdb'}")
+        raise DatabaseFileError(
+            Param("db", path), f" is a folder: pass a database file such as {path / 'headatlas.duckdb'}"
+        )
     if path.exists() and not path.is_file():
-        raise DatabaseFileError(f"--db {path} is not a regular file (a pipe, socket or device): pass a database file")
+        raise DatabaseFileError(
+            Param("db", path), " is not a regular file (a pipe, socket or device): pass a database file"
+        )
     if not path.exists():
         if not (write and create):
             raise DatabaseNotFound(
-                f"no database at {path}: run `headatlas analyze CORPUS` first, or set HEADATLAS_DB / pass --db"
+                f"no database at {path}: ", ANALYZE, " first, or set HEADATLAS_DB / pass ", Param("db")
             )
         folder = path.parent if str(path.parent) else Path(".")
         if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
             raise DatabaseFileError(
-                f"cannot create {path}: folder {folder} is read-only; pass --db in a writable folder"
+                f"cannot create {path}: folder {folder} is read-only",
+                hint=("pass ", Param("db"), " in a writable folder"),
             )
         return
     if not os.access(path, os.R_OK):
-        raise DatabaseFileError(f"cannot read {path}: permission denied; fix its permissions or pass another --db")
+        raise DatabaseFileError(
+            f"cannot read {path}: permission denied", hint=("fix its permissions or pass another ", Param("db"))
+        )
     with path.open("rb") as stream:
         head = stream.read(_FIRST_BLOCK)
     size = path.stat().st_size  # for messages; the alignment check re-reads it
     if head[MAGIC_OFFSET : MAGIC_OFFSET + len(MAGIC)] != MAGIC:
         what = "an empty file" if size == 0 else f"{size:,} bytes"
-        raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header); {_REPLACE}")
+        raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header)", hint=_REPLACE)
     block = block_size(head) if len(head) == _FIRST_BLOCK else None
     if len(head) < _FIRST_BLOCK or (block is not None and not _settles_aligned(path, block)):
         # DuckDB writes whole blocks after 12 KiB of headers; a copy cut short ends mid-block
         whole = f"{_FIRST_BLOCK:,} bytes of headers" + (f" and whole blocks of {block:,}" if block else "")
-        raise DatabaseFileError(f"{path} is cut short: {size:,} bytes, not {whole}; {_REPLACE}")
+        raise DatabaseFileError(f"{path} is cut short: {size:,} bytes, not {whole}", hint=_REPLACE)
     if write:
         if not os.access(path, os.W_OK):
-            raise DatabaseFileError(f"{path} is read-only: make it writable (chmod u+w) or pass another --db")
+            raise DatabaseFileError(f"{path} is read-only: make it writable (chmod u+w) or pass another ", Param("db"))
         folder = path.parent if str(path.parent) else Path(".")
         if not os.access(folder, os.W_OK | os.X_OK):  # DuckDB writes its .wal next to the file
             raise DatabaseFileError(
@@ -137,7 +144,7 @@ def translate(path: str | Path, exc: BaseException) -> HeadatlasError | None:
             return _newer_duckdb(path, str(orig))
         lines = [line.strip() for line in str(orig).splitlines() if line.strip()]
         detail = lines[0] if lines else type(orig).__name__
-        return DatabaseFileError(f"cannot use database {path} ({detail[:300]}); {_REPLACE}")
+        return DatabaseFileError(f"cannot use database {path} ({detail[:300]})", hint=_REPLACE)
     return None
 
 
@@ -161,5 +168,7 @@ def _newer_duckdb(path: str | Path, message: str) -> DatabaseFileError:
     )
     return DatabaseFileError(
         f"{path} was written by {writer} ({storage}): upgrade headatlas and duckdb "
-        "(`pip install -U headatlas duckdb`), or pass another --db; the file is kept as it is"
+        "(`pip install -U headatlas duckdb`), or pass another ",
+        Param("db"),
+        "; the file is kept as it is",
     )

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import duckdb
 
-from headatlas.service.errors import ParameterError, StoreError
+from headatlas.service.errors import Param, ParameterError, StoreError
 from headatlas.service.storage.confined import ChildFailed, run_confined
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG  # noqa: F401 - where callers found it
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock  # noqa: F401
@@ -114,13 +114,13 @@ DEFAULT_TEMP_LIMIT = "4GB"  # what a query may spill to disk
 def _limits(memory_limit: str | None, temp_limit: str | None) -> dict[str, str]:
     out = {}
     for option, name, value in (
-        ("--memory-limit", "memory_limit", memory_limit),
-        ("--temp-limit", "max_temp_directory_size", temp_limit),
+        ("memory_limit", "memory_limit", memory_limit),
+        ("temp_limit", "max_temp_directory_size", temp_limit),
     ):
         if value is None:
             continue
         if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", value, re.IGNORECASE):
-            raise ParameterError(f"{option} {value!r}: use a size such as 512MB or 2GB")
+            raise ParameterError(Param(option, value, quoted=True), ": use a size such as 512MB or 2GB")
         out[name] = value.strip()
     return out
 
@@ -169,8 +169,9 @@ def run_readonly_sql(
     # of the snapshot the query reads (backends.lake.FILES_GRACE_S)
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= SQL_TIMEOUT_MAX_S):
         raise ParameterError(
-            f"--timeout {timeout_s}: pass a finite number of seconds, more than 0 and at most {SQL_TIMEOUT_MAX_S:.0f} "
-            "(a day), e.g. --timeout 30"
+            Param("timeout_s", timeout_s),
+            f": pass a finite number of seconds, more than 0 and at most {SQL_TIMEOUT_MAX_S:.0f} (a day), e.g. ",
+            Param("timeout_s", 30),
         )
     from headatlas.service.storage.backends import open_backend
 
@@ -178,9 +179,10 @@ def run_readonly_sql(
     backend = open_backend(db_path)
     if not backend.confines_sql:
         raise StoreError(
-            f"--db {backend.label}: the {backend.kind} backend ({backend.origin}) cannot confine the sql sandbox to "
-            "its database, so sql refuses it; read it with query, report or headatlas.connect(…).heads(), or copy it "
-            "to a file first (`headatlas db copy`)"
+            Param("db", backend.label),
+            f": the {backend.kind} backend ({backend.origin}) cannot confine the sql sandbox to its database, so sql "
+            "refuses it; read it with query, report or headatlas.connect(…).heads(), or copy it to a file first "
+            "(`headatlas db copy`)",
         )
     refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
     if refused:
@@ -198,9 +200,10 @@ def run_readonly_sql(
         )
     except ChildFailed as failed:
         if failed.timed_out:
-            raise StoreError(f"{failed}; narrow it or pass --timeout") from None
+            raise StoreError(str(failed), hint=("narrow it or pass ", Param("timeout_s"))) from None
         raise StoreError(
-            f"query stopped: {failed} (memory limit {limits['memory_limit']}); narrow it or pass --memory-limit"
+            f"query stopped: {failed} (memory limit {limits['memory_limit']})",
+            hint=("narrow it or pass ", Param("memory_limit")),
         ) from None
 
 
@@ -262,16 +265,18 @@ def _execute(
             rows = cursor.fetchmany(max_rows + 1)
     except duckdb.Error as error:
         if deadline.fired:
-            raise StoreError(f"query stopped after {timeout_s:g} s (time limit); narrow it or pass --timeout") from None
+            raise StoreError(
+                f"query stopped after {timeout_s:g} s (time limit)", hint=("narrow it or pass ", Param("timeout_s"))
+            ) from None
         if isinstance(error, duckdb.OutOfMemoryException):
             raise StoreError(
-                f"query stopped: it needs more memory than its limit ({_first_line(error)}); narrow it or pass "
-                "--memory-limit"
+                f"query stopped: it needs more memory than its limit ({_first_line(error)})",
+                hint=("narrow it or pass ", Param("memory_limit")),
             ) from None
         raise StoreError(f"query failed: {_first_line(error)}") from None
     except MemoryError:
         raise StoreError(
-            "query stopped: it needs more memory than its limit; narrow it or pass --memory-limit"
+            "query stopped: it needs more memory than its limit", hint=("narrow it or pass ", Param("memory_limit"))
         ) from None
     return QueryResult(
         columns=columns,

@@ -12,19 +12,25 @@ import unicodedata
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.errors import ParameterError, StoreError
+from headatlas.service.errors import Param, ParameterError, Part, StoreError
 from headatlas.service.statuses import UNFINISHED  # noqa: F401 - where the commands have read it
 
 BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)}
 
 
-def check_label(label: str, *, what: str = "--name") -> str:
+def _named(what: str | None, label: str) -> Part:
+    """How a label is named in a message: the ``name`` parameter with its value, or ``what``
+    (``NEW_NAME``, ``tag``) and the value."""
+    return Param("name", label, quoted=True) if what is None else f"{what} {label!r}"
+
+
+def check_label(label: str, *, what: str | None = None) -> str:
     """A run name, alias or tag is printable text, with no invisible formatting character; a name
     or alias cannot be read as a run id. ``what``: how the value is named in the message
-    (``--name``, ``NEW_NAME``, ``tag``)."""
+    (``NEW_NAME``, ``tag``; None: the ``name`` parameter)."""
     if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in label):
         raise ParameterError(
-            f"{what} {label!r}: holds a control character (newline, tab, terminal escape …); use printable text"
+            _named(what, label), ": holds a control character (newline, tab, terminal escape …); use printable text"
         )
     # bidi overrides and isolates (U+202A..U+202E, U+2066..U+2069) reorder what a terminal shows, and
     # zero-width characters (U+200B..U+200D, U+2060, U+FEFF) hide in it: either would let a name
@@ -33,21 +39,22 @@ def check_label(label: str, *, what: str = "--name") -> str:
     if hidden is not None:
         kind = "reorders the text shown" if hidden in BIDI else "is invisible"
         raise ParameterError(
-            f"{what} {label!r}: holds U+{ord(hidden):04X} ({unicodedata.name(hidden, 'a format character')}), "
-            f"which {kind}; remove it"
+            _named(what, label),
+            f": holds U+{ord(hidden):04X} ({unicodedata.name(hidden, 'a format character')}), which {kind}; remove it",
         )
     if not label.strip():
-        raise ParameterError(f"{what} is empty: pass some text")
+        raise ParameterError(Param("name") if what is None else what, " is empty: pass some text")
     if label != label.strip():
-        raise ParameterError(f"{what} {label!r}: starts or ends with a space; pass {label.strip()!r}")
+        raise ParameterError(_named(what, label), f": starts or ends with a space; pass {label.strip()!r}")
     return label
 
 
-def check_name(name: str, *, what: str = "--name") -> str:
+def check_name(name: str, *, what: str | None = None) -> str:
     """A name or alias: a label that is not a run id (digits)."""
     check_label(name, what=what)
     if name.isdigit():
-        raise ParameterError(f"{what} {name}: a number would be read as a run id; pass e.g. run-{name}")
+        named = Param("name", name) if what is None else f"{what} {name}"
+        raise ParameterError(named, f": a number would be read as a run id; pass e.g. run-{name}")
     return name
 
 

@@ -67,7 +67,7 @@ def run_view(ctx: Ctx, ref: str) -> View:
     run = ctx.run(ref)
     metric = ctx.arg("metric") or DEFAULT_METRIC
     if metric not in LAYER_METRICS:
-        raise unknown_metric("--metric", metric, LAYER_METRICS)
+        raise unknown_metric("metric", metric, LAYER_METRICS)
     sort, asc, layer, top = ctx.arg("sort"), ctx.flag("asc"), ctx.number("layer"), ctx.number("top", minimum=1)
     if asc and sort is None:
         raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")

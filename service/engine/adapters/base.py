@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from headatlas.service.errors import AdapterIncomplete, ModelError
+from headatlas.service.errors import AdapterIncomplete, ModelError, Param
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -383,7 +383,8 @@ def adapter_for(model_or_config: Any, spec: str = "") -> ModelAdapter:
     if adapter is None:
         what = model_type or type(getattr(model_or_config, "config", model_or_config)).__name__
         raise ModelError(
-            f"--model {spec or '?'}: architecture {what!r} has no adapter; supported families: {supported_families()}"
+            Param("model", spec or "?"),
+            f": architecture {what!r} has no adapter; supported families: {supported_families()}",
         )
     return adapter
 

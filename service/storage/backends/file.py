@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from headatlas.service.errors import DatabaseFileError, StoreBusy
+from headatlas.service.errors import DatabaseFileError, Param, Placeholder, StoreBusy
 from headatlas.service.storage import dbfile
 from headatlas.service.storage.backends.base import Backend
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG, duckdb_config
@@ -55,7 +55,8 @@ class FileBackend(Backend):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise DatabaseFileError(
-                f"cannot create the folder of {self.path} ({exc.strerror}); pass --db in a writable folder"
+                f"cannot create the folder of {self.path} ({exc.strerror})",
+                hint=("pass ", Param("db"), " in a writable folder"),
             ) from None
 
     def local_folder(self) -> Path:
@@ -95,8 +96,9 @@ class FileBackend(Backend):
             from headatlas.service.errors import ParameterError
 
             raise ParameterError(
-                f"--at {at}: {self.label} is an embedded DuckDB file, which keeps no snapshots; "
-                "snapshots are kept by a lake (--db ducklake:…)"
+                Param("at", at),
+                f": {self.label} is an embedded DuckDB file, which keeps no snapshots",
+                hint=("snapshots are kept by a lake (", Param("db", Placeholder("ducklake:…")), ")"),
             )
         self.check(write=not read_only, create=create)
         engine = self.engine(read_only=read_only)

@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from headatlas.service.config import SQL_TIMEOUT_MAX_S
-from headatlas.service.errors import DatabaseFileError, StoreConflict, StoreError, StoreUnavailable
+from headatlas.service.errors import DatabaseFileError, Param, StoreConflict, StoreError, StoreUnavailable
 from headatlas.service.storage import duckdb_errors
 from headatlas.service.storage.backends import lake_errors
 from headatlas.service.storage.backends.base import NO_DOWNLOADS, Backend, duckdb_config, extension_directory
@@ -173,7 +173,7 @@ class LakeBackend(Backend):
                 values = parse_conninfo(spec[len("postgres:") :])
             except ValueError as exc:
                 raise StoreError(
-                    f"--db {self._redacted(self.url)}: not a PostgreSQL connection string ({exc})"
+                    Param("db", self._redacted(self.url)), f": not a PostgreSQL connection string ({exc})"
                 ) from None
             self.password = values.pop("password", None) or None
             self.conninfo = format_conninfo(values)
@@ -186,8 +186,9 @@ class LakeBackend(Backend):
             self.metadata = str(self.file)
         else:
             raise StoreError(
-                f"--db {self._redacted(self.url)}: use ducklake:postgres:dbname=NAME host=HOST … (a catalogue in "
-                "PostgreSQL) or ducklake:FILE.ducklake (a catalogue in a local file)"
+                Param("db", self._redacted(self.url)),
+                ": use ducklake:postgres:dbname=NAME host=HOST … (a catalogue in PostgreSQL) or ducklake:FILE.ducklake "
+                "(a catalogue in a local file)",
             )
         # a PostgreSQL catalogue takes many writers; a file catalogue is held by one process at a time
         self.shared_writers = self.catalog == "postgres"
@@ -228,7 +229,7 @@ class LakeBackend(Backend):
     def check(self, *, write: bool, create: bool = True) -> None:
         if extension_directory() is None:
             raise DatabaseFileError(
-                f"--db {self.label} needs DuckDB's DuckLake and PostgreSQL extensions: pip install {_PACKAGES}"
+                Param("db", self.label), f" needs DuckDB's DuckLake and PostgreSQL extensions: pip install {_PACKAGES}"
             )
         if self.file is not None:
             from headatlas.service.storage import dbfile
@@ -262,7 +263,9 @@ class LakeBackend(Backend):
                 Path(self.data_path).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise DatabaseFileError(
-                    f"--data-path {self.data_path}: cannot create the folder ({exc.strerror}); pass a writable folder"
+                    Param("data_path", self.data_path),
+                    f": cannot create the folder ({exc.strerror})",
+                    hint="pass a writable folder",
                 ) from None
 
     # --- connections ------------------------------------------------------------------------

@@ -17,10 +17,13 @@ import os
 import duckdb
 
 from headatlas.service.errors import (
+    RUNS,
     DatabaseFileError,
     DatabaseLocked,
     HeadatlasError,
+    Param,
     ParameterError,
+    Placeholder,
     StoreConflict,
     StoreError,
     StoreUnavailable,
@@ -123,11 +126,14 @@ def translate(exc: BaseException, label: str, *, at: int | None = None) -> Heada
         )
     if at is not None and duckdb_errors.is_missing_snapshot(exc):
         return ParameterError(
-            f"--at {at}: no such snapshot in {label} ({duckdb_errors.first_line(exc)[:200]}); see `headatlas runs`"
+            Param("at", at),
+            f": no such snapshot in {label} ({duckdb_errors.first_line(exc)[:200]})",
+            hint=("see ", RUNS),
         )
     if duckdb_errors.is_new_lake_without_data_path(exc):
         return DatabaseFileError(
-            f"{label} is a new lake: pass --data-path FOLDER (or set HEADATLAS_DATA_PATH), the folder or "
-            "shared mount where its Parquet files go"
+            f"{label} is a new lake: pass ",
+            Param("data_path", Placeholder("FOLDER")),
+            " (or set HEADATLAS_DATA_PATH), the folder or shared mount where its Parquet files go",
         )
     return None

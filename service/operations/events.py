@@ -1,0 +1,106 @@
+"""What an operation tells its front end while it works, typed: progress, notices, estimates and
+warnings, delivered to a ``Sink`` the front end supplies (the CLI draws a progress bar and prints
+lines on stderr; the Python API a tqdm bar; a quiet front end drops them all).
+
+An event's words that name a parameter or a command are ``Part``s (service/errors.py), rendered
+by the front end as it renders an error: ``--attribution-windows N`` or ``attribution_windows=N``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from headatlas.service.errors import Part
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.runner import CorpusSummary
+    from headatlas.service.storage.store import Run
+
+
+@dataclass(frozen=True)
+class CorpusRead:
+    """The corpus is read and valid; ``model`` is loaded next (None: it is loaded already)."""
+
+    corpus: CorpusSummary
+    model: str | None
+
+
+@dataclass(frozen=True)
+class PassStarted:
+    """A pass over the corpus begins: the run itself (``control_seed`` None), or its random-weights
+    control with that seed (``controls``: how many; the model ``n_layers`` × ``n_heads``)."""
+
+    total_chars: int
+    control_seed: int | None = None
+    controls: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """``windows`` more windows analysed; ``consumed`` corpus characters read so far."""
+
+    windows: int
+    consumed: int
+
+
+@dataclass(frozen=True)
+class PassEnded:
+    """The pass ended: ``completed``, or stopped by an error or Ctrl-C where it was."""
+
+    completed: bool
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a slow part will cost, said before it starts (``--attribution``: time and memory)."""
+
+    text: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that changes nothing asked (a run reused, a size kept)."""
+
+    text: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class RunReused:
+    """The corpus, model and parameters are those of ``run``, stored under another name: it was
+    reused, and ``name`` (the name asked for) now names it too."""
+
+    run: Run
+    name: str
+
+
+@dataclass(frozen=True)
+class NameKept:
+    """The corpus, model and parameters are those of the queued run ``run_name``, which keeps its
+    name: the queue does not write the database, so ``asked`` is not added as an alias."""
+
+    run_name: str
+    asked: str
+
+
+@dataclass(frozen=True)
+class ResultWarning:
+    """A result to read with care: ``text`` says why (intervals from too few replicate groups,
+    SPEC §5d). A front end shows it after the result it concerns."""
+
+    text: str
+
+
+Event = CorpusRead | PassStarted | Progress | PassEnded | Estimate | Notice | RunReused | NameKept | ResultWarning
+Sink = Callable[[Event], None]
+
+
+def ignore(_event: Event) -> None:
+    """The sink of a front end that shows nothing."""
+
+
+def text_of(parts: str | Sequence[Part]) -> tuple[Part, ...]:
+    return (parts,) if isinstance(parts, str) else tuple(parts)
