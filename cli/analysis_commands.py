@@ -214,4 +214,18 @@ def models(fmt: Format = FormatOpt) -> None:
 
     rows = model_catalog()
     columns = ["kind", "model", "family", "what", "state", "origin"]
-    render(columns, [tuple(r[c] for c in columns) for r in rows], fmt, title="what --model takes")
+    if fmt != Format.table:
+        render(columns, [tuple(r[c] for c in columns) for r in rows], fmt, title="what --model takes")
+        return
+    # a table within 100 columns: a plugin's rows say so in their family, and a line names the plugin
+    shown = columns[:-1]
+    family = shown.index("family")
+    table = []
+    for r in rows:
+        row = [r[c] for c in shown]
+        if r["origin"] != "headatlas":
+            row[family] = f"{row[family]}*"
+        table.append(tuple(row))
+    render(shown, table, fmt, title="what --model takes")
+    for origin in dict.fromkeys(r["origin"] for r in rows if r["origin"] != "headatlas"):
+        print_wrapped(f"* from {origin}")

@@ -20,14 +20,19 @@ And the docs' captured terminal tables (docs/usage.md, ``make terminal-tables``)
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from headatlas.cli.main import app
+from tests.conftest import headatlas_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +85,8 @@ def run_line(line: str, folder: Path) -> str | None:
     if words[0] == "echo" and "|" in words:
         stdin, words = " ".join(words[1 : words.index("|")]), words[words.index("|") + 1 :]
     assert words[0] == "headatlas", f"README line this walkthrough cannot run: {line!r}"
+    if words[1:2] == ["serve"]:
+        return serve_once(words[1:], folder)
     result = invoke(words[1:], input=stdin)
     assert result.exit_code == 0, f"{line!r} failed ({result.exit_code}):\n{result.stdout}\n{result.stderr}"
     assert "error:" not in result.stderr, (line, result.stderr)
@@ -87,6 +94,30 @@ def run_line(line: str, folder: Path) -> str | None:
         for out in result.stdout.splitlines():
             assert len(out) <= 100, f"{line!r}: a line wider than 100 columns: {out!r}"
     return result.stdout + result.stderr
+
+
+def serve_once(args: list[str], folder: Path) -> str:
+    """``headatlas serve`` runs until stopped: start the command, read the runs page it serves
+    (on a free port, not the README's, which another program may hold), then stop it."""
+    process = subprocess.Popen(
+        [*headatlas_cmd(), *args, "--port", "0"],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "100"},
+    )
+    try:
+        line = process.stdout.readline()
+        address = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert address, f"headatlas serve printed {line!r}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{address.group(1)}/runs.json", timeout=120) as answer:
+            names = [run["name"] for run in json.loads(answer.read())]
+        assert "mine" in names, names
+        return line
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def test_the_readme_runs_top_to_bottom(tmp_path, monkeypatch):

@@ -393,3 +393,17 @@ def test_the_server_reads_the_latest_runs_pages_ahead(stored):
     app.warm(runs=1).join(300)
     remembered = {key[2] for key in app.memo._items}
     assert {"runs", "run", "layers", "roles", "heads"} <= remembered
+
+
+def test_a_port_in_use_is_one_line_naming_the_fix():
+    import socket
+
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.web.server import bind
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ParameterError, match=rf"^--port {port}: in use on 127\.0\.0\.1; pass another port"):
+            bind(None, "127.0.0.1", port, quiet=True)

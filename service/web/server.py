@@ -27,8 +27,9 @@ class PooledServer(WSGIServer):
 
     def __init__(self, address: tuple[str, int], handler=WSGIRequestHandler, *, workers: int = WORKERS):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, handler)
+        # before the base class binds: a port in use closes the server inside __init__
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="headatlas-web")
+        super().__init__(address, handler)
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind asks DNS for this host's full name (seconds where no DNS answers)
