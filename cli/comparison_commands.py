@@ -56,11 +56,14 @@ def compare(
             )
         results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
         unreliable = _interval_warnings(conn, a, *bs)
-    table = (
-        comparison.TABLE_COLUMNS
-        if (heads or head is not None)
-        else [c for c in comparison.TABLE_COLUMNS if c != "head"]
-    )
+    # the answer in 100 columns: both values, the difference with its interval, the verdict
+    # (each value's own interval is in --wide, CSV and JSON); layer_b only where depths differ
+    same_depth = all(b.n_layers == a.n_layers for b in bs)
+    table = [
+        c
+        for c in comparison.TABLE_COLUMNS
+        if not (c == "head" and not (heads or head is not None)) and not (c == "layer_b" and same_depth)
+    ]
     view = TableView.of(columns, wide)
     if fmt != Format.table and len(results) > 1:  # one document: every control's rows, named
         names = ["run_b", *results[0][1][0]]
@@ -82,6 +85,7 @@ def compare(
             fmt,
             table_columns=table,
             view=view,
+            intervals=comparison.TABLE_INTERVALS,
             note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
             schemes=[scheme_of(a.params), scheme_of(b.params)],
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
@@ -135,6 +139,8 @@ def query_roles(
     probed = any(row[names.index("probe_score")] is not None for row in rows)
     hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
     table = [c for c in names if c not in hidden]
+    if stability:  # the answer: each role's value and whether it held on each half (evidence in --wide)
+        table = [c for c in table if c not in ("primary", "threshold", "p_holm")]
     render_metrics(
         names,
         rows,
@@ -145,6 +151,7 @@ def query_roles(
         schemes=[scheme_of(r.params)],
         view=TableView.of(columns, wide),
         pinned=3,
+        intervals=() if stability else None,
     )
     if fmt != Format.table:
         return

@@ -9,7 +9,7 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -224,6 +224,29 @@ def _console_width(width: int) -> Iterator[None]:
         stdout._width = before
 
 
+def _column_widths(columns: list[str], cells: list[list[Text]], text_columns) -> tuple[list[int], list[int]]:
+    """Each column's natural width and the least it may take: a text column wraps between words,
+    down to its longest word (up to MAX_WORD_WIDTH) or MIN_TEXT_WIDTH; others never break."""
+    natural = [
+        max([Text(str(c)).cell_len, *(max((len(line) for line in t.plain.split("\n")), default=0) for t in col)])
+        for c, col in zip(columns, zip(*cells) if cells else [[] for _ in columns])
+    ]
+    words = [
+        max((len(word) for t in col for word in t.plain.split()), default=0)
+        for col in (zip(*cells) if cells else [[] for _ in columns])
+    ]
+    least = [
+        min(w, max(MIN_TEXT_WIDTH, len(c), min(word, MAX_WORD_WIDTH))) if c in text_columns else w
+        for c, w, word in zip(columns, natural, words)
+    ]
+    return natural, least
+
+
+def fits(columns: list[str], rows: list[tuple], text_columns=frozenset()) -> bool:
+    """Whether every one of ``columns`` fits ``fit_width()`` (always where text does not wrap)."""
+    return not wraps_text() or _width(_column_widths(columns, _cells(rows), text_columns)[1]) <= fit_width()
+
+
 def print_table(
     columns: list[str],
     rows: list[tuple],
@@ -240,19 +263,7 @@ def print_table(
     right (never the first ``pinned``) and a line names them; else the table takes its natural
     width. ``available``: how many columns the rows had (a line says how to see the others)."""
     cells = _cells(rows)
-    natural = [
-        max([Text(str(c)).cell_len, *(max((len(line) for line in t.plain.split("\n")), default=0) for t in col)])
-        for c, col in zip(columns, zip(*cells) if cells else [[] for _ in columns])
-    ]
-    # a text column wraps between words, down to its longest word (up to MAX_WORD_WIDTH) or MIN_TEXT_WIDTH
-    words = [
-        max((len(word) for t in col for word in t.plain.split()), default=0)
-        for col in (zip(*cells) if cells else [[] for _ in columns])
-    ]
-    least = [
-        min(w, max(MIN_TEXT_WIDTH, len(c), min(word, MAX_WORD_WIDTH))) if c in text_columns else w
-        for c, w, word in zip(columns, natural, words)
-    ]
+    natural, least = _column_widths(columns, cells, text_columns)
     keep = list(range(len(columns)))
     width = fit_width()
     fit = fit and wraps_text()  # piped without $COLUMNS: whole lines, every column asked for
@@ -297,10 +308,11 @@ def render_record(record: dict, fmt: Format = Format.table, *, title: str | None
 
 
 def merge_intervals(
-    columns: list[str], rows: list[tuple], keep: list[str] | None = None
+    columns: list[str], rows: list[tuple], keep: list[str] | None = None, folded: Collection[str] | None = None
 ) -> tuple[list[str], list[tuple]]:
     """For tables: ``x``, ``x_lo``, ``x_hi`` become one cell "x [lo, hi]"; ``keep``: the columns
-    to show (others dropped), in order."""
+    to show (others dropped), in order; ``folded``: the columns whose intervals fold in (default
+    all; the others show their value alone)."""
     index = {c: i for i, c in enumerate(columns)}
     shown = [c for c in (keep or columns) if c in index and not (c.endswith(("_lo", "_hi")) and c[:-3] in index)]
     out_rows = []
@@ -309,6 +321,8 @@ def merge_intervals(
         for c in shown:
             value = row[index[c]]
             lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
+            if folded is not None and c not in folded:
+                lo = hi = None
             if lo is not None and hi is not None and value is not None and row[lo] is not None:
                 cells.append(f"{_cell_text(value)} [{_cell_text(row[lo])}, {_cell_text(row[hi])}]")
             else:
@@ -329,6 +343,7 @@ def render_metrics(
     view: TableView = DEFAULT_VIEW,
     pinned: int = 1,
     offer_more: bool = True,
+    intervals: Collection[str] | None = None,
 ) -> None:
     """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
     default) fitted to the width (``print_table``; ``view``: the columns picked, or all) with
@@ -337,7 +352,10 @@ def render_metrics(
     ``interval_by`` column, else ``schemes`` (the runs'). Rows with intervals but no
     ``interval_by`` gain that column from ``schemes``, so JSON and CSV name it too. ``--columns``
     picks among the columns less their ``_lo``/``_hi`` bounds, which come with their metric.
-    ``offer_more``: say how to see the columns left out (where the command has ``--columns``)."""
+    ``offer_more``: say how to see the columns left out (where the command has ``--columns``).
+    ``intervals``: where the default table does not fit with every interval, the only columns
+    whose intervals it folds in (the others show their value alone, their bounds in ``--wide``,
+    ``--columns``, CSV and JSON)."""
     has_intervals = any(c.endswith("_lo") for c in columns)
     if has_intervals and "interval_by" not in columns and schemes:
         columns, rows = [*columns, "interval_by"], [(*r, " / ".join(sorted(set(schemes)))) for r in rows]
@@ -357,7 +375,14 @@ def render_metrics(
         wanted = list(view.picked)
     else:
         wanted = [c for c in (available if view.wide else (table_columns or available)) if c != "interval_by"]
+    default = view.picked is None and not view.wide
     shown, cells = merge_intervals(columns, rows, wanted)
+    bare: list[str] = []  # the columns shown without their intervals, to fit
+    for folded in ((tuple(intervals), ()) if default and intervals is not None else ()):
+        if fits(shown, cells, text & set(shown)):
+            break
+        shown, cells = merge_intervals(columns, rows, wanted, folded)
+        bare = [c for c in shown if f"{c}_lo" in columns and c not in folded]
     print_table(
         shown,
         cells,
@@ -368,6 +393,8 @@ def render_metrics(
         text_columns=text & set(shown),
         available=len([c for c in available if c != "interval_by"]) if offer_more else None,
     )
+    if bare:
+        print_note(f"intervals left out to fit {fit_width()} characters: {', '.join(bare)} (--wide shows them)")
     if note:
         print_note(note)
     if has_intervals:

@@ -45,6 +45,14 @@ LAYER_TABLE = [
     "attn_to_cls_lift",
 ]
 
+BOUNDARY_TABLE = [
+    "layer",
+    "within_sentence_lift_dm",
+    "within_sentence_lift",
+    "heads_above_chance_dm",
+    "attn_to_punct_lift",
+]
+
 
 def _store(db: str, at: int | None = None):
     from headatlas.service.storage.store import Store
@@ -168,7 +176,8 @@ def query_boundaries(
     at: int | None = AtOpt,
 ) -> None:
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
-    distance), attention to separators vs uniform."""
+    distance), attention to separators vs uniform. A table shows the main columns (--columns
+    picks, --wide shows all); --format json/csv has all."""
     from headatlas.service.reports import queries
 
     _query(
@@ -177,6 +186,7 @@ def query_boundaries(
         fmt,
         queries.boundaries,
         "sentence boundaries per layer",
+        table_columns=BOUNDARY_TABLE,
         note=queries.LIFT_NOTE,
         view=TableView.of(columns, wide),
         ci=ci,

@@ -177,3 +177,40 @@ def test_schedule_add_keeps_every_analysis_option(tmp_path, cli):
         8,
     )
     assert params.mixing == ("rollout", "alti") and params.select.kind == "topk" and params.sentences == "punct"
+
+
+def test_fires_that_find_nothing_new_are_recorded_once_per_change(tmp_path):
+    """An interval schedule on a quiet folder: a run of fires with no new document is one row,
+    the first; a fire that submits starts a new state, and the next quiet one is recorded again.
+    `schedule show` lists them newest first."""
+    from headatlas.service.storage import schedule_store
+    from headatlas.service.storage.store import Store
+
+    db = str(tmp_path / "s.duckdb")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("One. Two.\n", encoding="utf-8")
+    sched = schedule_store.add(
+        db,
+        name="quiet",
+        corpus=str(corpus),
+        model="random:tiny",
+        dtype="float32",
+        batch_size=4,
+        params={"seq_len": 32},
+        cadence=Cadence(None, 1),
+        only_new=True,
+    )
+    outcomes = ["submitted", "no_new_documents", "no_new_documents", "no_new_documents", "submitted"]
+    outcomes += ["no_new_documents", "no_new_documents"]
+    times = [sched.next_fire + timedelta(seconds=i) for i in range(len(outcomes))]
+    for t, outcome in zip(times, outcomes):
+        assert schedule_store.claim(db, sched.schedule_id, t, kind="scheduled", holder="b", lease_s=60, at=t)
+        done = {"run_key": "k", "run_name": "r", "documents": 1} if outcome == "submitted" else {"documents": 0}
+        schedule_store.finish_fire(db, sched.schedule_id, t, status=outcome, **done)
+    with Store(db).checked_read() as conn:
+        columns, rows = schedule_store.fires(conn, sched.schedule_id)
+        last = schedule_store.get(conn, "quiet").last_fire
+    recorded = [(r[columns.index("fire_time")], r[columns.index("fire_status")]) for r in rows]
+    kept = [0, 1, 4, 5]  # the first quiet fire after each submitted one
+    assert recorded == [(times[i], outcomes[i]) for i in reversed(kept)]
+    assert last == times[-1]  # the schedule still knows when it last fired

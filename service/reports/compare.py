@@ -71,6 +71,7 @@ COLUMNS = [
     "verdict",
 ]
 TABLE_COLUMNS = ["layer_a", "layer_b", "head", "metric", "value_a", "value_b", "difference", "verdict"]
+TABLE_INTERVALS = ("difference",)  # the interval a table shows: the one the verdict reads
 VERDICT_NOTE = (
     "difference = A − B; verdict: beyond = the difference's 95% interval excludes 0, within = it holds 0 "
     "(interval: paired jackknife when both runs counted the same windows in the same replicate groups, "

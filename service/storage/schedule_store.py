@@ -385,10 +385,16 @@ def finish_fire(
     error: str | None = None,
 ) -> None:
     """Record a fire's outcome and release it. Its documents count as sent (never sent again)
-    only when its run was submitted; after an error the next fire sends them."""
+    only when its run was submitted; after an error the next fire sends them. Fires that find
+    no new document are recorded once per change of state: one that follows such a fire leaves
+    no row of its own (an ``--every 1s`` schedule on a quiet folder would write one a second)."""
     key = {"s": schedule_id, "t": fire_time}
 
     def work(conn: Connection) -> None:
+        if status == "no_new_documents" and _previous_status(conn, schedule_id, fire_time) == status:
+            for table in ("schedule_fire_documents", "schedule_fire_leases", "schedule_fires"):
+                conn.execute(text(f"DELETE FROM {table} WHERE schedule_id = :s AND fire_time = :t"), key)
+            return
         conn.execute(
             text(
                 "UPDATE schedule_fires SET status = :status, run_key = :key, run_name = :name, documents = :docs, "
@@ -411,6 +417,17 @@ def finish_fire(
     db.atomically(path, work)
 
 
+def _previous_status(conn: Connection, schedule_id: int, fire_time: datetime) -> str | None:
+    """The outcome of the schedule's latest fire before ``fire_time`` (None: no earlier fire)."""
+    return conn.execute(
+        text(
+            "SELECT status FROM schedule_fires WHERE schedule_id = :s AND fire_time < :t "
+            "ORDER BY fire_time DESC LIMIT 1"
+        ),
+        {"s": schedule_id, "t": fire_time},
+    ).scalar()
+
+
 def seen_documents(conn: Connection, schedule_id: int) -> set[str]:
     return {
         r[0]
@@ -419,13 +436,14 @@ def seen_documents(conn: Connection, schedule_id: int) -> set[str]:
 
 
 def fires(conn: Connection, schedule_id: int) -> tuple[list[str], list[tuple]]:
-    """A schedule's fires with their runs (the run's id and status once the writer created it)."""
+    """A schedule's fires with their runs (the run's id and status once the writer created it),
+    the newest first."""
     result = conn.execute(
         text(
             "SELECT f.fire_time, f.kind, f.status AS fire_status, f.documents, r.run_id, "
             "coalesce(r.name, f.run_name) AS run, r.status AS run_status, f.error "
             "FROM schedule_fires f LEFT JOIN runs r ON r.run_key = f.run_key "
-            "WHERE f.schedule_id = :s ORDER BY f.fire_time"
+            "WHERE f.schedule_id = :s ORDER BY f.fire_time DESC"
         ),
         {"s": schedule_id},
     )
