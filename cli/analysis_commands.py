@@ -22,6 +22,7 @@ from headatlas.cli.output import (
 )
 from headatlas.cli.query_commands import LAYER_TABLE
 from headatlas.service.errors import render as render_text
+from headatlas.service.wording import counted
 
 if TYPE_CHECKING:
     from headatlas.service.operations.events import Event
@@ -115,7 +116,9 @@ class _Shown:
             summary = event.corpus
             dup = f" ({summary.duplicates} repeated, analysed once)" if summary.duplicates else ""
             loading = f"; loading model {event.model} …" if event.model is not None else ""
-            stderr.print(f"corpus: {summary.documents} documents{dup}, {summary.chars:,} characters{loading}")
+            stderr.print(
+                f"corpus: {counted(summary.documents, 'document')}{dup}, {summary.chars:,} characters{loading}"
+            )
         elif isinstance(event, events.PassStarted):
             if event.control_seed is not None:
                 stderr.print(
@@ -164,7 +167,7 @@ def _print_run_summary(store, run_id: int) -> None:
         rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
         probe_cols, probe_rows = queries.heads(conn, run_id, anchors=0)
     print_wrapped(
-        f"run {info['run_id']} ({info['name']}): {info['status']}, {info['windows']:,} windows, "
+        f"run {info['run_id']} ({info['name']}): {info['status']}, {counted(info['windows'], 'window')}, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
         f"{info['compute_s']:.1f} s compute"
     )

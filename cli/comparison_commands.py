@@ -8,6 +8,7 @@ import typer
 from headatlas.cli import options
 from headatlas.cli.output import Format, TableView, print_wrapped, render, render_metrics, stderr, stdout
 from headatlas.cli.query_commands import _interval_warnings, _print_warnings, _run, _store
+from headatlas.service.wording import counted
 
 DbOpt, RunOpt, FormatOpt, AtOpt = options.Db, options.Run, options.Fmt, options.At
 ColumnsOpt, WideOpt = options.Columns, options.Wide
@@ -188,7 +189,7 @@ def _role_effect_lines(conn, run_id: int, names: list[str], rows: list[tuple]) -
         return []
     unit = found[0]["unit"]
     parts = [
-        role_effects.describe(f"{role} ({n} heads)", value, lo, hi, unit)
+        role_effects.describe(f"{role} ({counted(n, 'head')})", value, lo, hi, unit)
         + ("" if math.isnan(gap) else f", {gap:+.3g} against the heads without a role [{g_lo:+.3g}, {g_hi:+.3g}]")
         for role, n, value, lo, hi, gap, g_lo, g_hi in per_role
     ]

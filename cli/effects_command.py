@@ -10,6 +10,7 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.output import Format, render, stderr
+from headatlas.service.wording import counted
 
 WindowsOpt = typer.Option(
     16,
@@ -69,7 +70,7 @@ def effects(
     batch = int(analysis.batch_size) if str(analysis.batch_size).isdigit() else 4
     passes = loaded.n_heads * (loaded.n_layers + 1) / 2 * len([k for k in chosen if k != "gradient"])
     stderr.print(
-        f"measuring {', '.join(chosen)} on {windows} windows: about {passes:.0f} forward passes' worth per window",
+        f"measuring {', '.join(chosen)} on {counted(windows, 'window')}: about {passes:.0f} forward passes' worth per window",
         highlight=False,
     )
 

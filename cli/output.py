@@ -378,7 +378,7 @@ def render_metrics(
     default = view.picked is None and not view.wide
     shown, cells = merge_intervals(columns, rows, wanted)
     bare: list[str] = []  # the columns shown without their intervals, to fit
-    for folded in ((tuple(intervals), ()) if default and intervals is not None else ()):
+    for folded in (tuple(intervals), ()) if default and intervals is not None else ():
         if fits(shown, cells, text & set(shown)):
             break
         shown, cells = merge_intervals(columns, rows, wanted, folded)

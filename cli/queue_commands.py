@@ -15,6 +15,7 @@ from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 from headatlas.service.errors import render as render_text
 from headatlas.service.statuses import ENDED, RunStatus
+from headatlas.service.wording import counted
 from headatlas.workers.policy import RESUBMIT_STRANDED_S
 
 DbOpt, BrokerOpt = options.Db, options.Broker
@@ -64,7 +65,8 @@ def submit(
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
     else:
         stderr.print(
-            f"run {sub.name}: {sub.batches:,} batches of up to {sub.batch_size} windows ({sub.windows:,} windows); "
+            f"run {sub.name}: {counted(sub.batches, 'batch')} of up to {counted(sub.batch_size, 'window')} "
+            f"({counted(sub.windows, 'window')}); "
             f"queued {sub.queued:,}, {sub.skipped:,} already stored or queued"
         )
     if sub.probe_queued:

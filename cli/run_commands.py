@@ -6,6 +6,7 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.output import Format, TableView, note, render, stderr, stdout
+from headatlas.service.wording import counted
 
 runs_app = typer.Typer(
     help="The stored runs: list them (no subcommand), rename, delete or tag one.",
@@ -150,7 +151,9 @@ def delete(
                 f"run {r.run_id} ({r.name}) is {r.status}: a process may be writing to it; let it finish, or pass "
                 "--force (a queued run's writers then drop its batches in flight; stop an embedded `analyze` first)"
             )
-    listed = "; ".join(f"run {r.run_id} ({r.name}, {r.status}, {windows[r.run_id]:,} windows)" for r in chosen.values())
+    listed = "; ".join(
+        f"run {r.run_id} ({r.name}, {r.status}, {counted(windows[r.run_id], 'window')})" for r in chosen.values()
+    )
     if not yes:
         try:
             rows_of = "its rows" if len(chosen) == 1 else "their rows"
@@ -163,7 +166,7 @@ def delete(
     for run_id, r in chosen.items():
         counts = store.delete_run(run_id)
         rows = sum(counts.values())
-        stdout.print(f"deleted run {run_id} ({r.name}): {rows:,} rows", markup=False, highlight=False)
+        stdout.print(f"deleted run {run_id} ({r.name}): {counted(rows, 'row')}", markup=False, highlight=False)
     in_flight = {r.run_key: r.run_id for r in chosen.values() if r.engine == "queue" and r.status in UNFINISHED}
     if in_flight:
         from headatlas.service.config import Settings

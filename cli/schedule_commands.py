@@ -7,7 +7,16 @@ import logging
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, render, render_metrics, render_record, stdout, trend_line
+from headatlas.cli.output import (
+    DEFAULT_VIEW,
+    Format,
+    TableView,
+    render,
+    render_metrics,
+    render_record,
+    stdout,
+    trend_line,
+)
 from headatlas.service.analysis_options import BY_NAME, DEFAULTS
 from headatlas.service.config import Settings
 
@@ -45,14 +54,22 @@ def _show(sched) -> list[tuple]:
 
 
 SHOW_COLUMNS = ["name", "state", "when", "only_new", "model", "corpus", "last_fire_utc", "next_fire_utc"]
+# what a table shows by default, fitted to 100 columns (its corpus path and only_new: --wide or --columns)
+LIST_TABLE = ["name", "state", "when", "next_fire_utc", "last_fire_utc", "model", "only_new", "corpus"]
+FIRE_TABLE = ["fire_time", "fire_status", "documents", "run_id", "run_status", "error", "kind", "run"]
 
 
-def _render_one(sched, fmt: Format, **more) -> None:
+def _render_one(sched, fmt: Format, view: TableView = DEFAULT_VIEW, **more) -> None:
     """One schedule: a one-row table or CSV, or one JSON object (with ``more`` fields, e.g. its fires)."""
     if fmt == Format.json:
         render_record(dict(zip(SHOW_COLUMNS, _show(sched)[0]), **more), fmt)
     else:
-        render(SHOW_COLUMNS, _show(sched), fmt)
+        _render_schedules(_show(sched), fmt, view)
+
+
+def _render_schedules(rows: list[tuple], fmt: Format, view: TableView) -> None:
+    """Schedules as rows: a table shows LIST_TABLE fitted to the width, CSV and JSON every column."""
+    render(SHOW_COLUMNS, rows, fmt, view=view, table_columns=LIST_TABLE)
 
 
 @schedule_app.command("add")
@@ -129,34 +146,46 @@ def schedule_edit(
 
 
 @schedule_app.command("list")
-def schedule_list(db: str = DbOpt, fmt: Format = FormatOpt) -> None:
-    """List the schedules: cadence, state, last and next fire (UTC)."""
+def schedule_list(
+    columns: str | None = options.Columns, wide: bool = options.Wide, db: str = DbOpt, fmt: Format = FormatOpt
+) -> None:
+    """List the schedules: cadence, state, next and last fire (UTC), model; the corpus in --wide."""
     from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:
         rows = [row for s in schedule_store.all_schedules(conn) for row in _show(s)]
-    render(SHOW_COLUMNS, rows, fmt)
+    _render_schedules(rows, fmt, TableView.of(columns, wide))
 
 
 @schedule_app.command("show")
 def schedule_show(
     name: str = NameArg,
+    columns: str | None = options.Columns,
+    wide: bool = options.Wide,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
-    """A schedule and its fires, each with its run (id, name, status)."""
+    """A schedule and its fires, the newest first, each with its run (id, name, status)."""
     from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, name)
-        columns, rows = schedule_store.fires(conn, sched.schedule_id)
-    if fmt == Format.table:
-        render(SHOW_COLUMNS, _show(sched), fmt)
-        render(columns, rows, fmt, title=f"schedule {name}: fires (UTC)")
+        names, rows = schedule_store.fires(conn, sched.schedule_id)
+    if fmt == Format.table:  # --columns and --wide: the fires' columns
+        view = TableView.of(columns, wide) if columns is not None or wide else DEFAULT_VIEW
+        _render_schedules(_show(sched), fmt, TableView(wide=wide))
+        render(
+            names,
+            rows,
+            fmt,
+            title=f"schedule {name}: fires (UTC), the newest first",
+            view=view,
+            table_columns=FIRE_TABLE,
+        )
     elif fmt == Format.json:
-        _render_one(sched, fmt, fires=[dict(zip(columns, row)) for row in rows])
+        _render_one(sched, fmt, fires=[dict(zip(names, row)) for row in rows])
     else:  # csv: the fires, one per row (a schedule's fields are in `schedule list --format csv`)
-        render(columns, rows, fmt)
+        render(names, rows, fmt, view=TableView.of(columns, wide))
 
 
 @schedule_app.command("pause")

@@ -48,7 +48,7 @@ def effect_run(tmp_path_factory, demo_corpus):
     extra += ["--replicates", "window"]
     done = invoke_cli("analyze", str(corpus), "--model", "random:gpt2", *ARGS, "--db", db, "--name", "fx", *extra)
     assert done.returncode == 0, done.stderr
-    assert "effects (zero, mean, gradient): 5 window(s)" in done.stderr  # the estimate, said first
+    assert "effects (zero, mean, gradient): 5 windows" in done.stderr  # the estimate, said first
     return db, corpus
 
 

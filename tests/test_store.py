@@ -348,3 +348,23 @@ def test_reading_commands_never_load_torch_while_they_work(tmp_path, tiny_model,
     assert [r["args"][: len(a)] for r, a in zip(reports, commands, strict=True)] == commands, done.stderr
     for report in reports:
         assert report["exit"] == 0 and report["loaded"] == [], (report, done.stderr[-500:])
+
+
+def test_a_new_database_is_created_without_alembic_chatter(tmp_path, caplog):
+    """A writer or beat logs at INFO and creates its database at start: alembic's ~20 INFO lines
+    ("Running upgrade …") are kept to warnings unless headatlas logs at DEBUG."""
+    import logging
+
+    from headatlas.service.storage import db
+
+    caplog.set_level(logging.INFO)
+    db.upgrade(str(tmp_path / "quiet.duckdb"))
+    assert not [r for r in caplog.records if r.name.startswith("alembic")]
+    assert logging.getLogger("alembic").level == logging.NOTSET  # left as it was
+    caplog.clear()
+    logging.getLogger("headatlas").setLevel(logging.DEBUG)
+    try:
+        db.upgrade(str(tmp_path / "verbose.duckdb"))
+    finally:
+        logging.getLogger("headatlas").setLevel(logging.NOTSET)
+    assert any(r.name.startswith("alembic") and "Running upgrade" in r.getMessage() for r in caplog.records)

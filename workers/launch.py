@@ -49,7 +49,9 @@ def run_worker(settings: Settings, *, queues: str, concurrency: int | None, logl
         return
     settings = replace(settings, device="cuda" if gpus and device == "auto" else device)
     n = 1 if gpus else max(1, concurrency or 1)
-    pool = ["--pool", "solo"] if n == 1 else ["--pool", "prefork", "--concurrency", str(n)]
+    # the solo pool runs one task at a time in this process: said so (Celery's banner would print
+    # its default concurrency, the number of cores, beside "(solo)")
+    pool = ["--pool", "solo", "--concurrency", "1"] if n == 1 else ["--pool", "prefork", "--concurrency", str(n)]
     from headatlas.workers.app import app, configure
 
     configure(app, settings, torch_threads=max(1, (os.cpu_count() or 1) // n) if n > 1 else None)

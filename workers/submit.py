@@ -24,6 +24,7 @@ from headatlas.service.errors import BrokerError, CorpusError, StoreError
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage.backends import open_backend
+from headatlas.service.wording import counted
 from headatlas.workers.ledger import Ledger, connect
 from headatlas.workers.messages import OpenRun
 from headatlas.workers.policy import WRITER_POLL_S
@@ -100,7 +101,7 @@ def submit(
     client = connect(settings.broker_url)  # fail before any work when Redis is away
     epoch = broker_epoch(client)
     ledger = Ledger(client, target_database(client, settings.db, settings.broker_url, writer_wait_s))
-    log(f"corpus: {summary.documents} documents, {summary.chars:,} characters; model {model} …")
+    log(f"corpus: {counted(summary.documents, 'document')}, {summary.chars:,} characters; model {model} …")
     loaded = load_model_info(model)  # the tokenizer, config and weights' identity: no weights loaded
     # the replicate scheme the corpus allows (SPEC §5d): it travels in every batch's params, and each
     # window carries its document id and index, so a worker computes the embedded engine's groups

@@ -16,6 +16,7 @@ from headatlas.service.errors import DatabaseNotFound, ParameterError
 from headatlas.service.operations.events import Event, ResultWarning, Sink
 from headatlas.service.operations.runs import find_run
 from headatlas.service.storage.store import Run, Store
+from headatlas.service.wording import counted
 
 
 class IntervalWarning(UserWarning):
@@ -118,7 +119,7 @@ class RunView:
         return cls(store, run, int(windows or 0))
 
     def __repr__(self) -> str:
-        return f"<Run {self.run.run_id} {self.run.name!r} {self.run.status}, {self.windows:,} windows>"
+        return f"<Run {self.run.run_id} {self.run.name!r} {self.run.status}, {counted(self.windows, 'window')}>"
 
     @property
     def run_id(self) -> int:

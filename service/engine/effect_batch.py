@@ -34,6 +34,7 @@ from headatlas.service.engine.windows import Batch, Window, collate
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import EFFECT_SUMS
 from headatlas.service.params import AnalysisParams
+from headatlas.service.wording import counted
 
 REFERENCE_BATCH = 8  # windows per forward pass of the reference means (fixed: the same sums everywhere)
 EFFECT_CHUNK = 8  # effect windows ablated together: the stacked pass holds heads × windows copies
@@ -238,7 +239,7 @@ class EffectCost:
 
         reference = f", the reference means {duration(self.reference_s)} of it" if self.reference_s else ""
         return (
-            f"effects ({', '.join(self.kinds)}): {self.windows:,} window(s) of up to {self.longest} tokens: about "
+            f"effects ({', '.join(self.kinds)}): {counted(self.windows, 'window')} of up to {self.longest} tokens: about "
             f"{duration(self.seconds)}{reference}, and {size(self.memory_bytes)} above the model (timed on one "
             f"window in {self.timing_s:.1f} s; memory from the model's shape)"
         )

@@ -25,6 +25,7 @@ from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import MIN_GROUPS
+from headatlas.service.wording import counted
 
 DEFAULT_WINDOWS = 16
 DEFAULT_REFERENCE = 256
@@ -59,7 +60,7 @@ class EffectTable:
         kinds = "; ".join(f"{k}: {against[k]}" for k in self.kinds)
         return (
             f"effect = O(ablated) − O(intact), O = {self.objective} ({self.unit}; intact mean "
-            f"{self.intact_mean:.4g}), over {self.windows} windows of {self.documents} documents; {kinds}; "
+            f"{self.intact_mean:.4g}), over {counted(self.windows, 'window')} of {counted(self.documents, 'document')}; {kinds}; "
             f"95% intervals: jackknife over {self.groups} replicate groups ({self.scheme})"
             + (f", fewer than {MIN_GROUPS}: their widths are rough" if self.groups < MIN_GROUPS else "")
         )

@@ -37,6 +37,7 @@ import torch
 from headatlas.service.engine.adapters import ModelAdapter, adapter_for
 from headatlas.service.engine.hooks import act_name, capture_attention
 from headatlas.service.engine.model import LoadedModel, model_blocks
+from headatlas.service.wording import counted
 
 DEFAULT_CHUNK = 2048  # gradient rows (windows × outputs) per batched backward call
 
@@ -286,7 +287,7 @@ class Estimate:
 
     def describe(self) -> str:
         return (
-            f"attribution: {self.windows:,} window(s) of up to {self.longest} tokens, {self.passes:,} backward "
+            f"attribution: {counted(self.windows, 'window')} of up to {self.longest} tokens, {self.passes:,} backward "
             f"passes: about {duration(self.seconds)} and {size(self.memory_bytes)} above the model "
             f"(timed {self.timed} passes in {self.timing_s:.1f} s; memory from the model's shape)"
         )

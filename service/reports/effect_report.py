@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 import math
 
+from headatlas.service.wording import counted
+
 
 def _e(value) -> str:
     return html.escape(str(value))
@@ -34,7 +36,8 @@ def effects_section(conn, run, *, table, img) -> str:
             per_role = role_effects.by_role(conn, run.run_id, names, role_rows) or []
             unit = found[0]["unit"]
             lines = "".join(
-                f"<li>{_e(role_effects.describe(f'{role} ({n} heads)', v, lo, hi, unit))}"
+                "<li>"
+                + _e(role_effects.describe(f"{role} ({counted(n, 'head')})", v, lo, hi, unit))
                 + ("" if math.isnan(g) else _e(f"; against the heads without a role {g:+.3g} [{glo:+.3g}, {ghi:+.3g}]"))
                 + "</li>"
                 for role, n, v, lo, hi, g, glo, ghi in per_role

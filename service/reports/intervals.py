@@ -30,6 +30,7 @@ import numpy as np
 
 from headatlas.service.engine.results import REPLICATES
 from headatlas.service.metrics import COLUMNS
+from headatlas.service.wording import counted
 
 Z95 = 1.959963984540054  # the normal quantile (the §5b rule; kept for callers that pass it as z)
 WINDOW_SCHEME = "window"  # runs stored before SPEC §5d record no scheme: theirs was by window
@@ -176,7 +177,7 @@ def unreliable_note(groups: int, windows: int) -> str | None:
     if groups >= MIN_GROUPS or groups == 0:
         return None
     return (
-        f"intervals unreliable: only {groups} of {REPLICATES} replicate groups hold windows ({windows:,} windows; "
+        f"intervals unreliable: only {groups} of {REPLICATES} replicate groups hold windows ({counted(windows, 'window')}; "
         f"they need {MIN_GROUPS} or more): analyse more text, of 10 documents or more"
     )
 

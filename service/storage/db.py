@@ -12,6 +12,7 @@ every backend.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -170,9 +171,10 @@ def head_revision() -> str:
 
 
 def _script():
-    from alembic.script import ScriptDirectory
+    with _quiet_alembic():
+        from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(_alembic_config())
+        return ScriptDirectory.from_config(_alembic_config())
 
 
 def _alembic_config():
@@ -204,10 +206,11 @@ def upgrade(db: Target) -> tuple[str | None, str]:
 
 
 def _upgrade(backend: Backend) -> tuple[str | None, str]:
-    from alembic import command
+    with _quiet_alembic():
+        from alembic import command
 
-    with backend.session(lock_wait_s=LOCK_WAIT_S) as conn:
-        return _migrate(command, conn, backend)
+        with backend.session(lock_wait_s=LOCK_WAIT_S) as conn:
+            return _migrate(command, conn, backend)
 
 
 def _migrate(command, conn: Connection, backend: Backend) -> tuple[str | None, str]:
@@ -222,6 +225,21 @@ def _migrate(command, conn: Connection, backend: Backend) -> tuple[str | None, s
     after = current_revision(conn)
     assert after is not None  # alembic_version now holds the head it upgraded to
     return before, after
+
+
+@contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    """Alembic says each step it takes at INFO ("Context impl …", "Running upgrade …", about 20
+    lines for a new database), and a writer or beat logging at INFO would print them all at
+    start: they are kept to warnings unless headatlas logs at DEBUG (``--loglevel debug``)."""
+    log = logging.getLogger("alembic")
+    before = log.level
+    if before == logging.NOTSET and not logging.getLogger("headatlas").isEnabledFor(logging.DEBUG):
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
 
 
 def check_schema(conn: Connection, path: Target) -> None:
