@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, TableView, print_wrapped, render, render_metrics, stderr, stdout
+from headatlas.cli.output import Format, TableView, note, print_wrapped, render, render_metrics, stdout
 from headatlas.cli.query_commands import _interval_warnings, _print_warnings, _run, _store
 from headatlas.service.wording import counted
 
@@ -79,7 +79,7 @@ def compare(
         )
         differ = comparison.parameter_differences(a, b)
         if differ and fmt == Format.table:
-            stderr.print(f"note: the runs were analysed with different parameters ({'; '.join(differ)})", markup=False)
+            note(f"the runs were analysed with different parameters ({'; '.join(differ)})")
         render_metrics(
             names,
             rows,

@@ -433,9 +433,15 @@ def print_wrapped(text: str, *, style: str = "") -> None:
 
 
 def note(text: str) -> None:
-    """A ``note: …`` line on stderr, unwrapped (one line whatever the width), its quoted commands
-    spelled as they are typed here."""
-    stderr.print(runnable(f"note: {text}"), markup=False, highlight=False, soft_wrap=True)
+    """A ``note: …`` line on stderr, its quoted commands spelled as they are typed here
+    (``said``: wrapped to a terminal, whole elsewhere)."""
+    said(runnable(f"note: {text}"))
+
+
+def said(text: str) -> None:
+    """A note or warning on stderr: wrapped between words at the terminal's width when stderr is
+    a terminal; whole (one line, to grep) when it is a file or a pipe."""
+    stderr.print(text, markup=False, highlight=False, soft_wrap=not stderr.is_terminal)
 
 
 def sparkline(values: list[float], *, top: float | None = None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options, run_commands
-from headatlas.cli.output import Format, TableView, render, render_metrics, sparkline, stderr, stdout
+from headatlas.cli.output import Format, TableView, render, render_metrics, said, sparkline, stdout
 from headatlas.service.reports.columns import SORTABLE
 
 query_app = typer.Typer(help="Ask a stored run about its heads (layers and heads are 0-based).", no_args_is_help=True)
@@ -348,7 +348,7 @@ def _said(warnings: list[str]):
 
 def _print_warnings(warnings: list[str]) -> None:
     for warning in warnings:
-        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        said(f"warning: {warning}")
 
 
 _run = run_commands.resolve  # the run a command names, or the default one, with a note when unfinished

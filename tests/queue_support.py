@@ -132,21 +132,45 @@ class RedisServer:
 # as a real process, that a test can kill -9, stop or restart. What it does not test is the
 # interpreter's start itself: `Cluster(..., fork=False)` (tests/test_queue_delivery.py) starts the
 # installed console script, as do the tests of `submit --wait`, `analyze` and the reading commands.
-_LAUNCHER = r"""
-import json, os, signal, socket, sys, traceback
+_PRELOAD = r"""
+import os
 os.environ["OMP_NUM_THREADS"] = "1"  # read once, as OpenMP loads with torch: the children's value
 import celery, kombu, redis, duckdb, sqlalchemy  # noqa: F401,E401
 import headatlas.cli.main
 from headatlas.workers.launch import import_model_stack
 import_model_stack()  # torch, transformers and the analysis code, as a prefork pool's parent does
+"""
+# The launcher dies with the process that started it (pytest, or an xdist worker), whether that
+# exits, is killed or crashes, and takes its socket's folder with it: on Linux the kernel sends it
+# SIGTERM when its parent dies (PR_SET_PDEATHSIG); everywhere it also looks at its parent between
+# two connections (twice a second). Its children are tests' processes, stopped by their tests.
+_SERVE = r"""
+import json, os, shutil, signal, socket, sys, traceback
+path, parent = sys.argv[1], int(sys.argv[2])
 
+def leave(*_):
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, leave)
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:  # it died before the line above
+    leave()
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
 server = socket.socket(socket.AF_UNIX)
-server.bind(sys.argv[1])
+server.bind(path)
 server.listen(16)
+server.settimeout(0.5)
 print("ready", flush=True)
 while True:
-    conn, _ = server.accept()
+    try:
+        conn, _ = server.accept()
+    except TimeoutError:
+        if os.getppid() != parent:
+            leave()
+        continue
     with conn:
         request = json.loads(conn.makefile().readline())
         sys.stdout.flush()
@@ -157,6 +181,7 @@ while True:
     server.close()
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -169,6 +194,7 @@ while True:
     sys.argv = ["headatlas", *request["args"]]
     code = 1
     try:
+        import headatlas.cli.main
         headatlas.cli.main.main()
         code = 0
     except SystemExit as exc:
@@ -209,26 +235,33 @@ class Forked:
 _launcher: tuple[subprocess.Popen, str] | None = None
 
 
+def start_launcher(*, preload: bool = True) -> tuple[subprocess.Popen, str]:
+    """A launcher process and its socket's path, in a folder of its own under the temporary
+    folder; ``preload``: import the model stack first (False: the bare server, for its own test)."""
+    folder = tempfile.mkdtemp(prefix="headatlas-launcher-")
+    path = os.path.join(folder, "socket")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    script = (_PRELOAD if preload else "") + _SERVE
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, path, str(os.getpid())], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the launcher did not start"
+
+    def stop(proc=proc, folder=folder):
+        proc.kill()
+        proc.wait()
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+    return proc, path
+
+
 def _launcher_socket() -> str:
     global _launcher
     if _launcher is None or _launcher[0].poll() is not None:
-        folder = tempfile.mkdtemp(prefix="headatlas-launcher-")
-        path = os.path.join(folder, "socket")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCHER, path], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
-        )
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the launcher did not start"
-
-        def stop(proc=proc, folder=folder):
-            proc.kill()
-            proc.wait()
-            import shutil
-
-            shutil.rmtree(folder, ignore_errors=True)
-
-        atexit.register(stop)
-        _launcher = (proc, path)
+        _launcher = start_launcher()
     return _launcher[1]
 
 

@@ -1,0 +1,67 @@
+"""The queue tests' launcher (tests/queue_support.py) never outlives the process that started it:
+a pytest worker that is killed, or exits without running its atexit hooks, leaves no launcher
+behind and no socket folder in the temporary folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a stand-in for a pytest worker: starts the launcher (without the model stack: the same server),
+# says its pid and socket, and is killed with SIGKILL (no atexit, no cleanup of its own)
+PARENT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import queue_support
+proc, path = queue_support.start_launcher(preload=False)
+print(proc.pid, path, flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no init has reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state != "Z"
+
+
+def test_the_launcher_dies_with_its_parent_and_removes_its_folder():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT.format(tests=str(ROOT / "tests"))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert parent.stdout is not None and parent.stdin is not None
+    pid_text, path = parent.stdout.readline().split()
+    launcher, folder = int(pid_text), Path(path).parent
+    try:
+        assert _alive(launcher) and folder.is_dir() and folder.name.startswith("headatlas-launcher-")
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.wait(30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while (_alive(launcher) or folder.exists()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(launcher), "the launcher outlived its parent"
+        assert not folder.exists(), f"the launcher left {folder}"
+    finally:
+        if _alive(launcher):
+            os.kill(launcher, signal.SIGKILL)
