@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 
-from typer.core import TyperArgument
+from typer.core import TyperArgument, TyperOption
 
 # typer's type labels (``<int range>`` …) and the value names shown instead
 VALUE_NAMES = {
@@ -38,6 +38,14 @@ class PlainArgument(TyperArgument):
         name = self.display_name_raw
         name = name if self.required else f"[{name}]"
         return f"{name}..." if self.nargs != 1 else name
+
+
+class PlainOption(TyperOption):
+    """An option shown without its range beside its value name (``INTEGER [x>=1]``): a wider
+    column for every option's description; a value out of range is refused naming the range."""
+
+    def _get_number_range_help_str(self) -> str:
+        return ""
 
 
 def value_name(param) -> str:
@@ -86,6 +94,8 @@ def plain_help(command, seen: set[int] | None = None) -> None:
                 param.metavar = (param.name or "value").upper()
         elif param.metavar is None and hasattr(param, "display_type"):
             param.metavar = value_name(param)
+        if type(param) is TyperOption:
+            param.__class__ = PlainOption
         if getattr(param, "help", None):
             param.help = plain_text(param.help)
     for sub in getattr(command, "commands", {}).values():

@@ -89,6 +89,28 @@ WriterWait = typer.Option(20.0, "--writer-wait", help="Seconds to wait for the w
 
 _DECLARED = object()
 
+# --help shows the declared options in panels of their own, each a table sized to its options: one
+# list of 30 left a 26-character column for the descriptions at 100 columns
+PANELS = {
+    "Model": ("model", "device", "dtype", "batch_size"),
+    "Windows and statistics": (
+        "seq_len",
+        "windowing",
+        "sentences",
+        "select",
+        "gate",
+        "include_special",
+        "vectors",
+        "short_range",
+        "csm_bin",
+        "replicates",
+    ),
+    "Extra measures": ("attribution", "mixing", "effects", "effect_reference", "probe"),
+    "How much of them": ("attribution_windows", "effect_windows", "probe_length", "probe_sequences"),
+    "Corpus files": ("text_field", "encoding"),
+}
+PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
 
 def declared_option(option: Declared, *, help: str | None = None, default: Any = _DECLARED) -> Any:  # noqa: A002
     """The Typer option of one declared analysis option; another ``default`` (e.g. None: "unchanged")
@@ -102,7 +124,9 @@ def declared_option(option: Declared, *, help: str | None = None, default: Any =
     envvar = option.envvar if default is _DECLARED else None
     if default is _DECLARED:
         default = list(option.default) if option.type == list[str] else option.default
-    return typer.Option(default, *decls, envvar=envvar, help=text, min=option.min)
+    return typer.Option(
+        default, *decls, envvar=envvar, help=text, min=option.min, rich_help_panel=PANEL_OF.get(option.name)
+    )
 
 
 @dataclass(frozen=True)
