@@ -231,6 +231,44 @@ def test_tables_fit_the_terminal_and_never_break_a_header(atlas):
     )
 
 
+def _fits(out: str, width: int = 100) -> None:
+    assert all(len(line) <= width for line in out.splitlines()), out
+
+
+def test_each_command_shows_its_answer_in_100_columns(atlas, tmp_path):
+    """A 100-column terminal: compare shows both values, the difference and the verdict (not
+    one run's value with its interval), query roles --stability each half and stable, query
+    boundaries the distance-matched lift, schedule list the next fire whole; every line fits."""
+    db, _ = atlas
+    compared = ok("compare", "mine", "--db", str(db)).stdout
+    _fits(compared)
+    assert _header(compared) == ["layer_a", "metric", "value_a", "value_b", "difference", "verdict"]
+    rows = [line.split() for line in compared.splitlines() if re.match(r"\d+ {2,}[a-z_]+ {2,}[-\d]", line)]
+    verdicts = ("beyond", "within", "no interval", "no value")
+    assert rows and all(" ".join(row).endswith(verdicts) for row in rows), compared
+    heads = ok("compare", "mine", "--heads", "--db", str(db)).stdout
+    _fits(heads)
+    assert _header(heads)[:2] == ["layer_a", "head"] and _header(heads)[-1] == "verdict"
+    stability = ok("query", "roles", "--run", "mine", "--stability", "--db", str(db)).stdout
+    _fits(stability)
+    assert _header(stability)[:3] == ["layer", "head", "role"]
+    assert _header(stability)[-3:] == ["half_a", "half_b", "stable"]
+    boundaries = ok("query", "boundaries", "--run", "mine", "--ci", "--db", str(db)).stdout
+    _fits(boundaries)
+    assert _header(boundaries)[:2] == ["layer", "within_sentence_lift_dm"]
+    corpus = tmp_path / "a folder with a rather long name for its corpus" / "incoming.txt"
+    corpus.parent.mkdir()
+    corpus.write_text("One sentence. Another one.\n", encoding="utf-8")
+    ok("schedule", "add", "nightly", "--corpus", str(corpus), "--cron", "0 3 * * *", "--db", str(db), *TINY)
+    listed = ok("schedule", "list", "--db", str(db)).stdout
+    _fits(listed)
+    assert _header(listed)[:4] == ["name", "state", "when", "next_fire_utc"]
+    assert re.search(r"nightly .* \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", listed)  # the timestamp on one line
+    assert str(corpus) in " ".join(ok("schedule", "list", "--wide", "--db", str(db)).stdout.split())
+    _fits(ok("schedule", "show", "nightly", "--db", str(db)).stdout)
+    ok("schedule", "remove", "nightly", "--db", str(db))
+
+
 def test_columns_picks_and_wide_shows_all(atlas):
     db, _ = atlas
     picked = ok("query", "heads", "--run", "mine", "--columns", "layer,head,attn_entropy", "--db", str(db))
