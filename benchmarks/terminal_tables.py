@@ -3,13 +3,14 @@
     python benchmarks/terminal_tables.py [--db build/terminal-tables.duckdb] [--check]
 
 ``make terminal-tables`` runs it. It analyses the shipped excerpt with the default model into a
-fresh database (run name ``demo``), then, for every block of a page that follows a marker
+fresh database (run name ``demo``, with one random-weights control) and adds two schedules, then, for every block of a page that follows a marker
 
     <!-- terminal: query heads --top 5 -->
 
 runs that command on the database, in-process, at 100 columns without colour, and writes its
 output (stdout, then any stderr notes) into the ```text block under the marker, after a first
-line ``$ headatlas query heads --top 5``. ``--check``: rewrite nothing, exit 1 when a block
+line ``$ headatlas query heads --top 5`` (a marker's command may end in ``| head -n N``: the first N
+lines of its output). ``--check``: rewrite nothing, exit 1 when a block
 differs. tests/test_cli_walkthrough.py checks that every captured line fits 100 characters.
 """
 
@@ -40,9 +41,13 @@ def invoke(args: list[str]) -> tuple[int, str, str]:
 
 
 def capture(command: str, db: Path) -> str:
-    code, out, err = invoke([*shlex.split(command), "--db", str(db)])
+    """``command``'s output; ``COMMAND | head -n N``: its first N lines of stdout (then stderr)."""
+    args, _, head = command.partition(" | head -n ")
+    code, out, err = invoke([*shlex.split(args), "--db", str(db)])
     if code != 0:
         raise SystemExit(f"headatlas {command} failed ({code}): {err.strip()}")
+    if head:
+        out = "".join(out.splitlines(keepends=True)[: int(head)])
     return f"$ headatlas {command}\n{out}{err}"
 
 
@@ -58,9 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args.db.parent.mkdir(parents=True, exist_ok=True)
     args.db.unlink(missing_ok=True)
-    code, _, err = invoke(["analyze", str(demo_corpus_path()), "--name", "demo", "--db", str(args.db), "--quiet"])
-    if code != 0:
-        raise SystemExit(f"analyze failed: {err.strip()}")
+    corpus = str(demo_corpus_path())
+    for setup in (
+        # the run and its random-weights control (compare's floor)
+        ["analyze", corpus, "--name", "demo", "--control", "1", "--quiet"],
+        # schedules for `schedule list` (its next fire is the day this runs)
+        ["schedule", "add", "nightly", "--corpus", corpus, "--cron", "0 3 * * *"],
+        ["schedule", "add", "new-files", "--corpus", corpus, "--every", "6h", "--only-new"],
+    ):
+        code, _, err = invoke([*setup, "--db", str(args.db)])
+        if code != 0:
+            raise SystemExit(f"{' '.join(setup[:2])} failed: {err.strip()}")
     stale = []
     for page in PAGES:
         text = page.read_text(encoding="utf-8")

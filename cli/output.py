@@ -263,10 +263,16 @@ def print_table(
     right (never the first ``pinned``) and a line names them; else the table takes its natural
     width. ``available``: how many columns the rows had (a line says how to see the others)."""
     cells = _cells(rows)
+    if fit and not wraps_text():
+        # piped without $COLUMNS: every column asked for, and rows whole (one row, one line to
+        # grep) but where a column holds prose (definitions, messages): it wraps at FIT_WIDTH,
+        # as `metrics | head` or a pager shows it; names and paths never break
+        drop = False
+        text_columns = {c for i, c in enumerate(columns) if c in text_columns and any(" " in r[i].plain for r in cells)}
+        fit = bool(text_columns)
     natural, least = _column_widths(columns, cells, text_columns)
     keep = list(range(len(columns)))
     width = fit_width()
-    fit = fit and wraps_text()  # piped without $COLUMNS: whole lines, every column asked for
     left_out: list[str] = []
     if fit and drop:
         while len(keep) > pinned and _width(least[i] for i in keep) > width:

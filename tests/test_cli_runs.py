@@ -360,3 +360,27 @@ def test_trend_sparkline_spans_the_values_own_range():
     assert rising == f"lift {SPARK[0]}{SPARK[-1]}  (1.142 … 1.194)"
     assert trend_line("lift", [0.5, None, 0.75, 1.0]) == f"lift {SPARK[0]} {SPARK[4]}{SPARK[-1]}  (0.5 … 1)"
     assert trend_line("lift", [2.0, 2.0]) == f"lift {SPARK[3]}{SPARK[3]}  (2 … 2)"
+
+
+def test_piped_prose_wraps_at_100_columns_and_notes_wrap_on_a_terminal(monkeypatch):
+    """`metrics | head`: piped with no width given, a table whose column holds prose (the
+    definitions) wraps it at 100 columns, every column kept; a note on stderr wraps at a
+    terminal's width, and stays one line in a file or a pipe."""
+    import io
+
+    from rich.console import Console
+
+    from headatlas.cli import output
+
+    piped = ok("metrics", columns=None).stdout
+    assert _header(piped)[:3] == ["column", "spec", "definition"]
+    assert all(len(line) <= 100 for line in piped.splitlines()), piped
+    text = "a note long enough to need more than one line of a narrow terminal, " * 3
+    for terminal, lines in ((True, 4), (False, 1)):
+        sink = io.StringIO()
+        monkeypatch.setattr(output, "stderr", Console(file=sink, width=60, force_terminal=terminal, no_color=True))
+        output.note(text.strip())
+        said = sink.getvalue().splitlines()
+        assert len(said) >= lines if terminal else len(said) == 1, said
+        assert all(len(line) <= 60 for line in said) or not terminal
+        assert " ".join(" ".join(said).split()) == f"note: {' '.join(text.split())}"
