@@ -299,6 +299,33 @@ def test_a_write_to_the_database_is_seen_at_the_next_request(stored, client):
         Store(db).tag_run(run.run_id, [], ["seen"])
 
 
+def test_a_finished_runs_reads_outlive_writes_elsewhere_not_its_own(stored, tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from headatlas.service.reports.columns import PROBE_COLUMNS
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db, run, deep = tmp_path / "copy.duckdb", stored[1], stored[2]
+    shutil.copy(stored[0], db)
+    app = WebApp(str(db))
+    client = Client(app)
+
+    def heads_reads() -> int:  # the run's heads, as read from the database so far
+        return sum(1 for key in app.memo._items if key[1:3] == ("run", run.run_id) and key[4] == "heads")
+
+    first = client.get(f"/runs/{run.run_id}.json").json()
+    Store(db).tag_run(deep.run_id, ["elsewhere"], [])  # a write, not to this run
+    assert client.get(f"/runs/{run.run_id}.json").json() == first and heads_reads() == 1
+    scores = np.full((run.n_layers, run.n_heads), 0.5)
+    Store(db).store_probe(run.run_id, (8, 2, 0), dict.fromkeys(PROBE_COLUMNS, scores))
+    probed = client.get(f"/runs/{run.run_id}.json").json()
+    assert heads_reads() == 2 and {h["induction_score"] for h in probed["heads"]} == {0.5}
+    assert same(probed["heads"], cli_json(db, "query", "heads", "--run", str(run.run_id), "--ci"))
+
+
 def test_progress_of_an_unfinished_run(stored, tmp_path):
     from headatlas.service.storage.store import Store
     from headatlas.service.web.app import WebApp

@@ -40,6 +40,8 @@ T = TypeVar("T")
 # a run's rows in these tables (per window or per token: millions on a large run) are counted; in the
 # others they are also hashed, so that rows rewritten in place change the fingerprint too
 COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows", "csm_bins", "mixing_dist"})
+# a run's names and tags: the run's row of the runs list, read per database state, never of_run
+NOT_RESULTS = frozenset({"run_aliases", "run_tags"})
 
 
 def run_tables(conn: Connection) -> list[str]:
@@ -61,6 +63,7 @@ def run_fingerprint(conn: Connection, run_id: int) -> tuple:
     parts = [
         f"SELECT '{t}', count(*), " + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))") + f" FROM {t} x WHERE run_id = :run"
         for t in run_tables(conn)
+        if t not in NOT_RESULTS
     ]
     return tuple(sorted(tuple(r) for r in conn.execute(text(" UNION ALL ".join(parts)), {"run": run_id})))
 
