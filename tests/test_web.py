@@ -193,12 +193,55 @@ def test_a_run_named_script_is_text_on_every_page(stored, client):
         assert "<script>alert" not in answer.text and "<img src=x" not in answer.text, path
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in answer.text, path
     assert "&lt;img src=x onerror=alert(2)&gt;" in client.get(pages[4]).text
-    # by its name in the address: its "/" splits the path (as every server decodes %2F), so no page is
-    # there, and the 404 page names the address as text
-    missing = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
+    # by its name in the address, its "/" as %2F: the run; unquoted, the "/" splits the path: no page there,
+    # and the 404 page names the address as text
+    by_name = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E.json")
+    assert by_name.status == 200 and by_name.json()["run"]["run_id"] == naughty
+    missing = client.get("/runs/%3Cscript%3Ealert(1)%3C/script%3E")
     assert missing.status == 404 and "<script>alert" not in missing.text and "&lt;script&gt;" in missing.text
     # the page's only scripts are the app's own file
     assert re.findall(r"<script[^>]*>", client.get(f"/runs/{naughty}").text) == ['<script src="/static/app.js" defer>']
+
+
+def test_a_run_named_with_a_slash_is_addressable_by_its_name(stored, tmp_path):
+    import shutil
+
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db, run = tmp_path / "copy.duckdb", stored[1]
+    shutil.copy(stored[0], db)
+    Store(db).rename_run(run.run_id, "a/b")
+    client = Client(WebApp(str(db)))
+    assert client.get("/runs/a%2Fb.json").json()["run"]["name"] == "a/b"
+    for path in (
+        "/runs/a%2Fb",
+        "/runs/a%2Fb/heads/1/2",
+        "/runs/a%2Fb/sql.json?q=SELECT+1",
+        "/compare/a%2Fb/tiny-control",
+    ):
+        assert client.get(path).status == 200, path
+    assert client.get("/runs/a/b").status == 404
+    form = client.get("/compare?a=a/b&b=tiny-control&by=head")
+    assert form.status == 302 and form.headers["Location"] == "/compare/a%2Fb/tiny-control?by=head"
+
+
+def test_on_loopback_only_requests_addressed_to_loopback_are_answered(stored):
+    """A page of another site that points a name at 127.0.0.1 (DNS rebinding) sends that name as Host."""
+    from headatlas.service.web.app import WebApp
+    from headatlas.service.web.server import LoopbackHosts, bind
+
+    guarded = Client(LoopbackHosts(WebApp(str(stored[0])), 8150))
+    for host in ("127.0.0.1:8150", "localhost:8150", "[::1]:8150", "LOCALHOST:8150"):
+        assert guarded.get("/runs.json", host=host).status == 200, host
+    for host in ("evil.example:8150", "evil.example", "127.0.0.1:8151", "127.0.0.1", "10.0.0.2:8150", ""):
+        answer = guarded.get("/runs.json", host=host)
+        assert answer.status == 421 and "localhost, 127.0.0.1 or [::1] on port 8150" in answer.text, host
+    server = bind(WebApp(str(stored[0])), "127.0.0.1", 0, quiet=True)
+    try:
+        assert isinstance(server.get_app(), LoopbackHosts)
+    finally:
+        server.server_close()
 
 
 def test_bad_addresses_get_a_404_page(stored, client):

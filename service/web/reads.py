@@ -61,7 +61,9 @@ def run_fingerprint(conn: Connection, run_id: int) -> tuple:
     """What changes whenever anything stored for run ``run_id`` changes: per table, the run's row
     count and (but in ``COUNTED_ONLY``) the sum of its rows' hashes. Milliseconds on a large run."""
     parts = [
-        f"SELECT '{t}', count(*), " + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))") + f" FROM {t} x WHERE run_id = :run"
+        f"SELECT '{t}', count(*), "
+        + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))")
+        + f" FROM {t} x WHERE run_id = :run"
         for t in run_tables(conn)
         if t not in NOT_RESULTS
     ]
