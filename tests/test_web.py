@@ -456,6 +456,18 @@ def test_the_command_prints_its_address_warns_off_loopback_and_serves(stored, tm
         process.wait(30)
 
 
+def test_the_command_line_loads_no_array_or_database_library_before_serve_prints_its_address():
+    import sys
+
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, headatlas.cli.main; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert not {"numpy", "torch", "transformers", "sqlalchemy", "duckdb"} & set(loaded)
+
+
 def test_the_server_reads_the_latest_runs_pages_ahead(stored):
     from headatlas.service.web.app import WebApp
 
