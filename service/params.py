@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, DEFAULTS, MIXING_WINDOWS
-from headatlas.service.engine.results import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
+from headatlas.service.engine.schemes import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
 from headatlas.service.errors import Param, ParameterError
 
 WINDOWING = ("chunks", "first")

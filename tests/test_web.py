@@ -193,12 +193,55 @@ def test_a_run_named_script_is_text_on_every_page(stored, client):
         assert "<script>alert" not in answer.text and "<img src=x" not in answer.text, path
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in answer.text, path
     assert "&lt;img src=x onerror=alert(2)&gt;" in client.get(pages[4]).text
-    # by its name in the address: its "/" splits the path (as every server decodes %2F), so no page is
-    # there, and the 404 page names the address as text
-    missing = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
+    # by its name in the address, its "/" as %2F: the run; unquoted, the "/" splits the path: no page there,
+    # and the 404 page names the address as text
+    by_name = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E.json")
+    assert by_name.status == 200 and by_name.json()["run"]["run_id"] == naughty
+    missing = client.get("/runs/%3Cscript%3Ealert(1)%3C/script%3E")
     assert missing.status == 404 and "<script>alert" not in missing.text and "&lt;script&gt;" in missing.text
     # the page's only scripts are the app's own file
     assert re.findall(r"<script[^>]*>", client.get(f"/runs/{naughty}").text) == ['<script src="/static/app.js" defer>']
+
+
+def test_a_run_named_with_a_slash_is_addressable_by_its_name(stored, tmp_path):
+    import shutil
+
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db, run = tmp_path / "copy.duckdb", stored[1]
+    shutil.copy(stored[0], db)
+    Store(db).rename_run(run.run_id, "a/b")
+    client = Client(WebApp(str(db)))
+    assert client.get("/runs/a%2Fb.json").json()["run"]["name"] == "a/b"
+    for path in (
+        "/runs/a%2Fb",
+        "/runs/a%2Fb/heads/1/2",
+        "/runs/a%2Fb/sql.json?q=SELECT+1",
+        "/compare/a%2Fb/tiny-control",
+    ):
+        assert client.get(path).status == 200, path
+    assert client.get("/runs/a/b").status == 404
+    form = client.get("/compare?a=a/b&b=tiny-control&by=head")
+    assert form.status == 302 and form.headers["Location"] == "/compare/a%2Fb/tiny-control?by=head"
+
+
+def test_on_loopback_only_requests_addressed_to_loopback_are_answered(stored):
+    """A page of another site that points a name at 127.0.0.1 (DNS rebinding) sends that name as Host."""
+    from headatlas.service.web.app import WebApp
+    from headatlas.service.web.server import LoopbackHosts, bind
+
+    guarded = Client(LoopbackHosts(WebApp(str(stored[0])), 8150))
+    for host in ("127.0.0.1:8150", "localhost:8150", "[::1]:8150", "LOCALHOST:8150"):
+        assert guarded.get("/runs.json", host=host).status == 200, host
+    for host in ("evil.example:8150", "evil.example", "127.0.0.1:8151", "127.0.0.1", "10.0.0.2:8150", ""):
+        answer = guarded.get("/runs.json", host=host)
+        assert answer.status == 421 and "localhost, 127.0.0.1 or [::1] on port 8150" in answer.text, host
+    server = bind(WebApp(str(stored[0])), "127.0.0.1", 0, quiet=True)
+    try:
+        assert isinstance(server.get_app(), LoopbackHosts)
+    finally:
+        server.server_close()
 
 
 def test_bad_addresses_get_a_404_page(stored, client):
@@ -299,6 +342,33 @@ def test_a_write_to_the_database_is_seen_at_the_next_request(stored, client):
         Store(db).tag_run(run.run_id, [], ["seen"])
 
 
+def test_a_finished_runs_reads_outlive_writes_elsewhere_not_its_own(stored, tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from headatlas.service.reports.columns import PROBE_COLUMNS
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db, run, deep = tmp_path / "copy.duckdb", stored[1], stored[2]
+    shutil.copy(stored[0], db)
+    app = WebApp(str(db))
+    client = Client(app)
+
+    def heads_reads() -> int:  # the run's heads, as read from the database so far
+        return sum(1 for key in app.memo._items if key[1:3] == ("run", run.run_id) and key[4] == "heads")
+
+    first = client.get(f"/runs/{run.run_id}.json").json()
+    Store(db).tag_run(deep.run_id, ["elsewhere"], [])  # a write, not to this run
+    assert client.get(f"/runs/{run.run_id}.json").json() == first and heads_reads() == 1
+    scores = np.full((run.n_layers, run.n_heads), 0.5)
+    Store(db).store_probe(run.run_id, (8, 2, 0), dict.fromkeys(PROBE_COLUMNS, scores))
+    probed = client.get(f"/runs/{run.run_id}.json").json()
+    assert heads_reads() == 2 and {h["induction_score"] for h in probed["heads"]} == {0.5}
+    assert same(probed["heads"], cli_json(db, "query", "heads", "--run", str(run.run_id), "--ci"))
+
+
 def test_progress_of_an_unfinished_run(stored, tmp_path):
     from headatlas.service.storage.store import Store
     from headatlas.service.web.app import WebApp
@@ -386,12 +456,24 @@ def test_the_command_prints_its_address_warns_off_loopback_and_serves(stored, tm
         process.wait(30)
 
 
+def test_the_command_line_loads_no_array_or_database_library_before_serve_prints_its_address():
+    import sys
+
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, headatlas.cli.main; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert not {"numpy", "torch", "transformers", "sqlalchemy", "duckdb"} & set(loaded)
+
+
 def test_the_server_reads_the_latest_runs_pages_ahead(stored):
     from headatlas.service.web.app import WebApp
 
     app = WebApp(str(stored[0]))
     app.warm(runs=1).join(300)
-    remembered = {key[2] for key in app.memo._items}
+    remembered = {part for key in app.memo._items for part in key if isinstance(part, str)}
     assert {"runs", "run", "layers", "roles", "heads"} <= remembered
 
 

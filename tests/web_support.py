@@ -52,15 +52,21 @@ class Client:
     def __init__(self, app) -> None:
         self.app = app
 
-    def get(self, path: str, query: dict | list | None = None, *, method: str = "GET") -> Answer:
+    def get(
+        self, path: str, query: dict | list | None = None, *, method: str = "GET", host: str | None = None
+    ) -> Answer:
         path, _, raw = path.partition("?")
         environ: dict = {
             "REQUEST_METHOD": method,
+            # the path as sent (the server's handler passes it on), and as the server decodes it
+            "REQUEST_URI": quote(path, safe="/%"),
             # decoded as a server decodes it (wsgiref: %XX undone, the bytes as latin-1 characters, PEP 3333)
             "PATH_INFO": unquote(quote(path, safe="/%"), "latin-1"),
             "QUERY_STRING": raw or (urlencode(query, doseq=True) if query else ""),
             "wsgi.input": io.BytesIO(),
         }
+        if host is not None:
+            environ["HTTP_HOST"] = host
         setup_testing_defaults(environ)
         said: dict = {}
 

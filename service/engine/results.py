@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# numpy-free, so that the parameters (and with them the CLI) load without numpy; re-exported here
+from headatlas.service.engine.schemes import (  # noqa: F401
+    FALLBACK_BELOW,
+    FALLBACK_BLOCK,
+    FORWARD_MIXING,
+    MIXING_METHODS,
+    REPLICATE_UNITS,
+    REPLICATES,
+    parse_replicates,
+)
+
 # The additive sums, declared with the metrics that read them (service.metrics): per head
 # (HEAD_SUMS, table head_stats) and per run (CHANCE_SUMS, table run_chance) that the statistics
 # compute for every window; the causal effects' sums (SPEC §9), on a run's effect windows only,
@@ -23,11 +34,6 @@ from headatlas.service.metrics import EFFECT_SUM_NAMES, INT_SUMS, STAT_CHANCE_SU
 HEAD_SUMS = STAT_HEAD_SUMS
 CHANCE_SUMS = STAT_CHANCE_SUMS
 
-# The mixing methods (service.measures.mixing registers one class for each), in display order: attention is
-# always measured (the others are compared with it), attribution is asked for with --attribution,
-# the forward-only ones with --mixing.
-MIXING_METHODS = ("attention", "attribution", "rollout", "norm", "alti")
-FORWARD_MIXING = ("rollout", "norm", "alti")
 # per mixing method (service.measures.mixing), layer and head
 MIX_SUMS = ("to_cls", "to_sep", "to_punct", "to_self", "to_prev", "to_next", "entropy", "jsd_attention", "distance_sum")
 # the run sums of payloads made before each sum had its own array (one int64 stack, this order)
@@ -45,32 +51,6 @@ PAIR_HISTS = ("pairs", "same_sentence", "same_token", "same_word")
 
 # the corpus-averaged similarity matrices (SPEC §5c): all pairs of P, and H split by the attention gate
 CSM_KINDS = ("all", "attended", "noise")
-
-# Replicate groups (SPEC §5b, §5d): every additive sum is kept per group, so a ratio's jackknife
-# interval can be computed from stored sums, also after compaction.
-REPLICATES = 16
-# SPEC §5d: a window's group is a hash of its unit: its document (default), a block of B consecutive
-# windows of its document, or (the §5b rule, kept to reproduce earlier runs) the window itself
-REPLICATE_UNITS = ("document", "block", "window")
-FALLBACK_BLOCK = 8  # B of the block rule `document` falls back to on a corpus of few documents
-# ``document`` falls back to ``block:FALLBACK_BLOCK`` below this many documents. By simulation on
-# clustered corpora (tests/test_intervals.py) the document rule with the t quantile covers 93-97%
-# from 10 documents up, and blocks of one document, which split its windows over several groups,
-# cover ~60% below 64 (the 4·R of SPEC §5d): blocks measure only the variation within the corpus's
-# documents. Below 10 documents the document rule leaves fewer than 10 groups, and t_{R-1} makes
-# its intervals too wide to read; there the block rule is given, and its footnote says so.
-FALLBACK_BELOW = 10
-
-
-def parse_replicates(text: str) -> tuple[str, int]:
-    """``document`` | ``block:B`` | ``window`` → (unit, B); B = 0 except for blocks. Raises
-    ValueError with the expected forms (the parameters turn it into a ParameterError)."""
-    unit, sep, raw = str(text).strip().lower().partition(":")
-    if unit == "block" and sep and raw.isdigit() and int(raw) >= 1:
-        return unit, int(raw)
-    if unit in ("document", "window") and not sep:
-        return unit, 0
-    raise ValueError(f"{text!r}: expected document, block:B (B ≥ 1 consecutive windows, e.g. block:8) or window")
 
 
 def _hash_group(key: str) -> int:

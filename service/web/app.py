@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 from headatlas.service.errors import HeadatlasError, ModelError, RunNotFound, StoreBusy
 from headatlas.service.storage.store import Store
@@ -111,9 +112,7 @@ class WebApp:
 
     # --- WSGI -----------------------------------------------------------------------------------
     def __call__(self, environ: dict, start_response: Callable) -> list[bytes]:
-        # PEP 3333: PATH_INFO holds the URL's bytes as latin-1 characters
-        path = environ.get("PATH_INFO", "/").encode("latin-1").decode("utf-8", "replace")
-        request = Request.of(environ.get("REQUEST_METHOD", "GET"), path, environ.get("QUERY_STRING", ""))
+        request = Request.of(environ.get("REQUEST_METHOD", "GET"), _sent_path(environ), environ.get("QUERY_STRING", ""))
         response = self.respond(request)
         headers = [
             ("Content-Type", response.content_type),
@@ -141,8 +140,10 @@ class WebApp:
             match = pattern.fullmatch(request.path)
             if match is None:
                 continue
+            # the path as sent: a name's %2F is one segment's text, undone only within the segment
+            parts = {k: v if v is None else unquote(v) for k, v in match.groupdict().items()}
             try:
-                return handler(request, **match.groupdict())
+                return handler(request, **parts)
             except (NotFound, RunNotFound) as missing:
                 return self._error(404, "Not found", str(missing), wants_data)
             except StoreBusy as busy:
@@ -151,7 +152,7 @@ class WebApp:
                 return self._error(500, "Model unavailable", str(failed), wants_data)
             except HeadatlasError as bad:
                 return self._error(400, "Bad request", str(bad), wants_data)
-        return self._error(404, "Not found", f"no page at {request.path}: the runs are at /runs", wants_data)
+        return self._error(404, "Not found", f"no page at {unquote(request.path)}: the runs are at /runs", wants_data)
 
     def _error(self, status: int, title: str, message: str, data: bool, headers=()) -> Response:
         if data:
@@ -239,8 +240,6 @@ class WebApp:
         a, b = request.arg("a"), request.arg("b")
         if a is None or b is None:
             raise NotFound("compare two runs at /compare/A/B (ids, names or aliases), or pick them on /runs")
-        from urllib.parse import quote
-
         rest = {k: v for k, v in request.query.items() if k not in ("a", "b")}
         tail = _query(Request(request.method, request.path, rest))
         location = f"/compare/{quote(a, safe='')}/{quote(b, safe='')}" + (f"?{tail}" if tail else "")
@@ -256,6 +255,19 @@ class WebApp:
         if name not in self.static:
             raise NotFound(f"no file {name} here")
         return Response(200, self.static[name], STATIC[name])
+
+
+def _sent_path(environ: dict) -> str:
+    """The request's path, percent-encoded as sent, each segment in one spelling: from the server's
+    ``REQUEST_URI`` (or ``RAW_URI``) where it gives one, else from PATH_INFO (where a %2F is already a
+    slash, so that a name holding one cannot be told from two segments)."""
+    sent = environ.get("REQUEST_URI") or environ.get("RAW_URI")
+    if sent:
+        path = sent.split("?", 1)[0] if sent.startswith("/") else urlsplit(sent).path
+        return "/".join(quote(unquote(part), safe="") for part in path.split("/")) or "/"
+    # PEP 3333: PATH_INFO holds the URL's bytes as latin-1 characters
+    path = environ.get("PATH_INFO", "/").encode("latin-1").decode("utf-8", "replace")
+    return quote(path, safe="/")
 
 
 def _query(request: Request) -> str:

@@ -115,6 +115,11 @@ class Ctx:
         """``compute(conn)``, remembered under ``key`` (``Reads.get``)."""
         return self.reads.get(key, lambda: compute(self.reads.conn))
 
+    def run_query(self, run: Run, key: tuple, compute: Callable[[Any], Any]) -> Any:
+        """``compute(conn)``, which reads run ``run`` alone, remembered under ``key`` for as long as
+        what the run stored does not change (``Reads.of_run``)."""
+        return self.reads.of_run(run, key, lambda: compute(self.reads.conn))
+
 
 def run_path(run: Run | int, *rest: str | int) -> str:
     """A run's address: by id, which renaming leaves as it is."""

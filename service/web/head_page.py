@@ -19,7 +19,7 @@ from headatlas.service.web import charts
 from headatlas.service.web.context import Ctx, NotFound, run_path
 from headatlas.service.web.documents import records, with_scheme
 from headatlas.service.web.html import e, interval, num, table
-from headatlas.service.web.run_page import heads_of, run_reads
+from headatlas.service.web.run_page import heads_of, run_roles
 from headatlas.service.web.views import View
 
 N_ANCHORS = 10
@@ -38,13 +38,16 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
     run = ctx.run(ref)
     check_head(run, layer, head)
     r = run.run_id
-    columns, rows = heads_of(ctx, run, layer=layer)
-    mine = [row for row in rows if row[1] == head]
-    role_cols, role_rows = run_reads(ctx, run)["roles"]
+    # the run's rows, read once for all its heads (and the run page), the head's picked out
+    columns, rows = heads_of(ctx, run)
+    mine = [row for row in rows if (row[0], row[1]) == (layer, head)]
+    role_cols, role_rows = run_roles(ctx, run)
     my_roles = [row for row in role_rows if (row[0], row[1]) == (layer, head)]
-    dist = ctx.query(("distances", r, layer, head), lambda c: queries.distances(c, r, layer=layer, head=head, ci=True))
-    named = ctx.query(("anchors", r, layer), lambda c: queries.heads(c, r, layer=layer, anchors=N_ANCHORS))
-    anchor_text = next((row[named[0].index("top_anchors")] for row in named[1] if row[1] == head), None)
+    dist = ctx.run_query(
+        run, ("distances", layer, head), lambda c: queries.distances(c, r, layer=layer, head=head, ci=True)
+    )
+    named = ctx.run_query(run, ("anchors", N_ANCHORS), lambda c: queries.heads(c, r, anchors=N_ANCHORS))
+    anchor_text = next((row[named[0].index("top_anchors")] for row in named[1] if row[:2] == (layer, head)), None)
     anchors = split_anchors(anchor_text) if anchor_text else []
     scheme = [scheme_of(run.params)]
     data = {

@@ -9,7 +9,13 @@ A page calls the library through ``Reads.get(key, compute)``. The result is kept
 - ``--at SNAPSHOT``: that snapshot, which never changes.
 
 So a write to the database (a run stored, renamed, tagged or deleted, a batch of a running run) is
-seen by the next request, and a page read twice runs its queries once. A value read from a state
+seen by the next request, and a page read twice runs its queries once.
+
+What a finished run's pages read (its heads, layers, roles, anchors: seconds of SQL on a large run)
+is kept by ``Reads.of_run`` under the run's own fingerprint instead (``run_fingerprint``: its row
+and the rows it owns in every table), so that a write elsewhere (another run's batches, a rename)
+does not send the run's pages back to their queries; a write to the run itself (effects or a probe
+added, a compaction) changes its fingerprint. A value read from a state
 newer than its key (a commit between the stat and the transaction) is replaced at the next request,
 whose key differs; a value is never older than its key. The transaction is opened at the first
 value not remembered, so a page whose values are all remembered opens nothing.
@@ -24,11 +30,44 @@ from collections.abc import Callable, Hashable
 from contextlib import ExitStack
 from typing import Any, TypeVar
 
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.storage.store import Store
+from headatlas.service.statuses import RunStatus
+from headatlas.service.storage.store import Run, Store
 
 T = TypeVar("T")
+# a run's rows in these tables (per window or per token: millions on a large run) are counted; in the
+# others they are also hashed, so that rows rewritten in place change the fingerprint too
+COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows", "csm_bins", "mixing_dist"})
+# a run's names and tags: the run's row of the runs list, read per database state, never of_run
+NOT_RESULTS = frozenset({"run_aliases", "run_tags"})
+
+
+def run_tables(conn: Connection) -> list[str]:
+    """The base tables that hold rows of a run (a ``run_id`` column)."""
+    rows = conn.execute(
+        text(
+            "SELECT c.table_name FROM information_schema.columns c JOIN information_schema.tables t "
+            "USING (table_catalog, table_schema, table_name) "
+            "WHERE c.column_name = 'run_id' AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
+            "ORDER BY c.table_name"
+        )
+    )
+    return [r[0] for r in rows]
+
+
+def run_fingerprint(conn: Connection, run_id: int) -> tuple:
+    """What changes whenever anything stored for run ``run_id`` changes: per table, the run's row
+    count and (but in ``COUNTED_ONLY``) the sum of its rows' hashes. Milliseconds on a large run."""
+    parts = [
+        f"SELECT '{t}', count(*), "
+        + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))")
+        + f" FROM {t} x WHERE run_id = :run"
+        for t in run_tables(conn)
+        if t not in NOT_RESULTS
+    ]
+    return tuple(sorted(tuple(r) for r in conn.execute(text(" UNION ALL ".join(parts)), {"run": run_id})))
 
 
 class Memo:
@@ -109,3 +148,12 @@ class Reads:
         """``compute()`` (which reads ``self.conn`` or the store), remembered under ``key`` for the
         database's present state."""
         return self.memo.get((self.store.backend.label, self.state(), *key), compute)
+
+    def of_run(self, run: Run, key: tuple, compute: Callable[[], T]) -> T:
+        """``compute()`` (which reads run ``run`` alone), remembered under ``key`` for the run's
+        fingerprint when the run is finished (what it stored no longer changes but by an explicit
+        write to it), for the database's state otherwise."""
+        if run.status != RunStatus.DONE:
+            return self.get(("run", run.run_id, *key), compute)
+        fingerprint = self.get(("fingerprint", run.run_id), lambda: run_fingerprint(self.conn, run.run_id))
+        return self.memo.get((self.store.backend.label, "run", run.run_id, fingerprint, *key), compute)

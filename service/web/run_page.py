@@ -45,20 +45,26 @@ def run_reads(ctx: Ctx, run: Run) -> dict:
     """What the run page reads, through the library (remembered per database state)."""
     r = run.run_id
     return {
-        "layers": ctx.query(("layers", r), lambda c: queries.layers(c, r, ci=True)),
-        "roles": ctx.query(("roles", r), lambda c: roles.roles(c, r, stability=True)),
-        "causal": ctx.query(("causal", r), lambda c: roles.causal_run(c, r)),
+        "layers": ctx.run_query(run, ("layers",), lambda c: queries.layers(c, r, ci=True)),
+        "roles": run_roles(ctx, run),
+        "causal": ctx.run_query(run, ("causal",), lambda c: roles.causal_run(c, r)),
         "controls": ctx.query(("controls", r), lambda c: compare.controls_of(c, run)),
-        "warning": ctx.query(("warning", r), lambda c: queries.interval_warning(c, r)),
+        "warning": ctx.run_query(run, ("warning",), lambda c: queries.interval_warning(c, r)),
         "all_heads": heads_of(ctx, run),
     }
+
+
+def run_roles(ctx: Ctx, run: Run) -> queries.Rows:
+    """``query roles --stability``."""
+    return ctx.run_query(run, ("roles",), lambda c: roles.roles(c, run.run_id, stability=True))
 
 
 def heads_of(ctx: Ctx, run: Run, *, layer=None, sort=None, asc=False, top=None) -> queries.Rows:
     """``query heads --ci`` with these options."""
     r = run.run_id
-    return ctx.query(
-        ("heads", r, layer, sort, asc, top),
+    return ctx.run_query(
+        run,
+        ("heads", layer, sort, asc, top),
         lambda c: queries.heads(c, r, layer=layer, sort=sort, top=top, ci=True, ascending=asc),
     )
 
