@@ -142,6 +142,36 @@ def preparation(corpus: Path, processes: list[int], repeats: int) -> None:
             print(
                 f"preparation, {sentences}, {label}: {rate(windows, seconds)}{scale}; {windows:,} windows", flush=True
             )
+        if sentences == "segmenter":
+            parent_ceiling(corpus, info, params, tokens, repeats)
+
+
+def parent_ceiling(corpus: Path, info, params, tokens, repeats: int) -> None:
+    """What the calling process does per window when a pool prepares them: take each task's
+    windows off the pipe (unpickle) and collate them into batches. Its rate bounds a pool of any
+    size (the projection to many cores)."""
+    import pickle
+
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.engine.windows import collate, document_windows
+
+    key = info.tokenizer_key
+    windows = [
+        w for doc in iter_documents(str(corpus)) for w in document_windows(doc, info.tokenizer, tokens, key, params)
+    ]
+    blobs = [pickle.dumps(windows[i : i + 32]) for i in range(0, len(windows), 32)]
+
+    def take() -> int:
+        n = 0
+        for blob in blobs:
+            batch = pickle.loads(blob)
+            collate(batch, tokens.pad_id)
+            n += len(batch)
+        return n
+
+    seconds, n = timed(take, repeats)
+    assert isinstance(n, int)
+    print(f"preparation, segmenter, the calling process's part (unpickle, collate): {rate(n, seconds)}", flush=True)
 
 
 # --- payloads ------------------------------------------------------------------------------
