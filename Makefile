@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DB ?= headatlas.duckdb
 
-.PHONY: install install-test demo test test-fast test-heavy bench findings gpu-check readme-images screenshots terminal-tables docs lint typecheck clean
+.PHONY: install install-test demo test test-fast test-heavy bench findings corpus gpu-check readme-images screenshots terminal-tables docs lint typecheck clean
 
 # Python writes a module's bytecode (__pycache__) the first time it imports it, as pip installs
 # without compiling (below). Where the environment sets PYTHONDONTWRITEBYTECODE, as container images
@@ -97,12 +97,24 @@ findings: install
 	$(PY) benchmarks/findings.py $(FINDINGS_ARGS)
 	$(PY) benchmarks/effect_findings.py $(EFFECT_FINDINGS_ARGS)
 
-# On a machine with an NVIDIA GPU (PyPI's torch for Linux is a CUDA build): the CUDA tests,
-# then the GPU rows of the benchmark table.
-gpu-check: install-test
+# The development corpus, copied into the checkout's ignored build/corpora/ so that it travels with
+# the working tree to a machine without ../shared (a GPU machine: name build/corpora in what is
+# carried); where there is none, benchmarks/gpu_check.py generates its text.
+CORPUS_SRC ?= $(firstword $(wildcard ../shared/corpora/wikipedia_dev.txt ../../shared/corpora/wikipedia_dev.txt))
+corpus:
+	@mkdir -p build/corpora
+	@if [ -n "$(CORPUS_SRC)" ]; then cp -f $(CORPUS_SRC) build/corpora/wikipedia_dev.txt && echo "build/corpora/wikipedia_dev.txt from $(CORPUS_SRC)"; \
+	elif [ -f build/corpora/wikipedia_dev.txt ]; then echo "build/corpora/wikipedia_dev.txt: carried with the tree"; \
+	else echo "no development corpus beside the checkout: benchmarks/gpu_check.py generates its text"; fi
+
+# On a machine with an NVIDIA GPU (PyPI's torch for Linux is a CUDA build): the CUDA tests, then a
+# whole run measured (benchmarks/gpu_check.py: 20,000 BERT-base-shaped windows in bfloat16 and 5,000
+# of SmolLM2's shape; windows/s, the ratio to the bare forward pass, each stage's share). About 3-5
+# minutes on an H200 after the install. `benchmarks/run.py --gpu-only` keeps the bare-vs-analysis rows.
+gpu-check: install-test corpus
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch ' + torch.__version__)"
 	$(PY) -m pytest -q -rs -m cuda
-	$(PY) benchmarks/run.py --gpu-only
+	$(PY) benchmarks/gpu_check.py
 
 # The README's figures: one of each kind, from the shipped demo corpus, shrunk to a 128-colour
 # palette so that each stays well under 150 KB.

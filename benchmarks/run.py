@@ -3,7 +3,7 @@
     python benchmarks/run.py            # everything (about 15–30 minutes on 2 CPU cores)
     python benchmarks/run.py --quick    # smaller sizes, for a smoke test
 
-Rows: bare forward vs full analysis (ratio) and the naive per-window/per-head baseline
+Rows: the pipeline around the model stage by stage (benchmarks/pipeline.py); bare forward vs full analysis (ratio) and the naive per-window/per-head baseline
 (speed-up) for the default model and random:bert-base; the same ratio for a decoder (SmolLM2,
 with its first and cached load and peak memory); embedded vs queue windows/s (ratio,
 needs Redis); ingest rows/s and query latency on a 20,000-window, 144-head synthetic run; the web
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import decoder, forward_vs_full, memory, query_speed, web_pages  # noqa: E402
+from benchmarks import decoder, forward_vs_full, memory, pipeline, query_speed, web_pages  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 
 
@@ -97,6 +97,13 @@ def main(argv=None) -> None:
         section(
             "Embedded vs queue, 1 worker (target ≥ 0.9×)", queue_bench.main, ["--copies", "2" if args.quick else "8"]
         )
+    section(
+        "The pipeline around the model, windows/s: preparation in 1 and N processes (target ≥ 2,500 with the "
+        "segmenter on 2 cores), the queue message per batch, storing (targets ≥ 10,000 MiniLM-shaped, ≥ 3,000 "
+        "SmolLM2-shaped into a file; a lake ≥ 0.8× that), whole random:tiny runs",
+        pipeline.main,
+        ["--quick"] if args.quick else ["--max-chars", "1500000"],
+    )
     section(
         "Ingest and query latency, 20,000 windows × 144 heads (target < 0.5 s)",
         query_speed.main,

@@ -106,6 +106,8 @@ class Settings:
         10.0, Allowed(float, "seconds, 0 or more and at most 86400 (0: store every batch)", low=0, high=86400)
     )
     """HEADATLAS_STORE_EVERY_S: how often `analyze` stores its finished batches, seconds (one transaction each; a killed run loses at most this much analysis, which the next run resumes)."""
+    prepare_processes: int = setting(0, Allowed(int, "an integer from 0 to 1024 (0: automatic)", low=0, high=1024))
+    """HEADATLAS_PREPARE_PROCESSES: processes that tokenise, segment and window the corpus (`analyze`: 0 = the cores left beside the model, where two or more are left, else the run's own; `submit`: 0 = every core; 1 = the calling process)."""
     lease_s: float = setting(
         10.0, Allowed(float, "seconds, more than 0 and at most 3600 (an hour)", low=0, high=3600, low_open=True)
     )

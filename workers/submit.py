@@ -177,6 +177,8 @@ def submit(
         ledger.mark_queued(key, list(chunk))  # after sending: a crash here re-sends, never loses
         chunk.clear()
 
+    from headatlas.service.engine.preparation import preparation_processes
+
     with _broker_errors(settings.broker_url), app.producer_or_acquire() as producer:
         for batch_id, n_windows, payload in batch_payloads(
             spec,
@@ -189,6 +191,8 @@ def submit(
             text_field=text_field,
             encoding=encoding,
             wanted=lambda b: b not in skip and (only is None or b in only),
+            # no model here: every core tokenises and windows (HEADATLAS_PREPARE_PROCESSES)
+            workers=preparation_processes(settings.prepare_processes, model_threads=None),
         ):
             batches += 1
             windows += n_windows
@@ -256,10 +260,12 @@ def batch_payloads(
     text_field: str = "text",
     encoding: str = "utf-8",
     wanted: Callable[[int], bool] = lambda _b: True,
+    workers: int = 1,
 ):
     """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
-    engine, so both engines add up the same partial sums."""
+    engine, so both engines add up the same partial sums. ``workers``: processes that tokenise and
+    window the corpus (the same batches with any number)."""
     from headatlas.service.engine.runner import iter_batches
     from headatlas.service.engine.windows import TokenClasses
 
@@ -273,7 +279,7 @@ def batch_payloads(
         "database_id": database_id,
     }
     batches = iter_batches(
-        spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding
+        spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding, workers=workers
     )
     for batch_id, (batch, docs, _consumed) in enumerate(batches):
         payload = None

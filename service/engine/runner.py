@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -18,8 +18,9 @@ from headatlas.service.engine.analysis import BatchResult, OomSplitter
 from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
+from headatlas.service.engine.preparation import WindowPool, preparation_processes
 from headatlas.service.engine.probe import ProbeSpec, run_probe
-from headatlas.service.engine.windows import Batch, TokenClasses, collate, iter_document_windows, word_rule
+from headatlas.service.engine.windows import Batch, TokenClasses, Window, collate, iter_document_windows, word_rule
 from headatlas.service.errors import CorpusError, Param, Part, Placeholder, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
@@ -100,29 +101,64 @@ def iter_batches(
     encoding: str = "utf-8",
     label: str | None = None,
     single_first: int = 0,
+    workers: int | WindowPool = 1,
 ) -> Iterator[tuple[Batch, list[dict], int]]:
     """Batches of windows not in ``skip``, with the rows of their documents and the number of
     corpus characters consumed so far. ``single_first``: the first that many windows come one
-    per batch (slow windows, each stored as soon as it is done)."""
-    pending, docs, consumed, emitted = [], {}, 0, 0
-    seen: set[str] = set()  # a document repeated in the corpus is analysed once
+    per batch (slow windows, each stored as soon as it is done). ``workers``: the documents are
+    tokenised and windowed by that many processes (1: this one), or by this pool; the batches are
+    the same either way."""
+    pending, docs, emitted = [], {}, 0
+    read = _Read()
+    owned = None
+    if isinstance(workers, int) and workers > 1:
+        workers = owned = WindowPool(workers, model.tokenizer, tokens, model.tokenizer_key, params)
+    distinct = _distinct_documents(spec, read, text_field=text_field, encoding=encoding, label=label)
+    prepared: Iterator[tuple[Document, int, Iterable[Window]]]
+    if isinstance(workers, WindowPool):
+        prepared = workers.windows(distinct)
+    else:
+        prepared = (
+            (doc, n, iter_document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params))
+            for doc, n in distinct
+        )
+    try:
+        for doc, consumed, windows in prepared:
+            for window in windows:
+                if window.window_id in skip:
+                    continue
+                pending.append(window)
+                docs[doc.doc_id] = document_row(doc)
+                if len(pending) == (1 if emitted < single_first else batch_size):
+                    yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
+                    emitted += len(pending)
+                    pending = []
+                    docs = {doc.doc_id: docs[doc.doc_id]}
+        if pending:
+            yield collate(pending, tokens.pad_id), _docs_of(pending, docs), read.chars
+    finally:
+        if owned is not None:
+            owned.close()
+
+
+class _Read:
+    """Corpus characters read so far (duplicates included)."""
+
+    chars = 0
+
+
+def _distinct_documents(
+    spec: str, read: _Read, *, text_field: str, encoding: str, label: str | None
+) -> Iterator[tuple[Document, int]]:
+    """The corpus's documents, a repeated one once (it is analysed once), each with the corpus
+    characters read up to it (``read`` counts on to the end)."""
+    seen: set[str] = set()
     for doc in iter_documents(spec, text_field=text_field, encoding=encoding, label=label):
-        consumed += len(doc.text)
+        read.chars += len(doc.text)
         if doc.doc_id in seen:
             continue
         seen.add(doc.doc_id)
-        for window in iter_document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params):
-            if window.window_id in skip:
-                continue
-            pending.append(window)
-            docs[doc.doc_id] = document_row(doc)
-            if len(pending) == (1 if emitted < single_first else batch_size):
-                yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
-                emitted += len(pending)
-                pending = []
-                docs = {doc.doc_id: docs[doc.doc_id]}
-    if pending:
-        yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
+        yield doc, read.chars
 
 
 def _docs_of(windows, docs: dict[str, dict]) -> list[dict]:
@@ -332,6 +368,7 @@ def analyze_corpus(
     # tokenisation runs ahead of the model, storing runs behind it (one thread each)
     # a reader holding the file only delays storing: the sink retries, and while it waits the
     # model goes on and finished batches gather in memory (stored together once it is free)
+    pool = _window_pool(model, tokens, params, corpus)  # forked before the run's threads start
     sink: BackgroundSink[list[tuple[int, BatchResult]]] = BackgroundSink(
         lambda items: patiently(lambda: store.ingest(run.run_id, items))
     )
@@ -348,6 +385,7 @@ def analyze_corpus(
             encoding=encoding,
             label=label,
             single_first=single_first,
+            workers=pool or 1,
         )
     )
     try:
@@ -386,6 +424,8 @@ def analyze_corpus(
         raise
     finally:
         batches.close()
+        if pool is not None:
+            pool.close()
         if pending and status == RunStatus.INTERRUPTED:
             sink.submit(pending)  # finished batches are kept
         try:
@@ -403,6 +443,26 @@ def analyze_corpus(
             )
         )
     return store.get_run(run.run_id)
+
+
+# below this many corpus characters (about 300 windows) a pool's start costs more than it saves
+POOL_MIN_CHARS = 200_000
+
+
+def _window_pool(
+    model: LoadedModel, tokens: TokenClasses, params: AnalysisParams, corpus: CorpusSummary
+) -> WindowPool | None:
+    """The processes that prepare the run's windows beside the model (HEADATLAS_PREPARE_PROCESSES),
+    or None: the prefetch thread prepares them. Made before the run's threads start (they are
+    forked from this one)."""
+    import torch
+
+    threads = 2 if model.device.type != "cpu" else torch.get_num_threads()
+    requested = Settings.from_env().prepare_processes
+    processes = preparation_processes(requested, model_threads=threads)
+    if processes < 2 or (requested == 0 and corpus.chars < POOL_MIN_CHARS):
+        return None
+    return WindowPool(processes, model.tokenizer, tokens, model.tokenizer_key, params)
 
 
 def attribution_estimate(
