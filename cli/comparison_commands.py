@@ -194,4 +194,4 @@ def _role_effect_lines(conn, run_id: int, names: list[str], rows: list[tuple]) -
         for role, n, value, lo, hi, gap, g_lo, g_hi in per_role
     ]
     lines = [f"mean effect of each role's heads (primary role; 95% intervals): {'; '.join(parts)}"]
-    return lines + [note] if (note := effect_note(conn, run_id)) else lines
+    return lines + [said] if (said := effect_note(conn, run_id)) else lines
