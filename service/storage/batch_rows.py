@@ -99,7 +99,7 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
             layer=la,
             head=he,
             token_id=token_ids,
-            token=np.array([res.vocab.get(int(t), str(t)) for t in token_ids], dtype=object),
+            token=token_texts(token_ids, res.vocab),
             endpoint_count=count,
             high_pairs=high,
             anchor_share=count / np.maximum(2 * high, 1),
@@ -115,7 +115,7 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
             layer=tok_layer,
             head=tok_head,
             token_id=tok_id,
-            token=np.array([res.vocab.get(int(t), str(t)) for t in tok_id], dtype=object),
+            token=token_texts(tok_id, res.vocab),
             windows=tok_windows,
             share_sum=tok_share,
         )
@@ -154,6 +154,14 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
             preview=[d["preview"] for d in docs],
         )
     return rows.tables()
+
+
+def token_texts(token_ids: np.ndarray, vocab: dict[int, str]) -> np.ndarray:
+    """The text of each token id (the id itself where ``vocab`` lacks it), looked up once per
+    distinct id: a batch's anchors name a few hundred tokens tens of thousands of times."""
+    distinct, where = np.unique(token_ids, return_inverse=True)
+    texts = np.array([vocab.get(int(t), str(t)) for t in distinct], dtype=object)
+    return texts[where.ravel()] if len(distinct) else np.array([], dtype=object)
 
 
 def anchor_token_sums(anchor_token: np.ndarray, layer, head, window, share):
