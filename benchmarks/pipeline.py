@@ -90,6 +90,15 @@ def load() -> str:
     return f"load average {one:.1f} (5 min {five:.1f}) on {os.cpu_count()} CPUs"
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process, and of its children that have ended (a pool's
+    processes, once it is closed)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
 def rate(windows: int, seconds: float) -> str:
     return f"{windows / seconds:,.0f} windows/s"
 
@@ -133,14 +142,22 @@ def preparation(corpus: Path, processes: list[int], repeats: int) -> None:
                     for b, _d, _c in iter_batches(str(corpus), info, params, tokens, batch_size=32, **extra)
                 )
 
+            before = cpu_seconds()
             seconds, windows = timed(run, repeats)
             assert isinstance(windows, int)
+            own, workers = (a - b for a, b in zip(cpu_seconds(), before))
+            passes = repeats + 1  # the warm-up too
+            cpu = (
+                f"; CPU per window: calling process {own / passes / windows * 1e3:.2f} ms, "
+                f"workers {workers / passes / windows * 1e3:.2f} ms"
+            )
             per_s = windows / seconds
             base = base or per_s
             scale = f" ({per_s / base:.2f}× 1 process)" if n > 1 else ""
             label = "1 process" if n == 1 else f"{n} processes"
             print(
-                f"preparation, {sentences}, {label}: {rate(windows, seconds)}{scale}; {windows:,} windows", flush=True
+                f"preparation, {sentences}, {label}: {rate(windows, seconds)}{scale}; {windows:,} windows{cpu}",
+                flush=True,
             )
         if sentences == "segmenter":
             parent_ceiling(corpus, info, params, tokens, repeats)
