@@ -137,15 +137,21 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # read once, as OpenMP loads with torch: the children's value
 import celery, kombu, redis, duckdb, sqlalchemy  # noqa: F401,E401
 import headatlas.cli.main
+import headatlas.workers.policy
 from headatlas.workers.launch import import_model_stack
 import_model_stack()  # torch, transformers and the analysis code, as a prefork pool's parent does
+# nothing the forked writer, worker or beat runs has bound the policy's timings yet (each child
+# reloads the policy; cli.queue_commands binds submit --wait's, which no forked command runs)
+import sys
+bound = [m for m in sys.modules if m.startswith("headatlas.workers.") and m not in ("headatlas.workers.policy", "headatlas.workers.launch")]
+assert not bound, f"imported before the fork with the launcher's timings: {bound}"
 """
 # The launcher dies with the process that started it (pytest, or an xdist worker), whether that
 # exits, is killed or crashes, and takes its socket's folder with it: on Linux the kernel sends it
 # SIGTERM when its parent dies (PR_SET_PDEATHSIG); everywhere it also looks at its parent between
 # two connections (twice a second). Its children are tests' processes, stopped by their tests.
 _SERVE = r"""
-import json, os, shutil, signal, socket, sys, traceback
+import importlib, json, os, shutil, signal, socket, sys, traceback
 path, parent = sys.argv[1], int(sys.argv[2])
 
 def leave(*_):
@@ -191,6 +197,11 @@ while True:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # the fault policy's timings are read from the environment as workers/policy.py is imported
+    # (HEADATLAS_LEASE_S, HEADATLAS_TIMING_*): this launcher imported it with its own; read again
+    # with the command's, before anything that binds them (lease, heartbeat, writer …) is imported
+    if "headatlas.workers.policy" in sys.modules:  # preloaded
+        importlib.reload(sys.modules["headatlas.workers.policy"])
     sys.argv = ["headatlas", *request["args"]]
     code = 1
     try:
@@ -273,9 +284,29 @@ def fork_headatlas(args: list[str], *, env: dict, log: Path, cwd: Path = ROOT) -
         return Forked(int(client.makefile().readline()))
 
 
+# The fault policy's timings (workers/policy.py) that the queue tests' processes act on, shorter
+# than the declared defaults: the fault tests wait them out (a worker killed is noticed once its
+# beacon has been silent LEASE_S, a writer taken over once its lease has, a stranded batch queued
+# again after STRANDED_S, a paused writer tries again within PAUSE_MAX_S, a failed batch again
+# after RETRY_MAX_S at most). The rules are the same; only the seconds are fewer. A 5 s lease is
+# still five heartbeats (one a second) long, so a loaded machine does not lose leases by accident.
+LEASE_S = 5.0
+TEST_TIMINGS = {
+    "HEADATLAS_LEASE_S": str(LEASE_S),
+    "HEADATLAS_TIMING_RETRY_MAX_S": "0.5",
+    "HEADATLAS_TIMING_STRANDED_S": "2",
+    "HEADATLAS_TIMING_RESUBMIT_STRANDED_S": "5",
+    "HEADATLAS_TIMING_AWAY_POLL_S": "0.5",
+    "HEADATLAS_TIMING_PAUSE_MAX_S": "1",
+    "HEADATLAS_TIMING_BUSY_RETRY_S": "0.25",
+    "HEADATLAS_TIMING_BROKER_RETRY_S": "0.25",
+    "HEADATLAS_TIMING_TAKE_WAIT_S": "0.5",
+}
+
+
 class Cluster:
-    """A writer and workers on one Redis URL and one database file. ``fork``: start them from
-    the launcher (above); False: as the installed console script."""
+    """A writer and workers on one Redis URL and one database file, acting on TEST_TIMINGS.
+    ``fork``: start them from the launcher (above); False: as the installed console script."""
 
     def __init__(self, redis_url: str, folder: Path, *, time_limit_s: float = 10.0, fork: bool = True):
         # long enough for a tiny batch on a slow, shared machine; short enough that a lost
@@ -290,6 +321,7 @@ class Cluster:
             "HEADATLAS_TASK_TIME_LIMIT_S": str(time_limit_s),
             "HEADATLAS_MAX_ATTEMPTS": "3",
             "OMP_NUM_THREADS": "1",
+            **TEST_TIMINGS,
         }
         self.procs: dict[str, subprocess.Popen | Forked] = {}
         self.redis = redis.Redis.from_url(redis_url)

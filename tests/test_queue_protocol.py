@@ -162,6 +162,20 @@ def test_each_timing_is_declared_once_with_its_meaning_and_read_under_its_name()
         assert (timing.of is None) == (not timing.formula), timing.name
 
 
+def test_a_timing_set_in_the_environment_is_applied_and_a_bad_one_refused_naming_it():
+    from headatlas.service.config import Settings
+    from headatlas.service.errors import ParameterError
+
+    here = Settings()
+    assert policy.applied(policy.PAUSE_MAX, here, {}) == 5.0
+    assert policy.applied(policy.PAUSE_MAX, here, {"HEADATLAS_TIMING_PAUSE_MAX_S": "0.25"}) == 0.25
+    assert policy.applied(policy.SILENCE, here, {"HEADATLAS_TIMING_SILENT_S": "3"}) == 3.0
+    assert policy.applied(policy.SILENCE, Settings(lease_s=4.0), {}) == 4.0
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(ParameterError, match=f"HEADATLAS_TIMING_PAUSE_MAX_S='{bad}': expected seconds"):
+            policy.applied(policy.PAUSE_MAX, here, {"HEADATLAS_TIMING_PAUSE_MAX_S": bad})
+
+
 def test_timings_that_follow_settings_follow_them():
     from headatlas.service.config import Settings
 

@@ -433,7 +433,8 @@ def test_a_fire_left_by_a_killed_beat_is_submitted_by_the_next(queue_cluster, de
     try:
         _add(cluster, "crash", folder, every=2, only_new=True, at=now())
         _wait("a first fire", lambda: [f for f in _fires(cluster, "crash") if f[2] == "submitted"], 90, cluster)
-        # the writer and workers keep their leases for 10 s: a pause of a few seconds loses none
+        # the writer and workers keep their leases (LEASE_S) through a pause of a few seconds: Redis
+        # expires no key while writes are paused
         client.execute_command("CLIENT", "PAUSE", 15_000, "WRITE")  # reads (the beat's ping) still answered
         try:
             shutil.copy(parts[1], tmp_path / "incoming.txt")

@@ -8,14 +8,17 @@ docs/reliability.md is generated from the declarations (``python -m headatlas.wo
 run by ``make docs``; tests/test_docs.py fails when it is stale). Two timings follow settings
 (service/config.py): HEADATLAS_LEASE_S, read from this process's environment when the module is
 imported (every process of a broker is given the same one), and HEADATLAS_TASK_TIME_LIMIT_S,
-read from the settings a worker or the app is configured with.
+read from the settings a worker or the app is configured with. Any timing held in a constant
+here may be set apart from its declaration by HEADATLAS_TIMING_<NAME> in the environment
+(``applied``), read at the same moment: the test suite shortens the waits of its fault tests so,
+never the declared defaults.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,29 +276,51 @@ def environment() -> Settings:
         return Settings()
 
 
+TIMING_VARIABLE = "HEADATLAS_TIMING_"
+
+
+def applied(timing: Timing, settings: Settings, environ: Mapping[str, str] | None = None) -> float:
+    """The value this process acts on: HEADATLAS_TIMING_<NAME> (the timing's name, e.g.
+    HEADATLAS_TIMING_PAUSE_MAX_S=1) where the environment sets one, else the declared value. The
+    test suite shortens the waits its fault tests sit out so; the declared values stay the
+    defaults. A value that is not a number of seconds above 0 is refused in one line naming it."""
+    environ = os.environ if environ is None else environ
+    var = TIMING_VARIABLE + timing.name.upper()
+    raw = environ.get(var)
+    if raw is None:
+        return timing.value(settings)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 86400:
+        raise ParameterError(f"{var}={raw!r}: expected seconds, more than 0 and at most 86400 (or unset it)")
+    return value
+
+
 _HERE = environment()
-SILENT_S = SILENCE.value(_HERE)
-HEARTBEAT_S = HEARTBEAT.value(_HERE)
-DELIVERY_GRACE_S = DELIVERY_GRACE.value(_HERE)
-RETRY_MAX_S = RETRY.value(_HERE)
-STRANDED_S = STRANDED.value(_HERE)
-RESUBMIT_STRANDED_S = RESUBMIT_STRANDED.value(_HERE)
-UNACKED_RESTORE_S = RESTORE.value(_HERE)
-RECONNECT_EVERY_S = RECONNECT.value(_HERE)
-BROKER_CONNECT_TIMEOUT_S = CONNECT.value(_HERE)
-BROKER_READ_TIMEOUT_S = READ.value(_HERE)
-BROKER_HEALTH_CHECK_S = HEALTH.value(_HERE)
-WORKER_START_S = WORKER_START.value(_HERE)
-BROKER_RETRY_S = BROKER_RETRY.value(_HERE)
-BUSY_RETRY_S = BUSY_RETRY.value(_HERE)
-CONFLICT_RETRY_S = CONFLICT_RETRY.value(_HERE)
-AWAY_POLL_S = AWAY_POLL.value(_HERE)
-PAUSE_FIRST_S = PAUSE_FIRST.value(_HERE)
-PAUSE_MAX_S = PAUSE_MAX.value(_HERE)
-FLAP_S = FLAP.value(_HERE)
-TAKE_WAIT_S = TAKE_WAIT.value(_HERE)
-WRITER_POLL_S = WRITER_POLL.value(_HERE)
-READER_GAP_S = READER_GAP.value(_HERE)
+SILENT_S = applied(SILENCE, _HERE)
+HEARTBEAT_S = applied(HEARTBEAT, _HERE)
+DELIVERY_GRACE_S = applied(DELIVERY_GRACE, _HERE)
+RETRY_MAX_S = applied(RETRY, _HERE)
+STRANDED_S = applied(STRANDED, _HERE)
+RESUBMIT_STRANDED_S = applied(RESUBMIT_STRANDED, _HERE)
+UNACKED_RESTORE_S = applied(RESTORE, _HERE)
+RECONNECT_EVERY_S = applied(RECONNECT, _HERE)
+BROKER_CONNECT_TIMEOUT_S = applied(CONNECT, _HERE)
+BROKER_READ_TIMEOUT_S = applied(READ, _HERE)
+BROKER_HEALTH_CHECK_S = applied(HEALTH, _HERE)
+WORKER_START_S = applied(WORKER_START, _HERE)
+BROKER_RETRY_S = applied(BROKER_RETRY, _HERE)
+BUSY_RETRY_S = applied(BUSY_RETRY, _HERE)
+CONFLICT_RETRY_S = applied(CONFLICT_RETRY, _HERE)
+AWAY_POLL_S = applied(AWAY_POLL, _HERE)
+PAUSE_FIRST_S = applied(PAUSE_FIRST, _HERE)
+PAUSE_MAX_S = applied(PAUSE_MAX, _HERE)
+FLAP_S = applied(FLAP, _HERE)
+TAKE_WAIT_S = applied(TAKE_WAIT, _HERE)
+WRITER_POLL_S = applied(WRITER_POLL, _HERE)
+READER_GAP_S = applied(READER_GAP, _HERE)
 
 
 def time_limit_s(settings: Settings) -> float:
