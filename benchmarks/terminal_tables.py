@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,12 @@ def capture(command: str, db: Path) -> str:
         raise SystemExit(f"headatlas {command} failed ({code}): {err.strip()}")
     if head:
         out = "".join(out.splitlines(keepends=True)[: int(head)])
+    # stderr is not a terminal here, so its notes come whole: wrapped between words, as a
+    # 100-column terminal shows them
+    err = "".join(
+        textwrap.fill(line, int(WIDTH), break_long_words=False, break_on_hyphens=False) + "\n"
+        for line in err.splitlines()
+    )
     return f"$ headatlas {command}\n{out}{err}"
 
 
