@@ -172,3 +172,33 @@ def test_chance_by_distance_and_punct_tokens():
     assert chance["hist.same_word"].tolist() == [0] * 8
     assert int(chance["same_word_pairs"]) == 0
     assert int(chance["punct_tokens"]) == 1  # the "." at position 2
+
+
+def test_anchor_tie_goes_to_the_token_seen_first_in_the_window():
+    # [CLS] a b , a [SEP]: H = {(2, 4)} (top 1 of 6 pairs, the only positive product), so a (at 4)
+    # and b (at 2) are endpoints once each. The rule (SPEC §4): the token whose first occurrence in
+    # the window is earliest, whether or not that occurrence is an endpoint: a (first at 1), not b
+    # (the earliest endpoint, at 2).
+    ids = torch.tensor([[CLS, A, B, COMMA, A, SEP]])
+    z = torch.tensor([[5.0, 5.0], [1.0, 0.0], [0.0, 2.0], [0.0, -1.0], [0.0, 2.0], [9.0, 9.0]], dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32):
+        _, out = _stats(ids, torch.ones_like(ids), z.to(dtype), ATTN.to(dtype), select="top:0.1", heads=3)
+        assert int(out["high_count"][0, 0]) == 1
+        assert out["anchor_count"][0].tolist() == [1, 1, 1]
+        assert [int(ids[0, p]) for p in out["anchor_pos"][0]] == [A, A, A]
+
+
+def test_anchor_tie_among_three_tokens_is_decided_by_first_occurrence_alone():
+    # [CLS] c b a c b a c [SEP], H = {(2, 4), (3, 5), (6, 7)} (products 4, the rest 0; top 3 of 21):
+    # c (at 4, 7), b (at 2, 5) and a (at 3, 6) are endpoints twice each. The anchor is c, first in
+    # the window (at 1, not an endpoint); the earliest endpoint (b, at 2) decides nothing.
+    C = 1039
+    ids = torch.tensor([[CLS, C, B, A, C, B, A, C, SEP]])
+    z = torch.zeros(9, 3, dtype=torch.float64)
+    z[[2, 4], 0] = 2.0
+    z[[3, 5], 1] = 2.0
+    z[[6, 7], 2] = 2.0
+    _, out = _stats(ids, torch.ones_like(ids), z, torch.eye(9, dtype=torch.float64), select="top:0.1")
+    assert int(out["high_count"][0, 0]) == 3
+    assert int(out["anchor_count"][0, 0]) == 2
+    assert int(ids[0, int(out["anchor_pos"][0, 0])]) == C

@@ -458,11 +458,16 @@ def head_statistics(
             z, feats.in_pairs, values, index, chosen, attended, bin_size=csm_bin, n_bins=-(-seq_len // csm_bin)
         )
 
-    # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
+    # anchors (SPEC §4): endpoint counts per token, kept at the position of the token's first
+    # occurrence in the window; on a tie the token whose first occurrence in the window is earliest
+    # wins, whether or not that occurrence is itself an endpoint of H. The smallest tied position
+    # is taken explicitly (not left to how max picks among equal values on a device).
     endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)
     endpoint.scatter_add_(2, pick(feats.first_pos, flat_i), chosen_f)
     endpoint.scatter_add_(2, pick(feats.first_pos, flat_j), chosen_f)
-    anchor_count, anchor_pos = endpoint.max(dim=2)
+    anchor_count = endpoint.amax(dim=2)
+    positions = torch.arange(n_pos, device=z.device)
+    anchor_pos = torch.where(endpoint == anchor_count[..., None], positions, n_pos).amin(dim=2)
     out["anchor_pos"] = anchor_pos
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)
