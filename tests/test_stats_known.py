@@ -13,6 +13,7 @@ from headatlas.service.engine.stats import (
     masked_similarity,
     select_pairs,
     sentence_ids,
+    unresolved_rows,
     window_features,
 )
 from headatlas.service.engine.windows import TokenClasses
@@ -202,3 +203,59 @@ def test_anchor_tie_among_three_tokens_is_decided_by_first_occurrence_alone():
     assert int(out["high_count"][0, 0]) == 3
     assert int(out["anchor_count"][0, 0]) == 2
     assert int(ids[0, int(out["anchor_pos"][0, 0])]) == C
+
+
+def _near_constant_head(n_tok: int = 40, d: int = 64, seed: int = 0) -> torch.Tensor:
+    """float32 outputs of a head that sinks its attention on the first token: every row is the
+    same vector v up to an ulp or two, so its similarities agree to float32's resolution."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(d, generator=gen, dtype=torch.float64) * 2.0
+    wiggle = 1.0 + torch.randn(n_tok, d, generator=gen, dtype=torch.float64) * 1.5e-7
+    return (v * wiggle).float()
+
+
+def _ranked_in_float64(z32: torch.Tensor, pairs: list[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+    z = z32.double()
+    sim = z @ z.T
+    return sorted(pairs, key=lambda p: (-float(sim[p]), p[0], p[1]))[:k]
+
+
+def test_a_near_constant_head_ranks_its_pairs_at_a_precision_that_separates_them():
+    """The top 2% of a near-constant head's similarities lie within float32's rounding of each
+    other: ranked in float32, which pairs are high is decided by rounding. The pairs must be the
+    ones the exact products of the same float32 outputs rank highest (float64 separates them)."""
+    n_tok = 40
+    ids = torch.tensor([[CLS, *([A, B, COMMA, DOT] * (n_tok // 4)), SEP]])
+    z = torch.zeros(n_tok + 2, 64)
+    z[1:-1] = _near_constant_head(n_tok)
+    attn = torch.eye(n_tok + 2)
+    pairs = [(i, j) for i in range(1, n_tok + 1) for j in range(i + 1, n_tok + 1)]
+    k = math.ceil(0.02 * len(pairs))
+    expected = _ranked_in_float64(z, pairs, k)
+    top = [float(z[i].double() @ z[j].double()) for i, j in expected]
+    assert max(top) - min(top) < 4 * torch.finfo(torch.float32).eps * max(top)  # below float32's resolution
+    hist = [0] * 48
+    for i, j in expected:
+        hist[j - i] += 1
+    feats = window_features(ids, torch.ones_like(ids), TOKENS)
+    out = head_statistics(
+        z[None, None], attn[None, None], feats, select=Selection.parse("top:0.02"), gate=2.0, seq_len=48
+    )
+    assert int(out["high_pairs"][0]) == k
+    assert out["dist_hist"][0].tolist() == hist
+
+
+def test_an_ordinary_float32_head_is_ranked_as_before():
+    """A head whose top similarities are far apart keeps its float32 ranking (no re-ranking)."""
+    gen = torch.Generator().manual_seed(1)
+    n_tok = 40
+    ids = torch.tensor([[CLS, *([A, B, COMMA, DOT] * (n_tok // 4)), SEP]])
+    z = torch.randn(n_tok + 2, 64, generator=gen)
+    feats = window_features(ids, torch.ones_like(ids), TOKENS)
+    sim = masked_similarity(z[None, None].clone(), feats)
+    values, index, chosen = select_pairs(sim, feats, Selection.parse("top:0.02"))
+    assert not unresolved_rows(z[None, None], values, chosen.long().sum(2), feats.n_pairs).any()
+    out = head_statistics(
+        z[None, None], torch.eye(n_tok + 2)[None, None], feats, select=Selection.parse("top:0.02"), gate=2.0, seq_len=48
+    )
+    assert float(out["sim_sum_high"][0]) == float(values[chosen].double().sum())
