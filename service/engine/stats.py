@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import cast
 
 import torch
 
@@ -424,7 +425,8 @@ def rerank_unresolved(
     bias = torch.full((len(b_idx), n_pos * n_pos), float("-inf"), dtype=torch.float64, device=z.device)
     bias[:, feats.layout.flat] = torch.where(feats.pair_ok[b_idx], 0.0, float("-inf")).double()
     sim = torch.baddbmm(bias.view(-1, n_pos, n_pos), sub, sub.transpose(1, 2)).view(len(b_idx), 1, -1)
-    v64, i64, c64 = select_pairs(sim, _RowPairs(feats.n_pairs[b_idx]), select)
+    # select_pairs reads only n_pairs of the features
+    v64, i64, c64 = select_pairs(sim, cast(WindowFeatures, _RowPairs(feats.n_pairs[b_idx])), select)
     width = max(values.shape[2], v64.shape[2])
 
     def pad(t: torch.Tensor, fill) -> torch.Tensor:
