@@ -92,13 +92,16 @@ def stored_run_key(conn, corpus: CorpusSummary, model: ModelInfo, params: Analys
     ``run_key``, unless a run of the same one-file corpus was stored under the earlier rule (the
     file's name in its fingerprint) and none under the current one; that run keeps its key and is
     resumed or reported as before. ``params`` resolved (``AnalysisParams.resolved``)."""
-    from headatlas.service.storage.queue_store import find_run_by_key
+    from sqlalchemy import text
+
+    def stored(k: str) -> bool:
+        return conn.execute(text("SELECT count(*) FROM runs WHERE run_key = :k"), {"k": k}).scalar() > 0
 
     key = run_key(corpus.fingerprint, model, params)
     if corpus.legacy_fingerprint is None or corpus.legacy_fingerprint == corpus.fingerprint:
         return key, corpus.fingerprint
     legacy = run_key(corpus.legacy_fingerprint, model, params)
-    if find_run_by_key(conn, key) is None and find_run_by_key(conn, legacy) is not None:
+    if not stored(key) and stored(legacy):
         return legacy, corpus.legacy_fingerprint
     return key, corpus.fingerprint
 
