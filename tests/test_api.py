@@ -107,6 +107,53 @@ def test_a_renamed_copy_of_the_corpus_is_the_same_run(analysed, tmp_path, monkey
     assert again.run_id == run.run_id and again.status == "done"
 
 
+def test_a_run_stored_when_the_file_name_was_in_the_fingerprint_is_still_found(tmp_path, demo_corpus, monkeypatch):
+    """Runs of one file stored before the content-only fingerprint hashed the file's name: the
+    same file finds its run (reported, not analysed again), whose key and fingerprint stay as
+    stored; a run under the current rule is found by any copy of the file."""
+    import json
+    import shutil
+
+    import duckdb
+
+    import headatlas
+    from headatlas.service.engine import model as model_module
+    from headatlas.service.engine.corpus import corpus_fingerprint, legacy_corpus_fingerprint
+    from headatlas.service.engine.model import load_model_info
+    from headatlas.service.engine.runner import run_key
+    from headatlas.service.params import AnalysisParams
+
+    corpus = tmp_path / "old.txt"
+    corpus.write_text(demo_corpus.read_text(encoding="utf-8").split("\n\n")[0], encoding="utf-8")
+    db = tmp_path / "old.duckdb"
+    options = dict(db=db, model="random:tiny", batch_size=8, seq_len=64, progress=False)
+    run = headatlas.analyze(corpus, **options)
+    legacy = legacy_corpus_fingerprint(str(corpus))
+    assert legacy is not None and legacy != corpus_fingerprint(str(corpus))
+    with duckdb.connect(str(db)) as conn:  # the run as the earlier rule stored it
+        params = AnalysisParams.from_dict(json.loads(conn.execute("SELECT params FROM runs").fetchone()[0]))
+        old_key = run_key(legacy, load_model_info("random:tiny"), params)
+        conn.execute(
+            "UPDATE runs SET run_key = ?, corpus_fingerprint = ? WHERE run_id = ?", [old_key, legacy, run.run_id]
+        )
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the model was loaded for a finished run")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "load_model", no_loading)
+        again = headatlas.analyze(corpus, **options)
+    assert again.run_id == run.run_id and again.status == "done"
+    assert (again.run.run_key, again.run.corpus_fingerprint) == (old_key, legacy)
+    # a copy under another name was never stored under that name: a run of its own, by content
+    copy = shutil.copy(corpus, tmp_path / "copy.txt")
+    fresh = headatlas.analyze(copy, **options)
+    assert fresh.run_id != run.run_id and fresh.run.corpus_fingerprint == corpus_fingerprint(str(corpus))
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "load_model", no_loading)
+        assert headatlas.analyze(corpus, **options).run_id == fresh.run_id  # the current rule's run first
+
+
 def test_the_cli_analyzing_a_finished_run_does_not_load_the_model(analysed, monkeypatch):
     from headatlas.cli.main import app
     from headatlas.service.engine import model as model_module

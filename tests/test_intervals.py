@@ -182,6 +182,79 @@ def test_document_groups_cover_95_percent_on_clustered_corpora():
     assert 0.93 <= covered / n <= 0.97, covered / n
 
 
+LIFT = 1.3  # the true lift of the heavy-tailed corpora below
+
+
+def heavy_tailed_lift_corpus(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A lift's sums per document on a small corpus with few, heavy-tailed contributions per
+    document (as attn_to_punct_lift on fiction: '.'/',' per window lognormal with σ = 1, dialogue
+    against narration, and the head's lift in each document lognormal with σ = 0.8, mean 1):
+    10-29 documents of 1-60 windows, in their replicate groups. Returns (observed, chance, group)."""
+    documents = int(rng.integers(10, 30))
+    windows = rng.integers(1, 61, size=documents)
+    effect = rng.lognormal(-0.32, 0.8, size=documents)
+    chance = rng.poisson(rng.lognormal(np.log(12.0) - 0.5, 1.0, size=documents) * windows).astype(float)
+    observed = chance * LIFT * effect * rng.lognormal(-0.02, 0.2, size=documents)
+    return observed, chance, rng.integers(0, REPLICATES, size=documents)
+
+
+def lift_interval(observed: np.ndarray, chance: np.ndarray, groups: np.ndarray) -> tuple[float, float, float]:
+    """(value, lo, hi) of the lift Σ observed / Σ chance as ``add_intervals`` gives it (query heads --ci)."""
+    from headatlas.service.reports.intervals import add_intervals
+
+    obs_g, chance_g = np.bincount(groups, observed, REPLICATES), np.bincount(groups, chance, REPLICATES)
+    held = np.flatnonzero(chance_g > 0)
+    value = observed.sum() / chance.sum()
+    reps = [(0, int(g), (observed.sum() - obs_g[g]) / (chance.sum() - chance_g[g])) for g in held]
+    _, rows = add_intervals(
+        ["layer", "attn_to_punct_lift"], [(0, value)], reps, keys=["layer"], metrics=["attn_to_punct_lift"]
+    )
+    return rows[0][1], rows[0][2], rows[0][3]
+
+
+def test_lift_intervals_hold_on_heavy_tailed_documents():
+    """The failure found on fiction, reproduced: a lift whose documents contribute few, heavy-tailed
+    sums. On the linear scale the jackknife held the truth 86% of the time on these 1000 corpora
+    (skewed: a heavy document lifts the estimate and widens its own interval, its absence narrows
+    both); on the log scale, where a ratio's sampling is more nearly symmetric, 89% (seeded;
+    binomial standard error 1%), and every bound stays positive (benchmarks/lift_intervals.py)."""
+    rng = np.random.default_rng(20261203)
+    n, covered, linear = 1000, 0, 0
+    for _ in range(n):
+        observed, chance, groups = heavy_tailed_lift_corpus(rng)
+        value, lo, hi = lift_interval(observed, chance, groups)
+        assert 0 < lo <= value <= hi
+        covered += lo <= LIFT <= hi
+        obs_g, chance_g = np.bincount(groups, observed, REPLICATES), np.bincount(groups, chance, REPLICATES)
+        held = chance_g > 0
+        loo = (observed.sum() - obs_g[held]) / (chance.sum() - chance_g[held])
+        linear += abs(value - LIFT) <= jackknife_halfwidth(loo.tolist())
+    assert linear / n < 0.87, linear / n  # the failure: the linear jackknife's coverage (0.859)
+    assert covered / n >= 0.88 and covered / n >= linear / n + 0.025, (covered / n, linear / n)  # 0.893
+
+
+def test_a_lift_interval_is_the_jackknife_of_its_log():
+    """Known answer: leave-one-group-out lifts 1, 2, 4, 8 around a lift of 2 (logs 0, ln 2, 2 ln 2,
+    3 ln 2): se of the log = sqrt(3/4 · ln²2 · (2.25 + 0.25 + 0.25 + 2.25)) = 1.3425, half-width
+    t_3 · se = 3.1824 · 1.3425 = 4.2725, interval 2 · exp(∓4.2725) = [0.02788, 143.5]; a share
+    keeps the linear jackknife."""
+    from headatlas.service.reports.intervals import add_intervals
+
+    loo = [1.0, 2.0, 4.0, 8.0]
+    cols, rows = add_intervals(
+        ["layer", "dup_lift", "noise_share"],
+        [(0, 2.0, 0.5)],
+        [(0, g, v, 0.45 + v / 100) for g, v in enumerate(loo)],
+        keys=["layer"],
+        metrics=["dup_lift", "noise_share"],
+    )
+    row = dict(zip(cols, rows[0]))
+    half_log = 3.1824 * math.sqrt(0.75 * math.log(2) ** 2 * 5.0)
+    assert row["dup_lift_lo"] == pytest.approx(2.0 * math.exp(-half_log), rel=1e-4)
+    assert row["dup_lift_hi"] == pytest.approx(2.0 * math.exp(half_log), rel=1e-4)
+    assert row["noise_share_lo"] == pytest.approx(0.5 - jackknife_halfwidth([0.45 + v / 100 for v in loo]))
+
+
 def test_window_groups_fail_on_the_same_corpora():
     """The §5b rule on the same kind of corpora: windows of one document fall in different groups,
     the interval misses the between-document variation, and coverage is far below 95%."""

@@ -417,3 +417,22 @@ def same_numbers(a: str, b: str) -> bool:
         return x == y
 
     return same(json.loads(a), json.loads(b))
+
+
+def test_analyze_on_a_lake_says_its_compute_time_and_an_old_snapshot_is_read_at_a_later_one(lake, small_corpus):
+    """The run's summary on a lake sums its batches' compute seconds (the run's row is not
+    updated per batch there); a snapshot older than the schema is not upgraded: the advice is a
+    later snapshot, not `db upgrade`."""
+    import re
+
+    from headatlas.service.storage.db import head_revision
+
+    out = _cli("analyze", str(small_corpus), "--db", lake.url, "--model", "random:tiny", "--seq-len", "32")
+    assert out.exit_code == 0, out.output
+    seconds = re.search(r"([0-9.]+) s compute", out.stdout)
+    assert seconds is not None and float(seconds.group(1)) > 0, out.stdout
+    old = _cli("query", "heads", "--db", lake.url, "--at", "1")
+    assert old.exit_code != 0
+    message = " ".join(old.stderr.split())
+    assert "predates schema" in message and head_revision() in message and "later --at" in message, message
+    assert "db upgrade" not in message, message

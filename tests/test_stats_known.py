@@ -13,6 +13,7 @@ from headatlas.service.engine.stats import (
     masked_similarity,
     select_pairs,
     sentence_ids,
+    unresolved_rows,
     window_features,
 )
 from headatlas.service.engine.windows import TokenClasses
@@ -172,3 +173,89 @@ def test_chance_by_distance_and_punct_tokens():
     assert chance["hist.same_word"].tolist() == [0] * 8
     assert int(chance["same_word_pairs"]) == 0
     assert int(chance["punct_tokens"]) == 1  # the "." at position 2
+
+
+def test_anchor_tie_goes_to_the_token_seen_first_in_the_window():
+    # [CLS] a b , a [SEP]: H = {(2, 4)} (top 1 of 6 pairs, the only positive product), so a (at 4)
+    # and b (at 2) are endpoints once each. The rule (SPEC §4): the token whose first occurrence in
+    # the window is earliest, whether or not that occurrence is an endpoint: a (first at 1), not b
+    # (the earliest endpoint, at 2).
+    ids = torch.tensor([[CLS, A, B, COMMA, A, SEP]])
+    z = torch.tensor([[5.0, 5.0], [1.0, 0.0], [0.0, 2.0], [0.0, -1.0], [0.0, 2.0], [9.0, 9.0]], dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32):
+        _, out = _stats(ids, torch.ones_like(ids), z.to(dtype), ATTN.to(dtype), select="top:0.1", heads=3)
+        assert int(out["high_count"][0, 0]) == 1
+        assert out["anchor_count"][0].tolist() == [1, 1, 1]
+        assert [int(ids[0, p]) for p in out["anchor_pos"][0]] == [A, A, A]
+
+
+def test_anchor_tie_among_three_tokens_is_decided_by_first_occurrence_alone():
+    # [CLS] c b a c b a c [SEP], H = {(2, 4), (3, 5), (6, 7)} (products 4, the rest 0; top 3 of 21):
+    # c (at 4, 7), b (at 2, 5) and a (at 3, 6) are endpoints twice each. The anchor is c, first in
+    # the window (at 1, not an endpoint); the earliest endpoint (b, at 2) decides nothing.
+    C = 1039
+    ids = torch.tensor([[CLS, C, B, A, C, B, A, C, SEP]])
+    z = torch.zeros(9, 3, dtype=torch.float64)
+    z[[2, 4], 0] = 2.0
+    z[[3, 5], 1] = 2.0
+    z[[6, 7], 2] = 2.0
+    _, out = _stats(ids, torch.ones_like(ids), z, torch.eye(9, dtype=torch.float64), select="top:0.1")
+    assert int(out["high_count"][0, 0]) == 3
+    assert int(out["anchor_count"][0, 0]) == 2
+    assert int(ids[0, int(out["anchor_pos"][0, 0])]) == C
+
+
+def _near_constant_head(n_tok: int = 40, d: int = 64, seed: int = 0) -> torch.Tensor:
+    """float32 outputs of a head that sinks its attention on the first token: every row is the
+    same vector v up to an ulp or two, so its similarities agree to float32's resolution."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(d, generator=gen, dtype=torch.float64) * 2.0
+    wiggle = 1.0 + torch.randn(n_tok, d, generator=gen, dtype=torch.float64) * 1.5e-7
+    return (v * wiggle).float()
+
+
+def _ranked_in_float64(z32: torch.Tensor, pairs: list[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+    z = z32.double()
+    sim = z @ z.T
+    return sorted(pairs, key=lambda p: (-float(sim[p]), p[0], p[1]))[:k]
+
+
+def test_a_near_constant_head_ranks_its_pairs_at_a_precision_that_separates_them():
+    """The top 2% of a near-constant head's similarities lie within float32's rounding of each
+    other: ranked in float32, which pairs are high is decided by rounding. The pairs must be the
+    ones the exact products of the same float32 outputs rank highest (float64 separates them)."""
+    n_tok = 40
+    ids = torch.tensor([[CLS, *([A, B, COMMA, DOT] * (n_tok // 4)), SEP]])
+    z = torch.zeros(n_tok + 2, 64)
+    z[1:-1] = _near_constant_head(n_tok)
+    attn = torch.eye(n_tok + 2)
+    pairs = [(i, j) for i in range(1, n_tok + 1) for j in range(i + 1, n_tok + 1)]
+    k = math.ceil(0.02 * len(pairs))
+    expected = _ranked_in_float64(z, pairs, k)
+    top = [float(z[i].double() @ z[j].double()) for i, j in expected]
+    assert max(top) - min(top) < 4 * torch.finfo(torch.float32).eps * max(top)  # below float32's resolution
+    hist = [0] * 48
+    for i, j in expected:
+        hist[j - i] += 1
+    feats = window_features(ids, torch.ones_like(ids), TOKENS)
+    out = head_statistics(
+        z[None, None], attn[None, None], feats, select=Selection.parse("top:0.02"), gate=2.0, seq_len=48
+    )
+    assert int(out["high_pairs"][0]) == k
+    assert out["dist_hist"][0].tolist() == hist
+
+
+def test_an_ordinary_float32_head_is_ranked_as_before():
+    """A head whose top similarities are far apart keeps its float32 ranking (no re-ranking)."""
+    gen = torch.Generator().manual_seed(1)
+    n_tok = 40
+    ids = torch.tensor([[CLS, *([A, B, COMMA, DOT] * (n_tok // 4)), SEP]])
+    z = torch.randn(n_tok + 2, 64, generator=gen)
+    feats = window_features(ids, torch.ones_like(ids), TOKENS)
+    sim = masked_similarity(z[None, None].clone(), feats)
+    values, index, chosen = select_pairs(sim, feats, Selection.parse("top:0.02"))
+    assert not unresolved_rows(z[None, None], values, chosen.long().sum(2), feats.n_pairs).any()
+    out = head_statistics(
+        z[None, None], torch.eye(n_tok + 2)[None, None], feats, select=Selection.parse("top:0.02"), gate=2.0, seq_len=48
+    )
+    assert float(out["sim_sum_high"][0]) == float(values[chosen].double().sum())

@@ -106,13 +106,20 @@ def submit(
     # the replicate scheme the corpus allows (SPEC §5d): it travels in every batch's params, and each
     # window carries its document id and index, so a worker computes the embedded engine's groups
     params = params.resolved(summary.distinct)
-    key = run_key(summary.fingerprint, loaded, params)
-    if expect_key is not None and key != expect_key:
+    key, fingerprint = run_key(summary.fingerprint, loaded, params), summary.fingerprint
+    # a one-file corpus stored under the earlier, name-hashing rule keeps its key (runner.stored_run_key)
+    legacy_key = run_key(summary.legacy_fingerprint, loaded, params) if summary.legacy_fingerprint else None
+    if expect_key is not None and expect_key not in (key, legacy_key):
         raise CorpusError(
             f"{spec} changed since the run was submitted: its batches cannot be re-made; submit it as a new run"
         )
     readable = open_backend(settings.db).exists()
     stored_run, plan, stored_done = _stored_state(settings.db, key)
+    if stored_run is None and legacy_key is not None and legacy_key != key:
+        legacy_state = _stored_state(settings.db, legacy_key)
+        if legacy_state[0] is not None:
+            key, fingerprint = legacy_key, str(summary.legacy_fingerprint)
+            stored_run, plan, stored_done = legacy_state
     if stored_run is not None and stored_run.engine != "queue" and stored_run.status != RunStatus.DONE:
         raise StoreError(
             f"run {stored_run.run_id} ({stored_run.name}) has the same corpus, model and parameters and was started "
@@ -145,7 +152,7 @@ def submit(
         "run_key": key,
         "name": run_name,
         "corpus": str(Path(spec).resolve()) if Path(spec).exists() else spec,
-        "corpus_fingerprint": summary.fingerprint,
+        "corpus_fingerprint": fingerprint,
         "model": loaded.describe(),
         "params": params.to_dict(),
         "device": None,

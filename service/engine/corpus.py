@@ -162,6 +162,23 @@ def corpus_fingerprint(spec: str) -> str:
     return digest.hexdigest()
 
 
+def legacy_corpus_fingerprint(spec: str) -> str | None:
+    """The fingerprint a corpus of one file had before it was identified by content and suffix
+    (its file name hashed with its bytes), or None where the two rules agree (several files).
+    Runs stored under the earlier rule keep their keys: ``runner.stored_run_key`` still finds
+    them from the same file."""
+    files = corpus_files(spec)
+    if len(files) != 1:
+        return None
+    path = files[0]
+    digest = hashlib.sha256()
+    digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(_CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def spool_stdin(stream: BinaryIO | None = None) -> Path:
     """Copy stdin (or *stream*) to ``stdin.txt`` in a new temporary folder and return its path.
 

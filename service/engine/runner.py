@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from headatlas.service.config import Settings
 from headatlas.service.engine.analysis import BatchResult, OomSplitter
-from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents
+from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents, legacy_corpus_fingerprint
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.preparation import WindowPool, preparation_processes
@@ -38,6 +38,8 @@ class CorpusSummary:
     documents: int
     chars: int
     duplicates: int = 0  # documents whose exact text appeared earlier (analysed once)
+    # a one-file corpus's fingerprint under the earlier, name-hashing rule (runs stored then)
+    legacy_fingerprint: str | None = None
 
     @property
     def distinct(self) -> int:
@@ -62,7 +64,13 @@ def survey_corpus(
         seen.add(doc.doc_id)
     if documents == 0:
         raise CorpusError(f"{label or spec}: no document with text", hint=("check the file and ", Param("text_field")))
-    return CorpusSummary(fingerprint=fingerprint, documents=documents, chars=chars, duplicates=documents - len(seen))
+    return CorpusSummary(
+        fingerprint=fingerprint,
+        documents=documents,
+        chars=chars,
+        duplicates=documents - len(seen),
+        legacy_fingerprint=legacy_corpus_fingerprint(spec),
+    )
 
 
 def run_key(corpus_fp: str, model: ModelInfo, params: AnalysisParams) -> str:
@@ -77,6 +85,25 @@ def run_key(corpus_fp: str, model: ModelInfo, params: AnalysisParams) -> str:
         parts.append(f"words={rule}")
     blob = "|".join(parts)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def stored_run_key(conn, corpus: CorpusSummary, model: ModelInfo, params: AnalysisParams) -> tuple[str, str]:
+    """(run key, corpus fingerprint) of this run as the database ``conn`` holds it: the key of
+    ``run_key``, unless a run of the same one-file corpus was stored under the earlier rule (the
+    file's name in its fingerprint) and none under the current one; that run keeps its key and is
+    resumed or reported as before. ``params`` resolved (``AnalysisParams.resolved``)."""
+    from sqlalchemy import text
+
+    def stored(k: str) -> bool:
+        return conn.execute(text("SELECT count(*) FROM runs WHERE run_key = :k"), {"k": k}).scalar() > 0
+
+    key = run_key(corpus.fingerprint, model, params)
+    if corpus.legacy_fingerprint is None or corpus.legacy_fingerprint == corpus.fingerprint:
+        return key, corpus.fingerprint
+    legacy = run_key(corpus.legacy_fingerprint, model, params)
+    if not stored(key) and stored(legacy):
+        return legacy, corpus.legacy_fingerprint
+    return key, corpus.fingerprint
 
 
 def document_row(doc: Document) -> dict:
@@ -273,7 +300,7 @@ def analyze_corpus(
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
-    key = run_key(corpus.fingerprint, model, params)
+    key, fingerprint = patiently(lambda: _stored_key(store, corpus, model, params))
     stored_params = params.to_dict()
     asked = name  # a run already stored under another name gets the name asked for as an alias
     if control_of is not None:
@@ -285,7 +312,7 @@ def analyze_corpus(
             run_key=key,
             name=name or f"{_short_name(label or spec)}-{key[:6]}",
             corpus=label or spec,
-            corpus_fingerprint=corpus.fingerprint,
+            corpus_fingerprint=fingerprint,
             model=model.describe(),
             params=stored_params,
             engine="embedded",
@@ -552,3 +579,8 @@ def _short_name(spec: str) -> str:
     if spec in ("-", "<stdin>"):
         return "stdin"
     return Path(spec.rstrip("/*")).stem or "corpus"
+
+
+def _stored_key(store, corpus: CorpusSummary, model: ModelInfo, params: AnalysisParams) -> tuple[str, str]:
+    with store.checked_read() as conn:
+        return stored_run_key(conn, corpus, model, params)

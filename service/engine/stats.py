@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import cast
 
 import torch
 
@@ -381,6 +382,70 @@ def select_pairs(
     return values, index, chosen
 
 
+# A (window, head) whose similarities from its top one to the first one left out of H lie within
+# UNRESOLVED_ULPS · d float32 units of the top's magnitude has no high set that float32 can tell
+# apart: dot products of d terms are rounded by up to about d units, more than the spread. Heads
+# that sink almost all attention on the first token give such near-constant z (top 2% within
+# 2e-8 of each other). Ordinary heads' top 2% spread over a sizeable fraction of their magnitude.
+UNRESOLVED_ULPS = 4
+
+
+def unresolved_rows(z: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n_pairs: torch.Tensor) -> torch.Tensor:
+    """``[batch, head]`` bool: the rows whose ranking float32 cannot decide (``UNRESOLVED_ULPS``):
+    ``values`` ``[batch, head, k]`` ranked similarities, ``counts`` ``[batch, head]`` |H| per row,
+    ``n_pairs`` ``[batch]``. Always False for float64 outputs and where H is all of P."""
+    if z.dtype == torch.float64 or values.shape[2] == 0:
+        return torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
+    boundary = values.gather(2, counts.clamp(max=values.shape[2] - 1)[..., None]).squeeze(2).double()
+    top = values[..., 0].double()
+    magnitude = torch.maximum(top.abs(), boundary.abs())
+    tolerance = UNRESOLVED_ULPS * z.shape[-1] * torch.finfo(torch.float32).eps * magnitude
+    partial = (counts > 0) & (counts < n_pairs[:, None]) & torch.isfinite(boundary)
+    return partial & (top - boundary <= tolerance)
+
+
+def rerank_unresolved(
+    z: torch.Tensor,
+    feats: WindowFeatures,
+    select: Selection,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    chosen: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``select_pairs``'s result with the rows that float32 cannot rank (``unresolved_rows``: a
+    near-constant head) ranked again on float64 products of the same outputs, which separate
+    them; every other row as it was. Returns (values, index, chosen), padded to a common k."""
+    counts = chosen.long().sum(2)
+    rows = unresolved_rows(z, values, counts, feats.n_pairs)
+    if not bool(rows.any()):
+        return values, index, chosen
+    b_idx, h_idx = rows.nonzero(as_tuple=True)
+    n_pos = z.shape[2]
+    sub = z[b_idx, h_idx].double()  # [m, pos, d]
+    bias = torch.full((len(b_idx), n_pos * n_pos), float("-inf"), dtype=torch.float64, device=z.device)
+    bias[:, feats.layout.flat] = torch.where(feats.pair_ok[b_idx], 0.0, float("-inf")).double()
+    sim = torch.baddbmm(bias.view(-1, n_pos, n_pos), sub, sub.transpose(1, 2)).view(len(b_idx), 1, -1)
+    # select_pairs reads only n_pairs of the features
+    v64, i64, c64 = select_pairs(sim, cast(WindowFeatures, _RowPairs(feats.n_pairs[b_idx])), select)
+    width = max(values.shape[2], v64.shape[2])
+
+    def pad(t: torch.Tensor, fill) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[2]), value=fill) if t.shape[2] < width else t
+
+    values, index, chosen = pad(values, float("-inf")), pad(index, 0), pad(chosen, False)
+    values[b_idx, h_idx] = pad(v64, float("-inf"))[:, 0].to(values.dtype)
+    index[b_idx, h_idx] = pad(i64, 0)[:, 0]
+    chosen[b_idx, h_idx] = pad(c64, False)[:, 0]
+    return values, index, chosen
+
+
+@dataclass
+class _RowPairs:
+    """What ``select_pairs`` reads of a window's features, for rows picked from several windows."""
+
+    n_pairs: torch.Tensor
+
+
 def _resolve_ties(sim, values, index, tied):
     """Re-rank the rows whose boundary is tied with a stable sort (index order = (i, j) order)."""
     rows = tied.nonzero(as_tuple=True)
@@ -417,7 +482,9 @@ def head_statistics(
     """
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
-    values, index, chosen = select_pairs(masked_similarity(z, feats), feats, select)
+    values, index, chosen = rerank_unresolved(
+        z, feats, select, *select_pairs(masked_similarity(z, feats), feats, select)
+    )
     chosen_f = chosen.to(z.dtype)
     pos_i, pos_j = index // n_pos, index % n_pos  # [batch, head, k]
     flat_i, flat_j = pos_i.flatten(1), pos_j.flatten(1)  # [batch, head·k]
@@ -458,11 +525,16 @@ def head_statistics(
             z, feats.in_pairs, values, index, chosen, attended, bin_size=csm_bin, n_bins=-(-seq_len // csm_bin)
         )
 
-    # anchors: endpoint counts per first-occurrence position, argmax = earliest on ties
+    # anchors (SPEC §4): endpoint counts per token, kept at the position of the token's first
+    # occurrence in the window; on a tie the token whose first occurrence in the window is earliest
+    # wins, whether or not that occurrence is itself an endpoint of H. The smallest tied position
+    # is taken explicitly (not left to how max picks among equal values on a device).
     endpoint = torch.zeros(batch, heads, n_pos, device=z.device, dtype=chosen_f.dtype)
     endpoint.scatter_add_(2, pick(feats.first_pos, flat_i), chosen_f)
     endpoint.scatter_add_(2, pick(feats.first_pos, flat_j), chosen_f)
-    anchor_count, anchor_pos = endpoint.max(dim=2)
+    anchor_count = endpoint.amax(dim=2)
+    positions = torch.arange(n_pos, device=z.device)
+    anchor_pos = torch.where(endpoint == anchor_count[..., None], positions, n_pos).amin(dim=2)
     out["anchor_pos"] = anchor_pos
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)

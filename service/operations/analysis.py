@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from headatlas.service.engine.model import ModelInfo
-from headatlas.service.engine.runner import CorpusSummary, run_key, survey_corpus
+from headatlas.service.engine.runner import CorpusSummary, stored_run_key, survey_corpus
 from headatlas.service.operations.events import (
     CorpusRead,
     Estimate,
@@ -169,9 +169,9 @@ def finished_run(
     if not store.backend.exists():
         return None
     info = load_model_info(model) if isinstance(model, str) else model
-    key = run_key(corpus.fingerprint, info, params.resolved(corpus.distinct))
     try:
         with store.checked_read() as conn:
+            key, _fingerprint = stored_run_key(conn, corpus, info, params.resolved(corpus.distinct))
             run = find_run_by_key(conn, key)
             if run is None or run.status != RunStatus.DONE or (name is not None and name != run.name):
                 return None  # analysed, resumed, or named by the usual path

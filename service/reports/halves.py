@@ -120,6 +120,8 @@ def head_rows(
         .mappings()
         .first()
     )
-    # not clipped: the role tests read the symmetric interval's half-width
-    out_columns, out_rows = add_intervals(columns, whole, reps, keys=("layer", "head"), metrics=metrics, clip=False)
+    # not clipped, linear: the role tests read the symmetric interval's half-width
+    out_columns, out_rows = add_intervals(
+        columns, whole, reps, keys=("layer", "head"), metrics=metrics, clip=False, log_lifts=False
+    )
     return out_columns, out_rows, dict(context) if context else {"uniform_entropy": None, "short_range_chance": None}

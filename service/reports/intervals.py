@@ -8,6 +8,9 @@ group ``g`` (``drop_rep = g``); from those,
 
     θ̂ ± t_{R-1, 0.975} · sqrt((R - 1) / R · Σ_g (θ_(g) - θ̄)²),   θ̄ = mean of θ_(g),
 
+and for a lift (a positive ratio of two sums) the same on ln θ, back-transformed:
+θ̂ · exp(∓ t_{R-1, 0.975} · se(ln θ)) (``jackknife_interval``),
+
 with R the number of groups that hold windows (16 once a run has a few dozen documents). Windows
 of one document are correlated; grouping by document keeps them together, so the interval covers
 the sampling of documents. It does not cover choices that are fixed for the run (model,
@@ -142,7 +145,10 @@ def interval_note(schemes: Iterable[str]) -> str:
     )
 
 
-CLIP_NOTE = "bounds clipped to what the metric can take (a share to [0, 1], a lift to ≥ 0)"
+CLIP_NOTE = (
+    "a lift's interval on the log scale, θ·exp(∓t·se of ln θ); "
+    "bounds clipped to what the metric can take (a share to [0, 1], a lift to ≥ 0)"
+)
 
 
 def bounds_of(column: str) -> tuple[float | None, float | None]:
@@ -195,6 +201,32 @@ def jackknife_halfwidth(leave_one_out: Sequence[float | None], *, z: float | Non
     return multiplier * math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
 
 
+def on_log_scale(column: str) -> bool:
+    """Whether ``column``'s interval is formed on the log scale: a lift (``lift``, ``*_lift``,
+    ``*_lift_dm``), a positive ratio of two sums whose sampling is skewed where documents
+    contribute few, heavy-tailed sums (benchmarks/lift_intervals.py)."""
+    return column == "lift" or column.endswith(("_lift", "_lift_dm"))
+
+
+def jackknife_interval(
+    column: str, value: float, leave_one_out: Sequence[float | None], *, log_lifts: bool = True
+) -> tuple[float, float] | None:
+    """The 95% interval of ``value`` (unclipped), or None where it cannot be formed.
+
+    A lift (``on_log_scale``) with ``log_lifts``: the jackknife of log θ, back-transformed,
+    ``θ̂ · exp(∓ t_{R-1} · se(log θ))`` (the delta method on the log of the ratio): asymmetric,
+    always positive. On clustered corpora with few, heavy-tailed contributions per document the
+    linear jackknife of a lift held the truth 89% of the time, the log one 91% (83% → 87% on
+    10-29 documents). Where the value or a leave-one-out lift is 0 there is no log: the linear
+    jackknife. Every other metric: ``θ̂ ± t_{R-1} · se(θ)``."""
+    if log_lifts and on_log_scale(column) and value > 0:
+        if all(v is not None and math.isfinite(v) and v > 0 for v in leave_one_out):
+            half = jackknife_halfwidth([math.log(v) for v in leave_one_out])  # type: ignore[arg-type]
+            return None if half is None else (value * math.exp(-half), value * math.exp(half))
+    half = jackknife_halfwidth(leave_one_out)
+    return None if half is None else (value - half, value + half)
+
+
 def add_intervals(
     columns: list[str],
     rows: list[tuple],
@@ -204,15 +236,18 @@ def add_intervals(
     metrics: Sequence[str],
     scheme: str | None = None,
     clip: bool = True,
+    log_lifts: bool = True,
 ) -> tuple[list[str], list[tuple]]:
     """Insert ``<metric>_lo`` and ``<metric>_hi`` after each metric column of ``rows``; with
     ``scheme`` (the run's, ``scheme_of``), also a last column ``interval_by`` naming it.
 
     ``replicate_rows``: tuples ``(*keys, drop_rep, *metrics)`` (drop_rep ≥ 0 only) — the metric
     on the run without each group. A row's interval is centred on its own value, then clipped to
-    what the metric can take (``clip_interval``; ``clip=False``: the symmetric interval, whose
-    half-width tests read), so ``lo ≤ value ≤ hi`` always holds; where it cannot be formed (a run
-    stored before replicate groups existed, an undefined ratio) both bounds are None.
+    what the metric can take (``clip_interval``; ``clip=False``: unclipped, for tests that read the
+    half-width), so ``lo ≤ value ≤ hi`` always holds; where it cannot be formed (a run stored
+    before replicate groups existed, an undefined ratio) both bounds are None. A lift's interval is
+    formed on the log scale (``jackknife_interval``); ``log_lifts=False``: the symmetric linear
+    one, whose half-width the role tests read (roles.py).
     """
     k = len(keys)
     loo: dict[tuple, list[list[float | None]]] = {}
@@ -234,10 +269,14 @@ def add_intervals(
             out.append(value)
             if column in metric_idx:
                 m = list(metrics).index(column)
-                half = jackknife_halfwidth([g[m] for g in groups]) if value is not None else None
-                if half is None:
+                bounds = (
+                    jackknife_interval(column, value, [g[m] for g in groups], log_lifts=log_lifts)
+                    if value is not None
+                    else None
+                )
+                if bounds is None:
                     out += [None, None]
                 else:
-                    out += clip_interval(column, value - half, value + half) if clip else (value - half, value + half)
+                    out += clip_interval(column, *bounds) if clip else bounds
         out_rows.append(tuple(out) if scheme is None else (*out, scheme))
     return (out_columns if scheme is None else [*out_columns, "interval_by"]), out_rows

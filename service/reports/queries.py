@@ -12,6 +12,7 @@ from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import COLUMNS
 from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE, unknown_metric
+from headatlas.service.storage import runs
 
 # counts and run-level chances carry no interval of their own
 NO_INTERVAL = {
@@ -72,7 +73,8 @@ def _with_intervals(
 ) -> Rows:
     """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
     leave-one-group-out rows, and ``interval_by``: the run's replicate scheme. ``clip``: bounds
-    clipped to what each metric can take (``intervals.add_intervals``)."""
+    clipped to what each metric can take and lifts' intervals on the log scale
+    (``intervals.add_intervals``); False: the symmetric linear interval the role tests read."""
     from headatlas.service.reports.intervals import add_intervals
 
     columns, values = rows
@@ -85,7 +87,14 @@ def _with_intervals(
         {"run": run_id, **(params or {})},
     ).all()
     return add_intervals(
-        columns, values, rep_rows, keys=keys, metrics=metrics, scheme=replicate_scheme(conn, run_id), clip=clip
+        columns,
+        values,
+        rep_rows,
+        keys=keys,
+        metrics=metrics,
+        scheme=replicate_scheme(conn, run_id),
+        clip=clip,
+        log_lifts=clip,  # clip=False is the role tests' symmetric interval (roles.py)
     )
 
 
@@ -381,7 +390,7 @@ def run_summary(conn: Connection, run_id: int) -> dict:
         conn.execute(
             text(
                 "SELECT r.run_id, r.name, r.status, r.model_name, r.n_layers, r.n_heads, r.params, "
-                "coalesce(c.windows, 0) AS windows, r.compute_s, r.wall_s "
+                f"coalesce(c.windows, 0) AS windows, {runs.compute_s_sql(conn)} AS compute_s, r.wall_s "
                 "FROM runs r LEFT JOIN chance_totals c USING (run_id) WHERE r.run_id = :run"
             ),
             {"run": run_id},

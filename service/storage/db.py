@@ -147,7 +147,7 @@ def checked_read(db: Target, *, lock_wait_s: float = LOCK_WAIT_S, at: int | None
     """A read-only transaction on a database whose schema is current (every read path uses it)."""
     backend = backend_of(db)
     with transaction(backend, read_only=True, lock_wait_s=lock_wait_s, at=at) as conn:
-        check_schema(conn, backend)
+        check_schema(conn, backend, at=at)
         yield conn
 
 
@@ -242,12 +242,20 @@ def _quiet_alembic() -> Iterator[None]:
         log.setLevel(before)
 
 
-def check_schema(conn: Connection, path: Target) -> None:
-    """Refuse to work on a database whose schema is not the current head."""
+def check_schema(conn: Connection, path: Target, *, at: int | None = None) -> None:
+    """Refuse to work on a database whose schema is not the current head. ``at``: the snapshot
+    read; one older than the head schema is not upgraded (`db upgrade` changes the current
+    database, never a past snapshot): a later snapshot is read instead."""
     path = label(path)
     check_not_foreign(conn, path)
     current, head = current_revision(conn), head_revision()
     check_known(current, path)
+    if current != head and at is not None:
+        raise StoreError(
+            f"snapshot {at} of {path} predates schema {head} (it holds schema {current or 'none'}); this headatlas "
+            "reads snapshots at that schema or later: pass a later --at (`headatlas runs` shows each run's "
+            "snapshot) or leave --at out to read the current state"
+        )
     if current != head:
         raise StoreError(
             f"database {path} has schema {current or 'none'}, this headatlas needs {head}: run `headatlas db upgrade`"

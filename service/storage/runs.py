@@ -46,6 +46,14 @@ def run_columns(conn: Connection) -> str:
     return RUN_COLUMNS.replace("compute_s,", f"greatest(compute_s, {summed}) AS compute_s,")
 
 
+def compute_s_sql(conn: Connection, alias: str = "r") -> str:
+    """The SQL of a run's compute seconds, for ``FROM runs <alias>``: the row's on a file; on a
+    lake at least the sum over its stored batches (``LAKE_COMPUTE_S``)."""
+    if db.has_keys(conn):
+        return f"{alias}.compute_s"
+    return f"greatest({alias}.compute_s, {LAKE_COMPUTE_S.format(t=alias)})"
+
+
 @dataclass(frozen=True)
 class Run:
     run_id: int
@@ -154,7 +162,7 @@ def listed(conn: Connection, *, tags: tuple[str, ...] = ()) -> list[dict]:
     """Every run (with ``tags``: those that have all of them), with its ``aliases`` and ``tags``
     (lists); on a lake with the last snapshot that changed it (``snapshot``)."""
     keys = db.has_keys(conn)
-    compute = "r.compute_s" if keys else f"greatest(r.compute_s, {LAKE_COMPUTE_S.format(t='r')})"
+    compute = compute_s_sql(conn)
     # a lake: the last snapshot that changed the run (its row, its ledger, its probe): what
     # `--at` reads to see the run as it is now
     snapshot = "" if keys else f", {LAST_SNAPSHOT} AS snapshot"
