@@ -105,3 +105,29 @@ def test_chunk_rows_follow_the_budget():
     rows = similarity_chunk_rows(1, 9, 4096)
     assert rows < 4096 and rows * 9 * 4096 <= 1 << 24
     assert similarity_chunk_rows(64, 32, 8192, budget=1000) == 1
+
+
+def test_the_distance_histogram_keeps_every_distance_of_a_long_window():
+    # one pair at the largest distance of a 600-position window, selected in row chunks: it is
+    # counted at its own distance, 598 (no bins that top out below it)
+    n_pos = 600
+    ids = torch.full((1, n_pos), 7)
+    ids[0, 0], ids[0, -1] = CLS, SEP
+    feats = window_features(ids, torch.ones_like(ids), TOKENS)
+    z = torch.zeros(1, 1, n_pos, 2)
+    z[0, 0, 1:-1, 1] = 0.01 * torch.arange(1, n_pos - 1).remainder(3)  # small, below the pair
+    z[0, 0, 1, 0] = z[0, 0, n_pos - 2, 0] = 10.0  # positions 1 and 598: distance 597
+    attn = torch.full((1, 1, n_pos, n_pos), 1.0 / n_pos)
+    out = head_statistics(z, attn, feats, select=Selection.parse("topk:1"), gate=4.0, seq_len=n_pos, chunk_rows=7)
+    assert out["dist_hist"].shape == (1, n_pos)
+    assert out["dist_hist"][0].nonzero().flatten().tolist() == [n_pos - 3]
+
+
+def test_planned_batches_shrink_with_the_window_and_fit_the_memory():
+    from headatlas.service.engine.model import plan_batch_size
+
+    gib = 1 << 30
+    sizes = [plan_batch_size(16 * gib, n, n_heads=9, d_model=576, ceiling=32) for n in (128, 512, 2048, 4096)]
+    assert sizes == [32, 32, 8, 2]  # a 2,048-token window plans 1.1 GiB (9 heads × 8 maps), 4,096: 4.5
+    assert plan_batch_size(1 << 20, 8192, n_heads=9, d_model=576, ceiling=32) == 1  # never below one
+    assert plan_batch_size(1 << 50, 128, n_heads=12, d_model=768, ceiling=4096) == 4096
