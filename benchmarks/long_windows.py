@@ -1,14 +1,14 @@
 """Long windows: time and peak memory of one window's full analysis at 128 … 4,096 tokens, for
 SmolLM2-135M's shape (random weights: the same work and memory per window as the real model).
 
-    python benchmarks/long_windows.py [--lengths 128,512,2048,4096] [--layers 30] [--whole]
+    python benchmarks/long_windows.py [--lengths 128,512,2048,4096] [--layers 30] [--whole 2048,4096]
 
 Each length runs in a fresh child process (so each peak is its own): the model is built, one
 128-token window warms it up, then one window of n tokens of the development corpus (or the
 shipped excerpt) is analysed with the run's defaults (top:0.02, batch of one), ``--repeats``
 times (the median is shown). Peak memory = the child's peak resident set size, and the part of it
-above the resident size after the warm-up (the window's own). ``--whole`` also measures each
-length with the similarity matrix taken whole (no row chunks), as before chunking. ``--layers L``
+above the resident size after the warm-up (the window's own). ``--whole N,…`` also measures
+those lengths with the similarity matrix taken whole (no row chunks), as before chunking. ``--layers L``
 keeps the first L of the 30 blocks (time scales with the layers; the peak does not, as the
 statistics of one layer are done before the next runs): for a loaded machine. The planned batch
 (``--batch-size auto`` on this machine's available memory) is shown beside.
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", default="128,512,2048,4096")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--whole", action="store_true", help="also measure without row chunks")
+    parser.add_argument("--whole", default="", help="lengths also measured without row chunks, e.g. 2048,4096")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child-whole", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -114,6 +114,8 @@ def main(argv=None) -> None:
         print(json.dumps(child(args.child, args.layers, args.repeats, args.child_whole)))
         return
     from benchmarks.common import machine
+
+    whole_at = {int(x) for x in args.whole.split(",") if x.strip()}
 
     print(
         f"{MODEL} (SmolLM2-135M's shape: 9 heads, 3 key-value heads, 576 wide), first {args.layers} of 30 layers, "
@@ -127,7 +129,7 @@ def main(argv=None) -> None:
     print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.whole else ""))
     for n in (int(x) for x in args.lengths.split(",")):
         runs = []
-        for whole in [False, True] if args.whole else [False]:
+        for whole in [False, True] if n in whole_at else [False]:
             cmd = [
                 sys.executable,
                 __file__,
@@ -150,7 +152,7 @@ def main(argv=None) -> None:
             f"{r['auto_batch']} |"
         )
         if args.whole:
-            line += f" {runs[1]['seconds']:.2f} | {runs[1]['window_peak'] / gib:.2f} |"
+            line += f" {runs[1]['seconds']:.2f} | {runs[1]['window_peak'] / gib:.2f} |" if len(runs) > 1 else " | |"
         print(line, flush=True)
 
 

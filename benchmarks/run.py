@@ -63,7 +63,8 @@ def main(argv=None) -> None:
             "Long windows, SmolLM2's shape (random weights), CPU: time and peak memory per window, with the "
             "similarity matrix in row chunks and whole",
             long_windows.main,
-            ["--lengths", "128,512" if args.quick else "128,512,2048,4096", "--whole"]
+            ["--lengths", "128,512" if args.quick else "128,512,2048,4096"]
+            + ["--whole", "512" if args.quick else "2048,4096"]
             + (["--layers", "2"] if args.quick else []),
         )
     if torch.cuda.is_available():
