@@ -146,11 +146,10 @@ def main() -> None:
 
     corpus = args.corpus or _corpus_default()
     began = time.perf_counter()
-    model = load_model(args.model, device="cpu")
-    tokens = TokenClasses.for_model(model)
+    model = tokens = None  # loaded when a document needs it (not for a report from saved sums)
+    loaded_s = 0.0
     long_params = build_params(seq_len=LONG, windowing="first", sentences="punct")
     short_params = build_params(seq_len=SHORT, windowing="chunks", sentences="punct")
-    loaded_s = time.perf_counter() - began
     saved: dict[str, dict] = {}
     if args.resume and args.save.exists():
         for line in args.save.read_text(encoding="utf-8").splitlines():
@@ -167,14 +166,24 @@ def main() -> None:
         if len(per_doc_long) >= args.max_docs:
             break
         if doc.doc_id in saved:
+            if saved[doc.doc_id].get("skipped"):
+                skipped += 1
+                continue
             per_doc_long.append(np.asarray(saved[doc.doc_id]["long"]))
             per_doc_short.append(np.asarray(saved[doc.doc_id]["short"]))
             continue
         if time.perf_counter() > deadline:
-            break
+            continue  # past the time: only the documents saved by earlier sittings
+        if model is None or tokens is None:
+            load_began = time.perf_counter()
+            model = load_model(args.model, device="cpu")
+            tokens = TokenClasses.for_model(model)
+            loaded_s = time.perf_counter() - load_began
         window = next(iter_document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, long_params), None)
         if window is None or len(window.input_ids) < LONG:
             skipped += 1  # shorter than one full long window
+            with args.save.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"model": args.model, "doc_id": doc.doc_id, "skipped": True}) + "\n")
             continue
         # the same text in short windows: the long window's tokens after BOS, 127 at a time
         body = list(window.input_ids[1:])
@@ -221,26 +230,35 @@ def main() -> None:
         verdict = "undecided"
     wall = time.perf_counter() - began
     lines = [
-        f"### Long range: {model.name}, {LONG}-token windows against {SHORT}",
+        f"### Long range: {args.model}, {LONG}-token windows against {SHORT}",
         "",
-        f"Command: `nice -n 10 python benchmarks/long_range.py --model {args.model} --minutes {args.minutes:g}` "
+        f"Command: `nice -n 10 python benchmarks/long_range.py --model {args.model} --minutes {args.minutes:g}"
+        f"{' --resume' if args.resume else ''}` ({len(saved)} documents' records read from earlier sittings) "
         f"on `{corpus.name}`, {os.cpu_count()} cores (shared), wall {wall / 60:.1f} min "
         f"(model load {loaded_s:.0f} s; this sitting: {new_docs} documents, {compute_long / max(new_docs, 1):.1f} s "
         f"per {LONG}-token window, {compute_short / max(new_docs * 16, 1):.2f} s per {SHORT}-token window).",
         "",
         f"**{docs} documents: {docs} windows of {LONG} tokens and {docs * 16} windows of {SHORT} tokens "
         f"over the same text** ({skipped} shorter documents skipped). Selection top:0.02 per head, gate 4, "
-        "pre_wo; heads of a layer summed. Intervals: 95 %, delete-one-document jackknife, "
-        f"t_{{{docs - 1}}}.",
+        "pre_wo; heads of a layer summed. "
+        + (
+            f"Intervals: 95 %, delete-one-document jackknife, t_{{{docs - 1}}}."
+            if docs >= 3
+            else "No intervals: fewer than three documents."
+        ),
         "",
         f"| layer | H beyond {FAR} | chance (P beyond {FAR}) | lift | lift, {SHORT}-token windows "
         f"(beyond {SHORT_FAR}) | lift ÷ lift{SHORT} |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def pm(value: float, half: float) -> str:
+        return f"{value:.3f}" if np.isnan(half) else f"{value:.3f} ± {half:.3f}"
+
     for i in range(layers):
         lines.append(
-            f"| {i} | {far[i]:.3f} ± {far_hw[i]:.3f} | {chance[i]:.3f} | {lift[i]:.3f} ± {lift_hw[i]:.3f} "
-            f"| {lift128[i]:.3f} ± {lift128_hw[i]:.3f} | {ratio[i]:.3f} ± {ratio_hw[i]:.3f} |"
+            f"| {i} | {pm(far[i], far_hw[i])} | {chance[i]:.3f} | {pm(lift[i], lift_hw[i])} "
+            f"| {pm(lift128[i], lift128_hw[i])} | {pm(ratio[i], ratio_hw[i])} |"
         )
     lines += [
         "",
