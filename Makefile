@@ -93,9 +93,13 @@ FINDINGS_ARGS ?= --decoder
 # Then the causal effects (SPEC §9) of MiniLM and SmolLM2 on the development corpus: which heads matter,
 # the pruning curves and the seed paper's claim (docs/findings-output-effects.md, about an hour on 2 cores).
 EFFECT_FINDINGS_ARGS ?=
+# Then the long-range claim: SmolLM2 on the development corpus in 2,048- against 128-token windows, as many
+# documents as --minutes allow (docs/findings-output-long-range.md; --resume continues a saved sitting).
+LONG_RANGE_ARGS ?= --minutes 20
 findings: install
 	$(PY) benchmarks/findings.py $(FINDINGS_ARGS)
 	$(PY) benchmarks/effect_findings.py $(EFFECT_FINDINGS_ARGS)
+	nice -n 10 $(PY) benchmarks/long_range.py $(LONG_RANGE_ARGS)
 
 # The development corpus, copied into the checkout's ignored build/corpora/ so that it travels with
 # the working tree to a machine without ../shared (a GPU machine: name build/corpora in what is

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import decoder, forward_vs_full, memory, pipeline, query_speed, web_pages  # noqa: E402
+from benchmarks import decoder, forward_vs_full, long_windows, memory, pipeline, query_speed, web_pages  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 
 
@@ -58,6 +58,14 @@ def main(argv=None) -> None:
             "peak memory",
             decoder.main,
             ["--windows", "16" if args.quick else "32", "--repeats", "2" if args.quick else "3"],
+        )
+        section(
+            "Long windows, SmolLM2's shape (random weights), CPU: time and peak memory per window, with the "
+            "similarity matrix in row chunks and whole",
+            long_windows.main,
+            ["--lengths", "128,512" if args.quick else "128,512,2048,4096"]
+            + ["--whole", "512" if args.quick else "2048,4096"]
+            + (["--layers", "2"] if args.quick else []),
         )
     if torch.cuda.is_available():
         section(

@@ -70,8 +70,8 @@ OPTIONS: tuple[Declared, ...] = (
         "batch_size",
         str,
         Settings.default("batch_size"),
-        "Windows per forward pass (one task each when queued), or auto: sized from free GPU memory; 32 on CPU "
-        "and for queued runs, whose batches are cut before any worker is known.",
+        "Windows per forward pass (one task each when queued), or auto: sized from free memory (the GPU's, or on "
+        "CPU the system's, at most 32 there); 32 for queued runs, whose batches are cut before any worker is known.",
         setting="batch_size",
         param=False,
         short="-b",

@@ -80,7 +80,7 @@ class Settings:
     device: str = setting("auto", Allowed(str, "auto, cpu, cuda or cuda:N", pattern=r"auto|cpu|cuda|cuda:\d+"))
     """HEADATLAS_DEVICE: auto, cpu, cuda or cuda:N."""
     batch_size: str = setting("32", Allowed(str, "auto or an integer, 1 or more", pattern=r"\s*(auto|0*[1-9]\d*)\s*"))
-    """HEADATLAS_BATCH_SIZE: windows per forward pass, or auto (from free GPU memory)."""
+    """HEADATLAS_BATCH_SIZE: windows per forward pass, or auto (from free memory: the GPU's, or the system's on CPU)."""
     broker_url: str = setting(
         "redis://127.0.0.1:6379/0", Allowed(str, "redis://HOST:PORT/DB, rediss://… or unix:///path/to/redis.sock")
     )

@@ -18,7 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FINDINGS = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-OUTPUTS = ("docs/findings-output.md", "docs/findings-output-dev.md", "docs/findings-output-effects.md")
+OUTPUTS = (
+    "docs/findings-output.md",
+    "docs/findings-output-dev.md",
+    "docs/findings-output-effects.md",
+    "docs/findings-output-long-range.md",
+)
 BLOCK = re.compile(r"<!-- begin (\S+) -->\n(.*?)<!-- end \1 -->", re.S)
 OUTPUT = "\n".join((ROOT / path).read_text(encoding="utf-8") for path in OUTPUTS)
 

@@ -466,20 +466,50 @@ def looks_like_path(spec: str) -> bool:
 
 
 def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) -> int:
-    """Windows per batch from free device memory (CUDA); ``cpu_default`` on CPU.
+    """Windows per batch from the free memory of the model's device: CUDA's free memory, or the
+    memory the system has available on CPU (never more than ``cpu_default`` there: a CPU gains
+    nothing from larger batches, and short windows keep today's size).
 
     The statistics run as each layer finishes, so a window holds one layer at a time: the
     eager attention's scores and probabilities (heads × pos² floats, about three maps) plus
-    the statistics' scratch (about four more), and one layer's activations (about sixteen
+    the statistics' scratch (about four more; the similarity matrix itself is taken in row
+    chunks past ``stats.SIM_CHUNK_ELEMENTS``), and one layer's activations (about sixteen
     pos × d_model tensors, the feed-forward's four-times-wider one included); 60 % of free
     memory is planned for, the rest left to the allocator. Out-of-memory errors that still
-    happen are recovered by halving (analysis.OomSplitter).
+    happen are recovered by halving (analysis.OomSplitter) on CUDA; on CPU the plan is all
+    there is (the system kills a process that runs out), so it is the same one.
     """
-    if model.device.type != "cuda":
-        return cpu_default
-    free, _total = torch.cuda.mem_get_info(model.device)
+    if model.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(model.device)
+        ceiling = 4096
+    else:
+        free, ceiling = available_memory(), cpu_default
+    return plan_batch_size(free, seq_len, n_heads=model.n_heads, d_model=model.d_model, ceiling=ceiling)
+
+
+def plan_batch_size(free: int, seq_len: int, *, n_heads: int, d_model: int, ceiling: int) -> int:
+    """The largest power of two of windows whose planned memory fits 60 % of ``free`` bytes, in
+    [1, ``ceiling``] (``auto_batch_size``)."""
     element = 4
-    per_window = element * seq_len * seq_len * model.n_heads * 8
-    per_window += element * seq_len * model.d_model * 16
+    per_window = element * seq_len * seq_len * n_heads * 8
+    per_window += element * seq_len * d_model * 16
     size = max(1, int(free * 0.6 // per_window))
-    return min(4096, 1 << (size.bit_length() - 1))
+    return max(1, min(ceiling, 1 << (size.bit_length() - 1)))
+
+
+def available_memory() -> int:
+    """Bytes the system can give this process without swapping: MemAvailable, within the
+    cgroup's limit where one is set (containers)."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        free = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: the free pages
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return free
+    if limit.isdigit():
+        free = min(free, max(0, int(limit) - used))
+    return free

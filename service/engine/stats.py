@@ -457,6 +457,161 @@ def _resolve_ties(sim, values, index, tied):
     return values, index
 
 
+# Entries of the similarity matrix held at once per batch (all heads), 64 MiB in float32: below it
+# the whole matrix is computed in one product (short windows, as before); above it, in row chunks.
+SIM_CHUNK_ELEMENTS = 1 << 24
+
+
+def similarity_chunk_rows(batch: int, heads: int, n_pos: int, budget: int = SIM_CHUNK_ELEMENTS) -> int:
+    """Rows of the similarity matrix per chunk so that a chunk of every head of the batch holds
+    at most ``budget`` entries (at least one row); ``n_pos`` or more: no chunking needed."""
+    return max(1, budget // max(1, batch * heads * n_pos))
+
+
+def _similarity_rows(z: torch.Tensor, in_pairs: torch.Tensor, rows: int):
+    """The masked similarity matrix in chunks of rows: yields ``(first, sim)``, ``sim``
+    ``[batch, head, r, pos − first − 1]``: rows ``first .. first + r − 1``, columns
+    ``first + 1 ..`` (only those can hold pairs i < j of the chunk), -inf outside P.
+    Each entry is the same product as in ``masked_similarity``. ``in_pairs``: ``[batch, pos]``
+    (``WindowFeatures.in_pairs``)."""
+    n_pos = z.shape[2]
+    cols = torch.arange(n_pos, device=z.device)
+    for first in range(0, n_pos - 1, rows):
+        last = min(first + rows, n_pos - 1)
+        right = z[:, :, first + 1 :]  # [batch, head, pos - first - 1, d]
+        sim = torch.matmul(z[:, :, first:last], right.transpose(2, 3))
+        upper = cols[first + 1 :][None, :] > cols[first:last][:, None]  # [r, cols], j > i
+        ok = in_pairs[:, first:last, None] & in_pairs[:, None, first + 1 :] & upper
+        yield first, sim.masked_fill_(~ok[:, None], float("-inf"))
+
+
+def select_pairs_chunked(
+    z: torch.Tensor, feats: WindowFeatures, select: Selection, *, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``select_pairs(masked_similarity(z, feats), feats, select)`` without the whole matrix:
+    the same ``values``, ``index`` and ``chosen`` ranks (the same pairs, in the same order up to
+    the order of equal values), with ``rows`` rows of the matrix held at a time, so a window's
+    memory grows with pos · rows per head, not pos² (plus the k ranks kept).
+
+    ``top:``/``topk:``: one pass keeps a running top k + 1 of the chunks (values and pair
+    indices), k the batch's largest |H|. Where a head's boundary is tied (rank |H| and the next
+    hold equal values, as ``select_pairs`` checks), a second pass takes every pair above the
+    boundary value and the pairs equal to it in (i, j) order — the tie rule of SPEC §3 — for
+    the whole batch. ``ratio:``: the maximum, the count at or above its share, then the pairs.
+    """
+    batch, heads, n_pos, _ = z.shape
+    if select.kind == "ratio":
+        top = torch.full((batch, heads), float("-inf"), device=z.device, dtype=z.dtype)
+        for _first, sim in _similarity_rows(z, feats.in_pairs, rows):
+            top = torch.maximum(top, sim.flatten(2).amax(2))
+        threshold = select.value * top  # [batch, head]
+        counts = torch.zeros(batch, heads, dtype=torch.long, device=z.device)
+        for _first, sim in _similarity_rows(z, feats.in_pairs, rows):
+            flat = sim.flatten(2)
+            counts += _count((flat >= threshold[..., None]) & (flat > float("-inf")), dim=2)
+    else:
+        per_window = torch.tensor([select.count(int(p)) for p in feats.n_pairs.tolist()], device=z.device)
+        counts = per_window[:, None].expand(batch, heads)
+    k = int(counts.max()) if counts.numel() else 0
+    if k == 0:
+        empty = z.new_zeros((batch, heads, 0))
+        return empty, empty.long(), empty.bool()
+    chosen = torch.arange(k, device=z.device) < counts[..., None]
+    if select.kind == "ratio":
+        # every pair at or above the threshold (at most k per head), none by rank
+        values, index = _collect_pairs(z, feats.in_pairs, rows, k, threshold, None)
+        return values.view(batch, heads, k), index.view(batch, heads, k), chosen
+    values, index = _running_top(z, feats.in_pairs, rows, k + 1)  # one extra rank shows a tied boundary
+    kept = values.shape[2]
+    if kept > k:
+        last = values.gather(2, (counts - 1).clamp(min=0)[..., None])
+        after = values.gather(2, counts[..., None].clamp(max=kept - 1))
+        tied = (last == after).squeeze(2) & (counts > 0) & (counts < feats.n_pairs[:, None])
+        if bool(tied.any()):
+            # the tied heads again: every pair above the k-th value, and as many equal to it as
+            # the top k holds, in (i, j) order
+            values, index = values[..., :k].clone(), index[..., :k].clone()
+            window, head = tied.nonzero(as_tuple=True)
+            bound = values[window, head, k - 1]
+            take_equal = k - _count(values[window, head] > bound[:, None], dim=1)
+            values[window, head], index[window, head] = _collect_pairs(
+                z[window, head][:, None], feats.in_pairs[window], rows, k, bound[:, None], take_equal[:, None]
+            )
+            return values, index, chosen
+    return values[..., :k], index[..., :k], chosen
+
+
+def _global_index(first: int, width: int, n_pos: int, pos: torch.Tensor) -> torch.Tensor:
+    """Index i·pos + j of entry ``pos`` of a flattened chunk from ``_similarity_rows``."""
+    row = torch.div(pos, width, rounding_mode="floor")
+    return (row + first) * n_pos + (pos - row * width) + first + 1
+
+
+def _running_top(z: torch.Tensor, in_pairs: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each head's masked similarity matrix, chunk by chunk: values
+    ``[batch, head, k]`` sorted descending and their indices i·pos + j (order among equal values
+    unspecified, as ``torch.topk``'s)."""
+    n_pos = z.shape[2]
+    values: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    for first, sim in _similarity_rows(z, in_pairs, rows):
+        flat = sim.flatten(2)
+        part, pos = torch.topk(flat, min(k, flat.shape[2]), dim=2, sorted=False)
+        part_index = _global_index(first, sim.shape[3], n_pos, pos)
+        if values is not None and index is not None:
+            part, part_index = torch.cat([values, part], dim=2), torch.cat([index, part_index], dim=2)
+            part, pos = torch.topk(part, min(k, part.shape[2]), dim=2, sorted=False)
+            part_index = part_index.gather(2, pos)
+        values, index = part, part_index
+    assert values is not None and index is not None  # pos ≥ 2: at least one chunk
+    values, order = torch.sort(values, dim=2, descending=True)
+    return values, index.gather(2, order)
+
+
+def _collect_pairs(
+    z: torch.Tensor,
+    in_pairs: torch.Tensor,
+    rows: int,
+    k: int,
+    bound: torch.Tensor,
+    take_equal: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head (``[batch·head, k]``): the pairs above ``bound`` ``[batch, head]`` and the first
+    ``take_equal`` pairs equal to it in (i, j) order (``None``: every pair at or above it, -inf
+    excluded), sorted by value descending, ties in (i, j) order; unused ranks hold -inf, pair 0.
+    ``in_pairs``: ``[batch, pos]``, as for ``_similarity_rows``."""
+    batch, heads, n_pos, _ = z.shape
+    values = torch.full((batch * heads, k), float("-inf"), device=z.device, dtype=z.dtype)
+    index = torch.zeros(batch * heads, k, dtype=torch.long, device=z.device)
+    filled = torch.zeros(batch * heads, dtype=torch.long, device=z.device)
+    equal_seen = torch.zeros(batch * heads, dtype=torch.long, device=z.device)
+    edge = bound.reshape(batch * heads, 1)
+    for first, sim in _similarity_rows(z, in_pairs, rows):
+        width = sim.shape[3]
+        flat = sim.view(batch * heads, -1)
+        if take_equal is None:
+            keep = (flat >= edge) & (flat > float("-inf"))
+        else:
+            keep = flat > edge
+            # rank the entries equal to the bound among the head's equal entries so far
+            eq_row, eq_pos = (flat == edge).nonzero(as_tuple=True)
+            found = torch.bincount(eq_row, minlength=batch * heads)
+            rank = torch.arange(eq_row.numel(), device=z.device) - (torch.cumsum(found, 0) - found)[eq_row]
+            take = rank + equal_seen[eq_row] < take_equal.reshape(-1)[eq_row]
+            keep[eq_row[take], eq_pos[take]] = True
+            equal_seen += found
+        head_row, pos = keep.nonzero(as_tuple=True)  # row-major: (i, j) order within each head
+        found = torch.bincount(head_row, minlength=batch * heads)
+        slot = torch.arange(head_row.numel(), device=z.device) - (torch.cumsum(found, 0) - found)[head_row]
+        slot += filled[head_row]
+        values[head_row, slot] = flat[head_row, pos]
+        index[head_row, slot] = _global_index(first, width, n_pos, pos)
+        filled += found
+    # taken in (i, j) order: a stable sort by value puts equal values in (i, j) order
+    values, order = torch.sort(values, dim=1, descending=True, stable=True)
+    return values, index.gather(1, order)
+
+
 def head_statistics(
     z: torch.Tensor,
     attn: torch.Tensor,
@@ -466,6 +621,7 @@ def head_statistics(
     gate: float,
     seq_len: int,
     csm_bin: int = 0,
+    chunk_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c, §8).
 
@@ -478,13 +634,19 @@ def head_statistics(
     caller, which knows the anchors' token ids. ``same_sentence_hist`` ``[(group,) head, seq_len]``:
     the pairs of H at each distance that share a sentence. ``csm_bin`` > 0: also ``csm_sum`` and
     ``csm_count`` ``[kind, head, bin, bin]``, the averaged similarity matrices' sums
-    (``service.engine.averaged_csm``).
+    (``service.engine.averaged_csm``). ``chunk_rows``: rows of the similarity matrix computed at
+    a time (``select_pairs_chunked``); default: whole matrices while a batch's fit in
+    ``SIM_CHUNK_ELEMENTS``, row chunks beyond.
     """
     z, attn = _at_least_float32(z), _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
-    values, index, chosen = rerank_unresolved(
-        z, feats, select, *select_pairs(masked_similarity(z, feats), feats, select)
-    )
+    rows = similarity_chunk_rows(batch, heads, n_pos) if chunk_rows is None else max(1, chunk_rows)
+    if rows >= n_pos:
+        selected = select_pairs(masked_similarity(z, feats), feats, select)
+    else:
+        selected = select_pairs_chunked(z, feats, select, rows=rows)
+    # a near-constant head's rows ranked again at float64, whichever way they were selected
+    values, index, chosen = rerank_unresolved(z, feats, select, *selected)
     chosen_f = chosen.to(z.dtype)
     pos_i, pos_j = index // n_pos, index % n_pos  # [batch, head, k]
     flat_i, flat_j = pos_i.flatten(1), pos_j.flatten(1)  # [batch, head·k]
