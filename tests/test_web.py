@@ -244,6 +244,30 @@ def test_on_loopback_only_requests_addressed_to_loopback_are_answered(stored):
         server.server_close()
 
 
+def test_the_atlas_is_coloured_by_effect_where_effects_were_measured(stored, tmp_path, tiny_model, demo_corpus):
+    """Zero ablation (SPEC §9) on 2 windows of a tiny run: the atlas offers its effects first, shades them
+    about 0 (the head whose removal costs most at the red end, one that helps at the blue), and a run
+    without effects refuses the colour with how to measure them."""
+    from headatlas.service.web.app import WebApp
+
+    corpus = corpus_of(demo_corpus, tmp_path, slice(0, 1), "one")
+    db = tmp_path / "fx.duckdb"
+    fx = analyse(corpus, db, tiny_model, name="fx", seq_len=32, effects="zero", effect_windows=2, replicates="window")
+    client = Client(WebApp(str(db)))
+    heads = client.get(f"/runs/{fx.run_id}.json").json()["heads"]
+    assert same(heads, cli_json(db, "query", "heads", "--run", "fx", "--ci"))
+    page = client.get(f"/runs/{fx.run_id}?color=effect_zero")
+    assert page.status == 200
+    offered = re.findall(r'<option value="([^"]+)"', page.text.split('<select name="color"')[1].split("</select>")[0])
+    assert offered[:2] == ["role", "effect_zero"] and "effect_mean" not in offered and "induction_score" not in offered
+    cells = dict(re.findall(r'href="/runs/\d+/heads/(\d+/\d+)"[^>]*style="background:(#[0-9a-f]{6})', page.text))
+    strongest = max(heads, key=lambda h: abs(h["effect_zero"]))
+    end = "#b2182b" if strongest["effect_zero"] > 0 else "#2166ac"
+    assert cells[f"{strongest['layer']}/{strongest['head']}"] == end and len(cells) == fx.n_layers * fx.n_heads
+    refused = Client(WebApp(str(stored[0]))).get("/runs/tiny?color=effect_zero")
+    assert refused.status == 400 and "--effects zero" in page_text(refused)
+
+
 def test_bad_addresses_get_a_404_page(stored, client):
     db, _, deep = stored
     for path in ("/nope", "/runs/tiny/heads/9/0", "/runs/tiny/heads/x/0", "/runs/tiny/layers", "/favicon.ico"):

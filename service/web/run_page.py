@@ -12,8 +12,9 @@ filter), ``roles`` (``query roles --stability``).
 from __future__ import annotations
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.metrics import COLUMNS, METRICS
 from headatlas.service.reports import compare, queries, roles
-from headatlas.service.reports.columns import SORTABLE, unknown_metric
+from headatlas.service.reports.columns import PROBE_COLUMNS, SORTABLE, unknown_metric
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.storage.store import Run
 from headatlas.service.web import charts
@@ -23,6 +24,12 @@ from headatlas.service.web.html import Html, colour, e, hidden, ink, legend_bar,
 from headatlas.service.web.views import View
 
 LAYER_METRICS = queries.LAYER_COLUMNS[1:]
+# SPEC §9: what removing a head costs, per head (the effect metric's columns but the run-wide objective)
+EFFECT_COLUMNS = tuple(
+    c.name for m in METRICS if m.spec == "§9" for c in m.columns if c.heads and c.name != "objective"
+)
+# O(ablated) − O(intact): of either sign (a head whose removal helps), so shown about 0
+SIGNED_EFFECTS = tuple(c for c in EFFECT_COLUMNS if c.startswith("effect_"))
 DEFAULT_METRIC = "within_sentence_lift_dm"
 # the head table on the page: the measures a reader ranks heads by (as the report's), then anchors
 HEAD_TABLE = (
@@ -84,8 +91,9 @@ def run_view(ctx: Ctx, ref: str) -> View:
     if role is not None and role not in (*offered, roles.NONE):
         raise ParameterError(f"role {role!r}: not a role of run {run.run_id}; choose one of {', '.join(offered)}")
     color = ctx.arg("color") or "role"
-    all_cols = read["all_heads"][0]
-    numeric = [c for c in SORTABLE if c in all_cols]
+    numeric = colour_columns(read["all_heads"])
+    if color in SORTABLE and color not in numeric:  # a column of the run that it holds no value in
+        raise ParameterError(f"color {color!r}: run {run.run_id} has no value of it; {_measure_hint(color)}")
     if color != "role" and color not in numeric:
         raise unknown_metric("color", color, ["role", *numeric])
     head_cols, head_rows = heads_of(ctx, run, layer=layer, sort=sort, asc=asc, top=top)
@@ -112,6 +120,22 @@ def run_view(ctx: Ctx, ref: str) -> View:
         )
 
     return View(f"Run {run.run_id}: {run.name}", data, body, crumbs=[(f"run {run.run_id}", ctx.url(run_path(run)))])
+
+
+def colour_columns(head_rows: queries.Rows) -> list[str]:
+    """The numeric columns the atlas can be coloured by: those the run holds a value of (effects only
+    where §9 effects were measured, the probe's scores only where it ran), the effects first."""
+    columns, rows = head_rows
+    held = [c for c in SORTABLE if c in columns and any(r[columns.index(c)] is not None for r in rows)]
+    return [c for c in held if c in EFFECT_COLUMNS] + [c for c in held if c not in EFFECT_COLUMNS]
+
+
+def _measure_hint(column: str) -> str:
+    if column in EFFECT_COLUMNS:
+        return "its effects (SPEC §9) were not measured: analyse it with --effects zero (or mean, gradient)"
+    if column in PROBE_COLUMNS:
+        return "it has no probe: analyse it again with --probe"
+    return "choose a column it holds"
 
 
 def _holders(role_rows: queries.Rows, role: str) -> set[tuple[int, int]]:
@@ -223,7 +247,7 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
             else:
                 h = values.get(key)
                 v = h[hi[color]] if h is not None else None
-                bg, text = colour(v, low, high), num(v)
+                bg, text = colour(v, low, high, diverging=color in SIGNED_EFFECTS), num(v)
                 if h is not None and f"{color}_lo" in hi:
                     tip += f"; {color} {num(v)} [{num(h[hi[color + '_lo']])}, {num(h[hi[color + '_hi']])}]"
             unstable = " unstable" if any(s is False for r_, s in held.get(key, []) if r_ == name) else ""
@@ -241,10 +265,13 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
         )
         legend += "<span>? after a letter, hatched cell: not on both halves</span></div>"
     else:
-        legend = legend_bar(low, high, color)
-    numeric = [c for c in SORTABLE if c in head_cols]
+        legend = legend_bar(low, high, color, diverging=color in SIGNED_EFFECTS)
+        if color in EFFECT_COLUMNS:
+            legend += f'<p class="muted">{e(color)}: {e(_definition(color))} (SPEC §9).</p>'
+    numeric = colour_columns(read["all_heads"])
+    named = [(c, f"effect: {c}" if c in EFFECT_COLUMNS else c) for c in numeric]
     form = (
-        f'<form class="inline" method="get">{select("color", [("role", "role"), *((c, c) for c in numeric)], color, label="colour by")}'
+        f'<form class="inline" method="get">{select("color", [("role", "role"), *named], color, label="colour by")}'
         f"{hidden(ctx.request, 'metric', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
     )
     return (
@@ -254,6 +281,10 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
         f"A role is earned when its one-sided test survives Holm–Bonferroni over every (head, role) of the run "
         f"(α = {roles.ALPHA:g}, SPEC §7).</p>"
     )
+
+
+def _definition(column: str) -> str:
+    return next(c.definition for c in COLUMNS if c.name == column)
 
 
 def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> str:
