@@ -29,8 +29,9 @@ def compare_view(ctx: Ctx, ref_a: str, ref_b: str) -> View:
     metrics = compare.check_metrics(ctx.request.args("metric") or None)
     layer = ctx.number("layer")
     heads = by == "head"
-    rows = ctx.query(
-        ("compare", a.run_id, b.run_id, tuple(metrics), layer, heads),
+    rows = ctx.runs_query(
+        (a, b),
+        ("compare", tuple(metrics), layer, heads),
         lambda c: compare.compare(c, a, b, metrics=metrics, layer=layer, heads=heads),
     )
     data: dict = {"a": ctx.run_row(a), "b": ctx.run_row(b), "by": by, "rows": records(*rows)}
@@ -54,7 +55,7 @@ def compare_view(ctx: Ctx, ref_a: str, ref_b: str) -> View:
 
 def _profile(ctx: Ctx, run: Run, metrics: list[str]) -> compare.Rows:
     """``compare.layer_profile``: the run's layers with their intervals."""
-    return ctx.query(("profile", run.run_id, tuple(metrics)), lambda c: compare.layer_profile(c, run, metrics))
+    return ctx.run_query(run, ("profile", tuple(metrics)), lambda c: compare.layer_profile(c, run, metrics))
 
 
 def _header(ctx: Ctx, a: Run, b: Run, by: str, metrics: list[str]) -> str:

@@ -120,6 +120,10 @@ class Ctx:
         what the run stored does not change (``Reads.of_run``)."""
         return self.reads.of_run(run, key, lambda: compute(self.reads.conn))
 
+    def runs_query(self, runs: tuple[Run, ...], key: tuple, compute: Callable[[Any], Any]) -> Any:
+        """``run_query`` for ``compute(conn)`` that reads these runs alone (``Reads.of_runs``)."""
+        return self.reads.of_runs(runs, key, lambda: compute(self.reads.conn))
+
 
 def run_path(run: Run | int, *rest: str | int) -> str:
     """A run's address: by id, which renaming leaves as it is."""
