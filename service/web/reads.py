@@ -155,15 +155,16 @@ class Reads:
         write to it), for the database's state otherwise."""
         if run.status != RunStatus.DONE:
             return self.get(("run", run.run_id, *key), compute)
-        fingerprint = self.get(("fingerprint", run.run_id), lambda: run_fingerprint(self.conn, run.run_id))
+        fingerprint = self._fingerprint(run.run_id)
         return self.memo.get((self.store.backend.label, "run", run.run_id, fingerprint, *key), compute)
+
+    def _fingerprint(self, run_id: int) -> tuple:
+        return self.get(("fingerprint", run_id), lambda: run_fingerprint(self.conn, run_id))
 
     def of_runs(self, runs: tuple[Run, ...], key: tuple, compute: Callable[[], T]) -> T:
         """``of_run`` for ``compute()`` that reads these runs alone (two runs compared)."""
         ids = tuple(r.run_id for r in runs)
         if any(r.status != RunStatus.DONE for r in runs):
             return self.get(("runs", ids, *key), compute)
-        prints = tuple(
-            self.get(("fingerprint", r.run_id), lambda r=r: run_fingerprint(self.conn, r.run_id)) for r in runs
-        )
+        prints = tuple(self._fingerprint(r.run_id) for r in runs)
         return self.memo.get((self.store.backend.label, "runs", ids, prints, *key), compute)
