@@ -65,6 +65,10 @@ class Column:
     layers: bool = True  # shown by `query layers`
     # the values it can take (low, high; None: unbounded): its interval is clipped to them
     bounds: tuple[float | None, float | None] = (None, None)
+    # the value chance takes (1 for a lift: a ratio to its chance or to uniform attention; None for
+    # a share, a mean, an effect): figures and the report draw the column on a diverging colour map
+    # centred on it and say "1 = chance" (``chance_centre``)
+    centre: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,9 @@ def _share(name: str, sum_high: str, sum_pairs: str, dm: str, what: str, layers:
     cols = (
         Column(name, f"{sum_high} / nullif(high_pairs, 0)", f"share of H {what}", bounds=SHARE),
         Column(f"{name}_chance", f"{sum_pairs} / nullif(pairs, 0)", f"share of all pairs P {what}", bounds=SHARE),
-        Column(f"{name}_lift", f"{name} / nullif({name}_chance, 0)", f"{name} / {name}_chance", bounds=POSITIVE),
+        Column(
+            f"{name}_lift", f"{name} / nullif({name}_chance, 0)", f"{name} / {name}_chance", bounds=POSITIVE, centre=1.0
+        ),
         Column(
             f"{name}_chance_dm",
             f"{dm} / nullif(high_pairs, 0)",
@@ -125,7 +131,11 @@ def _share(name: str, sum_high: str, sum_pairs: str, dm: str, what: str, layers:
             bounds=SHARE,
         ),
         Column(
-            f"{name}_lift_dm", f"{name} / nullif({name}_chance_dm, 0)", f"{name} / {name}_chance_dm", bounds=POSITIVE
+            f"{name}_lift_dm",
+            f"{name} / nullif({name}_chance_dm, 0)",
+            f"{name} / {name}_chance_dm",
+            bounds=POSITIVE,
+            centre=1.0,
         ),
     )
     return Metric(
@@ -133,7 +143,7 @@ def _share(name: str, sum_high: str, sum_pairs: str, dm: str, what: str, layers:
         "§5, §5b",
         f"share of the high-similarity pairs H {what}",
         "all pairs of the window; and all pairs at the head's own distances (_dm)",
-        tuple(Column(c.name, c.sql, c.definition, layers=c.name in layers, bounds=c.bounds) for c in cols),
+        tuple(replace(c, layers=c.name in layers) for c in cols),
         sums=(head_int(sum_high), run_int(sum_pairs)),
     )
 
@@ -155,6 +165,7 @@ def _attention_to(name: str, key: str, uniform: str, fallback: str, spec: str, s
                 f"{name} / nullif({expected}, 0)",
                 f"{name} / its mean under uniform attention",
                 bounds=POSITIVE,
+                centre=1.0,
             ),
         ),
         sums=sums,
@@ -174,7 +185,7 @@ def _copies(name: str, rows: str, spec: str, definition: str, keys: str) -> Metr
             Column(
                 chance, f"{chance} / nullif({rows}, 0)", f"{attn} under uniform attention", layers=False, bounds=SHARE
             ),
-            Column(f"{name}_lift", f"{attn} / nullif({chance}, 0)", f"{attn} / {chance}", bounds=POSITIVE),
+            Column(f"{name}_lift", f"{attn} / nullif({chance}, 0)", f"{attn} / {chance}", bounds=POSITIVE, centre=1.0),
         ),
         sums=(head_float(attn), run_int(rows), run_float(chance)),
     )
@@ -550,6 +561,22 @@ def reference() -> tuple[list[str], list[tuple]]:
     against, and where it comes from (``headatlas metrics``)."""
     rows = [(c.name, m.name, m.spec, c.definition, m.against, m.origin) for m in all_metrics() for c in m.columns]
     return ["column", "metric", "spec", "definition", "against", "origin"], rows
+
+
+def chance_centre(column: str) -> float | None:
+    """The value ``column`` takes at chance (1 for every lift, ``_lift`` and ``_lift_dm`` alike),
+    None where chance has no one value (a share, a mean, an effect) or the column is unknown: the
+    one rule for a diverging colour map centred on chance and its "1 = chance" label."""
+    for c in all_columns():
+        if c.name == column:
+            return c.centre
+    return None
+
+
+def chance_note(column: str) -> str:
+    """ " (1 = chance)" for a column centred on chance, else "": the label's suffix."""
+    centre = chance_centre(column)
+    return "" if centre is None else f" ({centre:g} = chance)"
 
 
 def metric_of(column: str) -> Metric:

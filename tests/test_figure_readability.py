@@ -147,3 +147,43 @@ def test_report_head_table_fits_the_page_and_every_column_stays_reachable(conn, 
     folded = html_table_widths(heads, skip_folded=False)
     assert len(folded) == 2 and folded[1] > 3 * PAGE_PX
     assert "<details>" in page and "within_<wbr>sentence_<wbr>lift_<wbr>dm" in page
+
+
+@pytest.mark.parametrize("metric", ["within_sentence_lift_dm", "repetition_words_lift_dm", "induction_lift"])
+def test_every_lift_is_drawn_on_a_diverging_map_centred_on_chance(metric):
+    """The rule lives in the metric's declaration (metrics.chance_centre): `_lift_dm` and the
+    attention lifts are centred on 1 as `_lift` is, with "1 = chance" on the colour bar."""
+    from matplotlib import colors
+
+    from headatlas.service import metrics
+    from headatlas.service.reports import plots
+
+    assert metrics.chance_centre(metric) == 1.0
+    values = np.array([[0.8, 1.4, 2.6], [1.1, 0.95, 3.2]])
+    rows = [(l, h, float(v)) for (l, h), v in np.ndenumerate(values)]
+    fig = plots.figure_heads(["layer", "head", metric], rows, metric, n_layers=2, n_heads=3, title="hand")
+    image = fig.axes[0].images[0]
+    assert isinstance(image.norm, colors.TwoSlopeNorm) and image.norm.vcenter == 1.0
+    assert image.cmap.name.startswith("RdBu_r")
+    assert fig.axes[1].get_ylabel() == f"{metric} (1 = chance)"
+    check_text_inside(fig)
+    # all above chance: still the diverging map, with chance (1) at its white middle
+    rows = [(l, h, float(v) + 1.5) for (l, h), v in np.ndenumerate(values)]
+    fig = plots.figure_heads(["layer", "head", metric], rows, metric, n_layers=2, n_heads=3, title="hand")
+    norm = fig.axes[0].images[0].norm
+    assert norm.vmin + norm.vmax == pytest.approx(2.0)
+
+
+def test_shares_and_means_are_not_centred_on_chance():
+    from headatlas.service import metrics
+    from headatlas.service.reports import plots
+
+    for column in ("within_sentence", "within_sentence_chance_dm", "mean_distance", "attn_to_first"):
+        assert metrics.chance_centre(column) is None, column
+    values = np.array([[0.2, 0.4], [0.6, 0.8]])
+    rows = [(l, h, float(v)) for (l, h), v in np.ndenumerate(values)]
+    fig = plots.figure_heads(
+        ["layer", "head", "within_sentence"], rows, "within_sentence", n_layers=2, n_heads=2, title="t"
+    )
+    assert fig.axes[0].images[0].cmap.name.startswith("viridis")
+    assert "chance" not in fig.axes[1].get_ylabel()

@@ -14,6 +14,7 @@ from matplotlib import colors
 from matplotlib.patches import Patch, Rectangle
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.metrics import chance_centre
 from headatlas.service.reports import compare, roles
 from headatlas.service.reports.plots import _col, _err, _title, interval_caption, new_figure
 
@@ -249,8 +250,9 @@ def figure_compare(
                 ms=4,
                 label=label,
             )
-        if metric.endswith("_lift") or metric.endswith("_lift_dm"):
-            ax.axhline(1.0, color="black", ls=":", lw=1)
+        centre = chance_centre(metric)
+        if centre is not None:
+            ax.axhline(centre, color="black", ls=":", lw=1)
         ax.set_title(metric + _against(metric), fontsize=9)
         ax.set_xlabel("layer" if same_depth else "relative depth (l + 0.5) / L")
         ax.grid(alpha=0.3)

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.metrics import chance_centre, chance_note
 from headatlas.service.reports import queries
 from headatlas.service.reports.columns import unknown_metric
 
@@ -334,16 +335,13 @@ def figure_heads(
     fig = new_figure(*RUN_FIGSIZE["heads"])
     ax = fig.subplots()
     finite = grid[np.isfinite(grid)]
-    if metric.endswith("_lift") and finite.size and finite.min() < 1 < finite.max():
-        cmap_name, norm = "RdBu_r", colors.TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
-    else:
-        cmap_name, norm = "viridis", None
+    cmap_name, norm = chance_colours(metric, finite)
     cmap = matplotlib.colormaps[cmap_name].with_extremes(bad="#dddddd")  # grey: no value
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
-    bar = fig.colorbar(image, ax=ax, label=metric + (" (1 = chance)" if metric.endswith("_lift") else ""))
-    if norm is not None:  # the default ticks of a two-slope scale leave the short side bare
+    bar = fig.colorbar(image, ax=ax, label=metric + chance_note(metric))
+    if isinstance(norm, colors.TwoSlopeNorm):  # the default ticks of a two-slope scale leave the short side bare
         assert norm.vmin is not None and norm.vmax is not None  # given when the norm was made
-        bar.set_ticks(two_slope_ticks(norm.vmin, norm.vmax))
+        bar.set_ticks(two_slope_ticks(norm.vmin, norm.vmax, norm.vcenter))
         bar.ax.yaxis.set_major_formatter("{x:g}")
     if n_heads <= 16 and n_layers <= 24:
         rgba = image.to_rgba(np.ma.masked_invalid(grid))
@@ -356,6 +354,22 @@ def figure_heads(
     ax.set(xlabel="head", ylabel="layer", title=f"{metric} per head")
     fig.suptitle(title)
     return fig
+
+
+def chance_colours(metric: str, values: np.ndarray) -> tuple[str, colors.Normalize | None]:
+    """The colour map and norm of ``metric``'s ``values``: a column centred on chance (every lift,
+    ``metrics.chance_centre``) on a diverging map whose white is chance — two slopes where the
+    values lie on both sides of it, one side of the map where they lie on one; any other column
+    on viridis."""
+    centre = chance_centre(metric)
+    if centre is None or not values.size:
+        return "viridis", None
+    lo, hi = float(values.min()), float(values.max())
+    if lo < centre < hi:
+        return "RdBu_r", colors.TwoSlopeNorm(vcenter=centre, vmin=lo, vmax=hi)
+    # all on one side: chance at the end of the scale, so its colour still reads as chance (white)
+    span = max(abs(hi - centre), abs(lo - centre)) or 1.0
+    return "RdBu_r", colors.Normalize(vmin=centre - span, vmax=centre + span)
 
 
 def two_slope_ticks(vmin: float, vmax: float, centre: float = 1.0) -> list[float]:

@@ -13,6 +13,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+from headatlas.service.metrics import chance_centre
 from headatlas.service.reports import queries
 
 HEAD_METRICS = (
@@ -169,7 +170,8 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
         figures.append(
             (
                 f"heads: {metric}",
-                f"{metric} per head (layer × head).",
+                f"{metric} per head (layer × head)."
+                + (" Diverging colours centred on 1 = chance (white)." if chance_centre(metric) is not None else ""),
                 plots.run_figure("heads", conn, run, metric=metric),
             )
         )
