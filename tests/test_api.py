@@ -221,7 +221,7 @@ def test_tables_become_dataframes_with_their_notes(analysed, monkeypatch):
     pd = pytest.importorskip("pandas")
     _, run, _ = analysed
     heads = run.heads(ci=True)
-    frame = heads.df()
+    frame = heads.df(all_columns=True)
     assert isinstance(frame, pd.DataFrame) and list(frame.columns) == heads.column_names
     assert frame["within_sentence"].tolist() == pytest.approx(heads.column("within_sentence").to_pylist())
     assert any("bounds clipped" in n for n in frame.attrs["notes"]) and any("lift =" in n for n in heads.notes)
@@ -232,6 +232,92 @@ def test_tables_become_dataframes_with_their_notes(analysed, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'headatlas\[pandas\]'"):
         heads.df()
     assert "<table" in heads._repr_html_()  # a notebook still shows the rows
+
+
+@pytest.mark.filterwarnings("ignore::headatlas.service.api.IntervalWarning")
+def test_df_leaves_out_the_chance_columns_equal_on_every_row(analysed):
+    pytest.importorskip("pandas")
+    _, run, _ = analysed
+    heads = run.heads(ci=True)
+    every = heads.df(all_columns=True)
+    constant = [c for c in every.columns if c.endswith("_chance") and every[c].nunique(dropna=False) == 1]
+    assert "within_sentence_chance" in constant  # the run's chance: one value for every head
+    frame = heads.df()
+    assert frame.attrs["constant"] == {c: every[c].iloc[0] for c in constant}
+    assert not set(frame.columns) & {*constant, *(f"{c}_lo" for c in constant), *(f"{c}_hi" for c in constant)}
+    kept = [c for c in every.columns if c in frame.columns]
+    assert list(frame.columns) == kept and len(kept) < len(every.columns)
+    assert "within_sentence_chance_dm" in frame.columns  # per head: it varies, it stays
+    assert any("df(all_columns=True)" in n for n in frame.attrs["notes"])
+    assert frame.columns[:4].tolist() == ["layer", "head", "within_sentence", "within_sentence_lo"]
+
+
+@pytest.mark.filterwarnings("ignore::headatlas.service.api.IntervalWarning")
+def test_html_view_counts_agree(analysed):
+    """The notebook view says the table's size once and what it leaves out: no "20 rows" beside
+    "… N more rows", no column count of pandas' own."""
+    import re
+
+    from headatlas.service import api
+
+    _, run, _ = analysed
+    rows = [(i, i % 3, 0.5) for i in range(72)]
+    table = api.Table.of(["n", "k", "x_chance"], rows, what="hand")
+    page = table._repr_html_()
+    assert "&lt;Table hand: 72 rows × 3 columns&gt;" in page
+    assert "… 52 more rows (the first 20 shown)" in page
+    assert "x_chance = 0.5" in page and page.count("<tr") == 21  # header + 20 rows
+    assert not re.search(r"\d+ rows × \d+ columns</p>\s*</div>", page)  # pandas' own dimensions line
+    heads = run.heads(ci=True)
+    page = heads._repr_html_()
+    assert f"{len(heads)} rows × {heads.num_columns} columns" in page and "more rows" not in page
+
+
+def test_errors_raise_from_the_call_not_from_inside_the_library(analysed):
+    import traceback
+
+    _, run, _ = analysed
+    with pytest.raises(ValueError) as caught:
+        run.distances(5)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    inside = [f for f in frames if "/service/" in f.filename and not f.filename.endswith("api/terms.py")]
+    assert inside == [], [f"{f.filename}:{f.lineno}" for f in frames]
+    assert caught.value.__suppress_context__ or caught.value.__context__ is None
+
+
+def test_first_import_in_a_kernel_without_ipywidgets_does_not_warn(monkeypatch):
+    """A Jupyter kernel without ipywidgets: tqdm.auto's first import (transformers does it) warns
+    `IProgress not found`, unless the API imported it first, quietly."""
+    import types
+
+    from tqdm import TqdmWarning
+
+    from headatlas.service.api.analysis import quiet_notebook_bars
+
+    shell = type("ZMQInteractiveShell", (), {})()
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: shell
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "ipykernel.zmqshell", types.ModuleType("ipykernel.zmqshell"))
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+
+    def fresh():
+        for name in ("tqdm.autonotebook", "tqdm.auto", "tqdm.notebook"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+
+    fresh()
+    with warnings.catch_warnings(record=True) as seen:  # what a kernel showed
+        warnings.simplefilter("always")
+        import tqdm.auto  # noqa: F401
+    assert any("IProgress not found" in str(w.message) for w in seen)
+    fresh()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_notebook_bars()
+        import tqdm.auto  # noqa: F401
+        import tqdm.autonotebook as chosen
+    assert [w for w in seen if issubclass(w.category, TqdmWarning)] == []
+    assert chosen.tqdm.__module__ == "tqdm.std"  # the text bar, as tqdm chose
 
 
 def test_errors_are_python_exceptions_in_python_terms(analysed, tmp_path):

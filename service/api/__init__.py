@@ -22,7 +22,7 @@ database ``FileNotFoundError``; their messages name keyword arguments (``layer=7
 CLI's flags.
 """
 
-from headatlas.service.api.analysis import analyze
+from headatlas.service.api.analysis import analyze, quiet_notebook_bars
 from headatlas.service.api.inspection import effects, inspect
 from headatlas.service.api.tables import Table, table
 from headatlas.service.api.views import Atlas, IntervalWarning, RunView, connect
@@ -38,3 +38,5 @@ __all__ = [
     "inspect",
     "table",
 ]
+
+quiet_notebook_bars()  # before transformers, whose import picks tqdm's notebook bar in a kernel

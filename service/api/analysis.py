@@ -83,6 +83,23 @@ def analyze(
         return RunView.read(done.store, conn, done.run.run_id)
 
 
+def quiet_notebook_bars() -> None:
+    """Import ``tqdm.autonotebook`` (what ``tqdm.auto`` reads) once, without its ``TqdmWarning:
+    IProgress not found``. In a Jupyter kernel without ipywidgets that warning comes from the first
+    import of tqdm.auto, done by transformers and the hub client as the first ``analyze`` imports
+    them; tqdm then falls back to its text bar, which is what the warning says and all that a
+    notebook without widgets can show. Where ipywidgets is installed nothing changes."""
+    if "tqdm.autonotebook" in sys.modules:
+        return
+    import warnings
+
+    from tqdm import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+        import tqdm.autonotebook  # noqa: F401
+
+
 class _Shown:
     """An analysis as a notebook shows it: a progress bar over the corpus's characters with
     windows and windows/s (tqdm's notebook widget where ipywidgets is installed, else its text bar

@@ -35,18 +35,37 @@ class Table:
         """A table of query rows (``columns``, ``rows`` as the query functions return them)."""
         return cls(table(columns, rows), what=what, notes=notes)
 
-    def df(self) -> pandas.DataFrame:
-        """The rows as a pandas DataFrame (its ``attrs["notes"]``: ``.notes``). Needs pandas:
-        ``pip install 'headatlas[pandas]'``."""
+    def df(self, *, all_columns: bool = False) -> pandas.DataFrame:
+        """The rows as a pandas DataFrame (its ``attrs["notes"]``: ``.notes``). Chance columns that
+        hold one value on every row (``within_sentence_chance``: the run's, the same for each head)
+        are left out, with their intervals, so that the columns that answer come first; their
+        values are in ``attrs["constant"]`` and a note. ``all_columns=True``: every column, as
+        ``.arrow`` has them. Needs pandas: ``pip install 'headatlas[pandas]'``."""
         try:
             import pandas  # noqa: F401
         except ImportError:
             raise ImportError(
                 "Table.df() needs pandas: pip install 'headatlas[pandas]' (or read .arrow, the Arrow table)"
             ) from None
-        frame = self.arrow.to_pandas()
-        frame.attrs["notes"] = list(self.notes)
+        constant = {} if all_columns else self.constant_chances()
+        frame = self.arrow.drop_columns(_with_bounds(self.arrow.column_names, constant)).to_pandas()
+        frame.attrs["notes"] = list(self.notes) + ([_constant_note(constant)] if constant else [])
+        frame.attrs["constant"] = constant
         return frame
+
+    def constant_chances(self) -> dict[str, object]:
+        """The chance columns (``…_chance``) equal on every row, name to value: what ``df()``
+        leaves out. None where the table has fewer than two rows (one row says nothing of that)."""
+        if self.arrow.num_rows < 2:
+            return {}
+        found = {}
+        for name in self.arrow.column_names:
+            if not name.endswith("_chance"):
+                continue
+            values = set(self.arrow.column(name).to_pylist())
+            if len(values) == 1:
+                found[name] = values.pop()
+        return found
 
     def to_pandas(self) -> pandas.DataFrame:
         """The same as ``df()`` (pyarrow's name for it)."""
@@ -77,10 +96,20 @@ class Table:
         return f"<Table {self.what}: {self.arrow.num_rows:,} rows × {self.arrow.num_columns} columns>"
 
     def _repr_html_(self) -> str:
-        """A notebook's view: the first rows, then the notes."""
-        shown = self.arrow.slice(0, 20)
+        """A notebook's view: the table's size, the first ``HTML_ROWS`` rows of the columns
+        ``df()`` gives, how many rows and columns are not shown, then the notes."""
+        constant = self.constant_chances()
+        shown = self.arrow.slice(0, HTML_ROWS).drop_columns(_with_bounds(self.arrow.column_names, constant))
         try:
-            body = shown.to_pandas()._repr_html_()
+            import pandas
+
+            body = shown.to_pandas().to_html(
+                max_rows=HTML_ROWS,
+                max_cols=pandas.get_option("display.max_columns"),
+                show_dimensions=False,  # the size is said once, above, of the whole table
+                notebook=True,
+                na_rep="",
+            )
         except ImportError:
             head = "".join(f"<th>{html.escape(c)}</th>" for c in shown.column_names)
             rows = "".join(
@@ -88,9 +117,28 @@ class Table:
                 for row in shown.to_pylist()
             )
             body = f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
-        more = f"<p>… {self.arrow.num_rows - 20:,} more rows</p>" if self.arrow.num_rows > 20 else ""
+        left = []
+        if self.arrow.num_rows > HTML_ROWS:
+            left.append(f"… {self.arrow.num_rows - HTML_ROWS:,} more rows (the first {HTML_ROWS} shown)")
+        if constant:
+            left.append(_constant_note(constant))
+        more = "".join(f"<p>{html.escape(line)}</p>" for line in left)
         notes = "".join(f"<p><small>{html.escape(n)}</small></p>" for n in self.notes)
         return f"<p>{html.escape(repr(self))}</p>{body}{more}{notes}"
+
+
+HTML_ROWS = 20  # rows a notebook's view shows
+
+
+def _with_bounds(columns: list[str], names) -> list[str]:
+    """``names`` and their interval bounds (``name_lo``, ``name_hi``) among ``columns``."""
+    chosen = {n for name in names for n in (name, f"{name}_lo", f"{name}_hi")}
+    return [c for c in columns if c in chosen]
+
+
+def _constant_note(constant: dict) -> str:
+    values = ", ".join(f"{name} = {_cell(value)}" for name, value in constant.items())
+    return f"{len(constant)} chance column(s) equal on every row, left out (df(all_columns=True) keeps them): {values}"
 
 
 def _cell(value) -> str:

@@ -37,7 +37,11 @@ PYTHON = PythonTerms()
 
 
 def in_python_terms(fn: F) -> F:
-    """Raise the library's errors from ``fn`` with their messages in Python terms."""
+    """Raise the library's errors from ``fn`` with their messages in Python terms, from ``fn``
+    itself: the frames inside the library that found the bad value are dropped (the message names
+    the argument and its fix; a caller's traceback ends at the call it made), and so is an
+    implicit chain (``During handling …``), which adds nothing to such a message. An explicit cause
+    (``raise … from exc``) stays. Any other exception keeps its whole traceback: that is a bug."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -45,6 +49,10 @@ def in_python_terms(fn: F) -> F:
             return fn(*args, **kwargs)
         except HeadatlasError as exc:
             exc.args = (exc.render(PYTHON),)
-            raise
+            if exc.__cause__ is None:
+                exc.__suppress_context__ = True
+            error = exc.with_traceback(None)
+            del exc
+            raise error  # noqa: B904  (its own cause, or none, as set above)
 
     return wrapper  # type: ignore[return-value]
