@@ -153,8 +153,8 @@ def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
     if not heads or heads[0][scores[0]] is None:
         return
     tops = [(name, max(heads, key=lambda h: h[name])) for name in scores]
-    text = ", ".join(f"{name} {h['layer']}.{h['head']} ({h[name]:.3f})" for name, h in tops)
-    print_wrapped(f"probe (SPEC §8), top head per score (layer.head): {text}")
+    text = "; ".join(f"{name} = {h[name]:.3f} at layer {h['layer']}, head {h['head']}" for name, h in tops)
+    print_wrapped(f"probe (SPEC §8), the highest score of each kind: {text}")
 
 
 def _print_run_summary(store, run_id: int) -> None:

@@ -103,6 +103,14 @@ def query_roles(
         help="Also test every role on each half of the run's replicate groups (alternate groups in id order: disjoint sets of "
         "documents where groups hold whole documents) and mark it stable when it holds on both.",
     ),
+    layer: int | None = typer.Option(None, "--layer", "-l", help="Only the heads of this layer (0-based)."),
+    head: int | None = typer.Option(None, "--head", help="Only this head (0-based; of every layer, or of --layer)."),
+    role: str | None = typer.Option(
+        None,
+        "--role",
+        help="Only the heads that hold this role (`previous-token`, `induction`, …; `none` for none established). "
+        "The tests and their Holm family stay the whole run's.",
+    ),
     columns: str | None = ColumnsOpt,
     wide: bool = WideOpt,
     db: str = DbOpt,
@@ -112,17 +120,21 @@ def query_roles(
     """The head atlas: one row per (head, role) with the evidence that earned it (metric, value,
     95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
     SPEC §7). Heads without a role: "none established". A table also counts each role, and what
-    the run's random-weights controls earn."""
+    the run's random-weights controls earn. --layer, --head and --role choose the rows shown."""
+    from headatlas.service.operations.runs import check_layer_head
     from headatlas.service.reports import compare, role_effects, roles
     from headatlas.service.reports.intervals import scheme_of
 
     with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
+        check_layer_head(r, layer, head)
+        offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
+        if role is not None:
+            role = roles.check_role(role, offered, f"run {r.run_id} ({r.name})")
         names, rows = roles.roles(conn, r.run_id, stability=stability)
         role_names = list(names)  # the roles' own columns, for the counts
         names, rows = role_effects.with_effects(conn, r.run_id, names, rows)  # each head's effect (SPEC §9)
         effect_lines = _role_effect_lines(conn, r.run_id, names, rows)
-        offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
         controls = [
             (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
             for c in compare.controls_of(conn, r)
@@ -142,11 +154,19 @@ def query_roles(
     table = [c for c in names if c not in hidden]
     if stability:  # the answer: each role's value and whether it held on each half (evidence in --wide)
         table = [c for c in table if c not in ("primary", "threshold", "p_holm")]
+    every = rows
+    rows = roles.filter_roles(names, rows, layer=layer, head=head, role=role)
+    chosen = [
+        f"{flag} {value}"
+        for flag, value in (("--layer", layer), ("--head", head), ("--role", role))
+        if value is not None
+    ]
+    shown = f"; {len(rows)} of its {len(every)} rows ({' '.join(chosen)})" if chosen else ""
     render_metrics(
         names,
         rows,
         fmt,
-        title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}",
+        title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}{shown}",
         table_columns=table,
         note=note,
         schemes=[scheme_of(r.params)],
@@ -156,7 +176,7 @@ def query_roles(
     )
     if fmt != Format.table:
         return
-    role_rows = [row[: len(role_names)] for row in rows]
+    role_rows = [row[: len(role_names)] for row in every]  # the counts are the run's, whatever is shown
     counts, stable = roles.role_counts(role_names, role_rows, offered), roles.stable_counts(role_names, role_rows)
     held = ", ".join(
         f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")

@@ -380,7 +380,11 @@ def render_metrics(
     if view.picked is not None:
         wanted = list(view.picked)
     else:
-        wanted = [c for c in (available if view.wide else (table_columns or available)) if c != "interval_by"]
+        from headatlas.service.reports.queries import decoder_table
+
+        # a decoder's rows hold attn_to_first in place of attn_to_cls (queries.for_attention)
+        chosen = available if view.wide else decoder_table(list(table_columns or available), columns)
+        wanted = [c for c in chosen if c != "interval_by" and c in columns]
     default = view.picked is None and not view.wide
     shown, cells = merge_intervals(columns, rows, wanted)
     bare: list[str] = []  # the columns shown without their intervals, to fit

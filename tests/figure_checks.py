@@ -220,3 +220,31 @@ def html_table_widths(page: str, *, root_px: float = 16.0, skip_folded: bool = T
             columns = max(len(r) for r in rows)
             widths.append(sum(max((r[c] for r in rows if c < len(r)), default=0) for c in range(columns)))
     return widths
+
+
+def check_ticks_apart(axis, *, gap_px: float = 2.0) -> list[str]:
+    """The tick labels of an x axis do not run together: each ends ``gap_px`` before the next
+    begins (30 layers labelled one by one read ``0123456789101112…``). Returns the labels."""
+    drawn_texts(axis.figure)
+    renderer = axis.figure.canvas.get_renderer()
+    labels = [t for t in shown_ticklabels(axis) if t.get_text().strip()]
+    extents = [(t.get_window_extent(renderer), t.get_text()) for t in labels]
+    boxes = sorted(((b.x0, b.x1, text) for b, text in extents), key=lambda x: x[0])
+    for (x0, x1, a), (y0, _y1, b) in zip(boxes, boxes[1:]):
+        assert y0 - x1 >= gap_px, f"tick labels {a!r} and {b!r} touch ({y0 - x1:.1f} px apart)"
+    return [text for _x0, _x1, text in boxes]
+
+
+def decoder_layer_rows(n_layers: int, *, seed: int = 0):
+    """Hand-built rows of ``query layers --ci`` for a decoder of ``n_layers`` layers: the columns a
+    causal run's rows hold (queries.for_attention), plausible values."""
+    from headatlas.service.reports import queries
+
+    rng = np.random.default_rng(seed)
+    columns = [c for c in queries.LAYER_COLUMNS if c not in queries.ENCODER_ONLY_COLUMNS]
+    columns.append("anchor_distinct_share")
+    rows = []
+    for layer in range(n_layers):
+        values = [layer] + [float(rng.uniform(0.5, 2.0)) for _ in columns[1:]]
+        rows.append(tuple(values))
+    return columns, rows

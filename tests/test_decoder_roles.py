@@ -244,6 +244,31 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
         assert absent not in counts
     assert "probe_score" in " ".join(table.split())  # the note says how the probe enters
 
+    # --layer, --head, --role choose rows; the tests (family, p_holm) stay the whole run's
+    base = ("query", "roles", "--db", str(db), "--run", "1", "--format", "json")
+    one = json.loads(invoke(*base, "--layer", "1", "--head", "2"))
+    assert one == [r for r in rows if (r["layer"], r["head"]) == (1, 2)] and one
+    layer = json.loads(invoke(*base, "--layer", "0"))
+    assert layer == [r for r in rows if r["layer"] == 0] and {r["head"] for r in layer} == {0, 1, 2, 3}
+    none = json.loads(invoke(*base, "--role", "none"))
+    assert none == [r for r in rows if r["role"] == roles.NONE]
+    assert json.loads(invoke(*base, "--role", "Induction")) == []  # offered, held by no head here
+    filtered = invoke("query", "roles", "--db", str(db), "--run", "1", "--layer", "1")
+    assert f"4 of its {len(rows)} rows (--layer 1)" in " ".join(filtered.split())
+    assert f"none established {n_heads}" in filtered  # the counts are the whole run's
+    from headatlas.cli.main import app
+
+    for bad, said in (
+        (("--role", "inducton"), "--role 'inducton': not a role; did you mean 'induction'"),
+        (("--role", "[CLS] sink"), "--role '[CLS] sink': not a role run 1"),
+        (("--layer", "2"), "--layer 2: run 1 has layers 0..1"),
+        (("--head", "4"), "--head 4: run 1 has heads 0..3"),
+    ):
+        refused = CliRunner().invoke(
+            app, ["query", "roles", "--db", str(db), "--run", "1", *bad], env={"COLUMNS": "300"}
+        )
+        assert refused.exit_code == 2 and said in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
     lowered = [
         roles.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 0.0)
         if r.role == "induction"

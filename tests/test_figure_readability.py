@@ -187,3 +187,80 @@ def test_shares_and_means_are_not_centred_on_chance():
     )
     assert fig.axes[0].images[0].cmap.name.startswith("viridis")
     assert "chance" not in fig.axes[1].get_ylabel()
+
+
+# --- decoders: 30 layers (SmolLM2's depth), BOS not [CLS] ------------------------------------------
+DECODER_TITLE = (
+    "run 12 (fiction-heldout) · HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) · "
+    "30 layers × 9 heads (0-based)"
+)
+
+
+def test_layers_of_a_30_layer_decoder_keep_their_ticks_apart_and_speak_of_bos():
+    from headatlas.service.reports import plots
+    from tests.figure_checks import check_ticks_apart, decoder_layer_rows
+
+    columns, rows = decoder_layer_rows(30)
+    fig = plots.figure_layers(columns, rows, title=DECODER_TITLE)
+    check_text_inside(fig)
+    for ax in fig.axes[4:8]:
+        labels = check_ticks_apart(ax.xaxis)
+        assert labels[0] == "0" and labels[-1] == "29" and 5 <= len(labels) <= 9, labels
+    attention = next(ax for ax in fig.axes if ax.get_title() == "attention / uniform attention")
+    legend = [t.get_text() for t in attention.get_legend().get_texts()]
+    assert legend == ["BOS (first token)", ". ,"], legend
+    # an encoder's few layers: every layer labelled, [CLS] and [SEP] as before
+    from headatlas.service.reports import queries
+
+    enc_columns = [*queries.LAYER_COLUMNS, "anchor_distinct_share"]
+    enc_rows = [(layer, *([1.2] * (len(enc_columns) - 1))) for layer in range(6)]
+    fig = plots.figure_layers(enc_columns, enc_rows, title="encoder")
+    assert check_ticks_apart(fig.axes[4].xaxis) == [str(i) for i in range(6)]
+    attention = next(ax for ax in fig.axes if ax.get_title() == "attention / uniform attention")
+    assert [t.get_text() for t in attention.get_legend().get_texts()] == ["[CLS]", "[SEP]", ". ,"]
+
+
+def test_distances_of_31_layers_get_a_colour_bar_not_31_legend_entries():
+    from headatlas.service.reports import plots
+
+    rng = np.random.default_rng(1)
+    d = np.arange(1, 60)
+    columns = ["distance", "share", "chance_share", "lift"]
+    per_layer = {}
+    for layer in range(31):
+        share = rng.dirichlet(np.ones(len(d)))
+        chance = np.full(len(d), 1 / len(d))
+        per_layer[layer] = (columns, [(int(a), float(b), float(c), float(b / c)) for a, b, c in zip(d, share, chance)])
+    fig = plots.figure_distances(per_layer, title=DECODER_TITLE)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["chance (all pairs)"], legend
+    bars = [ax for ax in fig.axes if ax.get_ylabel() == "layer (line colour)"]
+    assert len(bars) == 1
+    check_text_inside(fig)
+    check_right_axes_labelled(fig)
+    # a few layers keep their legend entries
+    few = plots.figure_distances({k: per_layer[k] for k in range(6)}, title="six")
+    assert len(few.axes[0].get_legend().get_texts()) == 7 and len(few.axes) == 2
+
+
+def test_atlas_and_heads_of_smollm2s_shape_keep_a_long_title_inside():
+    from headatlas.service.reports import atlas_plots, plots, roles
+
+    columns = list(roles.COLUMNS)
+    filler = [None] * (len(columns) - 4)
+    rows = [(l, h, "first-token sink" if l > 2 else roles.NONE, True, *filler) for l in range(30) for h in range(9)]
+    fig, _ = atlas_plots.figure_atlas(
+        columns, rows, n_layers=30, n_heads=9, title=DECODER_TITLE, offered=roles.offered_roles(True)
+    )
+    check_text_inside(fig)
+    values = np.random.default_rng(2).uniform(0.5, 3, size=(30, 9))
+    hrows = [(l, h, float(v)) for (l, h), v in np.ndenumerate(values)]
+    fig = plots.figure_heads(
+        ["layer", "head", "within_sentence_lift_dm"],
+        hrows,
+        "within_sentence_lift_dm",
+        n_layers=30,
+        n_heads=9,
+        title=DECODER_TITLE,
+    )
+    check_text_inside(fig)

@@ -16,7 +16,7 @@ from matplotlib.patches import Patch, Rectangle
 from headatlas.service.errors import ParameterError
 from headatlas.service.metrics import chance_centre
 from headatlas.service.reports import compare, roles
-from headatlas.service.reports.plots import _col, _err, _title, interval_caption, new_figure
+from headatlas.service.reports.plots import _col, _err, _title, interval_caption, new_figure, suptitle
 
 ROLE_COLOURS = {
     "previous-token": "#1f77b4",
@@ -171,7 +171,7 @@ def figure_atlas(
         title_fontsize=8,
         frameon=False,
     )
-    fig.suptitle(title)
+    suptitle(fig, title)
     fig.supxlabel(
         # two lines: one ran past the edges of the narrowest atlas (8 inches)
         "a role: its one-sided jackknife t test rejects after Holm–Bonferroni over every (head, role) of the run\n"
@@ -271,7 +271,7 @@ def figure_compare(
         ax.title.set_fontsize(9)
     for ax in axes[panels:]:
         ax.set_visible(False)
-    fig.suptitle(title)
+    suptitle(fig, title)
     fig.supxlabel(interval_caption(profile_a, profile_b) + "; dotted line: chance (1)", fontsize=8)
     return fig
 

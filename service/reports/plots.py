@@ -113,6 +113,49 @@ def interval_caption(*tables: tuple[list[str], list[tuple]]) -> str:
     return note + (" (stored before §5d: too narrow)" if WINDOW_SCHEME in schemes else "")
 
 
+MAX_LAYER_TICKS = 16  # a layer axis labels every layer up to this many, then every 2nd, 5th, …
+
+
+def layer_ticks(ax, layer: np.ndarray) -> None:
+    """Integer layer ticks that stay apart: every layer up to MAX_LAYER_TICKS layers, else a step
+    of 2, 5 or 10 (30 layers: 0, 5, … 25 and the last), never a run of digits."""
+    values = [int(v) for v in layer if np.isfinite(v)]
+    if not values:
+        return
+    lo, hi = min(values), max(values)
+    if hi - lo + 1 <= MAX_LAYER_TICKS:
+        ax.set_xticks(range(lo, hi + 1))
+        return
+    step = next(s for s in (2, 5, 10, 20, 50, 100) if (hi - lo) / s <= MAX_LAYER_TICKS / 2)
+    ticks = list(range(lo - lo % step, hi + 1, step))
+    if hi - ticks[-1] >= step / 2:  # the last layer too, where it does not crowd the one before
+        ticks.append(hi)
+    ax.set_xticks(ticks)
+
+
+def suptitle(fig: Figure, title: str, *, fontsize: float = 12) -> None:
+    """The figure's title, wrapped at " · " (then at spaces) to the figure's width, so that a long
+    model name is never cut at both edges."""
+    import textwrap
+
+    width_pt = fig.get_size_inches()[0] * 72
+    chars = max(20, int(width_pt / (fontsize * 0.58)))
+    if len(title) <= chars:
+        fig.suptitle(title, fontsize=fontsize)
+        return
+    lines, line = [], ""
+    for part in title.split(" · "):
+        joined = f"{line} · {part}" if line else part
+        if len(joined) <= chars or not line:
+            line = joined
+        else:
+            lines.append(line)
+            line = part
+    lines.append(line)
+    wrapped = [w for one in lines for w in textwrap.wrap(one, chars)]
+    fig.suptitle("\n".join(wrapped), fontsize=fontsize)
+
+
 def _title(run) -> str:
     return f"run {run.run_id} ({run.name}) · {run.model_name} · {run.n_layers} layers × {run.n_heads} heads (0-based)"
 
@@ -132,8 +175,9 @@ def figure_distances(per_layer: dict[int, tuple[list[str], list[tuple]]], *, tit
         d = _col(columns, rows, "distance")
         share, chance, lift = (_col(columns, rows, c) for c in ("share", "chance_share", "lift"))
         color = cmap(layer / n)
-        share_ax.plot(d, share, color=color, lw=1.4, label=f"layer {layer}")
-        lift_ax.plot(d, np.where(lift > 0, lift, np.nan), color=color, lw=1.4, label=f"layer {layer}")
+        label = f"layer {layer}" if len(per_layer) <= MAX_LEGEND_LAYERS else "_nolegend_"
+        share_ax.plot(d, share, color=color, lw=1.4, label=label)
+        lift_ax.plot(d, np.where(lift > 0, lift, np.nan), color=color, lw=1.4, label=label)
         if not chance_drawn:
             share_ax.plot(d, chance, color="black", ls="--", lw=1.6, label="chance (all pairs)")
             chance_drawn = True
@@ -154,8 +198,24 @@ def figure_distances(per_layer: dict[int, tuple[list[str], list[tuple]]], *, tit
     share_ax.legend(fontsize=8, ncols=2)
     for ax in (share_ax, lift_ax):
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle(title)
+    layer_colour_bar(fig, (share_ax, lift_ax), len(per_layer))
+    suptitle(fig, title)
     return fig
+
+
+MAX_LEGEND_LAYERS = 12  # more layers than this: a colour bar by layer instead of a legend entry each
+
+
+def layer_colour_bar(fig: Figure, axes, n_layers: int) -> None:
+    """Where a figure has more than MAX_LEGEND_LAYERS layer lines: one colour bar of the layer
+    (viridis, as the lines) beside ``axes``, in place of as many near-identical legend entries."""
+    if n_layers <= MAX_LEGEND_LAYERS:
+        return
+    from matplotlib import cm, ticker
+
+    mappable = cm.ScalarMappable(norm=colors.Normalize(0, n_layers - 1), cmap=matplotlib.colormaps["viridis"])
+    bar = fig.colorbar(mappable, ax=list(axes), label="layer (line colour)", pad=0.01)
+    bar.ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=8, integer=True))
 
 
 def figure_distances_split(per_layer: dict[int, tuple[list[str], list[tuple]]], *, title: str) -> Figure:
@@ -185,13 +245,14 @@ def figure_distances_split(per_layer: dict[int, tuple[list[str], list[tuple]]], 
                 _col(columns, rows, column),
                 color=cmap(layer / n),
                 lw=1.4,
-                label=f"layer {layer}",
+                label=f"layer {layer}" if len(per_layer) <= MAX_LEGEND_LAYERS else "_nolegend_",
             )
         ax.set(xscale="log", yscale="log", xlabel="token distance j − i", title=f"{name}: share at each distance")
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("share of the pairs")
     axes[0].legend(fontsize=8, ncols=2)
-    fig.suptitle(title)
+    layer_colour_bar(fig, axes, len(per_layer))
+    suptitle(fig, title)
     return fig
 
 
@@ -225,7 +286,14 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
     )
     for x, h, y in zip(layer, _col(columns, rows, "top_head"), _col(columns, rows, "max_head_within_sentence")):
         if not math.isnan(y):
-            share_ax.annotate(f"h{int(h)}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
+            share_ax.annotate(
+                f"h{int(h)}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(0, 5),
+                ha="center",
+                fontsize=8 if len(rows) <= MAX_LAYER_TICKS else 6,
+            )
     share_ax.set(xlabel="layer", ylabel="share of pairs within one sentence", title="within-sentence share vs chance")
     share_ax.set_ylim(
         0, max(1.0, np.nanmax(_col(columns, rows, "max_head_within_sentence")) * 1.1) if len(rows) else 1.0
@@ -234,8 +302,10 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
         ("attn_to_punct_lift", "#d1495b", ". and ,"),
         ("attn_to_sep_lift", "#edae49", "[SEP]"),
         ("attn_to_cls_lift", "#00798c", "[CLS]"),
+        ("attn_to_first_lift", "#00798c", "BOS (first token)"),  # a decoder's rows (queries.for_attention)
     ):
-        _errorbar(attn_ax, layer, columns, rows, name, color=color, label=label)
+        if name in columns:
+            _errorbar(attn_ax, layer, columns, rows, name, color=color, label=label)
     attn_ax.axhline(1.0, color="black", ls="--", lw=1.2, label="uniform attention")
     attn_ax.set(
         xlabel="layer",
@@ -244,10 +314,10 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
         title="attention to separators vs uniform",
     )
     for ax in (share_ax, attn_ax):
-        ax.set_xticks(layer)
+        layer_ticks(ax, layer)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    fig.suptitle(title)
+    suptitle(fig, title)
     if "within_sentence_lo" in columns:
         fig.supxlabel(interval_caption((columns, rows)), fontsize=8)
     return fig
@@ -283,11 +353,12 @@ def figure_boundaries_by_distance(columns: list[str], rows: list[tuple], *, n_la
         if not mine:
             continue
         d = _col(columns, mine, "distance")
-        share_ax.plot(d, _col(columns, mine, "within_sentence"), color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
+        label = f"layer {layer}" if n_layers <= MAX_LEGEND_LAYERS else "_nolegend_"
+        share_ax.plot(d, _col(columns, mine, "within_sentence"), color=cmap(layer / n), lw=1.4, label=label)
         lift = _col(columns, mine, "within_sentence_lift")
         expected = _col(columns, mine, "high_pairs") * _col(columns, mine, "within_sentence_chance")
         kept = np.where((lift > 0) & (expected >= MIN_EXPECTED_PAIRS), lift, np.nan)
-        lift_ax.plot(d, kept, color=cmap(layer / n), lw=1.4, label=f"layer {layer}")
+        lift_ax.plot(d, kept, color=cmap(layer / n), lw=1.4, label=label)
         if np.isfinite(kept).any():
             lift_farthest = max(lift_farthest, float(d[np.isfinite(kept)].max()))
     share_ax.set(
@@ -301,7 +372,8 @@ def figure_boundaries_by_distance(columns: list[str], rows: list[tuple], *, n_la
         _plain_log_distance(ax, last)
         ax.grid(alpha=0.3, which="major")
         ax.legend(fontsize=8, ncols=2)
-    fig.suptitle(title)
+    layer_colour_bar(fig, (share_ax, lift_ax), n_layers)
+    suptitle(fig, title)
     fig.supxlabel(
         f"drawn where a layer has at least {MIN_DISTANCE_PAIRS} high-similarity pairs at a distance; its lift where "
         f"chance expects at least {MIN_EXPECTED_PAIRS} of them within one sentence",
@@ -352,7 +424,7 @@ def figure_heads(
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
     ax.set(xlabel="head", ylabel="layer", title=f"{metric} per head")
-    fig.suptitle(title)
+    suptitle(fig, title)
     return fig
 
 
@@ -399,7 +471,12 @@ LAYER_PANELS = (
     ("noise share (similar, not attended)", (("noise_share", "layer"),)),
     (
         "attention / uniform attention",
-        (("attn_to_cls_lift", "[CLS]"), ("attn_to_sep_lift", "[SEP]"), ("attn_to_punct_lift", ". ,")),
+        (
+            ("attn_to_cls_lift", "[CLS]"),
+            ("attn_to_sep_lift", "[SEP]"),
+            ("attn_to_first_lift", "BOS (first token)"),
+            ("attn_to_punct_lift", ". ,"),
+        ),
     ),
     (
         "attention entropy (nats) · anchor distinctness",
@@ -413,7 +490,12 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
     fig = new_figure(*RUN_FIGSIZE["layers"])
     axes = fig.subplots(2, 4, sharex=True).ravel()
     layer = _col(columns, rows, "layer")
+    decoder = "attn_to_cls_lift" not in columns  # a decoder's rows: BOS, no [CLS]/[SEP] (queries.for_attention)
     for ax, (name, series) in zip(axes, LAYER_PANELS):
+        # an encoder's first token is [CLS]: its attn_to_first line would repeat the [CLS] line
+        series = tuple(
+            (c, label) for c, label in series if c in columns and not (c == "attn_to_first_lift" and not decoder)
+        )
         for i, (column, label) in enumerate(series):
             style = "--" if label == "chance" else "o-"
             color = "black" if label == "chance" else f"C{i}"
@@ -439,8 +521,8 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
             ax.legend(fontsize=7)
     for ax in axes[4:]:
         ax.set_xlabel("layer")
-        ax.set_xticks(layer)
-    fig.suptitle(title)
+        layer_ticks(ax, layer)
+    suptitle(fig, title)
     if "within_sentence_lo" in columns:
         fig.supxlabel(interval_caption((columns, rows)), fontsize=8)
     return fig

@@ -184,6 +184,9 @@ def heads(
     """
     params = {"layer": layer}
     rows = _rows(conn, sql, {"run": run_id, "limit": top or 1_000_000, "n_anchors": anchors, **params})
+    if anchors and byte_level_run(conn, run_id):
+        ai = len(HEAD_COLUMNS)  # top_anchors follows the head columns
+        rows = [(*r[:ai], anchors_as_text(r[ai]), *r[ai + 1 :]) for r in rows]
     if ci:
         rows = _with_intervals(
             conn,
@@ -195,7 +198,62 @@ def heads(
             params=params,
             clip=clip,
         )
-    return rows
+    return for_attention(conn, run_id, rows)
+
+
+# A decoder has no [CLS] and no [SEP], and its rows never see the next token (SPEC §8): for a causal
+# run the views' attn_to_cls is attn_to_first again, attn_to_sep is 0 or NULL and attn_to_next
+# NULL. Its tables, figures and the report leave these out and show attn_to_first (BOS, the
+# first token) instead; the SQL views keep them, with these values, for every run.
+ENCODER_ONLY_COLUMNS = ("attn_to_cls", "attn_to_cls_lift", "attn_to_sep", "attn_to_sep_lift", "attn_to_next")
+FIRST_TOKEN_COLUMNS = ("attn_to_first", "attn_to_first_lift")
+
+
+def for_attention(conn: Connection, run_id: int, rows: Rows, *, encoder_hides: tuple[str, ...] = ()) -> Rows:
+    """``rows`` without the columns the run's kind of attention has no use for: a causal run's
+    ``ENCODER_ONLY_COLUMNS``, a bidirectional run's ``encoder_hides`` (with their intervals)."""
+    from headatlas.service.reports.roles import causal_run
+
+    hidden = ENCODER_ONLY_COLUMNS if causal_run(conn, run_id) else encoder_hides
+    columns, data = rows
+    if not hidden or not any(c in columns for c in hidden):
+        return rows
+    gone = {n for c in hidden for n in (c, f"{c}_lo", f"{c}_hi")}
+    keep = [i for i, c in enumerate(columns) if c not in gone]
+    return [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in data]
+
+
+def decoder_table(table: list[str], columns: list[str]) -> list[str]:
+    """A table's default columns for the columns a query returned: ``attn_to_first_lift`` where a
+    decoder's rows hold no ``attn_to_cls_lift``."""
+    return [
+        "attn_to_first_lift" if c == "attn_to_cls_lift" and c not in columns and "attn_to_first_lift" in columns else c
+        for c in table
+    ]
+
+
+def byte_level_run(conn: Connection, run_id: int) -> bool:
+    """Whether the run's anchors are strings of a byte-level vocabulary (``tokens.is_byte_level_text``)."""
+    found = conn.execute(
+        text("SELECT 1 FROM anchor_counts WHERE run_id = :run AND (token LIKE 'Ġ%' OR token = 'Ċ') LIMIT 1"),
+        {"run": run_id},
+    ).first()
+    return found is not None
+
+
+def anchors_as_text(anchors: str | None) -> str | None:
+    """``"Ġthe 63%, Ġ 12%"`` → ``"the 63%, ␣ 12%"``: each anchor of a byte-level run as its text
+    (``tokens.token_label``). A byte-level string holds no space, so the last space of an item
+    parts the token from its share."""
+    if not anchors:
+        return anchors
+    from headatlas.service.reports.tokens import token_label
+
+    items = []
+    for item in anchors.split("%, "):
+        token, _, share = item.rpartition(" ")
+        items.append(f"{token_label(token, True)} {share}")
+    return "%, ".join(items)
 
 
 def distances(
@@ -272,14 +330,15 @@ def boundaries(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
                l.within_sentence_chance_dm, l.within_sentence_lift_dm,
                p.heads_above_chance, p.heads_above_chance_dm, p.max_head_within_sentence, p.top_head,
                l.attn_to_punct, l.attn_to_punct_lift, l.attn_to_sep, l.attn_to_sep_lift,
-               l.attn_to_cls, l.attn_to_cls_lift
+               l.attn_to_cls, l.attn_to_cls_lift, l.attn_to_first, l.attn_to_first_lift
         FROM layer_metrics l JOIN per_head p USING (layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
     rows = _rows(conn, sql, {"run": run_id})
     if ci:
         rows = _with_intervals(conn, rows, view="layer_metrics_reps", keys=("layer",), run_id=run_id)
-    return rows
+    # an encoder's first token is its [CLS]: attn_to_first would repeat attn_to_cls here
+    return for_attention(conn, run_id, rows, encoder_hides=FIRST_TOKEN_COLUMNS)
 
 
 def sentence_by_distance(conn: Connection, run_id: int, *, layer: int | None = None) -> Rows:
@@ -382,7 +441,7 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
             run_id=run_id,
         )
         rows = (rows[0] + columns[len(LAYER_COLUMNS) :], [a + b[len(LAYER_COLUMNS) :] for a, b in zip(rows[1], values)])
-    return rows
+    return for_attention(conn, run_id, rows)
 
 
 def run_summary(conn: Connection, run_id: int) -> dict:

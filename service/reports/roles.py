@@ -469,6 +469,50 @@ def primary_grid(columns: list[str], rows: list[tuple], n_layers: int, n_heads: 
     return grid
 
 
+def check_role(role: str, offered: Sequence[str], run_label: str) -> str:
+    """``role`` as ``--role`` names it: one of ``offered`` (the run's roles) or ``none established``
+    (``none`` is short for it), case aside; else one line with the closest names."""
+    import difflib
+
+    from headatlas.service.errors import Param, ParameterError
+
+    choices = [*offered, NONE]
+    by_lower = {c.lower(): c for c in choices} | {"none": NONE}
+    found = by_lower.get(role.strip().lower())
+    if found is not None:
+        return found
+    other = [r for r in ROLE_ORDER if r not in offered]
+    if role.strip().lower() in {r.lower() for r in other}:
+        raise ParameterError(
+            Param("role", role, quoted=True), f": not a role {run_label} is tested for", hint=_role_list(choices)
+        )
+    close = difflib.get_close_matches(role.strip().lower(), list(by_lower), n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(repr(by_lower[c]) for c in close)}? " if close else ""
+    raise ParameterError(Param("role", role, quoted=True), ": not a role", hint=hint + _role_list(choices))
+
+
+def _role_list(choices: Sequence[str]) -> str:
+    return "its roles: " + ", ".join(choices)
+
+
+def filter_roles(
+    columns: list[str],
+    rows: list[tuple],
+    *,
+    layer: int | None = None,
+    head: int | None = None,
+    role: str | None = None,
+) -> list[tuple]:
+    """The rows of ``roles`` of one layer, head and/or role (already checked: ``check_role``).
+    The tests, their family and Holm-adjusted p stay the run's: a filter chooses rows to show."""
+    li, hi, ri = (columns.index(c) for c in ("layer", "head", "role"))
+    return [
+        r
+        for r in rows
+        if (layer is None or r[li] == layer) and (head is None or r[hi] == head) and (role is None or r[ri] == role)
+    ]
+
+
 def role_counts(columns: list[str], rows: list[tuple], offered: Sequence[str] | None = None) -> dict[str, int]:
     """Heads holding each role (a head with several counts once per role), ``none established`` last.
     ``offered``: the run's roles (``offered_roles``; default: a bidirectional run's); a role held
