@@ -42,6 +42,15 @@ def csm_limit(csm: np.ndarray, in_pairs: np.ndarray) -> float:
     return limit if limit > 0 else 1.0
 
 
+def token_labels(tokens: list[str]) -> list[str]:
+    """Axis labels of ``tokens``: a byte-level vocabulary's strings as the text they stand for
+    (``Ġthe`` → ``the``, ``Ġ`` → ``␣``, ``Ċ`` → ``\\n``; ``service.reports.tokens``), others as they are."""
+    from headatlas.service.reports.tokens import is_byte_level_text, token_label
+
+    byte_level = is_byte_level_text(tokens)
+    return [token_label(t, byte_level) for t in tokens]
+
+
 def head_figsize(n_tokens: int) -> tuple[float, float]:
     """Figure size in inches of the single-head figure for ``n_tokens`` tokens."""
     side = max(4.0, TOKEN_IN * n_tokens)  # the matrix itself
@@ -52,6 +61,7 @@ def figure_head(insp: Inspection, layer: int, head: int) -> Figure:
     """CSM (with the high-similarity set H marked) and attention map of one head, side by side."""
     check_layer_head(insp, layer, head)
     n = len(insp.tokens)
+    labels = token_labels(insp.tokens)
     fig = new_figure(*head_figsize(n))
     csm_ax, attn_ax = fig.subplots(1, 2)
     csm = insp.csm[layer, head]
@@ -74,8 +84,8 @@ def figure_head(insp: Inspection, layer: int, head: int) -> Figure:
     special = insp.sentence < 0
     for ax in (csm_ax, attn_ax):
         # parse_math off: a "$" token must not start mathtext
-        ax.set_xticks(range(n), insp.tokens, rotation=90, fontsize=fontsize, parse_math=False)
-        ax.set_yticks(range(n), insp.tokens, fontsize=fontsize, parse_math=False)
+        ax.set_xticks(range(n), labels, rotation=90, fontsize=fontsize, parse_math=False)
+        ax.set_yticks(range(n), labels, fontsize=fontsize, parse_math=False)
         for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
             for text, is_special in zip(labels, special):
                 if is_special:
