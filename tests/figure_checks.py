@@ -230,7 +230,7 @@ def check_ticks_apart(axis, *, gap_px: float = 2.0) -> list[str]:
     labels = [t for t in shown_ticklabels(axis) if t.get_text().strip()]
     extents = [(t.get_window_extent(renderer), t.get_text()) for t in labels]
     boxes = sorted(((b.x0, b.x1, text) for b, text in extents), key=lambda x: x[0])
-    for (x0, x1, a), (y0, _y1, b) in zip(boxes, boxes[1:]):
+    for (_x0, x1, a), (y0, _y1, b) in zip(boxes, boxes[1:]):
         assert y0 - x1 >= gap_px, f"tick labels {a!r} and {b!r} touch ({y0 - x1:.1f} px apart)"
     return [text for _x0, _x1, text in boxes]
 
