@@ -76,7 +76,14 @@ OPTIONS: tuple[Declared, ...] = (
         param=False,
         short="-b",
     ),
-    Declared("seq_len", int, 128, "Tokens per window, [CLS] and [SEP] included (longer text is cut).", spec="§1"),
+    Declared(
+        "seq_len",
+        int,
+        128,
+        "Tokens per window, its specials included: [CLS] and [SEP] (an encoder), BOS (a decoder). "
+        "Longer text is cut.",
+        spec="§1, §8",
+    ),
     Declared("windowing", str, "chunks", "chunks (cover each document) or first (one window per document).", "§1"),
     Declared(
         "sentences",
@@ -87,8 +94,15 @@ OPTIONS: tuple[Declared, ...] = (
         spec="§1",
     ),
     Declared("select", str, "top:0.02", "High-similarity set: top:Q, ratio:R or topk:K.", spec="§3"),
-    Declared("gate", float, 4.0, "Attention gate: a pair is attended when max(A_ij, A_ji) >= gate / n.", spec="§3"),
-    Declared("include_special", bool, False, "Let [CLS]/[SEP] form pairs.", spec="§3"),
+    Declared(
+        "gate",
+        float,
+        4.0,
+        "Attention gate: a pair is attended when A_ij >= gate / k_i or A_ji >= gate / k_j, k_i the keys "
+        "row i sees (n for an encoder, i + 1 for a decoder).",
+        spec="§3, §8",
+    ),
+    Declared("include_special", bool, False, "Let the specials ([CLS]/[SEP]; a decoder's BOS) form pairs.", spec="§3"),
     Declared("vectors", str, "pre_wo", "pre_wo (head output before W_O) or post_wo (after).", spec="§2"),
     Declared("short_range", int, 4, "Distance counted as short range in short_range_share.", spec="§5"),
     Declared(

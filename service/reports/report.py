@@ -44,12 +44,12 @@ N_ANCHORS = 5
 
 PARAM_HELP = {
     "replicates": "replicate groups of the 95% intervals (document, block:B; none recorded: by window, SPEC §5d)",
-    "seq_len": "tokens per window, [CLS] and [SEP] included",
+    "seq_len": "tokens per window, its specials included ([CLS] and [SEP]; a decoder's BOS)",
     "windowing": "chunks: cover each document; first: one window per document",
     "sentences": "how sentence ids are assigned (segmenter: a sentence-boundary library; punct: . ! ? end a sentence)",
     "select": "the high-similarity set H: top:Q share of pairs, ratio:R of the maximum, topk:K",
-    "gate": "a pair is attended when max(A_ij, A_ji) ≥ gate / n",
-    "include_special": "whether [CLS]/[SEP] form pairs",
+    "gate": "a pair is attended when A_ij ≥ gate / k_i or A_ji ≥ gate / k_j (k_i: keys row i sees; n for an encoder)",
+    "include_special": "whether the specials ([CLS]/[SEP]; a decoder's BOS) form pairs",
     "vectors": "pre_wo: head output before the output projection; post_wo: after",
     "short_range": "largest distance counted in short_range_share",
     "dtype": "model precision (statistics are computed in float32)",
