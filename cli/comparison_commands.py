@@ -45,7 +45,7 @@ def compare(
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports import compare as comparison
     from headatlas.service.reports import queries
-    from headatlas.service.reports.intervals import scheme_of
+    from headatlas.service.reports.intervals import groups_held, scheme_of
 
     with _store(db, at).checked_read() as conn:
         a = _run(conn, run_a)
@@ -56,6 +56,7 @@ def compare(
                 "or analyse again with --control"
             )
         results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
+        held = {x.run_id: groups_held(conn, x.run_id) for x in (a, *bs)}
         unreliable = _interval_warnings(conn, a, *bs)
     # the answer in 100 columns: both values, the difference with its interval, the verdict
     # (each value's own interval is in --wide, CSV and JSON); layer_b only where depths differ
@@ -89,6 +90,7 @@ def compare(
             intervals=comparison.TABLE_INTERVALS,
             note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
             schemes=[scheme_of(a.params), scheme_of(b.params)],
+            groups=[held[a.run_id], held[b.run_id]],
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "
             f"{b.n_layers} layers){floor}",
         )
@@ -123,7 +125,7 @@ def query_roles(
     the run's random-weights controls earn. --layer, --head and --role choose the rows shown."""
     from headatlas.service.operations.runs import check_layer_head
     from headatlas.service.reports import compare, role_effects, roles
-    from headatlas.service.reports.intervals import scheme_of
+    from headatlas.service.reports.intervals import groups_held, scheme_of
 
     with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
@@ -135,6 +137,7 @@ def query_roles(
         role_names = list(names)  # the roles' own columns, for the counts
         names, rows = role_effects.with_effects(conn, r.run_id, names, rows)  # each head's effect (SPEC §9)
         effect_lines = _role_effect_lines(conn, r.run_id, names, rows)
+        held = groups_held(conn, r.run_id)
         controls = [
             (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
             for c in compare.controls_of(conn, r)
@@ -173,6 +176,7 @@ def query_roles(
         view=TableView.of(columns, wide),
         pinned=3,
         intervals=() if stability else None,
+        groups=[held],
     )
     if fmt != Format.table:
         return

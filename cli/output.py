@@ -350,6 +350,7 @@ def render_metrics(
     pinned: int = 1,
     offer_more: bool = True,
     intervals: Collection[str] | None = None,
+    groups: list[int] | None = None,
 ) -> None:
     """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
     default) fitted to the width (``print_table``; ``view``: the columns picked, or all) with
@@ -413,7 +414,7 @@ def render_metrics(
         if "interval_by" in columns:
             at = columns.index("interval_by")
             schemes = [part for r in rows if r[at] for part in str(r[at]).split(" / ")]
-        print_note(interval_note(schemes or []))
+        print_note(interval_note(schemes or [], groups))
 
 
 def print_note(text: str) -> None:

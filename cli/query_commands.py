@@ -309,6 +309,7 @@ def _query(
         schemes=[scheme_of(r.params)],
         view=view,
         pinned=pinned,
+        groups=None if answer.groups is None else [answer.groups],
     )
     _print_warnings(unreliable)
 

@@ -80,8 +80,7 @@ OPTIONS: tuple[Declared, ...] = (
         "seq_len",
         int,
         128,
-        "Tokens per window, its specials included: [CLS] and [SEP] (an encoder), BOS (a decoder). "
-        "Longer text is cut.",
+        "Tokens per window, its specials included: [CLS] and [SEP] (an encoder), BOS (a decoder). Longer text is cut.",
         spec="§1, §8",
     ),
     Declared("windowing", str, "chunks", "chunks (cover each document) or first (one window per document).", "§1"),

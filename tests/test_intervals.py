@@ -343,7 +343,7 @@ def test_analyze_records_document_and_the_cli_says_it(cli, tmp_path, paragraphs_
     assert layer_rows and {r["interval_by"] for r in layer_rows} == {"document"}
     table = cli("query", "layers", "--ci", "--db", str(db))
     assert table.returncode == 0, table.stderr
-    assert "16 replicate groups by document" in table.stdout and "t quantile" in table.stdout
+    assert f"{len(groups)} replicate groups by document" in table.stdout and "t quantile" in table.stdout
     assert "interval_by" not in table.stdout  # named in the note, not a column
     roles = cli("query", "roles", "--format", "json", "--db", str(db))
     assert roles.returncode == 0, roles.stderr
@@ -507,3 +507,17 @@ def test_a_short_run_warns_and_keeps_its_intervals_in_range(tmp_path, tiny_model
     assert "bounds clipped" in out.stdout
     plain = CliRunner().invoke(app, ["query", "layers", "--db", str(db)], env={"COLUMNS": "300"})
     assert plain.exit_code == 0 and "unreliable" not in plain.stderr  # no intervals, no warning
+
+
+def test_the_footnote_counts_the_groups_that_hold_windows():
+    """R of the interval is the number of groups holding windows: the footnote says that number,
+    not always 16, and where the count is not at hand it says what R is."""
+    from headatlas.service.reports.intervals import interval_note
+    from headatlas.service.reports.plots import interval_caption
+
+    assert "over 5 replicate groups by document" in interval_note(["document"], [5])
+    assert "over 16 replicate groups by document" in interval_note(["document"], [16])
+    assert "over 12 / 16 replicate groups" in interval_note(["document"], [12, 16])
+    assert "over the replicate groups holding windows (at most 16)" in interval_note(["document"])
+    caption = interval_caption((["layer", "interval_by"], [(0, "document")]), groups=[7])
+    assert "over 7 replicate groups by document" in caption

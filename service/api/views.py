@@ -151,7 +151,9 @@ class RunView:
         answer = ask(self.store, self.run.run_id, query, ci=ci, events=_warnings_into(said), **kwargs)
         notes = [note]
         if ci:
-            notes.append(interval_note([scheme_of(answer.run.params)]))
+            notes.append(
+                interval_note([scheme_of(answer.run.params)], None if answer.groups is None else [answer.groups])
+            )
         if answer.effects_note and answer.effects_note not in notes:  # what the effects are measured against
             notes.append(answer.effects_note)
         for warning in said:

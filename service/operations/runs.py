@@ -65,6 +65,7 @@ class Answer:
     rows: list[tuple]
     effects: tuple[str, ...] = ()
     effects_note: str | None = None
+    groups: int | None = None  # replicate groups holding windows (R of the intervals), where asked with ci
 
 
 def ask(
@@ -87,9 +88,16 @@ def ask(
         warnings = interval_warnings(conn, run) if ci else []
         effects = held_effects(columns, rows)
         said = effects_note(conn, run.run_id) if effects else None
+        groups = groups_held(conn, run.run_id) if any(c.endswith("_lo") for c in columns) else None
     for warning in warnings:
         events(ResultWarning(warning))
-    return Answer(run, columns, rows, effects, said)
+    return Answer(run, columns, rows, effects, said, groups)
+
+
+def groups_held(conn: Connection, run_id: int) -> int:
+    from headatlas.service.reports.intervals import groups_held as held
+
+    return held(conn, run_id)
 
 
 def held_effects(columns: list[str], rows: list[tuple]) -> tuple[str, ...]:

@@ -224,6 +224,7 @@ def figure_compare(
     depths: tuple[int, int],
     heat: tuple[str, np.ndarray, np.ndarray] | None,
     title: str,
+    groups: list[int] | None = None,
 ):
     """One panel per metric: both runs' layer profiles with 95% intervals as error bars (x: layer,
     or relative depth (l + 0.5)/L when the depths differ); then the per-head A − B heat map of one
@@ -272,7 +273,7 @@ def figure_compare(
     for ax in axes[panels:]:
         ax.set_visible(False)
     suptitle(fig, title)
-    fig.supxlabel(interval_caption(profile_a, profile_b) + "; dotted line: chance (1)", fontsize=8)
+    fig.supxlabel(interval_caption(profile_a, profile_b, groups=groups) + "; dotted line: chance (1)", fontsize=8)
     return fig
 
 
@@ -288,6 +289,8 @@ def _against(metric: str) -> str:
 
 def run_compare(conn, run_a, run_b, *, metrics=None, heat_metric: str | None = None):
     """``plot compare``: the figure from ``compare.layer_profile`` and ``compare.compare``."""
+    from headatlas.service.reports.intervals import groups_held
+
     chosen = compare.check_metrics(metrics)
     same_shape = (run_a.n_layers, run_a.n_heads) == (run_b.n_layers, run_b.n_heads)
     if heat_metric is not None and not same_shape:
@@ -319,4 +322,5 @@ def run_compare(conn, run_a, run_b, *, metrics=None, heat_metric: str | None = N
         depths=(run_a.n_layers, run_b.n_layers),
         heat=heat,
         title=title,
+        groups=[groups_held(conn, run_a.run_id), groups_held(conn, run_b.run_id)],
     )

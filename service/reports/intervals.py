@@ -129,8 +129,27 @@ def scheme_words(scheme: str) -> str:
     return f"by {unit}"
 
 
-def interval_note(schemes: Iterable[str]) -> str:
-    """The footnote under intervals: the rule and the replicate scheme(s) of the runs shown."""
+def groups_held(conn, run_id: int) -> int:
+    """The replicate groups of a run that hold windows: R of its intervals (SPEC §5d)."""
+    from sqlalchemy import text
+
+    row = conn.execute(text("SELECT count(DISTINCT rep) FROM run_reps WHERE run_id = :r"), {"r": run_id}).first()
+    return int(row[0]) if row else 0
+
+
+def groups_words(groups: Iterable[int] | None) -> str:
+    """ "16 replicate groups", "12 / 16 replicate groups" (two runs), or, where the counts are not
+    at hand, "the replicate groups holding windows (at most 16)"."""
+    counts = [] if groups is None else list(dict.fromkeys(int(g) for g in groups if g))
+    if not counts:
+        return f"the replicate groups holding windows (at most {REPLICATES})"
+    return f"{' / '.join(str(g) for g in counts)} replicate group{'s' if counts != [1] else ''}"
+
+
+def interval_note(schemes: Iterable[str], groups: Iterable[int] | None = None) -> str:
+    """The footnote under intervals: the rule, over how many replicate groups (``groups``: those
+    holding windows, one count per run shown; R of the jackknife, not always 16) and the replicate
+    scheme(s) of the runs shown."""
     named = sorted(set(schemes)) or [WINDOW_SCHEME]
     caveats = []
     if any(s.startswith("block") for s in named):
@@ -138,7 +157,7 @@ def interval_note(schemes: Iterable[str]) -> str:
     if WINDOW_SCHEME in named:
         caveats.append("by window: the rule of runs stored before §5d, too narrow (windows of one document correlate)")
     return (
-        f"[a, b]: 95% interval, delete-one-group jackknife with the t quantile over {REPLICATES} replicate groups "
+        f"[a, b]: 95% interval, delete-one-group jackknife with the t quantile over {groups_words(groups)} "
         f"{' / '.join(scheme_words(s) for s in named)} (SPEC §5d)"
         + "".join(f"; {c}" for c in caveats)
         + f"; {CLIP_NOTE}; it does not cover the choice of model or parameters."

@@ -100,16 +100,16 @@ def _errorbar(ax, x, columns, rows, name, *, fmt="o-", **style):
 INTERVAL_NOTE = "error bars: 95% jackknife intervals (t quantile, SPEC §5d)"
 
 
-def interval_caption(*tables: tuple[list[str], list[tuple]]) -> str:
+def interval_caption(*tables: tuple[list[str], list[tuple]], groups: list[int] | None = None) -> str:
     """INTERVAL_NOTE with the replicate scheme(s) the rows' intervals use (their ``interval_by``
-    column): "… over 16 replicate groups by document"."""
-    from headatlas.service.engine.results import REPLICATES
-    from headatlas.service.reports.intervals import WINDOW_SCHEME, scheme_words
+    column) and ``groups``, the groups holding windows of each run drawn: "… over 12 replicate
+    groups by document"."""
+    from headatlas.service.reports.intervals import WINDOW_SCHEME, groups_words, scheme_words
 
     schemes = sorted({r[c.index("interval_by")] for c, rows in tables if "interval_by" in c for r in rows})
     if not schemes:
         return INTERVAL_NOTE
-    note = f"{INTERVAL_NOTE} over {REPLICATES} replicate groups {' / '.join(scheme_words(s) for s in schemes)}"
+    note = f"{INTERVAL_NOTE} over {groups_words(groups)} {' / '.join(scheme_words(s) for s in schemes)}"
     return note + (" (stored before §5d: too narrow)" if WINDOW_SCHEME in schemes else "")
 
 
@@ -257,7 +257,7 @@ def figure_distances_split(per_layer: dict[int, tuple[list[str], list[tuple]]], 
 
 
 # --- boundaries -------------------------------------------------------------------------------
-def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> Figure:
+def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str, groups: list[int] | None = None) -> Figure:
     """Within-sentence share of the high-similarity pairs per layer against two chances — all
     pairs, and pairs at the same distances (SPEC §5b) — the most within-sentence head of each
     layer, and attention to separators against uniform attention. Error bars: 95% intervals."""
@@ -319,7 +319,7 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str) -> F
         ax.legend(fontsize=8)
     suptitle(fig, title)
     if "within_sentence_lo" in columns:
-        fig.supxlabel(interval_caption((columns, rows)), fontsize=8)
+        fig.supxlabel(interval_caption((columns, rows), groups=groups), fontsize=8)
     return fig
 
 
@@ -485,7 +485,7 @@ LAYER_PANELS = (
 )
 
 
-def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figure:
+def figure_layers(columns: list[str], rows: list[tuple], *, title: str, groups: list[int] | None = None) -> Figure:
     """The layer progression: one small panel per measure of ``query layers``."""
     fig = new_figure(*RUN_FIGSIZE["layers"])
     axes = fig.subplots(2, 4, sharex=True).ravel()
@@ -524,7 +524,7 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str) -> Figur
         layer_ticks(ax, layer)
     suptitle(fig, title)
     if "within_sentence_lo" in columns:
-        fig.supxlabel(interval_caption((columns, rows)), fontsize=8)
+        fig.supxlabel(interval_caption((columns, rows), groups=groups), fontsize=8)
     return fig
 
 
@@ -542,6 +542,12 @@ def run_figure(
     ``split="attended"`` (distances only): the signal and noise profiles instead of all of H;
     ``by_distance`` (boundaries only): the within-sentence share at each distance."""
     title = _title(run)
+
+    def held() -> list[int]:
+        from headatlas.service.reports.intervals import groups_held
+
+        return [groups_held(conn, run.run_id)]
+
     if split is not None and (kind != "distances" or split != "attended"):
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs), for distances")
     if kind == "distances" and split:
@@ -564,12 +570,12 @@ def run_figure(
             *queries.sentence_by_distance(conn, run.run_id), n_layers=run.n_layers, title=title
         )
     if kind == "boundaries":
-        return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title)
+        return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title, groups=held())
     if kind == "heads":
         if metric not in queries.SORTABLE:
             raise unknown_metric("metric", metric, queries.SORTABLE)
         columns, rows = queries.heads(conn, run.run_id, anchors=0)
         return figure_heads(columns, rows, metric, n_layers=run.n_layers, n_heads=run.n_heads, title=title)
     if kind == "layers":
-        return figure_layers(*queries.layers(conn, run.run_id, ci=True), title=title)
+        return figure_layers(*queries.layers(conn, run.run_id, ci=True), title=title, groups=held())
     raise ParameterError(f"plot {kind!r}: choose one of {', '.join(KINDS)}")

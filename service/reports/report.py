@@ -137,12 +137,12 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
     """The report page of ``run`` (a store ``Run``) as an HTML string; ``snapshot``: the lake's
     snapshot it was read at (named on the page, so that `--at` reproduces it)."""
     from headatlas.service.reports import plots
-    from headatlas.service.reports.intervals import interval_note, scheme_of
+    from headatlas.service.reports.intervals import groups_held, interval_note, scheme_of
 
     summary = queries.run_summary(conn, run.run_id)
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
     # the footnote under every interval names the run's replicate scheme (SPEC §5d)
-    scheme_html = _e(interval_note([scheme_of(run.params)]).removeprefix("[a, b]: "))
+    scheme_html = _e(interval_note([scheme_of(run.params)], [groups_held(conn, run.run_id)]).removeprefix("[a, b]: "))
     warning = queries.interval_warning(conn, run.run_id)  # too few replicate groups (SPEC §5d)
     scheme_html += f" <strong>Warning: {_e(warning)}.</strong>" if warning else ""
     figures = [
@@ -284,9 +284,9 @@ def _atlas_section(conn, run) -> str:
         if family
         else "no correction: this run has no replicate groups, so each value was tested against its threshold"
     )
-    from headatlas.service.reports.intervals import interval_note, scheme_of
+    from headatlas.service.reports.intervals import groups_held, interval_note, scheme_of
 
-    note = interval_note([scheme_of(run.params)]).replace("[a, b]", "Intervals")
+    note = interval_note([scheme_of(run.params)], [groups_held(conn, run.run_id)]).replace("[a, b]", "Intervals")
     return f"""<h2>Head atlas</h2>
 <figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
 holds); letters list every role held. A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
@@ -309,9 +309,12 @@ def _floor_section(conn, run) -> str:
         return ""
     fig = atlas_plots.run_compare(conn, run, control)
     columns, rows = compare.compare(conn, run, control)
-    from headatlas.service.reports.intervals import interval_note, scheme_of
+    from headatlas.service.reports.intervals import groups_held, interval_note, scheme_of
 
-    scheme_note = interval_note([scheme_of(run.params), scheme_of(control.params)]).replace("[a, b]", "Intervals")
+    scheme_note = interval_note(
+        [scheme_of(run.params), scheme_of(control.params)],
+        [groups_held(conn, run.run_id), groups_held(conn, control.run_id)],
+    ).replace("[a, b]", "Intervals")
     keep = [c for c in columns if c not in ("head", "depth_a", "depth_b", "interval", "interval_by")]
     idx = [columns.index(c) for c in keep]
     table_html = _table(keep, [tuple(r[i] for i in idx) for r in rows], text_columns=("metric", "verdict"))
