@@ -244,6 +244,15 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
         assert absent not in counts
     assert "probe_score" in " ".join(table.split())  # the note says how the probe enters
 
+    # the report has a probe section: the top heads of each score, as query heads has them
+    page = tmp_path / "report.html"
+    invoke("report", "1", "--db", str(db), "--out", str(page))
+    html = page.read_text(encoding="utf-8")
+    top = max(heads, key=lambda h: h["induction_score"])
+    assert "<h2>Induction probe</h2>" in html and "Top 8 heads by induction_score" in html
+    section = html[html.index("<h2>Induction probe</h2>") : html.index("Top 8 heads by duplicate_score")]
+    assert f"<td>{top['layer']}</td><td>{top['head']}</td>" in section.replace("\n", "")
+
     # --layer, --head, --role choose rows; the tests (family, p_holm) stay the whole run's
     base = ("query", "roles", "--db", str(db), "--run", "1", "--format", "json")
     one = json.loads(invoke(*base, "--layer", "1", "--head", "2"))

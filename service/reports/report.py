@@ -179,7 +179,7 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
         f"<figure>{_img(plots.png_bytes(fig), name)}<figcaption>{_e(caption)}</figcaption></figure>"
         for name, caption, fig in figures
     )
-    atlas_html = _atlas_section(conn, run)
+    atlas_html = _atlas_section(conn, run) + probe_section(conn, run)
     floor_html = _floor_section(conn, run)
     mixing_html = _mixing_section(conn, run)
     from headatlas.service.reports.effect_report import effects_section
@@ -298,6 +298,51 @@ Lifts marked _dm are against distance-matched chance, attn_*_lift against unifor
 p and the Holm-adjusted p (family: the number of tests), and whether it holds on each half (half_a: the 1st, 3rd, … groups in id order,
 half_b: the 2nd, 4th, …; stable: both). {_e(note)}</p>
 <div class="scroll">{evidence_html}</div>"""
+
+
+PROBE_TOP = 10  # heads listed per score in the probe section
+
+
+def probe_section(conn, run) -> str:
+    """The synthetic probe (SPEC §8p), for a run that has one: the heads with the highest score of
+    each kind, with all three scores, and where the induction role (SPEC §7) reads it."""
+    from sqlalchemy import text
+
+    from headatlas.service.reports import roles
+
+    probe = conn.execute(
+        text(
+            "SELECT layer, head, induction_score, duplicate_score, prev_token_score, length, sequences, seed "
+            "FROM probe_scores WHERE run_id = :r"
+        ),
+        {"r": run.run_id},
+    ).all()
+    if not probe:
+        return ""
+    length, sequences, seed = probe[0][5:8]
+    columns = ["layer", "head", "induction_score", "duplicate_score", "prev_token_score"]
+    parts = []
+    for k, score in enumerate(columns[2:], start=2):
+        top = sorted(probe, key=lambda r: (-r[k], r[0], r[1]))[:PROBE_TOP]
+        parts.append(f"<h3>Top {len(top)} heads by {_e(score)}</h3>" + _table(columns, [tuple(r[:5]) for r in top]))
+    causal = roles.causal_run(conn, run.run_id)
+    # uniform attention's score: 1/k_i averaged over the second copy's rows (SPEC §8p; a first token at 0)
+    rows = range(1 + length, 1 + 2 * length)
+    uniform = sum(1 / (i + 1) for i in rows) / length if causal else 1 / (2 * length + 2)
+    reads = (
+        f"The induction role needs induction_lift on the corpus and induction_score ≥ {roles.INDUCTION_PROBE_MIN:g} "
+        "here (duplicate-token likewise with duplicate_score); see the atlas above for the heads that earned them."
+        if causal
+        else "An encoder is offered no induction role: its attention sees the whole window, so these scores "
+        "describe the heads, they earn nothing."
+    )
+    return f"""<h2>Induction probe</h2>
+<p>Every head scored on {sequences} sequences of {length} random ordinary tokens repeated once (seed {seed}; SPEC §8p):
+<em>induction_score</em> = mean attention from a token of the second copy to the token after its earlier copy,
+<em>duplicate_score</em> = to the earlier copy itself, <em>prev_token_score</em> = to the token before. An exact
+head of each kind scores 1; uniform attention {uniform:.3g} (1/k over the second copy's rows). One probe per
+run: no interval. {_e(reads)}</p>
+{"".join(parts)}"""
 
 
 def _floor_section(conn, run) -> str:
