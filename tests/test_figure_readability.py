@@ -264,3 +264,19 @@ def test_atlas_and_heads_of_smollm2s_shape_keep_a_long_title_inside():
         title=DECODER_TITLE,
     )
     check_text_inside(fig)
+
+
+def test_query_heads_shows_a_byte_level_runs_anchors_as_text(conn, stored, monkeypatch):
+    """The path a byte-level run's rows take (its anchors read as text), on this run's rows: each
+    anchor list mapped item by item, the columns and the heads as they were."""
+    from headatlas.service.reports import queries
+
+    assert not queries.byte_level_run(conn, stored[1].run_id)  # WordPiece: no Ġ, no Ċ
+    plain = queries.heads(conn, stored[1].run_id, anchors=3, ci=True)
+    monkeypatch.setattr(queries, "byte_level_run", lambda _conn, _run: True)
+    shown = queries.heads(conn, stored[1].run_id, anchors=3, ci=True)
+    assert shown[0] == plain[0]
+    ai = plain[0].index("top_anchors")
+    assert [r[:2] for r in shown[1]] == [r[:2] for r in plain[1]]  # the same heads, in order
+    assert [r[ai] for r in shown[1]] == [queries.anchors_as_text(r[ai]) for r in plain[1]]
+    assert any(r[ai] for r in shown[1])

@@ -185,8 +185,9 @@ def heads(
     params = {"layer": layer}
     rows = _rows(conn, sql, {"run": run_id, "limit": top or 1_000_000, "n_anchors": anchors, **params})
     if anchors and byte_level_run(conn, run_id):
-        ai = len(HEAD_COLUMNS)  # top_anchors follows the head columns
-        rows = [(*r[:ai], anchors_as_text(r[ai]), *r[ai + 1 :]) for r in rows]
+        names, values = rows
+        ai = names.index("top_anchors")
+        rows = names, [(*r[:ai], anchors_as_text(r[ai]), *r[ai + 1 :]) for r in values]
     if ci:
         rows = _with_intervals(
             conn,
