@@ -13,7 +13,9 @@ Printed, over 72 heads (MiniLM) × the ratio metrics below:
 - the share of (head, metric) cells whose A − B difference test passes: |θ_A − θ_B| ≤
   t · sqrt(se_A² + se_B²), se = the jackknife standard error of each half (t: Welch's degrees of
   freedom). The halves are independent samples of documents with the same truth, so 95% should pass
-  (target 92–98%);
+  (target 92–98%). Not `compare`'s test of two independent runs, which combines the two half-widths
+  (sqrt(h_A² + h_B²), each h at its own run's t): with as many groups in both halves Welch's t is never
+  larger, so this interval is never wider and its pass rate a lower bound for compare's (docs/baselines.md);
 - the share of cells whose value on half A lies in half B's 95% interval (about 87% expected when the
   intervals are right and both halves have 16 groups: P(|Z| ≤ 2.131/√2), the two halves' errors add).
 """

@@ -11,7 +11,9 @@ Returns (columns, rows) like ``service.reports.queries``. Layers and heads are 0
   scheme (the groups then hold the same windows in both, so the leave-one-group-out differences
   are paired; a run and its random-weights control are such a pair). Otherwise the runs are
   independent samples and the half-width is ``sqrt(h_A² + h_B²)`` from each run's own
-  jackknife half-width.
+  jackknife half-width (each ``h = t_{R−1} · se`` at its own groups). ``benchmarks/halves.py``
+  tests such a difference otherwise: one t at Welch's degrees of freedom times
+  ``sqrt(se_A² + se_B²)``, never wider than this when both runs have as many groups (docs/baselines.md).
 - Verdict: ``beyond`` when the difference's interval excludes 0, ``within`` when it holds 0,
   ``no interval`` when either run lacks replicate groups (stored before they existed) and
   ``no value`` when a metric is undefined in either run.
