@@ -231,6 +231,16 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
     heads = json.loads(invoke("query", "heads", "--db", str(db), "--run", "1", "--format", "json"))
     n_heads = len(heads)
     assert n_heads == 8 and all(h["induction_score"] is not None for h in heads)
+    # a decoder's tables show BOS (attn_to_first), not [CLS]/[SEP]/next-token columns it has no use for
+    encoder_only = ("attn_to_cls", "attn_to_sep", "attn_to_next")
+    layers = json.loads(invoke("query", "layers", "--db", str(db), "--run", "1", "--ci", "--format", "json"))
+    bounds = json.loads(invoke("query", "boundaries", "--db", str(db), "--run", "1", "--format", "json"))
+    for row in (heads[0], layers[0], bounds[0]):
+        assert not [k for k in row if k.startswith(encoder_only)], sorted(row)
+        assert row["attn_to_first_lift"] is not None
+    assert "attn_to_first_lift_lo" in layers[0]
+    table = invoke("query", "layers", "--db", str(db), "--run", "1")
+    assert "attn_to_first_lift" in table and "attn_to_cls" not in table
     assert max(h["induction_score"] for h in heads) < roles.INDUCTION_PROBE_MIN
 
     rows = json.loads(invoke("query", "roles", "--db", str(db), "--run", "1", "--format", "json"))

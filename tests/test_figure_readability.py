@@ -273,6 +273,7 @@ def test_query_heads_shows_a_byte_level_runs_anchors_as_text(conn, stored, monke
 
     assert not queries.byte_level_run(conn, stored[1].run_id)  # WordPiece: no Ġ, no Ċ
     plain = queries.heads(conn, stored[1].run_id, anchors=3, ci=True)
+    assert {"attn_to_cls_lift", "attn_to_sep_lift", "attn_to_next"} <= set(plain[0])  # an encoder keeps them
     monkeypatch.setattr(queries, "byte_level_run", lambda _conn, _run: True)
     shown = queries.heads(conn, stored[1].run_id, anchors=3, ci=True)
     assert shown[0] == plain[0]
