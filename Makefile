@@ -139,6 +139,13 @@ readme-images: install
 	$(VENV)/bin/headatlas inspect --file $(DEMO_TXT) --seq-len 32 --out $(IMG)/inspect-grid.png --dpi 60
 	$(VENV)/bin/headatlas inspect "The cat sat on the mat. It was happy." --layer 2 --head 0 --out $(IMG)/inspect-short.png --dpi 80
 	$(VENV)/bin/headatlas plot boundaries --by-distance --run demo --db $(IMG_DB) --out $(IMG)/boundaries-by-distance.png --dpi 70
+	# a decoder's figures: SmolLM2 (30 layers × 9 heads) with its induction probe
+	$(VENV)/bin/headatlas analyze $(DEMO_TXT) --name smol --model smollm2 --probe --db $(IMG_DB) --quiet
+	$(VENV)/bin/headatlas plot layers --run smol --db $(IMG_DB) --out $(IMG)/smollm2-layers.png --dpi 70
+	$(VENV)/bin/headatlas plot distances --run smol --db $(IMG_DB) --out $(IMG)/smollm2-distances.png --dpi 70
+	$(VENV)/bin/headatlas plot atlas --run smol --db $(IMG_DB) --out $(IMG)/smollm2-atlas.png --dpi 70
+	$(VENV)/bin/headatlas plot heads --run smol --metric within_sentence_lift_dm --db $(IMG_DB) --out $(IMG)/smollm2-heads.png --dpi 70
+	$(VENV)/bin/headatlas inspect "$$(printf 'The cat sat on the mat. The cat sat on the mat.\nIt was happy.')" --model smollm2 --layer 18 --head 6 --out $(IMG)/smollm2-inspect.png --dpi 80
 	$(PY) -c "import sys; from PIL import Image; [Image.open(p).convert('RGB').quantize(128).save(p, optimize=True) for p in sys.argv[1:]]" $(IMG)/*.png
 	ls -l $(IMG)
 
