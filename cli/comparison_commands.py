@@ -137,7 +137,7 @@ def query_roles(
         role_names = list(names)  # the roles' own columns, for the counts
         names, rows = role_effects.with_effects(conn, r.run_id, names, rows)  # each head's effect (SPEC §9)
         effect_lines = _role_effect_lines(conn, r.run_id, names, rows)
-        held = groups_held(conn, r.run_id)
+        n_groups = groups_held(conn, r.run_id)
         controls = [
             (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
             for c in compare.controls_of(conn, r)
@@ -176,7 +176,7 @@ def query_roles(
         view=TableView.of(columns, wide),
         pinned=3,
         intervals=() if stability else None,
-        groups=[held],
+        groups=[n_groups],
     )
     if fmt != Format.table:
         return
