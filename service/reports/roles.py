@@ -486,7 +486,10 @@ def check_role(role: str, offered: Sequence[str], run_label: str) -> str:
         raise ParameterError(
             Param("role", role, quoted=True), f": not a role {run_label} is tested for", hint=_role_list(choices)
         )
-    close = difflib.get_close_matches(role.strip().lower(), list(by_lower), n=3, cutoff=0.5)
+    typed = role.strip().lower()
+    close = [c for c in by_lower if typed and typed in c and c != "none"] or difflib.get_close_matches(
+        typed, list(by_lower), n=3, cutoff=0.5
+    )
     hint = f"did you mean {' or '.join(repr(by_lower[c]) for c in close)}? " if close else ""
     raise ParameterError(Param("role", role, quoted=True), ": not a role", hint=hint + _role_list(choices))
 
