@@ -86,11 +86,21 @@ def model_section(
     kinds = [k for k in ("effect_mean", "effect_zero", "importance") if heads[0].get(k) is not None]
     main = kinds[0]
     ranked = sorted(heads, key=lambda h: -h[main])
+    (counted,) = query(
+        db, "sql", "--run", run, "SELECT sum(effect_windows) AS measured, sum(windows) AS analysed FROM run_chance"
+    )
+    status = next(r["status"] for r in query(db, "runs") if r["name"] == run)
+    stopped = (
+        f" The analysis was stopped (status {status}) after {counted['analysed']} of {documents} documents, "
+        "the machine being shared: noise_share rests on those windows."
+        if status != "done"
+        else ""
+    )
     lines = [
         f"### {model}",
         "",
-        f"`headatlas analyze --windowing first {options}`: {windows} windows with effects (of {documents} "
-        f"documents analysed), {seconds / 60:.0f} min of analysis on this machine.",
+        f"`headatlas analyze --windowing first {options}`: {counted['measured']} windows with effects (of "
+        f"{counted['analysed']} analysed), {seconds / 60:.0f} min of analysis on this machine.{stopped}",
         "",
         f"Top heads by {main} (`headatlas query heads --sort {main} --ci`):",
         "",
