@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, prune_curves
 from headatlas.service.params import AnalysisParams
-from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, load_prune, store_prune
+from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, effect_windows, load_prune, store_prune
 from headatlas.service.storage.store import Run, Store
 
 
@@ -98,6 +98,7 @@ def prune_run(
     with store.checked_read() as conn:
         noise = noise_shares(conn, run.run_id)
         effect, importance, drops, importance_drops = stored_effects(conn, run.run_id)
+        counted = effect_windows(conn, run.run_id)
     loaded = model or load_model(run.model, device=device)
     if orders is None:
         from headatlas.service.measures.objectives import objective_of
@@ -115,7 +116,7 @@ def prune_run(
             effect_drops=drops,
             importance_drops=importance_drops,
             windows={w.window_id for w in measured},
-            source=f"the run's stored effects ({len(measured)} windows)",
+            source=f"the run's stored effects ({counted} windows)",
         )
     if reference is None:
         reference = params.effect_reference if effect is not None else 64
