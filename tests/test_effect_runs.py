@@ -52,20 +52,18 @@ def effect_run(tmp_path_factory, demo_corpus):
     return db, corpus
 
 
-def test_stored_effects_are_the_mean_of_each_windows_effect(effect_run) -> None:
-    """The stored sums, read through the views, equal the per-window effects computed here on the
-    run's first 5 windows with means from its first 4 (other batches, other code)."""
+@pytest.fixture(scope="module")
+def measured_effects(effect_run):
+    """The per-window effects of the run's first 5 windows, computed here in one batch with means
+    from its first 4 windows (other batches, other code than the run's): (windows, effects, positions)."""
     from headatlas.service.engine.model import load_model
     from headatlas.service.engine.runner import first_windows
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.params import AnalysisParams
-    from headatlas.service.reports import queries
-    from headatlas.service.storage.effect_rows import effect_windows, run_effects
     from headatlas.service.storage.store import Store
 
     db, corpus = effect_run
-    store = Store(db)
-    run = store.get_run("fx")
+    run = Store(db).get_run("fx")
     model = load_model("random:gpt2", device="cpu")
     params = AnalysisParams.from_dict(run.params)
     tokens = TokenClasses.for_model(model)
@@ -77,6 +75,20 @@ def test_stored_effects_are_the_mean_of_each_windows_effect(effect_run) -> None:
     want = fx.head_effects(
         model, batch.input_ids, batch.attention_mask, kinds=fx.KINDS, means=means, window_ids=batch.window_ids
     )
+    return windows, want, positions
+
+
+def test_stored_effects_are_the_mean_of_each_windows_effect(effect_run, measured_effects) -> None:
+    """The stored sums, read through the views, equal the per-window effects computed here on the
+    run's first 5 windows with means from its first 4 (other batches, other code)."""
+    from headatlas.service.reports import queries
+    from headatlas.service.storage.effect_rows import effect_windows, run_effects
+    from headatlas.service.storage.store import Store
+
+    db, _corpus = effect_run
+    store = Store(db)
+    run = store.get_run("fx")
+    _windows, want, positions = measured_effects
     with store.read() as conn:
         columns, rows = queries.heads(conn, run.run_id, ci=True)
         recorded = run_effects(conn, run.run_id)
@@ -98,6 +110,55 @@ def test_stored_effects_are_the_mean_of_each_windows_effect(effect_run) -> None:
             assert head[column] == pytest.approx(float(values[:, at[0], at[1]].mean()), rel=1e-4, abs=1e-7), column
             assert head[f"{column}_lo"] is not None  # every effect has its interval
     assert all(dict(zip(columns, r))["importance"] >= 0 for r in rows)
+
+
+def test_effect_intervals_rest_on_the_groups_that_hold_effect_windows(effect_run, measured_effects) -> None:
+    """The run's 5 effect windows fill fewer replicate groups than its windows do: every effect's
+    interval (query heads, run.effects(), a role's, compare, the ρ of prune) is the jackknife over
+    the groups holding effect windows, computed here by hand from the per-window effects; the
+    note under the effects names that count."""
+    from sqlalchemy import text
+
+    from headatlas.service.engine.prune_runs import stored_effects
+    from headatlas.service.engine.results import window_group
+    from headatlas.service.reports import compare, effect_queries, queries, role_effects
+    from headatlas.service.reports.intervals import t95
+    from headatlas.service.storage.effect_rows import effect_note
+    from headatlas.service.storage.store import Store
+
+    db, _corpus = effect_run
+    store = Store(db)
+    run = store.get_run("fx")
+    windows, want, _positions = measured_effects
+    groups = np.array([window_group("window", window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in windows])
+    present = np.unique(groups)
+    effect = want.effect["mean"].numpy()  # [window, layer, head]
+    r = len(present)
+    drops = np.stack([effect[groups != g].mean(axis=0) for g in present])
+    half = t95(r - 1) * np.sqrt((r - 1) / r * ((drops - drops.mean(axis=0)) ** 2).sum(axis=0))
+    with store.read() as conn:
+        run_groups = conn.execute(text("SELECT count(*) FROM run_reps WHERE run_id = :r"), {"r": run.run_id}).scalar()
+        assert 2 <= r < run_groups  # the case in question: fewer groups hold effect windows
+        columns, rows = queries.heads(conn, run.run_id, ci=True)
+        fx_columns, fx_rows = effect_queries.effects(conn, run.run_id, ci=True)
+        names, role_rows = role_effects.with_effects(conn, run.run_id, ["layer", "head"], [(0, 1), (1, 2)])
+        compared = compare.compare(conn, run, run, metrics=["effect_mean"], heads=True)
+        _effect, _importance, effect_drops, importance_drops = stored_effects(conn, run.run_id)
+        note = effect_note(conn, run.run_id)
+    for table_columns, table_rows in ((columns, rows), (fx_columns, fx_rows)):
+        for row in table_rows:
+            head = dict(zip(table_columns, row))
+            at = head["layer"], head["head"]
+            assert head["effect_mean_hi"] - head["effect_mean"] == pytest.approx(half[at], rel=1e-3, abs=1e-9), at
+    for layer, head, _value, lo, hi in role_rows:
+        assert (hi - lo) / 2 == pytest.approx(half[layer, head], rel=1e-3, abs=1e-9)
+    c = compared[0]
+    for row in compared[1]:
+        cell = dict(zip(c, row))
+        at = cell["layer_a"], cell["head"]
+        assert cell["value_a_hi"] - cell["value_a"] == pytest.approx(half[at], rel=1e-3, abs=1e-9)
+    assert len(effect_drops) == len(importance_drops) == r  # ρ's jackknife drops these groups alone
+    assert f"the {r} replicate groups that hold these windows" in note
 
 
 def test_query_heads_roles_metrics_and_the_api_show_the_effects(effect_run, cli) -> None:
@@ -189,6 +250,99 @@ def test_a_queued_run_stores_the_effects_the_embedded_run_stores(queue_cluster, 
     assert list(queue_cluster.redis.scan_iter(f"headatlas:*:effect_means:{run.run_key}"))
     assert len(queued) == 1 and queued[0]["reference_windows"] == local[0]["reference_windows"] == 5
     assert queued[0]["reference_fingerprint"] == local[0]["reference_fingerprint"]
+
+
+@pytest.fixture(scope="module")
+def bos_free_decoder(tmp_path_factory, demo_corpus):
+    """A decoder whose tokenizer adds no BOS (random:gpt2's weights, the default model's tokenizer,
+    saved as a model folder a worker can load), so that a window can be one token, and a corpus
+    whose first document is one token: (model folder, corpus)."""
+    from transformers import AutoTokenizer
+
+    from headatlas.service.engine.model import default_model_dir, load_model
+
+    folder = tmp_path_factory.mktemp("bos-free")
+    load_model("random:gpt2", device="cpu").model.save_pretrained(folder / "model")
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(folder / "model")
+    docs = [d.strip() for d in demo_corpus.read_text(encoding="utf-8").split("\n\n") if d.strip()][:2]
+    corpus = folder / "one-token-first.txt"
+    corpus.write_text("\n\n".join(["Hello", *docs]) + "\n", encoding="utf-8")
+    return str(folder / "model"), corpus
+
+
+ONE_TOKEN_PARAMS = {"seq_len": 16, "sentences": "punct", "effects": "zero,mean", "effect_windows": 3}
+
+
+def _analyse_one_token_first(model, corpus, db, **kwargs):
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.storage.store import Store
+
+    params = build_params(**ONE_TOKEN_PARAMS, effect_reference=2)
+    return analyze_corpus(
+        str(corpus), store=Store(db), model=model, params=params, corpus=survey_corpus(str(corpus)), **kwargs
+    )
+
+
+def test_an_interrupted_effect_run_resumed_ends_as_one_run_not_interrupted(bos_free_decoder, tmp_path) -> None:
+    """--effect-windows N: the run's first N windows, counted by position, a one-token window of a
+    decoder (no next token: no objective) among them. A run stopped after two windows (the
+    one-token window and one measured) and resumed stores the effects of the run never stopped:
+    the resumed run counts the one-token window as the queue does (windows 1-3, not 1-4)."""
+    from queue_support import assert_same_statistics, stored
+
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.storage.effect_rows import effect_note, effect_windows
+    from headatlas.service.storage.store import Store
+
+    folder, corpus = bos_free_decoder
+    model = load_model(folder, device="cpu")
+    whole = _analyse_one_token_first(model, corpus, tmp_path / "whole.duckdb", batch_size=2)
+    calls = {"n": 0}
+
+    def stop_after_two(_windows, _consumed):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _analyse_one_token_first(
+            model, corpus, tmp_path / "resumed.duckdb", batch_size=2, flush_s=0, progress=stop_after_two
+        )
+    resumed_store = Store(tmp_path / "resumed.duckdb")
+    with resumed_store.read() as conn:
+        assert effect_windows(conn, resumed_store.get_run().run_id) == 1  # the one-token window measures nothing
+    resumed = _analyse_one_token_first(model, corpus, tmp_path / "resumed.duckdb", batch_size=2)
+    assert resumed.status == "done" and resumed.run_key == whole.run_key
+    assert_same_statistics(
+        stored(str(tmp_path / "whole.duckdb"), whole.run_id), stored(str(tmp_path / "resumed.duckdb"), resumed.run_id)
+    )
+    with Store(tmp_path / "whole.duckdb").read() as conn:
+        assert effect_windows(conn, whole.run_id) == 2  # windows 2 and 3 of the first 3
+        assert "the run's first 3 windows less 1 whose objective is undefined" in effect_note(conn, whole.run_id)
+
+
+@pytest.mark.integration
+def test_a_queued_run_counts_a_one_token_window_among_the_effect_windows(queue_cluster, bos_free_decoder, tmp_path):
+    """The queue's effect windows are the embedded run's: the first N by position, a one-token
+    decoder window among them (measured by nothing)."""
+    from queue_support import assert_same_statistics, stored
+
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.storage.store import Store
+
+    folder, corpus = bos_free_decoder
+    embedded = _analyse_one_token_first(load_model(folder, device="cpu"), corpus, tmp_path / "e.duckdb", batch_size=2)
+    extra = ["--effects", "zero,mean", "--effect-windows", "3", "--effect-reference", "2"]
+    ref = queue_cluster.submit(
+        corpus, "--model", folder, "--seq-len", "16", "--sentences", "punct", "--batch-size", "2", *extra, "--wait"
+    )
+    assert queue_cluster.wait_status(ref) == "done"
+    run_id = Store(queue_cluster.db).get_run(ref).run_id
+    assert Store(queue_cluster.db).get_run(run_id).run_key == embedded.run_key
+    queued_sums = stored(queue_cluster.db, run_id)
+    assert_same_statistics(queued_sums, stored(str(tmp_path / "e.duckdb"), embedded.run_id), 1e-5)
+    assert sum(row[-2] for row in queued_sums["run_chance"] if row[-2]) == 2  # effect_windows: 2 of the first 3
 
 
 def test_effects_on_a_lake_are_those_on_a_file(lake, tiny_model, small_corpus, tmp_path) -> None:

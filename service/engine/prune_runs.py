@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, prune_curves
 from headatlas.service.params import AnalysisParams
-from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, load_prune, store_prune
+from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, effect_windows, load_prune, store_prune
 from headatlas.service.storage.store import Run, Store
 
 
@@ -32,9 +32,15 @@ def noise_shares(conn: Connection, run_id: int) -> dict[tuple[int, int], float]:
     }
 
 
-def stored_effects(conn: Connection, run_id: int) -> tuple[np.ndarray | None, np.ndarray | None, list[np.ndarray]]:
+def stored_effects(
+    conn: Connection, run_id: int
+) -> tuple[np.ndarray | None, np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
     """The run's stored mean-ablation effect and importance ``[layer, head]`` (None where not
-    stored) and the effect without each replicate group (for ρ's interval)."""
+    stored), and each without every replicate group that holds effect windows (for ρ's interval;
+    ``effect_rows.effect_groups``)."""
+    from headatlas.service.storage.effect_rows import effect_groups
+
+    groups = effect_groups(conn, run_id)
     rows = conn.execute(
         text(
             "SELECT layer, head, drop_rep, effect_mean, importance FROM head_metrics_reps WHERE run_id = :r "
@@ -43,7 +49,7 @@ def stored_effects(conn: Connection, run_id: int) -> tuple[np.ndarray | None, np
         {"r": run_id},
     ).all()
     if not rows:
-        return None, None, []
+        return None, None, [], []
     n_layers = 1 + max(int(r[0]) for r in rows)
     n_heads = 1 + max(int(r[1]) for r in rows)
     by_drop: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -56,8 +62,14 @@ def stored_effects(conn: Connection, run_id: int) -> tuple[np.ndarray | None, np
     effect, importance = by_drop.get(-1, (None, None))
     effect = effect if effect is not None and np.isfinite(effect).all() else None
     importance = importance if importance is not None and np.isfinite(importance).all() else None
-    drops = [e for d, (e, _i) in sorted(by_drop.items()) if d >= 0 and np.isfinite(e).all()]
-    return effect, importance, drops if effect is not None else []
+    drops = [e for d, (e, _i) in sorted(by_drop.items()) if d in groups and np.isfinite(e).all()]
+    importance_drops = [i for d, (_e, i) in sorted(by_drop.items()) if d in groups and np.isfinite(i).all()]
+    return (
+        effect,
+        importance,
+        drops if effect is not None else [],
+        importance_drops if importance is not None else [],
+    )
 
 
 def prune_run(
@@ -85,7 +97,8 @@ def prune_run(
     params = AnalysisParams.from_dict(run.params)
     with store.checked_read() as conn:
         noise = noise_shares(conn, run.run_id)
-        effect, importance, drops = stored_effects(conn, run.run_id)
+        effect, importance, drops, importance_drops = stored_effects(conn, run.run_id)
+        counted = effect_windows(conn, run.run_id)
     loaded = model or load_model(run.model, device=device)
     if orders is None:
         from headatlas.service.measures.objectives import objective_of
@@ -94,15 +107,16 @@ def prune_run(
         orders = [o for o in ORDERS if o != "importance" or is_loss]
     began = time.perf_counter()
     stored = None
-    if effect is not None:
+    if effect is not None or importance is not None:
         tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
         measured = first_windows(run.corpus, loaded, params, tokens, params.effect_windows)
         stored = StoredOrders(
             effect=effect,
             importance=importance,
             effect_drops=drops,
+            importance_drops=importance_drops,
             windows={w.window_id for w in measured},
-            source=f"the run's stored effects ({len(measured)} windows)",
+            source=f"the run's stored effects ({counted} windows)",
         )
     if reference is None:
         reference = params.effect_reference if effect is not None else 64

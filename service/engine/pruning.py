@@ -11,7 +11,10 @@ spread), so that no order is read off the windows it is judged on.
 
 When the run stores its effects (``analyze --effects``), the effect and importance orders are
 read from them (``StoredOrders``: measured on the run's effect windows, which the evaluation
-windows then exclude) and nothing is measured twice.
+windows then exclude) and nothing is measured twice. A run that stores gradient importance alone
+(``--effects gradient``: a model whose ablations are too dear to measure, such as a decoder whose
+every ablated copy needs its own vocabulary softmax) gives the importance order and, asked for no
+effect order, ρ against the importance instead (Michel et al.'s first-order estimate of the effect).
 
 The claim is tested two ways, each with a 95% interval: the **area** between the noise-ordered
 curve and the mean of the random ones (trapezoids over the fraction removed; negative: pruning by
@@ -118,6 +121,7 @@ class StoredOrders:
     effect_drops: list[np.ndarray]
     windows: set[str]
     source: str
+    importance_drops: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +145,7 @@ class PruneResult:
     curves: list[Curve] = field(default_factory=list)
     area: tuple[float, float, float] | None = None  # noise − random: (value, lo, hi)
     rho: tuple[float, float, float] | None = None  # Spearman ρ(noise_share, effect_mean)
+    rho_against: str = "mean-ablation effect"  # or "gradient importance" (a run storing only that)
     group_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
     selection: str = ""  # where the effect and importance orders came from
     reference_windows: int = 0
@@ -181,10 +186,12 @@ class PruneResult:
                 f"[{lo:+.4g}, {hi:+.4g}] (negative: pruning by noise costs less): {verdict}"
             )
         if self.rho is not None and math.isnan(self.rho[0]):
-            parts.append("Spearman ρ(noise_share, effect) undefined: one of them does not vary across heads")
+            parts.append(
+                f"Spearman ρ(noise_share, {self.rho_against}) undefined: one of them does not vary across heads"
+            )
         elif self.rho is not None:
             value, lo, hi = self.rho
-            parts.append(f"Spearman ρ(noise_share, mean-ablation effect) = {value:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+            parts.append(f"Spearman ρ(noise_share, {self.rho_against}) = {value:+.3f} [{lo:+.3f}, {hi:+.3f}]")
         return "; ".join(parts)
 
 
@@ -280,7 +287,9 @@ def prune_curves(
     def docs():
         return iter_documents(corpus, text_field=text_field, encoding=encoding)
 
-    use_stored = stored is not None and stored.effect is not None
+    use_stored = stored is not None and (
+        stored.effect is not None or ("effect" not in orders and stored.importance is not None)
+    )
     if use_stored and "importance" in orders and stored is not None and stored.importance is None:
         use_stored = False  # importance not stored: both orders measured here, on the same windows
     if use_stored and stored is not None:
@@ -313,10 +322,14 @@ def prune_curves(
     # the selection windows' effects (for the effect order and ρ) and importances, or the stored ones
     ranked: dict[str, list[Head]] = {}
     effect_drops: list[np.ndarray] = []
-    if use_stored and stored is not None and stored.effect is not None:
+    mean_effect: np.ndarray | None
+    rho_against = "mean-ablation effect"
+    if use_stored and stored is not None:
         mean_effect, importance = stored.effect, stored.importance
         effect_drops = stored.effect_drops
         selection_text = stored.source
+        if mean_effect is None:  # importance alone: ρ against it
+            mean_effect, effect_drops, rho_against = None, stored.importance_drops, "gradient importance"
     else:
         want = ("mean", "gradient") if "importance" in orders else ("mean",)
         per_window: dict[str, list[torch.Tensor]] = {k: [] for k in want}
@@ -336,7 +349,9 @@ def prune_curves(
         present = np.unique(sel_groups)
         effect_drops = [effect[sel_groups != g].mean(axis=0) for g in present] if len(present) > 1 else []
         selection_text = f"measured on {len(selection)} other windows"
-    ranked["effect"] = sorted(every, key=lambda lh: (mean_effect[lh], lh))
+    if mean_effect is not None:
+        effect_of = mean_effect
+        ranked["effect"] = sorted(every, key=lambda lh: (effect_of[lh], lh))
     if importance is not None:
         ranked["importance"] = sorted(every, key=lambda lh: (importance[lh], lh))
     if noise_share:
@@ -363,6 +378,7 @@ def prune_curves(
         group_ids=groups,
         selection=selection_text,
         reference_windows=len(ref),
+        rho_against=rho_against,
     )
     names = [o for o in orders if o != "random"] + ([f"random:{s}" for s in range(seeds)] if "random" in orders else [])
     for name in names:
@@ -396,7 +412,9 @@ def prune_curves(
         def rho(effect_of_heads: np.ndarray) -> float:
             return spearman(noise[keep], effect_of_heads.reshape(-1)[keep])
 
-        result.rho = _interval(rho(mean_effect), [rho(d) for d in effect_drops])
+        against = mean_effect if mean_effect is not None else importance
+        if against is not None:
+            result.rho = _interval(rho(against), [rho(d) for d in effect_drops])
     return result
 
 

@@ -353,10 +353,16 @@ def analyze_corpus(
                         chunk_size=attribution_chunk,
                     )
                 )
-        # the first --effect-windows windows get the causal effects (counted across resumes)
-        effect_left = (
-            params.effect_windows - patiently(lambda: store.effect_windows(run.run_id)) if params.effects else 0
-        )
+        # the run's first --effect-windows windows get the causal effects, as in the queue: counted
+        # by position, a window whose objective is undefined (a decoder window of one token) among them
+        effect_left = 0
+        if params.effects:
+            effect_left = params.effect_windows
+            if skip:  # resumed: those of the first N not stored yet, which come first in what is left
+                effect_ids = first_windows(
+                    spec, model, params, tokens, effect_left, text_field=text_field, encoding=encoding, label=label
+                )
+                effect_left = sum(1 for w in effect_ids if w.window_id not in skip)
         effect_means = None
         if effect_left > 0:
             if model.device.type == "cpu":

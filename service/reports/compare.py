@@ -114,6 +114,9 @@ def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, head
     """{(layer,) or (layer, head): {drop_rep: {metric: value}}} from the ``*_reps`` views:
     drop_rep -1 is the whole run, g ≥ 0 the run without replicate group g."""
     view, keys = ("head_metrics_reps", ("layer", "head")) if heads else ("layer_metrics_reps", ("layer",))
+    # a causal effect (SPEC §9) rests on the groups that hold the run's effect windows alone (asked
+    # first: a query on the connection would end the cursor below)
+    effects = queries.effect_groups_of(conn, run_id, list(metrics))
     result = conn.execute(
         text(f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"),
         {"run": run_id},
@@ -121,7 +124,12 @@ def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, head
     out: dict = {}
     k = len(keys)
     for row in result:
-        out.setdefault(tuple(row[:k]), {})[row[k]] = dict(zip(metrics, row[k + 1 :]))
+        drop = row[k]
+        values = dict(zip(metrics, row[k + 1 :]))
+        for metric, groups in effects.items():
+            if drop >= 0 and drop not in groups:
+                del values[metric]
+        out.setdefault(tuple(row[:k]), {})[drop] = values
     return out
 
 
@@ -142,8 +150,13 @@ def _value(x) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
 
 
+def _groups(reps: dict, metric: str) -> list[int]:
+    """The groups whose leave-one-out value of ``metric`` the jackknife reads."""
+    return sorted(g for g in reps if g >= 0 and metric in reps[g])
+
+
 def _loo(reps: dict, metric: str) -> list[float | None]:
-    return [_value(reps[g][metric]) for g in sorted(reps) if g >= 0]
+    return [_value(reps[g][metric]) for g in _groups(reps, metric)]
 
 
 def verdict(lo: float | None, hi: float | None) -> str:
@@ -160,7 +173,7 @@ def _compare_cell(reps_a: dict, reps_b: dict, metric: str, paired: bool) -> tupl
     if a is None or b is None:
         return a, a_lo, a_hi, b, b_lo, b_hi, None, None, None, "no value"
     diff = a - b
-    groups_a, groups_b = sorted(g for g in reps_a if g >= 0), sorted(g for g in reps_b if g >= 0)
+    groups_a, groups_b = _groups(reps_a, metric), _groups(reps_b, metric)
     if paired and groups_a == groups_b:
         loo_a, loo_b = _loo(reps_a, metric), _loo(reps_b, metric)
         half = jackknife_halfwidth([None if x is None or y is None else x - y for x, y in zip(loo_a, loo_b)])

@@ -27,7 +27,7 @@ numpy only: the query path stays free of torch and scipy.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -256,6 +256,7 @@ def add_intervals(
     scheme: str | None = None,
     clip: bool = True,
     log_lifts: bool = True,
+    groups_of: Mapping[str, Collection[int]] | None = None,
 ) -> tuple[list[str], list[tuple]]:
     """Insert ``<metric>_lo`` and ``<metric>_hi`` after each metric column of ``rows``; with
     ``scheme`` (the run's, ``scheme_of``), also a last column ``interval_by`` naming it.
@@ -266,13 +267,16 @@ def add_intervals(
     half-width), so ``lo ≤ value ≤ hi`` always holds; where it cannot be formed (a run stored
     before replicate groups existed, an undefined ratio) both bounds are None. A lift's interval is
     formed on the log scale (``jackknife_interval``); ``log_lifts=False``: the symmetric linear
-    one, whose half-width the role tests read (roles.py).
+    one, whose half-width the role tests read (roles.py). ``groups_of``: for a metric measured on
+    some windows only (the causal effects, SPEC §9), the groups that hold those windows: its
+    jackknife drops these alone.
     """
     k = len(keys)
-    loo: dict[tuple, list[list[float | None]]] = {}
+    loo: dict[tuple, list[tuple[int, list[float | None]]]] = {}
     for rep_row in replicate_rows:
         key = tuple(rep_row[:k])
-        loo.setdefault(key, []).append(list(rep_row[k + 1 :]))
+        loo.setdefault(key, []).append((int(rep_row[k]), list(rep_row[k + 1 :])))
+    only = groups_of or {}
     key_idx = [columns.index(c) for c in keys]
     metric_idx = {m: columns.index(m) for m in metrics}
     out_columns: list[str] = []
@@ -288,10 +292,10 @@ def add_intervals(
             out.append(value)
             if column in metric_idx:
                 m = list(metrics).index(column)
+                kept = only.get(column)
+                loo_values = [g[m] for d, g in groups if kept is None or d in kept]
                 bounds = (
-                    jackknife_interval(column, value, [g[m] for g in groups], log_lifts=log_lifts)
-                    if value is not None
-                    else None
+                    jackknife_interval(column, value, loo_values, log_lifts=log_lifts) if value is not None else None
                 )
                 if bounds is None:
                     out += [None, None]

@@ -95,7 +95,21 @@ def _with_intervals(
         scheme=replicate_scheme(conn, run_id),
         clip=clip,
         log_lifts=clip,  # clip=False is the role tests' symmetric interval (roles.py)
+        groups_of=effect_groups_of(conn, run_id, metrics),
     )
+
+
+def effect_groups_of(conn: Connection, run_id: int, metrics: list[str]) -> dict[str, frozenset[int]]:
+    """The causal effects among ``metrics`` (SPEC §9), each with the replicate groups that hold
+    the run's effect windows: their intervals rest on those groups alone."""
+    from headatlas.service.metrics import EFFECT_COLUMNS
+    from headatlas.service.storage.effect_rows import effect_groups
+
+    chosen = [m for m in metrics if m in EFFECT_COLUMNS]
+    if not chosen:
+        return {}
+    groups = effect_groups(conn, run_id)
+    return {m: groups for m in chosen}
 
 
 def interval_groups(conn: Connection, run_id: int) -> tuple[int, int]:

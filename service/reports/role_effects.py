@@ -4,7 +4,8 @@ the head's effect, and the mean effect of each role's heads against the heads wi
 A head's effect is its stored mean-ablation effect (``effect_mean``; ``effect_zero`` for a run
 that measured only zero ablation), O(ablated) − O(intact) in the run's objective. A set of heads'
 mean effect gets the §5d interval of every other statistic: the delete-one-group jackknife of the
-set's mean, each group's leave-one-out value read from ``head_metrics_reps``.
+set's mean, each group's leave-one-out value read from ``head_metrics_reps``, over the groups
+that hold the run's effect windows.
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ def effect_column(conn: Connection, run_id: int) -> str | None:
 
 
 def head_effects(conn: Connection, run_id: int, column: str) -> dict[int, dict[tuple[int, int], float]]:
-    """``drop_rep → {(layer, head): effect}``: the run's effects, whole (-1) and without each group."""
+    """``drop_rep → {(layer, head): effect}``: the run's effects, whole (-1) and without each group
+    that holds effect windows (``effect_rows.effect_groups``: the others would only narrow it)."""
+    from headatlas.service.storage.effect_rows import effect_groups
+
+    groups = effect_groups(conn, run_id)
     out: dict[int, dict[tuple[int, int], float]] = {}
     for layer, head, drop, value in conn.execute(
         text(f"SELECT layer, head, drop_rep, {column} FROM head_metrics_reps WHERE run_id = :r"), {"r": run_id}
     ):
-        if value is not None:
+        if value is not None and (drop < 0 or drop in groups):
             out.setdefault(int(drop), {})[(int(layer), int(head))] = float(value)
     return out
 

@@ -65,20 +65,51 @@ def run_effects(conn: Connection, run_id: int) -> list[dict]:
 
 
 def effect_windows(conn: Connection, run_id: int) -> int:
-    """Windows of the run whose effects are stored (for the --effect-windows cap across resumes)."""
+    """Windows of the run whose effects are stored (those whose objective is defined)."""
     value = conn.execute(
         text("SELECT coalesce(sum(effect_windows), 0) FROM run_chance WHERE run_id = :r"), {"r": run_id}
     ).scalar()
     return int(value or 0)
 
 
+def effect_groups(conn: Connection, run_id: int) -> frozenset[int]:
+    """The replicate groups (SPEC §5d) that hold the run's effect windows: the groups an effect's
+    jackknife drops one at a time. The run's effect windows are its first ``--effect-windows``,
+    so they often fill fewer groups than the run's windows do; a group without effect windows
+    leaves every effect unchanged when dropped, and counting it would narrow the interval (more
+    groups in (R − 1)/R and in the t quantile than the effects rest on)."""
+    rows = conn.execute(
+        text("SELECT DISTINCT rep FROM run_chance WHERE run_id = :r AND effect_windows > 0 AND rep IS NOT NULL"),
+        {"r": run_id},
+    ).all()
+    return frozenset(int(r[0]) for r in rows)
+
+
 def effect_note(conn: Connection, run_id: int) -> str | None:
-    """The line under a table of effects: what they are measured against, for this run."""
+    """The line under a table of effects: what they are measured against, on which windows, and
+    the replicate groups their intervals rest on, for this run."""
+    from headatlas.service.reports.intervals import MIN_GROUPS
+
     found = run_effects(conn, run_id)
     if not found:
         return None
     first = found[0]
     windows = effect_windows(conn, run_id)
+    asked, stored = conn.execute(
+        text(
+            "SELECT (SELECT CAST(json_extract_string(params, '$.effect_windows') AS BIGINT) FROM runs "
+            "WHERE run_id = :r), (SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r)"
+        ),
+        {"r": run_id},
+    ).one()
+    # the run's first N windows carry the effects, counted by position (SPEC §9): one whose
+    # objective is undefined (a decoder window of one token) is among them and measured by nothing
+    span = min(int(asked), int(stored)) if asked is not None else windows
+    undefined = span - windows
+    among = f"the run's first {span} windows" + (
+        f" less {undefined} whose objective is undefined (a window of one token)" if undefined > 0 else ""
+    )
+    groups = len(effect_groups(conn, run_id))
     kinds = first["kinds"].split(",")
     parts = []
     if "zero" in kinds:
@@ -88,10 +119,12 @@ def effect_note(conn: Connection, run_id: int) -> str | None:
     if "gradient" in kinds:
         parts.append("importance: mean |∂O/∂ξ| at the intact model")
     means = f"; {len(found)} sets of reference means were used" if len(found) > 1 else ""
+    rough = f", fewer than {MIN_GROUPS}: their widths are rough" if 0 < groups < MIN_GROUPS else ""
     return (
-        f"effect_* = O(ablated) − O(intact), O = {first['objective']} ({first['unit']}), mean over the run's "
-        f"first {windows} windows ({'; '.join(parts)}); drift_*: output drift of the final hidden states, "
-        f"0 = unchanged (SPEC §9){means}"
+        f"effect_* = O(ablated) − O(intact), O = {first['objective']} ({first['unit']}), mean over {among} "
+        f"({'; '.join(parts)}); drift_*: output drift of the final hidden states, "
+        f"0 = unchanged (SPEC §9); their intervals: the jackknife over the {groups} replicate groups that hold "
+        f"these windows{rough}{means}"
     )
 
 

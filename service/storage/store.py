@@ -218,13 +218,6 @@ class Store:
 
         return self.atomically(lambda conn: compact_run(conn, run_id))
 
-    def effect_windows(self, run_id: int) -> int:
-        """Windows of this run that already carry causal effects (for the --effect-windows cap)."""
-        from headatlas.service.storage.effect_rows import effect_windows
-
-        with self.read() as conn:
-            return effect_windows(conn, run_id)
-
     # --- the synthetic probe (SPEC §8) ----------------------------------------------------
     def probe_of(self, run_id: int) -> tuple[int, int, int] | None:
         """The stored probe's (length, sequences, seed), or None when the run has none."""
