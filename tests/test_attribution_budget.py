@@ -64,7 +64,7 @@ def test_analyze_attribution_says_its_estimate_first_and_attributes_few_windows_
     assert result.exit_code == 0, result.output
     err = " ".join(result.stderr.split())
     found = re.search(
-        r"attribution: (\d+) window\(s\) of up to (\d+) tokens, ([\d,]+) backward passes: about (under 1 s|\d+ s|\d+ min \d+ s) "
+        r"attribution: (\d+) windows? of up to (\d+) tokens, ([\d,]+) backward passes: about (under 1 s|\d+ s|\d+ min \d+ s) "
         r"and (\d+ MB|[\d.]+ GB) above the model",
         err,
     )

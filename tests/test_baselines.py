@@ -797,13 +797,23 @@ def test_jackknife_interval_equals_a_direct_computation(store):
             for g, value in zip(present, theta):
                 assert by_key[(h, g)][name] == pytest.approx(value, rel=1e-9), (name, h, g)
             r = len(theta)
+            estimate = whole[name][h]
+            # a lift's interval is the jackknife of ln θ, back-transformed (SPEC §5d); the rest θ̂ ± half
+            lift = name == "lift" or name.endswith(("_lift", "_lift_dm"))
+            on_log = lift and estimate > 0 and bool((theta > 0).all())
+            spread = np.log(theta) if on_log else theta
             # R = 15 groups: t_{14, 0.975} = 2.145 (SPEC §5d)
-            half = 2.1448 * math.sqrt((r - 1) / r * ((theta - theta.mean()) ** 2).sum())
+            half = 2.1448 * math.sqrt((r - 1) / r * ((spread - spread.mean()) ** 2).sum())
             assert half > 0, name
+            lo, hi = (
+                (estimate * math.exp(-half), estimate * math.exp(half))
+                if on_log
+                else (estimate - half, estimate + half)
+            )
             row = next(o for o in out if o["head"] == h)
-            assert row[name] == pytest.approx(whole[name][h], rel=1e-9)
-            assert row[f"{name}_lo"] == pytest.approx(whole[name][h] - half, rel=1e-3), (name, h)
-            assert row[f"{name}_hi"] == pytest.approx(whole[name][h] + half, rel=1e-3), (name, h)
+            assert row[name] == pytest.approx(estimate, rel=1e-9)
+            assert row[f"{name}_lo"] == pytest.approx(lo, rel=1e-3), (name, h)
+            assert row[f"{name}_hi"] == pytest.approx(hi, rel=1e-3), (name, h)
 
     # the layer: both heads pooled, whole run and each group left out
     layer_whole = metrics_from_sums(pooled_layer(total(records), heads))
