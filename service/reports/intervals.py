@@ -32,18 +32,12 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 import numpy as np
 
 from headatlas.service.engine.results import REPLICATES
+from headatlas.service.engine.schemes import MIN_GROUPS  # noqa: F401 - beside REPLICATES, for the store too
 from headatlas.service.metrics import COLUMNS
 from headatlas.service.wording import counted
 
 Z95 = 1.959963984540054  # the normal quantile (the §5b rule; kept for callers that pass it as z)
 WINDOW_SCHEME = "window"  # runs stored before SPEC §5d record no scheme: theirs was by window
-# Below this many groups holding windows (half of REPLICATES), intervals are flagged as unreliable.
-# An interval's width is itself an estimate from G - 1 degrees of freedom. By simulation
-# (benchmarks/few_groups.py: clustered corpora grouped by document) the spread of the half-width
-# (interquartile range over median) is 0.34 with 16 groups, 0.53 with 8, 0.84 with 4 and 1.3 with
-# 2, while t_{G-1, 0.975} grows from 2.13 to 2.36, 3.18 and 12.7; coverage slips from 95% (16) and
-# 92-94% (8-15) to 90-93% (3-7).
-MIN_GROUPS = 8
 _DECLARED_BOUNDS = {c.name: c.bounds for c in COLUMNS}
 
 

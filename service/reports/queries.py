@@ -11,6 +11,7 @@ from sqlalchemy.engine import Connection
 from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import COLUMNS
+from headatlas.service.reports.attention_kind import causal_run
 from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE, unknown_metric
 from headatlas.service.storage import runs
 
@@ -227,8 +228,6 @@ FIRST_TOKEN_COLUMNS = ("attn_to_first", "attn_to_first_lift")
 def for_attention(conn: Connection, run_id: int, rows: Rows, *, encoder_hides: tuple[str, ...] = ()) -> Rows:
     """``rows`` without the columns the run's kind of attention has no use for: a causal run's
     ``ENCODER_ONLY_COLUMNS``, a bidirectional run's ``encoder_hides`` (with their intervals)."""
-    from headatlas.service.reports.roles import causal_run
-
     hidden = ENCODER_ONLY_COLUMNS if causal_run(conn, run_id) else encoder_hides
     columns, data = rows
     if not hidden or not any(c in columns for c in hidden):

@@ -39,6 +39,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.reports import halves, queries
+from headatlas.service.reports.attention_kind import causal_run  # shared with queries; callers read roles.causal_run
 from headatlas.service.reports.intervals import clip_interval, jackknife_halfwidth
 from headatlas.service.reports.significance import holm, t_sf
 
@@ -238,16 +239,6 @@ def rules_for(causal: bool) -> tuple[Rule, ...]:
 def offered_roles(causal: bool) -> tuple[str, ...]:
     """The roles a run is offered, in ``ROLE_ORDER``."""
     return tuple(r.role for r in rules_for(causal))
-
-
-def causal_run(conn: Connection, run_id: int) -> bool:
-    """Whether the run's attention is causal (a decoder): its query rows never see their next
-    token (``run_chance.next_rows`` sums to 0 over rows that exist). Runs stored before
-    ``next_rows`` existed (NULL) were all bidirectional."""
-    row = conn.execute(
-        text("SELECT sum(next_rows), sum(attn_rows) FROM run_chance WHERE run_id = :run"), {"run": run_id}
-    ).first()
-    return row is not None and row[0] is not None and row[0] == 0 and (row[1] or 0) > 0
 
 
 ALPHA = 0.05  # family-wise error rate of a run's role tests (Holm–Bonferroni)

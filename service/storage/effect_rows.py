@@ -88,7 +88,7 @@ def effect_groups(conn: Connection, run_id: int) -> frozenset[int]:
 def effect_note(conn: Connection, run_id: int) -> str | None:
     """The line under a table of effects: what they are measured against, on which windows, and
     the replicate groups their intervals rest on, for this run."""
-    from headatlas.service.reports.intervals import MIN_GROUPS
+    from headatlas.service.engine.schemes import MIN_GROUPS
 
     found = run_effects(conn, run_id)
     if not found:
