@@ -103,6 +103,33 @@ def test_redis_restarted_mid_run(demo_corpus, tmp_path):
         server.stop()
 
 
+def test_a_task_that_lost_the_broker_rejects_once_it_is_back(tmp_path, monkeypatch):
+    """A batch's write met a Redis restarting: the task waits for Redis to answer before its
+    Reject goes to Celery (a reject sent while it is away is only logged, and left a solo
+    worker consuming nothing after Redis was back)."""
+    import threading
+
+    from celery.exceptions import Reject
+
+    from headatlas.workers import tasks
+
+    server = RedisServer(tmp_path / "redis").start()
+    monkeypatch.setattr(tasks, "_settings", lambda: Settings(broker_url=server.url, task_time_limit_s=30.0))
+    client = redis.Redis.from_url(server.url)
+    try:
+        server.stop()
+        threading.Timer(1.5, server.start).start()
+        began = time.monotonic()
+        with pytest.raises(Reject) as rejected:
+            with tasks._requeue_on_broker_loss():
+                client.set("a-batch", "payload")
+        assert time.monotonic() - began >= 1.0 and client.ping()  # Redis was back when it rejected
+        assert rejected.value.requeue and "broker unreachable" in str(rejected.value.reason)
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_pool_child_killed_mid_batch(redis_url, demo_corpus, tmp_path):
     """`worker --concurrency 2` (prefork): a child killed mid-batch is replaced and its batch
     requeued at once (reject on worker lost), without waiting for the visibility timeout."""
