@@ -157,3 +157,29 @@ def test_pool_child_killed_mid_batch(redis_url, demo_corpus, tmp_path):
         assert "WorkerLostError" in (folder / "pool.log").read_text()
     finally:
         cluster.stop()
+
+
+def test_a_message_whose_ack_met_redis_away_is_released_all_the_same():
+    """kombu's QoS kept a message whose ack failed (Redis restarting as the batch finished):
+    counted against the prefetch limit, a solo worker never polled again after Redis was back."""
+    from kombu.transport import redis as kombu_redis
+    from kombu.transport import virtual
+
+    import headatlas.workers.consumer  # noqa: F401 - applies the release
+
+    class Away:
+        do_restore = False
+
+        def _restore_at_beginning(self, message):
+            raise redis.exceptions.ConnectionError("Connection refused.")
+
+    qos = virtual.QoS(Away(), prefetch_count=1)
+    qos.__class__ = kombu_redis.QoS
+    qos._remove_from_indices = lambda tag: (_ for _ in ()).throw(redis.exceptions.ConnectionError("refused"))
+    qos.restore_by_tag = lambda tag, leftmost=False: (_ for _ in ()).throw(redis.exceptions.ConnectionError("x"))
+    for settle in (lambda tag: qos.ack(tag), lambda tag: qos.reject(tag, requeue=True)):
+        virtual.QoS.append(qos, object(), "tag")  # delivered (Redis's own bookkeeping aside)
+        assert not qos.can_consume()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            settle("tag")
+        assert qos.can_consume()
