@@ -51,6 +51,7 @@ CATALOGUE_MESSAGES = {
         'IO Error: Unable to connect to Postgres at "dbname=atlas": FATAL:  the database system is in recovery mode'
     ),
     "no connection to the server": 'Failed to execute query "SELECT 1": no connection to the server',
+    'Failed to execute query "ROLLBACK"': 'TransactionContext Error: Failed to rollback: Failed to execute query "ROLLBACK": ',
     "could not receive data from server": (
         'Failed to execute query "COMMIT": could not receive data from server: Connection timed out'
     ),
@@ -101,6 +102,30 @@ def test_a_lost_catalogue_connection_is_the_catalogue_unavailable(words):
         assert isinstance(fault, StoreUnavailable), words
         assert fault.waits_for == CATALOGUE and fault.cause == words
         assert "ducklake:postgres:dbname=atlas" in str(fault) and "nothing was committed" in str(fault)
+
+
+def test_a_rollback_that_failed_after_a_lost_catalogue_is_the_catalogue_unavailable():
+    """SQLAlchemy rolls back when a statement meets a session the server ended; that rollback
+    fails too (its words name no fault) and is what propagates, the lost session as its context."""
+    lost = DBAPIError("USE lake", None, duckdb.Error(CATALOGUE_MESSAGES["server closed the connection unexpectedly"]))
+    rollback = duckdb.Error("TransactionContext Error: Failed to rollback: current transaction is aborted")
+    try:
+        try:
+            raise lost
+        except DBAPIError:
+            raise DBAPIError("ROLLBACK", None, rollback)  # noqa: B904 - as a failed rollback raises
+    except DBAPIError as raised:
+        fault = lake_fault(raised, "ducklake:postgres:dbname=atlas")
+    assert isinstance(fault, StoreUnavailable) and fault.waits_for == CATALOGUE
+    assert fault.cause == "server closed the connection unexpectedly"
+    # an error of the caller's own, raised while handling a lost catalogue, stays its own
+    try:
+        try:
+            raise lost
+        except DBAPIError:
+            raise ValueError("a bug")  # noqa: B904
+    except ValueError as raised:
+        assert lake_fault(raised) is None
 
 
 @pytest.mark.parametrize("words", sorted(DATA_PATH_MESSAGES))

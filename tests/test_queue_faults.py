@@ -103,6 +103,33 @@ def test_redis_restarted_mid_run(demo_corpus, tmp_path):
         server.stop()
 
 
+def test_a_task_that_lost_the_broker_rejects_once_it_is_back(tmp_path, monkeypatch):
+    """A batch's write met a Redis restarting: the task waits for Redis to answer before its
+    Reject goes to Celery (a reject sent while it is away is only logged, and left a solo
+    worker consuming nothing after Redis was back)."""
+    import threading
+
+    from celery.exceptions import Reject
+
+    from headatlas.workers import tasks
+
+    server = RedisServer(tmp_path / "redis").start()
+    monkeypatch.setattr(tasks, "_settings", lambda: Settings(broker_url=server.url, task_time_limit_s=30.0))
+    client = redis.Redis.from_url(server.url)
+    try:
+        server.stop()
+        threading.Timer(1.5, server.start).start()
+        began = time.monotonic()
+        with pytest.raises(Reject) as rejected:
+            with tasks._requeue_on_broker_loss():
+                client.set("a-batch", "payload")
+        assert time.monotonic() - began >= 1.0 and client.ping()  # Redis was back when it rejected
+        assert rejected.value.requeue and "broker unreachable" in str(rejected.value.reason)
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_pool_child_killed_mid_batch(redis_url, demo_corpus, tmp_path):
     """`worker --concurrency 2` (prefork): a child killed mid-batch is replaced and its batch
     requeued at once (reject on worker lost), without waiting for the visibility timeout."""
@@ -130,3 +157,29 @@ def test_pool_child_killed_mid_batch(redis_url, demo_corpus, tmp_path):
         assert "WorkerLostError" in (folder / "pool.log").read_text()
     finally:
         cluster.stop()
+
+
+def test_a_message_whose_ack_met_redis_away_is_released_all_the_same():
+    """kombu's QoS kept a message whose ack failed (Redis restarting as the batch finished):
+    counted against the prefetch limit, a solo worker never polled again after Redis was back."""
+    from kombu.transport import redis as kombu_redis
+    from kombu.transport import virtual
+
+    import headatlas.workers.consumer  # noqa: F401 - applies the release
+
+    class Away:
+        do_restore = False
+
+        def _restore_at_beginning(self, message):
+            raise redis.exceptions.ConnectionError("Connection refused.")
+
+    qos = virtual.QoS(Away(), prefetch_count=1)
+    qos.__class__ = kombu_redis.QoS
+    qos._remove_from_indices = lambda tag: (_ for _ in ()).throw(redis.exceptions.ConnectionError("refused"))
+    qos.restore_by_tag = lambda tag, leftmost=False: (_ for _ in ()).throw(redis.exceptions.ConnectionError("x"))
+    for settle in (lambda tag: qos.ack(tag), lambda tag: qos.reject(tag, requeue=True)):
+        virtual.QoS.append(qos, object(), "tag")  # delivered (Redis's own bookkeeping aside)
+        assert not qos.can_consume()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            settle("tag")
+        assert qos.can_consume()

@@ -131,7 +131,40 @@ def _requeue_on_broker_loss():
         kombu.exceptions.OperationalError,
         ConnectionError,
     ) as exc:
+        _await_broker()
         raise Reject(f"broker unreachable ({exc}); requeued", requeue=True) from exc
+
+
+def _await_broker() -> None:
+    """Wait (every RECONNECT_EVERY_S, at most the visibility timeout) until Redis answers again,
+    so that Celery's reject reaches it: a reject that fails on a broker still away is only logged,
+    and the solo consumer, whose connection died under the task, was left polling nothing: the
+    worker took no message again though Redis was back (a restart met by a batch's last write).
+    A broker away longer than that: the reject fails as before."""
+    import time
+
+    import redis
+
+    from headatlas.workers.policy import BROKER_CONNECT_TIMEOUT_S, RECONNECT_EVERY_S, visibility_timeout_s
+
+    client = redis.Redis.from_url(
+        _settings().broker_url,
+        socket_connect_timeout=BROKER_CONNECT_TIMEOUT_S,
+        socket_timeout=BROKER_CONNECT_TIMEOUT_S,
+    )
+    # after it the message comes back anyway; the worker could take no other meanwhile
+    deadline = time.monotonic() + visibility_timeout_s(_settings())
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(RECONNECT_EVERY_S)
+    finally:
+        client.close()
 
 
 def _check_files(model, batch: dict) -> None:

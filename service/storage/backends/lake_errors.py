@@ -44,6 +44,9 @@ CATALOGUE_LOST: tuple[tuple[str, str], ...] = (
     ("the database system is not yet accepting connections", "recovery (57P03)"),
     ("the database system is in recovery mode", "recovery (57P03)"),
     ("no connection to the server", "a connection already lost (libpq)"),
+    # PostgreSQL's ROLLBACK cannot fail on a live session (even in an aborted transaction): it
+    # fails when the session is gone, and libpq's words for it may be empty
+    ('Failed to execute query "ROLLBACK"', "a rollback on a session already lost (libpq)"),
     ("could not receive data from server", "the network (libpq)"),
     ("could not send data to server", "the network (libpq)"),
     ("SSL connection has been closed unexpectedly", "the network (libpq)"),
@@ -68,6 +71,24 @@ def lake_fault(exc: BaseException, label: str = "the lake") -> StoreUnavailable 
     IOException), then by the message, which is all DuckDB keeps of libpq's and the OS's."""
     if isinstance(exc, StoreUnavailable):
         return exc
+    fault = _fault(exc, label)
+    # a rollback or a close that failed after the fault raises its own error, the fault as its
+    # context: the first fault along the chain is the one that happened
+    seen = {id(exc)}
+    cause = exc.__cause__ or exc.__context__
+    while fault is None and _from_driver(exc) and cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        fault = cause if isinstance(cause, StoreUnavailable) else _fault(cause, label)
+        cause = cause.__cause__ or cause.__context__
+    return fault
+
+
+def _from_driver(exc: BaseException) -> bool:
+    return isinstance(getattr(exc, "orig", None) or exc, duckdb.Error)
+
+
+def _fault(exc: BaseException, label: str) -> StoreUnavailable | None:
+    """``lake_fault`` for ``exc`` alone (not its context)."""
     orig = getattr(exc, "orig", None) or exc
     if isinstance(orig, OSError) and orig.errno in DATA_PATH_ERRNOS:
         detail = f"{orig.strerror}: {orig.filename}" if orig.filename else str(orig.strerror)
