@@ -518,3 +518,18 @@ def test_a_control_run_gets_effects_on_the_same_objective(tmp_path, small_corpus
         assert [r["objective"] for r in rows] == ["masked_lm_loss"], run
         heads = json.loads(cli("query", "heads", "--db", db, "--run", run, "--format", "json").stdout)
         assert all(h["effect_zero"] is not None for h in heads), run
+
+
+def test_prune_of_a_run_with_gradient_importance_alone_orders_by_importance(effect_run, cli, tmp_path) -> None:
+    """A run that stores gradient importance alone (ablations too dear) is pruned by importance,
+    noise and random orders, and its ρ is taken against the importance."""
+    _db, corpus = effect_run
+    db = str(tmp_path / "g.duckdb")
+    extra = ["--effects", "gradient", "--effect-windows", "3", "--replicates", "window"]
+    done = cli("analyze", str(corpus), "--model", "random:gpt2", *ARGS, "--db", db, "--name", "g", *extra)
+    assert done.returncode == 0, done.stderr
+    args = ["g", "--db", db, "--windows", "3", "--step", "50%", "--seeds", "2", "--format", "json"]
+    pruned = cli("prune", *args, "--order", "importance,noise,random")
+    assert pruned.returncode == 0, pruned.stderr
+    assert {r["order"] for r in json.loads(pruned.stdout)} == {"importance", "noise", "random:0", "random:1"}
+    assert "Spearman ρ(noise_share, gradient importance)" in " ".join(pruned.stderr.split())
