@@ -120,8 +120,8 @@ def head_rows(
         .mappings()
         .first()
     )
-    # not clipped, linear: the role tests read the symmetric interval's half-width
+    # not clipped, with their degrees of freedom: the role tests read them (lifts' on the log scale)
     out_columns, out_rows = add_intervals(
-        columns, whole, reps, keys=("layer", "head"), metrics=metrics, clip=False, log_lifts=False
+        columns, whole, reps, keys=("layer", "head"), metrics=metrics, clip=False, with_df=True
     )
     return out_columns, out_rows, dict(context) if context else {"uniform_entropy": None, "short_range_chance": None}

@@ -8,8 +8,9 @@ group ``g`` (``drop_rep = g``); from those,
 
     θ̂ ± t_{R-1, 0.975} · sqrt((R - 1) / R · Σ_g (θ_(g) - θ̄)²),   θ̄ = mean of θ_(g),
 
-and for a lift (a positive ratio of two sums) the same on ln θ, back-transformed:
-θ̂ · exp(∓ t_{R-1, 0.975} · se(ln θ)) (``jackknife_interval``),
+and for a lift (a positive ratio of two sums) the same on ln θ, back-transformed, with degrees of
+freedom lowered by the kurtosis of the leave-one-out log lifts (``lift_df``):
+θ̂ · exp(∓ t_{df, 0.975} · se(ln θ)) (``jackknife_interval``),
 
 with R the number of groups that hold windows (16 once a run has a few dozen documents). Windows
 of one document are correlated; grouping by document keeps them together, so the interval covers
@@ -99,14 +100,42 @@ def t_quantile(p: float, df: float) -> float:
     return 0.5 * (lo + hi)
 
 
-_T95: dict[int, float] = {}
+_T95: dict[float, float] = {}
+DF_STEP = 0.05  # a lift's degrees of freedom are rounded down to this step (t95 caches per step)
 
 
-def t95(df: int) -> float:
-    """t_{df, 0.975}: the two-sided 95% multiplier for an interval from ``df + 1`` groups."""
+def t95(df: float) -> float:
+    """t_{df, 0.975}: the two-sided 95% multiplier for an interval from ``df + 1`` groups (``df``
+    need not be whole: a lift's are effective degrees of freedom, ``lift_df``)."""
     if df not in _T95:
         _T95[df] = t_quantile(0.975, df)
     return _T95[df]
+
+
+def lift_df(log_leave_one_out: Sequence[float]) -> float:
+    """The degrees of freedom of a lift's interval: R − 1 lowered by the kurtosis of its R
+    leave-one-group-out log lifts (SPEC §5d).
+
+    The jackknife variance is a mean of R squared deviations; with excess kurtosis κ of those
+    deviations its relative variance is 2/(R − 1) + κ/R, not the 2/(R − 1) of normal ones, and the
+    Satterthwaite degrees of freedom that match it are 2 / (2/(R − 1) + κ/R). κ is the
+    sample's unbiased excess kurtosis G2 (negative values count as 0, so the result is never above
+    R − 1); the result is at least 1 and rounded down to ``DF_STEP``. Where a few documents carry
+    most of a lift's denominator, one or two groups' leave-one-out values stand apart, the variance
+    rests on them, and the t quantile grows to match (benchmarks/lift_intervals.py). Under 4 groups
+    G2 is undefined: R − 1."""
+    values = np.asarray(log_leave_one_out, dtype=np.float64)
+    r = len(values)
+    if r < 4:
+        return float(r - 1)
+    dev = values - values.mean()
+    s2 = float((dev**2).sum())
+    if s2 <= 0:
+        return float(r - 1)
+    g2 = r * float((dev**4).sum()) / s2**2 - 3.0
+    excess = max(0.0, ((r + 1) * g2 + 6.0) * (r - 1) / ((r - 2) * (r - 3)))
+    df = min(r - 1.0, max(1.0, 2.0 / (2.0 / (r - 1) + excess / r)))
+    return r - 1.0 if df >= r - 1 else max(1.0, math.floor(df / DF_STEP + 1e-9) * DF_STEP)
 
 
 def scheme_of(params: Mapping | None) -> str:
@@ -221,23 +250,53 @@ def on_log_scale(column: str) -> bool:
     return column == "lift" or column.endswith(("_lift", "_lift_dm"))
 
 
+def jackknife_se(values: Sequence[float]) -> float:
+    """The jackknife standard error from leave-one-group-out values: sqrt((R − 1)/R · Σ (θ_(g) − θ̄)²)."""
+    loo = np.asarray(values, dtype=np.float64)
+    r = len(loo)
+    return math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
+
+
+def jackknife_pivot(
+    column: str, value: float, leave_one_out: Sequence[float | None], *, log_lifts: bool = True
+) -> tuple[bool, float, float, float] | None:
+    """What ``column``'s interval and its role test (§7) rest on: (on the log scale, centre,
+    standard error, degrees of freedom), or None where no interval can be formed (fewer than 2
+    groups, an undefined leave-one-out value). A lift (``on_log_scale``, with ``log_lifts``):
+    centre ln θ̂, the jackknife standard error of ln θ and ``lift_df``; where θ̂ or a leave-one-out
+    lift is 0 there is no log, and the linear jackknife with R − 1. Every other metric: θ̂, se(θ),
+    R − 1."""
+    values = list(leave_one_out)
+    if len(values) < 2 or any(v is None or not math.isfinite(v) for v in values):
+        return None
+    r = len(values)
+    if log_lifts and on_log_scale(column) and value > 0 and all(v > 0 for v in values):  # type: ignore[operator]
+        logs = [math.log(v) for v in values]  # type: ignore[arg-type]
+        return True, math.log(value), jackknife_se(logs), lift_df(logs)
+    return False, value, jackknife_se(values), float(r - 1)  # type: ignore[arg-type]
+
+
 def jackknife_interval(
     column: str, value: float, leave_one_out: Sequence[float | None], *, log_lifts: bool = True
 ) -> tuple[float, float] | None:
-    """The 95% interval of ``value`` (unclipped), or None where it cannot be formed.
+    """The 95% interval of ``value`` (unclipped), or None where it cannot be formed
+    (``jackknife_pivot``).
 
-    A lift (``on_log_scale``) with ``log_lifts``: the jackknife of log θ, back-transformed,
-    ``θ̂ · exp(∓ t_{R-1} · se(log θ))`` (the delta method on the log of the ratio): asymmetric,
-    always positive. On clustered corpora with few, heavy-tailed contributions per document the
-    linear jackknife of a lift held the truth 89% of the time, the log one 91% (83% → 87% on
-    10-29 documents). Where the value or a leave-one-out lift is 0 there is no log: the linear
+    A lift (``on_log_scale``) with ``log_lifts``: the jackknife of ln θ, back-transformed, with
+    the t quantile at ``lift_df`` degrees of freedom: ``θ̂ · exp(∓ t_df · se(ln θ))``, asymmetric,
+    always positive. On clustered corpora whose documents' lengths, rates and lifts are heavy-tailed
+    (benchmarks/lift_intervals.py) the linear jackknife with t_{R−1} held the truth 85% of the
+    time, the log one 88%, the log one with ``lift_df`` 91%, and on well-behaved lifts 95% for 94%
+    (docs/benchmarks.md). Where the value or a leave-one-out lift is 0 there is no log: the linear
     jackknife. Every other metric: ``θ̂ ± t_{R-1} · se(θ)``."""
-    if log_lifts and on_log_scale(column) and value > 0:
-        if all(v is not None and math.isfinite(v) and v > 0 for v in leave_one_out):
-            half = jackknife_halfwidth([math.log(v) for v in leave_one_out])  # type: ignore[arg-type]
-            return None if half is None else (value * math.exp(-half), value * math.exp(half))
-    half = jackknife_halfwidth(leave_one_out)
-    return None if half is None else (value - half, value + half)
+    pivot = jackknife_pivot(column, value, leave_one_out, log_lifts=log_lifts)
+    return None if pivot is None else _bounds(value, pivot)
+
+
+def _bounds(value: float, pivot: tuple[bool, float, float, float]) -> tuple[float, float]:
+    log_scale, _, se, df = pivot
+    half = t95(df) * se
+    return (value * math.exp(-half), value * math.exp(half)) if log_scale else (value - half, value + half)
 
 
 def add_intervals(
@@ -251,6 +310,7 @@ def add_intervals(
     clip: bool = True,
     log_lifts: bool = True,
     groups_of: Mapping[str, Collection[int]] | None = None,
+    with_df: bool = False,
 ) -> tuple[list[str], list[tuple]]:
     """Insert ``<metric>_lo`` and ``<metric>_hi`` after each metric column of ``rows``; with
     ``scheme`` (the run's, ``scheme_of``), also a last column ``interval_by`` naming it.
@@ -260,10 +320,12 @@ def add_intervals(
     what the metric can take (``clip_interval``; ``clip=False``: unclipped, for tests that read the
     half-width), so ``lo ≤ value ≤ hi`` always holds; where it cannot be formed (a run stored
     before replicate groups existed, an undefined ratio) both bounds are None. A lift's interval is
-    formed on the log scale (``jackknife_interval``); ``log_lifts=False``: the symmetric linear
-    one, whose half-width the role tests read (roles.py). ``groups_of``: for a metric measured on
-    some windows only (the causal effects, SPEC §9), the groups that hold those windows: its
-    jackknife drops these alone.
+    formed on the log scale with its own degrees of freedom (``jackknife_interval``);
+    ``log_lifts=False``: the symmetric linear one with R − 1 (kept for comparison: what every
+    interval was before). ``with_df``: also ``<metric>_df`` after ``<metric>_hi``, the degrees of
+    freedom of the t quantile behind the interval (what the role tests read, roles.py, with the
+    unclipped bounds). ``groups_of``: for a metric measured on some windows only (the causal
+    effects, SPEC §9), the groups that hold those windows: its jackknife drops these alone.
     """
     k = len(keys)
     loo: dict[tuple, list[tuple[int, list[float | None]]]] = {}
@@ -277,7 +339,7 @@ def add_intervals(
     for column in columns:
         out_columns.append(column)
         if column in metric_idx:
-            out_columns += [f"{column}_lo", f"{column}_hi"]
+            out_columns += [f"{column}_lo", f"{column}_hi"] + ([f"{column}_df"] if with_df else [])
     out_rows = []
     for row in rows:
         groups = loo.get(tuple(row[i] for i in key_idx), [])
@@ -288,12 +350,13 @@ def add_intervals(
                 m = list(metrics).index(column)
                 kept = only.get(column)
                 loo_values = [g[m] for d, g in groups if kept is None or d in kept]
-                bounds = (
-                    jackknife_interval(column, value, loo_values, log_lifts=log_lifts) if value is not None else None
-                )
-                if bounds is None:
-                    out += [None, None]
-                else:
-                    out += clip_interval(column, *bounds) if clip else bounds
+                pivot = None if value is None else jackknife_pivot(column, value, loo_values, log_lifts=log_lifts)
+                if pivot is None:
+                    out += [None, None] + ([None] if with_df else [])
+                    continue
+                bounds = _bounds(value, pivot)
+                out += clip_interval(column, *bounds) if clip else bounds
+                if with_df:
+                    out.append(pivot[3])
         out_rows.append(tuple(out) if scheme is None else (*out, scheme))
     return (out_columns if scheme is None else [*out_columns, "interval_by"]), out_rows

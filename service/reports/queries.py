@@ -71,11 +71,13 @@ def _with_intervals(
     where: str = "",
     params: dict | None = None,
     clip: bool = True,
+    with_df: bool = False,
 ) -> Rows:
     """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
     leave-one-group-out rows, and ``interval_by``: the run's replicate scheme. ``clip``: bounds
-    clipped to what each metric can take and lifts' intervals on the log scale
-    (``intervals.add_intervals``); False: the symmetric linear interval the role tests read."""
+    clipped to what each metric can take (``intervals.add_intervals``); False: unclipped, the
+    interval the role tests read. ``with_df``: also ``<metric>_df``, the degrees of freedom of
+    each interval's t quantile (the role tests' too). Lifts' intervals are on the log scale either way."""
     from headatlas.service.reports.intervals import add_intervals
 
     columns, values = rows
@@ -95,7 +97,7 @@ def _with_intervals(
         metrics=metrics,
         scheme=replicate_scheme(conn, run_id),
         clip=clip,
-        log_lifts=clip,  # clip=False is the role tests' symmetric interval (roles.py)
+        with_df=with_df,
         groups_of=effect_groups_of(conn, run_id, metrics),
     )
 
@@ -169,11 +171,12 @@ def heads(
     ci: bool = False,
     clip: bool = True,
     ascending: bool = False,
+    with_df: bool = False,
 ) -> Rows:
     """Per head, every column of HEAD_COLUMNS, ``top_anchors`` and the probe's scores; sorted by
     ``sort`` (descending, or ``ascending``; heads without a value last), else by layer and head.
-    ``ci``: with 95% intervals (``clip=False``: symmetric, not clipped to each metric's range, for
-    tests that read their half-width)."""
+    ``ci``: with 95% intervals (``clip=False``: not clipped to each metric's range, for tests that
+    read them; ``with_df``: with each interval's degrees of freedom, ``<metric>_df``, the role tests')."""
     _check_sort(sort, SORTABLE)
     _check_probe_sort(conn, run_id, sort)
     order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
@@ -213,6 +216,7 @@ def heads(
             where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)",
             params=params,
             clip=clip,
+            with_df=with_df,
         )
     return for_attention(conn, run_id, rows)
 

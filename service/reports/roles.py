@@ -3,7 +3,8 @@
 Each (head, role) is a one-sided test, H0: metric ≤ threshold (for ``broad`` also H0: metric ≥
 its ceiling, the mirror; both must reject). The statistic is t = (value − threshold) / se with
 se the jackknife's standard error (the interval's half-width over its quantile) and R − 1
-degrees of freedom (R replicate groups). Every test of a run is one family: a role is earned
+degrees of freedom (R replicate groups); for a lift, the interval `query heads --ci` shows: t =
+(ln value − ln threshold) / se(ln θ) with the interval's own degrees of freedom (SPEC §5d). Every test of a run is one family: a role is earned
 when its Holm–Bonferroni adjusted p is ≤ ``ALPHA``, and the output names the family's size.
 A head may hold several roles; its primary role is the first it holds in ``ROLE_ORDER`` (most
 specific first). Heads that earn none are ``none established``. Runs stored before replicate
@@ -40,7 +41,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.reports import halves, queries
 from headatlas.service.reports.attention_kind import causal_run  # shared with queries; callers read roles.causal_run
-from headatlas.service.reports.intervals import clip_interval, jackknife_halfwidth
+from headatlas.service.reports.intervals import clip_interval, jackknife_halfwidth, t95
 from headatlas.service.reports.significance import holm, t_sf
 
 NONE = "none established"
@@ -313,11 +314,22 @@ class Tested:
     probe_holds: bool = True  # the probe score reaches the rule's probe_min (True where there is none)
 
 
-def _one_sided_p(estimate: float, bound: float, se: float, df: int) -> float:
-    """P(T_df > (estimate − bound) / se): H0 estimate ≤ bound."""
+def _one_sided_p(estimate: float, bound: float, se: float, df: float, *, log_scale: bool = False) -> float:
+    """P(T_df > (estimate − bound) / se): H0 estimate ≤ bound; ``log_scale``: the same on ln of
+    both (``se``: of ln estimate; a bound ≤ 0 lies below every positive estimate)."""
+    if log_scale:
+        if bound <= 0:
+            return 0.0
+        estimate, bound = math.log(estimate), math.log(bound)
     if se > 0:
         return t_sf((estimate - bound) / se, df)
     return 0.0 if estimate > bound else 1.0
+
+
+def on_log_scale(value: float, lo: float, hi: float) -> bool:
+    """Whether an interval was formed on the log scale (a lift's, ``intervals.jackknife_pivot``):
+    positive and symmetric in ln, lo · hi = value² (a linear interval's lo · hi is value² − half²)."""
+    return value > 0 and lo > 0 and math.isclose(lo * hi, value * value, rel_tol=1e-9)
 
 
 def _test(rule: Rule, row: Mapping, context: Mapping, groups: int | None) -> Tested | None:
@@ -337,11 +349,15 @@ def _test(rule: Rule, row: Mapping, context: Mapping, groups: int | None) -> Tes
         return Tested(row, rule, value, lo, hi, threshold, None, holds, probe, probe_holds)
     if lo is None or hi is None:  # the interval is undefined (a ratio without a denominator in some group)
         return None
-    se, df = (hi - lo) / 2.0 / q, groups - 1
-    p = _one_sided_p(value, threshold, se, df)
+    # the test reads the interval query heads --ci shows, unclipped: a lift's on the log scale with
+    # its own degrees of freedom (``<metric>_df``), every other metric's symmetric with R − 1
+    df = _num(row.get(f"{rule.metric}_df")) or float(groups - 1)
+    log_scale = on_log_scale(value, lo, hi)
+    se = (math.log(hi / lo) if log_scale else hi - lo) / 2.0 / t95(df)
+    p = _one_sided_p(value, threshold, se, df, log_scale=log_scale)
     if ceiling is not None:  # both must hold: the larger p of the two one-sided tests (intersection–union)
-        p = max(p, _one_sided_p(ceiling, value, se, df))
-    # the test reads the symmetric interval; the interval shown is clipped to the metric's range
+        p = max(p, _one_sided_p(ceiling, value, se, df, log_scale=log_scale))
+    # the interval shown is clipped to the metric's range
     lo, hi = clip_interval(rule.metric, lo, hi)
     return Tested(row, rule, value, lo, hi, threshold, p, holds, probe, probe_holds)
 
@@ -417,7 +433,7 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.
     """Per (head, role): the evidence that earned it (metric, value, 95% interval, threshold, p,
     Holm-adjusted p, family size). ``stability``: also ``half_a``, ``half_b`` (held on the run's
     alternate replicate groups alone) and ``stable`` (both)."""
-    columns, rows = queries.heads(conn, run_id, anchors=0, ci=True, clip=False)  # tests read the half-width
+    columns, rows = queries.heads(conn, run_id, anchors=0, ci=True, clip=False, with_df=True)  # the tests' intervals
     dicts = [dict(zip(columns, r)) for r in rows]
     groups = halves.run_groups(conn, run_id)
     context = {**run_context(conn, run_id), "causal": causal_run(conn, run_id)}
