@@ -1,32 +1,38 @@
-"""Coverage of the lifts' 95% intervals on clustered corpora with few, heavy-tailed contributions
-per document (SPEC §5d), on the linear scale and on the log scale.
+"""Coverage of the lifts' 95% intervals on clustered corpora whose documents contribute few,
+heavy-tailed sums (SPEC §5d), under three rules, and the spread of two halves' differences.
 
-    python benchmarks/lift_intervals.py [--corpora 4000] [--seed 1]
+    python benchmarks/lift_intervals.py [--corpora 2000] [--seed 1]
 
-A lift is a ratio of two sums over windows, observed / chance (`attn_to_punct_lift`:
-attention on '.'/',' over its uniform expectation; `repetition_words_lift_dm`: word repeats in H
-over their distance-matched chance). Simulated corpora of 10-500 documents with 1-60 windows each
-(SPEC §5d), grouped by document into 16 replicate groups as `replicates = document` does:
+A lift is a ratio of two sums over windows, observed / chance (`attn_to_punct_lift`: attention on
+'.'/',' over its uniform expectation; `repetition_words_lift_dm`: word repeats in H over their
+distance-matched chance). Per document: a length in windows, a rate (of '.'/',' tokens or of
+chance word repeats per window) and the head's own lift there (mean 1 over documents, independent
+of the rate); its chance sum is Poisson(rate · windows), its observed sum chance · 1.3 · lift ·
+(a little noise): the true lift is 1.3. Documents fall in 16 replicate groups by a hash, as
+`replicates = document` puts them. Corpora:
 
-- punct: a document's rate of '.'/',' tokens is heavy-tailed (lognormal, σ = 1: dialogue against
-  narration), and so is how much the head attends to them there (lognormal, σ = 0.8); a window's
-  chance is its punctuation count, its observed weight that count times the document's lift.
-- words: a document's rate of repeated words (lognormal, σ = 1) sets the chance, a count of a few
-  per window; the observed count is Poisson around chance times the document's own lift
-  (lognormal, σ = 0.8).
+- `spec`: SPEC §5d's spread, 10-500 documents (log-uniform), 1-60 windows each (uniform), rate
+  lognormal σ = 1, the head's lift lognormal σ = 0.8 (the corpora of the first log-scale study);
+- `chapters`: held-out chapters: 10-60 documents, lengths lognormal (median 15 windows, σ = 1; the
+  articles of wikipedia_dev.txt have σ = 0.95 in ln length), rate σ = 1, the head's lift σ = 1.2:
+  a few long, dense chapters carry most of the denominator;
+- `calm`: a well-behaved lift: 10-500 documents, lengths as `chapters`, rate σ = 0.15 (the ln of
+  '.'/',' per token varies by 0.12 between wikipedia_dev's articles), the head's lift σ = 0.3.
 
-The true lift is 1.3 in both (the document effects have mean 1 and are independent of the rates).
-Printed per metric: how often the interval held the truth, on the linear scale (the jackknife of
-the lift, the rule before) and on the log scale (the jackknife of log lift, its interval
-exponentiated: the delta method on the log of the ratio), and the spread of the difference of two
-disjoint halves of each corpus (split by document) over what their intervals allow
-(sd of (A − B) / sqrt(se_A² + se_B²); 1 where the intervals are right, the check of SPEC §5d (2)).
-numpy only; about two minutes.
+Rules (`intervals.jackknife_pivot`): `linear`, θ̂ ± t_{R−1} · se(θ) (the rule at §5d's start);
+`log`, θ̂ · exp(∓ t_{R−1} · se(ln θ)) (the rule before `lift_df`); `log+df`,
+θ̂ · exp(∓ t_df · se(ln θ)), df = `lift_df` (the rule now). Printed per corpus kind and rule:
+coverage of the truth, by document count; the share of intervals wholly below the truth; the median
+width over θ̂; and, for two disjoint halves of each corpus (split by document), the spread of
+(A − B) / sqrt(se_A² + se_B²) on the rule's scale (1 where the standard errors are right; t_15's
+is 1.07) and the share passing Welch's difference test with the rule's degrees of freedom (95%
+expected; SPEC §5d (2), as benchmarks/halves.py). numpy only.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -34,105 +40,129 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from headatlas.service.reports.intervals import t95  # noqa: E402
+from headatlas.service.reports.intervals import jackknife_pivot, t95, t_quantile  # noqa: E402
 
 REPLICATES = 16
 TRUTH = 1.3
+KINDS = {
+    "spec": {"documents": (10, 500), "length": None, "rate": 1.0, "lift": 0.8},
+    "chapters": {"documents": (10, 60), "length": 1.0, "rate": 1.0, "lift": 1.2},
+    "calm": {"documents": (10, 500), "length": 1.0, "rate": 0.15, "lift": 0.3},
+}
+RULES = ("linear", "log", "log+df")
+SIZES = ((10, 30), (30, 100), (100, 501))
 
 
-def _corpus(rng: np.random.Generator, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per document: observed sum, chance sum and replicate group."""
-    documents = int(np.exp(rng.uniform(np.log(10), np.log(500))))
-    windows = rng.integers(1, 61, size=documents)
-    effect = rng.lognormal(-0.32, 0.8, size=documents)  # mean 1
-    if kind == "punct":
-        rate = rng.lognormal(np.log(12.0) - 0.5, 1.0, size=documents)  # '.'/',' per window
-        chance = rng.poisson(rate * windows).astype(float)
-        observed = chance * TRUTH * effect * rng.lognormal(-0.02, 0.2, size=documents)
+def corpus(rng: np.random.Generator, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per document of one corpus of ``kind``: observed sum, chance sum, replicate group."""
+    spec = KINDS[kind]
+    lo, hi = spec["documents"]
+    documents = int(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+    if spec["length"] is None:
+        windows = rng.integers(1, 61, size=documents)
     else:
-        rate = rng.lognormal(np.log(3.0) - 0.5, 1.0, size=documents)  # chance repeats per window
-        chance = rate * windows
-        observed = rng.poisson(chance * TRUTH * effect).astype(float)
-    groups = rng.integers(0, REPLICATES, size=documents)
-    return observed, chance, groups
+        windows = np.maximum(1, np.round(rng.lognormal(np.log(15.0), spec["length"], size=documents)))
+    rate = rng.lognormal(np.log(12.0) - spec["rate"] ** 2 / 2, spec["rate"], size=documents)
+    lift = rng.lognormal(-(spec["lift"] ** 2) / 2, spec["lift"], size=documents)  # mean 1
+    chance = rng.poisson(rate * windows).astype(float)
+    observed = chance * TRUTH * lift * rng.lognormal(-0.02, 0.2, size=documents)
+    return observed, chance, rng.integers(0, REPLICATES, size=documents)
 
 
-def _interval(observed: np.ndarray, chance: np.ndarray, groups: np.ndarray) -> dict[str, tuple[float, float, float]]:
-    """(estimate, standard error, t multiplier) per scale; the log scale's on log lift."""
-    obs_g = np.bincount(groups, observed, REPLICATES)
-    chance_g = np.bincount(groups, chance, REPLICATES)
-    held = chance_g > 0
+def pivots(observed: np.ndarray, chance: np.ndarray, groups: np.ndarray) -> dict[str, tuple] | None:
+    """Per rule: (on the log scale, centre, standard error, degrees of freedom), from the
+    leave-one-group-out lifts as the store gives them; None where a rule has no interval."""
+    obs_g, chance_g = np.bincount(groups, observed, REPLICATES), np.bincount(groups, chance, REPLICATES)
+    held = np.bincount(groups, minlength=REPLICATES) > 0
+    if chance.sum() == 0 or (chance.sum() - chance_g[held] <= 0).any():
+        return None
     theta = observed.sum() / chance.sum()
-    loo = (observed.sum() - obs_g[held]) / (chance.sum() - chance_g[held])
-    r = len(loo)
-    t = t95(r - 1)
-    out = {"linear": (theta, np.sqrt((r - 1) / r * ((loo - loo.mean()) ** 2).sum()), t)}
-    if theta > 0 and (loo > 0).all():
-        log_loo = np.log(loo)
-        out["log"] = (np.log(theta), np.sqrt((r - 1) / r * ((log_loo - log_loo.mean()) ** 2).sum()), t)
-    else:
-        out["log"] = (np.nan, np.nan, t)
+    loo = ((observed.sum() - obs_g[held]) / (chance.sum() - chance_g[held])).tolist()
+    out = {
+        "linear": jackknife_pivot("attn_to_punct_lift", theta, loo, log_lifts=False),
+        "log+df": jackknife_pivot("attn_to_punct_lift", theta, loo),
+    }
+    if out["log+df"] is None or not out["log+df"][0]:
+        return None
+    out["log"] = (*out["log+df"][:3], float(len(loo) - 1))
     return out
 
 
-def _covers(estimate: float, se: float, t: float, scale: str) -> bool:
-    truth = np.log(TRUTH) if scale == "log" else TRUTH
-    return bool(abs(estimate - truth) <= t * se)
+def _covers(pivot: tuple) -> tuple[bool, bool, float]:
+    """(holds the truth, lies wholly below it, width over θ̂)."""
+    log_scale, centre, se, df = pivot
+    half = t95(df) * se
+    truth = math.log(TRUTH) if log_scale else TRUTH
+    width = 2 * math.sinh(half) if log_scale else 2 * half / centre
+    return abs(centre - truth) <= half, centre + half < truth, width
 
 
-def simulate(corpora: int, seed: int) -> dict[str, dict[str, float]]:
+def simulate(kind: str, corpora: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    results: dict[str, dict[str, float]] = {}
-    by_size: dict[str, list] = {"punct": [], "words": []}
-    for kind in ("punct", "words"):
-        cover = {"linear": [], "log": []}
-        z = {"linear": [], "log": []}
-        for _ in range(corpora):
-            observed, chance, groups = _corpus(rng, kind)
-            if chance.sum() == 0 or len(set(groups.tolist())) < 8:
-                continue
-            whole = _interval(observed, chance, groups)
-            for scale in cover:
-                cover[scale].append(_covers(*whole[scale], scale))
-            by_size[kind].append((len(observed), _covers(*whole["linear"], "linear"), _covers(*whole["log"], "log")))
-            half = rng.random(len(observed)) < 0.5
-            if min(len(set(groups[half].tolist())), len(set(groups[~half].tolist()))) < 8:
-                continue
-            if chance[half].sum() == 0 or chance[~half].sum() == 0:
-                continue
-            a = _interval(observed[half], chance[half], groups[half])
-            b = _interval(observed[~half], chance[~half], groups[~half])
-            for scale in cover:
-                z[scale].append((a[scale][0] - b[scale][0]) / np.hypot(a[scale][1], b[scale][1]))
-        results[kind] = {
-            **{f"coverage_{s}": float(np.mean(cover[s])) for s in cover},
-            **{f"halves_spread_{s}": float(np.nanstd(z[s])) for s in z},
-            "corpora": len(cover["linear"]),
+    rows: dict[str, list] = {rule: [] for rule in RULES}  # (documents, covers, below, width)
+    halves: dict[str, list] = {rule: [] for rule in RULES}  # (z, passes)
+    for _ in range(corpora):
+        observed, chance, groups = corpus(rng, kind)
+        if len(set(groups.tolist())) < 8:  # flagged unreliable (SPEC §5d)
+            continue
+        whole = pivots(observed, chance, groups)
+        if whole is None:
+            continue
+        for rule in RULES:
+            rows[rule].append((len(observed), *_covers(whole[rule])))
+        half = rng.random(len(observed)) < 0.5
+        if min(len(set(groups[half].tolist())), len(set(groups[~half].tolist()))) < 8:
+            continue
+        a, b = pivots(observed[half], chance[half], groups[half]), pivots(observed[~half], chance[~half], groups[~half])
+        if a is None or b is None:
+            continue
+        for rule in RULES:
+            (_, ca, sa, da), (_, cb, sb, db) = a[rule], b[rule]
+            var = sa * sa + sb * sb
+            z = (ca - cb) / math.sqrt(var)
+            df = var * var / (sa**4 / da + sb**4 / db)  # Welch–Satterthwaite
+            halves[rule].append((z, abs(z) <= t_quantile(0.975, df)))
+    out = {}
+    for rule in RULES:
+        arr = np.array(rows[rule], dtype=float)
+        z = np.array(halves[rule], dtype=float)
+        out[rule] = {
+            "corpora": len(arr),
+            "coverage": arr[:, 1].mean(),
+            "below": arr[:, 2].mean(),
+            "width": float(np.median(arr[:, 3])),
+            **{
+                f"{lo}-{hi - 1}": arr[(arr[:, 0] >= lo) & (arr[:, 0] < hi), 1].mean()
+                for lo, hi in SIZES
+                if ((arr[:, 0] >= lo) & (arr[:, 0] < hi)).any()
+            },
+            "halves_spread": float(z[:, 0].std()),
+            "halves_pass": float(z[:, 1].mean()),
         }
-    for kind, rows in by_size.items():
-        arr = np.array(rows, dtype=float)
-        for lo, hi in ((10, 30), (30, 100), (100, 501)):
-            sel = (arr[:, 0] >= lo) & (arr[:, 0] < hi)
-            results[kind][f"linear_{lo}-{hi - 1}"] = float(arr[sel, 1].mean())
-            results[kind][f"log_{lo}-{hi - 1}"] = float(arr[sel, 2].mean())
-    return results
+    return out
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpora", type=int, default=4000)
+    parser.add_argument("--corpora", type=int, default=2000, help="corpora per kind")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kinds", default=",".join(KINDS))
     args = parser.parse_args(argv)
-    results = simulate(args.corpora, args.seed)
-    print(f"# clustered corpora (10-500 documents, 1-60 windows each), grouped by document; truth {TRUTH}")
-    print(f"{'metric':<8} {'corpora':>8} {'cover lin':>10} {'cover log':>10} {'halves lin':>11} {'halves log':>11}")
-    for kind, r in results.items():
-        print(kind, {k: round(v, 3) for k, v in r.items() if "-" in k})
-    for kind, r in results.items():
-        print(
-            f"{kind:<8} {r['corpora']:>8,} {r['coverage_linear']:>10.3f} {r['coverage_log']:>10.3f} "
-            f"{r['halves_spread_linear']:>11.2f} {r['halves_spread_log']:>11.2f}"
-        )
+    print(f"# clustered corpora grouped by document into {REPLICATES} groups; truth {TRUTH}; seed {args.seed}")
+    head = f"{'kind':<9} {'rule':<7} {'corpora':>7} {'cover':>6} " + " ".join(
+        f"{f'{lo}-{hi - 1}':>7}" for lo, hi in SIZES
+    )
+    print(head + f" {'below':>6} {'width':>6} {'halves sd':>9} {'pass':>6}")
+    for kind in args.kinds.split(","):
+        results = simulate(kind, args.corpora, args.seed)
+        for rule, r in results.items():
+            sizes = " ".join(
+                f"{100 * r[f'{lo}-{hi - 1}']:>6.1f}%" if f"{lo}-{hi - 1}" in r else f"{'—':>7}" for lo, hi in SIZES
+            )
+            print(
+                f"{kind:<9} {rule:<7} {r['corpora']:>7,} {100 * r['coverage']:>5.1f}% {sizes} {100 * r['below']:>5.1f}% "
+                f"{r['width']:>6.3f} {r['halves_spread']:>9.2f} {100 * r['halves_pass']:>5.1f}%"
+            )
 
 
 if __name__ == "__main__":
