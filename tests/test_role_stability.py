@@ -187,8 +187,9 @@ def test_halves_over_every_group_are_the_views(tiny_db):
     with Store(db).checked_read() as conn:
         groups = halves.run_groups(conn, ids[0])
         columns, rows, context = halves.head_rows(conn, ids[0], groups, roles.ROLE_METRICS)
-        # the symmetric intervals the role tests read (what a table shows is clipped to each range)
-        view_columns, view_rows = queries.heads(conn, ids[0], anchors=0, ci=True, clip=False)
+        # the intervals the role tests read, with their degrees of freedom (what a table shows is
+        # clipped to each range)
+        view_columns, view_rows = queries.heads(conn, ids[0], anchors=0, ci=True, clip=False, with_df=True)
         whole = roles.run_context(conn, ids[0])
     assert len(groups) >= 2
     for row, view in zip(rows, view_rows):

@@ -306,3 +306,40 @@ def test_atlas_marks_roles_that_do_not_hold_on_both_halves():
         list(roles.COLUMNS), [r[: len(roles.COLUMNS)] for r in rows], n_layers=2, n_heads=2, title="plain"
     )
     assert not [p for p in plain.axes[0].patches if p.get_hatch()]
+
+
+def test_a_lift_is_tested_on_the_interval_query_heads_shows():
+    """A lift's test reads the interval `query heads --ci` shows (SPEC §5d): on the log scale, with
+    the interval's own degrees of freedom. 16 leave-one-group-out attn_to_punct_lift values, one
+    group standing apart (a document dense in '.'/','): lift_df falls below 15, and p =
+    P(T_df > (ln θ − ln 1.5) / se(ln θ)), not the linear test with 15 df."""
+    from headatlas.service.reports import roles
+    from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth, lift_df, t95
+    from headatlas.service.reports.significance import t_sf
+
+    loo = [2.0 * math.exp(0.01 * k) for k in range(-7, 8)] + [1.75]
+    value = 1.98
+    cols, ivs = add_intervals(
+        ["layer", "head", "attn_to_punct_lift"],
+        [(0, 0, value)],
+        [(0, 0, g, v) for g, v in enumerate(loo)],
+        keys=["layer", "head"],
+        metrics=["attn_to_punct_lift"],
+        clip=False,
+        with_df=True,
+    )
+    shown = dict(zip(cols, ivs[0]))
+    logs = [math.log(v) for v in loo]
+    df = lift_df(logs)
+    assert shown["attn_to_punct_lift_df"] == df and 1 <= df < 15
+    se = math.sqrt(15 / 16 * sum((x - sum(logs) / 16) ** 2 for x in logs))
+    assert shown["attn_to_punct_lift_lo"] == pytest.approx(value * math.exp(-t95(df) * se), rel=1e-12)
+    row = head(0, 0)
+    row.update({k: v for k, v in shown.items() if k.startswith("attn_to_punct_lift")})
+    tests = [dict(zip(roles.COLUMNS, r)) for r in roles.assign([row], CONTEXT, groups=GROUPS, alpha=1.0)]
+    punct = next(t for t in tests if t["metric"] == "attn_to_punct_lift")
+    assert punct["p"] == pytest.approx(t_sf((math.log(value) - math.log(roles.PUNCT_MIN)) / se, df), rel=1e-9)
+    assert (punct["value_lo"], punct["value_hi"]) == (shown["attn_to_punct_lift_lo"], shown["attn_to_punct_lift_hi"])
+    linear_se = jackknife_halfwidth(loo) / t95(15)
+    # the test before (the symmetric linear interval, 15 df) gave another p: 0.125 against 0.099
+    assert punct["p"] != pytest.approx(t_sf((value - roles.PUNCT_MIN) / linear_se, 15), rel=0.05)
