@@ -1,7 +1,7 @@
 """Coverage of the lifts' 95% intervals on clustered corpora whose documents contribute few,
 heavy-tailed sums (SPEC §5d), under three rules, and the spread of two halves' differences.
 
-    python benchmarks/lift_intervals.py [--corpora 2000] [--seed 1]
+    python benchmarks/lift_intervals.py [--corpora 2000] [--seed 1] [--alternatives] [--replicates 16]
 
 A lift is a ratio of two sums over windows, observed / chance (`attn_to_punct_lift`: attention on
 '.'/',' over its uniform expectation; `repetition_words_lift_dm`: word repeats in H over their
@@ -22,7 +22,14 @@ of the rate); its chance sum is Poisson(rate · windows), its observed sum chanc
 Rules (`intervals.jackknife_pivot`): `linear`, θ̂ ± t_{R−1} · se(θ) (the rule at §5d's start);
 `log`, θ̂ · exp(∓ t_{R−1} · se(ln θ)) (the rule before `lift_df`); `log+df`,
 θ̂ · exp(∓ t_df · se(ln θ)), df = `lift_df` (the rule now). Printed per corpus kind and rule:
-coverage of the truth, by document count; the share of intervals wholly below the truth; the median
+``--alternatives`` adds rules that were tried and not taken: `log+g2`, df from the plain sample
+excess kurtosis g2 instead of the unbiased G2; `log-bc`, centred on the jackknife's bias-corrected
+ln θ (ln θ̂ − (R − 1)(mean ln θ_(g) − ln θ̂)) with t_{R−1}; `log-acc`, a BCa-style interval without
+the bootstrap (z0 = 0, acceleration a from the jackknife's skewness: bounds ln θ̂ + se · w/(1 − a·w),
+w = ∓t_{R−1}). ``--replicates``: groups other than 16 (the store keeps 16; this asks what more would
+give). ``--books``: chapters nested in a few books, halves by alternate chapters or by book
+(``books``): what the spread of two halves says when the documents are not the sampling unit.
+Printed per corpus kind and rule: coverage of the truth, by document count; the share of intervals wholly below the truth; the median
 width over θ̂; and, for two disjoint halves of each corpus (split by document), the spread of
 (A − B) / sqrt(se_A² + se_B²) on the rule's scale (1 where the standard errors are right; t_15's
 is 1.07) and the share passing Welch's difference test with the rule's degrees of freedom (95%
@@ -42,14 +49,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headatlas.service.reports.intervals import jackknife_pivot, t95, t_quantile  # noqa: E402
 
-REPLICATES = 16
+REPLICATES = 16  # --replicates changes it
 TRUTH = 1.3
 KINDS = {
     "spec": {"documents": (10, 500), "length": None, "rate": 1.0, "lift": 0.8},
     "chapters": {"documents": (10, 60), "length": 1.0, "rate": 1.0, "lift": 1.2},
     "calm": {"documents": (10, 500), "length": 1.0, "rate": 0.15, "lift": 0.3},
 }
-RULES = ("linear", "log", "log+df")
+RULES = ["linear", "log", "log+df"]
+ALTERNATIVES = ["log+g2", "log-bc", "log-acc"]
 SIZES = ((10, 30), (30, 100), (100, 501))
 
 
@@ -84,17 +92,30 @@ def pivots(observed: np.ndarray, chance: np.ndarray, groups: np.ndarray) -> dict
     }
     if out["log+df"] is None or not out["log+df"][0]:
         return None
-    out["log"] = (*out["log+df"][:3], float(len(loo) - 1))
+    r = len(loo)
+    out["log"] = (*out["log+df"][:3], float(r - 1))
+    logs = np.log(loo)
+    dev = logs - logs.mean()
+    s2 = float((dev**2).sum())
+    g2 = r * float((dev**4).sum()) / s2**2 - 3 if s2 > 0 else 0.0
+    df = min(r - 1.0, max(1.0, 2 / (2 / (r - 1) + max(g2, 0.0) / r)))
+    out["log+g2"] = (*out["log+df"][:3], df)
+    centre, se = out["log"][1], out["log"][2]
+    out["log-bc"] = (True, centre - (r - 1) * (logs.mean() - centre), se, float(r - 1))
+    a = float(((-dev) ** 3).sum()) / (6 * s2**1.5) if s2 > 0 else 0.0
+    bounds = [w / (1 - a * w) if 1 - a * w > 0 else math.copysign(math.inf, w) for w in (-t95(r - 1), t95(r - 1))]
+    out["log-acc"] = (True, centre, se, float(r - 1), bounds)  # asymmetric: multipliers of se
     return out
 
 
 def _covers(pivot: tuple) -> tuple[bool, bool, float]:
     """(holds the truth, lies wholly below it, width over θ̂)."""
-    log_scale, centre, se, df = pivot
-    half = t95(df) * se
+    log_scale, centre, se, df, *asymmetric = pivot
+    low, high = asymmetric[0] if asymmetric else (-t95(df), t95(df))
+    lo, hi = centre + low * se, centre + high * se
     truth = math.log(TRUTH) if log_scale else TRUTH
-    width = 2 * math.sinh(half) if log_scale else 2 * half / centre
-    return abs(centre - truth) <= half, centre + half < truth, width
+    width = (math.exp(hi - centre) - math.exp(lo - centre)) if log_scale else (hi - lo) / centre
+    return lo <= truth <= hi, hi < truth, width
 
 
 def simulate(kind: str, corpora: int, seed: int) -> dict:
@@ -117,7 +138,7 @@ def simulate(kind: str, corpora: int, seed: int) -> dict:
         if a is None or b is None:
             continue
         for rule in RULES:
-            (_, ca, sa, da), (_, cb, sb, db) = a[rule], b[rule]
+            (_, ca, sa, da, *_), (_, cb, sb, db, *_) = a[rule], b[rule]
             var = sa * sa + sb * sb
             z = (ca - cb) / math.sqrt(var)
             df = var * var / (sa**4 / da + sb**4 / db)  # Welch–Satterthwaite
@@ -142,12 +163,66 @@ def simulate(kind: str, corpora: int, seed: int) -> dict:
     return out
 
 
+def books(corpora: int, seed: int) -> list[tuple]:
+    """Chapters nested in books (``--books``): 4-6 books of 5-15 chapters (lengths lognormal,
+    median 15 windows, σ = 1), each book with its own rate of '.'/',' (σ = 0.3) and its own lift
+    (σ = ``book``), each chapter its own lift around its book's (σ = 0.5); replicate groups by
+    chapter (the document), as a corpus of chapters is grouped. Two halves: alternate chapters
+    (every book in both) or whole books in each. Per (books, book σ, split): the spread of
+    (A − B) / sqrt(se_A² + se_B²) and the share passing the difference test, under ``log+df``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n_books, book_sigma in ((4, 0.0), (4, 0.3), (6, 0.3), (6, 0.5)):
+        found: dict[str, list] = {"alternate chapters": [], "by book": []}
+        for _ in range(corpora):
+            per = rng.integers(5, 16, size=n_books)
+            book = np.repeat(np.arange(n_books), per)
+            n = len(book)
+            windows = np.maximum(1, np.round(rng.lognormal(np.log(15.0), 1.0, size=n)))
+            rate = 12.0 * rng.lognormal(0.0, 0.3, size=n_books)[book] * rng.lognormal(-0.02, 0.2, size=n)
+            lift = rng.lognormal(-(book_sigma**2) / 2, book_sigma, size=n_books)[book] * rng.lognormal(
+                -0.125, 0.5, size=n
+            )
+            chance = rng.poisson(rate * windows).astype(float)
+            observed = chance * TRUTH * lift
+            groups = rng.integers(0, REPLICATES, size=n)
+            for split, half in (("alternate chapters", np.arange(n) % 2 == 0), ("by book", book < n_books // 2)):
+                if min(len(set(groups[half].tolist())), len(set(groups[~half].tolist()))) < 8:
+                    continue
+                a = pivots(observed[half], chance[half], groups[half])
+                b = pivots(observed[~half], chance[~half], groups[~half])
+                if a is None or b is None:
+                    continue
+                (_, ca, sa, da), (_, cb, sb, db) = a["log+df"], b["log+df"]
+                var = sa * sa + sb * sb
+                df = var * var / (sa**4 / da + sb**4 / db)
+                z = (ca - cb) / math.sqrt(var)
+                found[split].append((z, abs(z) <= t_quantile(0.975, df)))
+        for split, rows in found.items():
+            z = np.array(rows, dtype=float)
+            out.append((n_books, book_sigma, split, len(z), float(z[:, 0].std()), float(z[:, 1].mean())))
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpora", type=int, default=2000, help="corpora per kind")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--alternatives", action="store_true", help="also the rules tried and not taken")
+    parser.add_argument("--books", action="store_true", help="the halves of chapters nested in books instead")
+    parser.add_argument("--replicates", type=int, default=16, help="replicate groups (the store keeps 16)")
     args = parser.parse_args(argv)
+    global REPLICATES
+    REPLICATES = args.replicates
+    if args.alternatives:
+        RULES.extend(ALTERNATIVES)
+    if args.books:
+        print(f"# chapters nested in books, grouped by chapter into {REPLICATES} groups; log+df; seed {args.seed}")
+        print(f"{'books':>5} {'book σ':>6}  {'halves':<19} {'corpora':>7} {'sd':>5} {'pass':>6}")
+        for n_books, sigma, split, n, sd, passed in books(args.corpora, args.seed):
+            print(f"{n_books:>5} {sigma:>6.1f}  {split:<19} {n:>7,} {sd:>5.2f} {100 * passed:>5.1f}%")
+        return
     print(f"# clustered corpora grouped by document into {REPLICATES} groups; truth {TRUTH}; seed {args.seed}")
     head = f"{'kind':<9} {'rule':<7} {'corpora':>7} {'cover':>6} " + " ".join(
         f"{f'{lo}-{hi - 1}':>7}" for lo, hi in SIZES
