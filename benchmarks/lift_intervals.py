@@ -16,6 +16,10 @@ of the rate); its chance sum is Poisson(rate · windows), its observed sum chanc
 - `chapters`: held-out chapters: 10-60 documents, lengths lognormal (median 15 windows, σ = 1; the
   articles of wikipedia_dev.txt have σ = 0.95 in ln length), rate σ = 1, the head's lift σ = 1.2:
   a few long, dense chapters carry most of the denominator;
+- `fixed-mass`, `dense-attends` (not run unless named): `spec` with the ln of a document's lift
+  correlated with the ln of its rate, ρ = −0.7 (a head that puts a fixed mass on '.'/',': its lift
+  falls as they grow denser) and ρ = +0.5 (a head that attends more where they are dense); their
+  true lift is 1.3 · exp(ρ σ_rate σ_lift);
 - `calm`: a well-behaved lift: 10-500 documents, lengths as `chapters`, rate σ = 0.15 (the ln of
   '.'/',' per token varies by 0.12 between wikipedia_dev's articles), the head's lift σ = 0.3.
 
@@ -55,7 +59,19 @@ KINDS = {
     "spec": {"documents": (10, 500), "length": None, "rate": 1.0, "lift": 0.8},
     "chapters": {"documents": (10, 60), "length": 1.0, "rate": 1.0, "lift": 1.2},
     "calm": {"documents": (10, 500), "length": 1.0, "rate": 0.15, "lift": 0.3},
+    # not in the default list: `spec` with the ln of a document's lift correlated with the ln of its rate
+    "fixed-mass": {"documents": (10, 500), "length": None, "rate": 1.0, "lift": 0.8, "rho": -0.7},
+    "dense-attends": {"documents": (10, 500), "length": None, "rate": 1.0, "lift": 0.8, "rho": 0.5},
 }
+DEFAULT_KINDS = "spec,chapters,calm"
+
+
+def truth(kind: str) -> float:
+    """The kind's true lift, E[observed] / E[chance]: 1.3 · exp(ρ σ_rate σ_lift) (lognormal)."""
+    spec = KINDS[kind]
+    return TRUTH * math.exp(spec.get("rho", 0.0) * spec["rate"] * spec["lift"])
+
+
 RULES = ["linear", "log", "log+df"]
 ALTERNATIVES = ["log+g2", "log-bc", "log-acc"]
 SIZES = ((10, 30), (30, 100), (100, 501))
@@ -70,8 +86,11 @@ def corpus(rng: np.random.Generator, kind: str) -> tuple[np.ndarray, np.ndarray,
         windows = rng.integers(1, 61, size=documents)
     else:
         windows = np.maximum(1, np.round(rng.lognormal(np.log(15.0), spec["length"], size=documents)))
-    rate = rng.lognormal(np.log(12.0) - spec["rate"] ** 2 / 2, spec["rate"], size=documents)
-    lift = rng.lognormal(-(spec["lift"] ** 2) / 2, spec["lift"], size=documents)  # mean 1
+    z = rng.standard_normal(documents)
+    rate = np.exp(np.log(12.0) - spec["rate"] ** 2 / 2 + spec["rate"] * z)
+    rho = spec.get("rho", 0.0)
+    shared = rho * z + math.sqrt(1 - rho * rho) * rng.standard_normal(documents)
+    lift = np.exp(-(spec["lift"] ** 2) / 2 + spec["lift"] * shared)  # mean 1
     chance = rng.poisson(rate * windows).astype(float)
     observed = chance * TRUTH * lift * rng.lognormal(-0.02, 0.2, size=documents)
     return observed, chance, rng.integers(0, REPLICATES, size=documents)
@@ -108,12 +127,12 @@ def pivots(observed: np.ndarray, chance: np.ndarray, groups: np.ndarray) -> dict
     return out
 
 
-def _covers(pivot: tuple) -> tuple[bool, bool, float]:
-    """(holds the truth, lies wholly below it, width over θ̂)."""
+def _covers(pivot: tuple, true_lift: float) -> tuple[bool, bool, float]:
+    """(holds ``true_lift``, lies wholly below it, width over θ̂)."""
     log_scale, centre, se, df, *asymmetric = pivot
     low, high = asymmetric[0] if asymmetric else (-t95(df), t95(df))
     lo, hi = centre + low * se, centre + high * se
-    truth = math.log(TRUTH) if log_scale else TRUTH
+    truth = math.log(true_lift) if log_scale else true_lift
     width = (math.exp(hi - centre) - math.exp(lo - centre)) if log_scale else (hi - lo) / centre
     return lo <= truth <= hi, hi < truth, width
 
@@ -130,7 +149,7 @@ def simulate(kind: str, corpora: int, seed: int) -> dict:
         if whole is None:
             continue
         for rule in RULES:
-            rows[rule].append((len(observed), *_covers(whole[rule])))
+            rows[rule].append((len(observed), *_covers(whole[rule], truth(kind))))
         half = rng.random(len(observed)) < 0.5
         if min(len(set(groups[half].tolist())), len(set(groups[~half].tolist()))) < 8:
             continue
@@ -208,7 +227,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpora", type=int, default=2000, help="corpora per kind")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--kinds", default=DEFAULT_KINDS, help=f"of {', '.join(KINDS)}")
     parser.add_argument("--alternatives", action="store_true", help="also the rules tried and not taken")
     parser.add_argument("--books", action="store_true", help="the halves of chapters nested in books instead")
     parser.add_argument("--replicates", type=int, default=16, help="replicate groups (the store keeps 16)")
@@ -223,8 +242,10 @@ def main(argv=None) -> None:
         for n_books, sigma, split, n, sd, passed in books(args.corpora, args.seed):
             print(f"{n_books:>5} {sigma:>6.1f}  {split:<19} {n:>7,} {sd:>5.2f} {100 * passed:>5.1f}%")
         return
-    print(f"# clustered corpora grouped by document into {REPLICATES} groups; truth {TRUTH}; seed {args.seed}")
-    head = f"{'kind':<9} {'rule':<7} {'corpora':>7} {'cover':>6} " + " ".join(
+    print(
+        f"# clustered corpora grouped by document into {REPLICATES} groups; true lift 1.3 (`fixed-mass`, `dense-attends`: {truth('fixed-mass'):.3f}, {truth('dense-attends'):.3f}); seed {args.seed}"
+    )
+    head = f"{'kind':<13} {'rule':<7} {'corpora':>7} {'cover':>6} " + " ".join(
         f"{f'{lo}-{hi - 1}':>7}" for lo, hi in SIZES
     )
     print(head + f" {'below':>6} {'width':>6} {'halves sd':>9} {'pass':>6}")
@@ -235,7 +256,7 @@ def main(argv=None) -> None:
                 f"{100 * r[f'{lo}-{hi - 1}']:>6.1f}%" if f"{lo}-{hi - 1}" in r else f"{'—':>7}" for lo, hi in SIZES
             )
             print(
-                f"{kind:<9} {rule:<7} {r['corpora']:>7,} {100 * r['coverage']:>5.1f}% {sizes} {100 * r['below']:>5.1f}% "
+                f"{kind:<13} {rule:<7} {r['corpora']:>7,} {100 * r['coverage']:>5.1f}% {sizes} {100 * r['below']:>5.1f}% "
                 f"{r['width']:>6.3f} {r['halves_spread']:>9.2f} {100 * r['halves_pass']:>5.1f}%"
             )
 
