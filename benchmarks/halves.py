@@ -11,9 +11,10 @@ model and default analysis options, into a fresh database.
 
 Printed, over 72 heads (MiniLM) × the ratio metrics below:
 - the share of (head, metric) cells whose A − B difference test passes: |θ_A − θ_B| ≤
-  t · sqrt(se_A² + se_B²), se = the jackknife standard error of each half (t: Welch's degrees of
-  freedom). The halves are independent samples of documents with the same truth, so 95% should pass
-  (target 92–98%). Not `compare`'s test of two independent runs, which combines the two half-widths
+  t · sqrt(se_A² + se_B²), se = the jackknife standard error of each half on its interval's scale
+  (a lift's: ln θ) (t: Welch's degrees of freedom from each half's, R − 1 or a lift's ``lift_df``,
+  SPEC §5d). The halves are independent samples of documents with the same truth, so 95% should
+  pass (target 92–98%). Not `compare`'s test of two independent runs, which combines the two half-widths
   (sqrt(h_A² + h_B²), each h at its own run's t): with as many groups in both halves Welch's t is never
   larger, so this interval is never wider and its pass rate a lower bound for compare's (docs/baselines.md);
 - the share of cells whose value on half A lies in half B's 95% interval (about 87% expected when the
@@ -49,6 +50,8 @@ METRICS = (
     "attn_to_self",
     "attn_entropy",
     "anchor_frequency_share",
+    "attn_to_punct_lift",
+    "repetition_words_lift_dm",
 )
 
 
@@ -73,11 +76,13 @@ def split_halves(corpus: Path, out: Path, max_chars: int) -> tuple[Path, Path, i
     return paths[0], paths[1], len(docs[0::2]), len(docs[1::2])
 
 
-def estimates(db: Path, run_id: int) -> tuple[dict[tuple[int, int, str], tuple[float, float, int]], str, int]:
-    """(layer, head, metric) → (value, jackknife standard error, R), the run's replicate scheme and windows."""
+def estimates(db: Path, run_id: int) -> tuple[dict[tuple[int, int, str], tuple[float, float, float]], str, int]:
+    """(layer, head, metric) → (value, jackknife standard error, degrees of freedom) on the scale
+    of the metric's interval (a lift's: ln, with ``intervals.lift_df``; SPEC §5d), the run's
+    replicate scheme and windows."""
     from sqlalchemy import text
 
-    from headatlas.service.reports.intervals import scheme_of
+    from headatlas.service.reports.intervals import jackknife_pivot, scheme_of
     from headatlas.service.storage.db import transaction
     from headatlas.service.storage.store import Store
 
@@ -100,9 +105,9 @@ def estimates(db: Path, run_id: int) -> tuple[dict[tuple[int, int, str], tuple[f
             loo_m = [g[m] for g in groups]
             if values[m] is None or r < 2 or any(v is None for v in loo_m):
                 continue
-            mean = sum(loo_m) / r
-            se = math.sqrt((r - 1) / r * sum((v - mean) ** 2 for v in loo_m))
-            out[(*key, metric)] = (float(values[m]), se, r)
+            pivot = jackknife_pivot(metric, float(values[m]), loo_m)
+            if pivot is not None:
+                out[(*key, metric)] = (pivot[1], pivot[2], pivot[3])
     return out, scheme_of(run.params), int(windows)
 
 
@@ -114,14 +119,14 @@ def compare_halves(a: dict, b: dict) -> tuple[float, float, int, dict[str, tuple
     passed = inside = cells = 0
     by_metric: dict[str, list[int]] = {m: [0, 0, 0] for m in METRICS}
     for key in sorted(set(a) & set(b)):
-        (va, sa, ra), (vb, sb, rb) = a[key], b[key]
+        (va, sa, da), (vb, sb, db) = a[key], b[key]
         var = sa * sa + sb * sb
         if var == 0:
             continue
         # Welch–Satterthwaite degrees of freedom for the difference of two jackknife estimates
-        df = var * var / ((sa**4) / (ra - 1) + (sb**4) / (rb - 1))
+        df = var * var / ((sa**4) / da + (sb**4) / db)
         ok = abs(va - vb) <= t_quantile(0.975, df) * math.sqrt(var)
-        within = abs(va - vb) <= t95(rb - 1) * sb
+        within = abs(va - vb) <= t95(db) * sb
         cells += 1
         passed += ok
         inside += within
