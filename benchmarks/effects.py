@@ -1,6 +1,7 @@
 """The cost of causal head effects (SPEC §9) against the full forward passes they replace.
 
     python benchmarks/effects.py [--models default,smollm2] [--windows 4] [--seq-len 128] [--repeats 3]
+                                 [--clock wall|cpu] [--threads N]
 
 Per model, on windows of the development corpus (or the shipped excerpt), in one process and
 interleaved (the machine's load hits every measurement alike): one intact forward pass of the base
@@ -12,6 +13,12 @@ ratio against bare forward passes is printed beside it); gradient importance (on
 backward pass through every head's gate) against one forward pass with the objective (target
 ≤ 3×; only where the objective is a loss: not for MiniLM, whose objective is an embedding
 drift). Medians of ``--repeats`` with their range, every ratio from one run.
+
+``--clock cpu`` times each step in CPU seconds of this process (all its threads) instead of
+wall-clock seconds: on a shared machine whose load changes within a run, the wall-clock time of a
+minutes-long ablation and of a one-second forward pass measure different moments of load, while
+their CPU seconds measure the work. Use it with ``--threads 1`` (a thread pool that spins while it
+waits for a core adds CPU seconds that are no work).
 """
 
 from __future__ import annotations
@@ -36,12 +43,16 @@ def windows(model, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens["input_ids"], tokens["attention_mask"]
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def timed(fn, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began = clock()
         fn()
-        out.append(time.perf_counter() - began)
+        out.append(clock() - began)
     return out
 
 
@@ -55,8 +66,19 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall", help="seconds of the wall or of this process's CPU"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's choice)")
     args = parser.parse_args()
-    print(f"{machine()}, {torch.get_num_threads()} threads; {args.windows} windows × {args.seq_len} tokens")
+    global clock
+    clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"{machine()}, {torch.get_num_threads()} threads; {args.windows} windows × {args.seq_len} tokens; "
+        f"{args.clock} seconds"
+    )
     print("| model | what | seconds (median, range) | against | ratio | target |")
     print("|---|---|---|---|---|---|")
     for spec in args.models.split(","):
@@ -78,8 +100,8 @@ def main() -> None:
         forward()  # warm
         fwd, full, ablate, grad = [], [], [], []
         for _ in range(args.repeats):  # interleaved: the machine's load hits them all alike
-            fwd += timed(forward, 1)
-            full += timed(forward_objective, 1)
+            fwd += timed(forward, 3)  # three samples of the short passes per repeat: their medians
+            full += timed(forward_objective, 3)
             ablate += timed(
                 lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("zero",)), 1
             )
