@@ -232,6 +232,54 @@ def test_two_transactions_opening_one_run_make_one_run(lake, tiny_model):
     assert (run_a.run_id, run_b.run_id, again.run_id) == (1, 2, 1)
 
 
+def test_a_run_whose_plan_and_last_batch_commit_at_once_ends(lake, tiny_model, small_corpus, monkeypatch):
+    """Two writers of a lake: one records the run's complete plan (the submitter's last OpenRun)
+    while the other stores the run's last batch. Each asks whether the run is complete inside its
+    own transaction and sees the other's work missing; the batch's writer asks again after its
+    commit, but the plan is not committed yet. The plan's writer must ask after its commit too,
+    or the run stays running with every batch stored (and `submit --wait` waits for ever)."""
+    from headatlas.service.statuses import RunStatus
+    from headatlas.service.storage import queue_store
+    from headatlas.service.storage.store import Store, ingest_batches, reserve_batches
+
+    store = Store(lake.url, data_path=lake.data_path)
+    result = _one_batch(tiny_model, small_corpus)
+    meta = {
+        "run_key": "plan-and-batch",
+        "name": "plan-and-batch",
+        "corpus": "hand",
+        "corpus_fingerprint": "plan-and-batch",
+        "model": tiny_model.describe(),
+        "params": PARAMS.to_dict(),
+        "device": None,
+        "batch_size": 3,
+        "batches": None,  # the submitter is still cutting the corpus
+        "windows": None,
+    }
+    run, plan = queue_store.open_run(store, meta)
+    assert plan.batches is None
+    store.atomically(lambda conn: reserve_batches(conn, run.run_id, [0]))
+
+    asked_inside = queue_store.finish_if_complete
+    other_writer_done: list[bool] = []
+
+    def other_writer_stores_the_last_batch(conn, run_id):
+        if not other_writer_done:  # the plan's transaction is open and has not committed
+            other_writer_done.append(True)
+            with store.write() as other:
+                assert ingest_batches(other, run_id, [(0, result)]) == 1
+                asked_inside(other, run_id)
+            store.atomically(lambda c: asked_inside(c, run_id))  # after its commit: no plan yet
+            with store.read() as other:
+                assert queue_store.plan_of(other, run_id).batches is None
+        asked_inside(conn, run_id)
+
+    monkeypatch.setattr(queue_store, "finish_if_complete", other_writer_stores_the_last_batch)
+    queue_store.open_run(store, {**meta, "batches": 1, "windows": len(result.window_ids)})
+    assert other_writer_done
+    assert store.get_run(run.run_id).status == RunStatus.DONE
+
+
 def test_two_claims_of_one_fire_on_a_lake_make_one(lake):
     from datetime import timedelta
 

@@ -90,8 +90,8 @@ class GroupIngest:
             except Exception:  # noqa: BLE001 - a message the database refuses must not stop the writer
                 log.exception("a group of %d message(s) failed; storing them one by one", len(known))
                 outcomes = self._one_by_one(known)
-            if not summaries:
-                summaries = self.store.atomically(lambda conn: self._finish(conn, known, finish=False))
+            if not summaries:  # stored one by one; a lake's end is asked after those commits too
+                summaries = self.store.atomically(lambda conn: self._finish(conn, known, finish=lake))
         finally:
             self.ledger.writer_state("idle")
         pipe = self.ledger.r.pipeline()

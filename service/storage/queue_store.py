@@ -122,6 +122,10 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
 
     plan = store.atomically(work)
     assert plan is not None  # recorded above when missing
+    if not store.backend.keys and plan.batches is not None:
+        # a lake: another writer may have committed the run's last batch while this transaction
+        # recorded the plan; each saw the other's part missing (docs/architecture.md, "Ending a run")
+        store.atomically(lambda conn: finish_if_complete(conn, run.run_id))
     return store.get_run(run.run_id), plan
 
 
