@@ -16,7 +16,11 @@ from headatlas.service.params import AnalysisParams
 PARAMS = AnalysisParams(seq_len=32)
 
 
-def _analyze(store, corpus, model, batch_size: int = 2, flush_s: float = 10.0):
+# random:tiny spends most of a run's CPU per batch, not per window (the shipped excerpt's first two
+# documents, 74 windows: 8.6 s of CPU in batches of 2, 5.2 s in batches of 8, 2.4 s in batches of 32,
+# on a loaded machine): a test that needs several batches or commits takes batches of 8, one that
+# needs a stored run and nothing of its batches takes batches of 32.
+def _analyze(store, corpus, model, batch_size: int = 8, flush_s: float = 10.0):
     from headatlas.service.engine.runner import analyze_corpus, survey_corpus
 
     return analyze_corpus(
@@ -114,7 +118,7 @@ def test_an_embedded_run_on_a_lake_stores_and_reads_what_a_file_does(lake, tiny_
     on_lake = _analyze(store, small_corpus, tiny_model)
     assert on_lake.status == on_file.status == "done" and on_lake.run_key == on_file.run_key
     windows = stored(str(path), on_file.run_id)
-    assert len(windows["run_windows"]) > 4  # several batches
+    assert len(windows["run_windows"]) > 4 * 8  # several batches
     assert_same_statistics(stored(store.backend, on_lake.run_id), windows)
     for query in (queries.heads, queries.layers, queries.boundaries):
         with Store(path).checked_read() as a, store.checked_read() as b:
@@ -396,7 +400,7 @@ def test_db_copy_moves_every_run_and_schedule_file_to_lake_and_back(lake, tiny_m
     from headatlas.service.storage.store import Store, now
 
     path, back = tmp_path / "f.duckdb", tmp_path / "back.duckdb"
-    run = _analyze(Store(path), small_corpus, tiny_model)
+    run = _analyze(Store(path), small_corpus, tiny_model, batch_size=32)
     schedule_store.add(
         path,
         name="hourly",
@@ -419,7 +423,8 @@ def test_db_copy_moves_every_run_and_schedule_file_to_lake_and_back(lake, tiny_m
         assert all(a == b for a, b in counts.values())
         assert same_numbers(_cli("query", "heads", "--db", dst, "-f", "json").stdout, heads)
     # the copy hands out new ids after the copied ones, and refuses a target that holds runs
-    assert _analyze(Store(back), small_corpus, tiny_model).run_id == run.run_id  # the copied run, found by key
+    copied_run = _analyze(Store(back), small_corpus, tiny_model, batch_size=32)
+    assert copied_run.run_id == run.run_id  # the copied run, found by key
     again = _cli("db", "copy", str(path), lake.url)
     assert again.exit_code == 2 and "already holds runs" in again.stderr
 
@@ -431,7 +436,7 @@ def test_a_catalogue_password_is_never_printed(lake, tiny_model, small_corpus, t
 
     secret = "s3cr3t-Pa55"
     with_password = replace(lake, password=secret)  # trust authentication here: taken and ignored
-    _analyze(Store(with_password.url), small_corpus, tiny_model)
+    _analyze(Store(with_password.url), small_corpus, tiny_model, batch_size=32)  # a run to read
     outputs = [
         _cli("runs", "--db", with_password.url, "--data-path", str(lake.data_path)),  # a global option, here too
         _cli("db", "current", "--db", with_password.url),
