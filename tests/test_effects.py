@@ -188,6 +188,19 @@ def test_gradient_importance_equals_a_finite_difference_of_the_gate(model) -> No
         torch.testing.assert_close(got[:, layer, head], finite, rtol=2e-3, atol=1e-8)
 
 
+def test_gradient_importance_alone_gives_the_intact_objective_of_its_own_pass(model) -> None:
+    # without an ablation no pass records the layers' inputs: the gradient's forward pass, every gate
+    # at 1, is the intact model, and its objective is the one an ablation run compares with
+    if not fx.objective_of(model).is_loss:
+        return
+    ids, mask = _batch()
+    alone = fx.head_effects(model, ids, mask, kinds=("gradient",))
+    beside = fx.head_effects(model, ids, mask, kinds=("zero", "gradient"))
+    torch.testing.assert_close(alone.intact, beside.intact, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(alone.effect["gradient"], beside.effect["gradient"])
+    assert set(alone.effect) == {"gradient"}
+
+
 def test_effect_kinds_are_checked() -> None:
     assert fx.parse_kinds("gradient, zero") == ("zero", "gradient")
     with pytest.raises(Exception, match="'drop' is not an effect; use zero, mean, gradient"):

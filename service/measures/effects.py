@@ -212,9 +212,10 @@ def _gradient(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     targets: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``|∂O(w)/∂ξ_{l,h}|`` ``[batch, layer, head]``: one gate per window and head, one backward
-    (``input_ids``: what the model is run on, ``targets``: what the objective reads)."""
+    (``input_ids``: what the model is run on, ``targets``: what the objective reads); and ``O(w)``
+    ``[batch]`` of the same pass, which is the intact model's (every gate is 1: ``z · 1 = z``)."""
     batch = input_ids.shape[0]
     n_layers, n_heads, d_head = model.n_layers, model.n_heads, model.d_head
     dtype = next(model.model.parameters()).dtype
@@ -236,12 +237,13 @@ def _gradient(
         with torch.enable_grad():
             final = wide(_run_model(model, input_ids, attention_mask))
             values = objective.per_window(final, targets, attention_mask, None)
-            values = torch.nan_to_num(values)  # a window without a prediction adds nothing
-            (grad,) = torch.autograd.grad(values.sum(), gate)
+            (grad,) = torch.autograd.grad(
+                torch.nan_to_num(values).sum(), gate
+            )  # a window without a prediction adds nothing
     finally:
         for handle in handles:
             handle.remove()
-    return grad.abs()
+    return grad.abs(), values.detach()
 
 
 def head_effects(
@@ -275,6 +277,20 @@ def head_effects(
     chosen = list(range(n_layers)) if layers is None else sorted(set(layers))
     step = max(1, min(heads_per_pass or n_heads, n_heads))
 
+    if "gradient" in kinds and not objective.is_loss:
+        raise ParameterError(
+            f"gradient importance needs an objective that is a loss; this model's is {objective.name} "
+            "(a drift is minimal at the intact model: its gradient is 0 there)",
+            hint=("use ", Param("kinds", "zero,mean")),
+        )
+    if not any(k in ABLATIONS for k in kinds):
+        # gradient importance alone: its forward pass is the intact model's, so it gives the intact
+        # objective too; no pass recording every layer's input is needed
+        grad, intact = _gradient(model, objective, input_ids, attention_mask, targets)
+        out = WindowEffects(objective=objective, intact=intact.double().cpu())
+        out.effect["gradient"] = grad.double().cpu()
+        return out
+
     with torch.no_grad():
         recording = _record(model, input_ids, attention_mask)
         final = wide(recording.final)
@@ -299,13 +315,7 @@ def head_effects(
             out.effect[kind] = effect
             out.drift[kind] = drift
     if "gradient" in kinds:
-        if not objective.is_loss:
-            raise ParameterError(
-                f"gradient importance needs an objective that is a loss; this model's is {objective.name} "
-                "(a drift is minimal at the intact model: its gradient is 0 there)",
-                hint=("use ", Param("kinds", "zero,mean")),
-            )
-        out.effect["gradient"] = _gradient(model, objective, input_ids, attention_mask, targets).double().cpu()
+        out.effect["gradient"] = _gradient(model, objective, input_ids, attention_mask, targets)[0].double().cpu()
     return out
 
 
