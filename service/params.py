@@ -23,6 +23,10 @@ MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
 EFFECT_KINDS = ("zero", "mean", "gradient")  # SPEC §9: the two ablations and gradient importance
 EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference")  # recorded only when in use
+# The longest window any front end takes: 131,072 positions, the longest context of the families
+# served (Llama 3's). The model's own context is the real limit, checked against its config
+# (model_check.check_seq_len: SmolLM2 takes 8,192, BERT 512).
+MAX_SEQ_LEN = 131_072
 CSM_BIN = DEFAULTS["csm_bin"]  # default bin of the corpus-averaged similarity matrices, in tokens per side
 
 
@@ -109,8 +113,8 @@ class AnalysisParams:
             raise ParameterError(Param("replicates", self.replicates, quoted=True), reason) from None
         # canonical spelling, so that equal schemes give equal run keys
         object.__setattr__(self, "replicates", f"block:{block}" if unit == "block" else unit)
-        if not 4 <= self.seq_len <= 4096:
-            raise ParameterError(Param("seq_len", self.seq_len), ": must be between 4 and 4096 (default 128)")
+        if not 4 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ParameterError(Param("seq_len", self.seq_len), f": must be between 4 and {MAX_SEQ_LEN} (default 128)")
         _check_choice("windowing", self.windowing, WINDOWING)
         _check_choice("sentences", self.sentences, SENTENCES)
         _check_choice("vectors", self.vectors, VECTORS)

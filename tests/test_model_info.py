@@ -80,3 +80,23 @@ def test_a_distilbert_folder_is_checked_through_its_own_config_keys(tmp_path):
     message = str(err.value)
     assert "\n" not in message and "lacks 'n_heads', which a DistilBERT config (model_type 'distilbert')" in message
     assert "supported famil" not in message
+
+
+def test_long_windows_are_taken_up_to_the_models_context_and_refused_beyond():
+    import pytest
+
+    from headatlas.service.engine.model_check import check_model_spec
+    from headatlas.service.errors import ModelError, ParameterError
+    from headatlas.service.params import MAX_SEQ_LEN
+
+    # SmolLM2's shape has its context, 8,192 positions (rotary: no weights depend on it)
+    assert AnalysisParams(seq_len=8192).seq_len == 8192
+    shape = check_model_spec("random:smollm2", seq_len=8192)
+    assert shape is not None and shape.positions == 8192
+    with pytest.raises(ModelError, match="--seq-len 8193: model random:smollm2 has 8192 positions; pass --seq-len 8192"):
+        check_model_spec("random:smollm2", seq_len=8193)
+    # the other random shapes keep BERT's 512
+    with pytest.raises(ModelError, match="has 512 positions"):
+        check_model_spec("random:llama", seq_len=513)
+    with pytest.raises(ParameterError, match=f"must be between 4 and {MAX_SEQ_LEN}"):
+        AnalysisParams(seq_len=MAX_SEQ_LEN + 1)

@@ -70,7 +70,8 @@ def check_model_spec(spec: str, *, seq_len: int, memory: str = "available", devi
 
     if spec.startswith("random:"):
         random = parse_random_shape(spec)
-        shape = ModelShape(random.layers, random.hidden, 4 * random.hidden, DEFAULT_VOCAB, DEFAULT_POSITIONS)
+        positions = random.positions or DEFAULT_POSITIONS
+        shape = ModelShape(random.layers, random.hidden, 4 * random.hidden, DEFAULT_VOCAB, positions)
     elif spec != DEFAULT_MODEL and (spec in NAMED_MODELS or is_gguf(spec)):
         if spec not in NAMED_MODELS and Path(spec).expanduser().is_file():
             from headatlas.service.engine.gguf_file import check_gguf

@@ -66,6 +66,8 @@ class RandomShape:
     kv_heads: int | None = None  # None: as many as query heads
     intermediate: int | None = None  # the MLP's width; None: the family's default for ``hidden``
     mlm: bool = False  # with a (random) masked-LM head: the objective of SPEC §9 is then a masked-LM loss
+    # usable positions of a window (None: 512, BERT's); a shape that stands for a real model takes its context
+    positions: int | None = None
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv" if self.kv_heads not in (None, self.heads) else ""

@@ -29,7 +29,7 @@ class LlamaAdapter(ModelAdapter):
     random_shapes = {
         "llama": RandomShape("llama", 2, 4, 32, kv_heads=2),
         # SmolLM2-135M's shape (its weights: --model smollm2), for timing where the GGUF is not installed
-        "smollm2": RandomShape("llama", 30, 9, 576, kv_heads=3, intermediate=1536),
+        "smollm2": RandomShape("llama", 30, 9, 576, kv_heads=3, intermediate=1536, positions=8192),
     }
 
     def blocks(self, model: Any) -> list[torch.nn.Module]:
@@ -75,7 +75,7 @@ class LlamaAdapter(ModelAdapter):
             num_hidden_layers=shape.layers,
             num_attention_heads=shape.heads,
             num_key_value_heads=shape.kv_heads or shape.heads,
-            max_position_embeddings=512,
+            max_position_embeddings=shape.positions or 512,  # rotary: no weights depend on it
             tie_word_embeddings=True,  # as SmolLM2's: the next-token loss (SPEC §9) needs the LM head
             attn_implementation="eager",
         )
