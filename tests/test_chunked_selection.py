@@ -9,9 +9,11 @@ import torch
 from headatlas.service.engine.stats import (
     head_statistics,
     masked_similarity,
+    rerank_unresolved,
     select_pairs,
     select_pairs_chunked,
     similarity_chunk_rows,
+    unresolved_rows,
     window_features,
 )
 from headatlas.service.engine.windows import TokenClasses
@@ -131,3 +133,82 @@ def test_planned_batches_shrink_with_the_window_and_fit_the_memory():
     assert sizes == [32, 32, 8, 2]  # a 2,048-token window plans 1.1 GiB (9 heads × 8 maps), 4,096: 4.5
     assert plan_batch_size(1 << 20, 8192, n_heads=9, d_model=576, ceiling=32) == 1  # never below one
     assert plan_batch_size(1 << 50, 128, n_heads=12, d_model=768, ceiling=4096) == 4096
+
+
+def _near_constant_batch(n_pos: int = 60, d: int = 16):
+    """Two windows (one padded) of three heads: heads 0 and 2 near-constant (every row the same
+    vector up to an ulp or two: float32 cannot rank their top pairs), head 1 ordinary."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 12, (2, n_pos), generator=gen)
+    mask = torch.ones(2, n_pos, dtype=torch.long)
+    ids[:, 0] = CLS
+    ids[0, -1] = SEP
+    ids[1, n_pos - 9], ids[1, n_pos - 8 :], mask[1, n_pos - 8 :] = SEP, PAD, 0
+    v = torch.randn(d, generator=gen, dtype=torch.float64) * 2.0
+    z = torch.randn(2, 3, n_pos, d, generator=gen, dtype=torch.float64)
+    for head in (0, 2):
+        z[:, head] = v * (1.0 + torch.randn(2, n_pos, d, generator=gen, dtype=torch.float64) * 1.5e-7)
+    return window_features(ids, mask, TOKENS), z.float()
+
+
+@pytest.mark.parametrize("select", ["top:0.02", "topk:5", "ratio:1"])
+def test_near_constant_heads_are_reranked_the_same_in_row_chunks(select):
+    feats, z = _near_constant_batch()
+    selection = Selection.parse(select)
+    selected = select_pairs(masked_similarity(z, feats), feats, selection)
+    counts = selected[2].long().sum(2)
+    unresolved = unresolved_rows(z, selected[0], counts, feats.n_pairs)
+    if select != "ratio:1":  # ratio:1 keeps the maximum alone: nothing to rank
+        assert unresolved[:, 0].all() and unresolved[:, 2].all() and not unresolved[:, 1].any()
+    whole = rerank_unresolved(z, feats, selection, *selected, chunk_rows=z.shape[2])
+    for rows in (1, 4, 17):
+        chunked = rerank_unresolved(z, feats, selection, *selected, chunk_rows=rows)
+        assert torch.equal(whole[2], chunked[2])
+        pairs_whole, pairs_chunked = _chosen_pairs(*whole), _chosen_pairs(*chunked)
+        assert [p for p, _ in pairs_whole] == [p for p, _ in pairs_chunked]
+        for (_, a), (_, b) in zip(pairs_whole, pairs_chunked):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-7, atol=0)
+
+
+def test_near_constant_heads_in_row_chunks_never_hold_the_whole_matrix():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        """The most elements of any tensor an operation made."""
+
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    n_pos = 300
+    feats, z = _near_constant_batch(n_pos=n_pos)
+    selection = Selection.parse("top:0.02")
+    selected = select_pairs(masked_similarity(z, feats), feats, selection)
+    with Largest() as whole:
+        rerank_unresolved(z, feats, selection, *selected, chunk_rows=n_pos)
+    with Largest() as chunked:
+        rerank_unresolved(z, feats, selection, *selected, chunk_rows=8)
+    assert whole.numel >= n_pos * n_pos  # the whole path holds pos² per re-ranked head
+    # in chunks: at most 8 rows of every re-ranked head, the outputs, the pairs kept
+    assert chunked.numel < n_pos * n_pos // 4, chunked.numel
+
+
+def test_head_statistics_rerank_near_constant_heads_alike_with_and_without_chunks():
+    feats, z = _near_constant_batch()
+    attn = torch.softmax(torch.randn(2, 3, z.shape[2], z.shape[2], generator=torch.Generator().manual_seed(2)), dim=3)
+    kwargs = dict(select=Selection.parse("top:0.02"), gate=2.0, seq_len=z.shape[2])
+    whole = head_statistics(z, attn, feats, chunk_rows=z.shape[2], **kwargs)
+    for rows in (3, 11):
+        chunked = head_statistics(z, attn, feats, chunk_rows=rows, **kwargs)
+        for key in whole:
+            if key == "sim_sum_high":  # float64 sums of the same float32 values, in another order
+                assert torch.allclose(whole[key], chunked[key], rtol=1e-6), key
+            else:
+                assert torch.equal(whole[key], chunked[key]), (key, rows)

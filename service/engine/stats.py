@@ -411,10 +411,17 @@ def rerank_unresolved(
     values: torch.Tensor,
     index: torch.Tensor,
     chosen: torch.Tensor,
+    *,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``select_pairs``'s result with the rows that float32 cannot rank (``unresolved_rows``: a
     near-constant head) ranked again on float64 products of the same outputs, which separate
-    them; every other row as it was. Returns (values, index, chosen), padded to a common k."""
+    them; every other row as it was. Returns (values, index, chosen), padded to a common k.
+
+    The re-ranked rows' float64 matrices are taken whole while they fit in ``SIM_CHUNK_ELEMENTS``
+    (as float32 entries: half as many float64 ones), in row chunks beyond (``select_pairs_chunked``,
+    the same pairs under the same tie rule), so a long window's near-constant heads hold
+    pos · rows float64 entries each, not pos². ``chunk_rows`` forces the rows per chunk (tests)."""
     counts = chosen.long().sum(2)
     rows = unresolved_rows(z, values, counts, feats.n_pairs)
     if not bool(rows.any()):
@@ -422,11 +429,17 @@ def rerank_unresolved(
     b_idx, h_idx = rows.nonzero(as_tuple=True)
     n_pos = z.shape[2]
     sub = z[b_idx, h_idx].double()  # [m, pos, d]
-    bias = torch.full((len(b_idx), n_pos * n_pos), float("-inf"), dtype=torch.float64, device=z.device)
-    bias[:, feats.layout.flat] = torch.where(feats.pair_ok[b_idx], 0.0, float("-inf")).double()
-    sim = torch.baddbmm(bias.view(-1, n_pos, n_pos), sub, sub.transpose(1, 2)).view(len(b_idx), 1, -1)
-    # select_pairs reads only n_pairs of the features
-    v64, i64, c64 = select_pairs(sim, cast(WindowFeatures, _RowPairs(feats.n_pairs[b_idx])), select)
+    # the rows' own windows: what the selection reads of the features (n_pairs, in_pairs)
+    row_feats = cast(WindowFeatures, _RowPairs(feats.n_pairs[b_idx], feats.in_pairs[b_idx]))
+    if chunk_rows is None:
+        chunk_rows = similarity_chunk_rows(len(b_idx), 1, n_pos, budget=SIM_CHUNK_ELEMENTS // 2)
+    if chunk_rows < n_pos:
+        v64, i64, c64 = select_pairs_chunked(sub[:, None], row_feats, select, rows=max(1, chunk_rows))
+    else:
+        bias = torch.full((len(b_idx), n_pos * n_pos), float("-inf"), dtype=torch.float64, device=z.device)
+        bias[:, feats.layout.flat] = torch.where(feats.pair_ok[b_idx], 0.0, float("-inf")).double()
+        sim = torch.baddbmm(bias.view(-1, n_pos, n_pos), sub, sub.transpose(1, 2)).view(len(b_idx), 1, -1)
+        v64, i64, c64 = select_pairs(sim, row_feats, select)
     width = max(values.shape[2], v64.shape[2])
 
     def pad(t: torch.Tensor, fill) -> torch.Tensor:
@@ -441,9 +454,11 @@ def rerank_unresolved(
 
 @dataclass
 class _RowPairs:
-    """What ``select_pairs`` reads of a window's features, for rows picked from several windows."""
+    """What ``select_pairs`` and ``select_pairs_chunked`` read of a window's features, for rows
+    picked from several windows: ``[row]`` |P| and ``[row, pos]`` the tokens that form P."""
 
     n_pairs: torch.Tensor
+    in_pairs: torch.Tensor
 
 
 def _resolve_ties(sim, values, index, tied):
@@ -462,9 +477,11 @@ def _resolve_ties(sim, values, index, tied):
 SIM_CHUNK_ELEMENTS = 1 << 24
 
 
-def similarity_chunk_rows(batch: int, heads: int, n_pos: int, budget: int = SIM_CHUNK_ELEMENTS) -> int:
+def similarity_chunk_rows(batch: int, heads: int, n_pos: int, budget: int | None = None) -> int:
     """Rows of the similarity matrix per chunk so that a chunk of every head of the batch holds
-    at most ``budget`` entries (at least one row); ``n_pos`` or more: no chunking needed."""
+    at most ``budget`` entries (default: ``SIM_CHUNK_ELEMENTS``, read at each call so that a
+    benchmark can switch chunking off) and at least one row; ``n_pos`` or more: no chunking needed."""
+    budget = SIM_CHUNK_ELEMENTS if budget is None else budget
     return max(1, budget // max(1, batch * heads * n_pos))
 
 
@@ -646,7 +663,7 @@ def head_statistics(
     else:
         selected = select_pairs_chunked(z, feats, select, rows=rows)
     # a near-constant head's rows ranked again at float64, whichever way they were selected
-    values, index, chosen = rerank_unresolved(z, feats, select, *selected)
+    values, index, chosen = rerank_unresolved(z, feats, select, *selected, chunk_rows=chunk_rows)
     chosen_f = chosen.to(z.dtype)
     pos_i, pos_j = index // n_pos, index % n_pos  # [batch, head, k]
     flat_i, flat_j = pos_i.flatten(1), pos_j.flatten(1)  # [batch, head·k]
