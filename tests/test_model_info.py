@@ -93,7 +93,9 @@ def test_long_windows_are_taken_up_to_the_models_context_and_refused_beyond():
     assert AnalysisParams(seq_len=8192).seq_len == 8192
     shape = check_model_spec("random:smollm2", seq_len=8192)
     assert shape is not None and shape.positions == 8192
-    with pytest.raises(ModelError, match="--seq-len 8193: model random:smollm2 has 8192 positions; pass --seq-len 8192"):
+    with pytest.raises(
+        ModelError, match="--seq-len 8193: model random:smollm2 has 8192 positions; pass --seq-len 8192"
+    ):
         check_model_spec("random:smollm2", seq_len=8193)
     # the other random shapes keep BERT's 512
     with pytest.raises(ModelError, match="has 512 positions"):
