@@ -6,6 +6,7 @@ Pure computation: no database, no queue. The embedded runner and the Celery work
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -22,7 +23,9 @@ from headatlas.service.engine.results import (
     sum_dtype,
     window_group,
 )
+from headatlas.service.engine.row_attention import row_attention, uses_row_attention
 from headatlas.service.engine.stats import (
+    RowSums,
     Workspace,
     chance_statistics,
     head_statistics,
@@ -137,7 +140,14 @@ def analyze_batch(
                 )
             )
 
-    with torch.inference_mode(), model.autocast(), capture_attention(model.model, on_layer=summarise):
+    # a long window's attention in row blocks: no layer holds every head's pos × pos map
+    in_rows = uses_row_attention(model, model.n_heads, input_ids.shape[1])
+    with (
+        torch.inference_mode(),
+        model.autocast(),
+        capture_attention(model.model, on_layer=summarise),
+        row_attention(model.model, lambda: RowSums(feats)) if in_rows else contextlib.nullcontext(),
+    ):
         model.model(input_ids=input_ids, attention_mask=attention_mask)
     with torch.inference_mode():
         # per layer [group, ...] -> [group, layer, ...]

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS  # noqa: F401 - defined torch-free, re-exported
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import Selection
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.row_attention import AttentionRows
 
 
 @dataclass(frozen=True)
@@ -631,7 +634,7 @@ def _collect_pairs(
 
 def head_statistics(
     z: torch.Tensor,
-    attn: torch.Tensor,
+    attn: torch.Tensor | AttentionRows,
     feats: WindowFeatures,
     *,
     select: Selection,
@@ -642,7 +645,9 @@ def head_statistics(
 ) -> dict[str, torch.Tensor]:
     """Additive per-head sums for one layer of one batch (SPEC §4, §5b, §5c, §8).
 
-    z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``.
+    z: ``[batch, head, pos, d]`` head outputs; attn: ``[batch, head, pos, key]``, or the
+    ``AttentionRows`` of a long window's attention taken in row blocks (its entries recomputed
+    where the gate reads them, its row sums gathered during the forward pass by ``RowSums``).
     Returns ``[head]`` tensors for HEAD_SUMS, ``dist_hist`` and ``attended_hist``
     ``[head, seq_len]`` (index = distance j - i) — each with a leading ``[group]`` axis when
     ``feats`` has replicate groups — and per-window anchors ``anchor_pos`` / ``anchor_count`` /
@@ -655,7 +660,10 @@ def head_statistics(
     a time (``select_pairs_chunked``); default: whole matrices while a batch's fit in
     ``SIM_CHUNK_ELEMENTS``, row chunks beyond.
     """
-    z, attn = _at_least_float32(z), _at_least_float32(attn)
+    z = _at_least_float32(z)
+    in_rows = not isinstance(attn, torch.Tensor)  # an AttentionRows (row_attention): never whole
+    if not in_rows:
+        attn = _at_least_float32(attn)
     batch, heads, n_pos, _ = z.shape
     rows = similarity_chunk_rows(batch, heads, n_pos) if chunk_rows is None else max(1, chunk_rows)
     if rows >= n_pos:
@@ -684,9 +692,12 @@ def head_statistics(
     out["same_sentence_high"] = count(same_sentence)
     out["same_token_high"] = count(same_token)
     out["same_word_high"] = count(same_token & pick(feats.is_word, flat_i))
-    flat_attn = attn.flatten(2)
-    a_ij = flat_attn.gather(2, index)
-    a_ji = flat_attn.gather(2, pos_j * n_pos + pos_i)
+    if in_rows:  # the entries recomputed from the queries and keys
+        a_ij, a_ji = attn.entries(index), attn.entries(pos_j * n_pos + pos_i)
+    else:
+        flat_attn = attn.flatten(2)
+        a_ij = flat_attn.gather(2, index)
+        a_ji = flat_attn.gather(2, pos_j * n_pos + pos_i)
     # SPEC §8: attended when max(A_ij·k_i, A_ji·k_j) ≥ gate, compared as A ≥ gate / k so that
     # bidirectional attention (k = n) gives §3's max(A_ij, A_ji) ≥ gate / n to the last bit
     threshold = gate / feats.visible.to(attn.dtype)  # [batch, pos]
@@ -718,9 +729,75 @@ def head_statistics(
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)
 
-    out.update(attention_sums(attn, feats, work=feats.workspace))
-    out.update(copy_sums(attn, feats))
+    if in_rows:  # gathered from the row blocks during the forward pass (RowSums)
+        if attn.sums is None:
+            raise ValueError("attention in row blocks without their sums: run the forward pass with a RowSums observer")
+        out.update(attn.sums)
+    else:
+        out.update(attention_sums(attn, feats, work=feats.workspace))
+        out.update(copy_sums(attn, feats))
     return out
+
+
+class RowSums:
+    """The sums of ``attention_sums`` and ``copy_sums``, gathered from the attention probabilities
+    a block of query rows at a time (``row_attention``: the forward pass hands each block over as
+    it is made, so no layer holds every head's pos × pos map). Call with ``(first, probs)``,
+    ``probs`` ``[batch, head, rows, key]`` for query rows ``first ..``; ``result()`` gives the
+    same keys as the two functions. The same quantities, summed block by block (float64 across
+    blocks): equal to the whole map's up to float32 rounding."""
+
+    def __init__(self, feats: WindowFeatures) -> None:
+        self.feats = feats
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        self.parts[key] = self.parts[key] + value if key in self.parts else value
+
+    def __call__(self, first: int, probs: torch.Tensor) -> None:
+        feats = self.feats
+        batch, heads, n_rows, n_pos = probs.shape
+        last = first + n_rows
+        rows = feats.valid.to(probs.dtype)[:, None, :]  # [batch, 1, pos]
+        block = rows[..., first:last]
+        received = torch.matmul(block[:, :, None, :], probs)  # [batch, head, 1, key]
+        by_class = torch.matmul(received, feats.key_classes[:, None].to(probs.dtype))  # [batch, head, 1, 4]
+        self._add("by_class", by_class.sum(dim=2, dtype=torch.float64))
+        self._add("attn_to_self", _row_sum(torch.diagonal(probs, first, 2, 3), block))
+        low = max(first, 1)  # A_{i, i-1} of rows i ≥ 1, weighed by row i
+        if low < last:
+            prev = torch.diagonal(probs[:, :, low - first :], low - 1, 2, 3)
+            self._add("attn_to_prev", _row_sum(prev, rows[..., low:last]))
+        high = min(last, n_pos - 1)  # A_{i, i+1} of rows i ≤ pos − 2, weighed by row i + 1
+        if first < high:
+            after = torch.diagonal(probs[:, :, : high - first], first + 1, 2, 3)
+            self._add("attn_to_next", _row_sum(after, rows[..., first + 1 : high + 1]))
+        self._add("attn_entropy", _row_sum(_entropy_rows(probs, None), block))
+        # the copy sets' entries in these rows (each entry lies in one block: summed exactly)
+        index = feats.copy_index  # [batch, copy], i·pos + key
+        inside = (index >= first * n_pos) & (index < last * n_pos)
+        local = torch.where(inside, index - first * n_pos, 0)[:, None, :].expand(-1, heads, -1)
+        picked = probs.reshape(batch, heads, n_rows * n_pos).gather(2, local)
+        self._add("copies", torch.where(inside[:, None, :], picked, 0.0))
+
+    def result(self) -> dict[str, torch.Tensor]:
+        feats, parts = self.feats, self.parts
+        by_class = feats.reduce(parts["by_class"])  # [(group,) head, 4]
+        zero = torch.zeros_like(parts["attn_to_self"])
+        copies = torch.matmul(parts["copies"], feats.copy_weights(parts["copies"].dtype))  # [batch, head, 2]
+        copies = feats.reduce(copies.double())
+        return {
+            "attn_to_cls": by_class[..., 0],
+            "attn_to_sep": by_class[..., 1],
+            "attn_to_punct": by_class[..., 2],
+            "attn_to_first": by_class[..., 3],
+            "attn_to_self": feats.reduce(parts["attn_to_self"]),
+            "attn_to_prev": feats.reduce(parts.get("attn_to_prev", zero)),
+            "attn_to_next": feats.reduce(parts.get("attn_to_next", zero)),
+            "attn_entropy": feats.reduce(parts["attn_entropy"]),
+            "attn_dup": copies[..., 0],
+            "attn_induction": copies[..., 1],
+        }
 
 
 def copy_sums(attn: torch.Tensor, feats: WindowFeatures) -> dict[str, torch.Tensor]:

@@ -113,6 +113,10 @@ class ModelAdapter(ABC):
     config_keys: ClassVar[ConfigKeys]  # its config.json's field names
     random_shapes: ClassVar[dict[str, RandomShape]]  # random:NAME shapes of this family (one at least)
     origin: ClassVar[str] = "headatlas"  # where it comes from: headatlas, or the plugin that registered it
+    # its attention module calls transformers' attention interface (``eager_attention_forward`` or
+    # the implementation the config names) with (query, key, value, mask, scaling): long windows
+    # can then take attention in row blocks (``service.engine.row_attention``)
+    row_attention: ClassVar[bool] = False
 
     # --- structure -------------------------------------------------------------------------------
     @abstractmethod

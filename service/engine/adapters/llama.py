@@ -26,6 +26,7 @@ class LlamaAdapter(ModelAdapter):
     causal = True
     pre_norm = True
     config_keys = ConfigKeys(kv_heads="num_key_value_heads", head_dim="head_dim")
+    row_attention = True  # LlamaAttention calls the attention interface
     random_shapes = {
         "llama": RandomShape("llama", 2, 4, 32, kv_heads=2),
         # SmolLM2-135M's shape (its weights: --model smollm2), for timing where the GGUF is not installed
