@@ -84,15 +84,17 @@ def child(n: int, layers: int, repeats: int, whole: bool) -> dict:
     base = _rss()
     params, batch = window(n)
     assert batch.input_ids.shape == (1, n), batch.input_ids.shape
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         analyze_batch(model, batch, params, tokens)
         times.append(time.perf_counter() - began)
+        cpu.append(time.process_time() - began_cpu)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "n": n,
         "seconds": statistics.median(times),
+        "cpu_seconds": statistics.median(cpu),
         "peak": peak,
         "window_peak": peak - base,
         "auto_batch": auto_batch_size(model, n),

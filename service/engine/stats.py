@@ -26,19 +26,43 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PairLayout:
-    """Index maps of the strict upper triangle of a pos × pos matrix. All ``[pair]`` int64."""
+    """Index maps of the strict upper triangle of a pos × pos matrix. All ``[pair]`` int64.
+
+    Only ``i`` and ``j`` are held (pos² int64 each: 268 MB apiece at 8,192 tokens); ``flat`` and
+    ``distance`` are made when read, once per batch."""
 
     i: torch.Tensor
     j: torch.Tensor
-    flat: torch.Tensor  # i * pos + j, into a flattened [pos, pos]
-    flat_t: torch.Tensor  # j * pos + i, the mirrored entry
-    distance: torch.Tensor  # j - i
+    n_pos: int
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """i * pos + j, into a flattened [pos, pos]."""
+        return self.i * self.n_pos + self.j
+
+    @property
+    def distance(self) -> torch.Tensor:
+        """j - i."""
+        return self.j - self.i
 
 
-@lru_cache(maxsize=16)
+# Layouts up to this many positions are kept for reuse (16 lengths); longer ones are made per batch,
+# so that a run's long windows of many lengths do not pile up pos² maps in the cache.
+CACHED_LAYOUT_POSITIONS = 1024
+
+
 def pair_layout(n_pos: int, device: torch.device) -> PairLayout:
+    if n_pos <= CACHED_LAYOUT_POSITIONS:
+        return _cached_layout(n_pos, device)
+    return _make_layout(n_pos, device)
+
+
+def _make_layout(n_pos: int, device: torch.device) -> PairLayout:
     i, j = torch.triu_indices(n_pos, n_pos, offset=1, device=device)
-    return PairLayout(i=i, j=j, flat=i * n_pos + j, flat_t=j * n_pos + i, distance=j - i)
+    return PairLayout(i=i, j=j, n_pos=n_pos)
+
+
+_cached_layout = lru_cache(maxsize=16)(_make_layout)
 
 
 def sentence_ids(
@@ -155,9 +179,14 @@ def window_features(
     layout = pair_layout(n_pos, device)
     pair_ok = in_pairs[:, layout.i] & in_pairs[:, layout.j]  # [batch, pair]
     sent = sentence_ids(input_ids, valid, special, tokens.sentence_end_ids) if sentence is None else sentence
-    si, sj = sent[:, layout.i], sent[:, layout.j]
+    # compared per pair as int32 (sentence and token ids are far below 2^31): half the memory of
+    # int64 gathers, which a long window's pos²/2 pairs make large (268 MB each at 8,192 tokens)
+    sent32 = sent.to(torch.int32)
+    si, sj = sent32[:, layout.i], sent32[:, layout.j]
     same_sentence = pair_ok & (si == sj) & (si >= 0)
-    same_token = pair_ok & (input_ids[:, layout.i] == input_ids[:, layout.j])
+    del si, sj
+    ids32 = input_ids.to(torch.int32)
+    same_token = pair_ok & (ids32[:, layout.i] == ids32[:, layout.j])
     is_word = _lookup(tokens.is_word, input_ids) & valid & ~special
     same_word = same_token & is_word[:, layout.i]
     # first occurrence of each position's token id within its window: argmax returns the
