@@ -108,7 +108,7 @@ class HeadatlasError(Exception):
 
     ``HeadatlasError(*parts, hint=…)``: the problem, as text and terms; ``hint``: the fix,
     rendered after ``; ``. ``parameter`` and ``value`` are those of the first part when it is a
-    ``Param`` (``ParameterError(Param("seq_len", 0), ": must be between 4 and 131072")``), or given.
+    ``Param`` (``ParameterError(Param("seq_len", 0), ": must be between 4 and 32768")``), or given.
     """
 
     exit_code = 2

@@ -23,10 +23,10 @@ MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
 EFFECT_KINDS = ("zero", "mean", "gradient")  # SPEC §9: the two ablations and gradient importance
 EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference")  # recorded only when in use
-# The longest window any front end takes: 131,072 positions, the longest context of the families
-# served (Llama 3's). The model's own context is the real limit, checked against its config
-# (model_check.check_seq_len: SmolLM2 takes 8,192, BERT 512).
-MAX_SEQ_LEN = 131_072
+# The longest window any front end takes: 32,768 positions, as the stores keep a pair's distance
+# (up to seq_len - 1) as SMALLINT. The model's own context is the limit below it, checked against
+# its config (model_check.check_seq_len: SmolLM2 takes 8,192, BERT 512).
+MAX_SEQ_LEN = 32_768
 CSM_BIN = DEFAULTS["csm_bin"]  # default bin of the corpus-averaged similarity matrices, in tokens per side
 
 
