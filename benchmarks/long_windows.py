@@ -1,14 +1,15 @@
-"""Long windows: time and peak memory of one window's full analysis at 128 … 4,096 tokens, for
+"""Long windows: time and peak memory of one window's full analysis at 128 … 8,192 tokens, for
 SmolLM2-135M's shape (random weights: the same work and memory per window as the real model).
 
-    python benchmarks/long_windows.py [--lengths 128,512,2048,4096] [--layers 30] [--whole 2048,4096]
+    python benchmarks/long_windows.py [--lengths 128,512,2048,4096,8192] [--layers 30] [--whole 2048,4096]
 
 Each length runs in a fresh child process (so each peak is its own): the model is built, one
 128-token window warms it up, then one window of n tokens of the development corpus (or the
 shipped excerpt) is analysed with the run's defaults (top:0.02, batch of one), ``--repeats``
-times (the median is shown). Peak memory = the child's peak resident set size, and the part of it
+times (the median is shown: wall and CPU seconds). Peak memory = the child's peak resident set size, and the part of it
 above the resident size after the warm-up (the window's own). ``--whole N,…`` also measures
-those lengths with the similarity matrix taken whole (no row chunks), as before chunking. ``--layers L``
+those lengths with the similarity matrix and the attention taken whole (no row chunks, eager
+attention), as before chunking. ``--layers L``
 keeps the first L of the 30 blocks (time scales with the layers; the peak does not, as the
 statistics of one layer are done before the next runs): for a loaded machine. The planned batch
 (``--batch-size auto`` on this machine's available memory) is shown beside.
@@ -59,10 +60,14 @@ def child(n: int, layers: int, repeats: int, whole: bool) -> dict:
     from headatlas.service.engine.analysis import analyze_batch
     from headatlas.service.engine.corpus import Document, document_id
     from headatlas.service.engine.model import auto_batch_size, load_model
+    from headatlas.service.engine.row_attention import block_rows, uses_row_attention
     from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 
     if whole:
+        from headatlas.service.engine import row_attention
+
         stats.SIM_CHUNK_ELEMENTS = 1 << 62
+        row_attention.ATTENTION_ROW_ELEMENTS = 1 << 62
     model = load_model(MODEL, device="cpu")
     if layers < model.n_layers:
         blocks = model.model.layers
@@ -99,13 +104,14 @@ def child(n: int, layers: int, repeats: int, whole: bool) -> dict:
         "window_peak": peak - base,
         "auto_batch": auto_batch_size(model, n),
         "rows": stats.similarity_chunk_rows(1, model.n_heads, n),
+        "attention_rows": block_rows(1, model.n_heads, n) if uses_row_attention(model, model.n_heads, n) else n,
         "layers": layers,
     }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="128,512,2048,4096")
+    parser.add_argument("--lengths", default="128,512,2048,4096,8192")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--whole", default="", help="lengths also measured without row chunks, e.g. 2048,4096")
@@ -125,10 +131,11 @@ def main(argv=None) -> None:
     )
     print()
     print(
-        "| tokens | s per window | peak RSS (GiB) | the window's own peak (GiB) | rows per chunk | "
-        "planned batch (auto) |" + (" whole matrix: s | whole matrix: window's peak (GiB) |" if args.whole else "")
+        "| tokens | s per window | CPU s per window | peak RSS (GiB) | the window's own peak (GiB) | "
+        "similarity rows per chunk | attention rows per block | planned batch (auto) |"
+        + (" whole matrix: CPU s | whole matrix: window's peak (GiB) |" if args.whole else "")
     )
-    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.whole else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.whole else ""))
     for n in (int(x) for x in args.lengths.split(",")):
         runs = []
         for whole in [False, True] if n in whole_at else [False]:
@@ -149,12 +156,13 @@ def main(argv=None) -> None:
         r = runs[0]
         gib = 1 << 30
         rows = "whole" if r["rows"] >= n else str(r["rows"])
+        blocks = "whole (eager)" if r["attention_rows"] >= n else str(r["attention_rows"])
         line = (
-            f"| {n:,} | {r['seconds']:.2f} | {r['peak'] / gib:.2f} | {r['window_peak'] / gib:.2f} | {rows} | "
-            f"{r['auto_batch']} |"
+            f"| {n:,} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['peak'] / gib:.2f} | "
+            f"{r['window_peak'] / gib:.2f} | {rows} | {blocks} | {r['auto_batch']} |"
         )
         if args.whole:
-            line += f" {runs[1]['seconds']:.2f} | {runs[1]['window_peak'] / gib:.2f} |" if len(runs) > 1 else " | |"
+            line += f" {runs[1]['cpu_seconds']:.2f} | {runs[1]['window_peak'] / gib:.2f} |" if len(runs) > 1 else " | |"
         print(line, flush=True)
 
 
