@@ -173,7 +173,7 @@ def row_attention(model: torch.nn.Module, observer: Callable[[], Observer | None
     """Run ``model``'s attention in row blocks inside the block (its config's implementation set
     to ``ROW_ATTENTION``, then back); ``observer()`` makes each layer's observer of its blocks."""
     _register()
-    config = model.config
+    config: Any = model.config
     before = config._attn_implementation
     token = _OBSERVER.set(observer)
     config._attn_implementation = ROW_ATTENTION

@@ -690,9 +690,9 @@ def head_statistics(
     ``SIM_CHUNK_ELEMENTS``, row chunks beyond.
     """
     z = _at_least_float32(z)
-    in_rows = not isinstance(attn, torch.Tensor)  # an AttentionRows (row_attention): never whole
-    if not in_rows:
-        attn = _at_least_float32(attn)
+    # an AttentionRows (row_attention): never whole; a tensor: the whole maps
+    rows_attn = None if isinstance(attn, torch.Tensor) else attn
+    whole_attn = _at_least_float32(attn) if isinstance(attn, torch.Tensor) else None
     batch, heads, n_pos, _ = z.shape
     rows = similarity_chunk_rows(batch, heads, n_pos) if chunk_rows is None else max(1, chunk_rows)
     if rows >= n_pos:
@@ -721,15 +721,16 @@ def head_statistics(
     out["same_sentence_high"] = count(same_sentence)
     out["same_token_high"] = count(same_token)
     out["same_word_high"] = count(same_token & pick(feats.is_word, flat_i))
-    if in_rows:  # the entries recomputed from the queries and keys
-        a_ij, a_ji = attn.entries(index), attn.entries(pos_j * n_pos + pos_i)
+    if rows_attn is not None:  # the entries recomputed from the queries and keys
+        a_ij, a_ji = rows_attn.entries(index), rows_attn.entries(pos_j * n_pos + pos_i)
     else:
-        flat_attn = attn.flatten(2)
+        assert whole_attn is not None
+        flat_attn = whole_attn.flatten(2)
         a_ij = flat_attn.gather(2, index)
         a_ji = flat_attn.gather(2, pos_j * n_pos + pos_i)
     # SPEC §8: attended when max(A_ij·k_i, A_ji·k_j) ≥ gate, compared as A ≥ gate / k so that
     # bidirectional attention (k = n) gives §3's max(A_ij, A_ji) ≥ gate / n to the last bit
-    threshold = gate / feats.visible.to(attn.dtype)  # [batch, pos]
+    threshold = gate / feats.visible.to(whole_attn.dtype if whole_attn is not None else torch.float32)  # [batch, pos]
     attended = ((a_ij >= pick(threshold, flat_i)) | (a_ji >= pick(threshold, flat_j))) & chosen
     out["attended_high"] = count(attended)
 
@@ -758,13 +759,14 @@ def head_statistics(
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)
 
-    if in_rows:  # gathered from the row blocks during the forward pass (RowSums)
-        if attn.sums is None:
+    if rows_attn is not None:  # gathered from the row blocks during the forward pass (RowSums)
+        if rows_attn.sums is None:
             raise ValueError("attention in row blocks without their sums: run the forward pass with a RowSums observer")
-        out.update(attn.sums)
+        out.update(rows_attn.sums)
     else:
-        out.update(attention_sums(attn, feats, work=feats.workspace))
-        out.update(copy_sums(attn, feats))
+        assert whole_attn is not None
+        out.update(attention_sums(whole_attn, feats, work=feats.workspace))
+        out.update(copy_sums(whole_attn, feats))
     return out
 
 
