@@ -1,6 +1,14 @@
-"""The rows a batch result adds to each statistics table, as Arrow tables (the mixing tables'
-rows are mixing_rows.py's). Kept apart from ingest.py, which only registers and inserts them in
-the batch's own transaction."""
+"""The rows a group of batch results adds to each statistics table, as Arrow tables (the mixing
+tables' rows are mixing_rows.py's). Kept apart from ingest.py, which only registers and inserts
+them in the group's one transaction.
+
+Every statistics table but ``anchors`` holds additive sums (compact.py), so the batches stored in
+one transaction are summed here, per replicate group and key, into one row set: a group of 32
+MiniLM batches adds about 60,000 rows instead of 1,000,000, and the views read the same sums
+(compaction folds them the same way). Those rows carry the group's first ``batch_id``; which
+batches and windows a run has stored is the ledger's (``batches``) and ``run_windows``' (one row
+per window, with its own batch), which stay per batch and per window, as ``anchors`` does.
+"""
 
 from __future__ import annotations
 
@@ -9,159 +17,257 @@ import pyarrow as pa
 
 from headatlas.service.engine.results import CSM_KINDS, PAIR_HISTS, BatchResult
 from headatlas.service.metrics import CHANCE_SUMS, HEAD_SUMS  # every declared sum, the effects' included
-from headatlas.service.storage.arrow_rows import TableRows
 
 
 def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:
     """The rows of every statistics table (and windows, documents, the ledger's ``batches``) for
-    ``items`` ([(batch_id, BatchResult)]) of run ``run_id``, one Arrow table per table."""
-    rows = TableRows()
-    add = rows.add
-
+    ``items`` ([(batch_id, BatchResult)], one run's, stored in one transaction) of run
+    ``run_id``, one Arrow table per table: the sums of all the items, per key."""
+    if not items:
+        return {}
+    results = [res for _, res in items]
+    label = min(b for b, _ in items)  # the batch_id of the summed rows
     # a column left out of an insert is NULL ("unavailable"): a payload made before the per-distance
     # within-sentence counts existed must not make the others' sum look whole
-    with_sentence = all(res.rep_same_sentence_hist is not None for _, res in items)
+    with_sentence = all(res.rep_same_sentence_hist is not None for res in results)
     # the declared sums (service.metrics) that every payload carries; one made before a sum
     # existed leaves its column NULL for the whole insert
-    head_sums = [k for k in HEAD_SUMS if all(k in res.rep_heads for _, res in items)]
-    run_sums = [k for k in CHANCE_SUMS if all(k in res.rep_chance for _, res in items)]
-    for batch_id, res in items:
-        # every additive sum is stored per replicate group (column rep, SPEC §5b)
-        n_groups, n_layers, n_heads = res.rep_heads["high_pairs"].shape
-        group, layer, head = np.meshgrid(np.arange(n_groups), np.arange(n_layers), np.arange(n_heads), indexing="ij")
-        add(
-            "head_stats",
-            run_id=np.full(layer.size, run_id),
-            batch_id=np.full(layer.size, batch_id),
-            rep=res.reps[group],
-            layer=layer,
-            head=head,
-            **{k: res.rep_heads[k] for k in head_sums},
-        )
-        add(
-            "run_chance",
-            run_id=np.full(n_groups, run_id),
-            batch_id=np.full(n_groups, batch_id),
-            rep=res.reps,
-            **{k: res.rep_chance[k] for k in run_sums},
-            csm_windows=res.rep_chance["windows"] * (res.csm_sum is not None),
-        )
-        gi, li, hi, di = np.nonzero(res.rep_dist_hist)
-        same = res.rep_same_sentence_hist  # not None in any item when with_sentence
-        sentence = {"same_sentence": same[gi, li, hi, di]} if with_sentence and same is not None else {}
-        add(
-            "dist_hist",
-            run_id=np.full(li.size, run_id),
-            batch_id=np.full(li.size, batch_id),
-            rep=res.reps[gi],
-            layer=li,
-            head=hi,
-            distance=di,
-            count=res.rep_dist_hist[gi, li, hi, di],
-            attended=res.rep_attended_hist[gi, li, hi, di],
+    head_sums = [k for k in HEAD_SUMS if all(k in res.rep_heads for res in results)]
+    run_sums = [k for k in CHANCE_SUMS if all(k in res.rep_chance for res in results)]
+    # every additive sum is stored per replicate group (column rep, SPEC §5b)
+    reps = np.unique(np.concatenate([np.asarray(res.reps) for res in results]))
+    where = [np.searchsorted(reps, res.reps) for res in results]  # each batch's groups among reps
+    n_reps = reps.size
+    n_layers, n_heads = results[0].rep_heads["high_pairs"].shape[1:]
+    tables: dict[str, pa.Table] = {}
+
+    def full(n: int, value) -> np.ndarray:
+        return np.full(n, value, dtype=np.int64)
+
+    # --- per head: head_stats, run_chance ---
+    rep, layer, head = (a.ravel() for a in np.indices((n_reps, n_layers, n_heads)))
+    tables["head_stats"] = pa.table(
+        {
+            "run_id": full(rep.size, run_id),
+            "batch_id": full(rep.size, label),
+            "rep": reps[rep],
+            "layer": layer,
+            "head": head,
+            **{
+                k: _summed(results, where, (n_reps, n_layers, n_heads), lambda r, k=k: r.rep_heads[k]).ravel()
+                for k in head_sums
+            },
+        }
+    )
+    chance = {k: _summed(results, where, (n_reps,), lambda r, k=k: r.rep_chance[k]) for k in run_sums}
+    tables["run_chance"] = pa.table(
+        {
+            "run_id": full(n_reps, run_id),
+            "batch_id": full(n_reps, label),
+            "rep": reps,
+            **chance,
+            "csm_windows": _summed(
+                results, where, (n_reps,), lambda r: np.asarray(r.rep_chance["windows"]) * (r.csm_sum is not None)
+            ),
+        }
+    )
+
+    # --- per distance: dist_hist, pair_hist (cells with pairs; the other sums of a batch's empty
+    # cells were never stored, and are left out of the sums here alike) ---
+    n_dist = max(res.rep_dist_hist.shape[-1] for res in results)
+    shape = (n_reps, n_layers, n_heads, n_dist)
+    count = _summed(results, where, shape, lambda r: r.rep_dist_hist)
+    attended = _summed(results, where, shape, lambda r: r.rep_attended_hist, within=lambda r: r.rep_dist_hist)
+    cells = np.nonzero(count)
+    sentence = {}
+    if with_sentence:
+        same = _summed(results, where, shape, lambda r: r.rep_same_sentence_hist, within=lambda r: r.rep_dist_hist)
+        sentence = {"same_sentence": same[cells]}
+    gi, li, hi, di = cells
+    tables["dist_hist"] = pa.table(
+        {
+            "run_id": full(li.size, run_id),
+            "batch_id": full(li.size, label),
+            "rep": reps[gi],
+            "layer": li,
+            "head": hi,
+            "distance": di,
+            "count": count[cells],
+            "attended": attended[cells],
             **sentence,
+        }
+    )
+    n_pair = max(res.rep_pair_hist["pairs"].shape[-1] for res in results)
+    pairs = {
+        k: _summed(
+            results,
+            where,
+            (n_reps, n_pair),
+            lambda r, k=k: r.rep_pair_hist[k],
+            within=lambda r: r.rep_pair_hist["pairs"],
         )
-        if res.csm_sum is not None:
-            assert res.csm_count is not None  # a batch has both sums and counts, or neither
-            # cells holding pairs only: the upper triangle, and few cells of H per batch
-            ki, lc, hc, bi, bj = np.nonzero(res.csm_count)
-            add(
-                "csm_bins",
-                run_id=np.full(ki.size, run_id),
-                batch_id=np.full(ki.size, batch_id),
-                layer=lc,
-                head=hc,
-                kind=np.array(CSM_KINDS, dtype=object)[ki],
-                bin_i=bi,
-                bin_j=bj,
-                sim_sum=res.csm_sum[ki, lc, hc, bi, bj].astype(np.float64),
-                pairs=res.csm_count[ki, lc, hc, bi, bj].astype(np.int64),
-            )
-        gp, dp = np.nonzero(res.rep_pair_hist["pairs"])
-        add(
-            "pair_hist",
-            run_id=np.full(dp.size, run_id),
-            batch_id=np.full(dp.size, batch_id),
-            rep=res.reps[gp],
-            distance=dp,
-            count=res.rep_pair_hist["pairs"][gp, dp],
-            **{k: res.rep_pair_hist[k][gp, dp] for k in PAIR_HISTS if k != "pairs"},
+        for k in PAIR_HISTS
+    }
+    gp, dp = np.nonzero(pairs["pairs"])
+    tables["pair_hist"] = pa.table(
+        {
+            "run_id": full(dp.size, run_id),
+            "batch_id": full(dp.size, label),
+            "rep": reps[gp],
+            "distance": dp,
+            "count": pairs["pairs"][gp, dp],
+            **{k: pairs[k][gp, dp] for k in PAIR_HISTS if k != "pairs"},
+        }
+    )
+
+    # --- the averaged similarity matrices: cells holding pairs (the upper triangle, few cells of H) ---
+    with_csm = [res for res in results if res.csm_sum is not None]
+    if with_csm:
+        assert all(res.csm_count is not None for res in with_csm)  # a batch has both sums and counts, or neither
+        n_bins = max(res.csm_count.shape[-1] for res in with_csm)  # type: ignore[union-attr]
+        csm_shape = (len(CSM_KINDS), n_layers, n_heads, n_bins, n_bins)
+        csm_pairs = np.zeros(csm_shape, dtype=np.int64)
+        csm_sum = np.zeros(csm_shape, dtype=np.float64)
+        for res in with_csm:
+            assert res.csm_count is not None and res.csm_sum is not None
+            c = res.csm_count
+            part = tuple(slice(0, n) for n in c.shape)
+            csm_pairs[part] += c
+            csm_sum[part] += np.where(c != 0, res.csm_sum.astype(np.float64), 0.0)
+        ki, lc, hc, bi, bj = np.nonzero(csm_pairs)
+        tables["csm_bins"] = pa.table(
+            {
+                "run_id": full(ki.size, run_id),
+                "batch_id": full(ki.size, label),
+                "layer": lc,
+                "head": hc,
+                "kind": pa.DictionaryArray.from_arrays(pa.array(ki.astype(np.int32)), pa.array(CSM_KINDS)),
+                "bin_i": bi,
+                "bin_j": bj,
+                "sim_sum": csm_sum[ki, lc, hc, bi, bj],
+                "pairs": csm_pairs[ki, lc, hc, bi, bj],
+            }
         )
-        wi, la, he = np.nonzero(res.anchor_token >= 0)
-        token_ids = res.anchor_token[wi, la, he]
-        high = res.high_count[wi, la, he]
-        count = res.anchor_count[wi, la, he]
-        window_ids = np.array(res.window_ids, dtype=object)
-        add(
-            "anchors",
-            run_id=np.full(wi.size, run_id),
-            window_id=window_ids[wi],
-            layer=la,
-            head=he,
-            token_id=token_ids,
-            token=token_texts(token_ids, res.vocab),
-            endpoint_count=count,
-            high_pairs=high,
-            anchor_share=count / np.maximum(2 * high, 1),
-            anchor_is_frequent=res.anchor_frequent[wi, la, he],
-        )
-        n_layers = res.anchor_token.shape[1]
-        share = count / np.maximum(2 * high, 1)
-        tok_layer, tok_head, tok_id, tok_windows, tok_share = anchor_token_sums(res.anchor_token, la, he, wi, share)
-        add(
-            "anchor_tokens",
-            run_id=np.full(tok_id.size, run_id),
-            batch_id=np.full(tok_id.size, batch_id),
-            layer=tok_layer,
-            head=tok_head,
-            token_id=tok_id,
-            token=token_texts(tok_id, res.vocab),
-            windows=tok_windows,
-            share_sum=tok_share,
-        )
-        lay_windows, lay_distinct, lay_anchors, lay_heads = anchor_layer_sums(res.anchor_token)
-        add(
-            "anchor_layers",
-            run_id=np.full(n_layers, run_id),
-            batch_id=np.full(n_layers, batch_id),
-            layer=np.arange(n_layers),
-            windows=lay_windows,
-            distinct_windows=lay_distinct,
-            distinct_anchor_sum=lay_anchors,
-            anchored_head_sum=lay_heads,
-        )
-        add(
-            "run_windows",
-            run_id=np.full(len(res.window_ids), run_id),
-            window_id=window_ids,
-            batch_id=np.full(len(res.window_ids), batch_id),
-        )
-        add("batches", run_id=[run_id], batch_id=[batch_id], n_windows=[len(res.window_ids)], compute_s=[res.compute_s])
-        add(
-            "windows",
-            window_id=[w["window_id"] for w in res.windows],
-            doc_id=[w["doc_id"] for w in res.windows],
-            window_index=[w["window_index"] for w in res.windows],
-            n_tokens=[w["n_tokens"] for w in res.windows],
-        )
-        docs = res.documents
-        add(
-            "documents",
-            doc_id=[d["doc_id"] for d in docs],
-            source=[d["source"] for d in docs],
-            line=[d["line"] for d in docs],
-            n_chars=[d["n_chars"] for d in docs],
-            preview=[d["preview"] for d in docs],
-        )
-    return rows.tables()
+
+    # --- anchors: one row per anchored (window, head); their sums per token and per layer ---
+    vocab: dict[int, str] = {}
+    for res in results:
+        vocab.update(res.vocab)
+    anchor_token = np.concatenate([res.anchor_token for res in results])
+    anchor_count = np.concatenate([res.anchor_count for res in results])
+    high_count = np.concatenate([res.high_count for res in results])
+    anchor_frequent = np.concatenate([res.anchor_frequent for res in results])
+    window_ids = np.array([w for res in results for w in res.window_ids], dtype=object)
+    wi, la, he = np.nonzero(anchor_token >= 0)
+    token_ids = anchor_token[wi, la, he]
+    high = high_count[wi, la, he]
+    endpoint = anchor_count[wi, la, he]
+    share = endpoint / np.maximum(2 * high, 1)
+    tables["anchors"] = pa.table(
+        {
+            "run_id": full(wi.size, run_id),
+            "window_id": _strings(window_ids, wi),
+            "layer": la,
+            "head": he,
+            "token_id": token_ids,
+            "token": token_column(token_ids, vocab),
+            "endpoint_count": endpoint,
+            "high_pairs": high,
+            "anchor_share": share,
+            "anchor_is_frequent": anchor_frequent[wi, la, he],
+        }
+    )
+    tok_layer, tok_head, tok_id, tok_windows, tok_share = anchor_token_sums(anchor_token, la, he, wi, share)
+    tables["anchor_tokens"] = pa.table(
+        {
+            "run_id": full(tok_id.size, run_id),
+            "batch_id": full(tok_id.size, label),
+            "layer": tok_layer,
+            "head": tok_head,
+            "token_id": tok_id,
+            "token": token_column(tok_id, vocab),
+            "windows": tok_windows,
+            "share_sum": tok_share,
+        }
+    )
+    lay_windows, lay_distinct, lay_anchors, lay_heads = anchor_layer_sums(anchor_token)
+    tables["anchor_layers"] = pa.table(
+        {
+            "run_id": full(n_layers, run_id),
+            "batch_id": full(n_layers, label),
+            "layer": np.arange(n_layers),
+            "windows": lay_windows,
+            "distinct_windows": lay_distinct,
+            "distinct_anchor_sum": lay_anchors,
+            "anchored_head_sum": lay_heads,
+        }
+    )
+
+    # --- per window and per batch: what the run has stored (resuming it), windows, documents ---
+    tables["run_windows"] = pa.table(
+        {
+            "run_id": full(window_ids.size, run_id),
+            "window_id": pa.array(window_ids.tolist(), type=pa.string()),
+            "batch_id": np.concatenate([full(len(res.window_ids), b) for b, res in items]),
+        }
+    )
+    tables["batches"] = pa.table(
+        {
+            "run_id": full(len(items), run_id),
+            "batch_id": np.array([b for b, _ in items], dtype=np.int64),
+            "n_windows": np.array([len(res.window_ids) for res in results], dtype=np.int64),
+            "compute_s": np.array([res.compute_s for res in results], dtype=np.float64),
+        }
+    )
+    windows = [w for res in results for w in res.windows]
+    tables["windows"] = pa.table(
+        {
+            "window_id": pa.array([w["window_id"] for w in windows], type=pa.string()),
+            "doc_id": pa.array([w["doc_id"] for w in windows], type=pa.string()),
+            "window_index": np.array([w["window_index"] for w in windows], dtype=np.int64),
+            "n_tokens": np.array([w["n_tokens"] for w in windows], dtype=np.int64),
+        }
+    )
+    docs = [d for res in results for d in res.documents]
+    tables["documents"] = pa.table(
+        {
+            "doc_id": pa.array([d["doc_id"] for d in docs], type=pa.string()),
+            "source": pa.array([d["source"] for d in docs], type=pa.string()),
+            "line": np.array([d["line"] for d in docs], dtype=np.int64),
+            "n_chars": np.array([d["n_chars"] for d in docs], dtype=np.int64),
+            "preview": pa.array([d["preview"] for d in docs], type=pa.string()),
+        }
+    )
+    return tables
 
 
-def token_texts(token_ids: np.ndarray, vocab: dict[int, str]) -> np.ndarray:
-    """The text of each token id (the id itself where ``vocab`` lacks it), looked up once per
-    distinct id: a batch's anchors name a few hundred tokens tens of thousands of times."""
+def _summed(results, where, shape, value, within=None) -> np.ndarray:
+    """The sum over ``results`` of ``value(res)`` (``[group, …]``), each batch's groups added at
+    their place among the group's replicate groups (``where``) and its trailing axes at the start
+    of ``shape``'s (a shorter batch's histogram fills the first distances). ``within``: a batch's
+    cells where it is zero are left out (they were never stored)."""
+    arrays = [np.asarray(value(res)) for res in results]
+    kind = np.result_type(*arrays).kind
+    acc = np.zeros(shape, dtype=np.float64 if kind in "fc" else np.int64)
+    for res, at, arr in zip(results, where, arrays):
+        if within is not None:
+            arr = np.where(np.asarray(within(res)) != 0, arr, 0)
+        acc[(at, *(slice(0, n) for n in arr.shape[1:]))] += arr
+    return acc
+
+
+def _strings(values: np.ndarray, index: np.ndarray) -> pa.Array:
+    """``values[index]`` (strings) as a dictionary-encoded Arrow column: each string converted once."""
+    return pa.DictionaryArray.from_arrays(pa.array(index.astype(np.int32)), pa.array(values.tolist(), type=pa.string()))
+
+
+def token_column(token_ids: np.ndarray, vocab: dict[int, str]) -> pa.Array:
+    """The text of each token id (the id itself where ``vocab`` lacks it), as a dictionary-encoded
+    Arrow column: a group's anchors name a few hundred tokens tens of thousands of times, each
+    looked up and converted once."""
     distinct, where = np.unique(token_ids, return_inverse=True)
-    texts = np.array([vocab.get(int(t), str(t)) for t in distinct], dtype=object)
-    return texts[where.ravel()] if len(distinct) else np.array([], dtype=object)
+    texts = pa.array([vocab.get(int(t), str(t)) for t in distinct], type=pa.string())
+    return pa.DictionaryArray.from_arrays(pa.array(where.ravel().astype(np.int32)), texts)
 
 
 def anchor_token_sums(anchor_token: np.ndarray, layer, head, window, share):
