@@ -279,7 +279,7 @@ def storing(results: dict, folder: Path, batches: int, repeats: int) -> None:
     for shape, (result, described) in results.items():
         figures = {}
         for target, support in targets:
-            times = []
+            times, cpu = [], []
             for k in range(repeats):
                 place = folder / f"store-{shape}-{target}-{k}"
                 place.mkdir()
@@ -302,16 +302,22 @@ def storing(results: dict, folder: Path, batches: int, repeats: int) -> None:
                         device="cpu",
                     )
                     items = [(b, relabelled(result, b)) for b in range(batches)]
-                    start = time.perf_counter()
+                    start, own = time.perf_counter(), cpu_seconds()[0]
                     for g in range(0, batches, GROUP):
                         store_batches(store, run.run_id, items[g : g + GROUP])
                     times.append(time.perf_counter() - start)
+                    cpu.append(cpu_seconds()[0] - own)  # DuckDB's threads included
                 finally:
                     if lake is not None:
                         support.remove_lake(lake)
             windows = batches * len(result.window_ids)
             figures[target] = windows / statistics.median(times)
-            print(f"storing, {shape} shape, {target}: {figures[target]:,.0f} windows/s", flush=True)
+            per_window = statistics.median(cpu) / windows * 1e3
+            print(
+                f"storing, {shape} shape, {target}: {figures[target]:,.0f} windows/s; {windows:,} windows; "
+                f"CPU per window {per_window:.3f} ms (1 / CPU: {1e3 / per_window:,.0f} windows per CPU-second)",
+                flush=True,
+            )
         if "lake" in figures:
             print(f"storing, {shape} shape, lake / file: {figures['lake'] / figures['file']:.2f}×")
         else:

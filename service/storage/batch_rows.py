@@ -265,9 +265,20 @@ def token_column(token_ids: np.ndarray, vocab: dict[int, str]) -> pa.Array:
     """The text of each token id (the id itself where ``vocab`` lacks it), as a dictionary-encoded
     Arrow column: a group's anchors name a few hundred tokens tens of thousands of times, each
     looked up and converted once."""
-    distinct, where = np.unique(token_ids, return_inverse=True)
+    distinct, where = distinct_ids(token_ids)
     texts = pa.array([vocab.get(int(t), str(t)) for t in distinct], type=pa.string())
-    return pa.DictionaryArray.from_arrays(pa.array(where.ravel().astype(np.int32)), texts)
+    return pa.DictionaryArray.from_arrays(pa.array(where.astype(np.int32)), texts)
+
+
+def distinct_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)`` for non-negative integer ids (token ids), in
+    linear time: a group's anchors hold hundreds of thousands of ids of a vocabulary's range."""
+    ids = np.asarray(ids).ravel()
+    if ids.size == 0:
+        return ids.astype(np.int64), np.zeros(0, dtype=np.int64)
+    seen = np.zeros(int(ids.max()) + 1, dtype=bool)
+    seen[ids] = True
+    return np.flatnonzero(seen), (np.cumsum(seen) - 1)[ids]
 
 
 def anchor_token_sums(anchor_token: np.ndarray, layer, head, window, share):
@@ -275,14 +286,16 @@ def anchor_token_sums(anchor_token: np.ndarray, layer, head, window, share):
 
     anchor_token: ``[window, layer, head]``; layer/head/window/share: the anchored entries.
     """
-    n_heads = anchor_token.shape[2]
-    token = anchor_token[window, layer, head]
-    key = (layer.astype(np.int64) * n_heads + head) * (int(token.max(initial=0)) + 1) + token
-    uniq, inverse = np.unique(key, return_inverse=True)
-    windows = np.bincount(inverse, minlength=uniq.size)
-    share_sum = np.bincount(inverse, weights=share, minlength=uniq.size)
-    vocab = int(token.max(initial=0)) + 1
-    return (uniq // vocab) // n_heads, (uniq // vocab) % n_heads, uniq % vocab, windows, share_sum
+    n_layers, n_heads = anchor_token.shape[1:]
+    tokens, token = distinct_ids(anchor_token[window, layer, head])
+    n_tokens = max(tokens.size, 1)
+    key = (layer.astype(np.int64) * n_heads + head) * n_tokens + token
+    cells = n_layers * n_heads * n_tokens
+    windows = np.bincount(key, minlength=cells)
+    share_sum = np.bincount(key, weights=share, minlength=cells)
+    uniq = np.flatnonzero(windows)  # the (layer, head, token) cells with an anchor, in that order
+    cell = uniq // n_tokens
+    return cell // n_heads, cell % n_heads, tokens[uniq % n_tokens], windows[uniq], share_sum[uniq]
 
 
 def anchor_layer_sums(anchor_token: np.ndarray):
