@@ -71,6 +71,12 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
     if not fresh:
         return []
     raw = db.driver_connection(conn)
+    if keys:
+        # a file: its write connection ends with this transaction, so the setting ends with it.
+        # Storing a group on one thread takes a third less CPU per window than on DuckDB's pool
+        # (waking its threads for each of a dozen inserts, and for the checkpoint on closing,
+        # costs more than they save), docs/benchmarks.md "Storing"
+        raw.execute("SET threads = 1")
     tables = batch_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))
     try:
