@@ -11,8 +11,9 @@ Each figure is printed as ``N windows/s`` on a line that names its stage and sha
   message), encoded and decoded, with its bytes, for a batch of MiniLM's shape (6 × 12 heads) and
   one of SmolLM2's (30 × 9), both analysed for real (random weights) on the corpus's first windows;
 - storing: what the writer and the embedded engine do with those results (``store_batches``, one
-  transaction per group of 32 batches), into a file, and into a lake when PostgreSQL answers at
-  ``HEADATLAS_TEST_PG`` (tests/lake_support.py);
+  transaction per group of 32 batches, ``--group``), into a file, and into a lake when PostgreSQL
+  answers at ``HEADATLAS_TEST_PG`` (tests/lake_support.py), with the CPU seconds per window of
+  this process (DuckDB's threads included; a lake's PostgreSQL not);
 - whole run: ``random:tiny`` (a nearly free model) embedded, and queued (a writer and one worker
   on a Redis of its own), from the start to the last stored batch.
 
@@ -261,11 +262,11 @@ def payloads(results: dict, repeats: int) -> None:
 # --- storing -------------------------------------------------------------------------------
 
 
-def storing(results: dict, folder: Path, batches: int, repeats: int) -> None:
+def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = GROUP) -> None:
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store, store_batches
 
-    print(f"# storing: {batches} batches in transactions of {GROUP} (store_batches); {load()}")
+    print(f"# storing: {batches} batches in transactions of {group} (store_batches); {load()}")
     targets: list[tuple[str, object]] = [("file", None)]
     lake_support = None
     try:
@@ -303,8 +304,8 @@ def storing(results: dict, folder: Path, batches: int, repeats: int) -> None:
                     )
                     items = [(b, relabelled(result, b)) for b in range(batches)]
                     start, own = time.perf_counter(), cpu_seconds()[0]
-                    for g in range(0, batches, GROUP):
-                        store_batches(store, run.run_id, items[g : g + GROUP])
+                    for g in range(0, batches, group):
+                        store_batches(store, run.run_id, items[g : g + group])
                     times.append(time.perf_counter() - start)
                     cpu.append(cpu_seconds()[0] - own)  # DuckDB's threads included
                 finally:
@@ -404,6 +405,9 @@ def main(argv=None) -> None:
     parser.add_argument("--processes", default=f"1,{min(os.cpu_count() or 1, 16)}", help="preparation: process counts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, default=128, help="storing: batches of 32 windows per repeat")
+    parser.add_argument(
+        "--group", type=int, default=GROUP, help=f"storing: batches per transaction (the writer's: {GROUP})"
+    )
     parser.add_argument("--parts", default="preparation,payload,storing,run", help="which parts, comma-separated")
     parser.add_argument("--no-queue", action="store_true", help="whole run: the embedded engine only")
     parser.add_argument(
@@ -431,7 +435,7 @@ def main(argv=None) -> None:
             if "payload" in parts:
                 payloads(results, args.repeats)
             if "storing" in parts:
-                storing(results, folder, args.batches, args.repeats)
+                storing(results, folder, args.batches, args.repeats, args.group)
         if "run" in parts:
             whole_runs(corpus, folder, queued=not args.no_queue)
     finally:

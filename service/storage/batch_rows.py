@@ -252,7 +252,8 @@ def _summed(results, where, shape, value, within=None) -> np.ndarray:
     for res, at, arr in zip(results, where, arrays):
         if within is not None:
             arr = np.where(np.asarray(within(res)) != 0, arr, 0)
-        acc[(at, *(slice(0, n) for n in arr.shape[1:]))] += arr
+        place = (at,) + tuple(slice(0, n) for n in arr.shape[1:])
+        acc[place] += arr
     return acc
 
 
