@@ -370,3 +370,49 @@ def test_a_new_database_is_created_without_alembic_chatter(tmp_path, caplog):
     finally:
         logging.getLogger("headatlas").setLevel(logging.NOTSET)
     assert any(r.name.startswith("alembic") and "Running upgrade" in r.getMessage() for r in caplog.records)
+
+
+def test_a_transactions_batches_are_summed_into_the_same_views_as_one_batch_at_a_time(
+    tmp_path, tiny_model, small_corpus
+):
+    """Storing several batches in one transaction sums them per replicate group and key
+    (batch_rows.py): fewer rows, and every view, window, anchor and ledger row as when each batch
+    is stored on its own."""
+    params = AnalysisParams(replicates="block:1")  # several replicate groups, some in several batches
+    results = _results(tiny_model, small_corpus, params)
+    assert len(results) >= 3
+    stores = {}
+    for name in ("apart", "together"):
+        stores[name] = s = Store(tmp_path / f"{name}.duckdb")
+        s.ensure_schema()
+        run = _run(s, tiny_model, small_corpus, params)
+        if name == "apart":
+            assert sum(s.ingest(run.run_id, [(b, r)]) for b, r in enumerate(results)) == len(results)
+        else:
+            assert s.ingest(run.run_id, list(enumerate(results))) == len(results)
+
+    def read(name: str) -> dict[str, list]:
+        con = duckdb.connect(str(stores[name].path), read_only=True)
+        try:
+            views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+            out = {v: sorted(con.execute(f"SELECT * FROM {v}").fetchall(), key=repr) for v in views}
+            for table in ("anchors", "run_windows", "windows", "documents"):
+                out[table] = sorted(con.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
+            out["batches"] = con.execute("SELECT batch_id, n_windows, status FROM batches ORDER BY 1").fetchall()
+            out["rows"] = [con.execute("SELECT count(*) FROM head_stats").fetchone()[0]]
+            return out
+        finally:
+            con.close()
+
+    apart, together = read("apart"), read("together")
+    assert together.pop("rows")[0] < apart.pop("rows")[0]
+    assert apart.keys() == together.keys() and len(apart) > 10
+    for name, rows in apart.items():
+        assert len(together[name]) == len(rows), name
+        for a, b in zip(rows, together[name]):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                if isinstance(x, float) and isinstance(y, float):
+                    assert y == pytest.approx(x, rel=1e-12, abs=1e-12, nan_ok=True), name
+                else:
+                    assert x == y, name
