@@ -4,7 +4,8 @@ transactions of their own.
 
 Bulk rows go in through Arrow tables (batch_rows.py, mixing_rows.py) registered on the raw
 DuckDB connection and ``INSERT … SELECT`` inside the batch's transaction (about 100× faster than
-executemany). A batch already in the ledger (``batches``) is skipped: a redelivered batch is
+executemany); the batches stored in one transaction are summed per replicate group and key
+first (batch_rows.py), the ledger and ``run_windows`` keeping one row per batch and per window. A batch already in the ledger (``batches``) is skipped: a redelivered batch is
 harmless.
 """
 
