@@ -91,14 +91,19 @@ bench: install-test
 # (FINDINGS_ARGS= for MiniLM alone; --corpus PATH --doc-chars N --out FILE for another corpus).
 FINDINGS_ARGS ?= --decoder
 # Then the causal effects (SPEC §9) of MiniLM and SmolLM2 on the development corpus: which heads matter,
-# the pruning curves and the seed paper's claim (docs/findings-output-effects.md, about an hour on 2 cores).
-EFFECT_FINDINGS_ARGS ?=
+# the pruning curves and the seed paper's claim (docs/findings-output-effects.md, about an hour on 2 cores;
+# SmolLM2's every head mean-ablated on 8 windows: docs/findings-output-effects-smollm2.md, about an hour more).
+EFFECT_FINDINGS_ARGS ?= --models default
+SMOLLM2_EFFECT_ARGS ?= --models smollm2 --kinds smollm2=mean+gradient --documents smollm2=40 --prune smollm2=8:25% \
+	--orders smollm2=effect+importance+noise+random --out docs/findings-output-effects-smollm2.md \
+	--db build/effect-findings-smollm2.duckdb
 # Then the long-range claim: SmolLM2 on the development corpus in 2,048- against 128-token windows, as many
 # documents as --minutes allow (docs/findings-output-long-range.md; --resume continues a saved sitting).
 LONG_RANGE_ARGS ?= --minutes 20
 findings: install
 	$(PY) benchmarks/findings.py $(FINDINGS_ARGS)
 	$(PY) benchmarks/effect_findings.py $(EFFECT_FINDINGS_ARGS)
+	$(PY) benchmarks/effect_findings.py $(SMOLLM2_EFFECT_ARGS)
 	nice -n 10 $(PY) benchmarks/long_range.py $(LONG_RANGE_ARGS)
 
 # The development corpus, copied into the checkout's ignored build/corpora/ so that it travels with

@@ -22,6 +22,7 @@ OUTPUTS = (
     "docs/findings-output.md",
     "docs/findings-output-dev.md",
     "docs/findings-output-effects.md",
+    "docs/findings-output-effects-smollm2.md",
     "docs/findings-output-long-range.md",
 )
 BLOCK = re.compile(r"<!-- begin (\S+) -->\n(.*?)<!-- end \1 -->", re.S)
