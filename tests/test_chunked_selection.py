@@ -16,18 +16,8 @@ from headatlas.service.engine.stats import (
     unresolved_rows,
     window_features,
 )
-from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import Selection
-
-CLS, SEP, PAD, DOT = 1, 2, 0, 3
-TOKENS = TokenClasses(
-    cls_id=CLS,
-    sep_id=SEP,
-    pad_id=PAD,
-    special_ids=frozenset({CLS, SEP, PAD}),
-    sentence_end_ids=frozenset({DOT}),
-    punct_ids=frozenset({DOT}),
-)
+from tests.chunk_support import CLS, PAD, SEP, TOKENS, Largest
 
 
 def _batch(seed: int, n_pos: int = 23, batch: int = 3, heads: int = 2, levels: int = 3):
@@ -171,22 +161,6 @@ def test_near_constant_heads_are_reranked_the_same_in_row_chunks(select):
 
 
 def test_near_constant_heads_in_row_chunks_never_hold_the_whole_matrix():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        """The most elements of any tensor an operation made."""
-
-        def __init__(self):
-            super().__init__()
-            self.numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.numel = max(self.numel, t.numel())
-            return out
-
     n_pos = 300
     feats, z = _near_constant_batch(n_pos=n_pos)
     selection = Selection.parse("top:0.02")

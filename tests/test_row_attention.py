@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from headatlas.service.engine import row_attention as ra
 from headatlas.service.engine import stats
@@ -16,31 +15,7 @@ from headatlas.service.engine.row_attention import AttentionRows, rows_attention
 from headatlas.service.engine.stats import RowSums, attention_sums, copy_sums, head_statistics, window_features
 from headatlas.service.engine.windows import Batch, TokenClasses, Window, collate
 from headatlas.service.params import AnalysisParams, Selection
-
-CLS, SEP, PAD, DOT = 1, 2, 0, 3
-TOKENS = TokenClasses(
-    cls_id=CLS,
-    sep_id=SEP,
-    pad_id=PAD,
-    special_ids=frozenset({CLS, SEP, PAD}),
-    sentence_end_ids=frozenset({DOT}),
-    punct_ids=frozenset({DOT}),
-)
-
-
-class Largest(TorchDispatchMode):
-    """The most bytes of memory behind any tensor an operation returned (a view counts its base's)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.bytes = max(self.bytes, t.untyped_storage().nbytes())
-        return out
+from tests.chunk_support import CLS, PAD, TOKENS, Largest
 
 
 def _eager(query, key, value, allowed, scaling):
