@@ -119,9 +119,9 @@ def main() -> None:
             f"with the objective, {heads * median(full):.2f} s | **{ratio:.2f}×** ({bare:.2f}× of bare passes) | ≤ 0.6 |"
         )
         if grad:
-            # head_effects also runs the intact pass it compares with: the gradient's own cost is the rest
+            # gradient importance alone: one forward pass (every gate at 1: the intact model) and one backward
             print(
-                f"| {name} | gradient importance (with its intact pass) | {show(grad)} | one forward pass with the "
+                f"| {name} | gradient importance (one forward and one backward pass) | {show(grad)} | one forward pass with the "
                 f"objective | **{median(grad) / median(full):.2f}×** ({median(grad) / median(fwd):.2f}× of a bare "
                 f"pass) | ≤ 3 |"
             )
