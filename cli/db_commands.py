@@ -25,12 +25,20 @@ def register(app: typer.Typer) -> None:
 
 
 def db_upgrade(db: str = DbOpt) -> None:
-    """Create the schema or apply pending migrations."""
+    """Create the schema or apply pending migrations, then store the results (metrics, intervals, roles) of
+    every finished run whose stored results are missing or stale."""
     from headatlas.service.storage.backends import label
     from headatlas.service.storage.db import upgrade
 
     before, after = upgrade(db)
     stdout.print(f"{label(db)}: schema {before or 'none'} → {after}", markup=False)
+    from headatlas.service.reports.stored import fill
+    from headatlas.service.storage.store import Store
+
+    filled = fill(Store(db))
+    if filled:
+        runs = ", ".join(str(r) for r in filled)
+        stdout.print(f"{label(db)}: results stored for finished run(s) {runs}", markup=False)
 
 
 def db_current(db: str = DbOpt) -> None:

@@ -78,9 +78,11 @@ def _run(connection) -> None:
     with context.begin_transaction():
         context.run_migrations()
         if set(context.get_context().get_current_heads()) == set(context.script.get_heads()):
+            from headatlas.service.storage import run_results
             from headatlas.service.storage.views import rebuild_views
 
             rebuild_views(connection)
+            run_results.rebuild_views(connection)
 
 
 run_migrations_online()

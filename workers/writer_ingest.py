@@ -16,7 +16,7 @@ from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
 from headatlas.service.errors import StoreBusy, StoreError
-from headatlas.service.statuses import ENDED
+from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.ingest import ingest_batch_ids, ingest_batches, reserve_batches
 from headatlas.service.storage.runs import run_is_there
@@ -183,6 +183,10 @@ class GroupIngest:
         )
         if summary.status in ENDED and not self.ledger.in_flight(run_key):
             self.ledger.inactive(run_key)  # nothing of it runs any more: no need to sweep it
+        if summary.status == RunStatus.DONE and run_key in self.run_ids:
+            from headatlas.service.reports.stored import refresh
+
+            refresh(self.store, self.run_ids[run_key])  # its results, derived once (a no-op while current)
 
     def _one_by_one(self, known: Known) -> list[Outcome]:
         """After a group failed: each message in its own transaction, a bad one marked failed."""

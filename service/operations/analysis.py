@@ -131,6 +131,10 @@ def _analyse(
                     control_seed=seed,
                 )
             )
+    from headatlas.service.reports.stored import refresh
+
+    for done in (run, *controls):  # a finished run's metrics, intervals and roles, derived once
+        refresh(store, done.run_id)
     return Analysed(store, run, tuple(controls))
 
 

@@ -5,6 +5,8 @@ Column names are SPEC names; layers and heads are 0-based (the papers count from
 
 from __future__ import annotations
 
+import math
+
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
@@ -160,6 +162,83 @@ def _check_probe_sort(conn: Connection, run_id: int, sort: str | None) -> None:
         )
 
 
+# the anchors of each head, most frequent first (``:run``, ``:n_anchors``): ``top_anchors (layer, head, anchors)``
+TOP_ANCHORS_SQL = """
+        ranked AS (
+            SELECT layer, head, token, window_share,
+                   row_number() OVER (PARTITION BY layer, head ORDER BY windows DESC, token) AS rank
+            FROM anchor_counts WHERE run_id = :run
+        ),
+        top_anchors AS (
+            SELECT layer, head,
+                   string_agg(token || ' ' || printf('%.0f%%', 100 * window_share), ', ' ORDER BY rank) AS anchors
+            FROM ranked WHERE rank <= :n_anchors GROUP BY layer, head
+        )
+"""
+STORED_ANCHORS = 3  # the anchors of the stored heads (``query heads``' default)
+
+
+def _stored_heads(
+    conn: Connection,
+    run_id: int,
+    *,
+    layer: int | None,
+    sort: str | None,
+    top: int | None,
+    anchors: int,
+    ci: bool,
+    ascending: bool,
+) -> Rows | None:
+    """``heads`` from the run's stored results (``reports.stored``: ``query heads --ci``), or None
+    where none are current: the same rows, filtered, sorted and cut as the SQL would."""
+    from headatlas.service.reports import stored
+
+    kept = stored.load(conn, run_id, "heads")
+    if kept is None:
+        return None
+    columns, rows = kept
+    if sort is not None and sort not in columns:
+        return None  # a column the run's kind of attention leaves out: sorted by SQL
+    if anchors != STORED_ANCHORS and "top_anchors" in columns:
+        ai = columns.index("top_anchors")
+        named = _top_anchors(conn, run_id, anchors)
+        rows = [(*r[:ai], named.get((r[0], r[1])), *r[ai + 1 :]) for r in rows]
+    if not ci:
+        added = {n for c in columns if f"{c}_lo" in columns and f"{c}_hi" in columns for n in (f"{c}_lo", f"{c}_hi")}
+        added.add("interval_by")
+        keep = [i for i, c in enumerate(columns) if c not in added]
+        columns, rows = [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in rows]
+    if layer is not None:
+        rows = [r for r in rows if r[0] == layer]
+    if sort is not None:
+        si = columns.index(sort)
+        present = [r for r in rows if r[si] is not None]
+        # NULLS LAST either way; ties by layer and head, the order rows are stored in (a sort
+        # reversed is still stable)
+        present.sort(key=lambda r: _sort_value(r[si]), reverse=not ascending)
+        rows = present + [r for r in rows if r[si] is None]
+    if top is not None:
+        rows = rows[:top]
+    return list(columns), rows
+
+
+def _sort_value(value) -> float:
+    """A value as DuckDB orders it: NaN above every number."""
+    number = float(value)
+    return math.inf if math.isnan(number) else number
+
+
+def _top_anchors(conn: Connection, run_id: int, n: int) -> dict[tuple[int, int], str | None]:
+    """Each head's ``n`` most frequent anchors, as ``heads`` shows them in ``top_anchors``."""
+    if n <= 0:
+        return {}
+    rows = conn.execute(
+        text(f"WITH {TOP_ANCHORS_SQL} SELECT layer, head, anchors FROM top_anchors"), {"run": run_id, "n_anchors": n}
+    ).all()
+    byte_level = byte_level_run(conn, run_id)
+    return {(r[0], r[1]): anchors_as_text(r[2]) if byte_level else r[2] for r in rows}
+
+
 def heads(
     conn: Connection,
     run_id: int,
@@ -179,20 +258,15 @@ def heads(
     read them; ``with_df``: with each interval's degrees of freedom, ``<metric>_df``, the role tests')."""
     _check_sort(sort, SORTABLE)
     _check_probe_sort(conn, run_id, sort)
+    if clip and not with_df:
+        kept = _stored_heads(conn, run_id, layer=layer, sort=sort, top=top, anchors=anchors, ci=ci, ascending=ascending)
+        if kept is not None:
+            return kept
     order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
     probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
     sql = f"""
-        WITH ranked AS (
-            SELECT layer, head, token, window_share,
-                   row_number() OVER (PARTITION BY layer, head ORDER BY windows DESC, token) AS rank
-            FROM anchor_counts WHERE run_id = :run
-        ),
-        top_anchors AS (
-            SELECT layer, head,
-                   string_agg(token || ' ' || printf('%.0f%%', 100 * window_share), ', ' ORDER BY rank) AS anchors
-            FROM ranked WHERE rank <= :n_anchors GROUP BY layer, head
-        )
+        WITH {TOP_ANCHORS_SQL}
         SELECT {cols}, a.anchors AS top_anchors, {probe}
         FROM head_metrics m LEFT JOIN top_anchors a USING (layer, head)
         LEFT JOIN probe_scores p ON p.run_id = m.run_id AND p.layer = m.layer AND p.head = m.head
@@ -440,6 +514,12 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
     (SPEC §5): ``anchor_distinct_share`` = distinct anchors among the layer's anchored heads per
     window, over those heads, pooled over windows (1: every head its own anchor; 1/H: one anchor
     for all H heads)."""
+    if ci:
+        from headatlas.service.reports import stored
+
+        kept = stored.load(conn, run_id, "layers")
+        if kept is not None:
+            return kept
     cols = ", ".join(f"l.{c}" for c in LAYER_COLUMNS)
     # the view's distinct_share (windows in which *all* the layer's anchors differ) stays for SQL:
     # with 12 heads that event almost never happens, so it measures the head count, not the heads

@@ -432,7 +432,16 @@ def run_context(conn: Connection, run_id: int) -> dict:
 def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.Rows:
     """Per (head, role): the evidence that earned it (metric, value, 95% interval, threshold, p,
     Holm-adjusted p, family size). ``stability``: also ``half_a``, ``half_b`` (held on the run's
-    alternate replicate groups alone) and ``stable`` (both)."""
+    alternate replicate groups alone) and ``stable`` (both). A finished run's stored roles are read
+    while they are current (``reports.stored``)."""
+    from headatlas.service.reports import stored
+
+    kept = stored.load(conn, run_id, "roles")
+    if kept is not None:
+        columns, rows = kept
+        if stability:
+            return columns, rows
+        return columns[: len(COLUMNS)], [r[: len(COLUMNS)] for r in rows]
     columns, rows = queries.heads(conn, run_id, anchors=0, ci=True, clip=False, with_df=True)  # the tests' intervals
     dicts = [dict(zip(columns, r)) for r in rows]
     groups = halves.run_groups(conn, run_id)

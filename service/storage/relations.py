@@ -19,6 +19,7 @@ VIEWS = (
     "csm_means",
     "mixing_metrics",
     "mixing_distance",
+    "roles",  # per run, head and role: the stored roles of a finished run, while current (SPEC §7)
 )
 # the same per replicate group left out (drop_rep = g; -1: the whole run): the intervals' input
 REP_VIEWS = (
@@ -54,6 +55,8 @@ TABLES = (
     "run_effects",
     "prunes",
     "prune_curves",
+    "run_results",
+    "role_results",
     "queue_plans",
     "schedules",
     "schedule_fires",

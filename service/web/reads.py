@@ -34,38 +34,22 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.statuses import RunStatus
+from headatlas.service.storage.run_results import COUNTED_ONLY, NOT_RESULTS, RESULT_TABLES, run_tables
 from headatlas.service.storage.store import Run, Store
 
 T = TypeVar("T")
-# a run's rows in these tables (per window or per token: millions on a large run) are counted; in the
-# others they are also hashed, so that rows rewritten in place change the fingerprint too
-COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows", "csm_bins", "mixing_dist"})
-# a run's names and tags: the run's row of the runs list, read per database state, never of_run
-NOT_RESULTS = frozenset({"run_aliases", "run_tags"})
-
-
-def run_tables(conn: Connection) -> list[str]:
-    """The base tables that hold rows of a run (a ``run_id`` column)."""
-    rows = conn.execute(
-        text(
-            "SELECT c.table_name FROM information_schema.columns c JOIN information_schema.tables t "
-            "USING (table_catalog, table_schema, table_name) "
-            "WHERE c.column_name = 'run_id' AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
-            "ORDER BY c.table_name"
-        )
-    )
-    return [r[0] for r in rows]
 
 
 def run_fingerprint(conn: Connection, run_id: int) -> tuple:
     """What changes whenever anything stored for run ``run_id`` changes: per table, the run's row
-    count and (but in ``COUNTED_ONLY``) the sum of its rows' hashes. Milliseconds on a large run."""
+    count and (but in ``COUNTED_ONLY``) the sum of its rows' hashes. Milliseconds on a large run.
+    The results stored for the run (``run_results``) are left out: they describe these rows."""
     parts = [
         f"SELECT '{t}', count(*), "
         + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))")
         + f" FROM {t} x WHERE run_id = :run"
         for t in run_tables(conn)
-        if t not in NOT_RESULTS
+        if t not in NOT_RESULTS and t not in RESULT_TABLES
     ]
     return tuple(sorted(tuple(r) for r in conn.execute(text(" UNION ALL ".join(parts)), {"run": run_id})))
 

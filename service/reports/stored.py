@@ -1,0 +1,106 @@
+"""A finished run's results, derived once and stored (``service/storage/run_results.py``).
+
+``derive`` computes what the readers would (``query heads --ci``, ``query roles --stability``,
+``query layers --ci``) with the stored copies bypassed; ``refresh`` stores them for a finished run
+whose stored results are missing or stale: when a run ends (the embedded analysis, the queue's
+writer, on a file or a lake) and at ``headatlas db upgrade`` (``fill``). The readers
+(``queries.heads``, ``queries.layers``, ``roles.roles``) use them only while they are current.
+
+Deriving reads in one transaction, storing writes in another, which first checks that the run's
+content is still what was read (a run changed meanwhile is left to its next refresh): a large
+run's seconds of derivation never hold the database's write lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from headatlas.service.statuses import RunStatus
+from headatlas.service.storage import run_results
+from headatlas.service.storage.store import Store
+
+log = logging.getLogger("headatlas.results")
+
+Rows = tuple[list[str], list[tuple]]
+
+_BYPASS: ContextVar[bool] = ContextVar("headatlas_results_bypassed", default=False)
+
+
+@contextmanager
+def computed() -> Iterator[None]:
+    """Within: the readers compute every result, as if none were stored (deriving, and the tests
+    that compare the two)."""
+    token = _BYPASS.set(True)
+    try:
+        yield
+    finally:
+        _BYPASS.reset(token)
+
+
+def load(conn: Connection, run_id: int, kind: str) -> Rows | None:
+    """The stored ``kind`` of the run while current, else None (the caller computes it)."""
+    if _BYPASS.get():
+        return None
+    return run_results.load(conn, run_id, kind)
+
+
+def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
+    """Every stored kind of the run, computed."""
+    from headatlas.service.reports import queries, roles
+
+    with computed():
+        return {
+            "heads": queries.heads(conn, run_id, ci=True),
+            "roles": roles.roles(conn, run_id, stability=True),
+            "layers": queries.layers(conn, run_id, ci=True),
+        }
+
+
+def _status(conn: Connection, run_id: int) -> str | None:
+    return conn.execute(text("SELECT status FROM runs WHERE run_id = :r"), {"r": run_id}).scalar()
+
+
+def refresh(store: Store, run_id: int) -> bool:
+    """Derive and store the results of run ``run_id`` if it is finished and they are missing or
+    stale. Returns whether it stored them. Never raises: a run whose results could not be stored
+    is read as before (its readers compute them), and the reason is logged."""
+    try:
+        with store.read() as conn:
+            if not run_results.has_tables(conn) or _status(conn, run_id) != RunStatus.DONE:
+                return False
+            key = run_results.fingerprint(conn, run_id)
+            stored = run_results.stored_key(conn, run_id)
+            if key is None or stored == (key, run_results.derivation()):
+                return False
+            results = derive(conn, run_id)
+
+        def work(conn: Connection) -> bool:
+            if _status(conn, run_id) != RunStatus.DONE or run_results.fingerprint(conn, run_id) != key:
+                return False  # changed since it was read: its next refresh stores it
+            run_results.save(conn, run_id, key, results)
+            return True
+
+        return bool(store.atomically(work))
+    except Exception:  # noqa: BLE001 - storing results is an optimisation: the readers compute them
+        log.warning("run %s: its results were not stored (they are computed when read)", run_id, exc_info=True)
+        return False
+
+
+def fill(store: Store) -> list[int]:
+    """``refresh`` every finished run; returns the runs whose results were stored."""
+    with store.read() as conn:
+        if not run_results.has_tables(conn):
+            return []
+        ids = [
+            int(r[0])
+            for r in conn.execute(
+                text("SELECT run_id FROM runs WHERE status = :s ORDER BY run_id"), {"s": RunStatus.DONE.value}
+            )
+        ]
+    return [r for r in ids if refresh(store, r)]

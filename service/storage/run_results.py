@@ -1,0 +1,271 @@
+"""A finished run's derived results, stored once and read while they are current.
+
+Every metric, interval and role is derived from a run's additive sums when it is read (SPEC §5,
+§7). For a finished run that costs seconds (the jackknife intervals of every head, the role tests
+on the whole run and on each half), so when a run ends its results are computed once and stored
+(``service/reports/stored.py``): ``run_results`` holds, per run and kind (``heads``: ``query
+heads --ci``; ``roles``: ``query roles --stability``; ``layers``: ``query layers --ci``), the
+columns and rows exactly as the library returns them (JSON: ints stay ints, floats round-trip
+exactly); ``role_results`` holds the roles again as typed rows, for SQL (the ``roles`` view).
+
+Each is keyed by two strings, and is read only while both are what they would be now:
+
+- ``fingerprint``: the run's content (``fingerprint``): per table that holds rows of the run, their
+  count and (but where rows are counted only) the sum of their hashes, the run's own row without
+  its name. A run resumed or extended, a batch retried, a probe or effects added, change it; a
+  rename, a tag or another run's rows do not. Results are stored beside the rows they describe,
+  so the result tables are left out of it.
+- ``derivation``: the code that derives them (``derivation``): the sources of the modules that
+  compute metrics, intervals and roles, the metric declarations (plugins' included) and DuckDB's
+  version. Another version of headatlas reads nothing an older one stored.
+
+Stale or missing results are never returned: the reader computes them as before
+(``load`` returns None). ``headatlas db upgrade`` stores them again for every finished run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cache
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from headatlas.service.storage.runs import now
+
+RESULT_TABLES = ("run_results", "role_results")
+KINDS = ("heads", "roles", "layers")
+# a run's rows in these tables (per window or per token: millions on a large run) are counted; in the
+# others they are also hashed, so that rows rewritten in place change the fingerprint too
+COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows", "csm_bins", "mixing_dist"})
+# a run's names and tags: not what its results are derived from
+NOT_RESULTS = frozenset({"run_aliases", "run_tags"})
+# the run's own row, hashed without these columns (a rename changes no result)
+RUN_ROW_IGNORED = frozenset({"name"})
+
+# role_results: the columns of ``roles.COLUMNS`` and ``roles.STABILITY_COLUMNS``, typed
+ROLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("layer", "INTEGER"),
+    ("head", "INTEGER"),
+    ("role", "VARCHAR"),
+    ("primary", "BOOLEAN"),
+    ("metric", "VARCHAR"),
+    ("value", "DOUBLE"),
+    ("value_lo", "DOUBLE"),
+    ("value_hi", "DOUBLE"),
+    ("threshold", "DOUBLE"),
+    ("test", "VARCHAR"),
+    ("p", "DOUBLE"),
+    ("p_holm", "DOUBLE"),
+    ("family", "INTEGER"),
+    ("probe_score", "DOUBLE"),
+    ("probe_min", "DOUBLE"),
+    ("rule", "VARCHAR"),
+    ("half_a", "BOOLEAN"),
+    ("half_b", "BOOLEAN"),
+    ("stable", "BOOLEAN"),
+)
+
+# the modules whose code decides a stored number (relative to the package's service/ folder)
+DERIVING_MODULES = (
+    "metrics.py",
+    "storage/views.py",
+    "storage/run_results.py",
+    "engine/results.py",
+    "engine/schemes.py",
+    "reports/queries.py",
+    "reports/roles.py",
+    "reports/intervals.py",
+    "reports/halves.py",
+    "reports/significance.py",
+    "reports/columns.py",
+    "reports/attention_kind.py",
+    "reports/tokens.py",
+    "reports/stored.py",
+)
+
+
+@cache
+def derivation() -> str:
+    """What the code that derives a run's results is: a digest of the deriving modules' sources,
+    the declared view columns (plugins' included) and DuckDB's version."""
+    import duckdb
+
+    from headatlas.service.metrics import all_columns
+
+    digest = hashlib.sha256()
+    service = Path(__file__).resolve().parents[1]
+    for name in DERIVING_MODULES:
+        path = service / name
+        digest.update(name.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    for c in all_columns():
+        digest.update(repr((c.name, c.sql, c.interval, c.heads, c.layers, c.bounds)).encode())
+    digest.update(duckdb.__version__.encode())
+    return digest.hexdigest()[:32]
+
+
+def run_tables(conn: Connection) -> list[str]:
+    """The base tables that hold rows of a run (a ``run_id`` column)."""
+    rows = conn.execute(
+        text(
+            "SELECT c.table_name FROM information_schema.columns c JOIN information_schema.tables t "
+            "USING (table_catalog, table_schema, table_name) "
+            "WHERE c.column_name = 'run_id' AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
+            "ORDER BY c.table_name"
+        )
+    )
+    return [r[0] for r in rows]
+
+
+def _run_row_columns(conn: Connection) -> list[str]:
+    rows = conn.execute(
+        text(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'runs' "
+            "AND table_schema = 'main' AND table_catalog = current_database() ORDER BY ordinal_position"
+        )
+    )
+    return [r[0] for r in rows if r[0] not in RUN_ROW_IGNORED]
+
+
+def fingerprint_sql(conn: Connection, *, one_run: bool) -> str:
+    """SQL giving ``(run_id, fingerprint)`` per run (``one_run``: of ``:run`` alone; a run without
+    rows gives none). The same text is built into the ``roles`` view, so Python and SQL agree."""
+    parts = []
+    for t in run_tables(conn):
+        if t in NOT_RESULTS or t in RESULT_TABLES:
+            continue
+        if t in COUNTED_ONLY:
+            hashed = "NULL"
+        elif t == "runs":
+            hashed = f"sum(hash({', '.join(f'x.{c}' for c in _run_row_columns(conn))}))"
+        else:
+            hashed = "sum(hash(x))"
+        where = " WHERE x.run_id = :run" if one_run else ""
+        parts.append(
+            f"SELECT x.run_id, '{t}' AS t, count(*) AS n, {hashed} AS h FROM main.{t} x{where} GROUP BY x.run_id"
+        )
+    union = " UNION ALL ".join(parts)
+    return (
+        "SELECT run_id, md5(string_agg(t || ':' || CAST(n AS VARCHAR) || ':' || coalesce(CAST(h AS VARCHAR), '-'), "
+        f"';' ORDER BY t)) AS fingerprint FROM ({union}) GROUP BY run_id"
+    )
+
+
+def fingerprint(conn: Connection, run_id: int) -> str | None:
+    """The run's content fingerprint (None: nothing stored of it)."""
+    row = conn.execute(text(fingerprint_sql(conn, one_run=True)), {"run": run_id}).first()
+    return None if row is None else str(row[1])
+
+
+def has_tables(conn: Connection) -> bool:
+    """Whether the database has the result tables (a schema before them does not)."""
+    found = conn.execute(
+        text(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'run_results' "
+            "AND table_schema = 'main' AND table_catalog = current_database()"
+        )
+    ).scalar()
+    return bool(found)
+
+
+def stored_key(conn: Connection, run_id: int) -> tuple[str, str] | None:
+    """(fingerprint, derivation) of the results stored for the run (None: none)."""
+    if not has_tables(conn):
+        return None
+    row = conn.execute(
+        text("SELECT fingerprint, derivation FROM run_results WHERE run_id = :run AND kind = 'roles'"), {"run": run_id}
+    ).first()
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
+def is_fresh(conn: Connection, run_id: int) -> bool:
+    """Whether the run's stored results are current (its content and this code's derivation)."""
+    key = stored_key(conn, run_id)
+    return key is not None and key[1] == derivation() and key[0] == fingerprint(conn, run_id)
+
+
+def load(conn: Connection, run_id: int, kind: str) -> tuple[list[str], list[tuple]] | None:
+    """The stored ``kind`` of the run as (columns, rows), or None where none is stored or it is
+    stale (the caller computes it)."""
+    if not has_tables(conn):
+        return None
+    row = conn.execute(
+        text("SELECT fingerprint, derivation, columns, rows FROM run_results WHERE run_id = :run AND kind = :kind"),
+        {"run": run_id, "kind": kind},
+    ).first()
+    if row is None or row[1] != derivation() or row[0] != fingerprint(conn, run_id):
+        return None
+    return list(json.loads(row[2])), [tuple(r) for r in json.loads(row[3])]
+
+
+def save(conn: Connection, run_id: int, key: str, results: dict[str, tuple[list[str], list[tuple]]]) -> None:
+    """Store ``results`` (kind → (columns, rows)) of the run under its fingerprint ``key`` and this
+    code's derivation, in the caller's transaction, in place of what was stored before."""
+    conn.execute(text("DELETE FROM run_results WHERE run_id = :run"), {"run": run_id})
+    conn.execute(text("DELETE FROM role_results WHERE run_id = :run"), {"run": run_id})
+    stamp, made_by = now(), derivation()
+    for kind, (columns, rows) in results.items():
+        conn.execute(
+            text(
+                "INSERT INTO run_results (run_id, kind, fingerprint, derivation, stored_at, columns, rows) "
+                "VALUES (:run, :kind, :fp, :d, :ts, :columns, :rows)"
+            ),
+            {
+                "run": run_id,
+                "kind": kind,
+                "fp": key,
+                "d": made_by,
+                "ts": stamp,
+                "columns": json.dumps(list(columns)),
+                "rows": json.dumps([list(r) for r in rows]),
+            },
+        )
+    role_columns, role_rows = results["roles"]
+    names = [n for n, _ in ROLE_COLUMNS]
+    if role_rows:
+        index = [role_columns.index(n) for n in names]
+        listed = ", ".join(f'"{n}"' for n in names)
+        conn.execute(
+            text(
+                f"INSERT INTO role_results (run_id, ordinal, {listed}) VALUES "
+                f"(:run, :ordinal, {', '.join(f':c{k}' for k in range(len(names)))})"
+            ),
+            [
+                {"run": run_id, "ordinal": i, **{f"c{k}": r[j] for k, j in enumerate(index)}}
+                for i, r in enumerate(role_rows)
+            ],
+        )
+
+
+def views_sql(conn: Connection) -> list[str]:
+    """The ``roles`` view: the stored roles of every run whose stored results are current (its
+    fingerprint, computed here as ``fingerprint`` computes it, and this code's derivation)."""
+    listed = ", ".join(f'r."{n}"' for n, _ in ROLE_COLUMNS)
+    return [
+        f"""
+        CREATE VIEW roles AS
+        WITH current_runs AS ({fingerprint_sql(conn, one_run=False)}),
+        fresh AS (
+            SELECT k.run_id FROM run_results k JOIN current_runs c ON c.run_id = k.run_id
+            WHERE k.kind = 'roles' AND k.fingerprint = c.fingerprint AND k.derivation = '{derivation()}'
+        )
+        SELECT r.run_id, {listed} FROM role_results r
+        WHERE r.run_id IN (SELECT run_id FROM fresh)
+        ORDER BY r.run_id, r.ordinal
+        """
+    ]
+
+
+VIEWS = ("roles",)
+
+
+def rebuild_views(conn: Connection) -> None:
+    """Drop and create the results views (at the end of every upgrade that reaches the head)."""
+    for name in VIEWS:
+        conn.execute(text(f"DROP VIEW IF EXISTS {name}"))
+    if has_tables(conn):
+        for statement in views_sql(conn):
+            conn.execute(text(statement))
