@@ -191,7 +191,7 @@ def _stored_heads(
 ) -> Rows | None:
     """``heads`` from the run's stored results (``reports.stored``: ``query heads --ci``), or None
     where none are current: the same rows, filtered, sorted and cut as the SQL would."""
-    from headatlas.service.reports import stored
+    from headatlas.service.storage import run_results as stored
 
     kept = stored.load(conn, run_id, "heads")
     if kept is None:
@@ -515,7 +515,7 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
     window, over those heads, pooled over windows (1: every head its own anchor; 1/H: one anchor
     for all H heads)."""
     if ci:
-        from headatlas.service.reports import stored
+        from headatlas.service.storage import run_results as stored
 
         kept = stored.load(conn, run_id, "layers")
         if kept is not None:

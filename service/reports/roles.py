@@ -434,7 +434,7 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.
     Holm-adjusted p, family size). ``stability``: also ``half_a``, ``half_b`` (held on the run's
     alternate replicate groups alone) and ``stable`` (both). A finished run's stored roles are read
     while they are current (``reports.stored``)."""
-    from headatlas.service.reports import stored
+    from headatlas.service.storage import run_results as stored
 
     kept = stored.load(conn, run_id, "roles")
     if kept is not None:

@@ -14,40 +14,18 @@ run's seconds of derivation never hold the database's write lock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage import run_results
+from headatlas.service.storage.run_results import computed, load  # noqa: F401 - the readers' names, here too
 from headatlas.service.storage.store import Store
 
 log = logging.getLogger("headatlas.results")
 
 Rows = tuple[list[str], list[tuple]]
-
-_BYPASS: ContextVar[bool] = ContextVar("headatlas_results_bypassed", default=False)
-
-
-@contextmanager
-def computed() -> Iterator[None]:
-    """Within: the readers compute every result, as if none were stored (deriving, and the tests
-    that compare the two)."""
-    token = _BYPASS.set(True)
-    try:
-        yield
-    finally:
-        _BYPASS.reset(token)
-
-
-def load(conn: Connection, run_id: int, kind: str) -> Rows | None:
-    """The stored ``kind`` of the run while current, else None (the caller computes it)."""
-    if _BYPASS.get():
-        return None
-    return run_results.load(conn, run_id, kind)
 
 
 def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
