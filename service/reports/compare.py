@@ -117,10 +117,12 @@ def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, head
     # a causal effect (SPEC §9) rests on the groups that hold the run's effect windows alone (asked
     # first: a query on the connection would end the cursor below)
     effects = queries.effect_groups_of(conn, run_id, list(metrics))
-    result = conn.execute(
-        text(f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"),
-        {"run": run_id},
-    )
+    result = _stored_reps(conn, run_id, "head_reps" if heads else "layer_reps", [*keys, "drop_rep", *metrics])
+    if result is None:
+        result = conn.execute(
+            text(f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"),
+            {"run": run_id},
+        )
     out: dict = {}
     k = len(keys)
     for row in result:
@@ -294,6 +296,18 @@ def control_of(conn: Connection, run) -> Run | None:
 def is_control(run_a, run_b) -> bool:
     """Whether ``run_b`` is a random-weights control of ``run_a``."""
     return run_b.params.get("control_of") == run_a.run_key
+
+
+def _stored_reps(conn: Connection, run_id: int, kind: str, columns: list[str]) -> list[tuple] | None:
+    """The run's stored ``*_metrics_reps`` rows (``reports.stored``), these columns only; None where
+    none are current or a column is not among them."""
+    from headatlas.service.storage import run_results
+
+    kept = run_results.load(conn, run_id, kind)
+    if kept is None or any(c not in kept[0] for c in columns):
+        return None
+    index = [kept[0].index(c) for c in columns]
+    return [tuple(r[i] for i in index) for r in kept[1]]
 
 
 def layer_profile(conn: Connection, run, metrics: Sequence[str]) -> Rows:

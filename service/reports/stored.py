@@ -1,7 +1,8 @@
 """A finished run's results, derived once and stored (``service/storage/run_results.py``).
 
 ``derive`` computes what the readers would (``query heads --ci``, ``query roles --stability``,
-``query layers --ci``) with the stored copies bypassed; ``refresh`` stores them for a finished run
+``query layers --ci``, and the ``*_metrics_reps`` rows that ``compare`` pairs) with the stored
+copies bypassed; ``refresh`` stores them for a finished run
 whose stored results are missing or stale: when a run ends (the embedded analysis, the queue's
 writer, on a file or a lake) and at ``headatlas db upgrade`` (``fill``). The readers
 (``queries.heads``, ``queries.layers``, ``roles.roles``) use them only while they are current.
@@ -37,7 +38,17 @@ def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
             "heads": queries.heads(conn, run_id, ci=True),
             "roles": roles.roles(conn, run_id, stability=True),
             "layers": queries.layers(conn, run_id, ci=True),
+            # each metric on the whole run and without each replicate group: what compare pairs
+            "head_reps": _reps(conn, run_id, "head_metrics_reps", "layer, head"),
+            "layer_reps": _reps(conn, run_id, "layer_metrics_reps", "layer"),
         }
+
+
+def _reps(conn: Connection, run_id: int, view: str, keys: str) -> Rows:
+    result = conn.execute(
+        text(f"SELECT * EXCLUDE (run_id) FROM {view} WHERE run_id = :run ORDER BY {keys}, drop_rep"), {"run": run_id}
+    )
+    return list(result.keys()), [tuple(r) for r in result]
 
 
 def _status(conn: Connection, run_id: int) -> str | None:

@@ -4,7 +4,8 @@ Every metric, interval and role is derived from a run's additive sums when it is
 §7). For a finished run that costs seconds (the jackknife intervals of every head, the role tests
 on the whole run and on each half), so when a run ends its results are computed once and stored
 (``service/reports/stored.py``): ``run_results`` holds, per run and kind (``heads``: ``query
-heads --ci``; ``roles``: ``query roles --stability``; ``layers``: ``query layers --ci``), the
+heads --ci``; ``roles``: ``query roles --stability``; ``layers``: ``query layers --ci``;
+``head_reps``, ``layer_reps``: the rows of ``head_metrics_reps``, ``layer_metrics_reps``), the
 columns and rows exactly as the library returns them (JSON: ints stay ints, floats round-trip
 exactly); ``role_results`` holds the roles again as typed rows, for SQL (the ``roles`` view).
 
@@ -12,7 +13,7 @@ Each is keyed by two strings, and is read only while both are what they would be
 
 - ``fingerprint``: the run's content (``fingerprint``): per table that holds rows of the run, their
   count and (but where rows are counted only) the sum of their hashes, the run's own row without
-  its name. A run resumed or extended, a batch retried, a probe or effects added, change it; a
+  its name (and without the per-window tables no result reads, ``NOT_READ``). A run resumed or extended, a batch retried, a probe or effects added, change it; a
   rename, a tag or another run's rows do not. Results are stored beside the rows they describe,
   so the result tables are left out of it.
 - ``derivation``: the code that derives them (``derivation``): the sources of the modules that
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -39,10 +41,14 @@ from sqlalchemy.engine import Connection
 from headatlas.service.storage.runs import now
 
 RESULT_TABLES = ("run_results", "role_results")
-KINDS = ("heads", "roles", "layers")
+KINDS = ("heads", "roles", "layers", "head_reps", "layer_reps")
 # a run's rows in these tables (per window or per token: millions on a large run) are counted; in the
 # others they are also hashed, so that rows rewritten in place change the fingerprint too
 COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows", "csm_bins", "mixing_dist"})
+# per-window rows that no stored result reads (no view reads them: tests/test_stored_results.py checks),
+# left out of the results' fingerprint: a batch stored adds rows to the sums beside them, which are
+# in it; counting them was most of a large run's fingerprint (2.9 M anchors of 20,000 windows)
+NOT_READ = frozenset({"anchors", "run_windows"})
 # a run's names and tags: not what its results are derived from
 NOT_RESULTS = frozenset({"run_aliases", "run_tags"})
 # the run's own row, hashed without these columns (a rename changes no result)
@@ -138,7 +144,7 @@ def fingerprint_sql(conn: Connection, *, one_run: bool) -> str:
     rows gives none). The same text is built into the ``roles`` view, so Python and SQL agree."""
     parts = []
     for t in run_tables(conn):
-        if t in NOT_RESULTS or t in RESULT_TABLES:
+        if t in NOT_RESULTS or t in RESULT_TABLES or t in NOT_READ:
             continue
         if t in COUNTED_ONLY:
             hashed = "NULL"
@@ -161,6 +167,18 @@ def fingerprint(conn: Connection, run_id: int) -> str | None:
     """The run's content fingerprint (None: nothing stored of it)."""
     row = conn.execute(text(fingerprint_sql(conn, one_run=True)), {"run": run_id}).first()
     return None if row is None else str(row[1])
+
+
+# the fingerprints ``load`` found, per transaction (a connection is one transaction: the store opens
+# a new one for each) and run: a page reads several kinds of one run in one read transaction
+_FOUND: weakref.WeakKeyDictionary[Connection, dict[int, str | None]] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint_read(conn: Connection, run_id: int) -> str | None:
+    seen = _FOUND.setdefault(conn, {})
+    if run_id not in seen:
+        seen[run_id] = fingerprint(conn, run_id)
+    return seen[run_id]
 
 
 def has_tables(conn: Connection) -> bool:
@@ -213,7 +231,7 @@ def load(conn: Connection, run_id: int, kind: str) -> tuple[list[str], list[tupl
         text("SELECT fingerprint, derivation, columns, rows FROM run_results WHERE run_id = :run AND kind = :kind"),
         {"run": run_id, "kind": kind},
     ).first()
-    if row is None or row[1] != derivation() or row[0] != fingerprint(conn, run_id):
+    if row is None or row[1] != derivation() or row[0] != _fingerprint_read(conn, run_id):
         return None
     return list(json.loads(row[2])), [tuple(r) for r in json.loads(row[3])]
 
@@ -221,6 +239,7 @@ def load(conn: Connection, run_id: int, kind: str) -> tuple[list[str], list[tupl
 def save(conn: Connection, run_id: int, key: str, results: dict[str, tuple[list[str], list[tuple]]]) -> None:
     """Store ``results`` (kind → (columns, rows)) of the run under its fingerprint ``key`` and this
     code's derivation, in the caller's transaction, in place of what was stored before."""
+    _FOUND.pop(conn, None)
     conn.execute(text("DELETE FROM run_results WHERE run_id = :run"), {"run": run_id})
     conn.execute(text("DELETE FROM role_results WHERE run_id = :run"), {"run": run_id})
     stamp, made_by = now(), derivation()
