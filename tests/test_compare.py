@@ -331,6 +331,34 @@ def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
             assert d["threshold"] == pytest.approx(3 * context["short_range_chance"])
 
 
+def test_the_real_runs_stored_results_equal_the_computed_ones_and_the_roles_view_is_query_roles(stored, cli):
+    """The real MiniLM run and its control: their results stored once (as when a run ends) equal
+    number for number what the readers compute (to the last bits DuckDB's parallel sums leave
+    open), and SQL's ``roles`` view holds the rows of ``query roles --stability --format json``
+    (its columns, in its order)."""
+    from headatlas.service.reports import stored as results
+    from headatlas.service.storage import run_results
+    from headatlas.service.storage.store import Store
+    from tests.test_stored_results import computed, every_result, same_results
+
+    db, runs = stored
+    for key in ("real", "control"):
+        results.refresh(Store(db), runs[key].run_id)
+    with Store(db).checked_read() as conn:
+        for key in ("real", "control"):
+            run = runs[key].run_id
+            assert run_results.is_fresh(conn, run), key
+            same_results(every_result(conn, run), computed(conn, run), key)
+    real = runs["real"].run_id
+    shown = cli("query", "roles", "--run", str(real), "--stability", "--format", "json", "--db", str(db))
+    assert shown.returncode == 0, shown.stderr
+    view = cli("sql", "SELECT * EXCLUDE (run_id) FROM roles", "--run", str(real), "-f", "json", "--db", str(db))
+    assert view.returncode == 0, view.stderr
+    want, got = json.loads(shown.stdout), json.loads(view.stdout)
+    assert len(got) == len(want) > real and any(d["role"] != "none established" for d in got)
+    same_results(got, [{c: d[c] for c in got[0]} for d in want])
+
+
 def test_atlas_of_the_stored_run_is_its_primary_roles(conn, stored, tmp_path):
     from headatlas.service.reports import atlas_plots, plots, roles
 

@@ -9,6 +9,7 @@ upgrade in tests/test_baselines.py and a lake in tests/test_lake.py."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from sqlalchemy import text
@@ -53,6 +54,25 @@ def every_result(conn, run: int) -> dict:
     out["roles"] = roles.roles(conn, run)
     out["roles --stability"] = roles.roles(conn, run, stability=True)
     return out
+
+
+def same_results(got, want, where: str = "") -> None:
+    """The same structure, columns, rows, ints, text, flags and None; floats to 1e-9 relative: DuckDB
+    sums a view's values in an order of its own on a run of many rows (parallel aggregation), so the
+    last bits of one result computed twice may differ already."""
+    if isinstance(want, float) and isinstance(got, float):
+        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15), (where, got, want)
+    elif isinstance(want, (dict, list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), (where, got, want)
+        if isinstance(want, dict):
+            assert list(got) == list(want), where
+            for key in want:
+                same_results(got[key], want[key], f"{where}/{key}")
+        else:
+            for k, (a, b) in enumerate(zip(got, want)):
+                same_results(a, b, f"{where}[{k}]")
+    else:
+        assert type(got) is type(want) and got == want, (where, got, want)
 
 
 def computed(conn, run: int) -> dict:

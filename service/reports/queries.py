@@ -201,7 +201,8 @@ def _stored_heads(
         return None  # a column the run's kind of attention leaves out: sorted by SQL
     if anchors != STORED_ANCHORS and "top_anchors" in columns:
         ai = columns.index("top_anchors")
-        named = _top_anchors(conn, run_id, anchors)
+        listed = stored.load(conn, run_id, f"anchors:{anchors}")
+        named = {(r[0], r[1]): r[2] for r in listed[1]} if listed else top_anchors(conn, run_id, anchors)
         rows = [(*r[:ai], named.get((r[0], r[1])), *r[ai + 1 :]) for r in rows]
     if not ci:
         added = {n for c in columns if f"{c}_lo" in columns and f"{c}_hi" in columns for n in (f"{c}_lo", f"{c}_hi")}
@@ -228,7 +229,7 @@ def _sort_value(value) -> float:
     return math.inf if math.isnan(number) else number
 
 
-def _top_anchors(conn: Connection, run_id: int, n: int) -> dict[tuple[int, int], str | None]:
+def top_anchors(conn: Connection, run_id: int, n: int) -> dict[tuple[int, int], str | None]:
     """Each head's ``n`` most frequent anchors, as ``heads`` shows them in ``top_anchors``."""
     if n <= 0:
         return {}

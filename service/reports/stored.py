@@ -41,7 +41,19 @@ def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
             # each metric on the whole run and without each replicate group: what compare pairs
             "head_reps": _reps(conn, run_id, "head_metrics_reps", "layer, head"),
             "layer_reps": _reps(conn, run_id, "layer_metrics_reps", "layer"),
+            # a head's page names its ten most frequent anchors
+            f"anchors:{HEAD_PAGE_ANCHORS}": _anchors(conn, run_id, HEAD_PAGE_ANCHORS),
         }
+
+
+HEAD_PAGE_ANCHORS = 10
+
+
+def _anchors(conn: Connection, run_id: int, n: int) -> Rows:
+    from headatlas.service.reports.queries import top_anchors
+
+    named = top_anchors(conn, run_id, n)
+    return ["layer", "head", "top_anchors"], [(*k, v) for k, v in sorted(named.items())]
 
 
 def _reps(conn: Connection, run_id: int, view: str, keys: str) -> Rows:
