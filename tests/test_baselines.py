@@ -1110,6 +1110,34 @@ def test_old_run_keeps_its_numbers_and_shows_new_columns_as_unavailable(old_data
                 assert record[column] is None, column
 
 
+def test_db_upgrade_of_an_old_database_stores_its_finished_runs_results(old_database, cli):
+    """A database from before stored results (schema 0005, a run without replicate groups) gets
+    them at `db upgrade`: equal to what the readers compute, its roles in the roles view; then
+    the run resumed makes them stale, and the readers compute again."""
+    from headatlas.service.storage import run_results
+    from tests.test_stored_results import computed, every_result
+
+    path, run, _before = old_database
+    with Store(path).checked_read() as conn:
+        assert run_results.load(conn, run, "roles") is None  # upgraded by the schema alone: none yet
+    done = cli("db", "upgrade", "--db", str(path))
+    assert done.returncode == 0, done.stderr
+    assert f"results stored for finished run(s) {run}" in done.stdout
+    with Store(path).checked_read() as conn:
+        assert all(run_results.load(conn, run, k) is not None for k in run_results.KINDS)
+        assert every_result(conn, run) == computed(conn, run)
+        view = conn.execute(text("SELECT layer, head, role, test FROM roles WHERE run_id = :r"), {"r": run}).all()
+    assert len(view) >= 2 and {r[3] for r in view if r[2] != "none established"} <= {"value (no interval)"}
+    wids = ids_in_distinct_groups(2, prefix="resumed")
+    z = torch.stack([Z1, Z4])[:, None, None].expand(2, 1, 2, SEQ, DIM)
+    attn = torch.stack([cls_heavy_attn(8)] * 2)[:, None, None].expand(2, 1, 2, SEQ, SEQ)
+    assert Store(path).ingest(run, [(2, build_result(wids, [W1, W4], z, attn))]) == 1
+    with Store(path).checked_read() as conn:
+        assert run_results.load(conn, run, "heads") is None
+        assert every_result(conn, run) == computed(conn, run)
+        assert conn.execute(text("SELECT count(*) FROM roles WHERE run_id = :r"), {"r": run}).scalar() == 0
+
+
 def test_old_run_compacted_or_resumed_after_the_upgrade_never_shows_a_partial_sum(old_database):
     path, run, before = old_database
     store = Store(path)

@@ -153,6 +153,39 @@ def test_an_embedded_run_on_a_lake_stores_and_reads_what_a_file_does(lake, tiny_
     assert store.get_run(on_lake.run_id).status == "done"
 
 
+def test_a_run_ending_on_a_lake_stores_its_results_as_on_a_file(lake, small_corpus, tmp_path, cli):
+    """`analyze` on a lake stores the run's results when it ends, as on a file: the same numbers (to
+    the last bits of the engines' sums), the roles view in the lake's sandbox equal to `query
+    roles`, and a change to the run makes them stale there too."""
+    import json
+
+    from headatlas.service.storage import run_results
+    from headatlas.service.storage.readonly import run_readonly_sql
+    from headatlas.service.storage.store import Store
+    from tests.test_stored_results import computed, every_result, same_results
+
+    path = tmp_path / "f.duckdb"
+    for target in (str(path), lake.url):
+        done = cli("analyze", str(small_corpus), "--model", "random:tiny", "--seq-len", "32", "--db", target, "--quiet")
+        assert done.returncode == 0, done.stderr
+    store, on_file = Store(lake.url, data_path=lake.data_path), Store(path)
+    run = store.list_runs()[0]["run_id"]
+    with store.checked_read() as b, on_file.checked_read() as a:
+        for kind in run_results.KINDS:
+            assert run_results.load(b, run, kind) is not None, kind
+            same_results(run_results.load(b, run, kind), run_results.load(a, run, kind), kind)
+        same_results(every_result(b, run), computed(b, run))
+    shown = cli("query", "roles", "--stability", "-f", "json", "--db", lake.url)
+    assert shown.returncode == 0, shown.stderr
+    result = run_readonly_sql(store.backend, "SELECT * EXCLUDE (run_id) FROM roles")
+    got = [dict(zip(result.columns, r)) for r in result.rows]
+    assert got == [{c: d[c] for c in result.columns} for d in json.loads(shown.stdout)]
+    store.set_status(run, "running")  # its content changed: stale
+    with store.checked_read() as b:
+        assert run_results.load(b, run, "roles") is None
+    assert run_readonly_sql(store.backend, "SELECT count(*) FROM roles").rows == [(0,)]
+
+
 def _one_batch(model, corpus):
     from headatlas.service.engine.analysis import analyze_batch
     from headatlas.service.engine.windows import TokenClasses, Window, collate
