@@ -70,6 +70,19 @@ def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, dem
     run_key = Store(cluster.db).get_run(run_id).run_key
     assert [k for k in cluster.redis.scan_iter(f"headatlas:*:copy:{run_key}")] == []
 
+    # the writer stores the run's results once it has ended it (a moment after it says so)
+    from headatlas.service.storage import run_results
+    from tests.test_stored_results import computed, every_result, same_results
+
+    deadline = time.monotonic() + 120
+    while True:
+        with Store(cluster.db).checked_read() as conn:
+            if run_results.is_fresh(conn, run_id):
+                same_results(every_result(conn, run_id), computed(conn, run_id))
+                break
+        assert time.monotonic() < deadline, "the writer stored no results for the finished run"
+        time.sleep(0.5)
+
     # the same corpus and parameters again: the same run, nothing queued, nothing changed
     again = cluster.submit(corpus, *ARGS, "--batch-size", "7")
     assert int(again) == run_id

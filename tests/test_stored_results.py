@@ -253,3 +253,25 @@ def test_db_upgrade_stores_the_results_of_finished_runs(tmp_path, cli):
     assert again.returncode == 0 and "results stored" not in again.stdout  # current: nothing to do
     with transaction(path) as conn:
         assert conn.execute(text("SELECT count(*) FROM roles")).scalar() == 2
+
+
+def test_no_view_reads_the_tables_the_fingerprint_leaves_out(tmp_path):
+    """The results' fingerprint leaves out per-window tables no result reads (``NOT_READ``): no view
+    of a new database may read them (the roles view, which computes the fingerprint, aside)."""
+    import re
+
+    import duckdb
+
+    from headatlas.service.storage import run_results
+    from headatlas.service.storage.db import upgrade
+
+    path = tmp_path / "new.duckdb"
+    upgrade(path)
+    with duckdb.connect(str(path), read_only=True) as conn:
+        views = conn.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal").fetchall()
+    assert {"roles", "head_metrics"} <= {name for name, _ in views}
+    for name, sql in views:
+        if name in run_results.VIEWS:
+            continue
+        for table in run_results.NOT_READ:
+            assert not re.search(rf"\b{table}\b", sql), (name, table)
