@@ -53,6 +53,9 @@ def every_result(conn, run: int) -> dict:
     out["layers"] = queries.layers(conn, run, ci=True)
     out["roles"] = roles.roles(conn, run)
     out["roles --stability"] = roles.roles(conn, run, stability=True)
+    heads = [(r[0], r[1]) for r in out[("heads", "{}")][1]]
+    for layer, head in dict.fromkeys([heads[0], heads[len(heads) // 2], heads[-1]]):  # a head's page
+        out[("distances", layer, head)] = queries.distances(conn, run, layer=layer, head=head, ci=True)
     return out
 
 

@@ -26,7 +26,7 @@ Returns (columns, rows) like ``service.reports.queries``. Layers and heads are 0
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from sqlalchemy import text
@@ -117,12 +117,15 @@ def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, head
     # a causal effect (SPEC §9) rests on the groups that hold the run's effect windows alone (asked
     # first: a query on the connection would end the cursor below)
     effects = queries.effect_groups_of(conn, run_id, list(metrics))
-    result = _stored_reps(conn, run_id, "head_reps" if heads else "layer_reps", [*keys, "drop_rep", *metrics])
-    if result is None:
-        result = conn.execute(
+    kept = _stored_reps(conn, run_id, "head_reps" if heads else "layer_reps", [*keys, "drop_rep", *metrics])
+    result: Iterable[Sequence] = (
+        kept
+        if kept is not None
+        else conn.execute(
             text(f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} WHERE run_id = :run"),
             {"run": run_id},
         )
+    )
     out: dict = {}
     k = len(keys)
     for row in result:

@@ -41,7 +41,8 @@ def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
             # each metric on the whole run and without each replicate group: what compare pairs
             "head_reps": _reps(conn, run_id, "head_metrics_reps", "layer, head"),
             "layer_reps": _reps(conn, run_id, "layer_metrics_reps", "layer"),
-            # a head's page names its ten most frequent anchors
+            # a head's page: its distances against chance, with intervals, and its ten anchors
+            "distances": queries.head_distances(conn, run_id),
             f"anchors:{HEAD_PAGE_ANCHORS}": _anchors(conn, run_id, HEAD_PAGE_ANCHORS),
         }
 

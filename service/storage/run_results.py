@@ -6,7 +6,8 @@ on the whole run and on each half), so when a run ends its results are computed 
 (``service/reports/stored.py``): ``run_results`` holds, per run and kind (``heads``: ``query
 heads --ci``; ``roles``: ``query roles --stability``; ``layers``: ``query layers --ci``;
 ``head_reps``, ``layer_reps``: the rows of ``head_metrics_reps``, ``layer_metrics_reps``;
-``anchors:10``: each head's ten most frequent anchors, as a head's page names them), the
+``distances``: each head's ``query distances --ci``; ``anchors:10``: each head's ten most
+frequent anchors, as a head's page names them), the
 columns and rows exactly as the library returns them (JSON: ints stay ints, floats round-trip
 exactly); ``role_results`` holds the roles again as typed rows, for SQL (the ``roles`` view).
 
@@ -42,7 +43,7 @@ from sqlalchemy.engine import Connection
 from headatlas.service.storage.runs import now
 
 RESULT_TABLES = ("run_results", "role_results")
-KINDS = ("heads", "roles", "layers", "head_reps", "layer_reps", "anchors:10")
+KINDS = ("heads", "roles", "layers", "head_reps", "layer_reps", "distances", "anchors:10")
 # a run's rows in these tables (per window or per token: millions on a large run) are counted; in the
 # others they are also hashed, so that rows rewritten in place change the fingerprint too
 COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows", "csm_bins", "mixing_dist"})
