@@ -34,7 +34,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.statuses import RunStatus
-from headatlas.service.storage.run_results import COUNTED_ONLY, NOT_RESULTS, RESULT_TABLES, run_tables
+from headatlas.service.storage.run_results import COUNTED_ONLY, NOT_READ, NOT_RESULTS, RESULT_TABLES, run_tables
 from headatlas.service.storage.store import Run, Store
 
 T = TypeVar("T")
@@ -43,13 +43,14 @@ T = TypeVar("T")
 def run_fingerprint(conn: Connection, run_id: int) -> tuple:
     """What changes whenever anything stored for run ``run_id`` changes: per table, the run's row
     count and (but in ``COUNTED_ONLY``) the sum of its rows' hashes. Milliseconds on a large run.
-    The results stored for the run (``run_results``) are left out: they describe these rows."""
+    The results stored for the run (``run_results``) are left out: they describe these rows; so are
+    its per-window rows that no page reads (``NOT_READ``: a batch stored adds rows to its sums too)."""
     parts = [
         f"SELECT '{t}', count(*), "
         + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))")
         + f" FROM {t} x WHERE run_id = :run"
         for t in run_tables(conn)
-        if t not in NOT_RESULTS and t not in RESULT_TABLES
+        if t not in NOT_RESULTS and t not in RESULT_TABLES and t not in NOT_READ
     ]
     return tuple(sorted(tuple(r) for r in conn.execute(text(" UNION ALL ".join(parts)), {"run": run_id})))
 
