@@ -513,3 +513,34 @@ def test_a_port_in_use_is_one_line_naming_the_fix():
         port = taken.getsockname()[1]
         with pytest.raises(ParameterError, match=rf"^--port {port}: in use on 127\.0\.0\.1; pass another port"):
             bind(None, "127.0.0.1", port, quiet=True)
+
+
+def test_pages_read_a_finished_runs_stored_results_and_show_the_same_numbers(stored):
+    """A page of a run whose results are stored (as when a run ends) shows what it shows when they
+    are computed: the run, a head, a comparison with its control, as JSON."""
+    from headatlas.service.reports import stored as results
+    from headatlas.service.storage import run_results
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+    from tests.test_stored_results import same_results
+
+    db, run, deep = stored
+    pages = (
+        "/runs/tiny.json",
+        "/runs/tiny.json?sort=mean_distance&asc=1&layer=1&top=3",
+        f"/runs/{run.run_id}/heads/1/2.json",
+        "/compare/tiny/tiny-control.json?by=head",
+        f"/compare/tiny/{deep.run_id}.json?by=depth",
+    )
+
+    def shown() -> dict:
+        client = Client(WebApp(str(db)))  # a new server: nothing remembered
+        return {path: client.get(path).json() for path in pages}
+
+    with run_results.computed():
+        computed = shown()
+    for r in Store(db).list_runs():
+        results.refresh(Store(db), r["run_id"])
+    with Store(db).checked_read() as conn:
+        assert run_results.is_fresh(conn, run.run_id)
+    same_results(shown(), computed)
