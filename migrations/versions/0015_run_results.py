@@ -38,7 +38,7 @@ TABLES = [
         layer INTEGER NOT NULL,
         head INTEGER NOT NULL,
         role VARCHAR NOT NULL,
-        "primary" BOOLEAN,
+        is_primary BOOLEAN,                 -- `primary` in the roles view (a keyword here)
         metric VARCHAR,
         value DOUBLE,
         value_lo DOUBLE,

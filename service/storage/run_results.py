@@ -98,6 +98,11 @@ DERIVING_MODULES = (
 )
 
 
+def _stored_as(name: str) -> str:
+    """A roles column's name in ``role_results`` (``primary``, a keyword, is ``is_primary`` there)."""
+    return "is_primary" if name == "primary" else name
+
+
 @cache
 def derivation() -> str:
     """What the code that derives a run's results is: a digest of the deriving modules' sources,
@@ -265,7 +270,7 @@ def save(conn: Connection, run_id: int, key: str, results: dict[str, tuple[list[
     names = [n for n, _ in ROLE_COLUMNS]
     if role_rows:
         index = [role_columns.index(n) for n in names]
-        listed = ", ".join(f'"{n}"' for n in names)
+        listed = ", ".join(_stored_as(n) for n in names)
         conn.execute(
             text(
                 f"INSERT INTO role_results (run_id, ordinal, {listed}) VALUES "
@@ -281,7 +286,7 @@ def save(conn: Connection, run_id: int, key: str, results: dict[str, tuple[list[
 def views_sql(conn: Connection) -> list[str]:
     """The ``roles`` view: the stored roles of every run whose stored results are current (its
     fingerprint, computed here as ``fingerprint`` computes it, and this code's derivation)."""
-    listed = ", ".join(f'r."{n}"' for n, _ in ROLE_COLUMNS)
+    listed = ", ".join(f'r.{_stored_as(n)} AS "{n}"' for n, _ in ROLE_COLUMNS)
     return [
         f"""
         CREATE VIEW roles AS
