@@ -270,6 +270,10 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     args.out.write_text(text, encoding="utf-8")
+    from benchmarks.findings import FINDINGS_PAGE, copy_into
+
+    if copy_into(FINDINGS_PAGE, args.out, text):  # docs/findings.md holds it between its markers
+        print(f"copied into {FINDINGS_PAGE.relative_to(ROOT)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
