@@ -128,6 +128,7 @@ class Writer(GroupIngest, Sweeps, Pauses):
         if self.lease.helper:
             log.warning("another writer stores into this lake too: storing beside it")
         self.run_ids: dict[str, int] = {}
+        self.results_due: set[int] = set()
         self.stopping = False
         self.lost_lease = False
         self._keeper_stop = threading.Event()
@@ -197,6 +198,7 @@ class Writer(GroupIngest, Sweeps, Pauses):
             self.store.check()  # a database away: take nothing
         raw = self._take(timeout_s)
         if not raw:
+            self._store_results_due()  # idle: an ended run's results, one per idle turn
             return 0
         started = time.monotonic()
         self.handle(self._readable(raw))

@@ -36,6 +36,7 @@ class GroupIngest:
     ledger: Ledger
     store: Store
     run_ids: dict[str, int]
+    results_due: set[int]  # runs ended whose results are derived when the writer is idle
 
     def _run_id(self, run_key: str, *, refresh: bool = False) -> int | None:
         """The database id of a run, created from the submitter's description on first sight;
@@ -184,9 +185,18 @@ class GroupIngest:
         if summary.status in ENDED and not self.ledger.in_flight(run_key):
             self.ledger.inactive(run_key)  # nothing of it runs any more: no need to sweep it
         if summary.status == RunStatus.DONE and run_key in self.run_ids:
-            from headatlas.service.reports.stored import refresh
+            # its results are derived once (seconds of CPU for a run of 72 heads), but not here: this
+            # runs inside the group's transaction, and batches of other runs wait behind it
+            self.results_due.add(self.run_ids[run_key])
 
-            refresh(self.store, self.run_ids[run_key])  # its results, derived once (a no-op while current)
+    def _store_results_due(self) -> None:
+        """Derive and store one ended run's results (``reports.stored.refresh``: a no-op while they
+        are current, never raises); called when no message waits, outside any transaction."""
+        if not self.results_due:
+            return
+        from headatlas.service.reports.stored import refresh
+
+        refresh(self.store, self.results_due.pop())
 
     def _one_by_one(self, known: Known) -> list[Outcome]:
         """After a group failed: each message in its own transaction, a bad one marked failed."""
