@@ -59,15 +59,9 @@ def _view_body(conn: Connection, name: str) -> str:
 
 def _rep_tables(conn: Connection) -> list[str]:
     """The additive tables that carry a replicate group (``rep``)."""
-    rows = conn.execute(
-        text(
-            "SELECT c.table_name FROM information_schema.columns c JOIN information_schema.tables t "
-            "USING (table_catalog, table_schema, table_name) "
-            "WHERE c.column_name = 'rep' AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
-            "ORDER BY c.table_name"
-        )
-    )
-    return [r[0] for r in rows]
+    from headatlas.service.storage.run_results import tables_with_column
+
+    return tables_with_column(conn, "rep")
 
 
 def subset_sql(conn: Connection, groups: Sequence[int], select: str) -> str:

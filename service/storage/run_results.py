@@ -123,17 +123,23 @@ def derivation() -> str:
     return digest.hexdigest()[:32]
 
 
-def run_tables(conn: Connection) -> list[str]:
-    """The base tables that hold rows of a run (a ``run_id`` column)."""
+def tables_with_column(conn: Connection, column: str) -> list[str]:
+    """The base tables of the main schema that have ``column``, by name."""
     rows = conn.execute(
         text(
             "SELECT c.table_name FROM information_schema.columns c JOIN information_schema.tables t "
             "USING (table_catalog, table_schema, table_name) "
-            "WHERE c.column_name = 'run_id' AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
+            "WHERE c.column_name = :column AND t.table_type = 'BASE TABLE' AND c.table_schema = 'main' "
             "ORDER BY c.table_name"
-        )
+        ),
+        {"column": column},
     )
     return [r[0] for r in rows]
+
+
+def run_tables(conn: Connection) -> list[str]:
+    """The base tables that hold rows of a run (a ``run_id`` column)."""
+    return tables_with_column(conn, "run_id")
 
 
 def _run_row_columns(conn: Connection) -> list[str]:
