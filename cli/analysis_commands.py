@@ -22,7 +22,7 @@ from headatlas.cli.output import (
 )
 from headatlas.cli.query_commands import LAYER_TABLE
 from headatlas.service.errors import render as render_text
-from headatlas.service.wording import counted
+from headatlas.service.wording import counted, seconds
 
 if TYPE_CHECKING:
     from headatlas.service.operations.events import Event
@@ -169,7 +169,7 @@ def _print_run_summary(store, run_id: int) -> None:
     print_wrapped(
         f"run {info['run_id']} ({info['name']}): {info['status']}, {counted(info['windows'], 'window')}, "
         f"{info['model_name']} ({info['n_layers']} layers × {info['n_heads']} heads), "
-        f"{compute_seconds(info['compute_s'])} s compute"
+        f"{seconds(info['compute_s'])} s compute"
     )
     render_metrics(
         layer_cols,
@@ -232,11 +232,3 @@ def models(fmt: Format = FormatOpt) -> None:
     render(shown, table, fmt, title="what --model takes")
     for origin in dict.fromkeys(r["origin"] for r in rows if r["origin"] != "headatlas"):
         print_wrapped(f"* from {origin}")
-
-
-def compute_seconds(seconds: float | None) -> str:
-    """A run's compute time for its summary line: tenths from 0.1 s, two significant digits
-    below (a small model's run of a few batches takes hundredths, which ``0.0`` would hide)."""
-    if not seconds:
-        return "0"
-    return f"{seconds:.1f}" if seconds >= 0.1 else f"{seconds:.2g}"

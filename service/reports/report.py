@@ -15,6 +15,7 @@ from pathlib import Path
 
 from headatlas.service.metrics import chance_centre
 from headatlas.service.reports import queries
+from headatlas.service.wording import seconds
 
 HEAD_METRICS = (
     "within_sentence_lift_dm",
@@ -197,7 +198,7 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
         ("engine", f"{run.engine} on {run.device or '?'}"),
         ("created", run.created_at),
         ("finished", run.finished_at),
-        ("compute", f"{run.compute_s:.1f} s"),
+        ("compute", f"{seconds(run.compute_s)} s"),
         ("wall time", f"{run.wall_s:.1f} s"),
     ]
     if snapshot is not None:

@@ -22,6 +22,7 @@ from headatlas.service.web.context import Ctx, check_layer_head, run_path
 from headatlas.service.web.documents import records, with_scheme
 from headatlas.service.web.html import Html, colour, e, hidden, ink, legend_bar, num, record, select, table, when
 from headatlas.service.web.views import View
+from headatlas.service.wording import seconds
 
 LAYER_METRICS = queries.LAYER_COLUMNS[1:]
 # SPEC §9: what removing a head costs, per head (the effect metric's columns but the run-wide objective)
@@ -160,7 +161,7 @@ def _facts(ctx: Ctx, run: Run, read: dict) -> str:
         ("corpus", run.corpus),
         ("parameters", params),
         ("created", when(row["created_at"])),
-        ("compute", f"{row['compute_s'] or 0:.1f} s"),
+        ("compute", f"{seconds(row['compute_s'])} s"),
     ]
     if row["aliases"] or row["tags"]:
         facts.append(("names", ", ".join([*row["aliases"], *(f"#{t}" for t in row["tags"])])))
