@@ -44,10 +44,9 @@ def windows(model, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-clock = CLOCKS["wall"]
 
 
-def timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int, clock=time.perf_counter) -> list[float]:
     out = []
     for _ in range(repeats):
         began = clock()
@@ -71,7 +70,6 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's choice)")
     args = parser.parse_args()
-    global clock
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,14 +98,16 @@ def main() -> None:
         forward()  # warm
         fwd, full, ablate, grad = [], [], [], []
         for _ in range(args.repeats):  # interleaved: the machine's load hits them all alike
-            fwd += timed(forward, 3)  # three samples of the short passes per repeat: their medians
-            full += timed(forward_objective, 3)
+            fwd += timed(forward, 3, clock)  # three samples of the short passes per repeat: their medians
+            full += timed(forward_objective, 3, clock)
             ablate += timed(
-                lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("zero",)), 1
+                lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("zero",)), 1, clock
             )
             if fx.objective_of(model).is_loss:
                 grad += timed(
-                    lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("gradient",)), 1
+                    lambda model=model, ids=ids, mask=mask: fx.head_effects(model, ids, mask, kinds=("gradient",)),
+                    1,
+                    clock,
                 )
         name = model.name
         print(f"| {name} | one forward pass (base model) | {show(fwd)} | | | |")
