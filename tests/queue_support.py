@@ -369,7 +369,11 @@ class Cluster:
 
     def ensure_running(self) -> None:
         """Start the writer and the worker again where a test stopped or killed them, so that the
-        next test that shares the cluster finds both up."""
+        next test that shares the cluster finds both up. Batches an earlier test left queued (a
+        run it did not wait for) are dropped: the next test's first batch would wait behind them
+        (seen: a test timed out waiting for its batch to start)."""
+        for leftover in self.redis.scan_iter(match="analysis*"):
+            self.redis.delete(leftover)
         for name, start in (("writer", self.start_writer), ("worker", self.start_worker)):
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:

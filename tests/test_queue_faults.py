@@ -51,7 +51,7 @@ def test_worker_killed_mid_batch(shared, demo_corpus, tmp_path):
     sub = _submit(shared, corpus)
     run_id = shared.run_id(sub)
     running = key("running", sub.run_key, sub.database_id)
-    _wait_for(lambda: shared.redis.hlen(running) > 0, what="a batch to start")
+    _wait_for(lambda: shared.redis.hlen(running) > 0, timeout=150, what="a batch to start")
     victim = int(shared.redis.hkeys(running)[0])
     shared.kill("worker")
     shared.start_worker()

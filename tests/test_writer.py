@@ -4,6 +4,7 @@ recovery of messages a killed writer had taken, a refused batch marked failed.""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import pytest
 from queue_support import make_corpus, stored
@@ -220,3 +221,34 @@ def test_the_writers_transactions_never_create_a_database_at_a_path_left_empty(t
     with pytest.raises(DatabaseAway, match="missing"):
         own.atomically(lambda conn: conn.execute(text("SELECT count(*) FROM runs")).scalar())
     assert not path.exists()
+
+
+def test_a_file_moved_between_the_writers_check_and_open_leaves_no_database_behind(tmp_path, monkeypatch):
+    """The file goes in the instant between the guard's check and DuckDB's open, which creates a
+    missing file even with ``create=False`` (seen in a suite run: the writer then logged "another
+    file" and "not a headatlas database" for an empty file it had made itself, and a new writer
+    would have found it): the transaction raises DatabaseAway "missing", and the empty database
+    the open made is gone again."""
+    from sqlalchemy import text
+
+    from headatlas.service.storage import dbfile
+    from headatlas.service.storage.db import read_database_id
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.writer import DatabaseAway, OwnStore
+
+    path = tmp_path / "own.duckdb"
+    moved = tmp_path / "moved.duckdb"
+    Store(path).ensure_schema()
+    own = OwnStore(str(path), read_database_id(str(path)))
+    checked = dbfile.check_file
+
+    def check_then_move(file, **kwargs):
+        checked(file, **kwargs)
+        if path.exists():
+            path.rename(moved)
+
+    monkeypatch.setattr(dbfile, "check_file", check_then_move)
+    with pytest.raises(DatabaseAway, match="missing"):
+        own.atomically(lambda conn: conn.execute(text("SELECT count(*) FROM runs")).scalar())
+    assert not path.exists() and not Path(f"{path}.wal").exists()
+    assert read_database_id(str(moved)) == own.database_id  # the database itself untouched

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import redis
 
+from headatlas.service.wording import seconds
 from headatlas.service.errors import HeadatlasError, StoreUnavailable
 from headatlas.service.storage.backends import Backend
 from headatlas.service.storage.store import Store
@@ -197,10 +198,10 @@ class Pauses:
             except redis.RedisError:
                 waiting = -1
             log.error(
-                "%s (%s message(s) waiting); the writer pauses and looks again every %.0f s",
+                "%s (%s message(s) waiting); the writer pauses and looks again every %s s",
                 why,
                 "?" if waiting < 0 else waiting,
-                AWAY_POLL_S,
+                seconds(AWAY_POLL_S),
             )
             self._away = why
 

@@ -50,6 +50,14 @@ def _id_in(conn: Connection) -> str | None:
     return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar()
 
 
+class _Created(Exception):
+    """The writer's own open created an empty database at its path (``ident``: that file)."""
+
+    def __init__(self, ident):
+        super().__init__("created")
+        self.ident = ident
+
+
 class OwnStore(Store):
     """The writer's database: only the file it opened at start, never a new one. A transaction
     on a missing file, or on a file that now holds another database (moved, deleted, replaced
@@ -94,8 +102,13 @@ class OwnStore(Store):
             with db.transaction(self.backend, create=False) as conn:
                 found = _id_in(conn)
                 if found != self.database_id:
+                    if found is None and self._files and self._made_by_open(conn):
+                        raise _Created(self._stat())
                     raise DatabaseAway(self._away(f"now {'database ' + found[:8] if found else 'another file'}"))
                 yield conn
+        except _Created as created:
+            self._remove_created(created.ident)
+            raise DatabaseAway(self._away("missing (moved or deleted)")) from None
         except DatabaseAway:
             raise
         except StoreBusy:
@@ -104,6 +117,28 @@ class OwnStore(Store):
             if self._files and self._stat() != self._ident:  # the file went away while it was being opened
                 raise DatabaseAway(self._away("missing (moved or deleted)")) from None
             raise
+
+    def _made_by_open(self, conn: Connection) -> bool:
+        """Whether the connection just opened is on an empty database that the open itself created:
+        the file was moved away between the check and DuckDB's open, which creates a missing file
+        even for this writer (seen in a test that renames the file while the writer stores)."""
+        if self._stat() == self._ident:
+            return False
+        return not conn.execute(text("SELECT count(*) FROM information_schema.tables")).scalar()
+
+    def _remove_created(self, ident) -> None:
+        """Remove the empty database this writer's open created at the path (and its WAL), only
+        while the path still holds that very file: the path is left as the move left it."""
+        import os
+
+        path = self.backend.path  # type: ignore[attr-defined]  # _files: a file backend
+        if ident is None or self._stat() != ident:
+            return
+        for leftover in (path, f"{path}.wal"):
+            try:
+                os.remove(leftover)
+            except FileNotFoundError:
+                pass
 
     def write(self):
         return self._guarded()
