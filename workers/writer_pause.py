@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import redis
 
-from headatlas.service.wording import seconds
 from headatlas.service.errors import HeadatlasError, StoreUnavailable
 from headatlas.service.storage.backends import Backend
 from headatlas.service.storage.store import Store
+from headatlas.service.wording import seconds
 from headatlas.workers.lease import WriterLease
 from headatlas.workers.ledger import INGEST, ORPHANS, Ledger, processing_lists
 from headatlas.workers.messages import Undecodable, decode
