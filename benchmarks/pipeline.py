@@ -11,7 +11,8 @@ Each figure is printed as ``N windows/s`` on a line that names its stage and sha
   message), encoded and decoded, with its bytes, for a batch of MiniLM's shape (6 × 12 heads) and
   one of SmolLM2's (30 × 9), both analysed for real (random weights) on the corpus's first windows;
 - storing: what the writer and the embedded engine do with those results (``store_batches``, one
-  transaction per group of 32 batches, ``--group``), into a file, and into a lake when PostgreSQL
+  transaction per group of as many batches as the writer takes with a backlog: messages up to
+  ``GROUP_BYTES``, workers/policy.py; or ``--group``), into a file, and into a lake when PostgreSQL
   answers at ``HEADATLAS_TEST_PG`` (tests/lake_support.py), with the CPU seconds per window of
   this process (DuckDB's threads included; a lake's PostgreSQL not);
 - whole run: ``random:tiny`` (a nearly free model) embedded, and queued (a writer and one worker
@@ -49,7 +50,6 @@ CORPUS_CANDIDATES = (
     ROOT.parent.parent / "shared" / "corpora" / "wikipedia_dev.txt",
 )
 SHAPES = {"MiniLM": "random:minilm", "SmolLM2": "random:smollm2"}
-GROUP = 32  # batches per transaction, as the writer groups its messages (workers/writer.py)
 
 _WORDS = (
     "river valley empire council harbour railway cathedral province language treaty museum island "
@@ -262,11 +262,29 @@ def payloads(results: dict, repeats: int) -> None:
 # --- storing -------------------------------------------------------------------------------
 
 
-def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = GROUP) -> None:
+def message_bytes(result) -> int:
+    """The bytes of ``result``'s message on the queue (a ``BatchAnalysed``, as a worker sends it)."""
+    from headatlas.workers.messages import BatchAnalysed, encode
+
+    blob = base64.b64encode(result.to_bytes()).decode("ascii")
+    return len(encode(BatchAnalysed("0" * 32, "0" * 32, 0, blob)).encode())
+
+
+def writer_group(size: int) -> int:
+    """The messages of ``size`` bytes each that the writer takes for one transaction with a backlog
+    (``workers.writer.take_group``: until their bytes reach GROUP_BYTES, at most GROUP_MESSAGES)."""
+    from headatlas.workers.policy import GROUP_BYTES, GROUP_MESSAGES
+
+    return min(GROUP_MESSAGES, -(-GROUP_BYTES // size))
+
+
+def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = 0) -> None:
+    """``group``: batches per transaction (0: the writer's, ``writer_group``); ``batches``: per
+    repeat (0: two transactions' worth)."""
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store, store_batches
 
-    print(f"# storing: {batches} batches in transactions of {group} (store_batches); {load()}")
+    print(f"# storing: transactions of store_batches; {load()}")
     targets: list[tuple[str, object]] = [("file", None)]
     lake_support = None
     try:
@@ -277,7 +295,16 @@ def storing(results: dict, folder: Path, batches: int, repeats: int, group: int 
         why = f"tests/lake_support.py not importable ({exc})"
     if why is None:
         targets.append(("lake", lake_support))
+    asked_group, asked_batches = group, batches
     for shape, (result, described) in results.items():
+        size = message_bytes(result)
+        group = asked_group or writer_group(size)
+        batches = asked_batches or 2 * group
+        print(
+            f"storing, {shape} shape: {batches} batches of {len(result.window_ids)} windows in transactions of {group} "
+            f"({'--group' if asked_group else 'the writer with a backlog'}; {size:,} bytes a message)",
+            flush=True,
+        )
         figures = {}
         for target, support in targets:
             times, cpu = [], []
@@ -404,9 +431,14 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--processes", default=f"1,{min(os.cpu_count() or 1, 16)}", help="preparation: process counts")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=128, help="storing: batches of 32 windows per repeat")
     parser.add_argument(
-        "--group", type=int, default=GROUP, help=f"storing: batches per transaction (the writer's: {GROUP})"
+        "--batches", type=int, default=0, help="storing: batches of 32 windows per repeat (default: two transactions)"
+    )
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=0,
+        help="storing: batches per transaction (default: the writer's with a backlog, up to GROUP_BYTES of messages)",
     )
     parser.add_argument("--parts", default="preparation,payload,storing,run", help="which parts, comma-separated")
     parser.add_argument("--no-queue", action="store_true", help="whole run: the embedded engine only")

@@ -252,3 +252,28 @@ def test_a_file_moved_between_the_writers_check_and_open_leaves_no_database_behi
         own.atomically(lambda conn: conn.execute(text("SELECT count(*) FROM runs")).scalar())
     assert not path.exists() and not Path(f"{path}.wal").exists()
     assert read_database_id(str(moved)) == own.database_id  # the database itself untouched
+
+
+def test_group_commit_takes_what_waits_up_to_the_bytes_bound_in_order(redis_url):
+    """With a backlog the writer takes messages until their bytes reach the bound (a
+    transaction's worth, more than one round trip), the rest staying queued in order; idle, what
+    waits, without waiting for more; a bound on messages holds however small they are."""
+    import time
+
+    import redis
+
+    from headatlas.workers.writer import TAKE_CHUNK, take_group
+
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    messages = [f"{i:04d}".encode() + b"x" * 996 for i in range(200)]  # 1,000 bytes each
+    r.rpush("q", *messages)
+    taken = take_group(r, "q", "p", 1.0, max_bytes=100_500, max_messages=1000)
+    assert len(taken) == 101 > TAKE_CHUNK  # the first message reaching 100,500 bytes ends the group
+    assert taken == messages[:101] and r.lrange("p", 0, -1) == messages[:101]
+    assert r.lrange("q", 0, -1) == messages[101:]
+    assert take_group(r, "q", "p2", 1.0, max_bytes=10**9, max_messages=40) == messages[101:141]
+    start = time.monotonic()
+    assert take_group(r, "q", "p3", 5.0, max_bytes=10**9, max_messages=1000) == messages[141:]  # what waits
+    assert time.monotonic() - start < 2.0
+    assert take_group(r, "q", "p4", 0.1) == []  # nothing waits: nothing after the timeout

@@ -267,6 +267,47 @@ TIMINGS: tuple[Timing, ...] = (
 )
 
 
+# --- the writer's transactions: how much it stores in one -------------------------------------------
+@dataclass(frozen=True)
+class Bound:
+    """One bound of the policy that is not a timing: ``name`` (its constant here), what it means,
+    and its ``value`` in ``unit``."""
+
+    name: str
+    meaning: str
+    applied_by: str
+    value: int
+    unit: str
+
+    def shown(self) -> str:
+        if self.unit == "bytes" and self.value % 2**20 == 0:
+            return f"{self.value // 2**20} MiB"
+        return f"{self.value:,} {self.unit}"
+
+
+GROUP_BYTES_BOUND = Bound(
+    "GROUP_BYTES",
+    "Group commit: the writer takes the messages waiting on the ingest queue for one transaction until their "
+    "bytes reach this, so that with a backlog it stores big transactions (a DuckDB file costs tens of "
+    "milliseconds a transaction to open, commit and checkpoint, whatever it holds); idle, it stores what waits "
+    "at once. 48 MiB is about 250 batches of 32 windows of MiniLM's shape, 110 of SmolLM2's; their decoded "
+    "payloads take 4–6 times their bytes while the transaction is stored (docs/benchmarks.md, \"Storing\").",
+    "writer.py",
+    48 * 2**20,
+    "bytes",
+)
+GROUP_MESSAGES_BOUND = Bound(
+    "GROUP_MESSAGES",
+    "… and at most this many messages, however small (failed batches, runs to open).",
+    "writer.py",
+    512,
+    "messages",
+)
+BOUNDS: tuple[Bound, ...] = (GROUP_BYTES_BOUND, GROUP_MESSAGES_BOUND)
+GROUP_BYTES = GROUP_BYTES_BOUND.value
+GROUP_MESSAGES = GROUP_MESSAGES_BOUND.value
+
+
 def environment() -> Settings:
     """The settings the timings read from this process's environment (HEADATLAS_LEASE_S); a value
     the settings refuse is refused in one line by the command that reads them, not here at import."""
@@ -391,10 +432,20 @@ def timings_table() -> str:
     return "\n".join(rows)
 
 
+def bounds_table() -> str:
+    """The table of the writer's bounds (markdown), after the timings in the generated block."""
+    rows = [
+        "| bound | value | what it means | applied by |",
+        "|---|---|---|---|",
+        *(f"| `{b.name}` | {b.shown()} | {b.meaning} | {b.applied_by} |" for b in BOUNDS),
+    ]
+    return "\n".join(rows)
+
+
 def with_timings(doc: str) -> str:
-    """``doc`` (docs/reliability.md) with its generated block replaced by the current table."""
+    """``doc`` (docs/reliability.md) with its generated block replaced by the current tables."""
     start, end = doc.index(BEGIN), doc.index(END)
-    return doc[: start + len(BEGIN)] + "\n" + timings_table() + "\n" + doc[end:]
+    return doc[: start + len(BEGIN)] + "\n" + timings_table() + "\n\n" + bounds_table() + "\n" + doc[end:]
 
 
 def main(argv: list[str]) -> int:

@@ -64,6 +64,8 @@ from headatlas.workers.policy import (
     BUSY_RETRY_S,
     CONFLICT_RETRY_S,
     FLAP_S,
+    GROUP_BYTES,
+    GROUP_MESSAGES,
     PAUSE_FIRST_S,
     READER_GAP_S,
     STRANDED_S,
@@ -79,7 +81,42 @@ __all__ = ["DatabaseAway", "OwnStore", "Writer", "declare_queues", "file_databas
 
 log = logging.getLogger("headatlas.writer")
 
-GROUP = 32  # messages per transaction at most (bounds how long a reader may wait)
+TAKE_CHUNK = 32  # messages moved per round trip to Redis while a group is taken
+
+
+def take_group(
+    r: redis.Redis,
+    source: str,
+    dest: str,
+    timeout_s: float,
+    *,
+    max_bytes: int = GROUP_BYTES,
+    max_messages: int = GROUP_MESSAGES,
+) -> list[bytes]:
+    """Group commit: wait up to ``timeout_s`` for a message on ``source``, then move the messages
+    waiting behind it, in order and atomically each, from ``source`` to ``dest`` until their
+    bytes reach ``max_bytes`` or they number ``max_messages`` (workers/policy.py). Never waits
+    for more: idle, a group is what waits; with a backlog, a transaction's worth. A round trip
+    moves up to TAKE_CHUNK messages, fewer as the bytes near the bound (the messages taken so far
+    give their mean size), so a group passes ``max_bytes`` by about one message at most."""
+    # BLMOVE takes a double timeout (seconds, fractions allowed); redis-py annotates it as int
+    first = r.blmove(source, dest, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
+    if first is None:
+        return []
+    taken: list[bytes] = [first]
+    size = len(first)
+    while size < max_bytes and len(taken) < max_messages:
+        mean = size / len(taken)
+        chunk = max(1, min(TAKE_CHUNK, max_messages - len(taken), int((max_bytes - size) / mean)))
+        pipe = r.pipeline()
+        for _ in range(chunk):
+            pipe.lmove(source, dest, "LEFT", "RIGHT")
+        got = [m for m in pipe.execute() if m is not None]
+        taken += got
+        size += sum(len(m) for m in got)
+        if len(got) < chunk:  # the queue is empty
+            break
+    return taken
 
 
 class Writer(GroupIngest, Sweeps, Pauses):
@@ -193,7 +230,7 @@ class Writer(GroupIngest, Sweeps, Pauses):
                 self._away = None
 
     def step(self, timeout_s: float = TAKE_WAIT_S) -> int:
-        """Take up to GROUP messages, store them, commit, remove them. Returns how many."""
+        """Take the waiting messages (``take_group``), store them, commit, remove them. Returns how many."""
         if isinstance(self.store, OwnStore):
             self.store.check()  # a database away: take nothing
         raw = self._take(timeout_s)
@@ -218,14 +255,7 @@ class Writer(GroupIngest, Sweeps, Pauses):
             pass
 
     def _take(self, timeout_s: float) -> list[bytes]:
-        # BLMOVE takes a double timeout (seconds, fractions allowed); redis-py annotates it as int
-        first = self.ledger.r.blmove(INGEST, self.processing, timeout_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
-        if first is None:
-            return []
-        pipe = self.ledger.r.pipeline()
-        for _ in range(GROUP - 1):
-            pipe.lmove(INGEST, self.processing, "LEFT", "RIGHT")
-        return [first, *(m for m in pipe.execute() if m is not None)]
+        return take_group(self.ledger.r, INGEST, self.processing, timeout_s)
 
     # --- messages -----------------------------------------------------------------------------
     def _readable(self, raw: list[bytes]) -> list[Message]:
