@@ -277,3 +277,29 @@ def test_group_commit_takes_what_waits_up_to_the_bytes_bound_in_order(redis_url)
     assert take_group(r, "q", "p3", 5.0, max_bytes=10**9, max_messages=1000) == messages[141:]  # what waits
     assert time.monotonic() - start < 2.0
     assert take_group(r, "q", "p4", 0.1) == []  # nothing waits: nothing after the timeout
+
+
+def test_a_payload_that_does_not_decode_fails_its_batch_and_the_rest_of_its_group_is_stored(
+    setting, tiny_model, demo_corpus, tmp_path
+):
+    """The group's payloads are decoded before its transaction opens the file; one that is not a
+    batch's results is left to the transaction, which fails that batch alone."""
+    from headatlas.service.storage.queue_store import progress
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.writer import Writer
+
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="undecodable")
+    results = _results(corpus, tiny_model)
+    writer = Writer(setting)
+    ledger = writer.ledger
+    _describe(ledger, "k5", tiny_model, corpus, results)
+    ledger.send_to_writer("open_run", run_key="k5")
+    bad = base64.b64encode(b"not the bytes of a batch's results").decode()
+    for batch_id, payload in results:
+        ledger.send_to_writer("ingest", run_key="k5", batch_id=batch_id, payload=bad if batch_id == 1 else payload)
+    writer.step()
+    run = Store(setting.db).get_run("writer-k5")
+    with Store(setting.db).read() as conn:
+        prog = progress(conn, run.run_id)
+    assert prog.done == len(results) - 1 and prog.failed == 1
+    assert prog.errors[0][0] == 1 and run.status == "failed"

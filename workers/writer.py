@@ -237,13 +237,14 @@ class Writer(GroupIngest, Sweeps, Pauses):
         if not raw:
             self._store_results_due()  # idle: an ended run's results, one per idle turn
             return 0
-        started = time.monotonic()
+        started, self.outside_s = time.monotonic(), 0.0
         self.handle(self._readable(raw))
         self.ledger.r.delete(self.processing)
         # With a backlog the writer would reopen the file at once, and readers (status, query,
         # sql), which retry on its lock with backoff, would seldom find it free: it stays
-        # closed as long as it was held, so a reader's try succeeds at least every other time.
-        time.sleep(max(READER_GAP_S, time.monotonic() - started))
+        # closed as long as it was held, so a reader's try succeeds at least every other time
+        # (the payloads' decoding, done before the file is opened, is not counted)
+        time.sleep(max(READER_GAP_S, time.monotonic() - started - self.outside_s))
         return len(raw)
 
     def _stop(self, _signum, _frame) -> None:

@@ -9,6 +9,7 @@ after the commit (docs/architecture.md, "Exactly once on a lake"). A run deleted
 from __future__ import annotations
 
 import logging
+import time
 
 from sqlalchemy.engine import Connection
 
@@ -37,6 +38,7 @@ class GroupIngest:
     store: Store
     run_ids: dict[str, int]
     results_due: set[int]  # runs ended whose results are derived when the writer is idle
+    outside_s: float = 0.0  # seconds of this step's work done with the file closed (decoding)
 
     def _run_id(self, run_key: str, *, refresh: bool = False) -> int | None:
         """The database id of a run, created from the submitter's description on first sight;
@@ -74,11 +76,12 @@ class GroupIngest:
         if not known:
             self.ledger.writer_state("idle")
             return
+        decoded = self._decoded(known)
         try:
             try:
                 with self.store.write() as conn:
                     known = self._without(known, self._gone(conn, known))
-                    outcomes = self._apply_group(conn, known)
+                    outcomes = self._apply_group(conn, known, decoded)
                     for run_id in {r for _m, r in known}:
                         queue_store.finish_if_complete(conn, run_id)
                     summaries = {m.run_key: queue_store.summary(conn, r) for m, r in known}
@@ -102,6 +105,22 @@ class GroupIngest:
         pipe.execute()
         for run_key, summary in summaries.items():
             self._announce(run_key, summary)
+
+    def _decoded(self, known: Known) -> dict[int, BatchResult]:
+        """The payloads of the group's results, decoded before its transaction opens the file
+        (about 0.2–0.5 ms of CPU a window: readers wait for none of it), keyed by ``id`` of
+        their message; one that does not decode is left to the transaction, which fails it.
+        Their seconds are added to ``outside_s`` (the reader gap counts only the file's)."""
+        started = time.monotonic()
+        out: dict[int, BatchResult] = {}
+        for msg, _run_id in known:
+            if isinstance(msg, BatchAnalysed) and id(msg) not in out:
+                try:
+                    out[id(msg)] = msg.result()
+                except Exception:  # noqa: BLE001, S112 - decoded again inside, where it fails the batch
+                    continue
+        self.outside_s += time.monotonic() - started
+        return out
 
     def _known(self, group: list[BatchMessage]) -> Known:
         """The group's messages with their run's id; a deleted run's are dropped."""
@@ -220,7 +239,9 @@ class GroupIngest:
             outcomes.append(outcome)
         return outcomes
 
-    def _apply_group(self, conn: Connection, known: Known) -> list[Outcome]:
+    def _apply_group(
+        self, conn: Connection, known: Known, decoded: dict[int, BatchResult] | None = None
+    ) -> list[Outcome]:
         """The group's outcomes, as ``_apply`` message by message would give them, with each
         run's batches stored by one insert per table (a lake writes a Parquet file per insert
         and table). A batch any database would refuse raises: the group is then stored one by
@@ -234,7 +255,8 @@ class GroupIngest:
             results: dict[int, BatchResult] = {}
             for _i, analysed in entries:
                 if analysed.batch_id not in results:
-                    results[analysed.batch_id] = analysed.result()
+                    ready = (decoded or {}).get(id(analysed))
+                    results[analysed.batch_id] = ready if ready is not None else analysed.result()
             stored = set(ingest_batch_ids(conn, run_id, list(results.items())))
             for i, analysed in entries:
                 batch_id = analysed.batch_id
