@@ -76,6 +76,34 @@ def test_batch_result_round_trips_through_bytes(tiny_model, small_corpus):
     assert back.chance == result.chance and back.vocab == result.vocab and back.windows == result.windows
 
 
+def test_a_payloads_arrays_read_as_numpy_reads_them(tiny_model, small_corpus):
+    """The payload's reader (its own header parse for plain arrays) gives what ``np.load`` gives:
+    every member, dtype, shape, value, writable; and members of other kinds (object, Fortran
+    order, a structured dtype, 0-d) through numpy's own reader."""
+    import io
+
+    from headatlas.service.engine.results import _npz, _unnpz
+
+    blob = _results(tiny_model, small_corpus)[0].to_bytes()
+    extra = {
+        "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "pairs": np.array([(1, 2.5)], dtype=[("a", "<i4"), ("b", "<f8")]),
+        "scalar": np.array(3.25),
+        "empty": np.zeros((0, 4), dtype=np.int16),
+        "text": np.array(["ab", "cde"]),
+        "big_endian": np.arange(3, dtype=">i4"),
+    }
+    for payload in (blob, _npz(extra)):
+        with np.load(io.BytesIO(payload), allow_pickle=False) as ref:
+            read = _unnpz(payload)
+            assert sorted(read) == sorted(ref.files)
+            for name in ref.files:
+                want, got = ref[name], read[name]
+                assert got.dtype == want.dtype and got.shape == want.shape, name
+                np.testing.assert_array_equal(got, want)
+                assert got.flags.writeable, name
+
+
 def test_ingest_is_idempotent(store, tiny_model, small_corpus):
     run = _run(store, tiny_model, small_corpus)
     results = _results(tiny_model, small_corpus)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import zipfile
 from dataclasses import dataclass, field
 
@@ -107,6 +108,40 @@ def _npz(arrays: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|=][a-zA-Z]\d*)', 'fortran_order': False, 'shape': \(((?:\d+, ?)*\d*)\), *\} *\n?"
+)
+
+
+def _unnpz(blob: bytes) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file's bytes (``_npz``'s), by name, as ``np.load`` reads them.
+    A member of a plain dtype in C order is read from its header by a pattern, not by ``np.load``'s
+    parse of the header as Python (a payload has about 50 members, and that parse was a third of
+    decoding one); any other member is read by numpy itself."""
+    out: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        for info in archive.infolist():
+            name = info.filename.removesuffix(".npy")
+            raw = archive.read(info)
+            major = raw[6] if raw[:6] == b"\x93NUMPY" else 0
+            if major == 1:
+                start = 10 + int.from_bytes(raw[8:10], "little")
+                found = _NPY_HEADER.fullmatch(raw[10:start].decode("latin1"))
+            elif major in (2, 3):
+                start = 12 + int.from_bytes(raw[8:12], "little")
+                found = _NPY_HEADER.fullmatch(raw[12:start].decode("utf8" if major == 3 else "latin1"))
+            else:
+                found = None
+            dtype = np.dtype(found.group(1)) if found else None
+            if found is None or dtype is None or dtype.hasobject:
+                out[name] = np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
+                continue
+            shape = tuple(int(n) for n in found.group(2).replace(" ", "").split(",") if n)
+            # a writable copy, as np.load gives
+            out[name] = np.frombuffer(bytearray(raw[start:]), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    return out
+
+
 @dataclass
 class BatchResult:
     """Summaries of one batch, kept per replicate group present in the batch (``reps``, ``[group]``,
@@ -202,42 +237,42 @@ class BatchResult:
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> BatchResult:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as data:
-            heads = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("heads.")}
-            pairs = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("pairs.")}
-            chance = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("chance.")}
-            if "chance" in data.files:  # a payload of an earlier version: the run sums in one stack
-                chance = dict(zip(PACKED_CHANCE, data["chance"]))
-            meta = json.loads(data["meta"].tobytes().decode())
-            mixing: dict[str, dict[str, np.ndarray]] = {}
-            for key in data.files:
-                if key.startswith("mix."):
-                    _, method, name = key.split(".", 2)
-                    mixing.setdefault(method, {})[name] = data[key]
-            counts = data["mixing_counts"] if "mixing_counts" in data.files else np.zeros(2, dtype=np.int64)
-            has_csm = "csm_sum" in data.files
-            return cls(
-                window_ids=[str(x) for x in data["window_ids"]],
-                reps=data["reps"],
-                rep_heads=heads,
-                rep_dist_hist=data["dist_hist"],
-                rep_attended_hist=data["attended_hist"],
-                rep_chance=chance,
-                rep_pair_hist=pairs,
-                anchor_token=data["anchor_token"],
-                anchor_count=data["anchor_count"],
-                high_count=data["high_count"],
-                anchor_frequent=data["anchor_frequent"],
-                windows=meta["windows"],
-                documents=meta["documents"],
-                vocab={int(k): v for k, v in meta["vocab"].items()},
-                compute_s=float(data["compute_s"]),
-                mixing=mixing,
-                mixing_windows=int(counts[0]),
-                mixing_rows=int(counts[1]),
-                rep_same_sentence_hist=data["same_sentence_hist"] if "same_sentence_hist" in data.files else None,
-                csm_bin=int(data["csm_bin"]) if has_csm else 0,
-                csm_sum=data["csm_sum"] if has_csm else None,
-                csm_count=data["csm_count"] if has_csm else None,
-                effects=meta.get("effects") or {},
-            )
+        data = _unnpz(blob)
+        heads = {k.split(".", 1)[1]: data[k] for k in data if k.startswith("heads.")}
+        pairs = {k.split(".", 1)[1]: data[k] for k in data if k.startswith("pairs.")}
+        chance = {k.split(".", 1)[1]: data[k] for k in data if k.startswith("chance.")}
+        if "chance" in data:  # a payload of an earlier version: the run sums in one stack
+            chance = dict(zip(PACKED_CHANCE, data["chance"]))
+        meta = json.loads(data["meta"].tobytes().decode())
+        mixing: dict[str, dict[str, np.ndarray]] = {}
+        for key in data:
+            if key.startswith("mix."):
+                _, method, name = key.split(".", 2)
+                mixing.setdefault(method, {})[name] = data[key]
+        counts = data["mixing_counts"] if "mixing_counts" in data else np.zeros(2, dtype=np.int64)
+        has_csm = "csm_sum" in data
+        return cls(
+            window_ids=[str(x) for x in data["window_ids"]],
+            reps=data["reps"],
+            rep_heads=heads,
+            rep_dist_hist=data["dist_hist"],
+            rep_attended_hist=data["attended_hist"],
+            rep_chance=chance,
+            rep_pair_hist=pairs,
+            anchor_token=data["anchor_token"],
+            anchor_count=data["anchor_count"],
+            high_count=data["high_count"],
+            anchor_frequent=data["anchor_frequent"],
+            windows=meta["windows"],
+            documents=meta["documents"],
+            vocab={int(k): v for k, v in meta["vocab"].items()},
+            compute_s=float(data["compute_s"]),
+            mixing=mixing,
+            mixing_windows=int(counts[0]),
+            mixing_rows=int(counts[1]),
+            rep_same_sentence_hist=data["same_sentence_hist"] if "same_sentence_hist" in data else None,
+            csm_bin=int(data["csm_bin"]) if has_csm else 0,
+            csm_sum=data["csm_sum"] if has_csm else None,
+            csm_count=data["csm_count"] if has_csm else None,
+            effects=meta.get("effects") or {},
+        )
