@@ -291,7 +291,7 @@ GROUP_BYTES_BOUND = Bound(
     "bytes reach this, so that with a backlog it stores big transactions (a DuckDB file costs tens of "
     "milliseconds a transaction to open, commit and checkpoint, whatever it holds); idle, it stores what waits "
     "at once. 48 MiB is about 250 batches of 32 windows of MiniLM's shape, 110 of SmolLM2's; their decoded "
-    "payloads take 4–6 times their bytes while the transaction is stored (docs/benchmarks.md, \"Storing\").",
+    'payloads take 4–6 times their bytes while the transaction is stored (docs/benchmarks.md, "Storing").',
     "writer.py",
     48 * 2**20,
     "bytes",
