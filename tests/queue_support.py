@@ -323,6 +323,9 @@ TEST_TIMINGS = {
     "HEADATLAS_TIMING_BUSY_RETRY_S": "0.25",
     "HEADATLAS_TIMING_BROKER_RETRY_S": "0.25",
     "HEADATLAS_TIMING_TAKE_WAIT_S": "0.5",
+    # the writer's groups as its faults below were written for: a run of tiny batches spans several
+    # transactions (by default the writer takes all that waits, up to 48 MiB)
+    "HEADATLAS_BOUND_GROUP_MESSAGES": "32",
 }
 
 

@@ -176,6 +176,18 @@ def test_a_timing_set_in_the_environment_is_applied_and_a_bad_one_refused_naming
             policy.applied(policy.PAUSE_MAX, here, {"HEADATLAS_TIMING_PAUSE_MAX_S": bad})
 
 
+def test_a_bound_set_in_the_environment_is_applied_and_a_bad_one_refused_naming_it():
+    from headatlas.service.errors import ParameterError
+
+    assert policy.bound(policy.GROUP_MESSAGES_BOUND, {}) == 512
+    assert policy.bound(policy.GROUP_BYTES_BOUND, {}) == 48 * 2**20
+    assert policy.bound(policy.GROUP_MESSAGES_BOUND, {"HEADATLAS_BOUND_GROUP_MESSAGES": "32"}) == 32
+    assert policy.GROUP_BYTES_BOUND.shown() == "48 MiB" and policy.GROUP_MESSAGES_BOUND.shown() == "512 messages"
+    for bad in ("0", "-3", "2.5", "many"):
+        with pytest.raises(ParameterError, match=f"HEADATLAS_BOUND_GROUP_BYTES='{bad}': expected a whole number"):
+            policy.bound(policy.GROUP_BYTES_BOUND, {"HEADATLAS_BOUND_GROUP_BYTES": bad})
+
+
 def test_timings_that_follow_settings_follow_them():
     from headatlas.service.config import Settings
 
