@@ -386,11 +386,86 @@ def test_a_finished_runs_reads_outlive_writes_elsewhere_not_its_own(stored, tmp_
     first = client.get(f"/runs/{run.run_id}.json").json()
     Store(db).tag_run(deep.run_id, ["elsewhere"], [])  # a write, not to this run
     assert client.get(f"/runs/{run.run_id}.json").json() == first and heads_reads() == 1
+    Store(db).rename_run(run.run_id, "renamed")  # a write to its row that changes none of its results
+    renamed = client.get(f"/runs/{run.run_id}.json").json()
+    assert renamed["run"]["name"] == "renamed" and renamed["heads"] == first["heads"] and heads_reads() == 1
     scores = np.full((run.n_layers, run.n_heads), 0.5)
     Store(db).store_probe(run.run_id, (8, 2, 0), dict.fromkeys(PROBE_COLUMNS, scores))
     probed = client.get(f"/runs/{run.run_id}.json").json()
     assert heads_reads() == 2 and {h["induction_score"] for h in probed["heads"]} == {0.5}
     assert same(probed["heads"], cli_json(db, "query", "heads", "--run", str(run.run_id), "--ci"))
+
+
+def test_a_request_opens_the_database_once_and_checks_its_schema_once_per_state(stored, tmp_path):
+    """A page reads in one transaction (the runs' rows too), and the schema check is made once per
+    state of the file: not again for a state already checked, again after any write."""
+    import shutil
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db, run, deep = tmp_path / "copy.duckdb", stored[1], stored[2]
+    shutil.copy(stored[0], db)
+    client = Client(WebApp(str(db)))
+    opened: list[int] = []
+    checked: list[str] = []
+
+    def on_open(conn) -> None:
+        opened.append(1)
+
+    def on_statement(conn, cursor, statement, *rest) -> None:
+        if "alembic_version" in statement:
+            checked.append(statement)
+
+    def get(path: str) -> tuple[int, int, int]:
+        opened.clear()
+        checked.clear()
+        status = client.get(path).status
+        return status, len(opened), len(checked)
+
+    event.listen(Engine, "engine_connect", on_open)
+    event.listen(Engine, "before_cursor_execute", on_statement)
+    try:
+        status, opens, checks = get(f"/runs/{run.run_id}")
+        assert (status, opens) == (200, 1) and checks > 0
+        assert get(f"/runs/{deep.run_id}") == (200, 1, 0)  # the same state: checked already
+        Store(db).tag_run(deep.run_id, ["elsewhere"], [])
+        status, opens, checks = get(f"/runs/{run.run_id}")
+        assert (status, opens) == (200, 1) and checks > 0  # a write: the file is another state
+    finally:
+        event.remove(Engine, "engine_connect", on_open)
+        event.remove(Engine, "before_cursor_execute", on_statement)
+
+
+def test_a_file_changed_under_the_server_is_checked_again(stored, tmp_path):
+    """A schema check remembered for one state of the file is not trusted for another: a database set
+    back to an older schema, or replaced by another tool's file, is refused at the next request."""
+    import shutil
+
+    import duckdb
+    from sqlalchemy import text
+
+    from headatlas.service.storage.store import Store
+    from headatlas.service.web.app import WebApp
+
+    db, run = tmp_path / "copy.duckdb", stored[1]
+    shutil.copy(stored[0], db)
+    client = Client(WebApp(str(db)))
+    assert client.get("/runs.json").status == 200 and client.get(f"/runs/{run.run_id}.json").status == 200
+    with Store(db).write() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0014_prune_curves'"))
+    for path in ("/runs.json", f"/runs/{run.run_id}.json"):
+        answer = client.get(path)
+        assert answer.status == 400 and "run `headatlas db upgrade`" in answer.json()["error"], path
+    foreign = tmp_path / "foreign.duckdb"
+    with duckdb.connect(str(foreign)) as other:
+        other.execute("CREATE TABLE measurements (x INTEGER)")
+    shutil.copy(foreign, db)
+    answer = client.get("/runs.json")
+    assert answer.status == 400 and "a DuckDB database of something else" in answer.json()["error"]
 
 
 def test_progress_of_an_unfinished_run(stored, tmp_path):

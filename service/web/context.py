@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.storage.runs import listed
 from headatlas.service.storage.store import Run, Store
 from headatlas.service.web.documents import run_record
 from headatlas.service.web.reads import Reads
@@ -105,7 +106,8 @@ class Ctx:
 
     def runs(self, tags: tuple[str, ...] = ()) -> list[dict]:
         """``Store.list_runs``: the rows of ``headatlas runs --format json``."""
-        return self.reads.get(("runs", tags), lambda: self.store.list_runs(tags=tags))
+        # in the request's transaction: a second one would open the file and check its schema again
+        return self.reads.get(("runs", tags), lambda: listed(self.reads.conn, tags=tags))
 
     def run_row(self, run: Run) -> dict:
         """The run's row of ``headatlas runs --format json``."""
@@ -128,4 +130,5 @@ class Ctx:
 def run_path(run: Run | int, *rest: str | int) -> str:
     """A run's address: by id, which renaming leaves as it is."""
     run_id = run if isinstance(run, int) else run.run_id
-    return "/".join([f"/runs/{run_id}", *(quote(str(p), safe="") for p in rest)])
+    # a layer's or head's number needs no quoting (a page links every head: hundreds of these)
+    return "/".join([f"/runs/{run_id}", *(str(p) if type(p) is int else quote(str(p), safe="") for p in rest)])

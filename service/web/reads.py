@@ -12,13 +12,18 @@ So a write to the database (a run stored, renamed, tagged or deleted, a batch of
 seen by the next request, and a page read twice runs its queries once.
 
 What a finished run's pages read (its heads, layers, roles, anchors: seconds of SQL on a large run)
-is kept by ``Reads.of_run`` under the run's own fingerprint instead (``run_fingerprint``: its row
-and the rows it owns in every table), so that a write elsewhere (another run's batches, a rename)
-does not send the run's pages back to their queries; a write to the run itself (effects or a probe
-added, a compaction) changes its fingerprint. A value read from a state
+is kept by ``Reads.of_run`` under the run's own fingerprint instead (``run_results.fingerprint``: its
+row but its name, and the rows it owns in every table: what its stored results are keyed by), so
+that a write elsewhere (another run's batches, a rename, a tag) does not send the run's pages back
+to their queries; a write to the run itself (effects or a probe added, a compaction) changes its
+fingerprint. A value read from a state
 newer than its key (a commit between the stat and the transaction) is replaced at the next request,
 whose key differs; a value is never older than its key. The transaction is opened at the first
 value not remembered, so a page whose values are all remembered opens nothing.
+
+The schema check every read transaction makes (``db.check_schema``) is made once per state the
+transaction reads: a file's state is read again once it is open (no process writes it while a
+reader holds it), so a file changed in any way is checked again.
 """
 
 from __future__ import annotations
@@ -30,29 +35,14 @@ from collections.abc import Callable, Hashable
 from contextlib import ExitStack
 from typing import Any, TypeVar
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.statuses import RunStatus
-from headatlas.service.storage.run_results import COUNTED_ONLY, NOT_READ, NOT_RESULTS, RESULT_TABLES, run_tables
+from headatlas.service.storage import db
+from headatlas.service.storage.run_results import read_fingerprint
 from headatlas.service.storage.store import Run, Store
 
 T = TypeVar("T")
-
-
-def run_fingerprint(conn: Connection, run_id: int) -> tuple:
-    """What changes whenever anything stored for run ``run_id`` changes: per table, the run's row
-    count and (but in ``COUNTED_ONLY``) the sum of its rows' hashes. Milliseconds on a large run.
-    The results stored for the run (``run_results``) are left out: they describe these rows; so are
-    its per-window rows that no page reads (``NOT_READ``: a batch stored adds rows to its sums too)."""
-    parts = [
-        f"SELECT '{t}', count(*), "
-        + ("NULL" if t in COUNTED_ONLY else "sum(hash(x))")
-        + f" FROM {t} x WHERE run_id = :run"
-        for t in run_tables(conn)
-        if t not in NOT_RESULTS and t not in RESULT_TABLES and t not in NOT_READ
-    ]
-    return tuple(sorted(tuple(r) for r in conn.execute(text(" UNION ALL ".join(parts)), {"run": run_id})))
 
 
 class Memo:
@@ -89,6 +79,7 @@ class Reads:
         self._stack = ExitStack()
         self._conn: Connection | None = None
         self._state: Hashable | None = None
+        self._read: Hashable | None = None  # the state the open transaction reads
 
     def __enter__(self) -> Reads:
         return self
@@ -103,31 +94,40 @@ class Reads:
 
     @property
     def conn(self) -> Connection:
+        """The request's read transaction, on a database whose schema is current (``checked_read``)."""
         if self._conn is None:
-            self._conn = self._stack.enter_context(self.store.checked_read())
+            conn = self._stack.enter_context(self.store.read())
+            self._read = self._read_state(conn)
+
+            def check() -> None:
+                db.check_schema(conn, self.store.backend, at=self.store.at)
+
+            if self._read is None:
+                check()
+            else:  # once per state read (a check that fails raises: it is not remembered)
+                self.memo.get((self.store.backend.label, self._read, "schema checked"), check)
+            self._conn = conn
         return self._conn
 
     def state(self) -> Hashable:
         """The database's state, as this request found it (see the module's docstring)."""
         if self._state is None:
-            self._state = self._find_state()
+            if self.store.at is not None:
+                self._state = ("at", self.store.at)
+            elif getattr(self.store.backend, "snapshots", False):
+                _ = self.conn  # the snapshot the request's transaction reads, found when it opens
+                self._state = self._read
+            else:
+                self._state = _file_state(self.store) or ("opened", id(self.conn))
         return self._state
 
-    def _find_state(self) -> Hashable:
+    def _read_state(self, conn: Connection) -> Hashable | None:
+        """The state that transaction ``conn`` reads (None: unknown)."""
         if self.store.at is not None:
             return ("at", self.store.at)
         if getattr(self.store.backend, "snapshots", False):
-            return ("snapshot", self.store.snapshot(self.conn))
-        path = getattr(self.store.backend, "path", None)
-        try:
-            stats = [os.stat(path)] if path is not None else []
-        except OSError:  # missing or unreadable: the transaction says so, in the store's words
-            return ("opened", id(self.conn))
-        try:
-            stats.append(os.stat(f"{path}.wal"))
-        except OSError:
-            pass
-        return ("file", *((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats))
+            return ("snapshot", self.store.snapshot(conn))
+        return _file_state(self.store)  # no process writes the file while this transaction is open
 
     def get(self, key: tuple, compute: Callable[[], T]) -> T:
         """``compute()`` (which reads ``self.conn`` or the store), remembered under ``key`` for the
@@ -143,8 +143,8 @@ class Reads:
         fingerprint = self._fingerprint(run.run_id)
         return self.memo.get((self.store.backend.label, "run", run.run_id, fingerprint, *key), compute)
 
-    def _fingerprint(self, run_id: int) -> tuple:
-        return self.get(("fingerprint", run_id), lambda: run_fingerprint(self.conn, run_id))
+    def _fingerprint(self, run_id: int) -> str | None:
+        return self.get(("fingerprint", run_id), lambda: read_fingerprint(self.conn, run_id))
 
     def of_runs(self, runs: tuple[Run, ...], key: tuple, compute: Callable[[], T]) -> T:
         """``of_run`` for ``compute()`` that reads these runs alone (two runs compared)."""
@@ -153,3 +153,20 @@ class Reads:
             return self.get(("runs", ids, *key), compute)
         prints = tuple(self._fingerprint(r.run_id) for r in runs)
         return self.memo.get((self.store.backend.label, "runs", ids, prints, *key), compute)
+
+
+def _file_state(store: Store) -> Hashable | None:
+    """A file's state: its size, modification time and inode, and its write-ahead log's; None where
+    the store is no file or the file cannot be read (the transaction says why, in the store's words)."""
+    path = getattr(store.backend, "path", None)
+    if path is None:
+        return None
+    try:
+        stats = [os.stat(path)]
+    except OSError:
+        return None
+    try:
+        stats.append(os.stat(f"{path}.wal"))
+    except OSError:
+        pass
+    return ("file", *((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats))

@@ -104,7 +104,7 @@ def progress_rows(ctx: Ctx) -> list[dict]:
 
     def compute() -> list[dict]:
         out = []
-        for run in ctx.store.list_runs():
+        for run in ctx.runs():
             if run["status"] not in UNFINISHED:
                 continue
             seen = progress(ctx.reads.conn, run["run_id"])
