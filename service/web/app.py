@@ -172,7 +172,7 @@ class WebApp:
             view = build(ctx)
             if as_data == ".csv":
                 if view.table is None:
-                    return Response(view.status, documents.json_bytes(view.data), "application/json")
+                    return Response(view.status, documents.json_bytes(view.document()), "application/json")
                 return Response(
                     view.status,
                     documents.csv_bytes(*view.table),
@@ -180,9 +180,7 @@ class WebApp:
                     [("Content-Disposition", f'attachment; filename="{_file_name(request.path)}.csv"')],
                 )
             if as_data:
-                return Response(
-                    view.status, documents.json_bytes(view.data, compact=as_data == "compact"), "application/json"
-                )
+                return Response(view.status, documents.json_bytes(view.document()), "application/json")
             page = layout(
                 view.title,
                 view.body(),
@@ -229,7 +227,7 @@ class WebApp:
             document = head_example(self.examples, ctx.reads.conn, found, k, int(layer), int(head))
             return View("example", document, lambda: "")
 
-        return self._page(request, build, as_data="compact")
+        return self._page(request, build, as_data=".json")
 
     def _sql(self, request: Request, run: str, ext: str | None) -> Response:
         from headatlas.service.web.sql_page import sql_view

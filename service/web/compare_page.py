@@ -34,11 +34,15 @@ def compare_view(ctx: Ctx, ref_a: str, ref_b: str) -> View:
         ("compare", tuple(metrics), layer, heads),
         lambda c: compare.compare(c, a, b, metrics=metrics, layer=layer, heads=heads),
     )
-    data: dict = {"a": ctx.run_row(a), "b": ctx.run_row(b), "by": by, "rows": records(*rows)}
     profiles = None
     if by == "depth":
         profiles = {name: _profile(ctx, run, metrics) for name, run in (("a", a), ("b", b))}
-        data["profiles"] = {name: records(*p) for name, p in profiles.items()}
+
+    def data() -> dict:
+        document: dict = {"a": ctx.run_row(a), "b": ctx.run_row(b), "by": by, "rows": records(*rows)}
+        if profiles is not None:
+            document["profiles"] = {name: records(*p) for name, p in profiles.items()}
+        return document
 
     def body() -> str:
         parts = [_header(ctx, a, b, by, metrics)]

@@ -50,15 +50,18 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
     anchor_text = next((row[named[0].index("top_anchors")] for row in named[1] if row[:2] == (layer, head)), None)
     anchors = split_anchors(anchor_text) if anchor_text else []
     scheme = [scheme_of(run.params)]
-    data = {
-        "run": ctx.run_row(run),
-        "layer": layer,
-        "head": head,
-        "metrics": records(columns, mine),
-        "roles": records(*with_scheme(role_cols, my_roles, scheme)),
-        "distances": records(*dist),
-        "top_anchors": anchors,
-    }
+
+    def data() -> dict:
+        return {
+            "run": ctx.run_row(run),
+            "layer": layer,
+            "head": head,
+            "metrics": records(columns, mine),
+            "roles": records(*with_scheme(role_cols, my_roles, scheme)),
+            "distances": records(*dist),
+            "top_anchors": anchors,
+        }
+
     metrics = dict(zip(columns, mine[0])) if mine else {}
 
     def body() -> str:

@@ -15,17 +15,22 @@ from headatlas.service.web.context import Request
 
 def e(value: object) -> str:
     """Text as HTML (quotes too: safe inside an attribute)."""
+    kind = type(value)
+    if kind is int or kind is float or kind is bool:  # digits, signs, dots, letters: nothing to escape
+        return str(value)
     return escape("" if value is None else str(value), quote=True)
 
 
 def num(value: object, *, digits: int = 3) -> str:
     """A number as a table shows it: ``digits`` significant digits, thousands grouped; – for none."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    if isinstance(value, float):  # most cells: first
+        if not math.isfinite(value):
+            return "–"
+        return f"{value:.{digits}g}" if abs(value) < 10**digits * 100 else f"{value:,.0f}"
+    if value is None:
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if abs(value) < 10**digits * 100 else f"{value:,.0f}"
     if isinstance(value, int):
         return f"{value:,}"
     return e(value)
@@ -72,20 +77,35 @@ def table(
         f'<th{" class=text" if c in text else ""} data-col="{e(c)}">{header(c) if header else breakable(c)}</th>'
         for c in picked
     )
+    # per column, once: where its value and interval are, whether it is text, what it links to
+    cells_of = [
+        (
+            index[c],
+            c in text,
+            index.get(f"{c}_lo"),
+            index.get(f"{c}_hi"),
+            links.get(c) if links else None,
+        )
+        for c in picked
+    ]
+    named_rows = bool(links) or row_class is not None
     body = []
     for row in rows:
-        named = dict(zip(columns, row))
+        named = dict(zip(columns, row)) if named_rows else {}
         cells = []
-        for c in picked:
-            value = row[index[c]]
-            shown_value = e(value) if c in text else num(value, digits=digits)
-            lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
+        for i, is_text, lo, hi, link in cells_of:
+            value = row[i]
+            shown_value = e(value) if is_text else num(value, digits=digits)
             if lo is not None and hi is not None and row[lo] is not None:
                 shown_value += f'<span class="ci">{interval(row[lo], row[hi])}</span>'
-            if links and c in links and value is not None:
-                shown_value = f'<a href="{e(links[c](named))}">{shown_value}</a>'
-            sort_key = "" if c in text or value is None else f' data-sort="{e(value)}"'
-            cells.append(f"<td{' class=text' if c in text else ''}{sort_key}>{shown_value}</td>")
+            if link is not None and value is not None:
+                shown_value = f'<a href="{e(link(named))}">{shown_value}</a>'
+            if is_text:
+                cells.append(f"<td class=text>{shown_value}</td>")
+            elif value is None:
+                cells.append(f"<td>{shown_value}</td>")
+            else:
+                cells.append(f'<td data-sort="{e(value)}">{shown_value}</td>')
         cls = f' class="{e(row_class(named))}"' if row_class else ""
         body.append(f"<tr{cls}>{''.join(cells)}</tr>")
     ident = f' id="{e(table_id)}"' if table_id else ""

@@ -102,12 +102,14 @@ def run_view(ctx: Ctx, ref: str) -> View:
         holders = _holders(read["roles"], role)
         head_rows = [h for h in head_rows if (h[0], h[1]) in holders]
     scheme = [scheme_of(run.params)]
-    data = {
-        "run": ctx.run_row(run),
-        "layers": records(*read["layers"]),
-        "heads": records(head_cols, head_rows),
-        "roles": records(*with_scheme(read["roles"][0], read["roles"][1], scheme)),
-    }
+
+    def data() -> dict:
+        return {
+            "run": ctx.run_row(run),
+            "layers": records(*read["layers"]),
+            "heads": records(head_cols, head_rows),
+            "roles": records(*with_scheme(read["roles"][0], read["roles"][1], scheme)),
+        }
 
     def body() -> str:
         return "".join(
@@ -307,13 +309,10 @@ def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> 
         if family
         else "no replicate groups: each value tested against its threshold, uncorrected"
     )
-    shown = [
-        c
-        for c in columns
-        if c
-        not in ("rule", "family", "test")
-        + (() if any(r[columns.index("probe_score")] is not None for r in rows) else ("probe_score", "probe_min"))
-    ]
+    pi = columns.index("probe_score")
+    probed = any(r[pi] is not None for r in rows)
+    left_out = ("rule", "family", "test") + (() if probed else ("probe_score", "probe_min"))
+    shown = [c for c in columns if c not in left_out]
     evidence = table(
         columns,
         earned,

@@ -10,8 +10,14 @@ from typing import Any
 @dataclass
 class View:
     title: str
-    data: Any  # the page's JSON document (at its address plus .json)
+    # the page's JSON document (at its address plus .json), or what builds it (only when asked: an
+    # HTML page does not need it)
+    data: Any | Callable[[], Any]
     body: Callable[[], str]  # the page's HTML, between the title and the footer
     crumbs: Sequence[tuple[str, str]] = field(default_factory=tuple)  # (label, address) of the way back
     status: int = 200
     table: tuple[list[str], list[tuple]] | None = None  # columns and rows a .csv of the page holds
+
+    def document(self) -> Any:
+        """The page's JSON document."""
+        return self.data() if callable(self.data) else self.data
