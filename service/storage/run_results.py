@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
@@ -151,6 +151,10 @@ def _run_row_columns(conn: Connection) -> list[str]:
 def fingerprint_sql(conn: Connection, *, one_run: bool) -> str:
     """SQL giving ``(run_id, fingerprint)`` per run (``one_run``: of ``:run`` alone; a run without
     rows gives none). The same text is built into the ``roles`` view, so Python and SQL agree."""
+    return _fingerprint_sql(conn, " WHERE x.run_id = :run" if one_run else "")
+
+
+def _fingerprint_sql(conn: Connection, where: str) -> str:
     parts = []
     for t in run_tables(conn):
         if t in NOT_RESULTS or t in RESULT_TABLES or t in NOT_READ:
@@ -161,7 +165,6 @@ def fingerprint_sql(conn: Connection, *, one_run: bool) -> str:
             hashed = f"sum(hash({', '.join(f'x.{c}' for c in _run_row_columns(conn))}))"
         else:
             hashed = "sum(hash(x))"
-        where = " WHERE x.run_id = :run" if one_run else ""
         parts.append(
             f"SELECT x.run_id, '{t}' AS t, count(*) AS n, {hashed} AS h FROM main.{t} x{where} GROUP BY x.run_id"
         )
@@ -188,10 +191,22 @@ _HAS_TABLES: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 def read_fingerprint(conn: Connection, run_id: int) -> str | None:
     """``fingerprint``, computed once per transaction ``conn`` and run (what ``load`` compares)."""
+    return read_fingerprints(conn, [run_id])[0]
+
+
+def read_fingerprints(conn: Connection, run_ids: Sequence[int]) -> list[str | None]:
+    """``read_fingerprint`` of each run, those not yet read in one query (the runs a comparison
+    pairs: one catalogue read and one pass over each table, not one per run)."""
     seen = _FOUND.setdefault(conn, {})
-    if run_id not in seen:
-        seen[run_id] = fingerprint(conn, run_id)
-    return seen[run_id]
+    missing = sorted({r for r in run_ids if r not in seen})
+    if len(missing) == 1:
+        seen[missing[0]] = fingerprint(conn, missing[0])
+    elif missing:
+        named = {f"run{k}": r for k, r in enumerate(missing)}
+        where = f" WHERE x.run_id IN ({', '.join(f':{n}' for n in named)})"
+        found = {int(r[0]): str(r[1]) for r in conn.execute(text(_fingerprint_sql(conn, where)), named)}
+        seen.update({r: found.get(r) for r in missing})
+    return [seen[r] for r in run_ids]
 
 
 def has_tables(conn: Connection) -> bool:

@@ -39,7 +39,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage import db
-from headatlas.service.storage.run_results import read_fingerprint
+from headatlas.service.storage.run_results import read_fingerprint, read_fingerprints
 from headatlas.service.storage.store import Run, Store
 
 T = TypeVar("T")
@@ -151,7 +151,7 @@ class Reads:
         ids = tuple(r.run_id for r in runs)
         if any(r.status != RunStatus.DONE for r in runs):
             return self.get(("runs", ids, *key), compute)
-        prints = tuple(self._fingerprint(r.run_id) for r in runs)
+        prints = self.get(("fingerprints", ids), lambda: tuple(read_fingerprints(self.conn, ids)))
         return self.memo.get((self.store.backend.label, "runs", ids, prints, *key), compute)
 
 
