@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from sqlalchemy import text
@@ -160,10 +161,6 @@ def _groups(reps: dict, metric: str) -> list[int]:
     return sorted(g for g in reps if g >= 0 and metric in reps[g])
 
 
-def _loo(reps: dict, metric: str) -> list[float | None]:
-    return [_value(reps[g][metric]) for g in _groups(reps, metric)]
-
-
 def verdict(lo: float | None, hi: float | None) -> str:
     if lo is None or hi is None:
         return "no interval"
@@ -172,15 +169,17 @@ def verdict(lo: float | None, hi: float | None) -> str:
 
 def _compare_cell(reps_a: dict, reps_b: dict, metric: str, paired: bool) -> tuple:
     a, b = _value(reps_a.get(-1, {}).get(metric)), _value(reps_b.get(-1, {}).get(metric))
-    half_a, half_b = jackknife_halfwidth(_loo(reps_a, metric)), jackknife_halfwidth(_loo(reps_b, metric))
+    # each run's groups and leave-one-out values, read once (a page compares hundreds of cells)
+    groups_a, groups_b = _groups(reps_a, metric), _groups(reps_b, metric)
+    loo_a = [_value(reps_a[g][metric]) for g in groups_a]
+    loo_b = [_value(reps_b[g][metric]) for g in groups_b]
+    half_a, half_b = jackknife_halfwidth(loo_a), jackknife_halfwidth(loo_b)
     a_lo, a_hi = clip_interval(metric, a - half_a, a + half_a) if a is not None and half_a is not None else (None, None)
     b_lo, b_hi = clip_interval(metric, b - half_b, b + half_b) if b is not None and half_b is not None else (None, None)
     if a is None or b is None:
         return a, a_lo, a_hi, b, b_lo, b_hi, None, None, None, "no value"
     diff = a - b
-    groups_a, groups_b = _groups(reps_a, metric), _groups(reps_b, metric)
     if paired and groups_a == groups_b:
-        loo_a, loo_b = _loo(reps_a, metric), _loo(reps_b, metric)
         half = jackknife_halfwidth([None if x is None or y is None else x - y for x, y in zip(loo_a, loo_b)])
     elif half_a is not None and half_b is not None:
         half = math.hypot(half_a, half_b)
@@ -309,8 +308,8 @@ def _stored_reps(conn: Connection, run_id: int, kind: str, columns: list[str]) -
     kept = run_results.load(conn, run_id, kind)
     if kept is None or any(c not in kept[0] for c in columns):
         return None
-    index = [kept[0].index(c) for c in columns]
-    return [tuple(r[i] for i in index) for r in kept[1]]
+    pick = itemgetter(*(kept[0].index(c) for c in columns))
+    return [pick(r) for r in kept[1]] if len(columns) > 1 else [(pick(r),) for r in kept[1]]
 
 
 def layer_profile(conn: Connection, run, metrics: Sequence[str]) -> Rows:

@@ -152,9 +152,9 @@ def _head_grids(ctx: Ctx, a: Run, rows: compare.Rows, metrics: list[str]) -> str
                 verdict = r[at["verdict"]] if r else "no value"
                 tip = f"layer {layer}, head {head}: A − B = {num(d)} {interval(r[at['difference_lo']], r[at['difference_hi']]) if r else ''} ({verdict})"
                 mark = " beyond" if verdict == "beyond" else ""
-                href = e(ctx.url(run_path(a, "heads", layer, head)))
+                href, said = e(ctx.url(run_path(a, "heads", layer, head))), e(tip)
                 tds.append(
-                    f'<td><a class="cell{mark}" href="{href}" style="background:{bg};color:{ink(bg)}" data-tip="{e(tip)}" title="{e(tip)}">{num(d)}</a></td>'
+                    f'<td><a class="cell{mark}" href="{href}" style="background:{bg};color:{ink(bg)}" data-tip="{said}" title="{said}">{num(d)}</a></td>'
                 )
             grid.append(f"<tr>{''.join(tds)}</tr>")
         head_row = "<th>layer \\ head</th>" + "".join(f"<th>{h}</th>" for h in range(a.n_heads))

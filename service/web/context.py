@@ -83,6 +83,8 @@ class Ctx:
 
     def url(self, path: str, **params: Any) -> str:
         """``path`` with ``params`` (None left out, a list repeated), and this request's ``at``."""
+        if not params and "at" not in self.request.query:  # most links: a page links every head
+            return path
         pairs: list[tuple[str, str]] = []
         for name, value in params.items():
             if value is None or value is False:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from html import escape
 
 from headatlas.service.web.context import Request
@@ -153,12 +154,18 @@ DIVERGING = ("#2166ac", "#4393c3", "#92c5de", "#d1e5f0", "#f7f7f7", "#fddbc7", "
 MISSING = "#eeeeee"
 
 
+@lru_cache(maxsize=1024)
+def _rgb(colour: str) -> tuple[int, int, int]:
+    """``#rrggbb`` as its three channels (a grid colours hundreds of cells from a few stops)."""
+    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
+
+
 def _mix(stops: Sequence[str], t: float) -> str:
     t = min(1.0, max(0.0, t)) * (len(stops) - 1)
     i = min(int(t), len(stops) - 2)
-    a, b = stops[i], stops[i + 1]
+    a, b = _rgb(stops[i]), _rgb(stops[i + 1])
     f = t - i
-    rgb = [round(int(a[k : k + 2], 16) * (1 - f) + int(b[k : k + 2], 16) * f) for k in (1, 3, 5)]
+    rgb = [round(a[k] * (1 - f) + b[k] * f) for k in (0, 1, 2)]
     return "#" + "".join(f"{c:02x}" for c in rgb)
 
 
@@ -174,7 +181,7 @@ def colour(value: float | None, low: float, high: float, *, diverging: bool = Fa
 
 def ink(background: str) -> str:
     """Black or white text, whichever reads on ``background``."""
-    r, g, b = (int(background[k : k + 2], 16) for k in (1, 3, 5))
+    r, g, b = _rgb(background)
     return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
 
 

@@ -254,10 +254,10 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
                 if h is not None and f"{color}_lo" in hi:
                     tip += f"; {color} {num(v)} [{num(h[hi[color + '_lo']])}, {num(h[hi[color + '_hi']])}]"
             unstable = " unstable" if any(s is False for r_, s in held.get(key, []) if r_ == name) else ""
-            href = e(ctx.url(run_path(run, "heads", layer, head)))
+            href, said = e(ctx.url(run_path(run, "heads", layer, head))), e(tip)
             cells.append(
                 f'<td><a class="cell{unstable}" href="{href}" data-layer="{layer}" data-head="{head}" '
-                f'style="background:{bg};color:{ink(bg)}" data-tip="{e(tip)}" title="{e(tip)}">{e(text)}</a></td>'
+                f'style="background:{bg};color:{ink(bg)}" data-tip="{said}" title="{said}">{e(text)}</a></td>'
             )
         grid.append(f"<tr>{''.join(cells)}</tr>")
     head_row = "<th>layer \\ head</th>" + "".join(f"<th>{h}</th>" for h in range(run.n_heads))
