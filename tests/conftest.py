@@ -262,6 +262,18 @@ def lake(lake_template, tmp_path, monkeypatch):
     lake_support.remove_lake(made)
 
 
+# The tests of the shared cluster, in two groups of about equal time (the schedule tests, and the
+# fault and run tests): each group runs in one xdist worker, so their ~500 s of waiting on the
+# cluster's processes is two chains on two workers, not one. Each worker that runs a group makes
+# the session's cluster of its own (``_shared_cluster`` is per process: its own Redis, its own
+# file); a worker that runs both groups makes one.
+QUEUE_CLUSTER_GROUPS = {
+    "test_schedules.py": "queue_cluster_schedules",
+    "test_effect_runs.py": "queue_cluster_schedules",
+    "test_queue_probe.py": "queue_cluster_schedules",
+}
+QUEUE_CLUSTER_GROUP = "queue_cluster"  # every other module's (the queue's fault, run and reliability tests)
+
 # modules whose module-scoped fixture analyses real text with the real model (about 20-25 s of CPU),
 # or builds the wheel: one worker makes it, rather than each worker that gets one of the module's tests
 SHARED_SETUP_MODULES = ("test_cli.py", "test_report.py", "test_packaging.py")
@@ -269,13 +281,15 @@ SHARED_SETUP_MODULES = ("test_cli.py", "test_report.py", "test_packaging.py")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in one worker (one
-    writer and worker for the session, not one per xdist worker), and so do the tests of SmolLM2
-    (its GGUF weights converted once, not once per worker) and those of SHARED_SETUP_MODULES."""
+    """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in at most two
+    workers (QUEUE_CLUSTER_GROUPS: one writer and worker per group, not one per test's worker),
+    the tests of SmolLM2 in one (its GGUF weights converted once, not once per worker), and so do
+    those of each of SHARED_SETUP_MODULES."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "queue_cluster" in fixtures:
-            item.add_marker(pytest.mark.xdist_group("queue_cluster"))
+            group = QUEUE_CLUSTER_GROUPS.get(item.path.name, QUEUE_CLUSTER_GROUP)
+            item.add_marker(pytest.mark.xdist_group(group))
         elif "smollm2" in fixtures:
             item.add_marker(pytest.mark.xdist_group("smollm2"))
         elif item.path.name in SHARED_SETUP_MODULES:
