@@ -305,6 +305,38 @@ def test_a_lift_interval_is_the_jackknife_of_its_log():
     assert row["noise_share_lo"] == pytest.approx(0.5 - jackknife_halfwidth([0.45 + v / 100 for v in loo]))
 
 
+def test_the_pivots_of_a_whole_column_are_each_cells_pivot_bit_for_bit():
+    """``jackknife_pivots`` (what ``add_intervals`` computes a column's intervals with, every row
+    at once) returns exactly ``jackknife_pivot`` of each cell: the same floats to the last bit,
+    for 2-16 groups, lifts on the log scale and off it, and the cells without a pivot (a None
+    value, a None, infinite or NaN leave-one-out value, fewer than 2 groups, a zero lift)."""
+    from headatlas.service.reports.intervals import jackknife_pivot, jackknife_pivots
+
+    rng = np.random.default_rng(7)
+    cells: list[tuple[float | None, list[float | None]]] = []
+    for r in [*range(0, 17), *rng.integers(2, 17, size=400).tolist()]:
+        scale = 10.0 ** rng.integers(-6, 7)
+        values: list[float | None] = (rng.lognormal(0.0, 1.5, size=r) * scale).tolist()
+        cells.append((float(rng.lognormal(0.0, 1.0) * scale), values))
+    cells += [
+        (None, [1.0, 2.0, 3.0]),
+        (1.0, [1.0, None, 3.0]),
+        (1.0, [1.0, math.inf, 3.0]),
+        (1.0, [1.0, math.nan, 3.0]),
+        (0.0, [0.5, 1.0, 2.0, 4.0]),  # a zero lift: no log, the linear jackknife
+        (2.0, [0.0, 1.0, 2.0, 4.0, 8.0]),  # a zero leave-one-out lift: linear too
+        (-1.0, [-1.0, -2.0, -0.5, -1.5]),
+        (3.0, [3.0] * 16),  # no spread: se 0, R − 1 degrees of freedom
+        (7, [7, 6, 8, 7]),  # ints, as DuckDB returns counts
+    ]
+    for column in ("dup_lift", "noise_share", "within_sentence_lift_dm"):
+        for log_lifts in (True, False):
+            want = [jackknife_pivot(column, v, loo, log_lifts=log_lifts) if v is not None else None for v, loo in cells]
+            got = jackknife_pivots(column, cells, log_lifts=log_lifts)
+            assert [repr(p) for p in got] == [repr(p) for p in want], (column, log_lifts)
+    assert sum(p is not None for p in jackknife_pivots("dup_lift", cells)) > 300  # most cells have one
+
+
 def test_window_groups_fail_on_the_same_corpora():
     """The §5b rule on the same kind of corpora: windows of one document fall in different groups,
     the interval misses the between-document variation, and coverage is far below 95%."""

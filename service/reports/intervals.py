@@ -129,10 +129,15 @@ def lift_df(log_leave_one_out: Sequence[float]) -> float:
     if r < 4:
         return float(r - 1)
     dev = values - values.mean()
-    s2 = float((dev**2).sum())
-    if s2 <= 0:
+    return _lift_df_of(r, float((dev**2).sum()), float((dev**4).sum()))
+
+
+def _lift_df_of(r: int, s2: float, s4: float) -> float:
+    """``lift_df`` of R values whose squared and fourth-power deviations from their mean sum to
+    ``s2`` and ``s4``."""
+    if r < 4 or s2 <= 0:
         return float(r - 1)
-    g2 = r * float((dev**4).sum()) / s2**2 - 3.0
+    g2 = r * s4 / s2**2 - 3.0
     excess = max(0.0, ((r + 1) * g2 + 6.0) * (r - 1) / ((r - 2) * (r - 3)))
     df = min(r - 1.0, max(1.0, 2.0 / (2.0 / (r - 1) + excess / r)))
     return r - 1.0 if df >= r - 1 else max(1.0, math.floor(df / DF_STEP + 1e-9) * DF_STEP)
@@ -299,6 +304,41 @@ def _bounds(value: float, pivot: tuple[bool, float, float, float]) -> tuple[floa
     return (value * math.exp(-half), value * math.exp(half)) if log_scale else (value - half, value + half)
 
 
+def jackknife_pivots(
+    column: str, cells: Sequence[tuple[float | None, Sequence[float | None]]], *, log_lifts: bool = True
+) -> list[tuple[bool, float, float, float] | None]:
+    """``jackknife_pivot`` of each ``(value, leave_one_out)`` of one column (a None value: None),
+    number for number: the sums over each cell's groups are numpy's reductions along the rows of one
+    array per group count, which add in the order a one-cell array's reduction does
+    (tests/test_intervals.py), so a run's thousands of intervals cost a few array operations,
+    not a few numpy calls each."""
+    out: list[tuple[bool, float, float, float] | None] = [None] * len(cells)
+    log_column = log_lifts and on_log_scale(column)
+    # (groups, on the log scale) -> (cell indices, their centres, the values their jackknife reads)
+    batches: dict[tuple[int, bool], tuple[list[int], list[float], list[list[float]]]] = {}
+    for i, (value, leave_one_out) in enumerate(cells):
+        values = list(leave_one_out)
+        if value is None or len(values) < 2 or any(v is None or not math.isfinite(v) for v in values):
+            continue
+        if log_column and value > 0 and all(v > 0 for v in values):  # type: ignore[operator]
+            key, centre, read = (len(values), True), math.log(value), [math.log(v) for v in values]  # type: ignore[arg-type]
+        else:
+            key, centre, read = (len(values), False), value, values  # type: ignore[assignment]
+        batch = batches.setdefault(key, ([], [], []))
+        batch[0].append(i)
+        batch[1].append(centre)
+        batch[2].append(read)
+    for (r, log_scale), (indices, centres, read) in batches.items():
+        loo = np.array(read, dtype=np.float64)  # [cell, group]
+        dev = loo - loo.mean(axis=1)[:, None]
+        squares = (dev**2).sum(axis=1)
+        fourths = (dev**4).sum(axis=1) if log_scale and r >= 4 else squares
+        for i, centre, s2, s4 in zip(indices, centres, squares.tolist(), fourths.tolist()):
+            se = math.sqrt((r - 1) / r * s2)
+            out[i] = (log_scale, centre, se, _lift_df_of(r, s2, s4) if log_scale else float(r - 1))
+    return out
+
+
 def add_intervals(
     columns: list[str],
     rows: list[tuple],
@@ -340,17 +380,24 @@ def add_intervals(
         out_columns.append(column)
         if column in metric_idx:
             out_columns += [f"{column}_lo", f"{column}_hi"] + ([f"{column}_df"] if with_df else [])
+    row_groups = [loo.get(tuple(row[i] for i in key_idx), []) for row in rows]
+    # each metric's pivots, for every row at once (jackknife_pivots)
+    pivots: dict[str, list[tuple[bool, float, float, float] | None]] = {}
+    for column in dict.fromkeys(metrics):
+        m = list(metrics).index(column)
+        kept = only.get(column)
+        cells = [
+            (row[metric_idx[column]], [g[m] for d, g in groups if kept is None or d in kept])
+            for row, groups in zip(rows, row_groups)
+        ]
+        pivots[column] = jackknife_pivots(column, cells, log_lifts=log_lifts)
     out_rows = []
-    for row in rows:
-        groups = loo.get(tuple(row[i] for i in key_idx), [])
+    for n, row in enumerate(rows):
         out = []
         for column, value in zip(columns, row):
             out.append(value)
             if column in metric_idx:
-                m = list(metrics).index(column)
-                kept = only.get(column)
-                loo_values = [g[m] for d, g in groups if kept is None or d in kept]
-                pivot = None if value is None else jackknife_pivot(column, value, loo_values, log_lifts=log_lifts)
+                pivot = pivots[column][n]
                 if pivot is None:
                     out += [None, None] + ([None] if with_df else [])
                     continue
