@@ -113,6 +113,11 @@ class Settings:
     )
     """HEADATLAS_LEASE_S: how long a writer's lease, a running batch's heartbeat and a worker's beacon live unrefreshed before their process counts as gone (its messages and batches are taken over), seconds; each is refreshed every fifth of it."""
 
+    duckdb_threads: int = setting(
+        0, Allowed(int, "an integer from 0 to 1024 (0: DuckDB's own, one per core)", low=0, high=1024)
+    )
+    """HEADATLAS_DUCKDB_THREADS: threads of each DuckDB connection headatlas opens (0: DuckDB's own choice, one per core); 1 where several processes share few cores, as the test suite's do (a second thread there costs more CPU than it saves time)."""
+
     cache: str = setting("", FOLDER)
     """HEADATLAS_CACHE: where GGUF models are kept once converted (default: $XDG_CACHE_HOME/headatlas, else ~/.cache/headatlas)."""
 

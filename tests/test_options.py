@@ -228,7 +228,24 @@ BAD_SETTINGS = [
     ("lease_s", "0"),
     ("lease_s", "nan"),
     ("cache", "models\ncache"),
+    ("duckdb_threads", "-1"),
 ]
+
+
+@pytest.mark.parametrize("threads", ["1", "3", ""])
+def test_duckdb_threads_reach_every_connection_headatlas_opens(tmp_path, monkeypatch, threads):
+    """HEADATLAS_DUCKDB_THREADS sets the threads of a file's connections and a lake's (the
+    conftest sets it to 1 for the suite; unset, DuckDB picks its own: one per core)."""
+    import duckdb
+
+    from headatlas.service.storage.backends import open_backend
+
+    monkeypatch.setenv("HEADATLAS_DUCKDB_THREADS", threads)
+    with duckdb.connect() as plain:
+        default = plain.execute("SELECT current_setting('threads')").fetchone()[0]
+    with open_backend(tmp_path / "threads.duckdb").connect() as connection:
+        got = connection.execute("SELECT current_setting('threads')").fetchone()[0]
+    assert got == (int(threads) if threads else default)
 
 
 def test_every_setting_has_a_bad_value_tested():

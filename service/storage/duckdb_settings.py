@@ -15,9 +15,31 @@ NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload
 
 def duckdb_config(**settings: Any) -> dict[str, Any]:
     """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
-    downloads, and the shipped extensions findable (``LOAD ducklake`` on any connection)."""
+    downloads, the shipped extensions findable (``LOAD ducklake`` on any connection), and the
+    threads HEADATLAS_DUCKDB_THREADS asks for (unless ``settings`` name them)."""
     folder = extension_directory()
-    return {**NO_DOWNLOADS, **({"extension_directory": folder} if folder else {}), **settings}
+    threads = configured_threads()
+    return {
+        **NO_DOWNLOADS,
+        **({"extension_directory": folder} if folder else {}),
+        **({"threads": threads} if threads else {}),
+        **settings,
+    }
+
+
+def configured_threads() -> int:
+    """HEADATLAS_DUCKDB_THREADS (0: unset, DuckDB's own choice), or a ParameterError naming the
+    variable and the values it takes (as every setting's)."""
+    from headatlas.service.config import Settings
+    from headatlas.service.errors import ParameterError
+
+    raw = os.environ.get("HEADATLAS_DUCKDB_THREADS", "")
+    if not raw.strip():
+        return 0
+    values, bad = Settings.read({"HEADATLAS_DUCKDB_THREADS": raw})
+    if bad:
+        raise ParameterError(next(iter(bad.values())))
+    return int(values["duckdb_threads"])
 
 
 def extension_directory() -> str | None:
