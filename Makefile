@@ -47,9 +47,9 @@ demo: install
 	$(VENV)/bin/headatlas demo --db $(DB)
 
 # Three pytest-xdist workers on 2 cores (--dist loadgroup keeps the tests of the shared queue cluster
-# in one): the fault tests spend much of their time waiting on the processes they start, and a third
-# worker fills those waits (6 min 37 s against 7 min 40 s with two, that one including a failed
-# test's 60 s wait, 2026-12-02; docs/testing.md).
+# in two, one cluster each): the fault tests spend much of their time waiting on the processes they
+# start, and a third worker fills those waits (6 min 37 s against 7 min 40 s with two, that one
+# including a failed test's 60 s wait, 2026-12-02; docs/testing.md).
 # --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it.
 # mypy runs beside the tests, at a lower priority (the tests wait on processes they start and
 # leave a core idle now and then): its verdict, and its output, come after theirs, and either
