@@ -328,8 +328,8 @@ def jackknife_pivots(
         batch[0].append(i)
         batch[1].append(centre)
         batch[2].append(read)
-    for (r, log_scale), (indices, centres, read) in batches.items():
-        loo = np.array(read, dtype=np.float64)  # [cell, group]
+    for (r, log_scale), (indices, centres, rows) in batches.items():
+        loo = np.array(rows, dtype=np.float64)  # [cell, group]
         dev = loo - loo.mean(axis=1)[:, None]
         squares = (dev**2).sum(axis=1)
         fourths = (dev**4).sum(axis=1) if log_scale and r >= 4 else squares
