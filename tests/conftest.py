@@ -283,7 +283,7 @@ QUEUE_CLUSTER_GROUP = "queue_cluster"  # every other module's (the queue's fault
 # or builds the wheel: one worker makes it, rather than each worker that gets one of the module's tests
 # (test_compare's default model and its control, test_bad_inputs' base: the two modules, -n 3, 135 s
 # of CPU when spread, 102 s grouped; test_effect_runs' effect_run: 94 s, 75 s; test_adapters' random
-# models: 68 s, 60 s; docs/testing.md)
+# models: 68 s, 60 s; test_web's and test_csm_mixing_plots' stored runs: 99 s, 70 s; docs/testing.md)
 SHARED_SETUP_MODULES = (
     "test_cli.py",
     "test_report.py",
@@ -292,6 +292,8 @@ SHARED_SETUP_MODULES = (
     "test_bad_inputs.py",
     "test_effect_runs.py",
     "test_adapters.py",
+    "test_web.py",
+    "test_csm_mixing_plots.py",
 )
 
 
