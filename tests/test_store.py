@@ -444,3 +444,40 @@ def test_a_transactions_batches_are_summed_into_the_same_views_as_one_batch_at_a
                     assert y == pytest.approx(x, rel=1e-12, abs=1e-12, nan_ok=True), name
                 else:
                     assert x == y, name
+
+
+def test_a_files_storing_transaction_does_not_try_fsst_on_its_strings(tmp_path, tiny_model, small_corpus):
+    """DuckDB tries FSST on every string segment it writes, and the anchors' strings (window ids
+    and tokens, repeated per head) always end up in a dictionary: a file's storing transaction
+    does not try it (ingest.NOT_TRIED; 6–9 % of storing's CPU, docs/benchmarks.md). The window ids,
+    distinct hex that FSST would take, are stored plain, and read back the same."""
+    import copy
+
+    first = _results(tiny_model, small_corpus)[0]
+    items = []
+    # 6,000 distinct window ids: DuckDB takes FSST for them from about 5,000 (2,000 stay plain)
+    for b in range(-(-6000 // len(first.window_ids))):
+        res = copy.copy(first)
+        res.window_ids = [f"{b:06d}{w[6:]}" for w in first.window_ids]
+        res.windows = [dict(w, window_id=i) for w, i in zip(first.windows, res.window_ids)]
+        items.append((b, res))
+    s = Store(tmp_path / "h.duckdb")
+    s.ensure_schema()
+    run = _run(s, tiny_model, small_corpus)
+    assert s.ingest(run.run_id, items) == len(items)
+    con = duckdb.connect(str(s.path), read_only=True)
+    try:
+        tables = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
+        compressed = {
+            (t, column)
+            for t in tables
+            for column, how in con.execute(f"SELECT column_name, compression FROM pragma_storage_info('{t}')").fetchall()
+            if how == "FSST"
+        }
+        stored = sorted(r[0] for r in con.execute("SELECT window_id FROM run_windows").fetchall())
+        anchored = con.execute("SELECT count(DISTINCT window_id) FROM anchors").fetchone()[0]
+    finally:
+        con.close()
+    assert compressed == set()
+    assert stored == sorted(w for _b, res in items for w in res.window_ids)
+    assert anchored > 0

@@ -25,6 +25,7 @@ from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 Unreserved = db.Unreserved
 DONE = sql(BatchStatus.DONE)
+NOT_TRIED = "fsst"  # the compression DuckDB does not try on a file's storing transactions
 
 
 def ingest_batches(conn: Connection, run_id: int, items: list[tuple[int, BatchResult]]) -> int:
@@ -78,6 +79,11 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
         # (waking its threads for each of a dozen inserts, and for the checkpoint on closing,
         # costs more than they save), docs/benchmarks.md "Storing"
         raw.execute("SET threads = 1")
+        # DuckDB tries FSST on every string segment it writes; the anchors' 600,000 strings a
+        # transaction (window ids and tokens, each repeated per head) always end up in a
+        # dictionary, and trying FSST on them cost 6-9 % of storing's CPU. The price: window ids
+        # (distinct hex) stored plain, a MiniLM file 3 % larger (docs/benchmarks.md "Storing")
+        raw.execute(f"SET disabled_compression_methods = '{NOT_TRIED}'")
     tables = batch_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))
     try:
