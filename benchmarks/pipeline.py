@@ -14,7 +14,8 @@ Each figure is printed as ``N windows/s`` on a line that names its stage and sha
   transaction per group of as many batches as the writer takes with a backlog: messages up to
   ``GROUP_BYTES``, workers/policy.py; or ``--group``), into a file, and into a lake when PostgreSQL
   answers at ``HEADATLAS_TEST_PG`` (tests/lake_support.py), with the CPU seconds per window of
-  this process (DuckDB's threads included; a lake's PostgreSQL not);
+  this process (DuckDB's threads included; a lake's PostgreSQL not); ``--stored N``: into a run
+  (a database) already holding N windows, as a long run's later transactions are;
 - whole run: ``random:tiny`` (a nearly free model) embedded, and queued (a writer and one worker
   on a Redis of its own), from the start to the last stored batch.
 
@@ -278,9 +279,10 @@ def writer_group(size: int) -> int:
     return min(GROUP_MESSAGES, -(-GROUP_BYTES // size))
 
 
-def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = 0) -> None:
+def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = 0, stored: int = 0) -> None:
     """``group``: batches per transaction (0: the writer's, ``writer_group``); ``batches``: per
-    repeat (0: two transactions' worth)."""
+    repeat (0: two transactions' worth); ``stored``: windows the run (and the database) already
+    holds, stored first in the same transactions and not timed."""
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store, store_batches
 
@@ -302,7 +304,8 @@ def storing(results: dict, folder: Path, batches: int, repeats: int, group: int 
         batches = asked_batches or 2 * group
         print(
             f"storing, {shape} shape: {batches} batches of {len(result.window_ids)} windows in transactions of {group} "
-            f"({'--group' if asked_group else 'the writer with a backlog'}; {size:,} bytes a message)",
+            f"({'--group' if asked_group else 'the writer with a backlog'}; {size:,} bytes a message)"
+            + (f", into a run already holding {stored:,} windows" if stored else ""),
             flush=True,
         )
         figures = {}
@@ -329,7 +332,11 @@ def storing(results: dict, folder: Path, batches: int, repeats: int, group: int 
                         engine="queue",
                         device="cpu",
                     )
-                    items = [(b, relabelled(result, b)) for b in range(batches)]
+                    before = -(-stored // len(result.window_ids))  # batches stored first, not timed
+                    for g in range(0, before, group):
+                        ids = range(g, min(g + group, before))
+                        store_batches(store, run.run_id, [(b, relabelled(result, b)) for b in ids])
+                    items = [(before + b, relabelled(result, before + b)) for b in range(batches)]
                     start, own = time.perf_counter(), cpu_seconds()[0]
                     for g in range(0, batches, group):
                         store_batches(store, run.run_id, items[g : g + group])
@@ -440,6 +447,12 @@ def main(argv=None) -> None:
         default=0,
         help="storing: batches per transaction (default: the writer's with a backlog, up to GROUP_BYTES of messages)",
     )
+    parser.add_argument(
+        "--stored",
+        type=int,
+        default=0,
+        help="storing: windows the run already holds, stored first and not timed (default: a new database)",
+    )
     parser.add_argument("--parts", default="preparation,payload,storing,run", help="which parts, comma-separated")
     parser.add_argument("--no-queue", action="store_true", help="whole run: the embedded engine only")
     parser.add_argument(
@@ -467,7 +480,7 @@ def main(argv=None) -> None:
             if "payload" in parts:
                 payloads(results, args.repeats)
             if "storing" in parts:
-                storing(results, folder, args.batches, args.repeats, args.group)
+                storing(results, folder, args.batches, args.repeats, args.group, args.stored)
         if "run" in parts:
             whole_runs(corpus, folder, queued=not args.no_queue)
     finally:

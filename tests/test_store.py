@@ -471,7 +471,9 @@ def test_a_files_storing_transaction_does_not_try_fsst_on_its_strings(tmp_path, 
         compressed = {
             (t, column)
             for t in tables
-            for column, how in con.execute(f"SELECT column_name, compression FROM pragma_storage_info('{t}')").fetchall()
+            for column, how in con.execute(
+                f"SELECT column_name, compression FROM pragma_storage_info('{t}')"
+            ).fetchall()
             if how == "FSST"
         }
         stored = sorted(r[0] for r in con.execute("SELECT window_id FROM run_windows").fetchall())
