@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.storage.duckdb_settings import THREADS_ALLOWED, THREADS_MAX
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,7 @@ class Settings:
     )
     """HEADATLAS_LEASE_S: how long a writer's lease, a running batch's heartbeat and a worker's beacon live unrefreshed before their process counts as gone (its messages and batches are taken over), seconds; each is refreshed every fifth of it."""
 
-    duckdb_threads: int = setting(
-        0, Allowed(int, "an integer from 0 to 1024 (0: DuckDB's own, one per core)", low=0, high=1024)
-    )
+    duckdb_threads: int = setting(0, Allowed(int, THREADS_ALLOWED, low=0, high=THREADS_MAX))
     """HEADATLAS_DUCKDB_THREADS: threads of each DuckDB connection headatlas opens (0: DuckDB's own choice, one per core); 1 where several processes share few cores, as the test suite's do (a second thread there costs more CPU than it saves time)."""
 
     cache: str = setting("", FOLDER)

@@ -314,3 +314,20 @@ def test_a_bad_database_setting_never_prints_its_password():
     shown = invoke("config", env={"COLUMNS": "300", "HEADATLAS_DB": url})
     assert shown.exit_code == 2 and "BAD" in shown.stdout
     assert "s3cr3t" not in str(refused.value) + shown.stdout + shown.stderr
+
+
+@pytest.mark.parametrize("raw", ["0", "1", "1024", "-1", "1025", "two", "1.5", " 2 "])
+def test_duckdb_threads_read_by_the_storage_layer_as_the_settings_read_them(monkeypatch, raw):
+    """The storage layer reads HEADATLAS_DUCKDB_THREADS itself (not through Settings, which would
+    make config and storage import each other): the same values pass, the same refusal words."""
+    from headatlas.service.config import Settings
+    from headatlas.service.storage.duckdb_settings import configured_threads
+
+    monkeypatch.setenv("HEADATLAS_DUCKDB_THREADS", raw)
+    values, bad = Settings.read({"HEADATLAS_DUCKDB_THREADS": raw})
+    if bad:
+        with pytest.raises(ParameterError) as refused:
+            configured_threads()
+        assert str(refused.value) == bad["HEADATLAS_DUCKDB_THREADS"]
+    else:
+        assert configured_threads() == values["duckdb_threads"]

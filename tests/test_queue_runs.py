@@ -3,6 +3,8 @@ the same numbers as the embedded engine, idempotent submission and delivery, the
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -257,7 +259,10 @@ def test_a_run_deleted_while_it_is_stored_leaves_no_rows_stays_deleted_and_ends_
     from headatlas.service.storage.db import transaction
     from headatlas.service.storage.store import Store
 
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="deletedmidrun")
+    # enough batches that the worker is still analysing when the first is stored, and the
+    # worker held (SIGSTOP) from then until the delete: the run cannot end first (seen when the
+    # writer stored a fast worker's whole run in one group before the delete came)
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="deletedmidrun", copies=5)
     waited: list = []
     thread = threading.Thread(
         target=lambda: waited.append(
@@ -283,10 +288,15 @@ def test_a_run_deleted_while_it_is_stored_leaves_no_rows_stays_deleted_and_ends_
     while (got := stored_so_far())[1] < 1:
         assert time.monotonic() < deadline and thread.is_alive(), cluster.logs()
         time.sleep(0.2)
-    run_id = got[0]
-    key = Store(cluster.db).get_run(run_id).run_key
-    deleted = run_cli("runs", "delete", str(run_id), "--force", "--yes", env=cluster.env)
-    assert deleted.returncode == 0, deleted.stderr
+    worker = cluster.procs["worker"].pid
+    os.killpg(worker, signal.SIGSTOP)
+    try:
+        run_id = got[0]
+        key = Store(cluster.db).get_run(run_id).run_key
+        deleted = run_cli("runs", "delete", str(run_id), "--force", "--yes", env=cluster.env)
+        assert deleted.returncode == 0, deleted.stderr
+    finally:
+        os.killpg(worker, signal.SIGCONT)
     thread.join(60)
     assert waited, f"submit --wait still waiting after the run was deleted; {cluster.logs()}"
     assert waited[0].returncode != 0

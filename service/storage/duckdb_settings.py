@@ -27,19 +27,29 @@ def duckdb_config(**settings: Any) -> dict[str, Any]:
     }
 
 
+# HEADATLAS_DUCKDB_THREADS, declared here (a leaf of the storage package) and among the settings
+# (service/config.py) with these bounds and words: reading it here does not go through Settings,
+# which would make config and storage import each other
+THREADS_VARIABLE = "HEADATLAS_DUCKDB_THREADS"
+THREADS_MAX = 1024
+THREADS_ALLOWED = f"an integer from 0 to {THREADS_MAX} (0: DuckDB's own, one per core)"
+
+
 def configured_threads() -> int:
     """HEADATLAS_DUCKDB_THREADS (0: unset, DuckDB's own choice), or a ParameterError naming the
-    variable and the values it takes (as every setting's)."""
-    from headatlas.service.config import Settings
+    variable and the values it takes, worded as every setting's refusal is."""
     from headatlas.service.errors import ParameterError
 
-    raw = os.environ.get("HEADATLAS_DUCKDB_THREADS", "")
+    raw = os.environ.get(THREADS_VARIABLE, "")
     if not raw.strip():
         return 0
-    values, bad = Settings.read({"HEADATLAS_DUCKDB_THREADS": raw})
-    if bad:
-        raise ParameterError(next(iter(bad.values())))
-    return int(values["duckdb_threads"])
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = -1
+    if not 0 <= threads <= THREADS_MAX:
+        raise ParameterError(f"{THREADS_VARIABLE}={raw!r}: expected {THREADS_ALLOWED}")
+    return threads
 
 
 def extension_directory() -> str | None:
