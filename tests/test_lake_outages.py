@@ -87,7 +87,16 @@ def test_catalogue_sessions_ended_by_the_server_mid_ingest(cluster, lake, demo_c
     run_id = _finish(cluster, run)
     log = _log(cluster)
     assert "paused: lost the connection to the lake's catalogue" in log, cluster.logs()
-    assert "server closed the connection unexpectedly" in log or "terminating connection" in log
+    # the cause as libpq words it, which depends on where the ended session was met
+    causes = (
+        "server closed the connection unexpectedly",
+        "terminating connection",
+        "no connection to the server",
+        "could not receive data from server",
+        "connection already closed",
+        "connection to server",
+    )
+    assert any(cause in log for cause in causes), cluster.logs()
     _assert_rode_it_out(cluster, run_id, lake)
     print(f"\ncatalogue sessions ended: the writer went on {_resumed_after(cluster):.1f} s after its first failure")
 
