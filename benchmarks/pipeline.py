@@ -274,9 +274,9 @@ def message_bytes(result) -> int:
 def writer_group(size: int) -> int:
     """The messages of ``size`` bytes each that the writer takes for one transaction with a backlog
     (``workers.writer.take_group``: until their bytes reach GROUP_BYTES, at most GROUP_MESSAGES)."""
-    from headatlas.workers.policy import GROUP_BYTES, GROUP_MESSAGES
+    from headatlas.workers.policy import GROUP_BYTES_BOUND, GROUP_MESSAGES_BOUND, bound
 
-    return min(GROUP_MESSAGES, -(-GROUP_BYTES // size))
+    return min(bound(GROUP_MESSAGES_BOUND), -(-bound(GROUP_BYTES_BOUND) // size))
 
 
 def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = 0, stored: int = 0) -> None:

@@ -383,10 +383,6 @@ def bound(declared: Bound, environ: Mapping[str, str] | None = None) -> int:
     return value
 
 
-GROUP_BYTES = bound(GROUP_BYTES_BOUND)
-GROUP_MESSAGES = bound(GROUP_MESSAGES_BOUND)
-
-
 def time_limit_s(settings: Settings) -> float:
     return TIME_LIMIT.value(settings)
 

@@ -64,13 +64,14 @@ from headatlas.workers.policy import (
     BUSY_RETRY_S,
     CONFLICT_RETRY_S,
     FLAP_S,
-    GROUP_BYTES,
-    GROUP_MESSAGES,
+    GROUP_BYTES_BOUND,
+    GROUP_MESSAGES_BOUND,
     PAUSE_FIRST_S,
     READER_GAP_S,
     STRANDED_S,
     TAKE_WAIT_S,
     Stranded,
+    bound,
 )
 from headatlas.workers.writer_ingest import GroupIngest
 from headatlas.workers.writer_pause import Pause, Pauses
@@ -90,8 +91,8 @@ def take_group(
     dest: str,
     timeout_s: float,
     *,
-    max_bytes: int = GROUP_BYTES,
-    max_messages: int = GROUP_MESSAGES,
+    max_bytes: int,
+    max_messages: int,
 ) -> list[bytes]:
     """Group commit: wait up to ``timeout_s`` for a message on ``source``, then move the messages
     waiting behind it, in order and atomically each, from ``source`` to ``dest`` until their
@@ -125,6 +126,8 @@ class Writer(GroupIngest, Sweeps, Pauses):
         from headatlas.service.storage.db import read_database_id
 
         self.settings = settings
+        # read as the writer starts (a bad HEADATLAS_BOUND_<NAME> refused in one line, not at import)
+        self.group_bytes, self.group_messages = bound(GROUP_BYTES_BOUND), bound(GROUP_MESSAGES_BOUND)
         self.backend = open_backend(settings.db)
         self.db_label = self.backend.label  # what logs and messages show (never a password)
         client = connect(settings.broker_url, check=False)
@@ -256,7 +259,14 @@ class Writer(GroupIngest, Sweeps, Pauses):
             pass
 
     def _take(self, timeout_s: float) -> list[bytes]:
-        return take_group(self.ledger.r, INGEST, self.processing, timeout_s)
+        return take_group(
+            self.ledger.r,
+            INGEST,
+            self.processing,
+            timeout_s,
+            max_bytes=self.group_bytes,
+            max_messages=self.group_messages,
+        )
 
     # --- messages -----------------------------------------------------------------------------
     def _readable(self, raw: list[bytes]) -> list[Message]:

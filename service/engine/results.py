@@ -132,8 +132,7 @@ def _unnpz(blob: bytes) -> dict[str, np.ndarray]:
                 found = _NPY_HEADER.fullmatch(raw[12:start].decode("utf8" if major == 3 else "latin1"))
             else:
                 found = None
-            dtype = np.dtype(found.group(1)) if found else None
-            if found is None or dtype is None or dtype.hasobject:
+            if found is None or (dtype := np.dtype(found.group(1))).hasobject:
                 out[name] = np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
                 continue
             shape = tuple(int(n) for n in found.group(2).replace(" ", "").split(",") if n)
