@@ -168,6 +168,14 @@ class RunNotFound(StoreError, LookupError):
     """No run has the id or name asked for (or the database holds no run yet)."""
 
 
+class RunDeleted(StoreError):
+    """A queued run was deleted (`runs delete`) while a writer opened or stored it."""
+
+    def __init__(self, run_id: int):
+        super().__init__(f"run {run_id} was deleted from the database")
+        self.run_id = run_id
+
+
 class StoreBusy(StoreError):
     """Another process held the database file's lock for longer than the wait allowed."""
 

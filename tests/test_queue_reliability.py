@@ -70,7 +70,9 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     from headatlas.workers.ledger import key
     from headatlas.workers.submit import submit
 
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostworker")
+    # enough batches that the run is still being analysed when this process, on a loaded machine,
+    # first looks (seen: 4 paragraphs, about 9 tiny batches, all done before the first look)
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostworker", copies=8)
     settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
     sub = submit(
         str(corpus),
@@ -87,6 +89,8 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     deadline = time.monotonic() + 240
     while not (entries := cluster.redis.hgetall(running)):  # one read: a batch may end between two
         waiting = cluster.redis.llen("analysis")
+        done = cluster.redis.scard(key("done", sub.run_key, sub.database_id))
+        assert done < sub.batches, f"the run ended before a batch was seen running; {cluster.logs()}"
         assert time.monotonic() < deadline, f"no batch started in 240 s ({waiting} queued); {cluster.logs()}"
         time.sleep(0.01)
     victim, raw = next(iter(entries.items()))

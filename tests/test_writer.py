@@ -305,3 +305,80 @@ def test_a_payload_that_does_not_decode_fails_its_batch_and_the_rest_of_its_grou
         prog = progress(conn, run.run_id)
     assert prog.done == len(results) - 1 and prog.failed == 1
     assert prog.errors[0][0] == 1 and run.status == "failed"
+
+
+def _hand_meta(key: str, batches: int | None) -> dict:
+    return {
+        "run_key": key,
+        "name": key,
+        "corpus": "hand",
+        "corpus_fingerprint": key,
+        "model": {"spec": "hand", "name": "hand", "layers": 1, "heads": 2, "d_head": 8},
+        "params": {"seq_len": 8, "short_range": 4},
+        "device": None,
+        "batch_size": 4,
+        "batches": batches,
+        "windows": None,
+    }
+
+
+def test_a_run_deleted_before_its_submitter_s_last_open_is_not_created_again_and_its_wait_ends(setting):
+    """`runs delete` deletes the rows, then marks the run deleted in Redis; the submitter's last
+    OpenRun (its plan complete) handled between the two found the run gone: the writer created it
+    anew, or (the delete between its transactions) told the waiting submitter "no run N in the
+    database". It is now ended as deleted, and nothing is created again."""
+    from sqlalchemy import text
+
+    from headatlas.service.storage.db import transaction
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.ledger import deleted_message
+    from headatlas.workers.messages import OpenRun
+    from headatlas.workers.writer import Writer
+
+    writer = Writer(setting)
+    ledger = writer.ledger
+    ledger.put_run("k", _hand_meta("k", None))
+    ledger.send(OpenRun(writer.database_id, "k"))
+    assert writer.step() == 1
+    run_id, error = ledger.run_id("k")
+    assert run_id is not None and not error
+
+    Store(setting.db).delete_run(run_id)  # the rows, not yet the mark in Redis
+    ledger.put_run("k", _hand_meta("k", 3))
+    ledger.send(OpenRun(writer.database_id, "k"))
+    assert writer.step() == 1
+    assert ledger.deleted("k") and ledger.run_id("k")[1] == deleted_message(run_id)
+    with transaction(setting.db, read_only=True) as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 0
+        assert conn.execute(text("SELECT count(*) FROM queue_plans")).scalar() == 0
+    writer.lease.release()
+
+
+def test_open_run_refuses_a_run_deleted_between_its_read_and_its_plan(tmp_path, monkeypatch):
+    from sqlalchemy import text
+
+    from headatlas.service.errors import RunDeleted
+    from headatlas.service.storage import queue_store
+    from headatlas.service.storage.db import transaction, upgrade
+    from headatlas.service.storage.store import Store
+
+    db = str(tmp_path / "open.duckdb")
+    upgrade(db)
+    store = Store(db)
+    run, _plan = queue_store.open_run(store, _hand_meta("k", None))
+    with pytest.raises(RunDeleted, match=f"run {run.run_id + 1} was deleted"):
+        queue_store.open_run(store, _hand_meta("k", 2), opened=run.run_id + 1)  # the key now holds another run
+
+    atomically = store.atomically
+
+    def deleted_first(work):  # the plan's transaction, after the read that found the run
+        monkeypatch.setattr(store, "atomically", atomically)
+        store.delete_run(run.run_id)
+        return atomically(work)
+
+    monkeypatch.setattr(store, "atomically", deleted_first)
+    with pytest.raises(RunDeleted, match=f"run {run.run_id} was deleted"):
+        queue_store.open_run(store, _hand_meta("k", 2), opened=run.run_id)
+    with transaction(db, read_only=True) as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 0
+        assert conn.execute(text("SELECT count(*) FROM queue_plans")).scalar() == 0

@@ -372,8 +372,12 @@ class Writer(GroupIngest, Sweeps, Pauses):
             run_id = self._run_id(run_key, refresh=True)
             if run_id is not None:
                 with self.store.write() as conn:
-                    self.ledger.reconcile_done(run_key, queue_store.stored_batches(conn, run_id))
-                    self._publish(conn, run_key, run_id)
+                    there = run_is_there(conn, run_id, run_key)  # `runs delete` may have come since
+                    if there:
+                        self.ledger.reconcile_done(run_key, queue_store.stored_batches(conn, run_id))
+                        self._publish(conn, run_key, run_id)
+                if not there:
+                    self._run_gone(run_key, run_id)
         except StoreBusy:
             raise  # busy or away: the message stays, and is handled when the file is back
         except HeadatlasError as exc:

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection
 from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
-from headatlas.service.errors import StoreBusy, StoreError
+from headatlas.service.errors import RunDeleted, StoreBusy, StoreError
 from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.ingest import ingest_batch_ids, ingest_batches, reserve_batches
@@ -52,14 +52,13 @@ class GroupIngest:
             if meta is None:
                 log.warning("run %s: no description in Redis (lost?); submit the corpus again", run_key)
                 return None
+            # a writer opened it before: it is in the database, or was deleted (then not created again)
             opened, _error = self.ledger.run_id(run_key)
-            if opened is not None and not refresh:  # a writer opened it: it is in the database, or was deleted
-                with self.store.read() as conn:
-                    there = queue_store.find_run_by_key(conn, run_key) is not None
-                if not there:
-                    self._run_gone(run_key, opened)
-                    return None
-            run, _plan = queue_store.open_run(self.store, meta)
+            try:
+                run, _plan = queue_store.open_run(self.store, meta, opened=opened)
+            except RunDeleted as gone:
+                self._run_gone(run_key, gone.run_id)
+                return None
             self.ledger.set_run_id(run_key, run.run_id)
             self.run_ids[run_key] = run.run_id
         return self.run_ids[run_key]

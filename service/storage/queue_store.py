@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.errors import StoreError
+from headatlas.service.errors import RunDeleted, RunNotFound, StoreError
 from headatlas.service.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage import db
-from headatlas.service.storage.runs import Run, now, resolve_run, run_columns
+from headatlas.service.storage.runs import Run, now, resolve_run, run_columns, run_is_there
 from headatlas.service.storage.store import Store
 
 DONE, FAILED = sql(BatchStatus.DONE), sql(BatchStatus.FAILED)
@@ -74,25 +74,36 @@ def find_run_by_key(conn: Connection, run_key: str) -> Run | None:
     return Run.from_row(row) if row is not None else None
 
 
-def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
+def open_run(store: Store, meta: dict, *, opened: int | None = None) -> tuple[Run, Plan]:
     """Create the queued run described by ``meta`` (or find it) and record its batch plan.
 
     ``meta``: run_key, name, corpus, corpus_fingerprint, model (describe()), params, device,
-    batch_size, batches, windows. A run already planned keeps its plan.
+    batch_size, batches, windows. A run already planned keeps its plan. ``opened``: the id a
+    writer already gave the run; it is never created again. ``RunDeleted`` when the run is no
+    longer in the database (`runs delete` came first, or between this function's transactions).
     """
-    run, _ = store.find_or_create_run(
-        run_key=meta["run_key"],
-        name=meta["name"],
-        corpus=meta["corpus"],
-        corpus_fingerprint=meta["corpus_fingerprint"],
-        model=meta["model"],
-        params=meta["params"],
-        engine="queue",
-        device=meta.get("device"),
-    )
+    if opened is None:
+        run, _ = store.find_or_create_run(
+            run_key=meta["run_key"],
+            name=meta["name"],
+            corpus=meta["corpus"],
+            corpus_fingerprint=meta["corpus_fingerprint"],
+            model=meta["model"],
+            params=meta["params"],
+            engine="queue",
+            device=meta.get("device"),
+        )
+    else:
+        with store.read() as conn:
+            found = find_run_by_key(conn, meta["run_key"])
+        if found is None or found.run_id != opened:
+            raise RunDeleted(opened)
+        run = found
 
     def work(conn: Connection) -> Plan | None:
         db.serialize(conn)  # on a lake, two writers opening the run record one plan
+        if not run_is_there(conn, run.run_id, run.run_key, hold=True):  # a delete between the two
+            raise RunDeleted(run.run_id)
         plan = plan_of(conn, run.run_id)
         if plan is None:
             conn.execute(
@@ -126,7 +137,10 @@ def open_run(store: Store, meta: dict) -> tuple[Run, Plan]:
         # a lake: another writer may have committed the run's last batch while this transaction
         # recorded the plan; each saw the other's part missing (docs/architecture.md, "Ending a run")
         store.atomically(lambda conn: finish_if_complete(conn, run.run_id))
-    return store.get_run(run.run_id), plan
+    try:
+        return store.get_run(run.run_id), plan
+    except RunNotFound:
+        raise RunDeleted(run.run_id) from None
 
 
 def plan_of(conn: Connection, run_id: int) -> Plan | None:
