@@ -352,15 +352,15 @@ class Cluster:
         self.redis = redis.Redis.from_url(redis_url)
         self.fork = fork
 
-    def _start(self, name: str, *args: str) -> subprocess.Popen | Forked:
+    def _start(self, name: str, *args: str, loglevel: str = "warning") -> subprocess.Popen | Forked:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
         if self.fork:
-            proc = fork_headatlas([*args, "--loglevel", "warning"], env=env, log=self.folder / f"{name}.log")
+            proc = fork_headatlas([*args, "--loglevel", loglevel], env=env, log=self.folder / f"{name}.log")
             self.procs[name] = proc
             return proc
         with open(self.folder / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                [*headatlas_cmd(), *args, "--loglevel", "warning"],
+                [*headatlas_cmd(), *args, "--loglevel", loglevel],
                 env=env,
                 cwd=ROOT,
                 stdout=log,

@@ -124,8 +124,32 @@ def _wait(what, predicate, timeout: float, cluster):
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached after {timeout} s; logs:\n{cluster.logs()}")
+            fires = _read(
+                cluster,
+                "SELECT s.name, f.fire_time, f.claimed_at, f.status, f.error FROM schedule_fires f "
+                "JOIN schedules s USING (schedule_id) ORDER BY f.claimed_at",
+            )
+            beat = cluster.folder / "beat.log"
+            raise AssertionError(
+                f"{what} not reached after {timeout} s; fires: {fires}; beat.log (whole):\n"
+                f"{beat.read_text(errors='replace')[-30000:] if beat.exists() else '(none)'}\nlogs:\n{cluster.logs()}"
+            )
         time.sleep(0.3)
+
+
+@pytest.fixture(autouse=True)
+def _no_schedule_left(request):
+    """The schedules a test added to the shared cluster's database are removed after it: left,
+    they fired in a later test's beat process on the real clock, every few seconds, each with a
+    corpus pytest had removed by then (seen beside a beat test that timed out)."""
+    cluster = request.getfixturevalue("queue_cluster") if "queue_cluster" in request.fixturenames else None
+    yield
+    if cluster is None:
+        return
+    from headatlas.service.storage import schedule_store
+
+    for (name,) in _read(cluster, "SELECT name FROM schedules"):
+        schedule_store.remove(cluster.db, name)
 
 
 def _doc_ids(cluster, run_name: str) -> set[str]:
@@ -349,7 +373,7 @@ def test_the_beat_process_fires_on_the_real_clock(queue_cluster, demo_corpus, tm
     is analysed."""
     cluster = queue_cluster
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, tag="beatproc")
-    cluster._start("beat", "beat", "--tick", "0.5")
+    cluster._start("beat", "beat", "--tick", "0.5", loglevel="info")  # each fire logged: shown if it times out
     try:
         _cli(cluster, "schedule", "add", "proc", "--corpus", str(corpus), "--every", "2s", *ANALYSIS)
         [(anchor,)] = _read(cluster, "SELECT anchor FROM schedules WHERE name = 'proc'")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 from sqlalchemy import text
@@ -114,3 +115,49 @@ def test_a_lock_refused_inside_a_transaction_is_busy_and_nothing_is_written(tmp_
             raise ValueError("a lock of hair")
     with db.transaction(path, read_only=True) as conn:
         assert conn.execute(text("SELECT count(*) FROM t")).scalar() == 0
+
+
+def test_a_process_forked_while_another_thread_holds_the_process_lock_opens_the_file(tmp_path):
+    """The file lock of this process (threads open the file in turn) is new in a forked child: a
+    child forked while another thread held it opened nothing, ever (it waited for a thread it
+    does not have)."""
+    import os
+    import threading
+
+    from sqlalchemy import text
+
+    from headatlas.service.storage.backends.file import PROCESS_LOCK
+    from headatlas.service.storage.db import transaction, upgrade
+
+    db = str(tmp_path / "fork.duckdb")
+    upgrade(db)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with PROCESS_LOCK:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: reads the file, or is killed by the parent after 20 s
+            code = 1
+            try:
+                with transaction(db, read_only=True) as conn:
+                    code = 0 if conn.execute(text("SELECT count(*) FROM runs")).scalar() == 0 else 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child waited 20 s for a lock held by a thread it does not have")
+        assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
+    finally:
+        release.set()
+        holder.join()

@@ -30,6 +30,9 @@ from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, retry_on_lock
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
 # threads of one process (beat's tick and the fires it runs) open the file in turn.
 PROCESS_LOCK = threading.RLock()
+# A child forked while another thread held it (a test's forked reader, a pool process) has only
+# the forking thread: the lock would never be released there, and its first connection would hang.
+os.register_at_fork(after_in_child=PROCESS_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 class FileBackend(Backend):
