@@ -412,10 +412,12 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                # a file is read in a child (isolated_read); a lake here, in this process, which
+                # a file is read in the reader process (isolated_read); a lake here, in this process, which
                 # is how a lost catalogue session of this process is found and dropped
-                read = lambda: Store(self.db).get_run(run).status  # noqa: E731
-                status = read() if self.db.startswith("ducklake:") else isolated_read(read)
+                if self.db.startswith("ducklake:"):
+                    status = Store(self.db).get_run(run).status
+                else:
+                    status = isolated_read(("status", self.db, run))
             except Exception:  # noqa: BLE001 - the writer may not have created it yet
                 status = None
             if status in statuses:
@@ -500,47 +502,98 @@ def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str, c
     return path
 
 
-def isolated_read(read, *, tries: int = 3, timeout: float = 60.0):
-    """``read()`` in a forked child, its (picklable) result returned here: a test that polls a file
-    the cluster's processes write reads it in a child, as DuckDB once aborted the whole pytest
-    process inside ``connect`` on such a read (``Fatal Python error: Aborted``, no message; seen
-    twice in test_schedules.py at high load, not reproduced alone, docs/testing.md). A child that
-    dies by a signal, or hangs (a lock another thread held at the fork), is tried again; an error
-    in ``read`` is raised here as a RuntimeError naming its type and message."""
+# The reader: a process of its own (a fresh interpreter, never a fork of pytest) that reads the
+# cluster's database for the tests that poll it while the cluster's processes write. Requests and
+# answers are pickles behind an 8-byte length: ("sql", db, sql, params) -> rows as tuples;
+# ("status", db, run) -> the run's status. An error comes back as its type and message.
+_READER = r"""
+import os, pickle, struct, sys
+from sqlalchemy import text
+from headatlas.service.storage.store import Store
+
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    head = inp.read(8)
+    if len(head) < 8:
+        os._exit(0)
+    kind, db, *args = pickle.loads(inp.read(struct.unpack("<Q", head)[0]))
+    try:
+        if kind == "sql":
+            with Store(db).read() as conn:
+                answer = (True, [tuple(r) for r in conn.execute(text(args[0]), args[1])])
+        else:
+            answer = (True, Store(db).get_run(args[0]).status)
+    except Exception as exc:
+        answer = (False, f"{type(exc).__name__}: {exc}")
+    payload = pickle.dumps(answer)
+    out.write(struct.pack("<Q", len(payload)) + payload)
+    out.flush()
+"""
+
+_reader: subprocess.Popen | None = None
+
+
+def _reader_process() -> subprocess.Popen:
+    global _reader
+    if _reader is None or _reader.poll() is not None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        _reader = subprocess.Popen(
+            [sys.executable, "-c", _READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT
+        )
+        atexit.register(_reader.kill)
+    return _reader
+
+
+def _ask(proc: subprocess.Popen, request: tuple, timeout: float) -> bytes | None:
+    """The answer's bytes, or None when the reader died or did not answer within ``timeout``."""
     import pickle
     import select
+    import struct
+
+    assert proc.stdin is not None and proc.stdout is not None
+    payload = pickle.dumps(request)
+    try:
+        proc.stdin.write(struct.pack("<Q", len(payload)) + payload)
+        proc.stdin.flush()
+    except BrokenPipeError:
+        return None
+    fd, got, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout
+    need = 8
+    while len(got) < need:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, need - len(got))
+        if not chunk:
+            return None
+        got += chunk
+        if need == 8 and len(got) == 8:
+            need = 8 + struct.unpack("<Q", got)[0]
+    return got[8:]
+
+
+def isolated_read(request: tuple, *, tries: int = 3, timeout: float = 60.0):
+    """Answer ``request`` (``("sql", db, sql, params)`` or ``("status", db, run)``) in the reader
+    process, not in pytest's: DuckDB once aborted a whole pytest process inside ``connect`` on such
+    a read (``Fatal Python error: Aborted``, no message; seen twice in test_schedules.py at high
+    load, not reproduced alone, docs/testing.md). The reader is a fresh interpreter, not a fork
+    of pytest, so it inherits no lock or DuckDB state of pytest's threads. A reader that dies or
+    does not answer within ``timeout`` is started again and asked again; an error of the read is
+    raised here as a RuntimeError naming its type and message."""
+    import pickle
 
     for _ in range(tries):
-        out, into = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            os.close(out)
-            try:
-                payload = pickle.dumps((True, read()))
-            except BaseException as exc:  # noqa: BLE001 - handed to the parent
-                payload = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
-            with os.fdopen(into, "wb") as pipe:
-                pipe.write(payload)
-            os._exit(0)
-        os.close(into)
-        chunks, deadline = [], time.monotonic() + timeout
-        with os.fdopen(out, "rb", buffering=0) as pipe:
-            while time.monotonic() < deadline:
-                if select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    chunk = pipe.read(1 << 16)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-            else:
-                os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        if os.WIFSIGNALED(status) or not chunks:
+        proc = _reader_process()
+        raw = _ask(proc, request, timeout)
+        if raw is None:
+            proc.kill()
+            proc.wait()
             continue
-        ok, value = pickle.loads(b"".join(chunks))
+        ok, value = pickle.loads(raw)
         if not ok:
             raise RuntimeError(value)
         return value
-    raise AssertionError(f"a reader of the cluster's database died or hung {tries} times in a row")
+    raise AssertionError(f"the reader of the cluster's database died or hung {tries} times in a row")
 
 
 @contextmanager

@@ -16,7 +16,6 @@ from datetime import datetime, timedelta
 import pytest
 from conftest import invoke_cli
 from queue_support import isolated_read, make_corpus
-from sqlalchemy import text
 
 pytestmark = pytest.mark.integration
 
@@ -98,13 +97,7 @@ def _cli(cluster, *args) -> str:
 
 
 def _read(cluster, sql: str, **params) -> list[tuple]:
-    from headatlas.service.storage.store import Store
-
-    def rows() -> list[tuple]:
-        with Store(cluster.db).read() as conn:
-            return [tuple(r) for r in conn.execute(text(sql), params)]
-
-    return isolated_read(rows)  # the cluster's processes write the file meanwhile
+    return isolated_read(("sql", cluster.db, sql, params))  # the cluster's processes write the file meanwhile
 
 
 def _fires(cluster, name: str) -> list[tuple]:
