@@ -251,7 +251,9 @@ def beat(
 ) -> None:
     """Fire due schedules: submit their runs to the queue (run one; a second one creates no duplicate run)."""
     from headatlas.workers.beat import Beat
+    from headatlas.workers.launch import stacks_on_sigusr1
 
+    stacks_on_sigusr1()
     settings = _settings(db, broker)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("headatlas").setLevel(loglevel.upper())

@@ -9,7 +9,9 @@ One real `headatlas beat` process fires on the real clock."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 from datetime import datetime, timedelta
 
@@ -122,6 +124,9 @@ def _wait(what, predicate, timeout: float, cluster):
                 "SELECT s.name, f.fire_time, f.claimed_at, f.status, f.error FROM schedule_fires f "
                 "JOIN schedules s USING (schedule_id) ORDER BY f.claimed_at",
             )
+            for proc in list(cluster.procs.values()):  # each writes its threads' stacks to its log
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
             beat = cluster.folder / "beat.log"
             raise AssertionError(
                 f"{what} not reached after {timeout} s; fires: {fires}; beat.log (whole):\n"
@@ -374,6 +379,12 @@ def test_the_beat_process_fires_on_the_real_clock(queue_cluster, demo_corpus, tm
         assert (fire[0] - anchor).total_seconds() % 2 == 0 and fire[0] > anchor
         assert fire[1] >= fire[0] and fire[6] == "scheduled"
         assert cluster.wait_status(fire[4], timeout=90) == "done"
+        # `kill -USR1`: the beat and the writer write their threads' stacks to their logs, and go on
+        for name, code in (("beat", "workers/beat.py"), ("writer", "workers/writer.py")):
+            os.kill(cluster.procs[name].pid, signal.SIGUSR1)
+            log = cluster.folder / f"{name}.log"
+            _wait(f"{name}'s stacks", lambda log=log, code=code: code in log.read_text(errors="replace"), 30, cluster)
+            assert cluster.procs[name].poll() is None, f"{name} ended on SIGUSR1"
     finally:
         cluster.stop_process("beat")
     _cli(cluster, "schedule", "remove", "proc")

@@ -144,11 +144,22 @@ def without_pandas() -> None:
         sys.meta_path.insert(0, _WithoutPandas())
 
 
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` writes every thread's stack to this process's stderr (its log), for a
+    writer or beat that seems stuck: where each thread waits, without stopping it. (A Celery
+    worker does the same on SIGUSR1 by itself.)"""
+    import faulthandler
+
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def run_writer(settings: Settings) -> None:
     """The single database writer, in this process, until SIGTERM or Ctrl-C."""
     import logging
 
     without_pandas()
+    stacks_on_sigusr1()
 
     from headatlas.service.storage.backends import label
     from headatlas.workers.writer import Writer
