@@ -79,6 +79,36 @@ def test_an_error_in_a_process_is_raised_by_the_caller(tiny_model, small_corpus)
             list(iter_batches(str(small_corpus), tiny_model, params, tokens, batch_size=8, workers=pool))
 
 
+def test_a_pools_processes_end_on_sigterm_whatever_handler_their_caller_set(tiny_model, small_corpus):
+    """The beat's SIGTERM handler only notes that it should stop: inherited by the pool's processes,
+    it kept one alive through the pool's terminate, and a fire waited in close() forever (seen in
+    CI, the beat's thread stacks in its log). The processes take SIGTERM's default."""
+    import signal
+    import threading
+
+    tokens = TokenClasses.for_model(tiny_model)
+    params = AnalysisParams()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # as the beat's: notes it, goes on
+    pool = WindowPool(2, tiny_model.tokenizer, tokens, tiny_model.tokenizer_key, params)
+    try:
+        assert list(iter_batches(str(small_corpus), tiny_model, params, tokens, batch_size=8, workers=pool))
+        # what each process does on the SIGTERM its pool's terminate sends (the caller's handler,
+        # a local function, would not even come back: it does not pickle)
+        seen = {pool._pool.apply_async(signal.getsignal, (signal.SIGTERM,)).get(timeout=30) for _ in range(8)}
+        assert seen == {signal.SIG_DFL}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        closing = threading.Thread(target=pool.close, daemon=True)
+        closing.start()
+        closing.join(30)
+        stuck = closing.is_alive()
+        if stuck:  # what the beat met: killed here, so that the suite goes on
+            for process in pool._pool._pool:
+                process.kill()
+            closing.join(30)
+    assert not stuck, "the pool's close() waited 30 s for processes that outlived its SIGTERM"
+
+
 def test_processes_by_default_are_the_cores_left_beside_the_model():
     cores = usable_cores()
     assert preparation_processes(3, model_threads=cores) == 3  # asked for: given

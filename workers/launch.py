@@ -150,8 +150,13 @@ def stacks_on_sigusr1() -> None:
     worker does the same on SIGUSR1 by itself.)"""
     import faulthandler
 
-    if hasattr(signal, "SIGUSR1"):  # not on Windows
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1"):  # not on Windows
+        return
+    try:
+        stderr = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # run in-process (a test's CliRunner): no stderr to write to
+        return
+    faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
 
 
 def run_writer(settings: Settings) -> None:

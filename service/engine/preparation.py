@@ -138,6 +138,10 @@ class WindowPool:
 def _start(tokenizer, tokens: TokenClasses, tokenizer_key: str, params: AnalysisParams) -> None:
     global _WORK
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's: it stops the pool
+    # the pool stops its processes with SIGTERM: a handler the caller set (the beat's, which only
+    # notes that it should stop) is not theirs; inherited, it kept a process alive and the
+    # caller's close() waited for it forever
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # the Rust tokenizer's own threads do not survive a fork; say so to it (no warning per process)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORK = (tokenizer, tokens, tokenizer_key, params)
