@@ -100,13 +100,13 @@ def _wait(settings, sub, resubmit=None) -> None:
     import kombu.exceptions
     import redis
 
-    from headatlas.service.errors import BrokerError, BrokerOutOfMemory
+    from headatlas.service.errors import BrokerError, BrokerOutOfMemory, DatabaseNotFound
     from headatlas.workers.broker_errors import refusal
     from headatlas.workers.lease import broker_epoch
     from headatlas.workers.ledger import Ledger, connect
 
     ledger = Ledger(connect(settings.broker_url, check=False), sub.database_id)
-    started, base, away, full, live = time.monotonic(), None, False, False, None
+    started, base, away, full, missing, live = time.monotonic(), None, False, False, False, None
     stranded: tuple[float, int, set[int]] | None = None  # first seen: when, batches done then, which
     with progress_bar("batches", "{task.fields[failed]} failed") as bar:
         task = bar.add_task("run", total=sub.batches, failed=0, rate=0.0)
@@ -154,6 +154,18 @@ def _wait(settings, sub, resubmit=None) -> None:
                     away = True
                 time.sleep(1.0)
                 continue
+            except DatabaseNotFound as exc:
+                # moved away while a resubmission read it: its writer pauses until it is back; so
+                # does this wait (the batches to queue again are tried once it is back)
+                if not missing:
+                    stderr.print(f"{exc}; waiting for it to come back, as its writer does")
+                    missing = True
+                stranded = None
+                time.sleep(1.0)
+                continue
+            if missing:
+                stderr.print("the database is back; waiting for the run")
+                missing = False
             time.sleep(0.5)
     if sub.run_id is None:
         from headatlas.workers.submit import wait_for_run_id
@@ -186,7 +198,11 @@ def _requeue_stranded(ledger, sub, seen, done: int, resubmit):
         "(their messages were lost as Redis went down): queuing them again"
     )
     ledger.unqueue(sub.run_key, lost)
-    resubmit(only=lost)
+    try:
+        resubmit(only=lost)
+    except Exception:
+        ledger.mark_queued(sub.run_key, sorted(lost))  # still in flight, as before: found stranded again
+        raise
     return None
 
 

@@ -235,6 +235,55 @@ def test_batches_no_message_carries_are_queued_again_by_submit_wait(redis_url, m
     assert calls == [{2, 3}]
 
 
+def test_submit_wait_rides_out_a_database_moved_away_while_it_queues_stranded_batches(redis_url, monkeypatch, capsys):
+    """The database moved away as `submit --wait` queued stranded batches again (its resubmission
+    reads it): the wait ended with "no database at …" (seen in CI beside the moved-database test).
+    It now waits for the file as the writer does, the batches still marked queued, and queues them
+    once the file is back."""
+    import threading
+
+    from headatlas.cli import queue_commands
+    from headatlas.service.config import Settings
+    from headatlas.service.errors import DatabaseNotFound
+    from headatlas.workers.ledger import Ledger
+    from headatlas.workers.submit import Submission
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    monkeypatch.setattr(queue_commands, "STRANDED_S", 0.5)
+    ledger = Ledger(client, "d" * 36)
+    run_key = "m" * 24
+    ledger.mark_done(run_key, {0, 1})
+    ledger.mark_queued(run_key, [0, 1, 2, 3])
+    ledger.set_run_status(run_key, "running", done=2, failed=0, windows=8)
+    calls: list[set[int] | None] = []
+
+    def resubmit(only=None):
+        calls.append(only)
+        if len(calls) == 1:
+            raise DatabaseNotFound("no database at /moved/away.duckdb: run `headatlas analyze CORPUS` first")
+        ledger.mark_done(run_key, {0, 1, *only})
+        ledger.set_run_status(run_key, "done", done=4, failed=0, windows=16)
+
+    sub = Submission(run_key, "moved", 4, 4, 16, 4, 0, "d" * 36, run_id=1, epoch=None)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            queue_commands._wait(Settings(broker_url=redis_url), sub, resubmit=resubmit)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive(), "submit --wait kept waiting after the database came back"
+    assert not errors, errors
+    assert calls == [{2, 3}, {2, 3}]  # the batches stayed marked queued, and were queued once it was back
+    said = " ".join(capsys.readouterr().err.split())  # as one line: the console wraps it
+    assert "no database at /moved/away.duckdb" in said and "waiting for it to come back" in said, said
+
+
 def test_the_writer_queues_stranded_batches_again_from_their_kept_copies(redis_url, monkeypatch):
     """The same loss with a plain `submit` (nothing waits): the writer's sweep sees batches in
     flight that no message carries, and once they stay so with nothing stored, sends each again
