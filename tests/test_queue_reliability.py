@@ -99,9 +99,11 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
     killed = time.monotonic()
 
     # status: the batch is lost (not running), then requeued by the writer
+    # how soon is a measure (printed below), not this test's bound: the bound only catches a batch
+    # never requeued (a loaded CI machine took over 30 s, each `status` a process of its own)
     seen = None
     while seen is None:
-        assert time.monotonic() - killed < 30, f"not requeued within 30 s; {cluster.logs()}"
+        assert time.monotonic() - killed < 120, f"not requeued within 120 s; {cluster.logs()}"
         result = invoke_cli("status", str(run_id), "--format", "json", env=cluster.env)
         assert result.returncode == 0, result.stderr
         state = json.loads(result.stdout)
