@@ -183,6 +183,22 @@ def test_submit_wait_ends_when_the_database_holds_the_run_redis_forgot(redis_url
     assert calls == [1] and sub.run_id == 7
 
 
+def _run_of_four_two_done(redis_url, monkeypatch, run_key: str):
+    """A flushed Redis holding a running run of 4 batches queued, 2 of them stored, for
+    `submit --wait` to find the other 2 stranded after 0.5 s (the ledger)."""
+    from headatlas.cli import queue_commands
+    from headatlas.workers.ledger import Ledger
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    monkeypatch.setattr(queue_commands, "STRANDED_S", 0.5)
+    ledger = Ledger(client, "d" * 36)
+    ledger.mark_done(run_key, {0, 1})
+    ledger.mark_queued(run_key, [0, 1, 2, 3])
+    ledger.set_run_status(run_key, "running", done=2, failed=0, windows=8)
+    return ledger
+
+
 def test_batches_no_message_carries_are_queued_again_by_submit_wait(redis_url, monkeypatch):
     """Redis shut down between a worker's pop of a message and its record of it: the batch stays
     "queued" with no message anywhere (seen in this module's restart test, 1 run in 3 under load).
@@ -191,17 +207,11 @@ def test_batches_no_message_carries_are_queued_again_by_submit_wait(redis_url, m
 
     from headatlas.cli import queue_commands
     from headatlas.service.config import Settings
-    from headatlas.workers.ledger import Ledger
     from headatlas.workers.submit import Submission
 
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    monkeypatch.setattr(queue_commands, "STRANDED_S", 0.5)
-    ledger = Ledger(client, "d" * 36)
     run_key = "s" * 24
-    ledger.mark_done(run_key, {0, 1})
-    ledger.mark_queued(run_key, [0, 1, 2, 3])
-    ledger.set_run_status(run_key, "running", done=2, failed=0, windows=8)
+    ledger = _run_of_four_two_done(redis_url, monkeypatch, run_key)
+    client = ledger.r
 
     # a message for the run in the queue, in the broker's unacknowledged deliveries, or a batch
     # with a worker: nothing is stranded
@@ -245,17 +255,10 @@ def test_submit_wait_rides_out_a_database_moved_away_while_it_queues_stranded_ba
     from headatlas.cli import queue_commands
     from headatlas.service.config import Settings
     from headatlas.service.errors import DatabaseNotFound
-    from headatlas.workers.ledger import Ledger
     from headatlas.workers.submit import Submission
 
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    monkeypatch.setattr(queue_commands, "STRANDED_S", 0.5)
-    ledger = Ledger(client, "d" * 36)
     run_key = "m" * 24
-    ledger.mark_done(run_key, {0, 1})
-    ledger.mark_queued(run_key, [0, 1, 2, 3])
-    ledger.set_run_status(run_key, "running", done=2, failed=0, windows=8)
+    ledger = _run_of_four_two_done(redis_url, monkeypatch, run_key)
     calls: list[set[int] | None] = []
 
     def resubmit(only=None):

@@ -276,9 +276,8 @@ def test_group_commit_takes_what_waits_up_to_the_bytes_bound_in_order(redis_url)
     start = time.monotonic()
     assert take_group(r, "q", "p3", 5.0, max_bytes=10**9, max_messages=1000) == messages[141:]  # what waits
     assert time.monotonic() - start < 2.0
-    assert (
-        take_group(r, "q", "p4", 0.1, max_bytes=10**9, max_messages=1000) == []
-    )  # nothing waits: nothing after the timeout
+    # nothing waits: nothing after the timeout
+    assert take_group(r, "q", "p4", 0.1, max_bytes=10**9, max_messages=1000) == []
 
 
 def test_a_payload_that_does_not_decode_fails_its_batch_and_the_rest_of_its_group_is_stored(
