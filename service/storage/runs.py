@@ -34,6 +34,9 @@ LAKE_COMPUTE_S = (
     f"AND b.status = {sql(BatchStatus.DONE)})"
 )
 
+# database_info key, on a lake: the largest run id ever given (a file's sequence keeps its own)
+LAST_RUN_ID = "last_run_id"
+
 now = db.now
 
 
@@ -128,13 +131,29 @@ def find_or_create(conn: Connection, values: dict, *, alias: str | None = None) 
             text(f"INSERT INTO runs ({columns}) VALUES ({given}) RETURNING {RUN_COLUMNS}"), values
         ).first()
     else:  # no sequence on a lake: the next id, taken under serialize (above)
-        run_id = int(conn.execute(text("SELECT coalesce(max(run_id), 0) + 1 FROM runs")).scalar_one())
+        run_id = _next_lake_run_id(conn)
         conn.execute(
             text(f"INSERT INTO runs (run_id, {columns}, compute_s, wall_s) VALUES (:run_id, {given}, 0, 0)"),
             {**values, "run_id": run_id},
         )
         row = conn.execute(text(f"SELECT {run_columns(conn)} FROM runs WHERE run_id = :r"), {"r": run_id}).first()
     return Run.from_row(row), True
+
+
+def _next_lake_run_id(conn: Connection) -> int:
+    """The next run id on a lake, past every id ever given (``LAST_RUN_ID``, which `runs delete`
+    does not lower) and every id stored (a run copied in by `db copy`), as a file's sequence
+    does: a deleted run's id never reaches a new run, so a reference to it (a script's `--run 7`,
+    a link) finds nothing rather than another run. Under ``db.serialize``, in the caller's
+    transaction."""
+    given = conn.execute(text("SELECT value FROM database_info WHERE key = :k"), {"k": LAST_RUN_ID}).scalar()
+    stored = conn.execute(text("SELECT coalesce(max(run_id), 0) FROM runs")).scalar_one()
+    run_id = max(int(given or 0), int(stored)) + 1
+    if given is None:
+        conn.execute(text("INSERT INTO database_info VALUES (:k, :v)"), {"k": LAST_RUN_ID, "v": str(run_id)})
+    else:
+        conn.execute(text("UPDATE database_info SET value = :v WHERE key = :k"), {"k": LAST_RUN_ID, "v": str(run_id)})
+    return run_id
 
 
 def set_status(
