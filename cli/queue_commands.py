@@ -16,7 +16,6 @@ from headatlas.service.config import Settings, check_broker_url
 from headatlas.service.errors import render as render_text
 from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.service.wording import counted
-from headatlas.workers.policy import RESUBMIT_STRANDED_S
 
 DbOpt, BrokerOpt = options.Db, options.Broker
 
@@ -59,6 +58,8 @@ def submit(
 
     request = QueuedAnalysis.build(corpus, name=name, **analysis.values)
     settings = _settings(db=db, broker_url=broker)
+    if wait:
+        _stranded_s()  # refused before anything is queued
     sub = queue(request, settings, writer_wait_s=writer_wait, events=_said)
     if sub.status == RunStatus.DONE:
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
@@ -180,7 +181,15 @@ def _wait(settings, sub, resubmit=None) -> None:
         )
 
 
-STRANDED_S = RESUBMIT_STRANDED_S  # workers/policy.py
+STRANDED_S: float | None = None  # workers/policy.py's RESUBMIT_STRANDED_S, unless set here (a test shortens it)
+
+
+def _stranded_s() -> float:
+    """How long batches stay stranded before `submit --wait` queues them again: read as it starts
+    (a bad HEADATLAS_TIMING_RESUBMIT_STRANDED_S refused then in one line, not as the CLI imports)."""
+    from headatlas.workers.policy import RESUBMIT_STRANDED_S
+
+    return RESUBMIT_STRANDED_S if STRANDED_S is None else STRANDED_S
 
 
 def _requeue_stranded(ledger, sub, seen, done: int, resubmit):
@@ -190,7 +199,7 @@ def _requeue_stranded(ledger, sub, seen, done: int, resubmit):
     from headatlas.workers.policy import stranded_long_enough
 
     lost = ledger.stranded(sub.run_key)
-    seen, now_due = stranded_long_enough(seen, lost, done, time.monotonic(), STRANDED_S)
+    seen, now_due = stranded_long_enough(seen, lost, done, time.monotonic(), _stranded_s())
     if not now_due:
         return seen
     stderr.print(

@@ -41,7 +41,10 @@ def run_worker(settings: Settings, *, queues: str, concurrency: int | None, logl
     """Analysis workers. On GPUs: one process per GPU with the solo pool (each loads the model
     once, on its own device). On CPU: one process (solo), or a prefork pool of ``concurrency``
     children sharing the cores."""
+    from headatlas.workers.policy import read_timings
+
     check_concurrency(concurrency)
+    read_timings()  # a bad HEADATLAS_TIMING_<NAME> or HEADATLAS_LEASE_S refused here, in one line
     device = settings.device
     gpus = gpu_count() if device in ("auto", "cuda") else (1 if device.startswith("cuda") else 0)
     if gpus > 1 and device in ("auto", "cuda") and not concurrency:

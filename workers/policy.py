@@ -6,12 +6,13 @@ Every timing is declared here once, with its meaning (``TIMINGS``); the lease, t
 the tasks, the Celery app and the writer read them from here, and the table of timings in
 docs/reliability.md is generated from the declarations (``python -m headatlas.workers.policy``,
 run by ``make docs``; tests/test_docs.py fails when it is stale). Two timings follow settings
-(service/config.py): HEADATLAS_LEASE_S, read from this process's environment when the module is
-imported (every process of a broker is given the same one), and HEADATLAS_TASK_TIME_LIMIT_S,
-read from the settings a worker or the app is configured with. Any timing held in a constant
-here may be set apart from its declaration by HEADATLAS_TIMING_<NAME> in the environment
-(``applied``), read at the same moment: the test suite shortens the waits of its fault tests so,
-never the declared defaults.
+(service/config.py): HEADATLAS_LEASE_S, read from this process's environment when a module first
+takes a timing's constant (every process of a broker is given the same one), and
+HEADATLAS_TASK_TIME_LIMIT_S, read from the settings a worker or the app is configured with. Any
+timing held in a constant here may be set apart from its declaration by HEADATLAS_TIMING_<NAME> in
+the environment (``applied``), read at the same moment: the test suite shortens the waits of its
+fault tests so, never the declared defaults. A bad value is refused in one line by the command
+that takes the constant, never as this module is imported.
 """
 
 from __future__ import annotations
@@ -308,11 +309,8 @@ BOUNDS: tuple[Bound, ...] = (GROUP_BYTES_BOUND, GROUP_MESSAGES_BOUND)
 
 def environment() -> Settings:
     """The settings the timings read from this process's environment (HEADATLAS_LEASE_S); a value
-    the settings refuse is refused in one line by the command that reads them, not here at import."""
-    try:
-        return Settings.from_env({k: v for k, v in os.environ.items() if k == "HEADATLAS_LEASE_S"})
-    except ParameterError:
-        return Settings()
+    the settings refuse is refused in one line (ParameterError) by the command that reads a timing."""
+    return Settings.from_env({k: v for k, v in os.environ.items() if k == "HEADATLAS_LEASE_S"})
 
 
 TIMING_VARIABLE = "HEADATLAS_TIMING_"
@@ -337,29 +335,52 @@ def applied(timing: Timing, settings: Settings, environ: Mapping[str, str] | Non
     return value
 
 
-_HERE = environment()
-SILENT_S = applied(SILENCE, _HERE)
-HEARTBEAT_S = applied(HEARTBEAT, _HERE)
-DELIVERY_GRACE_S = applied(DELIVERY_GRACE, _HERE)
-RETRY_MAX_S = applied(RETRY, _HERE)
-STRANDED_S = applied(STRANDED, _HERE)
-RESUBMIT_STRANDED_S = applied(RESUBMIT_STRANDED, _HERE)
-UNACKED_RESTORE_S = applied(RESTORE, _HERE)
-RECONNECT_EVERY_S = applied(RECONNECT, _HERE)
-BROKER_CONNECT_TIMEOUT_S = applied(CONNECT, _HERE)
-BROKER_READ_TIMEOUT_S = applied(READ, _HERE)
-BROKER_HEALTH_CHECK_S = applied(HEALTH, _HERE)
-WORKER_START_S = applied(WORKER_START, _HERE)
-BROKER_RETRY_S = applied(BROKER_RETRY, _HERE)
-BUSY_RETRY_S = applied(BUSY_RETRY, _HERE)
-CONFLICT_RETRY_S = applied(CONFLICT_RETRY, _HERE)
-AWAY_POLL_S = applied(AWAY_POLL, _HERE)
-PAUSE_FIRST_S = applied(PAUSE_FIRST, _HERE)
-PAUSE_MAX_S = applied(PAUSE_MAX, _HERE)
-FLAP_S = applied(FLAP, _HERE)
-TAKE_WAIT_S = applied(TAKE_WAIT, _HERE)
-WRITER_POLL_S = applied(WRITER_POLL, _HERE)
-READER_GAP_S = applied(READER_GAP, _HERE)
+# The timings held in constants, read when a module first takes one (``from …policy import
+# SILENT_S``, as the writer, a worker, `submit` or `status` starts), not as this module is imported: a
+# bad HEADATLAS_TIMING_<NAME> or HEADATLAS_LEASE_S is refused in one line by the command that acts on
+# it, and commands that do not (`runs`, `sql`, `query`, `--help`) are untouched by it.
+SILENT_S: float
+HEARTBEAT_S: float
+DELIVERY_GRACE_S: float
+RETRY_MAX_S: float
+STRANDED_S: float
+RESUBMIT_STRANDED_S: float
+UNACKED_RESTORE_S: float
+RECONNECT_EVERY_S: float
+BROKER_CONNECT_TIMEOUT_S: float
+BROKER_READ_TIMEOUT_S: float
+BROKER_HEALTH_CHECK_S: float
+WORKER_START_S: float
+BROKER_RETRY_S: float
+BUSY_RETRY_S: float
+CONFLICT_RETRY_S: float
+AWAY_POLL_S: float
+PAUSE_FIRST_S: float
+PAUSE_MAX_S: float
+FLAP_S: float
+TAKE_WAIT_S: float
+WRITER_POLL_S: float
+READER_GAP_S: float
+
+_CONSTANTS: dict[str, Timing] = {t.name: t for t in TIMINGS if t.name.isupper()}
+_read: dict[str, float] = {}  # each constant as first read in this process (a reload reads again)
+
+
+def read_timings() -> dict[str, float]:
+    """Every timing's constant, read now: a process that acts on many of them (a worker) refuses a
+    bad one as it starts, in one line, not in a child as a batch runs."""
+    return {name: __getattr__(name) for name in _CONSTANTS}
+
+
+def __getattr__(name: str) -> float:
+    """A timing's constant (``SILENT_S`` …), read from the environment the first time it is taken."""
+    timing = _CONSTANTS.get(name)
+    if timing is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _read:
+        _read[name] = applied(timing, environment())
+    return _read[name]
+
 
 BOUND_VARIABLE = "HEADATLAS_BOUND_"
 
@@ -398,7 +419,7 @@ def visibility_timeout_s(settings: Settings) -> float:
 # --- the rules -----------------------------------------------------------------------------------
 def retry_countdown(attempt: int) -> float:
     """Seconds before a batch that failed its ``attempt``-th try (1 for the first) is tried again."""
-    return min(2.0**attempt, RETRY_MAX_S)
+    return min(2.0**attempt, __getattr__("RETRY_MAX_S"))
 
 
 def gives_up(attempt: int, max_attempts: int) -> bool:
@@ -414,7 +435,7 @@ def out_of_attempts(attempt: int, max_attempts: int) -> bool:
 
 def next_pause(delay: float) -> float:
     """The paused writer's next wait after one of ``delay``: doubled, up to PAUSE_MAX_S."""
-    return min(2 * delay, PAUSE_MAX_S)
+    return min(2 * delay, __getattr__("PAUSE_MAX_S"))
 
 
 Stranded = tuple[float, int, set[int]]  # first seen (monotonic s), batches stored then, which batches

@@ -1,0 +1,53 @@
+"""Settings, plugins and option checks: a bad setting is refused in one line by the command that
+reads it (and only by one that does), a plugin that misbehaves in any way is named in one line
+with nothing half done, and options that would store an empty or unbounded piece of work are
+refused before it starts."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from tests.conftest import run_cli
+
+TRACEBACK = "Traceback"
+
+
+def _one_error_line(result, *words: str) -> str:
+    """The command failed with exit 2 and one line ``error: …`` holding ``words``."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert TRACEBACK not in result.stderr and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+# --- 1. the fault policy's timings are read by the commands that act on them --------------------------
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A real database with one run (random:tiny), and its corpus."""
+    from tests.conftest import invoke_cli
+
+    root = tmp_path_factory.mktemp("settings")
+    corpus = root / "c.txt"
+    corpus.write_text("The cat sat on the mat. It was warm.\n\nA second document, short and plain.\n")
+    db = root / "s.duckdb"
+    done = invoke_cli("analyze", str(corpus), "--db", str(db), "--model", "random:tiny", "--quiet")
+    assert done.returncode == 0, done.stderr
+    return db, corpus
+
+
+def test_a_bad_timing_leaves_commands_that_do_not_use_it_alone_and_the_writer_refuses_it(stored):
+    db, _ = stored
+    bad = {"HEADATLAS_TIMING_SILENT_S": "-1"}
+    helped = run_cli("--help", env=bad, timeout=120)
+    assert helped.returncode == 0 and TRACEBACK not in helped.stderr, helped.stderr
+    runs = run_cli("runs", "--db", str(db), env=bad, timeout=120)
+    assert runs.returncode == 0 and TRACEBACK not in runs.stderr, runs.stderr
+    submits = {"HEADATLAS_TIMING_RESUBMIT_STRANDED_S": "soon"}  # read by `submit --wait` alone
+    assert run_cli("--help", env=submits, timeout=120).returncode == 0
+    writer = run_cli("writer", "--db", str(db), "--broker", "redis://127.0.0.1:1/0", env=bad, timeout=120)
+    _one_error_line(writer, "HEADATLAS_TIMING_SILENT_S='-1'", "expected seconds", "unset it")
+    worker = run_cli("worker", "--broker", "redis://127.0.0.1:1/0", env={"HEADATLAS_TIMING_RETRY_MAX_S": "0"}, timeout=120)
+    _one_error_line(worker, "HEADATLAS_TIMING_RETRY_MAX_S='0'")
