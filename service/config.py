@@ -55,6 +55,9 @@ def setting(default, allowed: Allowed) -> Any:
 WEEK_S = 7 * 86400
 SQL_TIMEOUT_MAX_S = 86400.0  # the longest `sql` may run (a lake keeps the files a query may read this long and more)
 PRINTABLE = r"[^\x00-\x1f\x7f]*"  # a path or name: no control character (a newline, a tab, an escape)
+# a shorter lease is refreshed every few milliseconds: Redis refuses a lease under 1 ms (the writer
+# crashed as it started) and one of 1 ms lapsed between refreshes (the writer warned 43 times a second)
+LEASE_MIN_S = 1.0
 FOLDER = Allowed(str, "a folder path, or empty (no control characters)", pattern=PRINTABLE)
 
 
@@ -110,7 +113,7 @@ class Settings:
     prepare_processes: int = setting(0, Allowed(int, "an integer from 0 to 1024 (0: automatic)", low=0, high=1024))
     """HEADATLAS_PREPARE_PROCESSES: processes that tokenise, segment and window the corpus (`analyze`: 0 = the cores left beside the model, where two or more are left, else the run's own; `submit`: 0 = every core; 1 = the calling process)."""
     lease_s: float = setting(
-        10.0, Allowed(float, "seconds, more than 0 and at most 3600 (an hour)", low=0, high=3600, low_open=True)
+        10.0, Allowed(float, "seconds, at least 1 and at most 3600 (an hour)", low=LEASE_MIN_S, high=3600)
     )
     """HEADATLAS_LEASE_S: how long a writer's lease, a running batch's heartbeat and a worker's beacon live unrefreshed before their process counts as gone (its messages and batches are taken over), seconds; each is refreshed every fifth of it."""
 

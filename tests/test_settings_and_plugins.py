@@ -5,7 +5,6 @@ refused before it starts."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.conftest import run_cli
@@ -49,5 +48,23 @@ def test_a_bad_timing_leaves_commands_that_do_not_use_it_alone_and_the_writer_re
     assert run_cli("--help", env=submits, timeout=120).returncode == 0
     writer = run_cli("writer", "--db", str(db), "--broker", "redis://127.0.0.1:1/0", env=bad, timeout=120)
     _one_error_line(writer, "HEADATLAS_TIMING_SILENT_S='-1'", "expected seconds", "unset it")
-    worker = run_cli("worker", "--broker", "redis://127.0.0.1:1/0", env={"HEADATLAS_TIMING_RETRY_MAX_S": "0"}, timeout=120)
+    worker = run_cli(
+        "worker", "--broker", "redis://127.0.0.1:1/0", env={"HEADATLAS_TIMING_RETRY_MAX_S": "0"}, timeout=120
+    )
     _one_error_line(worker, "HEADATLAS_TIMING_RETRY_MAX_S='0'")
+
+
+# --- 2. the lease has a floor -------------------------------------------------------------------------
+@pytest.mark.parametrize("lease", ["0.0005", "0.001", "0.5"])
+def test_a_lease_under_a_second_is_refused_in_one_line_where_it_is_read(stored, cli, lease):
+    """0.0005 s crashed the writer at start (Redis: invalid expire time), 0.001 s had it warn 43
+    times a second that its lease had vanished: a lease is at least 1 s (the tests use 4–5 s)."""
+    from headatlas.service.config import Settings
+    from headatlas.service.errors import ParameterError
+
+    with pytest.raises(ParameterError, match=rf"HEADATLAS_LEASE_S='{lease}': expected seconds, at least 1"):
+        Settings.from_env({"HEADATLAS_LEASE_S": lease})
+    db, _ = stored
+    status = cli("status", "--db", str(db), "--broker", "redis://127.0.0.1:1/0", env={"HEADATLAS_LEASE_S": lease})
+    _one_error_line(status, f"HEADATLAS_LEASE_S='{lease}'", "at least 1")
+    assert Settings.from_env({"HEADATLAS_LEASE_S": "1"}).lease_s == 1.0
