@@ -22,6 +22,9 @@ class _NoValue:
     def __repr__(self) -> str:
         return "NO_VALUE"
 
+    def __reduce__(self) -> str:
+        return "NO_VALUE"  # unpickled as the one NO_VALUE (an error raised in `sql`'s child process)
+
 
 NO_VALUE = _NoValue()  # a parameter named without a value: ``--layer``, ``layer=...``
 

@@ -50,7 +50,7 @@ THREAD_MARGIN_BYTES = 16 * 2**20  # a thread's stack and allocator arena, per Du
 KILL_GRACE_S = 1.0  # after the time limit, before the child is killed
 HELPER_START_S = 60.0  # the longest a clean helper may take to start (a fresh interpreter's imports)
 _STARTED = b"S"
-_RUN, _REAP, _READY = b"R", b"W", b"K"
+_RUN, _REAP, _READY, _FAILED = b"R", b"W", b"K", b"E"
 _HEADER = struct.Struct("!cq")  # a request's kind and its length (run) or pid (reap)
 # what the helper imports before its first child, so that no child imports them again (SQLAlchemy,
 # which the backends import, took 2.8 s on a loaded machine)
@@ -274,6 +274,9 @@ class _Zygote:
                 pass_fds=(mine.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
+                # its own process group: the terminal's Ctrl-C goes to the caller alone, never to a
+                # helper still starting (before it ignores SIGINT) nor to the query's process
+                process_group=0,
             )
         finally:
             mine.close()
@@ -290,6 +293,8 @@ class _Zygote:
         try:
             answer = _recv_exactly(self.socket, 1)
             why = "it ended"
+            if answer == _FAILED:
+                why = self.socket.recv(1024).decode(errors="replace") or why
         except OSError as exc:
             answer, why = b"", str(exc) or type(exc).__name__
         self.socket.settimeout(None)
@@ -325,6 +330,8 @@ class _Zygote:
     def close(self) -> None:
         self.socket.close()
         if self.owner == os.getpid() and self.process.returncode is None:
+            if not self.ready:  # still starting, no child of its own: nothing to wait for
+                self.process.kill()
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -367,24 +374,38 @@ def prepare() -> None:
 
 
 def _zygote_main(fd: int) -> None:
-    """The clean helper's loop: one thread, for ever, until its caller closes the socket."""
-    sock = socket.socket(fileno=fd)
+    """The clean helper's loop: one thread, for ever, until its caller closes the socket. It never
+    prints: a caller gone (at any moment, even before the helper is ready), a child that fails and
+    Ctrl-C end it quietly; what went wrong before it was ready goes back to its caller in one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is its caller's to handle
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os._exit(0)
+    try:
+        _serve(sock)
+    except BaseException:  # noqa: BLE001 - its caller is gone (a broken pipe): nobody to tell
+        pass
+    os._exit(0)
+
+
+def _serve(sock: socket.socket) -> None:
     # no PR_SET_PDEATHSIG here: it follows the caller's thread that started the helper, which may
     # end long before the caller; the helper ends when the caller's socket closes (it exits)
-    import importlib
+    try:
+        import importlib
 
-    for module in _PRELOAD:  # the children start with the sandbox imported
-        importlib.import_module(module)
-    single_threaded()  # and this process runs one thread (tests/test_sandbox_escapes.py checks it)
+        for module in _PRELOAD:  # the children start with the sandbox imported
+            importlib.import_module(module)
+        single_threaded()  # and this process runs one thread (tests/test_sandbox_escapes.py checks it)
+    except Exception as exc:  # noqa: BLE001 - told to the caller, in one line
+        sock.sendall(_FAILED + f"{type(exc).__name__}: {exc}".splitlines()[0].encode()[:500])
+        return
     sock.sendall(_READY)
     while True:
-        try:
-            header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 1)
-        except OSError:
-            break
+        header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 1)
         if len(header) < _HEADER.size:
-            break  # the caller is gone
+            return  # the caller is gone
         kind, value = _HEADER.unpack(header)
         if kind == _REAP:
             try:
@@ -398,20 +419,27 @@ def _zygote_main(fd: int) -> None:
         out = fds[0]
         pid = os.fork()
         if pid == 0:
-            sock.close()
-            path, cwd, environ, memory_bytes, threads, work = pickle.loads(payload)  # noqa: S301 - our caller's
-            sys.path[:] = path
-            os.chdir(cwd)
-            os.environ.clear()
-            os.environ.update(environ)
-            try:
-                job = pickle.loads(work)  # noqa: S301 - our caller's own work, over our own socket
-            except BaseException as exc:  # noqa: BLE001 - an unpicklable job is an answer too
-                job = _Raise(exc)
-            _child(job, out, memory_bytes, threads)
+            _helped_child(sock, payload, out)  # never returns
         os.close(out)
         sock.sendall(struct.pack("!q", pid))
-    os._exit(0)
+
+
+def _helped_child(sock: socket.socket, payload: bytes, out: int) -> None:
+    """A child of the clean helper: its caller's context restored, the work run; never returns."""
+    try:
+        sock.close()
+        path, cwd, environ, memory_bytes, threads, work = pickle.loads(payload)  # noqa: S301 - our caller's
+        sys.path[:] = path
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        try:
+            job = pickle.loads(work)  # noqa: S301 - our caller's own work, over our own socket
+        except BaseException as exc:  # noqa: BLE001 - an unpicklable job is an answer too
+            job = _Raise(exc)
+        _child(job, out, memory_bytes, threads)
+    finally:
+        os._exit(4)  # _child never returns; anything that failed before it ends here, silently
 
 
 @dataclass
