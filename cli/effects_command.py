@@ -55,7 +55,7 @@ def effects(
     (1 − cos of the pooled embedding) for sentence-embedding encoders such as the default. Measured
     in this process; nothing is stored.
     """
-    from headatlas.service.engine.corpus import corpus_files
+    from headatlas.service.engine.corpus import STDIN_SPEC, iter_documents
     from headatlas.service.engine.effect_runs import measure_effects
     from headatlas.service.engine.model import load_model
     from headatlas.service.engine.model_check import check_loaded, check_model_spec
@@ -63,7 +63,9 @@ def effects(
 
     chosen = parse_kinds(kinds)
     params = analysis.params
-    corpus_files(corpus)  # a missing corpus is said before the model loads
+    if corpus != STDIN_SPEC:  # a missing or unreadable corpus is said before the model loads (one line)
+        for _ in iter_documents(corpus, text_field=analysis.text_field, encoding=analysis.encoding):
+            pass
     check_model_spec(analysis.model, seq_len=params.seq_len, device=analysis.device)
     loaded = load_model(analysis.model, device=analysis.device)
     check_loaded(loaded, params.seq_len)

@@ -102,6 +102,8 @@ def base(tmp_path_factory):
         # one more digit than Python turns into an int by default (sys.get_int_max_str_digits)
         "huge_int_jsonl": _write(root / "huge-int.jsonl", b'{"text": "ok", "id": ' + b"7" * 4301 + b"}\n"),
         "cut_gguf": _write(root / "cut.gguf", _gguf_head(100)),
+        # JSON may escape half a surrogate pair, which no UTF-8 text holds
+        "surrogate_jsonl": _write(root / "surrogate.jsonl", b'{"text": "\\ud800 x. y."}\n'),
         "corpus_loop": _symlink_loop(root / "loop.txt"),
     }
     os.mkfifo(root / "fifo.txt")
@@ -484,6 +486,19 @@ CASES += [
     Case("analyze:random-zero-layers", ["analyze", "{corpus}", "--model", "random:0,4,32", "--db", "{db}"], "LAYERS"),
     Case("analyze:jsonl-int-too-long", ["analyze", "{huge_int_jsonl}", "--db", "{db}"], "huge-int.jsonl:1"),
     Case("analyze:corpus-symlink-loop", ["analyze", "{corpus_loop}", "--db", "{db}"], "symbolic link loop"),
+    *[
+        Case(f"{cmd}:jsonl-lone-surrogate", args, "surrogate.jsonl:1: field 'text' holds a lone surrogate", db=db)
+        for cmd, args, db in (
+            ("analyze", ["analyze", "{surrogate_jsonl}", "--model", "random:tiny", "--db", "{db}"], "good"),
+            ("submit", ["submit", "{surrogate_jsonl}", "--model", "random:tiny", "--broker", NO_BROKER], "none"),
+            (
+                "schedule-add",
+                ["schedule", "add", "s2", "--corpus", "{surrogate_jsonl}", "--every", "1h", "--db", "{db}"],
+                "good",
+            ),
+            ("effects", ["effects", "{surrogate_jsonl}", "--model", "random:tiny"], "none"),
+        )
+    ],
     *[
         Case(f"{cmd}:model-gguf-cut", [*pre, "--db", "{db}", "--model", "{cut_gguf}"], "truncated")
         for cmd, pre in (

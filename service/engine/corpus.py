@@ -30,6 +30,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -50,6 +51,8 @@ _SNIFF_BYTES = 8192
 _CHUNK_BYTES = 1 << 20
 _ENCODING_FIX = ("re-encode as UTF-8 or pass ", Param("encoding"), " (e.g. ", Param("encoding", "latin-1"), ")")
 _FIELD_FIX = ("pass ", Param("text_field", Placeholder("NAME")))
+# Half of a UTF-16 surrogate pair: JSON may escape one alone ("\\ud800"), which no UTF-8 text holds.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _SPEC_FIX = f"pass a {_SUPPORTED} file, a directory, a glob such as 'data/*.txt', or - for stdin"
 
 
@@ -448,6 +451,13 @@ def _parse_jsonl(lines: Iterable[tuple[int, str]], source: str, text_field: str)
             raise CorpusError(
                 f"{where}: field {text_field!r} is {_json_type(value)}, not a string",
                 hint=("store the text as a JSON string or ", *_FIELD_FIX),
+            )
+        lone = _LONE_SURROGATE.search(value)
+        if lone is not None:
+            raise CorpusError(
+                f"{where}: field {text_field!r} holds a lone surrogate ({ascii(lone.group())[1:-1]} at character "
+                f"{lone.start() + 1}), half of a character that no UTF-8 text holds; fix the text's encoding "
+                "(a character beyond U+FFFF escaped as a pair, e.g. \\ud83d\\ude00, or written as itself)"
             )
         if value.strip():
             yield lineno, value.strip()
