@@ -122,3 +122,22 @@ def _grandchildren_of(pid: int) -> list[int]:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --- finding: a deeply nested statement was a RecursionError (a traceback, HTTP 500) ------------------
+
+NESTED = {
+    "900 terms": "SELECT " + "+".join(["1"] * 900),
+    "900-deep lists": "SELECT " + "[" * 900 + "1" + "]" * 900,
+    "900-deep abs": "SELECT " + "abs(" * 900 + "1" + ")" * 900,
+    "400-deep CASE": "SELECT " + "CASE WHEN true THEN " * 400 + "1" + " END" * 400,
+    "1200-deep subqueries": "SELECT " + "(SELECT " * 1200 + "1" + ")" * 1200,
+}
+
+
+@pytest.mark.parametrize("sql", NESTED.values(), ids=NESTED.keys())
+def test_a_deeply_nested_statement_is_refused_in_one_line(results, cli, sql) -> None:
+    done = cli("sql", sql, "--db", str(results))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: refused: SELECT is nested too deeply to inspect"), done.stderr
+    assert done.stderr.rstrip().endswith("simplify it") and done.stderr.count("\n") == 1, done.stderr

@@ -48,7 +48,7 @@ from headatlas.service.storage.confined import ChildFailed, run_confined
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG  # noqa: F401 - where callers found it
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock  # noqa: F401
 from headatlas.service.storage.sql_check import ALLOWED as _ALLOWED
-from headatlas.service.storage.sql_check import parser, refuse_import
+from headatlas.service.storage.sql_check import SIMPLIFY, is_too_deep, parser, refuse_import, too_deep
 
 if TYPE_CHECKING:
     from headatlas.service.storage.backends.base import Backend
@@ -81,7 +81,14 @@ def check_select_only(sql: str) -> str:
     try:
         statements = parser().extract_statements(sql)
     except duckdb.ParserException as error:
+        if is_too_deep(error):  # its message says SET max_expression_depth, which sql refuses
+            raise StoreError(f"refused: {too_deep(_first_word(sql))}") from None
         raise StoreError(f"refused: SQL syntax error: {_first_line(error)}") from error
+    except duckdb.OutOfMemoryException:
+        raise StoreError(
+            "refused: inspecting the statement needs more memory than sql gives it: simplify it "
+            "(fewer CTEs, terms or levels)"
+        ) from None
     except duckdb.Error as error:
         raise StoreError(f"refused: SQL could not be parsed: {_first_line(error)}") from error
 
@@ -186,6 +193,8 @@ def run_readonly_sql(
         )
     refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
     if refused:
+        if refused.endswith(SIMPLIFY):  # too deep: what is allowed is not the point
+            raise StoreError(f"refused: {refused}")
         raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
     threads = os.cpu_count() or 1

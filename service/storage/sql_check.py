@@ -45,6 +45,7 @@ import duckdb
 from headatlas.service.errors import StoreError
 
 ALLOWED = "only one SELECT or WITH … SELECT statement is allowed"
+SIMPLIFY = "simplify it"  # how a refusal of a statement's size or depth ends
 
 # table functions a SELECT may call on every backend: generators and the catalogue's own listing
 # of the results' tables (which name no connection and no file)
@@ -179,7 +180,11 @@ def refusal(
         # threads would keep this process from forking its query's process (confined.threads_now)
         literal = "'" + statement.replace("'", "''") + "'"
         tree = json.loads(parser().execute(f"SELECT json_serialize_sql({literal})").fetchone()[0])  # type: ignore[index]
+    except RecursionError:
+        return too_deep(keyword)
     except (duckdb.Error, TypeError, ValueError) as exc:
+        if is_too_deep(exc):
+            return too_deep(keyword)
         return f"{keyword} could not be inspected ({exc})"
     if tree.get("error"):
         return f"{keyword} is not a plain SELECT that can be inspected ({tree.get('error_message', 'unknown')})"
@@ -192,6 +197,21 @@ def refusal(
         if why:
             return why
     return None
+
+
+def too_deep(keyword: str = "SELECT") -> str:
+    """The refusal of a statement nested past what the inspection (or DuckDB's parser) walks: an
+    expression of about 300 to 500 levels (``1+1+…+1``, ``abs(abs(…))``, ``[[…]]``, CASE in CASE)."""
+    return (
+        f"{keyword} is nested too deeply to inspect (an expression, list or CASE hundreds of levels deep): {SIMPLIFY}"
+    )
+
+
+def is_too_deep(error: BaseException) -> bool:
+    """Whether DuckDB's parser refused ``error``'s statement for its depth (its expression depth
+    limit, or its own stack: "memory exhausted at or near …")."""
+    text = str(error)
+    return "Max expression depth limit" in text or "memory exhausted at or near" in text
 
 
 _PARSER: duckdb.DuckDBPyConnection | None = None
