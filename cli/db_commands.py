@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import typer
 
@@ -27,10 +28,22 @@ def register(app: typer.Typer) -> None:
 def db_upgrade(db: str = DbOpt) -> None:
     """Create the schema or apply pending migrations, then store the results (metrics, intervals, roles) of
     every finished run whose stored results are missing or stale."""
+    from headatlas.service.errors import StoreBusy
+    from headatlas.service.metrics import plugin_metrics
     from headatlas.service.storage.backends import label
-    from headatlas.service.storage.db import upgrade
+    from headatlas.service.storage.db import backend_of, upgrade
 
-    before, after = upgrade(db)
+    backend = backend_of(db)
+    plugin_metrics()  # the views' plugin columns, loaded before any file is made (a plugin's fault is one line)
+    new = backend.kind == "file" and not backend.exists()
+    try:
+        before, after = upgrade(db)
+    except BaseException as exc:
+        # not half a database: the file this command created goes (the next upgrade starts afresh);
+        # one another process holds (two upgrades of a new file at once) is that process's
+        if new and not isinstance(exc, StoreBusy):
+            _remove_created(Path(backend.label))
+        raise
     stdout.print(f"{label(db)}: schema {before or 'none'} → {after}", markup=False)
     from headatlas.service.reports.stored import fill
     from headatlas.service.storage.store import Store
@@ -39,6 +52,12 @@ def db_upgrade(db: str = DbOpt) -> None:
     if filled:
         runs = ", ".join(str(r) for r in filled)
         stdout.print(f"{label(db)}: results stored for finished run(s) {runs}", markup=False)
+
+
+def _remove_created(path: Path) -> None:
+    """A database file an interrupted or failed `db upgrade` created, and its write-ahead log."""
+    for made in (path, path.with_name(path.name + ".wal")):
+        made.unlink(missing_ok=True)
 
 
 def db_current(db: str = DbOpt) -> None:

@@ -13,14 +13,18 @@ Each group is read once per process, and only when it is first needed (a model f
 built-in adapter serves, a ``--db`` scheme no built-in backend has, the metric views or the
 metric list), as datasette and mlflow load theirs. A plugin that cannot be imported, or whose
 contribution breaks its extension point's contract, is left out and reported on stderr in one
-line that names it; everything else goes on working.
+line that names it; everything else goes on working. That holds for whatever a plugin raises as it
+is imported or registered, SystemExit and KeyboardInterrupt included: only a Ctrl-C the user
+pressed (a real SIGINT) stops the command, as it would anywhere else.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -72,14 +76,42 @@ def load(group: str, install: Callable[[Plugin, Any], None]) -> list[tuple[Plugi
         _loaded[group] = installed  # an install that asks for its own group again sees it loading
         for entry in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
             plugin = _plugin(group, entry)
-            try:
-                value = entry.load()
-                install(plugin, value)
-            except Exception as exc:  # noqa: BLE001 - any fault of a plugin is the plugin's, reported in one line
-                report(plugin, exc)
-                continue
+            with _sigint_seen() as pressed:
+                try:
+                    value = entry.load()
+                    install(plugin, value)
+                except BaseException as exc:  # noqa: BLE001 - whatever a plugin raises is the plugin's fault
+                    if isinstance(exc, KeyboardInterrupt) and pressed():
+                        raise  # the user's own Ctrl-C, not the plugin's: stop as asked
+                    report(plugin, exc)
+                    continue
             installed.append((plugin, value))
         return installed
+
+
+@contextmanager
+def _sigint_seen() -> Iterator[Callable[[], bool]]:
+    """Whether a real SIGINT arrived meanwhile (``pressed()``): a KeyboardInterrupt a plugin
+    raises itself is its fault, one from Ctrl-C is the user's. The handler in place still acts on
+    the signal. Off the main thread no handler can be set: every KeyboardInterrupt is the plugin's."""
+    seen: list[int] = []
+    before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if before is None:  # off the main thread, or a handler not set from Python: left as it is
+        yield lambda: False
+        return
+
+    def noted(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        if callable(before):
+            before(signum, frame)
+        elif before != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, noted)
+    try:
+        yield lambda: bool(seen)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def report(plugin: Plugin, exc: BaseException) -> None:

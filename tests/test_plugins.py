@@ -192,3 +192,67 @@ def test_architecture_md_shows_each_plugin_module_whole(module):
     doc = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
     source = (root / "tests" / "plugins" / "headatlas_test_plugins" / f"{module}.py").read_text(encoding="utf-8")
     assert f"```python\n{source}```" in doc
+
+
+# --- a plugin that exits, interrupts or takes a name that is headatlas's --------------------------------
+EXITING = "import sys\nsys.exit(3)\n"
+INTERRUPTING = "raise KeyboardInterrupt\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "said"), [(EXITING, "SystemExit: 3"), (INTERRUPTING, "KeyboardInterrupt")], ids=["exit", "interrupt"]
+)
+@pytest.mark.parametrize("command", [["metrics"], ["query", "heads"]], ids=" ".join)
+def test_a_plugin_that_exits_or_interrupts_on_import_is_named_and_left_out(
+    temporary_plugin, tmp_path, source, said, command
+):
+    """sys.exit(3) in a metric plugin ended `metrics` and `query heads` with exit 3 and no word;
+    a KeyboardInterrupt it raised itself said "interrupted; re-run". Now each is one line naming
+    the plugin (entry point, distribution, module), and the command goes on without it."""
+    from tests.conftest import invoke_cli, run_cli
+
+    db = tmp_path / "p.duckdb"
+    if command[0] == "query":
+        corpus = tmp_path / "c.txt"
+        corpus.write_text(TEXT + "\n", encoding="utf-8")
+        made = invoke_cli("analyze", str(corpus), "--model", "random:tiny", "--db", str(db), "--quiet")
+        assert made.returncode == 0, made.stderr
+        command = [*command, "--db", str(db)]
+    temporary_plugin("odd-plugin", {"headatlas.metrics": {"odd": "odd_plugin:METRIC"}}, {"odd_plugin": source})
+    result = run_cli(*command, env={"PYTHONPATH": str(tmp_path / "site")}, timeout=120)  # a fresh process
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr and "interrupted" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"headatlas: plugin odd (odd-plugin 0.1), headatlas.metrics = odd_plugin:METRIC, is not loaded: {said}"
+    ]
+
+
+def test_db_upgrade_with_a_plugin_that_exits_creates_the_whole_database(temporary_plugin, cli, tmp_path):
+    """sys.exit(3) as the views were made left a half-created database (tables, no views) and exit 3."""
+    temporary_plugin("odd-plugin", {"headatlas.metrics": {"odd": "odd_plugin:METRIC"}}, {"odd_plugin": EXITING})
+    db = tmp_path / "new.duckdb"
+    result = cli("db", "upgrade", "--db", str(db))
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stderr.splitlines() == [
+        "headatlas: plugin odd (odd-plugin 0.1), headatlas.metrics = odd_plugin:METRIC, is not loaded: SystemExit: 3"
+    ]
+    plugins.forget()
+    assert cli("db", "current", "--db", str(db)).returncode == 0
+    views = cli("sql", "SELECT count(*) AS n FROM head_metrics", "--db", str(db), "--format", "csv")
+    assert views.returncode == 0 and views.stdout.split() == ["n", "0"], views.stderr  # the views are there
+
+
+def test_ctrl_c_as_db_upgrade_loads_its_plugins_leaves_no_database(temporary_plugin, tmp_path):
+    """A real SIGINT while a plugin loads stops the command (the user asked), before any file is made."""
+    from tests.conftest import run_cli
+
+    temporary_plugin(
+        "slow-plugin",
+        {"headatlas.metrics": {"slow": "slow_plugin:METRIC"}},
+        {"slow_plugin": "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n"},
+    )
+    db = tmp_path / "new.duckdb"
+    result = run_cli("db", "upgrade", "--db", str(db), env={"PYTHONPATH": str(tmp_path / "site")}, timeout=120)
+    assert result.returncode == 130, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr and "interrupted" in result.stderr
+    assert not db.exists() and not list(tmp_path.glob("new.duckdb*")), list(tmp_path.iterdir())
