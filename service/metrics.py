@@ -504,7 +504,12 @@ def _install_plugin(plugin: Any, value: Any) -> None:
     if not metrics or not all(isinstance(m, Metric) for m in metrics):
         raise PluginError(f"{plugin.value} is not a Metric (or a tuple of them)")
     taken = {c.name for c in all_columns()} | {s.name for s in SUMS} | set(DISTANCE_INPUTS)
+    named = {m.name: m.origin for m in all_metrics()}
     for metric in metrics:
+        if metric.name in named:  # listings and metric_of() would show two metrics of one name
+            owner = "headatlas's" if named[metric.name] == "headatlas" else f"{named[metric.name]}'s"
+            raise PluginError(f"metric {metric.name!r} is {owner} already: give the plugin's metric another name")
+        named[metric.name] = plugin.origin
         if metric.sums:
             raise PluginError(
                 f"metric {metric.name!r} declares sums ({', '.join(s.name for s in metric.sums)}): a plugin metric "

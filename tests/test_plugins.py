@@ -256,3 +256,44 @@ def test_ctrl_c_as_db_upgrade_loads_its_plugins_leaves_no_database(temporary_plu
     assert result.returncode == 130, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr and "interrupted" in result.stderr
     assert not db.exists() and not list(tmp_path.glob("new.duckdb*")), list(tmp_path.iterdir())
+
+
+def test_a_plugin_family_named_as_a_built_in_one_is_refused_naming_both(temporary_plugin, capsys):
+    """A plugin family `bert` silently replaced headatlas's own adapter for every BERT model."""
+    from headatlas.service.engine.adapters.bert import BertAdapter
+
+    temporary_plugin(
+        "rival-plugin",
+        {"headatlas.families": {"bert": "rival_plugin:RivalBert"}},
+        {
+            "rival_plugin": """
+            from headatlas.service.engine.adapters.bert import BertAdapter
+
+
+            class RivalBert(BertAdapter):
+                title = "a rival BERT"
+            """
+        },
+    )
+    assert type(families()["bert"]) is BertAdapter and type(ADAPTERS["bert"]) is BertAdapter
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("headatlas: plugin bert (rival-plugin 0.1), headatlas.families = rival_plugin:RivalBert")
+    assert "model family 'bert' is headatlas's already (BertAdapter)" in line and "another family name" in line
+
+
+def test_a_plugin_metric_named_as_a_built_in_one_is_refused_naming_both(temporary_plugin, capsys):
+    """A plugin metric may not take a built-in metric's name (its columns may be new ones)."""
+    temporary_plugin(
+        "metric-plugin",
+        {"headatlas.metrics": {"noise": "metric_plugin:NOISE"}},
+        {
+            "metric_plugin": (
+                "from headatlas.service.metrics import Column, Metric\n"
+                'NOISE = Metric("noise_share", "§0", "d", "", (Column("noise_again", "1 - noise_share", "d"),))\n'
+            )
+        },
+    )
+    assert [m.name for m in plugin_metrics()] == ["attended_share"]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("headatlas: plugin noise (metric-plugin 0.1), headatlas.metrics = metric_plugin:NOISE")
+    assert "metric 'noise_share' is headatlas's already" in line

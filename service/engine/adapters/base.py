@@ -286,13 +286,21 @@ def missing_parts(cls: type[ModelAdapter]) -> list[str]:
 
 def check_contract(cls: type[ModelAdapter]) -> None:
     """Raise AdapterIncomplete, one line, when ``cls`` cannot serve its family: a part of the
-    contract missing, a random shape of another family, or a model type another family serves."""
+    contract missing, a family name another adapter has, a random shape of another family, or a
+    model type another family serves."""
     name = getattr(cls, "family", None) or cls.__name__
     missing = missing_parts(cls)
     if missing:
         raise AdapterIncomplete(
             f"model family {name!r} ({cls.__module__}.{cls.__qualname__}) lacks {', '.join(missing)}: "
             "an adapter provides every part of ModelAdapter (docs/architecture.md, Adding a model family)"
+        )
+    taken = FAMILIES.get(name)
+    if taken is not None and type(taken) is not cls:  # a second adapter would replace the first silently
+        owner = "headatlas's" if taken.origin == "headatlas" else f"{taken.origin}'s"
+        raise AdapterIncomplete(
+            f"model family {name!r} is {owner} already ({type(taken).__name__}): give "
+            f"{cls.__module__}.{cls.__qualname__} another family name (and its own model types)"
         )
     for shape_name, shape in cls.random_shapes.items():
         if shape.family != cls.family:
