@@ -44,7 +44,7 @@ def sql(
     from headatlas.service.storage import confined
     from headatlas.service.storage.readonly import run_readonly_sql
 
-    confined.prepare()  # the query's clean helper starts while the statement is read and inspected
+    confined.prepare()  # the query's clean helper starts while the statement is read (it inspects it)
     text = sys.stdin.read() if statement == "-" else statement
     run_id = None
     if run is not None:

@@ -141,3 +141,37 @@ def test_a_deeply_nested_statement_is_refused_in_one_line(results, cli, sql) -> 
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: refused: SELECT is nested too deeply to inspect"), done.stderr
     assert done.stderr.rstrip().endswith("simplify it") and done.stderr.count("\n") == 1, done.stderr
+
+
+# --- finding: the statement's inspection ran in the caller, unbounded (2,000 CTEs: 3.66 GB, 59 s) -------
+
+CTES = "WITH " + ",".join(f"a{i} AS(SELECT 1)" for i in range(2000)) + " SELECT 1"  # 45 KB
+
+
+def test_a_statement_costly_to_inspect_is_refused_in_the_query_process(results) -> None:
+    """The parse is quadratic in CTEs: the inspection runs in the query's process, under bounds of
+    its own (CHECK_S, CHECK_BYTES), and this process (the web server, the CLI) does not grow."""
+    import resource
+
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.readonly import CHECK_BYTES, run_readonly_sql
+
+    run_readonly_sql(results, "SELECT 1")  # the helper started, the names known: what grows now is the check
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    began = time.monotonic()
+    with pytest.raises(StoreError, match=r"^refused: .*simplify it") as caught:
+        run_readonly_sql(results, CTES, timeout_s=120)
+    took = time.monotonic() - began
+    assert "\n" not in str(caught.value)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
+    assert grown < 100 * 2**20, grown  # before: 3.4 GB in this process
+    peak = confined.last_peak_bytes()
+    assert peak is not None and peak < CHECK_BYTES + 512 * 2**20, peak  # the query's process, bounded
+    assert took < 45, took  # before: 35-59 s; a generous bound (the check's own is 10 s)
+
+
+def test_a_statement_longer_than_anyone_types_is_refused_before_a_process_starts(results, cli) -> None:
+    done = cli("sql", "SELECT 1" + " " * 200_000, "--db", str(results))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: refused: the statement is 200,008 characters long"), done.stderr
+    assert done.stderr.count("\n") == 1

@@ -49,7 +49,7 @@ MARGIN_BYTES = 256 * 2**20  # the interpreter's and DuckDB's own allocations bes
 THREAD_MARGIN_BYTES = 16 * 2**20  # a thread's stack and allocator arena, per DuckDB thread
 KILL_GRACE_S = 1.0  # after the time limit, before the child is killed
 HELPER_START_S = 60.0  # the longest a clean helper may take to start (a fresh interpreter's imports)
-_STARTED = b"S"
+_STARTED, _CHECKED = b"S", b"C"  # the child's marks: its time limit begins; its input is checked
 _RUN, _REAP, _READY, _FAILED = b"R", b"W", b"K", b"E"
 _HEADER = struct.Struct("!cq")  # a request's kind and its length (run) or pid (reap)
 # what the helper imports before its first child, so that no child imports them again (SQLAlchemy,
@@ -59,15 +59,17 @@ _PRELOAD = (
     "headatlas.service.storage.backends.file",
     "headatlas.service.storage.backends.lake",
 )
+_WARM = ("headatlas.service.storage.sql_check",)  # whose warm() the helper calls once
 
 
 class ChildFailed(Exception):
     """The child ended without an answer: killed at its deadline (``timed_out``) or died (out of
-    memory, a crash)."""
+    memory, a crash), while checking its input, setting up or running (``stage``)."""
 
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, timed_out: bool = False, stage: str = "run") -> None:
         super().__init__(message)
         self.timed_out = timed_out
+        self.stage = stage  # check (the work's input), setup or run
 
 
 def confinement() -> str | None:
@@ -100,60 +102,94 @@ def single_threaded() -> bool:
 
 
 def run_confined(
-    work: Callable[[Callable[[], None]], T],
+    work: Callable[[Marks], T],
     *,
     memory_bytes: int | None,
     threads: int,
     timeout_s: float,
     setup_s: float,
+    check_s: float | None = None,
+    check_bytes: int | None = None,
 ) -> T:
-    """``work(started)`` in a child process; its return value (or the exception it raised) here.
+    """``work(marks)`` in a child process; its return value (or the exception it raised) here.
 
-    ``work`` calls ``started()`` when its time limit begins (after connecting and waiting out
-    locks, which ``setup_s`` bounds). The child's growth is capped at ``memory_bytes`` plus the
-    margins (None: uncapped); it is killed ``timeout_s + KILL_GRACE_S`` after ``started()``. The
-    value and any exception must pickle, and so must ``work`` unless this process runs one thread
-    (then it is forked). Raises ChildFailed when no answer came back.
+    ``work`` calls ``marks()`` when its time limit begins (after connecting and waiting out locks,
+    which ``setup_s`` bounds). With ``check_s``, the work first checks its input, bounded on its
+    own: ``check_s`` seconds and ``check_bytes`` of growth (a statement's inspection, whose cost the
+    statement's author chooses), and calls ``marks.checked()`` when done; the setup's time starts
+    then. The child's growth is capped at ``memory_bytes`` plus the margins (None: uncapped); it is
+    killed ``timeout_s + KILL_GRACE_S`` after ``marks()``. The value and any exception must pickle,
+    and so must ``work`` unless this process runs one thread (then it is forked). Raises
+    ChildFailed when no answer came back (its ``stage`` says when: check, setup or run).
     """
     if confinement() is not None:
-        return work(lambda: None)
+        return work(Marks())
+    limits = _Limits(memory_bytes, threads, check_bytes if check_s is not None else None)
     read_end, write_end = os.pipe()
     try:
         if threads_now() == 1:
-            child: _Child = _fork(work, write_end, memory_bytes, threads)
+            child: _Child = _fork(work, write_end, limits)
         else:
-            child = _zygote().start(work, write_end, memory_bytes, threads)
+            child = _zygote().start(work, write_end, limits)
     except BaseException:
         os.close(read_end)
         raise
     finally:
         os.close(write_end)
     try:
-        return _await(child, read_end, timeout_s=timeout_s, setup_s=setup_s)
+        return _await(child, read_end, timeout_s=timeout_s, setup_s=setup_s, check_s=check_s)
     finally:
         os.close(read_end)
         child.end()
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """What the child caps itself at: its growth (``memory``, None: uncapped), DuckDB's threads
+    (their margin), and the growth its input's check may take before ``Marks.checked``."""
+
+    memory: int | None
+    threads: int
+    check: int | None = None
+
+
+class Marks:
+    """What the work tells its parent, and what it may use: ``marks()`` when its time limit begins,
+    ``marks.checked()`` when its input is checked (lifting the check's own memory bound);
+    ``memory_bytes``: the growth its address space may take now (None: unbounded or not confined)."""
+
+    def __init__(self, out: int | None = None, full: tuple[int, int] | None = None, memory: int | None = None) -> None:
+        self._out = out
+        self._full = full  # RLIMIT_AS (soft, hard) once checked
+        self.memory_bytes = memory
+
+    def __call__(self) -> None:
+        if self._out is not None:
+            os.write(self._out, _STARTED)
+
+    def checked(self) -> None:
+        if self._full is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, self._full)
+            self._full = None
+        if self._out is not None:
+            os.write(self._out, _CHECKED)
+
+
 # --- the child ---------------------------------------------------------------------------------
 
 
-def _child(work: Callable[[Callable[[], None]], T], out: int, memory_bytes: int | None, threads: int) -> None:
+def _child(work: Callable[[Marks], T], out: int, limits: _Limits) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C and kills the child
         _die_with_parent()
-        if memory_bytes is not None:
-            import resource
-
-            cap = address_space_now() + memory_bytes + MARGIN_BYTES + THREAD_MARGIN_BYTES * max(1, threads)
-            resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
-
-        def started() -> None:
-            os.write(out, _STARTED)
-
+        marks = Marks(out)
+        if limits.memory is not None:
+            marks = _cap(out, limits)
         try:
-            answer: tuple[str, object] = ("value", work(started))
+            answer: tuple[str, object] = ("value", work(marks))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
             answer = ("error", exc)
         try:
@@ -169,6 +205,22 @@ def _child(work: Callable[[Callable[[], None]], T], out: int, memory_bytes: int 
         code = 4
     finally:
         os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _cap(out: int, limits: _Limits) -> Marks:
+    """Cap this process's address space (``RLIMIT_AS``): at its size now plus the memory and the
+    margins, and until its input is checked at its size now plus ``limits.check`` and the margin."""
+    import resource
+
+    assert limits.memory is not None
+    now = address_space_now()
+    margin = MARGIN_BYTES + THREAD_MARGIN_BYTES * max(1, limits.threads)
+    full = now + limits.memory + margin
+    resource.setrlimit(resource.RLIMIT_AS, (full, resource.RLIM_INFINITY))
+    if limits.check is None:
+        return Marks(out, memory=limits.memory)
+    resource.setrlimit(resource.RLIMIT_AS, (min(full, now + limits.check + MARGIN_BYTES), resource.RLIM_INFINITY))
+    return Marks(out, (full, resource.RLIM_INFINITY), memory=limits.memory)
 
 
 def _die_with_parent() -> None:
@@ -238,10 +290,10 @@ class _Forked(_Child):
         return os.waitstatus_to_exitcode(status), usage.ru_maxrss
 
 
-def _fork(work: Callable, out: int, memory_bytes: int | None, threads: int) -> _Child:
+def _fork(work: Callable, out: int, limits: _Limits) -> _Child:
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        _child(work, out, memory_bytes, threads)
+        _child(work, out, limits)
     return _Forked(pid)
 
 
@@ -303,9 +355,9 @@ class _Zygote:
             raise ChildFailed(f"the query's helper process did not start ({why}; {sys.executable})")
         self.ready = True
 
-    def start(self, work: Callable, out: int, memory_bytes: int | None, threads: int) -> _Child:
+    def start(self, work: Callable, out: int, limits: _Limits) -> _Child:
         payload = pickle.dumps(
-            (sys.path, os.getcwd(), dict(os.environ), memory_bytes, threads, pickle.dumps(work)),
+            (sys.path, os.getcwd(), dict(os.environ), limits, pickle.dumps(work)),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         try:
@@ -397,6 +449,7 @@ def _serve(sock: socket.socket) -> None:
 
         for module in _PRELOAD:  # the children start with the sandbox imported
             importlib.import_module(module)
+        importlib.import_module(_WARM[0]).warm()  # and DuckDB's names known to the inspection
         single_threaded()  # and this process runs one thread (tests/test_sandbox_escapes.py checks it)
     except Exception as exc:  # noqa: BLE001 - told to the caller, in one line
         sock.sendall(_FAILED + f"{type(exc).__name__}: {exc}".splitlines()[0].encode()[:500])
@@ -428,7 +481,7 @@ def _helped_child(sock: socket.socket, payload: bytes, out: int) -> None:
     """A child of the clean helper: its caller's context restored, the work run; never returns."""
     try:
         sock.close()
-        path, cwd, environ, memory_bytes, threads, work = pickle.loads(payload)  # noqa: S301 - our caller's
+        path, cwd, environ, limits, work = pickle.loads(payload)  # noqa: S301 - our caller's
         sys.path[:] = path
         os.chdir(cwd)
         os.environ.clear()
@@ -437,7 +490,7 @@ def _helped_child(sock: socket.socket, payload: bytes, out: int) -> None:
             job = pickle.loads(work)  # noqa: S301 - our caller's own work, over our own socket
         except BaseException as exc:  # noqa: BLE001 - an unpicklable job is an answer too
             job = _Raise(exc)
-        _child(job, out, memory_bytes, threads)
+        _child(job, out, limits)
     finally:
         os._exit(4)  # _child never returns; anything that failed before it ends here, silently
 
@@ -448,7 +501,7 @@ class _Raise:
 
     error: BaseException
 
-    def __call__(self, started: Callable[[], None]) -> None:
+    def __call__(self, marks: Marks) -> None:
         raise RuntimeError(f"the query could not be handed to its process ({self.error})")
 
 
@@ -466,37 +519,43 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
 # --- the parent's wait --------------------------------------------------------------------------
 
 
-def _await(child: _Child, fd: int, *, timeout_s: float, setup_s: float) -> T:  # type: ignore[type-var]
+def _await(child: _Child, fd: int, *, timeout_s: float, setup_s: float, check_s: float | None = None) -> T:  # type: ignore[type-var]
     chunks: list[bytes] = []
-    started_at: float | None = None
-    setup_deadline = time.monotonic() + setup_s
+    stage = "check" if check_s is not None else "setup"
+    deadline = time.monotonic() + (check_s if check_s is not None else setup_s)
     while True:
-        now = time.monotonic()
-        if started_at is None:
-            left = setup_deadline - now
-            if left <= 0:
-                raise ChildFailed(f"the query did not start within {setup_s:g} s", timed_out=True)
-        else:
-            left = started_at + timeout_s + KILL_GRACE_S - now
-            if left <= 0:
-                raise ChildFailed(f"query stopped after {timeout_s:g} s (time limit)", timed_out=True)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ChildFailed(_late(stage, timeout_s, setup_s, check_s), timed_out=True, stage=stage)
         ready, _, _ = select.select([fd], [], [], left)
         if not ready:
             continue
         data = os.read(fd, 1 << 20)
         if not data:
             break
-        if started_at is None and not chunks and data[:1] == _STARTED:
-            started_at = time.monotonic()
+        while not chunks and data[:1] in (_CHECKED, _STARTED):  # the marks come before the answer
+            if data[:1] == _CHECKED and stage == "check":
+                stage, deadline = "setup", time.monotonic() + setup_s
+            elif data[:1] == _STARTED and stage != "run":
+                stage, deadline = "run", time.monotonic() + timeout_s + KILL_GRACE_S
             data = data[1:]
-        chunks.append(data)
+        if data:
+            chunks.append(data)
     payload = b"".join(chunks)
     if not payload:
-        raise ChildFailed(_death(child.exit_code()))
+        raise ChildFailed(_death(child.exit_code()), stage=stage)
     kind, value = pickle.loads(payload)  # noqa: S301 - our own child's answer, over our own pipe
     if kind == "error":
         raise value
     return value
+
+
+def _late(stage: str, timeout_s: float, setup_s: float, check_s: float | None) -> str:
+    if stage == "check":
+        return f"checking it took more than {check_s:g} s"
+    if stage == "setup":
+        return f"the query did not start within {setup_s:g} s"
+    return f"query stopped after {timeout_s:g} s (time limit)"
 
 
 def _death(code: int) -> str:

@@ -19,6 +19,8 @@ docs/reliability.md tries each):
 4. ``run_readonly_sql`` runs the query in a confined child process (``confined.run_confined``):
    an address-space limit holds the memory limit for values DuckDB builds outside its buffer
    manager, and a kill at the deadline holds the time limit for a query that ignores interrupts.
+   Layers 1 and 2 run there too, first, under bounds of their own (``CHECK_S``, ``CHECK_BYTES``):
+   a statement's parse costs what its author chooses, and the caller (the web server) never pays it.
 
 The connection is opened with the ``duckdb`` module rather than through SQLAlchemy. Both work:
 duckdb-engine 0.17 passes known settings in ``connect_args["config"]`` straight to
@@ -44,11 +46,11 @@ from typing import TYPE_CHECKING, TypeVar
 import duckdb
 
 from headatlas.service.errors import Param, ParameterError, StoreError
-from headatlas.service.storage.confined import ChildFailed, run_confined
+from headatlas.service.storage.confined import ChildFailed, Marks, confinement, run_confined, threads_now
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG  # noqa: F401 - where callers found it
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock  # noqa: F401
 from headatlas.service.storage.sql_check import ALLOWED as _ALLOWED
-from headatlas.service.storage.sql_check import SIMPLIFY, is_too_deep, parser, refuse_import, too_deep
+from headatlas.service.storage.sql_check import SIMPLIFY, is_too_deep, parser, refuse_import, too_deep, warm
 
 if TYPE_CHECKING:
     from headatlas.service.storage.backends.base import Backend
@@ -182,7 +184,7 @@ def run_readonly_sql(
         )
     from headatlas.service.storage.backends import open_backend
 
-    statement = check_select_only(sql)
+    refuse_oversized(sql)
     backend = open_backend(db_path)
     if not backend.confines_sql:
         raise StoreError(
@@ -191,14 +193,11 @@ def run_readonly_sql(
             "refuses it; read it with query, report or headatlas.connect(…).heads(), or copy it to a file first "
             "(`headatlas db copy`)",
         )
-    refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
-    if refused:
-        if refused.endswith(SIMPLIFY):  # too deep: what is allowed is not the point
-            raise StoreError(f"refused: {refused}")
-        raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
     threads = os.cpu_count() or 1
-    query = _SandboxQuery(backend, statement, params, max_rows, timeout_s, lock_wait_s, limits, threads, run_id, at)
+    query = _SandboxQuery(backend, sql, params, max_rows, timeout_s, lock_wait_s, limits, threads, run_id, at)
+    if confinement() is None and threads_now() == 1:
+        warm()  # this process forks the query's: its children find DuckDB's names known
     try:
         return run_confined(
             query,
@@ -206,8 +205,15 @@ def run_readonly_sql(
             threads=threads,
             timeout_s=timeout_s,
             setup_s=lock_wait_s + SETUP_S,
+            check_s=CHECK_S,
+            check_bytes=CHECK_BYTES,
         )
     except ChildFailed as failed:
+        if failed.stage == "check":
+            raise StoreError(
+                f"refused: the statement could not be inspected within sql's bounds ({failed}; at most "
+                f"{CHECK_S:g} s and {CHECK_BYTES >> 20} MB): {SIMPLIFY} (fewer CTEs, terms or levels)"
+            ) from None
         if failed.timed_out:
             raise StoreError(str(failed), hint=("narrow it or pass ", Param("timeout_s"))) from None
         raise StoreError(
@@ -216,13 +222,48 @@ def run_readonly_sql(
         ) from None
 
 
+# A statement is inspected in the query's own process, before it connects (``_SandboxQuery``): its
+# parse takes time and memory quadratic in its CTEs (2,000 took 59 s and 3.4 GB), so the inspection
+# has bounds of its own, whatever the query's limits; and text longer than anyone types is refused
+# before a process starts
+MAX_STATEMENT_CHARS = 100_000
+CHECK_S = 10.0  # a statement's parse and inspection take milliseconds
+CHECK_BYTES = 256 * 2**20  # ... and a few MB (400 CTEs: 120 MB)
+
+
+def refuse_oversized(sql: str) -> None:
+    """Raise StoreError when ``sql`` is longer than ``MAX_STATEMENT_CHARS``."""
+    if len(sql) > MAX_STATEMENT_CHARS:
+        raise StoreError(
+            f"refused: the statement is {len(sql):,} characters long, more than sql takes ({MAX_STATEMENT_CHARS:,}): "
+            "shorten it"
+        )
+
+
+def check_statement(sql: str, backend: Backend) -> str:
+    """``sql`` as the one SELECT the sandbox runs (``check_select_only``), once the backend's
+    inspection (``Backend.refuse_in_sandbox``) finds nothing to refuse; else StoreError."""
+    try:
+        statement = check_select_only(sql)
+        refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
+    except MemoryError:
+        refused = (
+            f"inspecting the statement needs more memory than sql gives it: {SIMPLIFY} (fewer CTEs, terms or levels)"
+        )
+    if refused:
+        if refused.endswith(SIMPLIFY):  # its size or depth: what is allowed is not the point
+            raise StoreError(f"refused: {refused}")
+        raise StoreError(f"refused: {refused}; {_ALLOWED} over the results' tables and views")
+    return statement
+
+
 @dataclass(frozen=True)
 class _SandboxQuery:
-    """One checked SELECT as the confined child runs it (``confined.run_confined``); it pickles,
+    """One SELECT as the confined child checks and runs it (``confined.run_confined``); it pickles,
     for a child that a clean helper starts."""
 
     backend: Backend
-    statement: str
+    sql: str
     params: dict | list | None
     max_rows: int
     timeout_s: float
@@ -232,7 +273,9 @@ class _SandboxQuery:
     run_id: int | None
     at: int | None
 
-    def __call__(self, started: Callable[[], None]) -> QueryResult:
+    def __call__(self, marks: Marks) -> QueryResult:
+        statement = check_statement(self.sql, self.backend)  # under the check's own bounds
+        marks.checked()
         # a temporary folder of its own, so that the engine's spill folder (which external-access
         # rules let it read) holds nothing but its own
         with tempfile.TemporaryDirectory(prefix="headatlas-sql-") as spill:
@@ -240,9 +283,7 @@ class _SandboxQuery:
             with connect_readonly(
                 self.backend, lock_wait_s=self.lock_wait_s, limits=settings, at=self.at
             ) as connection:
-                return _execute(
-                    connection, self.statement, self.params, self.max_rows, self.timeout_s, self.run_id, started
-                )
+                return _execute(connection, statement, self.params, self.max_rows, self.timeout_s, self.run_id, marks)
 
 
 SETUP_S = 60.0  # connecting (a lake attaches its catalogue) before a query's time limit starts

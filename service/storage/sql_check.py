@@ -214,6 +214,13 @@ def is_too_deep(error: BaseException) -> bool:
     return "Max expression depth limit" in text or "memory exhausted at or near" in text
 
 
+def warm() -> None:
+    """Learn DuckDB's names (``_names``: its extensions loaded, about a second) and open the parser
+    now, in a process that forks the processes that inspect statements (the clean helper)."""
+    _names()
+    parser()
+
+
 _PARSER: duckdb.DuckDBPyConnection | None = None
 
 
