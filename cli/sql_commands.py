@@ -36,7 +36,9 @@ def sql(
     max_rows: int = options.setting("sql_max_rows", "--max-rows", help="Row cap."),
     timeout_s: float = options.setting("sql_timeout_s", "--timeout", help="Time limit in seconds."),
     memory_limit: str | None = typer.Option(
-        None, "--memory-limit", help="Memory the query may use, e.g. 2GB (default: a quarter of this machine's)."
+        None,
+        "--memory-limit",
+        help="Memory the query may use, e.g. 4GB (default: a quarter of this machine's, at most 2 GiB).",
     ),
     temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
     at: int | None = AtOpt,

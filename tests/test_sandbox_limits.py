@@ -175,3 +175,25 @@ def test_a_statement_longer_than_anyone_types_is_refused_before_a_process_starts
     assert done.returncode == 2
     assert done.stderr.startswith("error: refused: the statement is 200,008 characters long"), done.stderr
     assert done.stderr.count("\n") == 1
+
+
+# --- finding: under a hard address-space limit (ulimit -v) every query failed ---------------------------
+
+
+@pytest.mark.parametrize("memory", [[], ["--memory-limit", "16GB"]], ids=["default", "more than the limit"])
+def test_sql_runs_under_a_hard_address_space_limit(results, memory) -> None:
+    """A shell's ``ulimit -v 8388608`` (8 GiB, soft and hard): the query's process caps itself under
+    it instead of failing to raise it (before: "exit code 4 … pass --memory-limit", whatever it was)."""
+    command = " ".join([*headatlas_cmd(), "sql", "'SELECT 42 AS answer'", "--db", str(results), *memory])
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        ["bash", "-c", f"ulimit -v 8388608 && exec {command}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "42" in done.stdout and not done.stderr

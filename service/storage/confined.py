@@ -209,18 +209,36 @@ def _child(work: Callable[[Marks], T], out: int, limits: _Limits) -> None:
 
 def _cap(out: int, limits: _Limits) -> Marks:
     """Cap this process's address space (``RLIMIT_AS``): at its size now plus the memory and the
-    margins, and until its input is checked at its size now plus ``limits.check`` and the margin."""
+    margins, and until its input is checked at its size now plus ``limits.check`` and the margin;
+    never above the limit it inherited (a shell's ``ulimit -v``: a hard limit cannot be raised),
+    the memory then being what is left under it (``Marks.memory_bytes``)."""
     import resource
 
     assert limits.memory is not None
+    _few_arenas()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    ceiling = min(x for x in (soft, hard, 2**62) if x != resource.RLIM_INFINITY)
     now = address_space_now()
     margin = MARGIN_BYTES + THREAD_MARGIN_BYTES * max(1, limits.threads)
-    full = now + limits.memory + margin
-    resource.setrlimit(resource.RLIMIT_AS, (full, resource.RLIM_INFINITY))
+    full = min(now + limits.memory + margin, ceiling)
+    memory = max(0, full - now - margin)
+    resource.setrlimit(resource.RLIMIT_AS, (full, hard))
     if limits.check is None:
-        return Marks(out, memory=limits.memory)
-    resource.setrlimit(resource.RLIMIT_AS, (min(full, now + limits.check + MARGIN_BYTES), resource.RLIM_INFINITY))
-    return Marks(out, (full, resource.RLIM_INFINITY), memory=limits.memory)
+        return Marks(out, memory=memory)
+    resource.setrlimit(resource.RLIMIT_AS, (min(full, now + limits.check + MARGIN_BYTES), hard))
+    return Marks(out, (full, hard), memory=memory)
+
+
+def _few_arenas() -> None:
+    """At most two malloc arenas for threads from now on: glibc reserves 64 MB of address space for
+    each (up to 8 per core), which the address-space cap counts although nothing uses it; loading
+    DuckLake made 16 of them on 2 cores (1 GB)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 def _die_with_parent() -> None:

@@ -46,7 +46,14 @@ from typing import TYPE_CHECKING, TypeVar
 import duckdb
 
 from headatlas.service.errors import Param, ParameterError, StoreError
-from headatlas.service.storage.confined import ChildFailed, Marks, confinement, run_confined, threads_now
+from headatlas.service.storage.confined import (
+    ChildFailed,
+    Marks,
+    address_space_now,
+    confinement,
+    run_confined,
+    threads_now,
+)
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG  # noqa: F401 - where callers found it
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, is_lock_conflict, retry_on_lock  # noqa: F401
 from headatlas.service.storage.sql_check import ALLOWED as _ALLOWED
@@ -108,13 +115,25 @@ def check_select_only(sql: str) -> str:
     return statement.query.strip().rstrip(";").rstrip()
 
 
+DEFAULT_MEMORY_MAX = 2 * 2**30  # a query's default memory, at most: DuckDB spills past it (temp_limit)
+
+
 def default_memory_limit() -> str:
-    """A quarter of this machine's memory (at least 256 MB): one query cannot take the machine."""
+    """A quarter of this machine's memory, at most 2 GiB (``DEFAULT_MEMORY_MAX``; a web server runs
+    several queries) and at most what this process's address-space limit leaves (a shell's ``ulimit
+    -v``), at least 256 MB: one query cannot take the machine."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return "2GB"
-    return f"{max(256, total // 4 // 2**20)}MB"
+        total = 4 * DEFAULT_MEMORY_MAX
+    memory = min(total // 4, DEFAULT_MEMORY_MAX)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limits = [x for x in (soft, hard) if x != resource.RLIM_INFINITY]
+    if limits:
+        memory = min(memory, (min(limits) - address_space_now()) // 2)
+    return f"{max(256, memory // 2**20)}MiB"
 
 
 DEFAULT_TEMP_LIMIT = "4GB"  # what a query may spill to disk
@@ -276,16 +295,26 @@ class _SandboxQuery:
     def __call__(self, marks: Marks) -> QueryResult:
         statement = check_statement(self.sql, self.backend)  # under the check's own bounds
         marks.checked()
+        limits = dict(self.limits)
+        if marks.memory_bytes is not None and marks.memory_bytes < _bytes(limits["memory_limit"]):
+            # an address-space limit this process inherited (ulimit -v) leaves less: DuckDB keeps under it
+            if marks.memory_bytes < MIN_MEMORY:
+                raise StoreError(
+                    f"query stopped: this process's address-space limit (ulimit -v) leaves the query "
+                    f"{marks.memory_bytes >> 20} MB: raise it"
+                )
+            limits["memory_limit"] = f"{marks.memory_bytes}B"
         # a temporary folder of its own, so that the engine's spill folder (which external-access
         # rules let it read) holds nothing but its own
         with tempfile.TemporaryDirectory(prefix="headatlas-sql-") as spill:
-            settings = {**self.limits, "temp_directory": spill, "threads": str(self.threads)}
+            settings = {**limits, "temp_directory": spill, "threads": str(self.threads)}
             with connect_readonly(
                 self.backend, lock_wait_s=self.lock_wait_s, limits=settings, at=self.at
             ) as connection:
                 return _execute(connection, statement, self.params, self.max_rows, self.timeout_s, self.run_id, marks)
 
 
+MIN_MEMORY = 64 * 2**20  # the least a query may run with
 SETUP_S = 60.0  # connecting (a lake attaches its catalogue) before a query's time limit starts
 
 
