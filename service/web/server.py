@@ -1,6 +1,13 @@
-"""The HTTP server of ``headatlas serve``: the standard library's WSGI server, each request handled
-by one of a fixed pool of threads (a slow page, an example window being computed, does not hold up
-the others; the pool bounds how many run at once).
+"""The HTTP server of ``headatlas serve``: the standard library's WSGI server, each connection on a
+thread of its own (at most ``CONNECTIONS`` at once), at most ``WORKERS`` of them running the app at
+once (a slow page, an example window being computed, does not hold up the others; the bound keeps
+how many run at once, and the memory they take, fixed).
+
+A connection is read with a time limit: one silent for ``READ_TIMEOUT_S`` seconds is closed, and its
+request line and headers must arrive within ``HEAD_DEADLINE_S`` (a client trickling a byte at a time
+holds a connection no longer). An idle connection so holds a connection's thread, never a worker, and
+never for long; past ``CONNECTIONS`` a new one is answered 503 at once. A request line over
+``MAX_LINE`` bytes is answered 414.
 
 Bound to 127.0.0.1 unless told otherwise: the app has no accounts, and whoever reaches the port reads
 every run.
@@ -12,23 +19,52 @@ import ipaddress
 import socket
 import socketserver
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 from headatlas.service.errors import ParameterError
 
-WORKERS = 8
+WORKERS = 8  # requests the app handles at once
+CONNECTIONS = 64  # connections held at once (each on a thread: reading, waiting for a worker, writing)
+READ_TIMEOUT_S = 15.0  # a connection silent this long (reading or writing) is closed
+HEAD_DEADLINE_S = 30.0  # the request line and headers arrive within this, however slowly they trickle
+WORKER_WAIT_S = 30.0  # a request waits this long for a worker, then is answered 503
+MAX_LINE = 65536  # bytes of a request line (wsgiref's own bound), over it: 414
 
 
 class PooledServer(WSGIServer):
-    """A WSGI server whose requests run on a pool of ``WORKERS`` threads."""
+    """A WSGI server: a thread per connection (``connections`` at most), ``workers`` of them in the
+    app at once; ``read_timeout_s`` and ``head_deadline_s`` bound how long a connection is read
+    (None: the module's ``READ_TIMEOUT_S`` and ``HEAD_DEADLINE_S`` as they are when it is made)."""
 
     daemon_threads = True
+    request_queue_size = 128  # connections the kernel holds until accepted (a burst of them is accepted at once)
 
-    def __init__(self, address: tuple[str, int], handler=None, *, workers: int = WORKERS):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler=None,
+        *,
+        workers: int | None = None,
+        connections: int | None = None,
+        read_timeout_s: float | None = None,
+        head_deadline_s: float | None = None,
+    ):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.workers = WORKERS if workers is None else workers
+        self.connections = CONNECTIONS if connections is None else connections
+        self.read_timeout_s = READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
+        self.head_deadline_s = HEAD_DEADLINE_S if head_deadline_s is None else head_deadline_s
+        self.worker_slots = threading.BoundedSemaphore(self.workers)
+        self._slots = threading.BoundedSemaphore(self.connections)
+        self._reading: dict[socket.socket, float] = {}  # connections reading a request head: their deadline
+        self._cut: set[socket.socket] = set()
+        self._reading_lock = threading.Lock()
         # before the base class binds: a port in use closes the server inside __init__
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="headatlas-web")
+        self.pool = ThreadPoolExecutor(self.connections, thread_name_prefix="headatlas-web")
         super().__init__(address, handler or RawPathHandler)
 
     def server_bind(self) -> None:
@@ -39,17 +75,56 @@ class PooledServer(WSGIServer):
         self.setup_environ()
 
     def process_request(self, request, client_address) -> None:
-        self.pool.submit(self._handle, request, client_address)
+        if not self._slots.acquire(blocking=False):
+            _refuse(request, self.connections)  # in the accepting thread: a few bytes, never waited on
+            self.shutdown_request(request)
+            return
+        try:
+            self.pool.submit(self._handle, request, client_address)
+        except RuntimeError:  # the pool is shut down: the server is closing
+            self._slots.release()
+            self.shutdown_request(request)
 
     def _handle(self, request, client_address) -> None:
         try:
             self.finish_request(request, client_address)
+        except (TimeoutError, ConnectionError):
+            pass  # a client gone silent or away: nothing to answer
         except Exception:  # noqa: BLE001 - one broken connection is logged, the server goes on
             self.handle_error(request, client_address)
         finally:
             self.shutdown_request(request)
+            self._slots.release()
+
+    # --- the deadline of a request's head (checked by serve_forever's loop) ---------------------------
+    def reading(self, connection: socket.socket) -> None:
+        with self._reading_lock:
+            self._reading[connection] = time.monotonic() + self.head_deadline_s
+
+    def read(self, connection: socket.socket) -> bool:
+        """The head of ``connection``'s request is read; whether its deadline cut it short."""
+        with self._reading_lock:
+            self._reading.pop(connection, None)
+            if connection in self._cut:
+                self._cut.discard(connection)
+                return True
+            return False
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._reading_lock:
+            late = [c for c, deadline in self._reading.items() if deadline <= now]
+            for connection in late:
+                del self._reading[connection]
+                self._cut.add(connection)
+        for connection in late:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once
+            except OSError:
+                pass
 
     def set_app(self, application) -> None:
+        application = Workers(application, self.worker_slots, self.workers)
         host = self.server_address[0]
         if is_loopback(host.decode() if isinstance(host, bytes) else str(host)):
             application = LoopbackHosts(application, self.server_address[1])
@@ -58,6 +133,47 @@ class PooledServer(WSGIServer):
     def server_close(self) -> None:
         super().server_close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _refuse(request: socket.socket, connections: int) -> None:
+    body = f"503 Service Unavailable: {connections} connections are open already; try again in a moment\n".encode()
+    head = (
+        "HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    ).encode()
+    try:
+        request.settimeout(0.2)
+        request.sendall(head + body)
+    except OSError:
+        pass
+
+
+class Workers:
+    """The app behind a bound on how many requests run it at once (``slots``): a request waits for
+    one up to ``WORKER_WAIT_S`` seconds, then is answered 503."""
+
+    def __init__(self, app, slots: threading.BoundedSemaphore, workers: int) -> None:
+        self.app, self.slots, self.workers = app, slots, workers
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if not self.slots.acquire(timeout=WORKER_WAIT_S):
+            body = (
+                f"503 Service Unavailable: the server's {self.workers} workers were all busy for {WORKER_WAIT_S:g} s; "
+                "try again in a moment\n"
+            ).encode()
+            start_response(
+                "503 Service Unavailable",
+                [
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                    ("Content-Length", str(len(body))),
+                    ("Retry-After", "5"),
+                ],
+            )
+            return [body]
+        try:
+            return list(self.app(environ, start_response))  # the whole answer, then the slot is free
+        finally:
+            self.slots.release()
 
 
 class LoopbackHosts:
@@ -91,7 +207,64 @@ class LoopbackHosts:
 
 class RawPathHandler(WSGIRequestHandler):
     """wsgiref's handler, with the request's path as sent (``REQUEST_URI``): PATH_INFO has %2F undone,
-    and a run named ``a/b`` is one segment only in the path as sent."""
+    and a run named ``a/b`` is one segment only in the path as sent. Its connection is read with the
+    server's time limits; a request line over ``MAX_LINE`` bytes is answered 414."""
+
+    server: PooledServer
+
+    def setup(self) -> None:
+        self.timeout = getattr(self.server, "read_timeout_s", None)  # StreamRequestHandler sets it on the socket
+        self.path = self.command = ""  # what a log line names before the request line is read
+        super().setup()
+
+    def handle(self) -> None:
+        watched = isinstance(self.server, PooledServer)
+        if watched:
+            self.server.reading(self.connection)
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_LINE + 1)
+            if len(self.raw_requestline) > MAX_LINE:
+                self._too_long()
+                return
+            if not self.raw_requestline or not self.parse_request():  # closed, or an error was sent
+                return
+        except TimeoutError:
+            self.close_connection = True
+            return  # silent past the time limit: closed without a word
+        finally:
+            cut = watched and self.server.read(self.connection)
+        if cut:
+            return  # its head came too slowly: its socket is shut already
+        handler = _Handler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=True)
+        handler.request_handler = self  # backpointer for logging
+        handler.run(self.server.get_app())
+
+    def _too_long(self) -> None:
+        self.requestline, self.request_version, self.command, self.close_connection = "", "HTTP/1.0", "", True
+        body = (
+            f"414 URI Too Long: the request line is over {MAX_LINE} bytes; pass a shorter address (a long SQL "
+            "statement: shorten it)\n"
+        ).encode()
+        self.send_response_only(414)
+        for name, value in (
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(body))),
+            ("Connection", "close"),
+        ):
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.log_request(414, len(body))
+        # read (a bounded part of) what is left of the line, so that closing does not reset the
+        # connection before the client has read the answer
+        try:
+            self.connection.settimeout(1.0)
+            for _ in range(16):
+                if self.rfile.readline(MAX_LINE).endswith(b"\n"):
+                    break
+        except OSError:
+            pass
 
     def get_environ(self) -> dict:
         environ = super().get_environ()
@@ -99,11 +272,24 @@ class RawPathHandler(WSGIRequestHandler):
         return environ
 
 
+class _Handler(ServerHandler):
+    """wsgiref's, for which a client that stops reading (the write's time limit) is a client gone."""
+
+    def handle_error(self) -> None:
+        if isinstance(sys.exc_info()[1], TimeoutError):
+            return  # nothing can reach it: no traceback, no error page
+        super().handle_error()
+
+
 class QuietHandler(RawPathHandler):
     """One line per request on stderr: method, address, status (what wsgiref logs, shorter)."""
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
-        sys.stderr.write(f"{self.command} {self.path} → {args[1] if len(args) > 1 else ''}\n")
+        path = self.path if len(self.path) <= 200 else f"{self.path[:200]}… ({len(self.path)} characters)"
+        sys.stderr.write(f"{self.command or '-'} {path or '-'} → {args[1] if len(args) > 1 else ''}\n")
+
+    def log_error(self, format: str, *args) -> None:  # noqa: A002
+        pass  # an error sent is logged by log_request, with its status: one line
 
 
 def is_loopback(host: str) -> bool:
@@ -131,6 +317,9 @@ def bind(app, host: str, port: int, *, quiet: bool = False) -> PooledServer:
 
 class _Silent(RawPathHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002
+        pass
+
+    def log_error(self, format: str, *args) -> None:  # noqa: A002
         pass
 
 
