@@ -14,7 +14,14 @@ Routes (each page's data as JSON at the same address plus ``.json``)::
 RUN is an id, a name or an alias (links use ids, which renaming keeps). ``?at=SNAPSHOT`` reads a
 lake as of that snapshot on any page (the server's ``--at`` otherwise). Only GET and HEAD are
 answered. An address that names nothing gets a 404 page, a bad parameter a 400 page with the
-message the CLI gives for it, a database held by a writer past the wait a 503.
+message the CLI gives for it, a database held by a writer past the wait a 503, and so does a SQL
+statement while ``sql_page.SQL_AT_ONCE`` others run.
+
+Another site's page can make the browser send a GET here (a link, an image, a form), though not read
+the answer: where that would run work (a SQL statement, an example window) it is refused with 403,
+and so is any request another site's page makes but a plain navigation (``_foreign``); a request
+from this app's own pages, an address typed or bookmarked, or a client that says nothing of where it
+comes from (curl, scripts) is answered.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from urllib.parse import quote, unquote, urlsplit
 from headatlas.service.errors import HeadatlasError, ModelError, RunNotFound, StoreBusy
 from headatlas.service.storage.store import Store
 from headatlas.service.web import documents
-from headatlas.service.web.context import Ctx, NotFound, Request, whole_number
-from headatlas.service.web.html import layout, message_page
+from headatlas.service.web.context import Busy, Ctx, NotFound, Request, whole_number
+from headatlas.service.web.html import e, layout, message_page
 from headatlas.service.web.reads import Memo, Reads
 from headatlas.service.web.views import View
 
@@ -50,11 +57,14 @@ REASONS = {
     200: "OK",
     302: "Found",
     400: "Bad Request",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
+# the addresses that run work when asked (a query, a model on a window), not only read what is stored
+WORK = re.compile(r"/runs/[^/]+/(?:sql(?:\.json|\.csv)?|heads/\d{1,6}/\d{1,6}/example\.json)")
 
 
 class Response:
@@ -113,7 +123,8 @@ class WebApp:
     # --- WSGI -----------------------------------------------------------------------------------
     def __call__(self, environ: dict, start_response: Callable) -> list[bytes]:
         request = Request.of(environ.get("REQUEST_METHOD", "GET"), _sent_path(environ), environ.get("QUERY_STRING", ""))
-        response = self.respond(request)
+        foreign = _foreign(environ, request)
+        response = self.respond(request) if foreign is None else self._foreign_refused(request, foreign)
         headers = [
             ("Content-Type", response.content_type),
             ("Content-Length", str(len(response.body))),
@@ -148,11 +159,29 @@ class WebApp:
                 return self._error(404, "Not found", str(missing), wants_data)
             except StoreBusy as busy:
                 return self._error(503, "Busy", str(busy), wants_data)
+            except Busy as busy:
+                return self._error(503, "Busy", str(busy), wants_data, [("Retry-After", str(busy.retry_after_s))])
             except ModelError as failed:
                 return self._error(500, "Model unavailable", str(failed), wants_data)
             except HeadatlasError as bad:
                 return self._error(400, "Bad request", str(bad), wants_data)
         return self._error(404, "Not found", f"no page at {unquote(request.path)}: the runs are at /runs", wants_data)
+
+    def _foreign_refused(self, request: Request, why: str) -> Response:
+        """403: a request another site's page made (``_foreign``); the page links the same address,
+        which a click on it opens as this app's own request."""
+        runs = "runs a query or a model" if WORK.fullmatch(request.path) else "is not a page another site may load"
+        message = (
+            f"refused: {unquote(request.path)} {runs}, and this request came from another site's page ({why}); "
+            "open it from this app (the link below, or its own pages and forms)"
+        )
+        response = self._error(403, "Refused", message, request.path.endswith((".json", ".csv")))
+        if response.content_type.startswith("text/html"):
+            tail = _query(request)
+            here = quote(request.path, safe="/%") + (f"?{tail}" if tail else "")
+            link = f'<p><a id="open-here" href="{e(here)}">open {e(unquote(request.path))} from here</a></p></main>'
+            response.body = response.body.replace(b"</main>", link.encode(), 1)
+        return response
 
     def _error(self, status: int, title: str, message: str, data: bool, headers=()) -> Response:
         if data:
@@ -266,6 +295,31 @@ def _sent_path(environ: dict) -> str:
     # PEP 3333: PATH_INFO holds the URL's bytes as latin-1 characters
     path = environ.get("PATH_INFO", "/").encode("latin-1").decode("utf-8", "replace")
     return quote(path, safe="/")
+
+
+def _foreign(environ: dict, request: Request) -> str | None:
+    """Why ``request`` comes from another site's page, where that is refused; None otherwise.
+
+    The browser says where a request comes from: ``Sec-Fetch-Site`` (every current browser), and
+    ``Origin`` or ``Referer`` where it sends them. Another site's (``cross-site``, and ``same-site``:
+    another port of this host is one) is refused unless it is a plain navigation to a page that
+    only reads (a link to a run); to an address that runs work (``WORK``, with a statement), any sign
+    of another origin is refused. A request that names no origin (curl, a script, a bookmark) is
+    answered: only a browser, on another site's behalf, is guarded against here."""
+    site = environ.get("HTTP_SEC_FETCH_SITE", "").strip().lower()
+    mode = environ.get("HTTP_SEC_FETCH_MODE", "").strip().lower()
+    works = WORK.fullmatch(request.path) is not None and (
+        request.path.endswith("example.json") or request.arg("q") is not None
+    )
+    if site in ("cross-site", "same-site") and (works or mode not in ("", "navigate")):
+        return f"Sec-Fetch-Site: {site}" + (f", Sec-Fetch-Mode: {mode}" if mode else "")
+    if works:
+        host = environ.get("HTTP_HOST", "").strip().lower()
+        for key, name in (("HTTP_ORIGIN", "Origin"), ("HTTP_REFERER", "Referer")):
+            value = environ.get(key, "").strip()
+            if value and (not host or urlsplit(value).netloc.lower() != host):
+                return f"{name}: {value[:200]}"
+    return None
 
 
 def _query(request: Request) -> str:

@@ -23,6 +23,14 @@ class NotFound(Exception):
     """No page at this address (a 404 page says what is missing)."""
 
 
+class Busy(Exception):
+    """Too much of one kind of work is running: answered 503, to be tried again in ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 2) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True)
 class Request:
     method: str

@@ -84,7 +84,7 @@ class Examples:
         self.device = device
         self._models: dict[str, object] = {}
         self.load_s: dict[str, float] = {}  # seconds each model took to load
-        self._windows = Memo(windows)
+        self._windows = Memo(windows, max_bytes=None)  # a window of a large model is large: kept by count
         self._lock = threading.Lock()
 
     def model(self, run: Run):

@@ -21,6 +21,10 @@ newer than its key (a commit between the stat and the transaction) is replaced a
 whose key differs; a value is never older than its key. The transaction is opened at the first
 value not remembered, so a page whose values are all remembered opens nothing.
 
+The cache is bounded in bytes as well as in entries (``MEMO_BYTES``, an estimate: ``approx_bytes``): a
+value over a quarter of it is not kept (a large SQL result is computed again when asked again), so a
+few large answers cannot hold the server's memory.
+
 The schema check every read transaction makes (``db.check_schema``) is made once per state the
 transaction reads: a file's state is read again once it is open (no process writes it while a
 reader holds it), so a file changed in any way is checked again.
@@ -29,6 +33,7 @@ reader holds it), so a file changed in any way is checked again.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -44,30 +49,93 @@ from headatlas.service.storage.store import Run, Store
 
 T = TypeVar("T")
 
+MEMO_BYTES = 64 * 2**20  # what a server's page cache holds at most (estimated: approx_bytes)
+
 
 class Memo:
-    """A bounded cache, least recently used out first; safe to share between threads (two threads
-    asking for the same missing value may each compute it once)."""
+    """A bounded cache, least recently used out first: at most ``size`` values and ``max_bytes``
+    bytes (estimated by ``approx_bytes``; None: unbounded in bytes), a value over ``max_bytes / 4``
+    never kept. Safe to share between threads (two threads asking for the same missing value may each
+    compute it once)."""
 
-    def __init__(self, size: int = 512) -> None:
-        self.size = size
-        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+    def __init__(self, size: int = 512, *, max_bytes: int | None = MEMO_BYTES) -> None:
+        self.size, self.max_bytes = size, max_bytes
+        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self.bytes = 0  # the estimated size of what is kept
 
     def get(self, key: Hashable, compute: Callable[[], T]) -> T:
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
-                return self._items[key]
+                return self._items[key][0]
         value = compute()  # outside the lock: a slow query holds up no other request
+        size = 0 if self.max_bytes is None else approx_bytes(value) + approx_bytes(key)
+        if self.max_bytes is not None and size > self.max_bytes // 4:
+            return value  # too large to keep: computed again when asked again
         with self._lock:
-            self._items[key] = value
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            if key in self._items:  # another thread kept it meanwhile
+                self.bytes -= self._items[key][1]
+            self._items[key] = (value, size)
+            self._items.move_to_end(key)
+            self.bytes += size
+            while len(self._items) > self.size or (self.max_bytes is not None and self.bytes > self.max_bytes):
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.bytes -= dropped
         return value
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+_SAMPLE = 32  # elements of a container measured; the rest are taken to be of their mean size
+_VISITS = 2048  # objects one estimate looks at, at most (nested containers: the sample shrinks)
+
+
+def approx_bytes(value: object) -> int:
+    """About how many bytes ``value`` holds, itself and what it refers to, in time that does not
+    grow with its size: a container's size is its first, last and evenly spaced elements' mean size
+    times its length (``_SAMPLE`` of them at most, ``_VISITS`` objects in all); an array's, its
+    buffer's. For a bound on memory, not an exact figure (shared objects count at each reference)."""
+    return _approx(value, [_VISITS])
+
+
+def _approx(value: object, budget: list[int]) -> int:
+    size = sys.getsizeof(value, 64)
+    budget[0] -= 1
+    kind = type(value)
+    if kind in (str, bytes, bytearray, int, float, bool, type(None), complex) or budget[0] <= 0:
+        return size
+    nbytes = getattr(value, "nbytes", None)  # a NumPy array: its buffer
+    if isinstance(nbytes, int):
+        return max(size, nbytes)
+    if isinstance(value, dict):
+        return size + _sampled(list(value.items()), budget)
+    if isinstance(value, (list, tuple)):
+        return size + _sampled(value, budget)
+    if isinstance(value, (set, frozenset)):
+        return size + _sampled(list(value), budget)
+    usage = getattr(value, "memory_usage", None)  # a pandas frame or series
+    if callable(usage):
+        try:
+            measured = usage(index=True, deep=False)
+            return size + int(measured.sum() if hasattr(measured, "sum") else measured)
+        except (TypeError, ValueError):
+            pass
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):
+        return size + _approx(fields, budget)
+    names = {name for cls in kind.__mro__ for name in getattr(cls, "__slots__", ()) if isinstance(name, str)}
+    return size + sum(_approx(getattr(value, name), budget) for name in names if hasattr(value, name))
+
+
+def _sampled(items: Any, budget: list[int]) -> int:
+    n = len(items)
+    if not n:
+        return 0
+    k = max(1, min(n, _SAMPLE, budget[0]))
+    picked = items if k == n else [items[i * (n - 1) // max(1, k - 1)] for i in range(k)]
+    return sum(_approx(item, budget) for item in picked) * n // len(picked)
 
 
 class Reads:

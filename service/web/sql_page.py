@@ -6,19 +6,39 @@ the machine's memory), every table and view holding the run's rows alone.
 sql --run R --format csv|json`` writes it. A result is kept for the database's state, as every page's
 values are: the same statement on an unchanged database answers at once (and so gives its first
 answer again, even where it calls ``random()`` or ``now()``).
+
+At most ``SQL_AT_ONCE`` statements run at once (each in a process of its own, which may take a quarter
+of the machine's memory); another waits up to ``SQL_WAIT_S`` seconds for its turn, then is answered
+503 "busy, try again". Pages, and statements whose answer is kept, never wait for them. An answer
+over ``SQL_MAX_BYTES`` (its values, measured) is refused with a line saying to narrow it: neither a
+page nor a CSV holds hundreds of megabytes, and the cache never keeps it.
 """
 
 from __future__ import annotations
 
+import inspect
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from headatlas.service.config import Settings
 from headatlas.service.errors import ParameterError, StoreError
 from headatlas.service.storage import relations
-from headatlas.service.storage.backends.file import PROCESS_LOCK
 from headatlas.service.storage.readonly import QueryResult, run_readonly_sql
-from headatlas.service.web.context import Ctx, run_path
+from headatlas.service.web.context import Busy, Ctx, run_path
 from headatlas.service.web.documents import records
 from headatlas.service.web.html import e, table
+from headatlas.service.web.reads import approx_bytes
 from headatlas.service.web.views import View
+
+SQL_AT_ONCE = 2  # statements the server runs at once
+SQL_WAIT_S = 1.0  # how long a statement waits for its turn before it is answered 503
+SQL_MAX_BYTES = 16 * 2**20  # the largest answer the page, its CSV or its JSON holds (its values' bytes)
+# the sandbox's own cap on an answer's bytes, where it has one: the child then stops at the cap, and
+# the answer never reaches this process whole
+_SANDBOX_CAP = next(
+    (name for name in ("max_bytes", "max_result_bytes") if name in inspect.signature(run_readonly_sql).parameters), None
+)
 
 EXAMPLE = "SELECT layer, head, within_sentence_lift_dm, repetition_words_lift_dm\nFROM head_metrics\nORDER BY 3 DESC\nLIMIT 10"
 
@@ -35,20 +55,29 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
     settings = Settings.from_env()
 
     def query() -> QueryResult:
-        # The sandbox runs the query in a forked child, which inherits DuckDB's open databases: a
-        # file opened by this process then could not be opened again with the sandbox's settings.
-        # So the request's own transaction is closed, and no other request's is open while the child
-        # starts (they open the file under PROCESS_LOCK, as this does).
+        # The sandbox's child is forked from this process only while it runs one thread (then no
+        # other request's transaction is open, and this one's is closed here: a child inherits DuckDB's
+        # open databases); a server runs several, so its children come from the sandbox's clean helper,
+        # which has opened nothing. No lock is held while the query runs: pages go on meanwhile.
         ctx.reads.close()
-        with PROCESS_LOCK:
-            return run_readonly_sql(
+        capped = {_SANDBOX_CAP: SQL_MAX_BYTES} if _SANDBOX_CAP else {}
+        with _turn():
+            result = run_readonly_sql(
                 ctx.store.backend,
                 statement,
                 max_rows=settings.sql_max_rows,
                 timeout_s=settings.sql_timeout_s,
                 run_id=run.run_id,
                 at=ctx.store.at,
+                **capped,
             )
+        size = answer_bytes(result)
+        if size > SQL_MAX_BYTES:  # raised, so not kept
+            raise ParameterError(
+                f"answer over {SQL_MAX_BYTES / 2**20:g} MB ({size / 2**20:,.0f} MB in {len(result.rows):,} rows): add "
+                "LIMIT, or select fewer or narrower columns"
+            )
+        return result
 
     try:
         # a result is kept for the database's state, as every page's: its CSV and JSON come at once
@@ -80,6 +109,46 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
         return _form(ctx, run, statement) + said + table(result.columns, result.rows, table_id="sql-result", digits=8)
 
     return View(title, records(result.columns, result.rows), body, crumbs=crumbs, table=(result.columns, result.rows))
+
+
+_running = 0
+_turns = threading.Condition()
+
+
+@contextmanager
+def _turn() -> Iterator[None]:
+    """One of the ``SQL_AT_ONCE`` turns to run a statement, waited for ``SQL_WAIT_S`` at most."""
+    global _running
+    with _turns:
+        if not _turns.wait_for(lambda: _running < SQL_AT_ONCE, timeout=SQL_WAIT_S):
+            raise Busy(
+                f"busy: {_running} SQL statements are running (at most {SQL_AT_ONCE} at once); try again in a "
+                "few seconds, or add LIMIT to make them quicker",
+                retry_after_s=5,
+            )
+        _running += 1
+    try:
+        yield
+    finally:
+        with _turns:
+            _running -= 1
+            _turns.notify()
+
+
+def answer_bytes(result: QueryResult) -> int:
+    """The bytes of an answer's values: strings and blobs by their length, numbers 8, anything
+    else (a list, a struct) estimated; every value is looked at."""
+    total = sum(len(c) for c in result.columns)
+    for row in result.rows:
+        for value in row:
+            kind = type(value)
+            if kind is str or kind is bytes:
+                total += len(value)
+            elif kind is int or kind is float or kind is bool or value is None:
+                total += 8
+            else:
+                total += approx_bytes(value)
+    return total
 
 
 def _form(ctx: Ctx, run, statement: str) -> str:
