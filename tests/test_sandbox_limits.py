@@ -197,3 +197,37 @@ def test_sql_runs_under_a_hard_address_space_limit(results, memory) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "42" in done.stdout and not done.stderr
+
+
+# --- finding: a query killed at its limit left its spill folder or catalogue copy in /tmp ---------------
+
+STOPPED = {
+    # string_split builds its list without checking for an interrupt: killed at the time limit
+    "time limit": ("SELECT len(string_split(repeat('a,', 100000000), ','))", {"timeout_s": 1.0}, "time limit"),
+    "memory limit": ("SELECT length(repeat('x', 4000000000))", {"memory_limit": "512MB"}, "memory than its limit"),
+}
+
+
+@pytest.mark.parametrize("backend", ["file", "lake"])
+@pytest.mark.parametrize("case", STOPPED, ids=STOPPED)
+def test_a_query_stopped_at_its_limit_leaves_nothing_in_the_temporary_folder(
+    request, results, tmp_path, monkeypatch, backend, case
+) -> None:
+    """Before: the spill folder (a file) or the catalogue's copy (a lake, 3.9 MB) stayed in /tmp
+    after every query killed at its time limit."""
+    import tempfile
+
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    where = results if backend == "file" else request.getfixturevalue("lake").backend()
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    sql, limits, said = STOPPED[case]
+    with pytest.raises(StoreError, match=said):
+        run_readonly_sql(where, sql, **{"timeout_s": 30.0, **limits})  # type: ignore[arg-type]
+    assert not list(temporary.iterdir())
+    assert run_readonly_sql(where, "SELECT 1").rows == [(1,)]  # and one that answers: nothing either
+    assert not list(temporary.iterdir())

@@ -32,11 +32,13 @@ import atexit
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -124,23 +126,29 @@ def run_confined(
     """
     if confinement() is not None:
         return work(Marks())
-    limits = _Limits(memory_bytes, threads, check_bytes if check_s is not None else None)
-    read_end, write_end = os.pipe()
+    # the child's temporary files (a spill folder, a lake's catalogue copy) go in a folder of its
+    # own, removed here once it has ended: a child killed at its limits cleans nothing up itself
+    scratch = tempfile.mkdtemp(prefix="headatlas-sql-")
     try:
-        if threads_now() == 1:
-            child: _Child = _fork(work, write_end, limits)
-        else:
-            child = _zygote().start(work, write_end, limits)
-    except BaseException:
-        os.close(read_end)
-        raise
+        limits = _Limits(memory_bytes, threads, check_bytes if check_s is not None else None, scratch)
+        read_end, write_end = os.pipe()
+        try:
+            if threads_now() == 1:
+                child: _Child = _fork(work, write_end, limits)
+            else:
+                child = _zygote().start(work, write_end, limits)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        try:
+            return _await(child, read_end, timeout_s=timeout_s, setup_s=setup_s, check_s=check_s)
+        finally:
+            os.close(read_end)
+            child.end()
     finally:
-        os.close(write_end)
-    try:
-        return _await(child, read_end, timeout_s=timeout_s, setup_s=setup_s, check_s=check_s)
-    finally:
-        os.close(read_end)
-        child.end()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,7 @@ class _Limits:
     memory: int | None
     threads: int
     check: int | None = None
+    scratch: str | None = None  # the child's temporary folder (TMPDIR), its parent's to remove
 
 
 class Marks:
@@ -185,6 +194,8 @@ def _child(work: Callable[[Marks], T], out: int, limits: _Limits) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C and kills the child
         _die_with_parent()
+        if limits.scratch is not None:
+            tempfile.tempdir = os.environ["TMPDIR"] = limits.scratch
         marks = Marks(out)
         if limits.memory is not None:
             marks = _cap(out, limits)
