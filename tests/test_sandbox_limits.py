@@ -231,3 +231,35 @@ def test_a_query_stopped_at_its_limit_leaves_nothing_in_the_temporary_folder(
     assert not list(temporary.iterdir())
     assert run_readonly_sql(where, "SELECT 1").rows == [(1,)]  # and one that answers: nothing either
     assert not list(temporary.iterdir())
+
+
+# --- finding: values built outside DuckDB's buffer manager grew to 3-4 GB before the time limit ------------
+
+OUTSIDE = {
+    "format": "SELECT length(format('{:>2000000000}', 'x'))",
+    "printf": "SELECT length(printf('%2000000000d', 1))",
+    "string_split": "SELECT len(string_split(repeat('a,', 300000000), ','))",
+}
+
+
+@pytest.mark.parametrize("sql", OUTSIDE.values(), ids=OUTSIDE.keys())
+def test_a_value_past_the_memory_limit_stops_the_query_in_one_line(results, sql) -> None:
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    with pytest.raises(StoreError, match=r"^query stopped: it needs more memory than its limit") as caught:
+        run_readonly_sql(results, sql, memory_limit="512MB", timeout_s=120)
+    assert "\n" not in str(caught.value)
+    peak = confined.last_peak_bytes()
+    assert peak is not None and peak < 512 * 2**20 + 768 * 2**20, peak  # the limit, the margins, the helper's pages
+
+
+def test_the_default_memory_limit_stops_a_2_gb_value(results) -> None:
+    """The default was a quarter of the machine (6 GB of 24): format's 2 GB string ran 3 GB into the
+    query's process until the time limit. A quarter at most 2 GiB stops it."""
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.readonly import _bytes, default_memory_limit, run_readonly_sql
+
+    assert _bytes(default_memory_limit()) <= 2 * 2**30
+    with pytest.raises(StoreError, match=r"^query stopped: it needs more memory than its limit"):
+        run_readonly_sql(results, OUTSIDE["format"], timeout_s=120)
