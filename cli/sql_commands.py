@@ -41,6 +41,11 @@ def sql(
         help="Memory the query may use, e.g. 4GB (default: a quarter of this machine's, at most 2 GiB).",
     ),
     temp_limit: str = typer.Option("4GB", "--temp-limit", help="Disk the query may spill to, e.g. 10GB."),
+    max_bytes: str = typer.Option(
+        "64MiB",
+        "--max-bytes",
+        help="Cap on the answer's size (its values' bytes), e.g. 1GB: past it the query stops (add LIMIT).",
+    ),
     at: int | None = AtOpt,
 ) -> None:
     from headatlas.service.storage import confined
@@ -61,6 +66,7 @@ def sql(
         temp_limit=temp_limit,
         run_id=run_id,
         at=at,
+        max_bytes=max_bytes,
     )
     render(result.columns, result.rows, fmt, truncated=result.truncated)
     if run is None and fmt == Format.table and result.runs > 1 and "run_id" not in text.lower():

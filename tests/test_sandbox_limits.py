@@ -263,3 +263,32 @@ def test_the_default_memory_limit_stops_a_2_gb_value(results) -> None:
     assert _bytes(default_memory_limit()) <= 2 * 2**30
     with pytest.raises(StoreError, match=r"^query stopped: it needs more memory than its limit"):
         run_readonly_sql(results, OUTSIDE["format"], timeout_s=120)
+
+
+# --- finding: an answer had no cap on its bytes (1,000 rows of 500 KB: 500 MB to the web) ---------------
+
+WIDE = "SELECT repeat('x', 500000) || range AS s FROM range(1000)"
+
+
+def test_an_answer_past_its_byte_cap_stops_the_query_in_one_line(results, cli) -> None:
+    """64 MiB by default, for every front end (run_readonly_sql's ``max_bytes``): the query's
+    process stops fetching there, and this process never holds the answer."""
+    import resource
+
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    run_readonly_sql(results, "SELECT 1")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    with pytest.raises(StoreError, match=r"^query stopped: its answer passed 64 MiB .* after \d+ rows") as caught:
+        run_readonly_sql(results, WIDE)
+    assert "\n" not in str(caught.value)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before < 200 * 2**20
+    assert len(run_readonly_sql(results, WIDE, max_bytes="1GB").rows) == 1000
+    small = run_readonly_sql(results, "SELECT range FROM range(10)", max_bytes=1000)
+    assert len(small.rows) == 10
+    done = cli("sql", WIDE, "--db", str(results), "--max-bytes", "1MB")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: query stopped: its answer passed 1 MB"), done.stderr
+    assert done.stderr.rstrip().endswith("add LIMIT, select fewer or shorter columns, or pass --max-bytes")
+    assert cli("sql", "SELECT 1", "--db", str(results), "--max-bytes", "lots").returncode == 2

@@ -15,6 +15,7 @@ from headatlas.service.api.terms import in_python_terms
 from headatlas.service.errors import DatabaseNotFound, ParameterError
 from headatlas.service.operations.events import Event, ResultWarning, Sink
 from headatlas.service.operations.runs import find_run
+from headatlas.service.storage.readonly import DEFAULT_MAX_BYTES
 from headatlas.service.storage.store import Run, Store
 from headatlas.service.wording import counted
 
@@ -65,12 +66,26 @@ class Atlas:
 
     @in_python_terms
     def sql(
-        self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
+        self,
+        statement: str,
+        *,
+        max_rows: int = 100_000,
+        timeout_s: float = 30.0,
+        memory_limit: str | None = None,
+        max_bytes: int | str | None = DEFAULT_MAX_BYTES,
     ) -> Table:
         """Read-only SQL over every run, the same sandbox as ``headatlas sql`` (one SELECT; at most
-        ``max_rows`` rows; stopped after ``timeout_s`` seconds; ``memory_limit`` such as ``2GB``,
-        default a quarter of this machine's). ``Atlas.run(…).sql`` reads one run."""
-        return _sql(self.store, statement, max_rows=max_rows, timeout_s=timeout_s, memory_limit=memory_limit)
+        ``max_rows`` rows of at most ``max_bytes``, 64 MiB by default; stopped after ``timeout_s``
+        seconds; ``memory_limit`` such as ``2GB``, default a quarter of this machine's, at most 2
+        GiB). ``Atlas.run(…).sql`` reads one run."""
+        return _sql(
+            self.store,
+            statement,
+            max_rows=max_rows,
+            timeout_s=timeout_s,
+            memory_limit=memory_limit,
+            max_bytes=max_bytes,
+        )
 
 
 def _sql(
@@ -81,6 +96,7 @@ def _sql(
     timeout_s: float,
     memory_limit: str | None = None,
     run_id: int | None = None,
+    max_bytes: int | str | None = DEFAULT_MAX_BYTES,
 ) -> Table:
     from headatlas.service.storage.readonly import run_readonly_sql
 
@@ -92,6 +108,7 @@ def _sql(
         memory_limit=memory_limit,
         run_id=run_id,
         at=store.at,
+        max_bytes=max_bytes,
     )
     notes = [f"{max_rows:,} rows shown: the result had more (pass max_rows=…)"] if result.truncated else []
     return Table.of(result.columns, result.rows, what="sql" if run_id is None else f"sql, run {run_id}", notes=notes)
@@ -269,12 +286,18 @@ class RunView:
 
     @in_python_terms
     def sql(
-        self, statement: str, *, max_rows: int = 100_000, timeout_s: float = 30.0, memory_limit: str | None = None
+        self,
+        statement: str,
+        *,
+        max_rows: int = 100_000,
+        timeout_s: float = 30.0,
+        memory_limit: str | None = None,
+        max_bytes: int | str | None = DEFAULT_MAX_BYTES,
     ) -> Table:
         """Read-only SQL over this run alone: every table and view (``head_metrics``,
         ``layer_metrics``, ``anchors``, ``windows``, …) holds its rows only. The sandbox of
-        ``headatlas sql``: one SELECT, at most ``max_rows`` rows, stopped after ``timeout_s`` s,
-        within ``memory_limit``."""
+        ``headatlas sql``: one SELECT, at most ``max_rows`` rows of at most ``max_bytes``, stopped
+        after ``timeout_s`` s, within ``memory_limit``."""
         return _sql(
             self.store,
             statement,
@@ -282,6 +305,7 @@ class RunView:
             timeout_s=timeout_s,
             memory_limit=memory_limit,
             run_id=self.run.run_id,
+            max_bytes=max_bytes,
         )
 
 

@@ -137,6 +137,7 @@ def default_memory_limit() -> str:
 
 
 DEFAULT_TEMP_LIMIT = "4GB"  # what a query may spill to disk
+DEFAULT_MAX_BYTES = 64 * 2**20  # what one answer may hold (its values' bytes), unless told otherwise
 
 
 def _limits(memory_limit: str | None, temp_limit: str | None) -> dict[str, str]:
@@ -178,12 +179,15 @@ def run_readonly_sql(
     temp_limit: str | None = DEFAULT_TEMP_LIMIT,
     run_id: int | None = None,
     at: int | None = None,
+    max_bytes: int | str | None = DEFAULT_MAX_BYTES,
 ) -> QueryResult:
     """Run one SELECT on the database ``db_path`` (a path, a ``ducklake:…`` URL or a backend),
     as of snapshot ``at`` when given (a lake).
 
     ``params`` fill ``$name`` (dict) or ``?`` (list) placeholders. At most ``max_rows`` rows
-    come back (``truncated`` says whether more existed). The query is interrupted after
+    come back (``truncated`` says whether more existed), of at most ``max_bytes`` (bytes, or a
+    size such as ``256MB``; None: no cap) of values: past it the query is stopped (StoreError), as
+    its rows are fetched, in its own process. The query is interrupted after
     ``timeout_s`` seconds; a writer's lock is waited out for up to ``lock_wait_s`` seconds.
     ``run_id``: every table and view with a ``run_id`` column, and ``windows`` / ``documents``,
     show that run's rows alone (``scope_to_run``). A refused or failed query raises StoreError;
@@ -213,8 +217,9 @@ def run_readonly_sql(
             "(`headatlas db copy`)",
         )
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
+    cap = _max_bytes(max_bytes)
     threads = os.cpu_count() or 1
-    query = _SandboxQuery(backend, sql, params, max_rows, timeout_s, lock_wait_s, limits, threads, run_id, at)
+    query = _SandboxQuery(backend, sql, params, max_rows, timeout_s, lock_wait_s, limits, threads, run_id, at, cap)
     if confinement() is None and threads_now() == 1:
         warm()  # this process forks the query's: its children find DuckDB's names known
     try:
@@ -291,6 +296,7 @@ class _SandboxQuery:
     threads: int
     run_id: int | None
     at: int | None
+    max_bytes: int | None = DEFAULT_MAX_BYTES
 
     def __call__(self, marks: Marks) -> QueryResult:
         statement = check_statement(self.sql, self.backend)  # under the check's own bounds
@@ -311,7 +317,16 @@ class _SandboxQuery:
             with connect_readonly(
                 self.backend, lock_wait_s=self.lock_wait_s, limits=settings, at=self.at
             ) as connection:
-                return _execute(connection, statement, self.params, self.max_rows, self.timeout_s, self.run_id, marks)
+                return _execute(
+                    connection,
+                    statement,
+                    self.params,
+                    self.max_rows,
+                    self.timeout_s,
+                    self.run_id,
+                    marks,
+                    max_bytes=self.max_bytes,
+                )
 
 
 MIN_MEMORY = 64 * 2**20  # the least a query may run with
@@ -326,6 +341,8 @@ def _execute(
     timeout_s: float,
     run_id: int | None,
     started: Callable[[], None],
+    *,
+    max_bytes: int | None = None,
 ) -> QueryResult:
     runs = _count_runs(connection)
     if run_id is not None:
@@ -341,7 +358,7 @@ def _execute(
                 cursor = connection.execute(statement, params)
             columns = [column[0] for column in cursor.description or []]
             # One row past the cap tells us whether the result was cut.
-            rows = cursor.fetchmany(max_rows + 1)
+            rows = _fetch(cursor, max_rows + 1, max_bytes)
     except duckdb.Error as error:
         if deadline.fired:
             raise StoreError(
@@ -364,6 +381,64 @@ def _execute(
         elapsed_s=time.perf_counter() - began,
         runs=runs,
     )
+
+
+_FETCH_ROWS = 1000  # rows fetched at a time, each batch's size counted before the next
+
+
+def _max_bytes(value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _bytes(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParameterError(Param("max_bytes", value), ": pass a number of bytes (1 or more) or a size such as 256MB")
+    return value
+
+
+def _fetch(cursor: duckdb.DuckDBPyConnection, rows_wanted: int, max_bytes: int | None) -> list[tuple]:
+    """At most ``rows_wanted`` rows, fetched a batch at a time (DuckDB streams them: the query stops
+    where the fetching does), or StoreError once their values pass ``max_bytes``. A batch is as
+    many rows as half the room left holds, at the rows' mean size so far."""
+    rows: list[tuple] = []
+    size, batch = 0, 16
+    while len(rows) < rows_wanted:
+        fetched = cursor.fetchmany(min(batch, rows_wanted - len(rows)))
+        if not fetched:
+            break
+        rows.extend(fetched)
+        if max_bytes is None:
+            batch = _FETCH_ROWS
+            continue
+        size += sum(_size(row) for row in fetched)
+        if size > max_bytes:
+            raise StoreError(
+                f"query stopped: its answer passed {_human(max_bytes)} (the cap on an answer's size) after "
+                f"{len(rows):,} rows",
+                hint=("add LIMIT, select fewer or shorter columns, or pass ", Param("max_bytes")),
+            )
+        batch = int(max(1, min(_FETCH_ROWS, (max_bytes - size) / 2 / (size / len(rows)))))
+    return rows
+
+
+def _size(value: object) -> int:
+    """About what ``value`` takes in an answer: a string's or blob's length, 8 bytes a number."""
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        return len(value) + 8
+    if isinstance(value, (tuple, list, set)):
+        return 8 + sum(_size(item) for item in value)
+    if isinstance(value, dict):
+        return 8 + sum(_size(k) + _size(v) for k, v in value.items())
+    return 8
+
+
+def _human(size: int) -> str:
+    """``size`` as it was most likely written: 64 MiB, 1 MB, else in bytes."""
+    for units in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)), (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        for unit, scale in units:
+            if size >= scale and size % scale == 0:
+                return f"{size // scale:,} {unit}"
+    return f"{size:,} bytes"
 
 
 _UNITS = {
