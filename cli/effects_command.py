@@ -125,7 +125,7 @@ def prune(
         "objective allows).",
     ),
     step: str = typer.Option("10%", "--step", help="Share of the heads removed at each step."),
-    seeds: int = typer.Option(3, "--seeds", min=1, help="Random orders (one per seed)."),
+    seeds: int = typer.Option(3, "--seeds", help="Random orders (one per seed), 1 to 1000."),
     windows: int = typer.Option(
         16,
         "--windows",
@@ -152,25 +152,36 @@ def prune(
     back)."""
     from pathlib import Path
 
-    from headatlas.cli.run_commands import resolve
+    from headatlas.cli.run_commands import notes
+    from headatlas.service.engine.prune_runs import MAX_SEEDS, check_request
     from headatlas.service.engine.pruning import ORDERS
     from headatlas.service.errors import ParameterError
+    from headatlas.service.operations.runs import find_run
     from headatlas.service.storage.effect_rows import load_prune
     from headatlas.service.storage.store import Store
 
     chosen = None if orders is None else [o.strip() for o in orders.split(",") if o.strip()]
+    if chosen == []:  # `--order ,` stored a prune with no curve
+        raise ParameterError(f"--order {orders!r}: name at least one of {', '.join(ORDERS)}")
     for name in chosen or []:
         if name not in ORDERS:
             raise ParameterError(f"--order {orders!r}: {name!r} is not an order; use {', '.join(ORDERS)}")
+    if not 1 <= seeds <= MAX_SEEDS:
+        raise ParameterError(f"--seeds {seeds}: use 1 to {MAX_SEEDS} random orders (one curve each)")
     fraction = parse_step(step)
     if out is not None:
         from headatlas.service.reports.plots import output_format
 
         output_format(Path(out))
     store = Store(db)
+    held: list = []  # the run's notes, said once it is known not to be refused
     with store.checked_read() as conn:
-        found = resolve(conn, run)
+        found = find_run(conn, run, held.append)
         saved = load_prune(conn, found.run_id) if show else None
+    if not show:
+        check_request(found, orders=chosen, seeds=seeds)
+    for event in held:
+        notes(event)
     if show and saved is None:
         raise ParameterError(
             f"run {found.run_id} ({found.name}) has no stored pruning curves: run `prune` without --show"
@@ -189,6 +200,7 @@ def prune(
             reference=reference,
             device=device,
             on_step=lambda name, done, total: stderr.print(f"  {name}: step {done}/{total}", highlight=False),
+            on_plan=lambda said: stderr.print(said, highlight=False, soft_wrap=True),
         )
     render(saved.columns, saved.rows, fmt, title=f"run {found.run_id} ({found.name}): pruning curves")
     meta = saved.meta

@@ -173,6 +173,23 @@ class AnalysisOptions:
         return probe_of(self.values)
 
 
+def check_named_some(values: dict[str, Any]) -> None:
+    """``--effects ''`` or ``--mixing ,`` asks for a list and names nothing in it: refused in one
+    line listing the kinds (it was read as none, and the run went on without what was asked)."""
+    from headatlas.service.errors import Param, ParameterError
+    from headatlas.service.params import EFFECT_KINDS, MIXING
+
+    for name, kinds in (("effects", EFFECT_KINDS), ("mixing", MIXING)):
+        given = values.get(name)
+        if not given:  # not given: the declared default, none
+            continue
+        parts = [given] if isinstance(given, str) else [str(part) for part in given]
+        if not any(kind.strip() for part in parts for kind in part.split(",")):
+            raise ParameterError(
+                Param(name, ",".join(parts), quoted=True), f": name at least one of {', '.join(kinds)}"
+            )
+
+
 def analysis_options(*names: str, exclude: tuple[str, ...] = (), help: dict[str, str] | None = None) -> Callable:  # noqa: A002
     """Give a command the declared analysis options and pass it one ``analysis: AnalysisOptions``.
 
@@ -208,6 +225,7 @@ def analysis_options(*names: str, exclude: tuple[str, ...] = (), help: dict[str,
         @functools.wraps(command)
         def run(**kwargs):
             values = {o.name: kwargs.pop(o.name) for o in chosen}
+            check_named_some(values)
             return command(analysis=AnalysisOptions(values), **kwargs)
 
         del run.__wrapped__  # Typer reads the rewritten signature, not the command's

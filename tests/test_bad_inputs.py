@@ -485,6 +485,17 @@ CASES += [
     Case("sql:temp-limit-not-a-size", ["sql", "SELECT 1", "--temp-limit", "-1", "--db", "{db}"], "--temp-limit"),
     Case("analyze:random-zero-layers", ["analyze", "{corpus}", "--model", "random:0,4,32", "--db", "{db}"], "LAYERS"),
     Case("analyze:jsonl-int-too-long", ["analyze", "{huge_int_jsonl}", "--db", "{db}"], "huge-int.jsonl:1"),
+    *[
+        Case(f"{cmd}:effects-{what}", [*pre, "--effects", given], f"--effects {given!r}: name at least one of zero")
+        for cmd, pre in (
+            ("analyze", ["analyze", "{corpus}", "--model", "random:tiny", "--db", "{db}"]),
+            ("submit", ["submit", "{corpus}", "--model", "random:tiny", "--broker", NO_BROKER, "--db", "{db}"]),
+            ("schedule-add", ["schedule", "add", "s3", "--corpus", "{corpus}", "--every", "1h", "--db", "{db}"]),
+        )
+        for what, given in (("empty", ""), ("comma", ","))
+    ],
+    Case("analyze:mixing-comma", ["analyze", "{corpus}", "--mixing", ",", "--db", "{db}"], "--mixing ',': name at"),
+    Case("prune:order-empty", ["prune", "--order", ",", "--db", "{db}"], "--order ',': name at least one of effect"),
     Case("analyze:corpus-symlink-loop", ["analyze", "{corpus_loop}", "--db", "{db}"], "symbolic link loop"),
     *[
         Case(f"{cmd}:jsonl-lone-surrogate", args, "surrogate.jsonl:1: field 'text' holds a lone surrogate", db=db)

@@ -68,3 +68,44 @@ def test_a_lease_under_a_second_is_refused_in_one_line_where_it_is_read(stored, 
     status = cli("status", "--db", str(db), "--broker", "redis://127.0.0.1:1/0", env={"HEADATLAS_LEASE_S": lease})
     _one_error_line(status, f"HEADATLAS_LEASE_S='{lease}'", "at least 1")
     assert Settings.from_env({"HEADATLAS_LEASE_S": "1"}).lease_s == 1.0
+
+
+# --- 6, 7. prune: what it is asked to measure, and of which run ------------------------------------------
+def test_prune_seeds_beyond_the_range_are_refused_before_the_model_loads(stored):
+    """--seeds 100000000 was taken: a hundred million random orders, with no word of the cost."""
+    db, _ = stored
+    for seeds in ("100000000", "1001"):
+        result = run_cli("prune", "--seeds", seeds, "--db", str(db), timeout=120)
+        _one_error_line(result, f"--seeds {seeds}", "1 to 1000")
+
+
+def test_prune_says_how_much_it_will_evaluate_before_it_starts(stored, cli, tmp_path):
+    db, _ = stored
+    copy = tmp_path / "copy.duckdb"
+    copy.write_bytes(db.read_bytes())
+    result = cli("prune", "--seeds", "2", "--step", "50%", "--windows", "2", "--db", str(copy), "--format", "csv")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "evaluations" in line]
+    # effect, noise and 2 random orders (random:tiny's objective is not a loss: no importance), each
+    # evaluated with 0, 50% and 100% of the heads removed, each evaluation a pass over 2 windows
+    assert said == [
+        "measuring 4 curves (effect, noise, 2 random seeds) × 3 steps: 12 evaluations of up to 2 windows"
+    ], result.stderr
+    first_step = next(i for i, line in enumerate(result.stderr.splitlines()) if ": step " in line)
+    assert result.stderr.splitlines().index(said[0]) < first_step
+
+
+@pytest.mark.parametrize(("status", "why"), [("running", "is still running"), ("created", "is not analysed yet")])
+def test_prune_of_a_run_that_is_not_finished_is_refused(stored, cli, tmp_path, status, why):
+    """A run still being analysed was pruned on the heads it had so far, and the curves stored."""
+    import duckdb
+
+    db, _ = stored
+    copy = tmp_path / "copy.duckdb"
+    copy.write_bytes(db.read_bytes())
+    with duckdb.connect(str(copy)) as conn:
+        conn.execute("UPDATE runs SET status = ? WHERE run_id = 1", [status])
+    result = cli("prune", "1", "--db", str(copy))
+    _one_error_line(result, f"run 1 (", why, "prune it once it is done")
+    with duckdb.connect(str(copy), read_only=True) as conn:
+        assert conn.execute("SELECT count(*) FROM prunes").fetchone() == (0,)

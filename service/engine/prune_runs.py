@@ -16,10 +16,42 @@ import numpy as np
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, prune_curves
+from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, prune_curves, removal_counts
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.params import AnalysisParams
+from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, effect_windows, load_prune, store_prune
 from headatlas.service.storage.store import Run, Store
+
+
+# each random order is a curve of its own: a thousand of them is far past what the area's interval
+# needs (the seeds' spread enters it as s²/S), and a typo of 100000000 would never end
+MAX_SEEDS = 1000
+
+
+def check_request(run: Run, *, orders: Sequence[str] | None, seeds: int) -> None:
+    """Refuse, before a model loads, a prune that would store nothing or never end: no order
+    named, seeds out of range, or a run not finished (its heads' noise_share and effects are
+    still being stored)."""
+    if orders is not None and not orders:
+        raise ParameterError(Param("orders", ""), f": name at least one of {', '.join(ORDERS)}")
+    if not 1 <= seeds <= MAX_SEEDS:
+        raise ParameterError(Param("seeds", seeds), f": use 1 to {MAX_SEEDS} random orders (one curve each)")
+    if run.status == RunStatus.RUNNING:
+        raise ParameterError(f"run {run.run_id} ({run.name}) is still running: prune it once it is done")
+    if run.status == RunStatus.CREATED:
+        raise ParameterError(f"run {run.run_id} ({run.name}) is not analysed yet: prune it once it is done")
+
+
+def plan(orders: Sequence[str], *, seeds: int, steps: int, windows: int) -> str:
+    """What a prune will measure, said before it starts: curves × steps, each step one evaluation."""
+    named = [o for o in orders if o != "random"]
+    curves = len(named) + (seeds if "random" in orders else 0)
+    which = [*named, *([f"{seeds} random seed{'s' if seeds != 1 else ''}"] if "random" in orders else [])]
+    return (
+        f"measuring {curves} curve{'s' if curves != 1 else ''} ({', '.join(which)}) × {steps} steps: "
+        f"{curves * steps:,} evaluations of up to {windows:,} windows"
+    )
 
 
 def noise_shares(conn: Connection, run_id: int) -> dict[tuple[int, int], float]:
@@ -83,17 +115,19 @@ def prune_run(
     reference: int | None,
     device: str = "auto",
     on_step: Callable[[str, int, int], None] | None = None,
+    on_plan: Callable[[str], None] | None = None,
     model=None,
 ) -> tuple[PruneResult, StoredPrune]:
     """Measure the run's pruning curves and store them; returns the result and the stored prune.
     ``reference``: windows of mean ablation's reference set (None: the run's own
     ``effect_reference`` when it has effects, else 64); ``model``: a loaded model to use instead
     of loading the run's; ``orders`` None: every order the run's objective allows (importance
-    needs a loss)."""
+    needs a loss); ``on_plan``: told what will be measured (``plan``) before it starts."""
     from headatlas.service.engine.model import load_model
     from headatlas.service.engine.runner import first_windows
     from headatlas.service.engine.windows import TokenClasses
 
+    check_request(run, orders=orders, seeds=seeds)
     params = AnalysisParams.from_dict(run.params)
     with store.checked_read() as conn:
         noise = noise_shares(conn, run.run_id)
@@ -120,6 +154,9 @@ def prune_run(
         )
     if reference is None:
         reference = params.effect_reference if effect is not None else 64
+    if on_plan is not None and 0 < step <= 1:
+        steps = len(removal_counts(loaded.n_layers * loaded.n_heads, step))
+        on_plan(plan(orders, seeds=seeds, steps=steps, windows=windows))
     result = prune_curves(
         run.corpus,
         loaded,

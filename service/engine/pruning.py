@@ -246,6 +246,11 @@ def area_interval(full: float, drops: list[float], seed_areas: list[float]) -> t
     return full, full - half, full + half
 
 
+def removal_counts(total: int, step: float) -> list[int]:
+    """How many of ``total`` heads are removed at each evaluated step (0 first, ``total`` last)."""
+    return sorted({0, *(min(total, math.ceil(k * step * total - 1e-9)) for k in range(1, math.ceil(1 / step) + 1))})
+
+
 def prune_curves(
     corpus: str,
     model: LoadedModel,
@@ -317,7 +322,7 @@ def prune_curves(
     means = reference_means(model, ref, pad).tensor()
     total = model.n_layers * model.n_heads
     every = [(layer, head) for layer in range(model.n_layers) for head in range(model.n_heads)]
-    counts = sorted({0, *(min(total, math.ceil(k * step * total - 1e-9)) for k in range(1, math.ceil(1 / step) + 1))})
+    counts = removal_counts(total, step)
 
     # the selection windows' effects (for the effect order and ρ) and importances, or the stored ones
     ranked: dict[str, list[Head]] = {}
