@@ -106,6 +106,6 @@ def test_prune_of_a_run_that_is_not_finished_is_refused(stored, cli, tmp_path, s
     with duckdb.connect(str(copy)) as conn:
         conn.execute("UPDATE runs SET status = ? WHERE run_id = 1", [status])
     result = cli("prune", "1", "--db", str(copy))
-    _one_error_line(result, f"run 1 (", why, "prune it once it is done")
+    _one_error_line(result, "run 1 (", why, "prune it once it is done")
     with duckdb.connect(str(copy), read_only=True) as conn:
         assert conn.execute("SELECT count(*) FROM prunes").fetchone() == (0,)

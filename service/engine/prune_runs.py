@@ -23,7 +23,6 @@ from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, effect_windows, load_prune, store_prune
 from headatlas.service.storage.store import Run, Store
 
-
 # each random order is a curve of its own: a thousand of them is far past what the area's interval
 # needs (the seeds' spread enters it as s²/S), and a typo of 100000000 would never end
 MAX_SEEDS = 1000
