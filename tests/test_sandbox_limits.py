@@ -292,3 +292,41 @@ def test_an_answer_past_its_byte_cap_stops_the_query_in_one_line(results, cli) -
     assert done.stderr.startswith("error: query stopped: its answer passed 1 MB"), done.stderr
     assert done.stderr.rstrip().endswith("add LIMIT, select fewer or shorter columns, or pass --max-bytes")
     assert cli("sql", "SELECT 1", "--db", str(results), "--max-bytes", "lots").returncode == 2
+
+
+# --- finding: a lake's sql showed its storage (data files' paths, the data path) ------------------------
+
+STORAGE = {
+    "list_files": "SELECT * FROM ducklake_list_files('lake', 'runs')",
+    "options": "SELECT * FROM ducklake_options('lake')",
+    "table_info": "SELECT * FROM ducklake_table_info('lake')",
+}
+
+
+@pytest.mark.parametrize("sql", STORAGE.values(), ids=STORAGE.keys())
+def test_the_lake_storage_listings_are_refused_in_the_same_words_as_on_a_file(results, lake, sql) -> None:
+    """How the lake is stored is not a result: refused on a lake (before: every data file's absolute
+    path and the data path), as on a file, which has no such function, in the same words."""
+    from headatlas.service.errors import StoreError
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    said = []
+    for where in (results, lake.backend()):
+        with pytest.raises(StoreError, match=r"^refused: table function ducklake_\w+\(\) is not allowed") as caught:
+            run_readonly_sql(where, sql)
+        said.append(str(caught.value))
+    assert said[0] == said[1]
+
+
+def test_the_lake_history_stays_readable_and_shows_no_path(lake) -> None:
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    backend = lake.backend()
+    data = str(lake.data_path)
+    for sql in (
+        "SELECT * FROM ducklake_snapshots('lake')",
+        "SELECT * FROM ducklake_current_snapshot('lake')",
+        "SELECT * FROM ducklake_table_changes('lake', 'main', 'runs', 0, 1)",
+    ):
+        shown = run_readonly_sql(backend, sql)
+        assert data not in str(shown.rows) and ".parquet" not in str(shown.rows), (sql, shown.rows)

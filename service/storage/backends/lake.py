@@ -56,18 +56,19 @@ PREFIX = "ducklake:"
 ALIAS = "lake"
 METADATA = f"__ducklake_metadata_{ALIAS}"
 _PACKAGES = "duckdb-ext-ducklake==1.4.4.20260205 duckdb-ext-postgres==1.4.4.20260205"
-# table functions a SELECT may call in the sandbox although their names say ducklake: they read
+# table functions a SELECT may call in the sandbox although their names say ducklake: the results'
+# history (snapshots: ids, times, the tables each changed; a table's rows changed between two), whose
+# columns carry no path. Not ducklake_list_files (every data file's absolute path, its encryption
+# key), ducklake_options (the data path) nor ducklake_table_info (the storage's files, their sizes):
+# how the lake is stored is not a result, and a file, which has none of them, refuses them alike
 SANDBOX_READS = frozenset(
     {
         "ducklake_snapshots",
         "ducklake_current_snapshot",
         "ducklake_last_committed_snapshot",
-        "ducklake_table_info",
-        "ducklake_list_files",
         "ducklake_table_changes",
         "ducklake_table_insertions",
         "ducklake_table_deletions",
-        "ducklake_options",
     }
 )
 
