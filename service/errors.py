@@ -74,11 +74,21 @@ class Terms(Protocol):
 
 
 class FlagTerms:
-    """The command line's spelling: a parameter is its flag, ``--`` and its name with dashes (a
-    front end whose flags are named otherwise overrides ``flag``)."""
+    """The command line's spelling: a parameter is its flag, ``--`` and its name with dashes, or
+    the flag of ``SPELLED`` where the command line names it otherwise (a message rendered outside
+    the CLI, by ``str()``: the web's answers, logs); the CLI reads its flags from its commands."""
+
+    # parameters whose flag is not their name (tests/test_settings_and_plugins.py holds it to the CLI)
+    SPELLED = {
+        "fmt": "--format",
+        "timeout_s": "--timeout",
+        "kinds": "--effects",
+        "orders": "--order",
+        "methods": "--method",
+    }
 
     def flag(self, name: str) -> str:
-        return "--" + name.replace("_", "-")
+        return self.SPELLED.get(name) or "--" + name.replace("_", "-")
 
     def param(self, param: Param) -> str:
         flag = self.flag(param.name)

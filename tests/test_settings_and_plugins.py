@@ -109,3 +109,20 @@ def test_prune_of_a_run_that_is_not_finished_is_refused(stored, cli, tmp_path, s
     _one_error_line(result, "run 1 (", why, "prune it once it is done")
     with duckdb.connect(str(copy), read_only=True) as conn:
         assert conn.execute("SELECT count(*) FROM prunes").fetchone() == (0,)
+
+
+# --- 8. a hint outside the command line names the command line's flags ---------------------------------
+def test_a_hint_rendered_outside_the_cli_names_the_flag_the_cli_has(stored):
+    """str() of an error (the web's answers, logs) said `pass --timeout-s`; `sql`'s flag is --timeout."""
+    from headatlas.cli.app import cli_terms
+    from headatlas.cli.main import app  # noqa: F401  (every command registered)
+    from headatlas.service.errors import FLAGS, StoreError
+    from headatlas.service.storage.readonly import run_readonly_sql
+
+    db, _ = stored
+    with pytest.raises(StoreError) as stopped:
+        run_readonly_sql(db, "SELECT count(*) FROM range(100000000000) a", timeout_s=0.3)
+    assert str(stopped.value).endswith("narrow it or pass --timeout"), str(stopped.value)
+    # every parameter whose flag is not its name with dashes is spelled as the command line has it
+    renamed = {name: flag for name, flag in cli_terms().flags.items() if flag != "--" + name.replace("_", "-")}
+    assert {name: FLAGS.flag(name) for name in renamed} == renamed
