@@ -253,7 +253,7 @@ class WebApp:
             found = ctx.run(run)
             check_head(found, int(layer), int(head))
             k = ctx.number("window", minimum=0) or 0
-            document = head_example(self.examples, ctx.reads.conn, found, k, int(layer), int(head))
+            document = head_example(self.examples, ctx.reads, found, k, int(layer), int(head))
             return View("example", document, lambda: "")
 
         return self._page(request, build, as_data=".json")

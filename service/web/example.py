@@ -10,6 +10,9 @@ first 80 characters) stands in, and ``note`` says so.
 
 Computed on demand, one window at a time, with the run's model (loaded once, on ``device``), and
 kept: the last few windows' matrices, for every head, so that the heads of one window come at once.
+One window is computed at a time and one more may wait for its turn (``EXAMPLES_WAITING``); a
+request past them is answered 503 at once, so that windows asked for together hold no more than two
+of the server's workers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from sqlalchemy import text
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.storage.store import Run
-from headatlas.service.web.reads import Memo
+from headatlas.service.web.context import Busy
+from headatlas.service.web.reads import Memo, Reads
+
+EXAMPLES_WAITING = 1  # windows that may wait while one is computed; past them, 503
 
 # the run's window number k, in document order (documents and windows are content-addressed: a
 # lake may hold a row twice, hence one row per id)
@@ -86,6 +92,8 @@ class Examples:
         self.load_s: dict[str, float] = {}  # seconds each model took to load
         self._windows = Memo(windows, max_bytes=None)  # a window of a large model is large: kept by count
         self._lock = threading.Lock()
+        self._asked = 0  # windows being computed or waiting to be
+        self._asked_lock = threading.Lock()
 
     def model(self, run: Run):
         """The run's model: its spec (a control's: its parent's, with the control's seed), on
@@ -115,31 +123,46 @@ class Examples:
         return self._windows.get((run.run_key, stored.window_id), lambda: self._compute(run, stored))
 
     def _compute(self, run: Run, stored: StoredWindow) -> dict:
+        with self._asked_lock:
+            if self._asked > EXAMPLES_WAITING:
+                raise Busy(
+                    "busy: an example window is being computed and another waits for its turn; try again in a few "
+                    "seconds",
+                    retry_after_s=3,
+                )
+            self._asked += 1
+        try:
+            with self._lock:
+                return self._compute_now(run, stored)
+        finally:
+            with self._asked_lock:
+                self._asked -= 1
+
+    def _compute_now(self, run: Run, stored: StoredWindow) -> dict:
         from headatlas.service.params import AnalysisParams
         from headatlas.service.reports.inspection import inspect_text
 
-        with self._lock:
-            loaded = self._key(run) in self._models
-            model = self.model(run)  # loaded once, timed apart from the window
-            started = time.perf_counter()
-            params = AnalysisParams.from_dict(run.params)
-            body = document_text(stored)
-            note = None
-            index = stored.window_index
-            if body is None:
-                body, index = stored.preview, 0
-                note = (
-                    f"the corpus file {stored.source} no longer holds this document: showing its first "
-                    f"{len(stored.preview)} characters, as stored"
-                )
-            seen = inspect_text(model, body, params, window=index)
-            return {
-                "inspection": seen,
-                "note": note,
-                "same_window": seen.window_id == stored.window_id,
-                "seconds": time.perf_counter() - started,
-                "load_s": 0.0 if loaded else self.load_s[self._key(run)],
-            }
+        loaded = self._key(run) in self._models
+        model = self.model(run)  # loaded once, timed apart from the window
+        started = time.perf_counter()
+        params = AnalysisParams.from_dict(run.params)
+        body = document_text(stored)
+        note = None
+        index = stored.window_index
+        if body is None:
+            body, index = stored.preview, 0
+            note = (
+                f"the corpus file {stored.source} no longer holds this document: showing its first "
+                f"{len(stored.preview)} characters, as stored"
+            )
+        seen = inspect_text(model, body, params, window=index)
+        return {
+            "inspection": seen,
+            "note": note,
+            "same_window": seen.window_id == stored.window_id,
+            "seconds": time.perf_counter() - started,
+            "load_s": 0.0 if loaded else self.load_s[self._key(run)],
+        }
 
 
 def _rounded(matrix: np.ndarray) -> list[list[float]]:
@@ -147,9 +170,12 @@ def _rounded(matrix: np.ndarray) -> list[list[float]]:
     return [[float(f"{v:.4g}") for v in row] for row in matrix.tolist()]
 
 
-def head_example(examples: Examples, conn, run: Run, k: int, layer: int, head: int) -> dict:
+def head_example(examples: Examples, reads: Reads, run: Run, k: int, layer: int, head: int) -> dict:
     """The JSON document of one head on the run's window ``k``."""
-    stored = stored_window(conn, run, k)
+    stored = stored_window(reads.conn, run, k)
+    # the model's seconds hold no connection: a file's holds this process's lock, which every other
+    # request's connection waits for
+    reads.close()
     started = time.perf_counter()
     computed = examples.window(run, stored)
     seen = computed["inspection"]
