@@ -4,6 +4,10 @@ Each test's lake is a catalogue database of its own on this machine's PostgreSQL
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from headatlas.service.params import AnalysisParams
@@ -42,3 +46,73 @@ def test_a_deleted_runs_id_is_never_given_to_the_next_run(kind, request, tmp_pat
     store.delete_run(third.run_id)
     store.delete_run(first.run_id)
     assert _run(store, "d")[0].run_id == 4  # no run left at all: still past every id given
+
+
+@pytest.fixture()
+def remountable_data_path(lake, tmp_path, monkeypatch):
+    """The lake's data path on a tmpfs of its own (the lake's files copied there), which the test
+    remounts read-only (``mount -o remount,ro``: root is refused too, as chmod does not refuse
+    it); skipped, saying why, where no tmpfs can be mounted."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root needed): {made.stderr.decode().strip()}")
+    try:
+        data = mount / "lake-data"
+        shutil.copytree(lake.data_path, data)
+        lake.data_path = data
+        monkeypatch.setenv("HEADATLAS_DATA_PATH", str(data))
+        yield mount
+    finally:
+        lake.release()
+        subprocess.run(["mount", "-o", "remount,rw", str(mount)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def _remount(mount: Path, mode: str) -> None:
+    done = subprocess.run(["mount", "-o", f"remount,{mode}", str(mount)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_results_not_stored_on_a_read_only_data_path_say_so_in_one_line_and_a_rerun_stores_them(
+    lake, remountable_data_path, small_corpus, monkeypatch, caplog
+):
+    """The data path turns read-only as an embedded run ends, when its results are stored: one
+    line names the data path and what to do, no traceback; the run is done, its results are
+    computed when read, and the same command run again once the path is writable stores them."""
+    from conftest import invoke_cli
+
+    from headatlas.service.reports import stored
+    from headatlas.service.storage import run_results
+    from headatlas.service.storage.store import Store
+
+    real = stored.refresh
+
+    def read_only_then_refresh(store, run_id):  # the fault, as the results are about to be stored
+        _remount(remountable_data_path, "ro")
+        return real(store, run_id)
+
+    monkeypatch.setattr(stored, "refresh", read_only_then_refresh)
+    command = ["analyze", str(small_corpus), "--model", "random:tiny", "--seq-len", "32", "--db", lake.url, "--quiet"]
+    done = invoke_cli(*command)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    # what the console script prints (Python's last-resort handler: the message, and a traceback
+    # when the record carries one), as this process's log capture holds it
+    told = [r for r in caplog.records if r.name == "headatlas.results"]
+    assert len(told) == 1 and told[0].exc_info is None, [r.getMessage() for r in told]
+    said = told[0].getMessage()
+    assert "\n" not in said and said.startswith("warning: run "), said
+    assert f"{lake.data_path}/ takes no file (Read-only file system)" in said, said
+    assert "make it writable, then run the same command again" in said, said
+    store = Store(lake.url, data_path=lake.data_path)
+    run_id = store.list_runs()[0]["run_id"]
+    with store.checked_read() as conn:
+        assert store.get_run(run_id).status == "done"
+        assert run_results.load(conn, run_id, "heads") is None  # computed when read
+    monkeypatch.setattr(stored, "refresh", real)
+    _remount(remountable_data_path, "rw")
+    again = invoke_cli(*command)
+    assert again.returncode == 0 and not again.stderr.strip(), again.stderr
+    with store.checked_read() as conn:
+        assert all(run_results.load(conn, run_id, kind) is not None for kind in run_results.KINDS)

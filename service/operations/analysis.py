@@ -70,6 +70,9 @@ def analyze(request: AnalysisRequest, events: Sink = ignore) -> Analysed:
             model = given if given is not None else str(request.model)
             done = finished_run(store, summary, model, params, name=request.name, probe=request.probe)
             if done is not None:  # found without loading the model's weights
+                from headatlas.service.reports.stored import refresh
+
+                refresh(store, done.run_id)  # results its first run could not store (a read-only data path)
                 return Analysed(store, done, found_finished=True)
         events(CorpusRead(summary, None if given is not None else str(request.model)))
         return _analyse(request, store, spec, label, summary, store_every_s, events)

@@ -19,6 +19,7 @@ import logging
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from headatlas.service.errors import HeadatlasError, StoreUnavailable
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage import run_results
 from headatlas.service.storage.run_results import computed, load  # noqa: F401 - the readers' names, here too
@@ -89,9 +90,25 @@ def refresh(store: Store, run_id: int) -> bool:
             return True
 
         return bool(store.atomically(work))
+    except HeadatlasError as exc:  # the database refused them (a lake's data path read-only …): one line
+        log.warning("warning: run %s: its results were not stored: %s", run_id, _not_stored(store, exc))
+        return False
     except Exception:  # noqa: BLE001 - storing results is an optimisation: the readers compute them
         log.warning("run %s: its results were not stored (they are computed when read)", run_id, exc_info=True)
         return False
+
+
+def _not_stored(store: Store, exc: HeadatlasError) -> str:
+    """Why a run's results were not stored, and what to do, for one line."""
+    from headatlas.service.storage.backends.lake import DATA_PATH
+
+    if isinstance(exc, StoreUnavailable) and exc.waits_for == DATA_PATH:
+        where = getattr(store.backend, "data_path", None) or "(the one its catalogue records)"
+        return (
+            f"{DATA_PATH} {where} takes no file ({exc.cause}); they are computed when read; make it writable, "
+            "then run the same command again to store them"
+        )
+    return f"{exc}; they are computed when read; run the same command again once that is fixed to store them"
 
 
 def fill(store: Store) -> list[int]:
