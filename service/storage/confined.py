@@ -355,9 +355,9 @@ class _Zygote:
                 pass_fds=(mine.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
-                # its own process group: the terminal's Ctrl-C goes to the caller alone, never to a
+                # a session of its own: the terminal's Ctrl-C goes to the caller alone, never to a
                 # helper still starting (before it ignores SIGINT) nor to the query's process
-                process_group=0,
+                start_new_session=True,
             )
         finally:
             mine.close()
