@@ -10,13 +10,13 @@ answer again, even where it calls ``random()`` or ``now()``).
 At most ``SQL_AT_ONCE`` statements run at once (each in a process of its own, which may take a quarter
 of the machine's memory); another waits up to ``SQL_WAIT_S`` seconds for its turn, then is answered
 503 "busy, try again". Pages, and statements whose answer is kept, never wait for them. An answer
-over ``SQL_MAX_BYTES`` (its values, measured) is refused with a line saying to narrow it: neither a
-page nor a CSV holds hundreds of megabytes, and the cache never keeps it.
+over ``SQL_MAX_BYTES`` is stopped in the query's own process (the sandbox's ``max_bytes``) and refused
+with the line that says to narrow it: neither this process, a page nor a CSV holds hundreds of
+megabytes, and the cache never keeps it.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,17 +28,11 @@ from headatlas.service.storage.readonly import QueryResult, run_readonly_sql
 from headatlas.service.web.context import Busy, Ctx, run_path
 from headatlas.service.web.documents import records
 from headatlas.service.web.html import e, table
-from headatlas.service.web.reads import approx_bytes
 from headatlas.service.web.views import View
 
 SQL_AT_ONCE = 2  # statements the server runs at once
 SQL_WAIT_S = 1.0  # how long a statement waits for its turn before it is answered 503
 SQL_MAX_BYTES = 16 * 2**20  # the largest answer the page, its CSV or its JSON holds (its values' bytes)
-# the sandbox's own cap on an answer's bytes, where it has one: the child then stops at the cap, and
-# the answer never reaches this process whole
-_SANDBOX_CAP = next(
-    (name for name in ("max_bytes", "max_result_bytes") if name in inspect.signature(run_readonly_sql).parameters), None
-)
 
 EXAMPLE = "SELECT layer, head, within_sentence_lift_dm, repetition_words_lift_dm\nFROM head_metrics\nORDER BY 3 DESC\nLIMIT 10"
 
@@ -60,24 +54,16 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
         # open databases); a server runs several, so its children come from the sandbox's clean helper,
         # which has opened nothing. No lock is held while the query runs: pages go on meanwhile.
         ctx.reads.close()
-        capped = {_SANDBOX_CAP: SQL_MAX_BYTES} if _SANDBOX_CAP else {}
         with _turn():
-            result = run_readonly_sql(
+            return run_readonly_sql(
                 ctx.store.backend,
                 statement,
                 max_rows=settings.sql_max_rows,
                 timeout_s=settings.sql_timeout_s,
                 run_id=run.run_id,
                 at=ctx.store.at,
-                **capped,
+                max_bytes=SQL_MAX_BYTES,
             )
-        size = answer_bytes(result)
-        if size > SQL_MAX_BYTES:  # raised, so not kept
-            raise ParameterError(
-                f"answer over {SQL_MAX_BYTES / 2**20:g} MB ({size / 2**20:,.0f} MB in {len(result.rows):,} rows): add "
-                "LIMIT, or select fewer or narrower columns"
-            )
-        return result
 
     try:
         # a result is kept for the database's state, as every page's: its CSV and JSON come at once
@@ -133,22 +119,6 @@ def _turn() -> Iterator[None]:
         with _turns:
             _running -= 1
             _turns.notify()
-
-
-def answer_bytes(result: QueryResult) -> int:
-    """The bytes of an answer's values: strings and blobs by their length, numbers 8, anything
-    else (a list, a struct) estimated; every value is looked at."""
-    total = sum(len(c) for c in result.columns)
-    for row in result.rows:
-        for value in row:
-            kind = type(value)
-            if kind is str or kind is bytes:
-                total += len(value)
-            elif kind is int or kind is float or kind is bool or value is None:
-                total += 8
-            else:
-                total += approx_bytes(value)
-    return total
 
 
 def _form(ctx: Ctx, run, statement: str) -> str:
