@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO, cast
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 from headatlas.service.errors import ParameterError
@@ -213,9 +214,9 @@ class RawPathHandler(WSGIRequestHandler):
     server: PooledServer
 
     def setup(self) -> None:
-        self.timeout = getattr(self.server, "read_timeout_s", None)  # StreamRequestHandler sets it on the socket
         self.path = self.command = ""  # what a log line names before the request line is read
         super().setup()
+        self.connection.settimeout(getattr(self.server, "read_timeout_s", None))  # each read and write
 
     def handle(self) -> None:
         watched = isinstance(self.server, PooledServer)
@@ -235,9 +236,12 @@ class RawPathHandler(WSGIRequestHandler):
             cut = watched and self.server.read(self.connection)
         if cut:
             return  # its head came too slowly: its socket is shut already
-        handler = _Handler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=True)
-        handler.request_handler = self  # backpointer for logging
-        handler.run(self.server.get_app())
+        application = self.server.get_app()
+        if application is None:  # bind() sets one before the first request is read
+            return
+        handler = _Handler(self.rfile, cast("IO[bytes]", self.wfile), self.get_stderr(), self.get_environ())
+        handler.request_handler = self  # type: ignore[attr-defined]  # wsgiref: its log line
+        handler.run(application)
 
     def _too_long(self) -> None:
         self.requestline, self.request_version, self.command, self.close_connection = "", "HTTP/1.0", "", True
