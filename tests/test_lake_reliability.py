@@ -4,8 +4,11 @@ Each test's lake is a catalogue database of its own on this machine's PostgreSQL
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,63 @@ def test_results_not_stored_on_a_read_only_data_path_say_so_in_one_line_and_a_re
     assert again.returncode == 0 and not again.stderr.strip(), again.stderr
     with store.checked_read() as conn:
         assert all(run_results.load(conn, run_id, kind) is not None for kind in run_results.KINDS)
+
+
+def _cut(forwarder) -> None:
+    """The catalogue gone from under its sessions: the forwarder's port and connections shut."""
+    import socket
+
+    for s in [forwarder.listener, *forwarder.sockets]:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    forwarder.stop()
+
+
+@pytest.mark.integration
+def test_a_writer_stalled_while_paused_for_its_catalogue_does_not_blame_redis(lake, tmp_path, demo_corpus):
+    """A writer paused mid-run for its lake's catalogue (gone from under its sessions) keeps its
+    lease through the pause; stopped there (SIGSTOP, as a host starved of CPU stalls it) past the
+    lease's life, it finds its lease gone as it resumes and takes it again, saying why: it was
+    silent, with Redis answering. It said Redis had been away. The catalogue back, the run ends
+    done."""
+    from queue_support import Cluster, RedisServer, make_corpus, wait_for
+    from test_lake_outages import ARGS, Forwarder, _finish, _log
+
+    folder = tmp_path / "queue"
+    server = RedisServer(folder / "redis").start()
+    cluster = Cluster(server.url, folder)
+    forwarder = Forwarder(("127.0.0.1", 5432))
+    forwarder.start()
+    cluster.env.update(lake.env)
+    cluster.env["HEADATLAS_DB"] = cluster.db = f"{lake.url} host=127.0.0.1 port={forwarder.port}"
+    lease_s = float(cluster.env["HEADATLAS_LEASE_S"])  # the suite's short lease (queue_support.TEST_TIMINGS)
+    try:
+        writer = cluster.start_writer()
+        from headatlas.workers.lease import holder
+
+        wait_for(lambda: getattr(holder(cluster.redis)[0], "database_id", None), cluster, "the writer to be ready")
+        corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=2, tag="stall")
+        run = cluster.submit(corpus, *ARGS, "--writer-wait", "60")
+        _cut(forwarder)
+        cluster.start_worker()
+        wait_for(lambda: "paused: lost the connection to the lake's catalogue" in _log(cluster), cluster, "pause")
+        time.sleep(lease_s)  # paused a whole lease: the lease lives on
+        assert "vanished" not in _log(cluster), cluster.logs()
+        os.killpg(writer.pid, signal.SIGSTOP)
+        try:
+            time.sleep(lease_s + 2)
+        finally:
+            os.killpg(writer.pid, signal.SIGCONT)
+        wait_for(lambda: "vanished" in _log(cluster), cluster, "the writer to find its lease gone")
+        forwarder.start()
+        _finish(cluster, run)
+    finally:
+        cluster.stop()
+        forwarder.stop()
+        server.stop()
+    log = _log(cluster)
+    assert "Redis was away" not in log and "Redis lost its data" not in log, log
+    assert "with Redis answering: its process was stopped or starved of CPU" in log, log
+    assert "another writer took" not in log, log

@@ -144,6 +144,10 @@ class WriterLease:
         self.database_id: str | None = None
         self.shared = shared
         self.helper = False  # True: a further writer of a lake whose lease another writer holds
+        # when this writer last refreshed its lease, and whether Redis refused a refresh since:
+        # what tells, when the lease is found gone, why (``why_vanished``)
+        self._refreshed = time.monotonic()
+        self._redis_failed = False
 
     def _value(self) -> str:
         return json.dumps(
@@ -161,6 +165,7 @@ class WriterLease:
     def acquire(self) -> None:
         """Take the ingest queue, or raise WriterConflict naming the writer that holds it."""
         ttl = int(SILENT_S * 1000)
+        self._refreshed = time.monotonic()
         if self.r.set(LEASE, self._value(), nx=True, px=ttl):
             return
         other, raw = holder(self.r)
@@ -204,9 +209,28 @@ class WriterLease:
         return f"{HELPER}{self.token}"
 
     def reclaim(self) -> bool:
-        """Take the lease again after it vanished (it expired while Redis was away, or Redis
-        lost its data): True when it is ours again, False when another writer holds it."""
-        return bool(self.r.set(LEASE, self._value(), nx=True, px=int(SILENT_S * 1000)))
+        """Take the lease again after it vanished (``why_vanished``): True when it is ours again,
+        False when another writer holds it."""
+        taken = bool(self.r.set(LEASE, self._value(), nx=True, px=int(SILENT_S * 1000)))
+        if taken:
+            self._refreshed, self._redis_failed = time.monotonic(), False
+        return taken
+
+    def why_vanished(self) -> str:
+        """Why the lease is gone, for the log, from what this writer saw: Redis refused a refresh
+        since the last one that passed (Redis was away), or none was tried for the lease's life
+        (this writer was silent: its process stopped or starved of CPU), or neither (Redis lost
+        its data). A writer pausing for its database (a lake's catalogue away) keeps refreshing:
+        that pause is none of these."""
+        silent = time.monotonic() - self._refreshed
+        if self._redis_failed:
+            return f"Redis was away: no refresh reached it for {silent:.1f} s, the lease lives {SILENT_S:g} s"
+        if silent >= SILENT_S:
+            return (
+                f"this writer refreshed it {silent:.1f} s ago, past the {SILENT_S:g} s it lives, with Redis answering: "
+                "its process was stopped or starved of CPU"
+            )
+        return "Redis lost its data (restarted without it, or flushed)"
 
     def last(self) -> dict | None:
         """The database the last writer on this broker stored into: {db, database_id}."""
@@ -246,11 +270,19 @@ class WriterLease:
 
     def refresh(self) -> bool:
         """False when the lease is no longer ours (a further writer's key is simply renewed)."""
-        if self.helper:
-            self.r.set(self.helper_key, self._value(), px=int(SILENT_S * 1000))
-            self._refresh_lease()  # the lease too, once this writer took it over
-            return True
-        return self._refresh_lease()
+        try:
+            if self.helper:
+                self.r.set(self.helper_key, self._value(), px=int(SILENT_S * 1000))
+                self._refresh_lease()  # the lease too, once this writer took it over
+                ours = True
+            else:
+                ours = self._refresh_lease()
+        except redis.RedisError:
+            self._redis_failed = True
+            raise
+        if ours:
+            self._refreshed, self._redis_failed = time.monotonic(), False
+        return ours
 
     def take_over(self) -> bool:
         """A further writer takes the lease of a first writer that is gone (its lease expired),

@@ -22,7 +22,7 @@ from headatlas.service.storage.store import Store
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HELPER, WriterLease, broker_epoch, holder
 from headatlas.workers.ledger import HELPER_PROCESSING, INGEST, PROCESSING, Ledger, processing_lists
-from headatlas.workers.policy import HEARTBEAT_S, SILENT_S, Stranded, stranded_long_enough
+from headatlas.workers.policy import HEARTBEAT_S, Stranded, stranded_long_enough
 
 log = logging.getLogger("headatlas.writer")
 
@@ -100,12 +100,9 @@ class Sweeps:
         """The lease is no longer ours: taken by another writer (stop), or gone (it expired
         while Redis was away, or Redis lost its data: take it again)."""
         other, _raw = holder(self.lease.r)
+        why = self.lease.why_vanished()  # before reclaim, which counts as a refresh
         if other is None and self.lease.reclaim():
-            log.warning(
-                "the ingest queue's lease had vanished (Redis was away over %.0f s, or restarted without its data); "
-                "holding it again",
-                SILENT_S,
-            )
+            log.warning("the ingest queue's lease had vanished (%s); holding it again", why)
             return True
         log.error(
             "another writer took the ingest queue (%s) while this one was silent; stopping",
