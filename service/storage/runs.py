@@ -272,7 +272,7 @@ def _unfinished(conn: Connection, run: Run) -> str:
 
 def run_is_there(conn: Connection, run_id: int, run_key: str, *, hold: bool = False) -> bool:
     """Whether run ``run_id`` is still in the database under ``run_key``: `runs delete` may have
-    deleted it while a writer stores it (and a lake may give its id to a new run). ``hold``, on a
+    deleted it while a writer stores it (its id is never given again: ``_next_lake_run_id``). ``hold``, on a
     lake, in the transaction that reserves the run's batches: the run's row is rewritten too, so
     that this transaction and a concurrent delete of the run conflict; the delete, tried again,
     sees the reservations and deletes them, and a store of them then conflicts with it in turn:
