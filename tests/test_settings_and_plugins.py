@@ -5,6 +5,8 @@ refused before it starts."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.conftest import run_cli
@@ -126,3 +128,61 @@ def test_a_hint_rendered_outside_the_cli_names_the_flag_the_cli_has(stored):
     # every parameter whose flag is not its name with dashes is spelled as the command line has it
     renamed = {name: flag for name, flag in cli_terms().flags.items() if flag != "--" + name.replace("_", "-")}
     assert {name: FLAGS.flag(name) for name in renamed} == renamed
+
+
+# --- 9. Ctrl-C on a large corpus ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", ["1", "2"], ids=["in-process", "window-pool"])
+def test_ctrl_c_on_a_large_corpus_ends_the_command_promptly(tmp_path, processes):
+    """SIGINT to the command's process group (the terminal's Ctrl-C) as a 60 MB corpus is being
+    windowed: analyze ends with exit 130 and the resume hint within seconds (the bound is
+    generous; the figure is printed)."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from tests.conftest import ROOT, headatlas_cmd
+
+    corpus = tmp_path / "big.txt"
+    words = "the cat sat on a mat while dogs ran far away under big green trees and birds sang".split()
+    with corpus.open("w", encoding="utf-8") as out:
+        for i in range(60_000):  # about 1 KiB a document, each its own
+            out.write(f"Document {i}. " + " ".join(words[(i + k) % len(words)] for k in range(190)) + ".\n\n")
+    env = {**os.environ, "HEADATLAS_PREPARE_PROCESSES": processes, "PYTHONPATH": str(ROOT)}
+    args = ["analyze", str(corpus), "--model", "random:tiny", "--db", str(tmp_path / "big.duckdb")]
+    proc = subprocess.Popen(
+        [*headatlas_cmd(), *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    read = threading.Event()
+
+    def reader() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("corpus:"):
+                read.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        assert read.wait(240), "".join(lines)
+        time.sleep(2)  # windowing and analysing
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(
+        f"\nCtrl-C on a {corpus.stat().st_size / 2**20:.0f} MB corpus ({processes} process(es)): exit {took:.2f} s after"
+    )
+    assert code == 130, "".join(lines)
+    assert took < 10, took
+    assert "interrupted; re-run the same command to resume" in "".join(lines) and "Traceback" not in "".join(lines)
