@@ -1,4 +1,4 @@
-"""Analysis parameters (../SPEC §1–3): parsed, validated and recorded on every run.
+"""Analysis parameters (docs/SPEC.md §1–3): parsed, validated and recorded on every run.
 
 Two runs with equal ``AnalysisParams.key()`` over the same corpus and model are the same run:
 this is what makes ``analyze`` and ``submit`` resumable and idempotent.
