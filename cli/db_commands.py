@@ -35,7 +35,7 @@ def db_upgrade(db: str = DbOpt) -> None:
 
     backend = backend_of(db)
     plugin_metrics()  # the views' plugin columns, loaded before any file is made (a plugin's fault is one line)
-    new = backend.kind == "file" and not backend.exists()
+    new = backend.kind == "file" and not os.path.lexists(backend.label)
     try:
         before, after = upgrade(db)
     except BaseException as exc:
@@ -57,7 +57,8 @@ def db_upgrade(db: str = DbOpt) -> None:
 def _remove_created(path: Path) -> None:
     """A database file an interrupted or failed `db upgrade` created, and its write-ahead log."""
     for made in (path, path.with_name(path.name + ".wal")):
-        made.unlink(missing_ok=True)
+        if made.is_file() and not made.is_symlink():
+            made.unlink()
 
 
 def db_current(db: str = DbOpt) -> None:
