@@ -493,6 +493,27 @@ class Cluster:
         self.procs.clear()
 
 
+def kill_mid_batch(cluster: Cluster, running: str, tries: int = 5) -> tuple[bytes, dict, float]:
+    """kill -9 the cluster's worker while it runs a batch (``running``: the run's ledger key of
+    running batches): (the batch, its running entry, the kill's ``time.time()``). The batch is
+    read after the kill (a dead worker's entry stays until the sweep takes it): on a loaded
+    machine the one seen running before it may have ended in between, and a kill that lands
+    between two batches is tried again with a new worker."""
+    for _ in range(tries):
+        deadline = time.monotonic() + 240
+        while not cluster.redis.hlen(running):
+            assert time.monotonic() < deadline, f"no batch started in 240 s; {cluster.logs()}"
+            time.sleep(0.01)
+        cluster.kill("worker")
+        killed = time.time()
+        entries = cluster.redis.hgetall(running)
+        if entries:
+            victim, raw = next(iter(entries.items()))
+            return victim, json.loads(raw), killed
+        cluster.start_worker()
+    raise AssertionError(f"the worker was never killed mid-batch in {tries} tries; {cluster.logs()}")
+
+
 def make_corpus(folder: Path, demo_corpus: Path, *, paragraphs: int, tag: str, copies: int = 1) -> Path:
     """A corpus of the first ``paragraphs`` paragraphs of the shipped excerpt (``copies`` times),
     with ``tag`` prepended so that each test has its own run key."""

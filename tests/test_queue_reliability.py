@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import invoke_cli
-from queue_support import assert_counted_once, make_corpus
+from queue_support import assert_counted_once, kill_mid_batch, make_corpus
 
 from headatlas.service.config import Settings
 
@@ -83,20 +83,12 @@ def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, t
         batch_size=4,
     )
     run_id = cluster.run_id(sub)
-    running = key("running", sub.run_key, sub.database_id)
     # the shared worker may first finish batches an earlier test left queued, on a machine that
-    # runs the rest of the suite beside it: the time that counts starts at the kill, not here
-    deadline = time.monotonic() + 240
-    while not (entries := cluster.redis.hgetall(running)):  # one read: a batch may end between two
-        waiting = cluster.redis.llen("analysis")
-        done = cluster.redis.scard(key("done", sub.run_key, sub.database_id))
-        assert done < sub.batches, f"the run ended before a batch was seen running; {cluster.logs()}"
-        assert time.monotonic() < deadline, f"no batch started in 240 s ({waiting} queued); {cluster.logs()}"
-        time.sleep(0.01)
-    victim, raw = next(iter(entries.items()))
-    worker = json.loads(raw)["worker"]
-    cluster.kill("worker")
+    # runs the rest of the suite beside it: the time that counts starts at the kill, not here; the
+    # batch killed is read after the kill (the one seen running before may have ended in between)
+    victim, entry, _ = kill_mid_batch(cluster, key("running", sub.run_key, sub.database_id))
     killed = time.monotonic()
+    worker = entry["worker"]
 
     # status: the batch is lost (not running), then requeued by the writer
     # how soon is a measure (printed below), not this test's bound: the bound only catches a batch

@@ -1,0 +1,121 @@
+"""A worker killed with SIGKILL mid-batch on a loaded machine: its batch comes back within its
+lease and a sweep, not after the broker's visibility timeout, and the run ends done with every
+window counted once. The test loads the CPUs itself (spinner processes, started and killed by
+it) and times each step from the kill: the sweep declaring the batch lost, its message back on
+the queue, its second start, its storing, the run's end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from queue_support import LEASE_S, assert_counted_once, kill_mid_batch, make_corpus
+
+from headatlas.service.config import Settings
+
+pytestmark = pytest.mark.integration
+
+# the bound catches a batch never requeued, or requeued only by the visibility timeout (1200 s at
+# the default task limit), not a slow machine: the lease (5 s in the suite) and a sweep take ~7 s
+REQUEUE_BOUND_S = 60.0
+RUN_BOUND_S = 300.0
+
+
+@pytest.fixture()
+def cpu_load() -> Iterator[int]:
+    """Four busy-looping processes per core, for the test's duration: with the cluster's own
+    processes, a load average of about 10 on two cores (the lost worker was reported at 15)."""
+    n = 4 * (os.cpu_count() or 1)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for proc in spinners:
+            proc.kill()
+        for proc in spinners:
+            proc.wait()
+
+
+def _unacked_tag(client, task_id: str) -> bytes | None:
+    """The broker's delivery tag of the unacknowledged message of task ``task_id``."""
+    for tag, raw in client.hgetall("unacked").items():
+        if json.loads(raw)[0].get("headers", {}).get("id") == task_id:
+            return tag
+    return None
+
+
+def test_a_worker_killed_mid_batch_under_load_has_its_batch_requeued_within_its_lease(
+    queue_cluster, demo_corpus, tmp_path, cpu_load
+):
+    from headatlas.service.params import AnalysisParams
+    from headatlas.workers.ledger import key
+    from headatlas.workers.submit import submit
+
+    cluster = queue_cluster
+    assert cluster.env["HEADATLAS_LEASE_S"] == str(LEASE_S)
+    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostunderload", copies=8)
+    settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
+    sub = submit(
+        str(corpus),
+        settings=settings,
+        model="random:4,4,256",
+        dtype="float32",
+        params=AnalysisParams(seq_len=128),
+        batch_size=4,
+    )
+    run_id = cluster.run_id(sub)
+    r = cluster.redis
+    k = lambda what: key(what, sub.run_key, sub.database_id)  # noqa: E731
+    victim, entry, killed = kill_mid_batch(cluster, k("running"))
+    tag = _unacked_tag(r, entry["task"])  # None: no longer unacknowledged (already put back)
+    cluster.start_worker()  # the test's own, started at once: its start (and its model's build) is loaded too
+
+    lost: dict = {}
+
+    def declared_lost() -> bool:
+        record = r.hget(k("lost"), victim)
+        if record is not None:
+            lost.update(json.loads(record))
+        return record is not None
+
+    # each step, first seen this many seconds after the kill (Redis alone is polled: cheap under load)
+    steps = {
+        "declared lost": declared_lost,
+        "message back on the queue": lambda: tag is None or not r.hexists("unacked", tag),
+        "started again": lambda: int(r.hget(k("attempts"), victim) or 0) >= 2,
+        "stored": lambda: r.sismember(k("done"), victim),
+        "run done": lambda: r.hget(k("run"), "status") == b"done",
+    }
+    seen: dict[str, float] = {}
+    trace: list[str] = []  # every 5 s, for a failure's message: where the run's batches are
+    while len(seen) < len(steps):
+        now = time.time() - killed
+        for step, check in steps.items():
+            if step not in seen and check():
+                seen[step] = now
+        if len(trace) <= now / 5:
+            trace.append(
+                f"{now:.0f} s: queued {r.llen('analysis')}, unacknowledged {r.hlen('unacked')}, "
+                f"running {sorted(map(int, r.hkeys(k('running'))))}, stored {r.scard(k('done'))}/{sub.batches}, "
+                f"writer backlog {r.llen('headatlas:ingest')}"
+            )
+        why = f"after {now:.0f} s ({seen}); " + "; ".join(trace) + f"\n{cluster.logs()}"
+        assert "message back on the queue" in seen or now < REQUEUE_BOUND_S, f"batch {victim} not requeued {why}"
+        assert now < RUN_BOUND_S, f"the run did not end {why}"
+        time.sleep(0.05)
+
+    assert cluster.wait_status(sub.name, timeout=120) == "done"  # the database says so too
+    db_done = time.time() - killed
+    assert_counted_once(cluster.db, run_id)
+    assert int(r.hget(k("attempts"), victim)) >= 2  # it was really cut short, and analysed again
+    assert lost["worker"] == entry["worker"]
+    print(
+        f"\nkill -9 mid-batch beside {cpu_load} spinners (load average {os.getloadavg()[0]:.1f}): "
+        + "; ".join(f"{step} {t:.1f} s" for step, t in seen.items())
+        + f"; done in the database {db_done:.1f} s after the kill (last heartbeat {killed - entry['beat']:.1f} s before it)"
+    )
