@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import redis
 
-from headatlas.workers.ledger import WORKERS, Ledger, Running
+from headatlas.workers.ledger import GONE, REDELIVERED, RESTORE_PENDING, RESTORED, WORKERS, Ledger
 from headatlas.workers.policy import DELIVERY_GRACE_S, HEARTBEAT_S, SILENT_S
 
 log = logging.getLogger("headatlas.heartbeat")
@@ -97,32 +97,89 @@ class BatchHeartbeat:
 
 @dataclass
 class LostBatch:
+    """A lost batch the sweep acted on: declared lost now, or (``retried``) lost at an earlier
+    sweep whose try to put its message back failed."""
+
     run_key: str
-    entry: Running
-    requeued: bool  # False: the message was no longer unacknowledged (a pool requeued it already)
+    batch_id: int
+    worker: str  # host:pid
+    beat: float  # its last heartbeat (epoch s)
+    restore: str  # ledger.RESTORES: what became of its message
+    tries: int  # tries to put it back so far
+    retried: bool = False
+    error: str = ""  # why the last try failed (restore "pending")
+
+    @property
+    def requeued(self) -> bool:
+        """Its message put back at the head of the queue by this sweep."""
+        return self.restore == RESTORED
+
+    def outcome(self) -> str:
+        if self.restore == RESTORE_PENDING:
+            times = "time" if self.tries == 1 else "times"
+            return f"its message not yet put back: tried {self.tries} {times} ({self.error}); trying again"
+        if self.restore == RESTORED:
+            return f"requeued (after {self.tries} tries)" if self.tries > 1 else "requeued"
+        return "its pool had requeued it"  # delivered again, or no longer unacknowledged
 
 
 def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> list[LostBatch]:
     """Every batch of this database's active runs whose heartbeat stopped, running or delivered
     and not started: declared lost (once, atomically) and its message put back at the head of the
-    analysis queue."""
+    analysis queue. A try that fails (the broker erring or slow at that instant) leaves the lost
+    record "pending", and each sweep tries again, first, until the message is put back, delivered
+    again, gone, or the batch stored; a failure ends the sweep's tries (the rest wait for the next)."""
     lost = []
     for run_key in ledger.active_runs():
+        for batch_id, raw, record in ledger.pending_restores(run_key):
+            lost.append(_restore(ledger, run_key, batch_id, raw, record, broker_url, transport_options, retried=True))
+            if lost[-1].restore == RESTORE_PENDING:
+                return lost
         for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, DELIVERY_GRACE_S)]:
-            if ledger.declare_lost(run_key, entry):
-                requeued = restore_message(broker_url, transport_options, entry.task_id, entry.beat)
-                lost.append(LostBatch(run_key, entry, requeued))
+            raw = ledger.declare_lost(run_key, entry)
+            if raw is not None:
+                lost.append(
+                    _restore(ledger, run_key, entry.batch_id, raw, json.loads(raw), broker_url, transport_options)
+                )
+                if lost[-1].restore == RESTORE_PENDING:
+                    return lost
     return lost
 
 
-def restore_message(broker_url: str, transport_options: dict, task_id: str, last_beat: float) -> bool:
+def _restore(
+    ledger: Ledger,
+    run_key: str,
+    batch_id: int,
+    raw: str,
+    record: dict,
+    broker_url: str,
+    transport_options: dict,
+    *,
+    retried: bool = False,
+) -> LostBatch:
+    """One try to put a lost batch's message back, its outcome kept in its lost record."""
+    from kombu.exceptions import KombuError
+
+    error = ""
+    try:
+        outcome = restore_message(broker_url, transport_options, record["task"], float(record["beat"]))
+    except (KombuError, redis.RedisError, OSError) as exc:
+        outcome, error = RESTORE_PENDING, f"{type(exc).__name__}: {exc}"
+    tries = int(record.get("tries", 0)) + 1
+    ledger.record_restore(run_key, batch_id, raw, outcome, tries)  # False: stored or lost again meanwhile
+    return LostBatch(run_key, batch_id, record["worker"], float(record["beat"]), outcome, tries, retried, error)
+
+
+def restore_message(broker_url: str, transport_options: dict, task_id: str, last_beat: float) -> str:
     """Put the unacknowledged message of ``task_id`` back at the head of its queue, next to be
     taken (kombu's own restore, as its visibility-timeout sweep does; kombu publishes on the
-    left and takes from the right). False when it is not unacknowledged, or was delivered
-    again after ``last_beat`` (a prefork pool requeued it and a live process holds it now)."""
+    left and takes from the right): RESTORED; REDELIVERED when it was delivered again after
+    ``last_beat`` (a prefork pool requeued it and a live process holds it now); GONE when it is
+    not unacknowledged. Raises when the broker fails: at once, without kombu's own retries (the
+    next sweep tries again; this one must not hold up the writer's lease)."""
     from kombu import Connection
 
-    with Connection(broker_url, transport_options=transport_options) as conn:
+    with Connection(broker_url, transport_options={**transport_options, "max_retries": 0}) as conn:
         channel = conn.default_channel
         for tag, raw in channel.client.hgetall(channel.unacked_key).items():
             message = json.loads(raw)[0]
@@ -130,7 +187,7 @@ def restore_message(broker_url: str, transport_options: dict, task_id: str, last
                 continue
             delivered = channel.client.zscore(channel.unacked_index_key, tag)
             if delivered is not None and delivered > last_beat:
-                return False
+                return REDELIVERED
             channel.qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=False)
-            return True
-    return False
+            return RESTORED
+    return GONE

@@ -64,6 +64,20 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 return 1
 """
 
+# Replace a hash field only if it is still as it was read (ARGV[2]).
+_SWAP = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+# What became of a lost batch's message (its lost record's ``restore``): not put back yet (the
+# broker failed at the sweep's try; every sweep tries again), put back at the head of the queue,
+# delivered again after the batch's last heartbeat (a live process holds it), or no longer
+# unacknowledged (acknowledged, or put back by the visibility timeout or a pool).
+RESTORE_PENDING, RESTORED, REDELIVERED, GONE = "pending", "restored", "redelivered", "gone"
+RESTORES = (RESTORE_PENDING, RESTORED, REDELIVERED, GONE)
+
 # Forget a delivery only if the entry is still this message's (another worker may have it now).
 _UNDELIVER = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -438,18 +452,27 @@ class Ledger:
             pipe.exists(WORKERS + e.worker)
         return [e for e, alive in zip(entries, pipe.execute()) if not alive]
 
-    def declare_lost(self, run_key: str, entry: Running) -> bool:
+    def declare_lost(self, run_key: str, entry: Running) -> str | None:
         """Move a silent batch (running, or delivered and not started) to lost, unless it beat or
-        changed meanwhile."""
+        changed meanwhile: the lost record as stored (its message not put back yet, ``restore``
+        "pending"), or None."""
         record = json.dumps(
-            {"worker": entry.worker, "beat": entry.beat, "requeued": time.time(), "started": not entry.delivered}
+            {
+                "worker": entry.worker,
+                "beat": entry.beat,
+                "requeued": time.time(),
+                "started": not entry.delivered,
+                "task": entry.task_id,
+                "restore": RESTORE_PENDING,
+                "tries": 0,
+            }
         )
         held, alive = (
             (self.key("delivered", run_key), WORKERS + entry.worker)
             if entry.delivered
             else (self.key("running", run_key), self.key("alive", f"{run_key}:{entry.batch_id}"))
         )
-        return bool(
+        declared = bool(
             self.r.eval(
                 _LOSE,
                 3,
@@ -461,11 +484,34 @@ class Ledger:
                 record,
             )
         )
+        return record if declared else None
 
     def lost(self, run_key: str) -> dict[int, dict]:
-        """Batches requeued because their worker was lost (until they are stored):
-        {batch_id: {worker, beat (last heartbeat, epoch s), requeued (epoch s)}}."""
+        """Batches declared lost because their worker was (until they are stored):
+        {batch_id: {worker, beat (last heartbeat, epoch s), requeued (when declared lost, epoch s),
+        started, task, restore (``RESTORES``; absent: put back, as before it was recorded), tries}}."""
         return {int(b): json.loads(v) for b, v in self.r.hgetall(self.key("lost", run_key)).items()}
+
+    def pending_restores(self, run_key: str) -> list[tuple[int, str, dict]]:
+        """Lost batches whose message is not put back yet, none stored: (batch id, the record as
+        stored, the record)."""
+        pipe = self.r.pipeline()
+        pipe.hgetall(self.key("lost", run_key))
+        pipe.smembers(self.key("done", run_key))
+        records, done = pipe.execute()
+        stored = {int(b) for b in done}
+        out = []
+        for b, raw in records.items():
+            record = json.loads(raw)
+            if record.get("restore") == RESTORE_PENDING and record.get("task") and int(b) not in stored:
+                out.append((int(b), _text(raw), record))
+        return sorted(out, key=lambda x: x[0])
+
+    def record_restore(self, run_key: str, batch_id: int, raw: str, outcome: str, tries: int) -> bool:
+        """The outcome of the ``tries``-th try to put a lost batch's message back, unless its lost
+        record changed meanwhile (the batch stored, or lost again): False then."""
+        record = {**json.loads(raw), "restore": outcome, "tries": tries}
+        return bool(self.r.eval(_SWAP, 1, self.key("lost", run_key), batch_id, raw, json.dumps(record)))
 
     def active_runs(self) -> set[str]:
         return {_text(r) for r in self.r.smembers(self.key("active", "runs"))}

@@ -88,11 +88,17 @@ class LostInfo:
     batch: int
     worker: str  # host:pid
     silent_s: float
-    requeued: bool  # False: noticed, the writer's sweep has not requeued it yet
+    requeued: bool  # False: noticed, the writer's sweep has not put its message back yet
     started: bool = True  # False: delivered to the worker, which died before starting it
+    tries: int = 0  # the sweep's tries to put its message back (the broker failed at each)
 
     def describe(self) -> str:
-        then = "requeued" if self.requeued else "requeued when the writer's sweep runs"
+        if self.requeued:
+            then = "requeued"
+        elif self.tries:
+            then = f"its message not yet put back: tried {self.tries} time{'' if self.tries == 1 else 's'}"
+        else:
+            then = "requeued when the writer's sweep runs"
         before = "" if self.started else " before starting it"
         return f"lost on {self.worker}{before} {self.silent_s:.0f} s ago, {then}"
 
@@ -101,7 +107,7 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunReport:
     """``client``: a Redis client of the broker, or None (the database's counts only)."""
     from headatlas.service.storage import queue_store
     from headatlas.service.storage.db import database_id
-    from headatlas.workers.ledger import Ledger
+    from headatlas.workers.ledger import RESTORE_PENDING, Ledger
     from headatlas.workers.policy import DELIVERY_GRACE_S
 
     with store.checked_read() as conn:
@@ -135,7 +141,14 @@ def run_status(store: Store, ref: str | int | None, client=None) -> RunReport:
                 for e in ledger.unclaimed(run.run_key, DELIVERY_GRACE_S)
             ]
             lost += [
-                LostInfo(b, x["worker"], t - float(x["beat"]), True, started=x.get("started", True))
+                LostInfo(
+                    b,
+                    x["worker"],
+                    t - float(x["beat"]),
+                    x.get("restore") != RESTORE_PENDING,  # absent: put back (recorded before there was one)
+                    started=x.get("started", True),
+                    tries=int(x.get("tries", 0)),
+                )
                 for b, x in sorted(ledger.lost(run.run_key).items())
             ]
     pending = None

@@ -21,7 +21,14 @@ from headatlas.service.storage import queue_store
 from headatlas.service.storage.store import Store
 from headatlas.workers.heartbeat import requeue_lost
 from headatlas.workers.lease import HELPER, WriterLease, broker_epoch, holder
-from headatlas.workers.ledger import HELPER_PROCESSING, INGEST, PROCESSING, Ledger, processing_lists
+from headatlas.workers.ledger import (
+    HELPER_PROCESSING,
+    INGEST,
+    PROCESSING,
+    RESTORE_PENDING,
+    Ledger,
+    processing_lists,
+)
 from headatlas.workers.policy import HEARTBEAT_S, Stranded, stranded_long_enough
 
 log = logging.getLogger("headatlas.writer")
@@ -60,14 +67,16 @@ class Sweeps:
                 if epoch != self.epoch and self._broker_reset():
                     self.epoch = epoch
                 for lost in requeue_lost(self.ledger, self.settings.broker_url, options):
-                    e = lost.entry
-                    log.warning(
+                    # a try that failed again is news only at the first sweep; its outcome always is
+                    again = lost.retried and lost.restore == RESTORE_PENDING
+                    log.log(
+                        logging.INFO if again else logging.WARNING,
                         "run %s batch %s: worker %s lost (no heartbeat for %.0f s); %s",
                         lost.run_key,
-                        e.batch_id,
-                        e.worker,
-                        time.time() - e.beat,
-                        "requeued" if lost.requeued else "its pool had requeued it",
+                        lost.batch_id,
+                        lost.worker,
+                        time.time() - lost.beat,
+                        lost.outcome(),
                     )
                 self._requeue_stranded()
             except redis.RedisError as exc:
