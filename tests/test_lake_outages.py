@@ -272,3 +272,88 @@ def _time_to_go_on(cluster: Cluster) -> float:
     cleared = time.monotonic()
     wait_for(lambda: "is back after" in _log(cluster), cluster, "the writer going on")
     return time.monotonic() - cleared
+
+
+class StallingForwarder(Forwarder):
+    """A ``Forwarder`` that, while stalled, accepts connections and never answers them (nor
+    forwards a byte): a hung catalogue server, or a proxy that accepts and stalls."""
+
+    stalled = False
+    held: list[socket.socket]
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        self.held = []
+        while True:
+            try:
+                client, _addr = self.listener.accept()
+            except OSError:
+                return
+            if self.stalled:
+                self.held.append(client)  # accepted, then silence: no byte ever comes back
+                continue
+            server = socket.create_connection(self.target)
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def resume(self) -> None:
+        self.stalled = False
+        for s in self.held:
+            s.close()
+        self.held.clear()
+
+    def stop(self) -> None:
+        super().stop()
+        for s in getattr(self, "held", []):
+            s.close()
+
+
+def test_a_catalogue_that_accepts_and_never_answers(cluster, lake, demo_corpus, tmp_path):
+    """The catalogue's port accepts and then stays silent, at the writer's start and again
+    mid-run (its sessions ended, every new one stalled in the startup handshake): each attach
+    fails after libpq's connect_timeout (lake.CATALOGUE_BOUNDS, 10 s) and the writer pauses,
+    saying so, instead of waiting for ever; it goes on when the port answers again."""
+    import lake_support
+
+    from headatlas.service.storage.backends.lake import CATALOGUE_BOUNDS
+
+    bound = float(CATALOGUE_BOUNDS["connect_timeout"])
+    forwarder = StallingForwarder(("127.0.0.1", 5432))
+    forwarder.stalled = True
+    forwarder.start()
+    cluster.env["HEADATLAS_DB"] = cluster.db = f"{lake.url} host=127.0.0.1 port={forwarder.port}"
+    paused = "paused: lost the connection to the lake's catalogue of"
+    try:
+        # 1. its first attach meets the silent port
+        started = time.monotonic()
+        cluster.start_writer()
+        wait_for(lambda: "(timeout expired)" in _log(cluster), cluster, "the pause", timeout=bound + 30)
+        first = time.monotonic() - started
+        assert paused in _log(cluster), cluster.logs()
+        forwarder.resume()
+        took = _time_to_go_on(cluster)
+        # 2. mid-run: the port stalls, the writer's sessions are ended, and every reconnect stalls
+        corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=2, tag="lakehang")
+        run = _submit(cluster, corpus)  # the writer opened the run; no worker yet: nothing is stored
+        said = _log(cluster).count("timeout expired")
+        forwarder.stalled = True
+        ended = lake_support._psql(
+            f"SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{lake.name}' "
+            "AND pid <> pg_backend_pid()"
+        )
+        assert ended.returncode == 0 and int(ended.stdout) > 0, ended.stderr
+        stalled = time.monotonic()
+        cluster.start_worker()  # its batches meet the dead sessions, then the silent port
+        wait_for(lambda: _log(cluster).count("timeout expired") > said, cluster, "the pause", timeout=bound + 45)
+        second = time.monotonic() - stalled
+        forwarder.resume()
+        run_id = _finish(cluster, run)
+        _assert_rode_it_out(cluster, run_id, lake)
+    finally:
+        cluster.stop()  # before the forwarder: the writer's sessions end with it
+        forwarder.stop()
+    print(
+        f"\na catalogue that accepts and never answers: the writer paused {first:.1f} s after its start, "
+        f"{second:.1f} s after the mid-run stall, and went on {took:.1f} s after the port answered"
+    )

@@ -84,6 +84,25 @@ COMPACTION_STALE_S = 24 * 3600.0  # another host's claim older than this is left
 ORPHAN_AGE_S = 3600.0
 PROBE_BYTES = 256 * 1024  # what the data path must take before a paused writer tries its work again
 
+# libpq's bounds on the catalogue's connection, unless the connection string sets its own: a
+# server that accepts and never completes the startup handshake (a hung server, a proxy that
+# stalls) fails the attach after connect_timeout with libpq's "timeout expired", which
+# lake_errors.lake_fault knows (the writer pauses and tries again), instead of waiting for ever.
+# On an established session, keepalives end one whose peer is gone (a host down, a dropped
+# network: no ACK to the probes after about idle + interval × count = 60 s) and tcp_user_timeout
+# one whose sent data stays unacknowledged for 30 s (libpq ≥ 12). None bounds a peer that
+# acknowledges and never answers: DuckDB's PostgreSQL extension waits in a blocking PQexec, with
+# no query timeout of its own and deaf to DuckDB's interrupt (statement_timeout in options bounds
+# only the server's own work, which never starts then).
+CATALOGUE_BOUNDS: dict[str, str] = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
 _ROOTS: dict[tuple, tuple[int, duckdb.DuckDBPyConnection, Engine]] = {}
 _ROOTS_LOCK = threading.Lock()
 
@@ -148,6 +167,12 @@ def format_conninfo(values: dict[str, str]) -> str:
     return " ".join(f"{k}={quote(v)}" for k, v in values.items())
 
 
+def bounded_conninfo(conninfo: str) -> str:
+    """``conninfo`` with ``CATALOGUE_BOUNDS`` added where it sets none of its own."""
+    values = parse_conninfo(conninfo)
+    return format_conninfo({**values, **{k: v for k, v in CATALOGUE_BOUNDS.items() if k not in values}})
+
+
 def _literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
@@ -177,8 +202,8 @@ class LakeBackend(Backend):
                     Param("db", self._redacted(self.url)), f": not a PostgreSQL connection string ({exc})"
                 ) from None
             self.password = values.pop("password", None) or None
-            self.conninfo = format_conninfo(values)
-            self.metadata = f"postgres:{self.conninfo}"
+            self.conninfo = format_conninfo(values)  # as given: the label shows it
+            self.metadata = f"postgres:{bounded_conninfo(self.conninfo)}"
             self.file: Path | None = None
         elif spec and not spec.startswith(("sqlite:", "mysql:")):
             self.catalog = "duckdb"
@@ -326,7 +351,7 @@ class LakeBackend(Backend):
         moment: one repeatable-read PostgreSQL transaction, read-only on the server too
         (``default_transaction_read_only``). The sandbox attaches the copy, so that the instance
         that runs a reader's SQL never loads the PostgreSQL extension nor holds a session."""
-        values = parse_conninfo(self.conninfo)
+        values = parse_conninfo(bounded_conninfo(self.conninfo))
         values["options"] = (values.get("options", "") + " -c default_transaction_read_only=on").strip()
         source = duckdb.connect(config=duckdb_config(threads=1))
         try:
