@@ -129,17 +129,19 @@ def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> li
     analysis queue. A try that fails (the broker erring or slow at that instant) leaves the lost
     record "pending", and each sweep tries again, first, until the message is put back, delivered
     again, gone, or the batch stored; a failure ends the sweep's tries (the rest wait for the next)."""
-    lost = []
+    lost: list[LostBatch] = []
     for run_key in ledger.active_runs():
         for batch_id, raw, record in ledger.pending_restores(run_key):
             lost.append(_restore(ledger, run_key, batch_id, raw, record, broker_url, transport_options, retried=True))
             if lost[-1].restore == RESTORE_PENDING:
                 return lost
         for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, DELIVERY_GRACE_S)]:
-            raw = ledger.declare_lost(run_key, entry)
-            if raw is not None:
+            declared = ledger.declare_lost(run_key, entry)
+            if declared is not None:
                 lost.append(
-                    _restore(ledger, run_key, entry.batch_id, raw, json.loads(raw), broker_url, transport_options)
+                    _restore(
+                        ledger, run_key, entry.batch_id, declared, json.loads(declared), broker_url, transport_options
+                    )
                 )
                 if lost[-1].restore == RESTORE_PENDING:
                     return lost
