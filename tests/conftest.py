@@ -145,6 +145,15 @@ def headatlas_cmd() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "headatlas.cli.main"]
 
 
+def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """The console script started as a person starts it (this checkout's code, text pipes for
+    stdout and stderr unless ``popen`` says otherwise), for a test that signals or watches it."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": ROOT, **popen}
+    return subprocess.Popen([*headatlas_cmd(), *args], env=full_env, **options)
+
+
 def run_cli(
     *args: str, env: dict | None = None, input: str | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, headatlas_cmd, invoke_cli
+from conftest import invoke_cli, start_cli
 from sqlalchemy import text
 
 pytestmark = pytest.mark.slow
@@ -43,16 +43,7 @@ def corpus(tmp_path, demo_corpus) -> Path:
 
 def _start(*args: str) -> subprocess.Popen:
     """The console script, as a person runs it, in a session of its own."""
-    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(
-        [*headatlas_cmd(), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    return start_cli(*args, env=ENV, start_new_session=True)
 
 
 def _effect_windows(db: Path) -> int:

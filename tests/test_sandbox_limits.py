@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import headatlas_cmd
+from conftest import headatlas_cmd, start_cli
 
 from headatlas.service.storage import confined
 
@@ -36,16 +36,7 @@ def results(tmp_path_factory) -> Path:
 
 
 def _script(*args: str, **popen: object) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(
-        [*headatlas_cmd(), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        **popen,  # type: ignore[arg-type]
-    )
+    return start_cli(*args, **popen)
 
 
 # --- finding: a refused statement printed the helper's traceback ---------------------------------------
