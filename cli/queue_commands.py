@@ -287,6 +287,7 @@ def status(
     check_broker_url(broker)
     from headatlas.service.errors import StoreUnavailable
     from headatlas.service.storage.queue_store import resolve_run
+    from headatlas.workers.policy import DELIVERY_GRACE_S  # noqa: F401 - the lease it follows, refused before any word of the broker
 
     try:
         with _store(db).checked_read() as conn:  # a damaged database or no such run: one error, no broker warning

@@ -58,16 +58,11 @@ def test_a_bad_timing_leaves_commands_that_do_not_use_it_alone_and_the_writer_re
 
 # --- 2. the lease has a floor -------------------------------------------------------------------------
 @pytest.mark.parametrize("lease", ["0.0005", "0.001", "0.5"])
-def test_a_lease_under_a_second_is_refused_in_one_line_where_it_is_read(stored, cli, lease, monkeypatch):
+def test_a_lease_under_a_second_is_refused_in_one_line_where_it_is_read(stored, cli, lease):
     """0.0005 s crashed the writer at start (Redis: invalid expire time), 0.001 s had it warn 43
     times a second that its lease had vanished: a lease is at least 1 s (the tests use 4–5 s)."""
     from headatlas.service.config import Settings
     from headatlas.service.errors import ParameterError
-    from headatlas.workers import policy
-
-    # a command is a process of its own, which reads the timings afresh: not those an earlier test
-    # of this pytest process read (the in-process command would act on them and never read the lease)
-    monkeypatch.setattr(policy, "_read", {})
 
     with pytest.raises(ParameterError, match=rf"HEADATLAS_LEASE_S='{lease}': expected seconds, at least 1"):
         Settings.from_env({"HEADATLAS_LEASE_S": lease})

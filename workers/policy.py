@@ -335,7 +335,7 @@ def applied(timing: Timing, settings: Settings, environ: Mapping[str, str] | Non
     return value
 
 
-# The timings held in constants, read when a module first takes one (``from …policy import
+# The timings held in constants, read each time a module takes one (``from …policy import
 # SILENT_S``, as the writer, a worker, `submit` or `status` starts), not as this module is imported: a
 # bad HEADATLAS_TIMING_<NAME> or HEADATLAS_LEASE_S is refused in one line by the command that acts on
 # it, and commands that do not (`runs`, `sql`, `query`, `--help`) are untouched by it.
@@ -363,9 +363,6 @@ WRITER_POLL_S: float
 READER_GAP_S: float
 
 _CONSTANTS: dict[str, Timing] = {t.name: t for t in TIMINGS if t.name.isupper()}
-_read: dict[str, float] = {}  # each constant as first read in this process (a reload reads again)
-
-
 def read_timings() -> dict[str, float]:
     """Every timing's constant, read now: a process that acts on many of them (a worker) refuses a
     bad one as it starts, in one line, not in a child as a batch runs."""
@@ -373,13 +370,13 @@ def read_timings() -> dict[str, float]:
 
 
 def __getattr__(name: str) -> float:
-    """A timing's constant (``SILENT_S`` …), read from the environment the first time it is taken."""
+    """A timing's constant (``SILENT_S`` …), read from the environment each time it is taken (some
+    50 µs): a module that imports one by name holds what it read then, and a process acts on its
+    environment as it is, never on one a caller had set for a while and restored."""
     timing = _CONSTANTS.get(name)
     if timing is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _read:
-        _read[name] = applied(timing, environment())
-    return _read[name]
+    return applied(timing, environment())
 
 
 BOUND_VARIABLE = "HEADATLAS_BOUND_"
