@@ -88,6 +88,7 @@ def query_heads(
     if asc and sort is None:
         raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
     table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
+    view = TableView.of(columns, wide)
     _query(
         (db, at),
         run,
@@ -96,13 +97,14 @@ def query_heads(
         "heads",
         table_columns=table,
         note=queries.LIFT_NOTE,
-        view=TableView.of(columns, wide),
+        view=view,
         pinned=3 if sort is not None else 2,
         layer=layer,
         sort=sort,
         top=top,
         ci=ci,
         ascending=asc,
+        shown=view.picked or (),  # a picked column the run holds no value of is refused, not shown blank
     )
 
 

@@ -6,13 +6,14 @@ Column names are SPEC names; layers and heads are 0-based (the papers count from
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import MIXING_METHODS
-from headatlas.service.errors import Param, ParameterError
-from headatlas.service.metrics import COLUMNS
+from headatlas.service.errors import Param, ParameterError, Phrase
+from headatlas.service.metrics import COLUMNS, EFFECT_SUMS
 from headatlas.service.reports.attention_kind import causal_run
 from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE, unknown_metric
 from headatlas.service.storage import runs
@@ -144,23 +145,52 @@ def _check_sort(sort: str | None, allowed) -> None:
         raise unknown_metric("sort", sort, allowed, what="a metric of the heads")
 
 
-def _check_probe_sort(conn: Connection, run_id: int, sort: str | None) -> None:
-    """A probe score sorts nothing on a run without a probe (every value NULL): refused, with how
-    to add one."""
-    if sort not in PROBE_COLUMNS:
-        return
-    probed = conn.execute(text("SELECT 1 FROM probe_scores WHERE run_id = :run LIMIT 1"), {"run": run_id}).first()
-    if probed is None:
-        raise ParameterError(
-            Param("sort", sort),
-            f": run {run_id} has no probe",
-            hint=(
-                "run its analyze command again with ",
-                Param("probe", True),
-                " (only the probe is computed), or its submit command with ",
-                Param("probe", True),
-            ),
-        )
+def _check_held(conn: Connection, run_id: int, named: Sequence[tuple[str, str]]) -> None:
+    """A column a measure the run was analysed without fills (a probe score, a causal effect:
+    every value NULL) sorts or shows nothing: refused, naming the option that named it (``named``:
+    (option, column) pairs, such as ``("sort", "effect_zero")``) and how to get the measure."""
+    for option, column in named:
+        if column in PROBE_COLUMNS:
+            probed = conn.execute(
+                text("SELECT 1 FROM probe_scores WHERE run_id = :run LIMIT 1"), {"run": run_id}
+            ).first()
+            if probed is None:
+                raise ParameterError(
+                    Param(option, column),
+                    f": run {run_id} has no probe",
+                    hint=(
+                        "run its analyze command again with ",
+                        Param("probe", True),
+                        " (only the probe is computed), or its submit command with ",
+                        Param("probe", True),
+                    ),
+                )
+        elif column in EFFECT_KIND:
+            held = conn.execute(
+                text(f"SELECT count({column}) FROM head_metrics WHERE run_id = :run"), {"run": run_id}
+            ).scalar()
+            kind = EFFECT_KIND[column]
+            asked = runs.resolve_run(conn, run_id, any_status=True).params.get("effects") or ()
+            if not held and kind in asked:  # measured, but no effect window stored yet (a run under way)
+                raise ParameterError(
+                    Param(option, column), f": run {run_id} holds no {column} yet: none of its effect windows is stored"
+                )
+            if not held:
+                raise ParameterError(
+                    Param(option, column),
+                    f": run {run_id} holds no {column}: it was analysed without ",
+                    Param("effects", kind),
+                    hint=(
+                        "analyse its corpus again with ",
+                        Param("effects", kind),
+                        " (a new run), or measure them without storing with ",
+                        Phrase("`headatlas effects CORPUS`", "`headatlas.effects(corpus)`"),
+                    ),
+                )
+
+
+# the per-head causal effects (SPEC §9) and the --effects kind that measures each
+EFFECT_KIND = {column: kind for kind, columns in EFFECT_SUMS.items() for column in columns}
 
 
 # the anchors of each head, most frequent first (``:run``, ``:n_anchors``): ``top_anchors (layer, head, anchors)``
@@ -253,13 +283,16 @@ def heads(
     clip: bool = True,
     ascending: bool = False,
     with_df: bool = False,
+    shown: Sequence[str] = (),
 ) -> Rows:
     """Per head, every column of HEAD_COLUMNS, ``top_anchors`` and the probe's scores; sorted by
     ``sort`` (descending, or ``ascending``; heads without a value last), else by layer and head.
     ``ci``: with 95% intervals (``clip=False``: not clipped to each metric's range, for tests that
-    read them; ``with_df``: with each interval's degrees of freedom, ``<metric>_df``, the role tests')."""
+    read them; ``with_df``: with each interval's degrees of freedom, ``<metric>_df``, the role tests').
+    ``sort`` or a column of ``shown`` (the columns picked to show, ``--columns``) that a measure the
+    run was analysed without would fill (every value NULL: a probe score, an effect) is refused."""
     _check_sort(sort, SORTABLE)
-    _check_probe_sort(conn, run_id, sort)
+    _check_held(conn, run_id, [("sort", sort or ""), *(("columns", c) for c in shown)])
     if clip and not with_df:
         kept = _stored_heads(conn, run_id, layer=layer, sort=sort, top=top, anchors=anchors, ci=ci, ascending=ascending)
         if kept is not None:

@@ -1,0 +1,91 @@
+"""A column the run does not hold is refused, not shown blank: `query heads --sort/--columns` of an
+effect the run was analysed without says so and how to get it (as a probe score without a probe
+always was); and `prune`'s table fits 100 columns, the rest in --format csv/json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import invoke_cli
+
+TINY = ["--model", "random:tiny", "--batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory, demo_corpus) -> str:
+    """A run analysed without effects or a probe (random:tiny, two documents): its database."""
+    folder = tmp_path_factory.mktemp("blanks")
+    corpus = folder / "c.txt"
+    docs = demo_corpus.read_text(encoding="utf-8").split("\n\n")[:2]
+    corpus.write_text("\n\n".join(d.strip() for d in docs) + "\n", encoding="utf-8")
+    db = str(folder / "plain.duckdb")
+    done = invoke_cli("analyze", str(corpus), "--name", "plain", "--db", db, "--quiet", *TINY)
+    assert done.returncode == 0, done.stderr
+    return db
+
+
+def _one_error(result) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == ""  # no blank table before it
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("column", "kind"),
+    [("effect_zero", "zero"), ("effect_mean", "mean"), ("drift_zero", "zero"), ("importance", "gradient")],
+)
+def test_sort_by_an_effect_the_run_did_not_measure_is_refused(plain_run, cli, column, kind) -> None:
+    line = _one_error(cli("query", "heads", "--run", "plain", "--db", plain_run, "--sort", column))
+    assert f"--sort {column}: run 1 holds no {column}" in line, line
+    assert f"analysed without --effects {kind}" in line and f"again with --effects {kind}" in line, line
+    assert "`headatlas effects CORPUS`" in line, line
+
+
+def test_columns_naming_an_effect_or_probe_score_the_run_lacks_is_refused(plain_run, cli) -> None:
+    effect = _one_error(cli("query", "heads", "--run", "plain", "--db", plain_run, "--columns", "layer,effect_mean"))
+    assert "--columns effect_mean: run 1 holds no effect_mean" in effect and "--effects mean" in effect, effect
+    probe = _one_error(cli("query", "heads", "--run", "plain", "--db", plain_run, "--columns", "induction_score"))
+    assert "run 1 has no probe" in probe and "--probe" in probe, probe
+    # every format: a CSV of a blank column is as silent as a table
+    csv = _one_error(
+        cli("query", "heads", "--run", "plain", "--db", plain_run, "--columns", "effect_zero", "--format", "csv")
+    )
+    assert "holds no effect_zero" in csv
+    # what the run holds is shown as before
+    held = cli("query", "heads", "--run", "plain", "--db", plain_run, "--columns", "layer,head,noise_share")
+    assert held.returncode == 0 and "noise_share" in held.stdout, held.stderr
+
+
+def test_the_python_api_refuses_the_same_sort_in_its_own_terms(plain_run) -> None:
+    import headatlas
+
+    run = headatlas.connect(plain_run).run("plain")
+    with pytest.raises(ValueError, match="run 1 holds no importance") as refused:
+        run.heads(sort="importance")
+    assert "effects='gradient'" in str(refused.value) and "headatlas.effects(corpus)" in str(refused.value)
+
+
+def _widest(out: str) -> int:
+    return max(len(line) for line in out.splitlines())
+
+
+def test_prune_table_fits_100_columns_and_json_keeps_every_column(plain_run, cli) -> None:
+    measured = cli(
+        "prune", "plain", "--db", plain_run, "--windows", "2", "--step", "50%", "--seeds", "1", "--format", "json"
+    )
+    assert measured.returncode == 0, measured.stderr
+    rows = json.loads(measured.stdout)
+    every = list(rows[0])
+    assert {"fraction", "objective_lo", "objective_hi", "increase_lo", "increase_hi"} <= set(every)
+    for columns in ("", "100"):  # piped with no width given, and a 100-column terminal
+        shown = cli("prune", "plain", "--db", plain_run, "--show", env={"COLUMNS": columns, "NO_COLOR": "1"})
+        assert shown.returncode == 0, shown.stderr
+        assert _widest(shown.stdout) <= 100, shown.stdout
+        header = shown.stdout.splitlines()[1].split()
+        assert header[:3] == ["order", "step", "heads_removed"] and "increase" in header, header
+        assert "--format csv or json" in " ".join(shown.stdout.split()), shown.stdout  # where the rest is
+    csv = cli("prune", "plain", "--db", plain_run, "--show", "--format", "csv")
+    assert csv.stdout.splitlines()[0].split(",") == every
