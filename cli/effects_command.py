@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, render, stderr
+from headatlas.cli.output import Format, print_note, print_table, render, stderr
 from headatlas.service.wording import counted
 
 WindowsOpt = typer.Option(
@@ -202,7 +202,7 @@ def prune(
             on_step=lambda name, done, total: stderr.print(f"  {name}: step {done}/{total}", highlight=False),
             on_plan=lambda said: stderr.print(said, highlight=False, soft_wrap=True),
         )
-    render(saved.columns, saved.rows, fmt, title=f"run {found.run_id} ({found.name}): pruning curves")
+    _render_curves(saved.columns, saved.rows, fmt, title=f"run {found.run_id} ({found.name}): pruning curves")
     meta = saved.meta
     # on stderr in every format: the claim's verdict is the answer
     stderr.print(
@@ -218,3 +218,22 @@ def prune(
 
         fig = figure_prune(saved, title=f"pruning curves: run {found.run_id} ({found.name})")
         stderr.print(f"wrote {save(fig, Path(out))}", highlight=False)
+
+
+# prune's table: the increase with its interval, and the objective; it fits 100 characters where
+# every column (the objective's interval, the fraction removed) took 124. CSV and JSON hold them all.
+PRUNE_TABLE = ["order", "step", "heads_removed", "increase", "increase_lo", "increase_hi", "objective"]
+
+
+def _render_curves(columns: list[str], rows: list[tuple], fmt: Format, *, title: str) -> None:
+    """The pruning curves: every column in CSV and JSON, ``PRUNE_TABLE`` in a table (narrower than
+    it, columns left out from the right), and a line naming the others and where they are."""
+    if fmt != Format.table:
+        render(columns, rows, fmt, title=title)
+        return
+    shown = [c for c in PRUNE_TABLE if c in columns]
+    index = [columns.index(c) for c in shown]
+    print_table(shown, [tuple(r[i] for i in index) for r in rows], title=title, pinned=1)
+    rest = [c for c in columns if c not in shown]
+    if rest:
+        print_note(f"{len(shown)} of {len(columns)} columns; --format csv or json has all ({', '.join(rest)})")
