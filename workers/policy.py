@@ -363,6 +363,8 @@ WRITER_POLL_S: float
 READER_GAP_S: float
 
 _CONSTANTS: dict[str, Timing] = {t.name: t for t in TIMINGS if t.name.isupper()}
+
+
 def read_timings() -> dict[str, float]:
     """Every timing's constant, read now: a process that acts on many of them (a worker) refuses a
     bad one as it starts, in one line, not in a child as a batch runs."""
