@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis
@@ -131,21 +132,25 @@ def requeue_lost(ledger: Ledger, broker_url: str, transport_options: dict) -> li
     again, gone, or the batch stored; a failure ends the sweep's tries (the rest wait for the next)."""
     lost: list[LostBatch] = []
     for run_key in ledger.active_runs():
-        for batch_id, raw, record in ledger.pending_restores(run_key):
-            lost.append(_restore(ledger, run_key, batch_id, raw, record, broker_url, transport_options, retried=True))
+        for batch_id, raw, record, retried in _due(ledger, run_key):
+            lost.append(
+                _restore(ledger, run_key, batch_id, raw, record, broker_url, transport_options, retried=retried)
+            )
             if lost[-1].restore == RESTORE_PENDING:
                 return lost
-        for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, DELIVERY_GRACE_S)]:
-            declared = ledger.declare_lost(run_key, entry)
-            if declared is not None:
-                lost.append(
-                    _restore(
-                        ledger, run_key, entry.batch_id, declared, json.loads(declared), broker_url, transport_options
-                    )
-                )
-                if lost[-1].restore == RESTORE_PENDING:
-                    return lost
     return lost
+
+
+def _due(ledger: Ledger, run_key: str) -> Iterator[tuple[int, str, dict, bool]]:
+    """The lost batches of ``run_key`` whose message is to be put back: (batch id, its lost record as
+    stored and read, whether an earlier sweep tried), those still pending first, then each silent
+    batch as it is declared lost (none is declared once the caller stops taking them)."""
+    for batch_id, raw, record in ledger.pending_restores(run_key):
+        yield batch_id, raw, record, True
+    for entry in [*ledger.silent(run_key), *ledger.unclaimed(run_key, DELIVERY_GRACE_S)]:
+        declared = ledger.declare_lost(run_key, entry)
+        if declared is not None:
+            yield entry.batch_id, declared, json.loads(declared), False
 
 
 def _restore(

@@ -6,7 +6,7 @@ Every timing is declared here once, with its meaning (``TIMINGS``); the lease, t
 the tasks, the Celery app and the writer read them from here, and the table of timings in
 docs/reliability.md is generated from the declarations (``python -m headatlas.workers.policy``,
 run by ``make docs``; tests/test_docs.py fails when it is stale). Two timings follow settings
-(service/config.py): HEADATLAS_LEASE_S, read from this process's environment when a module first
+(service/config.py): HEADATLAS_LEASE_S, read from this process's environment each time a module
 takes a timing's constant (every process of a broker is given the same one), and
 HEADATLAS_TASK_TIME_LIMIT_S, read from the settings a worker or the app is configured with. Any
 timing held in a constant here may be set apart from its declaration by HEADATLAS_TIMING_<NAME> in

@@ -61,7 +61,7 @@ _PRELOAD = (
     "headatlas.service.storage.backends.file",
     "headatlas.service.storage.backends.lake",
 )
-_WARM = ("headatlas.service.storage.sql_check",)  # whose warm() the helper calls once
+_WARM = "headatlas.service.storage.sql_check"  # whose warm() the helper calls once
 
 
 class ChildFailed(Exception):
@@ -478,7 +478,7 @@ def _serve(sock: socket.socket) -> None:
 
         for module in _PRELOAD:  # the children start with the sandbox imported
             importlib.import_module(module)
-        importlib.import_module(_WARM[0]).warm()  # and DuckDB's names known to the inspection
+        importlib.import_module(_WARM).warm()  # and DuckDB's names known to the inspection
         single_threaded()  # and this process runs one thread (tests/test_sandbox_escapes.py checks it)
     except Exception as exc:  # noqa: BLE001 - told to the caller, in one line
         sock.sendall(_FAILED + f"{type(exc).__name__}: {exc}".splitlines()[0].encode()[:500])

@@ -94,10 +94,7 @@ def check_select_only(sql: str) -> str:
             raise StoreError(f"refused: {too_deep(_first_word(sql))}") from None
         raise StoreError(f"refused: SQL syntax error: {_first_line(error)}") from error
     except duckdb.OutOfMemoryException:
-        raise StoreError(
-            "refused: inspecting the statement needs more memory than sql gives it: simplify it "
-            "(fewer CTEs, terms or levels)"
-        ) from None
+        raise StoreError(f"refused: {_INSPECTION_MEMORY}") from None
     except duckdb.Error as error:
         raise StoreError(f"refused: SQL could not be parsed: {_first_line(error)}") from error
 
@@ -236,7 +233,7 @@ def run_readonly_sql(
         if failed.stage == "check":
             raise StoreError(
                 f"refused: the statement could not be inspected within sql's bounds ({failed}; at most "
-                f"{CHECK_S:g} s and {CHECK_BYTES >> 20} MB): {SIMPLIFY} (fewer CTEs, terms or levels)"
+                f"{CHECK_S:g} s and {CHECK_BYTES >> 20} MB): {_SMALLER}"
             ) from None
         if failed.timed_out:
             raise StoreError(str(failed), hint=("narrow it or pass ", Param("timeout_s"))) from None
@@ -251,6 +248,8 @@ def run_readonly_sql(
 # has bounds of its own, whatever the query's limits; and text longer than anyone types is refused
 # before a process starts
 MAX_STATEMENT_CHARS = 100_000
+_SMALLER = f"{SIMPLIFY} (fewer CTEs, terms or levels)"
+_INSPECTION_MEMORY = f"inspecting the statement needs more memory than sql gives it: {_SMALLER}"
 CHECK_S = 10.0  # a statement's parse and inspection take milliseconds
 CHECK_BYTES = 256 * 2**20  # ... and a few MB (400 CTEs: 120 MB)
 
@@ -271,9 +270,7 @@ def check_statement(sql: str, backend: Backend) -> str:
         statement = check_select_only(sql)
         refused = backend.refuse_in_sandbox(statement, keyword=_first_word(statement))
     except MemoryError:
-        refused = (
-            f"inspecting the statement needs more memory than sql gives it: {SIMPLIFY} (fewer CTEs, terms or levels)"
-        )
+        refused = _INSPECTION_MEMORY
     if refused:
         if refused.endswith(SIMPLIFY):  # its size or depth: what is allowed is not the point
             raise StoreError(f"refused: {refused}")

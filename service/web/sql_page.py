@@ -97,28 +97,22 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
     return View(title, records(result.columns, result.rows), body, crumbs=crumbs, table=(result.columns, result.rows))
 
 
-_running = 0
-_turns = threading.Condition()
+_turns = threading.BoundedSemaphore(SQL_AT_ONCE)
 
 
 @contextmanager
 def _turn() -> Iterator[None]:
     """One of the ``SQL_AT_ONCE`` turns to run a statement, waited for ``SQL_WAIT_S`` at most."""
-    global _running
-    with _turns:
-        if not _turns.wait_for(lambda: _running < SQL_AT_ONCE, timeout=SQL_WAIT_S):
-            raise Busy(
-                f"busy: {_running} SQL statements are running (at most {SQL_AT_ONCE} at once); try again in a "
-                "few seconds, or add LIMIT to make them quicker",
-                retry_after_s=5,
-            )
-        _running += 1
+    if not _turns.acquire(timeout=SQL_WAIT_S):
+        raise Busy(
+            f"busy: {SQL_AT_ONCE} SQL statements are running (at most {SQL_AT_ONCE} at once); try again in a "
+            "few seconds, or add LIMIT to make them quicker",
+            retry_after_s=5,
+        )
     try:
         yield
     finally:
-        with _turns:
-            _running -= 1
-            _turns.notify()
+        _turns.release()
 
 
 def _form(ctx: Ctx, run, statement: str) -> str:
