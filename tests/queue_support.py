@@ -493,6 +493,25 @@ class Cluster:
         self.procs.clear()
 
 
+def submit_lost_worker_run(cluster: Cluster, folder: Path, demo_corpus: Path, tag: str):
+    """A run of enough tiny batches (4 paragraphs, 8 copies, batches of 4) that it is still being
+    analysed when a test, on a loaded machine, first looks for a batch to kill (seen: about 9 batches,
+    all done before the first look): its submission."""
+    from headatlas.service.config import Settings
+    from headatlas.service.params import AnalysisParams
+    from headatlas.workers.submit import submit
+
+    corpus = make_corpus(folder, demo_corpus, paragraphs=4, tag=tag, copies=8)
+    return submit(
+        str(corpus),
+        settings=Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db),
+        model="random:4,4,256",
+        dtype="float32",
+        params=AnalysisParams(seq_len=128),
+        batch_size=4,
+    )
+
+
 def kill_mid_batch(cluster: Cluster, running: str, tries: int = 5) -> tuple[bytes, dict, float]:
     """kill -9 the cluster's worker while it runs a batch (``running``: the run's ledger key of
     running batches): (the batch, its running entry, the kill's ``time.time()``). The batch is

@@ -14,9 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from queue_support import LEASE_S, assert_counted_once, kill_mid_batch, make_corpus
-
-from headatlas.service.config import Settings
+from queue_support import LEASE_S, assert_counted_once, kill_mid_batch, submit_lost_worker_run
 
 pytestmark = pytest.mark.integration
 
@@ -52,22 +50,11 @@ def _unacked_tag(client, task_id: str) -> bytes | None:
 def test_a_worker_killed_mid_batch_under_load_has_its_batch_requeued_within_its_lease(
     queue_cluster, demo_corpus, tmp_path, cpu_load
 ):
-    from headatlas.service.params import AnalysisParams
     from headatlas.workers.ledger import key
-    from headatlas.workers.submit import submit
 
     cluster = queue_cluster
     assert cluster.env["HEADATLAS_LEASE_S"] == str(LEASE_S)
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostunderload", copies=8)
-    settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
-    sub = submit(
-        str(corpus),
-        settings=settings,
-        model="random:4,4,256",
-        dtype="float32",
-        params=AnalysisParams(seq_len=128),
-        batch_size=4,
-    )
+    sub = submit_lost_worker_run(cluster, tmp_path, demo_corpus, "lostunderload")
     run_id = cluster.run_id(sub)
     r = cluster.redis
     k = lambda what: key(what, sub.run_key, sub.database_id)  # noqa: E731

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import invoke_cli
-from queue_support import assert_counted_once, kill_mid_batch, make_corpus
+from queue_support import assert_counted_once, kill_mid_batch, make_corpus, submit_lost_worker_run
 
 from headatlas.service.config import Settings
 
@@ -66,22 +66,9 @@ def test_a_second_writer_on_the_broker_refuses_naming_the_first_ones_database(cl
 
 
 def test_a_worker_killed_mid_batch_is_noticed_in_seconds(cluster, demo_corpus, tmp_path):
-    from headatlas.service.params import AnalysisParams
     from headatlas.workers.ledger import key
-    from headatlas.workers.submit import submit
 
-    # enough batches that the run is still being analysed when this process, on a loaded machine,
-    # first looks (seen: 4 paragraphs, about 9 tiny batches, all done before the first look)
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lostworker", copies=8)
-    settings = Settings(broker_url=cluster.env["HEADATLAS_BROKER_URL"], db=cluster.db)
-    sub = submit(
-        str(corpus),
-        settings=settings,
-        model="random:4,4,256",
-        dtype="float32",
-        params=AnalysisParams(seq_len=128),
-        batch_size=4,
-    )
+    sub = submit_lost_worker_run(cluster, tmp_path, demo_corpus, "lostworker")
     run_id = cluster.run_id(sub)
     # the shared worker may first finish batches an earlier test left queued, on a machine that
     # runs the rest of the suite beside it: the time that counts starts at the kill, not here; the
