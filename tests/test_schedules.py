@@ -127,10 +127,11 @@ def _wait(what, predicate, timeout: float, cluster):
             for proc in list(cluster.procs.values()):  # each writes its threads' stacks to its log
                 os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(2)
-            beat = cluster.folder / "beat.log"
+            beats = sorted(cluster.folder.glob("*beat*.log"))  # the beat processes' logs, by their names
             raise AssertionError(
-                f"{what} not reached after {timeout} s; fires: {fires}; beat.log (whole):\n"
-                f"{beat.read_text(errors='replace')[-30000:] if beat.exists() else '(none)'}\nlogs:\n{cluster.logs()}"
+                f"{what} not reached after {timeout} s; fires: {fires}; "
+                + "".join(f"{b.name} (whole):\n{b.read_text(errors='replace')[-30000:]}\n" for b in beats)
+                + f"logs:\n{cluster.logs()}"
             )
         time.sleep(0.3)
 
@@ -464,13 +465,13 @@ def test_a_fire_left_by_a_killed_beat_is_submitted_by_the_next(queue_cluster, de
     try:
         _add(cluster, "crash", folder, every=2, only_new=True, at=now())
         _wait("a first fire", lambda: [f for f in _fires(cluster, "crash") if f[2] == "submitted"], 90, cluster)
-        # the writer and workers keep their leases (LEASE_S) through a pause of a few seconds: Redis
-        # expires no key while writes are paused
-        client.execute_command("CLIENT", "PAUSE", 15_000, "WRITE")  # reads (the beat's ping) still answered
+        # the writer and workers keep their leases (LEASE_S) through the pause (ended once the beat
+        # is killed): Redis expires no key while writes are paused
+        client.execute_command("CLIENT", "PAUSE", 40_000, "WRITE")  # reads (the beat's ping) still answered
         try:
             shutil.copy(parts[1], tmp_path / "incoming.txt")
             (tmp_path / "incoming.txt").rename(folder / "b.txt")
-            _wait("the fire claimed", lambda: [f for f in _fires(cluster, "crash") if f[2] == "claimed"], 10, cluster)
+            _wait("the fire claimed", lambda: [f for f in _fires(cluster, "crash") if f[2] == "claimed"], 30, cluster)
             time.sleep(0.3)  # in its submission, waiting for Redis
             cluster.kill("killed-beat")
         finally:

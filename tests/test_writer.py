@@ -353,6 +353,41 @@ def test_a_run_deleted_before_its_submitter_s_last_open_is_not_created_again_and
     writer.lease.release()
 
 
+def test_the_writer_tells_redis_what_a_run_holds_after_its_transaction_not_inside_it(setting, monkeypatch):
+    """A submitter's OpenRun for a run the database has: the writer reads the run's stored batches
+    and summary in one transaction and tells Redis after it ends. Told inside it, a broker that
+    stalled (writes paused) kept the file from every other process for as long: a beat's claim
+    waited behind it and the fire it was due was late by the stall."""
+    import subprocess
+    import sys
+
+    from headatlas.workers.messages import OpenRun
+    from headatlas.workers.writer import Writer
+
+    writer = Writer(setting)
+    ledger = writer.ledger
+    ledger.put_run("k", _hand_meta("k", None))
+    ledger.send(OpenRun(writer.database_id, "k"))
+    assert writer.step() == 1
+
+    def file_free() -> bool:  # another process can open the database now
+        probe = f"import duckdb; duckdb.connect({setting.db!r}, read_only=True).close()"
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60).returncode == 0
+
+    seen: list[tuple[str, bool]] = []
+    for name in ("reconcile_done", "set_run_status"):
+
+        def told(*args, _told=getattr(ledger, name), _name=name, **kwargs):
+            seen.append((_name, file_free()))
+            return _told(*args, **kwargs)
+
+        monkeypatch.setattr(ledger, name, told)
+    ledger.send(OpenRun(writer.database_id, "k"))
+    assert writer.step() == 1
+    assert seen == [("reconcile_done", True), ("set_run_status", True)]
+    writer.lease.release()
+
+
 def test_open_run_refuses_a_run_deleted_between_its_read_and_its_plan(tmp_path, monkeypatch):
     from sqlalchemy import text
 

@@ -371,12 +371,17 @@ class Writer(GroupIngest, Sweeps, Pauses):
         try:
             run_id = self._run_id(run_key, refresh=True)
             if run_id is not None:
+                # what the database holds, read in one transaction; Redis is told after it ends: a
+                # broker that stalls (writes paused, a slow disk) must not keep the file from the
+                # beat's claims and the command line's reads meanwhile
                 with self.store.write() as conn:
                     there = run_is_there(conn, run_id, run_key)  # `runs delete` may have come since
                     if there:
-                        self.ledger.reconcile_done(run_key, queue_store.stored_batches(conn, run_id))
-                        self._publish(conn, run_key, run_id)
-                if not there:
+                        stored, summary = queue_store.stored_batches(conn, run_id), queue_store.summary(conn, run_id)
+                if there:
+                    self.ledger.reconcile_done(run_key, stored)
+                    self._announce(run_key, summary)
+                else:
                     self._run_gone(run_key, run_id)
         except StoreBusy:
             raise  # busy or away: the message stays, and is handled when the file is back

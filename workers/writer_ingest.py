@@ -192,9 +192,6 @@ class GroupIngest:
                 queue_store.finish_if_complete(conn, run_id)
         return {m.run_key: queue_store.summary(conn, r) for m, r in known if r not in gone}
 
-    def _publish(self, conn: Connection, run_key: str, run_id: int) -> None:
-        self._announce(run_key, queue_store.summary(conn, run_id))
-
     def _announce(self, run_key: str, summary: queue_store.Summary) -> None:
         """What the database now holds for the run, for `submit --wait` and the sweep."""
         self.ledger.set_run_status(
