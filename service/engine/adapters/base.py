@@ -74,6 +74,13 @@ class RandomShape:
         return f"{self.layers}x{self.heads}x{self.hidden}{kv}" + (" with an MLM head" if self.mlm else "")
 
 
+def names_masked_lm(config: Any) -> bool:
+    """Whether a config's ``architectures`` name a masked-LM model (``*ForMaskedLM``, BERT's
+    ``*ForPreTraining``): what a checkpoint with a masked-LM head declares."""
+    architectures = getattr(config, "architectures", None) or []
+    return any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures)
+
+
 @dataclass(frozen=True)
 class ConfigKeys:
     """The config.json fields of a family that hold its sizes (families name them differently:
@@ -117,6 +124,9 @@ class ModelAdapter(ABC):
     # the implementation the config names) with (query, key, value, mask, scaling): long windows
     # can then take attention in row blocks (``service.engine.row_attention``)
     row_attention: ClassVar[bool] = False
+    # its checkpoints may ship a masked-LM head (``load_mlm_head``): one whose config names a
+    # masked-LM model (``names_masked_lm``) is measured by the masked-LM loss (SPEC §9)
+    masked_lm_heads: ClassVar[bool] = False
 
     # --- structure -------------------------------------------------------------------------------
     @abstractmethod
@@ -228,6 +238,11 @@ class ModelAdapter(ABC):
     def random_model(self, config: PretrainedConfig) -> PreTrainedModel:
         """A random-weights model of a ``random:`` shape (the caller seeds the generator)."""
         return self.from_config(config)
+
+    def masked_lm(self, config: Any) -> bool:
+        """Whether ``config`` (no weights read) is a masked-LM model whose head this family loads
+        (``load_mlm_head``): its objective is then the masked-LM loss (SPEC §9)."""
+        return self.masked_lm_heads and names_masked_lm(config)
 
     def load_mlm_head(self, source: str) -> torch.nn.Module | None:
         """The masked-LM head the checkpoint at ``source`` ships (final hidden states → logits), or

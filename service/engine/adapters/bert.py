@@ -42,6 +42,7 @@ class BertAdapter(ModelAdapter):
     causal = False
     pre_norm = False
     config_keys = ConfigKeys()
+    masked_lm_heads = True
     random_shapes = {
         # name: (layers, heads, hidden)
         "bert-base": RandomShape("bert", 12, 12, 768),
@@ -132,9 +133,7 @@ class BertAdapter(ModelAdapter):
         weights hold the head (a sentence-embedding checkpoint such as MiniLM has none)."""
         from transformers import AutoConfig, AutoModelForMaskedLM
 
-        config = AutoConfig.from_pretrained(source)
-        architectures = getattr(config, "architectures", None) or []
-        if not any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures):
+        if not self.masked_lm(AutoConfig.from_pretrained(source)):
             return None
         mlm, info = AutoModelForMaskedLM.from_pretrained(source, output_loading_info=True)
         head = _mlm_head_of(mlm)
