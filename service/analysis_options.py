@@ -152,6 +152,15 @@ OPTIONS: tuple[Declared, ...] = (
         min=1,
     ),
     Declared(
+        "objective",
+        str,
+        "auto",
+        "--effects: the objective O they are measured on: auto (the model's own: next_token_loss for a decoder with "
+        "a tied LM head, masked_lm_loss for an encoder whose config names a masked-LM model, else embedding_drift) "
+        "or one of those, or one a plugin adds, by name (recorded with the run).",
+        spec="§9",
+    ),
+    Declared(
         "csm_bin",
         int,
         8,

@@ -241,5 +241,6 @@ class WriterConflict(HeadatlasError):
 
 
 class PluginError(HeadatlasError):
-    """An installed plugin (an entry point of ``headatlas.families``, ``headatlas.backends`` or
-    ``headatlas.metrics``) cannot be loaded or breaks its extension point's contract."""
+    """An installed plugin (an entry point of ``headatlas.families``, ``headatlas.backends``,
+    ``headatlas.metrics`` or ``headatlas.objectives``) cannot be loaded or breaks its extension
+    point's contract."""

@@ -22,7 +22,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
 EFFECT_KINDS = ("zero", "mean", "gradient")  # SPEC §9: the two ablations and gradient importance
-EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference")  # recorded only when in use
+EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference", "objective")  # recorded only when in use
+AUTO_OBJECTIVE = "auto"  # the model's own objective (service.measures.objectives.choose)
 # The longest window any front end takes: 32,768 positions, as the stores keep a pair's distance
 # (up to seq_len - 1) as SMALLINT. The model's own context is the limit below it, checked against
 # its config (model_check.check_seq_len: SmolLM2 takes 8,192, BERT 512).
@@ -101,6 +102,8 @@ class AnalysisParams:
     effects: tuple[str, ...] = DEFAULTS["effects"]
     effect_windows: int = DEFAULTS["effect_windows"]
     effect_reference: int = DEFAULTS["effect_reference"]
+    # the objective the effects are measured on: auto (the model's own) or a registered one's name
+    objective: str = DEFAULTS["objective"]
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
     # replicate groups (SPEC §5d): document | block:B | window; a run records the one it used (resolved())
     replicates: str = DEFAULTS["replicates"]
@@ -145,6 +148,11 @@ class AnalysisParams:
             raise ParameterError(Param("effect_windows", self.effect_windows), ": must be at least 1")
         if self.effect_reference < 1:
             raise ParameterError(Param("effect_reference", self.effect_reference), ": must be at least 1 window")
+        object.__setattr__(self, "objective", str(self.objective).strip() or AUTO_OBJECTIVE)
+        if self.objective != AUTO_OBJECTIVE and not self.effects:
+            raise ParameterError(
+                Param("objective", self.objective), " names what the effects are measured on: pass ", Param("effects")
+            )
         if self.csm_bin < 0:
             # a bin wider than the window is one cell: allowed, so the default fits every --seq-len
             raise ParameterError(
@@ -182,6 +190,8 @@ class AnalysisParams:
                 out.pop(name)
         elif "mean" not in self.effects:
             out.pop("effect_reference")  # no reference set: no mean ablation
+        if self.objective == AUTO_OBJECTIVE:
+            out.pop("objective", None)  # the model's own keeps the run key effect runs had before it could be named
         if not self.mixes:
             # runs without mixing keep the parameters (and the run key) they had before it existed
             for name in MIXING_FIELDS:

@@ -8,14 +8,17 @@ A distribution declares, in its own pyproject.toml::
     memduck = "my_package.memory:MemoryBackend"   # a Backend subclass; the name is its --db scheme
     [project.entry-points."headatlas.metrics"]
     attended = "my_package.metric:ATTENDED"       # a Metric (or a tuple of them)
+    [project.entry-points."headatlas.objectives"]
+    surprise = "my_package.objective:SURPRISE"    # an ObjectiveDefinition (or a tuple of them)
 
 Each group is read once per process, and only when it is first needed (a model family that no
 built-in adapter serves, a ``--db`` scheme no built-in backend has, the metric views or the
-metric list), as datasette and mlflow load theirs. A plugin that cannot be imported, or whose
-contribution breaks its extension point's contract, is left out and reported on stderr in one
-line that names it; everything else goes on working. That holds for whatever a plugin raises as it
-is imported or registered, SystemExit and KeyboardInterrupt included: only a Ctrl-C the user
-pressed (a real SIGINT) stops the command, as it would anywhere else.
+metric list, an objective a request names), as datasette and mlflow load theirs. A plugin that
+cannot be imported, or whose contribution breaks its extension point's contract, is left out and
+reported on stderr in one line that names it; everything else goes on working. That holds for
+whatever a plugin raises as it is imported or registered, SystemExit and KeyboardInterrupt
+included: only a Ctrl-C the user pressed (a real SIGINT) stops the command, as it would anywhere
+else.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Any
 FAMILIES = "headatlas.families"
 BACKENDS = "headatlas.backends"
 METRICS = "headatlas.metrics"
-GROUPS = (FAMILIES, BACKENDS, METRICS)
+OBJECTIVES = "headatlas.objectives"
+GROUPS = (FAMILIES, BACKENDS, METRICS, OBJECTIVES)
 
 
 @dataclass(frozen=True)

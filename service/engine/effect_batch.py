@@ -91,69 +91,34 @@ def reference_means(model: LoadedModel, windows: list[Window], pad_id: int) -> R
     return ReferenceMeans(means.numpy(), len(windows), positions, windows_fingerprint([w.window_id for w in windows]))
 
 
-def objective_named(model: LoadedModel) -> tuple[str, str, bool]:
-    """(name, unit, is a loss) of the model's own objective (``objectives.objective_of``)."""
-    from headatlas.service.measures.objectives import objective_of
-
-    objective = objective_of(model)
-    return objective.name, objective.unit, objective.is_loss
-
-
-def check_effects(model: LoadedModel, params: AnalysisParams) -> None:
-    """Refuse, before anything runs, effects this model cannot give: gradient importance of an
-    objective that is not a loss."""
-    if "gradient" not in params.effects:
-        return
-    name, _unit, is_loss = objective_named(model)
-    if not is_loss:
+def _refuse_gradient(params: AnalysisParams, model: str | Param, name: str, is_loss: bool) -> None:
+    if "gradient" in params.effects and not is_loss:
         raise ParameterError(
             Param("effects", "gradient"),
-            f": {model.name}'s objective is {name}, not a loss (its gradient is 0 at the intact model)",
+            ": ",
+            model,
+            f"'s objective is {name}, not a loss (its gradient is 0 at the intact model)",
             hint=("use ", Param("effects", "zero,mean")),
         )
 
 
-def objective_of_spec(spec: str) -> str:
-    """The objective a model will be measured with, from its config alone (no weights): what
-    ``submit`` can check before anything is queued. The worker's loaded model decides in the end
-    (``objectives.objective_of``); a checkpoint whose config names a masked-LM architecture but
-    whose weights lack the head is measured by embedding drift there."""
-    from transformers import AutoConfig
+def check_effects(model: LoadedModel, params: AnalysisParams) -> None:
+    """Refuse, before anything runs, effects this model cannot give: an objective that is not
+    registered or does not apply to it (``params.objective``), gradient importance of one that
+    is not a loss."""
+    from headatlas.service.measures.objectives import definition_for
 
-    from headatlas.service.engine import model as models
-    from headatlas.service.engine.adapters import adapter_by_family, adapter_for
-
-    if spec.startswith("random:"):
-        shape = models.parse_random_shape(spec)
-        adapter = adapter_by_family(shape.family)
-        config = adapter.random_config(shape, 128)
-        if shape.mlm:
-            return "masked_lm_loss"
-    else:
-        _name, source, _weights = models._source(spec)
-        with models._loading(spec):
-            config = AutoConfig.from_pretrained(source)
-        adapter = adapter_for(config, spec)
-    if adapter.causal:
-        return "next_token_loss" if getattr(config, "tie_word_embeddings", False) else "embedding_drift"
-    architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in architectures):
-        return "masked_lm_loss"
-    return "embedding_drift"
+    chosen = definition_for(model, params.objective)
+    _refuse_gradient(params, model.name, chosen.name, chosen.is_loss)
 
 
 def check_effects_spec(spec: str, params: AnalysisParams) -> None:
-    """``check_effects`` from the model's config alone (``submit``, ``schedule add``)."""
-    if "gradient" in params.effects:
-        name = objective_of_spec(spec)
-        if name == "embedding_drift":
-            raise ParameterError(
-                Param("effects", "gradient"),
-                ": ",
-                Param("model", spec),
-                f"'s objective is {name}, not a loss (its gradient is 0 at the intact model)",
-                hint=("use ", Param("effects", "zero,mean")),
-            )
+    """``check_effects`` from the model's config alone (``submit``, ``schedule add``): the same
+    choice (``objectives.choose``) the workers make from the loaded model's config."""
+    from headatlas.service.measures.objectives import definition_for_spec
+
+    chosen = definition_for_spec(spec, params.objective)
+    _refuse_gradient(params, Param("model", spec), chosen.name, chosen.is_loss)
 
 
 def effect_sums(
@@ -175,11 +140,11 @@ def effect_sums(
     kinds = params.effects
     if "mean" in kinds and count and means is None:
         raise ParameterError(Param("effects", "mean"), ": the batch was given no reference means")
-    name, unit, _is_loss = objective_named(model)
+    objective = fx.objective_for(model, params.objective)
     shape = (n_groups, model.n_layers, model.n_heads)
     heads = {s: np.zeros(shape) for kind in kinds for s in EFFECT_SUMS[kind]}
     measured = np.zeros(n_groups, dtype=np.int64)
-    objective = np.zeros(n_groups)
+    intact = np.zeros(n_groups)
     windows = batch.windows[:count]
     for start in range(0, len(windows), EFFECT_CHUNK):
         part = collate(windows[start : start + EFFECT_CHUNK], pad_id)
@@ -190,6 +155,7 @@ def effect_sums(
             kinds=kinds,
             means=means.tensor() if means is not None and "mean" in kinds else None,
             window_ids=part.window_ids,
+            objective=objective,
         )
         rows = group[start : start + len(part.windows)]
         values = {kind: got.effect[kind].numpy() for kind in kinds}
@@ -203,10 +169,10 @@ def effect_sums(
             if len(names) > 1:
                 np.add.at(heads[names[1]], rows[ok], drifts[kind][ok])
         np.add.at(measured, rows[ok], 1)
-        np.add.at(objective, rows[ok], got.intact.numpy()[ok])
+        np.add.at(intact, rows[ok], got.intact.numpy()[ok])
     meta = {
-        "objective": name,
-        "unit": unit,
+        "objective": objective.name,
+        "unit": objective.unit,
         "kinds": list(kinds),
         "windows": int(measured.sum()),
         "reference_windows": means.windows if means is not None else 0,
@@ -214,7 +180,7 @@ def effect_sums(
         "reference_fingerprint": means.windows_fingerprint if means is not None else "",
         "means_fingerprint": means.fingerprint if means is not None else "",
     }
-    return heads, {"effect_windows": measured, "objective": objective}, meta
+    return heads, {"effect_windows": measured, "objective": intact}, meta
 
 
 @dataclass(frozen=True)
@@ -262,9 +228,13 @@ def estimate(model: LoadedModel, params: AnalysisParams, windows: list[Window], 
     one = collate([longest], pad_id)
     n_layers = model.n_layers
 
+    objective = fx.objective_for(model, params.objective)
+
     def timed(**kwargs) -> float:
         start = time.perf_counter()
-        fx.head_effects(model, one.input_ids, one.attention_mask, window_ids=one.window_ids, **kwargs)
+        fx.head_effects(
+            model, one.input_ids, one.attention_mask, window_ids=one.window_ids, objective=objective, **kwargs
+        )
         return time.perf_counter() - start
 
     ablations = [k for k in params.effects if k in fx.ABLATIONS]

@@ -121,7 +121,7 @@ def measure_effects(
         raise ParameterError(Param("windows", windows), ": must be at least 1")
     if reference < 1:
         raise ParameterError(Param("reference", reference), ": must be at least 1 window")
-    objective = fx.objective_of(model)
+    objective = fx.objective_for(model, params.objective)
     if "gradient" in kinds and not objective.is_loss:
         raise ParameterError(
             Param("kinds", "gradient"),
@@ -160,7 +160,13 @@ def measure_effects(
     for start in range(0, len(chosen), batch_size):
         batch = collate(chosen[start : start + batch_size], pad)
         got = fx.head_effects(
-            model, batch.input_ids, batch.attention_mask, kinds=kinds, means=means, window_ids=batch.window_ids
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            kinds=kinds,
+            means=means,
+            window_ids=batch.window_ids,
+            objective=objective,
         )
         intact.append(got.intact)
         for kind in kinds:

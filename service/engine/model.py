@@ -284,6 +284,30 @@ def _random_tokenizer(adapter: ModelAdapter):
     return tokenizer
 
 
+def random_config(adapter: ModelAdapter, shape: RandomShape, vocab_size: int) -> Any:
+    """The config of a ``random:`` shape; one with a masked-LM head names that architecture, as a
+    checkpoint with one does, since the objective is chosen from the config (SPEC §9)."""
+    config = adapter.random_config(shape, vocab_size)
+    if shape.mlm:
+        config.architectures = [type(config).__name__.removesuffix("Config") + "ForMaskedLM"]
+    return config
+
+
+def model_config(spec: str) -> tuple[ModelAdapter, Any]:
+    """A model's adapter and config, read without its weights or tokenizer (a random shape's
+    config over a vocabulary of 128): what its objective is chosen from before it is loaded."""
+    from transformers import AutoConfig
+
+    if spec.startswith("random:"):
+        shape = parse_random_shape(spec)
+        adapter = adapter_by_family(shape.family)
+        return adapter, random_config(adapter, shape, 128)
+    _name, source, _weights = _source(spec)
+    with _loading(spec):
+        config = AutoConfig.from_pretrained(source)
+    return adapter_for(config, spec), config
+
+
 def load_model_info(spec: str = DEFAULT_MODEL) -> ModelInfo:
     """The tokenizer, the model's shape (from its config) and its weights' identity, without
     loading the weights: what `submit` and `beat` need for the batches and the run key."""
@@ -344,7 +368,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         random = parse_random_shape(spec)
         adapter = adapter_by_family(random.family)
         tokenizer = _random_tokenizer(adapter)
-        config = adapter.random_config(random, tokenizer.vocab_size)
+        config = random_config(adapter, random, tokenizer.vocab_size)
         with torch.random.fork_rng():
             torch.manual_seed(RANDOM_SEED)  # same spec, same weights: runs stay comparable
             model = adapter.random_model(config)

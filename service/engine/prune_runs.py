@@ -20,7 +20,14 @@ from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, 
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
-from headatlas.service.storage.effect_rows import CURVE_COLUMNS, StoredPrune, effect_windows, load_prune, store_prune
+from headatlas.service.storage.effect_rows import (
+    CURVE_COLUMNS,
+    StoredPrune,
+    effect_windows,
+    load_prune,
+    run_effects,
+    store_prune,
+)
 from headatlas.service.storage.store import Run, Store
 
 # each random order is a curve of its own: a thousand of them is far past what the area's interval
@@ -125,6 +132,7 @@ def prune_run(
     from headatlas.service.engine.model import load_model
     from headatlas.service.engine.runner import first_windows
     from headatlas.service.engine.windows import TokenClasses
+    from headatlas.service.measures.objectives import objective_for
 
     check_request(run, orders=orders, seeds=seeds)
     params = AnalysisParams.from_dict(run.params)
@@ -132,12 +140,13 @@ def prune_run(
         noise = noise_shares(conn, run.run_id)
         effect, importance, drops, importance_drops = stored_effects(conn, run.run_id)
         counted = effect_windows(conn, run.run_id)
+        recorded = run_effects(conn, run.run_id)
     loaded = model or load_model(run.model, device=device)
+    # the objective the run's effects were measured on, as recorded with them; a run without
+    # effects: the one its parameters name (the model's own)
+    objective = objective_for(loaded, recorded[0]["objective"] if recorded else params.objective)
     if orders is None:
-        from headatlas.service.measures.objectives import objective_of
-
-        is_loss = objective_of(loaded).is_loss
-        orders = [o for o in ORDERS if o != "importance" or is_loss]
+        orders = [o for o in ORDERS if o != "importance" or objective.is_loss]
     began = time.perf_counter()
     stored = None
     if effect is not None or importance is not None:
@@ -168,6 +177,7 @@ def prune_run(
         reference=reference,
         on_step=on_step,
         stored=stored,
+        objective=objective,
     )
     columns, rows = result.rows()
     assert tuple(columns) == CURVE_COLUMNS

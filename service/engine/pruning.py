@@ -42,7 +42,7 @@ from headatlas.service.engine.results import window_group
 from headatlas.service.engine.windows import TokenClasses, Window, collate
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
-from headatlas.service.measures.objectives import wide
+from headatlas.service.measures.objectives import Objective, wide
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import jackknife_halfwidth
 
@@ -84,11 +84,15 @@ def removed(model: LoadedModel, heads: Sequence[Head], means: torch.Tensor) -> I
 
 
 def objective_with(
-    model: LoadedModel, batches: list, heads: Sequence[Head], means: torch.Tensor, intact: list[torch.Tensor]
+    model: LoadedModel,
+    batches: list,
+    heads: Sequence[Head],
+    means: torch.Tensor,
+    intact: list[torch.Tensor],
+    objective: Objective,
 ) -> np.ndarray:
     """The objective per evaluation window ``[window]`` with ``heads`` removed (``batches``:
     ``prepared`` batches)."""
-    objective = fx.objective_of(model)
     out = []
     with torch.no_grad(), removed(model, heads, means):
         for (model_ids, targets, mask), reference in zip(batches, intact, strict=True):
@@ -97,10 +101,11 @@ def objective_with(
     return torch.cat(out).numpy()
 
 
-def prepared(model: LoadedModel, batches: list) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def prepared(
+    model: LoadedModel, batches: list, objective: Objective
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each batch as the objective runs it: ``(model_ids, targets, attention_mask)`` on the
     model's device (a masked-LM objective masks its windows' positions, fixed by their ids)."""
-    objective = fx.objective_of(model)
     out = []
     for b in batches:
         mask = b.attention_mask.to(model.device)
@@ -267,9 +272,11 @@ def prune_curves(
     encoding: str = "utf-8",
     on_step: Callable[[str, int, int], None] | None = None,
     stored: StoredOrders | None = None,
+    objective: Objective | None = None,
 ) -> PruneResult:
     """The pruning curves of ``orders`` and the test of the seed's claim (the module docstring);
-    ``stored``: the run's stored effects, which set the effect and importance orders."""
+    ``stored``: the run's stored effects, which set the effect and importance orders;
+    ``objective``: what the curves measure (None: the one ``params`` names, else the model's own)."""
     from headatlas.service.engine.corpus import iter_documents
     from headatlas.service.engine.runner import first_windows
 
@@ -280,7 +287,7 @@ def prune_curves(
         raise ParameterError(
             Param("orders", "noise"), " needs a stored run's noise_share: pass the run (analysed with this model)"
         )
-    objective = fx.objective_of(model)
+    objective = objective or fx.objective_for(model, params.objective)
     if "importance" in orders and not objective.is_loss:
         raise ParameterError(
             Param("orders", "importance"),
@@ -340,7 +347,13 @@ def prune_curves(
         per_window: dict[str, list[torch.Tensor]] = {k: [] for k in want}
         for batch in _batches(selection, pad, batch_size):
             got = fx.head_effects(
-                model, batch.input_ids, batch.attention_mask, kinds=want, means=means, window_ids=batch.window_ids
+                model,
+                batch.input_ids,
+                batch.attention_mask,
+                kinds=want,
+                means=means,
+                window_ids=batch.window_ids,
+                objective=objective,
             )
             for kind in want:
                 per_window[kind].append(got.effect[kind])
@@ -366,7 +379,7 @@ def prune_curves(
         random.Random(seed).shuffle(shuffled)
         ranked[f"random:{seed}"] = shuffled
 
-    batches = prepared(model, _batches(evaluation, pad, batch_size))
+    batches = prepared(model, _batches(evaluation, pad, batch_size), objective)
     with torch.no_grad():
         intact = [wide(fx._run_model(model, ids, mask)) for ids, _targets, mask in batches]
     scheme = params.resolved(len({w.doc_id for w in evaluation})).replicates
@@ -390,7 +403,7 @@ def prune_curves(
         heads_in_order = ranked[name]
         values = []
         for index, n in enumerate(counts):
-            values.append(objective_with(model, batches, heads_in_order[:n], means, intact))
+            values.append(objective_with(model, batches, heads_in_order[:n], means, intact, objective))
             if on_step is not None:
                 on_step(name, index + 1, len(counts))
         result.curves.append(Curve(order=name, steps=counts, values=np.stack(values), order_heads=heads_in_order))

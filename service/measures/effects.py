@@ -1,6 +1,7 @@
 """Causal effects of heads (SPEC §9): what the model loses when a head is removed.
 
-Per window w and head (l, h), with ``O`` the model's own objective (``objective_of``):
+Per window w and head (l, h), with ``O`` the run's objective (``objectives.objective_for``: the
+model's own unless the request names another):
 
 - **zero / mean ablation**: the head's output ``z^{l,h}`` (before W_O, every position) replaced by
   0 or by ``m^{l,h}``, its mean over the valid positions of reference windows
@@ -34,6 +35,7 @@ import torch
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures.objectives import Objective, objective_of, output_drift, wide
+from headatlas.service.measures.objectives import objective_for as objective_for  # for the engine's effect runs
 
 KINDS = ("zero", "mean", "gradient")
 ABLATIONS = ("zero", "mean")
@@ -256,13 +258,15 @@ def head_effects(
     heads_per_pass: int | None = None,
     layers: Iterable[int] | None = None,
     window_ids: list[str] | None = None,
+    objective: Objective | None = None,
 ) -> WindowEffects:
     """Every head's effect on a batch of windows, for each of ``kinds`` (SPEC §9).
 
     ``means``: the reference means ``[layer, head, d_head]`` (``reference_means``), needed for
     ``mean``; ``heads_per_pass``: heads ablated together in one stacked pass (None: every head of
     a layer); ``layers``: only these layers' heads (the others' effects are NaN);
-    ``window_ids``: the windows' ids, which fix the masked positions of a masked-LM objective.
+    ``window_ids``: the windows' ids, which fix the masked positions of a masked-LM objective;
+    ``objective``: the run's (None: the model's own, ``objective_of``).
     """
     kinds = tuple(kinds)
     for kind in kinds:
@@ -270,7 +274,7 @@ def head_effects(
             raise ParameterError(f"unknown effect {kind!r}; use {', '.join(KINDS)}")
     if "mean" in kinds and means is None:
         raise ParameterError("mean ablation needs the reference means (reference_means)")
-    objective = objective_of(model)
+    objective = objective or objective_of(model)
     attention_mask = attention_mask.to(model.device)
     input_ids, targets = objective.prepare(input_ids.to(model.device), attention_mask, window_ids)
     batch, n_layers, n_heads = input_ids.shape[0], model.n_layers, model.n_heads

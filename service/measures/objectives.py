@@ -15,6 +15,16 @@
 
 ``output_drift`` is computed beside every objective.
 
+The objectives are a registry (``OBJECTIVES``; a plugin adds one through the
+``headatlas.objectives`` entry point): each ``ObjectiveDefinition`` says from a model's adapter and
+config alone whether it applies (``applies``: no weights read) and builds its per-window function
+from the loaded model (``build``). ``choose`` picks a run's objective from the adapter, the config
+and the objective the request names (``AUTO``: the first built-in that applies, in the order
+above) — the one decision that ``submit``'s check (``definition_for_spec``), the workers and the
+embedded runner (``objective_for``) all make, so that they cannot disagree. The loaded model only
+builds what was chosen: a masked-LM checkpoint whose weights lack the head is refused, not measured
+by another objective.
+
 Pure tensor code: imports neither Celery, Typer nor SQLAlchemy.
 """
 
@@ -22,12 +32,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from headatlas.service.engine.adapters import ModelAdapter
 from headatlas.service.engine.model import LoadedModel
+from headatlas.service.errors import ModelError, Param, ParameterError
 
 LOGIT_ELEMENTS = 1 << 25  # logits materialised at once (128 MB in float32), windows chunked to fit
 MASK_SHARE = 0.15  # masked-LM: share of a window's non-special positions masked (SPEC §9)
@@ -65,39 +77,203 @@ class Objective:
     prepare: Prepare = _unmasked
 
 
-def objective_of(model: LoadedModel) -> Objective:
-    """The objective of ``model`` (the module docstring says which)."""
+AUTO = "auto"  # the objective a request names when it names none: the first built-in that applies
+
+Built = PerWindow | tuple[PerWindow, Prepare]
+
+
+@dataclass(frozen=True)
+class ObjectiveDefinition:
+    """One objective of the registry. ``applies(adapter, config)``: whether it can measure a model
+    of that family and config (no weights read: what ``submit`` checks); ``build(model)``: its
+    ``per_window`` function for the loaded model, or ``(per_window, prepare)`` where the model is
+    run on other ids than the window's (the masked-LM loss). ``is_loss``: a loss the model was
+    trained to lower (gradient importance needs one). ``automatic``: chosen without being named
+    (the built-ins; a plugin's objective is measured only when a request names it)."""
+
+    name: str
+    unit: str
+    is_loss: bool
+    summary: str
+    applies: Callable[[ModelAdapter, Any], bool]
+    build: Callable[[LoadedModel], Built]
+    automatic: bool = False
+    origin: str = "headatlas"
+
+
+def _next_token_applies(adapter: ModelAdapter, config: Any) -> bool:
+    return adapter.causal and bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _next_token(model: LoadedModel) -> Built:
     base: Any = model.model  # a transformers model (nn.Module's __getattr__ is typed Tensor | Module)
-    config = getattr(base, "config", None)
-    if model.causal and getattr(config, "tie_word_embeddings", False):
-        weight = base.get_input_embeddings().weight
+    weight = base.get_input_embeddings().weight
 
-        def loss(final, input_ids, attention_mask, _intact):
-            return next_token_loss(final, input_ids, attention_mask, weight)
+    def loss(final, input_ids, attention_mask, _intact):
+        return next_token_loss(final, input_ids, attention_mask, weight)
 
-        return Objective("next_token_loss", "nats", True, loss)
-    head = None if model.causal else model.mlm_head()
-    if head is not None:
-        tokenizer = model.tokenizer
-        mask_id = tokenizer.mask_token_id
-        if mask_id is None:
-            raise ValueError(f"{model.name}: the tokenizer has no [MASK] token for its masked-LM head")
-        special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    return loss
 
-        def prepare(input_ids, attention_mask, keys):
-            return masked_inputs(input_ids, attention_mask, keys, mask_id=mask_id, special=special)
 
-        def mlm(final, targets, _attention_mask, _intact):
-            return masked_lm_loss(final, targets, head)
+def _masked_lm_applies(adapter: ModelAdapter, config: Any) -> bool:
+    return not adapter.causal and adapter.masked_lm(config)
 
-        return Objective("masked_lm_loss", "nats", True, mlm, prepare)
 
+def _masked_lm(model: LoadedModel) -> Built:
+    head = model.mlm_head()
+    if head is None:
+        architectures = ", ".join(getattr(getattr(model.model, "config", None), "architectures", None) or [])
+        raise ModelError(
+            Param("model", model.spec),
+            f": its config names a masked-LM model ({architectures}) but its weights hold no masked-LM head; "
+            "measure it by embedding drift",
+            hint=("pass ", Param("objective", "embedding_drift")),
+        )
+    tokenizer = model.tokenizer
+    mask_id = tokenizer.mask_token_id
+    if mask_id is None:
+        raise ValueError(f"{model.name}: the tokenizer has no [MASK] token for its masked-LM head")
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+
+    def prepare(input_ids, attention_mask, keys):
+        return masked_inputs(input_ids, attention_mask, keys, mask_id=mask_id, special=special)
+
+    def mlm(final, targets, _attention_mask, _intact):
+        return masked_lm_loss(final, targets, head)
+
+    return mlm, prepare
+
+
+def _drift(_model: LoadedModel) -> Built:
     def drift(final, _input_ids, attention_mask, intact):
         if intact is None:
             raise ValueError("embedding drift compares with the intact model's final states")
         return embedding_drift(final, intact, attention_mask)
 
-    return Objective("embedding_drift", "1 - cos", False, drift)
+    return drift
+
+
+# the built-ins, in the order the automatic choice tries them (embedding drift applies to every model)
+OBJECTIVES: dict[str, ObjectiveDefinition] = {
+    d.name: d
+    for d in (
+        ObjectiveDefinition(
+            "next_token_loss",
+            "nats",
+            True,
+            "mean next-token cross-entropy (decoders whose LM head is tied to the input embeddings)",
+            _next_token_applies,
+            _next_token,
+            automatic=True,
+        ),
+        ObjectiveDefinition(
+            "masked_lm_loss",
+            "nats",
+            True,
+            "cross-entropy of 15% of the tokens masked (encoders whose config names a masked-LM model)",
+            _masked_lm_applies,
+            _masked_lm,
+            automatic=True,
+        ),
+        ObjectiveDefinition(
+            "embedding_drift",
+            "1 - cos",
+            False,
+            "1 − cos of the pooled embedding against the intact model's (any model)",
+            lambda _adapter, _config: True,
+            _drift,
+            automatic=True,
+        ),
+    )
+}
+
+
+def register(definition: ObjectiveDefinition) -> ObjectiveDefinition:
+    """Add ``definition`` to the registry (a PluginError where its name is taken)."""
+    from headatlas.service.errors import PluginError
+
+    if not isinstance(definition, ObjectiveDefinition):
+        raise PluginError(f"{definition!r} is not an ObjectiveDefinition")
+    taken = OBJECTIVES.get(definition.name)
+    if taken is not None and taken != definition:
+        owner = "headatlas's" if taken.origin == "headatlas" else f"{taken.origin}'s"
+        raise PluginError(f"objective {definition.name!r} is {owner} already: give the plugin's objective another name")
+    if definition.name == AUTO or not definition.name.isidentifier():
+        raise PluginError(f"objective {definition.name!r}: a name is a Python identifier, and not {AUTO!r}")
+    OBJECTIVES[definition.name] = definition
+    return definition
+
+
+def _install_plugin(plugin: Any, value: Any) -> None:
+    """A ``headatlas.objectives`` entry point names an ObjectiveDefinition (or a tuple of them); each
+    is registered with the plugin as its origin, never chosen unless named."""
+    from headatlas.service.errors import PluginError
+
+    found = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not found or not all(isinstance(d, ObjectiveDefinition) for d in found):
+        raise PluginError(f"{plugin.value} is not an ObjectiveDefinition (or a tuple of them)")
+    for definition in found:
+        register(replace(definition, origin=plugin.origin, automatic=False))
+
+
+def objectives() -> dict[str, ObjectiveDefinition]:
+    """Every objective, the plugins' included (read once per process): name -> definition."""
+    from headatlas.service import plugins
+
+    plugins.load(plugins.OBJECTIVES, _install_plugin)
+    return OBJECTIVES
+
+
+def choose(adapter: ModelAdapter, config: Any, requested: str = AUTO, *, model: str = "") -> ObjectiveDefinition:
+    """The objective of a model of ``adapter``'s family and ``config``: the one ``requested``
+    names, or (``AUTO``) the first built-in that applies. A ParameterError where the name is not
+    registered or does not apply (``model``: the spec the message names)."""
+    if requested == AUTO:
+        return next(d for d in OBJECTIVES.values() if d.automatic and d.applies(adapter, config))
+    known = objectives()
+    definition = known.get(requested)
+    if definition is None:
+        raise ParameterError(
+            Param("objective", requested, quoted=True),
+            f": not an objective; choose {AUTO} or one of {', '.join(known)}",
+        )
+    if not definition.applies(adapter, config):
+        fitting = [d.name for d in known.values() if d.applies(adapter, config)]
+        raise ParameterError(
+            Param("objective", requested),
+            f" does not apply to {model or adapter.title} ({definition.summary}); it takes {', '.join(fitting)}",
+        )
+    return definition
+
+
+def definition_for_spec(spec: str, requested: str = AUTO) -> ObjectiveDefinition:
+    """``choose`` from a model's config alone, no weights loaded (``submit``, ``schedule add``)."""
+    from headatlas.service.engine.model import model_config
+
+    adapter, config = model_config(spec)
+    return choose(adapter, config, requested, model=spec)
+
+
+def definition_for(model: LoadedModel, requested: str = AUTO) -> ObjectiveDefinition:
+    """``choose`` for a loaded model: from its adapter and its config, as from the spec."""
+    return choose(model.adapter, getattr(model.model, "config", None), requested, model=model.spec)
+
+
+def objective_for(model: LoadedModel, requested: str = AUTO) -> Objective:
+    """The objective ``requested`` (``AUTO``: the model's own, the module docstring says which),
+    built for ``model`` once and kept with it."""
+    built: dict[str, Objective] = model.__dict__.setdefault("_objectives", {})
+    if requested not in built:
+        definition = definition_for(model, requested)
+        got = definition.build(model)
+        per_window, prepare = got if isinstance(got, tuple) else (got, _unmasked)
+        built[requested] = Objective(definition.name, definition.unit, definition.is_loss, per_window, prepare)
+    return built[requested]
+
+
+def objective_of(model: LoadedModel) -> Objective:
+    """The model's own objective (``objective_for`` with nothing named)."""
+    return objective_for(model)
 
 
 def next_token_loss(
