@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from headatlas.service.errors import ANALYZE, RUNS, Param, ParameterError, RunNotFound
+from headatlas.service.errors import ANALYZE, RUNS, RunNotFound
 from headatlas.service.operations.events import Notice, ResultWarning, Sink, ignore
 from headatlas.service.storage.store import Run, Store
 
@@ -41,11 +41,10 @@ def find_run(conn: Connection, ref: str | int | None, events: Sink = ignore, *, 
 
 
 def check_layer_head(run: Run, layer: int | None, head: int | None = None) -> None:
-    """``layer`` and ``head`` (0-based) exist in ``run``'s model."""
-    if layer is not None and not 0 <= layer < run.n_layers:
-        raise ParameterError(Param("layer", layer), f": run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
-    if head is not None and not 0 <= head < run.n_heads:
-        raise ParameterError(Param("head", head), f": run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")
+    """``layer`` and ``head`` (0-based) exist in ``run``'s model (service/layer_head.py)."""
+    from headatlas.service.layer_head import check_layer_head as within
+
+    within(layer, head, n_layers=run.n_layers, n_heads=run.n_heads, whose=f"run {run.run_id}")
 
 
 def interval_warnings(conn: Connection, *runs: Run) -> list[str]:

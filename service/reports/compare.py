@@ -34,6 +34,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.layer_head import NAMED_BY_LAYER, check_head_has_layer, check_layer_head
 from headatlas.service.reports import queries
 from headatlas.service.reports.columns import unknown_metric
 from headatlas.service.reports.intervals import add_intervals, clip_interval, jackknife_halfwidth, scheme_of
@@ -203,13 +204,9 @@ def compare(
     ``Run``s), A − B with its 95% interval, and the verdict. ``layer`` and ``head`` use run A's
     numbering (0-based)."""
     chosen = check_metrics(metrics)
-    if head is not None and layer is None:
-        raise ParameterError(f"--head {head} needs --layer: a head is named by its layer and its index")
+    check_head_has_layer(layer, head, then=NAMED_BY_LAYER)
     heads = heads or head is not None
-    if layer is not None and not 0 <= layer < run_a.n_layers:
-        raise ParameterError(f"--layer {layer}: run A ({run_a.name}) has layers 0..{run_a.n_layers - 1} (0-based)")
-    if head is not None and not 0 <= head < run_a.n_heads:
-        raise ParameterError(f"--head {head}: run A ({run_a.name}) has heads 0..{run_a.n_heads - 1} (0-based)")
+    check_layer_head(layer, head, n_layers=run_a.n_layers, n_heads=run_a.n_heads, whose=f"run A ({run_a.name})")
     if heads and (run_a.n_layers, run_a.n_heads) != (run_b.n_layers, run_b.n_heads):
         raise ParameterError(
             f"compare heads: run {run_a.name} is {run_a.n_layers}×{run_a.n_heads} (layers × heads), run "

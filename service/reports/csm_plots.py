@@ -15,6 +15,7 @@ from matplotlib import colors
 
 from headatlas.service.engine.results import CSM_KINDS
 from headatlas.service.errors import ParameterError
+from headatlas.service.layer_head import check_layer_head
 from headatlas.service.params import CSM_BIN
 from headatlas.service.reports import queries
 from headatlas.service.reports.plots import _title, new_figure
@@ -120,10 +121,7 @@ def figure_csm_layer(
 def run_csm(conn, run, *, layer: int, head: int | None = None, kind: str = "all"):
     """``plot csm`` for ``run`` (a store ``Run``): one head's three matrices, or with ``head``
     None the grid of ``layer``'s heads for ``kind``."""
-    if not 0 <= layer < run.n_layers:
-        raise ParameterError(f"--layer {layer}: run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
-    if head is not None and not 0 <= head < run.n_heads:
-        raise ParameterError(f"--head {head}: run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")
+    check_layer_head(layer, head, n_layers=run.n_layers, n_heads=run.n_heads, whose=f"run {run.run_id}")
     if kind not in CSM_KINDS:
         raise ParameterError(f"--kind {kind!r}: choose one of {', '.join(CSM_KINDS)}")
     bin_size = int(run.params.get("csm_bin", CSM_BIN))

@@ -14,6 +14,8 @@ from matplotlib import colors
 from matplotlib.figure import Figure
 
 from headatlas.service.errors import ParameterError
+from headatlas.service.layer_head import check_head_has_layer
+from headatlas.service.layer_head import check_layer_head as within
 from headatlas.service.reports.inspection import Inspection
 from headatlas.service.reports.plots import new_figure
 
@@ -24,12 +26,9 @@ MATRICES = ("csm", "attention")
 
 
 def check_layer_head(insp: Inspection, layer: int | None, head: int | None) -> None:
-    if head is not None and layer is None:
-        raise ParameterError(f"--head {head} needs --layer: pass --layer L (0-based) as well")
-    if layer is not None and not 0 <= layer < insp.n_layers:
-        raise ParameterError(f"--layer {layer}: the model has layers 0..{insp.n_layers - 1} (0-based)")
-    if head is not None and not 0 <= head < insp.n_heads:
-        raise ParameterError(f"--head {head}: the model has heads 0..{insp.n_heads - 1} (0-based)")
+    """A head is named by its layer, and both exist in the inspected model (service/layer_head.py)."""
+    check_head_has_layer(layer, head)
+    within(layer, head, n_layers=insp.n_layers, n_heads=insp.n_heads, whose="the model")
 
 
 def csm_limit(csm: np.ndarray, in_pairs: np.ndarray) -> float:
