@@ -284,6 +284,22 @@ def test_a_decoder_analyses_end_to_end(tmp_path, small_corpus):
     assert run.heads().num_rows == 2 * 4
     longest = atlas.sql("SELECT max(n_tokens) AS n FROM windows").to_pylist()[0]["n"]  # the only run
     assert longest == 32
+    # the effects and prune measure the run's own windows, [BOS] first (ids are content-addressed:
+    # a window built without the BOS is another window) and take their reference means from them
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.engine.effect_runs import spread_windows
+    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.windows import TokenClasses
+    from headatlas.service.params import AnalysisParams
+
+    analysed = {r["window_id"] for r in atlas.sql("SELECT window_id FROM windows").to_pylist()}
+    model = load_model("random:llama", device="cpu")
+    params = AnalysisParams(seq_len=32)
+    chosen = spread_windows(iter_documents(str(small_corpus)), model, params, 4)
+    reference = first_windows(str(small_corpus), model, params, TokenClasses.for_model(model), 4)
+    for built in (chosen, reference):
+        assert len(built) == 4 and all(w.input_ids[0] == model.tokenizer.bos_token_id for w in built)
+        assert {w.window_id for w in built} <= analysed
 
 
 # --- the adapter contract: every family (the plugins' included) provides every part -----------------

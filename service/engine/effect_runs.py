@@ -69,7 +69,7 @@ class EffectTable:
 def spread_windows(docs: Iterator, model: LoadedModel, params: AnalysisParams, count: int) -> list[Window]:
     """``count`` windows, round-robin over the documents (each document's first window, then its
     second, …), reading no more documents than ``count``."""
-    tokens = TokenClasses.from_tokenizer(model.tokenizer)
+    tokens = TokenClasses.for_model(model)
     per_doc: list[list[Window]] = []
     for doc in docs:
         per_doc.append(list(iter_document_windows(doc, model.tokenizer, tokens, model.tokenizer_key, params)))
@@ -138,14 +138,14 @@ def measure_effects(
         raise ParameterError(f"{corpus}: no windows to measure (is the corpus empty?)")
     documents = len({w.doc_id for w in chosen})
     scheme = params.resolved(documents).replicates
-    pad = TokenClasses.from_tokenizer(model.tokenizer).pad_id
+    pad = TokenClasses.for_model(model).pad_id
     means, positions, ref_windows = None, 0, 0
     if "mean" in kinds:
         ref = first_windows(
             corpus,
             model,
             params,
-            TokenClasses.from_tokenizer(model.tokenizer),
+            TokenClasses.for_model(model),
             reference,
             text_field=text_field,
             encoding=encoding,

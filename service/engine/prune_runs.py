@@ -150,7 +150,7 @@ def prune_run(
     began = time.perf_counter()
     stored = None
     if effect is not None or importance is not None:
-        tokens = TokenClasses.from_tokenizer(loaded.tokenizer)
+        tokens = TokenClasses.for_model(loaded)
         measured = first_windows(run.corpus, loaded, params, tokens, params.effect_windows)
         stored = StoredOrders(
             effect=effect,
