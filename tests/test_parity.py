@@ -88,7 +88,7 @@ def test_hooks_are_removed_after_capture(tiny_model):
     block = tiny_model.model.encoder.layer[0].attention.self
     before = len(block._forward_hooks)  # transformers may keep hooks of its own there
     with capture_attention(tiny_model.model):
-        assert len(block._forward_hooks) == before + 1
+        assert len(block._forward_hooks) == before + 2  # blocks.0.attn.z and blocks.0.attn.pattern, both here
     assert len(block._forward_hooks) == before
     with pytest.raises(RuntimeError):
         with capture_attention(tiny_model.model):
@@ -97,8 +97,8 @@ def test_hooks_are_removed_after_capture(tiny_model):
 
 
 def test_act_names_are_canonical():
-    assert act_name("z", 3) == "blocks.3.attn.hook_z"
-    assert act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
+    assert act_name("z", 3) == "blocks.3.attn.z"
+    assert act_name("pattern", 0) == "blocks.0.attn.pattern"
     with pytest.raises(ValueError):
         act_name("q", 0)
 

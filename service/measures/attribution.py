@@ -28,14 +28,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from headatlas.service.engine.adapters import ModelAdapter, adapter_for
-from headatlas.service.engine.hooks import act_name, capture_attention
+from headatlas.service.engine.adapters import adapter_for
+from headatlas.service.engine.hooks import act_name, capture_attention, hooks
 from headatlas.service.engine.model import LoadedModel, model_blocks
 from headatlas.service.wording import counted
 
@@ -60,58 +59,30 @@ class Trace:
     attn_in: list[torch.Tensor]
 
 
-@contextmanager
-def _replace_embeddings(
-    model: torch.nn.Module, adapter: ModelAdapter, store: dict, embeddings: torch.Tensor | None, grad: bool
-) -> Iterator[None]:
-    """Make the embedding output a tensor we own: a fresh leaf (to differentiate against), or
-    ``embeddings`` given by the caller (to evaluate the model at a perturbed point)."""
+def _trace_hooks(n_layers: int, store: dict, embeddings: torch.Tensor | None, grad: bool) -> dict:
+    """The hook points a trace reads: the embedding output made a tensor we own (a fresh leaf, to
+    differentiate against, or ``embeddings`` given by the caller, to evaluate the model at a
+    perturbed point), and each block's input, output and attention input."""
 
-    def hook(_module, _inputs, output):
+    def embed(output: torch.Tensor) -> torch.Tensor:
         e = embeddings if embeddings is not None else output.detach()
         if grad and not e.requires_grad:
             e = e.requires_grad_(True)
         store["e"] = e
         return e
 
-    handle = adapter.embedding_output(model).register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+    def keep(part: str, layer: int):
+        def fn(value: torch.Tensor) -> None:
+            store.setdefault(part, {})[layer] = value
 
+        return fn
 
-@contextmanager
-def _capture_residual(blocks, adapter: ModelAdapter, store: dict) -> Iterator[None]:
-    handles = []
-
-    def pre(layer):
-        def hook(_module, args, kwargs):
-            store.setdefault("pre", {})[layer] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def post(layer):
-        def hook(_module, _inputs, output):
-            store.setdefault("post", {})[layer] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def attn_in(layer):
-        def hook(_module, args, kwargs):
-            store.setdefault("attn_in", {})[layer] = adapter.attention_input(args, kwargs)
-
-        return hook
-
-    try:
-        for layer, block in enumerate(blocks):
-            handles.append(block.register_forward_pre_hook(pre(layer), with_kwargs=True))
-            handles.append(block.register_forward_hook(post(layer)))
-            handles.append(adapter.attention(block).register_forward_pre_hook(attn_in(layer), with_kwargs=True))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    fns = {"embed": embed}
+    for layer in range(n_layers):
+        fns[f"blocks.{layer}.resid_pre"] = keep("pre", layer)
+        fns[f"blocks.{layer}.resid_post"] = keep("post", layer)
+        fns[f"blocks.{layer}.attn_in"] = keep("attn_in", layer)
+    return fns
 
 
 def trace(
@@ -129,8 +100,7 @@ def trace(
     ctx = torch.enable_grad() if grad else torch.no_grad()
     with (
         ctx,
-        _replace_embeddings(model.model, adapter, store, embeddings, grad),
-        _capture_residual(blocks, adapter, store),
+        hooks(model.model, _trace_hooks(len(blocks), store, embeddings, grad), adapter),
         capture_attention(model.model) as acts,
     ):
         model.model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device))

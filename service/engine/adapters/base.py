@@ -13,7 +13,13 @@ checked by ``register`` before a family can be used, enumerated by tests/test_ad
 - the config: which config.json fields hold the layers, heads, width, … (``ConfigKeys``), read
   by the model check before anything is loaded, and the shape read from a loaded config;
 - random configs: its named ``random:`` shapes and how a random-weights model is built;
-- how a window is laid out (its special tokens).
+- how a window is laid out (its special tokens);
+- where each named hook point is (``hook_point``: ``embed``, ``blocks.L.resid_pre``,
+  ``blocks.L.attn.z``, ``blocks.L.attn.pattern``, ``unembed``, …; see ``points.py``), by default
+  from the parts above.
+
+A family installed by a plugin must also pass the conformance checks (``conformance.py``: run on
+a tiny random model of the family) before it is registered.
 
 Adding a family is one module that subclasses ``ModelAdapter`` and is registered with
 ``@register``: here, or in a package of its own through the ``headatlas.families`` entry point
@@ -23,20 +29,17 @@ Adding a family is one module that subclasses ``ModelAdapter`` and is registered
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from headatlas.service.engine.adapters.points import HookPoint, parse_hook_name
 from headatlas.service.errors import AdapterIncomplete, ModelError, Param
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
     from transformers import PretrainedConfig, PreTrainedModel
-
-# emit(z, probs): z [batch, pos, head·d_head] before the output projection, probs [batch, head, pos, key]
-Emit = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -182,27 +185,35 @@ class ModelAdapter(ABC):
         """The hidden states handed to ``attention(block)`` (a forward pre-hook's arguments)."""
         return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
-    # --- capture -------------------------------------------------------------------------------
-    def capture(self, block: Any, emit: Emit) -> list[RemovableHandle]:
-        """Register hooks on ``block`` that call ``emit(z, probs)`` once per forward pass, as the
-        attention module returns. Default: z from a forward pre-hook on the output projection (its
-        input), probs from the attention module's output; the projection runs inside the attention
-        module, so z is always taken first."""
-        pending: list[torch.Tensor] = []
-
-        def take_z(_module, args):
-            pending.append(args[0])
-
-        def take_probs(_module, _args, output):
-            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-            if probs is None:
-                raise RuntimeError("attention probabilities were not returned; load the model with eager attention")
-            emit(pending.pop(), probs)
-
-        return [
-            self.output_projection(block).register_forward_pre_hook(take_z),
-            self.attention(block).register_forward_hook(take_probs),
-        ]
+    # --- hook points (service.engine.adapters.points) --------------------------------------------
+    def hook_point(self, model: Any, name: str) -> HookPoint:
+        """Where the named activation ``name`` is in ``model`` (the base model), for capture and
+        intervention alike. Default, from the parts above: ``embed`` is the output of
+        ``embedding_output``, ``unembed`` the output of ``final_norm`` (of the last block where there
+        is none); a block's ``resid_pre`` / ``resid_post`` its input / output, ``attn_in`` the
+        attention module's input, ``attn.z`` / ``attn_out`` the output projection's input / output,
+        ``attn.pattern`` the second value the attention module returns. A family whose model
+        computes one of them inline (not as a module's input or output) overrides this."""
+        layer, point = parse_hook_name(name)
+        if layer is None:
+            if point == "embed":
+                return HookPoint(name, self.embedding_output(model), "output")
+            final = self.final_norm(model)
+            return HookPoint(name, final if final is not None else self.blocks(model)[-1], "output")
+        blocks = self.blocks(model)
+        if not 0 <= layer < len(blocks):
+            raise ValueError(f"hook point {name!r}: the model has blocks 0 to {len(blocks) - 1}")
+        block = blocks[layer]
+        where: dict[str, tuple[torch.nn.Module, str]] = {
+            "resid_pre": (block, "input"),
+            "resid_post": (block, "output"),
+            "attn_in": (self.attention(block), "input"),
+            "attn.z": (self.output_projection(block), "input"),
+            "attn.pattern": (self.attention(block), "output[1]"),
+            "attn_out": (self.output_projection(block), "output"),
+        }
+        module, kind = where[point]
+        return HookPoint(name, module, kind)
 
     def positions(self, config: Mapping[str, Any]) -> int:
         """Usable token positions of one window, from a config.json dict (0: not stated)."""

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from headatlas.service.engine.adapters.base import ConfigKeys, Emit, ModelAdapter, RandomShape, register
+from headatlas.service.engine.adapters.base import ConfigKeys, ModelAdapter, RandomShape, register
+from headatlas.service.engine.adapters.points import HookPoint, parse_hook_name
 from headatlas.service.errors import ModelError
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
     from transformers import BertConfig, PretrainedConfig, PreTrainedModel
 
 # RoBERTa-style models count positions from padding_idx + 1: 514 embeddings give 512 positions.
@@ -93,15 +93,14 @@ class BertAdapter(ModelAdapter):
     def final_norm(self, model: Any) -> None:
         return None
 
-    def capture(self, block: Any, emit: Emit) -> list[RemovableHandle]:
-        # one hook: the self-attention returns the context layer (z) and the probabilities together
-        def hook(_module, _inputs, output):
-            context, probs = output[0], output[1]
-            if probs is None:
-                raise RuntimeError("attention probabilities were not returned; load the model with eager attention")
-            emit(context, probs)
-
-        return [block.attention.self.register_forward_hook(hook)]
+    def hook_point(self, model: Any, name: str) -> HookPoint:
+        # the self-attention returns the context layer (z) and the probabilities together; z is
+        # taken (or replaced) there, as it leaves the module, rather than at W_O's input
+        found = super().hook_point(model, name)  # the name and the layer checked
+        layer, point = parse_hook_name(name)
+        if point == "attn.z" and layer is not None:
+            return HookPoint(name, self.attention(self.blocks(model)[layer]), "output")
+        return found
 
     def random_config(self, shape: RandomShape, vocab_size: int) -> PretrainedConfig:
         from transformers import BertConfig
