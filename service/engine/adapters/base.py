@@ -358,17 +358,33 @@ def register(cls: type[ModelAdapter]) -> type[ModelAdapter]:
 
 def _install_plugin(plugin: Any, value: Any) -> None:
     """A ``headatlas.families`` entry point names a ModelAdapter subclass; it is registered, with
-    its origin, once it provides the whole contract."""
+    its origin, once it provides the whole contract and passes the conformance checks
+    (``conformance.conform``: its tiny random model computes what its hook points say)."""
+    from headatlas.service.engine.adapters.conformance import conform
     from headatlas.service.errors import PluginError
 
     if not (isinstance(value, type) and issubclass(value, ModelAdapter)):
         raise PluginError(f"{plugin.value} is not a ModelAdapter subclass")
     registered = FAMILIES.get(getattr(value, "family", ""))
     if registered is not None and type(registered) is value:  # registered already (a @register at import)
+        try:
+            conform(registered)
+        except AdapterIncomplete:
+            _unregister(registered)
+            raise
         type(registered).origin = plugin.origin
         return
+    check_contract(value)
+    conform(value())
     value.origin = plugin.origin
     register(value)
+
+
+def _unregister(adapter: ModelAdapter) -> None:
+    FAMILIES.pop(adapter.family, None)
+    for model_type in adapter.model_types:
+        if ADAPTERS.get(model_type) is adapter:
+            del ADAPTERS[model_type]
 
 
 def load_plugins() -> None:
