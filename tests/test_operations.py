@@ -40,6 +40,7 @@ EVERY_OPTION = {
     "effects": (["--effects", "zero", "--effects", "mean"], ["zero", "mean"]),
     "effect_windows": (["--effect-windows", "1"], 1),
     "effect_reference": (["--effect-reference", "2"], 2),
+    "objective": (["--objective", "embedding_drift"], "embedding_drift"),
     "csm_bin": (["--csm-bin", "4"], 4),
     "probe": (["--probe"], True),
     "probe_length": (["--probe-length", "6"], 6),
@@ -151,4 +152,5 @@ def test_every_option_of_analyze_is_a_keyword_of_the_python_api(tmp_path):
     assert {r["method"] for r in mine["every"]["mixing_metrics"]} == {"attention", "attribution", "rollout", "norm"}
     assert len(mine["every"]["probe_scores"]) == 2 * 4
     assert (params["effects"], params["effect_windows"], params["effect_reference"]) == (["zero", "mean"], 1, 2)
+    assert params["objective"] == "embedding_drift"
     assert all(r["effect_mean"] is not None for r in mine["every"]["head_metrics"])

@@ -48,6 +48,7 @@ OFFERED = {
         "effects",  # nothing stored: `headatlas effects` measures them
         "effect_windows",
         "effect_reference",
+        "objective",
     },
     ("demo",): {"model", "device", "batch_size"},
 }
