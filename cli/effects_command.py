@@ -1,7 +1,8 @@
 """`headatlas effects` and `headatlas prune`: which heads the model needs, measured on a corpus in this process (SPEC §9).
 
-Registered on the main app by ``register(app)``; thin like the rest of the CLI: parse options, call
-``service.engine.effect_runs.measure_effects``, render its table.
+Registered on the main app by ``register(app)``; thin like the rest of the CLI: parse options into a
+request, call its operation (``service.operations.effects.measure``, ``service.operations.pruning.prune``),
+render what it says and returns.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.output import Format, print_note, print_table, render, stderr
-from headatlas.service.wording import counted
 
 WindowsOpt = typer.Option(
     16,
@@ -55,42 +55,11 @@ def effects(
     (1 − cos of the pooled embedding) for sentence-embedding encoders such as the default. Measured
     in this process; nothing is stored.
     """
-    from headatlas.service.engine.corpus import STDIN_SPEC, iter_documents
-    from headatlas.service.engine.effect_runs import measure_effects
-    from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.model_check import check_loaded, check_model_spec
-    from headatlas.service.measures.effects import parse_kinds
+    from headatlas.service.operations.effects import measure
+    from headatlas.service.operations.requests import EffectsRequest
 
-    chosen = parse_kinds(kinds)
-    params = analysis.params
-    if corpus != STDIN_SPEC:  # a missing or unreadable corpus is said before the model loads (one line)
-        for _ in iter_documents(corpus, text_field=analysis.text_field, encoding=analysis.encoding):
-            pass
-    check_model_spec(analysis.model, seq_len=params.seq_len, device=analysis.device)
-    loaded = load_model(analysis.model, device=analysis.device)
-    check_loaded(loaded, params.seq_len)
-    batch = int(analysis.batch_size) if str(analysis.batch_size).isdigit() else 4
-    passes = loaded.n_heads * (loaded.n_layers + 1) / 2 * len([k for k in chosen if k != "gradient"])
-    stderr.print(
-        f"measuring {', '.join(chosen)} on {counted(windows, 'window')}: about {passes:.0f} forward passes' worth per window",
-        highlight=False,
-    )
-
-    def progress(done: int, total: int) -> None:
-        stderr.print(f"  {done}/{total} windows", highlight=False)
-
-    table = measure_effects(
-        corpus,
-        loaded,
-        params,
-        kinds=chosen,
-        windows=windows,
-        reference=reference,
-        batch_size=max(1, batch),
-        text_field=analysis.text_field,
-        encoding=analysis.encoding,
-        on_batch=progress,
-    )
+    request = EffectsRequest.build(corpus, kinds=kinds, windows=windows, reference=reference, **analysis.values)
+    table = measure(request, _said)
     rows = table.rows
     if top:
         rows = sorted(rows, key=lambda r: -abs(r[2]) if r[2] == r[2] else 0.0)[:top]
@@ -99,18 +68,25 @@ def effects(
         stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
 
 
-def parse_step(text: str) -> float:
-    """``10%`` or ``0.1`` → 0.1; a ParameterError naming the value otherwise."""
-    from headatlas.service.errors import ParameterError
+def _said(event) -> None:
+    """What ``effects`` and ``prune`` say on stderr as they measure: the plan, the run pruned, each
+    batch of windows or step of a curve, and the run's note."""
+    from headatlas.cli.app import cli_terms
+    from headatlas.cli.run_commands import notes
+    from headatlas.service.errors import render as render_text
+    from headatlas.service.operations import events
 
-    raw = text.strip()
-    try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise ParameterError(f"--step {text!r}: a share of the heads removed per step, such as 10% or 0.1")
-    return value
+    if isinstance(event, events.Estimate):
+        stderr.print(render_text(event.text, cli_terms()), highlight=False, soft_wrap=True)
+    elif isinstance(event, events.WindowsMeasured):
+        stderr.print(f"  {event.done}/{event.total} windows", highlight=False)
+    elif isinstance(event, events.PruneStarted):
+        run = event.run
+        stderr.print(f"run {run.run_id} ({run.name}): {run.model_name} on {run.corpus}", highlight=False)
+    elif isinstance(event, events.PruneStep):
+        stderr.print(f"  {event.order}: step {event.done}/{event.total}", highlight=False)
+    else:
+        notes(event)
 
 
 def prune(
@@ -152,56 +128,19 @@ def prune(
     back)."""
     from pathlib import Path
 
-    from headatlas.cli.run_commands import notes
-    from headatlas.service.engine.prune_runs import MAX_SEEDS, check_request
-    from headatlas.service.engine.pruning import ORDERS
-    from headatlas.service.errors import ParameterError
-    from headatlas.service.operations.runs import find_run
-    from headatlas.service.storage.effect_rows import load_prune
+    from headatlas.service.operations.pruning import prune as prune_curves
+    from headatlas.service.operations.requests import PruneRequest
     from headatlas.service.storage.store import Store
 
-    chosen = None if orders is None else [o.strip() for o in orders.split(",") if o.strip()]
-    if chosen == []:  # `--order ,` stored a prune with no curve
-        raise ParameterError(f"--order {orders!r}: name at least one of {', '.join(ORDERS)}")
-    for name in chosen or []:
-        if name not in ORDERS:
-            raise ParameterError(f"--order {orders!r}: {name!r} is not an order; use {', '.join(ORDERS)}")
-    if not 1 <= seeds <= MAX_SEEDS:
-        raise ParameterError(f"--seeds {seeds}: use 1 to {MAX_SEEDS} random orders (one curve each)")
-    fraction = parse_step(step)
+    request = PruneRequest.build(
+        run, orders=orders, step=step, seeds=seeds, windows=windows, reference=reference, device=device, show=show
+    )
     if out is not None:
         from headatlas.service.reports.plots import output_format
 
         output_format(Path(out))
-    store = Store(db)
-    held: list = []  # the run's notes, said once it is known not to be refused
-    with store.checked_read() as conn:
-        found = find_run(conn, run, held.append)
-        saved = load_prune(conn, found.run_id) if show else None
-    if not show:
-        check_request(found, orders=chosen, seeds=seeds)
-    for event in held:
-        notes(event)
-    if show and saved is None:
-        raise ParameterError(
-            f"run {found.run_id} ({found.name}) has no stored pruning curves: run `prune` without --show"
-        )
-    if saved is None:
-        from headatlas.service.engine.prune_runs import prune_run
-
-        stderr.print(f"run {found.run_id} ({found.name}): {found.model_name} on {found.corpus}", highlight=False)
-        _result, saved = prune_run(
-            store,
-            found,
-            orders=chosen,
-            step=fraction,
-            seeds=seeds,
-            windows=windows,
-            reference=reference,
-            device=device,
-            on_step=lambda name, done, total: stderr.print(f"  {name}: step {done}/{total}", highlight=False),
-            on_plan=lambda said: stderr.print(said, highlight=False, soft_wrap=True),
-        )
+    pruned = prune_curves(Store(db), request, _said)
+    found, saved = pruned.run, pruned.saved
     _render_curves(saved.columns, saved.rows, fmt, title=f"run {found.run_id} ({found.name}): pruning curves")
     meta = saved.meta
     # on stderr in every format: the claim's verdict is the answer

@@ -84,28 +84,18 @@ def inspect(
     dashed. Without --head: a layer × head grid of small matrices (--matrix csm|attention).
     """
     from headatlas.service.errors import ParameterError
-    from headatlas.service.reports.inspection import inspect_text, read_text_file
+    from headatlas.service.operations.inspection import inspect as inspect_text
+    from headatlas.service.operations.requests import InspectionRequest
 
     if (text is None) == (file is None):
         raise ParameterError('inspect: pass the text as an argument ("…" or - for stdin) or --file FILE, not both')
     from headatlas.service.reports.plots import output_format
 
     output_format(out)  # refuse a bad suffix before loading the model
-    if head is not None and layer is None:
-        raise ParameterError(f"--head {head} needs --layer: pass --layer L (0-based) as well")
-    if file is not None:
-        body = read_text_file(str(file), text_field=analysis.text_field, encoding=analysis.encoding)
-    else:
-        assert text is not None  # one of the text and --file, checked above
-        body = sys.stdin.read() if text == "-" else text
-    params, model, device = analysis.params, analysis.model, analysis.device
-    from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.model_check import check_loaded, check_model_spec
-
-    check_model_spec(model, seq_len=params.seq_len, device=device)
-    loaded = load_model(model, device=device)
-    check_loaded(loaded, params.seq_len)
-    result = inspect_text(loaded, body, params)
+    request = InspectionRequest.build(
+        sys.stdin.read() if text == "-" else text, file=file, layer=layer, head=head, **analysis.values
+    )
+    result = inspect_text(request)
     from headatlas.service.reports import matrix_plots, plots
 
     if head is not None and layer is not None:  # --head without --layer was refused above

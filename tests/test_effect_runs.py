@@ -528,8 +528,19 @@ def test_prune_of_a_run_with_gradient_importance_alone_orders_by_importance(effe
     extra = ["--effects", "gradient", "--effect-windows", "3", "--replicates", "window"]
     done = cli("analyze", str(corpus), "--model", "random:gpt2", *ARGS, "--db", db, "--name", "g", *extra)
     assert done.returncode == 0, done.stderr
+    # the Python API prunes through the same operation: its refusals in Python's words, its curves the CLI's
+    import headatlas
+
+    view = headatlas.connect(db).run("g")
+    with pytest.raises(ValueError, match=r"^orders=\['bogus'\]: 'bogus' is not an order; use effect, importance"):
+        view.prune(orders=["bogus"])
+    with pytest.raises(
+        ValueError, match=r"^run 1 \(g\) has no stored pruning curves: call prune\(\) without show=True$"
+    ):
+        view.prune(show=True)
     args = ["g", "--db", db, "--windows", "3", "--step", "50%", "--seeds", "2", "--format", "json"]
     pruned = cli("prune", *args, "--order", "importance,noise,random")
     assert pruned.returncode == 0, pruned.stderr
     assert {r["order"] for r in json.loads(pruned.stdout)} == {"importance", "noise", "random:0", "random:1"}
     assert "Spearman ρ(noise_share, gradient importance)" in " ".join(pruned.stderr.split())
+    assert view.prune(show=True).to_pylist() == json.loads(pruned.stdout)

@@ -3,13 +3,13 @@ similarity matrices) and ``effects`` (which heads the model needs)."""
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
 from headatlas.service.api.terms import in_python_terms
+from headatlas.service.operations.models import kept_model
 
 if TYPE_CHECKING:
     from headatlas.service.engine.model import LoadedModel
@@ -31,25 +31,14 @@ def inspect(
     would make first (``seq_len`` tokens at most, specials included); ``truncated`` says whether
     the text went on. ``model``: a spec as ``--model`` takes it (the last one loaded is kept for
     the next call) or a model from ``headatlas.service.engine.model.load_model``."""
-    from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.model import LoadedModel
-    from headatlas.service.engine.model_check import check_loaded
-    from headatlas.service.reports.inspection import read_text
+    from headatlas.service.operations.inspection import read
+    from headatlas.service.operations.requests import InspectionRequest
 
-    params = build_params(seq_len=seq_len)
-    loaded = model if isinstance(model, LoadedModel) else _inspect_model(model, device)
-    check_loaded(loaded, params.seq_len)
-    return read_text(loaded, text, params)
+    return read(InspectionRequest.build(text, model=model, seq_len=seq_len, device=device, keep_model=True))
 
 
-@lru_cache(maxsize=1)
-def _inspect_model(spec: str, device: str) -> LoadedModel:
-    """A model for ``inspect``, loaded once for consecutive calls with the same spec and device."""
-    from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.model_check import check_model_spec
-
-    check_model_spec(spec, seq_len=2, device=device)  # the shape and memory; seq_len is checked per call
-    return load_model(spec, device=device)
+# the model kept for the next call (service/operations/models.py), by the name its tests know
+_inspect_model = kept_model
 
 
 @in_python_terms
@@ -69,22 +58,19 @@ def effects(
     model's own objective) and ``importance`` (``kinds`` with ``gradient``), each with its 95%
     interval (``_lo``, ``_hi``), and the output drift of each ablation. ``.notes`` says what the
     effects are measured against. The same as ``headatlas effects``."""
-    from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.effect_runs import measure_effects
-    from headatlas.service.engine.model import LoadedModel
-    from headatlas.service.engine.model_check import check_loaded
-    from headatlas.service.measures.effects import parse_kinds
+    from headatlas.service.operations.effects import measure
+    from headatlas.service.operations.requests import EffectsRequest
 
-    params = build_params(seq_len=seq_len)
-    loaded = model if isinstance(model, LoadedModel) else _inspect_model(model, device)
-    check_loaded(loaded, params.seq_len)
-    result = measure_effects(
-        str(corpus),
-        loaded,
-        params,
-        kinds=parse_kinds(kinds),
+    request = EffectsRequest.build(
+        corpus,
+        kinds=kinds,
         windows=windows,
         reference=reference,
+        keep_model=True,
+        model=model,
+        seq_len=seq_len,
         batch_size=batch_size,
+        device=device,
     )
+    result = measure(request)
     return Table.of(result.columns, result.rows, what=f"head effects: {result.model}", notes=[result.note()])

@@ -12,7 +12,7 @@ from typing import Any
 from headatlas.service.analysis_options import DEFAULTS
 from headatlas.service.api.tables import Table
 from headatlas.service.api.terms import in_python_terms
-from headatlas.service.errors import DatabaseNotFound, ParameterError
+from headatlas.service.errors import DatabaseNotFound
 from headatlas.service.operations.events import Event, ResultWarning, Sink
 from headatlas.service.operations.runs import find_run
 from headatlas.service.storage.readonly import DEFAULT_MAX_BYTES
@@ -260,26 +260,20 @@ class RunView:
         in this process and stored with the run (``show``: the newest stored ones, nothing
         measured). ``.notes`` holds the seed paper's claim tested: the area between the noise
         order and random ones, and Spearman's ρ(noise_share, effect), each with its interval."""
-        from headatlas.service.engine.prune_runs import prune_run
-        from headatlas.service.storage.effect_rows import load_prune
+        from headatlas.service.operations.pruning import prune
+        from headatlas.service.operations.requests import PruneRequest
 
-        saved = None
-        if show:
-            with self.store.checked_read() as conn:
-                saved = load_prune(conn, self.run.run_id)
-            if saved is None:
-                raise ParameterError(f"run {self.run.run_id} has no stored pruning curves: call prune() without show")
-        else:
-            _result, saved = prune_run(
-                self.store,
-                self.run,
-                orders=None if orders is None else list(orders),
-                step=step,
-                seeds=seeds,
-                windows=windows,
-                reference=reference,
-                device=device,
-            )
+        request = PruneRequest.build(
+            self.run.run_id,
+            orders=orders,
+            step=step,
+            seeds=seeds,
+            windows=windows,
+            reference=reference,
+            device=device,
+            show=show,
+        )
+        saved = prune(self.store, request).saved
         return Table.of(
             saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=[saved.meta["claim"]]
         )

@@ -94,7 +94,44 @@ class ResultWarning:
     text: str
 
 
-Event = CorpusRead | PassStarted | Progress | PassEnded | Estimate | Notice | RunReused | NameKept | ResultWarning
+@dataclass(frozen=True)
+class WindowsMeasured:
+    """``done`` of ``total`` windows measured (``effects``: every head removed in turn on each)."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class PruneStarted:
+    """The pruning curves of ``run`` are measured next (its model loaded, its corpus read)."""
+
+    run: Run
+
+
+@dataclass(frozen=True)
+class PruneStep:
+    """Step ``done`` of ``total`` of the curve of order ``order`` evaluated."""
+
+    order: str
+    done: int
+    total: int
+
+
+Event = (
+    CorpusRead
+    | PassStarted
+    | Progress
+    | PassEnded
+    | Estimate
+    | Notice
+    | RunReused
+    | NameKept
+    | ResultWarning
+    | WindowsMeasured
+    | PruneStarted
+    | PruneStep
+)
 Sink = Callable[[Event], None]
 
 

@@ -8,6 +8,7 @@ to the analysis is one more field here and one more declaration there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -154,4 +155,184 @@ class QueuedAnalysis:
             batch_size=parse_batch_size(run.get("batch_size", DEFAULTS["batch_size"]), queued=True),
             probe=probe_of(run),
             name=name,
+        )
+
+
+EFFECTS_BATCH = 4  # windows per batch of ablations where none is asked (each is many forward passes)
+
+
+@dataclass(frozen=True)
+class EffectsRequest:
+    """Which heads the model needs, measured on a corpus in this process, nothing stored
+    (``headatlas effects``, ``headatlas.effects``): ``kinds`` of effect (zero and mean ablation,
+    gradient importance) on ``windows`` windows spread over the corpus's documents, mean ablation's
+    mean over its first ``reference`` windows. ``keep_model``: the last model loaded is kept for the
+    next call (a notebook's)."""
+
+    corpus: CorpusSource
+    params: AnalysisParams
+    kinds: tuple[str, ...]
+    model: str | LoadedModel = DEFAULTS["model"]
+    device: str = DEFAULTS["device"]
+    windows: int = 16
+    reference: int = 256
+    batch_size: int = EFFECTS_BATCH
+    keep_model: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        corpus: str | Path,
+        *,
+        kinds: str = "zero,mean",
+        windows: int = 16,
+        reference: int = 256,
+        keep_model: bool = False,
+        **options: Any,
+    ) -> EffectsRequest:
+        """A validated request from option values as typed (as ``AnalysisRequest.build``;
+        ``batch_size`` ``auto`` is 4 windows)."""
+        from headatlas.service.measures.effects import parse_kinds
+
+        chosen = parse_kinds(kinds)
+        values, run = _split(options)
+        size = parse_batch_size(run.get("batch_size", EFFECTS_BATCH))
+        return cls(
+            corpus=CorpusSource(
+                str(corpus),
+                text_field=run.get("text_field", DEFAULTS["text_field"]),
+                encoding=run.get("encoding", DEFAULTS["encoding"]),
+            ),
+            params=build_params(**values),
+            kinds=chosen,
+            model=run.get("model", DEFAULTS["model"]),
+            device=run.get("device", DEFAULTS["device"]),
+            windows=windows,
+            reference=reference,
+            batch_size=EFFECTS_BATCH if size == "auto" else size,
+            keep_model=keep_model,
+        )
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """A stored run's pruning curves (``headatlas prune``, ``run.prune()``): heads removed
+    cumulatively in each of ``orders`` (None: every order the run's objective allows), a share
+    ``step`` of them at a time, ``seeds`` random orders, evaluated on ``windows`` windows; ``show``:
+    the newest stored curves read back, nothing measured. ``run``: an id, name or alias (None: the
+    default run)."""
+
+    run: str | int | None
+    orders: tuple[str, ...] | None = None
+    step: float = 0.1
+    seeds: int = 3
+    windows: int = 16
+    reference: int | None = None
+    device: str = DEFAULTS["device"]
+    show: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        run: str | int | None = None,
+        *,
+        orders: str | Sequence[str] | None = None,
+        step: str | float = 0.1,
+        seeds: int = 3,
+        windows: int = 16,
+        reference: int | None = None,
+        device: str = DEFAULTS["device"],
+        show: bool = False,
+    ) -> PruneRequest:
+        """A validated request: ``orders`` comma-separated or a sequence of names, ``step`` a share
+        (``0.1``) or a percentage (``10%``); refused before any run is read."""
+        from headatlas.service.engine.prune_runs import MAX_SEEDS
+
+        chosen = prune_orders(orders)
+        if not 1 <= seeds <= MAX_SEEDS:
+            raise ParameterError(Param("seeds", seeds), f": use 1 to {MAX_SEEDS} random orders (one curve each)")
+        return cls(run, chosen, prune_step(step), seeds, windows, reference, device, show)
+
+
+def prune_orders(orders: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """The orders named (``effect,noise`` or a sequence), each one prune knows; None: not named."""
+    from headatlas.service.engine.pruning import ORDERS
+
+    if orders is None:
+        return None
+    names = orders.split(",") if isinstance(orders, str) else [str(o) for o in orders]
+    chosen = tuple(n.strip() for n in names if n.strip())
+    if not chosen:  # `--order ,` stored a prune with no curve
+        raise ParameterError(Param("orders", orders, quoted=True), f": name at least one of {', '.join(ORDERS)}")
+    for name in chosen:
+        if name not in ORDERS:
+            raise ParameterError(
+                Param("orders", orders, quoted=True), f": {name!r} is not an order; use {', '.join(ORDERS)}"
+            )
+    return chosen
+
+
+def prune_step(step: str | float) -> float:
+    """``10%`` or ``0.1`` → 0.1: the share of the heads removed at each step, in (0, 1]."""
+    raw = step.strip() if isinstance(step, str) else step
+    try:
+        value = float(raw[:-1]) / 100 if isinstance(raw, str) and raw.endswith("%") else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise ParameterError(
+            Param("step", step, quoted=True), ": a share of the heads removed per step, such as 10% or 0.1"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class InspectionRequest:
+    """One text through a model in this process, nothing stored (``headatlas inspect``,
+    ``headatlas.inspect``): ``text`` itself, or the first document of the file ``file`` (read with
+    ``text_field`` and ``encoding``); ``layer`` and ``head`` (0-based): what is looked at, checked
+    against the model once it is there. ``keep_model``: as ``EffectsRequest``'s."""
+
+    params: AnalysisParams
+    text: str | None = None
+    file: CorpusSource | None = None
+    model: str | LoadedModel = DEFAULTS["model"]
+    device: str = DEFAULTS["device"]
+    layer: int | None = None
+    head: int | None = None
+    keep_model: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        text: str | None = None,
+        *,
+        file: str | Path | None = None,
+        layer: int | None = None,
+        head: int | None = None,
+        keep_model: bool = False,
+        **options: Any,
+    ) -> InspectionRequest:
+        """A validated request from option values as typed (the declared analysis options by name):
+        a head is named by its layer, so ``head`` alone is refused before any model loads."""
+        from headatlas.service.layer_head import check_head_has_layer
+
+        check_head_has_layer(layer, head)
+        values, run = _split(options)
+        source = None
+        if file is not None:
+            source = CorpusSource(
+                str(file),
+                text_field=run.get("text_field", DEFAULTS["text_field"]),
+                encoding=run.get("encoding", DEFAULTS["encoding"]),
+            )
+        return cls(
+            params=build_params(**values),
+            text=text,
+            file=source,
+            model=run.get("model", DEFAULTS["model"]),
+            device=run.get("device", DEFAULTS["device"]),
+            layer=layer,
+            head=head,
+            keep_model=keep_model,
         )
