@@ -186,3 +186,13 @@ def test_an_objective_that_is_unknown_or_does_not_apply_is_refused_before_the_ru
     )  # fmt: skip
     assert refused.returncode == 2 and "does not apply" in refused.stderr
     assert not (tmp_path / "r.duckdb").exists() or "runs" not in cli("runs", "--db", db).stdout
+
+
+def test_architecture_md_shows_the_plugin_objective_whole() -> None:
+    """The worked example of docs/architecture.md ("Objectives") is the module the tests run."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
+    source = (root / "tests" / "plugins" / "headatlas_test_plugins" / "objective.py").read_text(encoding="utf-8")
+    assert f"```python\n{source}```" in doc
