@@ -1,6 +1,6 @@
 """`headatlas serve`'s app through an in-process client: every page and its JSON against the CLI's own
 output (`headatlas … --format json|csv`, run in this process), escaping of a run named `<script>`, the
-404 and 400 pages (with the message the CLI gives), no path outside the app, the example window (the
+404 and 400 pages (the CLI's checks, in the web's words: `?layer=7`), no path outside the app, the example window (the
 window the run analysed, its matrices as `inspect` computes them), a lake read now and at a snapshot,
 and the command itself (a process: it prints its address, warns off loopback, serves)."""
 
@@ -265,7 +265,11 @@ def test_the_atlas_is_coloured_by_effect_where_effects_were_measured(stored, tmp
     end = "#b2182b" if strongest["effect_zero"] > 0 else "#2166ac"
     assert cells[f"{strongest['layer']}/{strongest['head']}"] == end and len(cells) == fx.n_layers * fx.n_heads
     refused = Client(WebApp(str(stored[0]))).get("/runs/tiny?color=effect_zero")
-    assert refused.status == 400 and "--effects zero" in page_text(refused)
+    # the parameter as the address writes it; how to measure it, an option of `headatlas analyze`, as code
+    assert refused.status == 400 and (
+        "?color=effect_zero: run 1 has no value of it; its effects (SPEC §9) were not measured: analyse it with "
+        "`--effects zero` (or mean, gradient)"
+    ) in page_text(refused)
 
 
 def test_bad_addresses_get_a_404_page(stored, client):
@@ -273,29 +277,42 @@ def test_bad_addresses_get_a_404_page(stored, client):
     for path in ("/nope", "/runs/tiny/heads/9/0", "/runs/tiny/heads/x/0", "/runs/tiny/layers", "/favicon.ico"):
         answer = client.get(path)
         assert answer.status == 404 and "Not found" in answer.text, path
+    # a run no name finds: the CLI's lookup and words, its command to run the page's own link
     missing = client.get("/runs/no-such-run")
     assert missing.status == 404
-    assert cli_error(db, "query", "layers", "--run", "no-such-run") in page_text(missing)
-    assert client.get("/runs/no-such-run.json").json() == {
-        "error": cli_error(db, "query", "layers", "--run", "no-such-run"),
-        "status": 404,
-    }
+    said = "no run 'no-such-run': see the runs at /runs for ids and names"
+    assert cli_error(db, "query", "layers", "--run", "no-such-run") == said.replace(
+        "the runs at /runs", "`headatlas runs`"
+    )
+    assert said in page_text(missing)
+    assert client.get("/runs/no-such-run.json").json() == {"error": said, "status": 404}
+    # a head the run does not have, by its address
+    beyond = client.get("/runs/tiny/heads/1/9")
+    assert beyond.status == 404
+    assert "run 1 (tiny) has no layer 1, head 9: its layers are 0..1 and its heads 0..3 (0-based)" in page_text(beyond)
     assert client.get("/runs", method="POST").status == 405
 
 
 @pytest.mark.parametrize(
-    ("query", "cli"),
+    ("query", "cli", "flag", "parameter"),
     [
-        ("sort=bogus", ("query", "heads", "--run", "tiny", "--sort", "bogus")),
-        ("layer=7", ("query", "heads", "--run", "tiny", "--layer", "7")),
-        ("asc=1", ("query", "heads", "--run", "tiny", "--asc")),
-        ("at=3", ("query", "heads", "--run", "tiny", "--at", "3")),
+        ("sort=bogus", ("query", "heads", "--run", "tiny", "--sort", "bogus"), "--sort 'bogus'", "?sort=bogus"),
+        ("layer=7", ("query", "heads", "--run", "tiny", "--layer", "7"), "--layer 7", "?layer=7"),
+        ("at=3", ("query", "heads", "--run", "tiny", "--at", "3"), "--at 3", "?at=3"),
+        ("top=x", ("query", "heads", "--run", "tiny", "--top", "x"), None, "?top=x: not a whole number"),
+        ("asc=1", ("query", "heads", "--run", "tiny", "--asc"), None, "?asc=1 orders the ?sort= metric"),
     ],
 )
-def test_a_bad_parameter_gets_a_400_page_with_the_clis_message(stored, client, query, cli):
+def test_a_bad_parameter_gets_a_400_page_in_the_webs_words(stored, client, query, cli, flag, parameter):
+    """The check the command line makes, its message naming the address's parameter (``?layer=7``)
+    where the command line names its flag (``--layer 7``): no flag of the command line on the page
+    but as code (how to make a lake: `--db ducklake:…`)."""
     answer = client.get(f"/runs/tiny?{query}")
     assert answer.status == 400
-    assert cli_error(stored[0], *cli) in page_text(answer)
+    assert parameter in page_text(answer)
+    if flag is not None:  # the same check: the command line's message, its flag the only difference
+        assert cli_error(stored[0], *cli).split("; ")[0].replace(flag, parameter) in page_text(answer)
+    assert not re.search(r"(?<![\w`])--[a-z]", page_text(answer)), page_text(answer)
 
 
 def test_no_path_outside_the_app_is_served(client):

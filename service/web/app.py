@@ -14,7 +14,7 @@ Routes (each page's data as JSON at the same address plus ``.json``)::
 RUN is an id, a name or an alias (links use ids, which renaming keeps). ``?at=SNAPSHOT`` reads a
 lake as of that snapshot on any page (the server's ``--at`` otherwise). Only GET and HEAD are
 answered. An address that names nothing gets a 404 page, a bad parameter a 400 page with the
-message the CLI gives for it, a database held by a writer past the wait a 503, and so does a SQL
+message of the check the CLI makes, in the web's terms (``?layer=7``: context.WEB), a database held by a writer past the wait a 503, and so does a SQL
 statement while ``sql_page.SQL_AT_ONCE`` others run.
 
 Another site's page can make the browser send a GET here (a link, an image, a form), though not read
@@ -37,7 +37,7 @@ from urllib.parse import quote, unquote, urlsplit
 from headatlas.service.errors import HeadatlasError, ModelError, RunNotFound, StoreBusy
 from headatlas.service.storage.store import Store
 from headatlas.service.web import documents
-from headatlas.service.web.context import Busy, Ctx, NotFound, Request, whole_number
+from headatlas.service.web.context import WEB, Busy, Ctx, NotFound, Request, whole_number
 from headatlas.service.web.html import e, layout, message_page
 from headatlas.service.web.reads import Memo, Reads
 from headatlas.service.web.views import View
@@ -155,16 +155,18 @@ class WebApp:
             parts = {k: v if v is None else unquote(v) for k, v in match.groupdict().items()}
             try:
                 return handler(request, **parts)
-            except (NotFound, RunNotFound) as missing:
+            except NotFound as missing:
                 return self._error(404, "Not found", str(missing), wants_data)
+            except RunNotFound as missing:
+                return self._error(404, "Not found", missing.render(WEB), wants_data)
             except StoreBusy as busy:
-                return self._error(503, "Busy", str(busy), wants_data)
+                return self._error(503, "Busy", busy.render(WEB), wants_data)
             except Busy as busy:
                 return self._error(503, "Busy", str(busy), wants_data, [("Retry-After", str(busy.retry_after_s))])
             except ModelError as failed:
-                return self._error(500, "Model unavailable", str(failed), wants_data)
+                return self._error(500, "Model unavailable", failed.render(WEB), wants_data)
             except HeadatlasError as bad:
-                return self._error(400, "Bad request", str(bad), wants_data)
+                return self._error(400, "Bad request", bad.render(WEB), wants_data)
         return self._error(404, "Not found", f"no page at {unquote(request.path)}: the runs are at /runs", wants_data)
 
     def _foreign_refused(self, request: Request, why: str) -> Response:
@@ -194,7 +196,7 @@ class WebApp:
 
     # --- pages ------------------------------------------------------------------------------------
     def _page(self, request: Request, build: Callable[[Ctx], View], *, as_data: str | None) -> Response:
-        at = whole_number(request.arg("at"), "--at", minimum=0)
+        at = whole_number(request.arg("at"), "at", minimum=0)
         store = Store(self.db, at=self.at if at is None else at)
         with Reads(store, self.memo) as reads:
             ctx = Ctx(request, store, reads, at=store.at, examples=self.examples)

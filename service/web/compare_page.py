@@ -9,7 +9,7 @@ lifts and shares; ``layer``: one layer of A). The JSON document: ``a``, ``b`` (t
 
 from __future__ import annotations
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.reports import compare
 from headatlas.service.storage.store import Run
 from headatlas.service.web import charts
@@ -25,7 +25,7 @@ def compare_view(ctx: Ctx, ref_a: str, ref_b: str) -> View:
     a, b = ctx.run(ref_a), ctx.run(ref_b)
     by = ctx.arg("by") or "layer"
     if by not in BY:
-        raise ParameterError(f"by {by!r}: compare by layer, head or depth (relative depth)")
+        raise ParameterError(Param("by", by), ": compare by layer, head or depth (relative depth)")
     metrics = compare.check_metrics(ctx.request.args("metric") or None)
     layer = ctx.number("layer")
     heads = by == "head"

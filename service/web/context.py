@@ -1,8 +1,10 @@
 """A request, and what a page reads it through: its parameters, the database, links.
 
 Query parameters take the names of the CLI's options where one exists (``sort``, ``asc``,
-``layer``, ``top``, ``metric``, ``tag``, ``at``), and a bad value is refused with the message that
-option gives on the command line (a ``ParameterError``: the app answers 400 with it).
+``layer``, ``top``, ``metric``, ``tag``, ``at``), and a bad value is refused by the same check as on
+the command line (a ``ParameterError``: the app answers 400 with it), its message in the web's
+terms (``WEB``): the parameter as it is written in the address, ``?layer=7`` where the command line
+says ``--layer 7``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import ANALYZE, FLAGS, NO_VALUE, RUNS, Param, ParameterError, Phrase
 from headatlas.service.storage.runs import listed
 from headatlas.service.storage.store import Run, Store
 from headatlas.service.web.documents import run_record
@@ -50,25 +52,61 @@ class Request:
         return [v.strip() for v in self.query.get(name, []) if v.strip()]
 
 
-def whole_number(value: str | None, flag: str, *, minimum: int | None = None) -> int | None:
-    """A parameter's integer, or None when absent; refused in the CLI's words."""
+# the parameters an address of this app takes (a message naming another one names a command's option)
+PARAMETERS = frozenset(
+    (
+        "a",
+        "asc",
+        "at",
+        "b",
+        "by",
+        "color",
+        "head",
+        "layer",
+        "metric",
+        "q",
+        "role",
+        "sort",
+        "tag",
+        "top",
+        "wide",
+        "window",
+    )
+)
+PHRASES = {RUNS: "the runs at /runs", ANALYZE: "analyse a corpus with `headatlas analyze CORPUS`"}
+
+
+class WebTerms:
+    """A message as a web page says it: a parameter of the address as it is written there
+    (``?layer=7``, ``?asc=1``, ``?sort=METRIC``), a command's option (how to measure what a run
+    lacks) as the command line writes it, as code (`` `--effects zero` ``), and a command to run
+    as a page's reader finds it (``headatlas runs``: the runs at /runs)."""
+
+    def param(self, param: Param) -> str:
+        if param.name not in PARAMETERS:
+            return f"`{FLAGS.param(param)}`"
+        if param.value is NO_VALUE:
+            return f"?{param.name}="
+        return f"?{param.name}={'1' if param.value is True else param.value}"
+
+    def phrase(self, phrase: Phrase) -> str:
+        return PHRASES.get(phrase, phrase.cli)
+
+
+WEB = WebTerms()
+
+
+def whole_number(value: str | None, name: str, *, minimum: int | None = None) -> int | None:
+    """The parameter ``name``'s integer, or None when absent."""
     if value is None:
         return None
     try:
         number = int(value)
     except ValueError:
-        raise ParameterError(f"{flag} {value!r}: not a whole number") from None
+        raise ParameterError(Param(name, value), ": not a whole number") from None
     if minimum is not None and number < minimum:
-        raise ParameterError(f"{flag} {number}: pass {minimum} or more")
+        raise ParameterError(Param(name, number), f": pass {minimum} or more")
     return number
-
-
-def check_layer_head(run: Run, layer: int | None, head: int | None = None) -> None:
-    """``--layer`` and ``--head`` within the run's shape, refused as the CLI refuses them."""
-    if layer is not None and not 0 <= layer < run.n_layers:
-        raise ParameterError(f"--layer {layer}: run {run.run_id} has layers 0..{run.n_layers - 1} (0-based)")
-    if head is not None and not 0 <= head < run.n_heads:
-        raise ParameterError(f"--head {head}: run {run.run_id} has heads 0..{run.n_heads - 1} (0-based)")
 
 
 class Ctx:
@@ -81,8 +119,8 @@ class Ctx:
     def arg(self, name: str) -> str | None:
         return self.request.arg(name)
 
-    def number(self, name: str, flag: str | None = None, *, minimum: int | None = None) -> int | None:
-        return whole_number(self.request.arg(name), flag or f"--{name}", minimum=minimum)
+    def number(self, name: str, *, minimum: int | None = None) -> int | None:
+        return whole_number(self.request.arg(name), name, minimum=minimum)
 
     def flag(self, name: str) -> bool:
         """A yes/no parameter: present and not 0/false/no/off."""
@@ -110,9 +148,11 @@ class Ctx:
         return self.url(self.request.path, **params)
 
     def run(self, ref: str) -> Run:
-        from headatlas.service.storage.store import resolve_run
+        """The run ``ref`` names, found as every front end finds it (``operations.runs.find_run``);
+        a page shows its status itself, so its note is not said."""
+        from headatlas.service.operations.runs import find_run
 
-        return self.reads.get(("run", ref), lambda: resolve_run(self.reads.conn, ref))
+        return self.reads.get(("run", ref), lambda: find_run(self.reads.conn, ref))
 
     def runs(self, tags: tuple[str, ...] = ()) -> list[dict]:
         """``Store.list_runs``: the rows of ``headatlas runs --format json``."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import text
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError
 from headatlas.service.storage.store import Run
 from headatlas.service.web.context import Busy
 from headatlas.service.web.reads import Memo, Reads
@@ -61,7 +61,7 @@ def stored_window(conn, run: Run, k: int) -> StoredWindow:
     row = conn.execute(text(WINDOW_SQL), {"run": run.run_id, "k": k}).first()
     if row is None:
         count = conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run.run_id}).scalar()
-        raise ParameterError(f"window {k}: run {run.run_id} has windows 0..{count - 1} (0-based)")
+        raise ParameterError(Param("window", k), f": run {run.run_id} has windows 0..{count - 1} (0-based)")
     return StoredWindow(*row)
 
 

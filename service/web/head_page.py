@@ -27,11 +27,18 @@ EFFECT_PREFIXES = ("effect_", "importance")  # SPEC §9's columns, where the run
 
 
 def check_head(run: Run, layer: int, head: int) -> None:
-    if not (0 <= layer < run.n_layers and 0 <= head < run.n_heads):
+    """The head of the address exists in the run (``operations.runs.check_layer_head``): a path
+    naming none is an address of nothing (404), not a bad parameter."""
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.operations.runs import check_layer_head
+
+    try:
+        check_layer_head(run, layer, head)
+    except ParameterError:
         raise NotFound(
             f"run {run.run_id} ({run.name}) has no layer {layer}, head {head}: its layers are 0..{run.n_layers - 1} "
             f"and its heads 0..{run.n_heads - 1} (0-based)"
-        )
+        ) from None
 
 
 def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:

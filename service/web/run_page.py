@@ -11,14 +11,15 @@ filter), ``roles`` (``query roles --stability``).
 
 from __future__ import annotations
 
-from headatlas.service.errors import ParameterError
+from headatlas.service.errors import Param, ParameterError, Part, Placeholder
 from headatlas.service.metrics import COLUMNS, METRICS
+from headatlas.service.operations.runs import check_layer_head
 from headatlas.service.reports import compare, queries, roles
 from headatlas.service.reports.columns import PROBE_COLUMNS, SORTABLE, unknown_metric
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.storage.store import Run
 from headatlas.service.web import charts
-from headatlas.service.web.context import Ctx, check_layer_head, run_path
+from headatlas.service.web.context import Ctx, run_path
 from headatlas.service.web.documents import records, with_scheme
 from headatlas.service.web.html import Html, colour, e, hidden, ink, legend_bar, num, record, select, table, when
 from headatlas.service.web.views import View
@@ -84,17 +85,26 @@ def run_view(ctx: Ctx, ref: str) -> View:
         raise unknown_metric("metric", metric, LAYER_METRICS)
     sort, asc, layer, top = ctx.arg("sort"), ctx.flag("asc"), ctx.number("layer"), ctx.number("top", minimum=1)
     if asc and sort is None:
-        raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
+        raise ParameterError(
+            Param("asc", True),
+            " orders the ",
+            Param("sort"),
+            " metric: pass ",
+            Param("sort", Placeholder("METRIC")),
+            " too",
+        )
     check_layer_head(run, layer)
     read = run_reads(ctx, run)
     offered = roles.offered_roles(read["causal"])
     role = ctx.arg("role")
     if role is not None and role not in (*offered, roles.NONE):
-        raise ParameterError(f"role {role!r}: not a role of run {run.run_id}; choose one of {', '.join(offered)}")
+        raise ParameterError(
+            Param("role", role), f": not a role of run {run.run_id}; choose one of {', '.join(offered)}"
+        )
     color = ctx.arg("color") or "role"
     numeric = colour_columns(read["all_heads"])
     if color in SORTABLE and color not in numeric:  # a column of the run that it holds no value in
-        raise ParameterError(f"color {color!r}: run {run.run_id} has no value of it; {_measure_hint(color)}")
+        raise ParameterError(Param("color", color), f": run {run.run_id} has no value of it", hint=_measure_hint(color))
     if color != "role" and color not in numeric:
         raise unknown_metric("color", color, ["role", *numeric])
     head_cols, head_rows = heads_of(ctx, run, layer=layer, sort=sort, asc=asc, top=top)
@@ -133,12 +143,16 @@ def colour_columns(head_rows: queries.Rows) -> list[str]:
     return [c for c in held if c in EFFECT_COLUMNS] + [c for c in held if c not in EFFECT_COLUMNS]
 
 
-def _measure_hint(column: str) -> str:
+def _measure_hint(column: str) -> tuple[Part, ...]:
     if column in EFFECT_COLUMNS:
-        return "its effects (SPEC §9) were not measured: analyse it with --effects zero (or mean, gradient)"
+        return (
+            "its effects (SPEC §9) were not measured: analyse it with ",
+            Param("effects", "zero"),
+            " (or mean, gradient)",
+        )
     if column in PROBE_COLUMNS:
-        return "it has no probe: analyse it again with --probe"
-    return "choose a column it holds"
+        return ("it has no probe: analyse it again with ", Param("probe", True))
+    return ("choose a column it holds",)
 
 
 def _holders(role_rows: queries.Rows, role: str) -> set[tuple[int, int]]:

@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from headatlas.service.config import Settings
-from headatlas.service.errors import ParameterError, StoreError
+from headatlas.service.errors import Param, ParameterError, Placeholder, StoreError
 from headatlas.service.storage import relations
 from headatlas.service.storage.readonly import QueryResult, run_readonly_sql
-from headatlas.service.web.context import Busy, Ctx, run_path
+from headatlas.service.web.context import WEB, Busy, Ctx, run_path
 from headatlas.service.web.documents import records
 from headatlas.service.web.html import e, table
 from headatlas.service.web.views import View
@@ -44,7 +44,7 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
     crumbs = [(f"run {run.run_id}", ctx.url(run_path(run))), ("SQL", ctx.url(run_path(run, "sql")))]
     if statement is None:
         if wants_data:
-            raise ParameterError("pass the statement as q=SELECT …")
+            raise ParameterError("pass the statement as ", Param("q", Placeholder("SELECT …")))
         return View(title, [], lambda: _form(ctx, run, EXAMPLE), crumbs=crumbs)
     settings = Settings.from_env()
 
@@ -70,7 +70,7 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
         limits = (settings.sql_max_rows, settings.sql_timeout_s)
         result = ctx.reads.get(("sql", run.run_id, statement, limits), query)
     except (StoreError, ParameterError) as refused:
-        message = str(refused)
+        message = refused.render(WEB)
         return View(
             title,
             {"error": message, "status": 400},
