@@ -135,11 +135,11 @@ def delete(
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports.compare import controls_of
     from headatlas.service.storage.run_labels import UNFINISHED
-    from headatlas.service.storage.store import resolve_run
+    from headatlas.service.operations.runs import find_run
 
     store = _store(db)
     with store.checked_read() as conn:
-        chosen = {r.run_id: r for r in (resolve_run(conn, ref) for ref in runs)}
+        chosen = {r.run_id: r for r in (find_run(conn, ref) for ref in runs)}
         windows = {
             run_id: conn.execute(text("SELECT count(*) FROM run_windows WHERE run_id = :r"), {"r": run_id}).scalar()
             for run_id in chosen
