@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from headatlas.service.engine.effect_runs import jackknife, spread_windows
+from headatlas.service.engine.hooks import hooks
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import window_group
 from headatlas.service.engine.windows import TokenClasses, Window, collate
@@ -57,7 +58,6 @@ def removed(model: LoadedModel, heads: Sequence[Head], means: torch.Tensor) -> I
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
         by_layer.setdefault(layer, []).append(head)
-    handles = []
 
     def hook_for(layer: int, chosen: list[int]):
         keep = torch.ones(model.n_heads, 1, device=model.device)
@@ -66,21 +66,15 @@ def removed(model: LoadedModel, heads: Sequence[Head], means: torch.Tensor) -> I
             keep[head] = 0.0
             fill[head] = means[layer, head].to(model.device, torch.float32)
 
-        def hook(_module, args):
-            z = args[0]
+        def fn(z: torch.Tensor) -> torch.Tensor:
             z4 = z.reshape(*z.shape[:2], model.n_heads, d)
-            return ((z4 * keep.to(z.dtype) + fill.to(z.dtype)).reshape(z.shape), *args[1:])
+            return (z4 * keep.to(z.dtype) + fill.to(z.dtype)).reshape(z.shape)
 
-        return hook
+        return fn
 
-    for layer, chosen in by_layer.items():
-        block = model.blocks[layer]
-        handles.append(model.adapter.output_projection(block).register_forward_pre_hook(hook_for(layer, chosen)))
-    try:
+    edits = {f"blocks.{layer}.attn.z": hook_for(layer, chosen) for layer, chosen in by_layer.items()}
+    with hooks(model.model, edits, model.adapter):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def objective_with(

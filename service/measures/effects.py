@@ -25,13 +25,14 @@ layer, head, pos, d_model, d_head.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from headatlas.service.engine.hooks import block_calls, hooks
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures.objectives import Objective, objective_of, output_drift, wide
@@ -82,21 +83,8 @@ class _Recording:
 
 
 def _record(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> _Recording:
-    blocks = model.blocks
-    calls: list[tuple[tuple, dict[str, Any]] | None] = [None] * len(blocks)
-
-    def keep(layer: int):
-        def hook(_module, args, kwargs):
-            calls[layer] = (args, dict(kwargs))
-
-        return hook
-
-    handles = [block.register_forward_pre_hook(keep(i), with_kwargs=True) for i, block in enumerate(blocks)]
-    try:
+    with block_calls(model.model, model.adapter) as calls:  # each block's call, at blocks.L.resid_pre
         final = _run_model(model, input_ids, attention_mask)
-    finally:
-        for handle in handles:
-            handle.remove()
     if any(call is None for call in calls):
         raise RuntimeError("a block was not called in the forward pass")
     return _Recording(calls=[c for c in calls if c is not None], final=final)
@@ -152,18 +140,11 @@ def _replay(model: LoadedModel, recording: _Recording, start: int, hidden: torch
     return x
 
 
-@contextmanager
-def _edit_z(block: torch.nn.Module, model: LoadedModel, edit: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Replace the input of ``block``'s output projection (z) by ``edit(z)`` while inside."""
-
-    def hook(_module, args):
-        return (edit(args[0]), *args[1:])
-
-    handle = model.adapter.output_projection(block).register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+def _edit_z(
+    layer: int, model: LoadedModel, edit: Callable[[torch.Tensor], torch.Tensor]
+) -> AbstractContextManager[None]:
+    """Inside: layer ``layer``'s z (``blocks.L.attn.z``) replaced by ``edit(z)``."""
+    return hooks(model.model, {f"blocks.{layer}.attn.z": edit}, model.adapter)
 
 
 # --- ablation ------------------------------------------------------------------------------------
@@ -196,7 +177,7 @@ def _ablate_layer(
         return (z5 * keep.to(z.dtype) + fill.to(z.dtype)).reshape(z.shape)
 
     start = _hidden(recording.calls[layer])
-    with _edit_z(model.blocks[layer], model, edit):
+    with _edit_z(layer, model, edit):
         final = _replay(model, recording, layer, _repeat(start, copies, batch), copies)
     final = wide(final).reshape(copies, batch, *final.shape[1:])
     ids = targets.unsqueeze(0).expand(copies, -1, -1).reshape(copies * batch, -1)
@@ -223,28 +204,21 @@ def _gradient(
     dtype = next(model.model.parameters()).dtype
     gate = torch.ones(batch, n_layers, n_heads, device=model.device, dtype=wide(torch.empty(0, dtype=dtype)).dtype)
     gate.requires_grad_(True)
-    handles = []
 
     def gated(layer: int):
-        def hook(_module, args):
-            z = args[0]
+        def fn(z: torch.Tensor) -> torch.Tensor:
             g = gate[:, layer].to(z.dtype).reshape(batch, 1, n_heads, 1)
-            return ((z.reshape(*z.shape[:2], n_heads, d_head) * g).reshape(z.shape), *args[1:])
+            return (z.reshape(*z.shape[:2], n_heads, d_head) * g).reshape(z.shape)
 
-        return hook
+        return fn
 
-    for layer, block in enumerate(model.blocks):
-        handles.append(model.adapter.output_projection(block).register_forward_pre_hook(gated(layer)))
-    try:
-        with torch.enable_grad():
-            final = wide(_run_model(model, input_ids, attention_mask))
-            values = objective.per_window(final, targets, attention_mask, None)
-            (grad,) = torch.autograd.grad(
-                torch.nan_to_num(values).sum(), gate
-            )  # a window without a prediction adds nothing
-    finally:
-        for handle in handles:
-            handle.remove()
+    gates = {f"blocks.{layer}.attn.z": gated(layer) for layer in range(n_layers)}
+    with hooks(model.model, gates, model.adapter), torch.enable_grad():
+        final = wide(_run_model(model, input_ids, attention_mask))
+        values = objective.per_window(final, targets, attention_mask, None)
+        (grad,) = torch.autograd.grad(
+            torch.nan_to_num(values).sum(), gate
+        )  # a window without a prediction adds nothing
     return grad.abs(), values.detach()
 
 
