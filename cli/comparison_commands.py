@@ -202,8 +202,6 @@ def query_roles(
 
 def _role_effect_lines(conn, run_id: int, names: list[str], rows: list[tuple]) -> list[str]:
     """Under `query roles` of a run with effects: what each role's heads cost when removed (SPEC §9)."""
-    import math
-
     from headatlas.service.reports import role_effects
     from headatlas.service.storage.effect_rows import effect_note, run_effects
 
@@ -214,8 +212,9 @@ def _role_effect_lines(conn, run_id: int, names: list[str], rows: list[tuple]) -
     unit = found[0]["unit"]
     parts = [
         role_effects.describe(f"{role} ({counted(n, 'head')})", value, lo, hi, unit)
-        + ("" if math.isnan(gap) else f", {gap:+.3g} against the heads without a role [{g_lo:+.3g}, {g_hi:+.3g}]")
+        + (f", {gap_text}" if (gap_text := role_effects.against_none(gap, g_lo, g_hi)) else "")
         for role, n, value, lo, hi, gap, g_lo, g_hi in per_role
     ]
-    lines = [f"mean effect of each role's heads (primary role; 95% intervals): {'; '.join(parts)}"]
+    shown = "primary role; 95% intervals" if role_effects.has_intervals(per_role) else "primary role"
+    lines = [f"mean effect of each role's heads ({shown}): {'; '.join(parts)}"]
     return lines + [said] if (said := effect_note(conn, run_id)) else lines

@@ -104,3 +104,33 @@ def test_the_web_refuses_the_same_sort_with_the_cli_words(plain_run, cli) -> Non
     assert "holds no effect_zero" in answer.text and "--effects zero" in answer.text, answer.text[-2000:]
     assert said.removeprefix("error: ").split(":")[0] in answer.text  # the same words: "--sort effect_zero"
     assert Client(WebApp(plain_run)).get("/runs/plain?sort=noise_share").status == 200
+
+
+def test_effects_in_one_replicate_group_print_no_nan_and_say_why(tiny_model, small_corpus, tmp_path, cli) -> None:
+    """Effects on a run's first two windows (one document's first block: one replicate group) have
+    no interval, as the jackknife needs two groups: `query roles`, `query heads --ci` and the report
+    say so in words and print no NaN bounds, nor a heading promising 95% intervals."""
+    import re
+
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.reports.effect_report import effects_section
+    from headatlas.service.storage.store import Store
+
+    db = tmp_path / "one.duckdb"
+    params = build_params(seq_len=32, effects="zero,mean", effect_windows=2, effect_reference=2)
+    analyze_corpus(
+        str(small_corpus), store=Store(db), model=tiny_model, params=params, corpus=survey_corpus(str(small_corpus))
+    )
+    roles = cli("query", "roles", "--db", str(db))
+    heads = cli("query", "heads", "--db", str(db), "--ci", "--columns", "layer,head,effect_mean,effect_zero")
+    for result in (roles, heads):
+        assert result.returncode == 0, result.stderr
+    with Store(db).read() as conn:  # the report's section of effects, as `headatlas report` renders it
+        page = effects_section(conn, Store(db).get_run(1), table=lambda c, r: f"{c}{r}", img=lambda *_: "")
+    for shown in (roles.stdout, heads.stdout, page):
+        assert not re.search(r"\bnan\b|\[–, –\]", shown, re.IGNORECASE), shown
+    said = "no intervals: these windows fall in 1 replicate group, and an interval needs 2 or more"
+    assert said in roles.stdout and said in page
+    assert "mean effect of each role's heads (primary role):" in roles.stdout
+    assert "is largest, with 95% intervals" not in page

@@ -19,7 +19,7 @@ def effects_section(conn, run, *, table, img) -> str:
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports import effect_queries, plots, role_effects, roles
     from headatlas.service.reports.prune_plot import figure_prune
-    from headatlas.service.storage.effect_rows import effect_note, load_prune, run_effects
+    from headatlas.service.storage.effect_rows import effect_groups, effect_note, load_prune, run_effects
 
     parts = []
     found = run_effects(conn, run.run_id)
@@ -38,13 +38,13 @@ def effects_section(conn, run, *, table, img) -> str:
             lines = "".join(
                 "<li>"
                 + _e(role_effects.describe(f"{role} ({counted(n, 'head')})", v, lo, hi, unit))
-                + ("" if math.isnan(g) else _e(f"; against the heads without a role {g:+.3g} [{glo:+.3g}, {ghi:+.3g}]"))
+                + (_e(f"; {gap_text}") if (gap_text := role_effects.against_none(g, glo, ghi)) else "")
                 + "</li>"
                 for role, n, v, lo, hi, g, glo, ghi in per_role
             )
             parts.append(
                 f"""<h2>Which heads the model needs (SPEC §9)</h2>
-<p>{_e(effect_note(conn, run.run_id) or "")}. The ten heads whose {_e(sort)} is largest, with 95% intervals:</p>
+<p>{_e(effect_note(conn, run.run_id) or "")}. The ten heads whose {_e(sort)} is largest{", with 95% intervals" if len(effect_groups(conn, run.run_id)) >= 2 else ""}:</p>
 <div class="scroll">{table(columns, top)}</div>
 <p>Mean effect of each role's heads (primary role), with the difference from the heads without a role:</p>
 <ul>{lines}</ul>"""

@@ -129,7 +129,24 @@ def by_role(conn: Connection, run_id: int, names: list[str], rows: list[tuple]) 
 BY_ROLE_COLUMNS = ["role", "heads", "effect", "effect_lo", "effect_hi", "minus_none", "minus_none_lo", "minus_none_hi"]
 
 
+def bracket(lo: float | None, hi: float | None) -> str:
+    """`` [lo, hi]`` of a 95% interval; empty where there is none (its effects in fewer than two
+    replicate groups: the jackknife's bounds are NaN, never printed)."""
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return ""
+    return f" [{lo:+.3g}, {hi:+.3g}]"
+
+
+def has_intervals(per_role: list[tuple]) -> bool:
+    """Whether any role's effect in ``by_role``'s rows has an interval."""
+    return any(bracket(lo, hi) for _role, _n, _v, lo, hi, *_gap in per_role)
+
+
 def describe(role: str, value: float, lo: float, hi: float, unit: str) -> str:
     """ "an induction head whose removal costs +0.31 nats [0.22, 0.40]"."""
-    bounds = "" if math.isnan(lo) else f" [{lo:+.3g}, {hi:+.3g}]"
-    return f"{role}: removal costs {value:+.3g} {unit}{bounds}"
+    return f"{role}: removal costs {value:+.3g} {unit}{bracket(lo, hi)}"
+
+
+def against_none(gap: float, lo: float, hi: float) -> str:
+    """ "+0.12 against the heads without a role [+0.05, +0.19]"; empty for the heads without one."""
+    return "" if math.isnan(gap) else f"{gap:+.3g} against the heads without a role{bracket(lo, hi)}"

@@ -89,6 +89,7 @@ def effect_note(conn: Connection, run_id: int) -> str | None:
     """The line under a table of effects: what they are measured against, on which windows, and
     the replicate groups their intervals rest on, for this run."""
     from headatlas.service.engine.schemes import MIN_GROUPS
+    from headatlas.service.wording import counted
 
     found = run_effects(conn, run_id)
     if not found:
@@ -119,12 +120,19 @@ def effect_note(conn: Connection, run_id: int) -> str | None:
     if "gradient" in kinds:
         parts.append("importance: mean |∂O/∂ξ| at the intact model")
     means = f"; {len(found)} sets of reference means were used" if len(found) > 1 else ""
-    rough = f", fewer than {MIN_GROUPS}: their widths are rough" if 0 < groups < MIN_GROUPS else ""
+    if groups < 2:
+        # the jackknife leaves one group out: with one group there is nothing to leave out
+        intervals = (
+            f"no intervals: these windows fall in {counted(groups, 'replicate group')}, and an interval needs 2 or more "
+            f"(measure windows of more documents, or more windows: --effect-windows, `headatlas effects`)"
+        )
+    else:
+        rough = f", fewer than {MIN_GROUPS}: their widths are rough" if groups < MIN_GROUPS else ""
+        intervals = f"their intervals: the jackknife over the {groups} replicate groups that hold these windows{rough}"
     return (
         f"effect_* = O(ablated) − O(intact), O = {first['objective']} ({first['unit']}), mean over {among} "
         f"({'; '.join(parts)}); drift_*: output drift of the final hidden states, "
-        f"0 = unchanged (SPEC §9); their intervals: the jackknife over the {groups} replicate groups that hold "
-        f"these windows{rough}{means}"
+        f"0 = unchanged (SPEC §9); {intervals}{means}"
     )
 
 
