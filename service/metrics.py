@@ -11,10 +11,13 @@ the batch payload (``service.engine.results``), ingest (``service.storage.store`
 Adding a metric: one ``Metric`` below, its sums computed in ``service.engine.stats`` (a head sum
 in ``head_statistics``, a run sum in ``chance_statistics``), and one small migration that adds
 its sums' columns (docs/architecture.md, "Adding a metric"). A package installed beside
-headatlas adds a metric through the ``headatlas.metrics`` entry point: a ``Metric`` whose columns
-are SQL over the sums stored already, with no sums of its own (tables change only by headatlas's
-own migrations); ``all_metrics()`` and ``all_columns()`` include it, the views are built from
-them, ``METRICS`` and ``COLUMNS`` are headatlas's own.
+headatlas adds a metric through the ``headatlas.metrics`` entry point: a ``Metric`` whose per-head
+sums (``"<measure>.<sum>"``) are stored by name in one table headatlas's migration 0016 made
+(``service.storage.named_sums``; no plugin ships a migration) and whose columns are SQL over the
+stored sums, its own and its earlier columns (docs/architecture.md, "Plugin sums and columns");
+``all_metrics()``, ``all_sums()`` and ``all_columns()`` include it, the views and
+``reports.columns``' functions are built from them, ``METRICS``, ``SUMS`` and ``COLUMNS`` are
+headatlas's own.
 
 Expressions are SQL over one row of totals: a head's sums beside its run's (a layer's heads
 summed, with the run sums once per head, for ``layer_metrics``), plus the distance inputs of
@@ -26,9 +29,19 @@ column that is not also a sum. No numpy, no torch: the CLI's queries import it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
+
+
+class Shown(str, Enum):
+    """Where a head column is shown by default. Every head column is in ``query heads``' JSON and
+    CSV, ``--wide`` and ``--columns``; these are the default tables (``reports.columns.head_table``)."""
+
+    NOT = "not"  # in none of the default tables
+    PAGE = "page"  # the head tables of the web page and the report
+    TERMINAL = "terminal"  # those, and `query heads`' table (which fits 100 characters)
 
 
 class Scope(str, Enum):
@@ -69,6 +82,9 @@ class Column:
     # a share, a mean, an effect): figures and the report draw the column on a diverging colour map
     # centred on it and say "1 = chance" (``chance_centre``)
     centre: float | None = None
+    # in which default head tables it is shown (a plugin's column too); its place there: its
+    # place among the declarations
+    shown: Shown = Shown.NOT
 
 
 @dataclass(frozen=True)
@@ -302,180 +318,209 @@ EFFECT_SUMS = {
     "gradient": ("importance",),
 }
 
-METRICS: tuple[Metric, ...] = (
-    _share(
+
+def _placed(metrics: tuple[Metric, ...], **placed: tuple[str, ...]) -> tuple[Metric, ...]:
+    """``metrics`` with the columns named under each ``Shown`` (by its value) shown there."""
+    where = {name: Shown(kind) for kind, names in placed.items() for name in names}
+    out = tuple(
+        replace(m, columns=tuple(replace(c, shown=where.get(c.name, c.shown)) for c in m.columns)) for m in metrics
+    )
+    missing = set(where) - {c.name for m in out for c in m.columns}
+    if missing:
+        raise RuntimeError(f"placed columns that are not declared: {sorted(missing)}")
+    return out
+
+
+# the default head tables (``Shown``): the measures a reader ranks heads by, in declaration order;
+# `query heads`' table takes those that fit 100 characters on the shipped excerpt
+METRICS: tuple[Metric, ...] = _placed(
+    (
+        _share(
+            "within_sentence",
+            "same_sentence_high",
+            "same_sentence_pairs",
+            "same_sentence_dm",
+            "in one sentence",
+            layers=("within_sentence", "within_sentence_lift", "within_sentence_lift_dm"),
+        ),
+        _share(
+            "repetition",
+            "same_token_high",
+            "same_token_pairs",
+            "same_token_dm",
+            "with equal token ids",
+            layers=("repetition", "repetition_lift", "repetition_lift_dm"),
+        ),
+        _share(
+            "repetition_words",
+            "same_word_high",
+            "same_word_pairs",
+            "same_word_dm",
+            "with equal word token ids (punctuation repeats excluded)",
+            layers=("repetition_words", "repetition_words_lift_dm"),
+        ),
+        Metric(
+            "mean_distance",
+            "§5",
+            "mean token distance j − i of the high-similarity pairs",
+            "all pairs of the window",
+            (
+                Column(
+                    "mean_distance",
+                    "coalesce(distance_sum, 0) / nullif(high_pairs, 0)",
+                    "mean j − i over H",
+                    bounds=(1.0, None),
+                ),
+                Column("mean_distance_chance", "mean_distance_chance", "mean j − i over P", interval=False),
+            ),
+        ),
+        Metric(
+            "short_range_share",
+            "§5",
+            "share of the high-similarity pairs at distance ≤ short_range",
+            "all pairs of the window",
+            (
+                Column(
+                    "short_range_share",
+                    "coalesce(short_range_pairs, 0) / nullif(high_pairs, 0)",
+                    "share of H with j − i ≤ short_range",
+                    bounds=SHARE,
+                ),
+                Column("short_range_chance", "short_range_chance", "the same share of P", interval=False),
+            ),
+        ),
+        Metric(
+            "noise_share",
+            "§3, §5",
+            "share of the high-similarity pairs that fail the attention gate (similar without attention)",
+            "",
+            (
+                Column(
+                    "noise_share",
+                    "1 - attended_high / nullif(high_pairs, 0)",
+                    "1 − attended_high / high_pairs",
+                    bounds=SHARE,
+                ),
+            ),
+            sums=(head_int("attended_high"),),
+        ),
+        Metric(
+            "similarity",
+            "§4",
+            "mean context similarity C_ij of the high pairs and of all pairs",
+            "",
+            (
+                Column(
+                    "sim_mean_high",
+                    "sim_sum_high / nullif(high_pairs, 0)",
+                    "mean C_ij over H",
+                    heads=False,
+                    layers=False,
+                ),
+                Column("sim_mean_all", "sim_sum_all / nullif(pairs, 0)", "mean C_ij over P", heads=False, layers=False),
+            ),
+            sums=(head_float("sim_sum_all"), head_float("sim_sum_high")),
+        ),
+        _attention_to(
+            "attn_to_cls",
+            "[CLS]",
+            "uniform_cls",
+            "windows",
+            "§4, §5b, §8",
+            (head_float("attn_to_cls"), run_float("uniform_cls")),
+        ),
+        _attention_to(
+            "attn_to_sep",
+            "[SEP]",
+            "uniform_sep",
+            "windows",
+            "§4, §5b, §8",
+            (head_float("attn_to_sep"), run_float("uniform_sep")),
+        ),
+        _attention_to(
+            "attn_to_punct",
+            "'.' and ',' tokens",
+            "uniform_punct",
+            "punct_tokens",
+            "§4, §5b, §8",
+            (head_float("attn_to_punct"), run_int("punct_tokens"), run_float("uniform_punct")),
+        ),
+        _attention_to(
+            "attn_to_first",
+            "position 0 ([CLS] in BERT, BOS in a decoder: the sink)",
+            "uniform_first",
+            "",
+            "§8",
+            (head_float("attn_to_first"), run_float("uniform_first")),
+        ),
+        _mean("attn_to_self", "attention weight on the query token itself (A_ii)"),
+        _mean("attn_to_prev", "attention weight on the previous token (A_i,i−1)", layers=False),
+        Metric(
+            "attn_to_next",
+            "§4, §8",
+            "attention weight on the next token (A_i,i+1); NULL for causal attention, which cannot see it",
+            "",
+            (
+                Column(
+                    "attn_to_next",
+                    # next_rows: rows whose next token is visible (0 under causal attention; NULL for
+                    # runs stored before it existed, all bidirectional)
+                    "CASE WHEN coalesce(next_rows, 1) > 0 THEN attn_to_next / nullif(attn_rows, 0) END",
+                    "attention weight on the next token (A_i,i+1), per query row",
+                    layers=False,
+                    bounds=SHARE,
+                ),
+            ),
+            sums=(head_float("attn_to_next"), run_int("next_rows")),
+        ),
+        _mean("attn_entropy", "attention entropy −Σ_j A_ij ln A_ij (nats)", bounds=POSITIVE),
+        Metric(
+            "anchor_frequency_share",
+            "§5b",
+            "share of windows whose anchor token is the window's most frequent token",
+            "",
+            (
+                Column(
+                    "anchor_frequency_share",
+                    "anchor_frequent / nullif(anchored_windows, 0)",
+                    "anchor_frequent / anchored_windows",
+                    bounds=SHARE,
+                ),
+            ),
+            sums=(head_int("anchor_frequent"), head_int("anchored_windows")),
+        ),
+        _copies(
+            "dup",
+            "dup_rows",
+            "§8",
+            "attention from a token to the earlier copies of itself (duplicate-token heads)",
+            "earlier copies of the query token",
+        ),
+        _copies(
+            "induction",
+            "induction_rows",
+            "§8",
+            "attention from a token to the tokens that followed its earlier copies (induction heads)",
+            "the tokens after earlier copies of the query token",
+        ),
+        Metric(
+            "high_pairs",
+            "§3, §4",
+            "size of the high-similarity set H, summed over windows (and the run's counts it is read against)",
+            "",
+            (Column("high_pairs", "high_pairs", "|H| summed over windows", interval=False, layers=False),),
+            sums=(head_int("high_pairs"), run_int("windows"), run_int("pairs"), run_int("attn_rows")),
+        ),
+        *EFFECT_METRICS,
+    ),
+    page=(
         "within_sentence",
-        "same_sentence_high",
-        "same_sentence_pairs",
-        "same_sentence_dm",
-        "in one sentence",
-        layers=("within_sentence", "within_sentence_lift", "within_sentence_lift_dm"),
-    ),
-    _share(
-        "repetition",
-        "same_token_high",
-        "same_token_pairs",
-        "same_token_dm",
-        "with equal token ids",
-        layers=("repetition", "repetition_lift", "repetition_lift_dm"),
-    ),
-    _share(
-        "repetition_words",
-        "same_word_high",
-        "same_word_pairs",
-        "same_word_dm",
-        "with equal word token ids (punctuation repeats excluded)",
-        layers=("repetition_words", "repetition_words_lift_dm"),
-    ),
-    Metric(
-        "mean_distance",
-        "§5",
-        "mean token distance j − i of the high-similarity pairs",
-        "all pairs of the window",
-        (
-            Column(
-                "mean_distance",
-                "coalesce(distance_sum, 0) / nullif(high_pairs, 0)",
-                "mean j − i over H",
-                bounds=(1.0, None),
-            ),
-            Column("mean_distance_chance", "mean_distance_chance", "mean j − i over P", interval=False),
-        ),
-    ),
-    Metric(
         "short_range_share",
-        "§5",
-        "share of the high-similarity pairs at distance ≤ short_range",
-        "all pairs of the window",
-        (
-            Column(
-                "short_range_share",
-                "coalesce(short_range_pairs, 0) / nullif(high_pairs, 0)",
-                "share of H with j − i ≤ short_range",
-                bounds=SHARE,
-            ),
-            Column("short_range_chance", "short_range_chance", "the same share of P", interval=False),
-        ),
-    ),
-    Metric(
-        "noise_share",
-        "§3, §5",
-        "share of the high-similarity pairs that fail the attention gate (similar without attention)",
-        "",
-        (
-            Column(
-                "noise_share",
-                "1 - attended_high / nullif(high_pairs, 0)",
-                "1 − attended_high / high_pairs",
-                bounds=SHARE,
-            ),
-        ),
-        sums=(head_int("attended_high"),),
-    ),
-    Metric(
-        "similarity",
-        "§4",
-        "mean context similarity C_ij of the high pairs and of all pairs",
-        "",
-        (
-            Column(
-                "sim_mean_high", "sim_sum_high / nullif(high_pairs, 0)", "mean C_ij over H", heads=False, layers=False
-            ),
-            Column("sim_mean_all", "sim_sum_all / nullif(pairs, 0)", "mean C_ij over P", heads=False, layers=False),
-        ),
-        sums=(head_float("sim_sum_all"), head_float("sim_sum_high")),
-    ),
-    _attention_to(
-        "attn_to_cls",
-        "[CLS]",
-        "uniform_cls",
-        "windows",
-        "§4, §5b, §8",
-        (head_float("attn_to_cls"), run_float("uniform_cls")),
-    ),
-    _attention_to(
-        "attn_to_sep",
-        "[SEP]",
-        "uniform_sep",
-        "windows",
-        "§4, §5b, §8",
-        (head_float("attn_to_sep"), run_float("uniform_sep")),
-    ),
-    _attention_to(
-        "attn_to_punct",
-        "'.' and ',' tokens",
-        "uniform_punct",
-        "punct_tokens",
-        "§4, §5b, §8",
-        (head_float("attn_to_punct"), run_int("punct_tokens"), run_float("uniform_punct")),
-    ),
-    _attention_to(
-        "attn_to_first",
-        "position 0 ([CLS] in BERT, BOS in a decoder: the sink)",
-        "uniform_first",
-        "",
-        "§8",
-        (head_float("attn_to_first"), run_float("uniform_first")),
-    ),
-    _mean("attn_to_self", "attention weight on the query token itself (A_ii)"),
-    _mean("attn_to_prev", "attention weight on the previous token (A_i,i−1)", layers=False),
-    Metric(
-        "attn_to_next",
-        "§4, §8",
-        "attention weight on the next token (A_i,i+1); NULL for causal attention, which cannot see it",
-        "",
-        (
-            Column(
-                "attn_to_next",
-                # next_rows: rows whose next token is visible (0 under causal attention; NULL for
-                # runs stored before it existed, all bidirectional)
-                "CASE WHEN coalesce(next_rows, 1) > 0 THEN attn_to_next / nullif(attn_rows, 0) END",
-                "attention weight on the next token (A_i,i+1), per query row",
-                layers=False,
-                bounds=SHARE,
-            ),
-        ),
-        sums=(head_float("attn_to_next"), run_int("next_rows")),
-    ),
-    _mean("attn_entropy", "attention entropy −Σ_j A_ij ln A_ij (nats)", bounds=POSITIVE),
-    Metric(
+        "attn_to_punct_lift",
+        "attn_entropy",
         "anchor_frequency_share",
-        "§5b",
-        "share of windows whose anchor token is the window's most frequent token",
-        "",
-        (
-            Column(
-                "anchor_frequency_share",
-                "anchor_frequent / nullif(anchored_windows, 0)",
-                "anchor_frequent / anchored_windows",
-                bounds=SHARE,
-            ),
-        ),
-        sums=(head_int("anchor_frequent"), head_int("anchored_windows")),
     ),
-    _copies(
-        "dup",
-        "dup_rows",
-        "§8",
-        "attention from a token to the earlier copies of itself (duplicate-token heads)",
-        "earlier copies of the query token",
-    ),
-    _copies(
-        "induction",
-        "induction_rows",
-        "§8",
-        "attention from a token to the tokens that followed its earlier copies (induction heads)",
-        "the tokens after earlier copies of the query token",
-    ),
-    Metric(
-        "high_pairs",
-        "§3, §4",
-        "size of the high-similarity set H, summed over windows (and the run's counts it is read against)",
-        "",
-        (Column("high_pairs", "high_pairs", "|H| summed over windows", interval=False, layers=False),),
-        sums=(head_int("high_pairs"), run_int("windows"), run_int("pairs"), run_int("attn_rows")),
-    ),
-    *EFFECT_METRICS,
+    terminal=("within_sentence_lift_dm", "repetition_words_lift_dm", "mean_distance", "noise_share"),
 )
 
 COLUMNS: tuple[Column, ...] = tuple(c for m in METRICS for c in m.columns)
@@ -495,52 +540,76 @@ STAT_CHANCE_SUMS: tuple[str, ...] = tuple(n for n in CHANCE_SUMS if n not in EFF
 _PLUGIN_METRICS: dict[str, tuple[Metric, ...]] = {}  # origin -> its metrics
 
 
+# a plugin's sum: ``<measure>.<sum>`` (or one plain name), lower case, as a measure's payload names it
+_SUM_NAME = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)?")
+
+
+def sql_name(name: str) -> str:
+    """``name`` as an SQL identifier: a plugin's ``<measure>.<sum>`` quoted (``"punct.both"``),
+    a plain name as it is."""
+    return name if name.isidentifier() else '"' + name.replace('"', '""') + '"'
+
+
 def _install_plugin(plugin: Any, value: Any) -> None:
-    """A ``headatlas.metrics`` entry point names a Metric (or a tuple of them) whose columns read
-    only what the views already have; anything else is refused, naming the plugin."""
+    """A ``headatlas.metrics`` entry point names a Metric (or a tuple of them): its per-head sums
+    (stored by name, table ``named_head_sums``) and its columns, SQL over the stored sums, its own
+    and its earlier columns (``check_columns``); anything else is refused, naming the plugin."""
     from headatlas.service.errors import PluginError
 
     metrics = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not metrics or not all(isinstance(m, Metric) for m in metrics):
         raise PluginError(f"{plugin.value} is not a Metric (or a tuple of them)")
-    taken = {c.name for c in all_columns()} | {s.name for s in SUMS} | set(DISTANCE_INPUTS)
+    taken = {c.name for c in all_columns()} | {s.name for s in all_sums()} | set(DISTANCE_INPUTS)
     named = {m.name: m.origin for m in all_metrics()}
     for metric in metrics:
         if metric.name in named:  # listings and metric_of() would show two metrics of one name
             owner = "headatlas's" if named[metric.name] == "headatlas" else f"{named[metric.name]}'s"
             raise PluginError(f"metric {metric.name!r} is {owner} already: give the plugin's metric another name")
         named[metric.name] = plugin.origin
-        if metric.sums:
-            raise PluginError(
-                f"metric {metric.name!r} declares sums ({', '.join(s.name for s in metric.sums)}): a plugin metric "
-                "reads only the sums stored already, whose columns headatlas's own migrations create"
-            )
+        for s in metric.sums:
+            if s.scope is not Scope.HEAD:
+                raise PluginError(
+                    f"metric {metric.name!r}: sum {s.name!r} is per run; a plugin's sums are per head "
+                    "(stored by name in named_head_sums), per-run sums only headatlas's own"
+                )
+            if not _SUM_NAME.fullmatch(s.name):
+                raise PluginError(
+                    f"metric {metric.name!r}: sum {s.name!r} is not a sum name: '<measure>.<sum>', lower-case "
+                    "letters, digits and _"
+                )
+            if s.name in taken or s.name.lower() in taken:
+                raise PluginError(f"metric {metric.name!r}: sum {s.name!r} is a column or sum already")
+            taken.add(s.name)
         for column in metric.columns:
             if column.name in taken:
                 raise PluginError(f"metric {metric.name!r}: column {column.name!r} is a column or sum already")
             taken.add(column.name)
-    check_columns([c for m in metrics for c in m.columns])
+    check_columns([c for m in metrics for c in m.columns], sums=tuple(s for m in metrics for s in m.sums))
     _PLUGIN_METRICS[plugin.origin] = tuple(replace(m, origin=plugin.origin) for m in metrics)
 
 
-def check_columns(columns: list[Column]) -> None:
+def check_columns(columns: list[Column], *, sums: tuple[Sum, ...] = ()) -> None:
     """Raise PluginError when a column's SQL does not bind over the totals the views read (every
-    sum, the distance inputs, the declared columns before it), as the views would bind it."""
+    sum, the installed plugins' and ``sums`` included, the distance inputs, the declared columns
+    and those of ``columns`` before it), as the views would bind it."""
     import duckdb
 
     from headatlas.service.errors import PluginError
 
-    inputs = ", ".join(f"NULL::DOUBLE AS {name}" for name in (*(s.name for s in SUMS), *DISTANCE_INPUTS))
-    declared = ",\n".join(f"{c.sql} AS {c.name}" for c in COLUMNS)
+    names = (*(sql_name(s.name) for s in (*all_sums(), *sums)), *DISTANCE_INPUTS)
+    inputs = ", ".join(f"NULL::DOUBLE AS {name}" for name in names)
+    declared = [f"{c.sql} AS {c.name}" for c in all_columns()]
     with duckdb.connect(":memory:") as conn:
         for column in columns:
+            selected = ",\n".join([*declared, f"{column.sql} AS {column.name}"])
             try:
-                conn.execute(f"SELECT {declared}, {column.sql} AS {column.name} FROM (SELECT {inputs}) LIMIT 0")
+                conn.execute(f"SELECT {selected} FROM (SELECT {inputs}) LIMIT 0")
             except duckdb.Error as exc:
                 first = str(exc).strip().splitlines()[0]
                 raise PluginError(
                     f"column {column.name!r}: {column.sql!r} does not bind over the sums ({first})"
                 ) from None
+            declared.append(f"{column.sql} AS {column.name}")
 
 
 def plugin_metrics() -> tuple[Metric, ...]:
@@ -556,6 +625,16 @@ def all_metrics() -> tuple[Metric, ...]:
     return METRICS + plugin_metrics()
 
 
+def plugin_sums() -> tuple[Sum, ...]:
+    """The per-head sums installed plugins' metrics declare (stored in ``named_head_sums``)."""
+    return tuple(s for m in plugin_metrics() for s in m.sums)
+
+
+def all_sums() -> tuple[Sum, ...]:
+    """headatlas's sums, then the plugins'."""
+    return SUMS + plugin_sums()
+
+
 def all_columns() -> tuple[Column, ...]:
     """Every view column, the plugins' included: what the views are built from."""
     return COLUMNS + tuple(c for m in plugin_metrics() for c in m.columns)
@@ -563,9 +642,14 @@ def all_columns() -> tuple[Column, ...]:
 
 def reference() -> tuple[list[str], list[tuple]]:
     """One row per view column: its metric, SPEC section, one-line definition, what it is read
-    against, and where it comes from (``headatlas metrics``)."""
-    rows = [(c.name, m.name, m.spec, c.definition, m.against, m.origin) for m in all_metrics() for c in m.columns]
-    return ["column", "metric", "spec", "definition", "against", "origin"], rows
+    against, where it comes from, and the sums its metric introduces (a plugin's are stored by
+    name, ``named_head_sums``) (``headatlas metrics``)."""
+    rows = [
+        (c.name, m.name, m.spec, c.definition, m.against, m.origin, ", ".join(s.name for s in m.sums))
+        for m in all_metrics()
+        for c in m.columns
+    ]
+    return ["column", "metric", "spec", "definition", "against", "origin", "sums"], rows
 
 
 def chance_centre(column: str) -> float | None:

@@ -42,6 +42,7 @@ RUN_TABLES = {
         "JOIN run_windows r USING (window_id) WHERE r.run_id = {run})"
     ),
     "head_stats": "SELECT * FROM head_stats WHERE run_id = {run}",
+    "named_head_sums": "SELECT * FROM named_head_sums WHERE run_id = {run}",
     "run_chance": "SELECT * FROM run_chance WHERE run_id = {run}",
     "dist_hist": "SELECT * FROM dist_hist WHERE run_id = {run}",
     "pair_hist": "SELECT * FROM pair_hist WHERE run_id = {run}",

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from headatlas.service.engine.results import CSM_KINDS, PAIR_HISTS, BatchResult
 from headatlas.service.metrics import CHANCE_SUMS, HEAD_SUMS  # every declared sum, the effects' included
+from headatlas.service.storage import named_sums
 
 
 def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:
@@ -59,6 +60,17 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
             },
         }
     )
+    # the head sums that are no column of head_stats (a plugin measure's "<measure>.<sum>"): by name
+    by_name = named_sums.named_rows(
+        run_id,
+        label,
+        reps,
+        (n_reps, n_layers, n_heads),
+        results,
+        lambda k: _summed(results, where, (n_reps, n_layers, n_heads), lambda r: r.rep_heads[k]),
+    )
+    if by_name is not None:
+        tables[named_sums.TABLE] = by_name
     chance = {k: _summed(results, where, (n_reps,), lambda r, k=k: r.rep_chance[k]) for k in run_sums}
     tables["run_chance"] = pa.table(
         {

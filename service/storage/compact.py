@@ -17,6 +17,7 @@ COMPACTED = -1
 # (rep: the replicate group, kept so that intervals survive compaction, SPEC §5b)
 ADDITIVE_TABLES: dict[str, tuple[str, ...]] = {
     "head_stats": ("rep", "layer", "head"),
+    "named_head_sums": ("rep", "layer", "head", "name"),
     "dist_hist": ("rep", "layer", "head", "distance"),
     "pair_hist": ("rep", "distance"),
     "run_chance": ("rep",),

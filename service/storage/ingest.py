@@ -115,6 +115,7 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
         for name in (
             "run_windows",
             "head_stats",
+            "named_head_sums",
             "run_chance",
             "dist_hist",
             "pair_hist",

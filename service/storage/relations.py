@@ -42,6 +42,7 @@ TABLES = (
     "run_windows",
     "batches",
     "head_stats",
+    "named_head_sums",
     "run_chance",
     "dist_hist",
     "pair_hist",

@@ -6,8 +6,11 @@ upgrade that reaches the head revision (``migrations/env.py``), which is also ho
 database gets them. A metric added to the declarations therefore needs only the migration that
 adds its sums' columns; its view columns follow. ``headatlas db upgrade`` on a current database
 rebuilds them too. The columns of installed plugins' metrics (``metrics.all_columns``) are
-built in beside headatlas's own: a plugin installed later shows in the views after the next
-``headatlas db upgrade``, and one removed leaves its columns, which read only stored sums.
+built in beside headatlas's own, and their sums (``metrics.plugin_sums``, stored by name in
+``named_head_sums``) are columns of ``head_reps`` and ``head_totals`` beside ``head_stats``'
+(``named_sums.pivoted_head_stats``): a plugin installed later shows in the views after the next
+``headatlas db upgrade``, and one removed leaves its columns (they read only stored sums, its
+own by their names) until the next upgrade.
 
 The views (the names and shapes of migration 0006, which first wrote them by hand):
 
@@ -26,7 +29,8 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.metrics import CHANCE_SUMS, DISTANCE_INPUTS, HEAD_SUMS, all_columns
+from headatlas.service.metrics import CHANCE_SUMS, DISTANCE_INPUTS, HEAD_SUMS, all_columns, plugin_sums, sql_name
+from headatlas.service.storage.named_sums import pivoted_head_stats
 
 # created in this order, dropped in the reverse
 DERIVED_VIEWS = (
@@ -74,11 +78,14 @@ def metric_columns() -> str:
 
 def view_statements() -> list[str]:
     """``CREATE VIEW`` statements of DERIVED_VIEWS, in order."""
+    # the installed plugins' sums (table named_head_sums) beside headatlas's own, as columns
+    named = plugin_sums()
+    head_sums = (*HEAD_SUMS, *(sql_name(s.name) for s in named))
     chance = ", ".join(f"c.{c}" for c in CHANCE_SUMS)
     distance = ", ".join(f"d.{c}" for c in DISTANCE_INPUTS if c not in ("mean_distance_chance", "short_range_chance"))
     return [
         replicated_view("chance_reps", "run_chance", ("run_id",), CHANCE_SUMS),
-        replicated_view("head_reps", "head_stats", ("run_id", "layer", "head"), HEAD_SUMS),
+        replicated_view("head_reps", pivoted_head_stats(named), ("run_id", "layer", "head"), head_sums),
         # one head: its sums beside the run's sums
         f"""
         CREATE VIEW head_metrics_reps AS
@@ -97,7 +104,7 @@ def view_statements() -> list[str]:
         CREATE VIEW layer_metrics_reps AS
         WITH h AS (
             SELECT run_id, layer, drop_rep, count(*) AS heads,
-                   {", ".join(f"{strict_sum(c)} AS {c}" for c in HEAD_SUMS)}
+                   {", ".join(f"{strict_sum(c)} AS {c}" for c in head_sums)}
             FROM head_reps GROUP BY run_id, layer, drop_rep
         ),
         d AS (
