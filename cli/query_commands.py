@@ -6,7 +6,7 @@ import typer
 
 from headatlas.cli import options, run_commands
 from headatlas.cli.output import Format, TableView, render, render_metrics, said, sparkline, stdout
-from headatlas.service.reports.columns import SORTABLE
+from headatlas.service.reports.columns import SORTABLE, TERMINAL_HEAD_TABLE
 
 query_app = typer.Typer(help="Ask a stored run about its heads (layers and heads are 0-based).", no_args_is_help=True)
 
@@ -28,15 +28,9 @@ def register(app: typer.Typer) -> None:
 
 
 # what a table shows by default (JSON and CSV hold every column; --columns picks, --wide shows all):
-# each set fits 100 characters on the shipped excerpt (a narrower table leaves columns out from the right)
-HEAD_TABLE = [
-    "layer",
-    "head",
-    "within_sentence_lift_dm",
-    "repetition_words_lift_dm",
-    "mean_distance",
-    "noise_share",
-]
+# each set fits 100 characters on the shipped excerpt (a narrower table leaves columns out from the right).
+# The heads' is declared with the columns (service.metrics, ``shown``), an installed plugin's too
+HEAD_TABLE = TERMINAL_HEAD_TABLE
 LAYER_TABLE = [
     "layer",
     "mean_distance",
@@ -68,7 +62,10 @@ def query_heads(
         "--sort",
         "-s",
         metavar="METRIC",
-        help=f"Sort by this metric, largest first (--asc: smallest first); one of {', '.join(SORTABLE)}.",
+        help=(
+            f"Sort by this metric, largest first (--asc: smallest first); one of {', '.join(SORTABLE)}, "
+            "or an installed plugin's column (`headatlas metrics` lists them)."
+        ),
     ),
     asc: bool = typer.Option(False, "--asc", help="Sort smallest first."),
     top: int | None = typer.Option(None, "--top", "-n", min=1, help="Show only the first N heads."),
@@ -84,10 +81,11 @@ def query_heads(
     `headatlas metrics` defines each); --format json/csv has all."""
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports import queries
+    from headatlas.service.reports.columns import head_table
 
     if asc and sort is None:
         raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
-    table = HEAD_TABLE if sort is None or sort in HEAD_TABLE else [*HEAD_TABLE[:2], sort, *HEAD_TABLE[2:]]
+    table = head_table(terminal=True, sort=sort)
     view = TableView.of(columns, wide)
     _query(
         (db, at),

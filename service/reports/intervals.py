@@ -34,7 +34,7 @@ import numpy as np
 
 from headatlas.service.engine.results import REPLICATES
 from headatlas.service.engine.schemes import MIN_GROUPS  # noqa: F401 - beside REPLICATES, for the store too
-from headatlas.service.metrics import COLUMNS
+from headatlas.service.metrics import COLUMNS, plugin_metrics
 from headatlas.service.wording import counted
 
 Z95 = 1.959963984540054  # the normal quantile (the §5b rule; kept for callers that pass it as z)
@@ -200,10 +200,13 @@ CLIP_NOTE = (
 
 def bounds_of(column: str) -> tuple[float | None, float | None]:
     """The values a metric can take, (low, high) with None for unbounded: as declared with it
-    (``service.metrics``), else by its name: ``share``/``*_share`` in [0, 1], ``lift``/``*_lift``
-    ≥ 0 (the distance profiles' columns)."""
+    (``service.metrics``, an installed plugin's too), else by its name: ``share``/``*_share`` in
+    [0, 1], ``lift``/``*_lift`` ≥ 0 (the distance profiles' columns)."""
     if column in _DECLARED_BOUNDS:
         return _DECLARED_BOUNDS[column]
+    for c in (c for m in plugin_metrics() for c in m.columns):  # an installed plugin's, as declared
+        if c.name == column:
+            return c.bounds
     if column == "share" or column.endswith("_share"):
         return (0.0, 1.0)
     if column == "lift" or column.endswith(("_lift", "_lift_dm")):

@@ -13,9 +13,18 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import MIXING_METHODS
 from headatlas.service.errors import Param, ParameterError, Phrase
-from headatlas.service.metrics import COLUMNS, EFFECT_SUMS
+from headatlas.service.metrics import COLUMNS, EFFECT_SUMS, plugin_metrics
 from headatlas.service.reports.attention_kind import causal_run
-from headatlas.service.reports.columns import HEAD_COLUMNS, PROBE_COLUMNS, SORTABLE, unknown_metric
+from headatlas.service.reports.columns import (
+    HEAD_COLUMNS,
+    PROBE_COLUMNS,
+    head_columns,
+    sortable,
+    unknown_metric,
+)
+from headatlas.service.reports.columns import (
+    SORTABLE as SORTABLE,  # headatlas's own: what `plot` checks its --metric against
+)
 from headatlas.service.storage import runs
 
 # counts and run-level chances carry no interval of their own
@@ -51,7 +60,10 @@ def _rows(conn: Connection, sql: str, params: dict) -> Rows:
 
 
 def interval_metrics(columns: list[str]) -> list[str]:
-    return [c for c in columns if c not in NO_INTERVAL]
+    """The columns of ``columns`` that get an interval (``--ci``): not NO_INTERVAL's, nor an
+    installed plugin's declared without one."""
+    plugged = {c.name for m in plugin_metrics() for c in m.columns if not c.interval}
+    return [c for c in columns if c not in NO_INTERVAL and c not in plugged]
 
 
 def replicate_scheme(conn: Connection, run_id: int) -> str:
@@ -145,12 +157,50 @@ def _check_sort(sort: str | None, allowed) -> None:
         raise unknown_metric("sort", sort, allowed, what="a metric of the heads")
 
 
+def _view_head_columns(conn: Connection, named: Sequence[tuple[str, str]]) -> list[str]:
+    """``head_columns()`` that the database's ``head_metrics`` holds: an installed plugin's columns
+    appear there with the ``db upgrade`` after its install (the views are built from what is
+    installed then). One that ``named`` ((option, column) pairs) asks for and the views lack yet is
+    refused, naming the fix."""
+    wanted = head_columns()
+    if wanted == HEAD_COLUMNS:
+        return list(wanted)
+    held = set(conn.execute(text("SELECT * FROM head_metrics LIMIT 0")).keys())
+    for option, column in named:
+        if column in wanted and column not in HEAD_COLUMNS and column not in held:
+            raise ParameterError(
+                Param(option, column),
+                ": an installed plugin's column that this database's views do not hold yet",
+                hint="run `headatlas db upgrade`, which builds the installed plugins' columns into the views",
+            )
+    return [c for c in wanted if c in HEAD_COLUMNS or c in held]
+
+
 def _check_held(conn: Connection, run_id: int, named: Sequence[tuple[str, str]]) -> None:
     """A column a measure the run was analysed without fills (a probe score, a causal effect:
     every value NULL) sorts or shows nothing: refused, naming the option that named it (``named``:
-    (option, column) pairs, such as ``("sort", "effect_zero")``) and how to get the measure."""
+    (option, column) pairs, such as ``("sort", "effect_zero")``) and how to get the measure; so
+    is an installed plugin's column the run holds no value of (its sums were never stored)."""
+    plugged = {c.name: m for m in plugin_metrics() for c in m.columns if c.heads}
     for option, column in named:
-        if column in PROBE_COLUMNS:
+        if column in plugged:
+            held = conn.execute(
+                text(f"SELECT count({column}) FROM head_metrics WHERE run_id = :run"), {"run": run_id}
+            ).scalar()
+            if not held:
+                metric = plugged[column]
+                sums = ", ".join(s.name for s in metric.sums)
+                raise ParameterError(
+                    Param(option, column),
+                    f": run {run_id} holds no value of it",
+                    hint=(
+                        f"its sums ({sums}) were not stored by the run's batches: analyse with the measure that "
+                        "computes them"
+                        if sums
+                        else f"{metric.origin}'s column is undefined for every head of the run"
+                    ),
+                )
+        elif column in PROBE_COLUMNS:
             probed = conn.execute(
                 text("SELECT 1 FROM probe_scores WHERE run_id = :run LIMIT 1"), {"run": run_id}
             ).first()
@@ -285,20 +335,23 @@ def heads(
     with_df: bool = False,
     shown: Sequence[str] = (),
 ) -> Rows:
-    """Per head, every column of HEAD_COLUMNS, ``top_anchors`` and the probe's scores; sorted by
+    """Per head, every column of HEAD_COLUMNS and the installed plugins' head columns (those the
+    views hold: ``head_columns``), ``top_anchors`` and the probe's scores; sorted by
     ``sort`` (descending, or ``ascending``; heads without a value last), else by layer and head.
     ``ci``: with 95% intervals (``clip=False``: not clipped to each metric's range, for tests that
     read them; ``with_df``: with each interval's degrees of freedom, ``<metric>_df``, the role tests').
     ``sort`` or a column of ``shown`` (the columns picked to show, ``--columns``) that a measure the
     run was analysed without would fill (every value NULL: a probe score, an effect) is refused."""
-    _check_sort(sort, SORTABLE)
-    _check_held(conn, run_id, [("sort", sort or ""), *(("columns", c) for c in shown)])
+    _check_sort(sort, sortable())
+    named = [("sort", sort or ""), *(("columns", c) for c in shown)]
+    columns = _view_head_columns(conn, named)
+    _check_held(conn, run_id, named)
     if clip and not with_df:
         kept = _stored_heads(conn, run_id, layer=layer, sort=sort, top=top, anchors=anchors, ci=ci, ascending=ascending)
         if kept is not None:
             return kept
     order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
-    cols = ", ".join(f"m.{c}" for c in HEAD_COLUMNS)
+    cols = ", ".join(f"m.{c}" for c in columns)
     probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
     sql = f"""
         WITH {TOP_ANCHORS_SQL}
@@ -781,7 +834,7 @@ def trend(
     shared by several fires (nothing changed between them) appears once, at its first fire."""
     if head is not None and layer is None:
         raise ParameterError(Param("head"), " needs ", Param("layer"), ": a head is named by its layer and its index")
-    allowed = SORTABLE if head is not None else LAYER_METRICS
+    allowed = sortable() if head is not None else LAYER_METRICS
     if metric not in allowed:
         raise unknown_metric("metric", metric, allowed)
     if layer is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from headatlas.service.metrics import chance_centre
 from headatlas.service.reports import queries
+from headatlas.service.reports.columns import head_table
 from headatlas.service.wording import seconds
 
 HEAD_METRICS = (
@@ -26,21 +27,6 @@ HEAD_METRICS = (
     "anchor_frequency_share",
 )
 HEAD_TABLE_SKIP = ("top_anchors", "interval_by")  # anchors: their own section; the scheme: the note
-# the head table on the page: the measures a reader ranks heads by, each with its interval below
-# (the 40-odd columns of `query heads` ran off the page; they follow, folded, and in `export`)
-HEAD_TABLE = (
-    "layer",
-    "head",
-    "within_sentence",
-    "within_sentence_lift_dm",
-    "repetition_words_lift_dm",
-    "mean_distance",
-    "short_range_share",
-    "noise_share",
-    "attn_to_punct_lift",
-    "attn_entropy",
-    "anchor_frequency_share",
-)
 N_ANCHORS = 5
 
 PARAM_HELP = {
@@ -215,9 +201,10 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
     keep = [i for i, c in enumerate(head_cols) if c not in HEAD_TABLE_SKIP]
     n_every = sum(not head_cols[i].endswith(("_lo", "_hi")) for i in keep)
     every_html = _table([head_cols[i] for i in keep], [tuple(r[i] for i in keep) for r in head_rows])
-    main = [
-        i for i, c in enumerate(head_cols) if c in HEAD_TABLE or c.removesuffix("_lo").removesuffix("_hi") in HEAD_TABLE
-    ]
+    # the head table on the page: the measures a reader ranks heads by (as the web page's), each with
+    # its interval below (the 40-odd columns of `query heads` ran off the page; they follow, folded)
+    shown = head_table()
+    main = [i for i, c in enumerate(head_cols) if c in shown or c.removesuffix("_lo").removesuffix("_hi") in shown]
     table_html = _table([head_cols[i] for i in main], [tuple(r[i] for i in main) for r in head_rows])
     anchors_html = _anchor_grid(head_cols, head_rows, run.n_layers, run.n_heads)
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")

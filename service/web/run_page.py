@@ -15,7 +15,7 @@ from headatlas.service.errors import Param, ParameterError, Part, Placeholder
 from headatlas.service.metrics import COLUMNS, METRICS
 from headatlas.service.operations.runs import check_layer_head
 from headatlas.service.reports import compare, queries, roles
-from headatlas.service.reports.columns import PROBE_COLUMNS, SORTABLE, unknown_metric
+from headatlas.service.reports.columns import PROBE_COLUMNS, head_table, sortable, unknown_metric
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.storage.store import Run
 from headatlas.service.web import charts
@@ -33,21 +33,6 @@ EFFECT_COLUMNS = tuple(
 # O(ablated) − O(intact): of either sign (a head whose removal helps), so shown about 0
 SIGNED_EFFECTS = tuple(c for c in EFFECT_COLUMNS if c.startswith("effect_"))
 DEFAULT_METRIC = "within_sentence_lift_dm"
-# the head table on the page: the measures a reader ranks heads by (as the report's), then anchors
-HEAD_TABLE = (
-    "layer",
-    "head",
-    "within_sentence",
-    "within_sentence_lift_dm",
-    "repetition_words_lift_dm",
-    "mean_distance",
-    "short_range_share",
-    "noise_share",
-    "attn_to_punct_lift",
-    "attn_entropy",
-    "anchor_frequency_share",
-    "top_anchors",
-)
 
 
 def run_reads(ctx: Ctx, run: Run) -> dict:
@@ -103,7 +88,7 @@ def run_view(ctx: Ctx, ref: str) -> View:
         )
     color = ctx.arg("color") or "role"
     numeric = colour_columns(read["all_heads"])
-    if color in SORTABLE and color not in numeric:  # a column of the run that it holds no value in
+    if color in sortable() and color not in numeric:  # a column of the run that it holds no value in
         raise ParameterError(Param("color", color), f": run {run.run_id} has no value of it", hint=_measure_hint(color))
     if color != "role" and color not in numeric:
         raise unknown_metric("color", color, ["role", *numeric])
@@ -139,7 +124,7 @@ def colour_columns(head_rows: queries.Rows) -> list[str]:
     """The numeric columns the atlas can be coloured by: those the run holds a value of (effects only
     where §9 effects were measured, the probe's scores only where it ran), the effects first."""
     columns, rows = head_rows
-    held = [c for c in SORTABLE if c in columns and any(r[columns.index(c)] is not None for r in rows)]
+    held = [c for c in sortable() if c in columns and any(r[columns.index(c)] is not None for r in rows)]
     return [c for c in held if c in EFFECT_COLUMNS] + [c for c in held if c not in EFFECT_COLUMNS]
 
 
@@ -346,14 +331,16 @@ def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> 
 def _heads_section(ctx, run, head_rows, sort, asc, layer, role, offered) -> str:
     columns, rows = head_rows
     wide = ctx.flag("wide")
-    shown = [c for c in columns if c != "interval_by"] if wide else [c for c in HEAD_TABLE if c in columns]
+    # the measures a reader ranks heads by (as the report's, an installed plugin's included), then anchors
+    main = [*head_table(sort=sort, among=columns), *(["top_anchors"] if "top_anchors" in columns else [])]
+    shown = [c for c in columns if c != "interval_by"] if wide else main
 
     def header(c: str) -> str:
         from headatlas.service.web.html import breakable
 
         if c in ("layer", "head"):
             return f'<a href="{e(ctx.here(sort=None, asc=None))}#heads">{breakable(c)}</a>'
-        if c not in SORTABLE:
+        if c not in sortable():
             return breakable(c)
         mark = (" ▲" if asc else " ▼") if c == sort else ""
         href = ctx.here(sort=c, asc=(not asc) if c == sort else None)
