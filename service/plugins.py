@@ -8,6 +8,8 @@ A distribution declares, in its own pyproject.toml::
     memduck = "my_package.memory:MemoryBackend"   # a Backend subclass; the name is its --db scheme
     [project.entry-points."headatlas.metrics"]
     attended = "my_package.metric:ATTENDED"       # a Metric (or a tuple of them)
+    [project.entry-points."headatlas.measures"]
+    spread = "my_package.spread:Spread"           # a Measure subclass (its sums per head)
     [project.entry-points."headatlas.objectives"]
     surprise = "my_package.objective:SURPRISE"    # an ObjectiveDefinition (or a tuple of them)
 
@@ -36,7 +38,8 @@ FAMILIES = "headatlas.families"
 BACKENDS = "headatlas.backends"
 METRICS = "headatlas.metrics"
 OBJECTIVES = "headatlas.objectives"
-GROUPS = (FAMILIES, BACKENDS, METRICS, OBJECTIVES)
+MEASURES = "headatlas.measures"  # a Measure subclass (service/engine/measure_contract.py)
+GROUPS = (FAMILIES, BACKENDS, METRICS, OBJECTIVES, MEASURES)
 
 
 @dataclass(frozen=True)

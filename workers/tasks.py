@@ -185,6 +185,7 @@ def _check_files(model, batch: dict) -> None:
 
 def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     from headatlas.service.engine.analysis import analyze_batch as analyse
+    from headatlas.service.engine.measure_contract import batch_windows, requested
     from headatlas.service.engine.windows import TokenClasses, Window, collate
     from headatlas.service.params import AnalysisParams
 
@@ -195,25 +196,24 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     if tokens is None:  # once per tokenizer: it scans the whole vocabulary (tenths of a second)
         tokens = _state[key] = TokenClasses.for_model(model)
     windows = [Window.from_message(row) for row in batch["windows"]]
-    # --attribution / --mixing cover the run's first attribution_windows windows, as embedded
-    mixing = 0
-    if params.mixes:
-        mixing = max(0, min(len(windows), params.attribution_windows - int(batch.get("first_window", 0))))
-    # --effects cover the run's first effect_windows windows, as embedded (SPEC §9)
-    effects, means = 0, None
-    if params.effects:
-        effects = max(0, min(len(windows), params.effect_windows - int(batch.get("first_window", 0))))
-        if effects and "mean" in params.effects:
-            means = _reference_means(run_key, model, batch, tokens)
+    # a measure that takes the run's first N windows (--attribution-windows, --effect-windows)
+    # takes those of them in this batch, by the one rule the embedded runner follows (SPEC §6, §9)
+    names = tuple(batch.get("measures", ()))
+    chosen = requested(params, names)
+    first = int(batch.get("first_window", 0))
+    counts = batch_windows(chosen, params, {m.name: first for m in chosen if m.quota(params) is not None}, len(windows))
+    means = None
+    if counts.get("effects") and "mean" in params.effects:
+        means = _reference_means(run_key, model, batch, tokens)
     result = analyse(
         model,
         collate(windows, tokens.pad_id),
         params,
         tokens,
         documents=batch["documents"],
-        mixing_windows=mixing,
+        measures=names,
+        windows=counts,
         attribution_chunk=_settings().attribution_chunk,
-        effect_windows=effects,
         effect_means=means,
     )
     return base64.b64encode(result.to_bytes()).decode("ascii")
@@ -261,11 +261,12 @@ def probe_run(run_key: str, probe: dict) -> None:
 
 def probe_message(model, run_key: str, probe: dict) -> ProbeScores:
     """The writer's message of the probe: its parameters and its scores (name -> ``[layer][head]``)."""
-    from headatlas.service.engine.probe import ProbeSpec, run_probe
+    from headatlas.service.engine.measure_contract import probe_scores
+    from headatlas.service.engine.probe import ProbeSpec
 
     _check_files(model, probe)
     spec = ProbeSpec(length=int(probe["length"]), sequences=int(probe["sequences"]), seed=int(probe["seed"]))
-    scores = run_probe(model, spec)
+    scores = probe_scores(model, spec)
     return ProbeScores(
         database_id=probe["database_id"],
         run_key=run_key,

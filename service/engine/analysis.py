@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -15,23 +16,9 @@ import torch
 from headatlas.service.engine.effect_batch import ReferenceMeans
 from headatlas.service.engine.hooks import capture_attention
 from headatlas.service.engine.model import LoadedModel
-from headatlas.service.engine.results import (
-    CHANCE_SUMS,
-    HEAD_SUMS,
-    PAIR_HISTS,
-    BatchResult,
-    sum_dtype,
-    window_group,
-)
+from headatlas.service.engine.results import BatchResult, window_group
 from headatlas.service.engine.row_attention import row_attention, uses_row_attention
-from headatlas.service.engine.stats import (
-    RowSums,
-    Workspace,
-    chance_statistics,
-    head_statistics,
-    head_vectors,
-    window_features,
-)
+from headatlas.service.engine.stats import RowSums, Workspace, window_features
 from headatlas.service.engine.windows import Batch, TokenClasses, collate
 from headatlas.service.errors import ParameterError
 from headatlas.service.params import AnalysisParams
@@ -83,21 +70,30 @@ def analyze_batch(
     tokens: TokenClasses,
     *,
     documents: list[dict] | None = None,
+    measures: Sequence[str] = (),
+    windows: Mapping[str, int] | None = None,
     mixing_windows: int | None = None,
     attribution_chunk: int = 2048,
     effect_windows: int = 0,
     effect_means: ReferenceMeans | None = None,
 ) -> BatchResult:
-    """Forward ``batch`` with hooks and summarise every head of every layer.
+    """Forward ``batch`` with hooks and run on it the measures the request asks for
+    (service/measures/contract.py): those ``params`` ask for, and the plugin measures named in
+    ``measures``. The head statistics summarise every head of every layer as it finishes.
 
     ``documents``: rows for the documents whose windows are in the batch (stored with it).
-    ``mixing_windows``: how many of the batch's first windows get the mixing measures when
-    ``params.mixes`` (default: all); ``attribution_chunk``: gradient rows per backward call.
-    ``effect_windows``: how many of the batch's first windows get the causal effects when
-    ``params.effects`` (SPEC §9; ``effect_batch``), ``effect_means`` the run's reference means
-    (for mean ablation).
+    ``windows``: how many of the batch's first windows each measure takes, by name (a measure not
+    named: its rule, as if the batch came first in its run); ``mixing_windows`` and
+    ``effect_windows`` are its entries ``mixing`` (default: all) and ``effects`` (default: none)
+    (SPEC §6, §9). ``attribution_chunk``: gradient rows per backward call; ``effect_means`` the
+    run's reference means (for mean ablation).
     """
+    from headatlas.service.engine.measure_contract import BatchContext, batch_counts, put_sums, requested
+
     started = time.perf_counter()
+    chosen = requested(params, measures)
+    given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}
+    counts = batch_counts(chosen, params, len(batch.windows), {**given, **(windows or {})})
     input_ids, attention_mask = _on_device(model, batch)
     # replicate groups present in the batch (ascending) and each window's index among them; the
     # scheme is the one the run resolved and recorded (SPEC §5d)
@@ -119,126 +115,53 @@ def analyze_batch(
             sentence=sentence,
             causal=model.causal,
         )
-        chance = chance_statistics(feats, seq_len=params.seq_len)
-    blocks = model.blocks
-    per_layer: list[dict[str, torch.Tensor]] = []
+    ctx = BatchContext(
+        model=model,
+        batch=batch,
+        params=params,
+        tokens=tokens,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        feats=feats,
+        sentence=sentence,
+        reps=reps,
+        group=dense.reshape(-1),
+        attribution_chunk=attribution_chunk,
+        effect_means=effect_means,
+        counts=counts,
+    )
+    in_pass = [m for m in chosen if m.reads_attention]
 
-    def summarise(layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
-        # runs inside the forward pass, as each layer finishes; statistics in full precision
-        with torch.autocast(model.device.type, enabled=False):
-            w_o = model.adapter.output_weight(blocks[layer]) if params.vectors == "post_wo" else None
-            z = head_vectors(context, model.n_heads, w_o)
-            per_layer.append(
-                head_statistics(
-                    z,
-                    attn,
-                    feats,
-                    select=params.select,
-                    gate=params.gate,
-                    seq_len=params.seq_len,
-                    csm_bin=params.csm_bin,
-                )
-            )
+    def on_layer(layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
+        # runs inside the forward pass, as each layer finishes
+        for measure in in_pass:
+            measure.on_layer(ctx, layer, context, attn)
 
     # a long window's attention in row blocks: no layer holds every head's pos × pos map
     in_rows = uses_row_attention(model, model.n_heads, input_ids.shape[1])
     with (
         torch.inference_mode(),
         model.autocast(),
-        capture_attention(model.model, on_layer=summarise),
+        capture_attention(model.model, on_layer=on_layer),
         row_attention(model.model, lambda: RowSums(feats)) if in_rows else contextlib.nullcontext(),
     ):
         model.model(input_ids=input_ids, attention_mask=attention_mask)
-    with torch.inference_mode():
-        # per layer [group, ...] -> [group, layer, ...]
-        stacked = {key: torch.stack([s[key] for s in per_layer], dim=1) for key in per_layer[0]}
-        anchor_pos = stacked["anchor_pos"]  # [window, layer, head]
-        high_count = stacked["high_count"]
-        anchor_token = input_ids.gather(1, anchor_pos.flatten(1)).view_as(anchor_pos)
-        anchored = high_count > 0
-        anchor_token = torch.where(anchored, anchor_token, torch.full_like(anchor_token, -1))
-        frequent = anchored & (anchor_token == feats.frequent_token[:, None, None])
-        stacked["anchor_frequent"] = feats.reduce(frequent.long())
-        stacked["anchored_windows"] = feats.reduce(anchored.long())
-    anchor_np = anchor_token.cpu().numpy().astype(np.int64)
-    anchor_ids = [int(t) for t in np.unique(anchor_np) if t >= 0]
-    vocab = dict(zip(anchor_ids, model.tokenizer.convert_ids_to_tokens(anchor_ids)))
-    heads = {}
-    for key in HEAD_SUMS:
-        heads[key] = stacked[key].cpu().numpy().astype(sum_dtype(key))
-    mixing, mixed, mixed_rows = {}, 0, 0
-    if params.mixes:
-        mixed = len(batch.windows) if mixing_windows is None else max(0, min(mixing_windows, len(batch.windows)))
-    if mixed:
-        from headatlas.service.measures.mixing import mixing_sums
-
-        sub_ids, sub_mask = batch.input_ids[:mixed], batch.attention_mask[:mixed]
-        with torch.inference_mode():
-            sub_feats = window_features(
-                sub_ids.to(model.device),
-                sub_mask.to(model.device),
-                tokens,
-                include_special=params.include_special,
-                sentence=None if sentence is None else sentence[:mixed],
-                causal=model.causal,
-            )
-        mixing = mixing_sums(
-            model,
-            sub_ids,
-            sub_mask,
-            sub_feats,
-            methods=params.mixing,
-            attribution=params.attribution,
-            seq_len=params.seq_len,
-            chunk_size=attribution_chunk,
-        )
-        mixed_rows = int(sub_mask.sum())
-    effects: dict = {}
-    if params.effects:
-        from headatlas.service.engine.effect_batch import effect_sums
-
-        effect_heads, effect_run, effects = effect_sums(
-            model,
-            batch,
-            params,
-            count=max(0, min(effect_windows, len(batch.windows))),
-            group=dense.reshape(-1),
-            n_groups=len(reps),
-            means=effect_means,
-            pad_id=tokens.pad_id,
-        )
-        heads.update(effect_heads)
-    rep_chance = {k: chance[k].cpu().numpy().astype(sum_dtype(k)) for k in CHANCE_SUMS}
-    if effects:
-        rep_chance.update(effect_run)
+    for measure in chosen:
+        sums = measure.collect(ctx, counts[measure.name])
+        if sums is not None:
+            put_sums(ctx, measure, sums)
     return BatchResult(
         window_ids=batch.window_ids,
         reps=reps.astype(np.int16),
-        rep_heads=heads,
-        rep_dist_hist=stacked["dist_hist"].cpu().numpy().astype(np.int64),
-        rep_attended_hist=stacked["attended_hist"].cpu().numpy().astype(np.int64),
-        rep_chance=rep_chance,
-        rep_pair_hist={k: chance[f"hist.{k}"].cpu().numpy().astype(np.int64) for k in PAIR_HISTS},
-        anchor_token=anchor_np,
-        anchor_count=stacked["anchor_count"].cpu().numpy().astype(np.int32),
-        high_count=high_count.cpu().numpy().astype(np.int32),
-        anchor_frequent=frequent.cpu().numpy(),
+        rep_heads=ctx.heads,
+        rep_chance=ctx.run,
         windows=[
             {"window_id": w.window_id, "doc_id": w.doc_id, "window_index": w.index, "n_tokens": len(w.input_ids)}
             for w in batch.windows
         ],
         documents=documents or [],
-        vocab=vocab,
         compute_s=time.perf_counter() - started,
-        mixing=mixing,
-        mixing_windows=mixed,
-        mixing_rows=mixed_rows,
-        rep_same_sentence_hist=stacked["same_sentence_hist"].cpu().numpy().astype(np.int64),
-        csm_bin=params.csm_bin,
-        # float32 sums: a batch's share of a picture needs no more, and they are most of its payload
-        csm_sum=stacked["csm_sum"].cpu().numpy().astype(np.float32) if params.csm_bin else None,
-        csm_count=stacked["csm_count"].cpu().numpy().astype(np.int32) if params.csm_bin else None,
-        effects=effects,
+        **ctx.fields,
     )
 
 
@@ -265,21 +188,25 @@ class OomSplitter:
         documents: list[dict],
         *,
         pad_id: int,
+        measures: Sequence[str] = (),
+        windows: Mapping[str, int] | None = None,
         mixing_windows: int | None = None,
         attribution_chunk: int = 2048,
         effect_windows: int = 0,
         effect_means: ReferenceMeans | None = None,
     ) -> list[BatchResult]:
-        """``mixing_windows``: how many of the batch's first windows get the mixing measures
-        (None: all); ``effect_windows``: the causal effects; split batches hand them on in order."""
-        windows = batch.windows
-        size = len(windows) if self.max_windows is None else min(len(windows), self.max_windows)
-        if size < len(windows):
+        """``windows``, ``mixing_windows``, ``effect_windows``: how many of the batch's first
+        windows each measure takes (``analyze_batch``); split batches hand them on in order."""
+        from headatlas.service.engine.measure_contract import batch_counts, requested
+
+        given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}
+        counts = batch_counts(requested(params, measures), params, len(batch.windows), {**given, **(windows or {})})
+        size = len(batch.windows) if self.max_windows is None else min(len(batch.windows), self.max_windows)
+        if size < len(batch.windows):
             results = []
-            left = len(windows) if mixing_windows is None else mixing_windows
-            effects_left = effect_windows
-            for i in range(0, len(windows), size):
-                part = collate(windows[i : i + size], pad_id)
+            left = dict(counts)
+            for i in range(0, len(batch.windows), size):
+                part = collate(batch.windows[i : i + size], pad_id)
                 results += self.analyze(
                     model,
                     part,
@@ -287,13 +214,12 @@ class OomSplitter:
                     tokens,
                     documents,
                     pad_id=pad_id,
-                    mixing_windows=max(0, min(left, len(part.windows))),
+                    measures=measures,
+                    windows={name: max(0, min(n, len(part.windows))) for name, n in left.items()},
                     attribution_chunk=attribution_chunk,
-                    effect_windows=max(0, min(effects_left, len(part.windows))),
                     effect_means=effect_means,
                 )
-                left -= len(part.windows)
-                effects_left -= len(part.windows)
+                left = {name: n - len(part.windows) for name, n in left.items()}
             return results
         try:
             return [
@@ -303,18 +229,18 @@ class OomSplitter:
                     params,
                     tokens,
                     documents=documents,
-                    mixing_windows=mixing_windows,
+                    measures=measures,
+                    windows=counts,
                     attribution_chunk=attribution_chunk,
-                    effect_windows=effect_windows,
                     effect_means=effect_means,
                 )
             ]
         except RuntimeError as exc:
-            if not _is_out_of_memory(exc) or len(windows) == 1:
+            if not _is_out_of_memory(exc) or len(batch.windows) == 1:
                 raise
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.max_windows = max(1, len(windows) // 2)
+        self.max_windows = max(1, len(batch.windows) // 2)
         return self.analyze(
             model,
             batch,
@@ -322,8 +248,8 @@ class OomSplitter:
             tokens,
             documents,
             pad_id=pad_id,
-            mixing_windows=mixing_windows,
+            measures=measures,
+            windows=counts,
             attribution_chunk=attribution_chunk,
-            effect_windows=effect_windows,
             effect_means=effect_means,
         )

@@ -9,19 +9,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from headatlas.service.config import Settings
 from headatlas.service.engine.analysis import BatchResult, OomSplitter
 from headatlas.service.engine.corpus import Document, corpus_fingerprint, iter_documents, legacy_corpus_fingerprint
+from headatlas.service.engine.measure_contract import Measure, batch_windows, probe_scores, requested
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.preparation import WindowPool, preparation_processes
-from headatlas.service.engine.probe import ProbeSpec, run_probe
+from headatlas.service.engine.probe import ProbeSpec
 from headatlas.service.engine.windows import Batch, TokenClasses, Window, collate, iter_document_windows, word_rule
-from headatlas.service.errors import CorpusError, Param, Part, Placeholder, StoreBusy
+from headatlas.service.errors import CorpusError, Param, Part, StoreBusy
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.store import Run, Store
@@ -272,6 +273,7 @@ def analyze_corpus(
     control_seed: int = 0,
     probe: ProbeSpec | None = None,
     notice: Callable[[tuple[Part, ...]], None] | None = None,
+    measures: Sequence[str] = (),
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
@@ -287,16 +289,17 @@ def analyze_corpus(
     no corpus and changes no key, so a finished run given a probe computes just the probe.
     ``name``: the run's name when it is created; a run with the same key stored under another
     name keeps that name and gets this one as an alias (the returned run's ``name`` differs).
-    ``notice``: told, before they start, what the slow parts will cost (``--attribution``: its
-    estimated time and memory), as message parts (service/errors.py). On a CPU the attribution windows go one per batch, so that an
-    interrupted run keeps every window finished.
+    ``notice``: told, before they start, what the slow parts will cost (each measure's estimate:
+    ``--attribution``'s, ``--effects``' time and memory), as message parts (service/errors.py). On a
+    CPU their windows go one per batch, so that an interrupted run keeps every window finished.
+    ``measures``: plugin measures to run beside those ``params`` ask for, by name
+    (service/measures/contract.py).
     """
     if flush_s is None:
         flush_s = Settings.from_env().store_every_s
-    if params.effects:
-        from headatlas.service.engine.effect_batch import check_effects
-
-        check_effects(model, params)  # refused before the run is created
+    chosen = requested(params, measures)
+    for measure in chosen:
+        measure.check(model, params)  # refused before the run is created
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
@@ -328,65 +331,44 @@ def analyze_corpus(
         tokens = TokenClasses.for_model(model)
         skip = patiently(lambda: store.done_window_ids(run.run_id))
         batch_id = patiently(lambda: store.next_batch_id(run.run_id))
-        # the first --attribution-windows windows get the mixing measures (counted across resumes)
-        mixing_left = (
-            params.attribution_windows - patiently(lambda: store.mixing_windows(run.run_id)) if params.mixes else 0
-        )
+        # a measure that takes the run's first N windows (--attribution-windows, --effect-windows)
+        # takes them by position, as in the queue: how many of them came before this resume
+        before = {
+            m.name: _windows_before(m, store, run, spec, model, params, tokens, skip, text_field, encoding, label)
+            for m in chosen
+            if m.quota(params) is not None
+        }
         single_first = 0
-        if params.attribution and mixing_left > 0:
-            from headatlas.service.measures.attribution import vmapped_on
-
-            single_first = 0 if vmapped_on(model) else mixing_left
-            if notice is not None:
-                notice(
-                    attribution_estimate(
-                        spec,
-                        model,
-                        params,
-                        tokens,
-                        mixing_left,
-                        skip=skip,
-                        text_field=text_field,
-                        encoding=encoding,
-                        label=label,
-                        batch_size=batch_size,
-                        chunk_size=attribution_chunk,
-                    )
+        for measure in chosen:
+            left = (measure.quota(params) or 0) - before.get(measure.name, 0)
+            if measure.name not in before or left <= 0:
+                continue
+            # on a CPU the slow windows go one per batch, so that an interrupted run keeps each
+            single_first = max(single_first, measure.single_first(model, params, left))
+            if notice is not None and measure.has_estimate(params):
+                upcoming = first_windows(
+                    spec, model, params, tokens, left, skip=skip, text_field=text_field, encoding=encoding, label=label
                 )
-        # the run's first --effect-windows windows get the causal effects, as in the queue: counted
-        # by position, a window whose objective is undefined (a decoder window of one token) among them
-        effect_left = 0
-        if params.effects:
-            effect_left = params.effect_windows
-            if skip:  # resumed: those of the first N not stored yet, which come first in what is left
-                effect_ids = first_windows(
-                    spec, model, params, tokens, effect_left, text_field=text_field, encoding=encoding, label=label
+                said = measure.estimate(
+                    model, params, upcoming, pad_id=tokens.pad_id, batch_size=batch_size, chunk_size=attribution_chunk
                 )
-                effect_left = sum(1 for w in effect_ids if w.window_id not in skip)
+                if said:
+                    notice(said)
         effect_means = None
-        if effect_left > 0:
-            if model.device.type == "cpu":
-                single_first = max(single_first, effect_left)  # each stored as soon as it is done
-            if notice is not None:
-                notice(
-                    effects_estimate(
-                        spec, model, params, tokens, effect_left, text_field=text_field, encoding=encoding, label=label
-                    )
-                )
-            if "mean" in params.effects:
-                from headatlas.service.engine.effect_batch import reference_means
+        if params.effects and "mean" in params.effects and before.get("effects", 0) < params.effect_windows:
+            from headatlas.service.engine.effect_batch import reference_means
 
-                reference = first_windows(
-                    spec,
-                    model,
-                    params,
-                    tokens,
-                    params.effect_reference,
-                    text_field=text_field,
-                    encoding=encoding,
-                    label=label,
-                )
-                effect_means = reference_means(model, reference, tokens.pad_id)
+            reference = first_windows(
+                spec,
+                model,
+                params,
+                tokens,
+                params.effect_reference,
+                text_field=text_field,
+                encoding=encoding,
+                label=label,
+            )
+            effect_means = reference_means(model, reference, tokens.pad_id)
         patiently(lambda: store.set_status(run.run_id, RunStatus.RUNNING, started=True))
     except KeyboardInterrupt:
         store.set_status(
@@ -430,13 +412,12 @@ def analyze_corpus(
                 tokens,
                 docs,
                 pad_id=tokens.pad_id,
-                mixing_windows=max(0, mixing_left),
+                measures=measures,
+                windows=batch_windows(chosen, params, before, len(batch.windows)),
                 attribution_chunk=attribution_chunk,
-                effect_windows=max(0, effect_left),
                 effect_means=effect_means,
             ):
-                mixing_left -= result.mixing_windows
-                effect_left -= len(result.window_ids) if params.effects else 0
+                before = {name: n + len(result.window_ids) for name, n in before.items()}
                 pending.append((batch_id, result))
                 batch_id += 1
             if time.perf_counter() - last_flush >= flush_s and sink.waiting() == 0:
@@ -498,76 +479,29 @@ def _window_pool(
     return WindowPool(processes, model.tokenizer, tokens, model.tokenizer_key, params)
 
 
-def attribution_estimate(
+def _windows_before(
+    measure: Measure,
+    store: Store,
+    run: Run,
     spec: str,
     model: LoadedModel,
     params: AnalysisParams,
     tokens: TokenClasses,
-    count: int,
-    *,
-    skip: set[str] | frozenset[str] = frozenset(),
-    text_field: str = "text",
-    encoding: str = "utf-8",
-    label: str | None = None,
-    batch_size: int = 32,
-    chunk_size: int = 2048,
-) -> tuple[Part, ...]:
-    """What ``--attribution`` will cost on the next ``count`` windows of the run, said before it
-    starts (service/measures/attribution.py ``estimate``: passes timed on the longest window), as
-    message parts: its advice names a parameter."""
-    from headatlas.service.measures.attribution import duration, estimate
-
-    windows = first_windows(
-        spec, model, params, tokens, count, skip=skip, text_field=text_field, encoding=encoding, label=label
-    )
-    if not windows:
-        return ("attribution: no window left to attribute",)
-    longest = max(windows, key=lambda w: len(w.input_ids))
-    ids = collate([longest], tokens.pad_id).input_ids
-    cost = estimate(
-        model,
-        ids,
-        [len(w.input_ids) for w in windows],
-        batch_windows=min(batch_size, len(windows)),
-        chunk_size=chunk_size,
-    )
-    left = (
-        f"; {params.attribution_windows - count:,} of the run's {params.attribution_windows:,} done"
-        if count < params.attribution_windows
-        else ""
-    )
-    return (
-        f"{cost.describe()}{left}. Ctrl-C stops it, keeping every finished window (the same command resumes); ",
-        Param("attribution_windows", Placeholder("N")),
-        f" changes how many windows get it (about {duration(cost.seconds / max(1, len(windows)))} each)",
-    )
-
-
-def effects_estimate(
-    spec: str,
-    model: LoadedModel,
-    params: AnalysisParams,
-    tokens: TokenClasses,
-    count: int,
-    *,
-    text_field: str = "text",
-    encoding: str = "utf-8",
-    label: str | None = None,
-) -> tuple[Part, ...]:
-    """What ``--effects`` will cost on the run's next ``count`` windows, said before it starts
-    (``effect_batch.estimate``: passes timed on the longest of them), as message parts."""
-    from headatlas.service.engine.effect_batch import estimate
-    from headatlas.service.measures.attribution import duration
-
-    windows = first_windows(spec, model, params, tokens, count, text_field=text_field, encoding=encoding, label=label)
-    if not windows:
-        return ("effects: no window left to measure",)
-    cost = estimate(model, params, windows, len(windows), tokens.pad_id)
-    return (
-        f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); ",
-        Param("effect_windows", Placeholder("N")),
-        f" changes how many windows get them (about {duration(cost.per_window)} each)",
-    )
+    skip: set[str],
+    text_field: str,
+    encoding: str,
+    label: str | None,
+) -> int:
+    """How many of the run's first ``measure.quota`` windows ``measure`` has had: as the store counts
+    them, or those of them stored (a resumed run's windows still to do come first in what is left)."""
+    quota = measure.quota(params) or 0
+    stored = patiently(lambda: measure.windows_stored(store, run.run_id))
+    if stored is not None:
+        return stored
+    if not skip:
+        return 0
+    chosen = first_windows(spec, model, params, tokens, quota, text_field=text_field, encoding=encoding, label=label)
+    return quota - sum(1 for w in chosen if w.window_id not in skip)
 
 
 def add_probe(store: Store, run: Run, model: LoadedModel, probe: ProbeSpec) -> bool:
@@ -575,8 +509,7 @@ def add_probe(store: Store, run: Run, model: LoadedModel, probe: ProbeSpec) -> b
     spec = (probe.length, probe.sequences, probe.seed)
     if store.probe_of(run.run_id) == spec:
         return False
-    scores = run_probe(model, probe)
-    return store.store_probe(run.run_id, spec, {name: v.numpy() for name, v in scores.items()})
+    return store.store_probe(run.run_id, spec, probe_scores(model, probe))
 
 
 def _short_name(spec: str) -> str:
