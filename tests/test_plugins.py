@@ -6,6 +6,7 @@ one line naming it, headatlas unharmed, no run started."""
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -16,6 +17,8 @@ from headatlas.service.engine.adapters import ADAPTERS, FAMILIES, families
 from headatlas.service.metrics import COLUMNS, all_columns, plugin_metrics
 
 ORIGIN = "headatlas-test-plugins 0.1.0"
+INSTALLED = ["attended_share", "both_punct"]  # the test plugins' metrics (both_punct with a sum of its own)
+BOTH_PUNCT = ["both_punct_share", "word_pairs_share", "both_punct_per_window"]
 TEXT = "The cat sat on the mat. The dog sat on the mat too, and the cat watched the dog. It rained."
 
 
@@ -58,7 +61,6 @@ def temporary_plugin(tmp_path, monkeypatch):
 def test_the_test_plugins_family_and_metric_are_listed_with_their_origin(cli):
     models = cli("models", "--format", "json")
     assert models.returncode == 0 and models.stderr == ""
-    import json
 
     rows = json.loads(models.stdout)
     neox = [r for r in rows if r["family"] == "gpt_neox"]
@@ -78,7 +80,7 @@ def test_a_plugin_metric_is_a_view_column_with_its_known_answer(tmp_path, real_m
     1 − noise_share: per head, per layer and in every replicate row of the intervals."""
     import headatlas
 
-    assert [c.name for c in all_columns()] == [*(c.name for c in COLUMNS), "attended_share"]
+    assert [c.name for c in all_columns()] == [*(c.name for c in COLUMNS), "attended_share", *BOTH_PUNCT]
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join([TEXT, TEXT.lower(), TEXT.upper()]) + "\n", encoding="utf-8")
     run = headatlas.analyze(corpus, db=tmp_path / "p.duckdb", model=real_model, seq_len=32, progress=False)
@@ -153,8 +155,21 @@ def test_a_plugin_family_that_lacks_a_part_is_refused_before_any_run(temporary_p
     ("declaration", "why"),
     [
         (
-            'Metric("m", "§0", "d", "", (Column("m", "high_pairs", "d"),), sums=(head_int("new_sum"),))',
-            "metric 'm' declares sums (new_sum): a plugin metric reads only the sums stored already",
+            'Metric("m", "§0", "d", "", (Column("m", "high_pairs", "d"),), sums=(run_int("m.runs"),))',
+            "metric 'm': sum 'm.runs' is per run; a plugin's sums are per head",
+        ),
+        (
+            'Metric("m", "§0", "d", "", (Column("m", "high_pairs", "d"),), sums=(head_int("M sum"),))',
+            "metric 'm': sum 'M sum' is not a sum name: '<measure>.<sum>'",
+        ),
+        (
+            'Metric("m", "§0", "d", "", (Column("m", "high_pairs", "d"),), sums=(head_int("high_pairs"),))',
+            "metric 'm': sum 'high_pairs' is a column or sum already",
+        ),
+        (  # a column may name an earlier column of its own, not a later one
+            'Metric("m", "§0", "d", "", (Column("m", "2 * m_half", "d"), Column("m_half", \'"m.x" / 2\', "d")), '
+            'sums=(head_int("m.x"),))',
+            "column 'm': '2 * m_half' does not bind",
         ),
         (
             'Metric("m", "§0", "d", "", (Column("m", "no_such_sum / 2", "d"),))',
@@ -173,9 +188,13 @@ def test_a_plugin_metric_that_would_need_storage_or_does_not_bind_is_refused(
     temporary_plugin(
         "metric-plugin",
         {"headatlas.metrics": {"bad": "metric_plugin:BAD"}},
-        {"metric_plugin": f"from headatlas.service.metrics import Column, Metric, head_int\nBAD = {declaration}\n"},
+        {
+            "metric_plugin": (
+                f"from headatlas.service.metrics import Column, Metric, head_int, run_int\nBAD = {declaration}\n"
+            )
+        },
     )
-    assert [m.name for m in plugin_metrics()] == ["attended_share"]  # the bad one left out, the good one kept
+    assert [m.name for m in plugin_metrics()] == INSTALLED  # the bad one left out, the good one kept
     [line] = capsys.readouterr().err.splitlines()
     assert (
         line.startswith("headatlas: plugin bad (metric-plugin 0.1), headatlas.metrics = metric_plugin:BAD")
@@ -183,7 +202,7 @@ def test_a_plugin_metric_that_would_need_storage_or_does_not_bind_is_refused(
     )
 
 
-@pytest.mark.parametrize("module", ["neox", "metric", "memory"])
+@pytest.mark.parametrize("module", ["neox", "metric", "punct", "memory"])
 def test_architecture_md_shows_each_plugin_module_whole(module):
     """The worked examples of docs/architecture.md are the plugin's modules as the tests run them."""
     from pathlib import Path
@@ -293,7 +312,42 @@ def test_a_plugin_metric_named_as_a_built_in_one_is_refused_naming_both(temporar
             )
         },
     )
-    assert [m.name for m in plugin_metrics()] == ["attended_share"]
+    assert [m.name for m in plugin_metrics()] == INSTALLED
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("headatlas: plugin noise (metric-plugin 0.1), headatlas.metrics = metric_plugin:NOISE")
     assert "metric 'noise_share' is headatlas's already" in line
+
+
+def test_a_plugin_column_the_views_do_not_hold_yet_is_refused_until_db_upgrade(temporary_plugin, cli, tmp_path):
+    """A database's views are built from the plugins installed at its last upgrade: a plugin
+    installed since shows nothing in `query heads` (its column is left out) until `db upgrade`,
+    and sorting by its column says so."""
+    import headatlas
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT + "\n", encoding="utf-8")
+    db = tmp_path / "late.duckdb"
+    run = headatlas.analyze(corpus, db=db, model="random:tiny", seq_len=32, progress=False)
+    temporary_plugin(
+        "late-plugin",
+        {"headatlas.metrics": {"late": "late_plugin:LATE"}},
+        {
+            "late_plugin": (
+                "from headatlas.service.metrics import Column, Metric\n"
+                'LATE = Metric("late", "§5", "d", "", (Column("late_share", "1 - noise_share", "d"),))\n'
+            )
+        },
+    )
+    heads = cli("query", "heads", "--db", str(db), "--run", str(run.run_id), "--format", "json")
+    assert heads.returncode == 0, heads.stderr
+    assert "late_share" not in json.loads(heads.stdout)[0] and "attended_share" in json.loads(heads.stdout)[0]
+    refused = cli("query", "heads", "--db", str(db), "--sort", "late_share")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "--sort late_share: an installed plugin's column that this database's views do not hold yet" in (
+        refused.stderr
+    )
+    assert "headatlas db upgrade" in refused.stderr
+    assert cli("db", "upgrade", "--db", str(db)).returncode == 0
+    after = cli("query", "heads", "--db", str(db), "--sort", "late_share", "--format", "json")
+    rows = json.loads(after.stdout)
+    assert after.returncode == 0 and rows[0]["late_share"] == pytest.approx(1 - rows[0]["noise_share"])
