@@ -1,10 +1,11 @@
-"""The model's own objective of a window, from its final hidden states (SPEC §9).
+"""The objective of a window, from the model's final hidden states (SPEC §9): the model's own,
+or the one a request names.
 
 - **next-token loss** (decoders whose LM head is tied to the input embeddings: SmolLM2, GPT-2):
   the mean cross-entropy, in nats, over the window's positions that have a next token in the
   window; the logits are the final (normed) hidden states times the embedding matrix.
-- **masked-LM loss** (encoders whose checkpoint ships a masked-LM head, loaded on first use:
-  ``LoadedModel.mlm_head``): 15 % of the window's non-special valid positions (at least one) are
+- **masked-LM loss** (encoders whose config names a masked-LM model of a family that loads its
+  head, ``ModelAdapter.masked_lm``; the head loaded on first use, ``LoadedModel.mlm_head``): 15 % of the window's non-special valid positions (at least one) are
   replaced by ``[MASK]``, the positions chosen by a hash of the window id and the position (the
   same for the intact model and every ablation); the mean cross-entropy, in nats, of the original
   tokens at those positions.
