@@ -453,3 +453,22 @@ def test_a_distilbert_folder_analyses_end_to_end_with_the_mixing_measures(tmp_pa
     assert row == {"n_layers": 2, "n_heads": 4}
     methods = atlas.sql("SELECT DISTINCT method FROM mixing_stats").to_pylist()
     assert "alti" in {r["method"] for r in methods}
+
+
+def test_every_window_of_a_model_is_built_with_its_own_token_classes():
+    """One window layout: a model's windows are built with ``TokenClasses.for_model`` (its adapter
+    names the first and last specials: [BOS] for a decoder) wherever they are built. Effects and
+    prune once built theirs with the encoder's classes, so a decoder's differed from its run's."""
+    from pathlib import Path
+
+    import headatlas
+
+    root = Path(headatlas.__file__).resolve().parent.parent
+    found = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("service", "workers", "cli")
+        for path in sorted((root / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "from_tokenizer(" in line and "def from_tokenizer" not in line
+    ]
+    assert [f.split(":")[0] for f in found] == ["service/engine/windows.py"], found  # for_model itself

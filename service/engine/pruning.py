@@ -307,12 +307,13 @@ def prune_curves(
         selection, evaluation = spread[0::2], spread[1::2]
     if not evaluation:
         raise ParameterError(f"{corpus}: too few windows for a pruning curve (it needs at least 2)")
-    pad = TokenClasses.from_tokenizer(model.tokenizer).pad_id
+    tokens = TokenClasses.for_model(model)  # the run's window layout ([BOS] first for a decoder)
+    pad = tokens.pad_id
     ref = first_windows(
         corpus,
         model,
         params,
-        TokenClasses.from_tokenizer(model.tokenizer),
+        tokens,
         reference,
         text_field=text_field,
         encoding=encoding,
