@@ -5,9 +5,11 @@ are, read by the views as a column of their name, and shown by `query heads` (--
 
 The worked example is the test plugins' ``both_punct`` metric (tests/plugins/…/punct.py): the share
 of the high-similarity pairs whose two tokens are both punctuation, from its sum
-``"punct_pairs.both_punct"``. The batch results are real (the tiny model on the shipped excerpt);
-the plugin's sum in them is a known function of each head's ``high_pairs`` (no measure computes it
-in the batch yet), so every column over it has a known answer."""
+``"punct_pairs.both_punct"``, which the plugin's measure ``punct_pairs`` (punct_measure.py)
+computes in the batch. Its first tests store real batch results of the tiny model whose plugin sum
+is a known function of each head's ``high_pairs``, so every column over it has a known answer; the
+last runs the measure itself through the embedded analysis, on text whose answer is known (all
+punctuation: 1; none: 0)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from web_support import Client
 
 from headatlas.service.engine.results import BatchResult
+from headatlas.service.storage.named_sums import read as named_sums_of
 from headatlas.service.storage.store import Store
 from tests.test_store import _results, _run
 
@@ -198,3 +201,36 @@ def test_headatlas_metrics_lists_the_plugin_columns_and_their_sum(cli):
         assert listed[column]["metric"] == "both_punct" and listed[column]["sums"] == SUM
         assert listed[column]["origin"].startswith("plugin both_punct (headatlas-test-plugins")
     assert listed["noise_share"]["sums"] == "attended_high"
+
+
+@pytest.mark.parametrize(
+    ("text", "share"), [(". , . , " * 60, 1.0), ("the cat sat on the mat and the dog ran " * 12, 0.0)]
+)
+def test_the_plugin_measure_computes_the_sum_in_the_batch_and_query_heads_reads_it(
+    tmp_path, tiny_model, cli, text, share
+):
+    """The measure, run by name through the embedded analysis, selects the same H as the head
+    statistics: where every token is punctuation every pair of H is both punctuation (share 1, for
+    every head that has pairs), where none is, none (0)."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(f"{text}\n\n{text}\n", encoding="utf-8")
+    db = tmp_path / "m.duckdb"
+    run = analyze_corpus(
+        str(corpus),
+        store=Store(db),
+        model=tiny_model,
+        params=build_params(seq_len=32),
+        corpus=survey_corpus(str(corpus)),
+        batch_size=4,
+        measures=["punct_pairs"],
+    )
+    rows = json.loads(cli("query", "heads", "--db", str(db), "--run", str(run.run_id), "--format", "json").stdout)
+    assert len(rows) == tiny_model.n_layers * tiny_model.n_heads
+    with Store(db).read() as conn:
+        _, named = named_sums_of(conn, run.run_id)
+    assert {name for _, _, name, _ in named} == {SUM}
+    for r in rows:
+        assert r["high_pairs"] > 0 and r["both_punct_share"] == share and r["word_pairs_share"] == 1 - share

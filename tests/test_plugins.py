@@ -202,7 +202,7 @@ def test_a_plugin_metric_that_would_need_storage_or_does_not_bind_is_refused(
     )
 
 
-@pytest.mark.parametrize("module", ["neox", "metric", "punct", "memory"])
+@pytest.mark.parametrize("module", ["neox", "metric", "punct", "punct_measure", "memory"])
 def test_architecture_md_shows_each_plugin_module_whole(module):
     """The worked examples of docs/architecture.md are the plugin's modules as the tests run them."""
     from pathlib import Path
