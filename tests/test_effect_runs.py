@@ -197,7 +197,8 @@ def test_prune_stores_its_curves_from_the_runs_stored_effects(effect_run, cli, t
     assert "orders from the run's stored effects (5 windows)" in done.stderr
     assert "the run's first 4 windows" in done.stderr  # the run's own reference set
     rows = json.loads(done.stdout)
-    assert {r["order"] for r in rows} == {"effect", "importance", "noise", "random:0", "random:1"}
+    trivial = {"layer", "sinks", "output_norm", "output_variance"}
+    assert {r["order"] for r in rows} == {"effect", "importance", "noise", "random:0", "random:1", *trivial}
     shown = cli("prune", "fx", "--db", db, "--show", "--format", "json")
     assert json.loads(shown.stdout) == rows  # stored, read back without measuring
     assert (tmp_path / "curves.png").stat().st_size > 10_000

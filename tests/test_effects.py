@@ -305,7 +305,9 @@ def test_prune_a_stored_run(tmp_path, small_corpus) -> None:
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     orders = {r["order"] for r in rows}
-    assert orders == {"effect", "importance", "noise", "random:0", "random:1"}
+    trivial = {"layer", "sinks", "output_norm", "output_variance"}  # blind to what a head does
+    assert orders == {"effect", "importance", "noise", "random:0", "random:1", *trivial}
+    assert [r["heads_removed"] for r in rows if r["order"] == "layer"] == [0, 4, 8]
     first = {r["objective"] for r in rows if r["heads_removed"] == 0}
     last = [r["objective"] for r in rows if r["heads_removed"] == 8]
     assert len(first) == 1 and len(last) == len(orders)
@@ -314,3 +316,71 @@ def test_prune_a_stored_run(tmp_path, small_corpus) -> None:
     assert out.stat().st_size > 10_000
     refused = invoke_cli("prune", "--db", db, "--step", "0%")
     assert refused.returncode == 2 and "--step '0%'" in refused.stderr
+
+
+def test_output_statistics_are_each_heads_output_norm_and_variance_by_hand(tiny_model) -> None:
+    """The ``output_norm`` and ``output_variance`` orders' known answers: each head's output
+    ``o = z W_O^h`` at the valid positions of a padded batch, recomputed here from the input of the
+    attention's output projection (a hook of the test's own), its mean norm and the mean squared
+    distance from its mean."""
+    from headatlas.service.engine.corpus import Document
+    from headatlas.service.engine.pruning import output_statistics
+    from headatlas.service.engine.windows import TokenClasses, collate, document_windows
+    from headatlas.service.params import AnalysisParams
+
+    model = tiny_model
+    adapter, heads, d = model.adapter, model.n_heads, model.d_head
+    tokens, params = TokenClasses.for_model(model), AnalysisParams(seq_len=32)
+    windows = [
+        w
+        for i, text in enumerate(["One short line. And a longer second line, with commas.", "Tiny."])
+        for w in document_windows(
+            Document(doc_id=str(i), source="t", index=i, line=1, text=text),
+            model.tokenizer,
+            tokens,
+            model.tokenizer_key,
+            params,
+        )
+    ]
+    batch = collate(windows, tokens.pad_id)
+    assert (batch.attention_mask == 0).any()  # a padded row: its padding must not count
+    taken: dict[int, torch.Tensor] = {}
+    blocks = adapter.blocks(model.model)
+    handles = [
+        adapter.output_projection(block).register_forward_pre_hook(
+            lambda _m, args, layer=layer: taken.update({layer: args[0]})
+        )
+        for layer, block in enumerate(blocks)
+    ]
+    try:
+        with torch.no_grad():
+            model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    norm, variance = output_statistics(model, [batch])
+    valid = batch.attention_mask.bool()
+    for layer, z in taken.items():
+        w_o = adapter.output_weight(blocks[layer]).double()
+        for head in range(heads):
+            o = z[valid][:, head * d : (head + 1) * d].double() @ w_o[:, head * d : (head + 1) * d].T  # [n, d_model]
+            assert norm[layer, head] == pytest.approx(o.norm(dim=1).mean().item(), rel=1e-5)
+            spread = ((o - o.mean(dim=0)) ** 2).sum(dim=1).mean().item()
+            assert variance[layer, head] == pytest.approx(spread, rel=1e-4, abs=1e-9)
+
+
+def test_the_claim_against_the_best_trivial_order_and_without_intervals_in_words() -> None:
+    from headatlas.service.engine.pruning import PruneResult
+
+    result = PruneResult("m", "embedding_drift", "1 - cos", 0, 4, 1, "block:8", 8)
+    result.area = (-0.02, float("nan"), float("nan"))
+    result.trivial = ("layer", 0.01, float("nan"), float("nan"))
+    said = result.claim()
+    assert "nan" not in said.lower(), said
+    assert "against the best trivial order (layer) +0.01 1 - cos·fraction (no interval: 1 replicate group" in said
+    assert said.count("undecided (no interval)") == 2
+    result.groups = 5
+    result.area, result.trivial = (-0.02, -0.03, -0.01), ("output_norm", 0.01, 0.005, 0.02)
+    said = result.claim()
+    assert "[-0.03, -0.01] (negative: pruning by noise costs less): supported" in said
+    assert "(output_norm) +0.01 1 - cos·fraction [+0.005, +0.02]: contradicted" in said

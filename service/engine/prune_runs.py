@@ -70,6 +70,19 @@ def noise_shares(conn: Connection, run_id: int) -> dict[tuple[int, int], float]:
     }
 
 
+def sink_shares(conn: Connection, run_id: int, *, causal: bool) -> dict[tuple[int, int], float]:
+    """Each head's share of attention to the window's specials in the run ([CLS] and [SEP] for an
+    encoder, the first token for a decoder): the ``sinks`` order."""
+    column = "attn_to_first" if causal else "coalesce(attn_to_cls, 0) + coalesce(attn_to_sep, 0)"
+    return {
+        (int(r[0]), int(r[1])): float(r[2])
+        for r in conn.execute(
+            text(f"SELECT layer, head, {column} FROM head_metrics WHERE run_id = :r AND {column} IS NOT NULL"),
+            {"r": run_id},
+        )
+    }
+
+
 def stored_effects(
     conn: Connection, run_id: int
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
@@ -142,6 +155,8 @@ def prune_run(
         counted = effect_windows(conn, run.run_id)
         recorded = run_effects(conn, run.run_id)
     loaded = model or load_model(run.model, device=device)
+    with store.checked_read() as conn:
+        sinks = sink_shares(conn, run.run_id, causal=loaded.causal)
     # the objective the run's effects were measured on, as recorded with them; a run without
     # effects: the one its parameters name (the model's own)
     objective = objective_for(loaded, recorded[0]["objective"] if recorded else params.objective)
@@ -171,6 +186,7 @@ def prune_run(
         params,
         orders=orders,
         noise_share=noise,
+        sink_share=sinks,
         step=step,
         seeds=seeds,
         windows=windows,

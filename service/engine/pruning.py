@@ -16,6 +16,14 @@ windows then exclude) and nothing is measured twice. A run that stores gradient 
 every ablated copy needs its own vocabulary softmax) gives the importance order and, asked for no
 effect order, ρ against the importance instead (Michel et al.'s first-order estimate of the effect).
 
+Trivial orders, which know nothing of what a head does, are the bar the claim must clear as well as
+random: ``layer`` (first layer first), ``sinks`` (most attention to the window's specials first:
+[CLS] and [SEP] for an encoder, the first token for a decoder, from the stored run), ``output_norm``
+(smallest mean norm of the head's output ``z W_O^h`` first) and ``output_variance`` (smallest
+variance of that output over positions first), both measured on the reference windows in one
+forward pass. The noise-ordered curve is compared with the best of them (the smallest area against
+random) as with random: the area between the two curves, with the jackknife's interval.
+
 The claim is tested two ways, each with a 95% interval: the **area** between the noise-ordered
 curve and the mean of the random ones (trapezoids over the fraction removed; negative: pruning by
 noise costs less than at random), whose standard error joins the jackknife over the evaluation
@@ -47,7 +55,8 @@ from headatlas.service.measures.objectives import Objective, wide
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import jackknife_halfwidth
 
-ORDERS = ("effect", "importance", "noise", "random")
+ORDERS = ("effect", "importance", "noise", "random", "layer", "sinks", "output_norm", "output_variance")
+TRIVIAL_ORDERS = ("layer", "sinks", "output_norm", "output_variance")  # blind to what a head does
 Head = tuple[int, int]
 
 
@@ -143,6 +152,8 @@ class PruneResult:
     total_heads: int
     curves: list[Curve] = field(default_factory=list)
     area: tuple[float, float, float] | None = None  # noise − random: (value, lo, hi)
+    # noise − the best trivial order (the one lowest against random): (order, value, lo, hi)
+    trivial: tuple[str, float, float, float] | None = None
     rho: tuple[float, float, float] | None = None  # Spearman ρ(noise_share, effect_mean)
     rho_against: str = "mean-ablation effect"  # or "gradient importance" (a run storing only that)
     group_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
@@ -175,14 +186,20 @@ class PruneResult:
         return columns, rows
 
     def claim(self) -> str:
-        """The seed's claim as SPEC §9 tests it, in words with the figures."""
+        """The seed's claim as SPEC §9 tests it, in words with the figures (an interval that the
+        replicate groups cannot give is said so, never printed as NaN)."""
         parts = []
         if self.area is not None:
             value, lo, hi = self.area
-            verdict = "supported" if hi < 0 else "contradicted" if lo > 0 else "undecided (the interval holds 0)"
             parts.append(
-                f"area between the noise-ordered curve and random ones {value:+.4g} {self.unit}·fraction "
-                f"[{lo:+.4g}, {hi:+.4g}] (negative: pruning by noise costs less): {verdict}"
+                f"area between the noise-ordered curve and random ones {value:+.4g} {self.unit}·fraction"
+                f"{self._bounds(lo, hi, '.4g')} (negative: pruning by noise costs less): {self._verdict(lo, hi)}"
+            )
+        if self.trivial is not None:
+            order, value, lo, hi = self.trivial
+            parts.append(
+                f"against the best trivial order ({order}) {value:+.4g} {self.unit}·fraction"
+                f"{self._bounds(lo, hi, '.4g')}: {self._verdict(lo, hi)}"
             )
         if self.rho is not None and math.isnan(self.rho[0]):
             parts.append(
@@ -190,8 +207,19 @@ class PruneResult:
             )
         elif self.rho is not None:
             value, lo, hi = self.rho
-            parts.append(f"Spearman ρ(noise_share, {self.rho_against}) = {value:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+            parts.append(f"Spearman ρ(noise_share, {self.rho_against}) = {value:+.3f}{self._bounds(lo, hi, '.3f')}")
         return "; ".join(parts)
+
+    def _bounds(self, lo: float, hi: float, spec: str) -> str:
+        if math.isnan(lo) or math.isnan(hi):
+            return f" (no interval: {self.groups} replicate group{'s' if self.groups != 1 else ''}, it needs 2 or more)"
+        return f" [{lo:+{spec}}, {hi:+{spec}}]"
+
+    @staticmethod
+    def _verdict(lo: float, hi: float) -> str:
+        if math.isnan(lo) or math.isnan(hi):
+            return "undecided (no interval)"
+        return "supported" if hi < 0 else "contradicted" if lo > 0 else "undecided (the interval holds 0)"
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -267,10 +295,13 @@ def prune_curves(
     on_step: Callable[[str, int, int], None] | None = None,
     stored: StoredOrders | None = None,
     objective: Objective | None = None,
+    sink_share: dict[Head, float] | None = None,
 ) -> PruneResult:
     """The pruning curves of ``orders`` and the test of the seed's claim (the module docstring);
     ``stored``: the run's stored effects, which set the effect and importance orders;
-    ``objective``: what the curves measure (None: the one ``params`` names, else the model's own)."""
+    ``objective``: what the curves measure (None: the one ``params`` names, else the model's own);
+    ``sink_share``: each head's attention to the window's specials in a stored run (the ``sinks``
+    order)."""
     from headatlas.service.engine.corpus import iter_documents
     from headatlas.service.engine.runner import first_windows
 
@@ -280,6 +311,11 @@ def prune_curves(
     if "noise" in orders and not noise_share:
         raise ParameterError(
             Param("orders", "noise"), " needs a stored run's noise_share: pass the run (analysed with this model)"
+        )
+    if "sinks" in orders and not sink_share:
+        raise ParameterError(
+            Param("orders", "sinks"),
+            " needs a stored run's attention to its specials: pass the run (analysed with this model)",
         )
     objective = objective or fx.objective_for(model, params.objective)
     if "importance" in orders and not objective.is_loss:
@@ -369,6 +405,13 @@ def prune_curves(
         ranked["importance"] = sorted(every, key=lambda lh: (importance[lh], lh))
     if noise_share:
         ranked["noise"] = sorted(every, key=lambda lh: (-noise_share.get(lh, -math.inf), lh))
+    ranked["layer"] = sorted(every)
+    if sink_share:
+        ranked["sinks"] = sorted(every, key=lambda lh: (-sink_share.get(lh, -math.inf), lh))
+    if "output_norm" in orders or "output_variance" in orders:
+        norm, variance = output_statistics(model, _batches(ref, pad, batch_size))
+        ranked["output_norm"] = sorted(every, key=lambda lh: (norm[lh], lh))
+        ranked["output_variance"] = sorted(every, key=lambda lh: (variance[lh], lh))
     for seed in range(seeds):
         shuffled = list(every)
         random.Random(seed).shuffle(shuffled)
@@ -418,6 +461,13 @@ def prune_curves(
         result.area = area_interval(
             area(all_columns), [area(groups != g) for g in present] if len(present) > 1 else [], result.seed_areas
         )
+        trivial = [o for o in TRIVIAL_ORDERS if o in curves]
+        if trivial:
+            mean_random = np.mean(randoms, axis=0)
+            best = min(trivial, key=lambda o: area(all_columns, curves[o].values - mean_random))
+            against_best = curves["noise"].values - curves[best].values
+            drops = [area(groups != g, against_best) for g in present] if len(present) > 1 else []
+            result.trivial = (best, *_interval(area(all_columns, against_best), drops))
     if noise_share:
         noise = np.array([noise_share.get(lh, math.nan) for lh in every])
         keep = ~np.isnan(noise)
@@ -429,6 +479,44 @@ def prune_curves(
         if against is not None:
             result.rho = _interval(rho(against), [rho(d) for d in effect_drops])
     return result
+
+
+def output_statistics(model: LoadedModel, batches: list) -> tuple[np.ndarray, np.ndarray]:
+    """Each head's output ``o = z W_O^h`` (no bias) over the valid positions of ``batches``: its
+    mean norm and its variance (the mean squared distance of ``o`` from its mean), ``[layer, head]``
+    each, from one forward pass per batch (the ``blocks.L.attn.z`` hook points)."""
+    from headatlas.service.engine.stats import head_vectors
+
+    layers, heads = model.n_layers, model.n_heads
+    blocks = model.blocks
+    norm = torch.zeros(layers, heads, dtype=torch.float64)
+    square = torch.zeros(layers, heads, dtype=torch.float64)
+    total: dict[int, torch.Tensor] = {}  # layer -> [head, d_model]: the sum of o
+    count = 0
+    mask: torch.Tensor | None = None
+
+    def take(layer: int):
+        def fn(z: torch.Tensor) -> None:
+            assert mask is not None
+            w_o = model.adapter.output_weight(blocks[layer])
+            o = head_vectors(z.float(), heads, w_o.float())  # [batch, head, pos, d_model]
+            valid = mask[:, None, :, None].to(o.dtype)
+            o = (o * valid).double()
+            norm[layer] += o.norm(dim=-1).sum(dim=(0, 2)).cpu()
+            square[layer] += (o**2).sum(dim=(0, 2, 3)).cpu()
+            total[layer] = total.get(layer, 0) + o.sum(dim=(0, 2)).cpu()
+
+        return fn
+
+    points = {f"blocks.{layer}.attn.z": take(layer) for layer in range(layers)}
+    with torch.no_grad(), hooks(model.model, points, model.adapter):
+        for batch in batches:
+            mask = batch.attention_mask.to(model.device) > 0
+            count += int(mask.sum())
+            fx._run_model(model, batch.input_ids.to(model.device), batch.attention_mask.to(model.device))
+    n = max(count, 1)
+    mean_sq_of_mean = torch.stack([(total[layer] / n).pow(2).sum(dim=-1) for layer in range(layers)])
+    return (norm / n).numpy(), (square / n - mean_sq_of_mean).numpy()
 
 
 def _batches(windows: list[Window], pad: int, size: int) -> list:
