@@ -149,6 +149,13 @@ def test_a_batch_stored_without_the_sum_leaves_the_runs_sum_null_not_partial(tmp
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert f"--sort both_punct_share: run {run.run_id} holds no value of it" in refused.stderr
     assert f"its sums ({SUM}) were not stored" in refused.stderr
+    # nor is it a blank column of the web page's head table (--wide still shows it)
+    from headatlas.service.web.app import WebApp
+
+    client = Client(WebApp(str(store.path)))
+    table = client.get(f"/runs/{run.run_id}").text.split('id="heads-table"', 1)[1]
+    wide = client.get(f"/runs/{run.run_id}?wide=1").text.split('id="heads-table"', 1)[1]
+    assert "both_punct_share" not in table and "both_punct_share" in wide.replace("<wbr>", "")
 
 
 def test_query_heads_sorts_shows_and_bounds_a_plugin_column(summed, cli):

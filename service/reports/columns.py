@@ -10,7 +10,7 @@ web page."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import COLUMNS, Column, Shown, all_columns
@@ -41,15 +41,30 @@ def _table(columns: Sequence[Column], terminal: bool) -> list[str]:
 TERMINAL_HEAD_TABLE = _table(COLUMNS, True)
 
 
-def head_table(*, terminal: bool = False, sort: str | None = None, among: Collection[str] | None = None) -> list[str]:
+def head_table(
+    *,
+    terminal: bool = False,
+    sort: str | None = None,
+    among: Sequence[str] | None = None,
+    rows: Sequence[Sequence] | None = None,
+) -> list[str]:
     """The columns a head table shows by default, the installed plugins' included (declared with
     ``shown``): ``layer``, ``head`` and those of the web page and the report, or (``terminal``) of
     ``query heads``' narrower table; ``sort``, where it is not among them, third; ``among``: only
-    the columns a query returned."""
+    the columns a query returned, and with its ``rows``, not a plugin's column the run holds no
+    value of (a run analysed without the plugin's measure: a blank column on every run)."""
     table = _table(all_columns(), terminal)
     if sort is not None and sort not in table:
         table = [*table[:2], sort, *table[2:]]
-    return table if among is None else [c for c in table if c in among]
+    if among is None:
+        return table
+    own = set(HEAD_COLUMNS) | set(PROBE_COLUMNS)
+
+    def blank(c: str) -> bool:
+        i = list(among).index(c)
+        return rows is not None and c not in own and c != sort and all(r[i] is None for r in rows)
+
+    return [c for c in table if c in among and not blank(c)]
 
 
 def unknown_metric(

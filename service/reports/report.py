@@ -203,7 +203,7 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
     every_html = _table([head_cols[i] for i in keep], [tuple(r[i] for i in keep) for r in head_rows])
     # the head table on the page: the measures a reader ranks heads by (as the web page's), each with
     # its interval below (the 40-odd columns of `query heads` ran off the page; they follow, folded)
-    shown = head_table()
+    shown = head_table(among=head_cols, rows=head_rows)
     main = [i for i, c in enumerate(head_cols) if c in shown or c.removesuffix("_lo").removesuffix("_hi") in shown]
     table_html = _table([head_cols[i] for i in main], [tuple(r[i] for i in main) for r in head_rows])
     anchors_html = _anchor_grid(head_cols, head_rows, run.n_layers, run.n_heads)

@@ -332,7 +332,7 @@ def _heads_section(ctx, run, head_rows, sort, asc, layer, role, offered) -> str:
     columns, rows = head_rows
     wide = ctx.flag("wide")
     # the measures a reader ranks heads by (as the report's, an installed plugin's included), then anchors
-    main = [*head_table(sort=sort, among=columns), *(["top_anchors"] if "top_anchors" in columns else [])]
+    main = [*head_table(sort=sort, among=columns, rows=rows), *(["top_anchors"] if "top_anchors" in columns else [])]
     shown = [c for c in columns if c != "interval_by"] if wide else main
 
     def header(c: str) -> str:
