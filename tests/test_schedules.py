@@ -112,6 +112,17 @@ def _fires(cluster, name: str) -> list[tuple]:
     )
 
 
+def _claimed_with_documents(cluster, name: str) -> list[tuple]:
+    """The schedule's fires claimed and not yet submitted that hold documents (only_new)."""
+    return _read(
+        cluster,
+        "SELECT f.fire_time FROM schedule_fires f JOIN schedules s USING (schedule_id) "
+        "WHERE s.name = :n AND f.status = 'claimed' AND EXISTS (SELECT 1 FROM schedule_fire_documents d "
+        "WHERE d.schedule_id = f.schedule_id AND d.fire_time = f.fire_time)",
+        n=name,
+    )
+
+
 def _wait(what, predicate, timeout: float, cluster):
     deadline = time.monotonic() + timeout
     while True:
@@ -471,7 +482,9 @@ def test_a_fire_left_by_a_killed_beat_is_submitted_by_the_next(queue_cluster, de
         try:
             shutil.copy(parts[1], tmp_path / "incoming.txt")
             (tmp_path / "incoming.txt").rename(folder / "b.txt")
-            _wait("the fire claimed", lambda: [f for f in _fires(cluster, "crash") if f[2] == "claimed"], 30, cluster)
+            # a fire that found nothing new is "claimed" too, for an instant, before it is recorded as
+            # such: the fire waited for is the one that holds the new documents
+            _wait("the fire claimed", lambda: _claimed_with_documents(cluster, "crash"), 30, cluster)
             time.sleep(0.3)  # in its submission, waiting for Redis
             cluster.kill("killed-beat")
         finally:
