@@ -73,7 +73,7 @@ def render_metrics() -> str:
         "",
         "An installed plugin's metrics follow these in `headatlas metrics` (with their origin and sums) and in",
         "the views after `headatlas db upgrade`: columns over these sums, their own per-head sums (stored by",
-        "name in `named_head_sums`, quoted in SQL: `\"punct_pairs.both_punct\"`) and their own earlier columns,",
+        'name in `named_head_sums`, quoted in SQL: `"punct_pairs.both_punct"`) and their own earlier columns,',
         "shown by `query heads` (`--sort`, `--columns`, `--ci`), the Python API and the web page alike:",
         "[Plugin sums and columns](architecture.md#plugin-sums-and-columns).",
         "",

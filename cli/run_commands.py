@@ -133,9 +133,9 @@ def delete(
     from sqlalchemy import text
 
     from headatlas.service.errors import ParameterError
+    from headatlas.service.operations.runs import find_run
     from headatlas.service.reports.compare import controls_of
     from headatlas.service.storage.run_labels import UNFINISHED
-    from headatlas.service.operations.runs import find_run
 
     store = _store(db)
     with store.checked_read() as conn:

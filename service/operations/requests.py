@@ -38,6 +38,15 @@ class CorpusSource:
     def is_stdin(self) -> bool:
         return self.spec == STDIN
 
+    @classmethod
+    def of(cls, spec: str | Path, run: dict[str, Any]) -> CorpusSource:
+        """``spec`` read with the field and encoding the run options name (else the defaults)."""
+        return cls(
+            str(spec),
+            text_field=run.get("text_field", DEFAULTS["text_field"]),
+            encoding=run.get("encoding", DEFAULTS["encoding"]),
+        )
+
 
 def probe_of(values: dict[str, Any]) -> ProbeSpec | None:
     """The synthetic probe (SPEC §8) the option values ask for, or None without ``probe``."""
@@ -109,11 +118,7 @@ class AnalysisRequest:
         if chunk < 1:
             raise ParameterError(Param("attribution_chunk", chunk), ": pass 1 or more gradient rows per call")
         return cls(
-            corpus=CorpusSource(
-                str(corpus),
-                text_field=run.get("text_field", DEFAULTS["text_field"]),
-                encoding=run.get("encoding", DEFAULTS["encoding"]),
-            ),
+            corpus=CorpusSource.of(corpus, run),
             params=build_params(**values),
             db=db if db is not None else Settings.from_env().db,
             model=run.get("model", DEFAULTS["model"]),
@@ -145,11 +150,7 @@ class QueuedAnalysis:
         """A validated request from option values as typed (as ``AnalysisRequest.build``)."""
         values, run = _split(options)
         return cls(
-            corpus=CorpusSource(
-                str(corpus),
-                text_field=run.get("text_field", DEFAULTS["text_field"]),
-                encoding=run.get("encoding", DEFAULTS["encoding"]),
-            ),
+            corpus=CorpusSource.of(corpus, run),
             params=build_params(**values),
             model=run.get("model", DEFAULTS["model"]),
             batch_size=parse_batch_size(run.get("batch_size", DEFAULTS["batch_size"]), queued=True),
@@ -198,11 +199,7 @@ class EffectsRequest:
         values, run = _split(options)
         size = parse_batch_size(run.get("batch_size", EFFECTS_BATCH))
         return cls(
-            corpus=CorpusSource(
-                str(corpus),
-                text_field=run.get("text_field", DEFAULTS["text_field"]),
-                encoding=run.get("encoding", DEFAULTS["encoding"]),
-            ),
+            corpus=CorpusSource.of(corpus, run),
             params=build_params(**values),
             kinds=chosen,
             model=run.get("model", DEFAULTS["model"]),
@@ -321,11 +318,7 @@ class InspectionRequest:
         values, run = _split(options)
         source = None
         if file is not None:
-            source = CorpusSource(
-                str(file),
-                text_field=run.get("text_field", DEFAULTS["text_field"]),
-                encoding=run.get("encoding", DEFAULTS["encoding"]),
-            )
+            source = CorpusSource.of(file, run)
         return cls(
             params=build_params(**values),
             text=text,
