@@ -105,7 +105,7 @@ PANELS = {
         "csm_bin",
         "replicates",
     ),
-    "Extra measures": ("attribution", "mixing", "effects", "effect_reference", "probe"),
+    "Extra measures": ("attribution", "mixing", "effects", "effect_reference", "probe", "measures"),
     "How much of them": ("attribution_windows", "effect_windows", "probe_length", "probe_sequences"),
     "Corpus files": ("text_field", "encoding"),
 }

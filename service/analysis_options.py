@@ -161,6 +161,14 @@ OPTIONS: tuple[Declared, ...] = (
         spec="§9",
     ),
     Declared(
+        "measures",
+        list[str],
+        (),
+        "Measures an installed plugin adds, by name (repeat or comma-separate; `headatlas metrics` lists "
+        "them): their per-head sums are stored with the run and their columns shown beside the built-in ones.",
+        spec="§5",
+    ),
+    Declared(
         "csm_bin",
         int,
         8,
@@ -212,6 +220,7 @@ def build_params(**values: Any) -> AnalysisParams:
     given["select"] = Selection.parse(given["select"])
     given["mixing"] = parse_mixing(given["mixing"])
     given["effects"] = parse_effects(given["effects"])
+    given["measures"] = parse_names(given["measures"])
     return AnalysisParams(**given)
 
 
@@ -245,6 +254,13 @@ def parse_effects(value) -> tuple[str, ...]:
             f": choose from {', '.join(EFFECT_KINDS)} (comma-separated, e.g. zero,mean)",
         )
     return tuple(k for k in EFFECT_KINDS if k in given)
+
+
+def parse_names(value) -> tuple[str, ...]:
+    """``--measures`` values, repeated and/or comma-separated, deduplicated in the order given
+    (whether each is a registered measure is checked where measures are chosen)."""
+    parts = [value] if isinstance(value, str) else list(value or ())
+    return tuple(dict.fromkeys(k.strip() for part in parts for k in str(part).split(",") if k.strip()))
 
 
 @overload

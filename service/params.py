@@ -104,6 +104,8 @@ class AnalysisParams:
     effect_reference: int = DEFAULTS["effect_reference"]
     # the objective the effects are measured on: auto (the model's own) or a registered one's name
     objective: str = DEFAULTS["objective"]
+    # measures a plugin adds, asked for by name (service.engine.measure_contract.requested)
+    measures: tuple[str, ...] = DEFAULTS["measures"]
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
     # replicate groups (SPEC §5d): document | block:B | window; a run records the one it used (resolved())
     replicates: str = DEFAULTS["replicates"]
@@ -192,6 +194,10 @@ class AnalysisParams:
             out.pop("effect_reference")  # no reference set: no mean ablation
         if self.objective == AUTO_OBJECTIVE:
             out.pop("objective", None)  # the model's own keeps the run key effect runs had before it could be named
+        if self.measures:
+            out["measures"] = list(self.measures)
+        else:
+            out.pop("measures")  # runs without a plugin's measures keep the run key they had before
         if not self.mixes:
             # runs without mixing keep the parameters (and the run key) they had before it existed
             for name in MIXING_FIELDS:
@@ -222,6 +228,8 @@ class AnalysisParams:
             data["mixing"] = tuple(data["mixing"])
         if "effects" in data:
             data["effects"] = tuple(data["effects"])
+        if "measures" in data:
+            data["measures"] = tuple(data["measures"])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -41,6 +41,7 @@ EVERY_OPTION = {
     "effect_windows": (["--effect-windows", "1"], 1),
     "effect_reference": (["--effect-reference", "2"], 2),
     "objective": (["--objective", "embedding_drift"], "embedding_drift"),
+    "measures": (["--measures", "punct_pairs"], ["punct_pairs"]),  # the test plugins' measure
     "csm_bin": (["--csm-bin", "4"], 4),
     "probe": (["--probe"], True),
     "probe_length": (["--probe-length", "6"], 6),
@@ -153,4 +154,6 @@ def test_every_option_of_analyze_is_a_keyword_of_the_python_api(tmp_path):
     assert len(mine["every"]["probe_scores"]) == 2 * 4
     assert (params["effects"], params["effect_windows"], params["effect_reference"]) == (["zero", "mean"], 1, 2)
     assert params["objective"] == "embedding_drift"
+    assert params["measures"] == ["punct_pairs"]
+    assert all(r["both_punct_share"] is not None for r in mine["every"]["head_metrics"] if r["high_pairs"])
     assert all(r["effect_mean"] is not None for r in mine["every"]["head_metrics"])

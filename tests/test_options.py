@@ -49,6 +49,7 @@ OFFERED = {
         "effect_windows",
         "effect_reference",
         "objective",
+        "measures",  # nothing stored
     },
     ("demo",): {"model", "device", "batch_size"},
 }

@@ -241,3 +241,33 @@ def test_the_plugin_measure_computes_the_sum_in_the_batch_and_query_heads_reads_
     assert {name for _, _, name, _ in named} == {SUM}
     for r in rows:
         assert r["high_pairs"] > 0 and r["both_punct_share"] == share and r["word_pairs_share"] == 1 - share
+
+
+def test_analyze_asks_for_a_plugin_measure_by_name_and_refuses_one_not_installed(tmp_path, cli):
+    """`analyze --measures punct_pairs`: the measure runs, is recorded in the run's parameters (a
+    run with it is another run than one without), and its column sorts `query heads`; a name no
+    installed plugin adds is refused before anything is created, naming the ones there are."""
+    from sqlalchemy import text
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(". , . , " * 40 + "\n", encoding="utf-8")
+    db = tmp_path / "m.duckdb"
+    tiny = ["--model", "random:tiny", "--seq-len", "32", "--db", str(db), "-q"]
+    done = cli("analyze", str(corpus), *tiny, "--measures", "punct_pairs")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(cli("query", "heads", "--db", str(db), "--sort", "both_punct_share", "--format", "json").stdout)
+    assert rows and all(r["both_punct_share"] == 1.0 for r in rows if r["high_pairs"])
+    with Store(db).read() as conn:
+        [(params,)] = conn.execute(text("SELECT params FROM runs")).all()
+    assert params["measures"] == ["punct_pairs"]
+    plain = cli("analyze", str(corpus), *tiny)
+    assert plain.returncode == 0, plain.stderr
+    with Store(db).read() as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 2  # another key
+    other = tmp_path / "none.duckdb"
+    refused = cli("analyze", str(corpus), "--model", "random:tiny", "--db", str(other), "--measures", "nope")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "--measures 'nope': no measure of that name is installed; the plugins' measures are punct_pairs" in (
+        refused.stderr
+    )
+    assert not other.exists()

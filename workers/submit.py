@@ -88,16 +88,17 @@ def submit(
 ) -> Submission:
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids);
     ``probe``: also queue the synthetic probe (one task) unless the database holds it."""
+    from headatlas.service.engine.measure_contract import requested
     from headatlas.service.engine.model import load_model_info
     from headatlas.service.engine.runner import _short_name, run_key, survey_corpus
     from headatlas.workers.app import ANALYSIS_QUEUE, make_app, send_batch
     from headatlas.workers.lease import broker_epoch, target_database
 
     summary = survey_corpus(spec, text_field=text_field, encoding=encoding)
-    if params.effects:
-        from headatlas.service.engine.effect_batch import check_effects_spec
-
-        check_effects_spec(model, params)  # gradient importance of an objective that is not a loss: refused
+    # each measure asked for checks what it can from the model's spec (gradient importance of an
+    # objective that is not a loss refused); a measure no installed plugin adds is refused here
+    for measure in requested(params):
+        measure.check_spec(model, params)
     client = connect(settings.broker_url)  # fail before any work when Redis is away
     epoch = broker_epoch(client)
     ledger = Ledger(client, target_database(client, settings.db, settings.broker_url, writer_wait_s))

@@ -258,14 +258,20 @@ def probe_scores(model: LoadedModel, spec: ProbeSpec) -> dict[str, np.ndarray]:
 
 def requested(params: AnalysisParams, names: Sequence[str] = ()) -> list[Measure]:
     """The measures a request asks for, in the registry's order: those ``params`` ask for and the
-    others named in ``names`` (a plugin measure is asked for by name)."""
+    others named in ``params.measures`` or ``names`` (a plugin measure is asked for by name)."""
     known = measures()
-    unknown = [n for n in names if n not in known]
+    named = (*params.measures, *names)
+    unknown = [n for n in named if n not in known]
     if unknown:
-        from headatlas.service.errors import ParameterError
+        from headatlas.service.errors import Param, ParameterError
 
-        raise ParameterError(f"unknown measure {unknown[0]!r}; the measures are {', '.join(known)}")
-    return [m for m in known.values() if m.per_batch and (m.requested(params) or m.name in names)]
+        plugins = [m.name for m in known.values() if m.qualified and m.per_batch]
+        raise ParameterError(
+            Param("measures", unknown[0], quoted=True),
+            ": no measure of that name is installed; "
+            + (f"the plugins' measures are {', '.join(plugins)}" if plugins else "no plugin adds one here"),
+        )
+    return [m for m in known.values() if m.per_batch and (m.requested(params) or m.name in named)]
 
 
 def batch_counts(

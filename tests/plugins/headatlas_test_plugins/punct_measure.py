@@ -2,7 +2,7 @@
 high-similarity set H whose two tokens are both punctuation ('.' and ','). It selects H as the head
 statistics do (the same functions on the same head outputs, so the same pairs) and counts those
 pairs per replicate group; headatlas stores the sum as ``"punct_pairs.both_punct"``. Run when a
-request names it (``measures=["punct_pairs"]``); a module of its own, so that the metric's module
+request names it (``--measures punct_pairs``); a module of its own, so that the metric's module
 (read by every query) imports no tensor library."""
 
 import numpy as np
