@@ -91,9 +91,10 @@ def test_prune_table_fits_100_columns_and_json_keeps_every_column(plain_run, cli
     assert csv.stdout.splitlines()[0].split(",") == every
 
 
-def test_the_web_refuses_the_same_sort_with_the_cli_words(plain_run, cli) -> None:
-    """serve's head table sorted by an effect the run lacks: a 400 page with the command line's
-    message (queries.heads checks it for every front end), not a blank column."""
+def test_the_web_refuses_the_same_sort_in_its_own_words(plain_run, cli) -> None:
+    """serve's head table sorted by an effect the run lacks: a 400 page with the check the command
+    line makes (queries.heads, for every front end), worded for the address (``?sort=``), not a
+    blank column."""
     from web_support import Client
 
     from headatlas.service.web.app import WebApp
@@ -102,7 +103,8 @@ def test_the_web_refuses_the_same_sort_with_the_cli_words(plain_run, cli) -> Non
     answer = Client(WebApp(plain_run)).get("/runs/plain?sort=effect_zero")
     assert answer.status == 400, answer.status
     assert "holds no effect_zero" in answer.text and "--effects zero" in answer.text, answer.text[-2000:]
-    assert said.removeprefix("error: ").split(":")[0] in answer.text  # the same words: "--sort effect_zero"
+    assert said.removeprefix("error: ").split(":")[0] == "--sort effect_zero"
+    assert "?sort=effect_zero: run 1 holds no effect_zero" in answer.text, answer.text[-2000:]
     assert Client(WebApp(plain_run)).get("/runs/plain?sort=noise_share").status == 200
 
 

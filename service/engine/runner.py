@@ -440,11 +440,13 @@ def analyze_corpus(
         batches.close()
         if pool is not None:
             pool.close()
-        if pending and status == RunStatus.INTERRUPTED:
-            sink.submit(pending)  # finished batches are kept
         try:
+            if pending and status == RunStatus.INTERRUPTED:
+                sink.submit(pending)  # finished batches are kept
             sink.close()  # every submitted batch is stored before the status changes
         except BaseException:
+            # interrupted or failed: the storage thread's own error (Ctrl-C can break an import it
+            # was in) does not replace that; a batch it could not store is analysed on resume
             if status == RunStatus.DONE:
                 raise
         patiently(
