@@ -21,8 +21,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from headatlas.service.engine.corpus import demo_corpus_path, iter_documents  # noqa: E402
+from headatlas.service.engine.features import window_features  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
-from headatlas.service.engine.stats import window_features  # noqa: E402
 from headatlas.service.engine.windows import TokenClasses, collate, document_windows  # noqa: E402
 from headatlas.service.measures.attribution import gradient_norms, trace  # noqa: E402
 from headatlas.service.measures.mixing import mixing_sums  # noqa: E402

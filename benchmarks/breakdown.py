@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Timer, corpus_prefix, default_corpus, forward_passes, machine, median  # noqa: E402
-from headatlas.service.engine import stats  # noqa: E402
+from headatlas.service.engine import features, pair_selection, stats  # noqa: E402
 from headatlas.service.engine.analysis import forward  # noqa: E402
 from headatlas.service.engine.hooks import act_name  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
@@ -76,13 +76,13 @@ def main(argv=None) -> None:
         b = batches[0]
         acts = forward(model, b)
         with torch.inference_mode():
-            feats = stats.window_features(b.input_ids, b.attention_mask, tokens, workspace=stats.Workspace())
-            z = stats.head_vectors(acts[act_name("z", args.layer)], model.n_heads)
+            feats = features.window_features(b.input_ids, b.attention_mask, tokens, workspace=features.Workspace())
+            z = pair_selection.head_vectors(acts[act_name("z", args.layer)], model.n_heads)
             attn = acts[act_name("pattern", args.layer)]
-            sim = stats.masked_similarity(z, feats)
+            sim = pair_selection.masked_similarity(z, feats)
             parts = {
-                "similarity matrix": lambda: stats.masked_similarity(z, feats),
-                "top-k selection": lambda: stats.select_pairs(sim, feats, params.select),
+                "similarity matrix": lambda: pair_selection.masked_similarity(z, feats),
+                "top-k selection": lambda: pair_selection.select_pairs(sim, feats, params.select),
                 "attention sums": lambda: stats.attention_sums(attn, feats, work=feats.workspace),
                 "  of which entropy": lambda: stats._entropy_rows(attn, feats.workspace),
                 "head_statistics": lambda: stats.head_statistics(

@@ -63,7 +63,7 @@ def breakdown(model, batches, params, tokens, repeats: int) -> list[str]:
     """The forward pass with hooks, ``analyze_batch``, and one middle layer's statistics in parts."""
     import torch
 
-    from headatlas.service.engine import stats
+    from headatlas.service.engine import features, pair_selection, stats
     from headatlas.service.engine.analysis import forward
     from headatlas.service.engine.hooks import act_name
 
@@ -76,15 +76,15 @@ def breakdown(model, batches, params, tokens, repeats: int) -> list[str]:
     b = batches[0]
     acts = forward(model, b)
     with torch.inference_mode():
-        feats = stats.window_features(
-            b.input_ids, b.attention_mask, tokens, workspace=stats.Workspace(), causal=model.causal
+        feats = features.window_features(
+            b.input_ids, b.attention_mask, tokens, workspace=features.Workspace(), causal=model.causal
         )
-        z = stats.head_vectors(acts[act_name("z", layer)], model.n_heads)
+        z = pair_selection.head_vectors(acts[act_name("z", layer)], model.n_heads)
         attn = acts[act_name("pattern", layer)]
-        sim = stats.masked_similarity(z, feats)
+        sim = pair_selection.masked_similarity(z, feats)
         parts = {
-            "similarity matrix": lambda: stats.masked_similarity(z, feats),
-            "top-k selection": lambda: stats.select_pairs(sim, feats, params.select),
+            "similarity matrix": lambda: pair_selection.masked_similarity(z, feats),
+            "top-k selection": lambda: pair_selection.select_pairs(sim, feats, params.select),
             "attention sums": lambda: stats.attention_sums(attn, feats, work=feats.workspace),
             "head_statistics": lambda: stats.head_statistics(
                 z, attn, feats, select=params.select, gate=params.gate, seq_len=params.seq_len

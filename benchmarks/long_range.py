@@ -70,7 +70,7 @@ def _layer_sums(model, windows, pad_id: int, cut: int, select) -> np.ndarray:
     import torch
 
     from headatlas.service.engine.hooks import capture_attention
-    from headatlas.service.engine.stats import head_vectors, select_pairs_chunked, similarity_chunk_rows
+    from headatlas.service.engine.pair_selection import head_vectors, select_pairs_chunked, similarity_chunk_rows
     from headatlas.service.engine.windows import collate
 
     batch = collate(windows, pad_id)

@@ -56,7 +56,7 @@ def child(n: int, layers: int, repeats: int, whole: bool) -> dict:
     import torch
 
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine import stats
+    from headatlas.service.engine import pair_selection
     from headatlas.service.engine.analysis import analyze_batch
     from headatlas.service.engine.corpus import Document, document_id
     from headatlas.service.engine.model import auto_batch_size, load_model
@@ -66,7 +66,7 @@ def child(n: int, layers: int, repeats: int, whole: bool) -> dict:
     if whole:
         from headatlas.service.engine import row_attention
 
-        stats.SIM_CHUNK_ELEMENTS = 1 << 62
+        pair_selection.SIM_CHUNK_ELEMENTS = 1 << 62
         row_attention.ATTENTION_ROW_ELEMENTS = 1 << 62
     model = load_model(MODEL, device="cpu")
     if layers < model.n_layers:
@@ -103,7 +103,7 @@ def child(n: int, layers: int, repeats: int, whole: bool) -> dict:
         "peak": peak,
         "window_peak": peak - base,
         "auto_batch": auto_batch_size(model, n),
-        "rows": stats.similarity_chunk_rows(1, model.n_heads, n),
+        "rows": pair_selection.similarity_chunk_rows(1, model.n_heads, n),
         "attention_rows": block_rows(1, model.n_heads, n) if uses_row_attention(model, model.n_heads, n) else n,
         "layers": layers,
     }

@@ -1,5 +1,5 @@
 """Heads whose top similarities float32 cannot rank (near-constant z), before and after they are
-ranked again at float64 (service/engine/stats.py, ``rerank_unresolved``).
+ranked again at float64 (service/engine/pair_selection.py, ``rerank_unresolved``).
 
     python benchmarks/near_constant.py [--model smollm2] [--corpus service/data/wiki_excerpt.txt]
                                        [--documents 4] [--seq-len 256]
@@ -29,14 +29,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import headatlas
-    from headatlas.service.engine import stats
+    from headatlas.service.engine import pair_selection
 
     folder = Path(tempfile.mkdtemp(prefix="near-constant-"))
     corpus = folder / "corpus.txt"
     text = Path(args.corpus).read_text(encoding="utf-8")
     corpus.write_text("\n\n".join(text.split("\n\n")[: args.documents]), encoding="utf-8")
     unresolved = [0, 0]  # rows re-ranked, rows seen
-    original = stats.unresolved_rows
+    original = pair_selection.unresolved_rows
 
     def counting(z, values, counts, n_pairs):
         rows = original(z, values, counts, n_pairs)
@@ -47,13 +47,13 @@ def main(argv=None) -> None:
     metrics = ("mean_distance", "repetition_words", "within_sentence")
     results = {}
     for label, enabled in (("float32", False), ("reranked", True)):
-        stats.unresolved_rows = counting if enabled else (lambda z, v, c, n: original(z, v, c, n) & False)
+        pair_selection.unresolved_rows = counting if enabled else (lambda z, v, c, n: original(z, v, c, n) & False)
         run = headatlas.analyze(
             corpus, db=folder / f"{label}.duckdb", model=args.model, seq_len=args.seq_len, progress=False
         )
         heads = run.heads().to_pylist()
         results[label] = {(h["layer"], h["head"]): h for h in heads}
-    stats.unresolved_rows = original
+    pair_selection.unresolved_rows = original
     print(f"# {args.model}, {args.documents} documents of {args.corpus}, seq_len {args.seq_len}")
     print(f"unresolved (window, head) rankings: {unresolved[0]:,} of {unresolved[1]:,}")
     changed = 0

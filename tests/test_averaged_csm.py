@@ -8,8 +8,9 @@ import pytest
 import torch
 from sqlalchemy import text
 
+from headatlas.service.engine.features import window_features
 from headatlas.service.engine.results import CSM_KINDS, BatchResult
-from headatlas.service.engine.stats import head_statistics, window_features
+from headatlas.service.engine.stats import head_statistics
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import AnalysisParams, Selection
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 from sqlalchemy import text
 
+from headatlas.service.engine.chance import chance_statistics
+from headatlas.service.engine.features import window_features
 from headatlas.service.engine.results import (
     CHANCE_SUMS,
     HEAD_SUMS,
@@ -23,7 +25,7 @@ from headatlas.service.engine.results import (
     replicate_group,
     sum_dtype,
 )
-from headatlas.service.engine.stats import chance_statistics, head_statistics, window_features
+from headatlas.service.engine.stats import head_statistics
 from headatlas.service.engine.windows import TokenClasses, is_word_token
 from headatlas.service.params import Selection
 from headatlas.service.reports.intervals import jackknife_halfwidth, t95

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headatlas.service.engine.stats import (
-    head_statistics,
+from headatlas.service.engine.features import window_features
+from headatlas.service.engine.pair_selection import (
     masked_similarity,
     rerank_unresolved,
     select_pairs,
     select_pairs_chunked,
     similarity_chunk_rows,
     unresolved_rows,
-    window_features,
 )
+from headatlas.service.engine.stats import head_statistics
 from headatlas.service.params import Selection
 from tests.chunk_support import CLS, PAD, SEP, TOKENS, Largest
 

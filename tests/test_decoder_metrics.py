@@ -9,7 +9,9 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from headatlas.service.engine.stats import chance_statistics, head_statistics, window_features
+from headatlas.service.engine.chance import chance_statistics
+from headatlas.service.engine.features import window_features
+from headatlas.service.engine.stats import head_statistics
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import Selection
 from headatlas.service.storage.store import Store

@@ -181,7 +181,7 @@ def test_pre_norm_alti_decomposes_the_block_output_exactly(spec):
 
 
 def test_every_measure_runs_on_a_decoder_with_causal_rows(decoder):
-    from headatlas.service.engine.stats import window_features
+    from headatlas.service.engine.features import window_features
 
     tokens, batch = _padded_batch(decoder)
     ctx = TraceContext(decoder, batch.input_ids, batch.attention_mask, chunk_size=64)

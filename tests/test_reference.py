@@ -12,8 +12,7 @@ import torch
 
 from headatlas.service.engine.analysis import analyze_batch
 from headatlas.service.engine.corpus import iter_documents
-from headatlas.service.engine.results import PAIR_HISTS
-from headatlas.service.engine.stats import HEAD_SUMS
+from headatlas.service.engine.results import HEAD_SUMS, PAIR_HISTS
 from headatlas.service.engine.windows import TokenClasses, collate, document_windows
 from headatlas.service.params import AnalysisParams, Selection
 from tests.reference import reference_windows, summed

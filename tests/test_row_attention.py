@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from headatlas.service.engine import pair_selection
 from headatlas.service.engine import row_attention as ra
-from headatlas.service.engine import stats
 from headatlas.service.engine.analysis import analyze_batch
+from headatlas.service.engine.features import window_features
 from headatlas.service.engine.model import load_model
 from headatlas.service.engine.results import HEAD_SUMS
 from headatlas.service.engine.row_attention import AttentionRows, rows_attention_forward
-from headatlas.service.engine.stats import RowSums, attention_sums, copy_sums, head_statistics, window_features
+from headatlas.service.engine.stats import RowSums, attention_sums, copy_sums, head_statistics
 from headatlas.service.engine.windows import Batch, TokenClasses, Window, collate
 from headatlas.service.params import AnalysisParams, Selection
 from tests.chunk_support import CLS, PAD, TOKENS, Largest
@@ -115,7 +116,7 @@ def test_a_long_window_through_the_model_keeps_its_statistics_and_no_whole_map(l
     with Largest() as eager_sizes:
         eager = analyze_batch(llama, batch, params, tokens)
     monkeypatch.setattr(ra, "ATTENTION_ROW_ELEMENTS", 2 * llama.n_heads * n_pos * 10)  # blocks of 10 rows
-    monkeypatch.setattr(stats, "SIM_CHUNK_ELEMENTS", 2 * llama.n_heads * n_pos * 10)  # the similarity too
+    monkeypatch.setattr(pair_selection, "SIM_CHUNK_ELEMENTS", 2 * llama.n_heads * n_pos * 10)  # the similarity too
     assert ra.uses_row_attention(llama, llama.n_heads, n_pos)
     with Largest() as row_sizes:
         rows = analyze_batch(llama, batch, params, tokens)

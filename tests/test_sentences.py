@@ -12,8 +12,8 @@ import torch
 
 from headatlas.service.engine.analysis import analyze_batch
 from headatlas.service.engine.corpus import Document, demo_corpus_path, document_id
+from headatlas.service.engine.features import window_features
 from headatlas.service.engine.sentences import piece_sentences, sentence_starts
-from headatlas.service.engine.stats import window_features
 from headatlas.service.engine.windows import TokenClasses, Window, collate, document_windows
 from headatlas.service.errors import ParameterError
 from headatlas.service.params import AnalysisParams

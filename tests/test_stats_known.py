@@ -7,15 +7,10 @@ import math
 import pytest
 import torch
 
-from headatlas.service.engine.stats import (
-    chance_statistics,
-    head_statistics,
-    masked_similarity,
-    select_pairs,
-    sentence_ids,
-    unresolved_rows,
-    window_features,
-)
+from headatlas.service.engine.chance import chance_statistics
+from headatlas.service.engine.features import sentence_ids, window_features
+from headatlas.service.engine.pair_selection import masked_similarity, select_pairs, unresolved_rows
+from headatlas.service.engine.stats import head_statistics
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import Selection
 

@@ -497,7 +497,7 @@ def auto_batch_size(model: LoadedModel, seq_len: int, *, cpu_default: int = 32) 
     The statistics run as each layer finishes, so a window holds one layer at a time: the
     eager attention's scores and probabilities (heads × pos² floats, about three maps) plus
     the statistics' scratch (about four more; the similarity matrix itself is taken in row
-    chunks past ``stats.SIM_CHUNK_ELEMENTS``), and one layer's activations (about sixteen
+    chunks past ``pair_selection.SIM_CHUNK_ELEMENTS``), and one layer's activations (about sixteen
     pos × d_model tensors, the feed-forward's four-times-wider one included); 60 % of free
     memory is planned for, the rest left to the allocator. Out-of-memory errors that still
     happen are recovered by halving (analysis.OomSplitter) on CUDA; on CPU the plan is all

@@ -485,7 +485,7 @@ def output_statistics(model: LoadedModel, batches: list) -> tuple[np.ndarray, np
     """Each head's output ``o = z W_O^h`` (no bias) over the valid positions of ``batches``: its
     mean norm and its variance (the mean squared distance of ``o`` from its mean), ``[layer, head]``
     each, from one forward pass per batch (the ``blocks.L.attn.z`` hook points)."""
-    from headatlas.service.engine.stats import head_vectors
+    from headatlas.service.engine.pair_selection import head_vectors
 
     layers, heads = model.n_layers, model.n_heads
     blocks = model.blocks

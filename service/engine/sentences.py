@@ -3,7 +3,7 @@
 The library finds sentence spans on the document's text ("Mr." and "3.14" do not end a
 sentence); the tokenizer's character offsets place each word piece in the span that holds its
 first character. ``punct`` (SPEC §1) needs none of this: it is computed from token ids in
-``service.engine.stats.sentence_ids``.
+``service.engine.features.sentence_ids``.
 
 Pure Python: imports neither torch, Celery, Typer nor SQLAlchemy.
 """

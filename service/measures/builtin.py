@@ -47,7 +47,8 @@ class HeadStatistics(Measure):
     def on_layer(self, ctx: BatchContext, layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
         import torch
 
-        from headatlas.service.engine.stats import head_statistics, head_vectors
+        from headatlas.service.engine.pair_selection import head_vectors
+        from headatlas.service.engine.stats import head_statistics
 
         model, params = ctx.model, ctx.params
         # statistics in full precision
@@ -69,8 +70,8 @@ class HeadStatistics(Measure):
     def collect(self, ctx: BatchContext, count: int) -> None:
         import torch
 
+        from headatlas.service.engine.chance import chance_statistics
         from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS, PAIR_HISTS, sum_dtype
-        from headatlas.service.engine.stats import chance_statistics
 
         feats = ctx.feats
         with torch.inference_mode():
@@ -203,7 +204,7 @@ class Mixing(Measure):
             return
         import torch
 
-        from headatlas.service.engine.stats import window_features
+        from headatlas.service.engine.features import window_features
         from headatlas.service.measures.mixing import mixing_sums
 
         model, params, batch = ctx.model, ctx.params, ctx.batch

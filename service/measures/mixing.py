@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 from headatlas.service.engine.adapters import ModelAdapter, adapter_of_block
+from headatlas.service.engine.features import WindowFeatures
 from headatlas.service.engine.model import LoadedModel, model_blocks
 from headatlas.service.engine.results import FORWARD_MIXING, MIX_SUMS, MIXING_METHODS  # noqa: F401 - MIX_SUMS re-exported
-from headatlas.service.engine.stats import WindowFeatures, attention_sums
+from headatlas.service.engine.stats import attention_sums
 
 
 # --- the measures ------------------------------------------------------------------------------

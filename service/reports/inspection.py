@@ -22,9 +22,10 @@ import torch
 
 from headatlas.service.engine.analysis import batch_sentences, forward
 from headatlas.service.engine.corpus import Document, document_id
+from headatlas.service.engine.features import window_features
 from headatlas.service.engine.hooks import act_name
 from headatlas.service.engine.model import LoadedModel
-from headatlas.service.engine.stats import head_vectors, select_pairs, window_features
+from headatlas.service.engine.pair_selection import head_vectors, select_pairs
 from headatlas.service.engine.windows import Batch, TokenClasses, Window, collate, document_windows
 from headatlas.service.errors import CorpusError, ParameterError, Phrase
 from headatlas.service.params import AnalysisParams

@@ -18,19 +18,19 @@ class PunctPairs(Measure):
     def on_layer(self, ctx, layer, context, attn):
         import torch
 
-        from headatlas.service.engine import stats
+        from headatlas.service.engine import pair_selection
 
         model, params, feats = ctx.model, ctx.params, ctx.feats
         with torch.autocast(model.device.type, enabled=False):
             w_o = model.adapter.output_weight(model.blocks[layer]) if params.vectors == "post_wo" else None
-            z = stats.head_vectors(context, model.n_heads, w_o).float()  # [batch, head, pos, d_head]
+            z = pair_selection.head_vectors(context, model.n_heads, w_o).float()  # [batch, head, pos, d_head]
             batch, heads, n_pos, _ = z.shape
-            rows = stats.similarity_chunk_rows(batch, heads, n_pos)
+            rows = pair_selection.similarity_chunk_rows(batch, heads, n_pos)
             if rows >= n_pos:
-                selected = stats.select_pairs(stats.masked_similarity(z, feats), feats, params.select)
+                selected = pair_selection.select_pairs(pair_selection.masked_similarity(z, feats), feats, params.select)
             else:
-                selected = stats.select_pairs_chunked(z, feats, params.select, rows=rows)
-            _, index, chosen = stats.rerank_unresolved(z, feats, params.select, *selected)  # [batch, head, k]
+                selected = pair_selection.select_pairs_chunked(z, feats, params.select, rows=rows)
+            _, index, chosen = pair_selection.rerank_unresolved(z, feats, params.select, *selected)  # [batch, head, k]
         punct_ids = torch.tensor(sorted(ctx.tokens.punct_ids), device=feats.input_ids.device)
         punct = torch.isin(feats.input_ids, punct_ids)  # [batch, pos]
         first = punct.gather(1, (index // n_pos).flatten(1)).view_as(index)
