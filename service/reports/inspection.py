@@ -215,7 +215,7 @@ def _high_set(sim: torch.Tensor, feats, params: AnalysisParams) -> torch.Tensor:
     """H as a symmetric bool matrix ``[batch, head, pos, key]``, chosen exactly as the stored
     statistics choose it (``select_pairs``: same ranking, same tie rule)."""
     batch, heads, n_pos, _ = sim.shape
-    # the same masking as stats.masked_similarity: -inf outside P
+    # the same masking as pair_selection.masked_similarity: -inf outside P
     flat = sim.reshape(batch, heads, n_pos * n_pos) + feats.pair_bias(heads, sim.dtype).view(batch, heads, -1)
     _values, index, chosen = select_pairs(flat, feats, params.select)
     marks = torch.zeros(batch, heads, n_pos * n_pos, dtype=torch.bool, device=sim.device)
