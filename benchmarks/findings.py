@@ -129,9 +129,9 @@ class Reader:
         return [dict(zip(columns, r)) for r in rows]
 
     def layers(self, run) -> list[dict]:
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import layer_queries
 
-        return self._rows(queries.layers, run.run_id, ci=True)
+        return self._rows(layer_queries.layers, run.run_id, ci=True)
 
     def heads(self, run) -> list[dict]:
         from headatlas.service.reports import queries

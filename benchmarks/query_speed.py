@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import Timer, median  # noqa: E402
 from headatlas.service.engine.analysis import BatchResult  # noqa: E402
 from headatlas.service.engine.results import HEAD_SUMS, replicate_group  # noqa: E402
-from headatlas.service.reports import queries  # noqa: E402
+from headatlas.service.reports import distance_queries, layer_queries, queries  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
 
 SEQ = 128
@@ -132,12 +132,14 @@ def main(argv=None):
         calls = {
             "query heads": lambda c: queries.heads(c, run.run_id),
             "query heads --sort": lambda c: queries.heads(c, run.run_id, sort="within_sentence_lift", top=10),
-            "query distances": lambda c: queries.distances(c, run.run_id, layer=5, head=3),
-            "query boundaries": lambda c: queries.boundaries(c, run.run_id),
-            "query layers": lambda c: queries.layers(c, run.run_id),
+            "query distances": lambda c: distance_queries.distances(c, run.run_id, layer=5, head=3),
+            "query boundaries": lambda c: layer_queries.boundaries(c, run.run_id),
+            "query layers": lambda c: layer_queries.layers(c, run.run_id),
             "query heads --ci": lambda c: queries.heads(c, run.run_id, ci=True),
-            "query layers --ci": lambda c: queries.layers(c, run.run_id, ci=True),
-            "query distances --ci": lambda c: queries.distances(c, run.run_id, layer=5, head=3, split=True, ci=True),
+            "query layers --ci": lambda c: layer_queries.layers(c, run.run_id, ci=True),
+            "query distances --ci": lambda c: distance_queries.distances(
+                c, run.run_id, layer=5, head=3, split=True, ci=True
+            ),
         }
         print(f"{'query':<22} {'median s':>9} {'max s':>7}  (including opening the database)")
         for name, call in calls.items():

@@ -158,11 +158,11 @@ def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
 
 
 def _print_run_summary(store, run_id: int) -> None:
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries, queries, query_support
 
     with store.checked_read() as conn:
         info = queries.run_summary(conn, run_id)
-        layer_cols, layer_rows = queries.layers(conn, run_id)
+        layer_cols, layer_rows = layer_queries.layers(conn, run_id)
         head_cols, head_rows = queries.heads(conn, run_id, sort="within_sentence_lift_dm", top=5)
         rep_cols, rep_rows = queries.heads(conn, run_id, sort="repetition_words_lift_dm", top=5)
         probe_cols, probe_rows = queries.heads(conn, run_id, anchors=0)
@@ -196,7 +196,7 @@ def _print_run_summary(store, run_id: int) -> None:
         Format.table,
         title="Word-repetition heads (punctuation repeats excluded)",
         table_columns=keep,
-        note=queries.LIFT_NOTE,
+        note=query_support.LIFT_NOTE,
         pinned=2,
         offer_more=False,
     )

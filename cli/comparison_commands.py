@@ -44,7 +44,7 @@ def compare(
     is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
     from headatlas.service.errors import ParameterError
     from headatlas.service.reports import compare as comparison
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import query_support
     from headatlas.service.reports.intervals import groups_held, scheme_of
 
     with _store(db, at).checked_read() as conn:
@@ -88,7 +88,7 @@ def compare(
             table_columns=table,
             view=view,
             intervals=comparison.TABLE_INTERVALS,
-            note=f"{comparison.VERDICT_NOTE}. {queries.LIFT_NOTE}",
+            note=f"{comparison.VERDICT_NOTE}. {query_support.LIFT_NOTE}",
             schemes=[scheme_of(a.params), scheme_of(b.params)],
             groups=[held[a.run_id], held[b.run_id]],
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "

@@ -381,9 +381,9 @@ def render_metrics(
     if view.picked is not None:
         wanted = list(view.picked)
     else:
-        from headatlas.service.reports.queries import decoder_table
+        from headatlas.service.reports.query_support import decoder_table
 
-        # a decoder's rows hold attn_to_first in place of attn_to_cls (queries.for_attention)
+        # a decoder's rows hold attn_to_first in place of attn_to_cls (query_support.for_attention)
         chosen = available if view.wide else decoder_table(list(table_columns or available), columns)
         wanted = [c for c in chosen if c != "interval_by" and c in columns]
     default = view.picked is None and not view.wide

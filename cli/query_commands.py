@@ -80,7 +80,7 @@ def query_heads(
     each against its chance. A table shows the main columns (--columns picks, --wide shows all;
     `headatlas metrics` defines each); --format json/csv has all."""
     from headatlas.service.errors import ParameterError
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import queries, query_support
     from headatlas.service.reports.columns import head_table
 
     if asc and sort is None:
@@ -94,7 +94,7 @@ def query_heads(
         queries.heads,
         "heads",
         table_columns=table,
-        note=queries.LIFT_NOTE,
+        note=query_support.LIFT_NOTE,
         view=view,
         pinned=3 if sort is not None else 2,
         layer=layer,
@@ -124,7 +124,7 @@ def query_distances(
     """Token distance distribution of the high-similarity pairs against chance, with a sparkline."""
     from headatlas.service.errors import ParameterError
     from headatlas.service.operations.runs import ask
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import distance_queries
 
     if max_distance is not None and max_distance < 1:
         raise ParameterError(f"--max-distance {max_distance}: pass a distance of 1 or more")
@@ -134,7 +134,7 @@ def query_distances(
     answer = ask(
         _store(db, at),
         run,
-        queries.distances,
+        distance_queries.distances,
         ci=ci,
         events=_said(unreliable),
         layer=layer,
@@ -178,16 +178,16 @@ def query_boundaries(
     """Per layer: within-sentence share of high-similarity pairs vs chance (plain and matched to
     distance), attention to separators vs uniform. A table shows the main columns (--columns
     picks, --wide shows all); --format json/csv has all."""
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries, query_support
 
     _query(
         (db, at),
         run,
         fmt,
-        queries.boundaries,
+        layer_queries.boundaries,
         "sentence boundaries per layer",
         table_columns=BOUNDARY_TABLE,
-        note=queries.LIFT_NOTE,
+        note=query_support.LIFT_NOTE,
         view=TableView.of(columns, wide),
         ci=ci,
     )
@@ -204,16 +204,16 @@ def query_layers(
 ) -> None:
     """Per layer summary: the progression from early to final layers. A table shows the main
     columns (--columns picks, --wide shows all); --format json/csv has all."""
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries, query_support
 
     _query(
         (db, at),
         run,
         fmt,
-        queries.layers,
+        layer_queries.layers,
         "layers",
         table_columns=LAYER_TABLE,
-        note=queries.LIFT_NOTE,
+        note=query_support.LIFT_NOTE,
         view=TableView.of(columns, wide),
         ci=ci,
     )
@@ -234,14 +234,14 @@ def query_mixing(
     at: int | None = AtOpt,
 ) -> None:
     """Where each output's mixture comes from: mass to self / neighbours / specials / punctuation and mean distance, per method."""
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import mixing_queries
 
     what = f"layer {layer} heads" if layer is not None else "per layer"
     _query(
         (db, at),
         run,
         fmt,
-        queries.mixing,
+        mixing_queries.mixing,
         f"mixing, {what}",
         view=TableView.of(columns, wide),
         layer=layer,
@@ -262,13 +262,13 @@ def query_discrepancy(
     at: int | None = AtOpt,
 ) -> None:
     """Per head: Jensen-Shannon divergence (bits) between attention and attribution rows, ranked; then per layer."""
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import mixing_queries
 
     store = _store(db, at)
     with store.checked_read() as conn:
         r = _run(conn, run)
-        names, rows = queries.discrepancy(conn, r.run_id, method=method, top=top)
-        layer_cols, layer_rows = queries.discrepancy_layers(conn, r.run_id, method=method)
+        names, rows = mixing_queries.discrepancy(conn, r.run_id, method=method, top=top)
+        layer_cols, layer_rows = mixing_queries.discrepancy_layers(conn, r.run_id, method=method)
     view = TableView.of(columns, wide)
     title = f"run {r.run_id} ({r.name}): attention vs {method}, per head"
     render(names, rows, fmt, title=title, view=view if view.picked or view.wide else None)

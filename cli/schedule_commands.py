@@ -272,12 +272,12 @@ def query_trend(
     fmt: Format = FormatOpt,
 ) -> None:
     """A metric across a schedule's runs over time, as a table and a sparkline."""
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import query_support, trend_queries
     from headatlas.service.storage import schedule_store
 
     with schedule_store.read(db) as conn:
         sched = schedule_store.get(conn, schedule)
-        columns, rows = queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head, ci=ci)
+        columns, rows = trend_queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head, ci=ci)
     what = (
         f"layer {layer} head {head}"
         if head is not None
@@ -290,7 +290,7 @@ def query_trend(
         rows,
         fmt,
         title=f"schedule {schedule}: {metric}, {what}",
-        note=queries.LIFT_NOTE if "lift" in metric else None,
+        note=query_support.LIFT_NOTE if "lift" in metric else None,
     )
     if fmt == Format.table and rows:
         stdout.print(trend_line(metric, [r[columns.index(metric)] for r in rows]))

@@ -237,11 +237,11 @@ def check_ticks_apart(axis, *, gap_px: float = 2.0) -> list[str]:
 
 def decoder_layer_rows(n_layers: int, *, seed: int = 0):
     """Hand-built rows of ``query layers --ci`` for a decoder of ``n_layers`` layers: the columns a
-    causal run's rows hold (queries.for_attention), plausible values."""
-    from headatlas.service.reports import queries
+    causal run's rows hold (query_support.for_attention), plausible values."""
+    from headatlas.service.reports import layer_queries, query_support
 
     rng = np.random.default_rng(seed)
-    columns = [c for c in queries.LAYER_COLUMNS if c not in queries.ENCODER_ONLY_COLUMNS]
+    columns = [c for c in layer_queries.LAYER_COLUMNS if c not in query_support.ENCODER_ONLY_COLUMNS]
     columns.append("anchor_distinct_share")
     rows = []
     for layer in range(n_layers):

@@ -49,7 +49,7 @@ def test_one_shared_anchor_among_twelve_heads_fails_the_all_distinct_rule():
 
 
 def test_query_layers_reads_the_hand_made_share(tmp_path):
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries
 
     store = Store(tmp_path / "anchors.duckdb")
     store.ensure_schema()
@@ -60,11 +60,11 @@ def test_query_layers_reads_the_hand_made_share(tmp_path):
     result.anchor_token = ANCHORS.astype(np.int64)  # the anchors set by hand
     store.ingest(run, [(0, result)])
     with store.checked_read() as conn:
-        columns, rows = queries.layers(conn, run)
+        columns, rows = layer_queries.layers(conn, run)
     shares = [r[columns.index("anchor_distinct_share")] for r in rows]
     assert shares == pytest.approx(EXPECTED_SHARE)
     assert "distinct_anchor_ratio" not in columns  # one column, the same number under its SPEC name
     store.compact(run)  # folded sums give the same answer
     with store.checked_read() as conn:
-        columns, rows = queries.layers(conn, run)
+        columns, rows = layer_queries.layers(conn, run)
     assert [r[columns.index("anchor_distinct_share")] for r in rows] == pytest.approx(EXPECTED_SHARE)

@@ -252,7 +252,7 @@ def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
     """A payload made before the matrices and the per-distance sentence counts (a worker of the
     previous version): the run's matrices and within-sentence-by-distance are refused, not partial."""
     from headatlas.service.errors import ParameterError
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import distance_queries, queries
     from headatlas.service.storage.store import Store
     from tests.test_baselines import W1, W3, Z1, Z3, build_result, ids_in_distinct_groups, new_run, uniform_attn
 
@@ -277,7 +277,7 @@ def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
         with pytest.raises(ParameterError, match="cover only some windows"):
             queries.csm(conn, run, layer=0)
         with pytest.raises(ParameterError, match="stored before within-sentence pairs were counted by distance"):
-            queries.sentence_by_distance(conn, run)
+            distance_queries.sentence_by_distance(conn, run)
     store.compact(run)  # folding the batches keeps the gap visible
     with store.read() as conn, pytest.raises(ParameterError, match="cover only some windows"):
         queries.csm(conn, run, layer=0)

@@ -1170,7 +1170,7 @@ def test_old_run_compacted_or_resumed_after_the_upgrade_never_shows_a_partial_su
 def test_top_head_of_tied_heads_is_the_lowest(store):
     """`query boundaries`' top_head: heads 1 and 2 see the same vectors, so their within_sentence
     ties exactly (a ratio of counts); the lowest of them is named, on every engine and every run."""
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries
 
     # W1 = [CLS] a , . a , b [SEP]: head 0 pairs a–a across the "." (Z1); heads 1 and 2 pair ", b"
     # after it, within the second sentence
@@ -1184,6 +1184,6 @@ def test_top_head_of_tied_heads_is_the_lowest(store):
         per_head = dict(
             conn.execute(text("SELECT head, within_sentence FROM head_metrics WHERE run_id = :r"), {"r": run}).all()
         )
-        columns, rows = queries.boundaries(conn, run)
+        columns, rows = layer_queries.boundaries(conn, run)
     assert per_head[1] == per_head[2] > per_head[0], per_head
     assert [r[columns.index("top_head")] for r in rows] == [1]

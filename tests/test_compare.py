@@ -77,7 +77,7 @@ def test_control_is_linked_and_sees_the_same_windows(conn, stored):
 
 
 def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries, queries
 
     db, runs = stored
     table = cli("compare", "small", "--db", str(db))  # B defaults to A's control
@@ -99,7 +99,7 @@ def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
     assert done.returncode == 0, done.stderr
     rows = list(csv.DictReader(io.StringIO(done.stdout)))
     assert len(rows) == runs["real"].n_layers * 8  # every layer × the default metrics
-    layer_cols, layer_rows = queries.layers(conn, runs["real"].run_id)
+    layer_cols, layer_rows = layer_queries.layers(conn, runs["real"].run_id)
     stored_a = {(r[0], c): r[layer_cols.index(c)] for r in layer_rows for c in layer_cols}
     for row in rows:
         a, b, diff = float(row["value_a"]), float(row["value_b"]), float(row["difference"])
@@ -139,13 +139,13 @@ def test_compare_with_the_control_as_table_csv_and_json(cli, stored, conn):
 
 
 def test_a_run_compared_with_itself_differs_by_zero_and_never_beyond(conn, stored):
-    from headatlas.service.reports import compare, queries
+    from headatlas.service.reports import compare, trend_queries
 
     real = stored[1]["real"]
     for heads in (False, True):
-        columns, rows = compare.compare(conn, real, real, metrics=list(queries.LAYER_METRICS), heads=heads)
+        columns, rows = compare.compare(conn, real, real, metrics=list(trend_queries.LAYER_METRICS), heads=heads)
         data = _dicts(columns, rows)
-        assert len(data) == len(queries.LAYER_METRICS) * real.n_layers * (real.n_heads if heads else 1)
+        assert len(data) == len(trend_queries.LAYER_METRICS) * real.n_layers * (real.n_heads if heads else 1)
         defined = [d for d in data if d["verdict"] != "no value"]
         assert defined and all(d["difference"] == 0 for d in defined)
         assert not [d for d in data if d["verdict"] == "beyond"]

@@ -114,14 +114,14 @@ def test_csm_refuses_a_layer_or_kind_it_does_not_have(conn, stored):
 
 
 def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, stored, tmp_path):
-    from headatlas.service.reports import plots, queries
+    from headatlas.service.reports import distance_queries, plots
 
     run = stored[1]
     fig = plots.run_figure("boundaries", conn, run, by_distance=True)
     check_png(plots.save(fig, tmp_path / "bd.png"))
     share_ax, lift_ax = fig.axes[:2]
     lines = {line.get_label(): line for line in share_ax.get_lines()}
-    columns, rows = queries.sentence_by_distance(conn, run.run_id)
+    columns, rows = distance_queries.sentence_by_distance(conn, run.run_id)
     # the numbers from the raw tables: H's within-sentence pairs by distance over H by distance;
     # chance = all pairs at that distance sharing a sentence over all pairs at that distance
     raw = {
@@ -170,14 +170,14 @@ def test_boundaries_by_distance_draws_the_stored_shares_against_chance(conn, sto
 
 
 def test_mixing_lines_are_the_query_rows(conn, stored, tmp_path):
-    from headatlas.service.reports import mixing_plots, plots, queries
+    from headatlas.service.reports import mixing_plots, mixing_queries, plots
 
     run = stored[1]
     fig = mixing_plots.run_mixing(conn, run)
     width, height = mixing_plots.MIXING_FIGSIZE
     check_png(plots.save(fig, tmp_path / "mixing.png"), (round(width * plots.DPI), round(height * plots.DPI)))
     check_svg(plots.save(fig, tmp_path / "mixing.svg"), (width, height))
-    columns, rows = queries.mixing(conn, run.run_id)
+    columns, rows = mixing_queries.mixing(conn, run.run_id)
     assert columns[2:] == ["attention", "attribution", "rollout", "norm"]
     for ax, (measure, _) in zip(fig.axes, mixing_plots.MIXING_PANELS):
         lines = {line.get_label(): line for line in ax.get_lines()}
@@ -191,18 +191,18 @@ def test_mixing_lines_are_the_query_rows(conn, stored, tmp_path):
 
 def test_discrepancy_heat_map_and_layer_lines_are_the_query_rows(conn, stored, tmp_path):
     from headatlas.service.errors import ParameterError
-    from headatlas.service.reports import mixing_plots, plots, queries
+    from headatlas.service.reports import mixing_plots, mixing_queries, plots
 
     run = stored[1]
     for method in ("attribution", "norm"):
         fig, _ = mixing_plots.run_discrepancy(conn, run, method=method)
         check_png(plots.save(fig, tmp_path / f"d-{method}.png"))
-        _, rows = queries.discrepancy(conn, run.run_id, method=method)
+        _, rows = mixing_queries.discrepancy(conn, run.run_id, method=method)
         drawn = _drawn(fig.axes[0])
         assert drawn.shape == (run.n_layers, run.n_heads) and len(rows) == run.n_layers * run.n_heads
         for r in rows:
             assert drawn[r[1], r[2]] == pytest.approx(r[3]) and 0 < r[3] < 1
-        lcols, lrows = queries.discrepancy_layers(conn, run.run_id, method=method)
+        lcols, lrows = mixing_queries.discrepancy_layers(conn, run.run_id, method=method)
         lines = {line.get_label(): line for line in fig.axes[1].get_lines()}
         np.testing.assert_allclose(
             lines["mean over heads"].get_ydata(), [r[lcols.index("mean_head_jsd")] for r in lrows]

@@ -412,13 +412,13 @@ def test_downgrade_and_upgrade_keep_the_old_numbers(store):
 
 
 def test_query_sort_compare_and_plot_accept_the_new_columns(store):
-    from headatlas.service.reports import compare, queries
+    from headatlas.service.reports import compare, layer_queries, queries
     from headatlas.service.reports.plots import figure_heads
 
     causal = _ingest(store, "decoder", DECODER, CAUSAL_ATTN, causal=True)
     with store.read() as conn:
         cols, rows = queries.heads(conn, causal, sort="dup_lift", ci=True)
-        lcols, lrows = queries.layers(conn, causal, ci=True)
+        lcols, lrows = layer_queries.layers(conn, causal, ci=True)
         run = store.get_run(causal)
         ccols, crows = compare.compare(conn, run, run, metrics=["dup_lift", "induction_lift", "attn_to_first_lift"])
     head = dict(zip(cols, rows[0]))

@@ -57,7 +57,7 @@ def test_inspect_of_a_short_text_keeps_its_titles_and_labels_its_axes(tiny_model
 
 
 def test_boundaries_by_distance_reads_plainly_and_stops_before_the_noise(conn, stored):
-    from headatlas.service.reports import plots, queries
+    from headatlas.service.reports import distance_queries, plots
 
     run = stored[1]
     fig = plots.run_figure("boundaries", conn, run, by_distance=True)
@@ -70,7 +70,7 @@ def test_boundaries_by_distance_reads_plainly_and_stops_before_the_noise(conn, s
         assert ticks[:3] == [1, 2, 5]
     assert lift_ax.get_yscale() == "linear"
     check_plain_ticks(lift_ax.yaxis)
-    columns, rows = queries.sentence_by_distance(conn, run.run_id)
+    columns, rows = distance_queries.sentence_by_distance(conn, run.run_id)
     at = {(r[columns.index("layer")], r[columns.index("distance")]): r for r in rows}
     cut = 0
     for ax, kind in ((share_ax, "share"), (lift_ax, "lift")):
@@ -210,9 +210,9 @@ def test_layers_of_a_30_layer_decoder_keep_their_ticks_apart_and_speak_of_bos():
     legend = [t.get_text() for t in attention.get_legend().get_texts()]
     assert legend == ["BOS (first token)", ". ,"], legend
     # an encoder's few layers: every layer labelled, [CLS] and [SEP] as before
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries
 
-    enc_columns = [*queries.LAYER_COLUMNS, "anchor_distinct_share"]
+    enc_columns = [*layer_queries.LAYER_COLUMNS, "anchor_distinct_share"]
     enc_rows = [(layer, *([1.2] * (len(enc_columns) - 1))) for layer in range(6)]
     fig = plots.figure_layers(enc_columns, enc_rows, title="encoder")
     assert check_ticks_apart(fig.axes[4].xaxis) == [str(i) for i in range(6)]

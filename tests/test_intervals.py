@@ -433,7 +433,7 @@ def test_analyze_records_document_and_the_cli_says_it(cli, tmp_path, paragraphs_
 
 
 def test_few_documents_fall_back_to_blocks_and_window_runs_say_so(tmp_path, tiny_model, demo_corpus):
-    from headatlas.service.reports import compare, queries
+    from headatlas.service.reports import compare, layer_queries, query_support
     from headatlas.service.storage.store import Store
     from tests.figure_checks import analyse, corpus_of
 
@@ -444,9 +444,9 @@ def test_few_documents_fall_back_to_blocks_and_window_runs_say_so(tmp_path, tiny
     assert blocks.params["replicates"] == "block:8"
     assert "replicates" not in window.params  # as runs stored before SPEC §5d
     with Store(db).checked_read() as conn:
-        assert queries.replicate_scheme(conn, blocks.run_id) == "block:8"
-        assert queries.replicate_scheme(conn, window.run_id) == "window"
-        columns, rows = queries.layers(conn, window.run_id, ci=True)
+        assert query_support.replicate_scheme(conn, blocks.run_id) == "block:8"
+        assert query_support.replicate_scheme(conn, window.run_id) == "window"
+        columns, rows = layer_queries.layers(conn, window.run_id, ci=True)
         assert {r[columns.index("interval_by")] for r in rows} == {"window"}
         # the same windows under two schemes: groups do not pair, so the difference is independent
         assert compare.same_windows(conn, blocks.run_id, window.run_id)
@@ -556,7 +556,7 @@ def test_a_short_run_warns_and_keeps_its_intervals_in_range(tmp_path, tiny_model
     from typer.testing import CliRunner
 
     from headatlas.cli.main import app
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import queries, query_support
     from headatlas.service.reports.intervals import bounds_of
     from headatlas.service.storage.store import Store
     from tests.figure_checks import analyse, corpus_of
@@ -565,9 +565,9 @@ def test_a_short_run_warns_and_keeps_its_intervals_in_range(tmp_path, tiny_model
     db = tmp_path / "short.duckdb"
     run = analyse(small, db, tiny_model, name="short", seq_len=64)
     with Store(db).checked_read() as conn:
-        groups, windows = queries.interval_groups(conn, run.run_id)
+        groups, windows = query_support.interval_groups(conn, run.run_id)
         assert 2 <= groups < 8 and windows > groups
-        assert "intervals unreliable" in (queries.interval_warning(conn, run.run_id) or "")
+        assert "intervals unreliable" in (query_support.interval_warning(conn, run.run_id) or "")
         columns, rows = queries.heads(conn, run.run_id, ci=True)
         _, raw_rows = queries.heads(conn, run.run_id, ci=True, clip=False)
     data, raw = [dict(zip(columns, r)) for r in rows], [dict(zip(columns, r)) for r in raw_rows]

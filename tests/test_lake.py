@@ -107,7 +107,7 @@ def test_a_lake_made_by_an_older_headatlas_is_upgraded_to_the_head(lake_template
 
 def test_an_embedded_run_on_a_lake_stores_and_reads_what_a_file_does(lake, tiny_model, small_corpus, tmp_path):
     import headatlas
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries, queries
     from headatlas.service.reports.export import export_run
     from headatlas.service.storage.readonly import run_readonly_sql
     from headatlas.service.storage.store import Store
@@ -120,7 +120,7 @@ def test_an_embedded_run_on_a_lake_stores_and_reads_what_a_file_does(lake, tiny_
     windows = stored(str(path), on_file.run_id)
     assert len(windows["run_windows"]) > 4 * 8  # several batches
     assert_same_statistics(stored(store.backend, on_lake.run_id), windows)
-    for query in (queries.heads, queries.layers, queries.boundaries):
+    for query in (queries.heads, layer_queries.layers, layer_queries.boundaries):
         with Store(path).checked_read() as a, store.checked_read() as b:
             assert_same_rows(query(b, on_lake.run_id), query(a, on_file.run_id))
     # a resumed run finds everything stored: nothing analysed twice

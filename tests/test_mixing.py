@@ -258,8 +258,8 @@ def test_every_method_is_one_registered_class_and_every_list_agrees():
     from headatlas.service import params
     from headatlas.service.engine.results import FORWARD_MIXING, MIXING_METHODS
     from headatlas.service.measures.mixing import REGISTRY, MixingMethod
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import mixing_queries
 
-    assert tuple(REGISTRY) == MIXING_METHODS == queries.METHOD_ORDER
+    assert tuple(REGISTRY) == MIXING_METHODS == mixing_queries.METHOD_ORDER
     assert all(isinstance(m, MixingMethod) and type(m).rows is not MixingMethod.rows for m in REGISTRY.values())
     assert params.MIXING == FORWARD_MIXING and set(FORWARD_MIXING) < set(MIXING_METHODS)

@@ -60,14 +60,14 @@ def test_heads_heatmap_puts_each_value_at_its_layer_and_head(conn, stored):
 
 
 def test_distance_lines_are_the_query_rows(conn, stored):
-    from headatlas.service.reports import plots, queries
+    from headatlas.service.reports import distance_queries, plots
 
     run = stored[1]
     fig = plots.run_figure("distances", conn, run)
     share_ax = fig.axes[0]
     lines = {line.get_label(): line for line in share_ax.get_lines()}
     for layer in (0, run.n_layers - 1):
-        columns, rows = queries.distances(conn, run.run_id, layer=layer)
+        columns, rows = distance_queries.distances(conn, run.run_id, layer=layer)
         x, y = lines[f"layer {layer}"].get_data()
         assert list(x) == [r[columns.index("distance")] for r in rows]
         assert np.allclose(y, [r[columns.index("share")] for r in rows], equal_nan=True)
@@ -103,7 +103,7 @@ def test_plot_command_writes_the_file_and_refuses_bad_options(cli, stored, tmp_p
 
 def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path):
     from headatlas.service.errors import ParameterError
-    from headatlas.service.reports import plots, queries
+    from headatlas.service.reports import distance_queries, plots
 
     run = stored[1]
     fig = plots.run_figure("distances", conn, run, split="attended")
@@ -113,7 +113,7 @@ def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path
     for ax, column in zip(fig.axes[:2], ("attended_share", "noise_share")):
         lines = {line.get_label(): line for line in ax.get_lines()}
         for layer in range(run.n_layers):
-            columns, rows = queries.distances(conn, run.run_id, layer=layer, split=True)
+            columns, rows = distance_queries.distances(conn, run.run_id, layer=layer, split=True)
             x, y = lines[f"layer {layer}"].get_data()
             assert list(x) == [r[columns.index("distance")] for r in rows]
             assert np.allclose(

@@ -199,7 +199,7 @@ def _start(cluster) -> Clock:
 def test_only_new_fires_at_its_times_once_and_trend_matches_queries(queue_cluster, demo_corpus, tmp_path):
     from headatlas.service.engine.corpus import iter_documents
     from headatlas.service.errors import ParameterError
-    from headatlas.service.reports import queries
+    from headatlas.service.reports import layer_queries, trend_queries
     from headatlas.service.storage import schedule_store
     from headatlas.service.storage.store import Store
 
@@ -265,14 +265,14 @@ def test_only_new_fires_at_its_times_once_and_trend_matches_queries(queue_cluste
     )
     assert [t["run"] for t in trend] == [r for r, _ in runs]
     with Store(cluster.db).read() as conn:
-        _cols, layer_trend = queries.trend(conn, sched.schedule_id, metric="mean_distance", layer=0)
-        _cols, mean_trend = queries.trend(conn, sched.schedule_id, metric="noise_share")
+        _cols, layer_trend = trend_queries.trend(conn, sched.schedule_id, metric="mean_distance", layer=0)
+        _cols, mean_trend = trend_queries.trend(conn, sched.schedule_id, metric="noise_share")
         with pytest.raises(ParameterError, match=r"--layer 99: the schedule's runs have layers 0\.\.1"):
-            queries.trend(conn, sched.schedule_id, metric="mean_distance", layer=99)
+            trend_queries.trend(conn, sched.schedule_id, metric="mean_distance", layer=99)
         with pytest.raises(ParameterError, match=r"--head 4: the schedule's runs have heads 0\.\.3"):
-            queries.trend(conn, sched.schedule_id, metric="within_sentence", layer=1, head=4)
+            trend_queries.trend(conn, sched.schedule_id, metric="within_sentence", layer=1, head=4)
         for k, (_run_name, _) in enumerate(runs):
-            columns, layers = queries.layers(conn, layer_trend[k][1])
+            columns, layers = layer_queries.layers(conn, layer_trend[k][1])
             distance, noise = columns.index("mean_distance"), columns.index("noise_share")
             assert layer_trend[k][-1] == pytest.approx(layers[0][distance])
             assert mean_trend[k][-1] == pytest.approx(sum(row[noise] for row in layers) / len(layers))

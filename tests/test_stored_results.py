@@ -47,15 +47,15 @@ def _read(path):
 
 def every_result(conn, run: int) -> dict:
     """What each reader returns for the run, over the options the CLI and the web app pass."""
-    from headatlas.service.reports import queries, roles
+    from headatlas.service.reports import distance_queries, layer_queries, queries, roles
 
     out = {("heads", json.dumps(o, sort_keys=True)): queries.heads(conn, run, **o) for o in HEAD_OPTIONS}
-    out["layers"] = queries.layers(conn, run, ci=True)
+    out["layers"] = layer_queries.layers(conn, run, ci=True)
     out["roles"] = roles.roles(conn, run)
     out["roles --stability"] = roles.roles(conn, run, stability=True)
     heads = [(r[0], r[1]) for r in out[("heads", "{}")][1]]
     for layer, head in dict.fromkeys([heads[0], heads[len(heads) // 2], heads[-1]]):  # a head's page
-        out[("distances", layer, head)] = queries.distances(conn, run, layer=layer, head=head, ci=True)
+        out[("distances", layer, head)] = distance_queries.distances(conn, run, layer=layer, head=head, ci=True)
     return out
 
 

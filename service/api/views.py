@@ -184,50 +184,52 @@ class RunView:
     ) -> Table:
         """Per head: every metric of ``headatlas query heads`` (with ``_lo``/``_hi`` when ``ci``),
         sorted by ``sort`` (descending) and cut to ``top`` rows when given."""
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import queries, query_support
 
-        return self._query(queries.heads, "heads", note=queries.LIFT_NOTE, layer=layer, sort=sort, top=top, ci=ci)
+        return self._query(queries.heads, "heads", note=query_support.LIFT_NOTE, layer=layer, sort=sort, top=top, ci=ci)
 
     @in_python_terms
     def layers(self, *, ci: bool = False) -> Table:
         """Per layer: the metrics of ``headatlas query layers`` (the progression from early to final
         layers) and anchor distinctness."""
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import layer_queries, query_support
 
-        return self._query(queries.layers, "layers", note=queries.LIFT_NOTE, ci=ci)
+        return self._query(layer_queries.layers, "layers", note=query_support.LIFT_NOTE, ci=ci)
 
     @in_python_terms
     def boundaries(self, *, ci: bool = False) -> Table:
         """Per layer: within-sentence shares against their chances (plain and matched to distance)
         and attention to the sentence separators against uniform."""
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import layer_queries, query_support
 
-        return self._query(queries.boundaries, "boundaries", note=queries.LIFT_NOTE, ci=ci)
+        return self._query(layer_queries.boundaries, "boundaries", note=query_support.LIFT_NOTE, ci=ci)
 
     @in_python_terms
     def distances(self, layer: int, head: int | None = None, *, split: bool = False, ci: bool = False) -> Table:
         """Distance profile of a head (or a layer's heads pooled) against chance; ``split``: also
         the attended (signal) and not-attended (noise) pairs."""
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import distance_queries
 
         note = "lift = share of the high-similarity pairs at d / share of all pairs at d (chance)"
-        return self._query(queries.distances, "distances", note=note, layer=layer, head=head, split=split, ci=ci)
+        return self._query(
+            distance_queries.distances, "distances", note=note, layer=layer, head=head, split=split, ci=ci
+        )
 
     @in_python_terms
     def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> Table:
         """Attribution and mixing measures per layer (or ``layer``'s heads), one column set per
         method (``methods``: attention, attribution, rollout, norm, alti; default: all stored)."""
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import mixing_queries
 
-        return self._query(queries.mixing, "mixing", layer=layer, methods=methods)
+        return self._query(mixing_queries.mixing, "mixing", layer=layer, methods=methods)
 
     @in_python_terms
     def discrepancy(self, *, method: str = "attribution", top: int | None = None) -> Table:
         """Per head: the Jensen–Shannon divergence between attention and ``method``'s rows,
         ranked, and the layer progression."""
-        from headatlas.service.reports import queries
+        from headatlas.service.reports import mixing_queries
 
-        return self._query(queries.discrepancy, "discrepancy", method=method, top=top)
+        return self._query(mixing_queries.discrepancy, "discrepancy", method=method, top=top)
 
     @in_python_terms
     def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:

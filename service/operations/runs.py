@@ -49,7 +49,7 @@ def check_layer_head(run: Run, layer: int | None, head: int | None = None) -> No
 
 def interval_warnings(conn: Connection, *runs: Run) -> list[str]:
     """Each run's warning that its intervals rest on too few replicate groups (SPEC §5d)."""
-    from headatlas.service.reports.queries import interval_warning
+    from headatlas.service.reports.query_support import interval_warning
 
     return [w for w in (interval_warning(conn, r.run_id) for r in runs) if w]
 

@@ -1,5 +1,5 @@
 """Which kind of attention a run has (SPEC §8): causal (a decoder) or bidirectional. Read by the
-role tests (``roles``: the roles a run is offered) and the tables (``queries.for_attention``: the
+role tests (``roles``: the roles a run is offered) and the tables (``query_support.for_attention``: the
 columns a run's attention has a use for), a module of its own so neither imports the other.
 """
 

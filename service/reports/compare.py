@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.layer_head import NAMED_BY_LAYER, check_head_has_layer, check_layer_head
-from headatlas.service.reports import queries
+from headatlas.service.reports import query_support, trend_queries
 from headatlas.service.reports.columns import unknown_metric
 from headatlas.service.reports.intervals import add_intervals, clip_interval, jackknife_halfwidth, scheme_of
 
@@ -53,7 +53,7 @@ DEFAULT_METRICS = (
     "attn_to_cls_lift",
     "anchor_frequency_share",
 )
-METRICS = queries.LAYER_METRICS
+METRICS = trend_queries.LAYER_METRICS
 COLUMNS = [
     "layer_a",
     "layer_b",
@@ -118,7 +118,7 @@ def metric_values(conn: Connection, run_id: int, metrics: Sequence[str], *, head
     view, keys = ("head_metrics_reps", ("layer", "head")) if heads else ("layer_metrics_reps", ("layer",))
     # a causal effect (SPEC §9) rests on the groups that hold the run's effect windows alone (asked
     # first: a query on the connection would end the cursor below)
-    effects = queries.effect_groups_of(conn, run_id, list(metrics))
+    effects = query_support.effect_groups_of(conn, run_id, list(metrics))
     kept = _stored_reps(conn, run_id, "head_reps" if heads else "layer_reps", [*keys, "drop_rep", *metrics])
     result: Iterable[Sequence] = (
         kept

@@ -7,12 +7,12 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import Param, ParameterError, Phrase
 from headatlas.service.metrics import EFFECT_COLUMNS
-from headatlas.service.reports import queries
+from headatlas.service.reports import query_support
 
 HEAD_EFFECTS = [c for c in EFFECT_COLUMNS if c != "objective"]
 
 
-def effects(conn: Connection, run_id: int, *, ci: bool = False, sort: str | None = None) -> queries.Rows:
+def effects(conn: Connection, run_id: int, *, ci: bool = False, sort: str | None = None) -> query_support.Rows:
     """Per head, the effects the run stores (columns of kinds it did not measure left out), with
     95% intervals when ``ci``; sorted by ``sort`` (largest first) or by layer and head."""
     stored = [
@@ -31,9 +31,9 @@ def effects(conn: Connection, run_id: int, *, ci: bool = False, sort: str | None
         raise ParameterError(Param("sort", sort, quoted=True), f": run {run_id} stores {', '.join(stored)}")
     order = f"{sort} DESC NULLS LAST, layer, head" if sort else "layer, head"
     columns = ["layer", "head", *stored]
-    rows = queries._rows(
+    rows = query_support.fetch_rows(
         conn, f"SELECT {', '.join(columns)} FROM head_metrics WHERE run_id = :run ORDER BY {order}", {"run": run_id}
     )
     if ci:
-        rows = queries._with_intervals(conn, rows, view="head_metrics_reps", keys=("layer", "head"), run_id=run_id)
+        rows = query_support.with_intervals(conn, rows, view="head_metrics_reps", keys=("layer", "head"), run_id=run_id)
     return rows

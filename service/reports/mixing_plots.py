@@ -1,8 +1,8 @@
 """Figures of the mixing measures (SPEC §6): where each layer's outputs draw from, per method, and
 how far a method's rows are from the heads' attention rows.
 
-Drawn from the rows of ``queries.mixing``, ``queries.discrepancy`` and
-``queries.discrepancy_layers`` (the numbers of ``headatlas query mixing`` / ``discrepancy``), with
+Drawn from the rows of ``mixing_queries.mixing``, ``mixing_queries.discrepancy`` and
+``mixing_queries.discrepancy_layers`` (the numbers of ``headatlas query mixing`` / ``discrepancy``), with
 ``service.reports.plots``' figure conventions. Layers and heads are 0-based.
 """
 
@@ -12,7 +12,7 @@ import matplotlib
 import numpy as np
 
 from headatlas.service.errors import ParameterError
-from headatlas.service.reports import queries
+from headatlas.service.reports import mixing_queries
 from headatlas.service.reports.plots import _col, _title, new_figure
 
 MIXING_FIGSIZE = (15.0, 4.5)
@@ -118,7 +118,7 @@ def figure_discrepancy(
 
 def run_mixing(conn, run, *, methods: list[str] | None = None):
     """``plot mixing`` for ``run`` (a store ``Run``)."""
-    return figure_mixing(*queries.mixing(conn, run.run_id, methods=methods), title=_title(run))
+    return figure_mixing(*mixing_queries.mixing(conn, run.run_id, methods=methods), title=_title(run))
 
 
 def run_discrepancy(conn, run, *, method: str = "attribution"):
@@ -127,8 +127,8 @@ def run_discrepancy(conn, run, *, method: str = "attribution"):
         raise ParameterError(
             "--method attention: attention against itself is 0 everywhere; choose attribution, rollout, norm or alti"
         )
-    head_columns, head_rows = queries.discrepancy(conn, run.run_id, method=method)
-    layer_columns, layer_rows = queries.discrepancy_layers(conn, run.run_id, method=method)
+    head_columns, head_rows = mixing_queries.discrepancy(conn, run.run_id, method=method)
+    layer_columns, layer_rows = mixing_queries.discrepancy_layers(conn, run.run_id, method=method)
     return figure_discrepancy(
         head_columns,
         head_rows,

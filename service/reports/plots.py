@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.metrics import chance_centre, chance_note
-from headatlas.service.reports import queries
+from headatlas.service.reports import distance_queries, layer_queries, queries
 from headatlas.service.reports.columns import unknown_metric
 
 DPI = 100
@@ -302,7 +302,7 @@ def figure_boundaries(columns: list[str], rows: list[tuple], *, title: str, grou
         ("attn_to_punct_lift", "#d1495b", ". and ,"),
         ("attn_to_sep_lift", "#edae49", "[SEP]"),
         ("attn_to_cls_lift", "#00798c", "[CLS]"),
-        ("attn_to_first_lift", "#00798c", "BOS (first token)"),  # a decoder's rows (queries.for_attention)
+        ("attn_to_first_lift", "#00798c", "BOS (first token)"),  # a decoder's rows (query_support.for_attention)
     ):
         if name in columns:
             _errorbar(attn_ax, layer, columns, rows, name, color=color, label=label)
@@ -490,7 +490,7 @@ def figure_layers(columns: list[str], rows: list[tuple], *, title: str, groups: 
     fig = new_figure(*RUN_FIGSIZE["layers"])
     axes = fig.subplots(2, 4, sharex=True).ravel()
     layer = _col(columns, rows, "layer")
-    decoder = "attn_to_cls_lift" not in columns  # a decoder's rows: BOS, no [CLS]/[SEP] (queries.for_attention)
+    decoder = "attn_to_cls_lift" not in columns  # a decoder's rows: BOS, no [CLS]/[SEP] (query_support.for_attention)
     for ax, (name, series) in zip(axes, LAYER_PANELS):
         # an encoder's first token is [CLS]: its attn_to_first line would repeat the [CLS] line
         series = tuple(
@@ -552,7 +552,8 @@ def run_figure(
         raise ParameterError(f"--split {split!r}: the only split is 'attended' (signal vs noise pairs), for distances")
     if kind == "distances" and split:
         per_layer = {
-            layer: queries.distances(conn, run.run_id, layer=layer, split=True) for layer in range(run.n_layers)
+            layer: distance_queries.distances(conn, run.run_id, layer=layer, split=True)
+            for layer in range(run.n_layers)
         }
         if not any(r[c.index("attended_pairs")] is not None for c, rows in per_layer.values() for r in rows):
             raise ParameterError(
@@ -561,21 +562,21 @@ def run_figure(
             )
         return figure_distances_split(per_layer, title=title)
     if kind == "distances":
-        per_layer = {layer: queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
+        per_layer = {layer: distance_queries.distances(conn, run.run_id, layer=layer) for layer in range(run.n_layers)}
         return figure_distances(per_layer, title=title)
     if by_distance and kind != "boundaries":
         raise ParameterError(f"--by-distance: only for plot boundaries, not {kind}")
     if kind == "boundaries" and by_distance:
         return figure_boundaries_by_distance(
-            *queries.sentence_by_distance(conn, run.run_id), n_layers=run.n_layers, title=title
+            *distance_queries.sentence_by_distance(conn, run.run_id), n_layers=run.n_layers, title=title
         )
     if kind == "boundaries":
-        return figure_boundaries(*queries.boundaries(conn, run.run_id, ci=True), title=title, groups=held())
+        return figure_boundaries(*layer_queries.boundaries(conn, run.run_id, ci=True), title=title, groups=held())
     if kind == "heads":
         if metric not in queries.SORTABLE:
             raise unknown_metric("metric", metric, queries.SORTABLE)
         columns, rows = queries.heads(conn, run.run_id, anchors=0)
         return figure_heads(columns, rows, metric, n_layers=run.n_layers, n_heads=run.n_heads, title=title)
     if kind == "layers":
-        return figure_layers(*queries.layers(conn, run.run_id, ci=True), title=title, groups=held())
+        return figure_layers(*layer_queries.layers(conn, run.run_id, ci=True), title=title, groups=held())
     raise ParameterError(f"plot {kind!r}: choose one of {', '.join(KINDS)}")

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from headatlas.service.metrics import chance_centre
-from headatlas.service.reports import queries
+from headatlas.service.reports import mixing_queries, queries, query_support
 from headatlas.service.reports.columns import head_table
 from headatlas.service.wording import seconds
 
@@ -130,7 +130,7 @@ def build_report(conn, run, *, snapshot: int | None = None) -> str:
     head_cols, head_rows = queries.heads(conn, run.run_id, anchors=N_ANCHORS, ci=True)
     # the footnote under every interval names the run's replicate scheme (SPEC §5d)
     scheme_html = _e(interval_note([scheme_of(run.params)], [groups_held(conn, run.run_id)]).removeprefix("[a, b]: "))
-    warning = queries.interval_warning(conn, run.run_id)  # too few replicate groups (SPEC §5d)
+    warning = query_support.interval_warning(conn, run.run_id)  # too few replicate groups (SPEC §5d)
     scheme_html += f" <strong>Warning: {_e(warning)}.</strong>" if warning else ""
     figures = [
         (
@@ -369,7 +369,7 @@ def mixing_methods(conn, run) -> list[str]:
         r[0]
         for r in conn.execute(text("SELECT DISTINCT method FROM mixing_stats WHERE run_id = :r"), {"r": run.run_id})
     }
-    return [m for m in queries.METHOD_ORDER if m in stored]
+    return [m for m in mixing_queries.METHOD_ORDER if m in stored]
 
 
 def _mixing_section(conn, run) -> str:
@@ -392,7 +392,7 @@ token itself, its neighbours, [CLS]/[SEP] and . ,; one line per method.</figcapt
     ]
     for method in others:
         fig, _ = mixing_plots.run_discrepancy(conn, run, method=method)
-        columns, rows = queries.discrepancy_layers(conn, run.run_id, method=method)
+        columns, rows = mixing_queries.discrepancy_layers(conn, run.run_id, method=method)
         parts.append(f"""<h3>Attention against {_e(method)}</h3>
 <figure>{_img(plots.png_bytes(fig), f"discrepancy {method}")}<figcaption>Jensen–Shannon divergence (bits: 0 = the
 same distribution, 1 = disjoint) between each head's attention rows and its {_e(method)} rows, per head and per

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.reports import halves, queries
+from headatlas.service.reports import halves, queries, query_support
 from headatlas.service.reports.attention_kind import causal_run  # shared with queries; callers read roles.causal_run
 from headatlas.service.reports.intervals import clip_interval, jackknife_halfwidth, t95
 from headatlas.service.reports.significance import holm, t_sf
@@ -429,7 +429,7 @@ def run_context(conn: Connection, run_id: int) -> dict:
     return dict(row) if row else {"uniform_entropy": None, "short_range_chance": None}
 
 
-def roles(conn: Connection, run_id: int, *, stability: bool = False) -> queries.Rows:
+def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_support.Rows:
     """Per (head, role): the evidence that earned it (metric, value, 95% interval, threshold, p,
     Holm-adjusted p, family size). ``stability``: also ``half_a``, ``half_b`` (held on the run's
     alternate replicate groups alone) and ``stable`` (both). A finished run's stored roles are read

@@ -5,7 +5,7 @@
 copies bypassed; ``refresh`` stores them for a finished run
 whose stored results are missing or stale: when a run ends (the embedded analysis, the queue's
 writer, on a file or a lake) and at ``headatlas db upgrade`` (``fill``). The readers
-(``queries.heads``, ``queries.layers``, ``roles.roles``) use them only while they are current.
+(``queries.heads``, ``layer_queries.layers``, ``roles.roles``) use them only while they are current.
 
 Deriving reads in one transaction, storing writes in another, which first checks that the run's
 content is still what was read (a run changed meanwhile is left to its next refresh): a large
@@ -32,18 +32,18 @@ Rows = tuple[list[str], list[tuple]]
 
 def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
     """Every stored kind of the run, computed."""
-    from headatlas.service.reports import queries, roles
+    from headatlas.service.reports import distance_queries, layer_queries, queries, roles
 
     with computed():
         return {
             "heads": queries.heads(conn, run_id, ci=True),
             "roles": roles.roles(conn, run_id, stability=True),
-            "layers": queries.layers(conn, run_id, ci=True),
+            "layers": layer_queries.layers(conn, run_id, ci=True),
             # each metric on the whole run and without each replicate group: what compare pairs
             "head_reps": _reps(conn, run_id, "head_metrics_reps", "layer, head"),
             "layer_reps": _reps(conn, run_id, "layer_metrics_reps", "layer"),
             # a head's page: its distances against chance, with intervals, and its ten anchors
-            "distances": queries.head_distances(conn, run_id),
+            "distances": distance_queries.head_distances(conn, run_id),
             f"anchors:{HEAD_PAGE_ANCHORS}": _anchors(conn, run_id, HEAD_PAGE_ANCHORS),
         }
 

@@ -10,7 +10,7 @@ windows it anchors). The example window is computed on demand (``example``).
 from __future__ import annotations
 
 from headatlas.service.metrics import METRICS
-from headatlas.service.reports import queries, roles
+from headatlas.service.reports import distance_queries, queries, query_support, roles
 from headatlas.service.reports.columns import PROBE_COLUMNS
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.reports.report import split_anchors
@@ -51,7 +51,7 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
     role_cols, role_rows = run_roles(ctx, run)
     my_roles = [row for row in role_rows if (row[0], row[1]) == (layer, head)]
     dist = ctx.run_query(
-        run, ("distances", layer, head), lambda c: queries.distances(c, r, layer=layer, head=head, ci=True)
+        run, ("distances", layer, head), lambda c: distance_queries.distances(c, r, layer=layer, head=head, ci=True)
     )
     named = ctx.run_query(run, ("anchors", N_ANCHORS), lambda c: queries.heads(c, r, anchors=N_ANCHORS))
     anchor_text = next((row[named[0].index("top_anchors")] for row in named[1] if row[:2] == (layer, head)), None)
@@ -156,7 +156,7 @@ def _metrics(metrics: dict, run: Run) -> str:
     return (
         '<h2 id="metrics">Metrics</h2><div class="table-wrap"><table class="data metrics" id="metrics-table"><thead><tr>'
         '<th class="text">metric</th><th class="text">column</th><th>value [95% interval]</th><th class="text">definition</th>'
-        f'</tr></thead><tbody>{"".join(rows)}</tbody></table></div><p class="muted">{e(note)} {e(queries.LIFT_NOTE)}</p>'
+        f'</tr></thead><tbody>{"".join(rows)}</tbody></table></div><p class="muted">{e(note)} {e(query_support.LIFT_NOTE)}</p>'
     )
 
 
@@ -189,7 +189,7 @@ def _anchors(anchors: list[str]) -> str:
     )
 
 
-def _distances(dist: queries.Rows) -> str:
+def _distances(dist: query_support.Rows) -> str:
     columns, rows = dist
     if not rows:
         return ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from headatlas.service.errors import Param, ParameterError, Part, Placeholder
 from headatlas.service.metrics import COLUMNS, METRICS
 from headatlas.service.operations.runs import check_layer_head
-from headatlas.service.reports import compare, queries, roles
+from headatlas.service.reports import compare, layer_queries, queries, query_support, roles
 from headatlas.service.reports.columns import PROBE_COLUMNS, head_table, sortable, unknown_metric
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.storage.store import Run
@@ -25,7 +25,7 @@ from headatlas.service.web.html import Html, colour, e, hidden, ink, legend_bar,
 from headatlas.service.web.views import View
 from headatlas.service.wording import seconds
 
-LAYER_METRICS = queries.LAYER_COLUMNS[1:]
+LAYER_METRICS = layer_queries.LAYER_COLUMNS[1:]
 # SPEC §9: what removing a head costs, per head (the effect metric's columns but the run-wide objective)
 EFFECT_COLUMNS = tuple(
     c.name for m in METRICS if m.spec == "§9" for c in m.columns if c.heads and c.name != "objective"
@@ -39,21 +39,21 @@ def run_reads(ctx: Ctx, run: Run) -> dict:
     """What the run page reads, through the library (remembered per database state)."""
     r = run.run_id
     return {
-        "layers": ctx.run_query(run, ("layers",), lambda c: queries.layers(c, r, ci=True)),
+        "layers": ctx.run_query(run, ("layers",), lambda c: layer_queries.layers(c, r, ci=True)),
         "roles": run_roles(ctx, run),
         "causal": ctx.run_query(run, ("causal",), lambda c: roles.causal_run(c, r)),
         "controls": ctx.query(("controls", r), lambda c: compare.controls_of(c, run)),
-        "warning": ctx.run_query(run, ("warning",), lambda c: queries.interval_warning(c, r)),
+        "warning": ctx.run_query(run, ("warning",), lambda c: query_support.interval_warning(c, r)),
         "all_heads": heads_of(ctx, run),
     }
 
 
-def run_roles(ctx: Ctx, run: Run) -> queries.Rows:
+def run_roles(ctx: Ctx, run: Run) -> query_support.Rows:
     """``query roles --stability``."""
     return ctx.run_query(run, ("roles",), lambda c: roles.roles(c, run.run_id, stability=True))
 
 
-def heads_of(ctx: Ctx, run: Run, *, layer=None, sort=None, asc=False, top=None) -> queries.Rows:
+def heads_of(ctx: Ctx, run: Run, *, layer=None, sort=None, asc=False, top=None) -> query_support.Rows:
     """``query heads --ci`` with these options."""
     r = run.run_id
     return ctx.run_query(
@@ -120,7 +120,7 @@ def run_view(ctx: Ctx, ref: str) -> View:
     return View(f"Run {run.run_id}: {run.name}", data, body, crumbs=[(f"run {run.run_id}", ctx.url(run_path(run)))])
 
 
-def colour_columns(head_rows: queries.Rows) -> list[str]:
+def colour_columns(head_rows: query_support.Rows) -> list[str]:
     """The numeric columns the atlas can be coloured by: those the run holds a value of (effects only
     where §9 effects were measured, the probe's scores only where it ran), the effects first."""
     columns, rows = head_rows
@@ -140,7 +140,7 @@ def _measure_hint(column: str) -> tuple[Part, ...]:
     return ("choose a column it holds",)
 
 
-def _holders(role_rows: queries.Rows, role: str) -> set[tuple[int, int]]:
+def _holders(role_rows: query_support.Rows, role: str) -> set[tuple[int, int]]:
     columns, rows = role_rows
     ri = columns.index("role")
     return {(r[0], r[1]) for r in rows if r[ri] == role}
@@ -173,7 +173,7 @@ def _facts(ctx: Ctx, run: Run, read: dict) -> str:
     return record(facts) + warn
 
 
-def _layer_section(ctx: Ctx, layer_rows: queries.Rows, metric: str) -> str:
+def _layer_section(ctx: Ctx, layer_rows: query_support.Rows, metric: str) -> str:
     columns, rows = layer_rows
     named = [dict(zip(columns, r)) for r in rows]
     points = [
@@ -206,7 +206,7 @@ def _layer_section(ctx: Ctx, layer_rows: queries.Rows, metric: str) -> str:
     )
     return (
         f'<h2 id="layers">Layer progression</h2>{form}<figure>{chart}<figcaption>{e(metric)} per layer with its 95% '
-        f"interval (hover a point). {e(queries.LIFT_NOTE)}</figcaption></figure>"
+        f"interval (hover a point). {e(query_support.LIFT_NOTE)}</figcaption></figure>"
     )
 
 
@@ -368,5 +368,5 @@ def _heads_section(ctx, run, head_rows, sort, asc, layer, role, offered) -> str:
     said = f"{len(rows)} heads" + (f", sorted by {sort} ({'smallest' if asc else 'largest'} first)" if sort else "")
     return (
         f'<h2 id="heads">Heads</h2>{form}<p class="muted">{e(said)}. Under each value: its 95% interval. '
-        f"Click a column to sort by it (again: the other way). {e(queries.LIFT_NOTE)}</p>{body}"
+        f"Click a column to sort by it (again: the other way). {e(query_support.LIFT_NOTE)}</p>{body}"
     )

@@ -1,0 +1,167 @@
+"""What the queries of a run share (SPEC §5): fetching rows, the 95% intervals added to them, and
+the columns a run's kind of attention leaves out. Returns (columns, rows).
+
+Column names are SPEC names; layers and heads are 0-based (the papers count from 1).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from headatlas.service.metrics import COLUMNS, plugin_metrics
+from headatlas.service.reports.attention_kind import causal_run
+from headatlas.service.reports.columns import PROBE_COLUMNS
+
+# counts and run-level chances carry no interval of their own
+NO_INTERVAL = {
+    *(c.name for c in COLUMNS if not c.interval),
+    "layer",
+    "head",
+    "windows",
+    "heads",
+    "top_anchors",
+    "top_head",
+    "heads_above_chance",
+    "heads_above_chance_dm",
+    "max_head_within_sentence",
+    *PROBE_COLUMNS,  # one probe per run: no replicate groups
+}
+
+# What each lift is measured against, in one line (shown wherever lifts are printed).
+LIFT_NOTE = (
+    "lift = share / chance; *_lift: chance = all pairs of the window (ignores distance); "
+    "*_lift_dm: chance matched to the head's own distances (SPEC §5b); "
+    "attn_*_lift, dup_lift, induction_lift: against uniform attention over each row's visible keys. "
+    ">1 = above that chance."
+)
+
+Rows = tuple[list[str], list[tuple]]
+
+
+def fetch_rows(conn: Connection, sql: str, params: dict) -> Rows:
+    result = conn.execute(text(sql), params)
+    # fetched at once: row by row, a head's distances (72,000 rows for MiniLM) took a second
+    return list(result.keys()), [tuple(r) for r in result.fetchall()]
+
+
+def interval_metrics(columns: list[str]) -> list[str]:
+    """The columns of ``columns`` that get an interval (``--ci``): not NO_INTERVAL's, nor an
+    installed plugin's declared without one."""
+    plugged = {c.name for m in plugin_metrics() for c in m.columns if not c.interval}
+    return [c for c in columns if c not in NO_INTERVAL and c not in plugged]
+
+
+def replicate_scheme(conn: Connection, run_id: int) -> str:
+    """The replicate scheme a run's intervals use, as the run recorded it (SPEC §5d): ``document``,
+    ``block:B``, or ``window`` for runs stored before the scheme was recorded."""
+    from headatlas.service.reports.intervals import WINDOW_SCHEME
+
+    value = conn.execute(
+        text("SELECT json_extract_string(params, '$.replicates') FROM runs WHERE run_id = :run"), {"run": run_id}
+    ).scalar()
+    return value or WINDOW_SCHEME
+
+
+def with_intervals(
+    conn: Connection,
+    rows: Rows,
+    *,
+    view: str,
+    keys: tuple[str, ...],
+    run_id: int,
+    where: str = "",
+    params: dict | None = None,
+    clip: bool = True,
+    with_df: bool = False,
+) -> Rows:
+    """Add ``<metric>_lo``/``<metric>_hi`` (95%, delete-one-group jackknife) from ``view``'s
+    leave-one-group-out rows, and ``interval_by``: the run's replicate scheme. ``clip``: bounds
+    clipped to what each metric can take (``intervals.add_intervals``); False: unclipped, the
+    interval the role tests read. ``with_df``: also ``<metric>_df``, the degrees of freedom of
+    each interval's t quantile (the role tests' too). Lifts' intervals are on the log scale either way."""
+    from headatlas.service.reports.intervals import add_intervals
+
+    columns, values = rows
+    metrics = [c for c in interval_metrics(columns) if c not in keys]
+    rep_rows = conn.execute(
+        text(
+            f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} "
+            f"WHERE run_id = :run AND drop_rep >= 0 {where}"
+        ),
+        {"run": run_id, **(params or {})},
+    ).all()
+    return add_intervals(
+        columns,
+        values,
+        rep_rows,
+        keys=keys,
+        metrics=metrics,
+        scheme=replicate_scheme(conn, run_id),
+        clip=clip,
+        with_df=with_df,
+        groups_of=effect_groups_of(conn, run_id, metrics),
+    )
+
+
+def effect_groups_of(conn: Connection, run_id: int, metrics: list[str]) -> dict[str, frozenset[int]]:
+    """The causal effects among ``metrics`` (SPEC §9), each with the replicate groups that hold
+    the run's effect windows: their intervals rest on those groups alone."""
+    from headatlas.service.metrics import EFFECT_COLUMNS
+    from headatlas.service.storage.effect_rows import effect_groups
+
+    chosen = [m for m in metrics if m in EFFECT_COLUMNS]
+    if not chosen:
+        return {}
+    groups = effect_groups(conn, run_id)
+    return {m: groups for m in chosen}
+
+
+def interval_groups(conn: Connection, run_id: int) -> tuple[int, int]:
+    """(replicate groups holding windows, windows) of a run: what its intervals rest on."""
+    groups, windows = conn.execute(
+        text(
+            "SELECT (SELECT count(*) FROM run_reps WHERE run_id = :run), "
+            "(SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :run)"
+        ),
+        {"run": run_id},
+    ).one()
+    return int(groups), int(windows)
+
+
+def interval_warning(conn: Connection, run_id: int) -> str | None:
+    """The warning to show beside a run's intervals when they rest on too few replicate groups
+    (``intervals.unreliable_note``), else None."""
+    from headatlas.service.reports.intervals import unreliable_note
+
+    note = unreliable_note(*interval_groups(conn, run_id))
+    return None if note is None else f"run {run_id}: {note}"
+
+
+# A decoder has no [CLS] and no [SEP], and its rows never see the next token (SPEC §8): for a causal
+# run the views' attn_to_cls is attn_to_first again, attn_to_sep is 0 or NULL and attn_to_next
+# NULL. Its tables, figures and the report leave these out and show attn_to_first (BOS, the
+# first token) instead; the SQL views keep them, with these values, for every run.
+ENCODER_ONLY_COLUMNS = ("attn_to_cls", "attn_to_cls_lift", "attn_to_sep", "attn_to_sep_lift", "attn_to_next")
+FIRST_TOKEN_COLUMNS = ("attn_to_first", "attn_to_first_lift")
+
+
+def for_attention(conn: Connection, run_id: int, rows: Rows, *, encoder_hides: tuple[str, ...] = ()) -> Rows:
+    """``rows`` without the columns the run's kind of attention has no use for: a causal run's
+    ``ENCODER_ONLY_COLUMNS``, a bidirectional run's ``encoder_hides`` (with their intervals)."""
+    hidden = ENCODER_ONLY_COLUMNS if causal_run(conn, run_id) else encoder_hides
+    columns, data = rows
+    if not hidden or not any(c in columns for c in hidden):
+        return rows
+    gone = {n for c in hidden for n in (c, f"{c}_lo", f"{c}_hi")}
+    keep = [i for i, c in enumerate(columns) if c not in gone]
+    return [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in data]
+
+
+def decoder_table(table: list[str], columns: list[str]) -> list[str]:
+    """A table's default columns for the columns a query returned: ``attn_to_first_lift`` where a
+    decoder's rows hold no ``attn_to_cls_lift``."""
+    return [
+        "attn_to_first_lift" if c == "attn_to_cls_lift" and c not in columns and "attn_to_first_lift" in columns else c
+        for c in table
+    ]
