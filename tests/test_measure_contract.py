@@ -105,8 +105,10 @@ def test_a_measure_that_breaks_the_contract_is_refused(row_mass):
         contract.install("test", RowMass)
     with pytest.raises(MeasureError, match="not a headatlas Measure"):
         contract.install("test", object)
-    with pytest.raises(ParameterError, match="unknown measure 'nope'"):
+    with pytest.raises(ParameterError, match="'nope': no measure of that name is installed"):
         contract.requested(build_params(), ["nope"])
+    with pytest.raises(ParameterError, match="'nope': no measure of that name is installed"):
+        contract.requested(build_params(measures=["nope"]))  # named in the parameters, as --measures does
 
 
 def test_the_one_window_rule():
