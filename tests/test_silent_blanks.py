@@ -73,6 +73,12 @@ def _widest(out: str) -> int:
 
 
 def test_prune_table_fits_100_columns_and_json_keeps_every_column(plain_run, cli) -> None:
+    """... and a prune leaves the run's stored results current: the SQL `roles` view (which reads
+    them) keeps every head after it, with no `db upgrade` (its curves were in the fingerprint of
+    what the results are derived from, which they are not)."""
+    roles_sql = ["sql", "SELECT count(DISTINCT (layer, head)) AS n FROM roles", "--db", plain_run, "--format", "json"]
+    before = json.loads(cli(*roles_sql).stdout)[0]["n"]
+    assert before == 2 * 4
     measured = cli(
         "prune", "plain", "--db", plain_run, "--windows", "2", "--step", "50%", "--seeds", "1", "--format", "json"
     )
@@ -89,6 +95,7 @@ def test_prune_table_fits_100_columns_and_json_keeps_every_column(plain_run, cli
         assert "--format csv or json" in " ".join(shown.stdout.split()), shown.stdout  # where the rest is
     csv = cli("prune", "plain", "--db", plain_run, "--show", "--format", "csv")
     assert csv.stdout.splitlines()[0].split(",") == every
+    assert json.loads(cli(*roles_sql).stdout)[0]["n"] == before
 
 
 def test_the_web_refuses_the_same_sort_in_its_own_words(plain_run, cli) -> None:
