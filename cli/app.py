@@ -45,20 +45,31 @@ class Commands(TyperGroup):
         return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except HeadatlasError as exc:
-            error(exc.render(cli_terms()))
-            raise SystemExit(exc.exit_code) from None
-        except UsageError as exc:
-            if not exc.format_message():  # "no arguments: show the help" is not a mistake
+        from headatlas.service.plugins import sigint_seen
+
+        with sigint_seen() as pressed:
+            try:
+                return super().invoke(ctx)
+            except HeadatlasError as exc:
+                error(exc.render(cli_terms()))
+                raise SystemExit(exc.exit_code) from None
+            except UsageError as exc:
+                if not exc.format_message():  # "no arguments: show the help" is not a mistake
+                    raise
+                where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+                error(f"{exc.format_message()} (see `{where} --help`)")
+                raise SystemExit(exc.exit_code) from None
+            except KeyboardInterrupt:
+                error(INTERRUPTED)
+                raise Interrupted(130) from None
+            except Exception:
+                # Ctrl-C does not always arrive as a KeyboardInterrupt: an import it lands in fails
+                # with an ImportError (Cython's module init turns it into one), and work it broke
+                # in another thread raises that thread's error. After a Ctrl-C it is the interrupt.
+                if pressed():
+                    error(INTERRUPTED)
+                    raise Interrupted(130) from None
                 raise
-            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-            error(f"{exc.format_message()} (see `{where} --help`)")
-            raise SystemExit(exc.exit_code) from None
-        except KeyboardInterrupt:
-            error(INTERRUPTED)
-            raise Interrupted(130) from None
 
 
 class CliTerms(FlagTerms):

@@ -83,7 +83,7 @@ def load(group: str, install: Callable[[Plugin, Any], None]) -> list[tuple[Plugi
         _loaded[group] = installed  # an install that asks for its own group again sees it loading
         for entry in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
             plugin = _plugin(group, entry)
-            with _sigint_seen() as pressed:
+            with sigint_seen() as pressed:
                 try:
                     value = entry.load()
                     install(plugin, value)
@@ -97,7 +97,7 @@ def load(group: str, install: Callable[[Plugin, Any], None]) -> list[tuple[Plugi
 
 
 @contextmanager
-def _sigint_seen() -> Iterator[Callable[[], bool]]:
+def sigint_seen() -> Iterator[Callable[[], bool]]:
     """Whether a real SIGINT arrived meanwhile (``pressed()``): a KeyboardInterrupt a plugin
     raises itself is its fault, one from Ctrl-C is the user's. The handler in place still acts on
     the signal. Off the main thread no handler can be set: every KeyboardInterrupt is the plugin's."""

@@ -297,6 +297,7 @@ def analyze_corpus(
     """
     if flush_s is None:
         flush_s = Settings.from_env().store_every_s
+    _import_lazy_dependencies()  # before the run exists: a Ctrl-C that breaks the import leaves nothing
     chosen = requested(params, measures)
     for measure in chosen:
         measure.check(model, params)  # refused before the run is created
@@ -459,6 +460,17 @@ def analyze_corpus(
             )
         )
     return store.get_run(run.run_id)
+
+
+def _import_lazy_dependencies() -> None:
+    """pandas, where it is installed, imported before the run's threads start: pyarrow (building a
+    batch's tables in the storage thread) and DuckDB (the main thread's queries) each import it on
+    first use, and two threads importing it at once can meet each other's half-made module
+    (``AttributeError: partially initialized module 'pandas'``, seen failing a run's storage)."""
+    from importlib.util import find_spec
+
+    if find_spec("pandas") is not None:
+        import pandas  # noqa: F401
 
 
 # below this many corpus characters (about 300 windows) a pool's start costs more than it saves
