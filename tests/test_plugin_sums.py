@@ -229,10 +229,9 @@ def test_the_plugin_measure_computes_the_sum_in_the_batch_and_query_heads_reads_
         str(corpus),
         store=Store(db),
         model=tiny_model,
-        params=build_params(seq_len=32),
+        params=build_params(seq_len=32, measures=["punct_pairs"]),
         corpus=survey_corpus(str(corpus)),
         batch_size=4,
-        measures=["punct_pairs"],
     )
     rows = json.loads(cli("query", "heads", "--db", str(db), "--run", str(run.run_id), "--format", "json").stdout)
     assert len(rows) == tiny_model.n_layers * tiny_model.n_heads

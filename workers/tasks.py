@@ -198,8 +198,7 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     windows = [Window.from_message(row) for row in batch["windows"]]
     # a measure that takes the run's first N windows (--attribution-windows, --effect-windows)
     # takes those of them in this batch, by the one rule the embedded runner follows (SPEC §6, §9)
-    names = tuple(batch.get("measures", ()))
-    chosen = requested(params, names)
+    chosen = requested(params)
     first = int(batch.get("first_window", 0))
     counts = batch_windows(chosen, params, {m.name: first for m in chosen if m.quota(params) is not None}, len(windows))
     means = None
@@ -211,7 +210,6 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
         params,
         tokens,
         documents=batch["documents"],
-        measures=names,
         windows=counts,
         attribution_chunk=_settings().attribution_chunk,
         effect_means=means,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -71,7 +71,6 @@ def analyze_batch(
     tokens: TokenClasses,
     *,
     documents: list[dict] | None = None,
-    measures: Sequence[str] = (),
     windows: Mapping[str, int] | None = None,
     mixing_windows: int | None = None,
     attribution_chunk: int = 2048,
@@ -79,8 +78,8 @@ def analyze_batch(
     effect_means: ReferenceMeans | None = None,
 ) -> BatchResult:
     """Forward ``batch`` with hooks and run on it the measures the request asks for
-    (service/measures/contract.py): those ``params`` ask for, and the plugin measures named in
-    ``measures``. The head statistics summarise every head of every layer as it finishes.
+    (service/engine/measure_contract.py): those ``params`` ask for, the plugin measures it names
+    (``params.measures``) among them. The head statistics summarise every head of every layer as it finishes.
 
     ``documents``: rows for the documents whose windows are in the batch (stored with it).
     ``windows``: how many of the batch's first windows each measure takes, by name (a measure not
@@ -92,7 +91,7 @@ def analyze_batch(
     from headatlas.service.engine.measure_contract import BatchContext, batch_counts, put_sums, requested
 
     started = time.perf_counter()
-    chosen = requested(params, measures)
+    chosen = requested(params)
     given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}
     counts = batch_counts(chosen, params, len(batch.windows), {**given, **(windows or {})})
     input_ids, attention_mask = _on_device(model, batch)
@@ -189,7 +188,6 @@ class OomSplitter:
         documents: list[dict],
         *,
         pad_id: int,
-        measures: Sequence[str] = (),
         windows: Mapping[str, int] | None = None,
         mixing_windows: int | None = None,
         attribution_chunk: int = 2048,
@@ -201,7 +199,7 @@ class OomSplitter:
         from headatlas.service.engine.measure_contract import batch_counts, requested
 
         given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}
-        counts = batch_counts(requested(params, measures), params, len(batch.windows), {**given, **(windows or {})})
+        counts = batch_counts(requested(params), params, len(batch.windows), {**given, **(windows or {})})
         size = len(batch.windows) if self.max_windows is None else min(len(batch.windows), self.max_windows)
         if size < len(batch.windows):
             results = []
@@ -215,7 +213,6 @@ class OomSplitter:
                     tokens,
                     documents,
                     pad_id=pad_id,
-                    measures=measures,
                     windows={name: max(0, min(n, len(part.windows))) for name, n in left.items()},
                     attribution_chunk=attribution_chunk,
                     effect_means=effect_means,
@@ -230,7 +227,6 @@ class OomSplitter:
                     params,
                     tokens,
                     documents=documents,
-                    measures=measures,
                     windows=counts,
                     attribution_chunk=attribution_chunk,
                     effect_means=effect_means,
@@ -249,7 +245,6 @@ class OomSplitter:
             tokens,
             documents,
             pad_id=pad_id,
-            measures=measures,
             windows=counts,
             attribution_chunk=attribution_chunk,
             effect_means=effect_means,

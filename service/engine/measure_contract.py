@@ -256,11 +256,11 @@ def probe_scores(model: LoadedModel, spec: ProbeSpec) -> dict[str, np.ndarray]:
     return measures()["probe"].run_once(model, spec)  # type: ignore[attr-defined]
 
 
-def requested(params: AnalysisParams, names: Sequence[str] = ()) -> list[Measure]:
-    """The measures a request asks for, in the registry's order: those ``params`` ask for and the
-    others named in ``params.measures`` or ``names`` (a plugin measure is asked for by name)."""
+def requested(params: AnalysisParams) -> list[Measure]:
+    """The measures a request asks for, in the registry's order: those ``params`` ask for, a
+    plugin's among them by name (``params.measures``: recorded with the run, in its key)."""
     known = measures()
-    named = (*params.measures, *names)
+    named = params.measures
     unknown = [n for n in named if n not in known]
     if unknown:
         from headatlas.service.errors import Param, ParameterError

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -273,7 +273,6 @@ def analyze_corpus(
     control_seed: int = 0,
     probe: ProbeSpec | None = None,
     notice: Callable[[tuple[Part, ...]], None] | None = None,
-    measures: Sequence[str] = (),
 ) -> Run:
     """Analyse a corpus in-process; resume the unfinished run with the same key if any.
 
@@ -292,13 +291,11 @@ def analyze_corpus(
     ``notice``: told, before they start, what the slow parts will cost (each measure's estimate:
     ``--attribution``'s, ``--effects``' time and memory), as message parts (service/errors.py). On a
     CPU their windows go one per batch, so that an interrupted run keeps every window finished.
-    ``measures``: plugin measures to run beside those ``params`` ask for, by name
-    (service/measures/contract.py).
     """
     if flush_s is None:
         flush_s = Settings.from_env().store_every_s
     _import_lazy_dependencies()  # before the run exists: a Ctrl-C that breaks the import leaves nothing
-    chosen = requested(params, measures)
+    chosen = requested(params)
     for measure in chosen:
         measure.check(model, params)  # refused before the run is created
     patiently(store.ensure_schema)
@@ -413,7 +410,6 @@ def analyze_corpus(
                 tokens,
                 docs,
                 pad_id=tokens.pad_id,
-                measures=measures,
                 windows=batch_windows(chosen, params, before, len(batch.windows)),
                 attribution_chunk=attribution_chunk,
                 effect_means=effect_means,
