@@ -54,6 +54,7 @@ from headatlas.service.measures import effects as fx
 from headatlas.service.measures.objectives import Objective, wide
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import jackknife_halfwidth
+from headatlas.service.wording import counted
 
 ORDERS = ("effect", "importance", "noise", "random", "layer", "sinks", "output_norm", "output_variance")
 TRIVIAL_ORDERS = ("layer", "sinks", "output_norm", "output_variance")  # blind to what a head does
@@ -207,12 +208,18 @@ class PruneResult:
             )
         elif self.rho is not None:
             value, lo, hi = self.rho
-            parts.append(f"Spearman ρ(noise_share, {self.rho_against}) = {value:+.3f}{self._bounds(lo, hi, '.3f')}")
+            parts.append(
+                f"Spearman ρ(noise_share, {self.rho_against}) = {value:+.3f}{self._bounds(lo, hi, '.3f', among=None)}"
+            )
         return "; ".join(parts)
 
-    def _bounds(self, lo: float, hi: float, spec: str) -> str:
+    def _bounds(self, lo: float, hi: float, spec: str, *, among: int | None = -1) -> str:
+        """``[lo, hi]``, or why there is none: too few of the evaluation windows' groups (``among``
+        -1), or of another set's (ρ's are the effects' groups: ``among`` None, not counted here)."""
         if math.isnan(lo) or math.isnan(hi):
-            return f" (no interval: {self.groups} replicate group{'s' if self.groups != 1 else ''}, it needs 2 or more)"
+            groups = self.groups if among == -1 else among
+            held = "fewer than 2 replicate groups" if groups is None else counted(groups, "replicate group")
+            return f" (no interval: {held}, it needs 2 or more)"
         return f" [{lo:+{spec}}, {hi:+{spec}}]"
 
     @staticmethod
