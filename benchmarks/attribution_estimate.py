@@ -28,9 +28,10 @@ from benchmarks.common import corpus_prefix  # noqa: E402
 from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, build_params  # noqa: E402
 from headatlas.service.engine.corpus import demo_corpus_path  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
-from headatlas.service.engine.runner import analyze_corpus, survey_corpus  # noqa: E402
+from headatlas.service.engine.run_plan import survey_corpus
 from headatlas.service.errors import FLAGS, render  # noqa: E402
 from headatlas.service.measures.attribution import resident_bytes  # noqa: E402
+from headatlas.service.operations.embedded_run import analyze_corpus  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
 
 

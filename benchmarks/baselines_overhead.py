@@ -33,7 +33,7 @@ torch.set_num_threads(int(sys.argv[4]))
 from headatlas.service.engine.analysis import analyze_batch
 from headatlas.service.engine.model import load_model
 from headatlas.service.params import AnalysisParams
-from headatlas.service.engine.runner import iter_batches
+from headatlas.service.engine.run_plan import iter_batches
 from headatlas.service.engine.windows import TokenClasses
 
 model = load_model(sys.argv[1], device="cpu")

@@ -26,8 +26,9 @@ from headatlas.service.engine import features, pair_selection, stats  # noqa: E4
 from headatlas.service.engine.analysis import forward  # noqa: E402
 from headatlas.service.engine.hooks import act_name  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
-from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
+from headatlas.service.engine.run_plan import iter_batches, survey_corpus
 from headatlas.service.engine.windows import TokenClasses  # noqa: E402
+from headatlas.service.operations.embedded_run import analyze_corpus  # noqa: E402
 from headatlas.service.params import AnalysisParams  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
 

@@ -186,7 +186,8 @@ def main() -> None:
     from headatlas.service.engine.corpus import demo_corpus_path
     from headatlas.service.engine.model import control_model, load_model
     from headatlas.service.engine.probe import ProbeSpec
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     folder = Path(tempfile.mkdtemp(prefix="calibrate-"))

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     from headatlas.service.engine.analysis import analyze_batch
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.params import AnalysisParams
 

@@ -24,8 +24,9 @@ import torch  # noqa: E402
 from benchmarks.common import Timer, corpus_prefix, default_corpus, machine, median  # noqa: E402
 from benchmarks.naive import naive_batch_statistics  # noqa: E402
 from headatlas.service.engine.model import load_model  # noqa: E402
-from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus  # noqa: E402
+from headatlas.service.engine.run_plan import iter_batches, survey_corpus
 from headatlas.service.engine.windows import TokenClasses  # noqa: E402
+from headatlas.service.operations.embedded_run import analyze_corpus  # noqa: E402
 from headatlas.service.params import AnalysisParams  # noqa: E402
 from headatlas.service.storage.store import Store  # noqa: E402
 

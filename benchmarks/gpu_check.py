@@ -111,8 +111,9 @@ def measure(shape: Shape, args, folder: Path) -> None:
     from headatlas.service.config import Settings
     from headatlas.service.engine.model import load_model
     from headatlas.service.engine.preparation import preparation_processes
-    from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus
+    from headatlas.service.engine.run_plan import iter_batches, survey_corpus
     from headatlas.service.engine.windows import TokenClasses
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
 

@@ -121,7 +121,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 def preparation(corpus: Path, processes: list[int], repeats: int) -> None:
     from headatlas.service.engine.model import load_model_info
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.params import AnalysisParams
 
@@ -209,7 +209,7 @@ def real_results(corpus: Path, spec: str, windows: int, cache: Path | None = Non
         return BatchResult.from_bytes(kept.with_suffix(".bin").read_bytes()), described
     from headatlas.service.engine.analysis import analyze_batch
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.params import AnalysisParams
 
@@ -364,7 +364,8 @@ def storing(results: dict, folder: Path, batches: int, repeats: int, group: int 
 
 def whole_runs(corpus: Path, folder: Path, queued: bool) -> None:
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
 

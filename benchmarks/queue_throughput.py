@@ -49,7 +49,8 @@ def main(argv=None) -> None:
 
     from headatlas.service.config import Settings
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
     from headatlas.workers.submit import submit

@@ -38,7 +38,8 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import FLUSH_S, analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import FLUSH_S, analyze_corpus
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
 

@@ -23,7 +23,8 @@ def analyse(corpus: Path, db: Path, model, *, name: str | None = None, **options
     """Analyse ``corpus`` into ``db`` in this process (the embedded engine) with the analysis
     ``options`` (declared defaults for the rest); returns the Run."""
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     return analyze_corpus(

@@ -287,9 +287,9 @@ def test_a_decoder_analyses_end_to_end(tmp_path, small_corpus):
     # the effects and prune measure the run's own windows, [BOS] first (ids are content-addressed:
     # a window built without the BOS is another window) and take their reference means from them
     from headatlas.service.engine.corpus import iter_documents
-    from headatlas.service.engine.effect_runs import spread_windows
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
     from headatlas.service.engine.windows import TokenClasses
+    from headatlas.service.operations.effect_runs import spread_windows
     from headatlas.service.params import AnalysisParams
 
     analysed = {r["window_id"] for r in atlas.sql("SELECT window_id FROM windows").to_pylist()}

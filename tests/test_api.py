@@ -120,7 +120,7 @@ def test_a_run_stored_when_the_file_name_was_in_the_fingerprint_is_still_found(t
     from headatlas.service.engine import model as model_module
     from headatlas.service.engine.corpus import corpus_fingerprint, legacy_corpus_fingerprint
     from headatlas.service.engine.model import load_model_info
-    from headatlas.service.engine.runner import run_key
+    from headatlas.service.engine.run_plan import run_key
     from headatlas.service.params import AnalysisParams
 
     corpus = tmp_path / "old.txt"

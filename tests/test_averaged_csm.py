@@ -106,7 +106,8 @@ ONE_WINDOW = "The cat sat on the mat. The dog sat on the log, and the cat saw th
 
 def _analyse(corpus, db, model, **options):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     return analyze_corpus(
@@ -131,7 +132,7 @@ def _grid(columns, rows, *, head: int, kind: str, value: str, n_bins: int) -> np
 def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, small_corpus):
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.analysis import analyze_batch
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.reports import queries
     from headatlas.service.storage.store import Store
 

@@ -192,7 +192,7 @@ def test_byte_level_runs_have_a_key_of_their_own(tiny_model):
     import dataclasses
     import hashlib
 
-    from headatlas.service.engine.runner import run_key
+    from headatlas.service.engine.run_plan import run_key
     from headatlas.service.params import AnalysisParams
 
     params = AnalysisParams()

@@ -24,7 +24,8 @@ def stored(tmp_path_factory, real_model, tiny_model, demo_corpus):
     on the same one; a 4-layer random model on the second document (other windows)."""
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.model import control_model, load_model
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     folder = tmp_path_factory.mktemp("compare")

@@ -16,7 +16,8 @@ from tests.figure_checks import check_png, check_svg, corpus_of
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory, tiny_model, demo_corpus):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     folder = tmp_path_factory.mktemp("csm-plots")

@@ -57,7 +57,7 @@ def measured_effects(effect_run):
     """The per-window effects of the run's first 5 windows, computed here in one batch with means
     from its first 4 windows (other batches, other code than the run's): (windows, effects, positions)."""
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
@@ -119,8 +119,8 @@ def test_effect_intervals_rest_on_the_groups_that_hold_effect_windows(effect_run
     note under the effects names that count."""
     from sqlalchemy import text
 
-    from headatlas.service.engine.prune_runs import stored_effects
     from headatlas.service.engine.results import window_group
+    from headatlas.service.operations.prune_runs import stored_effects
     from headatlas.service.reports import compare, effect_queries, queries, role_effects
     from headatlas.service.reports.intervals import t95
     from headatlas.service.storage.effect_rows import effect_note
@@ -224,7 +224,8 @@ def test_a_queued_run_stores_the_effects_the_embedded_run_stores(queue_cluster, 
     from queue_support import assert_same_statistics, make_corpus, stored
 
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.effect_rows import run_effects
     from headatlas.service.storage.store import Store
 
@@ -276,7 +277,8 @@ ONE_TOKEN_PARAMS = {"seq_len": 16, "sentences": "punct", "effects": "zero,mean",
 
 def _analyse_one_token_first(model, corpus, db, **kwargs):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     params = build_params(**ONE_TOKEN_PARAMS, effect_reference=2)
@@ -350,7 +352,8 @@ def test_effects_on_a_lake_are_those_on_a_file(lake, tiny_model, small_corpus, t
     from queue_support import assert_same_statistics, stored
 
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.effect_rows import run_effects
     from headatlas.service.storage.store import Store
 
@@ -435,7 +438,7 @@ def test_minilm_intact_drift_is_zero_and_it_has_no_mlm_head(real_model) -> None:
 
 
 def test_the_area_interval_adds_the_seeds_spread_by_hand() -> None:
-    from headatlas.service.engine.pruning import area_interval
+    from headatlas.service.operations.prune_curves import area_interval
     from headatlas.service.reports.intervals import jackknife_halfwidth, t95, t_quantile
 
     drops = [1.0, 1.2, 0.9, 1.1]
@@ -480,7 +483,8 @@ def test_an_old_database_is_upgraded_with_the_effect_columns_null(tmp_path, tiny
     from test_decoder_metrics import _alembic
 
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage import db
     from headatlas.service.storage.store import Store
 

@@ -235,7 +235,7 @@ def test_minilm_zero_ablation_matches_its_own_forward_with_w_o_zeroed(real_model
 def test_the_jackknife_interval_by_hand() -> None:
     import numpy as np
 
-    from headatlas.service.engine.effect_runs import jackknife
+    from headatlas.service.operations.effect_runs import jackknife
     from headatlas.service.reports.intervals import t95
 
     values = np.array([[1.0], [3.0], [2.0], [6.0]])
@@ -281,7 +281,7 @@ def test_effects_command_and_api_agree_on_real_text(tmp_path, small_corpus) -> N
 def test_spearman_by_hand() -> None:
     import numpy as np
 
-    from headatlas.service.engine.pruning import spearman
+    from headatlas.service.operations.prune_curves import spearman
 
     assert spearman(np.array([1.0, 2.0, 3.0]), np.array([10.0, 30.0, 20.0])) == pytest.approx(0.5)
     assert spearman(np.array([1.0, 2.0, 3.0, 4.0]), np.array([4.0, 3.0, 2.0, 1.0])) == pytest.approx(-1.0)
@@ -324,8 +324,8 @@ def test_output_statistics_are_each_heads_output_norm_and_variance_by_hand(tiny_
     attention's output projection (a hook of the test's own), its mean norm and the mean squared
     distance from its mean."""
     from headatlas.service.engine.corpus import Document
-    from headatlas.service.engine.pruning import output_statistics
     from headatlas.service.engine.windows import TokenClasses, collate, document_windows
+    from headatlas.service.operations.prune_curves import output_statistics
     from headatlas.service.params import AnalysisParams
 
     model = tiny_model
@@ -370,7 +370,7 @@ def test_output_statistics_are_each_heads_output_norm_and_variance_by_hand(tiny_
 
 
 def test_the_claim_against_the_best_trivial_order_and_without_intervals_in_words() -> None:
-    from headatlas.service.engine.pruning import PruneResult
+    from headatlas.service.operations.prune_curves import PruneResult
 
     result = PruneResult("m", "embedding_drift", "1 - cos", 0, 4, 1, "block:8", 8)
     result.area = (-0.02, float("nan"), float("nan"))

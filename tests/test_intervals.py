@@ -468,7 +468,7 @@ def test_a_worker_computes_the_groups_of_the_embedded_engine(tiny_model, paragra
 
     from headatlas.service.engine.analysis import analyze_batch
     from headatlas.service.engine.results import BatchResult
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.workers.submit import batch_payloads
     from headatlas.workers.tasks import _analyse

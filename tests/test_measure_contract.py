@@ -21,7 +21,7 @@ from headatlas.service.engine import measure_contract as contract
 from headatlas.service.engine.analysis import OomSplitter, analyze_batch
 from headatlas.service.engine.measure_contract import ATTN_PATTERN, BatchContext, Measure, MeasureError
 from headatlas.service.engine.results import BatchResult
-from headatlas.service.engine.runner import iter_batches
+from headatlas.service.engine.run_plan import iter_batches
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.errors import ParameterError
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from headatlas.service.engine.model import default_model_dir, load_model_info
-from headatlas.service.engine.runner import run_key
+from headatlas.service.engine.run_plan import run_key
 from headatlas.service.params import AnalysisParams
 
 

@@ -40,9 +40,9 @@ def test_a_distilbert_masked_lm_checkpoint_has_one_objective_everywhere(distilbe
 
     import headatlas
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.effect_batch import check_effects_spec
     from headatlas.service.engine.model import load_model
     from headatlas.service.measures import effects as fx
+    from headatlas.service.measures.effect_batch import check_effects_spec
     from headatlas.service.measures.objectives import definition_for, definition_for_spec, objective_for
 
     spec = str(distilbert_mlm)
@@ -115,7 +115,7 @@ def test_a_plugin_objective_is_measured_when_named_and_reported_with_its_unit(sm
     import headatlas
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.model import load_model, model_config
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.measures import effects as fx
     from headatlas.service.measures.objectives import choose, objectives
@@ -161,8 +161,8 @@ def test_a_plugin_objective_is_measured_when_named_and_reported_with_its_unit(sm
 
 def test_an_objective_that_is_unknown_or_does_not_apply_is_refused_before_the_run(tmp_path, small_corpus, cli):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.effect_batch import check_effects_spec
     from headatlas.service.errors import ParameterError, PluginError
+    from headatlas.service.measures.effect_batch import check_effects_spec
     from headatlas.service.measures.objectives import ObjectiveDefinition, register
 
     with pytest.raises(

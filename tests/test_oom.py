@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import headatlas.service.engine.analysis as analysis
-from headatlas.service.engine.runner import iter_batches
+from headatlas.service.engine.run_plan import iter_batches
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.params import AnalysisParams
 

@@ -39,7 +39,7 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel):
         "headatlas/__init__.py",
         "headatlas/service/api/__init__.py",
         "headatlas/service/api/views.py",
-        "headatlas/service/engine/runner.py",
+        "headatlas/service/operations/embedded_run.py",
         "headatlas/service/measures/mixing.py",
         "headatlas/service/reports/queries.py",
         "headatlas/service/storage/db.py",

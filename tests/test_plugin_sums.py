@@ -220,7 +220,8 @@ def test_the_plugin_measure_computes_the_sum_in_the_batch_and_query_heads_reads_
     statistics: where every token is punctuation every pair of H is both punctuation (share 1, for
     every head that has pairs), where none is, none (0)."""
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
 
     corpus = tmp_path / "c.txt"
     corpus.write_text(f"{text}\n\n{text}\n", encoding="utf-8")

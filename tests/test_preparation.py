@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from headatlas.service.engine.preparation import WindowPool, preparation_processes, usable_cores
-from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus
+from headatlas.service.engine.run_plan import iter_batches, survey_corpus
 from headatlas.service.engine.windows import TokenClasses
+from headatlas.service.operations.embedded_run import analyze_corpus
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage.store import Store
 

@@ -37,7 +37,8 @@ def _run_id(cluster, ref: str) -> int:
 
 
 def test_queued_run_stores_what_the_embedded_run_stores(cluster, tiny_model, demo_corpus, tmp_path):
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=3, tag="equal")
@@ -95,7 +96,8 @@ def test_queued_attribution_and_mixing_equal_the_embedded_ones(cluster, tiny_mod
     """--attribution / --mixing through `submit`: the first N windows of the run, spread over
     batches, give the same attribution and mixing sums as the embedded engine."""
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=2, tag="mixing")

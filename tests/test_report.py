@@ -34,7 +34,8 @@ def stored(tmp_path_factory, real_model, demo_corpus):
     # its random-weights control: the report measures the run against it
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.model import control_model
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     analyze_corpus(

@@ -285,7 +285,8 @@ def _stored_sums(db: str, run_id: int):
 
 
 def test_a_punct_run_on_the_excerpt_stores_what_earlier_runs_stored(tiny_model, tmp_path):
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     spec = str(demo_corpus_path())
@@ -317,7 +318,7 @@ def test_a_queued_batch_carries_the_embedded_sentence_ids(tiny_model, small_corp
     """The batch message a worker receives (made by the submitter, through Celery's JSON) gives the
     worker the windows, sentence ids included, that the embedded engine analyses, and the same sums."""
     from headatlas.service.engine.results import BatchResult
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.workers.submit import batch_payloads
     from headatlas.workers.tasks import _analyse
 

@@ -122,7 +122,8 @@ def test_effects_in_one_replicate_group_print_no_nan_and_say_why(tiny_model, sma
     import re
 
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.reports.effect_report import effects_section
     from headatlas.service.storage.store import Store
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from headatlas.service.engine.analysis import BatchResult, analyze_batch
-from headatlas.service.engine.runner import analyze_corpus, iter_batches, survey_corpus
+from headatlas.service.engine.run_plan import iter_batches, survey_corpus
 from headatlas.service.engine.windows import TokenClasses
 from headatlas.service.errors import StoreError
+from headatlas.service.operations.embedded_run import analyze_corpus
 from headatlas.service.params import AnalysisParams
 from headatlas.service.storage import db
 from headatlas.service.storage.store import Store
@@ -50,7 +51,7 @@ def _results(model, corpus, params=SMALL, batch_size=4):
 
 def _run(store, model, corpus, params=SMALL):
     summary = survey_corpus(str(corpus))
-    from headatlas.service.engine.runner import run_key
+    from headatlas.service.engine.run_plan import run_key
 
     run, _ = store.find_or_create_run(
         run_key=run_key(summary.fingerprint, model, params),

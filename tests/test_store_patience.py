@@ -39,7 +39,8 @@ time.sleep(float(sys.argv[2]))
 
 
 def test_a_reader_holding_the_file_delays_an_embedded_run_without_failing_it(tiny_model, tmp_path, monkeypatch, caplog):
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     monkeypatch.setattr(db, "LOCK_WAIT_S", 0.5)  # a reader past the wait, without waiting 30 s

@@ -27,7 +27,8 @@ def stored(tmp_path_factory, tiny_model, demo_corpus):
     """A database with a tiny run, its control, and a deeper run named NAUGHTY (random weights)."""
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.model import control_model, load_model
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     folder = tmp_path_factory.mktemp("web")
@@ -521,7 +522,8 @@ def test_progress_of_an_unfinished_run(stored, tmp_path):
 @pytest.mark.slow
 def test_a_lake_now_and_at_a_snapshot(lake, tiny_model, small_corpus):
     from headatlas.service.analysis_options import build_params
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
     from headatlas.service.web.app import WebApp
 

@@ -21,7 +21,8 @@ def site(tmp_path_factory, tiny_model, demo_corpus):
     """The app on a database holding a tiny run and its control, behind the real server, and a browser."""
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.model import control_model
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
     from headatlas.service.web.app import WebApp
 

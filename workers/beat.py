@@ -226,7 +226,7 @@ def _warm_up() -> None:
     import headatlas.workers.app  # noqa: F401
     import headatlas.workers.submit  # noqa: F401
     from headatlas.service.engine.model import load_model_info  # noqa: F401
-    from headatlas.service.engine.runner import run_key  # noqa: F401
+    from headatlas.service.engine.run_plan import run_key  # noqa: F401
 
 
 class Beat:

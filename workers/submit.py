@@ -90,7 +90,7 @@ def submit(
     ``probe``: also queue the synthetic probe (one task) unless the database holds it."""
     from headatlas.service.engine.measure_contract import requested
     from headatlas.service.engine.model import load_model_info
-    from headatlas.service.engine.runner import _short_name, run_key, survey_corpus
+    from headatlas.service.engine.run_plan import run_key, short_name, survey_corpus
     from headatlas.workers.app import ANALYSIS_QUEUE, make_app, send_batch
     from headatlas.workers.lease import broker_epoch, target_database
 
@@ -126,7 +126,7 @@ def submit(
             f"run {stored_run.run_id} ({stored_run.name}) has the same corpus, model and parameters and was started "
             "by `headatlas analyze`: resume it with the same analyze command"
         )
-    run_name = stored_run.name if stored_run else (name or f"{_short_name(spec)}-{key[:6]}")
+    run_name = stored_run.name if stored_run else (name or f"{short_name(spec)}-{key[:6]}")
     queue_probe = functools.partial(
         _queue_probe, settings, ledger, key, probe, model=model, dtype=dtype, loaded=loaded, readable=readable
     )
@@ -224,7 +224,7 @@ def submit(
 
 def _reference_windows(spec: str, loaded, params: AnalysisParams, *, text_field: str, encoding: str) -> list:
     """The run's first ``effect_reference`` windows, as batch messages carry windows."""
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
     from headatlas.service.engine.windows import TokenClasses
 
     tokens = TokenClasses.for_model(loaded)
@@ -274,7 +274,7 @@ def batch_payloads(
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
     engine, so both engines add up the same partial sums. ``workers``: processes that tokenise and
     window the corpus (the same batches with any number)."""
-    from headatlas.service.engine.runner import iter_batches
+    from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.engine.windows import TokenClasses
 
     tokens = TokenClasses.for_model(loaded)

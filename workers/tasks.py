@@ -224,9 +224,10 @@ def _reference_means(run_key: str, model, batch: dict, tokens):
     wins), and every worker, this one included, uses the published copy, kept in this process
     for the rest of the run. Workers therefore never open the database, and never disagree even
     where their devices or thread counts would round differently."""
-    from headatlas.service.engine.effect_batch import ReferenceMeans, reference_means
+    from headatlas.service.engine.reference_means import ReferenceMeans
     from headatlas.service.engine.windows import Window
     from headatlas.service.errors import ParameterError
+    from headatlas.service.measures.effect_batch import reference_means
 
     cache = _state.setdefault("reference_means", {})
     key = (run_key, batch["database_id"], model.weights_key)

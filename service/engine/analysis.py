@@ -13,10 +13,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from headatlas.service.engine.effect_batch import ReferenceMeans
 from headatlas.service.engine.features import Workspace, window_features
 from headatlas.service.engine.hooks import capture_attention
 from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.reference_means import ReferenceMeans
 from headatlas.service.engine.results import BatchResult, window_group
 from headatlas.service.engine.row_attention import row_attention, uses_row_attention
 from headatlas.service.engine.stats import RowSums

@@ -36,10 +36,10 @@ from headatlas.service.errors import Part
 if TYPE_CHECKING:
     import torch
 
-    from headatlas.service.engine.effect_batch import ReferenceMeans
     from headatlas.service.engine.features import WindowFeatures
     from headatlas.service.engine.model import LoadedModel
     from headatlas.service.engine.probe import ProbeSpec
+    from headatlas.service.engine.reference_means import ReferenceMeans
     from headatlas.service.engine.windows import Batch, TokenClasses, Window
     from headatlas.service.params import AnalysisParams
     from headatlas.service.plugins import Plugin

@@ -256,12 +256,12 @@ class Effects(Measure):
         return left if model.device.type == "cpu" else 0  # each stored as soon as it is done
 
     def check(self, model: LoadedModel, params: AnalysisParams) -> None:
-        from headatlas.service.engine.effect_batch import check_effects
+        from headatlas.service.measures.effect_batch import check_effects
 
         check_effects(model, params)
 
     def check_spec(self, spec: str, params: AnalysisParams) -> None:
-        from headatlas.service.engine.effect_batch import check_effects_spec
+        from headatlas.service.measures.effect_batch import check_effects_spec
 
         check_effects_spec(spec, params)
 
@@ -279,8 +279,8 @@ class Effects(Measure):
         chunk_size: int = 2048,
     ) -> tuple[Part, ...] | None:
         """``--effects``' cost (``effect_batch.estimate``: passes timed on the longest window)."""
-        from headatlas.service.engine.effect_batch import estimate
         from headatlas.service.measures.attribution import duration
+        from headatlas.service.measures.effect_batch import estimate
 
         if not windows:
             return ("effects: no window left to measure",)
@@ -292,7 +292,7 @@ class Effects(Measure):
         )
 
     def collect(self, ctx: BatchContext, count: int) -> None:
-        from headatlas.service.engine.effect_batch import effect_sums
+        from headatlas.service.measures.effect_batch import effect_sums
 
         heads, run, meta = effect_sums(
             ctx.model,

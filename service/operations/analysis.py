@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from headatlas.service.engine.model import ModelInfo
-from headatlas.service.engine.runner import CorpusSummary, stored_run_key, survey_corpus
+from headatlas.service.engine.run_plan import CorpusSummary, stored_run_key, survey_corpus
 from headatlas.service.operations.events import (
     CorpusRead,
     Estimate,
@@ -92,7 +92,7 @@ def _analyse(
 ) -> Analysed:
     from headatlas.service.engine.model import LoadedModel, auto_batch_size, control_model, load_model
     from headatlas.service.engine.model_check import check_loaded
-    from headatlas.service.engine.runner import analyze_corpus, control_name
+    from headatlas.service.operations.embedded_run import analyze_corpus, control_name
 
     params = request.params
     if isinstance(request.model, LoadedModel):

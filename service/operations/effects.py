@@ -16,14 +16,14 @@ from headatlas.service.operations.requests import EffectsRequest
 from headatlas.service.wording import counted
 
 if TYPE_CHECKING:
-    from headatlas.service.engine.effect_runs import EffectTable
+    from headatlas.service.operations.effect_runs import EffectTable
 
 
 def measure(request: EffectsRequest, events: Sink = ignore) -> EffectTable:
-    """Every head's effects on ``request``'s corpus (``service.engine.effect_runs``); ``events``
+    """Every head's effects on ``request``'s corpus (``service.operations.effect_runs``); ``events``
     hears the cost before it starts (``Estimate``) and each batch of windows measured."""
     from headatlas.service.engine.corpus import iter_documents
-    from headatlas.service.engine.effect_runs import measure_effects
+    from headatlas.service.operations.effect_runs import measure_effects
 
     corpus = request.corpus
     if not corpus.is_stdin:  # a missing or unreadable corpus is said before the model loads (one line)

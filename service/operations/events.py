@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from headatlas.service.errors import Part
 
 if TYPE_CHECKING:
-    from headatlas.service.engine.runner import CorpusSummary
+    from headatlas.service.engine.run_plan import CorpusSummary
     from headatlas.service.storage.store import Run
 
 

@@ -3,7 +3,7 @@
 
 The run is found (a note when it is not finished), refused where a prune of it would measure
 nothing sound (not analysed yet, still running), and its curves measured in this process and
-stored with it (``service.engine.prune_runs``); or, with ``show``, its newest stored curves read
+stored with it (``service.operations.prune_runs``); or, with ``show``, its newest stored curves read
 back.
 """
 
@@ -34,7 +34,7 @@ class Pruned:
 def prune(store: Store, request: PruneRequest, events: Sink = ignore) -> Pruned:
     """The pruning curves ``request`` asks for; ``events`` hears the run's note (once it is known not
     to be refused), the run pruned, the plan (``Estimate``) and every step of every curve."""
-    from headatlas.service.engine.prune_runs import check_request, prune_run
+    from headatlas.service.operations.prune_runs import check_request, prune_run
     from headatlas.service.storage.effect_rows import load_prune
 
     held: list[Event] = []  # the run's note, said once it is known not to be refused

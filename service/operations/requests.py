@@ -243,7 +243,7 @@ class PruneRequest:
     ) -> PruneRequest:
         """A validated request: ``orders`` comma-separated or a sequence of names, ``step`` a share
         (``0.1``) or a percentage (``10%``); refused before any run is read."""
-        from headatlas.service.engine.prune_runs import MAX_SEEDS
+        from headatlas.service.operations.prune_runs import MAX_SEEDS
 
         chosen = prune_orders(orders)
         if not 1 <= seeds <= MAX_SEEDS:
@@ -253,7 +253,7 @@ class PruneRequest:
 
 def prune_orders(orders: str | Sequence[str] | None) -> tuple[str, ...] | None:
     """The orders named (``effect,noise`` or a sequence), each one prune knows; None: not named."""
-    from headatlas.service.engine.pruning import ORDERS
+    from headatlas.service.operations.prune_curves import ORDERS
 
     if orders is None:
         return None

@@ -16,8 +16,8 @@ import numpy as np
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.engine.pruning import ORDERS, PruneResult, StoredOrders, prune_curves, removal_counts
 from headatlas.service.errors import Param, ParameterError
+from headatlas.service.operations.prune_curves import ORDERS, PruneResult, StoredOrders, prune_curves, removal_counts
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.effect_rows import (
@@ -143,7 +143,7 @@ def prune_run(
     of loading the run's; ``orders`` None: every order the run's objective allows (importance
     needs a loss); ``on_plan``: told what will be measured (``plan``) before it starts."""
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.measures.objectives import objective_for
 

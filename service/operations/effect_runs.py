@@ -115,7 +115,7 @@ def measure_effects(
 ) -> EffectTable:
     """Every head's effects on ``windows`` windows of ``corpus`` (the module docstring)."""
     from headatlas.service.engine.corpus import iter_documents
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
 
     if windows < 1:
         raise ParameterError(Param("windows", windows), ": must be at least 1")

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from headatlas.service.engine.effect_runs import jackknife, spread_windows
 from headatlas.service.engine.hooks import hooks
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.results import window_group
@@ -52,6 +51,7 @@ from headatlas.service.engine.windows import TokenClasses, Window, collate
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
 from headatlas.service.measures.objectives import Objective, wide
+from headatlas.service.operations.effect_runs import jackknife, spread_windows
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import jackknife_halfwidth
 from headatlas.service.wording import counted
@@ -310,7 +310,7 @@ def prune_curves(
     ``sink_share``: each head's attention to the window's specials in a stored run (the ``sinks``
     order)."""
     from headatlas.service.engine.corpus import iter_documents
-    from headatlas.service.engine.runner import first_windows
+    from headatlas.service.engine.run_plan import first_windows
 
     for order in orders:
         if order not in ORDERS:
@@ -361,7 +361,7 @@ def prune_curves(
         text_field=text_field,
         encoding=encoding,
     )
-    from headatlas.service.engine.effect_batch import reference_means
+    from headatlas.service.measures.effect_batch import reference_means
 
     # computed as an analysis computes them: the means of a run's stored effects, on the same windows
     means = reference_means(model, ref, pad).tensor()

@@ -22,14 +22,13 @@ Pure computation: imports neither Celery, Typer nor SQLAlchemy.
 
 from __future__ import annotations
 
-import hashlib
-import io
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.reference_means import ReferenceMeans, windows_fingerprint
 from headatlas.service.engine.windows import Batch, Window, collate
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import EFFECT_SUMS
@@ -38,46 +37,6 @@ from headatlas.service.wording import counted
 
 REFERENCE_BATCH = 8  # windows per forward pass of the reference means (fixed: the same sums everywhere)
 EFFECT_CHUNK = 8  # effect windows ablated together: the stacked pass holds heads × windows copies
-
-
-@dataclass(frozen=True)
-class ReferenceMeans:
-    """``m^{l,h}`` (SPEC §9): ``means`` ``[layer, head, d_head]`` float64 over ``positions`` valid
-    positions of ``windows`` reference windows, whose ids in order hash to ``windows_fingerprint``."""
-
-    means: np.ndarray
-    windows: int
-    positions: int
-    windows_fingerprint: str
-
-    @property
-    def fingerprint(self) -> str:
-        """The means' identity: a hash of their float64 bytes."""
-        return hashlib.sha256(np.ascontiguousarray(self.means, dtype=np.float64).tobytes()).hexdigest()[:16]
-
-    def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(self.means, dtype=np.float64))
-
-    def to_bytes(self) -> bytes:
-        buf = io.BytesIO()
-        np.savez(
-            buf,
-            means=np.asarray(self.means, dtype=np.float64),
-            counts=np.array([self.windows, self.positions], dtype=np.int64),
-            windows_fingerprint=np.array(self.windows_fingerprint),
-        )
-        return buf.getvalue()
-
-    @classmethod
-    def from_bytes(cls, blob: bytes) -> ReferenceMeans:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as data:
-            counts = data["counts"]
-            return cls(data["means"], int(counts[0]), int(counts[1]), str(data["windows_fingerprint"]))
-
-
-def windows_fingerprint(window_ids: list[str]) -> str:
-    """The identity of a reference set: a hash of its window ids, in order."""
-    return hashlib.sha256("\n".join(window_ids).encode()).hexdigest()[:16]
 
 
 def reference_means(model: LoadedModel, windows: list[Window], pad_id: int) -> ReferenceMeans:
