@@ -11,16 +11,16 @@ one of its 151 documents is in. The cap: ``--doc-chars 1500`` keeps 533 windows 
 excerpt's 52, 585 windows through 4 models); measured 985 s on 2 cores shared with other jobs
 (load average 10–14), so about ten minutes on a machine less loaded; ``--doc-chars 800`` keeps
 177,129 of those 277,982 characters. Each corpus is analysed with the default model and with ``--seeds`` controls (seeds
-0..N-1). The thresholds of service/reports/roles.py and SPEC §7 were read off this output
+0..N-1). The thresholds of service/reports/role_rules.py and SPEC §7 were read off this output
 (2026-11-30, window-hash replicate groups).
 
 Decoders (SPEC §8): ``--model smollm2 --probe`` reads the roles a causal run is offered
-(``roles.rules_for``): first-token sink, induction and duplicate-token among them, the last two
+(``role_rules.rules_for``): first-token sink, induction and duplicate-token among them, the last two
 with their probe scores (induction_score, duplicate_score: for every seed the largest control
 head, for the real model the heads the probe ranks highest). ``--windowing first`` caps the
 development corpus at one window per document (151 windows of wikipedia_dev), which a 30-layer
 decoder on 2 CPU cores needs; the excerpt is analysed whole (chunks) either way. The decoder
-thresholds of service/reports/roles.py and SPEC §7 were read off that output on 2026-11-30
+thresholds of service/reports/role_rules.py and SPEC §7 were read off that output on 2026-11-30
 (SmolLM2-135M, seeds 0..2: 1,647 s on 2 cores shared with other jobs).
 
 Prints, per corpus and per role's metric (as the rule reads it: ``short_range_share`` over
@@ -28,7 +28,7 @@ Prints, per corpus and per role's metric (as the rule reads it: ``short_range_sh
 (value and the upper end of its 95% interval; for ``broad`` the *smallest* entropy, since there
 the control sits at uniform attention and the ceiling must stay under it), then the real
 model's heads: quantiles of the values, the 12 largest values with their lower bounds, and how
-many heads' lower bounds clear the threshold in service/reports/roles.py. A threshold must clear
+many heads' lower bounds clear the threshold in service/reports/role_rules.py. A threshold must clear
 every seed's largest control head (SPEC §7). ``--json PATH`` also writes every head's figures.
 """
 
@@ -112,11 +112,11 @@ def _fmt(x: float | None) -> str:
 
 def thresholds_of(causal: bool) -> dict[str, float]:
     """Each offered role's threshold on the scale printed here (and its probe's, as "<role> probe")."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules
 
-    scaled = {"local": roles.LOCAL_FACTOR, "broad": roles.BROAD_MIN}
+    scaled = {"local": role_rules.LOCAL_FACTOR, "broad": role_rules.BROAD_MIN}
     out = {}
-    for rule in roles.rules_for(causal):
+    for rule in role_rules.rules_for(causal):
         out[rule.role] = scaled.get(rule.role) or rule.threshold({})
         if rule.probe:
             out[f"{rule.role} probe"] = rule.probe_min
@@ -220,12 +220,12 @@ def main() -> None:
         ]
         print(f"{label}: analysed ({time.perf_counter() - started:.0f} s so far)", flush=True)
         with store.checked_read() as conn:
-            from headatlas.service.reports import queries, roles
+            from headatlas.service.reports import attention_kind, queries
 
             windows = queries.run_summary(conn, run.run_id)["windows"]
             real = head_figures(conn, run.run_id)
             by_seed = {s: head_figures(conn, c.run_id) for s, c in enumerate(controls)}
-            causal = roles.causal_run(conn, run.run_id)
+            causal = attention_kind.causal_run(conn, run.run_id)
         figures[label] = {"windows": windows, "real": real, "controls": by_seed, "run_id": run.run_id}
         lines += report(label, real, by_seed, windows, causal)
     print("\n".join(lines))

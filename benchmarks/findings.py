@@ -48,7 +48,7 @@ VARIANTS = (
     ("findings-gate8", ("--gate", "8")),
     ("findings-seq64", ("--seq-len", "64")),
 )
-ROLE_METRICS = {  # role → (metric, scale in the run's context), as service/reports/roles.py reads them
+ROLE_METRICS = {  # role → (metric, scale in the run's context), as service/reports/role_rules.py reads them
     "previous-token": ("attn_to_prev", None),
     "next-token": ("attn_to_next", None),
     "repetition": ("repetition_words_lift_dm", None),
@@ -145,11 +145,11 @@ class Reader:
             return roles.run_context(conn, run.run_id)
 
     def roles(self, run, stability: bool = True) -> tuple[list[str], list[tuple], int]:
-        from headatlas.service.reports import roles
+        from headatlas.service.reports import role_views, roles
 
         with self.store.checked_read() as conn:
             columns, rows = roles.roles(conn, run.run_id, stability=stability)
-        return columns, rows, roles.family_size(columns, rows)
+        return columns, rows, role_views.family_size(columns, rows)
 
     def controls(self, run) -> list:
         from headatlas.service.reports import compare
@@ -305,30 +305,30 @@ def role_table(
     columns: list[str], rows: list[tuple], control_counts: list[dict[str, int]], *, causal: bool = False
 ) -> list[str]:
     """Heads per role the run was offered (a causal run is not offered next-token, [SEP] sink, …)."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_views
 
-    offered = roles.offered_roles(causal)
-    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows)
+    offered = role_rules.offered_roles(causal)
+    counts, stable = role_views.role_counts(columns, rows, offered), role_views.stable_counts(columns, rows)
     seeds = " | ".join(f"control seed {s}" for s in range(len(control_counts)))
     out = [f"| role | heads | stable (both halves) | {seeds} |", "|---|---|---|" + "---|" * len(control_counts)]
     for role, n in counts.items():
-        held = "–" if role == roles.NONE or stable is None else str(stable.get(role, 0))
+        held = "–" if role == role_rules.NONE or stable is None else str(stable.get(role, 0))
         cells = " | ".join(str(c.get(role, 0)) for c in control_counts)
         out.append(f"| {role} | {n} | {held} | {cells} |")
     return out
 
 
 def section_roles(r: Reader, run) -> list[str]:
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_views
 
     columns, rows, family = r.roles(run)
     controls = r.controls(run)
     control_counts = []
     for c in controls:
         c_columns, c_rows, _ = r.roles(c, stability=False)
-        control_counts.append(roles.role_counts(c_columns, c_rows))
-    stable = roles.stable_counts(columns, rows)
-    earned = sum(1 for row in rows if row[columns.index("role")] != roles.NONE)
+        control_counts.append(role_views.role_counts(c_columns, c_rows))
+    stable = role_views.stable_counts(columns, rows)
+    earned = sum(1 for row in rows if row[columns.index("role")] != role_rules.NONE)
     stable_n = sum(stable.values()) if stable else None
     out = [
         "### Roles",
@@ -387,7 +387,7 @@ def section_punct(r: Reader, run, punct) -> list[str]:
 def section_sensitivity(r: Reader, run, variants: list[tuple[str, object]]) -> list[str]:
     """Per run (the default, then one option changed at a time): two lifts by layer, and the
     (head, role) counts earned (Holm over each run's own family)."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_views
 
     out = [
         "### Sensitivity: one option changed at a time",
@@ -401,9 +401,9 @@ def section_sensitivity(r: Reader, run, variants: list[tuple[str, object]]) -> l
     for option, other in [("defaults", run), *variants]:
         layers = r.layers(other)
         columns, rows, _ = r.roles(other, stability=False)
-        counts = roles.role_counts(columns, rows)
-        earned = sum(n for role, n in counts.items() if role != roles.NONE)
-        held = ", ".join(f"{role} {n}" for role, n in counts.items() if n and role != roles.NONE)
+        counts = role_views.role_counts(columns, rows)
+        earned = sum(n for role, n in counts.items() if role != role_rules.NONE)
+        held = ", ".join(f"{role} {n}" for role, n in counts.items() if n and role != role_rules.NONE)
         ws = " ".join(f2(d["within_sentence_lift_dm"], 3) for d in layers)
         rw = " ".join(f2(d["repetition_words_lift_dm"]) for d in layers)
         out.append(f"| {other.name} | {option} | {ws} | {rw} | {earned} | {held or '–'} |")
@@ -433,13 +433,13 @@ def section_baselines(r: Reader, run, half_a, half_b) -> list[str]:
 
 
 def section_decoder(r: Reader, run, dec) -> list[str]:
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_views
 
     columns, rows, family = r.roles(dec)
     control_counts = []
     for c in r.controls(dec):
         c_columns, c_rows, _ = r.roles(c, stability=False)
-        control_counts.append(roles.role_counts(c_columns, c_rows, roles.offered_roles(True)))
+        control_counts.append(role_views.role_counts(c_columns, c_rows, role_rules.offered_roles(True)))
     heads, layers = r.heads(dec), r.layers(dec)
     groups = "{} groups; halves of {} and {}".format(*r.groups(dec))
     out = [

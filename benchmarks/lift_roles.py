@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def earned(db: str, run_id: int | None, rule: str) -> tuple[set, set]:
-    from headatlas.service.reports import intervals, roles
+    from headatlas.service.reports import intervals, role_rules, roles
     from headatlas.service.storage.store import Store
 
     on_log, lift_df = intervals.on_log_scale, intervals.lift_df
@@ -36,8 +36,8 @@ def earned(db: str, run_id: int | None, rule: str) -> tuple[set, set]:
     finally:
         intervals.on_log_scale, intervals.lift_df = on_log, lift_df
     found = [dict(zip(columns, r)) for r in rows]
-    held = {(d["layer"], d["head"], d["role"]) for d in found if d["role"] != roles.NONE}
-    return held, {(d["layer"], d["head"], d["role"]) for d in found if d["role"] != roles.NONE and d["stable"]}
+    held = {(d["layer"], d["head"], d["role"]) for d in found if d["role"] != role_rules.NONE}
+    return held, {(d["layer"], d["head"], d["role"]) for d in found if d["role"] != role_rules.NONE and d["stable"]}
 
 
 def main(argv=None) -> None:

@@ -124,33 +124,41 @@ def query_roles(
     SPEC §7). Heads without a role: "none established". A table also counts each role, and what
     the run's random-weights controls earn. --layer, --head and --role choose the rows shown."""
     from headatlas.service.operations.runs import check_layer_head
-    from headatlas.service.reports import compare, role_effects, roles
+    from headatlas.service.reports import (
+        attention_kind,
+        compare,
+        role_effects,
+        role_rules,
+        role_tests,
+        role_views,
+        roles,
+    )
     from headatlas.service.reports.intervals import groups_held, scheme_of
 
     with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
         check_layer_head(r, layer, head)
-        offered = roles.offered_roles(roles.causal_run(conn, r.run_id))
+        offered = role_rules.offered_roles(attention_kind.causal_run(conn, r.run_id))
         if role is not None:
-            role = roles.check_role(role, offered, f"run {r.run_id} ({r.name})")
+            role = role_views.check_role(role, offered, f"run {r.run_id} ({r.name})")
         names, rows = roles.roles(conn, r.run_id, stability=stability)
         role_names = list(names)  # the roles' own columns, for the counts
         names, rows = role_effects.with_effects(conn, r.run_id, names, rows)  # each head's effect (SPEC §9)
         effect_lines = _role_effect_lines(conn, r.run_id, names, rows)
         n_groups = groups_held(conn, r.run_id)
         controls = [
-            (compare.control_seed(c), c, roles.role_counts(*roles.roles(conn, c.run_id)))
+            (compare.control_seed(c), c, role_views.role_counts(*roles.roles(conn, c.run_id)))
             for c in compare.controls_of(conn, r)
         ]
-    family = roles.family_size(names, rows)
+    family = role_views.family_size(names, rows)
     tested = (
-        f"Holm–Bonferroni over {family} (head, role) tests, α = {roles.ALPHA:g}"
+        f"Holm–Bonferroni over {family} (head, role) tests, α = {role_tests.ALPHA:g}"
         if family
         else "no replicate groups: each value tested against its threshold, uncorrected"
     )
-    note = roles.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
+    note = role_tests.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
     if "induction" in offered:
-        note += f". {roles.PROBE_NOTE}"
+        note += f". {role_tests.PROBE_NOTE}"
     # the probe's columns where a role read a probe score (decoders' induction and duplicate-token)
     probed = any(row[names.index("probe_score")] is not None for row in rows)
     hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
@@ -158,7 +166,7 @@ def query_roles(
     if stability:  # the answer: each role's value and whether it held on each half (evidence in --wide)
         table = [c for c in table if c not in ("primary", "threshold", "p_holm")]
     every = rows
-    rows = roles.filter_roles(names, rows, layer=layer, head=head, role=role)
+    rows = role_views.filter_roles(names, rows, layer=layer, head=head, role=role)
     chosen = [
         f"{flag} {value}"
         for flag, value in (("--layer", layer), ("--head", head), ("--role", role))
@@ -181,7 +189,10 @@ def query_roles(
     if fmt != Format.table:
         return
     role_rows = [row[: len(role_names)] for row in every]  # the counts are the run's, whatever is shown
-    counts, stable = roles.role_counts(role_names, role_rows, offered), roles.stable_counts(role_names, role_rows)
+    counts, stable = (
+        role_views.role_counts(role_names, role_rows, offered),
+        role_views.stable_counts(role_names, role_rows),
+    )
     held = ", ".join(
         f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
         for role, n in counts.items()
@@ -192,7 +203,7 @@ def query_roles(
     if stability and stable is None:
         stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
     for seed, control, control_counts in controls:
-        earned = sum(n for role, n in control_counts.items() if role != roles.NONE)
+        earned = sum(n for role, n in control_counts.items() if role != role_rules.NONE)
         stdout.print(
             f"control seed {seed} (run {control.run_id}, {control.name}): {earned} (head, role) earned",
             markup=False,

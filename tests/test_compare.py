@@ -287,24 +287,24 @@ def test_analyze_control_from_the_command_line(cli, tmp_path, demo_corpus):
 
 # --- the head atlas on the real runs (rules: SPEC §7; known answers: tests/test_roles.py) ------------------
 def test_the_control_earns_almost_no_role_and_the_model_many(conn, stored):
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_views, roles
 
     runs = stored[1]
     counts = {}
     for key in ("real", "control"):
         columns, rows = roles.roles(conn, runs[key].run_id)
-        counts[key] = roles.role_counts(columns, rows)
+        counts[key] = role_views.role_counts(columns, rows)
     heads = runs["real"].n_layers * runs["real"].n_heads
-    assert counts["control"][roles.NONE] >= heads - 2, counts["control"]
+    assert counts["control"][role_rules.NONE] >= heads - 2, counts["control"]
     # 10 windows of one document fill only a few replicate groups (few df), and the role tests are
     # corrected over all 648 (head, role) of the run (SPEC §7): only the clearest roles survive here,
     # the model's positional heads first (a bare lower bound earned 56 [CLS] sinks on the excerpt)
     assert counts["real"]["previous-token"] >= 2 and counts["real"]["next-token"] >= 2
-    assert counts["real"][roles.NONE] < counts["control"][roles.NONE]
+    assert counts["real"][role_rules.NONE] < counts["control"][role_rules.NONE]
 
 
 def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
-    from headatlas.service.reports import queries, roles
+    from headatlas.service.reports import queries, role_rules, role_tests, roles
     from headatlas.service.reports.intervals import clip_interval
 
     db, runs = stored
@@ -322,12 +322,12 @@ def test_query_roles_gives_the_evidence_of_every_role(cli, conn, stored):
     stored_rows = {(r[0], r[1]): dict(zip(columns, r)) for r in rows}
     context = roles.run_context(conn, real.run_id)
     for d in data:
-        if d["role"] == roles.NONE:
+        if d["role"] == role_rules.NONE:
             continue
         metric = stored_rows[(d["layer"], d["head"])]
         assert d["value"] == pytest.approx(metric[d["metric"]])
         assert d["value_lo"] == pytest.approx(clip_interval(d["metric"], metric[d["metric"] + "_lo"], None)[0])
-        assert d["value"] >= d["threshold"] and d["test"] == roles.HOLM and d["p_holm"] <= roles.ALPHA
+        assert d["value"] >= d["threshold"] and d["test"] == role_tests.HOLM and d["p_holm"] <= role_tests.ALPHA
         if d["role"] == "local":
             assert d["threshold"] == pytest.approx(3 * context["short_range_chance"])
 
@@ -361,12 +361,12 @@ def test_the_real_runs_stored_results_equal_the_computed_ones_and_the_roles_view
 
 
 def test_atlas_of_the_stored_run_is_its_primary_roles(conn, stored, tmp_path):
-    from headatlas.service.reports import atlas_plots, plots, roles
+    from headatlas.service.reports import atlas_plots, plots, role_views, roles
 
     real = stored[1]["real"]
     fig, index = atlas_plots.run_atlas(conn, real)
     columns, rows = roles.roles(conn, real.run_id)
-    grid = roles.primary_grid(columns, rows, real.n_layers, real.n_heads)
+    grid = role_views.primary_grid(columns, rows, real.n_layers, real.n_heads)
     drawn = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
     assert [[atlas_plots.ATLAS_ROLES[int(v)] for v in line] for line in drawn] == grid
     width, height = atlas_plots.atlas_size(real.n_layers, real.n_heads)

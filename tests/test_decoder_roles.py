@@ -21,9 +21,9 @@ BIDIRECTIONAL = {"short_range_chance": 0.064, "uniform_entropy": LN_N}
 
 def iv(value, se):
     """(value, lo, hi) whose 95% interval has jackknife standard error ``se``."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_tests
 
-    half = roles.interval_quantile(GROUPS) * se
+    half = role_tests.interval_quantile(GROUPS) * se
     return value, value - half, value + half
 
 
@@ -52,8 +52,8 @@ def head(layer, h, probe=None, **metrics):
 
 
 def hand_rows(with_probe: bool):
-    """t = (value − threshold) / se, thresholds from service/reports/roles.py."""
-    from headatlas.service.reports.roles import DUP_MIN, FIRST_SINK_MIN, INDUCTION_MIN
+    """t = (value − threshold) / se, thresholds from service/reports/role_rules.py."""
+    from headatlas.service.reports.role_rules import DUP_MIN, FIRST_SINK_MIN, INDUCTION_MIN
 
     p = (lambda ind, dup: (ind, dup)) if with_probe else (lambda ind, dup: None)
     return [
@@ -78,19 +78,19 @@ def hand_rows(with_probe: bool):
 
 
 def by_head(rows, context, groups=GROUPS):
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_tests
 
     out: dict[tuple, list[dict]] = {}
-    for r in roles.assign(rows, context, groups=groups):
-        d = dict(zip(roles.COLUMNS, r))
+    for r in role_tests.assign(rows, context, groups=groups):
+        d = dict(zip(role_tests.COLUMNS, r))
         out.setdefault((d["layer"], d["head"]), []).append(d)
     return out
 
 
 def test_causal_runs_are_offered_the_decoder_roles_only():
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules
 
-    assert roles.offered_roles(True) == (
+    assert role_rules.offered_roles(True) == (
         "previous-token",
         "induction",
         "duplicate-token",
@@ -99,7 +99,7 @@ def test_causal_runs_are_offered_the_decoder_roles_only():
         "punctuation",
         "first-token sink",
     )
-    assert roles.offered_roles(False) == (
+    assert role_rules.offered_roles(False) == (
         "previous-token",
         "next-token",
         "repetition",
@@ -113,27 +113,27 @@ def test_causal_runs_are_offered_the_decoder_roles_only():
 
 
 def test_decoder_roles_known_answers_with_a_probe():
-    from headatlas.service.reports import roles, significance
+    from headatlas.service.reports import role_rules, significance
 
     got = by_head(hand_rows(with_probe=True), CAUSAL)
     assert {k: [d["role"] for d in v] for k, v in got.items()} == {
         (0, 0): ["induction"],
-        (0, 1): [roles.NONE],  # the corpus test rejects, the probe score (0.01) is under its threshold
-        (0, 2): [roles.NONE],  # the probe clears, the corpus test does not reject
+        (0, 1): [role_rules.NONE],  # the corpus test rejects, the probe score (0.01) is under its threshold
+        (0, 2): [role_rules.NONE],  # the probe clears, the corpus test does not reject
         (1, 0): ["duplicate-token"],
         (1, 1): ["first-token sink"],  # no [CLS] sink, [SEP] sink, next-token or broad in a causal run
         (1, 2): ["previous-token"],
-        (2, 0): [roles.NONE],  # random decoders reach 1.2: the causal bound is 1.25; local is not offered
+        (2, 0): [role_rules.NONE],  # random decoders reach 1.2: the causal bound is 1.25; local is not offered
     }
     # 7 heads × 7 offered roles: next-token, local, [CLS] sink, [SEP] sink and broad are not in the family
     assert {d["family"] for v in got.values() for d in v} == {49}
     ind = got[(0, 0)][0]
-    assert ind["metric"] == "induction_lift" and ind["threshold"] == roles.INDUCTION_MIN
+    assert ind["metric"] == "induction_lift" and ind["threshold"] == role_rules.INDUCTION_MIN
     assert ind["p"] == pytest.approx(significance.t_sf(10.0, 15), rel=1e-9)
-    assert ind["probe_score"] == 0.9 and ind["probe_min"] == roles.INDUCTION_PROBE_MIN
+    assert ind["probe_score"] == 0.9 and ind["probe_min"] == role_rules.INDUCTION_PROBE_MIN
     assert "induction_score" in ind["rule"]
     dup = got[(1, 0)][0]
-    assert dup["probe_score"] == 0.8 and dup["probe_min"] == roles.DUP_PROBE_MIN
+    assert dup["probe_score"] == 0.8 and dup["probe_min"] == role_rules.DUP_PROBE_MIN
     sink = got[(1, 1)][0]
     assert sink["metric"] == "attn_to_first_lift" and sink["probe_score"] is None and sink["probe_min"] is None
     assert sink["p"] == pytest.approx(significance.t_sf(10.0, 15), rel=1e-9)
@@ -141,29 +141,29 @@ def test_decoder_roles_known_answers_with_a_probe():
 
 
 def test_without_a_probe_the_corpus_test_alone_decides():
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_tests
 
     got = by_head(hand_rows(with_probe=False), CAUSAL)
     assert [d["role"] for d in got[(0, 0)]] == ["induction"]
     assert [d["role"] for d in got[(0, 1)]] == ["induction"]  # nothing to fail: no probe
-    assert [d["role"] for d in got[(0, 2)]] == [roles.NONE]
+    assert [d["role"] for d in got[(0, 2)]] == [role_rules.NONE]
     assert got[(0, 1)][0]["probe_score"] is None and got[(0, 1)][0]["probe_min"] is None
     # runs without replicate groups: values tested, the probe still a condition
     values = by_head(hand_rows(with_probe=True), CAUSAL, groups=None)
-    assert [d["role"] for d in values[(0, 1)]] == [roles.NONE]
+    assert [d["role"] for d in values[(0, 1)]] == [role_rules.NONE]
     assert [d["role"] for d in values[(0, 2)]] == ["induction"]  # 3.2 ≥ 3: the value holds
-    assert values[(0, 2)][0]["test"] == roles.VALUE_TEST
+    assert values[(0, 2)][0]["test"] == role_tests.VALUE_TEST
 
 
 def test_the_same_rows_in_a_bidirectional_run_get_the_encoder_roles():
     """The decoder roles are not offered; next-token, local, [CLS] sink, [SEP] sink and broad are."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules
 
     got = by_head(hand_rows(with_probe=True), BIDIRECTIONAL)
     assert [d["role"] for d in got[(0, 0)]] == ["broad"]
     assert [d["role"] for d in got[(1, 1)]] == ["next-token", "[CLS] sink", "[SEP] sink", "broad"]
     assert [d["role"] for d in got[(2, 0)]] == ["sentence-bound", "local", "broad"]
-    assert got[(2, 0)][0]["threshold"] == roles.SENTENCE_MIN
+    assert got[(2, 0)][0]["threshold"] == role_rules.SENTENCE_MIN
     assert {d["family"] for v in got.values() for d in v} == {63}  # 7 heads × 9 roles
 
 
@@ -171,7 +171,7 @@ def test_a_run_is_causal_when_no_row_sees_its_next_token(tmp_path):
     """next_rows sums to 0: causal; NULL (runs stored before it, all bidirectional) or > 0: not."""
     from sqlalchemy import text
 
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import attention_kind
     from headatlas.service.storage.db import transaction
     from headatlas.service.storage.store import Store
     from tests.test_role_stability import hand_run
@@ -179,27 +179,27 @@ def test_a_run_is_causal_when_no_row_sees_its_next_token(tmp_path):
     path = tmp_path / "hand.duckdb"
     run = hand_run(path)
     with Store(path).checked_read() as conn:
-        assert roles.causal_run(conn, run) is False  # next_rows NULL
-        assert roles.causal_run(conn, 999) is False  # no such run
+        assert attention_kind.causal_run(conn, run) is False  # next_rows NULL
+        assert attention_kind.causal_run(conn, 999) is False  # no such run
     for value, causal in ((0, True), (5, False)):
         with transaction(path) as conn:
             conn.execute(text("UPDATE run_chance SET next_rows = :v WHERE run_id = :r"), {"v": value, "r": run})
         with Store(path).checked_read() as conn:
-            assert roles.causal_run(conn, run) is causal
+            assert attention_kind.causal_run(conn, run) is causal
 
 
 def test_atlas_codes_the_decoder_roles_and_lists_the_offered_ones():
-    from headatlas.service.reports import atlas_plots, roles
+    from headatlas.service.reports import atlas_plots, role_rules, role_tests
 
-    filler = [None] * (len(roles.COLUMNS) - 4)
+    filler = [None] * (len(role_tests.COLUMNS) - 4)
     rows = [
         (0, 0, "induction", True, *filler),
         (0, 1, "duplicate-token", True, *filler),
         (1, 0, "first-token sink", True, *filler),
-        (1, 1, roles.NONE, True, *filler),
+        (1, 1, role_rules.NONE, True, *filler),
     ]
     fig, index = atlas_plots.figure_atlas(
-        list(roles.COLUMNS), rows, n_layers=2, n_heads=2, title="decoder", offered=roles.offered_roles(True)
+        list(role_tests.COLUMNS), rows, n_layers=2, n_heads=2, title="decoder", offered=role_rules.offered_roles(True)
     )
     texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
     assert texts == {(0, 0): "I", (0, 1): "D", (1, 0): "F"}
@@ -223,7 +223,7 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
     corpus lift near 1. The same run with the thresholds lowered to nothing earns induction on
     every head that has a value, so the rule does reach these rows; and a probe threshold no score
     reaches takes it away again (the probe condition end to end)."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules
 
     db = tmp_path / "dec.duckdb"
     common = ("analyze", str(small_corpus), "--db", str(db), "-m", "random:llama", "--device", "cpu", "-q")
@@ -243,7 +243,7 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
     assert "attn_to_first_lift_lo" in layers[0]
     table = invoke("query", "layers", "--db", str(db), "--run", "1")
     assert "attn_to_first_lift" in table and "attn_to_cls" not in table
-    assert max(h["induction_score"] for h in heads) < roles.INDUCTION_PROBE_MIN
+    assert max(h["induction_score"] for h in heads) < role_rules.INDUCTION_PROBE_MIN
 
     rows = json.loads(invoke("query", "roles", "--db", str(db), "--run", "1", "--format", "json"))
     assert "induction" not in {r["role"] for r in rows}
@@ -272,7 +272,7 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
     layer = json.loads(invoke(*base, "--layer", "0"))
     assert layer == [r for r in rows if r["layer"] == 0] and {r["head"] for r in layer} == {0, 1, 2, 3}
     none = json.loads(invoke(*base, "--role", "none"))
-    assert none == [r for r in rows if r["role"] == roles.NONE]
+    assert none == [r for r in rows if r["role"] == role_rules.NONE]
     assert json.loads(invoke(*base, "--role", "Induction")) == []  # offered, held by no head here
     filtered = invoke("query", "roles", "--db", str(db), "--run", "1", "--layer", "1")
     assert f"4 of its {len(rows)} rows (--layer 1)" in " ".join(filtered.split())
@@ -291,12 +291,12 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
         assert refused.exit_code == 2 and said in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
     lowered = [
-        roles.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 0.0)
+        role_rules.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 0.0)
         if r.role == "induction"
         else r
-        for r in roles.RULES
+        for r in role_rules.RULES
     ]
-    monkeypatch.setattr(roles, "RULES", tuple(lowered))
+    monkeypatch.setattr(role_rules, "RULES", tuple(lowered))
     # the run's roles were stored when it finished, under the rules of the code: with rules changed
     # in the process they are derived again (the stored results' key names the code, not a patch)
     with run_results.computed():
@@ -305,12 +305,12 @@ def test_query_roles_on_a_random_decoder_with_the_probe(tmp_path, small_corpus, 
     assert len(induction) == n_heads and all(0.0 < r["probe_score"] < 1.0 for r in induction)
 
     unreachable = [
-        roles.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 1.01)
+        role_rules.Rule(r.role, r.metric, r.side, lambda c: 0.0, r.rule, r.kinds, r.probe, 1.01)
         if r.role == "induction"
         else r
-        for r in roles.RULES
+        for r in role_rules.RULES
     ]
-    monkeypatch.setattr(roles, "RULES", tuple(unreachable))
+    monkeypatch.setattr(role_rules, "RULES", tuple(unreachable))
     with run_results.computed():
         rows = json.loads(invoke("query", "roles", "--db", str(db), "--run", "1", "--format", "json"))
     assert "induction" not in {r["role"] for r in rows}

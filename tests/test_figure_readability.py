@@ -120,12 +120,12 @@ def test_layers_label_every_axis_on_the_right(conn, stored):
 
 
 def test_atlas_role_codes_are_letters_never_a_dot():
-    from headatlas.service.reports import atlas_plots, roles
+    from headatlas.service.reports import atlas_plots, role_rules, role_tests
 
-    codes = [atlas_plots.ROLE_CODES[r] for r in roles.ROLE_ORDER]
+    codes = [atlas_plots.ROLE_CODES[r] for r in role_rules.ROLE_ORDER]
     assert all(re.fullmatch("[A-Z]", c) for c in codes), codes
     assert len(set(codes)) == len(codes)
-    columns = list(roles.COLUMNS)
+    columns = list(role_tests.COLUMNS)
     filler = [None] * (len(columns) - 4)
     rows = [(0, 0, "previous-token", True, *filler), (0, 0, "punctuation", False, *filler)]
     rows += [(0, 1, "punctuation", True, *filler)]
@@ -244,13 +244,15 @@ def test_distances_of_31_layers_get_a_colour_bar_not_31_legend_entries():
 
 
 def test_atlas_and_heads_of_smollm2s_shape_keep_a_long_title_inside():
-    from headatlas.service.reports import atlas_plots, plots, roles
+    from headatlas.service.reports import atlas_plots, plots, role_rules, role_tests
 
-    columns = list(roles.COLUMNS)
+    columns = list(role_tests.COLUMNS)
     filler = [None] * (len(columns) - 4)
-    rows = [(l, h, "first-token sink" if l > 2 else roles.NONE, True, *filler) for l in range(30) for h in range(9)]
+    rows = [
+        (l, h, "first-token sink" if l > 2 else role_rules.NONE, True, *filler) for l in range(30) for h in range(9)
+    ]
     fig, _ = atlas_plots.figure_atlas(
-        columns, rows, n_layers=30, n_heads=9, title=DECODER_TITLE, offered=roles.offered_roles(True)
+        columns, rows, n_layers=30, n_heads=9, title=DECODER_TITLE, offered=role_rules.offered_roles(True)
     )
     check_text_inside(fig)
     values = np.random.default_rng(2).uniform(0.5, 3, size=(30, 9))

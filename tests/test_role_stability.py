@@ -89,7 +89,7 @@ def test_stability_on_hand_made_groups(hand):
     """Both heads earn previous-token on the whole run; head 1 holds it on the even groups only,
     so it is unstable. By hand: head 1's value 0.545, its jackknife se 0.0917 (the groups
     alternate 0.9 / 0.19), t = 3.76 with 15 df; Holm multiplies its p by 17 (rank 2 of 18)."""
-    from headatlas.service.reports import roles, significance
+    from headatlas.service.reports import role_views, roles, significance
     from headatlas.service.storage.store import Store
 
     path, run = hand
@@ -108,12 +108,12 @@ def test_stability_on_hand_made_groups(hand):
     assert (head1["half_a"], head1["half_b"], head1["stable"]) == (True, False, False)
     head0 = got[(0, 0, "previous-token")]
     assert (head0["half_a"], head0["half_b"], head0["stable"]) == (True, True, True)
-    assert roles.stable_counts(columns, rows)["previous-token"] == 1
-    assert roles.role_counts(columns, rows)["previous-token"] == 2
+    assert role_views.stable_counts(columns, rows)["previous-token"] == 1
+    assert role_views.role_counts(columns, rows)["previous-token"] == 2
 
 
 def test_a_half_has_its_own_metrics_and_jackknife(hand):
-    from headatlas.service.reports import halves, roles
+    from headatlas.service.reports import halves, role_rules
     from headatlas.service.reports.intervals import jackknife_halfwidth
     from headatlas.service.storage.store import Store
 
@@ -121,7 +121,7 @@ def test_a_half_has_its_own_metrics_and_jackknife(hand):
     with Store(path).checked_read() as conn:
         groups = halves.run_groups(conn, run)
         even, odd = halves.split(groups)
-        columns, rows, context = halves.head_rows(conn, run, odd, roles.ROLE_METRICS)
+        columns, rows, context = halves.head_rows(conn, run, odd, role_rules.ROLE_METRICS)
     assert groups == list(GROUPS) and even == list(range(0, 16, 2)) and odd == list(range(1, 16, 2))
     head1 = dict(zip(columns, rows[1]))
     sums = np.array([prev_sum(1, g) for g in odd], dtype=float)
@@ -180,13 +180,13 @@ def test_control_2_stores_two_controls_with_different_weights(tiny_db, tiny_mode
 
 
 def test_halves_over_every_group_are_the_views(tiny_db):
-    from headatlas.service.reports import halves, queries, roles
+    from headatlas.service.reports import halves, queries, role_rules, roles
     from headatlas.service.storage.store import Store
 
     db, ids = tiny_db
     with Store(db).checked_read() as conn:
         groups = halves.run_groups(conn, ids[0])
-        columns, rows, context = halves.head_rows(conn, ids[0], groups, roles.ROLE_METRICS)
+        columns, rows, context = halves.head_rows(conn, ids[0], groups, role_rules.ROLE_METRICS)
         # the intervals the role tests read, with their degrees of freedom (what a table shows is
         # clipped to each range)
         view_columns, view_rows = queries.heads(conn, ids[0], anchors=0, ci=True, clip=False, with_df=True)
@@ -203,7 +203,7 @@ def test_query_roles_stability_from_the_command_line(tiny_db):
     from typer.testing import CliRunner
 
     from headatlas.cli.main import app
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules
 
     db, ids = tiny_db
     runner = CliRunner()
@@ -215,7 +215,7 @@ def test_query_roles_stability_from_the_command_line(tiny_db):
     for d in data:  # stable: held on both halves; no role, or halves too few to test: nothing to hold
         halves = [d["half_a"], d["half_b"]]
         assert d["stable"] == (None if None in halves else all(halves)), d
-        if d["role"] == roles.NONE:
+        if d["role"] == role_rules.NONE:
             assert halves == [None, None], d
     table = runner.invoke(app, ["query", "roles", "--run", "two", "--stability", "--db", str(db)])
     assert table.exit_code == 0, table.output

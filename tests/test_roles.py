@@ -42,25 +42,25 @@ GROUPS = 16  # replicate groups behind the hand-made intervals: t with 15 df
 def iv(value, se):
     """A metric cell whose 95% interval has jackknife standard error ``se`` (whatever the
     interval's quantile is: it is read back from service.reports.intervals)."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_tests
 
-    half = roles.interval_quantile(GROUPS) * se
+    half = role_tests.interval_quantile(GROUPS) * se
     return value, value - half, value + half
 
 
 def earned(rows, groups=GROUPS):
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_tests
 
     out = {}
-    for r in roles.assign(rows, CONTEXT, groups=groups):
-        d = dict(zip(roles.COLUMNS, r))
+    for r in role_tests.assign(rows, CONTEXT, groups=groups):
+        d = dict(zip(role_tests.COLUMNS, r))
         out.setdefault((d["layer"], d["head"]), []).append(d)
     return out
 
 
 def hand_heads():
     """(head, its metrics as (value, se)); t = (value − threshold) / se, 15 df."""
-    from headatlas.service.reports.roles import REPETITION_MIN, SENTENCE_MIN
+    from headatlas.service.reports.role_rules import REPETITION_MIN, SENTENCE_MIN
 
     return [
         ((0, 0), {"attn_to_prev": (0.9, 0.01), "short_range_share": (0.5, 0.01)}),  # t = 70 and 31
@@ -86,7 +86,7 @@ def hand_rows():
 def test_roles_known_answers():
     """Updated with the rule (SPEC §7, second turn): a role is a one-sided t test corrected by
     Holm over the run's family, no longer a bare lower bound; intervals are built from se."""
-    from headatlas.service.reports import roles, significance
+    from headatlas.service.reports import role_tests, significance
 
     got = earned(hand_rows())
     roles_of = {k: [d["role"] for d in v] for k, v in got.items()}
@@ -107,10 +107,10 @@ def test_roles_known_answers():
     # 10 heads × 9 roles, every threshold defined: one family of 90 tests, named on every row
     assert {d["family"] for v in got.values() for d in v} == {90}
     local = got[(1, 2)][0]
-    assert local["threshold"] == pytest.approx(3 * 0.064) and local["test"] == roles.HOLM
+    assert local["threshold"] == pytest.approx(3 * 0.064) and local["test"] == role_tests.HOLM
     assert local["value"] == 0.25 and local["value_lo"] < 0.25 < local["value_hi"]
     assert local["p"] == pytest.approx(significance.t_sf((0.25 - 3 * 0.064) / 0.005, 15), rel=1e-9)
-    assert local["p"] <= local["p_holm"] <= 90 * local["p"] and local["p_holm"] <= roles.ALPHA
+    assert local["p"] <= local["p_holm"] <= 90 * local["p"] and local["p_holm"] <= role_tests.ALPHA
     assert "short_range_chance" in local["rule"]
     sep = got[(2, 2)][1]
     assert sep["role"] == "[SEP] sink" and sep["p"] == pytest.approx(significance.t_sf(5.0, 15), rel=1e-9)
@@ -125,23 +125,23 @@ def test_roles_known_answers():
 def test_a_role_that_clears_its_interval_but_not_the_correction_is_not_earned():
     """Head (1, 1) alone: a family of its 9 tests, the other 8 at chance (p near 1), so its own
     p = 0.01 ranks first and Holm multiplies it by 9: 0.09 > 0.05, earned only at α = 0.1."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_tests
 
     alone = [r for r in hand_rows() if (r["layer"], r["head"]) == (1, 1)]
-    assert [r[2] for r in roles.assign(alone, CONTEXT, groups=GROUPS)] == [roles.NONE]
-    tests = [dict(zip(roles.COLUMNS, r)) for r in roles.assign(alone, CONTEXT, groups=GROUPS, alpha=0.1)]
+    assert [r[2] for r in role_tests.assign(alone, CONTEXT, groups=GROUPS)] == [role_rules.NONE]
+    tests = [dict(zip(role_tests.COLUMNS, r)) for r in role_tests.assign(alone, CONTEXT, groups=GROUPS, alpha=0.1)]
     assert [t["role"] for t in tests] == ["sentence-bound"]
     assert tests[0]["p"] == pytest.approx(0.01, abs=2e-5) and tests[0]["family"] == 9
     assert tests[0]["p_holm"] == pytest.approx(9 * tests[0]["p"], rel=1e-12)
 
 
 def test_runs_without_intervals_test_the_value_and_say_so():
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_tests
 
     got = earned(hand_rows(), groups=None)
     # (0, 1): value 0.3 ≥ 0.2 with no interval to test: earned by value
     d = got[(0, 1)][0]
-    assert d["role"] == "previous-token" and d["test"] == roles.VALUE_TEST
+    assert d["role"] == "previous-token" and d["test"] == role_tests.VALUE_TEST
     assert d["p"] is None and d["p_holm"] is None and d["family"] is None
     # in a run with groups, a head whose interval is undefined cannot be tested
     row = head(0, 0, attn_to_punct_lift=1.8)
@@ -157,16 +157,16 @@ def test_undefined_metrics_earn_nothing():
 def _hand_run(n_layers, n_heads):
     """Hand-built roles of a run: head (l, h) gets the role numbered (l + h) % 10 (with
     ``none established`` as 9) and, on even heads, ``[CLS] sink`` as a second role."""
-    from headatlas.service.reports import atlas_plots, roles
+    from headatlas.service.reports import atlas_plots, role_rules, role_tests
 
     rows = []
     for l in range(n_layers):
         for h in range(n_heads):
             primary = atlas_plots.ATLAS_ROLES[(l + h) % len(atlas_plots.ATLAS_ROLES)]
-            rows.append((l, h, primary, True, *[None] * (len(roles.COLUMNS) - 4)))
-            if h % 2 == 0 and primary not in ("[CLS] sink", roles.NONE):
-                rows.append((l, h, "[CLS] sink", False, *[None] * (len(roles.COLUMNS) - 4)))
-    return list(roles.COLUMNS), rows
+            rows.append((l, h, primary, True, *[None] * (len(role_tests.COLUMNS) - 4)))
+            if h % 2 == 0 and primary not in ("[CLS] sink", role_rules.NONE):
+                rows.append((l, h, "[CLS] sink", False, *[None] * (len(role_tests.COLUMNS) - 4)))
+    return list(role_tests.COLUMNS), rows
 
 
 @pytest.mark.parametrize("shape", [(12, 12), (24, 16)])
@@ -201,7 +201,7 @@ def test_atlas_figure_shows_each_heads_primary_role_readably(shape, tmp_path):
 def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
     """Such a run (built by hand as headatlas stored it then) has no intervals: compare says so
     instead of a verdict; roles test the values (known answers: none here)."""
-    from headatlas.service.reports import compare, roles
+    from headatlas.service.reports import compare, role_rules, roles
     from headatlas.service.storage import db
     from headatlas.service.storage.store import Store, resolve_run
     from tests.test_baselines import database_at_0005, insert_old_run
@@ -224,7 +224,7 @@ def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
     # (6.0 + 3.0) / 3 = 3× uniform attention (< 10); all similar pairs are within 4 tokens, but so
     # are 148 of the 150 pairs of these 8-token windows (3 × chance > 1); entropy 15/36 and 18/36
     # nats against ln 12: no role for either head
-    assert [(r[0], r[1], r[2]) for r in rows] == [(0, 0, roles.NONE), (0, 1, roles.NONE)]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(0, 0, role_rules.NONE), (0, 1, role_rules.NONE)]
 
 
 # --- the t distribution and Holm–Bonferroni (service.reports.significance) ----------------------------
@@ -269,29 +269,29 @@ def test_holm_known_answers():
 def test_the_standard_error_is_read_back_from_the_interval():
     """se = half-width / q holds for whatever quantile service.reports.intervals uses: it equals
     the jackknife's sqrt((R − 1)/R · Σ (θ_(g) − θ̄)²) computed here by hand."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_tests
     from headatlas.service.reports.intervals import jackknife_halfwidth
 
     rng = np.random.default_rng(3)
     for r in (2, 5, 16):
         loo = rng.normal(1.0, 0.2, r)
         se = math.sqrt((r - 1) / r * float(((loo - loo.mean()) ** 2).sum()))
-        assert jackknife_halfwidth(list(loo)) / roles.interval_quantile(r) == pytest.approx(se, rel=1e-12)
-    assert roles.interval_quantile(1) is None
+        assert jackknife_halfwidth(list(loo)) / role_tests.interval_quantile(r) == pytest.approx(se, rel=1e-12)
+    assert role_tests.interval_quantile(1) is None
 
 
 def test_atlas_marks_roles_that_do_not_hold_on_both_halves():
     from matplotlib.patches import Rectangle
 
-    from headatlas.service.reports import atlas_plots, roles
+    from headatlas.service.reports import atlas_plots, role_rules, role_tests, roles
 
-    columns = [*roles.COLUMNS, *roles.STABILITY_COLUMNS]
-    filler = [None] * (len(roles.COLUMNS) - 4)
+    columns = [*role_tests.COLUMNS, *roles.STABILITY_COLUMNS]
+    filler = [None] * (len(role_tests.COLUMNS) - 4)
     rows = [
         (0, 0, "previous-token", True, *filler, True, True, True),
         (0, 0, "local", False, *filler, True, False, False),  # unstable, not primary: "?" only
         (0, 1, "[CLS] sink", True, *filler, False, True, False),  # unstable primary: hatched
-        (1, 0, roles.NONE, True, *filler, None, None, None),
+        (1, 0, role_rules.NONE, True, *filler, None, None, None),
         (1, 1, "broad", True, *filler, True, True, True),
     ]
     fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=2, n_heads=2, title="hand-built")
@@ -303,7 +303,7 @@ def test_atlas_marks_roles_that_do_not_hold_on_both_halves():
     assert legend[0] == "P  previous-token (1, 1 stable)" and "not held on both halves" in legend[-1]
     # without stability columns nothing is marked
     plain, _ = atlas_plots.figure_atlas(
-        list(roles.COLUMNS), [r[: len(roles.COLUMNS)] for r in rows], n_layers=2, n_heads=2, title="plain"
+        list(role_tests.COLUMNS), [r[: len(role_tests.COLUMNS)] for r in rows], n_layers=2, n_heads=2, title="plain"
     )
     assert not [p for p in plain.axes[0].patches if p.get_hatch()]
 
@@ -313,7 +313,7 @@ def test_a_lift_is_tested_on_the_interval_query_heads_shows():
     the interval's own degrees of freedom. 16 leave-one-group-out attn_to_punct_lift values, one
     group standing apart (a document dense in '.'/','): lift_df falls below 15, and p =
     P(T_df > (ln θ − ln 1.5) / se(ln θ)), not the linear test with 15 df."""
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import role_rules, role_tests
     from headatlas.service.reports.intervals import add_intervals, jackknife_halfwidth, lift_df, t95
     from headatlas.service.reports.significance import t_sf
 
@@ -336,10 +336,10 @@ def test_a_lift_is_tested_on_the_interval_query_heads_shows():
     assert shown["attn_to_punct_lift_lo"] == pytest.approx(value * math.exp(-t95(df) * se), rel=1e-12)
     row = head(0, 0)
     row.update({k: v for k, v in shown.items() if k.startswith("attn_to_punct_lift")})
-    tests = [dict(zip(roles.COLUMNS, r)) for r in roles.assign([row], CONTEXT, groups=GROUPS, alpha=1.0)]
+    tests = [dict(zip(role_tests.COLUMNS, r)) for r in role_tests.assign([row], CONTEXT, groups=GROUPS, alpha=1.0)]
     punct = next(t for t in tests if t["metric"] == "attn_to_punct_lift")
-    assert punct["p"] == pytest.approx(t_sf((math.log(value) - math.log(roles.PUNCT_MIN)) / se, df), rel=1e-9)
+    assert punct["p"] == pytest.approx(t_sf((math.log(value) - math.log(role_rules.PUNCT_MIN)) / se, df), rel=1e-9)
     assert (punct["value_lo"], punct["value_hi"]) == (shown["attn_to_punct_lift_lo"], shown["attn_to_punct_lift_hi"])
     linear_se = jackknife_halfwidth(loo) / t95(15)
     # the test before (the symmetric linear interval, 15 df) gave another p: 0.125 against 0.099
-    assert punct["p"] != pytest.approx(t_sf((value - roles.PUNCT_MIN) / linear_se, 15), rel=0.05)
+    assert punct["p"] != pytest.approx(t_sf((value - role_rules.PUNCT_MIN) / linear_se, 15), rel=0.05)

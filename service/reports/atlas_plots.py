@@ -15,7 +15,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.metrics import chance_centre
-from headatlas.service.reports import compare, roles
+from headatlas.service.reports import attention_kind, compare, role_rules, role_views, roles
 from headatlas.service.reports.plots import _col, _err, _title, interval_caption, new_figure, suptitle
 
 ROLE_COLOURS = {
@@ -31,7 +31,7 @@ ROLE_COLOURS = {
     "first-token sink": "#c49c94",
     "[SEP] sink": "#e377c2",
     "broad": "#bcbd22",
-    roles.NONE: "#e4e4e4",
+    role_rules.NONE: "#e4e4e4",
 }
 ROLE_CODES = {
     "previous-token": "P",
@@ -46,9 +46,9 @@ ROLE_CODES = {
     "first-token sink": "F",
     "[SEP] sink": "E",
     "broad": "B",
-    roles.NONE: "",
+    role_rules.NONE: "",
 }
-ATLAS_ROLES = (*roles.ROLE_ORDER, roles.NONE)
+ATLAS_ROLES = (*role_rules.ROLE_ORDER, role_rules.NONE)
 UNSTABLE_HATCH = "////"
 UNSTABLE_MARK = "?"  # after a role's letter: the role does not hold on both halves
 
@@ -76,11 +76,11 @@ def figure_atlas(
     """Layer × head grid coloured by each head's primary role; each cell lists the codes of every
     role the head holds (legend: code and colour). Where ``rows`` carry stability (``query roles
     --stability``), a cell whose primary role does not hold on both halves is hatched and an
-    unstable role's code is followed by ``?``. ``offered``: the run's roles (``roles.offered_roles``),
+    unstable role's code is followed by ``?``. ``offered``: the run's roles (``role_rules.offered_roles``),
     the legend's entries; default every role. ``shade``: (metric, ``[layer, head]`` values) colours
     the cells by that metric (e.g. ``effect_mean``, SPEC §9) instead of the role, the role codes
     written over it. Returns (figure, role index grid)."""
-    grid = roles.primary_grid(columns, rows, n_layers, n_heads)
+    grid = role_views.primary_grid(columns, rows, n_layers, n_heads)
     index = np.full((n_layers, n_heads), np.nan)
     for (l, h), _ in np.ndenumerate(index):
         if grid[l][h] is not None:
@@ -91,7 +91,7 @@ def figure_atlas(
     si = columns.index("stable") if "stable" in columns else None
     for r in rows:
         held.setdefault((r[li], r[hi]), []).append(r[ri])
-        if si is not None and r[ri] != roles.NONE and r[si] is False:
+        if si is not None and r[ri] != role_rules.NONE and r[si] is False:
             unstable.add((r[li], r[hi], r[ri]))
     fig = new_figure(*atlas_size(n_layers, n_heads))
     ax = fig.subplots()
@@ -140,9 +140,9 @@ def figure_atlas(
     ax.grid(which="minor", color="white", lw=1.5)
     ax.tick_params(which="minor", length=0)
     ax.set(xlabel="head", ylabel="layer", title="primary role per head (letters: every role held)")
-    listed = roles.ROLE_ORDER if offered is None else offered
-    counts = roles.role_counts(columns, rows, listed)
-    stable = roles.stable_counts(columns, rows)
+    listed = role_rules.ROLE_ORDER if offered is None else offered
+    counts = role_views.role_counts(columns, rows, listed)
+    stable = role_views.stable_counts(columns, rows)
     handles = [
         Patch(
             facecolor=ROLE_COLOURS[r],
@@ -190,7 +190,7 @@ def run_atlas(conn, run, *, colour: str | None = None) -> tuple:
     from headatlas.service.reports.columns import HEAD_COLUMNS, unknown_metric
 
     columns, rows = roles.roles(conn, run.run_id, stability=True)
-    offered = roles.offered_roles(roles.causal_run(conn, run.run_id))
+    offered = role_rules.offered_roles(attention_kind.causal_run(conn, run.run_id))
     shade = None
     if colour is not None:
         if colour not in HEAD_COLUMNS[2:-1]:

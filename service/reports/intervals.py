@@ -366,7 +366,7 @@ def add_intervals(
     formed on the log scale with its own degrees of freedom (``jackknife_interval``);
     ``log_lifts=False``: the symmetric linear one with R − 1 (kept for comparison: what every
     interval was before). ``with_df``: also ``<metric>_df`` after ``<metric>_hi``, the degrees of
-    freedom of the t quantile behind the interval (what the role tests read, roles.py, with the
+    freedom of the t quantile behind the interval (what the role tests read, role_tests.py, with the
     unclipped bounds). ``groups_of``: for a metric measured on some windows only (the causal
     effects, SPEC §9), the groups that hold those windows: its jackknife drops these alone.
     """

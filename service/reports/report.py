@@ -249,24 +249,24 @@ lists the {N_ANCHORS} most frequent anchors with the share of windows they ancho
 def _atlas_section(conn, run) -> str:
     """The head atlas (SPEC §7): the role grid, heads per role with their stability, and each
     role's evidence."""
-    from headatlas.service.reports import atlas_plots, plots, roles
+    from headatlas.service.reports import atlas_plots, attention_kind, plots, role_rules, role_tests, role_views, roles
 
     columns, rows = roles.roles(conn, run.run_id, stability=True)
-    causal = roles.causal_run(conn, run.run_id)
-    offered = roles.offered_roles(causal)
+    causal = attention_kind.causal_run(conn, run.run_id)
+    offered = role_rules.offered_roles(causal)
     fig, _ = atlas_plots.figure_atlas(
         columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=plots._title(run), offered=offered
     )
-    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows) or {}
+    counts, stable = role_views.role_counts(columns, rows, offered), role_views.stable_counts(columns, rows) or {}
     # the rules this run was tested with (a role's threshold may differ for causal runs)
-    rules = {r.role: r.rule for r in roles.rules_for(causal)}
+    rules = {r.role: r.rule for r in role_rules.rules_for(causal)}
     count_html = _table(
         ["role", "heads", "stable", "rule"],
         [(r, n, stable.get(r), rules.get(r, "")) for r, n in counts.items()],
         text_columns=("role", "rule"),
     )
     evidence_html = _table(columns, rows, text_columns=("role", "metric", "test", "rule"))
-    family = roles.family_size(columns, rows)
+    family = role_views.family_size(columns, rows)
     tested = (
         f"Holm–Bonferroni over the run's {family} (head, role) tests"
         if family
@@ -278,7 +278,7 @@ def _atlas_section(conn, run) -> str:
     return f"""<h2>Head atlas</h2>
 <figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
 holds); letters list every role held. A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
-jackknife's standard error, R − 1 degrees of freedom) rejects at α = {roles.ALPHA:g} after {_e(tested)} (SPEC §7).
+jackknife's standard error, R − 1 degrees of freedom) rejects at α = {role_tests.ALPHA:g} after {_e(tested)} (SPEC §7).
 Hatched cells, letters followed by ?: roles that do not hold on both halves of the replicate groups (alternate groups in id order).
 Lifts marked _dm are against distance-matched chance, attn_*_lift against uniform attention.</figcaption></figure>
 <h3>Heads per role</h3>{count_html}
@@ -296,7 +296,7 @@ def probe_section(conn, run) -> str:
     each kind, with all three scores, and where the induction role (SPEC §7) reads it."""
     from sqlalchemy import text
 
-    from headatlas.service.reports import roles
+    from headatlas.service.reports import attention_kind, role_rules
 
     probe = conn.execute(
         text(
@@ -313,12 +313,12 @@ def probe_section(conn, run) -> str:
     for k, score in enumerate(columns[2:], start=2):
         top = sorted(probe, key=lambda r: (-r[k], r[0], r[1]))[:PROBE_TOP]
         parts.append(f"<h3>Top {len(top)} heads by {_e(score)}</h3>" + _table(columns, [tuple(r[:5]) for r in top]))
-    causal = roles.causal_run(conn, run.run_id)
+    causal = attention_kind.causal_run(conn, run.run_id)
     # uniform attention's score: 1/k_i averaged over the second copy's rows (SPEC §8p; a first token at 0)
     rows = range(1 + length, 1 + 2 * length)
     uniform = sum(1 / (i + 1) for i in rows) / length if causal else 1 / (2 * length + 2)
     reads = (
-        f"The induction role needs induction_lift on the corpus and induction_score ≥ {roles.INDUCTION_PROBE_MIN:g} "
+        f"The induction role needs induction_lift on the corpus and induction_score ≥ {role_rules.INDUCTION_PROBE_MIN:g} "
         "here (duplicate-token likewise with duplicate_score); see the atlas above for the heads that earned them."
         if causal
         else "An encoder is offered no induction role: its attention sees the whole window, so these scores "

@@ -106,7 +106,7 @@ def with_effects(conn: Connection, run_id: int, names: list[str], rows: list[tup
 def by_role(conn: Connection, run_id: int, names: list[str], rows: list[tuple]) -> list[tuple] | None:
     """Per primary role: heads, their mean effect with its interval, and the difference from the
     heads without a role (paired interval). None for a run without effects."""
-    from headatlas.service.reports.roles import NONE
+    from headatlas.service.reports.role_rules import NONE
 
     column = effect_column(conn, run_id)
     if column is None:

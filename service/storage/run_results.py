@@ -57,7 +57,7 @@ NOT_RESULTS = frozenset({"run_aliases", "run_tags", "prunes", "prune_curves"})
 # the run's own row, hashed without these columns (a rename changes no result)
 RUN_ROW_IGNORED = frozenset({"name"})
 
-# role_results: the columns of ``roles.COLUMNS`` and ``roles.STABILITY_COLUMNS``, typed
+# role_results: the columns of ``role_tests.COLUMNS`` and ``roles.STABILITY_COLUMNS``, typed
 ROLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("layer", "INTEGER"),
     ("head", "INTEGER"),
@@ -94,6 +94,8 @@ DERIVING_MODULES = (
     "reports/mixing_queries.py",
     "reports/trend_queries.py",
     "reports/roles.py",
+    "reports/role_rules.py",
+    "reports/role_tests.py",
     "reports/intervals.py",
     "reports/halves.py",
     "reports/significance.py",

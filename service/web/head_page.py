@@ -10,7 +10,7 @@ windows it anchors). The example window is computed on demand (``example``).
 from __future__ import annotations
 
 from headatlas.service.metrics import METRICS
-from headatlas.service.reports import distance_queries, queries, query_support, roles
+from headatlas.service.reports import distance_queries, queries, query_support, role_rules, role_tests, roles
 from headatlas.service.reports.columns import PROBE_COLUMNS
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.reports.report import split_anchors
@@ -106,7 +106,7 @@ def _nav(ctx: Ctx, run: Run, layer: int, head: int) -> str:
 
 def _roles(columns: list[str], rows: list[tuple]) -> str:
     ri = columns.index("role")
-    if not rows or all(r[ri] == roles.NONE for r in rows):
+    if not rows or all(r[ri] == role_rules.NONE for r in rows):
         return (
             '<h2 id="roles">Roles</h2><p>None established: no role\'s test rejects after Holm–Bonferroni (SPEC §7).</p>'
         )
@@ -118,7 +118,7 @@ def _roles(columns: list[str], rows: list[tuple]) -> str:
     ]
     return (
         f'<h2 id="roles">Roles</h2>{table(columns, rows, shown=shown, text_columns=("role", "metric", "test", "rule"))}'
-        f'<p class="muted">{e(roles.ROLES_NOTE)}. {e(roles.STABILITY_NOTE)}</p>'
+        f'<p class="muted">{e(role_tests.ROLES_NOTE)}. {e(roles.STABILITY_NOTE)}</p>'
     )
 
 

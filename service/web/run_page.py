@@ -14,7 +14,17 @@ from __future__ import annotations
 from headatlas.service.errors import Param, ParameterError, Part, Placeholder
 from headatlas.service.metrics import COLUMNS, METRICS
 from headatlas.service.operations.runs import check_layer_head
-from headatlas.service.reports import compare, layer_queries, queries, query_support, roles
+from headatlas.service.reports import (
+    attention_kind,
+    compare,
+    layer_queries,
+    queries,
+    query_support,
+    role_rules,
+    role_tests,
+    role_views,
+    roles,
+)
 from headatlas.service.reports.columns import PROBE_COLUMNS, head_table, sortable, unknown_metric
 from headatlas.service.reports.intervals import interval_note, scheme_of
 from headatlas.service.storage.store import Run
@@ -41,7 +51,7 @@ def run_reads(ctx: Ctx, run: Run) -> dict:
     return {
         "layers": ctx.run_query(run, ("layers",), lambda c: layer_queries.layers(c, r, ci=True)),
         "roles": run_roles(ctx, run),
-        "causal": ctx.run_query(run, ("causal",), lambda c: roles.causal_run(c, r)),
+        "causal": ctx.run_query(run, ("causal",), lambda c: attention_kind.causal_run(c, r)),
         "controls": ctx.query(("controls", r), lambda c: compare.controls_of(c, run)),
         "warning": ctx.run_query(run, ("warning",), lambda c: query_support.interval_warning(c, r)),
         "all_heads": heads_of(ctx, run),
@@ -80,9 +90,9 @@ def run_view(ctx: Ctx, ref: str) -> View:
         )
     check_layer_head(run, layer)
     read = run_reads(ctx, run)
-    offered = roles.offered_roles(read["causal"])
+    offered = role_rules.offered_roles(read["causal"])
     role = ctx.arg("role")
-    if role is not None and role not in (*offered, roles.NONE):
+    if role is not None and role not in (*offered, role_rules.NONE):
         raise ParameterError(
             Param("role", role), f": not a role of run {run.run_id}; choose one of {', '.join(offered)}"
         )
@@ -219,7 +229,7 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
     primary: dict[tuple[int, int], str] = {}
     for r in rows:
         key = (r[0], r[1])
-        if r[at["role"]] != roles.NONE:
+        if r[at["role"]] != role_rules.NONE:
             held.setdefault(key, []).append((r[at["role"]], r[at["stable"]] if "stable" in at else None))
         if r[at["primary"]]:
             primary[key] = r[at["role"]]
@@ -236,7 +246,7 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
             codes = "".join(
                 ROLE_CODES.get(role, "?") + ("?" if stable is False else "") for role, stable in held.get(key, [])
             )
-            name = primary.get(key, roles.NONE)
+            name = primary.get(key, role_rules.NONE)
             tip = f"layer {layer}, head {head}: {name}"
             if held.get(key):
                 tip += (
@@ -263,7 +273,7 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
     if color == "role":
         legend = '<div class="legend">' + "".join(
             f'<span><i style="background:{ROLE_COLOURS.get(r, "#e4e4e4")}"></i>{e(ROLE_CODES.get(r, ""))} {e(r)}</span>'
-            for r in (*offered, roles.NONE)
+            for r in (*offered, role_rules.NONE)
         )
         legend += "<span>? after a letter, hatched cell: not on both halves</span></div>"
     else:
@@ -281,7 +291,7 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
         f"<thead><tr>{head_row}</tr></thead><tbody>{''.join(grid)}</tbody></table></div>{legend}"
         f'<p class="muted">Click a head for its metrics, roles, anchors, distances and an example window. '
         f"A role is earned when its one-sided test survives Holm–Bonferroni over every (head, role) of the run "
-        f"(α = {roles.ALPHA:g}, SPEC §7).</p>"
+        f"(α = {role_tests.ALPHA:g}, SPEC §7).</p>"
     )
 
 
@@ -291,8 +301,8 @@ def _definition(column: str) -> str:
 
 def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> str:
     columns, rows = read["roles"]
-    counts, stable = roles.role_counts(columns, rows, offered), roles.stable_counts(columns, rows) or {}
-    rules = {r.role: r.rule for r in roles.rules_for(read["causal"])}
+    counts, stable = role_views.role_counts(columns, rows, offered), role_views.stable_counts(columns, rows) or {}
+    rules = {r.role: r.rule for r in role_rules.rules_for(read["causal"])}
     count_rows = [(r, n, stable.get(r), rules.get(r, "")) for r, n in counts.items()]
     count_table = table(
         ["role", "heads", "stable", "rule"],
@@ -301,10 +311,10 @@ def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> 
         links={"role": lambda d: ctx.here(role=d["role"]) + "#heads"},
     )
     ri = columns.index("role")
-    earned = [r for r in rows if r[ri] != roles.NONE]
-    family = roles.family_size(columns, rows)
+    earned = [r for r in rows if r[ri] != role_rules.NONE]
+    family = role_views.family_size(columns, rows)
     tested = (
-        f"Holm–Bonferroni over {family} (head, role) tests, α = {roles.ALPHA:g}"
+        f"Holm–Bonferroni over {family} (head, role) tests, α = {role_tests.ALPHA:g}"
         if family
         else "no replicate groups: each value tested against its threshold, uncorrected"
     )
@@ -320,7 +330,7 @@ def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> 
         links={"head": lambda d: ctx.url(run_path(run, "heads", d["layer"], d["head"]))},
         table_id="roles",
     )
-    note = roles.ROLES_NOTE + ". " + roles.STABILITY_NOTE
+    note = role_tests.ROLES_NOTE + ". " + roles.STABILITY_NOTE
     return (
         f'<h2 id="roles">Roles</h2><p class="muted">{e(tested)}.</p>{count_table}'
         f"<h3>Evidence ({len(earned)} roles earned)</h3>{evidence}"
@@ -347,7 +357,7 @@ def _heads_section(ctx, run, head_rows, sort, asc, layer, role, offered) -> str:
         return f'<a class="sort" href="{e(href)}#heads">{breakable(c)}{mark}</a>'
 
     layer_options = [("", "all"), *((str(l), str(l)) for l in range(run.n_layers))]
-    role_options = [("", "any"), *((r, r) for r in (*offered, roles.NONE))]
+    role_options = [("", "any"), *((r, r) for r in (*offered, role_rules.NONE))]
     form = (
         f'<form class="inline" method="get" id="heads-filter">{select("layer", layer_options, None if layer is None else str(layer), label="layer")}'
         f" {select('role', role_options, role, label='role')}"
