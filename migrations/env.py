@@ -27,7 +27,7 @@ class AlembicDuckDBImpl(DefaultImpl):
 
     def execute(self, sql, execution_options=None) -> None:
         if isinstance(sql, str) and not _keys(self.connection):
-            from headatlas.service.storage.backends.lake import lake_ddl
+            from headatlas.service.storage.backends.lake_ddl import lake_ddl
 
             rewritten = lake_ddl(sql)
             if rewritten is None:

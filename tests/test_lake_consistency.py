@@ -95,14 +95,16 @@ def test_db_compact_keeps_the_files_an_open_transaction_reads(lake, tiny_model, 
 
 
 def test_a_second_db_compact_while_one_runs_is_refused_in_one_line(lake):
+    from headatlas.service.storage.backends import lake_compaction
+
     backend = lake.backend()
-    token = backend._claim_compaction()  # a compaction in progress
+    token = lake_compaction.claim(backend)  # a compaction in progress
     try:
         second = _cli("db", "compact", "--db", lake.url)
         assert second.exit_code == 2, second.stderr
         assert len(second.stderr.strip().splitlines()) == 1 and "another `db compact`" in second.stderr
     finally:
-        backend._release_compaction(token)
+        lake_compaction.release_claim(backend, token)
     again = _cli("db", "compact", "--db", lake.url)
     assert again.exit_code == 0, again.stderr
 

@@ -1,4 +1,4 @@
-"""What the lake backend makes of its faults (``lake.lake_fault``, the one place that recognises
+"""What the lake backend makes of its faults (``lake_errors.lake_fault``, the one place that recognises
 them): each message it matches, as DuckDB raises it, is a lake unavailable for now (its
 catalogue, or its data path); errors that retrying cannot cure are not. Then the faults
 themselves, in-process on this machine's PostgreSQL: the writer's catalogue session ended by
@@ -15,8 +15,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from headatlas.service.errors import StoreUnavailable
-from headatlas.service.storage.backends import lake as lake_mod
-from headatlas.service.storage.backends.lake import CATALOGUE, DATA_PATH, lake_fault
+from headatlas.service.storage.backends import lake_errors
+from headatlas.service.storage.backends.lake_errors import CATALOGUE, DATA_PATH, lake_fault
 
 # one real message for each entry of CATALOGUE_LOST, as DuckDB's PostgreSQL extension words it
 CATALOGUE_MESSAGES = {
@@ -90,8 +90,8 @@ DATA_PATH_MESSAGES = {
 
 
 def test_every_message_matched_has_a_test():
-    assert set(CATALOGUE_MESSAGES) == {words for words, _why in lake_mod.CATALOGUE_LOST}
-    assert set(DATA_PATH_MESSAGES) == {words for words, _why in lake_mod.DATA_PATH_FULL}
+    assert set(CATALOGUE_MESSAGES) == {words for words, _why in lake_errors.CATALOGUE_LOST}
+    assert set(DATA_PATH_MESSAGES) == {words for words, _why in lake_errors.DATA_PATH_FULL}
 
 
 @pytest.mark.parametrize("words", sorted(CATALOGUE_MESSAGES))
@@ -135,7 +135,7 @@ def test_a_data_path_that_takes_no_file_is_the_data_path_unavailable(words):
     assert fault.cause == words and "/lake/main/batches/ducklake-01a2.parquet" in str(fault)
 
 
-@pytest.mark.parametrize("code", lake_mod.DATA_PATH_ERRNOS)
+@pytest.mark.parametrize("code", lake_errors.DATA_PATH_ERRNOS)
 def test_an_os_error_is_known_by_its_errno(code):
     fault = lake_fault(OSError(code, "whatever the platform says", "/lake/x.parquet"))
     assert fault is not None and fault.waits_for == DATA_PATH and "/lake/x.parquet" in str(fault)

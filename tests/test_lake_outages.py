@@ -222,6 +222,7 @@ def _status_warnings(cluster: Cluster) -> str:
 
 def test_a_full_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path, monkeypatch):
     from headatlas.service.storage.backends import lake as lake_mod
+    from headatlas.service.storage.backends import lake_compaction
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=1, copies=2, tag="lakefull")
     cluster.start_writer()
@@ -242,7 +243,7 @@ def test_a_full_data_path(cluster, lake, small_data_path, demo_corpus, tmp_path,
     orphans = backend.orphan_files()
     assert left is not None and int(left.group(1)) == len(orphans) > 0, cluster.logs()
     assert f"{len(orphans)} uncatalogued data file(s)" in _status_warnings(cluster)
-    monkeypatch.setattr(lake_mod, "ORPHAN_AGE_S", 0.0)
+    monkeypatch.setattr(lake_compaction, "ORPHAN_AGE_S", 0.0)
     assert backend.maintain()["orphans_removed"] == len(orphans)
     assert backend.orphan_files() == []
     assert_counted_once(lake.url, run_id)
@@ -313,11 +314,11 @@ class StallingForwarder(Forwarder):
 def test_a_catalogue_that_accepts_and_never_answers(cluster, lake, demo_corpus, tmp_path):
     """The catalogue's port accepts and then stays silent, at the writer's start and again
     mid-run (its sessions ended, every new one stalled in the startup handshake): each attach
-    fails after libpq's connect_timeout (lake.CATALOGUE_BOUNDS, 10 s) and the writer pauses,
+    fails after libpq's connect_timeout (lake_catalogue.CATALOGUE_BOUNDS, 10 s) and the writer pauses,
     saying so, instead of waiting for ever; it goes on when the port answers again."""
     import lake_support
 
-    from headatlas.service.storage.backends.lake import CATALOGUE_BOUNDS
+    from headatlas.service.storage.backends.lake_catalogue import CATALOGUE_BOUNDS
 
     bound = float(CATALOGUE_BOUNDS["connect_timeout"])
     forwarder = StallingForwarder(("127.0.0.1", 5432))

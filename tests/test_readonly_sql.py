@@ -216,7 +216,7 @@ def test_a_lake_keeps_unneeded_files_longer_than_any_sql_may_read_them() -> None
     time limit, its start and the kill grace), which reads one snapshot throughout."""
     from headatlas.service.config import SQL_TIMEOUT_MAX_S, allowed
     from headatlas.service.storage import confined, readonly
-    from headatlas.service.storage.backends.lake import FILES_GRACE_S
+    from headatlas.service.storage.backends.lake_compaction import FILES_GRACE_S
 
     assert allowed("sql_timeout_s").high == SQL_TIMEOUT_MAX_S
     longest = SQL_TIMEOUT_MAX_S + readonly.SETUP_S + 10.0 + confined.KILL_GRACE_S  # 10 s: the default lock wait

@@ -119,7 +119,7 @@ class Pauses:
                 PAUSE_FIRST_S,
                 PAUSE_MAX_S,
             )
-        from headatlas.service.storage.backends.lake import DATA_PATH
+        from headatlas.service.storage.backends.lake_errors import DATA_PATH
 
         pause.data_path = pause.data_path or exc.waits_for == DATA_PATH
         pause.tries += 1
@@ -133,7 +133,8 @@ class Pauses:
     def _probe(self) -> None:
         """Raise StoreUnavailable while what the writer waits for (its lake's catalogue, when it
         is not paused) is still unavailable."""
-        from headatlas.service.storage.backends.lake import CATALOGUE, LakeBackend
+        from headatlas.service.storage.backends.lake import LakeBackend
+        from headatlas.service.storage.backends.lake_errors import CATALOGUE
 
         if isinstance(self.backend, LakeBackend):
             self.backend.probe(self._pause.waits_for if self._pause is not None else CATALOGUE)
@@ -164,7 +165,8 @@ class Pauses:
         """The lake's uncatalogued data files (writes that failed after creating their file), for
         the log and `status`; `db compact` removes them once they are an hour old (a younger one
         may still be committed by a transaction in flight elsewhere)."""
-        from headatlas.service.storage.backends.lake import ORPHAN_AGE_S, LakeBackend
+        from headatlas.service.storage.backends.lake import LakeBackend
+        from headatlas.service.storage.backends.lake_compaction import ORPHAN_AGE_S
 
         if not isinstance(self.backend, LakeBackend):
             return ""

@@ -100,7 +100,7 @@ def refresh(store: Store, run_id: int) -> bool:
 
 def _not_stored(store: Store, exc: HeadatlasError) -> str:
     """Why a run's results were not stored, and what to do, for one line."""
-    from headatlas.service.storage.backends.lake import DATA_PATH
+    from headatlas.service.storage.backends.lake_errors import DATA_PATH
 
     if isinstance(exc, StoreUnavailable) and exc.waits_for == DATA_PATH:
         where = getattr(store.backend, "data_path", None) or "(the one its catalogue records)"

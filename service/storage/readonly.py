@@ -195,7 +195,7 @@ def run_readonly_sql(
     from headatlas.service.config import SQL_TIMEOUT_MAX_S
 
     # nan compares false: it would disable the limit; past a day, a lake may have deleted the files
-    # of the snapshot the query reads (backends.lake.FILES_GRACE_S)
+    # of the snapshot the query reads (backends.lake_compaction.FILES_GRACE_S)
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= SQL_TIMEOUT_MAX_S):
         raise ParameterError(
             Param("timeout_s", timeout_s),

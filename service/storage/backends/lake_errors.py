@@ -6,13 +6,15 @@ duckdb_errors.py), with its catalogue in PostgreSQL, reached through DuckDB's Po
 extension, which raises a plain ``duckdb.Error`` carrying libpq's message with neither SQLSTATE
 nor errno: its text is all there is. Each entry of ``CATALOGUE_LOST`` and ``DATA_PATH_FULL`` is
 one message (with its SQLSTATE or errno where PostgreSQL or the OS has one);
-tests/test_lake_faults.py holds a real message for each.
+tests/test_lake_faults.py holds a real message for each. ``probe_data_path`` tells whether a
+data path that could not take a file takes one now.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import duckdb
 
@@ -62,6 +64,7 @@ DATA_PATH_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 DATA_PATH_FULL: tuple[tuple[str, str], ...] = tuple(
     (os.strerror(code), errno.errorcode[code]) for code in DATA_PATH_ERRNOS
 )
+PROBE_BYTES = 256 * 1024  # what the data path must take before a paused writer tries its work again
 
 
 def lake_fault(exc: BaseException, label: str = "the lake") -> StoreUnavailable | None:
@@ -158,3 +161,24 @@ def translate(exc: BaseException, label: str, *, at: int | None = None) -> Heada
             " (or set HEADATLAS_DATA_PATH), the folder or shared mount where its Parquet files go",
         )
     return None
+
+
+def probe_data_path(folder: str, label: str) -> None:
+    """Raise StoreUnavailable while the local folder ``folder``, the data path of the lake
+    ``label``, takes no file: by writing and removing a file of a few blocks there (a full or
+    read-only one refuses it)."""
+    probe = Path(folder) / f".headatlas-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as out:
+            out.write(b"\0" * PROBE_BYTES)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        raise lake_fault(exc, label) or StoreUnavailable(
+            f"{DATA_PATH} of {label} takes no file now ({exc.strerror})", waits_for=DATA_PATH
+        ) from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
