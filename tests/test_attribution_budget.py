@@ -159,3 +159,28 @@ def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, dem
         assert_whole_batches(conn, 1, done, 2 * 4)
     assert stopped_after < 10, f"{stopped_after:.1f} s"  # while a pass of the old batched code took minutes
     print(f"\nCtrl-C during attribution: exited after {stopped_after:.2f} s, {kept} attributed windows kept")
+
+
+def test_analyze_effects_estimate_counts_the_reference_windows_the_corpus_has(tmp_path, demo_corpus):
+    """The reference means of mean ablation are over the corpus's first ``--effect-reference``
+    windows, fewer where it has fewer: the estimate said before the run counts those it will use
+    (it once multiplied by 256 on a corpus of 6 windows), and the run records as many."""
+    from headatlas.service.storage.effect_rows import run_effects
+
+    db = str(tmp_path / "e.duckdb")
+    corpus = tmp_path / "short.txt"
+    corpus.write_text(demo_corpus.read_text(encoding="utf-8")[:700], encoding="utf-8")
+    args = ["analyze", str(corpus), "--db", db, "--model", "random:tiny", "--seq-len", "32"]
+    result = CliRunner().invoke(app, [*args, "--effects", "zero,mean", "--effect-windows", "2"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    err = " ".join(result.stderr.split())
+    found = re.search(
+        r"effects \(zero, mean\): 2 windows of up to \d+ tokens: about .*?, the reference means \((\d+) windows?\)", err
+    )
+    assert found, err
+    run = Store(db).get_run(None)
+    with Store(db).read() as conn:
+        (recorded,) = run_effects(conn, run.run_id)
+        windows = conn.exec_driver_sql(f"SELECT count(*) FROM run_windows WHERE run_id = {run.run_id}").scalar()
+    assert 2 < windows < 256  # a corpus shorter than the default reference set
+    assert int(found.group(1)) == recorded["reference_windows"] == windows

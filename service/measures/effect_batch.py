@@ -153,6 +153,7 @@ class EffectCost:
     per_window: float
     reference_s: float
     memory_bytes: int
+    reference_windows: int
     timing_s: float
 
     @property
@@ -162,7 +163,11 @@ class EffectCost:
     def describe(self) -> str:
         from headatlas.service.measures.attribution import duration, size
 
-        reference = f", the reference means {duration(self.reference_s)} of it" if self.reference_s else ""
+        reference = (
+            f", the reference means ({counted(self.reference_windows, 'window')}) {duration(self.reference_s)} of it"
+            if self.reference_windows
+            else ""
+        )
         return (
             f"effects ({', '.join(self.kinds)}): {counted(self.windows, 'window')} of up to {self.longest} tokens: about "
             f"{duration(self.seconds)}{reference}, and {size(self.memory_bytes)} above the model (timed on one "
@@ -170,14 +175,25 @@ class EffectCost:
         )
 
 
-def estimate(model: LoadedModel, params: AnalysisParams, windows: list[Window], count: int, pad_id: int) -> EffectCost:
+def estimate(
+    model: LoadedModel,
+    params: AnalysisParams,
+    windows: list[Window],
+    count: int,
+    pad_id: int,
+    *,
+    reference: int | None = None,
+) -> EffectCost:
     """Time the effects of the longest of ``windows`` and scale to ``count`` windows.
 
     An ablation of a head of layer l replays layers l … L−1 and the objective, so a layer's stacked
     pass costs ``a + b·(L − l)``: timed at the first and the last layer (one window, zero
     ablation), the L layers sum to ``L·a + b·L(L+1)/2`` per ablation kind; gradient importance is
-    timed as it is (one forward and one backward pass). The reference means cost
-    ``effect_reference`` windows of forward passes, from the timed intact pass."""
+    timed as it is (one forward and one backward pass). The reference means cost ``reference``
+    windows (the corpus's first ``effect_reference``, fewer where it has fewer) of the pass that
+    computes them, timed on a batch of the longest window as they are computed (``REFERENCE_BATCH``
+    windows a pass). The model runs once before anything is timed: a model's first pass in a
+    process pays for allocations the later ones reuse, and was timed as if every pass did."""
     import time
 
     from headatlas.service.measures import effects as fx
@@ -188,6 +204,8 @@ def estimate(model: LoadedModel, params: AnalysisParams, windows: list[Window], 
     n_layers = model.n_layers
 
     objective = fx.objective_for(model, params.objective)
+    with torch.no_grad():  # the warm-up, untimed
+        fx._run_model(model, one.input_ids.to(model.device), one.attention_mask.to(model.device))
 
     def timed(**kwargs) -> float:
         start = time.perf_counter()
@@ -207,11 +225,13 @@ def estimate(model: LoadedModel, params: AnalysisParams, windows: list[Window], 
     if "gradient" in params.effects:
         per_window += timed(kinds=("gradient",))
     reference_s = 0.0
-    if "mean" in params.effects:
+    references = params.effect_reference if reference is None else min(reference, params.effect_reference)
+    if "mean" in params.effects and references:
+        k = min(REFERENCE_BATCH, references)
+        batch = collate([longest] * k, pad_id)
         start = time.perf_counter()
-        with torch.no_grad():
-            fx._run_model(model, one.input_ids.to(model.device), one.attention_mask.to(model.device))
-        reference_s = (time.perf_counter() - start) * params.effect_reference
+        fx.reference_means(model, [(batch.input_ids, batch.attention_mask)])
+        reference_s = (time.perf_counter() - start) * references / k
     n_pos = len(longest.input_ids)
     chunk = min(EFFECT_CHUNK, count)
     floats = model.n_heads * chunk * n_pos * model.d_model * 16  # the stacked copies' activations
@@ -224,5 +244,6 @@ def estimate(model: LoadedModel, params: AnalysisParams, windows: list[Window], 
         per_window=per_window,
         reference_s=reference_s,
         memory_bytes=4 * floats,
+        reference_windows=references if "mean" in params.effects else 0,
         timing_s=time.perf_counter() - began,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from headatlas.service.config import Settings
@@ -147,6 +148,20 @@ def analyze_corpus(
             for m in chosen
             if m.quota(params) is not None
         }
+        reference = None
+        if params.effects and "mean" in params.effects and before.get("effects", 0) < params.effect_windows:
+            # mean ablation's reference set: the corpus's first effect_reference windows (fewer
+            # where it has fewer), which the estimate below counts as they are
+            reference = first_windows(
+                spec,
+                model,
+                params,
+                tokens,
+                params.effect_reference,
+                text_field=text_field,
+                encoding=encoding,
+                label=label,
+            )
         single_first = 0
         for measure in chosen:
             left = (measure.quota(params) or 0) - before.get(measure.name, 0)
@@ -158,25 +173,25 @@ def analyze_corpus(
                 upcoming = first_windows(
                     spec, model, params, tokens, left, skip=skip, text_field=text_field, encoding=encoding, label=label
                 )
+                counted_params = params
+                if reference is not None:
+                    counted_params = replace(
+                        params, effect_reference=max(1, min(len(reference), params.effect_reference))
+                    )
                 said = measure.estimate(
-                    model, params, upcoming, pad_id=tokens.pad_id, batch_size=batch_size, chunk_size=attribution_chunk
+                    model,
+                    counted_params,
+                    upcoming,
+                    pad_id=tokens.pad_id,
+                    batch_size=batch_size,
+                    chunk_size=attribution_chunk,
                 )
                 if said:
                     notice(said)
         effect_means = None
-        if params.effects and "mean" in params.effects and before.get("effects", 0) < params.effect_windows:
+        if reference is not None:
             from headatlas.service.measures.effect_batch import reference_means
 
-            reference = first_windows(
-                spec,
-                model,
-                params,
-                tokens,
-                params.effect_reference,
-                text_field=text_field,
-                encoding=encoding,
-                label=label,
-            )
             effect_means = reference_means(model, reference, tokens.pad_id)
         patiently(lambda: store.set_status(run.run_id, RunStatus.RUNNING, started=True))
     except KeyboardInterrupt:
