@@ -22,6 +22,8 @@ from pathlib import Path
 
 import redis
 from conftest import ROOT, headatlas_cmd, invoke_cli
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def free_port() -> int:
@@ -112,10 +114,16 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait()
                 return
+            # flushes the append-only file. With no retry: redis-py (8.x) retries a command whose
+            # connection closed, and SHUTDOWN's always does, so each stop waited out 3-4 s of backoff
+            # against the server it had just shut down
+            client = redis.Redis(port=self.port, retry=Retry(NoBackoff(), 0))
             try:
-                redis.Redis(port=self.port).shutdown()  # flushes the append-only file
+                client.shutdown()
             except redis.ConnectionError:
                 pass
+            finally:
+                client.close()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
