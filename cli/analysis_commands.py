@@ -9,17 +9,10 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.app import cli_terms
-from headatlas.cli.output import (
-    Format,
-    command_name,
-    note,
-    print_wrapped,
-    progress_bar,
-    render,
-    render_metrics,
-    stderr,
-    stdout,
-)
+from headatlas.cli.console import print_wrapped, stderr, stdout
+from headatlas.cli.formats import Format, render
+from headatlas.cli.messages import command_name, note, progress_bar
+from headatlas.cli.metric_tables import render_metrics
 from headatlas.cli.query_commands import LAYER_TABLE
 from headatlas.service.errors import render as render_text
 from headatlas.service.wording import counted, seconds

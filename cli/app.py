@@ -14,7 +14,8 @@ try:  # typer vendors its own click from 0.25 on; its usage errors are that clic
 except ImportError:  # pragma: no cover - older typer on the public click
     from click.exceptions import UsageError  # type: ignore[assignment]  # the same class, in click itself
 
-from headatlas.cli.output import error, stdout
+from headatlas.cli.console import stdout
+from headatlas.cli.messages import error
 from headatlas.service.errors import FlagTerms, HeadatlasError
 
 INTERRUPTED = "interrupted; re-run the same command to resume"

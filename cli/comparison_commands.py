@@ -6,7 +6,10 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, TableView, note, print_wrapped, render, render_metrics, stdout
+from headatlas.cli.console import print_wrapped, stdout
+from headatlas.cli.formats import Format, TableView, render
+from headatlas.cli.messages import note
+from headatlas.cli.metric_tables import render_metrics
 from headatlas.cli.query_commands import _interval_warnings, _print_warnings, _run, _store
 from headatlas.service.wording import counted
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, render, stdout
+from headatlas.cli.console import stdout
+from headatlas.cli.formats import Format, render
 
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, print_note, print_table, render, stderr
+from headatlas.cli.console import print_note, stderr
+from headatlas.cli.formats import Format, render
+from headatlas.cli.tables import print_table
 
 WindowsOpt = typer.Option(
     16,

@@ -21,7 +21,7 @@ from headatlas.cli import (
     visual,
 )
 from headatlas.cli.app import INTERRUPTED, Interrupted, app, cli_terms
-from headatlas.cli.output import error
+from headatlas.cli.messages import error
 from headatlas.service.config import Settings
 from headatlas.service.errors import HeadatlasError
 

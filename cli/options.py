@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from headatlas.cli.output import Format
+from headatlas.cli.formats import Format
 from headatlas.service.analysis_options import BY_NAME, OPTIONS, PARAM_NAMES, Declared, build_params
 from headatlas.service.config import Settings
 from headatlas.service.params import AnalysisParams

@@ -5,7 +5,11 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options, run_commands
-from headatlas.cli.output import Format, TableView, render, render_metrics, said, sparkline, stdout
+from headatlas.cli.console import stdout
+from headatlas.cli.formats import Format, TableView, render
+from headatlas.cli.messages import said
+from headatlas.cli.metric_tables import render_metrics
+from headatlas.cli.sparklines import sparkline
 from headatlas.service.reports.columns import SORTABLE, TERMINAL_HEAD_TABLE
 
 query_app = typer.Typer(help="Ask a stored run about its heads (layers and heads are 0-based).", no_args_is_help=True)

@@ -10,7 +10,9 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.app import cli_terms
-from headatlas.cli.output import Format, note, progress_bar, render_record, runnable, stderr, stdout
+from headatlas.cli.console import stderr, stdout
+from headatlas.cli.formats import Format, render_record
+from headatlas.cli.messages import note, progress_bar, runnable
 from headatlas.service.analysis_options import BY_NAME
 from headatlas.service.config import Settings, check_broker_url
 from headatlas.service.errors import render as render_text

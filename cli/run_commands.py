@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, TableView, note, render, stderr, stdout
+from headatlas.cli.console import stderr, stdout
+from headatlas.cli.formats import Format, TableView, render
+from headatlas.cli.messages import note
 from headatlas.service.wording import counted
 
 runs_app = typer.Typer(

@@ -7,16 +7,10 @@ import logging
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import (
-    DEFAULT_VIEW,
-    Format,
-    TableView,
-    render,
-    render_metrics,
-    render_record,
-    stdout,
-    trend_line,
-)
+from headatlas.cli.console import stdout
+from headatlas.cli.formats import DEFAULT_VIEW, Format, TableView, render, render_record
+from headatlas.cli.metric_tables import render_metrics
+from headatlas.cli.sparklines import trend_line
 from headatlas.service.analysis_options import BY_NAME, DEFAULTS
 from headatlas.service.config import Settings
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import stderr, stdout
+from headatlas.cli.console import stderr, stdout
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,9 @@ import sys
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import Format, note, render, render_metrics
+from headatlas.cli.formats import Format, render
+from headatlas.cli.messages import note
+from headatlas.cli.metric_tables import render_metrics
 from headatlas.cli.query_commands import _run, _store
 from headatlas.service.storage import relations
 

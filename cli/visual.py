@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.output import stderr, stdout
+from headatlas.cli.console import stderr, stdout
 
 plot_app = typer.Typer(
     help="Figures of a stored run, as PNG or SVG (by the --out suffix). Layers and heads are 0-based.",

@@ -333,7 +333,7 @@ def test_version_and_completion():
 
 
 def test_hints_are_spelled_as_the_program_is_typed_here(tmp_path, monkeypatch):
-    from headatlas.cli.output import command_name, runnable
+    from headatlas.cli.messages import command_name, runnable
 
     script = tmp_path / ".venv" / "bin" / "headatlas"
     script.parent.mkdir(parents=True)
@@ -353,7 +353,7 @@ def test_hints_are_spelled_as_the_program_is_typed_here(tmp_path, monkeypatch):
 def test_trend_sparkline_spans_the_values_own_range():
     """Two lifts far from 0, one falling a little and one rising: drawn from 0 both were two full
     bars; drawn over their own range one falls and the other rises."""
-    from headatlas.cli.output import SPARK, trend_line
+    from headatlas.cli.sparklines import SPARK, trend_line
 
     falling, rising = trend_line("lift", [1.035, 1.015]), trend_line("lift", [1.142, 1.194])
     assert falling == f"lift {SPARK[-1]}{SPARK[0]}  (1.015 … 1.035)"
@@ -370,7 +370,7 @@ def test_piped_prose_wraps_at_100_columns_and_notes_wrap_on_a_terminal(monkeypat
 
     from rich.console import Console
 
-    from headatlas.cli import output
+    from headatlas.cli import messages
 
     piped = ok("metrics", columns=None).stdout
     assert _header(piped)[:3] == ["column", "spec", "definition"]
@@ -378,8 +378,8 @@ def test_piped_prose_wraps_at_100_columns_and_notes_wrap_on_a_terminal(monkeypat
     text = "a note long enough to need more than one line of a narrow terminal, " * 3
     for terminal, lines in ((True, 4), (False, 1)):
         sink = io.StringIO()
-        monkeypatch.setattr(output, "stderr", Console(file=sink, width=60, force_terminal=terminal, no_color=True))
-        output.note(text.strip())
+        monkeypatch.setattr(messages, "stderr", Console(file=sink, width=60, force_terminal=terminal, no_color=True))
+        messages.note(text.strip())
         said = sink.getvalue().splitlines()
         assert len(said) >= lines if terminal else len(said) == 1, said
         assert all(len(line) <= 60 for line in said) or not terminal
