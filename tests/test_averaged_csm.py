@@ -146,9 +146,9 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
     # the queue carries the bytes: what the writer reads back is what the worker made
     results = [BatchResult.from_bytes(r.to_bytes()) for r in made]
     for a, b in zip(made, results):
-        assert b.csm_bin == 8 and b.csm_sum.shape == (3, 2, 4, 16, 16)
-        np.testing.assert_array_equal(a.csm_sum, b.csm_sum)
-        np.testing.assert_array_equal(a.csm_count, b.csm_count)
+        assert int(b.measures["csm"]["bin"]) == 8 and b.measures["csm"]["sum"].shape == (3, 2, 4, 16, 16)
+        np.testing.assert_array_equal(a.measures["csm"]["sum"], b.measures["csm"]["sum"])
+        np.testing.assert_array_equal(a.measures["csm"]["count"], b.measures["csm"]["count"])
         np.testing.assert_array_equal(a.rep_same_sentence_hist, b.rep_same_sentence_hist)
     store = Store(tmp_path / "csm.duckdb")
     store.ensure_schema()
@@ -164,8 +164,8 @@ def test_payload_store_compaction_and_view_keep_the_sums(tmp_path, tiny_model, s
     )
     # a transaction per batch (one transaction's batches are summed when stored): compaction has rows to fold
     assert sum(store.ingest(run.run_id, [(i, r)]) for i, r in enumerate(results)) == len(results)
-    total_sum = sum(r.csm_sum.astype(np.float64) for r in results)
-    total_count = sum(r.csm_count.astype(np.int64) for r in results)
+    total_sum = sum(r.measures["csm"]["sum"].astype(np.float64) for r in results)
+    total_count = sum(r.measures["csm"]["count"].astype(np.int64) for r in results)
     with store.read() as conn:
         rows_before = conn.execute(text("SELECT count(*) FROM csm_bins WHERE run_id = :r"), {"r": run.run_id}).scalar()
         before = {layer: queries.csm(conn, run.run_id, layer=layer) for layer in (0, 1)}
@@ -266,11 +266,15 @@ def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
         torch.stack([Z1, Z3])[:, None, None],
         torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None],
     )
-    assert old.csm_sum is None and old.rep_same_sentence_hist is None
+    assert "csm" not in old.measures and old.rep_same_sentence_hist is None
     new = BatchResult.from_bytes(old.to_bytes())
     new.window_ids = [w + "-new" for w in new.window_ids]
     new.rep_same_sentence_hist = new.rep_dist_hist.copy()
-    new.csm_bin, new.csm_sum, new.csm_count = 8, np.ones((3, 1, 1, 1, 1)), np.ones((3, 1, 1, 1, 1), dtype=np.int64)
+    new.measures["csm"] = {
+        "bin": np.array(8),
+        "sum": np.ones((3, 1, 1, 1, 1)),
+        "count": np.ones((3, 1, 1, 1, 1), dtype=np.int64),
+    }
     store.ingest(run, [(0, old), (1, new)])
     with store.read() as conn:
         assert conn.execute(text("SELECT count(*) FROM csm_bins")).scalar() == 3

@@ -82,7 +82,7 @@ def test_the_built_in_measures_register_like_plugins_and_in_order():
     assert {contract.origin(name) for name in list(registered)[:5]} == {"built-in"}
     assert contract.DEFAULT_MEASURES[0] == "headatlas.service.measures.builtin:HeadStatistics"
     # every built-in keeps the names its sums always had
-    assert "high_pairs" in registered["heads"].sums and "csm_sum" in registered["csm"].sums
+    assert "high_pairs" in registered["heads"].sums and "count" in registered["csm"].sums
     assert registered["effects"].edits == ("blocks.{L}.attn.z",)
     assert not registered["probe"].per_batch
 
@@ -173,6 +173,6 @@ def test_the_worker_takes_the_windows_the_rule_gives(tiny_model, small_corpus, r
         "first_window": 1,
     }
     result = BatchResult.from_bytes(base64.b64decode(tasks._analyse(tiny_model, message)))
-    assert result.mixing_windows == 2
+    assert int(result.measures["mixing"]["windows"]) == 2
     mass = result.rep_heads["row_mass.mass"]
     np.testing.assert_allclose(mass[:, 0, 0], _expected(batch, result, 1), rtol=1e-5)

@@ -180,6 +180,7 @@ def test_default_params_keep_their_run_key():
 def test_batch_result_round_trip_and_default_has_no_mixing(tiny_model, small_corpus):
     from headatlas.service.engine.analysis import BatchResult, analyze_batch
     from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.engine.results import mixing_by_method
 
     tokens = TokenClasses.from_tokenizer(tiny_model.tokenizer)
     params = AnalysisParams(seq_len=24)
@@ -187,22 +188,24 @@ def test_batch_result_round_trip_and_default_has_no_mixing(tiny_model, small_cor
     windows = document_windows(doc, tiny_model.tokenizer, tokens, tiny_model.tokenizer_key, params)[:3]
     batch = collate(windows, tokens.pad_id)
     plain = analyze_batch(tiny_model, batch, params, tokens)
-    assert plain.mixing == {} and plain.mixing_windows == 0
+    assert "mixing" not in plain.measures
     mixed_params = AnalysisParams(seq_len=24, attribution=True, mixing=("rollout", "norm", "alti"))
     mixed = analyze_batch(tiny_model, batch, mixed_params, tokens, mixing_windows=2)
-    assert mixed.mixing_windows == 2 and set(mixed.mixing) == {"attention", "attribution", "rollout", "norm", "alti"}
+    mixing = mixed.measures["mixing"]
+    by_method = mixing_by_method(mixing)
+    assert int(mixing["windows"]) == 2 and set(by_method) == {"attention", "attribution", "rollout", "norm", "alti"}
+    assert int(mixing["rows"]) == int(batch.attention_mask[:2].sum())
     for key in plain.heads:  # the existing statistics do not change
         np.testing.assert_array_equal(plain.heads[key], mixed.heads[key])
     back = BatchResult.from_bytes(mixed.to_bytes())
-    assert back.mixing_windows == 2 and back.mixing_rows == mixed.mixing_rows
-    for method, sums in mixed.mixing.items():
-        for key, value in sums.items():
-            np.testing.assert_array_equal(back.mixing[method][key], value)
-    att = mixed.mixing["attention"]
+    assert back.measures.keys() == mixed.measures.keys() and back.measures["mixing"].keys() == mixing.keys()
+    for key, value in mixing.items():
+        np.testing.assert_array_equal(back.measures["mixing"][key], value)
+    att = by_method["attention"]
     # attention rows sum to 1: the distance histogram holds one unit of mass per row
-    np.testing.assert_allclose(att["dist"].sum(-1), mixed.mixing_rows, rtol=1e-5)
+    np.testing.assert_allclose(att["dist"].sum(-1), int(mixing["rows"]), rtol=1e-5)
     assert list(att["head"]) == [0, 1, 2, 3, -1]
-    assert list(mixed.mixing["alti"]["head"]) == [-1]
+    assert list(by_method["alti"]["head"]) == [-1]
 
 
 @pytest.mark.slow

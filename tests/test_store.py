@@ -105,6 +105,90 @@ def test_a_payloads_arrays_read_as_numpy_reads_them(tiny_model, small_corpus):
                 assert got.flags.writeable, name
 
 
+def test_a_payload_of_the_earlier_layout_reads_and_stores_its_measures_sums(tmp_path):
+    """Before the measures' sums travelled by measure name, a payload held mixing's as
+    ``mix.<method>.<sum>`` beside ``mixing_counts`` (windows, rows) and the averaged similarity
+    matrices' as ``csm_bin``, ``csm_sum``, ``csm_count``. A writer newer than the worker reads
+    them into ``measures`` and stores the rows the same sums in the new layout store."""
+    import io
+
+    import torch
+    from sqlalchemy import text
+
+    from headatlas.service.engine.results import MIX_SUMS, mixing_by_method, mixing_key
+    from tests.test_baselines import SEQ, W1, W3, Z1, Z3, build_result, ids_in_distinct_groups, new_run, uniform_attn
+
+    base = build_result(
+        ids_in_distinct_groups(2),
+        [W1, W3],
+        torch.stack([Z1, Z3])[:, None, None],
+        torch.stack([uniform_attn(8), uniform_attn(7)])[:, None, None],
+    )
+    assert base.measures == {}
+    rng = np.random.default_rng(7)
+    # one layer, one head: slots [head 0, the layer's whole (-1)]
+    mixing = {
+        method: {
+            "head": np.array([0, -1]),
+            **{k: rng.random((1, 2)) for k in MIX_SUMS},
+            "dist": rng.random((1, 2, SEQ)) * (rng.random((1, 2, SEQ)) > 0.3),
+        }
+        for method in ("attention", "norm")
+    }
+    csm_sum = rng.random((3, 1, 1, 2, 2)).astype(np.float32)
+    csm_count = rng.integers(0, 3, size=(3, 1, 1, 2, 2)).astype(np.int32)
+    with np.load(io.BytesIO(base.to_bytes())) as data:
+        arrays = {k: data[k] for k in data.files}
+    arrays.update({f"mix.{m}.{k}": v for m, sums in mixing.items() for k, v in sums.items()})
+    arrays.update(mixing_counts=np.array([2, 13]), csm_bin=np.array(4), csm_sum=csm_sum, csm_count=csm_count)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    old = BatchResult.from_bytes(buf.getvalue())
+
+    assert old.measures.keys() == {"mixing", "csm"}
+    assert int(old.measures["mixing"]["windows"]) == 2 and int(old.measures["mixing"]["rows"]) == 13
+    by_method = mixing_by_method(old.measures["mixing"])
+    assert by_method.keys() == mixing.keys()
+    for method, sums in mixing.items():
+        assert by_method[method].keys() == sums.keys()
+        for key, value in sums.items():
+            np.testing.assert_array_equal(by_method[method][key], value)
+    csm = old.measures["csm"]
+    assert int(csm["bin"]) == 4 and csm["sum"].dtype == np.float32 and csm["count"].dtype == np.int32
+    np.testing.assert_array_equal(csm["sum"], csm_sum)
+    np.testing.assert_array_equal(csm["count"], csm_count)
+
+    new = BatchResult.from_bytes(base.to_bytes())
+    new.measures = {
+        "mixing": {
+            "windows": np.array(2),
+            "rows": np.array(13),
+            **{mixing_key(m, k): v for m, sums in mixing.items() for k, v in sums.items()},
+        },
+        "csm": {"bin": np.array(4), "sum": csm_sum, "count": csm_count},
+    }
+    new = BatchResult.from_bytes(new.to_bytes())
+    assert not any(k.startswith(("mix.", "csm_", "mixing_")) for k in np.load(io.BytesIO(new.to_bytes())).files)
+    stored = []
+    for name, res in (("old", old), ("new", new)):
+        store = Store(tmp_path / f"{name}.duckdb")
+        store.ensure_schema()
+        run = new_run(store, name)
+        store.ingest(run, [(0, res)])
+        with store.read() as conn:
+            stored.append(
+                {
+                    table: conn.execute(
+                        text(f"SELECT * EXCLUDE (run_id, batch_id) FROM {table} ORDER BY ALL")
+                    ).fetchall()
+                    for table in ("mixing_stats", "mixing_dist", "csm_bins", "run_chance")
+                }
+            )
+    assert stored[0] == stored[1]
+    assert {(r.windows, r.rows) for r in stored[0]["mixing_stats"]} == {(2, 13)}
+    assert len(stored[0]["mixing_stats"]) == 4 and len(stored[0]["csm_bins"]) == np.count_nonzero(csm_count)
+
+
 def test_ingest_is_idempotent(store, tiny_model, small_corpus):
     run = _run(store, tiny_model, small_corpus)
     results = _results(tiny_model, small_corpus)

@@ -161,6 +161,7 @@ def analyze_batch(
         ],
         documents=documents or [],
         compute_s=time.perf_counter() - started,
+        measures=ctx.measures,
         **ctx.fields,
     )
 

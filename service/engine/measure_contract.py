@@ -17,7 +17,9 @@ The built-in measures (service/measures/builtin.py) are named in ``DEFAULT_MEASU
 like the measures other packages declare under the entry-point group ``headatlas.measures``
 (service/plugins.py), through the same ``install``, as datasette loads its DEFAULT_PLUGINS: the
 engine runs measures through this contract and imports none of them. A plugin measure's per-head
-sums travel in ``BatchResult.rep_heads`` as ``"<measure>.<sum>"``, shape ``[group, layer, head]``.
+sums travel in ``BatchResult.rep_heads`` as ``"<measure>.<sum>"``, shape ``[group, layer, head]``;
+a measure's sums of other shapes (the averaged similarity matrices', mixing's) in
+``BatchResult.measures[<measure>]``, by names of its own.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class BatchContext:
     stacked: dict[str, torch.Tensor] = field(default_factory=dict)  # the same, [group|window, layer, ...]
     heads: dict[str, np.ndarray] = field(default_factory=dict)  # BatchResult.rep_heads
     run: dict[str, np.ndarray] = field(default_factory=dict)  # BatchResult.rep_chance
+    measures: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # BatchResult.measures
     fields: dict[str, Any] = field(default_factory=dict)  # BatchResult's other fields
 
     @property
@@ -162,7 +165,8 @@ class Measure:
     def collect(self, ctx: BatchContext, count: int) -> Mapping[str, np.ndarray] | None:
         """After the forward pass, on the batch's first ``count`` windows: its per-head sums by
         name (``[group, layer, head]``, float64 or int64), or None where it wrote into ``ctx``
-        itself (the built-ins)."""
+        itself (the built-ins). Sums of other shapes go in ``ctx.measures[name]`` by names of its
+        own (``BatchResult.measures``: they travel in the payload under the measure's name)."""
         return None
 
     @property

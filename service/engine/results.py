@@ -141,6 +141,38 @@ def _unnpz(blob: bytes) -> dict[str, np.ndarray]:
     return out
 
 
+def mixing_key(method: str, name: str) -> str:
+    """The name of mixing method ``method``'s sum ``name`` among the mixing measure's sums
+    (``BatchResult.measures["mixing"]``): ``"<method>.<sum>"``."""
+    return f"{method}.{name}"
+
+
+def mixing_by_method(sums: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """The mixing measure's per-method sums (``mixing_key``) by method: ``{"head": [slot], sum
+    name: [layer, slot], "dist": [layer, slot, seq_len]}``; its counts (no dot) left out."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in sums.items():
+        method, dot, name = key.rpartition(".")
+        if dot:
+            out.setdefault(method, {})[name] = value
+    return out
+
+
+def _earlier_measures(data: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """The built-in measures' sums of a payload of an earlier version, which kept each in members
+    of its own: ``mix.<method>.<sum>`` with ``mixing_counts`` (windows, rows), and ``csm_bin``,
+    ``csm_sum``, ``csm_count``. A worker and the writer may be of different versions while an
+    installation upgrades."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    mixing = {key.removeprefix("mix."): data[key] for key in data if key.startswith("mix.")}
+    if mixing:  # a batch whose mixing took no window held no method and stored nothing
+        counts = data.get("mixing_counts", np.zeros(2, dtype=np.int64))
+        out["mixing"] = {"windows": np.asarray(counts[0]), "rows": np.asarray(counts[1]), **mixing}
+    if "csm_sum" in data:
+        out["csm"] = {"bin": data["csm_bin"], "sum": data["csm_sum"], "count": data["csm_count"]}
+    return out
+
+
 @dataclass
 class BatchResult:
     """Summaries of one batch, kept per replicate group present in the batch (``reps``, ``[group]``,
@@ -149,9 +181,14 @@ class BatchResult:
     ``rep_chance[name]`` ``[group]``; ``rep_pair_hist[name]`` ``[group, seq_len]``; anchors
     ``[window, layer, head]``. ``heads``, ``dist_hist``, ``chance`` and ``pair_hist`` are the
     batch totals. ``rep_same_sentence_hist`` ``[group, layer, head, seq_len]``: pairs of H at each
-    distance sharing a sentence. ``csm_sum``/``csm_count`` ``[kind, layer, head, bin, bin]``
-    (kind: CSM_KINDS): batch totals of the averaged similarity matrices in bins of ``csm_bin``
-    positions (SPEC §5c); None when the run does not compute them."""
+    distance sharing a sentence.
+
+    ``measures[name]``: the sums of measure ``name`` that are not per head or per run, of any
+    shape, by the measure's own names (absent: the measure did not run on the batch's windows).
+    The built-ins' (service/measures/builtin.py): ``"csm"`` (SPEC §5c) ``{"bin": [], "sum", "count":
+    [kind, layer, head, bin, bin]}`` (kind: CSM_KINDS), batch totals of the averaged similarity
+    matrices in bins of ``bin`` positions; ``"mixing"`` (SPEC §6) ``{"windows": [], "rows": [],
+    "<method>.<sum>": ...}`` (``mixing_key``), on the batch's first ``windows`` windows."""
 
     window_ids: list[str]
     reps: np.ndarray
@@ -168,15 +205,8 @@ class BatchResult:
     documents: list[dict] = field(default_factory=list)  # doc_id, source, line, n_chars, preview
     vocab: dict[int, str] = field(default_factory=dict)  # anchor token id -> token text
     compute_s: float = 0.0
-    # mixing measures (service.measures.mixing), on the first ``mixing_windows`` windows of the batch:
-    # method -> {"head": [slot], sum name: [layer, slot], "dist": [layer, slot, seq_len]}
-    mixing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
-    mixing_windows: int = 0
-    mixing_rows: int = 0  # valid query rows in those windows
     rep_same_sentence_hist: np.ndarray | None = None
-    csm_bin: int = 0
-    csm_sum: np.ndarray | None = None  # float32 (summed in float64 by the store)
-    csm_count: np.ndarray | None = None  # int32
+    measures: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     # the causal effects (SPEC §9) of a run that has them: what they are measured against (objective,
     # unit, kinds, the reference set of mean ablation and the fingerprint of its means); their sums
     # travel in rep_heads / rep_chance (EFFECT_SUM_NAMES), zero in a batch without effect windows
@@ -218,8 +248,7 @@ class BatchResult:
             anchor_frequent=self.anchor_frequent,
             window_ids=np.array(self.window_ids),
             compute_s=np.array(self.compute_s),
-            mixing_counts=np.array([self.mixing_windows, self.mixing_rows], dtype=np.int64),
-            **{f"mix.{m}.{k}": v for m, sums in self.mixing.items() for k, v in sums.items()},
+            **{f"measure.{m}.{k}": v for m, sums in self.measures.items() for k, v in sums.items()},
             meta=np.frombuffer(
                 json.dumps(
                     {"windows": self.windows, "documents": self.documents, "vocab": self.vocab, "effects": self.effects}
@@ -229,9 +258,6 @@ class BatchResult:
         )
         if self.rep_same_sentence_hist is not None:
             arrays["same_sentence_hist"] = self.rep_same_sentence_hist
-        if self.csm_sum is not None:
-            assert self.csm_count is not None  # a batch has both sums and counts, or neither
-            arrays.update(csm_bin=np.array(self.csm_bin), csm_sum=self.csm_sum, csm_count=self.csm_count)
         return _npz(arrays)
 
     @classmethod
@@ -243,13 +269,11 @@ class BatchResult:
         if "chance" in data:  # a payload of an earlier version: the run sums in one stack
             chance = dict(zip(PACKED_CHANCE, data["chance"]))
         meta = json.loads(data["meta"].tobytes().decode())
-        mixing: dict[str, dict[str, np.ndarray]] = {}
+        measures: dict[str, dict[str, np.ndarray]] = _earlier_measures(data)
         for key in data:
-            if key.startswith("mix."):
-                _, method, name = key.split(".", 2)
-                mixing.setdefault(method, {})[name] = data[key]
-        counts = data["mixing_counts"] if "mixing_counts" in data else np.zeros(2, dtype=np.int64)
-        has_csm = "csm_sum" in data
+            if key.startswith("measure."):
+                _, measure, name = key.split(".", 2)
+                measures.setdefault(measure, {})[name] = data[key]
         return cls(
             window_ids=[str(x) for x in data["window_ids"]],
             reps=data["reps"],
@@ -266,12 +290,7 @@ class BatchResult:
             documents=meta["documents"],
             vocab={int(k): v for k, v in meta["vocab"].items()},
             compute_s=float(data["compute_s"]),
-            mixing=mixing,
-            mixing_windows=int(counts[0]),
-            mixing_rows=int(counts[1]),
             rep_same_sentence_hist=data["same_sentence_hist"] if "same_sentence_hist" in data else None,
-            csm_bin=int(data["csm_bin"]) if has_csm else 0,
-            csm_sum=data["csm_sum"] if has_csm else None,
-            csm_count=data["csm_count"] if has_csm else None,
+            measures=measures,
             effects=meta.get("effects") or {},
         )

@@ -107,10 +107,11 @@ class HeadStatistics(Measure):
 
 class AveragedCsm(Measure):
     """The corpus-averaged similarity matrices (SPEC §5c), in bins of ``csm_bin`` positions: summed
-    by the head statistics' pass (they share its pairs), batch totals ``[kind, layer, head, bin, bin]``."""
+    by the head statistics' pass (they share its pairs), batch totals ``[kind, layer, head, bin, bin]``
+    in ``BatchResult.measures["csm"]`` (``sum``, ``count``, and the ``bin`` they were made with)."""
 
     name = "csm"
-    sums = ("csm_sum", "csm_count")
+    sums = ("sum", "count")
     reads = (ATTN_PATTERN, ATTN_Z)
     qualified = False
 
@@ -119,16 +120,18 @@ class AveragedCsm(Measure):
 
     def collect(self, ctx: BatchContext, count: int) -> None:
         # float32 sums: a batch's share of a picture needs no more, and they are most of its payload
-        ctx.fields.update(
-            csm_bin=ctx.params.csm_bin,
-            csm_sum=ctx.stacked["csm_sum"].cpu().numpy().astype(np.float32),
-            csm_count=ctx.stacked["csm_count"].cpu().numpy().astype(np.int32),
-        )
+        ctx.measures[self.name] = {
+            "bin": np.array(ctx.params.csm_bin, dtype=np.int64),
+            "sum": ctx.stacked["csm_sum"].cpu().numpy().astype(np.float32),
+            "count": ctx.stacked["csm_count"].cpu().numpy().astype(np.int32),
+        }
 
 
 class Mixing(Measure):
     """The mixing measures and attribution (SPEC §6), on the run's first ``attribution_windows``
-    windows: per method, sums per head and layer (``BatchResult.mixing``)."""
+    windows: per method, sums per head and layer, in ``BatchResult.measures["mixing"]`` as
+    ``"<method>.<sum>"`` (``results.mixing_key``) beside ``windows`` (how many of the batch's first
+    windows it took) and ``rows`` (their valid query rows); absent where it took none."""
 
     name = "mixing"
     reads = (EMBED, RESID_PRE, ATTN_PATTERN, ATTN_Z)
@@ -200,11 +203,11 @@ class Mixing(Measure):
 
     def collect(self, ctx: BatchContext, count: int) -> None:
         if not count:
-            ctx.fields.update(mixing={}, mixing_windows=0, mixing_rows=0)
             return
         import torch
 
         from headatlas.service.engine.features import window_features
+        from headatlas.service.engine.results import mixing_key
         from headatlas.service.measures.mixing import mixing_sums
 
         model, params, batch = ctx.model, ctx.params, ctx.batch
@@ -228,7 +231,11 @@ class Mixing(Measure):
             seq_len=params.seq_len,
             chunk_size=ctx.attribution_chunk,
         )
-        ctx.fields.update(mixing=mixing, mixing_windows=count, mixing_rows=int(sub_mask.sum()))
+        ctx.measures[self.name] = {
+            "windows": np.array(count, dtype=np.int64),
+            "rows": np.array(int(sub_mask.sum()), dtype=np.int64),
+            **{mixing_key(method, k): v for method, sums in mixing.items() for k, v in sums.items()},
+        }
 
 
 class Effects(Measure):

@@ -79,7 +79,7 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
             "rep": reps,
             **chance,
             "csm_windows": _summed(
-                results, where, (n_reps,), lambda r: np.asarray(r.rep_chance["windows"]) * (r.csm_sum is not None)
+                results, where, (n_reps,), lambda r: np.asarray(r.rep_chance["windows"]) * ("csm" in r.measures)
             ),
         }
     )
@@ -133,19 +133,17 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
     )
 
     # --- the averaged similarity matrices: cells holding pairs (the upper triangle, few cells of H) ---
-    with_csm = [res for res in results if res.csm_sum is not None]
+    with_csm = [res.measures["csm"] for res in results if "csm" in res.measures]
     if with_csm:
-        assert all(res.csm_count is not None for res in with_csm)  # a batch has both sums and counts, or neither
-        n_bins = max(res.csm_count.shape[-1] for res in with_csm)  # type: ignore[union-attr]
+        n_bins = max(csm["count"].shape[-1] for csm in with_csm)
         csm_shape = (len(CSM_KINDS), n_layers, n_heads, n_bins, n_bins)
         csm_pairs = np.zeros(csm_shape, dtype=np.int64)
         csm_sum = np.zeros(csm_shape, dtype=np.float64)
-        for res in with_csm:
-            assert res.csm_count is not None and res.csm_sum is not None
-            c = res.csm_count
+        for csm in with_csm:
+            c = csm["count"]
             part = tuple(slice(0, n) for n in c.shape)
             csm_pairs[part] += c
-            csm_sum[part] += np.where(c != 0, res.csm_sum.astype(np.float64), 0.0)
+            csm_sum[part] += np.where(c != 0, csm["sum"].astype(np.float64), 0.0)
         ki, lc, hc, bi, bj = np.nonzero(csm_pairs)
         tables["csm_bins"] = pa.table(
             {

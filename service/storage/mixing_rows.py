@@ -1,4 +1,5 @@
-"""Rows of the mixing tables (migration 0002_mixing) from BatchResult.mixing, as Arrow tables.
+"""Rows of the mixing tables (migration 0002_mixing) from the mixing measure's sums
+(``BatchResult.measures["mixing"]``), as Arrow tables.
 
 Kept apart from store.py so the ingest there only registers and inserts them, in the batch's
 own transaction.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from headatlas.service.engine.results import MIX_SUMS
+from headatlas.service.engine.results import MIX_SUMS, mixing_by_method
 from headatlas.service.storage.arrow_rows import TableRows
 
 MIXING_TABLES = ("mixing_stats", "mixing_dist")
@@ -20,7 +21,11 @@ def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
     rows = TableRows()
 
     for batch_id, res in items:
-        for method, sums in sorted(res.mixing.items()):
+        mixing = res.measures.get("mixing")
+        if mixing is None:
+            continue
+        windows, valid_rows = int(mixing["windows"]), int(mixing["rows"])
+        for method, sums in sorted(mixing_by_method(mixing).items()):
             heads = sums["head"]
             n_layers = sums["to_self"].shape[0]
             layer, slot = np.meshgrid(np.arange(n_layers), np.arange(len(heads)), indexing="ij")
@@ -32,8 +37,8 @@ def mixing_tables(run_id: int, items: list) -> dict[str, pa.Table]:
                 method=np.full(n, method, dtype=object),
                 layer=layer,
                 head=heads[slot],
-                windows=np.full(n, res.mixing_windows),
-                rows=np.full(n, res.mixing_rows),
+                windows=np.full(n, windows),
+                rows=np.full(n, valid_rows),
                 **{k: sums[k] for k in MIX_SUMS},
             )
             li, si, di = np.nonzero(sums["dist"])
