@@ -13,6 +13,7 @@ from headatlas.cli import options
 from headatlas.cli.console import print_note, stderr
 from headatlas.cli.formats import Format, render
 from headatlas.cli.tables import print_table
+from headatlas.service.wording import counted
 
 WindowsOpt = typer.Option(
     16,
@@ -22,7 +23,11 @@ WindowsOpt = typer.Option(
     "pass per window: cost grows with windows × layers × heads).",
 )
 ReferenceOpt = typer.Option(
-    256, "--reference", min=1, help="Mean ablation: the corpus's first N windows give each head's mean output."
+    None,
+    "--reference",
+    min=1,
+    help="Mean ablation: the first N windows give each head's mean output (default: a run's own when it holds "
+    "effects, else 256).",
 )
 EffectsOpt = typer.Option(
     "zero,mean",
@@ -39,12 +44,18 @@ def register(app: typer.Typer) -> None:
 
 @options.analysis_options("model", "device", "seq_len", "batch_size", "text_field", "encoding")
 def effects(
-    corpus: str = typer.Argument(..., help="A .txt/.jsonl/.csv file, a directory or a glob."),
+    target: str = typer.Argument(
+        ...,
+        metavar="RUN|CORPUS",
+        help="A run (id, name or alias in --db): its effects are measured on its own windows and stored in it. "
+        "Or a corpus (.txt/.jsonl/.csv file, directory or glob): measured on it, nothing stored.",
+    ),
     *,
     kinds: str = EffectsOpt,
     windows: int = WindowsOpt,
-    reference: int = ReferenceOpt,
+    reference: int | None = ReferenceOpt,
     top: int = TopOpt,
+    db: str = options.Db,
     analysis: options.AnalysisOptions,
     fmt: Format = options.Fmt,
 ) -> None:
@@ -54,13 +65,24 @@ def effects(
     (jackknife over replicate groups by document): zero ablation sets the head's output to 0, mean
     ablation to its mean over the reference windows; gradient importance is |∂O/∂gate|. O is the
     model's own: next-token loss (nats) for decoders with a tied LM head, embedding drift
-    (1 − cos of the pooled embedding) for sentence-embedding encoders such as the default. Measured
-    in this process; nothing is stored.
+    (1 − cos of the pooled embedding) for sentence-embedding encoders such as the default.
+
+    Given a finished run, the effects are those `analyze --effects` stores, on the run's first --windows
+    windows, stored in the run (Ctrl-C keeps every finished window; the same command resumes; more
+    windows are added to those it holds); `query heads`, `query roles` and `prune` then use them. Given
+    a corpus, they are measured in this process and nothing is stored.
     """
+    from headatlas.service.storage.store import Store
+
+    store = Store(db)
+    if _names_a_run(target, store):
+        _add_to_run(store, target, kinds=kinds, windows=windows, reference=reference, analysis=analysis, fmt=fmt)
+        return
+    _refuse_neither(target, db)
     from headatlas.service.operations.effects import measure
     from headatlas.service.operations.requests import EffectsRequest
 
-    request = EffectsRequest.build(corpus, kinds=kinds, windows=windows, reference=reference, **analysis.values)
+    request = EffectsRequest.build(target, kinds=kinds, windows=windows, reference=reference or 256, **analysis.values)
     table = measure(request, _said)
     rows = table.rows
     if top:
@@ -68,6 +90,69 @@ def effects(
     render(table.columns, rows, fmt, title=f"head effects: {table.model}")
     if fmt == Format.table:
         stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
+
+
+def _names_a_run(target: str, store) -> bool:
+    """``target`` names a stored run rather than a corpus: no file, directory or glob match of that
+    name exists, and the database holds a run of it."""
+    import glob
+    from pathlib import Path
+
+    if target == "-" or Path(target).exists() or glob.glob(target):
+        return False
+    if not store.backend.exists():
+        return False
+    from headatlas.service.errors import RunNotFound
+    from headatlas.service.storage.store import resolve_run
+
+    try:
+        with store.checked_read() as conn:
+            resolve_run(conn, int(target) if target.isdigit() else target, any_status=True)
+    except RunNotFound:
+        return False
+    return True
+
+
+def _refuse_neither(target: str, db: str) -> None:
+    """A target that is no corpus on disk and no run in ``db``: said as both, not as a missing file."""
+    import glob
+    from pathlib import Path
+
+    from headatlas.service.errors import CorpusError
+
+    if target == "-" or Path(target).exists() or glob.glob(target):
+        return
+    raise CorpusError(
+        f"{target}: no such corpus (file, directory or glob) and no run of that id, name or alias in {db}",
+        hint="give a corpus path, or a run as `headatlas runs` lists them (and --db where they are stored)",
+    )
+
+
+def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt) -> None:
+    """`effects RUN`: the run's effects measured and stored, then shown as `query heads` reads them."""
+    from headatlas.service.operations.added_effects import add
+    from headatlas.service.operations.requests import AddEffectsRequest
+    from headatlas.service.reports.effect_queries import effects as effect_rows
+    from headatlas.service.storage.effect_rows import effect_note
+
+    ref = int(target) if target.isdigit() else target
+    request = AddEffectsRequest.build(
+        ref, kinds=kinds, windows=windows, reference=reference, device=analysis.values.get("device", "auto")
+    )
+    added = add(store, request, _said)
+    run = added.run
+    with store.checked_read() as conn:
+        columns, rows = effect_rows(conn, run.run_id, ci=True)
+        note = effect_note(conn, run.run_id)
+    render(columns, rows, fmt, title=f"run {run.run_id} ({run.name}): head effects")
+    # on stderr in every format: what was measured now
+    stderr.print(
+        f"note: {counted(added.measured, 'window')} measured now, {added.windows} stored in all"
+        + (f"; {note}" if note else "")
+        + f"; {added.seconds:.1f} s",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _said(event) -> None:

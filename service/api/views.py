@@ -245,6 +245,31 @@ class RunView:
         return self._query(effects, "head effects", note=said, ci=ci, sort=sort)
 
     @in_python_terms
+    def add_effects(
+        self,
+        *,
+        kinds: str | Sequence[str] = "zero,mean",
+        windows: int = 16,
+        reference: int | None = None,
+        objective: str = "auto",
+        device: str = DEFAULTS["device"],
+    ) -> Table:
+        """Measure causal effects (SPEC §9) on the run's own first ``windows`` windows and store
+        them in the run, as ``analyze --effects`` would have (``headatlas effects RUN``): ``kinds``
+        of zero and mean ablation and gradient importance, mean ablation against the run's first
+        ``reference`` windows (None: the run's own when it holds effects, else 256). Windows already
+        stored are not measured again; more windows are added to those the run holds. Returns
+        ``effects()`` of the run as it is then."""
+        from headatlas.service.operations.added_effects import add
+        from headatlas.service.operations.requests import AddEffectsRequest
+
+        request = AddEffectsRequest.build(
+            self.run.run_id, kinds=kinds, windows=windows, reference=reference, objective=objective, device=device
+        )
+        add(self.store, request)
+        return self.refresh().effects()
+
+    @in_python_terms
     def prune(
         self,
         *,

@@ -74,6 +74,12 @@ def analyze(request: AnalysisRequest, events: Sink = ignore) -> Analysed:
 
                 refresh(store, done.run_id)  # results its first run could not store (a read-only data path)
                 return Analysed(store, done, found_finished=True)
+            if params.effects:  # the run without effects is stored: they are added to it
+                plain = finished_run(
+                    store, summary, model, _without_effects(params), name=request.name, probe=request.probe
+                )
+                if plain is not None:
+                    return _add_effects(request, store, plain, events)
         events(CorpusRead(summary, None if given is not None else str(request.model)))
         return _analyse(request, store, spec, label, summary, store_every_s, events)
     finally:
@@ -139,6 +145,53 @@ def _analyse(
     for done in (run, *controls):  # a finished run's metrics, intervals and roles, derived once
         refresh(store, done.run_id)
     return Analysed(store, run, tuple(controls))
+
+
+def _without_effects(params: AnalysisParams) -> AnalysisParams:
+    from dataclasses import replace
+
+    from headatlas.service.analysis_options import DEFAULTS
+
+    return replace(
+        params,
+        effects=(),
+        effect_windows=DEFAULTS["effect_windows"],
+        effect_reference=DEFAULTS["effect_reference"],
+        objective=DEFAULTS["objective"],
+    )
+
+
+def _add_effects(request: AnalysisRequest, store: Store, run: Run, events: Sink) -> Analysed:
+    """``analyze --effects`` on a corpus whose run without effects is stored: the effects are
+    measured on that run's windows and stored in it (operations/added_effects.py), not in a new run
+    that would analyse every window again."""
+    from headatlas.service.engine.model import LoadedModel
+    from headatlas.service.errors import Param
+    from headatlas.service.operations.added_effects import add_effects
+    from headatlas.service.operations.events import Notice
+
+    params = request.params
+    events(
+        Notice(
+            (
+                f"run {run.run_id} ({run.name}) holds this analysis without effects: ",
+                Param("effects", ",".join(params.effects)),
+                " adds them to it (its other results are kept; only the effect windows are measured)",
+            )
+        )
+    )
+    added = add_effects(
+        store,
+        run,
+        kinds=params.effects,
+        windows=params.effect_windows,
+        reference=params.effect_reference if "mean" in params.effects else None,
+        objective=params.objective,
+        device=request.device,
+        model=request.model if isinstance(request.model, LoadedModel) else None,
+        notice=lambda parts: events(Estimate(tuple(parts))),
+    )
+    return Analysed(store, added.run)
 
 
 class _pass:

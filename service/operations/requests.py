@@ -212,6 +212,42 @@ class EffectsRequest:
 
 
 @dataclass(frozen=True)
+class AddEffectsRequest:
+    """Causal effects measured on a stored run's own windows and stored in it (``headatlas effects
+    RUN``, ``run.add_effects()``): ``kinds`` on the run's first ``windows`` windows, mean ablation
+    against its first ``reference`` windows (None: the run's, else 256), on ``objective`` (``auto``:
+    the model's own). ``run``: an id, name or alias (None: the default run)."""
+
+    run: str | int | None
+    kinds: tuple[str, ...] = ("zero", "mean")
+    windows: int = 16
+    reference: int | None = None
+    objective: str = "auto"
+    device: str = DEFAULTS["device"]
+
+    @classmethod
+    def build(
+        cls,
+        run: str | int | None = None,
+        *,
+        kinds: str | Sequence[str] = "zero,mean",
+        windows: int = 16,
+        reference: int | None = None,
+        objective: str = "auto",
+        device: str = DEFAULTS["device"],
+    ) -> AddEffectsRequest:
+        """A validated request; refused before any run is read."""
+        from headatlas.service.measures.effects import parse_kinds
+
+        chosen = parse_kinds(kinds if isinstance(kinds, str) else ",".join(kinds))
+        if windows < 1:
+            raise ParameterError(Param("windows", windows), ": measure at least 1 window")
+        if reference is not None and reference < 1:
+            raise ParameterError(Param("reference", reference), ": mean ablation needs at least 1 reference window")
+        return cls(run, chosen, windows, reference, str(objective).strip() or "auto", device)
+
+
+@dataclass(frozen=True)
 class PruneRequest:
     """A stored run's pruning curves (``headatlas prune``, ``run.prune()``): heads removed
     cumulatively in each of ``orders`` (None: every order the run's objective allows), a share

@@ -1,0 +1,274 @@
+"""Causal effects added to a finished run (SPEC §9): ``headatlas effects RUN``, ``run.add_effects()``,
+and ``analyze --effects`` on a corpus whose run without effects is stored.
+
+The effects are those ``analyze --effects`` stores, on the same windows (the run's first
+``--windows``, read again from its corpus, each checked to be a window the run holds), the same
+reference set (its first ``--reference`` windows) and the same objective, summed per replicate group
+as every other statistic. Each window is stored as a batch of its own that holds only the effect
+sums (every other column of its rows is NULL, so no other statistic changes), under a batch id
+derived from the window's position (``EFFECT_BATCH_BASE`` + position): storing one twice is a no-op,
+and an interrupted measurement, run again, measures exactly the windows not yet stored.
+
+A run holds one set of effects: more windows may be added with the kinds, objective and reference
+it has; other kinds are refused, with what the run holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from headatlas.service.errors import Param, ParameterError, Part
+from headatlas.service.operations.events import Estimate, Event, Sink, WindowsMeasured, ignore
+from headatlas.service.operations.requests import AddEffectsRequest
+from headatlas.service.operations.runs import find_run
+from headatlas.service.params import AnalysisParams
+from headatlas.service.statuses import RunStatus
+from headatlas.service.storage.store import Run, Store
+from headatlas.service.wording import counted
+
+# the batch ids of added effect windows: far above any analysis's (which count up from 0), one per
+# window position
+EFFECT_BATCH_BASE = 1 << 30
+
+
+@dataclass(frozen=True)
+class AddedEffects:
+    """What ``add_effects`` did: the run (as stored after), the windows measured now, the effect
+    windows it holds in all, and the seconds taken."""
+
+    run: Run
+    measured: int
+    windows: int
+    seconds: float
+
+
+def add(store: Store, request: AddEffectsRequest, events: Sink = ignore, *, model=None) -> AddedEffects:
+    """The effects ``request`` asks for, measured and stored in its run; ``events`` hears the run's
+    note (once it is known not to be refused), the cost before it starts (``Estimate``) and every
+    window measured (``WindowsMeasured``)."""
+    held: list[Event] = []
+    with store.checked_read() as conn:
+        run = find_run(conn, request.run, held.append)
+    for event in held:
+        events(event)
+    return add_effects(
+        store,
+        run,
+        kinds=request.kinds,
+        windows=request.windows,
+        reference=request.reference,
+        objective=request.objective,
+        device=request.device,
+        model=model,
+        notice=lambda parts: events(Estimate(tuple(parts))),
+        progress=lambda done, total: events(WindowsMeasured(done, total)),
+    )
+
+
+def effect_params(
+    run: Run, *, kinds: tuple[str, ...], windows: int, reference: int | None, objective: str
+) -> AnalysisParams:
+    """The run's parameters with these effects, refused where the run holds others."""
+    from headatlas.service.params import AUTO_OBJECTIVE
+
+    params = AnalysisParams.from_dict(run.params)
+    if params.effects:
+        held = f"run {run.run_id} ({run.name}) holds effects {','.join(params.effects)}"
+        if tuple(params.effects) != tuple(kinds):
+            raise ParameterError(
+                Param("effects", ",".join(kinds)),
+                f": {held} on its first {counted(params.effect_windows, 'window')}; a run holds one set of effects: "
+                "ask for the same kinds (more windows are added to them), or analyse the corpus into a new run "
+                "with another name",
+            )
+        if objective not in (AUTO_OBJECTIVE, params.objective):
+            raise ParameterError(Param("objective", objective), f": {held} measured on {params.objective}")
+        if reference is not None and "mean" in kinds and reference != params.effect_reference:
+            raise ParameterError(
+                Param("reference", reference),
+                f": {held}, mean ablation against the run's first {params.effect_reference} windows; "
+                "leave the reference out, or give that number",
+            )
+        windows = max(windows, params.effect_windows)
+        reference, objective = params.effect_reference, params.objective
+    return replace(
+        params,
+        effects=tuple(kinds),
+        effect_windows=windows,
+        effect_reference=reference if reference is not None else params.effect_reference,
+        objective=objective,
+    )
+
+
+def add_effects(
+    store: Store,
+    run: Run,
+    *,
+    kinds: tuple[str, ...],
+    windows: int,
+    reference: int | None = None,
+    objective: str = "auto",
+    device: str = "auto",
+    model=None,
+    notice: Callable[[tuple[Part, ...]], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> AddedEffects:
+    """Measure the effects ``kinds`` on run ``run``'s first ``windows`` windows and store them in
+    it; windows already stored are not measured again. ``model``: a loaded model to use instead of
+    the run's (it must be the run's); ``notice``: told the cost before it starts; ``progress``:
+    (windows done, windows to do) after each window."""
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.engine.windows import TokenClasses, collate
+    from headatlas.service.measures.effect_batch import check_effects, effect_sums, estimate, reference_means
+    from headatlas.service.reports.stored import refresh
+
+    if run.status != RunStatus.DONE:
+        raise ParameterError(
+            f"run {run.run_id} ({run.name}) is {run.status}: effects are added to a finished run; "
+            "finish it first (run its analysis again to resume it)"
+        )
+    if "control_of" in run.params:
+        raise ParameterError(
+            f"run {run.run_id} ({run.name}) is a random-weights control: add effects to the run it controls"
+        )
+    params = effect_params(run, kinds=kinds, windows=windows, reference=reference, objective=objective)
+    began = time.perf_counter()
+    loaded = model or load_model(run.model, device=device, dtype=params.dtype)
+    check_effects(loaded, params)
+    tokens = TokenClasses.for_model(loaded)
+    targets = first_windows(run.corpus, loaded, params, tokens, params.effect_windows)
+    held = store.done_window_ids(run.run_id)
+    strangers = [w.window_id for w in targets if w.window_id not in held]
+    if strangers:
+        raise ParameterError(
+            f"run {run.run_id} ({run.name}): its corpus {run.corpus} no longer gives the windows it analysed "
+            f"({counted(len(strangers), 'window')} of the first {len(targets)} are not the run's): "
+            "restore the corpus as it was, or analyse it into a new run"
+        )
+    with store.checked_read() as conn:
+        from sqlalchemy import text
+
+        done = {
+            int(b) - EFFECT_BATCH_BASE
+            for (b,) in conn.execute(
+                text("SELECT batch_id FROM batches WHERE run_id = :r AND batch_id >= :base"),
+                {"r": run.run_id, "base": EFFECT_BATCH_BASE},
+            )
+        }
+        present = _present_sums(conn, run.run_id)
+    todo = [(p, w) for p, w in enumerate(targets) if p not in done]
+    means = None
+    if todo and "mean" in params.effects:
+        references = first_windows(run.corpus, loaded, params, tokens, params.effect_reference)
+        if notice is not None:
+            cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=len(references))
+            notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
+        means = reference_means(loaded, references, tokens.pad_id)
+    elif todo and notice is not None:
+        cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=0)
+        notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
+    # recorded first: what the run's effects are and how many windows they are meant to cover
+    stored_params = dict(run.params)
+    stored_params.update({k: v for k, v in params.to_dict().items() if k in EFFECT_FIELDS})
+    store.atomically(lambda conn: _prepare(conn, run.run_id, stored_params, params.effects))
+    for k, (position, window) in enumerate(todo):
+        started = time.perf_counter()
+        group = _group(params, window)
+        heads, run_sums, meta = effect_sums(
+            loaded,
+            collate([window], tokens.pad_id),
+            params,
+            count=1,
+            group=np.zeros(1, dtype=np.int64),
+            n_groups=1,
+            means=means,
+            pad_id=tokens.pad_id,
+        )
+        result = _effect_batch(loaded, group, heads, run_sums, meta, present, time.perf_counter() - started)
+        store.ingest(run.run_id, [(EFFECT_BATCH_BASE + position, result)])
+        if progress is not None:
+            progress(k + 1, len(todo))
+    if todo:
+        store.compact(run.run_id)
+        refresh(store, run.run_id)
+    with store.checked_read() as conn:
+        from headatlas.service.storage.effect_rows import effect_windows
+
+        total = effect_windows(conn, run.run_id)
+    return AddedEffects(store.get_run(run.run_id), len(todo), total, time.perf_counter() - began)
+
+
+EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference", "objective")
+
+
+def _prepare(conn, run_id: int, params: dict, kinds: tuple[str, ...]) -> None:
+    """In one transaction: the run's parameters with its effects recorded, and its rows made those
+    of a run with effects: the effect sums of its analysed batches zero where they are NULL (as an
+    ``analyze --effects`` batch without effect windows carries them; a NULL left in any row would
+    make the run's sum NULL, compact.strict_sum)."""
+    import json
+
+    from sqlalchemy import text
+
+    from headatlas.service.metrics import EFFECT_SUMS
+
+    conn.execute(text("UPDATE runs SET params = :p WHERE run_id = :r"), {"p": json.dumps(params), "r": run_id})
+    for column in (s for kind in kinds for s in EFFECT_SUMS[kind]):
+        conn.execute(text(f"UPDATE head_stats SET {column} = 0 WHERE run_id = :r AND {column} IS NULL"), {"r": run_id})
+    for column in ("effect_windows", "objective"):
+        conn.execute(text(f"UPDATE run_chance SET {column} = 0 WHERE run_id = :r AND {column} IS NULL"), {"r": run_id})
+
+
+def _group(params: AnalysisParams, window) -> int:
+    from headatlas.service.engine.results import window_group
+
+    return window_group(params.replicates, window_id=window.window_id, doc_id=window.doc_id, index=window.index)
+
+
+def _present_sums(conn, run_id: int) -> tuple[list[str], list[str]]:
+    """The head statistics' sums (per head, per run) that run ``run_id``'s rows hold: an added
+    batch gives them zeros (their columns refuse NULL, and zero adds nothing); the others (a sum
+    its analysis did not compute) stay NULL."""
+    from sqlalchemy import text
+
+    from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS
+
+    found: list[list[str]] = []
+    for table, names in (("head_stats", HEAD_SUMS), ("run_chance", CHANCE_SUMS)):
+        counts = conn.execute(
+            text(f"SELECT {', '.join(f'count({n})' for n in names)} FROM {table} WHERE run_id = :r"), {"r": run_id}
+        ).one()
+        found.append([n for n, c in zip(names, counts) if c])
+    return found[0], found[1]
+
+
+def _effect_batch(model, group: int, heads: dict, run_sums: dict, meta: dict, present, seconds: float):
+    """A batch result of no window of its own that holds one window's effect sums, and zero for
+    every other sum the run holds (``present``), so that no other statistic of the run changes."""
+    from headatlas.service.engine.results import PAIR_HISTS, BatchResult, sum_dtype
+
+    shape = (1, model.n_layers, model.n_heads)
+    empty = np.zeros((0, model.n_layers, model.n_heads), dtype=np.int64)
+    head_sums, chance_sums = present
+    zeros = {k: np.zeros(shape, dtype=sum_dtype(k)) for k in head_sums}
+    run_zeros = {k: np.zeros(1, dtype=sum_dtype(k)) for k in chance_sums}
+    return BatchResult(
+        window_ids=[],
+        reps=np.array([group], dtype=np.int64),
+        rep_heads={**zeros, **{k: np.asarray(v, dtype=np.float64).reshape(shape) for k, v in heads.items()}},
+        rep_dist_hist=np.zeros((*shape, 1), dtype=np.int64),
+        rep_attended_hist=np.zeros((*shape, 1), dtype=np.float64),
+        rep_chance={**run_zeros, **{k: np.asarray(v).reshape(1) for k, v in run_sums.items()}},
+        rep_pair_hist={k: np.zeros((1, 1)) for k in PAIR_HISTS},
+        anchor_token=empty - 1,
+        anchor_count=empty,
+        high_count=empty,
+        anchor_frequent=empty.astype(bool),
+        compute_s=seconds,
+        effects=meta,
+    )
