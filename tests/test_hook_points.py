@@ -252,3 +252,17 @@ def test_check_runs_on_real_windows_of_the_default_model(tiny_model):
                 return block.attention.output.dense.weight * 1.5
 
         check(WrongWeight(), tiny_model.model, ids, mask)
+
+
+def test_a_family_registered_directly_is_held_to_the_same_checks():
+    """``register()`` called by hand (no entry point) runs the conformance checks too: the OPT-like
+    family is refused naming the check, and nothing of it is registered."""
+    from headatlas.service.engine.adapters.base import register
+
+    namespace: dict = {}
+    exec(compile(OPT_PLUGIN, "opt_direct", "exec"), namespace)
+    adapter = namespace["OPTLikeAdapter"]
+    adapter.__module__ = "opt_direct"
+    with pytest.raises(AdapterIncomplete, match="fails the conformance check 'embed'"):
+        register(adapter)
+    assert "opt_like" not in families() and random_shape("opt_like") is None

@@ -345,11 +345,22 @@ def check_contract(cls: type[ModelAdapter]) -> None:
             )
 
 
+# the built-in families, whose conformance the suite checks (tests/test_hook_points.py) rather than
+# every process at import: a tiny random model per family is not built each time headatlas starts
+BUILTIN_MODULES = "headatlas.service.engine.adapters."
+
+
 def register(cls: type[ModelAdapter]) -> type[ModelAdapter]:
     """Class decorator: make ``cls`` the adapter of its ``model_types``, once it provides every
-    part of the contract (AdapterIncomplete otherwise: nothing is registered)."""
+    part of the contract and (a family not built in) passes the conformance checks on its tiny
+    random model (``conformance.conform``): AdapterIncomplete otherwise, naming the failing check,
+    and nothing is registered."""
     check_contract(cls)
     adapter = cls()
+    if not cls.__module__.startswith(BUILTIN_MODULES):
+        from headatlas.service.engine.adapters.conformance import conform
+
+        conform(adapter)
     FAMILIES[cls.family] = adapter
     for model_type in cls.model_types:
         ADAPTERS[model_type] = adapter
@@ -367,17 +378,16 @@ def _install_plugin(plugin: Any, value: Any) -> None:
         raise PluginError(f"{plugin.value} is not a ModelAdapter subclass")
     registered = FAMILIES.get(getattr(value, "family", ""))
     if registered is not None and type(registered) is value:  # registered already (a @register at import)
-        try:
-            conform(registered)
-        except AdapterIncomplete:
-            _unregister(registered)
-            raise
+        if value.__module__.startswith(BUILTIN_MODULES):  # not conformed by register: checked here
+            try:
+                conform(registered)
+            except AdapterIncomplete:
+                _unregister(registered)
+                raise
         type(registered).origin = plugin.origin
         return
-    check_contract(value)
-    conform(value())
     value.origin = plugin.origin
-    register(value)
+    register(value)  # the contract, then the conformance checks
 
 
 def _unregister(adapter: ModelAdapter) -> None:
