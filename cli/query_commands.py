@@ -83,12 +83,9 @@ def query_heads(
     """Per head: within-sentence share, repetition, distances, noise, attention targets, anchors,
     each against its chance. A table shows the main columns (--columns picks, --wide shows all;
     `headatlas metrics` defines each); --format json/csv has all."""
-    from headatlas.service.errors import ParameterError
     from headatlas.service.reports import queries, query_support
     from headatlas.service.reports.columns import head_table
 
-    if asc and sort is None:
-        raise ParameterError("--asc orders the --sort metric: pass --sort METRIC too")
     table = head_table(terminal=True, sort=sort)
     view = TableView.of(columns, wide)
     _query(

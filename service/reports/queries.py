@@ -220,6 +220,17 @@ def heads(
     read them; ``with_df``: with each interval's degrees of freedom, ``<metric>_df``, the role tests').
     ``sort`` or a column of ``shown`` (the columns picked to show, ``--columns``) that a measure the
     run was analysed without would fill (every value NULL: a probe score, an effect) is refused."""
+    if ascending and sort is None:  # one refusal for every front end, in its own terms
+        from headatlas.service.errors import Param, ParameterError, Placeholder
+
+        raise ParameterError(
+            Param("asc", True),
+            " orders the ",
+            Param("sort"),
+            " metric: pass ",
+            Param("sort", Placeholder("METRIC")),
+            " too",
+        )
     _check_sort(sort, sortable())
     named = [("sort", sort or ""), *(("columns", c) for c in shown)]
     columns = _view_head_columns(conn, named)

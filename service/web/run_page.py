@@ -11,7 +11,7 @@ filter), ``roles`` (``query roles --stability``).
 
 from __future__ import annotations
 
-from headatlas.service.errors import Param, ParameterError, Part, Placeholder
+from headatlas.service.errors import Param, ParameterError, Part
 from headatlas.service.metrics import COLUMNS, METRICS
 from headatlas.service.operations.runs import check_layer_head
 from headatlas.service.reports import (
@@ -79,15 +79,6 @@ def run_view(ctx: Ctx, ref: str) -> View:
     if metric not in LAYER_METRICS:
         raise unknown_metric("metric", metric, LAYER_METRICS)
     sort, asc, layer, top = ctx.arg("sort"), ctx.flag("asc"), ctx.number("layer"), ctx.number("top", minimum=1)
-    if asc and sort is None:
-        raise ParameterError(
-            Param("asc", True),
-            " orders the ",
-            Param("sort"),
-            " metric: pass ",
-            Param("sort", Placeholder("METRIC")),
-            " too",
-        )
     check_layer_head(run, layer)
     read = run_reads(ctx, run)
     offered = role_rules.offered_roles(read["causal"])
