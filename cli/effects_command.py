@@ -11,7 +11,7 @@ import typer
 
 from headatlas.cli import options
 from headatlas.cli.console import print_note, stderr
-from headatlas.cli.formats import Format, render
+from headatlas.cli.formats import Format, TableView, render
 from headatlas.cli.tables import print_table
 from headatlas.service.wording import counted
 
@@ -58,6 +58,8 @@ def effects(
     db: str = options.Db,
     analysis: options.AnalysisOptions,
     fmt: Format = options.Fmt,
+    columns: str | None = options.Columns,
+    wide: bool = options.Wide,
 ) -> None:
     """Which heads the model needs: every head removed in turn, and what the model's objective loses.
 
@@ -71,12 +73,19 @@ def effects(
     windows, stored in the run (Ctrl-C keeps every finished window; the same command resumes; more
     windows are added to those it holds); `query heads`, `query roles` and `prune` then use them. Given
     a corpus, they are measured in this process and nothing is stored.
+
+    A run's table also gives each effect normalised within its layer (<effect>_layer = v / ‖v of the
+    layer's heads‖₂, Michel et al. 2019), the head's primary role, noise_share and the probe's scores
+    (--wide, --columns, CSV and JSON), and says how many heads' intervals lie above 0.
     """
     from headatlas.service.storage.store import Store
 
     store = Store(db)
     if _names_a_run(target, store):
-        _add_to_run(store, target, kinds=kinds, windows=windows, reference=reference, analysis=analysis, fmt=fmt)
+        view = TableView.of(columns, wide)
+        _add_to_run(
+            store, target, kinds=kinds, windows=windows, reference=reference, analysis=analysis, fmt=fmt, view=view
+        )
         return
     _refuse_neither(target, db)
     from headatlas.service.operations.effects import measure
@@ -128,11 +137,27 @@ def _refuse_neither(target: str, db: str) -> None:
     )
 
 
-def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt) -> None:
+# `effects RUN`'s table: each effect first stored of these, with its per-layer normalisation, and the
+# head's role, fitted to 100 characters; the rest (intervals of the normalised values, drifts,
+# noise_share, the probe's scores) in --wide, --columns, CSV and JSON
+EFFECT_TABLE = ("effect_mean", "effect_mean_layer", "importance", "importance_layer", "role")
+EFFECT_TABLE_ZERO = ("effect_zero", "effect_zero_layer", "role")  # a run without mean ablation or importance
+
+
+def _effect_table(columns: list[str]) -> list[str]:
+    chosen = [c for c in EFFECT_TABLE if c in columns]
+    if not any(c in columns for c in ("effect_mean", "importance")):
+        chosen = [c for c in EFFECT_TABLE_ZERO if c in columns]
+    return ["layer", "head", *chosen]
+
+
+def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt, view) -> None:
     """`effects RUN`: the run's effects measured and stored, then shown as `query heads` reads them."""
+    from headatlas.cli.metric_tables import render_metrics
     from headatlas.service.operations.added_effects import add
     from headatlas.service.operations.requests import AddEffectsRequest
     from headatlas.service.reports.effect_queries import effects as effect_rows
+    from headatlas.service.reports.effect_queries import significance_note
     from headatlas.service.storage.effect_rows import effect_note
 
     ref = int(target) if target.isdigit() else target
@@ -144,7 +169,17 @@ def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt)
     with store.checked_read() as conn:
         columns, rows = effect_rows(conn, run.run_id, ci=True)
         note = effect_note(conn, run.run_id)
-    render(columns, rows, fmt, title=f"run {run.run_id} ({run.name}): head effects")
+        above = significance_note(conn, run.run_id)
+    render_metrics(
+        columns,
+        rows,
+        fmt,
+        title=f"run {run.run_id} ({run.name}): head effects",
+        table_columns=_effect_table(columns),
+        view=view,
+        pinned=2,
+        intervals=[c for c in ("effect_mean", "effect_zero") if c in columns][:1],
+    )
     # on stderr in every format: what was measured now
     stderr.print(
         f"note: {counted(added.measured, 'window')} measured now, {added.windows} stored in all"
@@ -153,6 +188,8 @@ def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt)
         highlight=False,
         soft_wrap=True,
     )
+    if above:  # how many heads individually matter, in every format
+        stderr.print(f"note: {above}", highlight=False, soft_wrap=True)
 
 
 def _said(event) -> None:

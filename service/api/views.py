@@ -159,8 +159,18 @@ class RunView:
         with self.store.checked_read() as conn:
             return RunView.read(self.store, conn, self.run.run_id)
 
-    def _query(self, query: Callable[..., Any], what: str, *, note: str = "", ci: bool = False, **kwargs: Any) -> Table:
-        """Ask this run (service/operations/runs.py ``ask``, as the CLI's `query` commands do)."""
+    def _query(
+        self,
+        query: Callable[..., Any],
+        what: str,
+        *,
+        note: str = "",
+        ci: bool = False,
+        more: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> Table:
+        """Ask this run (service/operations/runs.py ``ask``, as the CLI's `query` commands do);
+        ``more``: notes after the answer's own."""
         from headatlas.service.operations.runs import ask
         from headatlas.service.reports.intervals import interval_note, scheme_of
 
@@ -173,6 +183,7 @@ class RunView:
             )
         if answer.effects_note and answer.effects_note not in notes:  # what the effects are measured against
             notes.append(answer.effects_note)
+        notes += more
         for warning in said:
             notes.append(f"warning: {warning}")
             warnings.warn(warning, IntervalWarning, stacklevel=4)  # the caller's line: past the method and its wrapper
@@ -235,14 +246,18 @@ class RunView:
     def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:
         """Per head, the causal effects the run stores (``analyze --effects``, SPEC §9):
         ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the run's objective), ``importance``
-        (mean |∂O/∂ξ|) and the output drift of each ablation, with 95% intervals (``ci``);
-        ``.notes`` says what they are measured against."""
-        from headatlas.service.reports.effect_queries import effects
+        (mean |∂O/∂ξ|) and the output drift of each ablation, with 95% intervals (``ci``); beside
+        each effect its per-layer normalisation ``<effect>_layer`` (v / ‖v of the layer‖₂, Michel
+        et al. 2019), then the head's primary ``role``, ``noise_share`` and the probe's scores
+        (where the run has a probe). ``.notes`` says what they are measured against and how many
+        heads' intervals lie above 0."""
+        from headatlas.service.reports.effect_queries import effects, significance_note
         from headatlas.service.storage.effect_rows import effect_note
 
         with self.store.checked_read() as conn:
             said = effect_note(conn, self.run.run_id) or ""
-        return self._query(effects, "head effects", note=said, ci=ci, sort=sort)
+            counted_above = significance_note(conn, self.run.run_id) or ""
+        return self._query(effects, "head effects", note=said, ci=ci, sort=sort, more=[counted_above])
 
     @in_python_terms
     def add_effects(
