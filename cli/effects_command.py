@@ -221,8 +221,9 @@ def prune(
         None,
         "--order",
         help="Orders to remove heads in, comma-separated: effect (smallest first), importance (smallest first; "
-        "loss objectives), noise (the run's noise_share, largest first), random (default: every one the run's "
-        "objective allows).",
+        "loss objectives), one_per_layer (every layer keeps only its head of largest effect, else importance: "
+        "one step), noise (the run's noise_share, largest first), random, and the trivial layer, sinks, "
+        "output_norm, output_variance (default: every one the run's objective allows).",
     ),
     step: str = typer.Option("10%", "--step", help="Share of the heads removed at each step."),
     seeds: int = typer.Option(3, "--seeds", help="Random orders (one per seed), 1 to 1000."),
@@ -242,6 +243,14 @@ def prune(
     device: str = typer.Option("auto", "--device", help="Device: auto, cpu, cuda or cuda:N."),
     show: bool = typer.Option(False, "--show", help="Show the run's newest stored curves; measure nothing."),
     out: str | None = typer.Option(None, "--out", "-o", help="Also draw every order's curve into this .png/.svg."),
+    until: str | None = typer.Option(
+        None,
+        "--until",
+        metavar="X",
+        help="Then say which heads can go before the objective rises by X: in its units (0.05) or a share of the "
+        "rise with every head removed (10%); read off the curve of the first --order named, else effect, else "
+        "importance: the last step before the first whose increase's upper bound exceeds X.",
+    ),
     fmt: Format = options.Fmt,
 ) -> None:
     """Pruning curves: heads removed cumulatively (mean ablation), the model's objective after each step with
@@ -259,6 +268,10 @@ def prune(
     request = PruneRequest.build(
         run, orders=orders, step=step, seeds=seeds, windows=windows, reference=reference, device=device, show=show
     )
+    if until is not None:  # refused before anything is measured
+        from headatlas.service.operations.prune_michel import parse_until
+
+        parse_until(until)
     if out is not None:
         from headatlas.service.reports.plots import output_format
 
@@ -275,6 +288,11 @@ def prune(
         highlight=False,
         soft_wrap=True,
     )
+    if until is not None:  # on stderr in every format, after the table: the answer to --until
+        from headatlas.service.operations.prune_michel import until_of
+
+        said = until_of(saved, until, request.orders).text()
+        stderr.print(said, highlight=False, soft_wrap=True)
     if out is not None:
         from headatlas.service.reports.plots import save
         from headatlas.service.reports.prune_plot import figure_prune

@@ -198,7 +198,8 @@ def test_prune_stores_its_curves_from_the_runs_stored_effects(effect_run, cli, t
     assert "the run's first 4 windows" in done.stderr  # the run's own reference set
     rows = json.loads(done.stdout)
     trivial = {"layer", "sinks", "output_norm", "output_variance"}
-    assert {r["order"] for r in rows} == {"effect", "importance", "noise", "random:0", "random:1", *trivial}
+    michel = {"one_per_layer"}  # every layer reduced to its most important head
+    assert {r["order"] for r in rows} == {"effect", "importance", "noise", "random:0", "random:1", *trivial, *michel}
     shown = cli("prune", "fx", "--db", db, "--show", "--format", "json")
     assert json.loads(shown.stdout) == rows  # stored, read back without measuring
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -306,11 +306,12 @@ def test_prune_a_stored_run(tmp_path, small_corpus) -> None:
     rows = json.loads(done.stdout)
     orders = {r["order"] for r in rows}
     trivial = {"layer", "sinks", "output_norm", "output_variance"}  # blind to what a head does
-    assert orders == {"effect", "importance", "noise", "random:0", "random:1", *trivial}
+    assert orders == {"effect", "importance", "one_per_layer", "noise", "random:0", "random:1", *trivial}
     assert [r["heads_removed"] for r in rows if r["order"] == "layer"] == [0, 4, 8]
     first = {r["objective"] for r in rows if r["heads_removed"] == 0}
     last = [r["objective"] for r in rows if r["heads_removed"] == 8]
-    assert len(first) == 1 and len(last) == len(orders)
+    assert len(first) == 1 and len(last) == len(orders) - 1  # one_per_layer keeps a head of each layer
+    assert [r["heads_removed"] for r in rows if r["order"] == "one_per_layer"] == [0, 6]
     assert max(last) - min(last) < 1e-9 and abs(last[0] - first.pop()) > 1e-6
     assert [r["heads_removed"] for r in rows if r["order"] == "noise"] == [0, 4, 8]
     assert out.stat().st_size > 10_000

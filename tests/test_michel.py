@@ -181,3 +181,113 @@ def test_effects_run_table_fits_100_columns_and_csv_json_hold_every_column(miche
     )
     assert picked.returncode == 0, picked.stderr
     assert "noise_share" in picked.stdout
+
+
+# --- prune --until and one_per_layer ----------------------------------------------------------------
+
+CURVE = ["order", "step", "heads_removed", "fraction", "objective", "objective_lo", "objective_hi"]
+CURVE += ["increase", "increase_lo", "increase_hi"]
+
+
+def _curve(order: str, increases, highs, removed):
+    rows = [
+        (order, step, n, n / 8, 3.0 + up, None, None, up, up - (hi - up), hi)
+        for step, (n, up, hi) in enumerate(zip((0, 2, 4, 6, 8), increases, highs))
+    ]
+    return rows, removed
+
+
+def test_until_takes_the_last_step_before_the_upper_bound_first_exceeds_x() -> None:
+    """Steps remove 0, 2, 4, 6, 8 heads; increases 0, .01, .03, .02, .2 with upper bounds 0, .02,
+    .04, .06, .3: until 0.05 stops at 4 heads (6 heads' bound .06 exceeds it, though its point
+    estimate does not); 10% of the rise with every head removed (0.02) at 2 heads; without
+    intervals the point estimate decides."""
+    from headatlas.service.operations.prune_michel import until
+
+    removed = ["", "1.0 0.3", "0.1 1.2", "0.0 0.2", "1.1 1.3"]
+    rows, _ = _curve("effect", (0, 0.01, 0.03, 0.02, 0.2), (0, 0.02, 0.04, 0.06, 0.3), removed)
+    other, _ = _curve("noise", (0, 0, 0, 0, 0.2), (0, 0, 0, 0, 0.3), removed)
+    got = until(CURVE, other + rows, removed + removed, limit=0.05, unit="nats", order="effect")
+    assert (got.step, got.heads_removed, got.total) == (2, 4, 8)
+    assert got.heads == ["0.1", "0.3", "1.0", "1.2"] and got.bound == "upper bound"
+    assert got.next_step is not None and got.next_step[0] == 6
+    assert "the effect order removes 4 of 8 heads" in got.text() and "removed: 0.1 0.3 1.0 1.2" in got.text()
+    share = until(CURVE, rows, removed, limit="10%", unit="nats", order="effect")
+    assert share.limit == pytest.approx(0.02) and share.heads_removed == 2
+    assert "(10% of the rise with every head removed)" in share.text()
+    everything = until(CURVE, rows, removed, limit=1.0, unit="nats", order="effect")
+    assert everything.heads_removed == 8 and everything.next_step is None
+    assert until(CURVE, rows, removed, limit=0, unit="nats", order="effect").heads_removed == 0
+    bare = [(*r[:8], float("nan"), float("nan")) for r in rows]  # no intervals: the point estimate
+    point = until(CURVE, bare, removed, limit=0.025, unit="nats", order="effect")
+    assert point.heads_removed == 2 and point.bound.startswith("point estimate")
+
+
+def test_until_reads_the_effect_curve_else_importance_else_the_order_named() -> None:
+    from headatlas.service.errors import ParameterError
+    from headatlas.service.operations.prune_michel import chosen_order, parse_until
+
+    assert chosen_order(["effect", "importance", "noise"], None) == "effect"
+    assert chosen_order(["importance", "noise", "one_per_layer"], None) == "importance"
+    assert chosen_order(["effect", "noise"], ["noise", "effect"]) == "noise"
+    assert chosen_order(["effect", "random:0", "random:1"], ["random"]) == "random:0"
+    with pytest.raises(ParameterError, match="effect or importance"):
+        chosen_order(["noise", "random:0"], None)
+    assert parse_until("10%") == (pytest.approx(0.1), True) and parse_until("0.05") == (0.05, False)
+    for bad in ("ten", "-0.1", "nan"):
+        with pytest.raises(ParameterError, match="--until"):
+            parse_until(bad)
+
+
+def test_one_per_layer_keeps_each_layers_largest_head() -> None:
+    import numpy as np
+
+    from headatlas.service.operations.prune_michel import one_per_layer
+
+    effect = np.array([[0.1, 0.5, 0.5, -1.0], [2.0, 0.0, 0.0, 0.0]])
+    assert one_per_layer(effect, None) == ([(0, 1), (1, 0)], "mean-ablation effect")  # ties: the lower head
+    assert one_per_layer(None, -effect) == ([(0, 3), (1, 1)], "gradient importance")
+    assert one_per_layer(None, None) is None
+
+
+def test_prune_measures_one_head_per_layer_and_answers_until(michel_run, cli, tmp_path) -> None:
+    """The one_per_layer row removes every head but each layer's of largest stored effect_mean, in
+    one step, with its increase's interval; --until reads the stored effect curve as the rule
+    says, and the API gives the same line."""
+    import headatlas
+
+    db, _corpus = michel_run
+    copy = str(tmp_path / "copy.duckdb")
+    shutil.copy(db, copy)
+    args = ["m", "--db", copy, "--windows", "4", "--step", "25%", "--seeds", "1", "--format", "json"]
+    done = cli("prune", *args, "--until", "0.001", "--out", str(tmp_path / "c.png"))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    mine = [r for r in rows if r["order"] == "one_per_layer"]
+    assert [r["heads_removed"] for r in mine] == [0, 6]
+    assert mine[1]["increase_lo"] <= mine[1]["increase"] <= mine[1]["increase_hi"]
+    effects = headatlas.connect(copy).run("m").effects().to_pylist()
+    kept = {
+        (layer, max((r for r in effects if r["layer"] == layer), key=lambda r: (r["effect_mean"], -r["head"]))["head"])
+        for layer in (0, 1)
+    }
+    view = headatlas.connect(copy).run("m")
+    stored = view.prune(show=True)
+    table = stored.to_pylist()
+    assert table == rows
+    said = " ".join(done.stderr.split())
+    heads = " ".join(f"{layer}.{head}" for layer, head in sorted(kept))
+    assert f"one_per_layer (each layer keeps only its head of largest mean-ablation effect: {heads})" in said
+    # --until 0.001 by hand: the effect curve's last step before the first upper bound above 0.001
+    curve = sorted((r for r in rows if r["order"] == "effect"), key=lambda r: r["step"])
+    chosen = curve[0]
+    for r in curve:
+        if r["increase_hi"] > 0.001:
+            break
+        chosen = r
+    assert f"the effect order removes {chosen['heads_removed']} of 8 heads" in said
+    api = view.prune(show=True, until=0.001)
+    line = next(n for n in api.notes if n.startswith("until "))
+    assert " ".join(line.split()) in said
+    refused = cli("prune", "m", "--db", copy, "--show", "--until", "lots")
+    assert refused.returncode != 0 and "--until 'lots'" in refused.stderr

@@ -295,13 +295,18 @@ class RunView:
         reference: int | None = None,
         device: str = DEFAULTS["device"],
         show: bool = False,
+        until: str | float | None = None,
     ) -> Table:
         """The pruning curves of ``headatlas prune`` (SPEC §9): heads removed cumulatively in each
-        order (``orders``: effect, importance, noise, random; default all the run's objective
-        allows), the objective and its increase over the intact model with 95% intervals, measured
-        in this process and stored with the run (``show``: the newest stored ones, nothing
-        measured). ``.notes`` holds the seed paper's claim tested: the area between the noise
-        order and random ones, and Spearman's ρ(noise_share, effect), each with its interval."""
+        order (``orders``: effect, importance, one_per_layer, noise, random and the trivial ones;
+        default all the run's objective allows), the objective and its increase over the intact
+        model with 95% intervals, measured in this process and stored with the run (``show``: the
+        newest stored ones, nothing measured). ``.notes`` holds the seed paper's claim tested: the
+        area between the noise order and random ones, and Spearman's ρ(noise_share, effect), each
+        with its interval, and every layer reduced to its most important head (``one_per_layer``).
+        ``until``: a rise of the objective, in its units (0.05) or a share of the rise with every
+        head removed ("10%"): a second note says which heads can go before it (``prune --until``)."""
+        from headatlas.service.operations.prune_michel import parse_until, until_of
         from headatlas.service.operations.pruning import prune
         from headatlas.service.operations.requests import PruneRequest
 
@@ -315,10 +320,13 @@ class RunView:
             device=device,
             show=show,
         )
+        if until is not None:  # refused before anything is measured
+            parse_until(until)
         saved = prune(self.store, request).saved
-        return Table.of(
-            saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=[saved.meta["claim"]]
-        )
+        notes = [saved.meta["claim"]]
+        if until is not None:
+            notes.append(until_of(saved, until, request.orders).text())
+        return Table.of(saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=notes)
 
     @in_python_terms
     def sql(

@@ -24,6 +24,10 @@ variance of that output over positions first), both measured on the reference wi
 forward pass. The noise-ordered curve is compared with the best of them (the smallest area against
 random) as with random: the area between the two curves, with the jackknife's interval.
 
+``one_per_layer`` is Michel et al. 2019's experiment, not a cumulative order: every layer keeps only
+its most important head (largest effect, else importance) and every other head is removed at once,
+one step (``prune_michel``).
+
 The claim is tested two ways, each with a 95% interval: the **area** between the noise-ordered
 curve and the mean of the random ones (trapezoids over the fraction removed; negative: pruning by
 noise costs less than at random), whose standard error joins the jackknife over the evaluation
@@ -51,12 +55,23 @@ from headatlas.service.engine.windows import TokenClasses, Window, collate
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
 from headatlas.service.measures.objectives import Objective, wide
+from headatlas.service.operations import prune_michel as michel
 from headatlas.service.operations.effect_runs import jackknife, spread_windows
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import jackknife_halfwidth
 from headatlas.service.wording import counted
 
-ORDERS = ("effect", "importance", "noise", "random", "layer", "sinks", "output_norm", "output_variance")
+ORDERS = (
+    "effect",
+    "importance",
+    "one_per_layer",
+    "noise",
+    "random",
+    "layer",
+    "sinks",
+    "output_norm",
+    "output_variance",
+)
 TRIVIAL_ORDERS = ("layer", "sinks", "output_norm", "output_variance")  # blind to what a head does
 Head = tuple[int, int]
 
@@ -161,6 +176,7 @@ class PruneResult:
     selection: str = ""  # where the effect and importance orders came from
     reference_windows: int = 0
     seed_areas: list[float] = field(default_factory=list)  # noise − each random seed, every window
+    one_per_layer: tuple[list[Head], str] | None = None  # the head each layer keeps, and what chose it
 
     def removed(self) -> list[str]:
         """Per row of ``rows()``: the heads removed at that step, ``layer.head`` space-separated."""
@@ -202,6 +218,11 @@ class PruneResult:
                 f"against the best trivial order ({order}) {value:+.4g} {self.unit}·fraction"
                 f"{self._bounds(lo, hi, '.4g')}: {self._verdict(lo, hi)}"
             )
+        curve = next((c for c in self.curves if c.order == michel.ONE_PER_LAYER), None)
+        if curve is not None and self.one_per_layer is not None:
+            up, up_lo, up_hi, _r = jackknife((curve.values - curve.values[0]).T, self.group_ids)
+            rise = (float(up[-1]), float(up_lo[-1]), float(up_hi[-1]))
+            parts.append(michel.one_per_layer_text(*self.one_per_layer, rise, self.unit))
         if self.rho is not None and math.isnan(self.rho[0]):
             parts.append(
                 f"Spearman ρ(noise_share, {self.rho_against}) undefined: one of them does not vary across heads"
@@ -419,6 +440,9 @@ def prune_curves(
         norm, variance = output_statistics(model, _batches(ref, pad, batch_size))
         ranked["output_norm"] = sorted(every, key=lambda lh: (norm[lh], lh))
         ranked["output_variance"] = sorted(every, key=lambda lh: (variance[lh], lh))
+    kept = michel.one_per_layer(mean_effect, importance) if michel.ONE_PER_LAYER in orders else None
+    if kept is not None:  # the heads each layer does not keep, removed at once; those it keeps after
+        ranked[michel.ONE_PER_LAYER] = [lh for lh in every if lh not in kept[0]] + kept[0]
     for seed in range(seeds):
         shuffled = list(every)
         random.Random(seed).shuffle(shuffled)
@@ -442,16 +466,18 @@ def prune_curves(
         selection=selection_text,
         reference_windows=len(ref),
         rho_against=rho_against,
+        one_per_layer=kept,
     )
     names = [o for o in orders if o != "random"] + ([f"random:{s}" for s in range(seeds)] if "random" in orders else [])
     for name in names:
         heads_in_order = ranked[name]
+        steps = [0, total - model.n_layers] if name == michel.ONE_PER_LAYER else counts
         values = []
-        for index, n in enumerate(counts):
+        for index, n in enumerate(steps):
             values.append(objective_with(model, batches, heads_in_order[:n], means, intact, objective))
             if on_step is not None:
-                on_step(name, index + 1, len(counts))
-        result.curves.append(Curve(order=name, steps=counts, values=np.stack(values), order_heads=heads_in_order))
+                on_step(name, index + 1, len(steps))
+        result.curves.append(Curve(order=name, steps=steps, values=np.stack(values), order_heads=heads_in_order))
 
     curves = {c.order: c for c in result.curves}
     randoms = [c.values for name, c in curves.items() if name.startswith("random:")]

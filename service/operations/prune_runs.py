@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.operations.prune_curves import ORDERS, PruneResult, StoredOrders, prune_curves, removal_counts
+from headatlas.service.operations.prune_michel import ONE_PER_LAYER
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.effect_rows import (
@@ -51,12 +52,15 @@ def check_request(run: Run, *, orders: Sequence[str] | None, seeds: int) -> None
 
 def plan(orders: Sequence[str], *, seeds: int, steps: int, windows: int) -> str:
     """What a prune will measure, said before it starts: curves × steps, each step one evaluation."""
-    named = [o for o in orders if o != "random"]
+    named = [o for o in orders if o not in ("random", ONE_PER_LAYER)]
     curves = len(named) + (seeds if "random" in orders else 0)
     which = [*named, *([f"{seeds} random seed{'s' if seeds != 1 else ''}"] if "random" in orders else [])]
+    # one_per_layer: the intact model and every layer reduced to one head, two evaluations
+    michel = ONE_PER_LAYER in orders
     return (
-        f"measuring {curves} curve{'s' if curves != 1 else ''} ({', '.join(which)}) × {steps} steps: "
-        f"{curves * steps:,} evaluations of up to {windows:,} windows"
+        f"measuring {curves} curve{'s' if curves != 1 else ''} ({', '.join(which)}) × {steps} steps"
+        + (" and one_per_layer (2 evaluations)" if michel else "")
+        + f": {curves * steps + 2 * michel:,} evaluations of up to {windows:,} windows"
     )
 
 

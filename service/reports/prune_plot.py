@@ -1,6 +1,6 @@
 """The pruning curves of ``headatlas prune`` on one plot (SPEC §9): every order, the objective's
 increase over the intact model against the share of heads removed, with its 95% interval as a
-band; random orders in grey. Drawn from a stored prune (``prune_curves``)."""
+band; random orders in grey; every layer reduced to one head (``one_per_layer``) a point. Drawn from a stored prune (``prune_curves``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def figure_prune(prune: StoredPrune, *, title: str) -> Figure:
         x = [r[at["fraction"]] for r in mine]
         y = [r[at["increase"]] for r in mine]
         lo, hi = [r[at["increase_lo"]] for r in mine], [r[at["increase_hi"]] for r in mine]
+        if order == "one_per_layer":  # one step, not a curve: every layer reduced to one head, a point
+            errors = None if None in (lo[-1], hi[-1]) else [[y[-1] - lo[-1]], [hi[-1] - y[-1]]]
+            ax.errorbar(x[-1:], y[-1:], yerr=errors, fmt="D", color="#7b3fa0", label="one head per layer", ms=5)
+            continue
         is_random = order.startswith("random:")
         colour = "#999999" if is_random else COLOURS.get(order, "#444444")
         label = "random" if order == first_random else None if is_random else order
