@@ -84,14 +84,23 @@ def _analyze(request: AnalysisRequest, *, quiet: bool) -> None:
         return
     if done.found_finished:
         note(f"run {done.run.run_id} ({done.run.name}) is complete: nothing to analyse")
-    _print_run_summary(done.store, done.run.run_id)
+    at = db_option(request.db)
+    _print_run_summary(done.store, done.run.run_id, at)
     name = request.name
     for seed, floor in enumerate(done.controls):
         stdout.print(
             f"control (seed {seed}): run {floor.run_id} ({floor.name}); compare with `{command_name()} compare "
-            f"{shlex.quote(name) if name else done.run.run_id}`",
+            f"{shlex.quote(name) if name else done.run.run_id}{at}`",
             markup=False,
         )
+
+
+def db_option(db) -> str:
+    """`` --db PATH`` for a command printed to be typed next, where the run is not in the default
+    database (without it the printed command would read another database and not find the run)."""
+    from headatlas.service.config import Settings
+
+    return "" if str(db) == str(Settings.default("db")) else f" --db {shlex.quote(str(db))}"
 
 
 class _Shown:
@@ -150,7 +159,8 @@ def _print_probe_tops(heads: list[dict], scores: tuple[str, ...]) -> None:
     print_wrapped(f"probe (SPEC §8), the highest score of each kind: {text}")
 
 
-def _print_run_summary(store, run_id: int) -> None:
+def _print_run_summary(store, run_id: int, at: str = "") -> None:
+    """The run's summary, then the commands to type next (``at``: their ``--db`` option)."""
     from headatlas.service.reports import layer_queries, queries, query_support
 
     with store.checked_read() as conn:
@@ -195,9 +205,9 @@ def _print_run_summary(store, run_id: int) -> None:
     )
     _print_probe_tops([dict(zip(probe_cols, r, strict=True)) for r in probe_rows], queries.PROBE_COLUMNS)
     name = command_name()
-    stdout.print(f"next: {name} query heads --run {run_id} --ci", markup=False, highlight=False)
+    stdout.print(f"next: {name} query heads --run {run_id} --ci{at}", markup=False, highlight=False)
     stdout.print(
-        f'      {name} sql --run {run_id} "SELECT layer, head, within_sentence FROM head_metrics LIMIT 5"',
+        f'      {name} sql --run {run_id}{at} "SELECT layer, head, within_sentence FROM head_metrics LIMIT 5"',
         markup=False,
         highlight=False,
     )

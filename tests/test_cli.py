@@ -33,6 +33,23 @@ def test_analyze_prints_what_the_heads_do(analysed):
     assert "windows/s" in done.stderr
 
 
+def test_the_next_commands_work_as_printed(analysed, cli, tmp_path, monkeypatch):
+    """The commands `analyze` suggests read the database it wrote: --db is in them where the user
+    gave one (typed elsewhere, without it they would open another database)."""
+    import shlex
+
+    _, db, done = analysed
+    lines = done.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("next: "))
+    commands = [shlex.split(line.removeprefix("next: ").strip()) for line in lines[start : start + 2]]
+    monkeypatch.chdir(tmp_path)  # no headatlas.duckdb here
+    for command in commands:
+        assert command[0].endswith("headatlas") and "--db" in command, command
+        assert command[command.index("--db") + 1] == str(db)
+        out = cli(*command[1:])
+        assert out.returncode == 0, out.stderr
+
+
 NEW_COLUMNS = (
     "within_sentence_chance_dm",
     "within_sentence_lift_dm",
