@@ -15,6 +15,7 @@ from queue_support import (
     assert_whole_batches,
     kill_mid_batch,
     make_corpus,
+    submit_lost_worker_run,
 )
 
 from headatlas.service.config import Settings
@@ -48,8 +49,10 @@ def _wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
 
 
 def test_worker_killed_mid_batch(shared, demo_corpus, tmp_path):
-    corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="workerkill")
-    sub = _submit(shared, corpus)
+    # the lost-worker run (76 batches), not 10: a worker that had built its model in an earlier
+    # test, on an idle machine, stored all 10 before the first look for a batch to kill (seen after
+    # test_lost_worker_load, whose worker the shared cluster keeps; kill_mid_batch then waited 240 s)
+    sub = submit_lost_worker_run(shared, tmp_path, demo_corpus, "workerkill")
     run_id = shared.run_id(sub)
     # the shared helper: a kill between two batches is tried again, and a worker that never
     # starts one fails with the processes' logs (seen once in CI: no batch in 150 s, and no clue)
