@@ -89,7 +89,7 @@ def test_effects_count_the_heads_whose_interval_lies_above_zero(michel_run) -> N
         below = sum(1 for r in rows if r[f"{column}_hi"] < 0)
         assert (
             f"{column}: {above} of 8 heads above 0 with 95% confidence (lower bound > 0), "
-            f"{below} below 0 (upper bound < 0)"
+            f"{below} below 0 (upper bound < 0): {above + below} matter individually (the interval excludes 0)"
         ) in note
     above = sum(1 for r in rows if r["importance_lo"] > 0)
     assert f"importance: {above} of 8 heads above 0" in note and "≥ 0 by construction" in note

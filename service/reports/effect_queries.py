@@ -233,7 +233,9 @@ def significance_note(conn: Connection, run_id: int) -> str | None:
         if c == "importance":
             said += " (|∂O/∂ξ| ≥ 0 by construction: above 0 means measurably above)"
         else:
-            said += f", {below} below 0 (upper bound < 0)"
+            said += (
+                f", {below} below 0 (upper bound < 0): {above + below} matter individually (the interval excludes 0)"
+            )
             if drift:
                 said += (
                     f" ({recorded[0]['objective']}: 1 − cos ≥ 0 for any change, so every effect is ≥ 0 by construction "
