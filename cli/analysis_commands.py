@@ -223,15 +223,31 @@ def models(fmt: Format = FormatOpt) -> None:
     if fmt != Format.table:
         render(columns, [tuple(r[c] for c in columns) for r in rows], fmt, title="what --model takes")
         return
-    # a table within 100 columns: a plugin's rows say so in their family, and a line names the plugin
-    shown = columns[:-1]
-    family = shown.index("family")
-    table = []
-    for r in rows:
-        row = [r[c] for c in shown]
-        if r["origin"] != "headatlas":
-            row[family] = f"{row[family]}*"
-        table.append(tuple(row))
-    render(shown, table, fmt, title="what --model takes")
+    # within 100 columns, names whole: one table per kind, without the columns its title says (a
+    # family row's model is always a path or hub name); a plugin's rows say so in their family,
+    # and a line names the plugin
+    titles = {
+        "named": ("named models (--model NAME)", ["model", "family", "what", "state"]),
+        "random": ("random weights (--model random:SHAPE, seed 0)", ["model", "family", "what"]),
+        "family": ("model families (--model PATH, hub name or FILE.gguf)", ["family", "what", "state"]),
+    }
+    converted = "installed, converted in "
+    for kind, (title, shown) in titles.items():
+        table, folders = [], []
+        for r in rows:
+            if r["kind"] != kind:
+                continue
+            row = {c: r[c] for c in shown}
+            if r["origin"] != "headatlas":
+                row["family"] = f"{row['family']}*"
+            if row.get("state", "").startswith(converted):  # the folder on a line of its own: a path
+                folders.append(f"{row['model']}: converted in {row['state'].removeprefix(converted)}")
+                row["state"] = "installed, converted"
+            table.append(tuple(row.values()))
+        if table:
+            render(shown, table, fmt, title=title)
+            for line in folders:
+                print_wrapped(line)
+            print_wrapped("")
     for origin in dict.fromkeys(r["origin"] for r in rows if r["origin"] != "headatlas"):
         print_wrapped(f"* from {origin}")

@@ -64,12 +64,15 @@ def render(
     table_columns: list[str] | None = None,
     pinned: int = 1,
     text_columns: set[str] | None = None,
+    left_out_hint: str | None = None,
 ) -> None:
     """Rows as a table, CSV or JSON. ``view`` (``--columns``/``--wide``): what a table shows; by
     default ``table_columns`` (all when None) fitted to the width (``fit_width``) by leaving out
     columns from the right, never the first ``pinned``; without ``view`` every column, its text
     wrapped to fit. ``text_columns``: those that may wrap (default: the columns whose values are
-    all text); headers and numbers never break."""
+    all text); headers and numbers never break. ``left_out_hint`` (without ``view``): columns
+    are left out from the right too where the table does not fit, and a line names them and
+    says how to see them."""
     if view is not None and view.picked is not None:
         view.check(columns)
         index = [columns.index(c) for c in view.picked]
@@ -87,6 +90,8 @@ def render(
             text_columns = all_text_columns(columns, rows)
         if view is not None and view.wide:  # all of them, at their width
             print_table(columns, rows, title=title, fit=False, text_columns=text_columns)
+        elif view is None and left_out_hint is not None:  # text wraps, then columns are left out
+            print_table(columns, rows, title=title, text_columns=text_columns, more=left_out_hint)
         elif view is None or view.picked is not None:  # these columns: text wraps, none is left out
             print_table(columns, rows, title=title, drop=False, text_columns=text_columns)
         else:

@@ -70,7 +70,14 @@ def sql(
         at=at,
         max_bytes=max_bytes,
     )
-    render(result.columns, result.rows, fmt, truncated=result.truncated)
+    # a table within the width, as every table: text wraps, then columns are left out from the right
+    render(
+        result.columns,
+        result.rows,
+        fmt,
+        truncated=result.truncated,
+        left_out_hint="select fewer, or --format csv|json for every column",
+    )
     if run is None and fmt == Format.table and result.runs > 1 and "run_id" not in text.lower():
         note(
             f"the database holds {result.runs} runs and the views hold them all: pass --run RUN for one, or select run_id"

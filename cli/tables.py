@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich import box
 from rich.table import Table
 from rich.text import Text
@@ -48,6 +50,21 @@ def _column_widths(columns: list[str], cells: list[list[Text]], text_columns) ->
     return natural, least
 
 
+def _break_words(columns, natural, least, keep, text_columns, width: int) -> list[int]:
+    """The least widths once words may break: the widest text column narrows first, one character
+    at a time, down to MIN_TEXT_WIDTH (or its header), until the table fits — a long path breaks
+    before a model's name does, and only as much as the width needs."""
+    least = list(least)
+    floor = [min(w, max(MIN_TEXT_WIDTH, len(c))) if c in text_columns else w for c, w in zip(columns, natural)]
+    while _width(least[i] for i in keep) > width:
+        narrowing = [i for i in keep if least[i] > floor[i]]
+        if not narrowing:
+            break
+        widest = max(narrowing, key=lambda i: least[i])
+        least[widest] -= 1
+    return least
+
+
 def fits(columns: list[str], rows: list[tuple], text_columns=frozenset()) -> bool:
     """Whether every one of ``columns`` fits ``fit_width()`` (always where text does not wrap)."""
     return not wraps_text() or _width(_column_widths(columns, table_cells(rows), text_columns)[1]) <= fit_width()
@@ -63,11 +80,17 @@ def print_table(
     pinned: int = 1,
     text_columns: set[str] = frozenset(),  # type: ignore[assignment]  # read only
     available: int | None = None,
-) -> None:
+    yields: Sequence[str] = (),
+    more: str | None = None,
+) -> list[str]:
     """Print rows as a table whose headers and numbers never break. ``fit``: stay within
-    ``fit_width()`` — text columns wrap first, then (``drop``) columns are left out from the
-    right (never the first ``pinned``) and a line names them; else the table takes its natural
-    width. ``available``: how many columns the rows had (a line says how to see the others)."""
+    ``fit_width()`` — text columns wrap first, then (``drop``) columns are left out, those named
+    in ``yields`` first (in that order: the least informative first), then from the right (never
+    the first ``pinned``), and a line names them; else the table takes its natural width. Where
+    even that is too wide, words break: the longest first (paths), names only when nothing else
+    is left. ``available``: how many columns the rows had (a line says how to see the others);
+    ``more``: how to see the columns left out, where the command has no --columns and --wide.
+    Returns the columns left out."""
     cells = table_cells(rows)
     if fit and not wraps_text():
         # piped without $COLUMNS: every column asked for, and rows whole (one row, one line to
@@ -81,10 +104,13 @@ def print_table(
     width = fit_width()
     left_out: list[str] = []
     if fit and drop:
-        while len(keep) > pinned and _width(least[i] for i in keep) > width:
-            left_out.insert(0, columns[keep.pop()])
-    if fit and _width(least[i] for i in keep) > width:  # then words break too …
-        least = [min(w, max(MIN_TEXT_WIDTH, len(c))) if c in text_columns else w for c, w in zip(columns, natural)]
+        order = [columns.index(c) for c in yields if c in columns and columns.index(c) >= pinned]
+        order += [i for i in reversed(keep) if i >= pinned and i not in order]
+        while order and _width(least[i] for i in keep) > width:
+            keep.remove(order.pop(0))
+        left_out = [c for i, c in enumerate(columns) if i not in keep]
+    if fit and _width(least[i] for i in keep) > width:  # then words break too, the longest first …
+        least = _break_words(columns, natural, least, keep, text_columns, width)
     if fit and _width(least[i] for i in keep) > width:  # … or, when even that is too wide, the terminal wraps
         fit = False
     total = _width(natural[i] for i in keep)
@@ -104,7 +130,12 @@ def print_table(
     with console_width(min(total, width) if fit else max(total, 20)):
         print_trimmed(table)
     if left_out:
-        more = " (--columns picks, --wide shows all)" if available is not None else ""
-        print_note(f"left out to fit {width} characters: {', '.join(left_out)}{more}")
+        if more is None:
+            more = "--columns picks, --wide shows all" if available is not None else ""
+        named = (
+            ", ".join(left_out) if len(left_out) <= 10 else f"{', '.join(left_out[:6])} and {len(left_out) - 6} more"
+        )
+        print_note(f"left out to fit {width} characters: {named}" + (f" ({more})" if more else ""))
     elif available is not None and available > len(keep):
         print_note(f"{len(keep)} of {available} columns (--columns picks, --wide shows all; csv/json have all)")
+    return left_out

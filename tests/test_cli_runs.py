@@ -269,6 +269,26 @@ def test_each_command_shows_its_answer_in_100_columns(atlas, tmp_path):
     ok("schedule", "remove", "nightly", "--db", str(db))
 
 
+def test_models_and_sql_fit_100_columns_with_names_whole(atlas):
+    """`models` keeps every model's name and hub id on one line; `sql` fits the width as the other
+    tables do, leaving columns out from the right with a line that names them."""
+    db, _ = atlas
+    listed = ok("models").stdout
+    _fits(listed)
+    lines = listed.splitlines()
+    for row in json.loads(ok("models", "--format", "json").stdout):
+        whole = row["what"].split()[0] if row["kind"] == "named" else row["model"]
+        if row["kind"] != "family":
+            assert any(whole in line for line in lines), (whole, listed)
+    selected = ok("sql", "SELECT * FROM head_metrics ORDER BY layer, head", "--run", "mine", "--db", str(db)).stdout
+    _fits(selected)
+    assert _header(selected)[:3] == ["run_id", "layer", "head"]
+    said = " ".join(selected.split())
+    assert "left out to fit 100 characters: " in said and "--format csv|json for every column" in said
+    few = ok("sql", "SELECT layer, head FROM head_metrics", "--run", "mine", "--db", str(db)).stdout
+    assert _header(few) == ["layer", "head"] and "left out" not in few
+
+
 def test_columns_picks_and_wide_shows_all(atlas):
     db, _ = atlas
     picked = ok("query", "heads", "--run", "mine", "--columns", "layer,head,attn_entropy", "--db", str(db))
