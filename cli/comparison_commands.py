@@ -166,8 +166,12 @@ def query_roles(
     probed = any(row[names.index("probe_score")] is not None for row in rows)
     hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
     table = [c for c in names if c not in hidden]
+    # where the table does not fit, the evidence yields before the answer: the role, its value and
+    # the head's effect stay (and, with --stability, whether the role held on each half)
+    yields: tuple[str, ...] = ("primary", "p_holm", "threshold", "metric")
     if stability:  # the answer: each role's value and whether it held on each half (evidence in --wide)
         table = [c for c in table if c not in ("primary", "threshold", "p_holm")]
+        yields = ("metric", "effect", "value")
     every = rows
     rows = role_views.filter_roles(names, rows, layer=layer, head=head, role=role)
     chosen = [
@@ -186,8 +190,9 @@ def query_roles(
         schemes=[scheme_of(r.params)],
         view=TableView.of(columns, wide),
         pinned=3,
-        intervals=() if stability else None,
+        intervals=() if stability else ("value",),
         groups=[n_groups],
+        yields=yields,
     )
     if fmt != Format.table:
         return

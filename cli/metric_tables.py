@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from headatlas.cli.cells import cell_text
 from headatlas.cli.console import fit_width, print_note
@@ -49,6 +49,7 @@ def render_metrics(
     offer_more: bool = True,
     intervals: Collection[str] | None = None,
     groups: list[int] | None = None,
+    yields: Sequence[str] = (),
 ) -> None:
     """Metric rows: every column in JSON and CSV; in a table the ``table_columns`` (all by
     default) fitted to the width (``print_table``; ``view``: the columns picked, or all) with
@@ -60,7 +61,8 @@ def render_metrics(
     ``offer_more``: say how to see the columns left out (where the command has ``--columns``).
     ``intervals``: where the default table does not fit with every interval, the only columns
     whose intervals it folds in (the others show their value alone, their bounds in ``--wide``,
-    ``--columns``, CSV and JSON)."""
+    ``--columns``, CSV and JSON). ``yields``: the default table's columns to leave out first
+    where it does not fit, the least informative first (then from the right)."""
     has_intervals = any(c.endswith("_lo") for c in columns)
     if has_intervals and "interval_by" not in columns and schemes:
         columns, rows = [*columns, "interval_by"], [(*r, " / ".join(sorted(set(schemes)))) for r in rows]
@@ -101,6 +103,7 @@ def render_metrics(
         pinned=pinned,
         text_columns=text & set(shown),
         available=len([c for c in available if c != "interval_by"]) if offer_more else None,
+        yields=yields if default else (),
     )
     if bare:
         print_note(f"intervals left out to fit {fit_width()} characters: {', '.join(bare)} (--wide shows them)")

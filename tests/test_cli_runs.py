@@ -289,6 +289,21 @@ def test_models_and_sql_fit_100_columns_with_names_whole(atlas):
     assert _header(few) == ["layer", "head"] and "left out" not in few
 
 
+def test_query_roles_keeps_the_role_its_effect_and_the_halves(tmp_path, corpora):
+    """Where the roles table does not fit, the evidence yields first: the role, its value and the
+    head's effect stay, and with --stability whether the role held on each half."""
+    _, a, _ = corpora
+    db = tmp_path / "roles.duckdb"
+    ok("analyze", str(a), "--name", "fx", "--db", str(db), "--quiet", *TINY)
+    ok("effects", "fx", "--windows", "4", "--db", str(db))
+    default = ok("query", "roles", "--run", "fx", "--db", str(db), columns=70).stdout
+    _fits(default, 70)
+    assert {"role", "value", "effect"} <= set(_header(default)), default
+    stability = ok("query", "roles", "--run", "fx", "--stability", "--db", str(db), columns=70).stdout
+    _fits(stability, 70)
+    assert {"role", "half_a", "half_b", "stable"} <= set(_header(stability)), stability
+
+
 def test_columns_picks_and_wide_shows_all(atlas):
     db, _ = atlas
     picked = ok("query", "heads", "--run", "mine", "--columns", "layer,head,attn_entropy", "--db", str(db))
