@@ -163,3 +163,36 @@ def test_report_opens_in_headless_chromium(page, tmp_path):
     # lines, bars and heatmaps are coloured (tens of thousands of pixels)
     saturation = rgb.max(axis=2) - rgb.min(axis=2)
     assert (saturation > 60).sum() > 0.003 * 1280 * 4800, "no coloured figure visible in the screenshot"
+
+
+def test_report_tables_never_split_a_word(page):
+    """In a page as narrow as a laptop's half screen, every word of the tables' text cells (roles,
+    metrics, rules) stays on one line: the text wraps between words (prose also after a hyphen,
+    never a role's or a metric's name), and the table scrolls."""
+    from web_support import chromium, chromium_missing
+
+    if (missing := chromium_missing()) is not None:
+        pytest.skip(missing)
+    with chromium(width=700, height=900) as browser:
+        browser.get(page.as_uri())
+        split = browser.execute_script(
+            """
+            const out = [];
+            for (const td of document.querySelectorAll('td.text')) {
+              const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+              for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+                for (const m of node.data.matchAll(/\\S+/g)) {
+                  const range = document.createRange();
+                  range.setStart(node, m.index);
+                  range.setEnd(node, m.index + m[0].length);
+                  const tops = new Set([...range.getClientRects()].map(r => Math.round(r.top)));
+                  // prose may wrap after a hyphen (one-sided), a name (td.name) never
+                  const atHyphen = /^[^-]+(-[^-]+)+$/.test(m[0]) && !td.classList.contains('name');
+                  if (tops.size > 1 && !atHyphen) out.push(m[0]);
+                }
+              }
+            }
+            return out;
+            """
+        )
+    assert split == [], f"words split across lines: {split[:10]}"

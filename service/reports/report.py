@@ -53,7 +53,11 @@ h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; border-
 table { border-collapse: collapse; font-size: .82rem; max-width: 100%; }
 th, td { border: 1px solid #ddd; padding: .25rem .45rem; text-align: right; vertical-align: top; }
 th { background: #f3f3f3; position: sticky; top: 0; } td.text, th.text { text-align: left; }
-td.text { overflow-wrap: anywhere; }
+/* text wraps between words: "anywhere" let a squeezed column break a role mid-word ("establis hed");
+   break-word breaks only a word longer than its column can be, and the table scrolls instead */
+td.text { overflow-wrap: break-word; }
+/* names (a role, a metric) stay whole: not even broken after a hyphen */
+td.name { white-space: nowrap; }
 /* tables grow with the page (no box of their own to scroll in); only a table wider than the page,
    the folded one of every column, scrolls sideways */
 .scroll { overflow-x: auto; }
@@ -87,9 +91,9 @@ def _img(png: bytes, alt: str) -> str:
     return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
 
 
-def _table(columns, rows, *, text_columns=()) -> str:
+def _table(columns, rows, *, text_columns=(), name_columns=()) -> str:
     """An HTML table; a column ``x`` with ``x_lo``/``x_hi`` beside it shows its 95% interval
-    under the value, in the same cell."""
+    under the value, in the same cell. ``name_columns``: text columns of names, never wrapped."""
     index = {c: i for i, c in enumerate(columns)}
     shown = [c for c in columns if not (c.endswith(("_lo", "_hi")) and c[:-3] in index)]
     head = "".join(
@@ -101,7 +105,7 @@ def _table(columns, rows, *, text_columns=()) -> str:
         for c in shown:
             v = row[index[c]]
             if c in text_columns:
-                cells.append(f'<td class="text">{_e(v)}</td>')
+                cells.append(f'<td class="text{" name" if c in name_columns else ""}">{_e(v)}</td>')
                 continue
             lo, hi = index.get(f"{c}_lo"), index.get(f"{c}_hi")
             interval = (
@@ -264,8 +268,11 @@ def _atlas_section(conn, run) -> str:
         ["role", "heads", "stable", "rule"],
         [(r, n, stable.get(r), rules.get(r, "")) for r, n in counts.items()],
         text_columns=("role", "rule"),
+        name_columns=("role",),
     )
-    evidence_html = _table(columns, rows, text_columns=("role", "metric", "test", "rule"))
+    evidence_html = _table(
+        columns, rows, text_columns=("role", "metric", "test", "rule"), name_columns=("role", "metric")
+    )
     family = role_views.family_size(columns, rows)
     tested = (
         f"Holm–Bonferroni over the run's {family} (head, role) tests"
