@@ -68,7 +68,49 @@ def test_short_reprs(analysed):
     assert repr(run) == f"<Run {run.run_id} 'nb' done, {windows:,} windows>"
     assert repr(api.connect(db)) == f"<Atlas {str(db)!r}>"
     heads = run.heads()
-    assert repr(heads) == f"<Table heads, run {run.run_id}: 8 rows × {heads.num_columns} columns>"
+    left_out = heads.num_columns - heads.df().shape[1]
+    assert left_out > 0  # the run's chance columns, equal on every head
+    assert repr(heads) == (
+        f"<Table heads, run {run.run_id}: 8 rows × {heads.df().shape[1]} columns ({left_out} more in .arrow and "
+        "df(all_columns=True): chance columns equal on every row)>"
+    )
+
+
+def test_repr_counts_the_columns_df_gives(analysed):
+    pytest.importorskip("pandas")
+    _, run, _ = analysed
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a tiny run's intervals are unreliable, as it says
+        heads = run.heads(ci=True)
+    rows, columns = heads.df().shape
+    assert f": {rows} rows × {columns} columns (" in repr(heads)
+    assert repr(run.sql("SELECT layer, head FROM head_metrics")).endswith("rows × 2 columns>")
+
+
+def test_print_shows_the_rows_as_text(analysed):
+    """print(table): its first and last rows under their column names, as pandas prints a frame,
+    then what is not shown and the notes."""
+    _, run, _ = analysed
+    table = run.sql("SELECT layer, head, within_sentence FROM head_metrics ORDER BY layer, head")
+    text = str(table).splitlines()
+    assert text[0] == repr(table)
+    assert text[1].split() == ["layer", "head", "within_sentence"]
+    values = table.to_pylist()
+    assert text[2].split()[:2] == [str(values[0]["layer"]), str(values[0]["head"])]
+    assert text[-1].split()[:2] == [str(values[-1]["layer"]), str(values[-1]["head"])]
+    assert len(text) == 2 + len(values)  # 8 rows: every one
+    many = api_table(list(range(30)))
+    lines = str(many).splitlines()
+    assert lines[2].split() == ["0"] and lines[7].split() == ["…"] and lines[-2].split() == ["29"]
+    assert lines[-1] == "[10 of 30 rows, 1 of 1 columns shown: .df() or .arrow has all]"
+
+
+def api_table(values):
+    from headatlas.service import api
+
+    return api.Table.of(["n"], [(v,) for v in values], what="hand")
 
 
 def test_a_finished_run_returns_without_loading_the_model(analysed, monkeypatch):
@@ -264,13 +306,13 @@ def test_html_view_counts_agree(analysed):
     rows = [(i, i % 3, 0.5) for i in range(72)]
     table = api.Table.of(["n", "k", "x_chance"], rows, what="hand")
     page = table._repr_html_()
-    assert "&lt;Table hand: 72 rows × 3 columns&gt;" in page
+    assert "&lt;Table hand: 72 rows × 2 columns (1 more in .arrow" in page
     assert "… 52 more rows (the first 20 shown)" in page
     assert "x_chance = 0.5" in page and page.count("<tr") == 21  # header + 20 rows
     assert not re.search(r"\d+ rows × \d+ columns</p>\s*</div>", page)  # pandas' own dimensions line
     heads = run.heads(ci=True)
     page = heads._repr_html_()
-    assert f"{len(heads)} rows × {heads.num_columns} columns" in page and "more rows" not in page
+    assert f"{len(heads)} rows × {len(heads.df().columns)} columns" in page and "more rows" not in page
 
 
 def test_errors_raise_from_the_call_not_from_inside_the_library(analysed):

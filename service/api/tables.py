@@ -93,7 +93,53 @@ class Table:
         return self.arrow.__arrow_c_stream__(requested_schema)
 
     def __repr__(self) -> str:
-        return f"<Table {self.what}: {self.arrow.num_rows:,} rows × {self.arrow.num_columns} columns>"
+        # the columns df() gives, and why the others are not among them: repr and df() agree
+        left_out = _with_bounds(self.arrow.column_names, self.constant_chances())
+        shown = self.arrow.num_columns - len(left_out)
+        why = (
+            f" ({len(left_out)} more in .arrow and df(all_columns=True): chance columns equal on every row)"
+            if left_out
+            else ""
+        )
+        return f"<Table {self.what}: {self.arrow.num_rows:,} rows × {shown} columns{why}>"
+
+    def __str__(self) -> str:
+        """The table as text, as pandas prints a frame: the first and last rows of the columns
+        ``df()`` gives (those that fit ``TEXT_WIDTH`` characters), how many are not shown, then the
+        notes. ``print(table)`` in a script or a terminal."""
+        constant = self.constant_chances()
+        arrow = self.arrow.drop_columns(_with_bounds(self.arrow.column_names, constant))
+        n = arrow.num_rows
+        if n > TEXT_ROWS:
+            picked = [*range(TEXT_ROWS // 2), *range(n - TEXT_ROWS // 2, n)]
+            records = arrow.take(picked).to_pylist()
+        else:
+            records = arrow.to_pylist()
+        columns: list[str] = []
+        widths: list[int] = []
+        for name in arrow.column_names:
+            width = max([len(name), *(len(_cell(r[name])) for r in records)])
+            if sum(widths) + 2 * len(widths) + width > TEXT_WIDTH and columns:
+                break
+            columns.append(name)
+            widths.append(width)
+        hidden = arrow.num_columns - len(columns)
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip() + ("  …" if hidden else "")
+
+        lines = [repr(self), line(columns)]
+        for i, record in enumerate(records):
+            if n > TEXT_ROWS and i == TEXT_ROWS // 2:
+                lines.append(line(["…"] * len(columns)))
+            lines.append(line([_cell(record[c]) for c in columns]))
+        if n > TEXT_ROWS or hidden:
+            lines.append(
+                f"[{len(records)} of {n:,} rows, {len(columns)} of {arrow.num_columns} columns shown: .df() or .arrow has all]"
+            )
+        if constant:
+            lines.append(_constant_note(constant))
+        return "\n".join([*lines, *self.notes])
 
     def _repr_html_(self) -> str:
         """A notebook's view: the table's size, the first ``HTML_ROWS`` rows of the columns
@@ -128,6 +174,8 @@ class Table:
 
 
 HTML_ROWS = 20  # rows a notebook's view shows
+TEXT_ROWS = 10  # rows str() shows: the first and the last five
+TEXT_WIDTH = 100  # characters of the columns str() shows
 
 
 def _with_bounds(columns: list[str], names) -> list[str]:
