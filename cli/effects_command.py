@@ -32,7 +32,16 @@ ReferenceOpt = typer.Option(
 EffectsOpt = typer.Option(
     "zero,mean",
     "--effects",
-    help="Effects to measure: zero and mean ablation, and gradient importance (objectives that are losses only).",
+    help="Effects to measure: zero and mean ablation, gradient importance and atp (attribution patching: mean "
+    "ablation's first-order estimate from one backward pass); the last two for objectives that are losses only.",
+)
+CheckTopOpt = typer.Option(
+    0,
+    "--check-top",
+    min=0,
+    metavar="K",
+    help="With --effects atp on a corpus: check AtP against exact mean ablation of every head on the same windows "
+    "(Spearman's ρ over the heads, the top-K recall, and the exact effects of the K heads AtP names).",
 )
 TopOpt = typer.Option(0, "--top", min=0, help="Show only the N heads with the largest first effect (0: every head).")
 
@@ -55,6 +64,7 @@ def effects(
     windows: int = WindowsOpt,
     reference: int | None = ReferenceOpt,
     top: int = TopOpt,
+    check_top: int = CheckTopOpt,
     db: str = options.Db,
     analysis: options.AnalysisOptions,
     fmt: Format = options.Fmt,
@@ -65,9 +75,12 @@ def effects(
 
     For each head, effect = O(ablated) − O(intact) over --windows windows, with its 95% interval
     (jackknife over replicate groups by document): zero ablation sets the head's output to 0, mean
-    ablation to its mean over the reference windows; gradient importance is |∂O/∂gate|. O is the
-    model's own: next-token loss (nats) for decoders with a tied LM head, embedding drift
-    (1 − cos of the pooled embedding) for sentence-embedding encoders such as the default.
+    ablation to its mean over the reference windows; gradient importance is |∂O/∂gate|; atp
+    (attribution patching) is mean ablation's first-order estimate, Σ (mean − z)·∂O/∂z, every head
+    from one forward and one backward pass: a screen, which --check-top K checks against exact mean
+    ablation. O is the model's own: next-token loss (nats) for decoders with a tied LM head,
+    embedding drift (1 − cos of the pooled embedding) for sentence-embedding encoders such as the
+    default.
 
     Given a finished run, the effects are those `analyze --effects` stores, on the run's first --windows
     windows, stored in the run (Ctrl-C keeps every finished window; the same command resumes; more
@@ -82,6 +95,12 @@ def effects(
 
     store = Store(db)
     if _names_a_run(target, store):
+        if check_top:
+            from headatlas.service.errors import Param, ParameterError
+
+            raise ParameterError(
+                Param("check_top", check_top), ": checks AtP on a corpus (nothing stored); give a corpus, not a run"
+            )
         view = TableView.of(columns, wide)
         _add_to_run(
             store, target, kinds=kinds, windows=windows, reference=reference, analysis=analysis, fmt=fmt, view=view
@@ -91,7 +110,9 @@ def effects(
     from headatlas.service.operations.effects import measure
     from headatlas.service.operations.requests import EffectsRequest
 
-    request = EffectsRequest.build(target, kinds=kinds, windows=windows, reference=reference or 256, **analysis.values)
+    request = EffectsRequest.build(
+        target, kinds=kinds, windows=windows, reference=reference or 256, check_top=check_top, **analysis.values
+    )
     table = measure(request, _said)
     rows = table.rows
     if top:
@@ -99,6 +120,8 @@ def effects(
     render(table.columns, rows, fmt, title=f"head effects: {table.model}")
     if fmt == Format.table:
         stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
+    if table.check is not None:  # on stderr in every format: the table holds both columns
+        stderr.print(f"check: {table.check.describe(table.unit)}", highlight=False, soft_wrap=True)
 
 
 def _names_a_run(target: str, store) -> bool:

@@ -287,6 +287,22 @@ EFFECT_METRICS: tuple[Metric, ...] = (
         sums=(head_float("importance"),),
     ),
     Metric(
+        "effect_atp",
+        "§9",
+        "attribution patching (AtP; Kramár et al. 2024): the first-order estimate of effect_mean from one "
+        "forward and one backward pass, Σ over positions of (m − z)·∂O/∂z",
+        "the intact model's gradient; estimates effect_mean (O with the head's output set to its reference "
+        "mean − O intact), O the run's own objective, a loss (nats)",
+        (
+            Column(
+                "effect_atp",
+                "effect_atp / nullif(effect_windows, 0)",
+                "first-order estimate of effect_mean, mean over the effect windows (a screen, not an ablation)",
+            ),
+        ),
+        sums=(head_float("effect_atp"),),
+    ),
+    Metric(
         "drift",
         "§9",
         "output drift of the final hidden states when the head is ablated",
@@ -316,6 +332,7 @@ EFFECT_SUMS = {
     "zero": ("effect_zero", "drift_zero"),
     "mean": ("effect_mean", "drift_mean"),
     "gradient": ("importance",),
+    "atp": ("effect_atp",),
 }
 
 

@@ -21,7 +21,7 @@ VECTORS = ("pre_wo", "post_wo")
 DTYPES = ("float32", "bfloat16", "float16")
 MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
-EFFECT_KINDS = ("zero", "mean", "gradient")  # SPEC §9: the two ablations and gradient importance
+EFFECT_KINDS = ("zero", "mean", "gradient", "atp")  # SPEC §9: the two ablations, gradient importance, AtP
 EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference", "objective")  # recorded only when in use
 AUTO_OBJECTIVE = "auto"  # the model's own objective (service.measures.objectives.choose)
 # The longest window any front end takes: 32,768 positions, as the stores keep a pair's distance
@@ -177,6 +177,12 @@ class AnalysisParams:
         return self
 
     @property
+    def needs_means(self) -> bool:
+        """Whether the effects need the reference means: mean ablation or attribution patching
+        (SPEC §9)."""
+        return "mean" in self.effects or "atp" in self.effects
+
+    @property
     def mixes(self) -> bool:
         """Whether any mixing measure (attribution included) is computed."""
         return self.attribution or bool(self.mixing)
@@ -190,8 +196,8 @@ class AnalysisParams:
             # runs without effects keep the parameters (and the run key) they had before they existed
             for name in EFFECT_FIELDS:
                 out.pop(name)
-        elif "mean" not in self.effects:
-            out.pop("effect_reference")  # no reference set: no mean ablation
+        elif not self.needs_means:
+            out.pop("effect_reference")  # no reference set: neither mean ablation nor attribution patching
         if self.objective == AUTO_OBJECTIVE:
             out.pop("objective", None)  # the model's own keeps the run key effect runs had before it could be named
         if self.measures:

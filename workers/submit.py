@@ -161,8 +161,8 @@ def submit(
         "batches": None,
         "windows": None,
     }
-    if "mean" in params.effects:
-        # the reference windows of mean ablation (SPEC §9): the workers compute the means from them
+    if params.needs_means:
+        # the reference windows of mean ablation and attribution patching (SPEC §9): the workers compute the means from them
         meta["effect_reference"] = _reference_windows(spec, loaded, params, text_field=text_field, encoding=encoding)
     ledger.put_run(key, meta)  # before any message: the writer creates the run from it
     if readable:

@@ -202,7 +202,7 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     first = int(batch.get("first_window", 0))
     counts = batch_windows(chosen, params, {m.name: first for m in chosen if m.quota(params) is not None}, len(windows))
     means = None
-    if counts.get("effects") and "mean" in params.effects:
+    if counts.get("effects") and params.needs_means:
         means = _reference_means(run_key, model, batch, tokens)
     result = analyse(
         model,

@@ -52,12 +52,16 @@ def effects(
     seq_len: int = DEFAULTS["seq_len"],
     batch_size: int = 4,
     device: str = DEFAULTS["device"],
+    check_top: int = 0,
 ) -> Table:
     """Which heads the model needs (SPEC §9), measured on ``corpus`` in this process, nothing
     stored: one row per head with ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the
     model's own objective) and ``importance`` (``kinds`` with ``gradient``), each with its 95%
-    interval (``_lo``, ``_hi``), and the output drift of each ablation. ``.notes`` says what the
-    effects are measured against. The same as ``headatlas effects``."""
+    interval (``_lo``, ``_hi``), ``effect_atp`` (``kinds`` with ``atp``: attribution patching, the
+    first-order estimate of ``effect_mean``), and the output drift of each ablation. ``.notes``
+    says what the effects are measured against; ``check_top`` K > 0 (with ``atp``): AtP checked
+    against exact mean ablation (Spearman's ρ over the heads, top-K recall, the exact effects of
+    AtP's top K), in ``.notes``. The same as ``headatlas effects``."""
     from headatlas.service.operations.effects import measure
     from headatlas.service.operations.requests import EffectsRequest
 
@@ -71,6 +75,8 @@ def effects(
         seq_len=seq_len,
         batch_size=batch_size,
         device=device,
+        check_top=check_top,
     )
     result = measure(request)
-    return Table.of(result.columns, result.rows, what=f"head effects: {result.model}", notes=[result.note()])
+    notes = [result.note()] + ([result.check.describe(result.unit)] if result.check is not None else [])
+    return Table.of(result.columns, result.rows, what=f"head effects: {result.model}", notes=notes)

@@ -1,5 +1,5 @@
 """The causal effects of one analysed batch (SPEC §9), as additive sums, and the reference means
-of mean ablation.
+of mean ablation and attribution patching.
 
 An analysis with ``--effects`` measures every head's effect on the run's first
 ``effect_windows`` windows (``service.measures.effects.head_effects``) and sums them per replicate
@@ -51,9 +51,12 @@ def reference_means(model: LoadedModel, windows: list[Window], pad_id: int) -> R
 
 
 def _refuse_gradient(params: AnalysisParams, model: str | Param, name: str, is_loss: bool) -> None:
-    if "gradient" in params.effects and not is_loss:
+    from headatlas.service.measures.effects import loss_only
+
+    refused = loss_only(params.effects)
+    if refused and not is_loss:
         raise ParameterError(
-            Param("effects", "gradient"),
+            Param("effects", ",".join(refused)),
             ": ",
             model,
             f"'s objective is {name}, not a loss (its gradient is 0 at the intact model)",
@@ -63,8 +66,8 @@ def _refuse_gradient(params: AnalysisParams, model: str | Param, name: str, is_l
 
 def check_effects(model: LoadedModel, params: AnalysisParams) -> None:
     """Refuse, before anything runs, effects this model cannot give: an objective that is not
-    registered or does not apply to it (``params.objective``), gradient importance of one that
-    is not a loss."""
+    registered or does not apply to it (``params.objective``), gradient importance or attribution
+    patching of one that is not a loss."""
     from headatlas.service.measures.objectives import definition_for
 
     chosen = definition_for(model, params.objective)
@@ -97,8 +100,8 @@ def effect_sums(
     from headatlas.service.measures import effects as fx
 
     kinds = params.effects
-    if "mean" in kinds and count and means is None:
-        raise ParameterError(Param("effects", "mean"), ": the batch was given no reference means")
+    if fx.needs_means(kinds) and count and means is None:
+        raise ParameterError(Param("effects", ",".join(kinds)), ": the batch was given no reference means")
     objective = fx.objective_for(model, params.objective)
     shape = (n_groups, model.n_layers, model.n_heads)
     heads = {s: np.zeros(shape) for kind in kinds for s in EFFECT_SUMS[kind]}
@@ -112,7 +115,7 @@ def effect_sums(
             part.input_ids,
             part.attention_mask,
             kinds=kinds,
-            means=means.tensor() if means is not None and "mean" in kinds else None,
+            means=means.tensor() if means is not None and fx.needs_means(kinds) else None,
             window_ids=part.window_ids,
             objective=objective,
         )
@@ -192,7 +195,9 @@ def estimate(
     timed as it is (one forward and one backward pass). The reference means cost ``reference``
     windows (the corpus's first ``effect_reference``, fewer where it has fewer) of the pass that
     computes them, timed on a batch of the longest window as they are computed (``REFERENCE_BATCH``
-    windows a pass). The model runs once before anything is timed: a model's first pass in a
+    windows a pass). Attribution patching is timed as it is, as gradient importance (one forward
+    and one backward pass; with gradient importance, their shared pass once). The model runs once
+    before anything is timed: a model's first pass in a
     process pays for allocations the later ones reuse, and was timed as if every pass did."""
     import time
 
@@ -222,11 +227,13 @@ def estimate(
         b = max(0.0, (first - last) / max(1, n_layers - 1))
         a = max(0.0, last - b)
         per_window += len(ablations) * (n_layers * a + b * n_layers * (n_layers + 1) / 2)
-    if "gradient" in params.effects:
-        per_window += timed(kinds=("gradient",))
+    gradients = fx.loss_only(params.effects)
+    if gradients:  # one backward pass for both; the means' values do not change its cost
+        zeros = torch.zeros(n_layers, model.n_heads, model.d_head, dtype=torch.float64)
+        per_window += timed(kinds=gradients, means=zeros)
     reference_s = 0.0
     references = params.effect_reference if reference is None else min(reference, params.effect_reference)
-    if "mean" in params.effects and references:
+    if fx.needs_means(params.effects) and references:
         k = min(REFERENCE_BATCH, references)
         batch = collate([longest] * k, pad_id)
         start = time.perf_counter()
@@ -244,6 +251,6 @@ def estimate(
         per_window=per_window,
         reference_s=reference_s,
         memory_bytes=4 * floats,
-        reference_windows=references if "mean" in params.effects else 0,
+        reference_windows=references if fx.needs_means(params.effects) else 0,
         timing_s=time.perf_counter() - began,
     )

@@ -10,6 +10,11 @@ model's own unless the request names another):
 - **gradient importance** (Michel et al. 2019): a gate ξ = 1 on every head's z, one per window, so
   that one backward pass gives every ``|∂O(w)/∂ξ_{l,h}|`` (the windows do not interact). Only for
   objectives that are losses: a drift is minimal at ξ = 1 and its gradient 0.
+- **attribution patching** (``atp``; Kramár et al. 2024, "AtP*"): the first-order estimate of the
+  mean-ablation effect, ``Σ_i (m^{l,h} − z^{l,h}_i) · ∂O/∂z^{l,h}_i`` over the window's positions,
+  every head's from the same one forward and one backward pass: a coefficient α = 0 per window and
+  head moves z toward its mean, ``z + α (m − z)`` (α = 1 is mean ablation), and ``∂O/∂α`` at α = 0
+  is that sum. Only for losses, like gradient importance (a drift's first order is 0).
 
 Cost. The intact pass records every block's input (and the arguments the model hands it); an
 ablation of a head of layer l restarts from layer l's input, so the layers below are never run
@@ -38,12 +43,25 @@ from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures.objectives import Objective, objective_of, output_drift, wide
 from headatlas.service.measures.objectives import objective_for as objective_for  # for the engine's effect runs
 
-KINDS = ("zero", "mean", "gradient")
+KINDS = ("zero", "mean", "gradient", "atp")
 ABLATIONS = ("zero", "mean")
+GRADIENTS = ("gradient", "atp")  # from one backward pass: objectives that are losses only
+WITH_MEANS = ("mean", "atp")  # measured against the reference means
+
+
+def needs_means(kinds: Iterable[str]) -> bool:
+    """Whether ``kinds`` need the reference means (mean ablation, attribution patching)."""
+    return any(k in WITH_MEANS for k in kinds)
+
+
+def loss_only(kinds: Iterable[str]) -> tuple[str, ...]:
+    """The kinds of ``kinds`` that only an objective that is a loss gives (a gradient at the intact
+    model: a drift is minimal there, its gradient 0)."""
+    return tuple(k for k in kinds if k in GRADIENTS)
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
-    """``zero,mean,gradient`` → the kinds in SPEC order; a ParameterError naming a wrong one."""
+    """``zero,mean,gradient,atp`` → the kinds in SPEC order; a ParameterError naming a wrong one."""
     kinds = [part.strip().lower() for part in text.split(",") if part.strip()]
     if not kinds:
         raise ParameterError(Param("kinds", text, quoted=True), f": name at least one of {', '.join(KINDS)}")
@@ -60,8 +78,8 @@ class WindowEffects:
     """Per-window effects of one batch, on the CPU in float64.
 
     intact: ``O(w)`` of the intact model ``[batch]``; effect[kind]: ``[batch, layer, head]``
-    (Δ for the ablations, ``|∂O/∂ξ|`` for ``gradient``); drift[kind]: the output drift of each
-    ablation ``[batch, layer, head]``.
+    (Δ for the ablations, ``|∂O/∂ξ|`` for ``gradient``, Δ's first-order estimate for ``atp``);
+    drift[kind]: the output drift of each ablation ``[batch, layer, head]``.
     """
 
     objective: Objective
@@ -189,37 +207,55 @@ def _ablate_layer(
     return values.T, drift.T
 
 
-def _gradient(
+def _gradients(
     model: LoadedModel,
     objective: Objective,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     targets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``|∂O(w)/∂ξ_{l,h}|`` ``[batch, layer, head]``: one gate per window and head, one backward
-    (``input_ids``: what the model is run on, ``targets``: what the objective reads); and ``O(w)``
-    ``[batch]`` of the same pass, which is the intact model's (every gate is 1: ``z · 1 = z``)."""
+    kinds: Sequence[str],
+    means: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One forward and one backward pass (``input_ids``: what the model is run on, ``targets``:
+    what the objective reads) for each of ``kinds`` (``GRADIENTS``) ``[batch, layer, head]``:
+    ``gradient``: ``|∂O(w)/∂ξ_{l,h}|``, a gate ξ = 1 per window and head multiplying z;
+    ``atp``: ``∂O(w)/∂α_{l,h}`` at α = 0, z replaced by ``z + α (m − z)`` (``means``: m
+    ``[layer, head, d_head]``), which is ``Σ_i (m − z_i) · ∂O/∂z_i``. And ``O(w)`` ``[batch]`` of the
+    same pass, which is the intact model's (``(z + 0 · (m − z)) · 1 = z``)."""
     batch = input_ids.shape[0]
     n_layers, n_heads, d_head = model.n_layers, model.n_heads, model.d_head
-    dtype = next(model.model.parameters()).dtype
-    gate = torch.ones(batch, n_layers, n_heads, device=model.device, dtype=wide(torch.empty(0, dtype=dtype)).dtype)
-    gate.requires_grad_(True)
+    dtype = wide(torch.empty(0, dtype=next(model.model.parameters()).dtype)).dtype
+    gate = torch.ones(batch, n_layers, n_heads, device=model.device, dtype=dtype, requires_grad=True)
+    alpha = torch.zeros(batch, n_layers, n_heads, device=model.device, dtype=dtype, requires_grad=True)
+    if "atp" in kinds and means is None:
+        raise ParameterError("attribution patching needs the reference means (reference_means)")
+    m = means.to(model.device, dtype) if means is not None and "atp" in kinds else None
 
     def gated(layer: int):
         def fn(z: torch.Tensor) -> torch.Tensor:
-            g = gate[:, layer].to(z.dtype).reshape(batch, 1, n_heads, 1)
-            return (z.reshape(*z.shape[:2], n_heads, d_head) * g).reshape(z.shape)
+            z4 = z.reshape(*z.shape[:2], n_heads, d_head)
+            if m is not None:
+                a = alpha[:, layer].to(z.dtype).reshape(batch, 1, n_heads, 1)
+                z4 = z4 + a * (m[layer].to(z.dtype) - z4)
+            if "gradient" in kinds:
+                z4 = z4 * gate[:, layer].to(z.dtype).reshape(batch, 1, n_heads, 1)
+            return z4.reshape(z.shape)
 
         return fn
 
+    wrt = {"gradient": gate, "atp": alpha}
+    asked = [k for k in GRADIENTS if k in kinds]
     gates = {f"blocks.{layer}.attn.z": gated(layer) for layer in range(n_layers)}
     with hooks(model.model, gates, model.adapter), torch.enable_grad():
         final = wide(_run_model(model, input_ids, attention_mask))
         values = objective.per_window(final, targets, attention_mask, None)
-        (grad,) = torch.autograd.grad(
-            torch.nan_to_num(values).sum(), gate
+        grads = torch.autograd.grad(
+            torch.nan_to_num(values).sum(), [wrt[k] for k in asked]
         )  # a window without a prediction adds nothing
-    return grad.abs(), values.detach()
+    out = dict(zip(asked, grads, strict=True))
+    if "gradient" in out:
+        out["gradient"] = out["gradient"].abs()
+    return out, values.detach()
 
 
 def head_effects(
@@ -237,7 +273,7 @@ def head_effects(
     """Every head's effect on a batch of windows, for each of ``kinds`` (SPEC §9).
 
     ``means``: the reference means ``[layer, head, d_head]`` (``reference_means``), needed for
-    ``mean``; ``heads_per_pass``: heads ablated together in one stacked pass (None: every head of
+    ``mean`` and ``atp``; ``heads_per_pass``: heads ablated together in one stacked pass (None: every head of
     a layer); ``layers``: only these layers' heads (the others' effects are NaN);
     ``window_ids``: the windows' ids, which fix the masked positions of a masked-LM objective;
     ``objective``: the run's (None: the model's own, ``objective_of``).
@@ -248,6 +284,8 @@ def head_effects(
             raise ParameterError(f"unknown effect {kind!r}; use {', '.join(KINDS)}")
     if "mean" in kinds and means is None:
         raise ParameterError("mean ablation needs the reference means (reference_means)")
+    if "atp" in kinds and means is None:
+        raise ParameterError("attribution patching needs the reference means (reference_means)")
     objective = objective or objective_of(model)
     attention_mask = attention_mask.to(model.device)
     input_ids, targets = objective.prepare(input_ids.to(model.device), attention_mask, window_ids)
@@ -255,18 +293,21 @@ def head_effects(
     chosen = list(range(n_layers)) if layers is None else sorted(set(layers))
     step = max(1, min(heads_per_pass or n_heads, n_heads))
 
-    if "gradient" in kinds and not objective.is_loss:
+    refused = loss_only(kinds)
+    if refused and not objective.is_loss:
+        what = {"gradient": "gradient importance", "atp": "attribution patching"}
         raise ParameterError(
-            f"gradient importance needs an objective that is a loss; this model's is {objective.name} "
-            "(a drift is minimal at the intact model: its gradient is 0 there)",
+            f"{' and '.join(what[k] for k in refused)} needs an objective that is a loss; this model's is "
+            f"{objective.name} (a drift is minimal at the intact model: its gradient is 0 there)",
             hint=("use ", Param("kinds", "zero,mean")),
         )
     if not any(k in ABLATIONS for k in kinds):
-        # gradient importance alone: its forward pass is the intact model's, so it gives the intact
+        # gradients alone: their forward pass is the intact model's, so it gives the intact
         # objective too; no pass recording every layer's input is needed
-        grad, intact = _gradient(model, objective, input_ids, attention_mask, targets)
+        grads, intact = _gradients(model, objective, input_ids, attention_mask, targets, kinds, means)
         out = WindowEffects(objective=objective, intact=intact.double().cpu())
-        out.effect["gradient"] = grad.double().cpu()
+        for kind, value in grads.items():
+            out.effect[kind] = value.double().cpu()
         return out
 
     with torch.no_grad():
@@ -292,8 +333,10 @@ def head_effects(
                     drift[:, layer, heads] = drifts.double().cpu()
             out.effect[kind] = effect
             out.drift[kind] = drift
-    if "gradient" in kinds:
-        out.effect["gradient"] = _gradient(model, objective, input_ids, attention_mask, targets)[0].double().cpu()
+    if loss_only(kinds):
+        grads, _ = _gradients(model, objective, input_ids, attention_mask, targets, kinds, means)
+        for kind, value in grads.items():
+            out.effect[kind] = value.double().cpu()
     return out
 
 

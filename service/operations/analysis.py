@@ -185,7 +185,7 @@ def _add_effects(request: AnalysisRequest, store: Store, run: Run, events: Sink)
         run,
         kinds=params.effects,
         windows=params.effect_windows,
-        reference=params.effect_reference if "mean" in params.effects else None,
+        reference=params.effect_reference if params.needs_means else None,
         objective=params.objective,
         device=request.device,
         model=request.model if isinstance(request.model, LoadedModel) else None,

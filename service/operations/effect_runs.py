@@ -3,8 +3,11 @@ reference means, the per-window effects and their §5d intervals, as one table.
 
 The windows are spread over the corpus's documents (the first window of each document, then the
 second of each, …) so that the replicate groups (by document; by block of 8 windows below 10
-documents) hold different text; the reference set for mean ablation is the corpus's first
-``reference`` windows, recorded with the result. Intervals are the delete-one-group jackknife of
+documents) hold different text; the reference set for mean ablation (and attribution patching) is
+the corpus's first ``reference`` windows, recorded with the result. ``check_top`` K checks
+attribution patching against exact mean ablation on the same windows
+(``service.measures.atp_check``: Spearman's ρ over the heads, the top-K recall, and the exact
+effects of the K heads AtP names), mean ablation measured for it where it was not asked. Intervals are the delete-one-group jackknife of
 ``service/reports/intervals.py``, the same as every other statistic's.
 """
 
@@ -23,6 +26,7 @@ from headatlas.service.engine.results import REPLICATES, window_group
 from headatlas.service.engine.windows import TokenClasses, Window, collate, iter_document_windows
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
+from headatlas.service.measures.atp_check import AtpCheck, compare
 from headatlas.service.params import AnalysisParams
 from headatlas.service.reports.intervals import MIN_GROUPS
 from headatlas.service.wording import counted
@@ -50,12 +54,14 @@ class EffectTable:
     seconds: float
     columns: list[str] = field(default_factory=list)
     rows: list[tuple] = field(default_factory=list)
+    check: AtpCheck | None = None  # AtP against exact mean ablation (``check_top``)
 
     def note(self) -> str:
         against = {
             "zero": "the head's output set to 0",
             "mean": f"the head's output set to its mean over {self.reference_windows} reference windows",
             "gradient": "|∂O/∂gate| at the intact model (Michel et al. 2019)",
+            "atp": "attribution patching, effect_mean's first-order estimate Σ (m − z)·∂O/∂z (Kramár et al. 2024)",
         }
         kinds = "; ".join(f"{k}: {against[k]}" for k in self.kinds)
         return (
@@ -112,6 +118,7 @@ def measure_effects(
     text_field: str = "text",
     encoding: str = "utf-8",
     on_batch: Callable[[int, int], None] | None = None,
+    check_top: int = 0,
 ) -> EffectTable:
     """Every head's effects on ``windows`` windows of ``corpus`` (the module docstring)."""
     from headatlas.service.engine.corpus import iter_documents
@@ -122,12 +129,23 @@ def measure_effects(
     if reference < 1:
         raise ParameterError(Param("reference", reference), ": must be at least 1 window")
     objective = fx.objective_for(model, params.objective)
-    if "gradient" in kinds and not objective.is_loss:
+    refused = fx.loss_only(kinds)
+    if refused and not objective.is_loss:
         raise ParameterError(
-            Param("kinds", "gradient"),
+            Param("kinds", ",".join(refused)),
             f": this model's objective is {objective.name}, not a loss (its gradient is 0 at the intact model)",
             hint=("use ", Param("kinds", "zero,mean")),
         )
+    if check_top and "atp" not in kinds:
+        raise ParameterError(
+            Param("check_top", check_top), ": checks attribution patching: add atp to ", Param("kinds", ",".join(kinds))
+        )
+    if check_top < 0 or check_top > model.n_layers * model.n_heads:
+        raise ParameterError(
+            Param("check_top", check_top), f": name 0 to {model.n_layers * model.n_heads} heads (the model's)"
+        )
+    if check_top and "mean" not in kinds:  # the check's exact effects: measured, shown beside AtP
+        kinds = fx.parse_kinds(",".join((*kinds, "mean")))
     began = time.perf_counter()
 
     def docs():
@@ -140,7 +158,7 @@ def measure_effects(
     scheme = params.resolved(documents).replicates
     pad = TokenClasses.for_model(model).pad_id
     means, positions, ref_windows = None, 0, 0
-    if "mean" in kinds:
+    if fx.needs_means(kinds):
         ref = first_windows(
             corpus,
             model,
@@ -184,6 +202,11 @@ def measure_effects(
         mean, lo, hi, n_groups = jackknife(torch.cat(per_kind[kind]).numpy(), groups)
         columns += [name, f"{name}_lo", f"{name}_hi"]
         cells += [mean, lo, hi]
+    check = None
+    if check_top:
+        ok = np.isfinite(torch.cat(intact).numpy())  # a window whose objective is undefined checks nothing
+        atp, exact = (torch.cat(per_kind[k]).numpy()[ok].mean(axis=0) for k in ("atp", "mean"))
+        check = compare(atp, exact, check_top)
     for kind in drifts:
         columns.append(f"drift_{kind}")
         cells.append(torch.cat(drifts[kind]).numpy().mean(axis=0))
@@ -207,4 +230,5 @@ def measure_effects(
         seconds=time.perf_counter() - began,
         columns=columns,
         rows=rows,
+        check=check,
     )

@@ -30,7 +30,8 @@ def measure(request: EffectsRequest, events: Sink = ignore) -> EffectTable:
         for _ in iter_documents(corpus.spec, text_field=corpus.text_field, encoding=corpus.encoding):
             pass
     loaded = model_for(request.model, device=request.device, seq_len=request.params.seq_len, keep=request.keep_model)
-    ablations = len([k for k in request.kinds if k != "gradient"])
+    # gradient, atp: one backward pass; --check-top measures mean ablation beside atp
+    ablations = len({k for k in request.kinds if k in ("zero", "mean")} | ({"mean"} if request.check_top else set()))
     passes = loaded.n_heads * (loaded.n_layers + 1) / 2 * ablations
     events(
         Estimate(
@@ -51,4 +52,5 @@ def measure(request: EffectsRequest, events: Sink = ignore) -> EffectTable:
         text_field=corpus.text_field,
         encoding=corpus.encoding,
         on_batch=lambda done, total: events(WindowsMeasured(done, total)),
+        check_top=request.check_top,
     )

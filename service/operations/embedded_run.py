@@ -149,7 +149,7 @@ def analyze_corpus(
             if m.quota(params) is not None
         }
         reference = None
-        if params.effects and "mean" in params.effects and before.get("effects", 0) < params.effect_windows:
+        if params.needs_means and before.get("effects", 0) < params.effect_windows:
             # mean ablation's reference set: the corpus's first effect_reference windows (fewer
             # where it has fewer), which the estimate below counts as they are
             reference = first_windows(

@@ -166,9 +166,10 @@ EFFECTS_BATCH = 4  # windows per batch of ablations where none is asked (each is
 class EffectsRequest:
     """Which heads the model needs, measured on a corpus in this process, nothing stored
     (``headatlas effects``, ``headatlas.effects``): ``kinds`` of effect (zero and mean ablation,
-    gradient importance) on ``windows`` windows spread over the corpus's documents, mean ablation's
-    mean over its first ``reference`` windows. ``keep_model``: the last model loaded is kept for the
-    next call (a notebook's)."""
+    gradient importance, attribution patching) on ``windows`` windows spread over the corpus's
+    documents, mean ablation's mean over its first ``reference`` windows; ``check_top`` K > 0:
+    attribution patching checked against exact mean ablation (its top K). ``keep_model``: the last
+    model loaded is kept for the next call (a notebook's)."""
 
     corpus: CorpusSource
     params: AnalysisParams
@@ -179,6 +180,7 @@ class EffectsRequest:
     reference: int = 256
     batch_size: int = EFFECTS_BATCH
     keep_model: bool = False
+    check_top: int = 0
 
     @classmethod
     def build(
@@ -189,6 +191,7 @@ class EffectsRequest:
         windows: int = 16,
         reference: int = 256,
         keep_model: bool = False,
+        check_top: int = 0,
         **options: Any,
     ) -> EffectsRequest:
         """A validated request from option values as typed (as ``AnalysisRequest.build``;
@@ -208,7 +211,19 @@ class EffectsRequest:
             reference=reference,
             batch_size=EFFECTS_BATCH if size == "auto" else size,
             keep_model=keep_model,
+            check_top=_check_top(check_top, chosen),
         )
+
+
+def _check_top(check_top: int, kinds: tuple[str, ...]) -> int:
+    """``--check-top``: 0 (no check), or K heads of attribution patching (``atp`` among ``kinds``)."""
+    if check_top < 0:
+        raise ParameterError(Param("check_top", check_top), ": name 0 (no check) or more heads")
+    if check_top and "atp" not in kinds:
+        raise ParameterError(
+            Param("check_top", check_top), ": checks attribution patching: add atp to ", Param("kinds", ",".join(kinds))
+        )
+    return check_top
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def effects_section(conn, run, *, table, img) -> str:
         except ParameterError:
             columns, rows = [], []
         if columns:
-            sort = next(c for c in ("effect_mean", "effect_zero", "importance") if c in columns)
+            sort = next(c for c in ("effect_mean", "effect_zero", "importance", "effect_atp") if c in columns)
             at = columns.index(sort)
             top = sorted(rows, key=lambda r: -(r[at] if r[at] is not None else -math.inf))[:10]
             names, role_rows = roles.roles(conn, run.run_id)

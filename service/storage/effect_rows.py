@@ -119,6 +119,11 @@ def effect_note(conn: Connection, run_id: int) -> str | None:
         parts.append(f"effect_mean: set to its mean over the run's first {first['reference_windows']} windows")
     if "gradient" in kinds:
         parts.append("importance: mean |∂O/∂ξ| at the intact model")
+    if "atp" in kinds:
+        parts.append(
+            f"effect_atp: attribution patching, effect_mean's first-order estimate (Σ (m − z)·∂O/∂z, m the mean "
+            f"over the run's first {first['reference_windows']} windows)"
+        )
     means = f"; {len(found)} sets of reference means were used" if len(found) > 1 else ""
     if groups < 2:
         # the jackknife leaves one group out: with one group there is nothing to leave out
