@@ -45,20 +45,23 @@ def compare(
 ) -> None:
     """Two runs side by side per layer (or head): both values, A − B, and whether the difference
     is beyond the runs' 95% intervals. Depths that differ are aligned by relative depth."""
-    from headatlas.service.errors import ParameterError
     from headatlas.service.reports import compare as comparison
     from headatlas.service.reports import query_support
     from headatlas.service.reports.intervals import groups_held, scheme_of
 
     with _store(db, at).checked_read() as conn:
         a = _run(conn, run_a)
-        bs = [_run(conn, run_b)] if run_b is not None else comparison.controls_of(conn, a)
-        if not bs:
-            raise ParameterError(
-                f"compare {run_a}: run {a.run_id} ({a.name}) has no control run; pass RUN_B, "
-                "or analyse again with --control"
-            )
-        results = [(b, comparison.compare(conn, a, b, metrics=metric, layer=layer, head=head, heads=heads)) for b in bs]
+        found = comparison.comparisons(
+            conn,
+            a,
+            _run(conn, run_b) if run_b is not None else None,
+            metrics=metric,
+            layer=layer,
+            head=head,
+            heads=heads,
+        )
+        results = [(b, (names, rows)) for b, names, rows in found]
+        bs = [b for b, _ in results]
         held = {x.run_id: groups_held(conn, x.run_id) for x in (a, *bs)}
         unreliable = _interval_warnings(conn, a, *bs)
     # the answer in 100 columns: both values, the difference with its interval, the verdict
@@ -76,11 +79,7 @@ def compare(
         _print_warnings(unreliable)
         return
     for b, (names, rows) in results:
-        floor = (
-            f" (B is A's random-weights control, seed {comparison.control_seed(b)}: the floor every claim should beat)"
-            if comparison.is_control(a, b)
-            else ""
-        )
+        floor = comparison.floor_note(a, b)
         differ = comparison.parameter_differences(a, b)
         if differ and fmt == Format.table:
             note(f"the runs were analysed with different parameters ({'; '.join(differ)})")
@@ -126,44 +125,16 @@ def query_roles(
     95% interval, threshold, p and its Holm-adjusted p over the run's family of tests; rules in
     SPEC §7). Heads without a role: "none established". A table also counts each role, and what
     the run's random-weights controls earn. --layer, --head and --role choose the rows shown."""
-    from headatlas.service.operations.runs import check_layer_head
-    from headatlas.service.reports import (
-        attention_kind,
-        compare,
-        role_effects,
-        role_rules,
-        role_tests,
-        role_views,
-        roles,
-    )
-    from headatlas.service.reports.intervals import groups_held, scheme_of
+    from headatlas.service.reports.intervals import scheme_of
+    from headatlas.service.reports.role_table import role_table
 
     with _store(db, at).checked_read() as conn:
         r = _run(conn, run)
-        check_layer_head(r, layer, head)
-        offered = role_rules.offered_roles(attention_kind.causal_run(conn, r.run_id))
-        if role is not None:
-            role = role_views.check_role(role, offered, f"run {r.run_id} ({r.name})")
-        names, rows = roles.roles(conn, r.run_id, stability=stability)
-        role_names = list(names)  # the roles' own columns, for the counts
-        names, rows = role_effects.with_effects(conn, r.run_id, names, rows)  # each head's effect (SPEC §9)
-        effect_lines = _role_effect_lines(conn, r.run_id, names, rows)
-        n_groups = groups_held(conn, r.run_id)
-        controls = [
-            (compare.control_seed(c), c, role_views.role_counts(*roles.roles(conn, c.run_id)))
-            for c in compare.controls_of(conn, r)
-        ]
-    family = role_views.family_size(names, rows)
-    tested = (
-        f"Holm–Bonferroni over {family} (head, role) tests, α = {role_tests.ALPHA:g}"
-        if family
-        else "no replicate groups: each value tested against its threshold, uncorrected"
-    )
-    note = role_tests.ROLES_NOTE + (f". {roles.STABILITY_NOTE}" if stability else "")
-    if "induction" in offered:
-        note += f". {role_tests.PROBE_NOTE}"
+        atlas = role_table(conn, r, stability=stability, layer=layer, head=head, role=role)
+        effect_lines = _role_effect_lines(conn, r.run_id, atlas.names, atlas.every)
+    names, rows = atlas.names, atlas.rows
     # the probe's columns where a role read a probe score (decoders' induction and duplicate-token)
-    probed = any(row[names.index("probe_score")] is not None for row in rows)
+    probed = any(row[names.index("probe_score")] is not None for row in atlas.every)
     hidden = ("rule", "test", "p", "family") + (() if probed else ("probe_score", "probe_min"))
     table = [c for c in names if c not in hidden]
     # where the table does not fit, the evidence yields before the answer: the role, its value and
@@ -172,51 +143,29 @@ def query_roles(
     if stability:  # the answer: each role's value and whether it held on each half (evidence in --wide)
         table = [c for c in table if c not in ("primary", "threshold", "p_holm")]
         yields = ("metric", "effect", "value")
-    every = rows
-    rows = role_views.filter_roles(names, rows, layer=layer, head=head, role=role)
-    chosen = [
-        f"{flag} {value}"
-        for flag, value in (("--layer", layer), ("--head", head), ("--role", role))
-        if value is not None
-    ]
-    shown = f"; {len(rows)} of its {len(every)} rows ({' '.join(chosen)})" if chosen else ""
     render_metrics(
         names,
         rows,
         fmt,
-        title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {tested}{shown}",
+        title=f"run {r.run_id} ({r.name}): head roles (SPEC §7); {atlas.tested}{atlas.chosen}",
         table_columns=table,
-        note=note,
+        note=atlas.note,
         schemes=[scheme_of(r.params)],
         view=TableView.of(columns, wide),
         pinned=3,
         intervals=() if stability else ("value",),
-        groups=[n_groups],
+        groups=[atlas.groups],
         yields=yields,
     )
     if fmt != Format.table:
         return
-    role_rows = [row[: len(role_names)] for row in every]  # the counts are the run's, whatever is shown
-    counts, stable = (
-        role_views.role_counts(role_names, role_rows, offered),
-        role_views.stable_counts(role_names, role_rows),
-    )
-    held = ", ".join(
-        f"{role} {n}" + (f" ({stable[role]} stable)" if stable is not None and role in stable else "")
-        for role, n in counts.items()
-    )
-    print_wrapped(f"heads per role: {held}")
+    print_wrapped(atlas.counts_line())
     for line in effect_lines:
         print_wrapped(line)
-    if stability and stable is None:
+    if stability and atlas.counts()[1] is None:
         stdout.print("stability: a half holds under 2 replicate groups; no test on halves", markup=False)
-    for seed, control, control_counts in controls:
-        earned = sum(n for role, n in control_counts.items() if role != role_rules.NONE)
-        stdout.print(
-            f"control seed {seed} (run {control.run_id}, {control.name}): {earned} (head, role) earned",
-            markup=False,
-            highlight=False,
-        )
+    for line in atlas.control_lines():
+        stdout.print(line, markup=False, highlight=False)
 
 
 def _role_effect_lines(conn, run_id: int, names: list[str], rows: list[tuple]) -> list[str]:

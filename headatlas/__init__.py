@@ -4,6 +4,8 @@
     run = headatlas.analyze("corpus.txt", db="atlas.duckdb")      # the embedded engine
     run.heads(ci=True).df()                                        # pandas (headatlas[pandas]); .arrow: Arrow
     headatlas.connect("atlas.duckdb").run("corpus-1a2b3c").layers()
+    headatlas.connect("atlas.duckdb").run("corpus-1a2b3c").roles()   # the head atlas (query roles)
+    headatlas.compare("atlas.duckdb", "corpus-1a2b3c")                # against its controls (compare)
     headatlas.inspect("The cat sat on the mat.").csm(3, 5)         # one text: attention, z, CSM
 
 The functions are those of ``headatlas.service.api``; the CLI (``headatlas --help``) is a thin
@@ -17,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path as _Path
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "analyze", "connect", "effects", "inspect"]
+__all__ = ["__version__", "analyze", "compare", "connect", "effects", "inspect"]
 
 # Installed, service/, workers/, cli/ and migrations/ are subpackages inside this folder. In a
 # source checkout they sit beside it (the repository keeps the design's folders at its top level),
@@ -27,7 +29,7 @@ if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py
     __path__.append(str(_here.parent))
 
 
-_LAZY = ("analyze", "connect", "effects", "inspect")
+_LAZY = ("analyze", "compare", "connect", "effects", "inspect")
 
 
 def __getattr__(name: str):

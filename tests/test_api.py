@@ -228,6 +228,37 @@ def test_heads_equal_the_cli_json(analysed):
     assert all(_same(mine, theirs) for mine, theirs in zip(_rows(heads), cli_rows))
 
 
+def test_roles_equal_the_cli_json(analysed):
+    """run.roles() is `query roles`: the same rows, the chosen ones, and the notes it prints."""
+    db, run, _ = analysed
+    roles = run.roles(stability=True)
+    cli = cli_json("query", "roles", "--run", "nb", "--stability", "--db", str(db))
+    assert all(_same(mine, theirs) for mine, theirs in zip(_rows(roles), cli)) and len(roles) == len(cli)
+    assert {"role", "metric", "value", "half_a", "half_b", "stable"} <= set(roles.column_names)
+    assert any(n.startswith("heads per role: ") for n in roles.notes)
+    one = run.roles(layer=1, head=0)
+    assert {(r["layer"], r["head"]) for r in one.to_pylist()} == {(1, 0)}
+    assert "(layer=1 head=0)" in one.notes[0]
+    with pytest.raises(ValueError, match="role="):
+        run.roles(role="no-such-role")
+
+
+def test_compare_equals_the_cli_json(analysed):
+    """headatlas.compare is `headatlas compare`: the same rows, each named by its run B; a run
+    without controls and no run B is refused as the CLI refuses it."""
+    import headatlas
+
+    db, run, _ = analysed
+    table = headatlas.compare(db, "nb", run.run_id, heads=True, layer=1)
+    cli = cli_json("compare", "nb", str(run.run_id), "--heads", "--layer", "1", "--db", str(db))
+    rows = _rows(table)
+    assert {r.pop("run_b") for r in rows} == {run.run_id}
+    assert len(rows) == len(cli) > 0 and all(_same(mine, theirs) for mine, theirs in zip(rows, cli))
+    assert any(n.startswith("difference = A − B") for n in table.notes)
+    with pytest.raises(ValueError, match="no control run"):
+        headatlas.compare(db, "nb")
+
+
 def test_layers_distances_and_sql(analysed):
     from headatlas.service import api
 
@@ -436,7 +467,7 @@ def test_few_groups_warn_in_python(tmp_path, tiny_model, demo_corpus):
 def test_dir_shows_the_api():
     import headatlas
 
-    assert {"analyze", "connect", "inspect", "__version__"} <= set(dir(headatlas))
+    assert {"analyze", "compare", "connect", "inspect", "__version__"} <= set(dir(headatlas))
     assert "_Path" not in dir(headatlas) and "annotations" not in dir(headatlas)
 
 
@@ -446,7 +477,9 @@ def test_every_public_function_and_method_has_a_docstring():
     from headatlas.service.reports.inspection import InspectedText
 
     missing = [
-        f"headatlas.{name}" for name in ("analyze", "connect", "inspect") if not getattr(headatlas, name).__doc__
+        f"headatlas.{name}"
+        for name in ("analyze", "compare", "connect", "inspect")
+        if not getattr(headatlas, name).__doc__
     ]
     for cls in (api.Atlas, api.RunView, api.Table, InspectedText):
         for name, member in vars(cls).items():

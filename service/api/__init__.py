@@ -9,6 +9,8 @@
     atlas = headatlas.connect("atlas.duckdb")
     atlas.runs()
     atlas.run("corpus-4794be").layers()
+    atlas.run("corpus-4794be").roles()     # the head atlas: each head's roles and their evidence
+    headatlas.compare("atlas.duckdb", "corpus-4794be")   # against its random-weights controls
     one = headatlas.inspect("The cat sat on the mat.", model="smollm2")   # one text, no database
     one.attention[3, 5], one.z[3, 5], one.csm(3, 5)                        # numpy
 
@@ -23,6 +25,7 @@ CLI's flags.
 """
 
 from headatlas.service.api.analysis import analyze, quiet_notebook_bars
+from headatlas.service.api.comparison import compare
 from headatlas.service.api.inspection import effects, inspect
 from headatlas.service.api.tables import Table, table
 from headatlas.service.api.views import Atlas, IntervalWarning, RunView, connect
@@ -33,6 +36,7 @@ __all__ = [
     "RunView",
     "Table",
     "analyze",
+    "compare",
     "connect",
     "effects",
     "inspect",

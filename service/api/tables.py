@@ -126,7 +126,8 @@ class Table:
         hidden = arrow.num_columns - len(columns)
 
         def line(cells: list[str]) -> str:
-            return "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip() + ("  …" if hidden else "")
+            text = "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+            return f"{text}  …" if hidden else text.rstrip()
 
         lines = [repr(self), line(columns)]
         for i, record in enumerate(records):

@@ -227,6 +227,47 @@ class RunView:
         )
 
     @in_python_terms
+    def roles(
+        self,
+        *,
+        stability: bool = False,
+        layer: int | None = None,
+        head: int | None = None,
+        role: str | None = None,
+    ) -> Table:
+        """The head atlas of ``headatlas query roles`` (SPEC §7): one row per (head, role) with the
+        evidence that earned it (metric, value and 95% interval, threshold, p, Holm-adjusted p) and
+        the head's effect where the run has effects; heads without a role: "none established".
+        ``stability``: each role also tested on each half of the replicate groups (``half_a``,
+        ``half_b``, ``stable``). ``layer``, ``head``, ``role``: the rows returned (the tests and
+        their Holm family stay the run's). ``.notes``: the test, how a role is earned, the heads
+        per role and what the run's random-weights controls earn."""
+        from headatlas.service.reports.intervals import interval_note, scheme_of
+        from headatlas.service.reports.role_table import role_table
+
+        with self.store.checked_read() as conn:
+            atlas = role_table(
+                conn,
+                self.run,
+                stability=stability,
+                layer=layer,
+                head=head,
+                role=role,
+                flags=("layer=", "head=", "role="),
+            )
+        notes = [
+            f"head roles (SPEC §7); {atlas.tested}{atlas.chosen}",
+            atlas.note,
+            interval_note([scheme_of(self.run.params)], [atlas.groups]),
+            atlas.counts_line(),
+            *atlas.control_lines(),
+        ]
+        names, rows = atlas.names, atlas.rows
+        if any(c.endswith("_lo") for c in names) and "interval_by" not in names:  # as the CLI's JSON has it
+            names, rows = [*names, "interval_by"], [(*r, scheme_of(self.run.params)) for r in rows]
+        return Table.of(names, rows, what=f"roles, run {self.run.run_id}", notes=notes)
+
+    @in_python_terms
     def mixing(self, *, layer: int | None = None, methods: list[str] | None = None) -> Table:
         """Attribution and mixing measures per layer (or ``layer``'s heads), one column set per
         method (``methods``: attention, attribution, rollout, norm, alti; default: all stored)."""

@@ -250,6 +250,38 @@ def compare(
     return list(COLUMNS), rows
 
 
+def comparisons(
+    conn: Connection,
+    run_a,
+    run_b=None,
+    *,
+    metrics: Sequence[str] | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+    heads: bool = False,
+) -> list[tuple[Run, list[str], list[tuple]]]:
+    """Run A against run B, or (``run_b`` None) against each of A's random-weights controls:
+    (B, columns, rows of ``compare``) each. A run without controls, and no B, is refused."""
+    bs = [run_b] if run_b is not None else controls_of(conn, run_a)
+    if not bs:
+        raise ParameterError(
+            f"compare {run_a.name}: run {run_a.run_id} ({run_a.name}) has no control run; pass RUN_B, "
+            "or analyse again with --control"
+        )
+    out = []
+    for b in bs:
+        names, rows = compare(conn, run_a, b, metrics=metrics, layer=layer, head=head, heads=heads)
+        out.append((b, names, rows))
+    return out
+
+
+def floor_note(run_a, run_b) -> str:
+    """`` (B is A's random-weights control, seed N: …)`` where it is, else empty."""
+    if not is_control(run_a, run_b):
+        return ""
+    return f" (B is A's random-weights control, seed {control_seed(run_b)}: the floor every claim should beat)"
+
+
 def parameter_differences(run_a, run_b) -> list[str]:
     """The analysis parameters in which the runs differ ("select: top:0.02 vs top:0.05"): a
     difference in metrics may come from them rather than from the models or corpora."""
