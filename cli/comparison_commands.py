@@ -63,6 +63,7 @@ def compare(
         results = [(b, (names, rows)) for b, names, rows in found]
         bs = [b for b, _ in results]
         held = {x.run_id: groups_held(conn, x.run_id) for x in (a, *bs)}
+        sink = {b.run_id: comparison.first_token_note(conn, [a, b], rows) for b, _, rows in found}
         unreliable = _interval_warnings(conn, a, *bs)
     # the answer in 100 columns: both values, the difference with its interval, the verdict
     # (each value's own interval is in --wide, CSV and JSON); layer_b only where depths differ
@@ -90,7 +91,8 @@ def compare(
             table_columns=table,
             view=view,
             intervals=comparison.TABLE_INTERVALS,
-            note=f"{comparison.VERDICT_NOTE}. {query_support.LIFT_NOTE}",
+            note=f"{comparison.VERDICT_NOTE}. {query_support.LIFT_NOTE}"
+            + (f" {said}." if (said := sink[b.run_id]) else ""),
             schemes=[scheme_of(a.params), scheme_of(b.params)],
             groups=[held[a.run_id], held[b.run_id]],
             title=f"A = run {a.run_id} ({a.name}, {a.n_layers} layers) vs B = run {b.run_id} ({b.name}, "

@@ -304,6 +304,22 @@ def test_query_roles_keeps_the_role_its_effect_and_the_halves(tmp_path, corpora)
     assert {"role", "half_a", "half_b", "stable"} <= set(_header(stability)), stability
 
 
+def test_compare_says_a_decoders_cls_column_is_its_first_token(atlas, corpora, tmp_path):
+    """A causal model has no [CLS]: where compare lists attn_to_cls_lift for one, a note says the
+    column means the first token there; an encoder's comparison has no such note."""
+    _, a, _ = corpora
+    db = tmp_path / "decoder.duckdb"
+    ok("analyze", str(a), "--name", "dec", "--control", "--db", str(db), "--quiet", "--model", "random:gpt2")
+    decoder = " ".join(ok("compare", "dec", "--db", str(db)).stdout.split())
+    assert "attn_to_cls_lift" in decoder
+    assert (
+        "attn_to_cls_lift: for a causal model (run 1 (dec), run 2 (dec-control)) the [CLS] column means the first token"
+        in decoder
+    )
+    encoder_db, _ = atlas
+    assert "causal model" not in ok("compare", "wiki", "--db", str(encoder_db)).stdout
+
+
 def test_columns_picks_and_wide_shows_all(atlas):
     db, _ = atlas
     picked = ok("query", "heads", "--run", "mine", "--columns", "layer,head,attn_entropy", "--db", str(db))

@@ -44,6 +44,7 @@ def compare(
         runs = [a, *(b for b, _, _ in found)]
         held = [groups_held(conn, r.run_id) for r in runs]
         said = interval_warnings(conn, *runs)
+        sink = comparison.first_token_note(conn, runs, [row for _, _, rows in found for row in rows])
     names = ["run_b", *found[0][1]]
     rows = [(b.run_id, *row) for b, _, found_rows in found for row in found_rows]
     notes = [
@@ -58,6 +59,7 @@ def compare(
     ]
     notes += [
         f"{comparison.VERDICT_NOTE}. {query_support.LIFT_NOTE}",
+        *([sink] if sink else []),
         interval_note([scheme_of(r.params) for r in runs], held),
     ]
     for warning in said:

@@ -275,6 +275,23 @@ def comparisons(
     return out
 
 
+def first_token_note(conn: Connection, runs: Sequence[Run], rows: list[tuple]) -> str | None:
+    """For a causal run among ``runs`` whose compared metrics hold the [CLS] columns: a decoder has
+    no [CLS], and there they measure attention to the first token (BOS, the attention sink)."""
+    from headatlas.service.reports.attention_kind import causal_run
+
+    at = COLUMNS.index("metric")
+    named = sorted({r[at] for r in rows if r[at] in ("attn_to_cls", "attn_to_cls_lift")})
+    causal = [r for r in runs if causal_run(conn, r.run_id)]
+    if not named or not causal:
+        return None
+    which = ", ".join(f"run {r.run_id} ({r.name})" for r in causal)
+    return (
+        f"{', '.join(named)}: for a causal model ({which}) the [CLS] column means the first token, the sink most "
+        "heads attend to (attn_to_first in its own tables)"
+    )
+
+
 def floor_note(run_a, run_b) -> str:
     """`` (B is A's random-weights control, seed N: …)`` where it is, else empty."""
     if not is_control(run_a, run_b):
