@@ -124,3 +124,20 @@ def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path
             assert sum(r[columns.index(column)] or 0 for r in rows) == pytest.approx(1.0)
     with pytest.raises(ParameterError, match="--split 'noise': the only split is 'attended'"):
         plots.run_figure("distances", conn, run, split="noise")
+
+
+def test_atlas_title_and_legend_name_what_is_coloured(conn, stored):
+    """Coloured by a metric, the atlas's title and legend say so, and the legend's role entries
+    carry no role colour (the cells no longer have it); coloured by role, they name the role."""
+    from headatlas.service.reports import atlas_plots
+
+    _, run = stored
+    by_role = atlas_plots.run_atlas(conn, run)[0]
+    assert by_role.axes[0].get_title().startswith("primary role per head")
+    assert by_role.legends[0].get_title().get_text() == "role (heads holding it)"
+    fig = atlas_plots.run_atlas(conn, run, colour="within_sentence_lift_dm")[0]
+    grid = next(ax for ax in fig.axes if ax.get_title())
+    assert grid.get_title().startswith("within_sentence_lift_dm per head") and "primary role" not in grid.get_title()
+    legend = fig.legends[0]
+    assert "colour: within_sentence_lift_dm" in legend.get_title().get_text()
+    assert all(patch.get_facecolor()[3] == 0 for patch in legend.get_patches() if "stable" not in patch.get_label())

@@ -139,13 +139,16 @@ def figure_atlas(
     ax.set_yticks(np.arange(n_layers + 1) - 0.5, minor=True)
     ax.grid(which="minor", color="white", lw=1.5)
     ax.tick_params(which="minor", length=0)
-    ax.set(xlabel="head", ylabel="layer", title="primary role per head (letters: every role held)")
+    # the title and the legend name what the colour is: the primary role, or the metric shaded
+    # (its scale in the colour bar; the letters still list every role held)
+    coloured = "primary role" if shade is None else shade[0]
+    ax.set(xlabel="head", ylabel="layer", title=f"{coloured} per head (letters: every role held)")
     listed = role_rules.ROLE_ORDER if offered is None else offered
     counts = role_views.role_counts(columns, rows, listed)
     stable = role_views.stable_counts(columns, rows)
     handles = [
         Patch(
-            facecolor=ROLE_COLOURS[r],
+            facecolor=ROLE_COLOURS[r] if shade is None else "none",
             edgecolor="#999999",
             label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]}"
             + (f", {stable[r]} stable" if stable is not None and r in stable else "")
@@ -167,7 +170,7 @@ def figure_atlas(
         handles=handles,
         loc="outside right center",
         fontsize=8,
-        title="role (heads holding it)",
+        title="role (heads holding it)" if shade is None else f"letters: role (heads holding it)\ncolour: {shade[0]}",
         title_fontsize=8,
         frameon=False,
     )
