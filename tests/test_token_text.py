@@ -60,3 +60,14 @@ def test_inspect_axis_labels_of_byte_level_tokens():
         "␣␣",
     ]
     assert token_labels(["[CLS]", "the", "cat", "[SEP]"]) == ["[CLS]", "the", "cat", "[SEP]"]
+
+
+def test_a_windows_tokens_read_as_running_text():
+    """The head page's example window: a byte-level window's tokens decoded, each word's leading
+    space kept and a newline made visible; a WordPiece window's as its tokenizer wrote them."""
+    from headatlas.service.reports.tokens import window_tokens
+
+    smollm2 = ["<|im_start|>", "Ġactors", "ĠMark", "Ċ", "Ġ", "ĠcafÃ©", "."]
+    assert window_tokens(smollm2) == ["<|im_start|>", " actors", " Mark", "\\n", "␣", " café", "."]
+    wordpiece = ["[CLS]", "the", "##ing", ",", "[SEP]"]
+    assert window_tokens(wordpiece) == wordpiece

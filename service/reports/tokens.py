@@ -57,3 +57,20 @@ def shown(text: str) -> str:
 def token_label(token: str, byte_level: bool) -> str:
     """The label of one stored token string (``byte_level``: its run's vocabulary is byte-level)."""
     return shown(byte_level_text(token)) if byte_level else token
+
+
+def running_text(token: str) -> str:
+    """A decoded token as it reads in running text (a window's token strip): its leading space
+    kept (``Ġactors`` → `` actors``), other white space made visible (``Ċ`` → ``\\n``), a token
+    of spaces alone as ``␣``."""
+    if token and not token.strip(" "):
+        return "␣" * len(token)
+    return "".join(ch if ch == " " else VISIBLE.get(ch, ch) for ch in token)
+
+
+def window_tokens(tokens: list[str]) -> list[str]:
+    """A window's tokens as text: a byte-level vocabulary's strings decoded (``running_text``),
+    others (WordPiece, SentencePiece) as the tokenizer wrote them."""
+    if not is_byte_level_text(tokens):
+        return list(tokens)
+    return [running_text(byte_level_text(t)) for t in tokens]

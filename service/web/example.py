@@ -26,6 +26,7 @@ import numpy as np
 from sqlalchemy import text
 
 from headatlas.service.errors import Param, ParameterError
+from headatlas.service.reports.tokens import window_tokens
 from headatlas.service.storage.store import Run
 from headatlas.service.web.context import Busy
 from headatlas.service.web.reads import Memo, Reads
@@ -191,7 +192,9 @@ def head_example(examples: Examples, reads: Reads, run: Run, k: int, layer: int,
         "model": seen.model_name,
         "layer": layer,
         "head": head,
-        "tokens": seen.tokens,
+        # as they read (Ġactors → " actors", Ċ → \n), the vocabulary's own strings beside them
+        "tokens": window_tokens(seen.tokens),
+        "vocabulary_tokens": seen.tokens,
         "sentence_starts": seen.sentence_starts(),
         "csm": _rounded(seen.csm[layer, head]),
         "attention": _rounded(seen.attention[layer, head]),
