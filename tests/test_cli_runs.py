@@ -318,6 +318,13 @@ def test_compare_says_a_decoders_cls_column_is_its_first_token(atlas, corpora, t
     )
     encoder_db, _ = atlas
     assert "causal model" not in ok("compare", "wiki", "--db", str(encoder_db)).stdout
+    # the web's comparison says it too
+    from web_support import Client
+
+    from headatlas.service.web.app import WebApp
+
+    page = Client(WebApp(str(db))).get("/compare/1/2")
+    assert page.status == 200 and "for a causal model (run 1 (dec), run 2 (dec-control))" in page.text
 
 
 def test_columns_picks_and_wide_shows_all(atlas):

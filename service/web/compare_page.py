@@ -34,6 +34,12 @@ def compare_view(ctx: Ctx, ref_a: str, ref_b: str) -> View:
         ("compare", tuple(metrics), layer, heads),
         lambda c: compare.compare(c, a, b, metrics=metrics, layer=layer, heads=heads),
     )
+    # a decoder's [CLS] columns are its first token's: said under the verdicts, as `compare` says it
+    sink = ctx.runs_query(
+        (a, b),
+        ("first token", tuple(metrics), layer, heads),
+        lambda c: compare.first_token_note(c, [a, b], rows[1]),
+    )
     profiles = None
     if by == "depth":
         profiles = {name: _profile(ctx, run, metrics) for name, run in (("a", a), ("b", b))}
@@ -50,7 +56,7 @@ def compare_view(ctx: Ctx, ref_a: str, ref_b: str) -> View:
             parts.append(_head_grids(ctx, a, rows, metrics))
         elif by == "depth" and profiles is not None:
             parts.append(_depth_charts(a, b, profiles, metrics))
-        parts.append(_verdicts(ctx, a, b, rows, heads))
+        parts.append(_verdicts(ctx, a, b, rows, heads, sink))
         return "".join(parts)
 
     title = f"Compare run {a.run_id} ({a.name}) with run {b.run_id} ({b.name})"
@@ -95,7 +101,7 @@ def _header(ctx: Ctx, a: Run, b: Run, by: str, metrics: list[str]) -> str:
     return record(facts) + f'<p class="pager">{links}</p>' + form
 
 
-def _verdicts(ctx: Ctx, a: Run, b: Run, rows: compare.Rows, heads: bool) -> str:
+def _verdicts(ctx: Ctx, a: Run, b: Run, rows: compare.Rows, heads: bool, sink: str | None = None) -> str:
     columns, values = rows
     shown = [
         c
@@ -130,6 +136,7 @@ def _verdicts(ctx: Ctx, a: Run, b: Run, rows: compare.Rows, heads: bool) -> str:
             row_class=lambda d: f"verdict-{d['verdict'].replace(' ', '-')}",
         )
         + f'<p class="muted">{e(compare.VERDICT_NOTE)}</p>'
+        + (f'<p class="muted">{e(sink)}</p>' if sink else "")
     )
 
 
