@@ -154,3 +154,17 @@ def test_an_interrupted_measurement_resumes_the_windows_not_stored(corpus, in_on
     assert resumed.measured == 4 and resumed.windows == 6  # the two stored before the stop are kept
     for now, want in zip(_metrics(db, 1), _metrics(*in_one_pass)):
         assert all(_close(now[c], want[c]) for c in EFFECT_COLUMNS)
+
+
+def test_more_windows_for_a_run_analysed_with_effects_measure_only_the_new_ones(corpus, in_one_pass, tmp_path, cli):
+    """A run whose analysis measured its first 4 windows' effects, asked for 6: the 2 new ones are
+    measured (the 4 are not measured again and counted twice), and the run equals the 6-window one."""
+    db = str(tmp_path / "grown.duckdb")
+    assert cli("analyze", str(corpus), *MODEL, *KINDS, "--effect-windows", "4", "--db", db, "-q").returncode == 0
+    grown = cli("effects", "1", *KINDS, "--windows", "6", "--db", db)
+    assert grown.returncode == 0, grown.stderr
+    assert "2 windows measured now, 6 stored in all" in " ".join(grown.stderr.split())
+    for now, want in zip(_metrics(db, 1), _metrics(*in_one_pass)):
+        assert all(_close(now[c], want[c]) for c in EFFECT_COLUMNS if c in want), now
+    again = cli("effects", "1", *KINDS, "--windows", "6", "--db", db)
+    assert "0 windows measured now, 6 stored in all" in " ".join(again.stderr.split())

@@ -137,6 +137,8 @@ def add_effects(
             f"run {run.run_id} ({run.name}) is a random-weights control: add effects to the run it controls"
         )
     params = effect_params(run, kinds=kinds, windows=windows, reference=reference, objective=objective)
+    # the run's first windows whose effects its analysis measured (analyze --effects), if any
+    analysed = _analysed_windows(run)
     began = time.perf_counter()
     loaded = model or load_model(run.model, device=device, dtype=params.dtype)
     check_effects(loaded, params)
@@ -161,7 +163,7 @@ def add_effects(
             )
         }
         present = _present_sums(conn, run.run_id)
-    todo = [(p, w) for p, w in enumerate(targets) if p not in done]
+    todo = [(p, w) for p, w in enumerate(targets) if p not in done and p >= analysed]
     means = None
     if todo and params.needs_means:
         references = first_windows(run.corpus, loaded, params, tokens, params.effect_reference)
@@ -175,6 +177,7 @@ def add_effects(
     # recorded first: what the run's effects are and how many windows they are meant to cover
     stored_params = dict(run.params)
     stored_params.update({k: v for k, v in params.to_dict().items() if k in EFFECT_FIELDS})
+    stored_params[ANALYSED] = analysed
     store.atomically(lambda conn: _prepare(conn, run.run_id, stored_params, params.effects))
     for k, (position, window) in enumerate(todo):
         started = time.perf_counter()
@@ -204,6 +207,19 @@ def add_effects(
 
 
 EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference", "objective")
+# recorded in the run's stored parameters (outside the analysis parameters, as control_of is) the first
+# time effects are added: how many of its first windows its analysis measured
+ANALYSED = "effect_windows_analysed"
+
+
+def _analysed_windows(run: Run) -> int:
+    """How many of the run's first windows have effects from its analysis (``analyze --effects``,
+    which measured its first ``effect_windows`` windows, all of them, before it was done): those
+    are not measured again. Runs that got their effects here record it; 0 for a run analysed
+    without effects."""
+    if ANALYSED in run.params:
+        return int(run.params[ANALYSED])
+    return int(run.params.get("effect_windows") or 0) if run.params.get("effects") else 0
 
 
 def _prepare(conn, run_id: int, params: dict, kinds: tuple[str, ...]) -> None:
