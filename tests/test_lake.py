@@ -21,7 +21,8 @@ PARAMS = AnalysisParams(seq_len=32)
 # on a loaded machine): a test that needs several batches or commits takes batches of 8, one that
 # needs a stored run and nothing of its batches takes batches of 32.
 def _analyze(store, corpus, model, batch_size: int = 8, flush_s: float = 10.0):
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
 
     return analyze_corpus(
         str(corpus),

@@ -80,7 +80,8 @@ def _wait(predicate, what: str, timeout: float = 60.0) -> None:
 def test_a_run_stored_by_two_writers_equals_the_embedded_run_while_a_reader_holds_a_snapshot(
     cluster, lake, tiny_model, demo_corpus, tmp_path
 ):
-    from headatlas.service.engine.runner import analyze_corpus, survey_corpus
+    from headatlas.service.engine.run_plan import survey_corpus
+    from headatlas.service.operations.embedded_run import analyze_corpus
     from headatlas.service.storage.store import Store
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=4, tag="lakequeue")
