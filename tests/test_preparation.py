@@ -3,6 +3,7 @@ tokens, sentence ids, document rows and progress, and a run stores the same stat
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,37 @@ def test_a_run_prepared_by_processes_stores_the_same_statistics(tiny_model, demo
         runs[processes] = stored(str(db), run.run_id)
     assert len(runs["1"]["run_windows"]) > 20
     assert_same_statistics(runs["1"], runs["2"], rel=0)
+
+
+def _stuck_deaf_to_sigterm() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+
+
+def test_close_kills_a_process_that_never_answers_sigterm(tiny_model, monkeypatch):
+    """A process forked while another thread of the caller held a lock can stick before it sets its
+    signals, the caller's SIGTERM handler still its own (seen in CI: the beat's fire waited in
+    close() after the first fix above). Such a process, here one that ignores SIGTERM, is killed
+    once the grace has passed, and close() returns."""
+    import signal
+    import threading
+
+    from headatlas.service.engine import preparation
+
+    monkeypatch.setattr(preparation, "CLOSE_GRACE_S", 0.5)
+    tokens = TokenClasses.for_model(tiny_model)
+    pool = WindowPool(1, tiny_model.tokenizer, tokens, tiny_model.tokenizer_key, AnalysisParams())
+    (process,) = pool._pool._pool
+    pool._pool.apply_async(_stuck_deaf_to_sigterm)  # it no longer answers SIGTERM, nor the queue
+    time.sleep(1.0)  # in the task
+    closing = threading.Thread(target=pool.close, daemon=True)
+    closing.start()
+    closing.join(60)
+    stuck = closing.is_alive()
+    if stuck:
+        process.kill()
+        closing.join(30)
+    assert not stuck, "close() waited for a process that ignores SIGTERM"
+    assert not process.is_alive() and process.exitcode == -signal.SIGKILL

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 TASK_CHARS = 1 << 16  # characters of documents per task (a task holds at least one document)
 AHEAD = 4  # tasks in flight per process
 INLINE_CHARS = 1 << 22  # a longer document is windowed in the calling process, streaming
+CLOSE_GRACE_S = 5.0  # how long a process has to answer SIGTERM on close before it is killed
 
 # what a forked process prepares with (set by _start in the child)
 _WORK: tuple | None = None
@@ -125,7 +126,23 @@ class WindowPool:
             yield from take()
 
     def close(self) -> None:
-        self._pool.terminate()
+        """Stop the processes: SIGTERM, and SIGKILL for any still there after ``CLOSE_GRACE_S``.
+        A process forked while another thread of the caller held a lock (the beat fires schedules
+        in threads, each submission with a pool of its own) can stick in its fork before it sets
+        its signals, where the caller's SIGTERM handler (the beat's) keeps it alive: the pool's
+        terminate() then joined it forever, and the beat's fire never finished. The processes
+        hold nothing to keep."""
+        import threading
+
+        workers = list(getattr(self._pool, "_pool", ()))
+        stopping = threading.Thread(target=self._pool.terminate, name="window-pool-stop", daemon=True)
+        stopping.start()
+        stopping.join(CLOSE_GRACE_S)
+        if stopping.is_alive():
+            for worker in workers:
+                if worker.is_alive():
+                    worker.kill()
+            stopping.join()
         self._pool.join()
 
     def __enter__(self) -> WindowPool:
