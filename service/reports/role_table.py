@@ -75,7 +75,7 @@ def role_table(
     ``head``, ``role``: the rows shown (the tests and their Holm family stay the run's).
     ``flags``: how the caller names those three (``--layer``, or ``layer=``), for the line that
     says which rows are shown."""
-    from headatlas.service.operations.runs import check_layer_head
+    from headatlas.service.layer_head import check_layer_head
     from headatlas.service.reports import (
         attention_kind,
         compare,
@@ -87,7 +87,7 @@ def role_table(
     )
     from headatlas.service.reports.intervals import groups_held
 
-    check_layer_head(run, layer, head)
+    check_layer_head(layer, head, n_layers=run.n_layers, n_heads=run.n_heads, whose=f"run {run.run_id}")
     offered = tuple(role_rules.offered_roles(attention_kind.causal_run(conn, run.run_id)))
     if role is not None:
         role = role_views.check_role(role, offered, f"run {run.run_id} ({run.name})")
