@@ -231,7 +231,10 @@ def _said(event) -> None:
         run = event.run
         stderr.print(f"run {run.run_id} ({run.name}): {run.model_name} on {run.corpus}", highlight=False)
     elif isinstance(event, events.PruneStep):
-        stderr.print(f"  {event.order}: step {event.done}/{event.total}", highlight=False)
+        from headatlas.service.measures.attribution import about
+
+        left = f", {about(event.left_s)} left" if event.left_s else ""
+        stderr.print(f"  {event.order}: step {event.done}/{event.total}{left}", highlight=False)
     else:
         notes(event)
 

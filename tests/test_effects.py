@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -303,6 +304,12 @@ def test_prune_a_stored_run(tmp_path, small_corpus) -> None:
     out = tmp_path / "curves.png"
     done = invoke_cli("prune", *args, "--format", "json", "--out", str(out))
     assert done.returncode == 0, done.stderr
+    steps = [line.strip() for line in done.stderr.splitlines() if ": step " in line]
+    # each step says how long the rest will take at the pace so far; the last has nothing left
+    assert all(re.fullmatch(r"\S+: step \d+/\d+, (about \d+ (s|min \d+ s)|under 1 s) left", s) for s in steps[:-1]), (
+        steps
+    )
+    assert re.fullmatch(r"\S+: step (\d+)/\1", steps[-1]), steps[-1]
     rows = json.loads(done.stdout)
     orders = {r["order"] for r in rows}
     trivial = {"layer", "sinks", "output_norm", "output_variance"}  # blind to what a head does

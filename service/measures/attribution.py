@@ -280,6 +280,12 @@ def duration(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
 
 
+def about(seconds: float) -> str:
+    """An estimate's duration as said: ``about 42 s``, or ``under 1 s`` (not "about under 1 s")."""
+    said = duration(seconds)
+    return said if said.startswith("under") else f"about {said}"
+
+
 def working_set(model: LoadedModel, n_pos: int, *, windows: int = 1, rows_per_call: int = 1) -> int:
     """Bytes the attribution of ``windows`` windows of ``n_pos`` tokens holds at its peak, above
     the loaded model, from its shape (float32): a window's graph kept from the embeddings

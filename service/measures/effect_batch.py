@@ -164,7 +164,7 @@ class EffectCost:
         return self.per_window * self.windows + self.reference_s
 
     def describe(self) -> str:
-        from headatlas.service.measures.attribution import duration, size
+        from headatlas.service.measures.attribution import about, duration, size
 
         reference = (
             f", the reference means ({counted(self.reference_windows, 'window')}) {duration(self.reference_s)} of it"
@@ -172,8 +172,8 @@ class EffectCost:
             else ""
         )
         return (
-            f"effects ({', '.join(self.kinds)}): {counted(self.windows, 'window')} of up to {self.longest} tokens: about "
-            f"{duration(self.seconds)}{reference}, and {size(self.memory_bytes)} above the model (timed on one "
+            f"effects ({', '.join(self.kinds)}): {counted(self.windows, 'window')} of up to {self.longest} tokens: "
+            f"{about(self.seconds)}{reference}, and {size(self.memory_bytes)} above the model (timed on one "
             f"window in {self.timing_s:.1f} s; memory from the model's shape)"
         )
 

@@ -111,11 +111,13 @@ class PruneStarted:
 
 @dataclass(frozen=True)
 class PruneStep:
-    """Step ``done`` of ``total`` of the curve of order ``order`` evaluated."""
+    """Step ``done`` of ``total`` of the curve of order ``order`` evaluated; ``left_s``: the
+    seconds the prune's other evaluations will take at the pace so far (None: not known)."""
 
     order: str
     done: int
     total: int
+    left_s: float | None = None
 
 
 Event = (

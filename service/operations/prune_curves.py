@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -320,7 +321,7 @@ def prune_curves(
     batch_size: int = 4,
     text_field: str = "text",
     encoding: str = "utf-8",
-    on_step: Callable[[str, int, int], None] | None = None,
+    on_step: Callable[[str, int, int, float], None] | None = None,
     stored: StoredOrders | None = None,
     objective: Objective | None = None,
     sink_share: dict[Head, float] | None = None,
@@ -469,14 +470,18 @@ def prune_curves(
         one_per_layer=kept,
     )
     names = [o for o in orders if o != "random"] + ([f"random:{s}" for s in range(seeds)] if "random" in orders else [])
+    plans = {name: [0, total - model.n_layers] if name == michel.ONE_PER_LAYER else counts for name in names}
+    evaluations, evaluated, began = sum(len(steps) for steps in plans.values()), 0, time.perf_counter()
     for name in names:
         heads_in_order = ranked[name]
-        steps = [0, total - model.n_layers] if name == michel.ONE_PER_LAYER else counts
+        steps = plans[name]
         values = []
         for index, n in enumerate(steps):
             values.append(objective_with(model, batches, heads_in_order[:n], means, intact, objective))
-            if on_step is not None:
-                on_step(name, index + 1, len(steps))
+            evaluated += 1
+            if on_step is not None:  # with the seconds left at the pace so far (every evaluation one pass)
+                left = (time.perf_counter() - began) / evaluated * (evaluations - evaluated)
+                on_step(name, index + 1, len(steps), left)
         result.curves.append(Curve(order=name, steps=steps, values=np.stack(values), order_heads=heads_in_order))
 
     curves = {c.order: c for c in result.curves}

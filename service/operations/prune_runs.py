@@ -137,7 +137,7 @@ def prune_run(
     windows: int,
     reference: int | None,
     device: str = "auto",
-    on_step: Callable[[str, int, int], None] | None = None,
+    on_step: Callable[[str, int, int, float], None] | None = None,
     on_plan: Callable[[str], None] | None = None,
     model=None,
 ) -> tuple[PruneResult, StoredPrune]:

@@ -64,7 +64,7 @@ def prune(store: Store, request: PruneRequest, events: Sink = ignore) -> Pruned:
         windows=request.windows,
         reference=request.reference,
         device=request.device,
-        on_step=lambda order, done, total: events(PruneStep(order, done, total)),
+        on_step=lambda order, done, total, left: events(PruneStep(order, done, total, left)),
         on_plan=lambda said: events(Estimate((said,))),
     )
     return Pruned(run, saved, measured=True)
