@@ -44,17 +44,3 @@ def cell_text(value) -> str:
     if isinstance(value, (datetime, date)):
         return value.isoformat(sep=" ", timespec="seconds") if isinstance(value, datetime) else value.isoformat()
     return str(value)
-
-
-def json_value(value):
-    if isinstance(value, dict):
-        return {k: json_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_value(v) for v in value]
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, (datetime, date)):
-        return value.isoformat()
-    if hasattr(value, "item"):
-        return value.item()
-    return value

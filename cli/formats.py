@@ -11,9 +11,9 @@ from enum import Enum
 
 from rich.text import Text
 
-from headatlas.cli.cells import json_value
 from headatlas.cli.console import stderr
 from headatlas.cli.tables import all_text_columns, print_table
+from headatlas.service.json_values import jsonable
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,13 @@ def render(
         index = [columns.index(c) for c in view.picked]
         columns, rows = list(view.picked), [tuple(r[i] for i in index) for r in rows]
     if fmt == Format.json:
-        data = [{c: json_value(v) for c, v in zip(columns, row)} for row in rows]
+        data = [{c: jsonable(v) for c, v in zip(columns, row)} for row in rows]
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     elif fmt == Format.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
         for row in rows:
-            writer.writerow(["" if v is None else json_value(v) for v in row])
+            writer.writerow(["" if v is None else jsonable(v) for v in row])
     else:
         if text_columns is None:
             text_columns = all_text_columns(columns, rows)
@@ -115,7 +115,7 @@ def render(
 def render_record(record: dict, fmt: Format = Format.table, *, title: str | None = None) -> None:
     """One record: one JSON object with named fields, or field/value rows (table, csv)."""
     if fmt == Format.json:
-        data = {k: json_value(v) for k, v in record.items()}
+        data = {k: jsonable(v) for k, v in record.items()}
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     else:
         render(["field", "value"], [(k, v) for k, v in record.items()], fmt, title=title)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
-from datetime import date, datetime
 from typing import Any
+
+from headatlas.service.json_values import jsonable
 
 Rows = tuple[list[str], list[tuple]]
 
@@ -39,25 +39,6 @@ RUN_FIELDS = (
 def run_record(run: dict) -> dict:
     """A row of ``Store.list_runs`` with its fields in the CLI's order."""
     return {k: run[k] for k in RUN_FIELDS if k in run} | {k: v for k, v in run.items() if k not in RUN_FIELDS}
-
-
-def jsonable(value: Any) -> Any:
-    kind = type(value)
-    if kind is str or kind is int or kind is bool or value is None:  # most values: first, and cheaply
-        return value
-    if kind is float:
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, (datetime, date)):
-        return value.isoformat()
-    if hasattr(value, "item"):
-        return value.item()
-    return value
 
 
 def records(columns: list[str], rows: list[tuple]) -> list[dict]:
