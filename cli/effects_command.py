@@ -94,7 +94,8 @@ def effects(
     from headatlas.service.storage.store import Store
 
     store = Store(db)
-    if _names_a_run(target, store):
+    ref = _run_ref(target, store, db)
+    if ref is not None:
         if check_top:
             from headatlas.service.errors import Param, ParameterError
 
@@ -103,10 +104,9 @@ def effects(
             )
         view = TableView.of(columns, wide)
         _add_to_run(
-            store, target, kinds=kinds, windows=windows, reference=reference, analysis=analysis, fmt=fmt, view=view
+            store, ref, kinds=kinds, windows=windows, reference=reference, analysis=analysis, fmt=fmt, view=view
         )
         return
-    _refuse_neither(target, db)
     from headatlas.service.operations.effects import measure
     from headatlas.service.operations.requests import EffectsRequest
 
@@ -124,36 +124,26 @@ def effects(
         stderr.print(f"check: {table.check.describe(table.unit)}", highlight=False, soft_wrap=True)
 
 
-def _names_a_run(target: str, store) -> bool:
-    """``target`` names a stored run rather than a corpus: no file, directory or glob match of that
-    name exists, and the database holds a run of it."""
+def _run_ref(target: str, store, db: str) -> str | int | None:
+    """The run ``target`` names (its id or name), or None where it is a corpus on disk (a file,
+    directory or glob match of that name is a corpus, whatever runs are stored); neither: said as
+    both, not as a missing file."""
     import glob
     from pathlib import Path
 
-    if target == "-" or Path(target).exists() or glob.glob(target):
-        return False
-    if not store.backend.exists():
-        return False
-    from headatlas.service.errors import RunNotFound
+    from headatlas.service.errors import CorpusError, RunNotFound
     from headatlas.service.storage.store import resolve_run
 
-    try:
-        with store.checked_read() as conn:
-            resolve_run(conn, int(target) if target.isdigit() else target, any_status=True)
-    except RunNotFound:
-        return False
-    return True
-
-
-def _refuse_neither(target: str, db: str) -> None:
-    """A target that is no corpus on disk and no run in ``db``: said as both, not as a missing file."""
-    import glob
-    from pathlib import Path
-
-    from headatlas.service.errors import CorpusError
-
     if target == "-" or Path(target).exists() or glob.glob(target):
-        return
+        return None
+    ref = int(target) if target.isdigit() else target
+    if store.backend.exists():
+        try:
+            with store.checked_read() as conn:
+                resolve_run(conn, ref, any_status=True)
+            return ref
+        except RunNotFound:
+            pass
     raise CorpusError(
         f"{target}: no such corpus (file, directory or glob) and no run of that id, name or alias in {db}",
         hint="give a corpus path, or a run as `headatlas runs` lists them (and --db where they are stored)",
@@ -174,7 +164,7 @@ def _effect_table(columns: list[str]) -> list[str]:
     return ["layer", "head", *chosen]
 
 
-def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt, view) -> None:
+def _add_to_run(store, ref: str | int, *, kinds, windows, reference, analysis, fmt, view) -> None:
     """`effects RUN`: the run's effects measured and stored, then shown as `query heads` reads them."""
     from headatlas.cli.metric_tables import render_metrics
     from headatlas.service.operations.added_effects import add
@@ -183,7 +173,6 @@ def _add_to_run(store, target: str, *, kinds, windows, reference, analysis, fmt,
     from headatlas.service.reports.effect_queries import significance_note
     from headatlas.service.storage.effect_rows import effect_note
 
-    ref = int(target) if target.isdigit() else target
     request = AddEffectsRequest.build(
         ref, kinds=kinds, windows=windows, reference=reference, device=analysis.values.get("device", "auto")
     )

@@ -4,8 +4,8 @@ and ``analyze --effects`` on a corpus whose run without effects is stored.
 The effects are those ``analyze --effects`` stores, on the same windows (the run's first
 ``--windows``, read again from its corpus, each checked to be a window the run holds), the same
 reference set (its first ``--reference`` windows) and the same objective, summed per replicate group
-as every other statistic. Each window is stored as a batch of its own that holds only the effect
-sums (every other column of its rows is NULL, so no other statistic changes), under a batch id
+as every other statistic. Each window is stored as a batch of its own that holds its effect sums
+and zero for every other sum the run holds (so no other statistic changes), under a batch id
 derived from the window's position (``EFFECT_BATCH_BASE`` + position): storing one twice is a no-op,
 and an interrupted measurement, run again, measures exactly the windows not yet stored.
 
@@ -25,7 +25,7 @@ from headatlas.service.errors import Param, ParameterError, Part
 from headatlas.service.operations.events import Estimate, Event, Sink, WindowsMeasured, ignore
 from headatlas.service.operations.requests import AddEffectsRequest
 from headatlas.service.operations.runs import find_run
-from headatlas.service.params import AnalysisParams
+from headatlas.service.params import EFFECT_FIELDS, AnalysisParams
 from headatlas.service.statuses import RunStatus
 from headatlas.service.storage.store import Run, Store
 from headatlas.service.wording import counted
@@ -164,16 +164,13 @@ def add_effects(
         }
         present = _present_sums(conn, run.run_id)
     todo = [(p, w) for p, w in enumerate(targets) if p not in done and p >= analysed]
-    means = None
+    references = []
     if todo and params.needs_means:
         references = first_windows(run.corpus, loaded, params, tokens, params.effect_reference)
-        if notice is not None:
-            cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=len(references))
-            notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
-        means = reference_means(loaded, references, tokens.pad_id)
-    elif todo and notice is not None:
-        cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=0)
+    if todo and notice is not None:
+        cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=len(references))
         notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
+    means = reference_means(loaded, references, tokens.pad_id) if todo and params.needs_means else None
     # recorded first: what the run's effects are and how many windows they are meant to cover
     stored_params = dict(run.params)
     stored_params.update({k: v for k, v in params.to_dict().items() if k in EFFECT_FIELDS})
@@ -206,7 +203,6 @@ def add_effects(
     return AddedEffects(store.get_run(run.run_id), len(todo), total, time.perf_counter() - began)
 
 
-EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference", "objective")
 # recorded in the run's stored parameters (outside the analysis parameters, as control_of is) the first
 # time effects are added: how many of its first windows its analysis measured
 ANALYSED = "effect_windows_analysed"

@@ -148,17 +148,13 @@ def _analyse(
 
 
 def _without_effects(params: AnalysisParams) -> AnalysisParams:
+    """``params`` with every effect option at its default: the parameters of the run without effects."""
     from dataclasses import replace
 
     from headatlas.service.analysis_options import DEFAULTS
+    from headatlas.service.params import EFFECT_FIELDS
 
-    return replace(
-        params,
-        effects=(),
-        effect_windows=DEFAULTS["effect_windows"],
-        effect_reference=DEFAULTS["effect_reference"],
-        objective=DEFAULTS["objective"],
-    )
+    return replace(params, **{name: DEFAULTS[name] for name in EFFECT_FIELDS})
 
 
 def _add_effects(request: AnalysisRequest, store: Store, run: Run, events: Sink) -> Analysed:
