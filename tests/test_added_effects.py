@@ -134,14 +134,14 @@ def test_what_cannot_be_added_is_refused_saying_why(corpus, tmp_path, cli):
 
 
 def test_an_interrupted_measurement_resumes_the_windows_not_stored(corpus, in_one_pass, tmp_path, cli, monkeypatch):
-    from headatlas.service.operations import added_effects
+    from headatlas.service.measures import effect_batch
     from headatlas.service.operations.added_effects import add
     from headatlas.service.operations.requests import AddEffectsRequest
 
     db = str(tmp_path / "resume.duckdb")
     assert cli("analyze", str(corpus), *MODEL, "--db", db, "-q").returncode == 0
     store = Store(db)
-    real, calls = added_effects._effect_batch, []
+    real, calls = effect_batch.window_effects, []
 
     def stop_at_the_third(*args, **kwargs):
         calls.append(1)
@@ -149,11 +149,11 @@ def test_an_interrupted_measurement_resumes_the_windows_not_stored(corpus, in_on
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(added_effects, "_effect_batch", stop_at_the_third)
+    monkeypatch.setattr(effect_batch, "window_effects", stop_at_the_third)
     request = AddEffectsRequest.build(1, kinds="zero,mean", windows=6)
     with pytest.raises(KeyboardInterrupt):
         add(store, request)
-    monkeypatch.setattr(added_effects, "_effect_batch", real)
+    monkeypatch.setattr(effect_batch, "window_effects", real)
     resumed = add(store, request)
     assert resumed.measured == 4 and resumed.windows == 6  # the two stored before the stop are kept
     for now, want in zip(_metrics(db, 1), _metrics(*in_one_pass)):

@@ -23,6 +23,7 @@ Pure computation: imports neither Celery, Typer nor SQLAlchemy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from headatlas.service.errors import Param, ParameterError
 from headatlas.service.metrics import EFFECT_SUMS
 from headatlas.service.params import AnalysisParams
 from headatlas.service.wording import counted
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.results import BatchResult
 
 REFERENCE_BATCH = 8  # windows per forward pass of the reference means (fixed: the same sums everywhere)
 EFFECT_CHUNK = 8  # effect windows ablated together: the stacked pass holds heads × windows copies
@@ -143,6 +147,58 @@ def effect_sums(
         "means_fingerprint": means.fingerprint if means is not None else "",
     }
     return heads, {"effect_windows": measured, "objective": intact}, meta
+
+
+def window_effects(
+    model: LoadedModel,
+    window: Window,
+    params: AnalysisParams,
+    *,
+    means: ReferenceMeans | None,
+    present: tuple[list[str], list[str]],
+    pad_id: int,
+) -> BatchResult:
+    """One window's effects added to a finished run (``headatlas effects RUN``, in this process or
+    through the queue: both call this), as a batch result of no window of its own: the window's
+    effect sums under its replicate group, and zero for every other sum the run holds
+    (``present``: the per-head and per-run sums its rows hold), so that no other statistic of the
+    run changes. The sums the run's rows lack stay absent (NULL where they are stored)."""
+    import time
+
+    from headatlas.service.engine.results import PAIR_HISTS, BatchResult, sum_dtype, window_group
+
+    started = time.perf_counter()
+    group = window_group(params.replicates, window_id=window.window_id, doc_id=window.doc_id, index=window.index)
+    heads, run_sums, meta = effect_sums(
+        model,
+        collate([window], pad_id),
+        params,
+        count=1,
+        group=np.zeros(1, dtype=np.int64),
+        n_groups=1,
+        means=means,
+        pad_id=pad_id,
+    )
+    shape = (1, model.n_layers, model.n_heads)
+    empty = np.zeros((0, model.n_layers, model.n_heads), dtype=np.int64)
+    head_sums, chance_sums = present
+    zeros = {k: np.zeros(shape, dtype=sum_dtype(k)) for k in head_sums}
+    run_zeros = {k: np.zeros(1, dtype=sum_dtype(k)) for k in chance_sums}
+    return BatchResult(
+        window_ids=[],
+        reps=np.array([group], dtype=np.int64),
+        rep_heads={**zeros, **{k: np.asarray(v, dtype=np.float64).reshape(shape) for k, v in heads.items()}},
+        rep_dist_hist=np.zeros((*shape, 1), dtype=np.int64),
+        rep_attended_hist=np.zeros((*shape, 1), dtype=np.float64),
+        rep_chance={**run_zeros, **{k: np.asarray(v).reshape(1) for k, v in run_sums.items()}},
+        rep_pair_hist={k: np.zeros((1, 1)) for k in PAIR_HISTS},
+        anchor_token=empty - 1,
+        anchor_count=empty,
+        high_count=empty,
+        anchor_frequent=empty.astype(bool),
+        compute_s=time.perf_counter() - started,
+        effects=meta,
+    )
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from headatlas.service.errors import Param, ParameterError, Part
 from headatlas.service.operations.events import Estimate, Event, Sink, WindowsMeasured, ignore
 from headatlas.service.operations.requests import AddEffectsRequest
 from headatlas.service.operations.runs import find_run
 from headatlas.service.params import EFFECT_FIELDS, AnalysisParams
-from headatlas.service.statuses import RunStatus
+from headatlas.service.statuses import BatchStatus, RunStatus, sql
+from headatlas.service.storage.added_effect_rows import ANALYSED
 from headatlas.service.storage.store import Run, Store
 from headatlas.service.wording import counted
+
+if TYPE_CHECKING:
+    from headatlas.service.engine.windows import Window
 
 # the batch ids of added effect windows: far above any analysis's (which count up from 0), one per
 # window position
@@ -122,11 +125,44 @@ def add_effects(
     the run's (it must be the run's); ``notice``: told the cost before it starts; ``progress``:
     (windows done, windows to do) after each window."""
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.run_plan import first_windows
-    from headatlas.service.engine.windows import TokenClasses, collate
-    from headatlas.service.measures.effect_batch import check_effects, effect_sums, estimate, reference_means
+    from headatlas.service.engine.windows import TokenClasses
+    from headatlas.service.measures.effect_batch import check_effects, estimate, reference_means, window_effects
     from headatlas.service.reports.stored import refresh
+    from headatlas.service.storage.added_effect_rows import record_added_effects
 
+    check_addable(run)
+    params = effect_params(run, kinds=kinds, windows=windows, reference=reference, objective=objective)
+    began = time.perf_counter()
+    loaded = model or load_model(run.model, device=device, dtype=params.dtype)
+    check_effects(loaded, params)
+    tokens = TokenClasses.for_model(loaded)
+    chosen = effect_windows(store, run, loaded, params, tokens)
+    todo = chosen.todo
+    references = reference_windows(run, loaded, params, tokens) if todo and params.needs_means else []
+    if todo and notice is not None:
+        cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=len(references))
+        notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
+    means = reference_means(loaded, references, tokens.pad_id) if todo and params.needs_means else None
+    # recorded first: what the run's effects are and how many windows they are meant to cover
+    fields = effect_fields(params)
+    store.atomically(lambda conn: record_added_effects(conn, run.run_id, fields, chosen.analysed))
+    for k, (position, window) in enumerate(todo):
+        result = window_effects(loaded, window, params, means=means, present=chosen.present, pad_id=tokens.pad_id)
+        store.ingest(run.run_id, [(EFFECT_BATCH_BASE + position, result)])
+        if progress is not None:
+            progress(k + 1, len(todo))
+    if todo:
+        store.compact(run.run_id)
+        refresh(store, run.run_id)
+    with store.checked_read() as conn:
+        from headatlas.service.storage.effect_rows import effect_windows as stored_windows
+
+        total = stored_windows(conn, run.run_id)
+    return AddedEffects(store.get_run(run.run_id), len(todo), total, time.perf_counter() - began)
+
+
+def check_addable(run: Run) -> None:
+    """Refuse a run effects cannot be added to: one not finished, or a random-weights control."""
     if run.status != RunStatus.DONE:
         raise ParameterError(
             f"run {run.run_id} ({run.name}) is {run.status}: effects are added to a finished run; "
@@ -136,14 +172,38 @@ def add_effects(
         raise ParameterError(
             f"run {run.run_id} ({run.name}) is a random-weights control: add effects to the run it controls"
         )
-    params = effect_params(run, kinds=kinds, windows=windows, reference=reference, objective=objective)
+
+
+def effect_fields(params: AnalysisParams) -> dict:
+    """The run's stored parameters that say what its effects are (``EFFECT_FIELDS``)."""
+    return {k: v for k, v in params.to_dict().items() if k in EFFECT_FIELDS}
+
+
+@dataclass(frozen=True)
+class EffectWindows:
+    """The windows whose effects a run is to hold. ``targets``: every one of them, by position;
+    ``todo``: (position, window) of those not stored yet, each stored as batch
+    ``EFFECT_BATCH_BASE`` + position; ``analysed``: how many of the first its analysis measured;
+    ``present``: the sums (per head, per run) its rows hold (``window_effects`` gives them zeros)."""
+
+    targets: list[Window]
+    todo: list[tuple[int, Window]]
+    analysed: int
+    present: tuple[list[str], list[str]]
+
+
+def effect_windows(store: Store, run: Run, model, params: AnalysisParams, tokens) -> EffectWindows:
+    """Which windows get effects, and which of them are still to measure: the one rule, whether
+    they are measured in this process or by the workers. ``model``: the run's (loaded, or its
+    tokenizer alone: ``load_model_info``)."""
+    from sqlalchemy import text
+
+    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.storage.added_effect_rows import present_sums
+
     # the run's first windows whose effects its analysis measured (analyze --effects), if any
     analysed = _analysed_windows(run)
-    began = time.perf_counter()
-    loaded = model or load_model(run.model, device=device, dtype=params.dtype)
-    check_effects(loaded, params)
-    tokens = TokenClasses.for_model(loaded)
-    targets = first_windows(run.corpus, loaded, params, tokens, params.effect_windows)
+    targets = first_windows(run.corpus, model, params, tokens, params.effect_windows)
     held = store.done_window_ids(run.run_id)
     strangers = [w.window_id for w in targets if w.window_id not in held]
     if strangers:
@@ -153,59 +213,27 @@ def add_effects(
             "restore the corpus as it was, or analyse it into a new run"
         )
     with store.checked_read() as conn:
-        from sqlalchemy import text
-
         done = {
             int(b) - EFFECT_BATCH_BASE
             for (b,) in conn.execute(
-                text("SELECT batch_id FROM batches WHERE run_id = :r AND batch_id >= :base"),
+                text(
+                    "SELECT batch_id FROM batches WHERE run_id = :r AND batch_id >= :base "
+                    f"AND status = {sql(BatchStatus.DONE)}"
+                ),
                 {"r": run.run_id, "base": EFFECT_BATCH_BASE},
             )
         }
-        present = _present_sums(conn, run.run_id)
+        present = present_sums(conn, run.run_id)
     todo = [(p, w) for p, w in enumerate(targets) if p not in done and p >= analysed]
-    references = []
-    if todo and params.needs_means:
-        references = first_windows(run.corpus, loaded, params, tokens, params.effect_reference)
-    if todo and notice is not None:
-        cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=len(references))
-        notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
-    means = reference_means(loaded, references, tokens.pad_id) if todo and params.needs_means else None
-    # recorded first: what the run's effects are and how many windows they are meant to cover
-    stored_params = dict(run.params)
-    stored_params.update({k: v for k, v in params.to_dict().items() if k in EFFECT_FIELDS})
-    stored_params[ANALYSED] = analysed
-    store.atomically(lambda conn: _prepare(conn, run.run_id, stored_params, params.effects))
-    for k, (position, window) in enumerate(todo):
-        started = time.perf_counter()
-        group = _group(params, window)
-        heads, run_sums, meta = effect_sums(
-            loaded,
-            collate([window], tokens.pad_id),
-            params,
-            count=1,
-            group=np.zeros(1, dtype=np.int64),
-            n_groups=1,
-            means=means,
-            pad_id=tokens.pad_id,
-        )
-        result = _effect_batch(loaded, group, heads, run_sums, meta, present, time.perf_counter() - started)
-        store.ingest(run.run_id, [(EFFECT_BATCH_BASE + position, result)])
-        if progress is not None:
-            progress(k + 1, len(todo))
-    if todo:
-        store.compact(run.run_id)
-        refresh(store, run.run_id)
-    with store.checked_read() as conn:
-        from headatlas.service.storage.effect_rows import effect_windows
-
-        total = effect_windows(conn, run.run_id)
-    return AddedEffects(store.get_run(run.run_id), len(todo), total, time.perf_counter() - began)
+    return EffectWindows(targets, todo, analysed, present)
 
 
-# recorded in the run's stored parameters (outside the analysis parameters, as control_of is) the first
-# time effects are added: how many of its first windows its analysis measured
-ANALYSED = "effect_windows_analysed"
+def reference_windows(run: Run, model, params: AnalysisParams, tokens) -> list[Window]:
+    """The reference set of mean ablation and attribution patching: the run's first
+    ``effect_reference`` windows, whoever computes the means from them."""
+    from headatlas.service.engine.run_plan import first_windows
+
+    return first_windows(run.corpus, model, params, tokens, params.effect_reference)
 
 
 def _analysed_windows(run: Run) -> int:
@@ -216,71 +244,3 @@ def _analysed_windows(run: Run) -> int:
     if ANALYSED in run.params:
         return int(run.params[ANALYSED])
     return int(run.params.get("effect_windows") or 0) if run.params.get("effects") else 0
-
-
-def _prepare(conn, run_id: int, params: dict, kinds: tuple[str, ...]) -> None:
-    """In one transaction: the run's parameters with its effects recorded, and its rows made those
-    of a run with effects: the effect sums of its analysed batches zero where they are NULL (as an
-    ``analyze --effects`` batch without effect windows carries them; a NULL left in any row would
-    make the run's sum NULL, compact.strict_sum)."""
-    import json
-
-    from sqlalchemy import text
-
-    from headatlas.service.metrics import EFFECT_SUMS
-
-    conn.execute(text("UPDATE runs SET params = :p WHERE run_id = :r"), {"p": json.dumps(params), "r": run_id})
-    for column in (s for kind in kinds for s in EFFECT_SUMS[kind]):
-        conn.execute(text(f"UPDATE head_stats SET {column} = 0 WHERE run_id = :r AND {column} IS NULL"), {"r": run_id})
-    for column in ("effect_windows", "objective"):
-        conn.execute(text(f"UPDATE run_chance SET {column} = 0 WHERE run_id = :r AND {column} IS NULL"), {"r": run_id})
-
-
-def _group(params: AnalysisParams, window) -> int:
-    from headatlas.service.engine.results import window_group
-
-    return window_group(params.replicates, window_id=window.window_id, doc_id=window.doc_id, index=window.index)
-
-
-def _present_sums(conn, run_id: int) -> tuple[list[str], list[str]]:
-    """The head statistics' sums (per head, per run) that run ``run_id``'s rows hold: an added
-    batch gives them zeros (their columns refuse NULL, and zero adds nothing); the others (a sum
-    its analysis did not compute) stay NULL."""
-    from sqlalchemy import text
-
-    from headatlas.service.engine.results import CHANCE_SUMS, HEAD_SUMS
-
-    found: list[list[str]] = []
-    for table, names in (("head_stats", HEAD_SUMS), ("run_chance", CHANCE_SUMS)):
-        counts = conn.execute(
-            text(f"SELECT {', '.join(f'count({n})' for n in names)} FROM {table} WHERE run_id = :r"), {"r": run_id}
-        ).one()
-        found.append([n for n, c in zip(names, counts) if c])
-    return found[0], found[1]
-
-
-def _effect_batch(model, group: int, heads: dict, run_sums: dict, meta: dict, present, seconds: float):
-    """A batch result of no window of its own that holds one window's effect sums, and zero for
-    every other sum the run holds (``present``), so that no other statistic of the run changes."""
-    from headatlas.service.engine.results import PAIR_HISTS, BatchResult, sum_dtype
-
-    shape = (1, model.n_layers, model.n_heads)
-    empty = np.zeros((0, model.n_layers, model.n_heads), dtype=np.int64)
-    head_sums, chance_sums = present
-    zeros = {k: np.zeros(shape, dtype=sum_dtype(k)) for k in head_sums}
-    run_zeros = {k: np.zeros(1, dtype=sum_dtype(k)) for k in chance_sums}
-    return BatchResult(
-        window_ids=[],
-        reps=np.array([group], dtype=np.int64),
-        rep_heads={**zeros, **{k: np.asarray(v, dtype=np.float64).reshape(shape) for k, v in heads.items()}},
-        rep_dist_hist=np.zeros((*shape, 1), dtype=np.int64),
-        rep_attended_hist=np.zeros((*shape, 1), dtype=np.float64),
-        rep_chance={**run_zeros, **{k: np.asarray(v).reshape(1) for k, v in run_sums.items()}},
-        rep_pair_hist={k: np.zeros((1, 1)) for k in PAIR_HISTS},
-        anchor_token=empty - 1,
-        anchor_count=empty,
-        high_count=empty,
-        anchor_frequent=empty.astype(bool),
-        compute_s=seconds,
-        effects=meta,
-    )
