@@ -5,7 +5,10 @@ after (``catalog``). A leaf: it imports nothing of headatlas but its errors."""
 from __future__ import annotations
 
 import hashlib
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from headatlas.service.errors import ModelError, Param
 
@@ -43,6 +46,36 @@ def weights_fingerprint(folder: Path, spec: str = "") -> str:
     return digest.hexdigest()[:16]
 
 
+T = TypeVar("T")
+
+
+def per_tokenizer(derive: Callable[[Any], T]) -> Callable[[Any], T]:
+    """``derive(tokenizer)`` computed once per tokenizer object and vocabulary size, not at every
+    call: what is read from a whole vocabulary (its fingerprint, its word tokens) costs a pass in
+    Python over 30,000-150,000 strings, and one process (an analysis, the web app, the API, a beat
+    firing schedules) asks for it of the same loaded tokenizer again and again. A token added to
+    the tokenizer changes its size and so derives it again; a tokenizer that is gone takes its
+    entry with it."""
+    kept: weakref.WeakKeyDictionary[Any, tuple[int, T]] = weakref.WeakKeyDictionary()
+
+    def cached(tokenizer) -> T:
+        size = len(tokenizer)
+        try:
+            held = kept.get(tokenizer)
+        except TypeError:  # not weakly referable, or unhashable: derived each time
+            return derive(tokenizer)
+        if held is not None and held[0] == size:
+            return held[1]
+        value = derive(tokenizer)
+        kept[tokenizer] = (size, value)
+        return value
+
+    cached.__doc__ = derive.__doc__
+    cached.__wrapped__ = derive  # type: ignore[attr-defined]
+    return cached
+
+
+@per_tokenizer
 def tokenizer_fingerprint(tokenizer) -> str:
     vocab = tokenizer.get_vocab()
     digest = hashlib.sha256()

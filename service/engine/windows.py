@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from headatlas.service.engine.fingerprints import per_tokenizer
 from headatlas.service.engine.sentences import encode_with_sentences, sentence_starts, window_sentence_ids
 from headatlas.service.errors import ParameterError
 from headatlas.service.params import AnalysisParams
@@ -144,9 +145,11 @@ def holds_letter_or_digit(text: str) -> bool:
     return any(unicodedata.category(ch)[0] in "LN" for ch in text)
 
 
+@per_tokenizer
 def is_byte_level(tokenizer) -> bool:
     """Whether the vocabulary is byte-level BPE (GPT-2, SmolLM2): its strings spell bytes as
-    stand-in characters (``Ċ`` is a newline, ``Ã`` half of a two-byte letter), not text."""
+    stand-in characters (``Ċ`` is a newline, ``Ã`` half of a two-byte letter), not text (read from
+    the tokenizer's serialised form, once per tokenizer)."""
     if getattr(tokenizer, "byte_decoder", None):  # a slow (Python) byte-level tokenizer
         return True
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -174,7 +177,13 @@ def word_token_mask(tokenizer) -> torch.Tensor:
     """``[vocab]`` bool, True for word tokens; special tokens are never words. A byte-level
     vocabulary's tokens are judged on the text each decodes to (a lone byte of a longer UTF-8
     character decodes to U+FFFD, no letter), with no prefix to remove: its leading space is a
-    space; other vocabularies' on their string."""
+    space; other vocabularies' on their string. Judged once per tokenizer (``per_tokenizer``);
+    each caller gets its own copy."""
+    return _word_token_mask(tokenizer).clone()
+
+
+@per_tokenizer
+def _word_token_mask(tokenizer) -> torch.Tensor:
     vocab = tokenizer.get_vocab()
     if word_rule(tokenizer) == DECODED_WORDS:
         words = {idx: holds_letter_or_digit(tokenizer.convert_tokens_to_string([text])) for text, idx in vocab.items()}

@@ -1,0 +1,40 @@
+"""What is read from a whole vocabulary (its fingerprint, its word tokens, whether it is byte-level)
+is derived once per tokenizer object (service/engine/fingerprints.per_tokenizer), equal to deriving
+it afresh, derived again when the vocabulary grows, and never shared between callers' copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+
+@pytest.fixture()
+def tokenizer(real_model):
+    return copy.deepcopy(real_model.tokenizer)  # this test adds a token: a copy of its own
+
+
+def test_derived_once_per_tokenizer_and_equal_to_deriving_afresh(tokenizer):
+    from headatlas.service.engine import fingerprints, windows
+
+    fresh_mask = windows._word_token_mask.__wrapped__(tokenizer)
+    fresh_print = fingerprints.tokenizer_fingerprint.__wrapped__(tokenizer)
+    first = windows.word_token_mask(tokenizer)
+    assert torch.equal(first, fresh_mask)
+    assert fingerprints.tokenizer_fingerprint(tokenizer) == fresh_print
+    assert windows._word_token_mask(tokenizer) is windows._word_token_mask(tokenizer)  # kept, not derived again
+    first[:] = False  # a caller's copy: changing it changes no one else's
+    assert torch.equal(windows.word_token_mask(tokenizer), fresh_mask)
+
+
+def test_a_token_added_derives_them_again(tokenizer):
+    from headatlas.service.engine import fingerprints, windows
+
+    before_print = fingerprints.tokenizer_fingerprint(tokenizer)
+    before_mask = windows.word_token_mask(tokenizer)
+    tokenizer.add_tokens(["qqzzword"])
+    after_mask = windows.word_token_mask(tokenizer)
+    assert fingerprints.tokenizer_fingerprint(tokenizer) != before_print
+    assert after_mask.shape[0] == before_mask.shape[0] + 1 and bool(after_mask[-1])
+    assert torch.equal(after_mask, windows._word_token_mask.__wrapped__(tokenizer))
