@@ -83,34 +83,51 @@ def distances(
 
 def head_distances(conn: Connection, run_id: int) -> Rows:
     """``distances(…, layer=L, head=H, ci=True)`` of every head of the run, each row led by its
-    ``layer`` and ``head``: one query for the run (what is stored for a head's page)."""
+    ``layer`` and ``head``: one query for the run (what is stored for a head's page), its intervals
+    formed for every head at once (``add_intervals`` keyed by layer, head and distance)."""
     columns, all_rows = fetch_rows(conn, _distance_sql(True), {"run": run_id, "ci": True})
-    scheme = replicate_scheme(conn, run_id)
-    by_head: dict[tuple, list[tuple]] = {}
-    for r in all_rows:
-        by_head.setdefault((r[0], r[1]), []).append(r[2:])
-    out_columns: list[str] = []
-    rows: list[tuple] = []
-    for key in sorted(by_head):
-        out_columns, mine = _distance_result(columns[2:], by_head[key], split=False, ci=True, scheme=scheme)
-        rows += [(*key, *r) for r in mine]
-    return ["layer", "head", *out_columns], rows
+    # each row (layer, head, drop_rep, …) as _distance_result reads it, (drop_rep, …), led by the head
+    rows = sorted(all_rows, key=lambda r: (r[0], r[1]))
+    out_columns, out_rows = _distance_result(
+        columns[2:],
+        [r[2:] for r in rows],
+        split=False,
+        ci=True,
+        scheme=replicate_scheme(conn, run_id),
+        heads=[r[:2] for r in rows],
+    )
+    return ["layer", "head", *out_columns], out_rows
 
 
-def _distance_result(columns: list[str], all_rows: list[tuple], *, split: bool, ci: bool, scheme: str) -> Rows:
+def _distance_result(
+    columns: list[str],
+    all_rows: list[tuple],
+    *,
+    split: bool,
+    ci: bool,
+    scheme: str,
+    heads: list[tuple] | None = None,
+) -> Rows:
+    """The kept columns of ``all_rows`` (each ``(drop_rep, distance, …)``), the whole run's rows
+    (drop_rep -1) with their intervals. ``heads``: each row's ``(layer, head)``, leading its output
+    row; the intervals then are each head's own."""
     keep = ["distance", "high_pairs", "share", "chance_share", "lift"]
     if split:
         keep += ["attended_pairs", "attended_share", "attended_lift", "noise_pairs", "noise_share", "noise_lift"]
     idx = [columns.index(c) for c in keep]
-    rows = [tuple(r[i] for i in idx) for r in all_rows if r[0] == -1]
+    lead = heads or [()] * len(all_rows)
+    rows = [(*h, *(r[i] for i in idx)) for h, r in zip(lead, all_rows) if r[0] == -1]
+    keys = ("layer", "head", "distance") if heads else ("distance",)
+    shown = [*keys[:-1], *keep]
     if not ci:
-        return keep, rows
+        return shown, rows
     from headatlas.service.reports.intervals import add_intervals
 
     metrics = [c for c in keep if c.endswith(("share", "lift")) and c != "chance_share"]
     midx = [columns.index(c) for c in metrics]
-    reps = [(r[1], r[0], *(r[i] for i in midx)) for r in all_rows if r[0] >= 0]
-    return add_intervals(keep, rows, reps, keys=("distance",), metrics=metrics, scheme=scheme)
+    reps = [(*h, r[1], r[0], *(r[i] for i in midx)) for h, r in zip(lead, all_rows) if r[0] >= 0]
+    out_columns, out_rows = add_intervals(shown, rows, reps, keys=keys, metrics=metrics, scheme=scheme)
+    return (out_columns[len(keys) - 1 :], out_rows) if heads else (out_columns, out_rows)
 
 
 def sentence_by_distance(conn: Connection, run_id: int, *, layer: int | None = None) -> Rows:

@@ -214,9 +214,12 @@ def bounds_of(column: str) -> tuple[float | None, float | None]:
     return (None, None)
 
 
-def clip_interval(column: str, lo: float | None, hi: float | None) -> tuple[float | None, float | None]:
-    """``lo`` and ``hi`` clipped to the values ``column`` can take (``bounds_of``)."""
-    low, high = bounds_of(column)
+def clip_interval(
+    column: str, lo: float | None, hi: float | None, *, bounds: tuple[float | None, float | None] | None = None
+) -> tuple[float | None, float | None]:
+    """``lo`` and ``hi`` clipped to the values ``column`` can take (``bounds_of``, or ``bounds``
+    where the caller has read them once for a column's many cells)."""
+    low, high = bounds_of(column) if bounds is None else bounds
     if lo is not None:
         lo = lo if low is None else max(lo, low)
         lo = lo if high is None else min(lo, high)
@@ -394,6 +397,7 @@ def add_intervals(
             for row, groups in zip(rows, row_groups)
         ]
         pivots[column] = jackknife_pivots(column, cells, log_lifts=log_lifts)
+    limits = {column: bounds_of(column) for column in metric_idx}  # once per column, not per cell
     out_rows = []
     for n, row in enumerate(rows):
         out = []
@@ -405,7 +409,7 @@ def add_intervals(
                     out += [None, None] + ([None] if with_df else [])
                     continue
                 bounds = _bounds(value, pivot)
-                out += clip_interval(column, *bounds) if clip else bounds
+                out += clip_interval(column, *bounds, bounds=limits[column]) if clip else bounds
                 if with_df:
                     out.append(pivot[3])
         out_rows.append(tuple(out) if scheme is None else (*out, scheme))
