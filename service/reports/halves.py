@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.reports.intervals import add_intervals
@@ -46,15 +46,26 @@ def split(groups: Sequence[int]) -> tuple[list[int], list[int]]:
     return ordered[0::2], ordered[1::2]
 
 
-def _view_body(conn: Connection, name: str) -> str:
-    sql = conn.execute(
-        text("SELECT sql FROM duckdb_views() WHERE view_name = :name AND NOT internal"), {"name": name}
-    ).scalar_one()
-    head = f"CREATE VIEW {name} AS"
-    sql = sql.strip().rstrip(";")
-    if not sql.upper().startswith(head.upper()):
-        raise RuntimeError(f"view {name}: unexpected definition {sql[:60]!r}")
-    return sql[len(head) :]
+def _view_bodies(conn: Connection, names: Sequence[str]) -> dict[str, str]:
+    """The SELECT each of the views ``names`` is defined by, read from the catalog in one query."""
+    found = dict(
+        conn.execute(
+            text("SELECT view_name, sql FROM duckdb_views() WHERE view_name IN :names AND NOT internal").bindparams(
+                bindparam("names", expanding=True)
+            ),
+            {"names": list(names)},
+        ).all()
+    )
+    bodies = {}
+    for name in names:
+        if name not in found:
+            raise RuntimeError(f"view {name}: not in the database")
+        head = f"CREATE VIEW {name} AS"
+        sql = found[name].strip().rstrip(";")
+        if not sql.upper().startswith(head.upper()):
+            raise RuntimeError(f"view {name}: unexpected definition {sql[:60]!r}")
+        bodies[name] = sql[len(head) :]
+    return bodies
 
 
 def _rep_tables(conn: Connection) -> list[str]:
@@ -66,6 +77,12 @@ def _rep_tables(conn: Connection) -> list[str]:
 
 def subset_sql(conn: Connection, groups: Sequence[int], select: str) -> str:
     """``WITH <the additive tables restricted to :run and groups>, <the view chain> <select>``."""
+    return subset_prefix(conn, groups) + select
+
+
+def subset_prefix(conn: Connection, groups: Sequence[int]) -> str:
+    """``subset_sql``'s common table expressions, for statements that each add their own select
+    (the catalog read once for them all)."""
     if not groups:
         raise ValueError("subset_sql: no groups")
     listed = ", ".join(str(int(g)) for g in groups)
@@ -73,8 +90,8 @@ def subset_sql(conn: Connection, groups: Sequence[int], select: str) -> str:
         f"{table} AS (SELECT * FROM main.{table} WHERE run_id = :run AND rep IN ({listed}))"
         for table in _rep_tables(conn)
     ]
-    ctes += [f"{view} AS ({_view_body(conn, view)})" for view in CHAIN]
-    return "WITH " + ",\n".join(ctes) + "\n" + select
+    ctes += [f"{view} AS ({body})" for view, body in _view_bodies(conn, CHAIN).items()]
+    return "WITH " + ",\n".join(ctes) + "\n"
 
 
 def head_rows(
@@ -84,14 +101,11 @@ def head_rows(
     ``_lo``/``_hi`` (the jackknife over those groups, ``intervals.add_intervals``, not clipped), and the
     subset's run context (``uniform_entropy`` = ln n̄, ``short_range_chance``)."""
     cols = ", ".join(metrics)
+    prefix = subset_prefix(conn, groups)
     rows = conn.execute(
         text(
-            subset_sql(
-                conn,
-                groups,
-                f"SELECT layer, head, drop_rep, {cols} FROM head_metrics_reps WHERE run_id = :run "
-                "ORDER BY layer, head, drop_rep",
-            )
+            prefix + f"SELECT layer, head, drop_rep, {cols} FROM head_metrics_reps WHERE run_id = :run "
+            "ORDER BY layer, head, drop_rep"
         ),
         {"run": run_id},
     ).all()
@@ -101,13 +115,9 @@ def head_rows(
     context = (
         conn.execute(
             text(
-                subset_sql(
-                    conn,
-                    groups,
-                    "SELECT ln(c.attn_rows / nullif(c.windows, 0)) AS uniform_entropy, d.short_range_chance "
-                    "FROM chance_reps c LEFT JOIN chance_distance_reps d USING (run_id, drop_rep) "
-                    "WHERE c.run_id = :run AND c.drop_rep = -1",
-                )
+                prefix + "SELECT ln(c.attn_rows / nullif(c.windows, 0)) AS uniform_entropy, d.short_range_chance "
+                "FROM chance_reps c LEFT JOIN chance_distance_reps d USING (run_id, drop_rep) "
+                "WHERE c.run_id = :run AND c.drop_rep = -1"
             ),
             {"run": run_id},
         )
