@@ -48,7 +48,7 @@ def split(groups: Sequence[int]) -> tuple[list[int], list[int]]:
 
 def _view_bodies(conn: Connection, names: Sequence[str]) -> dict[str, str]:
     """The SELECT each of the views ``names`` is defined by, read from the catalog in one query."""
-    found = dict(
+    found: dict[str, str] = dict(
         conn.execute(
             text("SELECT view_name, sql FROM duckdb_views() WHERE view_name IN :names AND NOT internal").bindparams(
                 bindparam("names", expanding=True)
