@@ -402,6 +402,11 @@ def prune_curves(
         selection_text = stored.source
         if mean_effect is None:  # importance alone: ρ against it
             mean_effect, effect_drops, rho_against = None, stored.importance_drops, "gradient importance"
+    elif not noise_share and not {"effect", "importance", michel.ONE_PER_LAYER} & set(orders):
+        # nothing reads them (no order of them, no ρ without noise_share): the selection windows
+        # are left unmeasured, about half of layers × heads passes each
+        mean_effect, importance = None, None
+        selection_text = "no effects: no order asked needs them"
     else:
         want = ("mean", "gradient") if "importance" in orders else ("mean",)
         per_window: dict[str, list[torch.Tensor]] = {k: [] for k in want}
