@@ -106,7 +106,7 @@ PANELS = {
         "replicates",
     ),
     "Extra measures": ("attribution", "mixing", "effects", "effect_reference", "probe", "measures"),
-    "How much of them": ("attribution_windows", "effect_windows", "probe_length", "probe_sequences"),
+    "How much of them": ("attribution_windows", "effect_windows", "effect_spread", "probe_length", "probe_sequences"),
     "Corpus files": ("text_field", "encoding"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}

@@ -139,9 +139,19 @@ OPTIONS: tuple[Declared, ...] = (
         "effect_windows",
         int,
         EFFECT_WINDOWS,
-        "--effects: the run's first N windows get them (the rest every other statistic).",
+        "--effects: N windows get them (the rest every other statistic), spread over the replicate groups "
+        "(--effect-spread).",
         spec="§9",
         min=1,
+    ),
+    Declared(
+        "effect_spread",
+        str,
+        "groups",
+        "--effects: which N windows: groups (in corpus order, the first 8 from 8 replicate groups, the next 8 "
+        "two a group, …: their intervals rest on 8 groups, or all the corpus has) or first (the run's first N, "
+        "the rule of runs stored before; recorded with the run).",
+        spec="§9",
     ),
     Declared(
         "effect_reference",

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, DEFAULTS, MIXING_WINDOWS
+from headatlas.service.engine.effect_spread import SPREADS
 from headatlas.service.engine.schemes import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
 from headatlas.service.errors import Param, ParameterError
 
@@ -22,7 +23,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 MIXING = FORWARD_MIXING  # the measures --mixing takes
 MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded only when in use
 EFFECT_KINDS = ("zero", "mean", "gradient", "atp")  # SPEC §9: the two ablations, gradient importance, AtP
-EFFECT_FIELDS = ("effects", "effect_windows", "effect_reference", "objective")  # recorded only when in use
+# recorded only when in use
+EFFECT_FIELDS = ("effects", "effect_windows", "effect_spread", "effect_reference", "objective")
 AUTO_OBJECTIVE = "auto"  # the model's own objective (service.measures.objectives.choose)
 # The longest window any front end takes: 32,768 positions, as the stores keep a pair's distance
 # (up to seq_len - 1) as SMALLINT. The model's own context is the limit below it, checked against
@@ -101,6 +103,8 @@ class AnalysisParams:
     # causal effects of heads (SPEC §9): kinds, windows that get them, reference windows of mean ablation
     effects: tuple[str, ...] = DEFAULTS["effects"]
     effect_windows: int = DEFAULTS["effect_windows"]
+    # which windows: spread over the replicate groups (groups) or the run's first (first: runs stored before)
+    effect_spread: str = DEFAULTS["effect_spread"]
     effect_reference: int = DEFAULTS["effect_reference"]
     # the objective the effects are measured on: auto (the model's own) or a registered one's name
     objective: str = DEFAULTS["objective"]
@@ -148,6 +152,7 @@ class AnalysisParams:
             _check_choice("effects", kind, EFFECT_KINDS)
         if self.effect_windows < 1:
             raise ParameterError(Param("effect_windows", self.effect_windows), ": must be at least 1")
+        _check_choice("effect_spread", self.effect_spread, SPREADS)
         if self.effect_reference < 1:
             raise ParameterError(Param("effect_reference", self.effect_reference), ": must be at least 1 window")
         object.__setattr__(self, "objective", str(self.objective).strip() or AUTO_OBJECTIVE)
@@ -198,6 +203,8 @@ class AnalysisParams:
                 out.pop(name)
         elif not self.needs_means:
             out.pop("effect_reference")  # no reference set: neither mean ablation nor attribution patching
+        if self.effect_spread == "first":
+            out.pop("effect_spread", None)  # the rule of the effect runs stored before it: their run key
         if self.objective == AUTO_OBJECTIVE:
             out.pop("objective", None)  # the model's own keeps the run key effect runs had before it could be named
         if self.measures:
@@ -234,6 +241,9 @@ class AnalysisParams:
             data["mixing"] = tuple(data["mixing"])
         if "effects" in data:
             data["effects"] = tuple(data["effects"])
+        if data.get("effects"):
+            # effect runs stored before the windows were spread over groups took the run's first N
+            data.setdefault("effect_spread", "first")
         if "measures" in data:
             data["measures"] = tuple(data["measures"])
         known = {f for f in cls.__dataclass_fields__}

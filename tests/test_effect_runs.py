@@ -34,8 +34,8 @@ def test_effect_options_keep_the_run_key_of_runs_without_them() -> None:
 
 @pytest.fixture(scope="module")
 def effect_run(tmp_path_factory, demo_corpus):
-    """A decoder run (next-token loss) with every kind of effect on its first 5 windows, the mean
-    ablation's reference set its first 4 windows: (database, corpus)."""
+    """A decoder run (next-token loss) with every kind of effect on 5 windows (spread over its
+    replicate groups), the mean ablation's reference set its first 4 windows: (database, corpus)."""
     from conftest import invoke_cli
 
     folder = tmp_path_factory.mktemp("effects")
@@ -54,10 +54,10 @@ def effect_run(tmp_path_factory, demo_corpus):
 
 @pytest.fixture(scope="module")
 def measured_effects(effect_run):
-    """The per-window effects of the run's first 5 windows, computed here in one batch with means
+    """The per-window effects of the run's 5 effect windows, computed here in one batch with means
     from its first 4 windows (other batches, other code than the run's): (windows, effects, positions)."""
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.engine.run_plan import effect_targets, first_windows
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
@@ -67,7 +67,8 @@ def measured_effects(effect_run):
     model = load_model("random:gpt2", device="cpu")
     params = AnalysisParams.from_dict(run.params)
     tokens = TokenClasses.for_model(model)
-    windows = first_windows(str(corpus), model, params, tokens, 5)
+    windows = [w for _position, w in effect_targets(str(corpus), model, params, tokens)]
+    assert len(windows) == 5
     reference = first_windows(str(corpus), model, params, tokens, 4)
     ref = collate(reference, tokens.pad_id)  # one batch: not how the run batched them
     means, positions = fx.reference_means(model, [(ref.input_ids, ref.attention_mask)])
@@ -80,7 +81,7 @@ def measured_effects(effect_run):
 
 def test_stored_effects_are_the_mean_of_each_windows_effect(effect_run, measured_effects) -> None:
     """The stored sums, read through the views, equal the per-window effects computed here on the
-    run's first 5 windows with means from its first 4 (other batches, other code)."""
+    run's 5 effect windows with means from its first 4 (other batches, other code)."""
     from headatlas.service.reports import queries
     from headatlas.service.storage.effect_rows import effect_windows, run_effects
     from headatlas.service.storage.store import Store
@@ -273,7 +274,14 @@ def bos_free_decoder(tmp_path_factory, demo_corpus):
     return str(folder / "model"), corpus
 
 
-ONE_TOKEN_PARAMS = {"seq_len": 16, "sentences": "punct", "effects": "zero,mean", "effect_windows": 3}
+# the rule of runs stored before effect windows were spread over the groups: the first N by position
+ONE_TOKEN_PARAMS = {
+    "seq_len": 16,
+    "sentences": "punct",
+    "effects": "zero,mean",
+    "effect_windows": 3,
+    "effect_spread": "first",
+}
 
 
 def _analyse_one_token_first(model, corpus, db, **kwargs):
@@ -289,7 +297,8 @@ def _analyse_one_token_first(model, corpus, db, **kwargs):
 
 
 def test_an_interrupted_effect_run_resumed_ends_as_one_run_not_interrupted(bos_free_decoder, tmp_path) -> None:
-    """--effect-windows N: the run's first N windows, counted by position, a one-token window of a
+    """--effect-windows N --effect-spread first (the rule of runs stored before, whose parameters
+    have no effect_spread): the run's first N windows, counted by position, a one-token window of a
     decoder (no next token: no objective) among them. A run stopped after two windows (the
     one-token window and one measured) and resumed stores the effects of the run never stopped:
     the resumed run counts the one-token window as the queue does (windows 1-3, not 1-4)."""
@@ -318,6 +327,7 @@ def test_an_interrupted_effect_run_resumed_ends_as_one_run_not_interrupted(bos_f
         assert effect_windows(conn, resumed_store.get_run().run_id) == 1  # the one-token window measures nothing
     resumed = _analyse_one_token_first(model, corpus, tmp_path / "resumed.duckdb", batch_size=2)
     assert resumed.status == "done" and resumed.run_key == whole.run_key
+    assert "effect_spread" not in resumed.params  # recorded as runs stored before the rule were
     assert_same_statistics(
         stored(str(tmp_path / "whole.duckdb"), whole.run_id), stored(str(tmp_path / "resumed.duckdb"), resumed.run_id)
     )
@@ -337,7 +347,7 @@ def test_a_queued_run_counts_a_one_token_window_among_the_effect_windows(queue_c
 
     folder, corpus = bos_free_decoder
     embedded = _analyse_one_token_first(load_model(folder, device="cpu"), corpus, tmp_path / "e.duckdb", batch_size=2)
-    extra = ["--effects", "zero,mean", "--effect-windows", "3", "--effect-reference", "2"]
+    extra = ["--effects", "zero,mean", "--effect-windows", "3", "--effect-reference", "2", "--effect-spread", "first"]
     ref = queue_cluster.submit(
         corpus, "--model", folder, "--seq-len", "16", "--sentences", "punct", "--batch-size", "2", *extra, "--wait"
     )

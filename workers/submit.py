@@ -234,6 +234,24 @@ def _reference_windows(spec: str, loaded, params: AnalysisParams, *, text_field:
     return [w.to_message() for w in chosen]
 
 
+def _spread_windows(
+    spec: str, loaded, params: AnalysisParams, *, text_field: str, encoding: str
+) -> dict[str, frozenset[str]]:
+    """The ids of the windows each requested measure that spreads its windows over the replicate
+    groups takes (``run_plan.spread_windows``, as the embedded runner finds them), by its name."""
+    from headatlas.service.engine.measure_contract import requested
+    from headatlas.service.engine.run_plan import spread_windows
+    from headatlas.service.engine.windows import TokenClasses
+
+    chosen = requested(params)
+    if not any(m.quota(params) is not None and m.spreads(params) for m in chosen):
+        return {}
+    picked = spread_windows(
+        chosen, spec, loaded, params, TokenClasses.for_model(loaded), text_field=text_field, encoding=encoding
+    )
+    return {name: frozenset(w.window_id for w in windows) for name, windows in picked.items()}
+
+
 @contextmanager
 def _broker_errors(url: str):
     """Redis lost while queuing: one line, not a traceback (what was sent stays queued)."""
@@ -273,7 +291,10 @@ def batch_payloads(
     """(batch id, windows, task payload or None when not ``wanted``) for every batch of the
     corpus, in order. Batch k holds windows k·batch_size … of the corpus, as in the embedded
     engine, so both engines add up the same partial sums. ``workers``: processes that tokenise and
-    window the corpus (the same batches with any number)."""
+    window the corpus (the same batches with any number). A measure that spreads its windows over
+    the replicate groups (--effects) has them found first, as the embedded runner finds them
+    (``_spread_windows``), and each payload's ``takes`` names the indices of its own."""
+    from headatlas.service.engine.measure_contract import requested, spread_takes
     from headatlas.service.engine.run_plan import iter_batches
     from headatlas.service.engine.windows import TokenClasses
 
@@ -286,6 +307,8 @@ def batch_payloads(
         "weights_key": loaded.weights_key,
         "database_id": database_id,
     }
+    chosen = requested(params)
+    picked = _spread_windows(spec, loaded, params, text_field=text_field, encoding=encoding)
     batches = iter_batches(
         spec, loaded, params, tokens, batch_size=batch_size, text_field=text_field, encoding=encoding, workers=workers
     )
@@ -298,6 +321,10 @@ def batch_payloads(
                 first_window=batch_id * batch_size,
                 windows=[w.to_message() for w in batch.windows],
             )
+            if picked:
+                payload["takes"] = {
+                    name: list(take) for name, take in spread_takes(chosen, params, picked, batch.windows).items()
+                }
         yield batch_id, len(batch.windows), payload
 
 

@@ -185,8 +185,9 @@ def _check_files(model, batch: dict) -> None:
 
 def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     from headatlas.service.engine.analysis import analyze_batch as analyse
-    from headatlas.service.engine.measure_contract import batch_windows, requested
+    from headatlas.service.engine.measure_contract import Take, batch_windows, requested
     from headatlas.service.engine.windows import TokenClasses, Window, collate
+    from headatlas.service.errors import ParameterError
     from headatlas.service.params import AnalysisParams
 
     _check_files(model, batch)
@@ -196,11 +197,22 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     if tokens is None:  # once per tokenizer: it scans the whole vocabulary (tenths of a second)
         tokens = _state[key] = TokenClasses.for_model(model)
     windows = [Window.from_message(row) for row in batch["windows"]]
-    # a measure that takes the run's first N windows (--attribution-windows, --effect-windows)
-    # takes those of them in this batch, by the one rule the embedded runner follows (SPEC §6, §9)
+    # a measure that takes the run's first N windows (--attribution-windows) takes those of them
+    # in this batch, by the one rule the embedded runner follows (SPEC §6, §9); one that spreads
+    # its windows over the replicate groups (--effects) those the submitter named in the message
     chosen = requested(params)
     first = int(batch.get("first_window", 0))
-    counts = batch_windows(chosen, params, {m.name: first for m in chosen if m.quota(params) is not None}, len(windows))
+    positional = {m.name: first for m in chosen if m.quota(params) is not None and not m.spreads(params)}
+    counts: dict[str, Take] = dict(batch_windows(chosen, params, positional, len(windows)))
+    for measure in chosen:
+        if measure.quota(params) is not None and measure.spreads(params):
+            takes = batch.get("takes") or {}
+            if measure.name not in takes:
+                raise ParameterError(
+                    f"run {run_key}: batch message names no windows for {measure.name}, which spreads its windows "
+                    "over the replicate groups; submit the run again"
+                )
+            counts[measure.name] = tuple(int(i) for i in takes[measure.name])
     means = None
     if counts.get("effects") and params.needs_means:
         means = _reference_means(run_key, model, batch, tokens)

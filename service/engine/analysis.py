@@ -15,6 +15,7 @@ import torch
 
 from headatlas.service.engine.features import Workspace, window_features
 from headatlas.service.engine.hooks import capture_attention
+from headatlas.service.engine.measure_contract import Take
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.engine.reference_means import ReferenceMeans
 from headatlas.service.engine.results import BatchResult, window_group
@@ -71,7 +72,7 @@ def analyze_batch(
     tokens: TokenClasses,
     *,
     documents: list[dict] | None = None,
-    windows: Mapping[str, int] | None = None,
+    windows: Mapping[str, Take] | None = None,
     mixing_windows: int | None = None,
     attribution_chunk: int = 2048,
     effect_windows: int = 0,
@@ -82,18 +83,27 @@ def analyze_batch(
     (``params.measures``) among them. The head statistics summarise every head of every layer as it finishes.
 
     ``documents``: rows for the documents whose windows are in the batch (stored with it).
-    ``windows``: how many of the batch's first windows each measure takes, by name (a measure not
-    named: its rule, as if the batch came first in its run); ``mixing_windows`` and
+    ``windows``: which of the batch's windows each measure takes, by name: its first that many,
+    or those indices (``measure_contract.Take``; a measure not named: its rule, as if the batch
+    came first in its run); ``mixing_windows`` and
     ``effect_windows`` are its entries ``mixing`` (default: all) and ``effects`` (default: none)
     (SPEC §6, §9). ``attribution_chunk``: gradient rows per backward call; ``effect_means`` the
     run's reference means (for mean ablation).
     """
-    from headatlas.service.engine.measure_contract import BatchContext, batch_counts, put_sums, requested
+    from headatlas.service.engine.measure_contract import (
+        BatchContext,
+        batch_counts,
+        put_sums,
+        requested,
+        taken_indices,
+    )
 
     started = time.perf_counter()
     chosen = requested(params)
     given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}
-    counts = batch_counts(chosen, params, len(batch.windows), {**given, **(windows or {})})
+    takes = batch_counts(chosen, params, len(batch.windows), {**given, **(windows or {})})
+    taken = {name: taken_indices(take) for name, take in takes.items()}
+    counts = {name: len(indices) for name, indices in taken.items()}
     input_ids, attention_mask = _on_device(model, batch)
     # replicate groups present in the batch (ascending) and each window's index among them; the
     # scheme is the one the run resolved and recorded (SPEC §5d)
@@ -129,6 +139,7 @@ def analyze_batch(
         attribution_chunk=attribution_chunk,
         effect_means=effect_means,
         counts=counts,
+        taken=taken,
     )
     in_pass = [m for m in chosen if m.reads_attention]
 
@@ -189,22 +200,21 @@ class OomSplitter:
         documents: list[dict],
         *,
         pad_id: int,
-        windows: Mapping[str, int] | None = None,
+        windows: Mapping[str, Take] | None = None,
         mixing_windows: int | None = None,
         attribution_chunk: int = 2048,
         effect_windows: int = 0,
         effect_means: ReferenceMeans | None = None,
     ) -> list[BatchResult]:
-        """``windows``, ``mixing_windows``, ``effect_windows``: how many of the batch's first
-        windows each measure takes (``analyze_batch``); split batches hand them on in order."""
-        from headatlas.service.engine.measure_contract import batch_counts, requested
+        """``windows``, ``mixing_windows``, ``effect_windows``: which of the batch's windows each
+        measure takes (``analyze_batch``); split batches hand each part its own share of them."""
+        from headatlas.service.engine.measure_contract import batch_counts, clip, requested
 
         given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}
         counts = batch_counts(requested(params), params, len(batch.windows), {**given, **(windows or {})})
         size = len(batch.windows) if self.max_windows is None else min(len(batch.windows), self.max_windows)
         if size < len(batch.windows):
             results = []
-            left = dict(counts)
             for i in range(0, len(batch.windows), size):
                 part = collate(batch.windows[i : i + size], pad_id)
                 results += self.analyze(
@@ -214,11 +224,10 @@ class OomSplitter:
                     tokens,
                     documents,
                     pad_id=pad_id,
-                    windows={name: max(0, min(n, len(part.windows))) for name, n in left.items()},
+                    windows={name: clip(take, len(part.windows), i) for name, take in counts.items()},
                     attribution_chunk=attribution_chunk,
                     effect_means=effect_means,
                 )
-                left = {name: n - len(part.windows) for name, n in left.items()}
             return results
         try:
             return [

@@ -6,8 +6,11 @@ A measure is a class (docs/architecture.md, "The measure contract") that says
 - ``sums``: the names of the additive sums it stores (summed over batches by the store);
 - ``reads`` / ``edits``: the hook points it reads or edits (``blocks.{L}.attn.pattern``,
   ``blocks.{L}.attn.z``, ``blocks.{L}.resid_pre``, ``embed``, ``unembed``; ``{L}`` is every layer);
-- which windows of a batch it takes: every window, or the run's first ``quota(params)`` windows
-  counted by position (``batch_windows``, the one rule the embedded runner and the workers share);
+- which windows of a batch it takes: every window, or ``quota(params)`` windows of the run: its
+  first counted by position (``batch_windows``, the one rule the embedded runner and the workers
+  share), or, where ``spreads(params)``, spread over the replicate groups (``run_plan.chosen_windows``:
+  the runner and the submitter find them before the run, and hand each batch the indices of its
+  own, ``Take``);
 - its refusals of a request before anything runs (``check``; ``check_spec`` from a model's spec
   alone, before any model is loaded), and what it will cost where that can be said (``estimate``);
 - its work on a batch: ``on_layer`` inside the forward pass (as each layer finishes), ``collect``
@@ -27,7 +30,7 @@ from __future__ import annotations
 import importlib
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -56,6 +59,9 @@ HOOK_POINTS = (RESID_PRE, ATTN_PATTERN, ATTN_Z, EMBED, UNEMBED)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
+# which of a batch's windows a measure takes: its first ``int``, or these (indices into the batch, ascending)
+Take = int | tuple[int, ...]
+
 
 @dataclass
 class BatchContext:
@@ -76,6 +82,9 @@ class BatchContext:
     attribution_chunk: int = 2048
     effect_means: ReferenceMeans | None = None
     counts: dict[str, int] = field(default_factory=dict)  # how many of the first windows each measure takes
+    # the windows each measure takes, by index into the batch: its first counts[name], or those
+    # of a measure that spreads its windows over the replicate groups (Measure.spreads)
+    taken: dict[str, np.ndarray] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)  # a measure's own, by its name, for this batch
     per_layer: list[dict[str, torch.Tensor]] = field(default_factory=list)  # head statistics, per layer
     stacked: dict[str, torch.Tensor] = field(default_factory=dict)  # the same, [group|window, layer, ...]
@@ -108,6 +117,12 @@ class Measure:
     def quota(self, params: AnalysisParams) -> int | None:
         """How many of the run's windows it takes, its first by position; None: every window."""
         return None
+
+    def spreads(self, params: AnalysisParams) -> bool:
+        """Whether its ``quota`` windows are spread over the run's replicate groups
+        (``run_plan.chosen_windows``) rather than its first by position: its ``collect`` then
+        reads which windows of the batch it takes in ``ctx.taken[name]``, not the first ``count``."""
+        return False
 
     def batch_windows(self, params: AnalysisParams, before: int, size: int) -> int:
         """How many of a batch's first windows it takes: ``before`` of the run's windows come
@@ -279,14 +294,37 @@ def requested(params: AnalysisParams) -> list[Measure]:
 
 
 def batch_counts(
-    chosen: Sequence[Measure], params: AnalysisParams, size: int, given: Mapping[str, int] | None = None
-) -> dict[str, int]:
-    """How many of a batch's first windows each chosen measure takes: as ``given`` (by name, each
-    at most ``size``), else by the measure's rule with the batch first in its run."""
+    chosen: Sequence[Measure], params: AnalysisParams, size: int, given: Mapping[str, Take] | None = None
+) -> dict[str, Take]:
+    """Which of a batch's ``size`` windows each chosen measure takes: as ``given`` (by name: its
+    first that many, at most ``size``, or those indices), else its first by the measure's rule
+    with the batch first in its run."""
     given = given or {}
+    return {m.name: clip(given[m.name], size) if m.name in given else m.batch_windows(params, 0, size) for m in chosen}
+
+
+def clip(take: Take, size: int, start: int = 0) -> Take:
+    """``take`` within the batch's windows ``start … start + size − 1``, counted from ``start``:
+    the share of one part of a batch split in parts (the OOM splitter)."""
+    if isinstance(take, int):
+        return max(0, min(size, take - start))
+    return tuple(i - start for i in take if start <= i < start + size)
+
+
+def taken_indices(take: Take) -> np.ndarray:
+    """The indices into the batch of the windows ``take`` names, ascending."""
+    return np.arange(take) if isinstance(take, int) else np.asarray(take, dtype=np.int64)
+
+
+def spread_takes(
+    chosen: Sequence[Measure], params: AnalysisParams, picked: Mapping[str, Collection[str]], windows
+) -> dict[str, tuple[int, ...]]:
+    """For each measure that spreads its windows, the indices of the batch's ``windows`` among
+    those ``picked`` for it (window ids, ``run_plan.chosen_windows``)."""
     return {
-        m.name: max(0, min(size, given[m.name])) if m.name in given else m.batch_windows(params, 0, size)
+        m.name: tuple(i for i, w in enumerate(windows) if w.window_id in picked[m.name])
         for m in chosen
+        if m.name in picked
     }
 
 

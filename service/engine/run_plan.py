@@ -7,7 +7,7 @@ share: the same corpus gives the same key and the same batches in both.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from headatlas.service.config import Settings
@@ -115,14 +115,18 @@ def iter_batches(
     encoding: str = "utf-8",
     label: str | None = None,
     single_first: int = 0,
+    alone: Collection[str] = frozenset(),
     workers: int | WindowPool = 1,
 ) -> Iterator[tuple[Batch, list[dict], int]]:
     """Batches of windows not in ``skip``, with the rows of their documents and the number of
     corpus characters consumed so far. ``single_first``: the first that many windows come one
-    per batch (slow windows, each stored as soon as it is done). ``workers``: the documents are
+    per batch, and so does each window whose id is in ``alone`` (slow windows, each stored as
+    soon as it is done). ``workers``: the documents are
     tokenised and windowed by that many processes (1: this one), or by this pool; the batches are
     the same either way."""
-    pending, docs, emitted = [], {}, 0
+    pending: list[Window] = []
+    docs: dict[str, dict] = {}
+    emitted = 0
     read = _Read()
     owned = None
     if isinstance(workers, int) and workers > 1:
@@ -141,9 +145,14 @@ def iter_batches(
             for window in windows:
                 if window.window_id in skip:
                     continue
+                single = window.window_id in alone
+                if single and pending:  # the windows before it go on in a batch of their own
+                    yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
+                    emitted += len(pending)
+                    pending = []
                 pending.append(window)
                 docs[doc.doc_id] = document_row(doc)
-                if len(pending) == (1 if emitted < single_first else batch_size):
+                if single or len(pending) == (1 if emitted < single_first else batch_size):
                     yield collate(pending, tokens.pad_id), _docs_of(pending, docs), consumed
                     emitted += len(pending)
                     pending = []
@@ -208,6 +217,101 @@ def first_windows(
         if len(out) >= count:
             break
     return out
+
+
+def chosen_windows(
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    count: int,
+    *,
+    spread: bool,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    label: str | None = None,
+) -> list[tuple[int, Window]]:
+    """The ``count`` windows of the run a measure takes, each with its position in the run (what
+    ``iter_batches`` yields, from 0): its first by position, or (``spread``) spread over the
+    replicate groups of the run's scheme (engine/effect_spread.py), in corpus order. The one rule
+    of the embedded runner, the submitter, effects added to a run and prune."""
+    if not spread:
+        first = first_windows(spec, model, params, tokens, count, text_field=text_field, encoding=encoding, label=label)
+        return list(enumerate(first))
+    from headatlas.service.engine.effect_spread import spread as spread_over_groups
+    from headatlas.service.engine.results import window_group
+
+    def walk() -> Iterator[tuple[int, Window]]:
+        batches = iter_batches(
+            spec, model, params, tokens, batch_size=64, text_field=text_field, encoding=encoding, label=label
+        )
+        return enumerate(w for batch, _docs, _consumed in batches for w in batch.windows)
+
+    def group(item: tuple[int, Window]) -> int:
+        w = item[1]
+        return window_group(params.replicates, window_id=w.window_id, doc_id=w.doc_id, index=w.index)
+
+    return spread_over_groups(walk, group, count)
+
+
+def spread_windows(
+    measures: Iterable,
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    *,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    label: str | None = None,
+) -> dict[str, list[Window]]:
+    """The windows each of ``measures`` (``measure_contract.Measure``) that spreads its ``quota``
+    windows over the replicate groups takes (``chosen_windows``), by its name: found before a run
+    by the embedded runner and the submitter alike."""
+    return {
+        m.name: [
+            w
+            for _position, w in chosen_windows(
+                spec,
+                model,
+                params,
+                tokens,
+                m.quota(params) or 0,
+                spread=True,
+                text_field=text_field,
+                encoding=encoding,
+                label=label,
+            )
+        ]
+        for m in measures
+        if m.quota(params) is not None and m.spreads(params)
+    }
+
+
+def effect_targets(
+    spec: str,
+    model: LoadedModel,
+    params: AnalysisParams,
+    tokens: TokenClasses,
+    count: int | None = None,
+    *,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    label: str | None = None,
+) -> list[tuple[int, Window]]:
+    """The run's effect windows (SPEC §9) with their positions: ``count`` (default
+    ``params.effect_windows``) by the run's ``effect_spread``."""
+    return chosen_windows(
+        spec,
+        model,
+        params,
+        tokens,
+        params.effect_windows if count is None else count,
+        spread=params.effect_spread == "groups",
+        text_field=text_field,
+        encoding=encoding,
+        label=label,
+    )
 
 
 # below this many corpus characters (about 300 windows) a pool's start costs more than it saves

@@ -239,8 +239,9 @@ class Mixing(Measure):
 
 
 class Effects(Measure):
-    """The causal effects (SPEC §9) on the run's first ``effect_windows`` windows: per head, the
-    change of the objective when the head is ablated (zero, mean) and gradient importance."""
+    """The causal effects (SPEC §9) on ``effect_windows`` windows of the run, spread over its
+    replicate groups (``effect_spread``; runs stored before: its first): per head, the change of
+    the objective when the head is ablated (zero, mean) and gradient importance."""
 
     name = "effects"
     reads = (EMBED, RESID_PRE, ATTN_Z, UNEMBED)
@@ -258,6 +259,9 @@ class Effects(Measure):
 
     def quota(self, params: AnalysisParams) -> int | None:
         return params.effect_windows
+
+    def spreads(self, params: AnalysisParams) -> bool:
+        return params.effect_spread == "groups"
 
     def single_first(self, model: LoadedModel, params: AnalysisParams, left: int) -> int:
         return left if model.device.type == "cpu" else 0  # each stored as soon as it is done
@@ -286,6 +290,7 @@ class Effects(Measure):
         chunk_size: int = 2048,
     ) -> tuple[Part, ...] | None:
         """``--effects``' cost (``effect_batch.estimate``: passes timed on the longest window)."""
+        from headatlas.service.engine.effect_spread import groups_held
         from headatlas.service.measures.attribution import duration
         from headatlas.service.measures.effect_batch import estimate
 
@@ -293,20 +298,23 @@ class Effects(Measure):
             return ("effects: no window left to measure",)
         cost = estimate(model, params, windows, len(windows), pad_id)
         return (
-            f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes); ",
+            f"{cost.describe()}; {groups_held(params.replicates, windows)}. Ctrl-C stops it, keeping every finished window "
+            "(the same command resumes); ",
             Param("effect_windows", Placeholder("N")),
             f" changes how many windows get them (about {duration(cost.per_window)} each)",
         )
 
     def collect(self, ctx: BatchContext, count: int) -> None:
+        from headatlas.service.engine.windows import collate
         from headatlas.service.measures.effect_batch import effect_sums
 
+        taken = ctx.taken[self.name]  # its windows of the batch: spread over the groups, not its first
         heads, run, meta = effect_sums(
             ctx.model,
-            ctx.batch,
+            collate([ctx.batch.windows[i] for i in taken], ctx.tokens.pad_id) if len(taken) else ctx.batch,
             ctx.params,
-            count=count,
-            group=ctx.group,
+            count=len(taken),
+            group=ctx.group[taken],
             n_groups=ctx.n_groups,
             means=ctx.effect_means,
             pad_id=ctx.tokens.pad_id,

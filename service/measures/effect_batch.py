@@ -1,8 +1,9 @@
 """The causal effects of one analysed batch (SPEC §9), as additive sums, and the reference means
 of mean ablation and attribution patching.
 
-An analysis with ``--effects`` measures every head's effect on the run's first
-``effect_windows`` windows (``service.measures.effects.head_effects``) and sums them per replicate
+An analysis with ``--effects`` measures every head's effect on ``effect_windows`` windows of the
+run, spread over its replicate groups (``engine/effect_spread.py``; runs stored before: its
+first), with ``service.measures.effects.head_effects``, and sums them per replicate
 group (SPEC §5d), beside the batch's other statistics: the per-head sums of ``EFFECT_SUMS`` and the
 per-run ``effect_windows`` (windows measured) and ``objective`` (the intact model's objective
 summed), so that every effect's mean has its jackknife interval like any other metric. A batch of

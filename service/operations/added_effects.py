@@ -1,13 +1,15 @@
 """Causal effects added to a finished run (SPEC §9): ``headatlas effects RUN``, ``run.add_effects()``,
 and ``analyze --effects`` on a corpus whose run without effects is stored.
 
-The effects are those ``analyze --effects`` stores, on the same windows (the run's first
-``--windows``, read again from its corpus, each checked to be a window the run holds), the same
-reference set (its first ``--reference`` windows) and the same objective, summed per replicate group
-as every other statistic. Each window is stored as a batch of its own that holds its effect sums
-and zero for every other sum the run holds (so no other statistic changes), under a batch id
-derived from the window's position (``EFFECT_BATCH_BASE`` + position): storing one twice is a no-op,
-and an interrupted measurement, run again, measures exactly the windows not yet stored.
+The effects are those ``analyze --effects`` stores, on the same windows (``--windows`` of the run,
+chosen by its rule, ``run_plan.effect_targets``: spread over its replicate groups, or its first for
+a run stored before that rule; read again from its corpus, each checked to be a window the run
+holds), the same reference set (its first ``--reference`` windows) and the same objective, summed
+per replicate group as every other statistic. Each window is stored as a batch of its own that
+holds its effect sums and zero for every other sum the run holds (so no other statistic changes),
+under a batch id derived from the window's position in the run (``EFFECT_BATCH_BASE`` + position):
+storing one twice is a no-op, more windows asked for later keep the ids of those stored, and an
+interrupted measurement, run again, measures exactly the windows not yet stored.
 
 A run holds one set of effects: more windows may be added with the kinds, objective and reference
 it has; other kinds are refused, with what the run holds.
@@ -73,9 +75,17 @@ def add(store: Store, request: AddEffectsRequest, events: Sink = ignore, *, mode
 
 
 def effect_params(
-    run: Run, *, kinds: tuple[str, ...], windows: int, reference: int | None, objective: str
+    run: Run,
+    *,
+    kinds: tuple[str, ...],
+    windows: int,
+    reference: int | None,
+    objective: str,
+    spread: str | None = None,
 ) -> AnalysisParams:
-    """The run's parameters with these effects, refused where the run holds others."""
+    """The run's parameters with these effects, refused where the run holds others. ``spread``:
+    which windows a run without effects gets them on (``--effect-spread``; None: the default); a
+    run with effects keeps its own."""
     from headatlas.service.params import AUTO_OBJECTIVE
 
     params = AnalysisParams.from_dict(run.params)
@@ -84,7 +94,7 @@ def effect_params(
         if tuple(params.effects) != tuple(kinds):
             raise ParameterError(
                 Param("effects", ",".join(kinds)),
-                f": {held} on its first {counted(params.effect_windows, 'window')}; a run holds one set of effects: "
+                f": {held} on {counted(params.effect_windows, 'window')}; a run holds one set of effects: "
                 "ask for the same kinds (more windows are added to them), or analyse the corpus into a new run "
                 "with another name",
             )
@@ -98,6 +108,8 @@ def effect_params(
             )
         windows = max(windows, params.effect_windows)
         reference, objective = params.effect_reference, params.objective
+    elif spread is not None:
+        params = replace(params, effect_spread=spread)
     return replace(
         params,
         effects=tuple(kinds),
@@ -119,11 +131,14 @@ def add_effects(
     model=None,
     notice: Callable[[tuple[Part, ...]], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    spread: str | None = None,
 ) -> AddedEffects:
-    """Measure the effects ``kinds`` on run ``run``'s first ``windows`` windows and store them in
-    it; windows already stored are not measured again. ``model``: a loaded model to use instead of
+    """Measure the effects ``kinds`` on ``windows`` windows of run ``run`` (its rule's: ``spread``
+    for a run without effects, ``effect_params``) and store them in it; windows already stored
+    are not measured again. ``model``: a loaded model to use instead of
     the run's (it must be the run's); ``notice``: told the cost before it starts; ``progress``:
     (windows done, windows to do) after each window."""
+    from headatlas.service.engine.effect_spread import groups_held
     from headatlas.service.engine.model import load_model
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.measures.effect_batch import check_effects, estimate, reference_means, window_effects
@@ -131,7 +146,7 @@ def add_effects(
     from headatlas.service.storage.added_effect_rows import record_added_effects
 
     check_addable(run)
-    params = effect_params(run, kinds=kinds, windows=windows, reference=reference, objective=objective)
+    params = effect_params(run, kinds=kinds, windows=windows, reference=reference, objective=objective, spread=spread)
     began = time.perf_counter()
     loaded = model or load_model(run.model, device=device, dtype=params.dtype)
     check_effects(loaded, params)
@@ -141,7 +156,8 @@ def add_effects(
     references = reference_windows(run, loaded, params, tokens) if todo and params.needs_means else []
     if todo and notice is not None:
         cost = estimate(loaded, params, [w for _, w in todo], len(todo), tokens.pad_id, reference=len(references))
-        notice((f"{cost.describe()}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
+        said = f"{cost.describe()}; {groups_held(params.replicates, chosen.targets)}"
+        notice((f"{said}. Ctrl-C stops it, keeping every finished window (the same command resumes)",))
     means = reference_means(loaded, references, tokens.pad_id) if todo and params.needs_means else None
     # recorded first: what the run's effects are and how many windows they are meant to cover
     fields = effect_fields(params)
@@ -181,9 +197,10 @@ def effect_fields(params: AnalysisParams) -> dict:
 
 @dataclass(frozen=True)
 class EffectWindows:
-    """The windows whose effects a run is to hold. ``targets``: every one of them, by position;
-    ``todo``: (position, window) of those not stored yet, each stored as batch
-    ``EFFECT_BATCH_BASE`` + position; ``analysed``: how many of the first its analysis measured;
+    """The windows whose effects a run is to hold. ``targets``: every one of them, in the run's
+    order; ``todo``: (position, window) of those not stored yet, position the window's in the run
+    (``run_plan.effect_targets``), each stored as batch ``EFFECT_BATCH_BASE`` + position;
+    ``analysed``: how many of them its analysis measured (the rule's first that many);
     ``present``: the sums (per head, per run) its rows hold (``window_effects`` gives them zeros)."""
 
     targets: list[Window]
@@ -198,18 +215,23 @@ def effect_windows(store: Store, run: Run, model, params: AnalysisParams, tokens
     tokenizer alone: ``load_model_info``)."""
     from sqlalchemy import text
 
-    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.engine.run_plan import effect_targets
     from headatlas.service.storage.added_effect_rows import present_sums
 
-    # the run's first windows whose effects its analysis measured (analyze --effects), if any
+    # the windows whose effects its analysis measured (analyze --effects), if any: the run's rule's
+    # first that many (nested in the rule's windows for more: a group's cap only grows with N)
     analysed = _analysed_windows(run)
-    targets = first_windows(run.corpus, model, params, tokens, params.effect_windows)
+    chosen = effect_targets(run.corpus, model, params, tokens)
+    targets = [w for _position, w in chosen]
+    measured = (
+        {w.window_id for _p, w in effect_targets(run.corpus, model, params, tokens, analysed)} if analysed else set()
+    )
     held = store.done_window_ids(run.run_id)
     strangers = [w.window_id for w in targets if w.window_id not in held]
     if strangers:
         raise ParameterError(
             f"run {run.run_id} ({run.name}): its corpus {run.corpus} no longer gives the windows it analysed "
-            f"({counted(len(strangers), 'window')} of the first {len(targets)} are not the run's): "
+            f"({counted(len(strangers), 'window')} of the {len(targets)} to measure are not the run's): "
             "restore the corpus as it was, or analyse it into a new run"
         )
     with store.checked_read() as conn:
@@ -224,7 +246,7 @@ def effect_windows(store: Store, run: Run, model, params: AnalysisParams, tokens
             )
         }
         present = present_sums(conn, run.run_id)
-    todo = [(p, w) for p, w in enumerate(targets) if p not in done and p >= analysed]
+    todo = [(p, w) for p, w in chosen if p not in done and w.window_id not in measured]
     return EffectWindows(targets, todo, analysed, present)
 
 
@@ -237,9 +259,9 @@ def reference_windows(run: Run, model, params: AnalysisParams, tokens) -> list[W
 
 
 def _analysed_windows(run: Run) -> int:
-    """How many of the run's first windows have effects from its analysis (``analyze --effects``,
-    which measured its first ``effect_windows`` windows, all of them, before it was done): those
-    are not measured again. Runs that got their effects here record it; 0 for a run analysed
+    """How many of the run's effect windows have effects from its analysis (``analyze --effects``,
+    which measured its ``effect_windows`` windows, all of them, before it was done): those are not
+    measured again. Runs that got their effects here record it; 0 for a run analysed
     without effects."""
     if ANALYSED in run.params:
         return int(run.params[ANALYSED])

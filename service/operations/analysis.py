@@ -186,6 +186,7 @@ def _add_effects(request: AnalysisRequest, store: Store, run: Run, events: Sink)
         device=request.device,
         model=request.model if isinstance(request.model, LoadedModel) else None,
         notice=lambda parts: events(Estimate(tuple(parts))),
+        spread=params.effect_spread,
     )
     return Analysed(store, added.run)
 

@@ -14,7 +14,13 @@ from typing import TypeVar
 
 from headatlas.service.config import Settings
 from headatlas.service.engine.analysis import BatchResult, OomSplitter
-from headatlas.service.engine.measure_contract import Measure, batch_windows, probe_scores, requested
+from headatlas.service.engine.measure_contract import (
+    Measure,
+    batch_windows,
+    probe_scores,
+    requested,
+    spread_takes,
+)
 from headatlas.service.engine.model import LoadedModel, ModelInfo
 from headatlas.service.engine.prefetch import BackgroundSink, Prefetcher
 from headatlas.service.engine.probe import ProbeSpec
@@ -23,6 +29,7 @@ from headatlas.service.engine.run_plan import (
     first_windows,
     iter_batches,
     short_name,
+    spread_windows,
     stored_run_key,
     window_pool,
 )
@@ -141,15 +148,24 @@ def analyze_corpus(
         tokens = TokenClasses.for_model(model)
         skip = patiently(lambda: store.done_window_ids(run.run_id))
         batch_id = patiently(lambda: store.next_batch_id(run.run_id))
-        # a measure that takes the run's first N windows (--attribution-windows, --effect-windows)
-        # takes them by position, as in the queue: how many of them came before this resume
+        # a measure that takes the run's first N windows (--attribution-windows, --effect-spread
+        # first) takes them by position, as in the queue: how many of them came before this resume
         before = {
             m.name: _windows_before(m, store, run, spec, model, params, tokens, skip, text_field, encoding, label)
             for m in chosen
-            if m.quota(params) is not None
+            if m.quota(params) is not None and not m.spreads(params)
         }
+        # one that spreads its N windows over the replicate groups (--effects): found before the
+        # run, by the rule the submitter follows; a resumed run measures those not stored yet
+        picked = spread_windows(
+            chosen, spec, model, params, tokens, text_field=text_field, encoding=encoding, label=label
+        )
+        picked_ids = {name: frozenset(w.window_id for w in windows) for name, windows in picked.items()}
+        todo = {name: [w for w in windows if w.window_id not in skip] for name, windows in picked.items()}
+        left = {m.name: (m.quota(params) or 0) - n for m in chosen if (n := before.get(m.name)) is not None}
+        left.update({name: len(windows) for name, windows in todo.items()})
         reference = None
-        if params.needs_means and before.get("effects", 0) < params.effect_windows:
+        if params.needs_means and left.get("effects", 0) > 0:
             # mean ablation's reference set: the corpus's first effect_reference windows (fewer
             # where it has fewer), which the estimate below counts as they are
             reference = first_windows(
@@ -162,16 +178,32 @@ def analyze_corpus(
                 encoding=encoding,
                 label=label,
             )
-        single_first = 0
+        single_first, alone = 0, set()
         for measure in chosen:
-            left = (measure.quota(params) or 0) - before.get(measure.name, 0)
-            if measure.name not in before or left <= 0:
+            count = left.get(measure.name, 0)
+            if count <= 0:
                 continue
             # on a CPU the slow windows go one per batch, so that an interrupted run keeps each
-            single_first = max(single_first, measure.single_first(model, params, left))
+            singles = measure.single_first(model, params, count)
+            if measure.name in todo:
+                alone |= {w.window_id for w in todo[measure.name][:singles]}
+            else:
+                single_first = max(single_first, singles)
             if notice is not None and measure.has_estimate(params):
-                upcoming = first_windows(
-                    spec, model, params, tokens, left, skip=skip, text_field=text_field, encoding=encoding, label=label
+                upcoming = (
+                    todo[measure.name]
+                    if measure.name in todo
+                    else first_windows(
+                        spec,
+                        model,
+                        params,
+                        tokens,
+                        count,
+                        skip=skip,
+                        text_field=text_field,
+                        encoding=encoding,
+                        label=label,
+                    )
                 )
                 counted_params = params
                 if reference is not None:
@@ -224,6 +256,7 @@ def analyze_corpus(
             encoding=encoding,
             label=label,
             single_first=single_first,
+            alone=alone,
             workers=pool or 1,
         )
     )
@@ -236,7 +269,10 @@ def analyze_corpus(
                 tokens,
                 docs,
                 pad_id=tokens.pad_id,
-                windows=batch_windows(chosen, params, before, len(batch.windows)),
+                windows={
+                    **batch_windows(chosen, params, before, len(batch.windows)),
+                    **spread_takes(chosen, params, picked_ids, batch.windows),
+                },
                 attribution_chunk=attribution_chunk,
                 effect_means=effect_means,
             ):

@@ -147,7 +147,7 @@ def prune_run(
     of loading the run's; ``orders`` None: every order the run's objective allows (importance
     needs a loss); ``on_plan``: told what will be measured (``plan``) before it starts."""
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.engine.run_plan import effect_targets
     from headatlas.service.engine.windows import TokenClasses
     from headatlas.service.measures.objectives import objective_for
 
@@ -170,7 +170,7 @@ def prune_run(
     stored = None
     if effect is not None or importance is not None:
         tokens = TokenClasses.for_model(loaded)
-        measured = first_windows(run.corpus, loaded, params, tokens, params.effect_windows)
+        measured = [w for _position, w in effect_targets(run.corpus, loaded, params, tokens)]  # its rule
         stored = StoredOrders(
             effect=effect,
             importance=importance,

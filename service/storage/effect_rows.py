@@ -74,8 +74,8 @@ def effect_windows(conn: Connection, run_id: int) -> int:
 
 def effect_groups(conn: Connection, run_id: int) -> frozenset[int]:
     """The replicate groups (SPEC §5d) that hold the run's effect windows: the groups an effect's
-    jackknife drops one at a time. The run's effect windows are its first ``--effect-windows``,
-    so they often fill fewer groups than the run's windows do; a group without effect windows
+    jackknife drops one at a time. The run's effect windows are ``--effect-windows`` of its
+    windows, so they often fill fewer groups than the run's windows do; a group without effect windows
     leaves every effect unchanged when dropped, and counting it would narrow the interval (more
     groups in (R − 1)/R and in the t quantile than the effects rest on)."""
     rows = conn.execute(
@@ -88,6 +88,7 @@ def effect_groups(conn: Connection, run_id: int) -> frozenset[int]:
 def effect_note(conn: Connection, run_id: int) -> str | None:
     """The line under a table of effects: what they are measured against, on which windows, and
     the replicate groups their intervals rest on, for this run."""
+    from headatlas.service.engine.effect_spread import group_cap
     from headatlas.service.engine.schemes import MIN_GROUPS
     from headatlas.service.wording import counted
 
@@ -96,18 +97,26 @@ def effect_note(conn: Connection, run_id: int) -> str | None:
         return None
     first = found[0]
     windows = effect_windows(conn, run_id)
-    asked, stored = conn.execute(
+    asked, spread, stored = conn.execute(
         text(
             "SELECT (SELECT CAST(json_extract_string(params, '$.effect_windows') AS BIGINT) FROM runs "
-            "WHERE run_id = :r), (SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r)"
+            "WHERE run_id = :r), (SELECT json_extract_string(params, '$.effect_spread') FROM runs WHERE run_id = :r), "
+            "(SELECT coalesce(sum(windows), 0) FROM run_chance WHERE run_id = :r)"
         ),
         {"r": run_id},
     ).one()
-    # the run's first N windows carry the effects, counted by position (SPEC §9): one whose
-    # objective is undefined (a decoder window of one token) is among them and measured by nothing
+    # N windows of the run carry the effects (SPEC §9), spread over its replicate groups (runs stored
+    # before: its first N by position): one whose objective is undefined (a decoder window of one
+    # token) is among them and measured by nothing
     span = min(int(asked), int(stored)) if asked is not None else windows
     undefined = span - windows
-    among = f"the run's first {span} windows" + (
+    chosen = (
+        f"{span} windows spread over the run's replicate groups (at most {group_cap(int(asked))} in a group, where "
+        "the corpus has enough)"
+        if spread == "groups" and asked is not None
+        else f"the run's first {span} windows"
+    )
+    among = chosen + (
         f" less {undefined} whose objective is undefined (a window of one token)" if undefined > 0 else ""
     )
     groups = len(effect_groups(conn, run_id))
