@@ -12,7 +12,6 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from headatlas.service.analysis_options import ATTRIBUTION_WINDOWS, DEFAULTS, MIXING_WINDOWS
-from headatlas.service.engine.effect_spread import SPREADS
 from headatlas.service.engine.schemes import FALLBACK_BELOW, FALLBACK_BLOCK, FORWARD_MIXING, parse_replicates
 from headatlas.service.errors import Param, ParameterError
 
@@ -25,6 +24,9 @@ MIXING_FIELDS = ("attribution", "mixing", "attribution_windows")  # recorded onl
 EFFECT_KINDS = ("zero", "mean", "gradient", "atp")  # SPEC §9: the two ablations, gradient importance, AtP
 # recorded only when in use
 EFFECT_FIELDS = ("effects", "effect_windows", "effect_spread", "effect_reference", "objective")
+# which windows get the effects (engine/effect_spread.py): spread over the replicate groups, or the
+# run's first N (the rule of runs stored before)
+EFFECT_SPREADS = ("groups", "first")
 AUTO_OBJECTIVE = "auto"  # the model's own objective (service.measures.objectives.choose)
 # The longest window any front end takes: 32,768 positions, as the stores keep a pair's distance
 # (up to seq_len - 1) as SMALLINT. The model's own context is the limit below it, checked against
@@ -152,7 +154,7 @@ class AnalysisParams:
             _check_choice("effects", kind, EFFECT_KINDS)
         if self.effect_windows < 1:
             raise ParameterError(Param("effect_windows", self.effect_windows), ": must be at least 1")
-        _check_choice("effect_spread", self.effect_spread, SPREADS)
+        _check_choice("effect_spread", self.effect_spread, EFFECT_SPREADS)
         if self.effect_reference < 1:
             raise ParameterError(Param("effect_reference", self.effect_reference), ": must be at least 1 window")
         object.__setattr__(self, "objective", str(self.objective).strip() or AUTO_OBJECTIVE)

@@ -27,16 +27,12 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 from headatlas.service.engine.schemes import MIN_GROUPS
 
-if TYPE_CHECKING:
-    from headatlas.service.engine.windows import Window
-
 T = TypeVar("T")
 
-SPREADS = ("groups", "first")  # the rules --effect-spread takes, the default first
 SPREAD_GROUPS = MIN_GROUPS  # the groups N effect windows are spread over, where the corpus has them
 
 
@@ -91,8 +87,9 @@ def spread(walk: Callable[[], Iterable[T]], group: Callable[[T], int], count: in
     return [item for _position, item in sorted(taken.items())]  # type: ignore[misc]
 
 
-def groups_held(scheme: str, windows: Iterable[Window]) -> str:
-    """Which replicate groups (under ``scheme``) ``windows``, effect windows, fall in, in words,
+def groups_held(scheme: str, windows: Iterable[Any]) -> str:
+    """Which replicate groups (under ``scheme``) ``windows`` (effect windows, ``engine.windows.Window``:
+    their id, document id and index name the group) fall in, in words,
     with what their count means for the effects' intervals (fewer than SPREAD_GROUPS: rough)."""
     from headatlas.service.engine.results import window_group
 
