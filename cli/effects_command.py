@@ -273,11 +273,14 @@ def prune(
     interval that includes the spread between seeds, and Spearman's ρ between noise_share and the effect). The
     run gives the model, the corpus and noise_share, and its stored effects (analyze --effects) set the effect
     and importance orders; the curves are measured in this process and stored with the run (--show reads them
-    back)."""
+    back). Beside an encoder's embedding drift each step also measures neighbour retrieval (top1, mrr, with
+    intervals): each sentence of the evaluation windows, embedded alone, ranks by cosine the sentences that
+    follow another in their window, for its own successor (chance in the note; SPEC §9)."""
     from pathlib import Path
 
     from headatlas.service.operations.pruning import prune as prune_curves
     from headatlas.service.operations.requests import PruneRequest
+    from headatlas.service.storage.effect_rows import retrieval_note
     from headatlas.service.storage.store import Store
 
     request = PruneRequest.build(
@@ -303,6 +306,9 @@ def prune(
         highlight=False,
         soft_wrap=True,
     )
+    said_retrieval = retrieval_note(meta)
+    if said_retrieval is not None:
+        stderr.print(f"note: {said_retrieval}", highlight=False, soft_wrap=True)
     if until is not None:  # on stderr in every format, after the table: the answer to --until
         from headatlas.service.operations.prune_michel import until_of
 
@@ -316,20 +322,42 @@ def prune(
         stderr.print(f"wrote {save(fig, Path(out))}", highlight=False)
 
 
-# prune's table: the increase with its interval, and the objective; it fits 100 characters where
-# every column (the objective's interval, the fraction removed) took 124. CSV and JSON hold them all.
+# prune's table: the increase with its interval, the objective, and neighbour retrieval where the
+# objective has it (an embedding drift, 0 for the intact model: there the objective is the increase
+# and gives way to top1 and mrr); it fits 100 characters where every column (the objective's
+# interval, the fraction removed, retrieval's intervals) took over 124. CSV and JSON hold them all.
 PRUNE_TABLE = ["order", "step", "heads_removed", "increase", "increase_lo", "increase_hi", "objective"]
+RETRIEVAL_TABLE = [*PRUNE_TABLE[:-1], "top1", "mrr"]
 
 
 def _render_curves(columns: list[str], rows: list[tuple], fmt: Format, *, title: str) -> None:
-    """The pruning curves: every column in CSV and JSON, ``PRUNE_TABLE`` in a table (narrower than
+    """The pruning curves: every column in CSV and JSON, ``PRUNE_TABLE`` (``RETRIEVAL_TABLE`` where
+    the prune measured retrieval) in a table (narrower than
     it, columns left out from the right), and a line naming the others and where they are."""
     if fmt != Format.table:
         render(columns, rows, fmt, title=title)
         return
-    shown = [c for c in PRUNE_TABLE if c in columns]
+    shown = [c for c in (RETRIEVAL_TABLE if "top1" in columns else PRUNE_TABLE) if c in columns]
     index = [columns.index(c) for c in shown]
     print_table(shown, [tuple(r[i] for i in index) for r in rows], title=title, pinned=1)
     rest = [c for c in columns if c not in shown]
     if rest:
-        print_note(f"{len(shown)} of {len(columns)} columns; --format csv or json has all ({', '.join(rest)})")
+        print_note(f"{len(shown)} of {len(columns)} columns; --format csv or json has all ({_named(rest)})")
+
+
+def _named(columns: list[str]) -> str:
+    """``columns`` named for a note of one line: an interval's bounds once (``top1_lo/hi``), with
+    their estimate where it is among them (``objective(_lo/hi)``)."""
+    out = []
+    for column in columns:
+        base = column[:-3]
+        if column.endswith("_hi") and base + "_lo" in columns:
+            continue  # named with its _lo
+        if column.endswith("_lo") and base + "_hi" in columns:
+            if base not in columns:
+                out.append(f"{column}/hi")
+        elif column + "_lo" in columns and column + "_hi" in columns:
+            out.append(f"{column}(_lo/hi)")
+        else:
+            out.append(column)
+    return ", ".join(out)

@@ -91,9 +91,11 @@ def test_prune_says_how_much_it_will_evaluate_before_it_starts(stored, cli, tmp_
     # effect, noise, the four trivial orders and 2 random ones (random:tiny's objective is not a
     # loss: no importance), each evaluated with 0, 50% and 100% of the heads removed, and every
     # layer reduced to one head (the intact model and one step), each evaluation a pass over 2 windows
+    # and, beside embedding drift, over their sentences each alone
     assert said == [
         "measuring 8 curves (effect, noise, layer, sinks, output_norm, output_variance, 2 random seeds) × 3 steps "
-        "and one_per_layer (2 evaluations): 26 evaluations of up to 2 windows"
+        "and one_per_layer (2 evaluations): 26 evaluations of up to 2 windows and their sentences each alone "
+        "(neighbour retrieval)"
     ], result.stderr
     first_step = next(i for i, line in enumerate(result.stderr.splitlines()) if ": step " in line)
     assert result.stderr.splitlines().index(said[0]) < first_step

@@ -345,11 +345,14 @@ class RunView:
         newest stored ones, nothing measured). ``.notes`` holds the seed paper's claim tested: the
         area between the noise order and random ones, and Spearman's ρ(noise_share, effect), each
         with its interval, and every layer reduced to its most important head (``one_per_layer``).
+        Beside an encoder's embedding drift the rows add neighbour retrieval (``top1``, ``mrr`` and
+        their intervals) and a note says what it is and its chance.
         ``until``: a rise of the objective, in its units (0.05) or a share of the rise with every
         head removed ("10%"): a second note says which heads can go before it (``prune --until``)."""
         from headatlas.service.operations.prune_michel import parse_until, until_of
         from headatlas.service.operations.pruning import prune
         from headatlas.service.operations.requests import PruneRequest
+        from headatlas.service.storage.effect_rows import retrieval_note
 
         request = PruneRequest.build(
             self.run.run_id,
@@ -365,6 +368,9 @@ class RunView:
             parse_until(until)
         saved = prune(self.store, request).saved
         notes = [saved.meta["claim"]]
+        said_retrieval = retrieval_note(saved.meta)
+        if said_retrieval is not None:
+            notes.append(said_retrieval)
         if until is not None:
             notes.append(until_of(saved, until, request.orders).text())
         return Table.of(saved.columns, saved.rows, what=f"pruning curves, run {self.run.run_id}", notes=notes)

@@ -24,6 +24,11 @@ variance of that output over positions first), both measured on the reference wi
 forward pass. The noise-ordered curve is compared with the best of them (the smallest area against
 random) as with random: the area between the two curves, with the jackknife's interval.
 
+Beside an encoder's embedding drift, which is 0 with nothing removed and rises by construction,
+each step also measures what the embeddings are for (``measures.retrieval``): every sentence of the
+evaluation windows, embedded alone with the same heads removed, retrieves its successor by cosine
+among the sentences that follow another in their window (top-1 and MRR, each with its interval).
+
 ``one_per_layer`` is Michel et al. 2019's experiment, not a cumulative order: every layer keeps only
 its most important head (largest effect, else importance) and every other head is removed at once,
 one step (``prune_michel``).
@@ -55,6 +60,7 @@ from headatlas.service.engine.results import window_group
 from headatlas.service.engine.windows import TokenClasses, Window, collate
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures import effects as fx
+from headatlas.service.measures import retrieval as rt
 from headatlas.service.measures.objectives import Objective, wide
 from headatlas.service.operations import prune_michel as michel
 from headatlas.service.operations.effect_runs import jackknife, spread_windows
@@ -74,6 +80,8 @@ ORDERS = (
     "output_variance",
 )
 TRIVIAL_ORDERS = ("layer", "sinks", "output_norm", "output_variance")  # blind to what a head does
+# neighbour retrieval beside an embedding objective, each with its interval (None for other objectives)
+RETRIEVAL_COLUMNS = ("top1", "top1_lo", "top1_hi", "mrr", "mrr_lo", "mrr_hi")
 Head = tuple[int, int]
 
 
@@ -155,6 +163,28 @@ class Curve:
     steps: list[int]  # heads removed after each step (0 first)
     values: np.ndarray  # [step, window]: the objective on each evaluation window
     order_heads: list[Head] = field(default_factory=list)  # the order itself, first removed first
+    # [step, query]: neighbour retrieval's top-1 hit and reciprocal rank (embedding objectives only)
+    hits: np.ndarray | None = None
+    reciprocal: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """Neighbour retrieval beside an embedding objective (``measures.retrieval``): how many queries
+    and candidates, chance top-1 and MRR, and each query's replicate group (its window's)."""
+
+    queries: int
+    candidates: int
+    chance_top1: float
+    chance_mrr: float
+    groups: np.ndarray  # [query]
+
+
+def retrieval_applies(objective: Objective, model: LoadedModel) -> bool:
+    """Whether a pruning curve measures neighbour retrieval beside its objective: an encoder's
+    embedding drift (a sentence-embedding model's pooled output is what it is used for; a decoder's
+    mean-pooled hidden states are no embedding it was trained to give)."""
+    return objective.name == "embedding_drift" and not model.causal
 
 
 @dataclass
@@ -178,6 +208,7 @@ class PruneResult:
     reference_windows: int = 0
     seed_areas: list[float] = field(default_factory=list)  # noise − each random seed, every window
     one_per_layer: tuple[list[Head], str] | None = None  # the head each layer keeps, and what chose it
+    retrieval: Retrieval | None = None  # the downstream measure's task, where the objective has one
 
     def removed(self) -> list[str]:
         """Per row of ``rows()``: the heads removed at that step, ``layer.head`` space-separated."""
@@ -190,17 +221,25 @@ class PruneResult:
         return out
 
     def rows(self) -> tuple[list[str], list[tuple]]:
-        """One row per order and step: the objective with its interval, and its increase over the
-        intact model (paired, window by window) with its interval."""
+        """One row per order and step: the objective with its interval, its increase over the
+        intact model (paired, window by window) with its interval, and neighbour retrieval's top-1
+        and MRR with theirs (None where the objective has no downstream measure)."""
         columns = ["order", "step", "heads_removed", "fraction", "objective", "objective_lo", "objective_hi"]
-        columns += ["increase", "increase_lo", "increase_hi"]
+        columns += ["increase", "increase_lo", "increase_hi", *RETRIEVAL_COLUMNS]
         rows = []
         for curve in self.curves:
             mean, lo, hi, _r = jackknife(curve.values.T, self.group_ids)
             up, up_lo, up_hi, _r = jackknife((curve.values - curve.values[0]).T, self.group_ids)
             for step, n in enumerate(curve.steps):
                 cells = (mean[step], lo[step], hi[step], up[step], up_lo[step], up_hi[step])
-                rows.append((curve.order, step, n, n / self.total_heads, *(float(c) for c in cells)))
+                found: tuple = (None,) * len(RETRIEVAL_COLUMNS)
+                if self.retrieval is not None and curve.hits is not None and curve.reciprocal is not None:
+                    groups = self.retrieval.groups
+                    found = (
+                        *rt.with_interval(curve.hits[step], groups),
+                        *rt.with_interval(curve.reciprocal[step], groups),
+                    )
+                rows.append((curve.order, step, n, n / self.total_heads, *(float(c) for c in cells), *found))
         return columns, rows
 
     def claim(self) -> str:
@@ -474,20 +513,33 @@ def prune_curves(
         rho_against=rho_against,
         one_per_layer=kept,
     )
+    task = rt.neighbour_task(evaluation, tokens) if retrieval_applies(objective, model) else None
+    if task is not None and len(task.query):
+        result.retrieval = Retrieval(len(task.query), len(task.candidates), *task.chance(), groups[task.query_windows])
+    else:
+        task = None  # no window of two sentences: nothing to retrieve
     names = [o for o in orders if o != "random"] + ([f"random:{s}" for s in range(seeds)] if "random" in orders else [])
     plans = {name: [0, total - model.n_layers] if name == michel.ONE_PER_LAYER else counts for name in names}
     evaluations, evaluated, began = sum(len(steps) for steps in plans.values()), 0, time.perf_counter()
     for name in names:
         heads_in_order = ranked[name]
         steps = plans[name]
-        values = []
+        values, hits, reciprocal = [], [], []
         for index, n in enumerate(steps):
             values.append(objective_with(model, batches, heads_in_order[:n], means, intact, objective))
+            if task is not None:  # the same heads removed, the evaluation windows' sentences each alone
+                with removed(model, heads_in_order[:n], means):
+                    found = rt.ranks(rt.embed(model, task, pad), task)
+                hits.append(found[0])
+                reciprocal.append(found[1])
             evaluated += 1
             if on_step is not None:  # with the seconds left at the pace so far (every evaluation one pass)
                 left = (time.perf_counter() - began) / evaluated * (evaluations - evaluated)
                 on_step(name, index + 1, len(steps), left)
-        result.curves.append(Curve(order=name, steps=steps, values=np.stack(values), order_heads=heads_in_order))
+        curve = Curve(order=name, steps=steps, values=np.stack(values), order_heads=heads_in_order)
+        if task is not None:
+            curve.hits, curve.reciprocal = np.stack(hits), np.stack(reciprocal)
+        result.curves.append(curve)
 
     curves = {c.order: c for c in result.curves}
     randoms = [c.values for name, c in curves.items() if name.startswith("random:")]

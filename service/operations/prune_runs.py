@@ -17,7 +17,14 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import Param, ParameterError
-from headatlas.service.operations.prune_curves import ORDERS, PruneResult, StoredOrders, prune_curves, removal_counts
+from headatlas.service.operations.prune_curves import (
+    ORDERS,
+    PruneResult,
+    StoredOrders,
+    prune_curves,
+    removal_counts,
+    retrieval_applies,
+)
 from headatlas.service.operations.prune_michel import ONE_PER_LAYER
 from headatlas.service.params import AnalysisParams
 from headatlas.service.statuses import RunStatus
@@ -50,8 +57,9 @@ def check_request(run: Run, *, orders: Sequence[str] | None, seeds: int) -> None
         raise ParameterError(f"run {run.run_id} ({run.name}) is not analysed yet: prune it once it is done")
 
 
-def plan(orders: Sequence[str], *, seeds: int, steps: int, windows: int) -> str:
-    """What a prune will measure, said before it starts: curves × steps, each step one evaluation."""
+def plan(orders: Sequence[str], *, seeds: int, steps: int, windows: int, retrieval: bool = False) -> str:
+    """What a prune will measure, said before it starts: curves × steps, each step one evaluation
+    (``retrieval``: and the windows' sentences each alone, about as dear again)."""
     named = [o for o in orders if o not in ("random", ONE_PER_LAYER)]
     curves = len(named) + (seeds if "random" in orders else 0)
     which = [*named, *([f"{seeds} random seed{'s' if seeds != 1 else ''}"] if "random" in orders else [])]
@@ -61,6 +69,7 @@ def plan(orders: Sequence[str], *, seeds: int, steps: int, windows: int) -> str:
         f"measuring {curves} curve{'s' if curves != 1 else ''} ({', '.join(which)}) × {steps} steps"
         + (" and one_per_layer (2 evaluations)" if michel else "")
         + f": {curves * steps + 2 * michel:,} evaluations of up to {windows:,} windows"
+        + (" and their sentences each alone (neighbour retrieval)" if retrieval else "")
     )
 
 
@@ -183,7 +192,8 @@ def prune_run(
         reference = params.effect_reference if effect is not None else 64
     if on_plan is not None and 0 < step <= 1:
         steps = len(removal_counts(loaded.n_layers * loaded.n_heads, step))
-        on_plan(plan(orders, seeds=seeds, steps=steps, windows=windows))
+        said = plan(orders, seeds=seeds, steps=steps, windows=windows, retrieval=retrieval_applies(objective, loaded))
+        on_plan(said)
     result = prune_curves(
         run.corpus,
         loaded,
@@ -222,7 +232,16 @@ def prune_run(
         "rho_hi": rho[2],
         "claim": result.claim(),
         "seconds": time.perf_counter() - began,
+        "retrieval_queries": None,
+        "retrieval_candidates": None,
+        "chance_top1": None,
+        "chance_mrr": None,
     }
+    if result.retrieval is not None:
+        meta["retrieval_queries"] = result.retrieval.queries
+        meta["retrieval_candidates"] = result.retrieval.candidates
+        meta["chance_top1"] = result.retrieval.chance_top1
+        meta["chance_mrr"] = result.retrieval.chance_mrr
     removed = result.removed()
     prune_id = store.atomically(lambda conn: store_prune(conn, run.run_id, meta, rows, removed))
     with store.read() as conn:

@@ -173,7 +173,13 @@ PRUNE_FIELDS = (
     "rho_hi",
     "claim",
     "seconds",
+    "retrieval_queries",
+    "retrieval_candidates",
+    "chance_top1",
+    "chance_mrr",
 )
+# neighbour retrieval beside an embedding objective (migration 0018): NULL where the objective has none
+RETRIEVAL_COLUMNS = ("top1", "top1_lo", "top1_hi", "mrr", "mrr_lo", "mrr_hi")
 CURVE_COLUMNS = (
     "order",
     "step",
@@ -185,13 +191,15 @@ CURVE_COLUMNS = (
     "increase",
     "increase_lo",
     "increase_hi",
+    *RETRIEVAL_COLUMNS,
 )
 
 
 @dataclass
 class StoredPrune:
     """A stored prune: how it was made and the claim (``meta``, PRUNE_FIELDS), and its curve rows
-    (CURVE_COLUMNS, plus the heads removed at each step in ``removed``)."""
+    (CURVE_COLUMNS, plus the heads removed at each step in ``removed``; the retrieval columns only
+    where the prune measured retrieval: a loss's or a decoder's curves read as they always did)."""
 
     run_id: int
     meta: dict
@@ -215,7 +223,7 @@ def store_prune(conn: Connection, run_id: int, meta: dict, rows: list[tuple], re
         or 1
     )
     values = {k: meta[k] for k in PRUNE_FIELDS if k not in ("prune_id", "created_at")}
-    for k in ("area", "area_lo", "area_hi", "rho", "rho_lo", "rho_hi"):
+    for k in ("area", "area_lo", "area_hi", "rho", "rho_lo", "rho_hi", "chance_top1", "chance_mrr"):
         values[k] = _number(values[k])
     names = ", ".join(values)
     conn.execute(
@@ -229,10 +237,8 @@ def store_prune(conn: Connection, run_id: int, meta: dict, rows: list[tuple], re
         cells = dict(zip(CURVE_COLUMNS, row))
         conn.execute(
             text(
-                "INSERT INTO prune_curves (run_id, prune_id, order_name, step, heads_removed, fraction, objective, "
-                "objective_lo, objective_hi, increase, increase_lo, increase_hi, removed) VALUES (:r, :p, :order, "
-                ":step, :heads_removed, :fraction, :objective, :objective_lo, :objective_hi, :increase, "
-                ":increase_lo, :increase_hi, :removed)"
+                f"INSERT INTO prune_curves (run_id, prune_id, order_name, {', '.join(CURVE_COLUMNS[1:])}, removed) "
+                f"VALUES (:r, :p, :order, {', '.join(':' + c for c in CURVE_COLUMNS[1:])}, :removed)"
             ),
             {
                 "r": run_id,
@@ -258,12 +264,24 @@ def load_prune(conn: Connection, run_id: int, prune_id: int | None = None) -> St
     meta = next((p for p in prunes if prune_id is None or p["prune_id"] == prune_id), None)
     if meta is None:
         return None
+    columns = list(CURVE_COLUMNS if meta["retrieval_queries"] is not None else CURVE_COLUMNS[: -len(RETRIEVAL_COLUMNS)])
     found = conn.execute(
         text(
-            "SELECT order_name, step, heads_removed, fraction, objective, objective_lo, objective_hi, increase, "
-            "increase_lo, increase_hi, removed FROM prune_curves WHERE run_id = :r AND prune_id = :p "
+            f"SELECT order_name, {', '.join(columns[1:])}, removed FROM prune_curves WHERE run_id = :r AND prune_id = :p "
             "ORDER BY CASE WHEN order_name LIKE 'random:%' THEN 1 ELSE 0 END, order_name, step"
         ),
         {"r": run_id, "p": meta["prune_id"]},
     ).all()
-    return StoredPrune(run_id, meta, rows=[tuple(r[:-1]) for r in found], removed=[r[-1] for r in found])
+    return StoredPrune(run_id, meta, columns, rows=[tuple(r[:-1]) for r in found], removed=[r[-1] for r in found])
+
+
+def retrieval_note(meta: dict) -> str | None:
+    """What a prune's retrieval columns mean, with chance, or None where it measured none."""
+    if meta.get("retrieval_queries") is None:
+        return None
+    return (
+        f"top1, mrr: neighbour retrieval with the same heads removed: each of {meta['retrieval_queries']} "
+        f"evaluation-window sentences, embedded alone, ranks {meta['retrieval_candidates']} sentences that follow "
+        f"another in their window (less itself) by cosine for its own successor; top1 the share ranked first, "
+        f"mrr the mean reciprocal rank (chance {meta['chance_top1']:.3f} and {meta['chance_mrr']:.3f}; SPEC §9)"
+    )
