@@ -47,6 +47,7 @@ OFFERED = {
         "replicates",  # one window: no intervals
         "effects",  # nothing stored: `headatlas effects` measures them
         "effect_windows",
+        "effect_spread",
         "effect_reference",
         "objective",
         "measures",  # nothing stored
