@@ -158,7 +158,7 @@ def test_a_run_stores_atp_as_the_mean_of_each_windows_estimate(tmp_path, demo_co
     says what it estimates; `effects RUN --effects atp` adds the same to a run without effects;
     `effects CORPUS --check-top` reports the check; a drift is refused."""
     from headatlas.service.engine.model import load_model
-    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.engine.run_plan import effect_targets, first_windows
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.params import AnalysisParams
     from headatlas.service.reports import queries
@@ -180,7 +180,7 @@ def test_a_run_stores_atp_as_the_mean_of_each_windows_estimate(tmp_path, demo_co
     tokens = TokenClasses.for_model(model)
     ref = collate(first_windows(str(corpus), model, params, tokens, 4), tokens.pad_id)
     means, _ = fx.reference_means(model, [(ref.input_ids, ref.attention_mask)])
-    batch = collate(first_windows(str(corpus), model, params, tokens, 5), tokens.pad_id)
+    batch = collate([w for _p, w in effect_targets(str(corpus), model, params, tokens)], tokens.pad_id)  # its 5
     want = fx.head_effects(model, batch.input_ids, batch.attention_mask, kinds=("atp",), means=means).effect["atp"]
     with store.read() as conn:
         columns, rows = queries.heads(conn, run.run_id, ci=True)

@@ -115,7 +115,7 @@ def test_a_plugin_objective_is_measured_when_named_and_reported_with_its_unit(sm
     import headatlas
     from headatlas.service.analysis_options import build_params
     from headatlas.service.engine.model import load_model, model_config
-    from headatlas.service.engine.run_plan import first_windows
+    from headatlas.service.engine.run_plan import effect_targets
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.measures import effects as fx
     from headatlas.service.measures.objectives import choose, objectives
@@ -146,9 +146,12 @@ def test_a_plugin_objective_is_measured_when_named_and_reported_with_its_unit(sm
         ).stdout
     )[0]
     model = load_model("random:tiny", device="cpu")
-    windows = first_windows(
-        str(small_corpus), model, AnalysisParams.from_dict(run.params), TokenClasses.for_model(model), 2
-    )
+    windows = [  # the run's 2 effect windows
+        w
+        for _p, w in effect_targets(
+            str(small_corpus), model, AnalysisParams.from_dict(run.params), TokenClasses.for_model(model)
+        )
+    ]
     batch = collate(windows, TokenClasses.for_model(model).pad_id)
     with torch.no_grad():
         want = mean_norm(fx._run_model(model, batch.input_ids, batch.attention_mask).double(), batch.attention_mask)

@@ -39,6 +39,7 @@ EVERY_OPTION = {
     "mixing": (["--mixing", "rollout", "--mixing", "norm"], ["rollout", "norm"]),
     "effects": (["--effects", "zero", "--effects", "mean"], ["zero", "mean"]),
     "effect_windows": (["--effect-windows", "1"], 1),
+    "effect_spread": (["--effect-spread", "first"], "first"),
     "effect_reference": (["--effect-reference", "2"], 2),
     "objective": (["--objective", "embedding_drift"], "embedding_drift"),
     "measures": (["--measures", "punct_pairs"], ["punct_pairs"]),  # the test plugins' measure
