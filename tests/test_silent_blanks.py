@@ -116,9 +116,10 @@ def test_the_web_refuses_the_same_sort_in_its_own_words(plain_run, cli) -> None:
 
 
 def test_effects_in_one_replicate_group_print_no_nan_and_say_why(tiny_model, small_corpus, tmp_path, cli) -> None:
-    """Effects on a run's first two windows (one document's first block: one replicate group) have
-    no interval, as the jackknife needs two groups: `query roles`, `query heads --ci` and the report
-    say so in words and print no NaN bounds, nor a heading promising 95% intervals."""
+    """Effects on a run's first two windows (one document's first block: one replicate group, as
+    runs stored before effect windows were spread over the groups took them) have no interval, as
+    the jackknife needs two groups: `query roles`, `query heads --ci` and the report say so in
+    words and print no NaN bounds, nor a heading promising 95% intervals."""
     import re
 
     from headatlas.service.analysis_options import build_params
@@ -128,7 +129,7 @@ def test_effects_in_one_replicate_group_print_no_nan_and_say_why(tiny_model, sma
     from headatlas.service.storage.store import Store
 
     db = tmp_path / "one.duckdb"
-    params = build_params(seq_len=32, effects="zero,mean", effect_windows=2, effect_reference=2)
+    params = build_params(seq_len=32, effects="zero,mean", effect_windows=2, effect_reference=2, effect_spread="first")
     analyze_corpus(
         str(small_corpus), store=Store(db), model=tiny_model, params=params, corpus=survey_corpus(str(small_corpus))
     )
