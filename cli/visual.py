@@ -260,11 +260,13 @@ def plot_atlas(
         None,
         "--colour",
         metavar="METRIC",
-        help="Colour the cells by this head metric instead of the role, e.g. effect_mean (what removing the head "
-        "costs, SPEC §9); the role codes stay written in them.",
+        help="What colours the cells (default: the strongest evidence the run holds: effect_mean, else effect_zero "
+        "(what removing the head costs, SPEC §9), else 'evidence': the primary role's value over its threshold). "
+        "'role': each primary role its own colour; or any head metric. The roles stay written in the cells; an "
+        "unsure cell is drawn faded.",
     ),
 ) -> None:
-    """The head atlas: layer × head grid coloured by each head's primary role (rules: SPEC §7), or by a metric."""
+    """The head atlas: layer × head grid, each head's primary role named (rules: SPEC §7), coloured by its evidence."""
     from headatlas.service.reports import atlas_plots
 
     _draw(db, out, dpi, lambda conn, resolve: atlas_plots.run_atlas(conn, resolve(run), colour=colour)[0])

@@ -364,7 +364,7 @@ def test_atlas_of_the_stored_run_is_its_primary_roles(conn, stored, tmp_path):
     from headatlas.service.reports import atlas_plots, plots, role_views, roles
 
     real = stored[1]["real"]
-    fig, index = atlas_plots.run_atlas(conn, real)
+    fig, index = atlas_plots.run_atlas(conn, real, colour="role")
     columns, rows = roles.roles(conn, real.run_id)
     grid = role_views.primary_grid(columns, rows, real.n_layers, real.n_heads)
     drawn = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)

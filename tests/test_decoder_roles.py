@@ -202,10 +202,10 @@ def test_atlas_codes_the_decoder_roles_and_lists_the_offered_ones():
         list(role_tests.COLUMNS), rows, n_layers=2, n_heads=2, title="decoder", offered=role_rules.offered_roles(True)
     )
     texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
-    assert texts == {(0, 0): "I", (0, 1): "D", (1, 0): "F"}
+    assert texts == {(0, 0): "induction", (0, 1): "duplicate", (1, 0): "first sink"}
     assert index[0, 0] == atlas_plots.ATLAS_ROLES.index("induction")
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert "I  induction (1)" in legend and "F  first-token sink (1)" in legend
+    assert "induction (1)" in legend and "first-token sink (1)" in legend
     assert not [t for t in legend if "next-token" in t or "[SEP]" in t or "[CLS]" in t or "broad" in t]
 
 

@@ -1,11 +1,9 @@
 """Figures a reader can read: nothing cut at an edge, every axis labelled, plain tick labels on
-log scales, round colour-bar ticks, no noisy tail, role codes that are letters, a head table that
+log scales, round colour-bar ticks, no noisy tail, role words that fit their cells, a head table that
 fits the page. Drawn from a small real run of a tiny random model (fast) and from hand-built rows;
 the checks are tests/figure_checks.py's."""
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 import pytest
@@ -119,20 +117,71 @@ def test_layers_label_every_axis_on_the_right(conn, stored):
     check_text_inside(fig)
 
 
-def test_atlas_role_codes_are_letters_never_a_dot():
-    from headatlas.service.reports import atlas_plots, role_rules, role_tests
+@pytest.mark.parametrize("shape", [(12, 12), (30, 9), (24, 16)])
+def test_atlas_names_roles_in_words_that_fit_their_cells(shape):
+    """Every role's word (and a second line counting the head's other roles) lies inside its cell,
+    in the narrowest cells an atlas draws, coloured by the evidence with unsure cells faded."""
+    from headatlas.service.reports import atlas_plots, role_rules, role_tests, roles
 
-    codes = [atlas_plots.ROLE_CODES[r] for r in role_rules.ROLE_ORDER]
-    assert all(re.fullmatch("[A-Z]", c) for c in codes), codes
-    assert len(set(codes)) == len(codes)
-    columns = list(role_tests.COLUMNS)
-    filler = [None] * (len(columns) - 4)
-    rows = [(0, 0, "previous-token", True, *filler), (0, 0, "punctuation", False, *filler)]
-    rows += [(0, 1, "punctuation", True, *filler)]
-    fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=1, n_heads=2, title="hand-built")
-    labels = sorted(t.get_text() for t in fig.axes[0].texts)
-    assert labels == ["PU", "U"]
-    assert any(t.get_text().startswith("U  punctuation") for t in fig.legends[0].get_texts())
+    n_layers, n_heads = shape
+    columns = [*role_tests.COLUMNS, *roles.STABILITY_COLUMNS]
+    at = {c: i for i, c in enumerate(columns)}
+    rows = []
+    for l in range(n_layers):
+        for h in range(n_heads):
+            r = [None] * len(columns)
+            role = atlas_plots.ATLAS_ROLES[(l + h) % len(atlas_plots.ATLAS_ROLES)]
+            r[:4] = [l, h, role, True]
+            r[at["value"]], r[at["value_lo"]], r[at["threshold"]] = 1.0 + l + h, 1.0 + l, 1.0
+            r[at["stable"]] = bool(h % 2)
+            rows.append(tuple(r))
+            if role != role_rules.NONE and role != "local":
+                rows.append((l, h, "local", False, *r[4:]))
+    shade = atlas_plots.evidence_shade(columns, rows, n_layers, n_heads)
+    assert shade is not None
+    earned = [(r[0], r[1]) for r in rows if r[3] and r[2] != role_rules.NONE]
+    assert [shade.values[k] for k in earned] == [1.0 + l + h for l, h in earned]
+    fig, _ = atlas_plots.figure_atlas(
+        columns, rows, n_layers=n_layers, n_heads=n_heads, title=DECODER_TITLE, shade=shade
+    )
+    check_text_inside(fig)
+    grid = next(ax for ax in fig.axes if ax.get_title())
+    renderer = fig.canvas.get_renderer()
+    box = grid.get_window_extent(renderer)
+    cell_w, cell_h = box.width / n_heads, box.height / n_layers
+    words = [t for t in grid.texts if t.get_text()]
+    assert {t.get_text().split("\n")[0] for t in words} == {
+        w for r, w in atlas_plots.ROLE_WORDS.items() if r != role_rules.NONE
+    }
+    for text in words:
+        ext = text.get_window_extent(renderer)
+        assert ext.width <= cell_w - 2 and ext.height <= cell_h - 2, (text.get_text(), ext, cell_w, cell_h)
+    assert not [p for p in grid.patches if p.get_hatch()]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[-1].startswith("faded, italic: unsure")
+
+
+def test_atlas_of_a_run_with_effects_is_coloured_by_its_effect(tmp_path, tiny_model, demo_corpus):
+    """Zero ablation measured (SPEC §9): the atlas's default colour is effect_zero, about 0 (its colour
+    bar symmetric), each cell the head's own effect, and the legend says what the colour is."""
+    from headatlas.service.reports import atlas_plots, queries
+    from headatlas.service.storage.store import Store
+
+    corpus = corpus_of(demo_corpus, tmp_path, slice(0, 1), "one")
+    db = tmp_path / "fx.duckdb"
+    run = analyse(corpus, db, tiny_model, name="fx", seq_len=32, effects="zero", effect_windows=2, replicates="window")
+    with Store(db).checked_read() as conn:
+        fig, _ = atlas_plots.run_atlas(conn, run)
+        columns, rows = queries.heads(conn, run.run_id)
+    grid = next(ax for ax in fig.axes if ax.get_title())
+    assert grid.get_title().startswith("effect_zero per head")
+    assert fig.legends[0].get_title().get_text().endswith("colour: effect_zero")
+    drawn = np.ma.filled(grid.images[0].get_array().astype(float), np.nan)
+    at = {c: i for i, c in enumerate(columns)}
+    for r in rows:
+        assert drawn[r[at["layer"]], r[at["head"]]] == pytest.approx(r[at["effect_zero"]])
+    low, high = grid.images[0].get_clim()
+    assert low == -high and high == pytest.approx(np.nanmax(np.abs(drawn)))
     check_text_inside(fig)
 
 

@@ -127,12 +127,28 @@ def test_distances_split_draws_signal_and_noise_as_stored(conn, stored, tmp_path
 
 
 def test_atlas_title_and_legend_name_what_is_coloured(conn, stored):
-    """Coloured by a metric, the atlas's title and legend say so, and the legend's role entries
-    carry no role colour (the cells no longer have it); coloured by role, they name the role."""
-    from headatlas.service.reports import atlas_plots
+    """A run without effects is coloured by default by its primary roles' evidence (value over
+    threshold, each head's cell its own ratio), the legend saying so in words; ``role`` colours by
+    the role; a metric: the title and legend say so, and the legend's role entries carry no role
+    colour (the cells no longer have it)."""
+    from headatlas.service.reports import atlas_plots, roles
 
     _, run = stored
-    by_role = atlas_plots.run_atlas(conn, run)[0]
+    default = atlas_plots.run_atlas(conn, run)[0]
+    grid = next(ax for ax in default.axes if ax.get_title())
+    assert grid.get_title() == "primary role's value / its threshold per head"
+    assert default.legends[0].get_title().get_text().endswith("colour: primary role's value / its threshold")
+    columns, rows = roles.roles(conn, run.run_id, stability=True)
+    at = {c: i for i, c in enumerate(columns)}
+    drawn = np.ma.filled(grid.images[0].get_array().astype(float), np.nan)
+    earned = [r for r in rows if r[at["primary"]] and r[at["role"]] != "none established"]
+    assert earned  # the run has roles to colour
+    for r in earned:
+        want = max(1.0, r[at["value"]] / r[at["threshold"]])
+        assert drawn[r[at["layer"]], r[at["head"]]] == pytest.approx(want)
+    words = {t.get_text().split("\n")[0] for t in grid.texts}
+    assert words <= set(atlas_plots.ROLE_WORDS.values()) and all(len(w) > 2 for w in words)
+    by_role = atlas_plots.run_atlas(conn, run, colour="role")[0]
     assert by_role.axes[0].get_title().startswith("primary role per head")
     assert by_role.legends[0].get_title().get_text() == "role (heads holding it)"
     fig = atlas_plots.run_atlas(conn, run, colour="within_sentence_lift_dm")[0]

@@ -179,9 +179,9 @@ def test_atlas_figure_shows_each_heads_primary_role_readably(shape, tmp_path):
     drawn = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
     expected = np.array([[(l + h) % len(atlas_plots.ATLAS_ROLES) for h in range(n_heads)] for l in range(n_layers)])
     assert np.array_equal(drawn, expected) and np.array_equal(index, expected)
-    # every cell's letters name the roles it holds
+    # every cell names its primary role in a word, and counts the others it holds
     texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
-    assert texts[(0, 0)] == "P" + "C" and texts[(0, 1)] == "N"
+    assert texts[(0, 0)] == "prev-token\n+1" and texts[(0, 1)] == "next-token"
     width, height = atlas_plots.atlas_size(n_layers, n_heads)
     rgb = check_png(plots.save(fig, tmp_path / "atlas.png"), (round(width * plots.DPI), round(height * plots.DPI)))
     check_svg(plots.save(fig, tmp_path / "atlas.svg"), (width, height))
@@ -195,7 +195,7 @@ def test_atlas_figure_shows_each_heads_primary_role_readably(shape, tmp_path):
         target = np.array(colors.to_rgb(atlas_plots.ROLE_COLOURS[role])) * 255
         assert (np.abs(rgb - target).max(axis=2) < 3).sum() > 200, role
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[0].startswith("P  previous-token (")
+    assert legend[0].startswith("previous-token (")
 
 
 def test_a_run_stored_before_replicate_groups_gets_no_interval(tmp_path):
@@ -280,32 +280,45 @@ def test_the_standard_error_is_read_back_from_the_interval():
     assert role_tests.interval_quantile(1) is None
 
 
-def test_atlas_marks_roles_that_do_not_hold_on_both_halves():
+def test_atlas_fades_roles_that_are_unsure_without_hiding_them():
+    """A primary role not held on both halves, or whose interval reaches its threshold, is drawn
+    faded (white laid over its colour) with its word in italic: no hatching over the cell."""
     from matplotlib.patches import Rectangle
 
     from headatlas.service.reports import atlas_plots, role_rules, role_tests, roles
 
     columns = [*role_tests.COLUMNS, *roles.STABILITY_COLUMNS]
     filler = [None] * (len(role_tests.COLUMNS) - 4)
+    at = {c: i for i, c in enumerate(columns)}
+
+    def row(l, h, role, primary, stable, lo=None):
+        r = [l, h, role, primary, *filler, stable, stable, stable]
+        r[at["value"]], r[at["value_lo"]], r[at["threshold"]] = (None, None, None) if lo is None else (3.0, lo, 1.0)
+        return tuple(r)
+
     rows = [
-        (0, 0, "previous-token", True, *filler, True, True, True),
-        (0, 0, "local", False, *filler, True, False, False),  # unstable, not primary: "?" only
-        (0, 1, "[CLS] sink", True, *filler, False, True, False),  # unstable primary: hatched
-        (1, 0, role_rules.NONE, True, *filler, None, None, None),
-        (1, 1, "broad", True, *filler, True, True, True),
+        row(0, 0, "previous-token", True, True),
+        row(0, 0, "local", False, False),  # unsure, not primary: the cell stays as it is
+        row(0, 1, "[CLS] sink", True, False),  # unstable primary: faded
+        row(1, 0, role_rules.NONE, True, None),
+        row(1, 1, "broad", True, True, lo=0.9),  # stable, but its interval reaches its threshold: faded
     ]
     fig, _ = atlas_plots.figure_atlas(columns, rows, n_layers=2, n_heads=2, title="hand-built")
-    hatched = [p for p in fig.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
-    assert [(p.get_x(), p.get_y()) for p in hatched] == [(0.5, -0.5)]  # head 1 of layer 0
-    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
-    assert texts == {(0, 0): "PL?", (0, 1): "C?", (1, 1): "B"}
+    cells = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    assert not [p for p in cells if p.get_hatch()]
+    assert sorted((p.get_x(), p.get_y()) for p in cells if p.get_alpha() == atlas_plots.FADE) == [
+        (0.5, -0.5),
+        (0.5, 0.5),
+    ]
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in fig.axes[0].texts}
+    assert {k: t.get_text() for k, t in texts.items()} == {
+        (0, 0): "prev-token\n+1",
+        (0, 1): "CLS sink",
+        (1, 1): "broad",
+    }
+    assert [k for k, t in texts.items() if t.get_fontstyle() == "italic"] == [(0, 1), (1, 1)]
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[0] == "P  previous-token (1, 1 stable)" and "not held on both halves" in legend[-1]
-    # without stability columns nothing is marked
-    plain, _ = atlas_plots.figure_atlas(
-        list(role_tests.COLUMNS), [r[: len(role_tests.COLUMNS)] for r in rows], n_layers=2, n_heads=2, title="plain"
-    )
-    assert not [p for p in plain.axes[0].patches if p.get_hatch()]
+    assert legend[0] == "previous-token (1, 1 stable)" and legend[-1].startswith("faded, italic: unsure")
 
 
 def test_a_lift_is_tested_on_the_interval_query_heads_shows():

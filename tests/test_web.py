@@ -257,10 +257,12 @@ def test_the_atlas_is_coloured_by_effect_where_effects_were_measured(stored, tmp
     client = Client(WebApp(str(db)))
     heads = client.get(f"/runs/{fx.run_id}.json").json()["heads"]
     assert same(heads, cli_json(db, "query", "heads", "--run", "fx", "--ci"))
-    page = client.get(f"/runs/{fx.run_id}?color=effect_zero")
+    page = client.get(f"/runs/{fx.run_id}")  # the default colour: the effect, as `plot atlas` draws it
     assert page.status == 200
-    offered = re.findall(r'<option value="([^"]+)"', page.text.split('<select name="color"')[1].split("</select>")[0])
-    assert offered[:2] == ["role", "effect_zero"] and "effect_mean" not in offered and "induction_score" not in offered
+    choice = page.text.split('<select name="color"')[1].split("</select>")[0]
+    offered = re.findall(r'<option value="([^"]+)"', choice)
+    assert offered[0] == "effect_zero" and '<option value="effect_zero" selected>' in choice
+    assert "role" in offered and "effect_mean" not in offered and "induction_score" not in offered
     cells = dict(re.findall(r'href="/runs/\d+/heads/(\d+/\d+)"[^>]*style="background:(#[0-9a-f]{6})', page.text))
     strongest = max(heads, key=lambda h: abs(h["effect_zero"]))
     end = "#b2182b" if strongest["effect_zero"] > 0 else "#2166ac"
@@ -271,6 +273,46 @@ def test_the_atlas_is_coloured_by_effect_where_effects_were_measured(stored, tmp
         "?color=effect_zero: run 1 has no value of it; its effects (SPEC §9) were not measured: analyse it with "
         "`--effects zero` (or mean, gradient)"
     ) in page_text(refused)
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory, real_model, demo_corpus):
+    """A run of the real model (MiniLM) on one document: heads that earn roles."""
+    from headatlas.service.web.app import WebApp
+
+    folder = tmp_path_factory.mktemp("real")
+    db = folder / "real.duckdb"
+    run = analyse(corpus_of(demo_corpus, folder, slice(0, 1), "one"), db, real_model, name="real", seq_len=64)
+    return Client(WebApp(str(db))), run
+
+
+def test_the_atlas_names_each_heads_role_in_words_coloured_by_its_evidence(real_run):
+    """Without effects the atlas is coloured by each head's primary role's value over its threshold
+    (`plot atlas`'s default), names the role in a word (letter codes read as a cipher), and draws an
+    unsure role (not on both halves, or its interval reaching its threshold) faded, never hatched."""
+    from headatlas.service.reports.atlas_plots import ROLE_WORDS, role_uncertain
+
+    client, run = real_run
+    page = client.get(f"/runs/{run.run_id}")
+    roles = client.get(f"/runs/{run.run_id}.json").json()["roles"]
+    earned = [r for r in roles if r["primary"] and r["role"] != "none established"]
+    assert earned
+    choice = page.text.split('<select name="color"')[1].split("</select>")[0]
+    assert '<option value="evidence" selected>' in choice
+    cells = {
+        (int(l), int(h)): (cls, text)
+        for cls, l, h, text in re.findall(
+            r'<a class="cell([^"]*)" href="/runs/\d+/heads/(\d+)/(\d+)"[^>]*>([^<]*)</a>', page.text
+        )
+    }
+    columns = list(roles[0])
+    for r in earned:
+        cls, text = cells[(r["layer"], r["head"])]
+        others = sum(1 for o in roles if (o["layer"], o["head"]) == (r["layer"], r["head"]) and not o["primary"])
+        assert text == ROLE_WORDS[r["role"]] + (f" +{others}" if others else "")
+        assert ("unsure" in cls) == role_uncertain(columns, tuple(r.values()))
+    assert "unstable" not in page.text and "hatched" not in page.text
+    assert "faded: unsure (not on both halves" in page_text(page).lower()
 
 
 def test_bad_addresses_get_a_404_page(stored, client):

@@ -8,9 +8,10 @@ sizes in inches, no pyplot, PNG or SVG by suffix. Layers and heads are 0-based.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
-from matplotlib import colors
+from matplotlib import colors, ticker
 from matplotlib.patches import Patch, Rectangle
 
 from headatlas.service.errors import ParameterError
@@ -33,24 +34,42 @@ ROLE_COLOURS = {
     "broad": "#bcbd22",
     role_rules.NONE: "#e4e4e4",
 }
-ROLE_CODES = {
-    "previous-token": "P",
-    "next-token": "N",
-    "induction": "I",
-    "duplicate-token": "D",
-    "repetition": "R",
-    "sentence-bound": "S",
-    "punctuation": "U",  # a letter: a "." beside another code read as an abbreviation ("P.")
-    "local": "L",
-    "[CLS] sink": "C",
-    "first-token sink": "F",
-    "[SEP] sink": "E",
-    "broad": "B",
+# a role as a cell names it: a word (letter codes read as a cipher on a grid of 144 heads), short
+# enough for a cell of 0.62 in at 6 points
+ROLE_WORDS = {
+    "previous-token": "prev-token",
+    "next-token": "next-token",
+    "induction": "induction",
+    "duplicate-token": "duplicate",
+    "repetition": "repetition",
+    "sentence-bound": "sentence",
+    "punctuation": "punct",
+    "local": "local",
+    "[CLS] sink": "CLS sink",
+    "first-token sink": "first sink",
+    "[SEP] sink": "SEP sink",
+    "broad": "broad",
     role_rules.NONE: "",
 }
 ATLAS_ROLES = (*role_rules.ROLE_ORDER, role_rules.NONE)
-UNSTABLE_HATCH = "////"
-UNSTABLE_MARK = "?"  # after a role's letter: the role does not hold on both halves
+FADE = 0.6  # the share of white laid over an uncertain cell: its colour still shows, quieter
+COLOURS = ("role", "evidence")  # besides a column of ``query heads``: what ``--colour`` may name
+ROLE_FADED = "faded, italic: unsure (not held on\nboth halves, or its 95% interval\nreaches its threshold)"
+
+
+@dataclass(frozen=True)
+class Shade:
+    """What the cells are coloured by where not the primary role: ``label`` (the colour bar's),
+    ``values`` ``[layer, head]`` (NaN: no value), ``uncertain`` ``[layer, head]`` (drawn faded),
+    ``faded`` (the legend's words for a faded cell), ``diverging`` (about 0: an effect, of either
+    sign), ``log`` (a ratio of 1 and more: the evidence)."""
+
+    label: str
+    values: np.ndarray
+    uncertain: np.ndarray
+    faded: str
+    diverging: bool = False
+    log: bool = False
 
 
 def atlas_size(n_layers: int, n_heads: int) -> tuple[float, float]:
@@ -63,6 +82,37 @@ def _quarter(inches: float) -> float:
     return math.ceil(inches * 4) / 4
 
 
+def role_uncertain(columns: list[str], row: tuple) -> bool:
+    """A role whose evidence is unsure: not held on both halves (where ``row`` has stability), or
+    its 95% interval reaching its threshold (a lower bound: ``value_lo`` at or under it)."""
+    at = {c: i for i, c in enumerate(columns)}
+    if "stable" in at and row[at["stable"]] is False:
+        return True
+    lo, threshold = (row[at[c]] if c in at else None for c in ("value_lo", "threshold"))
+    return isinstance(lo, (int, float)) and isinstance(threshold, (int, float)) and lo <= threshold
+
+
+def evidence_shade(columns: list[str], rows: list[tuple], n_layers: int, n_heads: int) -> Shade | None:
+    """Each head's primary role's value over its threshold (1: just earned; a lift of 30 on a
+    threshold of 10: 3), one scale for roles measured in different units; None where no row
+    carries a value and a threshold (hand-built rows)."""
+    at = {c: i for i, c in enumerate(columns)}
+    if "value" not in at or "threshold" not in at:
+        return None
+    values = np.full((n_layers, n_heads), np.nan)
+    uncertain = np.zeros((n_layers, n_heads), dtype=bool)
+    for r in rows:
+        value, threshold = r[at["value"]], r[at["threshold"]]
+        if not r[at["primary"]] or r[at["role"]] == role_rules.NONE:
+            continue
+        if isinstance(value, (int, float)) and isinstance(threshold, (int, float)) and threshold > 0 and value > 0:
+            values[r[at["layer"]], r[at["head"]]] = max(1.0, value / threshold)
+        uncertain[r[at["layer"]], r[at["head"]]] = role_uncertain(columns, r)
+    if np.isnan(values).all():
+        return None
+    return Shade("primary role's value / its threshold", values, uncertain, ROLE_FADED, log=True)
+
+
 def figure_atlas(
     columns: list[str],
     rows: list[tuple],
@@ -71,78 +121,84 @@ def figure_atlas(
     n_heads: int,
     title: str,
     offered: tuple[str, ...] | None = None,
-    shade: tuple[str, np.ndarray] | None = None,
+    shade: Shade | None = None,
 ) -> tuple:
-    """Layer × head grid coloured by each head's primary role; each cell lists the codes of every
-    role the head holds (legend: code and colour). Where ``rows`` carry stability (``query roles
-    --stability``), a cell whose primary role does not hold on both halves is hatched and an
-    unstable role's code is followed by ``?``. ``offered``: the run's roles (``role_rules.offered_roles``),
-    the legend's entries; default every role. ``shade``: (metric, ``[layer, head]`` values) colours
-    the cells by that metric (e.g. ``effect_mean``, SPEC §9) instead of the role, the role codes
-    written over it. Returns (figure, role index grid)."""
+    """Layer × head grid; each cell names its head's primary role in a word (and the count of any
+    other roles it holds). ``shade`` colours the cells (an effect, the evidence: ``run_atlas``
+    chooses); without it, each cell has its primary role's colour (legend: role and colour). An
+    uncertain cell is drawn faded rather than hidden under a mark: under ``shade``, its
+    ``uncertain``; by role, a primary role that does not hold on both halves or whose interval
+    reaches its threshold (``role_uncertain``). ``offered``: the run's roles
+    (``role_rules.offered_roles``), the legend's entries; default every role. Returns (figure, role
+    index grid)."""
     grid = role_views.primary_grid(columns, rows, n_layers, n_heads)
     index = np.full((n_layers, n_heads), np.nan)
     for (l, h), _ in np.ndenumerate(index):
         if grid[l][h] is not None:
             index[l, h] = ATLAS_ROLES.index(grid[l][h])
     held: dict[tuple[int, int], list[str]] = {}
-    unstable: set[tuple[int, int, str]] = set()
+    unsure: set[tuple[int, int, str]] = set()
     li, hi, ri = (columns.index(c) for c in ("layer", "head", "role"))
-    si = columns.index("stable") if "stable" in columns else None
     for r in rows:
-        held.setdefault((r[li], r[hi]), []).append(r[ri])
-        if si is not None and r[ri] != role_rules.NONE and r[si] is False:
-            unstable.add((r[li], r[hi], r[ri]))
+        if r[ri] != role_rules.NONE:
+            held.setdefault((r[li], r[hi]), []).append(r[ri])
+            if role_uncertain(columns, r):
+                unsure.add((r[li], r[hi], r[ri]))
     fig = new_figure(*atlas_size(n_layers, n_heads))
     ax = fig.subplots()
-    cmap = colors.ListedColormap([ROLE_COLOURS[r] for r in ATLAS_ROLES]).with_extremes(bad="#ffffff")
-    norm = colors.BoundaryNorm(np.arange(len(ATLAS_ROLES) + 1) - 0.5, len(ATLAS_ROLES))
     if shade is None:
-        ax.imshow(np.ma.masked_invalid(index), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+        cmap = colors.ListedColormap([ROLE_COLOURS[r] for r in ATLAS_ROLES]).with_extremes(bad="#ffffff")
+        norm: colors.Normalize = colors.BoundaryNorm(np.arange(len(ATLAS_ROLES) + 1) - 0.5, len(ATLAS_ROLES))
+        image = ax.imshow(np.ma.masked_invalid(index), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+        drawn = index
+        faded = np.array([[(l, h, grid[l][h]) in unsure for h in range(n_heads)] for l in range(n_layers)])
     else:
-        metric, values = shade
-        image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto", interpolation="nearest")
-        fig.colorbar(image, ax=ax, label=metric, location="left")
-    for l, h, role in sorted(unstable):
-        if grid[l][h] == role:
-            ax.add_patch(
-                Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, hatch=UNSTABLE_HATCH, edgecolor="#ffffff", lw=0)
-            )
-    for (l, h), codes in held.items():
-        label = "".join(ROLE_CODES[c] + (UNSTABLE_MARK if (l, h, c) in unstable else "") for c in codes)
-        if label:
-            dark = grid[l][h] in (
-                "previous-token",
-                "induction",
-                "repetition",
-                "sentence-bound",
-                "punctuation",
-                "[CLS] sink",
-            )
-            if shade is not None:  # viridis: light cells at the top of the scale
-                value, top = shade[1][l, h], np.nanmax(shade[1])
-                low = np.nanmin(shade[1])
-                dark = not (np.isfinite(value) and top > low and (value - low) / (top - low) > 0.6)
-            ax.text(
-                h,
-                l,
-                label,
-                ha="center",
-                va="center",
-                fontsize=8 if n_heads <= 16 else 6,
-                color="white" if dark else "black",
-                fontweight="bold",
-            )
+        image = ax.imshow(
+            np.ma.masked_invalid(shade.values),
+            cmap=_shade_map(shade),
+            norm=_shade_norm(shade),
+            aspect="auto",
+            interpolation="nearest",
+        )
+        drawn = shade.values
+        bar = fig.colorbar(image, ax=ax, label=shade.label, location="right", pad=0.02)
+        if shade.log:
+            bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+            bar.ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        faded = shade.uncertain
+    for (l, h), flag in np.ndenumerate(faded):
+        if flag:  # white laid over the cell: its colour quieter, still there
+            ax.add_patch(Rectangle((h - 0.5, l - 0.5), 1, 1, facecolor="white", alpha=FADE, lw=0))
+    for (l, h), names in held.items():
+        primary = grid[l][h]
+        if primary is None or primary == role_rules.NONE:
+            continue
+        word = ROLE_WORDS[primary] + (f"\n+{len(names) - 1}" if len(names) > 1 else "")
+        rgba = np.array(image.to_rgba(drawn[l, h]))
+        if faded[l, h]:
+            rgba[:3] = rgba[:3] * (1 - FADE) + FADE
+        dark = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2] < 0.55
+        ax.text(
+            h,
+            l,
+            word,
+            ha="center",
+            va="center",
+            fontsize=6,
+            linespacing=1.0,
+            color="white" if dark else "black",
+            fontstyle="italic" if (l, h, primary) in unsure else "normal",
+        )
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
     ax.set_xticks(np.arange(n_heads + 1) - 0.5, minor=True)
     ax.set_yticks(np.arange(n_layers + 1) - 0.5, minor=True)
     ax.grid(which="minor", color="white", lw=1.5)
     ax.tick_params(which="minor", length=0)
-    # the title and the legend name what the colour is: the primary role, or the metric shaded
-    # (its scale in the colour bar; the letters still list every role held)
-    coloured = "primary role" if shade is None else shade[0]
-    ax.set(xlabel="head", ylabel="layer", title=f"{coloured} per head (letters: every role held)")
+    # the title and the legend name what the colour is: the primary role, or what is shaded (its
+    # scale in the colour bar; the words still name each head's primary role)
+    coloured = "primary role" if shade is None else shade.label
+    ax.set(xlabel="head", ylabel="layer", title=f"{coloured} per head")
     listed = role_rules.ROLE_ORDER if offered is None else offered
     counts = role_views.role_counts(columns, rows, listed)
     stable = role_views.stable_counts(columns, rows)
@@ -150,27 +206,20 @@ def figure_atlas(
         Patch(
             facecolor=ROLE_COLOURS[r] if shade is None else "none",
             edgecolor="#999999",
-            label=f"{ROLE_CODES[r] or '–'}  {r} ({counts[r]}"
-            + (f", {stable[r]} stable" if stable is not None and r in stable else "")
-            + ")",
+            label=f"{r} ({counts[r]}" + (f", {stable[r]} stable" if stable is not None and r in stable else "") + ")",
         )
         for r in ATLAS_ROLES
         if r in counts
     ]
-    if stable is not None:
-        handles.append(
-            Patch(
-                facecolor="#bbbbbb",
-                edgecolor="#999999",
-                hatch=UNSTABLE_HATCH,
-                label=f"hatched, {UNSTABLE_MARK}: not held on both halves",
-            )
-        )
+    said = ROLE_FADED if shade is None else shade.faded
+    if said and (faded.any() or stable is not None):
+        grey = (0.6 * (1 - FADE) + FADE,) * 3
+        handles.append(Patch(facecolor=grey, edgecolor="#999999", label=said))
     fig.legend(
         handles=handles,
         loc="outside right center",
         fontsize=8,
-        title="role (heads holding it)" if shade is None else f"letters: role (heads holding it)\ncolour: {shade[0]}",
+        title="role (heads holding it)" if shade is None else f"words: role (heads holding it)\ncolour: {shade.label}",
         title_fontsize=8,
         frameon=False,
     )
@@ -184,30 +233,87 @@ def figure_atlas(
     return fig, index
 
 
-def run_atlas(conn, run, *, colour: str | None = None) -> tuple:
-    """The atlas of ``run`` (a store ``Run``) from ``roles.roles``, unstable roles marked;
-    ``colour``: a column of ``query heads`` (``effect_mean``: what removing each head costs) to
-    colour the cells by, instead of the role."""
-    from sqlalchemy import text
+def _shade_map(shade: Shade) -> colors.Colormap:
+    from matplotlib import colormaps
 
+    # no value (no role, no effect measured): a pale grey, apart from every colour of the scale
+    return colormaps["RdBu_r" if shade.diverging else "YlGnBu"].with_extremes(bad="#f2f2f2")
+
+
+def _shade_norm(shade: Shade) -> colors.Normalize:
+    finite = shade.values[np.isfinite(shade.values)]
+    if shade.diverging:  # about 0: a head whose removal helps is blue, one whose removal costs red
+        top = float(np.abs(finite).max()) or 1.0
+        return colors.Normalize(-top, top)
+    if shade.log:
+        return colors.LogNorm(1.0, max(2.0, float(finite.max())))
+    return colors.Normalize(float(finite.min()), float(finite.max()))
+
+
+def effect_shade(conn, run, column: str) -> Shade | None:
+    """``column`` (an effect: O with the head removed − O intact) per head, a cell faded where its
+    95% interval includes 0; None where the run holds no value of it."""
+    from headatlas.service.reports import queries
+
+    columns, rows = queries.heads(conn, run.run_id, ci=True)
+    if column not in columns:
+        return None
+    at = {c: i for i, c in enumerate(columns)}
+    values = np.full((run.n_layers, run.n_heads), np.nan)
+    uncertain = np.zeros((run.n_layers, run.n_heads), dtype=bool)
+    diverging = column.startswith("effect_")  # O(removed) − O(intact): of either sign, unsure where 0 is in reach
+    lo, hi = at.get(f"{column}_lo"), at.get(f"{column}_hi")
+    for r in rows:
+        value = r[at[column]]
+        if value is None:
+            continue
+        values[r[at["layer"]], r[at["head"]]] = value
+        if diverging and lo is not None and hi is not None and r[lo] is not None and r[hi] is not None:
+            uncertain[r[at["layer"]], r[at["head"]]] = r[lo] <= 0 <= r[hi]
+    if np.isnan(values).all():
+        return None
+    return Shade(
+        column,
+        values,
+        uncertain,
+        "faded: unsure (its 95%\ninterval includes 0)" if diverging else "",
+        diverging=diverging,
+    )
+
+
+# the effects a run's atlas is coloured by first, where measured: what removing the head costs
+DEFAULT_EFFECTS = ("effect_mean", "effect_zero")
+
+
+def run_atlas(conn, run, *, colour: str | None = None) -> tuple:
+    """The atlas of ``run`` (a store ``Run``) from ``roles.roles`` with stability. ``colour``: the
+    cells' colour; by default the strongest evidence the run holds: its causal effect
+    (``effect_mean``, else ``effect_zero``: what removing the head costs, SPEC §9), else its
+    primary role's value over its threshold (``evidence``); ``role``: the primary role's own
+    colour; or any column of ``query heads``."""
     from headatlas.service.reports.columns import HEAD_COLUMNS, unknown_metric
 
     columns, rows = roles.roles(conn, run.run_id, stability=True)
     offered = role_rules.offered_roles(attention_kind.causal_run(conn, run.run_id))
-    shade = None
-    if colour is not None:
-        if colour not in HEAD_COLUMNS[2:-1]:
-            raise unknown_metric("colour", colour, HEAD_COLUMNS[2:-1])
-        values = np.full((run.n_layers, run.n_heads), np.nan)
-        for layer, head, value in conn.execute(
-            text(f"SELECT layer, head, {colour} FROM head_metrics WHERE run_id = :r"), {"r": run.run_id}
-        ):
-            values[layer, head] = np.nan if value is None else value
-        if np.isnan(values).all():
-            from headatlas.service.errors import ParameterError
-
+    shapes = (run.n_layers, run.n_heads)
+    shade: Shade | None
+    if colour is None:
+        shade = next((s for c in DEFAULT_EFFECTS if (s := effect_shade(conn, run, c)) is not None), None)
+        if shade is None:
+            shade = evidence_shade(columns, rows, *shapes)
+    elif colour == "role":
+        shade = None
+    elif colour == "evidence":
+        shade = evidence_shade(columns, rows, *shapes)
+        if shade is None:
+            raise ParameterError(f"--colour evidence: run {run.run_id} has no head with a role; try --colour role")
+    else:
+        choices = HEAD_COLUMNS[2:-1]
+        if colour not in choices:
+            raise unknown_metric("colour", colour, (*COLOURS, *choices))
+        shade = effect_shade(conn, run, colour)
+        if shade is None:
             raise ParameterError(f"--colour {colour}: run {run.run_id} has no value of it (effects: analyze --effects)")
-        shade = (colour, values)
     return figure_atlas(
         columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run), offered=offered, shade=shade
     )

@@ -2,7 +2,8 @@
 sortable, filterable table of its heads with their intervals.
 
 Parameters (the CLI's names): ``metric`` (the layer progression's, one of ``query layers``'
-columns), ``color`` (the atlas: ``role`` or any numeric column of ``query heads``), ``sort``,
+columns), ``color`` (the atlas: by default its effect where measured, else ``evidence``, the primary
+role's value over its threshold; ``role`` or any numeric column of ``query heads``), ``sort``,
 ``asc``, ``layer``, ``top`` (as ``query heads``), ``role`` (heads holding that role), ``wide``
 (every column). The JSON document: ``run`` (its row of ``headatlas runs``), ``layers`` (``query
 layers --ci``), ``heads`` (``query heads --ci`` with the same sort, layer and top; then the role
@@ -87,12 +88,12 @@ def run_view(ctx: Ctx, ref: str) -> View:
         raise ParameterError(
             Param("role", role), f": not a role of run {run.run_id}; choose one of {', '.join(offered)}"
         )
-    color = ctx.arg("color") or "role"
-    numeric = colour_columns(read["all_heads"])
-    if color in sortable() and color not in numeric:  # a column of the run that it holds no value in
+    choices = atlas_colours(read)
+    color = ctx.arg("color") or choices[0]
+    if color in sortable() and color not in choices:  # a column of the run that it holds no value in
         raise ParameterError(Param("color", color), f": run {run.run_id} has no value of it", hint=_measure_hint(color))
-    if color != "role" and color not in numeric:
-        raise unknown_metric("color", color, ["role", *numeric])
+    if color not in choices:
+        raise unknown_metric("color", color, choices)
     head_cols, head_rows = heads_of(ctx, run, layer=layer, sort=sort, asc=asc, top=top)
     if role is not None:
         holders = _holders(read["roles"], role)
@@ -211,33 +212,68 @@ def _layer_section(ctx: Ctx, layer_rows: query_support.Rows, metric: str) -> str
     )
 
 
+def atlas_colours(read: dict) -> list[str]:
+    """What the atlas can be coloured by, the default first: the run's effects (what removing the head
+    costs, SPEC §9), its roles' evidence (``evidence``: the primary role's value over its threshold,
+    where a head holds a role), each role's own colour (``role``), then every other numeric column."""
+    from headatlas.service.reports.atlas_plots import DEFAULT_EFFECTS  # as `plot atlas` chooses
+
+    numeric = colour_columns(read["all_heads"])
+    effects = [c for c in DEFAULT_EFFECTS if c in numeric]
+    evidence = ["evidence"] if _evidence(read["roles"]) else []
+    return [*effects, *evidence, "role", *(c for c in numeric if c not in effects)]
+
+
+def _evidence(role_rows: query_support.Rows) -> dict[tuple[int, int], tuple[float, bool]]:
+    """(layer, head) → (its primary role's value over its threshold, at least 1; whether that role
+    is unsure: not on both halves, or its interval reaching its threshold)."""
+    from headatlas.service.reports.atlas_plots import role_uncertain
+
+    columns, rows = role_rows
+    at = {c: i for i, c in enumerate(columns)}
+    found = {}
+    for r in rows:
+        value, threshold = r[at["value"]], r[at["threshold"]]
+        if r[at["primary"]] and r[at["role"]] != role_rules.NONE and value and threshold and threshold > 0:
+            found[(r[0], r[1])] = (max(1.0, value / threshold), role_uncertain(columns, r))
+    return found
+
+
 def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[str, ...]) -> str:
-    from headatlas.service.reports.atlas_plots import ROLE_CODES, ROLE_COLOURS
+    import math
+
+    from headatlas.service.reports.atlas_plots import ROLE_COLOURS, ROLE_WORDS, role_uncertain
 
     columns, rows = read["roles"]
     at = {c: i for i, c in enumerate(columns)}
     held: dict[tuple[int, int], list[tuple[str, bool | None]]] = {}
     primary: dict[tuple[int, int], str] = {}
+    unsure: dict[tuple[int, int], bool] = {}
     for r in rows:
         key = (r[0], r[1])
         if r[at["role"]] != role_rules.NONE:
             held.setdefault(key, []).append((r[at["role"]], r[at["stable"]] if "stable" in at else None))
         if r[at["primary"]]:
             primary[key] = r[at["role"]]
+            unsure[key] = r[at["role"]] != role_rules.NONE and role_uncertain(columns, r)
     head_cols, head_rows = read["all_heads"]
     hi = {c: i for i, c in enumerate(head_cols)}
     values = {(h[0], h[1]): h for h in head_rows}
-    shown = [v[hi[color]] for v in head_rows if color != "role" and v[hi[color]] is not None]
-    low, high = (min(shown), max(shown)) if shown else (0.0, 1.0)
+    evidence = _evidence(read["roles"]) if color == "evidence" else {}
+    if color == "evidence":  # a ratio of 1 and more: on a log scale, so 2× and 20× both read
+        shown = [math.log10(v) for v, _ in evidence.values()]
+        low, high = 0.0, max(max(shown, default=1.0), 0.3)
+    else:
+        shown = [v[hi[color]] for v in head_rows if color != "role" and v[hi[color]] is not None]
+        low, high = (min(shown), max(shown)) if shown else (0.0, 1.0)
     grid = []
     for layer in range(run.n_layers):
         cells = [f"<th>{layer}</th>"]
         for head in range(run.n_heads):
             key = (layer, head)
-            codes = "".join(
-                ROLE_CODES.get(role, "?") + ("?" if stable is False else "") for role, stable in held.get(key, [])
-            )
             name = primary.get(key, role_rules.NONE)
+            others = len(held.get(key, [])) - (name != role_rules.NONE)
+            text = ROLE_WORDS.get(name, name) + (f" +{others}" if others > 0 else "")
             tip = f"layer {layer}, head {head}: {name}"
             if held.get(key):
                 tip += (
@@ -245,42 +281,60 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
                     + ", ".join(role + (", not on both halves" if s is False else "") for role, s in held[key])
                     + ")"
                 )
+            faded = unsure.get(key, False)
             if color == "role":
-                bg, text = ROLE_COLOURS.get(name, "#e4e4e4"), codes
+                bg = ROLE_COLOURS.get(name, "#e4e4e4")
+            elif color == "evidence":
+                ratio, faded = evidence.get(key, (None, False))
+                bg = colour(None if ratio is None else math.log10(ratio), low, high)
+                if ratio is not None:
+                    tip += f"; value {num(ratio)} × its threshold"
             else:
                 h = values.get(key)
                 v = h[hi[color]] if h is not None else None
-                bg, text = colour(v, low, high, diverging=color in SIGNED_EFFECTS), num(v)
+                bg = colour(v, low, high, diverging=color in SIGNED_EFFECTS)
+                tip += f"; {color} {num(v)}"
+                faded = False
                 if h is not None and f"{color}_lo" in hi:
-                    tip += f"; {color} {num(v)} [{num(h[hi[color + '_lo']])}, {num(h[hi[color + '_hi']])}]"
-            unstable = " unstable" if any(s is False for r_, s in held.get(key, []) if r_ == name) else ""
+                    lo_v, hi_v = h[hi[color + "_lo"]], h[hi[color + "_hi"]]
+                    tip += f" [{num(lo_v)}, {num(hi_v)}]"
+                    # an effect whose interval holds 0: unsure of its sign
+                    faded = color in SIGNED_EFFECTS and lo_v is not None and hi_v is not None and lo_v <= 0 <= hi_v
+            mark = " unsure" if faded else ""
             href, said = e(ctx.url(run_path(run, "heads", layer, head))), e(tip)
             cells.append(
-                f'<td><a class="cell{unstable}" href="{href}" data-layer="{layer}" data-head="{head}" '
+                f'<td><a class="cell{mark}" href="{href}" data-layer="{layer}" data-head="{head}" '
                 f'style="background:{bg};color:{ink(bg)}" data-tip="{said}" title="{said}">{e(text)}</a></td>'
             )
         grid.append(f"<tr>{''.join(cells)}</tr>")
     head_row = "<th>layer \\ head</th>" + "".join(f"<th>{h}</th>" for h in range(run.n_heads))
     if color == "role":
         legend = '<div class="legend">' + "".join(
-            f'<span><i style="background:{ROLE_COLOURS.get(r, "#e4e4e4")}"></i>{e(ROLE_CODES.get(r, ""))} {e(r)}</span>'
+            f'<span><i style="background:{ROLE_COLOURS.get(r, "#e4e4e4")}"></i>{e(r)}</span>'
             for r in (*offered, role_rules.NONE)
         )
-        legend += "<span>? after a letter, hatched cell: not on both halves</span></div>"
+        legend += "<span>faded: unsure (not on both halves, or its 95% interval reaches its threshold)</span></div>"
+    elif color == "evidence":
+        legend = legend_bar(low, high, "the primary role's value over its threshold, log10 (0: 1×, 1: 10×)")
+        legend += '<p class="muted">Faded: unsure (not on both halves, or its 95% interval reaches its threshold).</p>'
     else:
         legend = legend_bar(low, high, color, diverging=color in SIGNED_EFFECTS)
         if color in EFFECT_COLUMNS:
-            legend += f'<p class="muted">{e(color)}: {e(_definition(color))} (SPEC §9).</p>'
-    numeric = colour_columns(read["all_heads"])
-    named = [(c, f"effect: {c}" if c in EFFECT_COLUMNS else c) for c in numeric]
+            legend += (
+                f'<p class="muted">{e(color)}: {e(_definition(color))} (SPEC §9). Faded: its 95% interval '
+                "includes 0.</p>"
+            )
+    names = {"role": "role (its own colour)", "evidence": "evidence: primary role's value / threshold"}
+    named = [(c, names.get(c, f"effect: {c}" if c in EFFECT_COLUMNS else c)) for c in atlas_colours(read)]
     form = (
-        f'<form class="inline" method="get">{select("color", [("role", "role"), *named], color, label="colour by")}'
+        f'<form class="inline" method="get">{select("color", named, color, label="colour by")}'
         f"{hidden(ctx.request, 'metric', 'sort', 'asc', 'layer', 'top', 'role', 'wide')}<noscript><button>show</button></noscript></form>"
     )
     return (
         f'<h2 id="atlas">Head atlas</h2>{form}<div class="table-wrap"><table class="atlas" id="atlas-grid">'
         f"<thead><tr>{head_row}</tr></thead><tbody>{''.join(grid)}</tbody></table></div>{legend}"
-        f'<p class="muted">Click a head for its metrics, roles, anchors, distances and an example window. '
+        f'<p class="muted">Each cell names its head\'s primary role (+n: other roles it holds). '
+        f"Click a head for its metrics, roles, anchors, distances and an example window. "
         f"A role is earned when its one-sided test survives Holm–Bonferroni over every (head, role) of the run "
         f"(α = {role_tests.ALPHA:g}, SPEC §7).</p>"
     )
