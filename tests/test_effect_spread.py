@@ -156,6 +156,30 @@ def test_the_default_effect_windows_of_the_excerpt_have_finite_intervals(excerpt
     assert "the 7 replicate groups that hold these windows, fewer than 8" in note
 
 
+def test_windows_added_to_a_run_are_stored_under_their_positions_in_it(excerpt_effects, tiny_model) -> None:
+    """`effects RUN` stores each window as batch EFFECT_BATCH_BASE + its position in the run: spread
+    windows' positions have gaps, and asking again finds every one stored."""
+    from sqlalchemy import text
+
+    from headatlas.service.engine.run_plan import effect_targets
+    from headatlas.service.engine.windows import TokenClasses
+    from headatlas.service.operations.added_effects import EFFECT_BATCH_BASE, effect_windows
+    from headatlas.service.params import AnalysisParams
+
+    store, added = excerpt_effects
+    params = AnalysisParams.from_dict(added.run.params)
+    tokens = TokenClasses.for_model(tiny_model)
+    chosen = effect_windows(store, added.run, tiny_model, params, tokens)
+    positions = [p for p, _w in effect_targets(added.run.corpus, tiny_model, params, tokens)]
+    assert chosen.todo == [] and chosen.analysed == 0 and chosen.added == positions != list(range(16))
+    with store.read() as conn:
+        ids = conn.execute(
+            text("SELECT batch_id FROM batches WHERE run_id = :r AND batch_id >= :b ORDER BY batch_id"),
+            {"r": added.run.run_id, "b": EFFECT_BATCH_BASE},
+        ).scalars()
+        assert [i - EFFECT_BATCH_BASE for i in ids] == positions
+
+
 # --- the batch, the OOM splitter and the worker take the windows named ---------------------------------
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from headatlas.service.errors import Param, ParameterError, Part
@@ -201,12 +201,16 @@ class EffectWindows:
     order; ``todo``: (position, window) of those not stored yet, position the window's in the run
     (``run_plan.effect_targets``), each stored as batch ``EFFECT_BATCH_BASE`` + position;
     ``analysed``: how many of them its analysis measured (the rule's first that many);
-    ``present``: the sums (per head, per run) its rows hold (``window_effects`` gives them zeros)."""
+    ``present``: the sums (per head, per run) its rows hold (``window_effects`` gives them zeros);
+    ``added``: the positions of those its analysis did not measure, stored or not: the batches
+    ``EFFECT_BATCH_BASE`` + position the run is to hold (not a range: spread windows' positions
+    have gaps)."""
 
     targets: list[Window]
     todo: list[tuple[int, Window]]
     analysed: int
     present: tuple[list[str], list[str]]
+    added: list[int] = field(default_factory=list)
 
 
 def effect_windows(store: Store, run: Run, model, params: AnalysisParams, tokens) -> EffectWindows:
@@ -247,7 +251,8 @@ def effect_windows(store: Store, run: Run, model, params: AnalysisParams, tokens
         }
         present = present_sums(conn, run.run_id)
     todo = [(p, w) for p, w in chosen if p not in done and w.window_id not in measured]
-    return EffectWindows(targets, todo, analysed, present)
+    added = [p for p, w in chosen if w.window_id not in measured]
+    return EffectWindows(targets, todo, analysed, present, added)
 
 
 def reference_windows(run: Run, model, params: AnalysisParams, tokens) -> list[Window]:
