@@ -178,6 +178,46 @@ def test_sql_over_a_run_is_the_clis_with_its_limits(stored, client, monkeypatch)
     assert "truncated: the first 100 rows" in capped.text and capped.text.count("<tr>") == 101
 
 
+def test_tables_sort_facet_round_and_link_their_rows_to_heads(stored, client):
+    """The SQL page's result: numbers at 4 significant digits with the full value to sort by, headers
+    that sort (numbers as numbers), a facet per layer (and per role, its values as text), and a
+    row's head linked to its page; the JSON keeps every digit. The run page's heads table the same."""
+    from html import unescape
+
+    db, run, _ = stored
+    q = (
+        "SELECT layer, head, within_sentence_lift_dm AS lift, '<b>' || (head % 2) || '</b>' AS role "
+        "FROM head_metrics ORDER BY 1, 2"
+    )
+    page = client.get("/runs/tiny/sql", {"q": q})
+    rows = client.get("/runs/tiny/sql.json", {"q": q}).json()
+    assert page.status == 200 and '<table id="sql-result" class="data " data-sortable>' in page.text
+    assert re.search(r'<th data-col="lift" data-type="num" tabindex="0" aria-sort="none">', page.text)
+    assert re.search(r'<th class=text data-col="role" data-type="text" tabindex="0" aria-sort="none">', page.text)
+    body = page.text.split('<table id="sql-result"')[1].split("<tbody>")[1]
+    shown = re.findall(r'<td data-sort="([^"]+)">([^<]+)</td>', body)
+    lifts = [r["lift"] for r in rows]
+    # the lifts (layer and head are integers): each its full value, shown to 4 digits
+    full = [(float(k), v) for k, v in shown if "." in k]
+    assert [k for k, _ in full] == lifts and [v for _, v in full] == [f"{x:.4g}" for x in lifts]
+    assert any(len(repr(x)) > 8 for x in lifts)  # the page rounds what the JSON keeps
+    for r in rows:
+        href = f"/runs/{run.run_id}/heads/{r['layer']}/{r['head']}"
+        assert f'<td data-sort="{r["head"]}"><a href="{href}">{r["head"]}</a></td>' in page.text
+    facets = page.text.split('<div class="facets" id="sql-result-facets">')[1].split("</div>")[0]
+    layer_box = facets.split('data-col="layer">')[1].split("</select>")[0]
+    assert re.findall(r'<option value="([^"]*)">', layer_box) == ["", "0", "1"]
+    assert f"0 ({run.n_heads})" in layer_box
+    role_box = facets.split('data-col="role">')[1].split("</select>")[0]
+    assert re.findall(r'<option value="([^"]*)">', role_box) == ["", "&lt;b&gt;0&lt;/b&gt;", "&lt;b&gt;1&lt;/b&gt;"]
+    assert "<b>" not in page.text.split("</form>", 1)[1] and unescape("&lt;b&gt;") == "<b>"
+    # the run page: the heads table sorts by its values, each head linked
+    run_page = client.get("/runs/tiny").text
+    heads = run_page.split('id="heads-table"')[1].split("</table>")[0]
+    assert "data-sortable" in run_page.split('id="heads-table"')[1][:40]
+    assert heads.count('data-type="num"') >= 3 and heads.count(f'<a href="/runs/{run.run_id}/heads/') == 8
+
+
 def test_a_run_named_script_is_text_on_every_page(stored, client):
     db, _, deep = stored
     naughty = deep.run_id

@@ -70,12 +70,16 @@ def table(
 ) -> str:
     """An HTML table of query rows: ``shown`` columns (default all), a column ``x`` with ``x_lo``/
     ``x_hi`` shows its 95% interval under its value; ``links``: column → the address a cell links
-    to (from the row as a dict); ``header``: a column's header HTML (default its name)."""
+    to (from the row as a dict; None: no link); ``header``: a column's header HTML (default its
+    name). Numbers are shown to ``digits`` significant digits; each cell keeps its full value in
+    ``data-sort``, which app.js sorts by (a header clicked: numbers as numbers, text as text) and
+    the facets (``facets``) match."""
     index = {c: i for i, c in enumerate(columns)}
     picked = [c for c in (shown or columns) if c in index and not (c.endswith(("_lo", "_hi")) and c[:-3] in index)]
     text = set(text_columns) | {c for c in picked if _all_text(rows, index[c])}
     heads = "".join(
-        f'<th{" class=text" if c in text else ""} data-col="{e(c)}">{header(c) if header else breakable(c)}</th>'
+        f'<th{" class=text" if c in text else ""} data-col="{e(c)}" data-type="{_kind(rows, index[c], c in text)}" '
+        f'tabindex="0" aria-sort="none">{header(c) if header else breakable(c)}</th>'
         for c in picked
     )
     # per column, once: where its value and interval are, whether it is text, what it links to
@@ -100,8 +104,10 @@ def table(
             if lo is not None and hi is not None and row[lo] is not None:
                 shown_value += f'<span class="ci">{interval(row[lo], row[hi])}</span>'
             if link is not None and value is not None:
-                shown_value = f'<a href="{e(link(named))}">{shown_value}</a>'
-            if is_text:
+                href = link(named)
+                if href is not None:
+                    shown_value = f'<a href="{e(href)}">{shown_value}</a>'
+            if is_text:  # sorted and matched by its text (app.js): no second copy of it
                 cells.append(f"<td class=text>{shown_value}</td>")
             elif value is None:
                 cells.append(f"<td>{shown_value}</td>")
@@ -111,9 +117,52 @@ def table(
         body.append(f"<tr{cls}>{''.join(cells)}</tr>")
     ident = f' id="{e(table_id)}"' if table_id else ""
     return (
-        f'<div class="table-wrap"><table{ident} class="data {e(classes)}"><thead><tr>{heads}</tr></thead>'
+        f'<div class="table-wrap"><table{ident} class="data {e(classes)}" data-sortable><thead><tr>{heads}</tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table></div>"
     )
+
+
+def _kind(rows: Sequence[tuple], i: int, text: bool) -> str:
+    """How app.js compares a column's values: ``num`` (as numbers) or ``text`` (yes/no included)."""
+    if text or any(isinstance(r[i], bool) for r in rows if r[i] is not None):
+        return "text"
+    return "num"
+
+
+FACETS = ("layer", "role", "stable")  # the columns a table's rows can be narrowed by, where it has them
+
+
+def facets(table_id: str, columns: Sequence[str], rows: Sequence[tuple], *, among: Sequence[str] = FACETS) -> str:
+    """A select box per column of ``among`` that ``columns`` has (with 2 to ``FACET_MOST`` values):
+    choosing a value shows only the rows of table ``table_id`` holding it (app.js, in the browser:
+    the rows are on the page already), with each value's count of rows."""
+    from collections import Counter
+
+    index = {c: i for i, c in enumerate(columns)}
+    boxes = []
+    for c in among:
+        if c not in index:
+            continue
+        counts = Counter(r[index[c]] for r in rows if r[index[c]] is not None)
+        if not 2 <= len(counts) <= FACET_MOST:
+            continue
+        try:
+            values = sorted(counts)
+        except TypeError:  # values of several types (SQL may mix them): by their text
+            values = sorted(counts, key=str)
+        options = "".join(
+            f'<option value="{e(v)}">{e(v) if isinstance(v, str) else num(v)} ({counts[v]:,})</option>' for v in values
+        )
+        boxes.append(
+            f'<label>{e(c)} <select data-facet-for="#{e(table_id)}" data-col="{e(c)}">'
+            f'<option value="">all</option>{options}</select></label>'
+        )
+    if not boxes:
+        return ""
+    return f'<div class="facets" id="{e(table_id)}-facets">show only {" ".join(boxes)}</div>'
+
+
+FACET_MOST = 100  # a column with more values is no facet (a select box of hundreds)
 
 
 def _all_text(rows: Sequence[tuple], i: int) -> bool:

@@ -32,7 +32,20 @@ from headatlas.service.storage.store import Run
 from headatlas.service.web import charts
 from headatlas.service.web.context import Ctx, run_path
 from headatlas.service.web.documents import records, with_scheme
-from headatlas.service.web.html import Html, colour, e, hidden, ink, legend_bar, num, record, select, table, when
+from headatlas.service.web.html import (
+    Html,
+    colour,
+    e,
+    facets,
+    hidden,
+    ink,
+    legend_bar,
+    num,
+    record,
+    select,
+    table,
+    when,
+)
 from headatlas.service.web.views import View
 from headatlas.service.wording import seconds
 
@@ -367,7 +380,7 @@ def _roles_section(ctx: Ctx, run: Run, read: dict, offered: tuple[str, ...]) -> 
     probed = any(r[pi] is not None for r in rows)
     left_out = ("rule", "family", "test") + (() if probed else ("probe_score", "probe_min"))
     shown = [c for c in columns if c not in left_out]
-    evidence = table(
+    evidence = facets("roles", columns, earned) + table(
         columns,
         earned,
         shown=shown,

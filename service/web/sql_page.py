@@ -2,8 +2,10 @@
 limits (one SELECT, ``HEADATLAS_SQL_MAX_ROWS`` rows, ``HEADATLAS_SQL_TIMEOUT_S`` seconds, a quarter of
 the machine's memory), every table and view holding the run's rows alone.
 
-``/runs/R/sql?q=SELECT …``: the result as a table; ``sql.csv`` and ``sql.json`` hold it as ``headatlas
-sql --run R --format csv|json`` writes it. A result is kept for the database's state, as every page's
+``/runs/R/sql?q=SELECT …``: the result as a table (numbers to ``DIGITS`` significant digits, sorted by
+a header clicked, narrowed by layer, role or stable, a row naming a layer and a head linked to that
+head's page); ``sql.csv`` and ``sql.json`` hold it, at full precision, as ``headatlas sql --run R
+--format csv|json`` writes it. A result is kept for the database's state, as every page's
 values are: the same statement on an unchanged database answers at once (and so gives its first
 answer again, even where it calls ``random()`` or ``now()``).
 
@@ -27,12 +29,13 @@ from headatlas.service.storage import relations
 from headatlas.service.storage.readonly import QueryResult, run_readonly_sql
 from headatlas.service.web.context import WEB, Busy, Ctx, run_path
 from headatlas.service.web.documents import records
-from headatlas.service.web.html import e, table
+from headatlas.service.web.html import e, facets, table
 from headatlas.service.web.views import View
 
 SQL_AT_ONCE = 2  # statements the server runs at once
 SQL_WAIT_S = 1.0  # how long a statement waits for its turn before it is answered 503
 SQL_MAX_BYTES = 16 * 2**20  # the largest answer the page, its CSV or its JSON holds (its values' bytes)
+DIGITS = 4  # significant digits the page shows (each cell keeps its full value to sort by; CSV and JSON hold it)
 
 EXAMPLE = "SELECT layer, head, within_sentence_lift_dm, repetition_words_lift_dm\nFROM head_metrics\nORDER BY 3 DESC\nLIMIT 10"
 
@@ -92,9 +95,32 @@ def sql_view(ctx: Ctx, ref: str, *, wants_data: bool = False) -> View:
             f'<p id="sql-said">{len(result.rows):,} rows in {result.elapsed_s:.2f} s.{cut} Download: '
             f'<a id="download-csv" href="{e(csv_url)}" download>CSV</a> · <a id="download-json" href="{e(json_url)}">JSON</a></p>'
         )
-        return _form(ctx, run, statement) + said + table(result.columns, result.rows, table_id="sql-result", digits=8)
+        columns, rows = result.columns, result.rows
+        return (
+            _form(ctx, run, statement)
+            + said
+            + facets("sql-result", columns, rows)
+            + table(columns, rows, table_id="sql-result", digits=DIGITS, links=_head_links(ctx, run, columns))
+        )
 
     return View(title, records(result.columns, result.rows), body, crumbs=crumbs, table=(result.columns, result.rows))
+
+
+def _head_links(ctx: Ctx, run, columns: list[str]) -> dict:
+    """Where a result names a layer and a head (integers of the run's shape), its head cell links to
+    that head's page."""
+    if "layer" not in columns or "head" not in columns:
+        return {}
+
+    def link(row: dict) -> str | None:
+        layer, head = row["layer"], row["head"]
+        if type(layer) is not int or type(head) is not int:
+            return None
+        if not (0 <= layer < run.n_layers and 0 <= head < run.n_heads):
+            return None
+        return ctx.url(run_path(run, "heads", layer, head))
+
+    return {"head": link}
 
 
 _turns = threading.BoundedSemaphore(SQL_AT_ONCE)

@@ -1,7 +1,7 @@
 // headatlas serve: the little the pages do in the browser. Everything they show is on the page
-// without this script (tables, charts, links, forms); it adds tooltips, auto-submitting choices, a
-// table filter, the example window's heatmaps (fetched when the head's page opens) and the live
-// progress of running runs. Text from the data is set with textContent, never as markup.
+// without this script (tables, charts, links, forms); it adds tooltips, auto-submitting choices,
+// tables sorted by a header clicked and narrowed by text and facets, the example window's heatmaps
+// (fetched when the head's page opens) and the live progress of running runs. Text from the data is set with textContent, never as markup.
 "use strict";
 
 (function () {
@@ -35,17 +35,76 @@
     if (ev.target.matches && ev.target.matches("select[data-autosubmit]")) ev.target.form.submit();
   });
 
-  // --- a table's rows filtered by the text typed -----------------------------------------------
+  // --- tables: sorted by a header clicked, narrowed by the text typed and by facets ----------------
+  // A cell's value is its data-sort (full precision; the page shows it rounded), a text cell's its
+  // text; a cell with neither (no value) sorts last whichever way.
+  function cellKey(row, i, text) {
+    const cell = row.cells[i];
+    if (!cell) return "";
+    if (cell.hasAttribute("data-sort")) return cell.getAttribute("data-sort");
+    return text ? cell.textContent : "";
+  }
+  function sortBy(th) {
+    const table = th.closest("table");
+    const body = table.tBodies[0];
+    const i = Array.prototype.indexOf.call(th.parentNode.cells, th);
+    const text = th.getAttribute("data-type") === "text";
+    // first click: numbers largest first (as the server's sort links), text from A; again: the other way
+    const was = th.getAttribute("aria-sort");
+    const down = was === "none" || !was ? !text : was === "ascending";
+    const rows = Array.from(body.rows).map((row) => ({ row, key: cellKey(row, i, text) }));
+    const sign = down ? -1 : 1;
+    rows.sort((a, b) => {
+      if (a.key === "" || b.key === "") return (a.key === "") - (b.key === "");
+      let d = text ? NaN : parseFloat(a.key) - parseFloat(b.key);
+      if (isNaN(d)) d = a.key.localeCompare(b.key, undefined, { numeric: true });
+      return sign * d;
+    });
+    body.append(...rows.map((r) => r.row));
+    for (const cell of th.parentNode.cells) cell.setAttribute("aria-sort", "none");
+    th.setAttribute("aria-sort", down ? "descending" : "ascending");
+  }
+  document.addEventListener("click", (ev) => {
+    const th = ev.target.closest ? ev.target.closest("table[data-sortable] > thead th") : null;
+    if (!th) return;
+    ev.preventDefault(); // a header's link sorts on the server, for pages read without this script
+    sortBy(th);
+  });
+  document.addEventListener("keydown", (ev) => {
+    if (ev.key !== "Enter" && ev.key !== " ") return;
+    const th = ev.target.matches && ev.target.matches("table[data-sortable] > thead th") ? ev.target : null;
+    if (!th) return;
+    ev.preventDefault();
+    sortBy(th);
+  });
+
+  function refilter(table) {
+    const id = "#" + table.id;
+    const search = document.querySelector(`input[data-filter="${id}"]`);
+    const words = search ? search.value.toLowerCase().split(/\s+/).filter(Boolean) : [];
+    const heads = Array.from(table.tHead.rows[0].cells);
+    const chosen = Array.from(document.querySelectorAll(`select[data-facet-for="${id}"]`))
+      .filter((box) => box.value !== "")
+      .map((box) => {
+        const th = heads.find((h) => h.getAttribute("data-col") === box.getAttribute("data-col"));
+        return [heads.indexOf(th), th && th.getAttribute("data-type") === "text", box.value];
+      });
+    for (const row of table.tBodies[0].rows) {
+      const text = row.textContent.toLowerCase();
+      row.hidden = !(words.every((w) => text.includes(w)) && chosen.every(([i, t, v]) => i >= 0 && cellKey(row, i, t) === v));
+    }
+  }
   document.addEventListener("input", (ev) => {
     const input = ev.target;
     if (!input.matches || !input.matches("input[data-filter]")) return;
     const table = document.querySelector(input.getAttribute("data-filter"));
-    if (!table) return;
-    const words = input.value.toLowerCase().split(/\s+/).filter(Boolean);
-    for (const row of table.tBodies[0].rows) {
-      const text = row.textContent.toLowerCase();
-      row.hidden = !words.every((w) => text.includes(w));
-    }
+    if (table) refilter(table);
+  });
+  document.addEventListener("change", (ev) => {
+    const box = ev.target;
+    if (!box.matches || !box.matches("select[data-facet-for]")) return;
+    const table = document.querySelector(box.getAttribute("data-facet-for"));
+    if (table) refilter(table);
   });
 
   // --- the example window ------------------------------------------------------------------------
