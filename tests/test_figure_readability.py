@@ -159,6 +159,9 @@ def test_atlas_names_roles_in_words_that_fit_their_cells(shape):
     assert not [p for p in grid.patches if p.get_hatch()]
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend[-1].startswith("faded, italic: unsure")
+    # the log colour bar names round ratios, not only its decades (a run's often stay under 10×)
+    bar = next(ax for ax in fig.axes if ax is not grid)
+    assert [t.get_text() for t in bar.get_yticklabels()][:4] == ["1×", "2×", "5×", "10×"]
 
 
 def test_atlas_of_a_run_with_effects_is_coloured_by_its_effect(tmp_path, tiny_model, demo_corpus):

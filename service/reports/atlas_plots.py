@@ -162,8 +162,10 @@ def figure_atlas(
         )
         drawn = shade.values
         bar = fig.colorbar(image, ax=ax, label=shade.label, location="right", pad=0.02)
-        if shade.log:
-            bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+        if shade.log:  # 1×, 2×, 5×, 10× …: a run's ratios often stay under 10, where a decade's ticks name only 1×
+            top = float(np.nanmax(shade.values))
+            marks = [m * 10**k for k in range(4) for m in (1, 2, 5) if m * 10**k <= max(2.0, top)]
+            bar.set_ticks(marks, labels=[f"{m:g}×" for m in marks])
             bar.ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         faded = shade.uncertain
     for (l, h), flag in np.ndenumerate(faded):
