@@ -91,6 +91,12 @@ def copy_database(src: str | Backend, dst: str | Backend) -> list[Copied]:
                     connection.execute(
                         f"SELECT max(nextval('{sequence}')) FROM range((SELECT max({column}) FROM {table}))"
                     )
+            # counted in the copy's own transaction: the source as the copy read it (a lake's writer
+            # may commit a finished run's stored results between the copy and a later count)
+            counts = [
+                Copied(table, _count(connection, _source_rows(table, keys.get(table))), _count(connection, table))
+                for table in tables
+            ]
             connection.execute("COMMIT")
         except duckdb.Error as exc:
             connection.execute("ROLLBACK")
@@ -101,14 +107,6 @@ def copy_database(src: str | Backend, dst: str | Backend) -> list[Copied]:
         except Exception:
             connection.execute("ROLLBACK")
             raise
-        counts = [
-            Copied(
-                table,
-                int(connection.execute(f"SELECT count(*) FROM {_source_rows(table, keys.get(table))}").fetchone()[0]),  # type: ignore[index]
-                int(connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]),  # type: ignore[index]
-            )
-            for table in tables
-        ]
     finally:
         connection.close()
     wrong = [c for c in counts if c.source != c.target]
@@ -116,6 +114,11 @@ def copy_database(src: str | Backend, dst: str | Backend) -> list[Copied]:
         listed = ", ".join(f"{c.table} {c.source} → {c.target}" for c in wrong)
         raise StoreError(f"db copy: counts differ after the copy ({listed})")
     return counts
+
+
+def _count(connection, rows: str) -> int:
+    """``SELECT count(*)`` of a table or of a subquery's rows."""
+    return int(connection.execute(f"SELECT count(*) FROM {rows}").fetchone()[0])
 
 
 def _primary_keys(connection) -> dict[str, list[str]]:
