@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from headatlas.cli import options
-from headatlas.cli.console import print_note, stderr
+from headatlas.cli.console import print_note, stderr, stdout
 from headatlas.cli.formats import Format, TableView, render
 from headatlas.cli.tables import print_table
 from headatlas.service.wording import counted
@@ -44,6 +44,15 @@ CheckTopOpt = typer.Option(
     "(Spearman's ρ over the heads, the top-K recall, and the exact effects of the K heads AtP names).",
 )
 TopOpt = typer.Option(0, "--top", min=0, help="Show only the N heads with the largest first effect (0: every head).")
+QueueOpt = typer.Option(
+    False,
+    "--queue",
+    help="With a run: queue its windows for the workers (`headatlas worker`, stored by `headatlas writer`) rather "
+    "than measure them here, and print the run id; again, it queues only the windows neither stored nor queued.",
+)
+WaitOpt = typer.Option(
+    False, "--wait", help="With --queue: show progress until every window is stored, then the table."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +79,10 @@ def effects(
     fmt: Format = options.Fmt,
     columns: str | None = options.Columns,
     wide: bool = options.Wide,
+    queue: bool = QueueOpt,
+    wait: bool = WaitOpt,
+    writer_wait: float = options.WriterWait,
+    broker: str = options.Broker,
 ) -> None:
     """Which heads the model needs: every head removed in turn, and what the model's objective loses.
 
@@ -84,8 +97,9 @@ def effects(
 
     Given a finished run, the effects are those `analyze --effects` stores, on the run's first --windows
     windows, stored in the run (Ctrl-C keeps every finished window; the same command resumes; more
-    windows are added to those it holds); `query heads`, `query roles` and `prune` then use them. Given
-    a corpus, they are measured in this process and nothing is stored.
+    windows are added to those it holds); `query heads`, `query roles` and `prune` then use them. With
+    --queue the workers measure them, one window a task, and the writer stores them: the same values.
+    Given a corpus, they are measured in this process and nothing is stored.
 
     A run's table also gives each effect normalised within its layer (<effect>_layer = v / ‖v of the
     layer's heads‖₂, Michel et al. 2019), the head's primary role, noise_share and the probe's scores
@@ -95,6 +109,33 @@ def effects(
 
     store = Store(db)
     ref = _run_ref(target, store, db)
+    if ref is None and (queue or wait):
+        from headatlas.service.errors import Param, ParameterError
+
+        raise ParameterError(
+            Param("queue" if queue else "wait", True),
+            ": queues a run's windows (stored in it); give a run, not a corpus",
+        )
+    if ref is not None and wait and not queue:
+        from headatlas.service.errors import Param, ParameterError
+
+        raise ParameterError(Param("wait", True), ": waits for the workers: add --queue")
+    if ref is not None and queue:
+        view = TableView.of(columns, wide)
+        _queue_to_run(
+            store,
+            ref,
+            kinds=kinds,
+            windows=windows,
+            reference=reference,
+            fmt=fmt,
+            view=view,
+            db=db,
+            broker=broker,
+            wait=wait,
+            writer_wait=writer_wait,
+        )
+        return
     if ref is not None:
         if check_top:
             from headatlas.service.errors import Param, ParameterError
@@ -166,18 +207,35 @@ def _effect_table(columns: list[str]) -> list[str]:
 
 def _add_to_run(store, ref: str | int, *, kinds, windows, reference, analysis, fmt, view) -> None:
     """`effects RUN`: the run's effects measured and stored, then shown as `query heads` reads them."""
-    from headatlas.cli.metric_tables import render_metrics
     from headatlas.service.operations.added_effects import add
     from headatlas.service.operations.requests import AddEffectsRequest
-    from headatlas.service.reports.effect_queries import effects as effect_rows
-    from headatlas.service.reports.effect_queries import significance_note
-    from headatlas.service.storage.effect_rows import effect_note
 
     request = AddEffectsRequest.build(
         ref, kinds=kinds, windows=windows, reference=reference, device=analysis.values.get("device", "auto")
     )
     added = add(store, request, _said)
     run = added.run
+    said = _show_effects(store, run, fmt=fmt, view=view)
+    # on stderr in every format: what was measured now
+    stderr.print(
+        f"note: {counted(added.measured, 'window')} measured now, {added.windows} stored in all"
+        + (f"; {said[0]}" if said[0] else "")
+        + f"; {added.seconds:.1f} s",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if said[1]:  # how many heads individually matter, in every format
+        stderr.print(f"note: {said[1]}", highlight=False, soft_wrap=True)
+
+
+def _show_effects(store, run, *, fmt, view) -> tuple[str | None, str | None]:
+    """The run's effects as `query heads` reads them; returns (the effects' note, how many heads'
+    intervals lie above 0)."""
+    from headatlas.cli.metric_tables import render_metrics
+    from headatlas.service.reports.effect_queries import effects as effect_rows
+    from headatlas.service.reports.effect_queries import significance_note
+    from headatlas.service.storage.effect_rows import effect_note
+
     with store.checked_read() as conn:
         columns, rows = effect_rows(conn, run.run_id, ci=True)
         note = effect_note(conn, run.run_id)
@@ -192,16 +250,58 @@ def _add_to_run(store, ref: str | int, *, kinds, windows, reference, analysis, f
         pinned=2,
         intervals=[c for c in ("effect_mean", "effect_zero") if c in columns][:1],
     )
-    # on stderr in every format: what was measured now
+    return note, above
+
+
+def _queue_to_run(
+    store, ref: str | int, *, kinds, windows, reference, fmt, view, db, broker, wait, writer_wait
+) -> None:
+    """`effects RUN --queue`: the run's windows not stored queued for the workers, as `submit`
+    queues a corpus's batches; the run id on stdout, or with --wait the table once they are stored."""
+    from headatlas.cli.messages import runnable
+    from headatlas.cli.queue_commands import _settings, _stranded_s, _wait
+    from headatlas.service.operations.queued_effects import submit_added_effects
+    from headatlas.service.operations.requests import AddEffectsRequest
+    from headatlas.service.statuses import RunStatus
+
+    request = AddEffectsRequest.build(ref, kinds=kinds, windows=windows, reference=reference)
+    settings = _settings(db=db, broker_url=broker)
+    if wait:
+        _stranded_s()  # refused before anything is queued
+
+    def queue(only=None):  # `only`: batches found stranded, queued again as every missing one is
+        return submit_added_effects(store, request, settings, writer_wait_s=writer_wait, events=_said)
+
+    sub = queue()
+    if sub.status == RunStatus.DONE:
+        stderr.print(
+            f"run {sub.run_id} ({sub.name}) holds the effects of these {counted(sub.windows, 'window')}: nothing queued"
+        )
+    else:
+        stderr.print(
+            f"run {sub.name}: effects on {counted(sub.windows, 'window')}, {sub.batches:,} not stored yet, one a "
+            f"batch: queued {sub.queued:,}, {sub.skipped:,} queued already"
+        )
+    if sub.run_id is None:
+        stderr.print(
+            runnable(
+                "no writer has opened the run's effects yet: start `headatlas writer`; the batches wait in the queue"
+            )
+        )
+    if not wait:
+        stdout.print(sub.run_id if sub.run_id is not None else sub.name)
+        return
+    if sub.status != RunStatus.DONE:
+        _wait(settings, sub, resubmit=queue, retried_by="`headatlas effects RUN --queue` again queues them anew")
+    run = store.get_run(sub.run_id if sub.run_id is not None else ref)
+    said = _show_effects(store, run, fmt=fmt, view=view)
     stderr.print(
-        f"note: {counted(added.measured, 'window')} measured now, {added.windows} stored in all"
-        + (f"; {note}" if note else "")
-        + f"; {added.seconds:.1f} s",
+        f"note: {counted(sub.queued, 'window')} queued now" + (f"; {said[0]}" if said[0] else ""),
         highlight=False,
         soft_wrap=True,
     )
-    if above:  # how many heads individually matter, in every format
-        stderr.print(f"note: {above}", highlight=False, soft_wrap=True)
+    if said[1]:
+        stderr.print(f"note: {said[1]}", highlight=False, soft_wrap=True)
 
 
 def _said(event) -> None:

@@ -96,10 +96,11 @@ def _said(event) -> None:
         )
 
 
-def _wait(settings, sub, resubmit=None) -> None:
+def _wait(settings, sub, resubmit=None, retried_by: str | None = None) -> None:
     """Progress as the database holds it: batches its writer has committed, until the database
     says the run ended and nothing of it is in flight any more. Redis away: it waits for it
-    (saying so once); Redis back without its data: the missing batches are submitted again."""
+    (saying so once); Redis back without its data: the missing batches are submitted again.
+    ``retried_by``: what queues failed batches anew, where `headatlas retry` does not (added effects)."""
     import kombu.exceptions
     import redis
 
@@ -177,7 +178,9 @@ def _wait(settings, sub, resubmit=None) -> None:
     if live is not None and live.failed:
         stderr.print(
             runnable(
-                f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, "
+                f"{live.failed} batch(es) failed: {retried_by}"
+                if retried_by
+                else f"{live.failed} batch(es) failed: `headatlas status {sub.run_id}` shows why, "
                 f"`headatlas retry {sub.run_id}` queues them again"
             )
         )

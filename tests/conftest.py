@@ -284,6 +284,7 @@ def lake(lake_template, tmp_path, monkeypatch):
 QUEUE_CLUSTER_GROUPS = {
     "test_schedules.py": "queue_cluster_schedules",
     "test_effect_runs.py": "queue_cluster_schedules",
+    "test_queued_effects.py": "queue_cluster_schedules",
     "test_queue_probe.py": "queue_cluster_schedules",
 }
 QUEUE_CLUSTER_GROUP = "queue_cluster"  # every other module's (the queue's fault, run and reliability tests)

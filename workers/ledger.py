@@ -266,6 +266,10 @@ class Ledger:
     def done(self, run_key: str) -> set[int]:
         return {int(b) for b in self.r.smembers(self.key("done", run_key))}
 
+    def failed(self, run_key: str) -> set[int]:
+        """Batches the writer has recorded as failed (and not stored since)."""
+        return {int(b) for b in self.r.smembers(self.key("failed", run_key))}
+
     def mark_queued(self, run_key: str, batch_ids: list[int]) -> None:
         """Batches just sent to the analysis queue, except those already stored."""
         if batch_ids:

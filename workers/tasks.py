@@ -196,6 +196,8 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
     tokens = _state.get(key)
     if tokens is None:  # once per tokenizer: it scans the whole vocabulary (tenths of a second)
         tokens = _state[key] = TokenClasses.for_model(model)
+    if "added_effects" in batch:  # one window's effects for a finished run (`effects RUN --queue`)
+        return _added_effects(model, batch, tokens, run_key=run_key)
     windows = [Window.from_message(row) for row in batch["windows"]]
     # a measure that takes the run's first N windows (--attribution-windows) takes those of them
     # in this batch, by the one rule the embedded runner follows (SPEC §6, §9); one that spreads
@@ -226,6 +228,23 @@ def _analyse(model, batch: dict, *, run_key: str = "") -> str:
         attribution_chunk=_settings().attribution_chunk,
         effect_means=means,
     )
+    return base64.b64encode(result.to_bytes()).decode("ascii")
+
+
+def _added_effects(model, batch: dict, tokens, *, run_key: str) -> str:
+    """One window's effects added to a finished run: the batch result the embedded `effects RUN`
+    stores for it (``effect_batch.window_effects``), against the reference means every worker of
+    the measurement shares. ``batch["added_effects"]["present"]``: the sums the run's rows hold,
+    as the submitter read them (a worker never opens the database)."""
+    from headatlas.service.engine.windows import Window
+    from headatlas.service.measures.effect_batch import window_effects
+    from headatlas.service.params import AnalysisParams
+
+    params = AnalysisParams.from_dict(batch["params"])
+    means = _reference_means(run_key, model, batch, tokens) if params.needs_means else None
+    heads, runs = batch["added_effects"]["present"]
+    (window,) = (Window.from_message(row) for row in batch["windows"])
+    result = window_effects(model, window, params, means=means, present=(list(heads), list(runs)), pad_id=tokens.pad_id)
     return base64.b64encode(result.to_bytes()).decode("ascii")
 
 

@@ -168,6 +168,8 @@ class Writer(GroupIngest, Sweeps, Pauses):
         if self.lease.helper:
             log.warning("another writer stores into this lake too: storing beside it")
         self.run_ids: dict[str, int] = {}
+        self.added_effects = {}  # queued measurements of added effects, by key (writer_ingest.AddedEffects)
+        self.refused: set[str] = set()
         self.results_due: set[int] = set()
         self.stopping = False
         self.lost_lease = False
@@ -375,9 +377,13 @@ class Writer(GroupIngest, Sweeps, Pauses):
                 # broker that stalls (writes paused, a slow disk) must not keep the file from the
                 # beat's claims and the command line's reads meanwhile
                 with self.store.write() as conn:
-                    there = run_is_there(conn, run_id, run_key)  # `runs delete` may have come since
+                    # `runs delete` may have come since
+                    there = run_is_there(conn, run_id, self._stored_key(run_key))
                     if there:
-                        stored, summary = queue_store.stored_batches(conn, run_id), queue_store.summary(conn, run_id)
+                        stored, summary = queue_store.stored_batches(conn, run_id), self._summary(conn, run_key, run_id)
+                        added = self.added_effects.get(run_key)
+                        if added is not None:  # a measurement of added effects: its own batches
+                            stored &= added.batches
                 if there:
                     self.ledger.reconcile_done(run_key, stored)
                     self._announce(run_key, summary)

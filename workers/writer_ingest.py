@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from sqlalchemy.engine import Connection
 
 from headatlas.service.engine.results import (
     BatchResult,
 )  # numpy only: importing torch here cost seconds inside the first transaction
-from headatlas.service.errors import RunDeleted, StoreBusy, StoreError
+from headatlas.service.errors import HeadatlasError, RunDeleted, StoreBusy, StoreError
 from headatlas.service.statuses import ENDED, RunStatus
 from headatlas.service.storage import queue_store
 from headatlas.service.storage.ingest import ingest_batch_ids, ingest_batches, reserve_batches
@@ -31,12 +32,27 @@ Known = list[tuple[BatchMessage, int]]  # a group's messages with their run's id
 Outcome = tuple[bool | None, int]  # (failed?, windows newly counted); failed is None when nothing changed
 
 
+@dataclass(frozen=True)
+class AddedEffects:
+    """A queued measurement of effects added to a finished run (``effects RUN --queue``,
+    workers/submit_effects.py): its messages name it by a key of its own; its batches are stored
+    into run ``run_id`` (stored under ``run_key``), which is to hold every batch of ``batches``.
+    A batch of it that fails is not written into the run (whose own batches it is not): Redis
+    keeps the failure, and submitting again queues the window anew."""
+
+    run_id: int
+    run_key: str
+    batches: frozenset[int]
+
+
 class GroupIngest:
     """The writer's storing of batch messages (a part of ``Writer``)."""
 
     ledger: Ledger
     store: Store
     run_ids: dict[str, int]
+    added_effects: dict[str, AddedEffects]  # by the measurement's key
+    refused: set[str]  # measurements the database refused (the run changed): their messages are dropped
     results_due: set[int]  # runs ended whose results are derived when the writer is idle
     outside_s: float = 0.0  # seconds of this step's work done with the file closed (decoding)
 
@@ -55,13 +71,74 @@ class GroupIngest:
             # a writer opened it before: it is in the database, or was deleted (then not created again)
             opened, _error = self.ledger.run_id(run_key)
             try:
-                run, _plan = queue_store.open_run(self.store, meta, opened=opened)
+                if "effects_of" in meta:
+                    run_id = self._open_added_effects(run_key, meta)
+                else:
+                    run_id = queue_store.open_run(self.store, meta, opened=opened)[0].run_id
             except RunDeleted as gone:
                 self._run_gone(run_key, gone.run_id)
                 return None
-            self.ledger.set_run_id(run_key, run.run_id)
-            self.run_ids[run_key] = run.run_id
+            except StoreBusy:
+                raise
+            except HeadatlasError as exc:
+                if "effects_of" not in meta:
+                    raise
+                log.warning("effects for run %s refused: %s", meta.get("run_id"), exc)
+                self.refused.add(run_key)
+                self.ledger.set_run_error(run_key, str(exc))  # a waiting `effects RUN --queue --wait` says it
+                return None
+            self.ledger.set_run_id(run_key, run_id)
+            self.run_ids[run_key] = run_id
         return self.run_ids[run_key]
+
+    def _open_added_effects(self, run_key: str, meta: dict) -> int:
+        """Open a measurement of added effects: its run (finished, still there) records the
+        effects it is to hold, in one transaction (again at each opening: the same values).
+        Refused (``StoreError``) where the run holds other effects by now."""
+        from headatlas.service.storage.added_effect_rows import check_finished, record_added_effects
+
+        run_id, stored_key = int(meta["run_id"]), str(meta["effects_of"])
+
+        def work(conn: Connection) -> None:
+            if not run_is_there(conn, run_id, stored_key, hold=True):
+                raise RunDeleted(run_id)
+            check_finished(conn, run_id, stored_key)
+            record_added_effects(conn, run_id, meta["effect_fields"], int(meta["analysed"]))
+
+        self.store.atomically(work)
+        self.refused.discard(run_key)
+        self.added_effects[run_key] = AddedEffects(run_id, stored_key, frozenset(int(b) for b in meta["batch_ids"]))
+        return run_id
+
+    def _stored_key(self, run_key: str) -> str:
+        """The key the run of messages keyed ``run_key`` is stored under (a measurement of added
+        effects: its run's)."""
+        added = self.added_effects.get(run_key)
+        return added.run_key if added is not None else run_key
+
+    def _end(self, conn: Connection, run_key: str, run_id: int) -> None:
+        """End the run once every batch is stored or failed; a measurement of added effects:
+        compact its run once every window it is to hold is stored."""
+        added = self.added_effects.get(run_key)
+        if added is None:
+            queue_store.finish_if_complete(conn, run_id)
+            return
+        from headatlas.service.storage.added_effect_rows import finish_queued
+
+        finish_queued(conn, run_id, set(added.batches))
+
+    def _summary(self, conn: Connection, run_key: str, run_id: int, known: Known | None = None) -> queue_store.Summary:
+        """What the database holds of the run (a measurement of added effects: of its batches,
+        with those failed as Redis has them and as ``known`` fails them now)."""
+        added = self.added_effects.get(run_key)
+        if added is None:
+            return queue_store.summary(conn, run_id)
+        from headatlas.service.storage.added_effect_rows import queued_summary
+
+        failed = self.ledger.failed(run_key) | {
+            m.batch_id for m, _r in known or [] if isinstance(m, BatchFailed) and m.run_key == run_key
+        }
+        return queued_summary(conn, run_id, set(added.batches), failed)
 
     def _store_group(self, group: list[BatchMessage]) -> None:
         if not group:
@@ -81,9 +158,9 @@ class GroupIngest:
                 with self.store.write() as conn:
                     known = self._without(known, self._gone(conn, known))
                     outcomes = self._apply_group(conn, known, decoded)
-                    for run_id in {r for _m, r in known}:
-                        queue_store.finish_if_complete(conn, run_id)
-                    summaries = {m.run_key: queue_store.summary(conn, r) for m, r in known}
+                    for run_key, run_id in {(m.run_key, r) for m, r in known}:
+                        self._end(conn, run_key, run_id)
+                    summaries = {m.run_key: self._summary(conn, m.run_key, r, known) for m, r in known}
                 if lake:  # a run's end, seen after this commit: with every writer's batches
                     summaries = self.store.atomically(lambda conn: self._finish(conn, known))
             except StoreBusy:
@@ -132,7 +209,7 @@ class GroupIngest:
             else:
                 known.append((msg, run_id))
         for msg in dropped:
-            if self.ledger.deleted(msg.run_key):
+            if self.ledger.deleted(msg.run_key) or msg.run_key in self.refused:
                 self.ledger.forget(msg.run_key, msg.batch_id)
         return known
 
@@ -142,7 +219,7 @@ class GroupIngest:
         conflict), which holds each run's row (``run_is_there``: what makes a store and a delete
         of the run conflict). Returns the runs deleted meanwhile."""
         by_run: dict[int, list[int]] = {}
-        runs = {run_id: msg.run_key for msg, run_id in known}
+        runs = {run_id: self._stored_key(msg.run_key) for msg, run_id in known}
         for msg, run_id in known:
             if isinstance(msg, BatchAnalysed):
                 by_run.setdefault(run_id, []).append(msg.batch_id)
@@ -158,7 +235,7 @@ class GroupIngest:
 
     def _gone(self, conn: Connection, known: Known) -> set[int]:
         """The runs of ``known`` deleted from the database (`runs delete`)."""
-        runs = {run_id: msg.run_key for msg, run_id in known}
+        runs = {run_id: self._stored_key(msg.run_key) for msg, run_id in known}
         return {r for r, k in runs.items() if not run_is_there(conn, r, k)}
 
     def _without(self, known: Known, gone: set[int]) -> Known:
@@ -187,10 +264,10 @@ class GroupIngest:
         gone = self._gone(conn, known)
         for run_id in gone:
             self._run_gone(next(m.run_key for m, r in known if r == run_id), run_id)
-        for run_id in {r for _m, r in known} - gone:
+        for run_key, run_id in {(m.run_key, r) for m, r in known if r not in gone}:
             if finish:
-                queue_store.finish_if_complete(conn, run_id)
-        return {m.run_key: queue_store.summary(conn, r) for m, r in known if r not in gone}
+                self._end(conn, run_key, run_id)
+        return {m.run_key: self._summary(conn, m.run_key, r, known) for m, r in known if r not in gone}
 
     def _announce(self, run_key: str, summary: queue_store.Summary) -> None:
         """What the database now holds for the run, for `submit --wait` and the sweep."""
@@ -219,15 +296,19 @@ class GroupIngest:
         for msg, run_id in known:
             try:
                 with self.store.write() as conn:
-                    if not run_is_there(conn, run_id, msg.run_key):
+                    if not run_is_there(conn, run_id, self._stored_key(msg.run_key)):
                         outcomes.append((None, 0))  # deleted meanwhile: dropped after the group
                         continue
                     outcome = self._apply(conn, msg, run_id)
-                    queue_store.finish_if_complete(conn, run_id)
+                    self._end(conn, msg.run_key, run_id)
             except StoreBusy:
                 raise
             except Exception as exc:  # noqa: BLE001 - recorded on the batch, shown by `headatlas status`
                 error = str(exc) if isinstance(exc, StoreError) else f"{type(exc).__name__}: {exc}"
+                if msg.run_key in self.added_effects:  # not the run's own batch: Redis keeps the failure
+                    self.ledger.errored(msg.run_key, msg.batch_id, error)
+                    outcomes.append((True, 0))
+                    continue
                 with self.store.write() as conn:
                     changed = queue_store.mark_failed(conn, run_id, msg.batch_id, attempts=1, error=error)
                     queue_store.finish_if_complete(conn, run_id)
@@ -266,6 +347,8 @@ class GroupIngest:
 
     def _apply(self, conn: Connection, msg: BatchMessage, run_id: int) -> Outcome:
         """(failed?, windows newly counted); failed is None when nothing changed."""
+        if isinstance(msg, BatchFailed) and msg.run_key in self.added_effects:
+            return True, 0  # not the run's own batch: Redis keeps the failure (AddedEffects)
         if isinstance(msg, BatchFailed):
             changed = queue_store.mark_failed(conn, run_id, msg.batch_id, attempts=msg.attempts, error=msg.error)
             return (True if changed else None), 0
