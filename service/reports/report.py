@@ -258,9 +258,7 @@ def _atlas_section(conn, run) -> str:
     columns, rows = roles.roles(conn, run.run_id, stability=True)
     causal = attention_kind.causal_run(conn, run.run_id)
     offered = role_rules.offered_roles(causal)
-    fig, _ = atlas_plots.figure_atlas(
-        columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=plots._title(run), offered=offered
-    )
+    fig, _ = atlas_plots.run_atlas(conn, run)  # as `plot atlas` draws it: coloured by the strongest evidence held
     counts, stable = role_views.role_counts(columns, rows, offered), role_views.stable_counts(columns, rows) or {}
     # the rules this run was tested with (a role's threshold may differ for causal runs)
     rules = {r.role: r.rule for r in role_rules.rules_for(causal)}
@@ -283,10 +281,13 @@ def _atlas_section(conn, run) -> str:
 
     note = interval_note([scheme_of(run.params)], [groups_held(conn, run.run_id)]).replace("[a, b]", "Intervals")
     return f"""<h2>Head atlas</h2>
-<figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Primary role of each head (the most specific role it
-holds); letters list every role held. A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
+<figure>{_img(plots.png_bytes(fig), "head atlas")}<figcaption>Each cell names its head's primary role (the most specific
+role it holds; +n: the other roles it holds), coloured by the strongest evidence the run holds: what removing the head
+costs (effect_mean, else effect_zero) where effects were measured, else the primary role's value over its threshold.
+A role is earned when its one-sided test (H0: metric ≤ threshold, t from the
 jackknife's standard error, R − 1 degrees of freedom) rejects at α = {role_tests.ALPHA:g} after {_e(tested)} (SPEC §7).
-Hatched cells, letters followed by ?: roles that do not hold on both halves of the replicate groups (alternate groups in id order).
+Faded cells, words in italic: unsure, a role that does not hold on both halves of the replicate groups (alternate
+groups in id order) or whose interval reaches its threshold, an effect whose interval includes 0.
 Lifts marked _dm are against distance-matched chance, attn_*_lift against uniform attention.</figcaption></figure>
 <h3>Heads per role</h3>{count_html}
 <h3>Roles and their evidence</h3><p>One row per (head, role): the metric, its value and 95% interval, the threshold,
