@@ -244,6 +244,8 @@ def pruned(tmp_path_factory, tiny_model, demo_corpus):
 
 
 def test_the_stored_rows_are_the_measured_ones(pruned) -> None:
+    from headatlas.service.storage.effect_rows import retrieval_note
+
     _store, _run, result, saved = pruned
     columns, rows = result.rows()
     assert saved.columns == columns and "mrr_hi" in columns
@@ -252,6 +254,12 @@ def test_the_stored_rows_are_the_measured_ones(pruned) -> None:
     assert result.retrieval is not None
     assert saved.meta["retrieval_queries"] == result.retrieval.queries
     assert saved.meta["chance_mrr"] == pytest.approx(result.retrieval.chance_mrr)
+    said = retrieval_note(saved.meta)  # under the table and in the API's notes
+    assert said is not None and said.startswith("top1, mrr: neighbour retrieval")
+    assert (
+        f"each of the {result.retrieval.queries} sentences" in said
+        and f"ranks the {result.retrieval.candidates}" in said
+    )
 
 
 def test_a_database_from_before_the_retrieval_columns_upgrades_and_reads(pruned) -> None:

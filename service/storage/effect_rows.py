@@ -280,8 +280,9 @@ def retrieval_note(meta: dict) -> str | None:
     if meta.get("retrieval_queries") is None:
         return None
     return (
-        f"top1, mrr: neighbour retrieval with the same heads removed: each of {meta['retrieval_queries']} "
-        f"evaluation-window sentences, embedded alone, ranks {meta['retrieval_candidates']} sentences that follow "
-        f"another in their window (less itself) by cosine for its own successor; top1 the share ranked first, "
-        f"mrr the mean reciprocal rank (chance {meta['chance_top1']:.3f} and {meta['chance_mrr']:.3f}; SPEC §9)"
+        f"top1, mrr: neighbour retrieval with the same heads removed: each of the {meta['retrieval_queries']} "
+        f"sentences of the evaluation windows that another follows in its window, embedded alone, ranks the "
+        f"{meta['retrieval_candidates']} that follow another (less itself) by cosine for its own successor; top1 the "
+        f"share ranked first, mrr the mean reciprocal rank (chance {meta['chance_top1']:.3f} and "
+        f"{meta['chance_mrr']:.3f}; SPEC §9)"
     )
