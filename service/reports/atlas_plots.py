@@ -161,7 +161,8 @@ def figure_atlas(
             interpolation="nearest",
         )
         drawn = shade.values
-        bar = fig.colorbar(image, ax=ax, label=shade.label, location="right", pad=0.02)
+        # a thin bar: in a tall atlas (30 layers) matplotlib's default, sized by the height, took a fifth of the grid
+        bar = fig.colorbar(image, ax=ax, label=shade.label, location="right", pad=0.02, fraction=0.04, aspect=40)
         if shade.log:  # 1×, 2×, 5×, 10× …: a run's ratios often stay under 10, where a decade's ticks name only 1×
             top = float(np.nanmax(shade.values))
             marks = [m * 10**k for k in range(4) for m in (1, 2, 5) if m * 10**k <= max(2.0, top)]
