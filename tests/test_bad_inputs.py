@@ -165,9 +165,24 @@ def _damaged(good: bytes, kind: str) -> bytes | None:
         return good[: len(good) // 2 + 123]
     if kind in ("flipped-header", "flipped-block"):
         flipped = bytearray(good)
-        flipped[4096 + 100 if kind == "flipped-header" else 12288 + 100] ^= 0x10
+        flipped[4096 + 100 if kind == "flipped-header" else _catalog_block(good) + 100] ^= 0x10
         return bytes(flipped)
     raise ValueError(kind)
+
+
+def _catalog_block(good: bytes) -> int:
+    """The offset of the data (after its 8-byte checksum) of the block that holds the database's
+    catalog: every open reads it. The first block after the headers is the catalog's only in a new
+    file; a database checkpointed since may hold its catalog anywhere and leave the first block free,
+    where a flipped byte is never read. DuckDB's file: a 4 KiB main header, then two 4 KiB database
+    headers (checksum, iteration, meta block, free list, block count, block size, …: the one with
+    the larger iteration is current), then blocks of that size, each led by its checksum; the meta
+    block pointer's low 56 bits are the block id."""
+    import struct
+
+    headers = [struct.unpack_from("<QQQQQQ", good, offset) for offset in (4096, 8192)]
+    _, _, meta, _, _, block_size = max(headers, key=lambda h: h[1])
+    return 3 * 4096 + (meta & ((1 << 56) - 1)) * block_size + 8
 
 
 def _newer_duckdb_header(good: bytes) -> bytes:
