@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -33,6 +34,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # (pytest-xdist's workers inherit COLUMNS=80 from the terminal they were started from).
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# The tests' Ctrl-C (SIGINT to a command they start) needs SIGINT not ignored: a suite started in the
+# background by a shell without job control (`bash -c '… make test' &`) inherits SIGINT ignored, and a
+# process started with it ignored keeps it so (Python then installs no KeyboardInterrupt handler), so
+# every Ctrl-C test waited out its timeout. Handled here, the commands the tests start take it afresh.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # DuckDB in one thread per connection (HEADATLAS_DUCKDB_THREADS), in this process and every process
 # the tests start: three pytest-xdist workers and the processes they start share two cores, where a
 # second DuckDB thread per query costs more CPU than it saves time (a finished tiny run's results
