@@ -92,10 +92,15 @@ def test_every_sentence_one_vector_scores_chance() -> None:
 def test_the_interval_is_the_jackknife_over_the_queries_groups() -> None:
     from headatlas.service.measures.retrieval import with_interval
 
-    value, lo, hi = with_interval(np.array([1.0, 0.0, 1.0, 1.0]), np.array([0, 0, 1, 1]))
+    value, lo, hi = with_interval(np.array([1.0, 0.0, 1.0, 1.0]), np.array([0, 0, 1, 1]), clip=False)
     # without group 0: 1; without group 1: 0.5; half-width t_{1} · sqrt(1/2 · 2 · 0.25²)
     assert value == 0.75
     assert (lo, hi) == pytest.approx((0.75 - T95_1 * 0.25, 0.75 + T95_1 * 0.25), rel=1e-4)
+    # as shown: within [0, 1], where a rate lies (a top-1 of 0.095 read "[-0.22, 0.40]")
+    assert with_interval(np.array([1.0, 0.0, 1.0, 1.0]), np.array([0, 0, 1, 1]))[1:] == (0.0, 1.0)
+    hits = np.array([1, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 1, 1, 0, 0], dtype=float)  # groups at .5, .25, .75, .5
+    narrow = with_interval(hits, np.repeat(np.arange(4), 4))  # 0.5 ± 0.325
+    assert 0.0 < narrow[1] < 0.5 < narrow[2] < 1.0  # an interval inside [0, 1] is left as it is
     assert all(math.isnan(b) for b in with_interval(np.array([1.0, 0.0]), np.array([3, 3]))[1:])
 
 

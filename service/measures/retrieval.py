@@ -139,10 +139,12 @@ def ranks(embeddings: torch.Tensor, task: NeighbourTask) -> tuple[np.ndarray, np
     return hits, reciprocal
 
 
-def with_interval(values: np.ndarray, groups: np.ndarray) -> tuple[float, float, float]:
+def with_interval(values: np.ndarray, groups: np.ndarray, *, clip: bool = True) -> tuple[float, float, float]:
     """The mean of per-query ``values`` and its 95% interval: the jackknife over the queries'
     replicate groups (SPEC §5d), each group's queries left out in turn (the candidates stay: the
-    pool is the task's). NaN bounds with fewer than two groups."""
+    pool is the task's), its bounds clipped to [0, 1], where a top-1 rate and an MRR lie, as every
+    share's are (``clip=False``: the symmetric interval itself). NaN bounds with fewer than two
+    groups."""
     from headatlas.service.reports.intervals import jackknife_halfwidth
 
     if not len(values):
@@ -153,7 +155,8 @@ def with_interval(values: np.ndarray, groups: np.ndarray) -> tuple[float, float,
     half = jackknife_halfwidth(drops)
     if half is None:
         return full, math.nan, math.nan
-    return full, full - half, full + half
+    lo, hi = full - half, full + half
+    return (full, max(0.0, lo), min(1.0, hi)) if clip else (full, lo, hi)
 
 
 def embed(model: LoadedModel, task: NeighbourTask, pad_id: int, *, batch_size: int = 16) -> torch.Tensor:
