@@ -211,9 +211,10 @@ class WriterLease:
     def reclaim(self) -> bool:
         """Take the lease again after it vanished (``why_vanished``): True when it is ours again,
         False when another writer holds it."""
+        sent = time.monotonic()  # as for refresh: from when it was asked
         taken = bool(self.r.set(LEASE, self._value(), nx=True, px=int(SILENT_S * 1000)))
         if taken:
-            self._refreshed, self._redis_failed = time.monotonic(), False
+            self._refreshed, self._redis_failed = sent, False
         return taken
 
     def why_vanished(self) -> str:
@@ -269,7 +270,12 @@ class WriterLease:
             )
 
     def refresh(self) -> bool:
-        """False when the lease is no longer ours (a further writer's key is simply renewed)."""
+        """False when the lease is no longer ours (a further writer's key is simply renewed). The
+        refresh counts from when it was sent, not from its answer: a writer stopped with a refresh
+        in flight (SIGSTOP, a host starved of CPU) reads the answer only when it runs again, and
+        counted from then the lease, expired meanwhile, would seem to have vanished while this
+        writer was not silent (``why_vanished`` said Redis lost its data)."""
+        sent = time.monotonic()
         try:
             if self.helper:
                 self.r.set(self.helper_key, self._value(), px=int(SILENT_S * 1000))
@@ -281,7 +287,7 @@ class WriterLease:
             self._redis_failed = True
             raise
         if ours:
-            self._refreshed, self._redis_failed = time.monotonic(), False
+            self._refreshed, self._redis_failed = sent, False
         return ours
 
     def take_over(self) -> bool:
