@@ -145,7 +145,7 @@ def with_interval(values: np.ndarray, groups: np.ndarray, *, clip: bool = True) 
     pool is the task's), its bounds clipped to [0, 1], where a top-1 rate and an MRR lie, as every
     share's are (``clip=False``: the symmetric interval itself). NaN bounds with fewer than two
     groups."""
-    from headatlas.service.reports.intervals import jackknife_halfwidth
+    from headatlas.service.reports.intervals import clip_interval, jackknife_halfwidth
 
     if not len(values):
         return math.nan, math.nan, math.nan
@@ -156,7 +156,7 @@ def with_interval(values: np.ndarray, groups: np.ndarray, *, clip: bool = True) 
     if half is None:
         return full, math.nan, math.nan
     lo, hi = full - half, full + half
-    return (full, max(0.0, lo), min(1.0, hi)) if clip else (full, lo, hi)
+    return (full, *clip_interval("top1", lo, hi, bounds=(0.0, 1.0))) if clip else (full, lo, hi)  # type: ignore[return-value]
 
 
 def embed(model: LoadedModel, task: NeighbourTask, pad_id: int, *, batch_size: int = 16) -> torch.Tensor:

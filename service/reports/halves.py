@@ -75,16 +75,11 @@ def _rep_tables(conn: Connection) -> list[str]:
     return tables_with_column(conn, "rep")
 
 
-def subset_sql(conn: Connection, groups: Sequence[int], select: str) -> str:
-    """``WITH <the additive tables restricted to :run and groups>, <the view chain> <select>``."""
-    return subset_prefix(conn, groups) + select
-
-
 def subset_prefix(conn: Connection, groups: Sequence[int]) -> str:
-    """``subset_sql``'s common table expressions, for statements that each add their own select
-    (the catalog read once for them all)."""
+    """``WITH <the additive tables restricted to :run and groups>, <the view chain>``, for
+    statements that each add their own select (the catalog read once for them all)."""
     if not groups:
-        raise ValueError("subset_sql: no groups")
+        raise ValueError("subset_prefix: no groups")
     listed = ", ".join(str(int(g)) for g in groups)
     ctes = [
         f"{table} AS (SELECT * FROM main.{table} WHERE run_id = :run AND rep IN ({listed}))"
