@@ -254,6 +254,48 @@ def test_a_file_moved_between_the_writers_check_and_open_leaves_no_database_behi
     assert read_database_id(str(moved)) == own.database_id  # the database itself untouched
 
 
+@pytest.mark.parametrize("when", ["before", "between check and open"])
+def test_a_writers_reads_on_a_file_moved_away_are_a_pause_not_an_error(tmp_path, monkeypatch, when):
+    """The writer's reads (open_run of a run it opened already, a group's summary) go through the
+    guard as its writes do: a file moved away makes them DatabaseAway (the writer pauses, the
+    message stays), not DatabaseNotFound, which _open_run told the waiting submitter as the run's
+    error (seen in CI: `submit --wait` ended with "no database at ..." while the writer waited)."""
+    from sqlalchemy import text
+
+    from headatlas.service.errors import StoreBusy
+    from headatlas.service.storage import dbfile
+    from headatlas.service.storage.db import read_database_id
+    from headatlas.service.storage.queue_store import open_run
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.writer import DatabaseAway, OwnStore
+
+    path, moved = tmp_path / "own.duckdb", tmp_path / "moved.duckdb"
+    Store(path).ensure_schema()
+    own = OwnStore(str(path), read_database_id(str(path)))
+    with own.checked_read() as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 0
+    if when == "before":
+        path.rename(moved)
+    else:
+        checked = dbfile.check_file
+
+        def check_then_move(file, **kwargs):
+            checked(file, **kwargs)
+            if path.exists():
+                path.rename(moved)
+
+        monkeypatch.setattr(dbfile, "check_file", check_then_move)
+    for read in (own.read, own.checked_read):
+        with pytest.raises(DatabaseAway, match="missing"):
+            with read():
+                pass
+        if when != "before":
+            moved.rename(path)
+    with pytest.raises(StoreBusy, match="missing"):
+        open_run(own, {"run_key": "k"}, opened=1)
+    assert not path.exists()
+
+
 def test_group_commit_takes_what_waits_up_to_the_bytes_bound_in_order(redis_url):
     """With a backlog the writer takes messages until their bytes reach the bound (a
     transaction's worth, more than one round trip), the rest staying queued in order; idle, what

@@ -94,12 +94,12 @@ class OwnStore(Store):
         )
 
     @contextmanager
-    def _guarded(self) -> Iterator[Connection]:
+    def _guarded(self, *, read_only: bool = False) -> Iterator[Connection]:
         from headatlas.service.storage import db
 
         self.check()
         try:
-            with db.transaction(self.backend, create=False) as conn:
+            with db.transaction(self.backend, read_only=read_only, create=False) as conn:
                 found = _id_in(conn)
                 if found != self.database_id:
                     if found is None and self._files and self._made_by_open(conn):
@@ -142,6 +142,21 @@ class OwnStore(Store):
 
     def write(self):
         return self._guarded()
+
+    def read(self):
+        """Through the guard too: a read (open_run of a run already opened, a group's summary)
+        on a file just moved away is the writer's pause, not an error told to the run's
+        submitter (seen: `submit --wait` ended with "no database at ..." while the writer
+        waited for the file)."""
+        return self._guarded(read_only=True)
+
+    @contextmanager
+    def checked_read(self) -> Iterator[Connection]:
+        from headatlas.service.storage import db
+
+        with self._guarded(read_only=True) as conn:
+            db.check_schema(conn, self.backend)
+            yield conn
 
     def atomically(self, work):
         """As Store's, through the guard: a run opened or a group stored just after the file was
