@@ -1,18 +1,22 @@
 """`headatlas serve`'s app through an in-process client: every page and its JSON against the CLI's own
 output (`headatlas … --format json|csv`, run in this process), escaping of a run named `<script>`, the
 404 and 400 pages (the CLI's checks, in the web's words: `?layer=7`), no path outside the app, the example window (the
-window the run analysed, its matrices as `inspect` computes them), a lake read now and at a snapshot,
+window the run analysed, its matrices as `inspect` computes them), a text of one's own (every token on both
+axes, the values `inspect` computes, its limits, a model that cannot be loaded here), a lake read now and at a snapshot,
 and the command itself (a process: it prints its address, warns off loopback, serves)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 from web_support import Client
 
@@ -723,3 +727,119 @@ def test_pages_read_a_finished_runs_stored_results_and_show_the_same_numbers(sto
     with Store(db).checked_read() as conn:
         assert run_results.is_fresh(conn, run.run_id)
     same_results(shown(), computed)
+
+
+# --- a text of one's own (service/web/own_text.py) ---------------------------------------------------
+TEXT = "The cat sat on the mat. It was warm, so the cat slept."
+
+
+def axis_labels(svg: str, kind: str) -> list[str]:
+    """The labels of an axis (``row`` or ``col``) of a matrix, in order."""
+    found = re.findall(rf'<text class="{kind}" data-i="(\d+)"[^>]*>([^<]*)</text>', svg)
+    assert [int(i) for i, _ in found] == list(range(len(found)))
+    return [html.unescape(t) for _, t in found]
+
+
+def token_matrices(page: str) -> list[str]:
+    return re.findall(r'<svg class="token-matrix".*?</svg>', page, flags=re.S)
+
+
+def test_a_short_text_shows_every_token_on_both_axes_and_the_values_inspect_computes(stored, client, tiny_model):
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.reports.inspection import inspect_text, read_text
+    from headatlas.service.reports.tokens import window_tokens
+
+    _, run, _ = stored
+    # the tokens, from the tokenizer itself: [CLS], the word pieces, [SEP]
+    pieces = tiny_model.tokenizer.convert_ids_to_tokens(tiny_model.tokenizer(TEXT)["input_ids"])
+    assert pieces[0] == "[CLS]" and pieces[-1] == "[SEP]" and "cat" in pieces
+    answer = client.get(f"/runs/{run.run_id}/try", {"text": TEXT, "layer": 1, "head": 2})
+    assert answer.status == 200, answer.text
+    shown = token_matrices(answer.text)
+    assert len(shown) == 2  # the similarity matrix and the attention map
+    for svg in shown:
+        assert axis_labels(svg, "row") == pieces and axis_labels(svg, "col") == pieces
+    # the values: what inspect computes for the text with the run's parameters, at full precision
+    params = AnalysisParams.from_dict(run.params)
+    seen = inspect_text(tiny_model, TEXT, params)
+    doc = client.get(f"/runs/{run.run_id}/try.json", {"text": TEXT, "layer": 1, "head": 2}).json()
+    assert doc["vocabulary_tokens"] == seen.tokens == pieces and doc["tokens"] == window_tokens(pieces)
+    np.testing.assert_allclose(doc["csm"], seen.csm[1, 2], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(doc["attention"], seen.attention[1, 2], rtol=1e-5, atol=1e-7)
+    assert {tuple(p) for p in doc["high_pairs"]} == {(i, j) for i, j in zip(*np.nonzero(np.triu(seen.high[1, 2], 1)))}
+    # and C_ij = z_i · z_j from the head's own outputs (the API's read_text), C_ii = 0
+    z = read_text(tiny_model, TEXT, params).z[1, 2].astype(np.float64)
+    by_hand = z @ z.T
+    np.fill_diagonal(by_hand, 0.0)
+    np.testing.assert_allclose(doc["csm"], by_hand, rtol=1e-4, atol=1e-5)
+    # a cell's tooltip says its tokens and value
+    i, j = 2, 5
+    tip = f"{i} «{pieces[i]}» · {j} «{pieces[j]}»: {seen.csm[1, 2][i, j]:.4g}"
+    assert f'data-tip="{html.escape(tip)}"' in shown[0]
+
+
+def test_the_lines_of_a_head_or_a_layer_and_the_head_page(stored, client, tiny_model):
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.reports.inspection import inspect_text
+    from headatlas.service.web.own_text import LINE_FLOOR
+
+    _, run, _ = stored
+    attention = inspect_text(tiny_model, TEXT, AnalysisParams.from_dict(run.params)).attention[0]
+    r = run.run_id
+    one = client.get(f"/runs/{r}/try", {"text": TEXT, "layer": 0, "head": 1}).text
+    view = re.search(r'<svg class="head-view".*?</svg>', one, flags=re.S).group(0)
+    drawn = re.findall(r'<line [^>]*data-head="(\d+)"', view)
+    assert set(drawn) == {"1"} and len(drawn) == int((attention[1] >= LINE_FLOOR).sum())
+    layer = client.get(f"/runs/{r}/try", {"text": TEXT, "layer": 0, "head": 1, "lines": "layer"}).text
+    view = re.search(r'<svg class="head-view".*?</svg>', layer, flags=re.S).group(0)
+    drawn = re.findall(r'<line [^>]*data-head="(\d+)"', view)
+    assert sorted(set(drawn)) == ["0", "1", "2", "3"] and len(drawn) == int((attention >= LINE_FLOOR).sum())
+    doc = client.get(f"/runs/{r}/try.json", {"text": TEXT, "layer": 0, "head": 1, "lines": "layer"}).json()
+    np.testing.assert_allclose(doc["layer_attention"], attention, rtol=1e-5, atol=1e-7)
+    # the head's page: its form, and with a text the same figures
+    page = client.get(f"/runs/{r}/heads/0/1")
+    assert page.status == 200 and 'id="your-text"' in page.text and 'name="text"' in page.text
+    assert 'class="token-matrix"' not in page.text
+    page = client.get(f"/runs/{r}/heads/0/1", {"text": TEXT})
+    assert page.status == 200 and token_matrices(page.text) == token_matrices(one)
+    # the try-it page without a text: its form alone
+    empty = client.get(f"/runs/{r}/try")
+    assert empty.status == 200 and "<textarea" in empty.text and "token-matrix" not in empty.text
+
+
+def test_too_long_a_text_is_refused_naming_the_limit(stored, client):
+    r = stored[1].run_id
+    long = "word " * 250  # 1,250 characters
+    for path in (f"/runs/{r}/try", f"/runs/{r}/heads/0/0"):
+        answer = client.get(path, {"text": long})
+        assert answer.status == 400 and "1,250 characters; the limit is 1,000 characters" in html.unescape(answer.text)
+        assert "Traceback" not in answer.text
+    words = " ".join(f"w{k}" for k in range(80))  # under 1,000 characters, well over 64 tokens
+    answer = client.get(f"/runs/{r}/try.json", {"text": words})
+    assert answer.status == 400 and "more than 64 tokens" in answer.json()["error"]
+    bad = client.get(f"/runs/{r}/try.json", {"text": TEXT, "lines": "all"})
+    assert bad.status == 400 and bad.json()["error"].startswith("?lines=all: pass head")
+    assert client.get(f"/runs/{r}/try.json", {"text": TEXT, "layer": 9}).status == 400
+
+
+def test_a_run_whose_model_cannot_be_loaded_here_is_refused_in_one_line(stored, tmp_path):
+    import duckdb
+
+    from headatlas.service.web.app import WebApp
+
+    # the run as another machine would have stored it: analysed from a model folder this one lacks
+    db = tmp_path / "elsewhere.duckdb"
+    shutil.copy(stored[0], db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("UPDATE runs SET model = '/nowhere/models/minilm' WHERE run_id = ?", [stored[1].run_id])
+    client = Client(WebApp(str(db)))
+    r = stored[1].run_id
+    assert client.get(f"/runs/{r}/try").status == 200  # the form needs no model
+    for path in (f"/runs/{r}/try", f"/runs/{r}/heads/0/0"):
+        answer = client.get(path, {"text": TEXT})
+        assert answer.status == 503 and "Traceback" not in answer.text, answer.text
+        said = re.findall(r'<p class="error">(.*?)</p>', answer.text, flags=re.S)
+        assert len(said) == 1 and "\n" not in said[0]
+        assert "/nowhere/models/minilm, which cannot be loaded here" in html.unescape(said[0])
+    error = client.get(f"/runs/{r}/try.json", {"text": TEXT})
+    assert error.status == 503 and "cannot be loaded here" in error.json()["error"]

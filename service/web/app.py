@@ -7,6 +7,7 @@ Routes (each page's data as JSON at the same address plus ``.json``)::
     /runs/RUN                                a run: layers, atlas, roles, heads
     /runs/RUN/heads/L/H                      a head
     /runs/RUN/heads/L/H/example.json         a head on an example window (computed on demand)
+    /runs/RUN/try?text=…&layer=L&head=H      a text of one's own through the run's model (own_text)
     /runs/RUN/sql?q=…  (.json, .csv)         read-only SQL over the run
     /compare/A/B?by=layer|head|depth         two runs compared
     /static/app.js, /static/style.css        the page's script and style, from this package
@@ -15,10 +16,11 @@ RUN is an id, a name or an alias (links use ids, which renaming keeps). ``?at=SN
 lake as of that snapshot on any page (the server's ``--at`` otherwise). Only GET and HEAD are
 answered. An address that names nothing gets a 404 page, a bad parameter a 400 page with the
 message of the check the CLI makes, in the web's terms (``?layer=7``: context.WEB), a database held by a writer past the wait a 503, and so does a SQL
-statement while ``sql_page.SQL_AT_ONCE`` others run.
+statement while ``sql_page.SQL_AT_ONCE`` others run, and a run whose model cannot be loaded here (a
+text or an example window asked for).
 
 Another site's page can make the browser send a GET here (a link, an image, a form), though not read
-the answer: where that would run work (a SQL statement, an example window) it is refused with 403,
+the answer: where that would run work (a SQL statement, an example window, a text) it is refused with 403,
 and so is any request another site's page makes but a plain navigation (``_foreign``); a request
 from this app's own pages, an address typed or bookmarked, or a client that says nothing of where it
 comes from (curl, scripts) is answered.
@@ -37,7 +39,7 @@ from urllib.parse import quote, unquote, urlsplit
 from headatlas.service.errors import HeadatlasError, ModelError, RunNotFound, StoreBusy
 from headatlas.service.storage.store import Store
 from headatlas.service.web import documents
-from headatlas.service.web.context import WEB, Busy, Ctx, NotFound, Request, whole_number
+from headatlas.service.web.context import WEB, Busy, Ctx, ModelUnavailable, NotFound, Request, whole_number
 from headatlas.service.web.html import e, layout, message_page
 from headatlas.service.web.reads import Memo, Reads
 from headatlas.service.web.views import View
@@ -64,7 +66,9 @@ REASONS = {
     503: "Service Unavailable",
 }
 # the addresses that run work when asked (a query, a model on a window), not only read what is stored
-WORK = re.compile(r"/runs/[^/]+/(?:sql(?:\.json|\.csv)?|heads/\d{1,6}/\d{1,6}/example\.json)")
+WORK = re.compile(
+    r"/runs/[^/]+/(?:sql(?:\.json|\.csv)?|heads/\d{1,6}/\d{1,6}(?:/example\.json|\.json)?|try(?:\.json)?)"
+)
 
 
 class Response:
@@ -98,6 +102,7 @@ class WebApp:
                 (r"/compare/(?P<a>[^/]+)/(?P<b>[^/]+?)(?P<json>\.json)?", self._compare),
                 (r"/runs/(?P<run>[^/]+?)(?P<json>\.json)?", self._run),
                 (r"/runs/(?P<run>[^/]+)/sql(?P<ext>\.json|\.csv)?", self._sql),
+                (r"/runs/(?P<run>[^/]+)/try(?P<json>\.json)?", self._try),
                 (r"/runs/(?P<run>[^/]+)/heads/(?P<layer>\d{1,6})/(?P<head>\d{1,6})(?P<json>\.json)?", self._head),
                 (r"/runs/(?P<run>[^/]+)/heads/(?P<layer>\d{1,6})/(?P<head>\d{1,6})/example\.json", self._example),
                 (r"/static/(?P<name>[^/]+)", self._static),
@@ -163,6 +168,8 @@ class WebApp:
                 return self._error(503, "Busy", busy.render(WEB), wants_data)
             except Busy as busy:
                 return self._error(503, "Busy", str(busy), wants_data, [("Retry-After", str(busy.retry_after_s))])
+            except ModelUnavailable as unavailable:
+                return self._error(503, "Model unavailable", str(unavailable), wants_data)
             except ModelError as failed:
                 return self._error(500, "Model unavailable", failed.render(WEB), wants_data)
             except HeadatlasError as bad:
@@ -260,6 +267,11 @@ class WebApp:
 
         return self._page(request, build, as_data=".json")
 
+    def _try(self, request: Request, run: str, json: str | None) -> Response:
+        from headatlas.service.web.own_text import try_view
+
+        return self._page(request, lambda ctx: try_view(ctx, run), as_data=json)
+
     def _sql(self, request: Request, run: str, ext: str | None) -> Response:
         from headatlas.service.web.sql_page import sql_view
 
@@ -311,7 +323,7 @@ def _foreign(environ: dict, request: Request) -> str | None:
     site = environ.get("HTTP_SEC_FETCH_SITE", "").strip().lower()
     mode = environ.get("HTTP_SEC_FETCH_MODE", "").strip().lower()
     works = WORK.fullmatch(request.path) is not None and (
-        request.path.endswith("example.json") or request.arg("q") is not None
+        request.path.endswith("example.json") or request.arg("q") is not None or request.arg("text") is not None
     )
     if site in ("cross-site", "same-site") and (works or mode not in ("", "navigate")):
         return f"Sec-Fetch-Site: {site}" + (f", Sec-Fetch-Mode: {mode}" if mode else "")

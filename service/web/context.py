@@ -33,6 +33,11 @@ class Busy(Exception):
         self.retry_after_s = retry_after_s
 
 
+class ModelUnavailable(Exception):
+    """The run's model cannot be loaded in this server (a folder elsewhere, a hub name offline):
+    answered 503 with the one line that says which model and why."""
+
+
 @dataclass(frozen=True)
 class Request:
     method: str
@@ -63,11 +68,13 @@ PARAMETERS = frozenset(
         "color",
         "head",
         "layer",
+        "lines",
         "metric",
         "q",
         "role",
         "sort",
         "tag",
+        "text",
         "top",
         "wide",
         "window",

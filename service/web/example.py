@@ -8,30 +8,35 @@ the document, the window's index, the tokenizer and the window parameters, is co
 stored one (``same_window``). Where the file is gone or changed, the document's stored preview (its
 first 80 characters) stands in, and ``note`` says so.
 
-Computed on demand, one window at a time, with the run's model (loaded once, on ``device``), and
+Computed on demand, one window at a time, with the run's model (loaded once, on ``device``; the
+last ``MODELS_KEPT`` models are held, so that pages of many runs hold no more memory than that), and
 kept: the last few windows' matrices, for every head, so that the heads of one window come at once.
-One window is computed at a time and one more may wait for its turn (``EXAMPLES_WAITING``); a
-request past them is answered 503 at once, so that windows asked for together hold no more than two
-of the server's workers.
+One window (or a text of one's own, ``own_text``) is computed at a time and one more may wait for
+its turn (``EXAMPLES_WAITING``); a request past them is answered 503 at once, so that windows and
+texts asked for together hold no more than two of the server's workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from sqlalchemy import text
 
-from headatlas.service.errors import Param, ParameterError
+from headatlas.service.errors import ModelError, Param, ParameterError
 from headatlas.service.reports.tokens import window_tokens
 from headatlas.service.storage.store import Run
-from headatlas.service.web.context import Busy
+from headatlas.service.web.context import WEB, Busy, ModelUnavailable
 from headatlas.service.web.reads import Memo, Reads
 
 EXAMPLES_WAITING = 1  # windows that may wait while one is computed; past them, 503
+MODELS_KEPT = 2  # run models held at once: a third loaded lets the least recently used one go
 
 # the run's window number k, in document order (documents and windows are content-addressed: a
 # lake may hold a row twice, hence one row per id)
@@ -89,9 +94,10 @@ class Examples:
 
     def __init__(self, *, device: str = "cpu", windows: int = 8) -> None:
         self.device = device
-        self._models: dict[str, object] = {}
+        self._models: OrderedDict[str, object] = OrderedDict()  # the last MODELS_KEPT, oldest first
         self.load_s: dict[str, float] = {}  # seconds each model took to load
         self._windows = Memo(windows, max_bytes=None)  # a window of a large model is large: kept by count
+        self._texts = Memo(windows, max_bytes=None)  # texts of one's own, as windows
         self._lock = threading.Lock()
         self._asked = 0  # windows being computed or waiting to be
         self._asked_lock = threading.Lock()
@@ -104,16 +110,29 @@ class Examples:
 
         key = self._key(run)
         params = AnalysisParams.from_dict(run.params)
-        if key not in self._models:
-            started = time.perf_counter()
-            spec = run.model
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        started = time.perf_counter()
+        spec = run.model
+        try:
             if spec.startswith("control:"):
                 parent = load_model(spec.removeprefix("control:"), device=self.device, dtype=params.dtype)
-                self._models[key] = control_model(parent, seed=int(run.params.get("control_seed", 0)))
+                loaded = control_model(parent, seed=int(run.params.get("control_seed", 0)))
             else:
-                self._models[key] = load_model(spec, device=self.device, dtype=params.dtype)
-            self.load_s[key] = time.perf_counter() - started
-        return self._models[key]
+                loaded = load_model(spec, device=self.device, dtype=params.dtype)
+        except (ModelError, OSError, MemoryError) as failed:
+            why = failed.render(WEB) if isinstance(failed, ModelError) else f"{type(failed).__name__}: {failed}"
+            raise ModelUnavailable(
+                f"run {run.run_id} ({run.name}) was analysed with the model {spec}, which cannot be loaded here "
+                f"({why.strip()}); its texts and windows are read with that model alone: serve the database "
+                "where the model is"
+            ) from None
+        self.load_s[key] = time.perf_counter() - started
+        self._models[key] = loaded
+        while len(self._models) > MODELS_KEPT:
+            self._models.popitem(last=False)
+        return loaded
 
     @staticmethod
     def _key(run: Run) -> str:
@@ -123,21 +142,47 @@ class Examples:
         """Every head's matrices on ``stored``, computed once (``seconds``: how long it took)."""
         return self._windows.get((run.run_key, stored.window_id), lambda: self._compute(run, stored))
 
+    def text(self, run: Run, body: str, *, seq_len: int) -> dict:
+        """Every head's matrices on ``body``'s first window of at most ``seq_len`` tokens (the
+        run's parameters otherwise), computed once (``seconds``: how long it took)."""
+        digest = hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
+        return self._texts.get(
+            (run.run_key, seq_len, digest), lambda: self._one_at_a_time(lambda: self._text_now(run, body, seq_len))
+        )
+
     def _compute(self, run: Run, stored: StoredWindow) -> dict:
+        return self._one_at_a_time(lambda: self._compute_now(run, stored))
+
+    def _one_at_a_time(self, work: Callable[[], dict]) -> dict:
         with self._asked_lock:
             if self._asked > EXAMPLES_WAITING:
                 raise Busy(
-                    "busy: an example window is being computed and another waits for its turn; try again in a few "
-                    "seconds",
+                    "busy: a window (an example, or a text of one's own) is being computed and another waits for "
+                    "its turn; try again in a few seconds",
                     retry_after_s=3,
                 )
             self._asked += 1
         try:
             with self._lock:
-                return self._compute_now(run, stored)
+                return work()
         finally:
             with self._asked_lock:
                 self._asked -= 1
+
+    def _text_now(self, run: Run, body: str, seq_len: int) -> dict:
+        from headatlas.service.params import AnalysisParams
+        from headatlas.service.reports.inspection import inspect_text
+
+        loaded = self._key(run) in self._models
+        model = self.model(run)
+        started = time.perf_counter()
+        params = replace(AnalysisParams.from_dict(run.params), seq_len=seq_len)
+        seen = inspect_text(model, body, params)
+        return {
+            "inspection": seen,
+            "seconds": time.perf_counter() - started,
+            "load_s": 0.0 if loaded else self.load_s[self._key(run)],
+        }
 
     def _compute_now(self, run: Run, stored: StoredWindow) -> dict:
         from headatlas.service.params import AnalysisParams

@@ -19,6 +19,7 @@ from headatlas.service.web import charts
 from headatlas.service.web.context import Ctx, NotFound, run_path
 from headatlas.service.web.documents import records, with_scheme
 from headatlas.service.web.html import e, interval, num, table
+from headatlas.service.web.own_text import head_section
 from headatlas.service.web.run_page import heads_of, run_roles
 from headatlas.service.web.views import View
 
@@ -78,6 +79,7 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
                 _roles(role_cols, my_roles),
                 _anchors(anchors),
                 _example(ctx, run, layer, head),
+                head_section(ctx, run, layer, head),
                 _distances(dist),
                 _metrics(metrics, run),
                 _effects(metrics),
