@@ -96,6 +96,7 @@ PANELS = {
     "Windows and statistics": (
         "seq_len",
         "windowing",
+        "max_windows",
         "sentences",
         "select",
         "gate",

@@ -85,6 +85,15 @@ OPTIONS: tuple[Declared, ...] = (
     ),
     Declared("windowing", str, "chunks", "chunks (cover each document) or first (one window per document).", "§1"),
     Declared(
+        "max_windows",
+        int,
+        None,
+        "Analyse only the corpus's first N windows, in corpus order (default: every window). Recorded with the "
+        "run: another N is another run.",
+        spec="§1",
+        min=1,
+    ),
+    Declared(
         "sentences",
         str,
         "segmenter",
@@ -120,7 +129,6 @@ OPTIONS: tuple[Declared, ...] = (
         f"estimate before it starts —; {MIXING_WINDOWS} with --mixing alone).",
         spec="§6",
         min=1,
-        aliases=("--max-windows",),
     ),
     Declared(
         "mixing", list[str], (), "Forward-only mixing measures: rollout, norm, alti (repeat or comma-separate).", "§6"

@@ -91,6 +91,8 @@ class AnalysisParams:
 
     seq_len: int = DEFAULTS["seq_len"]
     windowing: str = DEFAULTS["windowing"]
+    # the corpus's first N windows only (None: all of them); a cap changes the numbers, so the run key
+    max_windows: int | None = DEFAULTS["max_windows"]
     sentences: str = DEFAULTS["sentences"]  # segmenter: a sentence-boundary library (SPEC §5b); punct: SPEC §1
     select: Selection = field(default_factory=lambda: Selection.parse(DEFAULTS["select"]))
     gate: float = DEFAULTS["gate"]
@@ -127,6 +129,10 @@ class AnalysisParams:
         if not 4 <= self.seq_len <= MAX_SEQ_LEN:
             raise ParameterError(Param("seq_len", self.seq_len), f": must be between 4 and {MAX_SEQ_LEN} (default 128)")
         _check_choice("windowing", self.windowing, WINDOWING)
+        if self.max_windows is not None and self.max_windows < 1:
+            raise ParameterError(
+                Param("max_windows", self.max_windows), ": must be at least 1 (leave it out to analyse every window)"
+            )
         _check_choice("sentences", self.sentences, SENTENCES)
         _check_choice("vectors", self.vectors, VECTORS)
         _check_choice("dtype", self.dtype, DTYPES)
@@ -209,6 +215,8 @@ class AnalysisParams:
             out.pop("effect_spread", None)  # the rule of the effect runs stored before it: their run key
         if self.objective == AUTO_OBJECTIVE:
             out.pop("objective", None)  # the model's own keeps the run key effect runs had before it could be named
+        if self.max_windows is None:
+            out.pop("max_windows")  # every window: the run key runs had before a cap existed
         if self.measures:
             out["measures"] = list(self.measures)
         else:

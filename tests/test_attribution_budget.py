@@ -1,5 +1,5 @@
 """`analyze --attribution` within a budget: it says its estimated time and memory before it starts,
-takes a small default number of windows (``--attribution-windows``, alias ``--max-windows``),
+takes a small default number of windows (``--attribution-windows``),
 attributes them one per batch on a CPU, and stops on Ctrl-C keeping every finished window."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_analyze_attribution_says_its_estimate_first_and_attributes_few_windows_
     assert sizes[:ATTRIBUTION_WINDOWS] == [1] * ATTRIBUTION_WINDOWS and sum(sizes) > ATTRIBUTION_WINDOWS + 1
     assert max(sizes[ATTRIBUTION_WINDOWS:]) > 1
 
-    more = CliRunner().invoke(app, [*args, "--max-windows", "3", "-q"], env=WIDE)
+    more = CliRunner().invoke(app, [*args, "--attribution-windows", "3", "-q"], env=WIDE)
     assert more.exit_code == 0, more.output
     again = Store(db).get_run(int(more.stdout.split()[-1]))
     assert again.run_id != run.run_id and Store(db).mixing_windows(again.run_id) == 3
@@ -123,7 +123,7 @@ def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, dem
             "--seq-len",
             "64",
             "--attribution",
-            "--max-windows",
+            "--attribution-windows",
             "500",
         ],
         stdout=subprocess.PIPE,

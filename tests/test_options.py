@@ -35,6 +35,7 @@ OFFERED = {
         "dtype",
         "batch_size",
         "windowing",
+        "max_windows",
         "gate",
         "short_range",
         "attribution",

@@ -123,10 +123,13 @@ def iter_batches(
     per batch, and so does each window whose id is in ``alone`` (slow windows, each stored as
     soon as it is done). ``workers``: the documents are
     tokenised and windowed by that many processes (1: this one), or by this pool; the batches are
-    the same either way."""
+    the same either way. ``params.max_windows``: the corpus's first that many windows only, counted
+    with those in ``skip`` (a resumed run keeps the cap it started with)."""
     pending: list[Window] = []
     docs: dict[str, dict] = {}
     emitted = 0
+    cap = params.max_windows
+    position = 0
     read = _Read()
     owned = None
     if isinstance(workers, int) and workers > 1:
@@ -142,7 +145,12 @@ def iter_batches(
         )
     try:
         for doc, consumed, windows in prepared:
+            if cap is not None and position >= cap:
+                break
             for window in windows:
+                if cap is not None and position >= cap:
+                    break
+                position += 1
                 if window.window_id in skip:
                     continue
                 single = window.window_id in alone
