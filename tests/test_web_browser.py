@@ -193,3 +193,38 @@ def test_the_reports_tables_stay_on_the_page_at_1400_px(site, tmp_path):
         assert wide == 0 and boxed == 0
     finally:
         browser.set_window_size(1400, 1000)
+
+
+def test_a_pasted_text_renders_with_its_tokens_on_both_axes_and_its_lines(site):
+    """A head's page: a text pasted and sent draws the head's two matrices, each token labelling a row
+    and a column, and its attention as lines; hovering a token leaves its lines alone in view."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    url, browser, _, _ = site
+    browser.get(url + "/runs/tiny/heads/1/2")
+    box = wait_for(browser, "form.own-text textarea")
+    box.send_keys("The cat sat on the mat.")
+    browser.find_element(By.CSS_SELECTOR, "form.own-text button[type=submit]").click()
+    figures = wait_for(browser, "#own-text")
+    assert "/runs/tiny/heads/1/2?text=The+cat" in browser.current_url
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
+    matrices = figures.find_elements(By.CSS_SELECTOR, "svg.token-matrix")
+    assert len(matrices) == 2
+    for svg in matrices:
+        for axis in ("row", "col"):
+            shown = svg.find_elements(By.CSS_SELECTOR, f"text.{axis}")
+            assert [t.text for t in shown] == tokens and all(t.is_displayed() for t in shown)
+        assert len(svg.find_elements(By.TAG_NAME, "rect")) >= len(tokens) ** 2
+    # the row labels sit left of the cells and the column labels above them, within the figure
+    svg = matrices[0]
+    first = svg.find_element(By.CSS_SELECTOR, "rect").rect
+    assert svg.find_element(By.CSS_SELECTOR, "text.row").rect["x"] < first["x"]
+    assert svg.find_element(By.CSS_SELECTOR, "text.col").rect["y"] < first["y"]
+    view = figures.find_element(By.CSS_SELECTOR, "svg.head-view")
+    assert [t.text for t in view.find_elements(By.CSS_SELECTOR, "text.q")] == tokens
+    cat = view.find_element(By.CSS_SELECTOR, 'g.from[data-i="2"]')
+    other = view.find_element(By.CSS_SELECTOR, 'g.from[data-i="3"] line')
+    ActionChains(browser).move_to_element(cat.find_element(By.CSS_SELECTOR, "text.q")).perform()
+    assert float(other.value_of_css_property("opacity")) < 0.5
+    assert float(cat.find_element(By.TAG_NAME, "line").value_of_css_property("opacity")) == 1.0

@@ -196,7 +196,13 @@ def test_work_another_sites_page_asks_for_is_refused(stored, app):
             {"Referer": "http://evil.example/page.html"},
             {"Referer": f"http://{own.split(':')[0]}:1/other-app"},
         ):
-            for url in (sql, sql.replace("/sql?", "/sql.csv?"), f"{base}/runs/{r}/heads/0/0/example.json"):
+            for url in (
+                sql,
+                sql.replace("/sql?", "/sql.csv?"),
+                f"{base}/runs/{r}/heads/0/0/example.json",
+                f"{base}/runs/{r}/try?text=a+text",  # a text of one's own, on the try-it page and a head's
+                f"{base}/runs/{r}/heads/0/0?text=a+text",
+            ):
                 status, _, body = get(url, headers)
                 assert status == 403, (url, headers, status)
                 assert b"came from another site" in body, (url, headers)
