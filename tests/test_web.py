@@ -802,9 +802,11 @@ def test_the_lines_of_a_head_or_a_layer_and_the_head_page(stored, client, tiny_m
     assert 'class="token-matrix"' not in page.text
     page = client.get(f"/runs/{r}/heads/0/1", {"text": TEXT})
     assert page.status == 200 and token_matrices(page.text) == token_matrices(one)
-    # the try-it page without a text: its form alone
+    # the try-it page without a text: its form alone; the run's page and the head's link to it
     empty = client.get(f"/runs/{r}/try")
     assert empty.status == 200 and "<textarea" in empty.text and "token-matrix" not in empty.text
+    assert f'href="/runs/{r}/try"' in client.get(f"/runs/{r}").text
+    assert f'href="/runs/{r}/try?layer=0&amp;head=1"' in page.text
 
 
 def test_too_long_a_text_is_refused_naming_the_limit(stored, client):

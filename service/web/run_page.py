@@ -164,7 +164,10 @@ def _holders(role_rows: query_support.Rows, role: str) -> set[tuple[int, int]]:
 def _facts(ctx: Ctx, run: Run, read: dict) -> str:
     row = ctx.run_row(run)
     params = " · ".join(f"{k} {v}" for k, v in run.params.items() if k not in ("control_of", "control_seed"))
-    links = [f'<a href="{e(ctx.url(run_path(run, "sql")))}">SQL over this run</a>']
+    links = [
+        f'<a href="{e(ctx.url(run_path(run, "sql")))}">SQL over this run</a>',
+        f'<a href="{e(ctx.url(run_path(run, "try")))}">your own text through its model</a>',
+    ]
     links += [
         f'<a href="{e(ctx.url(f"/compare/{run.run_id}/{c.run_id}"))}">against its control, seed {compare.control_seed(c)}</a>'
         for c in read["controls"]
