@@ -191,8 +191,9 @@ class ModelAdapter(ABC):
         intervention alike. Default, from the parts above: ``embed`` is the output of
         ``embedding_output``, ``unembed`` the output of ``final_norm`` (of the last block where there
         is none); a block's ``resid_pre`` / ``resid_post`` its input / output, ``attn_in`` the
-        attention module's input, ``attn.z`` / ``attn_out`` the output projection's input / output,
-        ``attn.pattern`` the second value the attention module returns. A family whose model
+        attention module's input, ``attn.mask`` the ``attention_mask`` keyword it is called with,
+        ``attn.z`` / ``attn_out`` the output projection's input / output, ``attn.pattern`` the
+        second value the attention module returns. A family whose model
         computes one of them inline (not as a module's input or output) overrides this."""
         layer, point = parse_hook_name(name)
         if layer is None:
@@ -208,6 +209,7 @@ class ModelAdapter(ABC):
             "resid_pre": (block, "input"),
             "resid_post": (block, "output"),
             "attn_in": (self.attention(block), "input"),
+            "attn.mask": (self.attention(block), "attention_mask"),
             "attn.z": (self.output_projection(block), "input"),
             "attn.pattern": (self.attention(block), "output[1]"),
             "attn_out": (self.output_projection(block), "output"),

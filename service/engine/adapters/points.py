@@ -8,6 +8,10 @@ module and which of its values). Per layer ``L``:
   pre-norm block);
 - ``blocks.L.attn.z``: the per-head outputs before W_O, ``[batch, pos, head·d_head]``;
 - ``blocks.L.attn.pattern``: the attention probabilities ``[batch, head, pos, key]`` (eager attention);
+- ``blocks.L.attn.mask``: the attention mask the attention module is handed, ``[batch, 1, pos, key]``
+  (additive: 0 where a query sees a key, the dtype's minimum where it does not; or bool, True seen;
+  None where the model passes none); a tensor of ``[batch, head, pos, key]`` put in its place masks
+  each head apart (the streaming restriction of SPEC §10);
 - ``blocks.L.attn_out``: the output projection's output, ``z @ W_O.T + b_O``;
 - ``blocks.L.resid_post``: the block's output;
 
@@ -33,12 +37,13 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.hooks import RemovableHandle
 
-LAYER_POINTS = ("resid_pre", "attn_in", "attn.z", "attn.pattern", "attn_out", "resid_post")
+LAYER_POINTS = ("resid_pre", "attn_in", "attn.mask", "attn.z", "attn.pattern", "attn_out", "resid_post")
 MODEL_POINTS = ("embed", "unembed")
 # where on its module a point's value is: what the module receives (its first positional argument
 # or its ``hidden_states`` keyword), what it returns (the first element of a tuple), or the second
-# element of the tuple it returns (eager attention's probabilities)
-KINDS = ("input", "output", "output[1]")
+# element of the tuple it returns (eager attention's probabilities), or the ``attention_mask`` keyword
+# it is called with
+KINDS = ("input", "output", "output[1]", "attention_mask")
 
 _LAYER_NAME = re.compile(r"blocks\.(\d+)\.(.+)")
 
@@ -97,6 +102,18 @@ class HookPoint:
                 return None if new is None else ((new, *args[1:]), kwargs)
 
             return self.module.register_forward_pre_hook(pre, with_kwargs=True)
+        if self.kind == "attention_mask":
+
+            def masked(_module, args, kwargs):
+                if "attention_mask" not in kwargs and len(args) > 1:
+                    raise RuntimeError(
+                        f"hook point {self.name}: the attention module is not handed its mask as the attention_mask "
+                        "keyword; its family's adapter names where it is (hook_point)"
+                    )
+                new = fn(kwargs.get("attention_mask"))
+                return None if new is None else (args, {**kwargs, "attention_mask": new})
+
+            return self.module.register_forward_pre_hook(masked, with_kwargs=True)
         if self.kind == "output":
 
             def post(_module, _args, output):
