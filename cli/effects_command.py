@@ -53,6 +53,16 @@ QueueOpt = typer.Option(
 WaitOpt = typer.Option(
     False, "--wait", help="With --queue: show progress until every window is stored, then the table."
 )
+StreamingOpt = typer.Option(
+    False,
+    "--streaming",
+    help="With a run of a decoder: each KV head in turn keeps only --sink sinks and --recent recent keys (every "
+    "query head reading it), and what the objective loses, stored in the run per (S, W) (SPEC §10).",
+)
+SinkOpt = typer.Option(4, "--sink", min=0, metavar="S", help="With --streaming: the first S tokens stay visible.")
+RecentOpt = typer.Option(
+    64, "--recent", min=1, metavar="W", help="With --streaming: the W most recent keys stay visible (its own included)."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -74,6 +84,9 @@ def effects(
     reference: int | None = ReferenceOpt,
     top: int = TopOpt,
     check_top: int = CheckTopOpt,
+    streaming: bool = StreamingOpt,
+    sink: int = SinkOpt,
+    recent: int = RecentOpt,
     db: str = options.Db,
     analysis: options.AnalysisOptions,
     fmt: Format = options.Fmt,
@@ -104,11 +117,30 @@ def effects(
     A run's table also gives each effect normalised within its layer (<effect>_layer = v / ‖v of the
     layer's heads‖₂, Michel et al. 2019), the head's primary role, noise_share and the probe's scores
     (--wide, --columns, CSV and JSON), and says how many heads' intervals lie above 0.
+
+    With --streaming (a run of a decoder), each KV head is restricted instead: query i attends only to
+    the keys j ≤ i with j < S (--sink) or i − j < W (--recent), renormalised, for every query head that
+    reads it (grouped-query attention), on the run's --windows windows; effect = O(streaming) − O(intact)
+    with its interval, beside the head's attention mass beyond sinks + W in the intact model. Each
+    restriction is stored in the run by (S, W); measured again, it is replaced.
     """
     from headatlas.service.storage.store import Store
 
     store = Store(db)
     ref = _run_ref(target, store, db)
+    if streaming:
+        _streaming(
+            store,
+            ref,
+            target,
+            sink=sink,
+            recent=recent,
+            windows=windows,
+            refused={"--effects": kinds != "zero,mean", "--queue": queue, "--wait": wait, "--check-top": check_top},
+            analysis=analysis,
+            fmt=fmt,
+        )
+        return
     if ref is None and (queue or wait):
         from headatlas.service.errors import Param, ParameterError
 
@@ -163,6 +195,34 @@ def effects(
         stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
     if table.check is not None:  # on stderr in every format: the table holds both columns
         stderr.print(f"check: {table.check.describe(table.unit)}", highlight=False, soft_wrap=True)
+
+
+def _streaming(store, ref, target: str, *, sink, recent, windows, refused, analysis, fmt) -> None:
+    """`effects RUN --streaming`: the run's KV heads streaming, measured, stored and shown."""
+    from headatlas.service.errors import Param, ParameterError
+    from headatlas.service.operations.streaming_runs import StreamingRequest, measure_streaming
+
+    if ref is None:
+        raise ParameterError(
+            Param("streaming", True),
+            f": measures a run's KV heads and stores them in it; {target} is a corpus: "
+            "analyse it first (`headatlas analyze`), then give the run",
+        )
+    for option, given in refused.items():
+        if given:
+            raise ParameterError(
+                Param("streaming", True), f": measures the streaming restriction alone; leave out {option}"
+            )
+    from headatlas.service.analysis_options import parse_batch_size
+
+    size = parse_batch_size(analysis.batch_size)  # auto: one window a pass (each KV head a copy of it)
+    request = StreamingRequest(
+        ref, sink=sink, recent=recent, windows=windows, device=analysis.device, batch_size=1 if size == "auto" else size
+    )
+    table = measure_streaming(store, request, _said)
+    run = table.run
+    render(table.columns, table.rows, fmt, title=f"run {run.run_id} ({run.name}): streaming KV heads")
+    stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
 
 
 def _run_ref(target: str, store, db: str) -> str | int | None:

@@ -31,6 +31,7 @@ TABLES = (
     "run_effects",
     "prunes",
     "prune_curves",
+    "streaming_effects",
 )
 
 
@@ -83,8 +84,10 @@ def test_parquet_files_read_back_as_the_stored_rows(stored, tmp_path):
         assert got == expected, t.table
         assert t.rows == len(expected), t.table
         # mixing only with --mixing, effects and prunes only with --effects and `prune`, sums by name
-        # only from a plugin's measure
-        assert t.rows > 0 or t.table.startswith(("mixing_", "run_effects", "prune", "named_head_sums")), t.table
+        # only from a plugin's measure, streaming effects only from `effects RUN --streaming`
+        assert t.rows > 0 or t.table.startswith(
+            ("mixing_", "run_effects", "prune", "named_head_sums", "streaming_effects")
+        ), t.table
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["run_id"] == first.run_id and manifest["format"] == "parquet"
     assert manifest["tables"]["head_stats"] == {"file": "head_stats.parquet", "rows": exported[5].rows}

@@ -56,6 +56,7 @@ RUN_TABLES = {
     "run_effects": "SELECT * FROM run_effects WHERE run_id = {run}",
     "prunes": "SELECT * FROM prunes WHERE run_id = {run}",
     "prune_curves": "SELECT * FROM prune_curves WHERE run_id = {run}",
+    "streaming_effects": "SELECT * FROM streaming_effects WHERE run_id = {run}",
 }
 
 

@@ -56,6 +56,7 @@ TABLES = (
     "run_effects",
     "prunes",
     "prune_curves",
+    "streaming_effects",
     "run_results",
     "role_results",
     "queue_plans",

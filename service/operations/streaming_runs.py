@@ -1,0 +1,224 @@
+"""Streaming effects of a finished run's KV heads (SPEC §10): ``headatlas effects RUN --streaming``.
+
+Each KV head of a causal model, restricted to ``sink`` S sinks and ``recent`` W recent keys
+(``service.measures.streaming``), on ``windows`` windows of the run, chosen by the rule of its
+ablation effects (``run_plan.effect_targets``: spread over its replicate groups, or its first for a
+run stored before that rule; each checked to be a window the run holds), on the run's objective.
+The sums are kept per replicate group (SPEC §5d) and stored in ``streaming_effects``, one set per
+(S, W): measured again, a restriction's rows are replaced. The table gives each KV head's mean
+effect and attention mass beyond sinks + W with the delete-one-group jackknife interval every other
+statistic has.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from headatlas.service.errors import Param, ParameterError
+from headatlas.service.operations.events import Estimate, Sink, WindowsMeasured, ignore
+from headatlas.service.storage.store import Run, Store
+from headatlas.service.storage.streaming_rows import SUMS, StreamingSums
+from headatlas.service.wording import counted
+
+COLUMNS = ("layer", "kv_head", "effect", "effect_lo", "effect_hi", "beyond", "beyond_lo", "beyond_hi")
+
+
+@dataclass(frozen=True)
+class StreamingRequest:
+    """What ``effects RUN --streaming`` asks for: the run, S, W, how many of its windows, and
+    where and how many at a time they run."""
+
+    run: str | int | None
+    sink: int
+    recent: int
+    windows: int = 16
+    device: str = "auto"
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        from headatlas.service.measures.streaming import check_window
+
+        check_window(self.sink, self.recent)
+        if self.windows < 1:
+            raise ParameterError(Param("windows", self.windows), ": must be at least 1")
+        if self.batch_size < 1:
+            raise ParameterError(Param("batch_size", self.batch_size), ": must be at least 1")
+
+
+@dataclass
+class StreamingTable:
+    """A run's streaming effects of one restriction: one row per (layer, KV head), ``COLUMNS``."""
+
+    run: Run
+    sink: int
+    recent: int
+    objective: str
+    windows: int
+    groups: int
+    scheme: str
+    longest: int
+    intact_mean: float
+    measured: int = 0
+    seconds: float = 0.0
+    columns: list[str] = field(default_factory=lambda: list(COLUMNS))
+    rows: list[tuple] = field(default_factory=list)
+
+    def note(self) -> str:
+        from headatlas.service.reports.intervals import MIN_GROUPS, scheme_words
+
+        rough = f", fewer than {MIN_GROUPS}: their widths are rough" if self.groups < MIN_GROUPS else ""
+        return (
+            f"effect = O(KV head streaming) − O(intact), O = {self.objective} (intact mean {self.intact_mean:.4g}), "
+            f"streaming: the first {self.sink} tokens and the {self.recent} most recent keys (S = {self.sink}, "
+            f"W = {self.recent}), every query head of the KV head; beyond: its attention mass beyond them in the intact "
+            f"model; over {counted(self.windows, 'window')} of up to {self.longest} tokens; 95% intervals: jackknife "
+            f"over {self.groups} replicate groups {scheme_words(self.scheme)}{rough}"
+        )
+
+
+def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ignore, *, model=None) -> StreamingTable:
+    """Measure and store the streaming effects ``request`` asks for (module docstring); ``model``:
+    the run's model loaded already."""
+    from headatlas.service.engine.model import load_model
+    from headatlas.service.engine.results import window_group
+    from headatlas.service.engine.run_plan import effect_targets
+    from headatlas.service.engine.windows import TokenClasses, collate
+    from headatlas.service.measures import streaming as st
+    from headatlas.service.measures.objectives import objective_for
+    from headatlas.service.operations.added_effects import check_addable
+    from headatlas.service.operations.runs import find_run
+    from headatlas.service.params import AnalysisParams
+    from headatlas.service.storage.streaming_rows import store_streaming
+
+    began = time.perf_counter()
+    with store.checked_read() as conn:
+        run = find_run(conn, request.run, events)
+    check_addable(run)
+    params = AnalysisParams.from_dict(run.params)
+    loaded = model or load_model(run.model, device=request.device, dtype=params.dtype)
+    if not loaded.causal:
+        raise ParameterError(
+            Param("streaming", True),
+            f": run {run.run_id} ({run.name}) is of {loaded.name}, an encoder (it attends both ways); the streaming "
+            "restriction keeps a decoder's sinks and recent keys",
+        )
+    objective = objective_for(loaded, params.objective)
+    tokens = TokenClasses.for_model(loaded)
+    chosen = [
+        w for _p, w in effect_targets(run.corpus, loaded, replace(params, effect_windows=request.windows), tokens)
+    ]
+    held = store.done_window_ids(run.run_id)
+    strangers = [w.window_id for w in chosen if w.window_id not in held]
+    if strangers:
+        raise ParameterError(
+            f"run {run.run_id} ({run.name}): its corpus {run.corpus} no longer gives the windows it analysed "
+            f"({counted(len(strangers), 'window')} of the {len(chosen)} to measure are not the run's): "
+            "restore the corpus as it was, or analyse it into a new run"
+        )
+    passes = loaded.n_kv_heads * (loaded.n_layers + 1) / 2
+    events(
+        Estimate(
+            (
+                f"streaming S = {request.sink}, W = {request.recent} on {counted(len(chosen), 'window')}: "
+                f"about {passes:.0f} forward passes' worth per window (each KV head restarts from its layer's input)",
+            )
+        )
+    )
+    groups = np.array(
+        [window_group(params.replicates, window_id=w.window_id, doc_id=w.doc_id, index=w.index) for w in chosen]
+    )
+    reps = np.unique(groups)
+    slot = {int(r): g for g, r in enumerate(reps.tolist())}
+    shape = (len(reps), loaded.n_layers, loaded.n_kv_heads)
+    sums = {name: np.zeros(shape) for name in SUMS}
+    longest = 0
+    for start in range(0, len(chosen), request.batch_size):
+        part = collate(chosen[start : start + request.batch_size], tokens.pad_id)
+        got = st.streaming_effects(
+            loaded,
+            part.input_ids,
+            part.attention_mask,
+            sink=request.sink,
+            recent=request.recent,
+            window_ids=part.window_ids,
+            objective=objective,
+        )
+        for row in range(len(part.windows)):
+            intact = float(got.intact[row])
+            if not math.isfinite(intact) or not np.isfinite(got.effect[row].numpy()).all():
+                continue  # a window whose objective is undefined (one token) adds nothing
+            g = slot[int(groups[start + row])]
+            n = int(got.lengths[row])
+            sums["windows"][g] += 1
+            sums["tokens"][g] += n
+            sums["effect_sum"][g] += got.effect[row].numpy()
+            sums["beyond_sum"][g] += got.beyond[row].numpy()
+            sums["objective_sum"][g] += intact
+            longest = max(longest, n)
+        events(WindowsMeasured(min(start + request.batch_size, len(chosen)), len(chosen)))
+    measured = StreamingSums(request.sink, request.recent, objective.name, longest, reps, sums)
+    store.atomically(lambda conn: store_streaming(conn, run.run_id, measured))
+    table = streaming_table(run, measured)
+    table.measured, table.seconds = int(sums["windows"][:, 0, 0].sum()), time.perf_counter() - began
+    return table
+
+
+def stored_streaming(store: Store, ref: str | int | None, sink: int, recent: int) -> StreamingTable | None:
+    """The run's stored streaming effects of (``sink``, ``recent``), or None where it holds none."""
+    from headatlas.service.operations.runs import find_run
+    from headatlas.service.storage.streaming_rows import streaming_sums
+
+    with store.checked_read() as conn:
+        run = find_run(conn, ref, any_status=True)
+        sums = streaming_sums(conn, run.run_id, sink, recent)
+    return None if sums is None else streaming_table(run, sums)
+
+
+def group_jackknife(total: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean ``Σ total / Σ counts`` over the groups (first axis) and its §5d interval, the
+    delete-one-group jackknife with the t quantile: NaN bounds with fewer than two groups."""
+    from headatlas.service.reports.intervals import t95
+
+    n = counts.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = total.sum(axis=0) / n
+        present = counts.reshape(len(counts), -1).any(axis=1)
+        r = int(present.sum())
+        if r < 2:
+            nan = np.full_like(mean, math.nan)
+            return mean, nan, nan
+        drops = np.stack([(total.sum(axis=0) - total[g]) / (n - counts[g]) for g in np.flatnonzero(present)])
+    half = t95(r - 1) * np.sqrt((r - 1) / r * ((drops - drops.mean(axis=0)) ** 2).sum(axis=0))
+    return mean, mean - half, mean + half
+
+
+def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
+    """The rows of ``COLUMNS`` from a restriction's group sums."""
+    from headatlas.service.reports.intervals import scheme_of
+
+    counts = sums.sums["windows"]
+    effect = group_jackknife(sums.sums["effect_sum"], counts)
+    beyond = group_jackknife(sums.sums["beyond_sum"], counts)
+    _g, n_layers, n_kv = counts.shape
+    rows = [
+        (layer, kv, *(float(c[layer, kv]) for c in (*effect, *beyond)))
+        for layer in range(n_layers)
+        for kv in range(n_kv)
+    ]
+    windows = int(counts[:, 0, 0].sum())
+    return StreamingTable(
+        run=run,
+        sink=sums.sink,
+        recent=sums.recent,
+        objective=sums.objective,
+        windows=windows,
+        groups=int((counts[:, 0, 0] > 0).sum()),
+        scheme=scheme_of(run.params),
+        longest=sums.longest,
+        intact_mean=float(sums.sums["objective_sum"][:, 0, 0].sum() / windows) if windows else math.nan,
+        rows=rows,
+    )

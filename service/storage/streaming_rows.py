@@ -1,0 +1,95 @@
+"""Rows of ``streaming_effects`` (migration 0019, SPEC §10): each KV head's streaming effect per
+replicate group, for one restriction (S sinks, W recent keys) of a run. Written inside the
+caller's transaction, on either backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+SUMS = ("windows", "tokens", "effect_sum", "beyond_sum", "objective_sum")
+
+
+@dataclass
+class StreamingSums:
+    """One restriction's sums: ``reps`` the replicate groups ``[group]``; ``sums[name]`` ``[group,
+    layer, kv_head]`` (``SUMS``); ``longest`` the longest window's tokens; ``objective`` its name."""
+
+    sink: int
+    recent: int
+    objective: str
+    longest: int
+    reps: np.ndarray
+    sums: dict[str, np.ndarray]
+
+
+def store_streaming(conn: Connection, run_id: int, sums: StreamingSums) -> int:
+    """Replace run ``run_id``'s rows of this restriction by ``sums`` (groups without a window are
+    left out); returns the rows written."""
+    key = {"r": run_id, "s": sums.sink, "w": sums.recent}
+    conn.execute(text("DELETE FROM streaming_effects WHERE run_id = :r AND sink = :s AND recent = :w"), key)
+    rows = []
+    _groups, n_layers, n_kv = sums.sums["windows"].shape
+    for g, rep in enumerate(sums.reps.tolist()):
+        for layer in range(n_layers):
+            for kv in range(n_kv):
+                if sums.sums["windows"][g, layer, kv] == 0:
+                    continue
+                values = {name: sums.sums[name][g, layer, kv].item() for name in SUMS}
+                rows.append(
+                    {**key, "rep": int(rep), "layer": layer, "kv": kv, "o": sums.objective, "n": sums.longest, **values}
+                )
+    if rows:
+        conn.execute(
+            text(
+                "INSERT INTO streaming_effects (run_id, sink, recent, rep, layer, kv_head, objective, longest, "
+                f"{', '.join(SUMS)}) VALUES (:r, :s, :w, :rep, :layer, :kv, :o, :n, {', '.join(':' + s for s in SUMS)})"
+            ),
+            rows,
+        )
+    return len(rows)
+
+
+def restrictions(conn: Connection, run_id: int) -> list[tuple[int, int]]:
+    """The (sink, recent) restrictions the run holds streaming effects of."""
+    return [
+        (int(s), int(w))
+        for s, w in conn.execute(
+            text("SELECT DISTINCT sink, recent FROM streaming_effects WHERE run_id = :r ORDER BY sink, recent"),
+            {"r": run_id},
+        )
+    ]
+
+
+def streaming_sums(conn: Connection, run_id: int, sink: int, recent: int) -> StreamingSums | None:
+    """The run's sums of one restriction, or None where it holds none."""
+    rows = conn.execute(
+        text(
+            f"SELECT rep, layer, kv_head, objective, longest, {', '.join(SUMS)} FROM streaming_effects "
+            "WHERE run_id = :r AND sink = :s AND recent = :w ORDER BY rep, layer, kv_head"
+        ),
+        {"r": run_id, "s": sink, "w": recent},
+    ).fetchall()
+    if not rows:
+        return None
+    reps = sorted({int(r[0]) for r in rows})
+    n_layers = 1 + max(int(r[1]) for r in rows)
+    n_kv = 1 + max(int(r[2]) for r in rows)
+    index = {rep: g for g, rep in enumerate(reps)}
+    sums = {name: np.zeros((len(reps), n_layers, n_kv)) for name in SUMS}
+    for row in rows:
+        g, layer, kv = index[int(row[0])], int(row[1]), int(row[2])
+        for k, name in enumerate(SUMS):
+            sums[name][g, layer, kv] = row[5 + k]
+    return StreamingSums(
+        sink=sink,
+        recent=recent,
+        objective=str(rows[0][3]),
+        longest=max(int(r[4]) for r in rows),
+        reps=np.array(reps, dtype=np.int64),
+        sums=sums,
+    )
