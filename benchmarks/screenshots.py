@@ -29,6 +29,12 @@ PAGES = (
     ("serve-head.png", "/runs/demo/heads/1/1", '#example[data-state="done"]', 1250),
     ("serve-compare.png", "/compare/demo/demo-control?by=depth", "#compare-table", 1300),
     (
+        "serve-text.png",
+        "/runs/demo/try?layer=1&head=1&lines=layer&text=The+cat+sat+on+the+mat.+It+was+warm,+so+the+cat+slept+there.",
+        "#own-text",
+        1450,
+    ),
+    (
         "serve-sql.png",
         "/runs/demo/sql?q=SELECT+layer,+head,+within_sentence_lift_dm,+repetition_words_lift_dm+"
         "FROM+head_metrics+ORDER+BY+4+DESC+LIMIT+8",

@@ -224,7 +224,7 @@ def test_a_pasted_text_renders_with_its_tokens_on_both_axes_and_its_lines(site):
     view = figures.find_element(By.CSS_SELECTOR, "svg.head-view")
     assert [t.text for t in view.find_elements(By.CSS_SELECTOR, "text.q")] == tokens
     cat = view.find_element(By.CSS_SELECTOR, 'g.from[data-i="2"]')
-    other = view.find_element(By.CSS_SELECTOR, 'g.from[data-i="3"] line')
+    other = view.find_element(By.CSS_SELECTOR, 'g.from[data-i="3"] g.lines')
     ActionChains(browser).move_to_element(cat.find_element(By.CSS_SELECTOR, "text.q")).perform()
     assert float(other.value_of_css_property("opacity")) < 0.5
-    assert float(cat.find_element(By.TAG_NAME, "line").value_of_css_property("opacity")) == 1.0
+    assert float(cat.find_element(By.CSS_SELECTOR, "g.lines").value_of_css_property("opacity")) == 1.0

@@ -97,7 +97,7 @@ class Examples:
         self._models: OrderedDict[str, object] = OrderedDict()  # the last MODELS_KEPT, oldest first
         self.load_s: dict[str, float] = {}  # seconds each model took to load
         self._windows = Memo(windows, max_bytes=None)  # a window of a large model is large: kept by count
-        self._texts = Memo(windows, max_bytes=None)  # texts of one's own, as windows
+        self._texts = Memo(4, max_bytes=None)  # texts of one's own: the last few
         self._lock = threading.Lock()
         self._asked = 0  # windows being computed or waiting to be
         self._asked_lock = threading.Lock()

@@ -127,7 +127,7 @@ def head_view_svg(
     n = len(tokens)
     row = 18
     label_px = _label_px(tokens)
-    gap = 220
+    gap = 320
     left_x, right_x = label_px, label_px + gap
     width, height = 2 * label_px + gap + 4, n * row + 8
 
@@ -138,15 +138,14 @@ def head_view_svg(
     for i in range(n):
         lines = []
         for head, matrix in attention:
-            stroke = head_colour(head)
-            for j in range(n):
-                weight = float(matrix[i, j])
-                if weight < floor:
-                    continue
-                lines.append(
-                    f'<line x1="{left_x + 2}" y1="{y(i):.1f}" x2="{right_x - 2}" y2="{y(j):.1f}" stroke="{stroke}" '
-                    f'stroke-opacity="{weight:.3f}" stroke-width="2" data-head="{head}" data-j="{j}"/>'
-                )
+            # a path a line, in one group a head: a layer's thousands of lines stay a few hundred KB
+            paths = "".join(
+                f'<path d="M{left_x + 2} {y(i):.1f}L{right_x - 2} {y(j):.1f}" stroke-opacity="{float(w):.3f}"/>'
+                for j, w in enumerate(matrix[i])
+                if w >= floor
+            )
+            if paths:
+                lines.append(f'<g class="lines" data-head="{head}" stroke="{head_colour(head)}">{paths}</g>')
         groups.append(
             f'<g class="from" data-i="{i}"><text class="q" x="{left_x - 6}" y="{y(i):.1f}" '
             f'data-tip="{e(f"{i} «{tokens[i]}»: its attention, to the right")}">{e(_label(tokens[i]))}</text>'
