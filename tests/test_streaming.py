@@ -220,7 +220,7 @@ def test_streaming_effects_stored_in_a_run_are_those_of_its_windows(decoder_run,
     rows = json.loads(done.stdout)
     model = load_model("random:gpt2", device="cpu")
     assert len(rows) == model.n_layers * model.n_kv_heads
-    assert "S = 1, W = 4" in done.stderr and "5 windows" in done.stderr
+    assert "S = 1, W = 4" in done.stderr and "5 windows" in done.stderr and "Spearman" in done.stderr
     # the same windows, measured here in one batch
     run = Store(db).get_run("st")
     params = dataclasses.replace(AnalysisParams.from_dict(run.params), effect_windows=5)
@@ -260,3 +260,31 @@ def test_streaming_refusals_say_why(decoder_run, cli, tiny_model) -> None:
         assert done.returncode != 0 and said in done.stderr, done.stderr
     with pytest.raises(ParameterError, match="attends both ways"):
         st.streaming_effects(tiny_model, *_batch(), sink=1, recent=2)
+
+
+def test_the_predictors_rank_correlation_and_its_interval_by_hand() -> None:
+    import numpy as np
+
+    from headatlas.service.measures.atp_check import spearman
+    from headatlas.service.operations.streaming_runs import predictor_rho
+    from headatlas.service.storage.streaming_rows import SUMS, StreamingSums
+
+    def sums(effect: np.ndarray, beyond: np.ndarray) -> StreamingSums:
+        shape = effect.shape  # [group, layer, kv_head], one window a group
+        values = {name: np.zeros(shape) for name in SUMS}
+        values.update(windows=np.ones(shape), effect_sum=effect, beyond_sum=beyond)
+        return StreamingSums(1, 4, "next_token_loss", 8, np.arange(shape[0]), values)
+
+    g = np.random.default_rng(0)
+    beyond = g.random((4, 2, 3))
+    # the effect rises with the mass in every group: ρ = 1 with or without any group
+    assert predictor_rho(sums(2.0 * beyond + 1.0, beyond)) == pytest.approx((1.0, 1.0, 1.0))
+    assert predictor_rho(sums(-beyond, beyond))[0] == pytest.approx(-1.0)
+    effect = g.random((4, 2, 3))
+    rho, lo, hi = predictor_rho(sums(effect, beyond))
+    assert rho == pytest.approx(spearman(beyond.mean(0).ravel(), effect.mean(0).ravel()))
+    drops = [
+        spearman(np.delete(beyond, k, 0).mean(0).ravel(), np.delete(effect, k, 0).mean(0).ravel()) for k in range(4)
+    ]
+    half = 3.182 * np.sqrt(3 / 4 * ((np.array(drops) - np.mean(drops)) ** 2).sum())  # t_{3, 0.975}
+    assert (lo, hi) == pytest.approx((rho - half, rho + half), abs=1e-3)

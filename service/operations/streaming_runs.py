@@ -7,7 +7,9 @@ run stored before that rule; each checked to be a window the run holds), on the 
 The sums are kept per replicate group (SPEC §5d) and stored in ``streaming_effects``, one set per
 (S, W): measured again, a restriction's rows are replaced. The table gives each KV head's mean
 effect and attention mass beyond sinks + W with the delete-one-group jackknife interval every other
-statistic has.
+statistic has, and the atlas predictor tested against the effect (SPEC §10): Spearman's ρ between
+the KV heads' attention mass beyond sinks + W and their streaming effect, its interval the same
+jackknife (ρ recomputed without each replicate group).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class StreamingTable:
     scheme: str
     longest: int
     intact_mean: float
+    rho: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # ρ(beyond, effect) and its interval
     measured: int = 0
     seconds: float = 0.0
     columns: list[str] = field(default_factory=lambda: list(COLUMNS))
@@ -71,12 +74,15 @@ class StreamingTable:
         from headatlas.service.reports.intervals import MIN_GROUPS, scheme_words
 
         rough = f", fewer than {MIN_GROUPS}: their widths are rough" if self.groups < MIN_GROUPS else ""
+        rho, lo, hi = self.rho
+        said = f"{rho:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else " (no interval)")
         return (
             f"effect = O(KV head streaming) − O(intact), O = {self.objective} (intact mean {self.intact_mean:.4g}), "
             f"streaming: the first {self.sink} tokens and the {self.recent} most recent keys (S = {self.sink}, "
             f"W = {self.recent}), every query head of the KV head; beyond: its attention mass beyond them in the intact "
             f"model; over {counted(self.windows, 'window')} of up to {self.longest} tokens; 95% intervals: jackknife "
-            f"over {self.groups} replicate groups {scheme_words(self.scheme)}{rough}"
+            f"over {self.groups} replicate groups {scheme_words(self.scheme)}{rough}; the predictor: Spearman's ρ "
+            f"(beyond, effect) over the {len(self.rows)} KV heads {said}"
         )
 
 
@@ -196,6 +202,26 @@ def group_jackknife(total: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
     return mean, mean - half, mean + half
 
 
+def predictor_rho(sums: StreamingSums) -> tuple[float, float, float]:
+    """Spearman's ρ between the KV heads' mean attention mass beyond sinks + W and their mean
+    streaming effect, with its §5d interval: the jackknife over ρ without each replicate group."""
+    from headatlas.service.operations.prune_curves import spearman
+    from headatlas.service.reports.intervals import jackknife_halfwidth
+
+    counts, effect, beyond = sums.sums["windows"], sums.sums["effect_sum"], sums.sums["beyond_sum"]
+
+    def rho(keep: np.ndarray) -> float:
+        n = counts[keep].sum(axis=0)
+        return spearman((beyond[keep].sum(axis=0) / n).reshape(-1), (effect[keep].sum(axis=0) / n).reshape(-1))
+
+    every = counts[:, 0, 0] > 0
+    full = rho(every)
+    present = np.flatnonzero(every)
+    drops = [rho(every & (np.arange(len(every)) != g)) for g in present] if len(present) > 1 else []
+    half = jackknife_halfwidth(drops)
+    return (full, math.nan, math.nan) if half is None else (full, full - half, full + half)
+
+
 def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
     """The rows of ``COLUMNS`` from a restriction's group sums."""
     from headatlas.service.reports.intervals import scheme_of
@@ -220,5 +246,6 @@ def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
         scheme=scheme_of(run.params),
         longest=sums.longest,
         intact_mean=float(sums.sums["objective_sum"][:, 0, 0].sum() / windows) if windows else math.nan,
+        rho=predictor_rho(sums) if windows else (math.nan, math.nan, math.nan),
         rows=rows,
     )
