@@ -189,6 +189,14 @@ def test_readme_claim_is_what_the_output_says(claim, stated, printed):
     assert stated() == printed(), f"README ({claim}) says {stated()}, the output {printed()}: rewrite the README"
 
 
+def test_the_bad_inputs_the_readme_counts_are_the_table_s():
+    """The "At scale" section's count of bad inputs is the one docs/reliability.md states, which
+    tests/test_bad_inputs.py holds to the length of its table."""
+    reliability = (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    tried = one(r"\*\*(\d+) bad inputs; all \d+ give one clean error\*\*", reliability, "docs/reliability.md")
+    assert one(rf"(\d+){S}kinds{S}of{S}bad{S}input", README, "README") == tried
+
+
 def induction_line() -> str:
     return next(line for line in README.splitlines() if "query roles --run smol --role induction" in line)
 
