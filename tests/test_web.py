@@ -851,3 +851,18 @@ def test_a_run_whose_model_cannot_be_loaded_here_is_refused_in_one_line(stored, 
         assert "/nowhere/models/minilm, which cannot be loaded here" in html.unescape(said[0])
     error = client.get(f"/runs/{r}/try.json", {"text": TEXT})
     assert error.status == 503 and "cannot be loaded here" in error.json()["error"]
+
+
+def test_a_server_holds_two_run_models_at_most(stored, client):
+    """Texts read with three runs' models (the tiny run's, its control's, the deeper run's): the server
+    holds the last two, and the one let go loads again when asked."""
+    _, run, deep = stored
+    runs = client.get("/runs.json").json()
+    control = next(r["run_id"] for r in runs if r["name"] == "tiny-control")
+    examples = client.app.examples
+    for r in (run.run_id, control, deep.run_id):
+        assert client.get(f"/runs/{r}/try.json", {"text": "Two models at most."}).status == 200
+    held = list(examples._models)
+    assert len(held) == 2 and held[0].startswith("control:") and held[1].startswith("random:3,4,32")
+    assert client.get(f"/runs/{run.run_id}/try.json", {"text": "Loaded again."}).json()["model_load_s"] > 0
+    assert len(examples._models) == 2 and list(examples._models)[-1].startswith("random:tiny")
