@@ -189,6 +189,14 @@ def test_readme_claim_is_what_the_output_says(claim, stated, printed):
     assert stated() == printed(), f"README ({claim}) says {stated()}, the output {printed()}: rewrite the README"
 
 
+def test_the_controls_earn_no_role_as_the_readme_says():
+    """ "On the development data the random-weights controls (three seeds) earn no role on any of
+    their 72 heads": every control column of the roles table holds 72 heads without a role."""
+    assert re.search(rf"controls{S}\(three{S}seeds\){S}earn{S}no{S}role{S}on{S}any{S}of{S}their{S}72{S}heads", README)
+    controls = table_row(DEV, "### Roles", "none established")[3:]
+    assert controls == ["72", "72", "72"], controls
+
+
 def test_the_bad_inputs_the_readme_counts_are_the_table_s():
     """The "At scale" section's count of bad inputs is the one docs/reliability.md states, which
     tests/test_bad_inputs.py holds to the length of its table."""
