@@ -140,7 +140,7 @@ def try_view(ctx: Ctx, ref: str) -> View:
         return (
             f'<p class="muted">Paste a text: it is read with the run\'s model, <code>{e(run.model_name)}</code>, and '
             f'its parameters; the matrices are those of layer {layer}, head {head} (<a href="{e(head_link)}">its '
-            "page</a>).</p>" + _form(ctx, run, text, lines, layer=layer, head=head) + _figures(run, seen)
+            "page</a>).</p>" + _form(ctx, run, text, lines, layer=layer, head=head) + _figures(seen)
         )
 
     crumbs = [(f"run {run.run_id}", ctx.url(run_path(run))), ("your own text", ctx.request.path)]
@@ -159,7 +159,7 @@ def head_section(ctx: Ctx, run: Run, layer: int, head: int) -> str:
         f"model (<code>{e(run.model_name)}</code>): its similarity matrix and attention, tokens on both axes, and its "
         f'attention as lines, or its whole layer\'s. <a href="{e(every)}">Any head of the run: try it</a>.</p>'
         + _form(ctx, run, text, lines)
-        + _figures(run, seen)
+        + _figures(seen)
     )
 
 
@@ -193,7 +193,7 @@ def _form(
     )
 
 
-def _figures(run: Run, seen: OwnText | None) -> str:
+def _figures(seen: OwnText | None) -> str:
     if seen is None:
         return ""
     inspection, layer, head = seen.seen, seen.layer, seen.head
