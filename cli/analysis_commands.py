@@ -106,7 +106,8 @@ def db_option(db) -> str:
 class _Shown:
     """An analysis as the command line shows it while it runs: what was read and what loads, the
     estimate of a slow part, a progress bar per pass over the corpus (windows, windows/s and ETA,
-    from corpus characters consumed), and a run reused under another name."""
+    from corpus characters consumed, or windows under ``--max-windows``), and a run reused under
+    another name."""
 
     def __init__(self) -> None:
         self.bar: Any = None
@@ -127,14 +128,16 @@ class _Shown:
                     f"control {event.control_seed + 1}/{event.controls}: the same windows through a randomly "
                     f"initialised {event.n_layers}×{event.n_heads} model (seed {event.control_seed}) …"
                 )
-            self.total, self.windows = event.total_chars, 0
+            self.started, self.windows = event, 0
+            self.total = event.done(0, 0)[1]
             self.bar = progress_bar("analysing", "{task.fields[windows]:,} windows")
             self.bar.__enter__()
             self.task = self.bar.add_task("analyse", total=self.total, windows=0, rate=0.0)
         elif isinstance(event, events.Progress):
             self.windows += event.windows
             elapsed = self.bar.tasks[0].elapsed or 1e-9
-            self.bar.update(self.task, completed=event.consumed, windows=self.windows, rate=self.windows / elapsed)
+            completed = self.started.done(self.windows, event.consumed)[0]
+            self.bar.update(self.task, completed=completed, windows=self.windows, rate=self.windows / elapsed)
         elif isinstance(event, events.PassEnded):
             if event.completed:  # an interrupted or failed run stops where it was, not at 100 %
                 self.bar.update(self.task, completed=self.total)

@@ -92,3 +92,18 @@ def test_the_attribution_windows_keep_their_own_name():
 
     assert BY_NAME["attribution_windows"].aliases == ()
     assert BY_NAME["max_windows"].flag == "--max-windows"
+
+
+def test_a_capped_pass_counts_its_progress_in_windows():
+    """Under --max-windows the pass ends after N windows, long before a large corpus's last
+    character: its bar runs from 0 to N windows, not over the corpus's characters."""
+    from headatlas.cli.analysis_commands import _Shown
+    from headatlas.service.operations.events import PassEnded, PassStarted, Progress
+
+    for started, after_two in ((PassStarted(1_000_000, max_windows=4), (2, 4)), (PassStarted(1_000), (250, 1_000))):
+        shown = _Shown()
+        shown(started)
+        shown(Progress(2, 250))  # two windows, a quarter of the characters
+        task = shown.bar.tasks[0]
+        assert (task.completed, task.total) == after_two
+        shown(PassEnded(completed=True))

@@ -118,16 +118,17 @@ class _Shown:
             self._open(event.corpus.chars, f"loading {event.model}" if event.model is not None else "analysing")
         elif isinstance(event, events.PassStarted):
             what = "analysing" if event.control_seed is None else f"control {event.control_seed + 1}/{event.controls}"
+            total = event.done(0, 0)[1]
             if self.bar is None:
-                self._open(event.total_chars, what)
+                self._open(total, what)
             self.bar.set_description_str(what, refresh=False)
-            self.bar.reset(total=event.total_chars)
-            self.windows = 0
+            self.bar.reset(total=total)
+            self.started, self.windows = event, 0
         elif isinstance(event, events.Progress):
             self.windows += event.windows
             rate = self.windows / max(self.bar.format_dict["elapsed"], 1e-9)
             self.bar.set_postfix_str(f"{self.windows:,} windows, {rate:.1f} windows/s", refresh=False)
-            self.bar.update(event.consumed - self.bar.n)
+            self.bar.update(self.started.done(self.windows, event.consumed)[0] - self.bar.n)
         elif isinstance(event, events.PassEnded):
             if event.completed:
                 self.bar.update(self.bar.total - self.bar.n)

@@ -124,13 +124,15 @@ def _analyse(
         notice=lambda parts: events(Estimate(tuple(parts))),
         progress=lambda windows, consumed: events(Progress(windows, consumed)),
     )
-    with _pass(events, PassStarted(summary.chars)):
+    with _pass(events, PassStarted(summary.chars, max_windows=params.max_windows)):
         run = run_on(model=loaded, name=request.name)
     if request.name is not None and run.name != request.name:
         events(RunReused(run, request.name))
     controls = []
     for seed in range(request.control):
-        started = PassStarted(summary.chars, seed, request.control, loaded.n_layers, loaded.n_heads)
+        started = PassStarted(
+            summary.chars, seed, request.control, loaded.n_layers, loaded.n_heads, max_windows=params.max_windows
+        )
         with _pass(events, started):
             controls.append(
                 run_on(

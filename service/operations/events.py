@@ -30,13 +30,22 @@ class CorpusRead:
 @dataclass(frozen=True)
 class PassStarted:
     """A pass over the corpus begins: the run itself (``control_seed`` None), or its random-weights
-    control with that seed (``controls``: how many; the model ``n_layers`` × ``n_heads``)."""
+    control with that seed (``controls``: how many; the model ``n_layers`` × ``n_heads``).
+    ``max_windows``: the pass ends after that many windows (``--max-windows``), long before the
+    corpus's last character where the corpus is large: progress is then counted in windows."""
 
     total_chars: int
     control_seed: int | None = None
     controls: int = 0
     n_layers: int = 0
     n_heads: int = 0
+    max_windows: int | None = None
+
+    def done(self, windows: int, consumed: int) -> tuple[int, int]:
+        """(done, total) of the pass after ``windows`` windows and ``consumed`` characters."""
+        if self.max_windows is not None:
+            return min(windows, self.max_windows), self.max_windows
+        return consumed, self.total_chars
 
 
 @dataclass(frozen=True)
