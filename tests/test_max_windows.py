@@ -107,3 +107,21 @@ def test_a_capped_pass_counts_its_progress_in_windows():
         task = shown.bar.tasks[0]
         assert (task.completed, task.total) == after_two
         shown(PassEnded(completed=True))
+
+
+def test_the_queue_submits_the_same_capped_windows(tmp_path, small_corpus, tiny_model):
+    """`submit --max-windows N` cuts the batches it queues from the same first N windows, and its
+    payloads carry the cap to the workers and the writer with the run's parameters."""
+    from headatlas.service.analysis_options import build_params
+    from headatlas.workers.submit import batch_payloads
+
+    params = build_params(seq_len=32, max_windows=5)
+    batches = list(
+        batch_payloads(
+            str(small_corpus), tiny_model, params, model="random:tiny", dtype="float32", batch_size=2, database_id="x"
+        )
+    )
+    sent = [w[0] for _, _, payload in batches for w in payload["windows"]]
+    assert sent == corpus_windows(small_corpus, tiny_model)[:5]
+    assert [n for _, n, _ in batches] == [2, 2, 1]
+    assert all(payload["params"]["max_windows"] == 5 for _, _, payload in batches)
