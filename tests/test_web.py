@@ -778,10 +778,12 @@ def test_a_short_text_shows_every_token_on_both_axes_and_the_values_inspect_comp
     by_hand = z @ z.T
     np.fill_diagonal(by_hand, 0.0)
     np.testing.assert_allclose(doc["csm"], by_hand, rtol=1e-4, atol=1e-5)
-    # a cell's tooltip says its tokens and value
-    i, j = 2, 5
-    tip = f"{i} «{pieces[i]}» · {j} «{pieces[j]}»: {seen.csm[1, 2][i, j]:.4g}"
-    assert f'data-tip="{html.escape(tip)}"' in shown[0]
+    # the page's cells: row i's group holds its cells in column order, each with its value to 4 digits
+    for svg, want in zip(shown, (seen.csm[1, 2], seen.attention[1, 2])):
+        rows = re.findall(r'<g class="cells" data-i="(\d+)"[^>]*>(.*?)</g>', svg)
+        assert [int(i) for i, _ in rows] == list(range(len(pieces)))
+        drawn = [re.findall(r'data-v="([^"]+)"', cells) for _, cells in rows]
+        assert drawn == [[f"{v:.4g}" for v in row] for row in want.astype(np.float64)]
 
 
 def test_the_lines_of_a_head_or_a_layer_and_the_head_page(stored, client, tiny_model):

@@ -221,6 +221,11 @@ def test_a_pasted_text_renders_with_its_tokens_on_both_axes_and_its_lines(site):
     first = svg.find_element(By.CSS_SELECTOR, "rect").rect
     assert svg.find_element(By.CSS_SELECTOR, "text.row").rect["x"] < first["x"]
     assert svg.find_element(By.CSS_SELECTOR, "text.col").rect["y"] < first["y"]
+    # a cell hovered: its two tokens and its value
+    cell = svg.find_elements(By.CSS_SELECTOR, 'g.cells[data-i="2"] rect')[5]
+    ActionChains(browser).move_to_element(cell).perform()
+    tip = wait_for(browser, "#tip:not([hidden])", 10)
+    assert tip.text == f"2 «cat» · 5 «the»: {cell.get_attribute('data-v')}"
     view = figures.find_element(By.CSS_SELECTOR, "svg.head-view")
     assert [t.text for t in view.find_elements(By.CSS_SELECTOR, "text.q")] == tokens
     cat = view.find_element(By.CSS_SELECTOR, 'g.from[data-i="2"]')

@@ -7,11 +7,20 @@
 (function () {
   const tip = () => document.getElementById("tip");
 
-  // --- tooltips: any element with data-tip ----------------------------------------------------
+  // --- tooltips: any element with data-tip, and a token matrix's cells -------------------------
+  const TIPPED = "[data-tip], svg.token-matrix rect[data-v]";
+  function tipText(target) {
+    if (target.hasAttribute("data-tip")) return target.getAttribute("data-tip");
+    // a cell of a token matrix (own_text): its row's and column's tokens, as their labels say them, and its value
+    const row = target.parentNode, svg = target.closest("svg");
+    const j = Array.prototype.indexOf.call(row.children, target);
+    const label = (axis, k) => { const t = svg.querySelector(`text.${axis}[data-i="${k}"]`); return t ? t.getAttribute("data-tip") : k; };
+    return `${label("row", row.getAttribute("data-i"))} · ${label("col", j)}: ${target.getAttribute("data-v")}`;
+  }
   function showTip(target, x, y) {
     const box = tip();
     if (!box) return;
-    box.textContent = target.getAttribute("data-tip");
+    box.textContent = tipText(target);
     box.hidden = false;
     const w = box.offsetWidth, h = box.offsetHeight;
     box.style.left = Math.min(x + 14, window.innerWidth - w - 8) + "px";
@@ -19,7 +28,7 @@
   }
   function hideTip() { const box = tip(); if (box) box.hidden = true; }
   document.addEventListener("mousemove", (ev) => {
-    const target = ev.target.closest ? ev.target.closest("[data-tip]") : null;
+    const target = ev.target.closest ? ev.target.closest(TIPPED) : null;
     if (target) showTip(target, ev.clientX, ev.clientY); else hideTip();
   });
   document.addEventListener("focusin", (ev) => {
