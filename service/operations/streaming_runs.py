@@ -219,7 +219,7 @@ def predictor_rho(sums: StreamingSums) -> tuple[float, float, float]:
     present = np.flatnonzero(every)
     drops = [rho(every & (np.arange(len(every)) != g)) for g in present] if len(present) > 1 else []
     half = jackknife_halfwidth(drops)
-    return (full, math.nan, math.nan) if half is None else (full, full - half, full + half)
+    return (full, math.nan, math.nan) if half is None else (full, max(-1.0, full - half), min(1.0, full + half))
 
 
 def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
@@ -228,7 +228,8 @@ def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
 
     counts = sums.sums["windows"]
     effect = group_jackknife(sums.sums["effect_sum"], counts)
-    beyond = group_jackknife(sums.sums["beyond_sum"], counts)
+    mass, lo, hi = group_jackknife(sums.sums["beyond_sum"], counts)
+    beyond = (mass, np.clip(lo, 0.0, 1.0), np.clip(hi, 0.0, 1.0))  # a share of a row's attention
     _g, n_layers, n_kv = counts.shape
     rows = [
         (layer, kv, *(float(c[layer, kv]) for c in (*effect, *beyond)))
