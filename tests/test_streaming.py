@@ -220,7 +220,7 @@ def test_streaming_effects_stored_in_a_run_are_those_of_its_windows(decoder_run,
     rows = json.loads(done.stdout)
     model = load_model("random:gpt2", device="cpu")
     assert len(rows) == model.n_layers * model.n_kv_heads
-    assert "S = 1, W = 4" in done.stderr and "5 windows" in done.stderr and "Spearman" in done.stderr
+    assert "S = 1, W = 4" in done.stderr and "5 windows" in done.stderr and "long_range (its share" in done.stderr
     # the same windows, measured here in one batch
     run = Store(db).get_run("st")
     params = dataclasses.replace(AnalysisParams.from_dict(run.params), effect_windows=5)
@@ -239,6 +239,22 @@ def test_streaming_effects_stored_in_a_run_are_those_of_its_windows(decoder_run,
         assert row["effect"] == pytest.approx(float(mean[layer, kv]), rel=1e-6, abs=1e-9)
         assert (row["effect_lo"], row["effect_hi"]) == pytest.approx((lo[layer, kv], hi[layer, kv]), rel=1e-6, abs=1e-9)
         assert row["beyond"] == pytest.approx(float(want.beyond[:, layer, kv].mean()), rel=1e-6)
+    # long_range: the share of the head's high-similarity pairs at a distance ≥ W, from the raw histograms
+    import duckdb
+
+    with duckdb.connect(db, read_only=True) as conn:
+        hist = conn.execute(
+            "SELECT layer, head, distance, count FROM dist_hist WHERE run_id = ?", [run.run_id]
+        ).fetchall()
+    far, total = np.zeros((model.n_layers, model.n_heads)), np.zeros((model.n_layers, model.n_heads))
+    for layer, head, distance, count in hist:
+        total[layer, head] += count
+        far[layer, head] += count if distance >= 4 else 0
+    assert total.all() and (far > 0).any() and (far < total).any()
+    for row in rows:
+        assert row["long_range"] == pytest.approx(
+            far[row["layer"], row["kv_head"]] / total[row["layer"], row["kv_head"]]
+        )
     # stored by (S, W), read back the same; measured again, replaced rather than added to
     table = stored_streaming(Store(db), "st", 1, 4)
     assert table is not None and table.windows == 5 and [r[2] for r in table.rows] == [r["effect"] for r in rows]

@@ -9,7 +9,9 @@ The sums are kept per replicate group (SPEC §5d) and stored in ``streaming_effe
 effect and attention mass beyond sinks + W with the delete-one-group jackknife interval every other
 statistic has, and the atlas predictor tested against the effect (SPEC §10): Spearman's ρ between
 the KV heads' attention mass beyond sinks + W and their streaming effect, its interval the same
-jackknife (ρ recomputed without each replicate group).
+jackknife (ρ recomputed without each replicate group); and the same for the long-range share of
+high-similarity pairs (distance ≥ W, from the run's distance histograms over all its windows,
+taken as fixed as §9 takes noise_share).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from headatlas.service.storage.store import Run, Store
 from headatlas.service.storage.streaming_rows import SUMS, StreamingSums
 from headatlas.service.wording import counted
 
-COLUMNS = ("layer", "kv_head", "effect", "effect_lo", "effect_hi", "beyond", "beyond_lo", "beyond_hi")
+COLUMNS = ("layer", "kv_head", "effect", "effect_lo", "effect_hi", "beyond", "beyond_lo", "beyond_hi", "long_range")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class StreamingTable:
     longest: int
     intact_mean: float
     rho: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # ρ(beyond, effect) and its interval
+    rho_long: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # ρ(long_range, effect)
     measured: int = 0
     seconds: float = 0.0
     columns: list[str] = field(default_factory=lambda: list(COLUMNS))
@@ -74,15 +77,18 @@ class StreamingTable:
         from headatlas.service.reports.intervals import MIN_GROUPS, scheme_words
 
         rough = f", fewer than {MIN_GROUPS}: their widths are rough" if self.groups < MIN_GROUPS else ""
-        rho, lo, hi = self.rho
-        said = f"{rho:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else " (no interval)")
+
+        def said(rho: float, lo: float, hi: float) -> str:
+            return f"{rho:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else " (no interval)")
+
         return (
             f"effect = O(KV head streaming) − O(intact), O = {self.objective} (intact mean {self.intact_mean:.4g}), "
             f"streaming: the first {self.sink} tokens and the {self.recent} most recent keys (S = {self.sink}, "
             f"W = {self.recent}), every query head of the KV head; beyond: its attention mass beyond them in the intact "
             f"model; over {counted(self.windows, 'window')} of up to {self.longest} tokens; 95% intervals: jackknife "
-            f"over {self.groups} replicate groups {scheme_words(self.scheme)}{rough}; the predictor: Spearman's ρ "
-            f"(beyond, effect) over the {len(self.rows)} KV heads {said}"
+            f"over {self.groups} replicate groups {scheme_words(self.scheme)}{rough}; the predictors, Spearman's ρ "
+            f"with the effect over the {len(self.rows)} KV heads: beyond {said(*self.rho)}, long_range (its share of "
+            f"high-similarity pairs at a distance ≥ W in the run's analysis, taken as fixed) {said(*self.rho_long)}"
         )
 
 
@@ -98,7 +104,7 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
     from headatlas.service.operations.added_effects import check_addable
     from headatlas.service.operations.runs import find_run
     from headatlas.service.params import AnalysisParams
-    from headatlas.service.storage.streaming_rows import store_streaming
+    from headatlas.service.storage.streaming_rows import long_range_share, store_streaming
 
     began = time.perf_counter()
     with store.checked_read() as conn:
@@ -168,7 +174,9 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
         events(WindowsMeasured(min(start + request.batch_size, len(chosen)), len(chosen)))
     measured = StreamingSums(request.sink, request.recent, objective.name, longest, reps, sums)
     store.atomically(lambda conn: store_streaming(conn, run.run_id, measured))
-    table = streaming_table(run, measured)
+    with store.checked_read() as conn:
+        long_range = long_range_share(conn, run.run_id, request.recent, loaded.n_kv_heads)
+    table = streaming_table(run, measured, long_range)
     table.measured, table.seconds = int(sums["windows"][:, 0, 0].sum()), time.perf_counter() - began
     return table
 
@@ -176,12 +184,15 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
 def stored_streaming(store: Store, ref: str | int | None, sink: int, recent: int) -> StreamingTable | None:
     """The run's stored streaming effects of (``sink``, ``recent``), or None where it holds none."""
     from headatlas.service.operations.runs import find_run
-    from headatlas.service.storage.streaming_rows import streaming_sums
+    from headatlas.service.storage.streaming_rows import long_range_share, streaming_sums
 
     with store.checked_read() as conn:
         run = find_run(conn, ref, any_status=True)
         sums = streaming_sums(conn, run.run_id, sink, recent)
-    return None if sums is None else streaming_table(run, sums)
+        if sums is None:
+            return None
+        long_range = long_range_share(conn, run.run_id, recent, sums.sums["windows"].shape[2])
+    return streaming_table(run, sums, long_range)
 
 
 def group_jackknife(total: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,9 +213,10 @@ def group_jackknife(total: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
     return mean, mean - half, mean + half
 
 
-def predictor_rho(sums: StreamingSums) -> tuple[float, float, float]:
-    """Spearman's ρ between the KV heads' mean attention mass beyond sinks + W and their mean
-    streaming effect, with its §5d interval: the jackknife over ρ without each replicate group."""
+def predictor_rho(sums: StreamingSums, fixed: np.ndarray | None = None) -> tuple[float, float, float]:
+    """Spearman's ρ between the KV heads' mean attention mass beyond sinks + W (or ``fixed``
+    ``[layer, kv_head]``, a predictor the windows do not change) and their mean streaming effect,
+    with its §5d interval: the jackknife over ρ without each replicate group."""
     from headatlas.service.operations.prune_curves import spearman
     from headatlas.service.reports.intervals import jackknife_halfwidth
 
@@ -212,7 +224,10 @@ def predictor_rho(sums: StreamingSums) -> tuple[float, float, float]:
 
     def rho(keep: np.ndarray) -> float:
         n = counts[keep].sum(axis=0)
-        return spearman((beyond[keep].sum(axis=0) / n).reshape(-1), (effect[keep].sum(axis=0) / n).reshape(-1))
+        x = (beyond[keep].sum(axis=0) / n if fixed is None else fixed).reshape(-1)
+        y = (effect[keep].sum(axis=0) / n).reshape(-1)
+        ok = np.isfinite(x) & np.isfinite(y)
+        return spearman(x[ok], y[ok])
 
     every = counts[:, 0, 0] > 0
     full = rho(every)
@@ -222,8 +237,9 @@ def predictor_rho(sums: StreamingSums) -> tuple[float, float, float]:
     return (full, math.nan, math.nan) if half is None else (full, max(-1.0, full - half), min(1.0, full + half))
 
 
-def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
-    """The rows of ``COLUMNS`` from a restriction's group sums."""
+def streaming_table(run: Run, sums: StreamingSums, long_range: np.ndarray | None = None) -> StreamingTable:
+    """The rows of ``COLUMNS`` from a restriction's group sums, and ``long_range`` ``[layer,
+    kv_head]`` (``streaming_rows.long_range_share``; None: NaN)."""
     from headatlas.service.reports.intervals import scheme_of
 
     counts = sums.sums["windows"]
@@ -231,8 +247,10 @@ def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
     mass, lo, hi = group_jackknife(sums.sums["beyond_sum"], counts)
     beyond = (mass, np.clip(lo, 0.0, 1.0), np.clip(hi, 0.0, 1.0))  # a share of a row's attention
     _g, n_layers, n_kv = counts.shape
+    if long_range is None or long_range.shape != (n_layers, n_kv):
+        long_range = np.full((n_layers, n_kv), math.nan)
     rows = [
-        (layer, kv, *(float(c[layer, kv]) for c in (*effect, *beyond)))
+        (layer, kv, *(float(c[layer, kv]) for c in (*effect, *beyond, long_range)))
         for layer in range(n_layers)
         for kv in range(n_kv)
     ]
@@ -248,5 +266,6 @@ def streaming_table(run: Run, sums: StreamingSums) -> StreamingTable:
         longest=sums.longest,
         intact_mean=float(sums.sums["objective_sum"][:, 0, 0].sum() / windows) if windows else math.nan,
         rho=predictor_rho(sums) if windows else (math.nan, math.nan, math.nan),
+        rho_long=predictor_rho(sums, long_range) if windows and np.isfinite(long_range).any() else (math.nan,) * 3,
         rows=rows,
     )

@@ -93,3 +93,27 @@ def streaming_sums(conn: Connection, run_id: int, sink: int, recent: int) -> Str
         reps=np.array(reps, dtype=np.int64),
         sums=sums,
     )
+
+
+def long_range_share(conn: Connection, run_id: int, recent: int, n_kv: int) -> np.ndarray | None:
+    """Each of ``n_kv`` KV heads' long-range share of high-similarity pairs, ``[layer, kv_head]``:
+    the pairs of its query heads (query head h of H reads KV head ``h // (H / n_kv)``) at a
+    distance ≥ ``recent`` over all of theirs, from the run's distance histograms
+    (``distance_totals``); NaN for a KV head without a pair, None where the run holds none."""
+    heads = conn.execute(text("SELECT max(head) + 1 FROM head_stats WHERE run_id = :r"), {"r": run_id}).scalar()
+    if not heads:
+        return None
+    rows = conn.execute(
+        text(
+            "SELECT layer, head // :g AS kv, sum(high_pairs) FILTER (WHERE distance >= :w), sum(high_pairs) "
+            "FROM distance_totals WHERE run_id = :r GROUP BY layer, kv ORDER BY layer, kv"
+        ),
+        {"r": run_id, "g": max(1, int(heads) // n_kv), "w": recent},
+    ).fetchall()
+    if not rows:
+        return None
+    out = np.full((1 + max(int(r[0]) for r in rows), 1 + max(int(r[1]) for r in rows)), np.nan)
+    for layer, kv, far, total in rows:
+        if total:
+            out[int(layer), int(kv)] = float(far or 0) / float(total)
+    return out
