@@ -121,8 +121,10 @@ def effects(
     With --streaming (a run of a decoder), each KV head is restricted instead: query i attends only to
     the keys j ≤ i with j < S (--sink) or i − j < W (--recent), renormalised, for every query head that
     reads it (grouped-query attention), on the run's --windows windows; effect = O(streaming) − O(intact)
-    with its interval, beside the head's attention mass beyond sinks + W in the intact model. Each
-    restriction is stored in the run by (S, W); measured again, it is replaced.
+    with its interval, beside two predictors from the atlas: the head's attention mass beyond sinks + W
+    in the intact model (beyond) and its share of high-similarity pairs at a distance ≥ W (long_range),
+    each with Spearman's ρ against the effect in the note. Each restriction is stored in the run by
+    (S, W) (the streaming_effects table); measured again, it is replaced.
     """
     from headatlas.service.storage.store import Store
 
