@@ -262,6 +262,14 @@ def test_streaming_effects_stored_in_a_run_are_those_of_its_windows(decoder_run,
     assert again.returncode == 0, again.stderr
     assert stored_streaming(Store(db), "st", 1, 4).windows == 2
     assert stored_streaming(Store(db), "st", 1, 5) is None
+    # the Python API reads the same rows back, and refuses in its own terms what is not stored
+    import headatlas
+
+    shown = headatlas.connect(db).run("st").streaming(sink=1, recent=4, show=True)
+    assert shown.arrow.column("effect").to_pylist() == [r[2] for r in stored_streaming(Store(db), "st", 1, 4).rows]
+    assert "Spearman" in shown.notes[0]
+    with pytest.raises(ParameterError, match=r"show=True: run \d+ holds no streaming effects of sink 1 and recent 5"):
+        headatlas.connect(db).run("st").streaming(sink=1, recent=5, show=True)
 
 
 def test_streaming_refusals_say_why(decoder_run, cli, tiny_model) -> None:

@@ -326,6 +326,46 @@ class RunView:
         return self.refresh().effects()
 
     @in_python_terms
+    def streaming(
+        self,
+        *,
+        sink: int = 4,
+        recent: int = 64,
+        windows: int = 16,
+        device: str = DEFAULTS["device"],
+        show: bool = False,
+    ) -> Table:
+        """The streaming effects of ``headatlas effects RUN --streaming`` (SPEC §10): each KV head of
+        a decoder in turn attends only to the first ``sink`` tokens and its ``recent`` most recent
+        keys; per (layer, KV head) ``effect`` (O(streaming) − O(intact), the run's objective) on the
+        run's ``windows`` windows, and the atlas predictors ``beyond`` (attention mass beyond sinks +
+        W) and ``long_range`` (share of high-similarity pairs at a distance ≥ W), with 95% intervals.
+        Measured in this process and stored with the run by (``sink``, ``recent``), replacing the
+        rows of that restriction (``show``: read the stored ones, nothing measured; a ParameterError
+        where there are none). ``.notes`` gives each predictor's Spearman ρ with the effect."""
+        from headatlas.service.operations.streaming_runs import (
+            StreamingRequest,
+            measure_streaming,
+            stored_streaming,
+        )
+
+        if show:
+            found = stored_streaming(self.store, self.run.run_id, sink, recent)
+            if found is None:
+                from headatlas.service.errors import Param, ParameterError
+
+                raise ParameterError(
+                    Param("show", True),
+                    f": run {self.run.run_id} holds no streaming effects of sink {sink} and recent {recent}; "
+                    "measure them first",
+                )
+        else:
+            request = StreamingRequest(self.run.run_id, sink=sink, recent=recent, windows=windows, device=device)
+            found = measure_streaming(self.store, request)
+        what = f"streaming KV heads (S = {sink}, W = {recent}), run {self.run.run_id}"
+        return Table.of(found.columns, found.rows, what=what, notes=[found.note()])
+
+    @in_python_terms
     def prune(
         self,
         *,
