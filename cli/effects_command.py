@@ -60,6 +60,11 @@ StreamingOpt = typer.Option(
     "query head reading it), and what the objective loses, stored in the run per (S, W) (SPEC §10).",
 )
 SinkOpt = typer.Option(4, "--sink", min=0, metavar="S", help="With --streaming: the first S tokens stay visible.")
+ShowOpt = typer.Option(
+    False,
+    "--show",
+    help="With --streaming: show the run's stored streaming effects of --sink and --recent; measure nothing.",
+)
 RecentOpt = typer.Option(
     64, "--recent", min=1, metavar="W", help="With --streaming: the W most recent keys stay visible (its own included)."
 )
@@ -87,6 +92,7 @@ def effects(
     streaming: bool = StreamingOpt,
     sink: int = SinkOpt,
     recent: int = RecentOpt,
+    show: bool = ShowOpt,
     db: str = options.Db,
     analysis: options.AnalysisOptions,
     fmt: Format = options.Fmt,
@@ -130,6 +136,10 @@ def effects(
 
     store = Store(db)
     ref = _run_ref(target, store, db)
+    if show and not streaming:
+        from headatlas.service.errors import Param, ParameterError
+
+        raise ParameterError(Param("show", True), ": shows stored streaming effects: add --streaming")
     if streaming:
         _streaming(
             store,
@@ -138,6 +148,7 @@ def effects(
             sink=sink,
             recent=recent,
             windows=windows,
+            show=show,
             refused={"--effects": kinds != "zero,mean", "--queue": queue, "--wait": wait, "--check-top": check_top},
             analysis=analysis,
             fmt=fmt,
@@ -199,10 +210,11 @@ def effects(
         stderr.print(f"check: {table.check.describe(table.unit)}", highlight=False, soft_wrap=True)
 
 
-def _streaming(store, ref, target: str, *, sink, recent, windows, refused, analysis, fmt) -> None:
-    """`effects RUN --streaming`: the run's KV heads streaming, measured, stored and shown."""
+def _streaming(store, ref, target: str, *, sink, recent, windows, show, refused, analysis, fmt) -> None:
+    """`effects RUN --streaming`: the run's KV heads streaming, measured, stored and shown (``show``:
+    those stored, nothing measured)."""
     from headatlas.service.errors import Param, ParameterError
-    from headatlas.service.operations.streaming_runs import StreamingRequest, measure_streaming
+    from headatlas.service.operations.streaming_runs import StreamingRequest, measure_streaming, stored_streaming
 
     if ref is None:
         raise ParameterError(
@@ -215,16 +227,30 @@ def _streaming(store, ref, target: str, *, sink, recent, windows, refused, analy
             raise ParameterError(
                 Param("streaming", True), f": measures the streaming restriction alone; leave out {option}"
             )
+    if show:
+        found = stored_streaming(store, ref, sink, recent)
+        if found is None:
+            raise ParameterError(
+                Param("show", True),
+                f": run {ref} holds no streaming effects of --sink {sink} --recent {recent}; measure them (leave out "
+                "--show)",
+            )
+        _show_streaming(found, fmt)
+        return
     from headatlas.service.analysis_options import parse_batch_size
 
     size = parse_batch_size(analysis.batch_size)  # auto: one window a pass (each KV head a copy of it)
     request = StreamingRequest(
         ref, sink=sink, recent=recent, windows=windows, device=analysis.device, batch_size=1 if size == "auto" else size
     )
-    table = measure_streaming(store, request, _said)
+    _show_streaming(measure_streaming(store, request, _said), fmt)
+
+
+def _show_streaming(table, fmt) -> None:
     run = table.run
     render(table.columns, table.rows, fmt, title=f"run {run.run_id} ({run.name}): streaming KV heads")
-    stderr.print(f"note: {table.note()}; {table.seconds:.1f} s", highlight=False, soft_wrap=True)
+    took = f"; {table.seconds:.1f} s" if table.measured else " (stored)"
+    stderr.print(f"note: {table.note()}{took}", highlight=False, soft_wrap=True)
 
 
 def _run_ref(target: str, store, db: str) -> str | int | None:

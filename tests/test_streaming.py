@@ -262,6 +262,13 @@ def test_streaming_effects_stored_in_a_run_are_those_of_its_windows(decoder_run,
     assert again.returncode == 0, again.stderr
     assert stored_streaming(Store(db), "st", 1, 4).windows == 2
     assert stored_streaming(Store(db), "st", 1, 5) is None
+    shown = cli(
+        "effects", "st", "--streaming", "--sink", "1", "--recent", "4", "--show", "--db", db, "--format", "json"
+    )
+    assert shown.returncode == 0 and "(stored)" in shown.stderr, shown.stderr
+    assert [r["effect"] for r in json.loads(shown.stdout)] == [
+        r[2] for r in stored_streaming(Store(db), "st", 1, 4).rows
+    ]
     # the Python API reads the same rows back, and refuses in its own terms what is not stored
     import headatlas
 
@@ -279,6 +286,7 @@ def test_streaming_refusals_say_why(decoder_run, cli, tiny_model) -> None:
         (["st", "--queue"], "leave out --queue"),
         (["st", "--effects", "mean"], "leave out --effects"),
         (["st", "--recent", "0"], "--recent"),
+        (["st", "--recent", "7", "--show"], "holds no streaming effects of --sink 4 --recent 7"),
     ):
         done = cli("effects", *args, "--streaming", "--db", db)
         assert done.returncode != 0 and said in done.stderr, done.stderr
