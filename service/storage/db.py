@@ -330,7 +330,9 @@ def ensure_schema(db: Target) -> None:
     backend = backend_of(db)
     check_headatlas_file(backend)
     if not backend.exists():
-        upgrade(backend)
+        from headatlas.service.storage import new_file
+
+        new_file.create(backend, head_revision(), upgrade)  # a copy of a migrated one, from the second on
         return
     with transaction(backend) as conn:
         if current_revision(conn) is None:
