@@ -103,7 +103,7 @@ def test_the_estimate_counts_the_passes_and_bounds_memory_by_the_shape(tiny_mode
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, demo_corpus):
+def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, demo_corpus, request):
     """A real SIGINT to a real `analyze --attribution` once some windows are stored: it exits 130
     promptly, the run is interrupted, and the windows it had finished are kept whole."""
     from conftest import ROOT, headatlas_cmd
@@ -133,6 +133,8 @@ def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, dem
         cwd=ROOT,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as test_bad_inputs' Ctrl-C test
     )
+    # a failed wait below must not leave it attributing 500 windows beside the rest of the suite
+    request.addfinalizer(lambda: process.poll() is None and (process.kill(), process.wait()))
     stored, deadline = 0, time.monotonic() + 180
     while stored == 0:  # the first windows stored (finished batches are stored every second here)
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
