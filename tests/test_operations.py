@@ -44,6 +44,7 @@ EVERY_OPTION = {
     "objective": (["--objective", "embedding_drift"], "embedding_drift"),
     "measures": (["--measures", "punct_pairs"], ["punct_pairs"]),  # the test plugins' measure
     "csm_bin": (["--csm-bin", "4"], 4),
+    "max_windows": (["--max-windows", "3"], 3),
     "probe": (["--probe"], True),
     "probe_length": (["--probe-length", "6"], 6),
     "probe_sequences": (["--probe-sequences", "2"], 2),
