@@ -131,6 +131,16 @@ class CliResult:
     stderr: str
 
 
+def random_batch(seed: int = 0, windows: int = 3, n_pos: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids drawn from ``seed`` and their attention mask, the last window padded over its last
+    four positions: the batch the effect, AtP and streaming tests measure by hand."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 1000, (windows, n_pos), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, n_pos - 4 :] = 0  # a padded window
+    return ids, mask
+
+
 def invoke_cli(*args: str, env: dict | None = None, input: str | None = None) -> CliResult:
     """Run one `headatlas` command in this process (typer's runner), as the console script would:
     a domain or usage error is one line on stderr and its exit code, anything else a traceback on

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import random_batch
 
 from headatlas.service.measures import effects as fx
 from headatlas.service.measures.atp_check import atp_check, compare, spearman
@@ -25,14 +26,6 @@ def doubled(request):
 
     model = load_model(request.param, device="cpu")
     return dataclasses.replace(model, model=copy.deepcopy(model.model).double())
-
-
-def _batch(seed: int = 0, windows: int = 3, n_pos: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 1000, (windows, n_pos), generator=g)
-    mask = torch.ones_like(ids)
-    mask[-1, n_pos - 4 :] = 0  # a padded window
-    return ids, mask
 
 
 def _moved(model, ids, mask, layer: int, head: int, target: torch.Tensor, step: float) -> torch.Tensor:
@@ -60,8 +53,8 @@ def test_atp_is_the_derivative_of_mean_ablation_scaled_toward_zero(doubled) -> N
     O(ε²), and the one-sided difference's error shrinks in proportion to ε (first order exactly);
     at ε = 1 the move is mean ablation itself, which head_effects' mean effect equals."""
     model = doubled
-    ids, mask = _batch()
-    means, _ = fx.reference_means(model, [_batch(seed=1, windows=4)])
+    ids, mask = random_batch()
+    means, _ = fx.reference_means(model, [random_batch(seed=1, windows=4)])
     got = fx.head_effects(model, ids, mask, kinds=("mean", "atp"), means=means)
     atp = got.effect["atp"]
     intact = got.intact
@@ -89,8 +82,8 @@ def test_atp_ranks_heads_as_exact_mean_ablation_does_on_a_random_decoder() -> No
     from headatlas.service.engine.model import load_model
 
     model = load_model("random:gpt2", device="cpu")
-    ids, mask = _batch(seed=3, windows=10, n_pos=16)
-    means, _ = fx.reference_means(model, [_batch(seed=4, windows=8, n_pos=16)])
+    ids, mask = random_batch(seed=3, windows=10, n_pos=16)
+    means, _ = fx.reference_means(model, [random_batch(seed=4, windows=8, n_pos=16)])
     check = atp_check(model, ids, mask, 3, means=means)
     assert check.heads == model.n_layers * model.n_heads
     assert check.spearman > 0.8
@@ -122,8 +115,8 @@ def test_the_check_by_hand() -> None:
 def test_atp_beside_other_kinds_is_atp_alone(doubled) -> None:
     """AtP and gradient importance share one backward pass: each is what it is alone, and AtP alone
     gives the intact objective of its own pass."""
-    ids, mask = _batch()
-    means, _ = fx.reference_means(doubled, [_batch(seed=1, windows=4)])
+    ids, mask = random_batch()
+    means, _ = fx.reference_means(doubled, [random_batch(seed=1, windows=4)])
     alone = fx.head_effects(doubled, ids, mask, kinds=("atp",), means=means)
     grad = fx.head_effects(doubled, ids, mask, kinds=("gradient",))
     every = fx.head_effects(doubled, ids, mask, kinds=fx.KINDS, means=means)
@@ -139,7 +132,7 @@ def test_atp_is_refused_for_a_drift_and_without_means(tiny_model) -> None:
     from headatlas.service.measures.effect_batch import check_effects
 
     assert fx.parse_kinds("atp, zero") == ("zero", "atp")
-    ids, mask = _batch()
+    ids, mask = random_batch()
     means, _ = fx.reference_means(tiny_model, [(ids, mask)])
     with pytest.raises(ParameterError, match="attribution patching needs an objective that is a loss"):
         fx.head_effects(tiny_model, ids, mask, kinds=("atp",), means=means)

@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+from conftest import random_batch
 
 from headatlas.service.measures import effects as fx
 from headatlas.service.measures.objectives import embedding_drift, next_token_loss, output_drift, pooled
@@ -25,14 +26,6 @@ def model(request):
     from headatlas.service.engine.model import load_model
 
     return load_model(request.param, device="cpu")
-
-
-def _batch(seed: int = 0, windows: int = 3, n_pos: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 1000, (windows, n_pos), generator=g)
-    mask = torch.ones_like(ids)
-    mask[-1, n_pos - 4 :] = 0  # a padded window
-    return ids, mask
 
 
 def _objective(model, ids, mask, intact_final=None) -> torch.Tensor:
@@ -75,7 +68,7 @@ def test_the_objectives_by_hand() -> None:
 
 
 def test_replaying_from_any_layer_gives_the_intact_model(model) -> None:
-    ids, mask = _batch()
+    ids, mask = random_batch()
     with torch.no_grad():
         recording = fx._record(model, ids, mask)
         for layer in range(model.n_layers):
@@ -87,7 +80,7 @@ def test_replaying_from_any_layer_gives_the_intact_model(model) -> None:
 
 
 def test_zero_ablation_equals_the_model_with_the_heads_output_columns_zeroed(model) -> None:
-    ids, mask = _batch()
+    ids, mask = random_batch()
     got = fx.head_effects(model, ids, mask, kinds=("zero",))
     intact, intact_final = _objective(model, ids, mask)
     torch.testing.assert_close(got.intact, intact.double(), rtol=1e-6, atol=1e-6)
@@ -105,8 +98,8 @@ def test_zero_ablation_equals_the_model_with_the_heads_output_columns_zeroed(mod
 
 
 def test_mean_ablation_equals_a_full_pass_with_z_replaced_by_its_mean(model) -> None:
-    ids, mask = _batch()
-    means, positions = fx.reference_means(model, [_batch(seed=1, windows=4)])
+    ids, mask = random_batch()
+    means, positions = fx.reference_means(model, [random_batch(seed=1, windows=4)])
     assert positions == 4 * 12 - 4
     got = fx.head_effects(model, ids, mask, kinds=("mean",), means=means)
     intact, intact_final = _objective(model, ids, mask)
@@ -122,7 +115,7 @@ def test_mean_ablation_equals_a_full_pass_with_z_replaced_by_its_mean(model) -> 
 def test_reference_means_are_the_mean_of_z_over_valid_positions(model) -> None:
     from headatlas.service.engine.hooks import act_name, capture_attention
 
-    ids, mask = _batch(seed=2)
+    ids, mask = random_batch(seed=2)
     means, positions = fx.reference_means(model, [(ids[:2], mask[:2]), (ids[2:], mask[2:])])
     with torch.no_grad(), capture_attention(model.model) as acts:
         fx._run_model(model, ids, mask)
@@ -133,12 +126,12 @@ def test_reference_means_are_the_mean_of_z_over_valid_positions(model) -> None:
 
 
 def test_a_head_whose_output_columns_are_zero_has_no_effect(model) -> None:
-    ids, mask = _batch()
+    ids, mask = random_batch()
     edited = dataclasses.replace(model, model=copy.deepcopy(model.model))
     d = model.d_head
     with torch.no_grad():
         edited.adapter.output_weight(edited.blocks[0])[:, 2 * d : 3 * d] = 0.0
-    means, _ = fx.reference_means(edited, [_batch(seed=1)])
+    means, _ = fx.reference_means(edited, [random_batch(seed=1)])
     kinds = ("zero", "mean", "gradient") if fx.objective_of(edited).is_loss else ("zero", "mean")
     got = fx.head_effects(edited, ids, mask, kinds=kinds, means=means)
     for kind in kinds:
@@ -148,7 +141,7 @@ def test_a_head_whose_output_columns_are_zero_has_no_effect(model) -> None:
 
 
 def test_stacked_heads_equal_one_head_at_a_time(model) -> None:
-    ids, mask = _batch()
+    ids, mask = random_batch()
     stacked = fx.head_effects(model, ids, mask, kinds=("zero",))
     single = fx.head_effects(model, ids, mask, kinds=("zero",), heads_per_pass=1)
     torch.testing.assert_close(stacked.effect["zero"], single.effect["zero"], rtol=1e-5, atol=1e-6)
@@ -161,10 +154,10 @@ def test_stacked_heads_equal_one_head_at_a_time(model) -> None:
 def test_gradient_importance_equals_a_finite_difference_of_the_gate(model) -> None:
     if not fx.objective_of(model).is_loss:
         with pytest.raises(Exception, match="needs an objective that is a loss"):
-            fx.head_effects(model, *_batch(), kinds=("gradient",))
+            fx.head_effects(model, *random_batch(), kinds=("gradient",))
         return
     doubled = dataclasses.replace(model, model=copy.deepcopy(model.model).double())
-    ids, mask = _batch()
+    ids, mask = random_batch()
     got = fx.head_effects(doubled, ids, mask, kinds=("gradient",)).effect["gradient"]
     eps = 1e-3  # Llama's rotary tables stay float32 in a float64 model: smaller steps meet their rounding
     d = model.d_head
@@ -194,7 +187,7 @@ def test_gradient_importance_alone_gives_the_intact_objective_of_its_own_pass(mo
     # at 1, is the intact model, and its objective is the one an ablation run compares with
     if not fx.objective_of(model).is_loss:
         return
-    ids, mask = _batch()
+    ids, mask = random_batch()
     alone = fx.head_effects(model, ids, mask, kinds=("gradient",))
     beside = fx.head_effects(model, ids, mask, kinds=("zero", "gradient"))
     torch.testing.assert_close(alone.intact, beside.intact, rtol=1e-6, atol=1e-9)

@@ -14,6 +14,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import random_batch
 
 from headatlas.service.errors import ParameterError
 from headatlas.service.measures import streaming as st
@@ -26,14 +27,6 @@ def decoder(request):
     from headatlas.service.engine.model import load_model
 
     return load_model(request.param, device="cpu")
-
-
-def _batch(seed: int = 0, windows: int = 3, n_pos: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 1000, (windows, n_pos), generator=g)
-    mask = torch.ones_like(ids)
-    mask[-1, n_pos - 4 :] = 0  # a padded window
-    return ids, mask
 
 
 def test_the_restriction_by_hand() -> None:
@@ -58,7 +51,7 @@ def test_the_restriction_by_hand() -> None:
 
 
 def test_a_window_the_restriction_leaves_whole_has_effect_zero_exactly(decoder) -> None:
-    ids, mask = _batch()
+    ids, mask = random_batch()
     for sink, recent in ((0, 12), (1, 40), (4, 8)):  # W ≥ n, W > n, n ≤ S + W
         got = st.streaming_effects(decoder, ids, mask, sink=sink, recent=recent)
         assert torch.equal(got.effect, torch.zeros_like(got.effect))
@@ -73,7 +66,7 @@ def test_a_window_the_restriction_leaves_whole_has_effect_zero_exactly(decoder) 
 
 
 def test_the_intact_objective_is_the_models(decoder) -> None:
-    ids, mask = _batch()
+    ids, mask = random_batch()
     got = st.streaming_effects(decoder, ids, mask, sink=1, recent=3)
     torch.testing.assert_close(got.intact, st.intact_objective(decoder, ids, mask).double(), rtol=1e-6, atol=1e-6)
 
@@ -103,7 +96,7 @@ def test_a_head_whose_attention_lies_within_the_window_has_effect_zero_to_roundi
     from headatlas.service.engine.model import load_model
 
     model = _self_attending(load_model("random:llama", device="cpu"), layer=0, kv_head=1)
-    ids, mask = _batch()
+    ids, mask = random_batch()
     got = st.streaming_effects(model, ids, mask, sink=0, recent=1)  # each token sees itself alone
     assert got.beyond[:, 0, 1].abs().max() < 1e-30  # the head's attention: on itself
     assert got.effect[:, 0, 1].abs().max() < 1e-5
@@ -291,7 +284,7 @@ def test_streaming_refusals_say_why(decoder_run, cli, tiny_model) -> None:
         done = cli("effects", *args, "--streaming", "--db", db)
         assert done.returncode != 0 and said in done.stderr, done.stderr
     with pytest.raises(ParameterError, match="attends both ways"):
-        st.streaming_effects(tiny_model, *_batch(), sink=1, recent=2)
+        st.streaming_effects(tiny_model, *random_batch(), sink=1, recent=2)
 
 
 def test_the_predictors_rank_correlation_and_its_interval_by_hand() -> None:

@@ -223,23 +223,11 @@ def test_the_writers_transactions_never_create_a_database_at_a_path_left_empty(t
     assert not path.exists()
 
 
-def test_a_file_moved_between_the_writers_check_and_open_leaves_no_database_behind(tmp_path, monkeypatch):
-    """The file goes in the instant between the guard's check and DuckDB's open, which creates a
-    missing file even with ``create=False`` (seen in a suite run: the writer then logged "another
-    file" and "not a headatlas database" for an empty file it had made itself, and a new writer
-    would have found it): the transaction raises DatabaseAway "missing", and the empty database
-    the open made is gone again."""
-    from sqlalchemy import text
-
+def _move_after_the_check(monkeypatch, path: Path, moved: Path) -> None:
+    """The file at ``path`` moves to ``moved`` in the instant after the guard's check passes,
+    before DuckDB opens it."""
     from headatlas.service.storage import dbfile
-    from headatlas.service.storage.db import read_database_id
-    from headatlas.service.storage.store import Store
-    from headatlas.workers.writer import DatabaseAway, OwnStore
 
-    path = tmp_path / "own.duckdb"
-    moved = tmp_path / "moved.duckdb"
-    Store(path).ensure_schema()
-    own = OwnStore(str(path), read_database_id(str(path)))
     checked = dbfile.check_file
 
     def check_then_move(file, **kwargs):
@@ -248,6 +236,25 @@ def test_a_file_moved_between_the_writers_check_and_open_leaves_no_database_behi
             path.rename(moved)
 
     monkeypatch.setattr(dbfile, "check_file", check_then_move)
+
+
+def test_a_file_moved_between_the_writers_check_and_open_leaves_no_database_behind(tmp_path, monkeypatch):
+    """The file goes in the instant between the guard's check and DuckDB's open, which creates a
+    missing file even with ``create=False`` (seen in a suite run: the writer then logged "another
+    file" and "not a headatlas database" for an empty file it had made itself, and a new writer
+    would have found it): the transaction raises DatabaseAway "missing", and the empty database
+    the open made is gone again."""
+    from sqlalchemy import text
+
+    from headatlas.service.storage.db import read_database_id
+    from headatlas.service.storage.store import Store
+    from headatlas.workers.writer import DatabaseAway, OwnStore
+
+    path = tmp_path / "own.duckdb"
+    moved = tmp_path / "moved.duckdb"
+    Store(path).ensure_schema()
+    own = OwnStore(str(path), read_database_id(str(path)))
+    _move_after_the_check(monkeypatch, path, moved)
     with pytest.raises(DatabaseAway, match="missing"):
         own.atomically(lambda conn: conn.execute(text("SELECT count(*) FROM runs")).scalar())
     assert not path.exists() and not Path(f"{path}.wal").exists()
@@ -263,7 +270,6 @@ def test_a_writers_reads_on_a_file_moved_away_are_a_pause_not_an_error(tmp_path,
     from sqlalchemy import text
 
     from headatlas.service.errors import StoreBusy
-    from headatlas.service.storage import dbfile
     from headatlas.service.storage.db import read_database_id
     from headatlas.service.storage.queue_store import open_run
     from headatlas.service.storage.store import Store
@@ -277,14 +283,7 @@ def test_a_writers_reads_on_a_file_moved_away_are_a_pause_not_an_error(tmp_path,
     if when == "before":
         path.rename(moved)
     else:
-        checked = dbfile.check_file
-
-        def check_then_move(file, **kwargs):
-            checked(file, **kwargs)
-            if path.exists():
-                path.rename(moved)
-
-        monkeypatch.setattr(dbfile, "check_file", check_then_move)
+        _move_after_the_check(monkeypatch, path, moved)
     for read in (own.read, own.checked_read):
         with pytest.raises(DatabaseAway, match="missing"):
             with read():
