@@ -230,14 +230,7 @@ def effect_windows(store: Store, run: Run, model, params: AnalysisParams, tokens
     measured = (
         {w.window_id for _p, w in effect_targets(run.corpus, model, params, tokens, analysed)} if analysed else set()
     )
-    held = store.done_window_ids(run.run_id)
-    strangers = [w.window_id for w in targets if w.window_id not in held]
-    if strangers:
-        raise ParameterError(
-            f"run {run.run_id} ({run.name}): its corpus {run.corpus} no longer gives the windows it analysed "
-            f"({counted(len(strangers), 'window')} of the {len(targets)} to measure are not the run's): "
-            "restore the corpus as it was, or analyse it into a new run"
-        )
+    check_windows_of_run(store, run, targets)
     with store.checked_read() as conn:
         done = {
             int(b) - EFFECT_BATCH_BASE
@@ -271,3 +264,16 @@ def _analysed_windows(run: Run) -> int:
     if ANALYSED in run.params:
         return int(run.params[ANALYSED])
     return int(run.params.get("effect_windows") or 0) if run.params.get("effects") else 0
+
+
+def check_windows_of_run(store: Store, run: Run, windows) -> None:
+    """Refuse to measure windows the run did not analyse (its corpus changed since): every one of
+    ``windows`` must be among the run's stored windows."""
+    held = store.done_window_ids(run.run_id)
+    strangers = [w.window_id for w in windows if w.window_id not in held]
+    if strangers:
+        raise ParameterError(
+            f"run {run.run_id} ({run.name}): its corpus {run.corpus} no longer gives the windows it analysed "
+            f"({counted(len(strangers), 'window')} of the {len(windows)} to measure are not the run's): "
+            "restore the corpus as it was, or analyse it into a new run"
+        )

@@ -101,7 +101,7 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
     from headatlas.service.engine.windows import TokenClasses, collate
     from headatlas.service.measures import streaming as st
     from headatlas.service.measures.objectives import objective_for
-    from headatlas.service.operations.added_effects import check_addable
+    from headatlas.service.operations.added_effects import check_addable, check_windows_of_run
     from headatlas.service.operations.runs import find_run
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.streaming_rows import long_range_share, store_streaming
@@ -123,14 +123,7 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
     chosen = [
         w for _p, w in effect_targets(run.corpus, loaded, replace(params, effect_windows=request.windows), tokens)
     ]
-    held = store.done_window_ids(run.run_id)
-    strangers = [w.window_id for w in chosen if w.window_id not in held]
-    if strangers:
-        raise ParameterError(
-            f"run {run.run_id} ({run.name}): its corpus {run.corpus} no longer gives the windows it analysed "
-            f"({counted(len(strangers), 'window')} of the {len(chosen)} to measure are not the run's): "
-            "restore the corpus as it was, or analyse it into a new run"
-        )
+    check_windows_of_run(store, run, chosen)
     passes = loaded.n_kv_heads * (loaded.n_layers + 1) / 2
     events(
         Estimate(

@@ -41,19 +41,22 @@ def create(backend: Backend, head: str, migrate) -> None:
         if template is None:
             _MADE[head] = _MADE.get(head, 0) + 1
             if _MADE[head] >= 2:
-                template = _BYTES[head] = _template(head, migrate)
+                template = _template(head, migrate)
+                if template is not None:
+                    _BYTES[head] = template
     if template is None or not _place(backend.path, template):
         migrate(backend)  # the first new file, or the path taken meanwhile: the usual way checks it
 
 
-def _template(head: str, migrate) -> bytes:
-    """The bytes of a database the migrations made at ``head``, in a folder of this process's own."""
+def _template(head: str, migrate) -> bytes | None:
+    """The bytes of a database the migrations made at ``head``, in a folder of this process's own;
+    None where they would not be the database alone (a write-ahead log left beside it)."""
     folder = Path(tempfile.mkdtemp(prefix="headatlas-schema-"))
     try:
         path = folder / "schema.duckdb"
         migrate(FileBackend(path))
-        if Path(f"{path}.wal").exists():  # not checkpointed: the bytes alone would not be the database
-            raise RuntimeError(f"the schema template at {path} left a write-ahead log")
+        if Path(f"{path}.wal").exists():  # not checkpointed: new files are made by the migrations
+            return None
         return path.read_bytes()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
