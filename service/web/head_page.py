@@ -178,6 +178,20 @@ def _effects(metrics: dict) -> str:
     return (
         f'<h2 id="effect">Effect</h2><table class="data"><tbody>{rows}</tbody></table>'
         '<p class="muted">O(ablated) − O(intact), the model\'s own objective, with its 95% interval (SPEC §9).</p>'
+        + _streaming(metrics)
+    )
+
+
+def _streaming(metrics: dict) -> str:
+    """What ``effect_streaming`` restricted (S, W) and the attention mass beyond them (SPEC §10)."""
+    if metrics.get("effect_streaming") is None:
+        return ""
+    beyond = metrics.get("streaming_beyond")
+    return (
+        f'<p class="muted" id="streaming">effect_streaming: O with this head\'s KV head streaming − O(intact), '
+        f"keeping S = {num(metrics.get('streaming_sink'))} sinks and W = {num(metrics.get('streaming_recent'))} "
+        f"recent keys, for every query head of its KV head (SPEC §10); its attention mass beyond them "
+        f"{num(beyond)} {interval(metrics.get('streaming_beyond_lo'), metrics.get('streaming_beyond_hi'))}.</p>"
     )
 
 
