@@ -71,8 +71,11 @@ RecentOpt = typer.Option(
 
 
 def register(app: typer.Typer) -> None:
+    from headatlas.cli import streaming_commands
+
     app.command()(effects)
     app.command()(prune)
+    streaming_commands.register(app)  # policy
 
 
 @options.analysis_options("model", "device", "seq_len", "batch_size", "text_field", "encoding")
@@ -454,6 +457,26 @@ def prune(
         "rise with every head removed (10%); read off the curve of the first --order named, else effect, else "
         "importance: the last step before the first whose increase's upper bound exceeds X.",
     ),
+    streaming: bool = typer.Option(
+        False,
+        "--streaming",
+        help="A memory curve instead (a run of a decoder): KV heads turned to streaming (--sink, --recent) "
+        "cumulatively in orders — effect and beyond (the run's stored streaming effects of S, W), long_range, noise, "
+        "random, layer, sinks — the objective after each step against the KV memory saved; stored with the run.",
+    ),
+    sink: int = typer.Option(
+        4, "--sink", min=0, metavar="S", help="With --streaming: the first S tokens stay visible."
+    ),
+    recent: int = typer.Option(
+        64, "--recent", min=1, metavar="W", help="With --streaming: the W most recent keys stay visible."
+    ),
+    max_loss: float | None = typer.Option(
+        None,
+        "--max-loss",
+        metavar="X",
+        help="With --streaming: the headline's loss budget, memory saved before the increase exceeds X (default 0.05, "
+        "the objective's units).",
+    ),
     fmt: Format = options.Fmt,
 ) -> None:
     """Pruning curves: heads removed cumulatively (mean ablation), the model's objective after each step with
@@ -463,14 +486,46 @@ def prune(
     and importance orders; the curves are measured in this process and stored with the run (--show reads them
     back). Beside an encoder's embedding drift each step also measures neighbour retrieval (top1, mrr, with
     intervals): each sentence of the evaluation windows, embedded alone, ranks by cosine the sentences that
-    follow another in their window, for its own successor (chance in the note; SPEC §9)."""
+    follow another in their window, for its own successor (chance in the note; SPEC §9).
+
+    With --streaming, a memory curve (SPEC §10): KV heads of a decoder turned to streaming (S sinks, W recent
+    keys, every query head reading them) cumulatively in each order, the objective after each step on evaluation
+    windows (none of those the run's streaming effects were measured on) against the KV memory saved per
+    sequence, 2 · d_head · (n − S − W) · bytes a KV head; the headline gives the memory saved at a loss increase
+    of --max-loss, with its interval. `headatlas policy` exports a budget's KV heads."""
     from pathlib import Path
 
+    from headatlas.service.errors import Param, ParameterError
     from headatlas.service.operations.pruning import prune as prune_curves
     from headatlas.service.operations.requests import PruneRequest
     from headatlas.service.storage.effect_rows import retrieval_note
     from headatlas.service.storage.store import Store
 
+    if streaming:
+        from headatlas.cli.streaming_commands import memory_command
+
+        for option, given in (("--reference", reference is not None), ("--until", until is not None)):
+            if given:
+                raise ParameterError(Param("streaming", True), f": a memory curve streams KV heads; leave out {option}")
+        memory_command(
+            run,
+            sink=sink,
+            recent=recent,
+            orders=orders,
+            step=step,
+            seeds=seeds,
+            windows=windows,
+            device=device,
+            show=show,
+            out=out,
+            max_loss=max_loss,
+            fmt=fmt,
+            db=db,
+            said=_said,
+        )
+        return
+    if max_loss is not None:
+        raise ParameterError(Param("max_loss", max_loss), ": the budget of a memory curve: add --streaming")
     request = PruneRequest.build(
         run, orders=orders, step=step, seeds=seeds, windows=windows, reference=reference, device=device, show=show
     )

@@ -32,6 +32,10 @@ TABLES = (
     "prunes",
     "prune_curves",
     "streaming_effects",
+    "streaming_curves",
+    "streaming_curve_steps",
+    "head_examples",
+    "example_windows",
 )
 
 
@@ -85,9 +89,9 @@ def test_parquet_files_read_back_as_the_stored_rows(stored, tmp_path):
         assert t.rows == len(expected), t.table
         # mixing only with --mixing, effects and prunes only with --effects and `prune`, sums by name
         # only from a plugin's measure, streaming effects only from `effects RUN --streaming`
-        assert t.rows > 0 or t.table.startswith(
-            ("mixing_", "run_effects", "prune", "named_head_sums", "streaming_effects")
-        ), t.table
+        assert t.rows > 0 or t.table.startswith(("mixing_", "run_effects", "prune", "named_head_sums", "streaming_")), (
+            t.table
+        )
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["run_id"] == first.run_id and manifest["format"] == "parquet"
     assert manifest["tables"]["head_stats"] == {"file": "head_stats.parquet", "rows": exported[5].rows}

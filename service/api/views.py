@@ -284,6 +284,34 @@ class RunView:
         return self._query(mixing_queries.discrepancy, "discrepancy", method=method, top=top)
 
     @in_python_terms
+    def examples(
+        self,
+        *,
+        layer: int | None = None,
+        head: int | None = None,
+        kind: str | None = None,
+        limit: int | None = None,
+        context: int = 8,
+    ) -> Table:
+        """Each head's top examples, as ``headatlas query examples``: per kind (``anchor``, ``pair``,
+        ``attention``) the windows where the head is strongest, ranked, with the tokens (``token_i``,
+        ``token_j`` at ``pos_i``, ``pos_j``) and ``context`` tokens of text either side of them (in
+        [brackets]); ``limit``: the first N of each head and kind. A run that kept none raises
+        ValueError saying how to keep them."""
+        from headatlas.service.reports import examples
+
+        return self._query(
+            examples.examples,
+            "top examples",
+            note=examples.NOTE,
+            layer=layer,
+            head=head,
+            kind=kind,
+            limit=limit,
+            context=context,
+        )
+
+    @in_python_terms
     def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:
         """Per head, the causal effects the run stores (``analyze --effects``, SPEC §9):
         ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the run's objective), ``importance``
@@ -364,6 +392,82 @@ class RunView:
             found = measure_streaming(self.store, request)
         what = f"streaming KV heads (S = {sink}, W = {recent}), run {self.run.run_id}"
         return Table.of(found.columns, found.rows, what=what, notes=[found.note()])
+
+    @in_python_terms
+    def memory_curve(
+        self,
+        *,
+        sink: int = 4,
+        recent: int = 64,
+        orders: Sequence[str] | None = None,
+        step: float = 0.1,
+        seeds: int = 3,
+        windows: int = 16,
+        max_loss: float = 0.05,
+        device: str = DEFAULTS["device"],
+        show: bool = False,
+    ) -> Table:
+        """The memory curve of ``headatlas prune RUN --streaming`` (SPEC §10): KV heads turned to
+        streaming (``sink`` S, ``recent`` W) cumulatively in each order (``orders``: effect, beyond,
+        long_range, noise, random, layer, sinks; default all; effect and beyond need the run's stored
+        streaming effects of (S, W), ``streaming()``), a share ``step`` at a time; per order and step
+        the memory saved per sequence (bytes and share of the KV cache) and the objective's increase
+        on ``windows`` evaluation windows with 95% intervals. Measured in this process and stored
+        with the run (``show``: the newest stored, nothing measured). ``.notes``: how it was made,
+        and the headline, the memory saved at a loss increase of ``max_loss``."""
+        from headatlas.service.operations.memory_curves import (
+            MemoryCurveRequest,
+            check_max_loss,
+            headline,
+            memory_curve,
+            note,
+        )
+
+        request = MemoryCurveRequest.build(
+            self.run.run_id,
+            sink=sink,
+            recent=recent,
+            orders=orders,
+            step=step,
+            seeds=seeds,
+            windows=windows,
+            device=device,
+            show=show,
+        )
+        x = check_max_loss(max_loss)
+        saved = memory_curve(self.store, request).saved
+        said = [note(saved), headline(saved, x).text()]
+        return Table.of(saved.columns, saved.rows, what=f"memory curve, run {self.run.run_id}", notes=said)
+
+    @in_python_terms
+    def policy(
+        self,
+        max_loss: float,
+        *,
+        order: str | None = None,
+        format: str | None = None,
+        out: str | None = None,
+        verify: bool = False,
+        windows: int = 8,
+        device: str = DEFAULTS["device"],
+    ) -> dict:
+        """The streaming policy of ``headatlas policy RUN --max-loss X`` (SPEC §10), read from the
+        run's newest memory curve: the longest prefix of ``order`` (default effect) whose measured
+        increase stays ≤ ``max_loss`` streams. Returns it as the JSON export's dict (run, model,
+        window length, objective, S, W, order, ``full_attention_heads`` ``[layer][kv_head]`` with 1
+        = full attention, and each KV head's evidence); ``out`` with ``format`` (duo or json) also
+        writes the files there; ``verify``: the objective's change with the policy applied on
+        ``windows`` held-out windows, in ``["verification"]``."""
+        from pathlib import Path
+
+        from headatlas.service.operations import streaming_policy as sp
+
+        chosen = sp.choose(self.store, self.run.run_id, max_loss, order)
+        if verify:
+            sp.verify(self.store, chosen, windows=windows, device=device)
+        if out is not None:
+            sp.write(chosen, format or "json", Path(out))
+        return chosen.as_dict()
 
     @in_python_terms
     def prune(

@@ -32,7 +32,8 @@ layer, kv_head, head, pos, key.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,10 +91,27 @@ def restricted_mask(
     """The attention mask with copy c's KV head c streaming: ``mask`` ``[copies·batch, 1 or head,
     pos, key]`` (additive or bool; None: causal), ``blocked`` ``[pos, key]`` the keys hidden.
     Returns ``[copies·batch, head, pos, key]`` (copy-major, as ``effects._repeat`` stacks)."""
-    n_q, n_k = blocked.shape
-    group = n_heads // n_kv
-    heads = torch.arange(n_heads, device=blocked.device) // group  # [head] its KV head
+    heads = torch.arange(n_heads, device=blocked.device) // (n_heads // n_kv)  # [head] its KV head
     streams = heads[None, :] == torch.arange(copies, device=blocked.device)[:, None]  # [copies, head]
+    return _hidden_from(mask, blocked, streams)
+
+
+def heads_streaming_mask(
+    mask: torch.Tensor | None, blocked: torch.Tensor, kv_heads: Iterable[int], n_heads: int, n_kv: int
+) -> torch.Tensor:
+    """The attention mask with every KV head of ``kv_heads`` streaming at once (one layer's share of
+    a streaming policy): ``mask`` ``[batch, 1 or head, pos, key]`` (None: causal), ``blocked``
+    ``[pos, key]``. Returns ``[batch, head, pos, key]``."""
+    heads = torch.arange(n_heads, device=blocked.device) // (n_heads // n_kv)  # [head] its KV head
+    chosen = torch.tensor(sorted(set(kv_heads)), dtype=heads.dtype, device=blocked.device)
+    return _hidden_from(mask, blocked, torch.isin(heads, chosen)[None, :])
+
+
+def _hidden_from(mask: torch.Tensor | None, blocked: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``mask`` with the keys of ``blocked`` ``[pos, key]`` hidden from the heads ``streams``
+    ``[copies, head]`` marks, copy c of the rows (copy-major) from copy c's heads."""
+    n_q, n_k = blocked.shape
+    copies, n_heads = streams.shape
     if mask is None:
         i = torch.arange(n_q, device=blocked.device)[:, None]
         j = torch.arange(n_k, device=blocked.device)[None, :]
@@ -106,6 +124,47 @@ def restricted_mask(
     if full.dtype == torch.bool:
         return full & ~hide
     return full.masked_fill(hide, torch.finfo(full.dtype).min)
+
+
+@contextmanager
+def streaming_heads(
+    model: LoadedModel, kv_heads: Iterable[tuple[int, int]], *, sink: int, recent: int, n_pos: int
+) -> Iterator[None]:
+    """Inside: every (layer, KV head) of ``kv_heads`` streams (S = ``sink``, W = ``recent``) on
+    windows of ``n_pos`` positions, all at once, through the hook points ``blocks.L.attn.mask``.
+    Nothing is hooked where the restriction hides no key (W ≥ ``n_pos``, or ``n_pos`` ≤ S + W) or
+    no head streams: the pass is then the intact model's, bit for bit."""
+    check_window(sink, recent)
+    by_layer: dict[int, list[int]] = {}
+    for layer, kv in kv_heads:
+        by_layer.setdefault(int(layer), []).append(int(kv))
+    blocked = hidden_keys(n_pos, sink, recent, model.device)
+    if not by_layer or not bool(blocked.any()):
+        yield
+        return
+    n_heads, n_kv = model.n_heads, model.n_kv_heads
+
+    def restrict(chosen: list[int]):
+        def fn(mask: torch.Tensor | None) -> torch.Tensor:
+            return heads_streaming_mask(mask, blocked, chosen, n_heads, n_kv)
+
+        return fn
+
+    edits = {f"blocks.{layer}.attn.mask": restrict(chosen) for layer, chosen in by_layer.items()}
+    with hooks(model.model, edits, model.adapter):
+        yield
+
+
+def kv_cache_bytes(*, layers: int, kv_heads: int, d_head: int, n: int, kv_bytes: int) -> int:
+    """The full KV cache of one sequence of ``n`` tokens (SPEC §10): ``2 · L · n_kv · d_head · n ·
+    bytes`` (keys and values of every KV head)."""
+    return 2 * layers * kv_heads * d_head * n * kv_bytes
+
+
+def memory_saved(streaming: int, *, d_head: int, n: int, sink: int, recent: int, kv_bytes: int) -> int:
+    """What ``streaming`` KV heads save of one sequence's cache (SPEC §10): each keeps S + W of its
+    ``n`` keys and values, ``2 · d_head · (n − S − W) · bytes`` saved (0 where n ≤ S + W)."""
+    return streaming * 2 * d_head * max(0, n - sink - recent) * kv_bytes
 
 
 def _beyond_mass(pattern: torch.Tensor, beyond: torch.Tensor, valid: torch.Tensor, n_kv: int) -> torch.Tensor:

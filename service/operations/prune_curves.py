@@ -48,7 +48,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,10 +121,25 @@ def objective_with(
 ) -> np.ndarray:
     """The objective per evaluation window ``[window]`` with ``heads`` removed (``batches``:
     ``prepared`` batches)."""
+    with removed(model, heads, means):
+        return objective_under(model, batches, intact, objective, lambda _ids: nullcontext())
+
+
+def objective_under(
+    model: LoadedModel,
+    batches: list,
+    intact: list[torch.Tensor],
+    objective: Objective,
+    edit: Callable[[torch.Tensor], AbstractContextManager],
+) -> np.ndarray:
+    """The objective per evaluation window ``[window]`` with each batch run inside ``edit(its
+    model_ids)`` (``batches``: ``prepared`` batches; ``intact``: each batch's intact final hidden
+    states, the drift objectives' reference): pruning's removed heads, a streaming policy's KV heads."""
     out = []
-    with torch.no_grad(), removed(model, heads, means):
+    with torch.no_grad():
         for (model_ids, targets, mask), reference in zip(batches, intact, strict=True):
-            final = wide(fx._run_model(model, model_ids, mask))
+            with edit(model_ids):
+                final = wide(fx._run_model(model, model_ids, mask))
             out.append(objective.per_window(final, targets, mask, reference).double().cpu())
     return torch.cat(out).numpy()
 

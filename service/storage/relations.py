@@ -57,6 +57,8 @@ TABLES = (
     "prunes",
     "prune_curves",
     "streaming_effects",
+    "streaming_curves",
+    "streaming_curve_steps",
     "run_results",
     "role_results",
     "queue_plans",

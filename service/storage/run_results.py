@@ -51,10 +51,21 @@ COUNTED_ONLY = frozenset({"anchors", "anchor_tokens", "dist_hist", "run_windows"
 # left out of the results' fingerprint: a batch stored adds rows to the sums beside them, which are
 # in it; counting them was most of a large run's fingerprint (2.9 M anchors of 20,000 windows)
 NOT_READ = frozenset({"anchors", "run_windows"})
-# a run's names and tags, and the pruning curves and streaming effects measured of it afterwards
-# (`headatlas prune`, `effects RUN --streaming`): not what its results are derived from (a prune
-# left the roles view empty until `db upgrade`)
-NOT_RESULTS = frozenset({"run_aliases", "run_tags", "prunes", "prune_curves", "streaming_effects"})
+# a run's names and tags, and the pruning curves measured of it afterwards (`headatlas prune`): not
+# what its results are derived from (a prune left the roles view empty until `db upgrade`). Its
+# streaming effects (`effects RUN --streaming`) are: the head tables show them (SPEC §10)
+NOT_RESULTS = frozenset(
+    {
+        "run_aliases",
+        "run_tags",
+        "prunes",
+        "prune_curves",
+        "streaming_curves",
+        "streaming_curve_steps",
+        "head_examples",  # the heads' top examples: no result reads them
+        "example_windows",
+    }
+)
 # the run's own row, hashed without these columns (a rename changes no result)
 RUN_ROW_IGNORED = frozenset({"name"})
 
