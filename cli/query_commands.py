@@ -322,8 +322,9 @@ def _with_effects(answer, table_columns, note):
     if not held:
         return table_columns, note
     main = next(c for c in ("effect_mean", "effect_zero", "importance", *held) if c in held)
-    if table_columns is not None and main not in table_columns:
-        table_columns = [*table_columns, main]
+    shown = [main, *(["effect_streaming"] if "effect_streaming" in held else [])]
+    if table_columns is not None:
+        table_columns = [*table_columns, *(c for c in dict.fromkeys(shown) if c not in table_columns)]
     said = answer.effects_note
     return table_columns, (f"{note}\n{said}" if note and said else note or said)
 

@@ -262,7 +262,8 @@ def plot_atlas(
         metavar="METRIC",
         help="What colours the cells (default: the strongest evidence the run holds: effect_mean, else effect_zero "
         "(what removing the head costs, SPEC §9), else 'evidence': the primary role's value over its threshold). "
-        "'role': each primary role its own colour; or any head metric. The roles stay written in the cells; an "
+        "'role': each primary role its own colour; or any head metric, such as effect_streaming (what its KV head "
+        "streaming costs, SPEC §10: effects RUN --streaming). The roles stay written in the cells; an "
         "unsure cell is drawn faded.",
     ),
 ) -> None:

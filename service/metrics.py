@@ -21,7 +21,7 @@ headatlas's own.
 
 Expressions are SQL over one row of totals: a head's sums beside its run's (a layer's heads
 summed, with the run sums once per head, for ``layer_metrics``), plus the distance inputs of
-``DISTANCE_INPUTS``. A bare name means the sum (DuckDB binds a relation's columns before the
+``DISTANCE_INPUTS`` and the streaming effects' inputs of ``STREAMING_INPUTS``. A bare name means the sum (DuckDB binds a relation's columns before the
 aliases of the select list), so ``attn_to_cls / … AS attn_to_cls`` followed by
 ``attn_to_cls / … AS attn_to_cls_lift`` reads the sum both times; a column may name an earlier
 column that is not also a sum. No numpy, no torch: the CLI's queries import it.
@@ -327,6 +327,62 @@ EFFECT_METRICS: tuple[Metric, ...] = (
     ),
 )
 EFFECT_COLUMNS = tuple(c.name for m in EFFECT_METRICS for c in m.columns)
+
+# SPEC §10: what the objective loses when a head's KV head streams (keeps its S first tokens and
+# W most recent keys), stored per KV head and restriction by `effects RUN --streaming` (table
+# streaming_effects). Not sums of head_stats: the views join them per query head (its KV head's,
+# ``h // (H / H_kv)``) from the restriction the head tables show, ``STREAMING_RULE``
+# (``service.storage.views``); the view ``streaming_metrics`` holds every restriction.
+STREAMING_INPUTS = (
+    "streaming_windows",
+    "streaming_effect_sum",
+    "streaming_beyond_sum",
+    "streaming_sink",
+    "streaming_recent",
+)
+STREAMING_RULE = (
+    "where a run holds several restrictions, the head tables show the tightest: the fewest recent keys W, then "
+    "the fewest sinks S; the view streaming_metrics holds them all"
+)
+STREAMING_METRIC = Metric(
+    "effect_streaming",
+    "§10",
+    "what the model's objective loses when the head's KV head streams: keeps only the S first tokens (sinks) and "
+    "the W most recent keys, for every query head that reads it (grouped-query attention)",
+    f"the intact model on the same windows: O(streaming) − O(intact), O the run's own objective; {STREAMING_RULE}",
+    (
+        Column(
+            "effect_streaming",
+            "streaming_effect_sum / nullif(streaming_windows, 0)",
+            "O with the head's KV head streaming (S sinks, W recent keys) − O intact, mean over the streaming "
+            "windows; a query head shows its KV head's (grouped-query attention: shared by the KV head's query heads)",
+            layers=False,
+        ),
+        Column(
+            "streaming_beyond",
+            "streaming_beyond_sum / nullif(streaming_windows, 0)",
+            "attention mass beyond sinks + W in the intact model, mean over the streaming windows' query rows and "
+            "the KV head's query heads (what the restriction hides)",
+            layers=False,
+            bounds=SHARE,
+        ),
+        Column(
+            "streaming_sink",
+            "streaming_sink",
+            "S: the first tokens the restriction keeps",
+            interval=False,
+            layers=False,
+        ),
+        Column(
+            "streaming_recent",
+            "streaming_recent",
+            "W: the most recent keys the restriction keeps (the query's own included)",
+            interval=False,
+            layers=False,
+        ),
+    ),
+)
+STREAMING_COLUMNS = tuple(c.name for c in STREAMING_METRIC.columns)
 # the per-head sums of each effect kind (SPEC §9), in the payload and head_stats
 EFFECT_SUMS = {
     "zero": ("effect_zero", "drift_zero"),
@@ -529,6 +585,7 @@ METRICS: tuple[Metric, ...] = _placed(
             sums=(head_int("high_pairs"), run_int("windows"), run_int("pairs"), run_int("attn_rows")),
         ),
         *EFFECT_METRICS,
+        STREAMING_METRIC,
     ),
     page=(
         "within_sentence",
@@ -576,7 +633,7 @@ def _install_plugin(plugin: Any, value: Any) -> None:
     metrics = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not metrics or not all(isinstance(m, Metric) for m in metrics):
         raise PluginError(f"{plugin.value} is not a Metric (or a tuple of them)")
-    taken = {c.name for c in all_columns()} | {s.name for s in all_sums()} | set(DISTANCE_INPUTS)
+    taken = {c.name for c in all_columns()} | {s.name for s in all_sums()} | {*DISTANCE_INPUTS, *STREAMING_INPUTS}
     named = {m.name: m.origin for m in all_metrics()}
     for metric in metrics:
         if metric.name in named:  # listings and metric_of() would show two metrics of one name
@@ -613,7 +670,7 @@ def check_columns(columns: list[Column], *, sums: tuple[Sum, ...] = ()) -> None:
 
     from headatlas.service.errors import PluginError
 
-    names = (*(sql_name(s.name) for s in (*all_sums(), *sums)), *DISTANCE_INPUTS)
+    names = (*(sql_name(s.name) for s in (*all_sums(), *sums)), *DISTANCE_INPUTS, *STREAMING_INPUTS)
     inputs = ", ".join(f"NULL::DOUBLE AS {name}" for name in names)
     declared = [f"{c.sql} AS {c.name}" for c in all_columns()]
     with duckdb.connect(":memory:") as conn:

@@ -100,14 +100,19 @@ def groups_held(conn: Connection, run_id: int) -> int:
 
 
 def held_effects(columns: list[str], rows: list[tuple]) -> tuple[str, ...]:
-    """The causal effect columns of a question's rows that hold a value (SPEC §9)."""
+    """The causal effect columns of a question's rows that hold a value (SPEC §9; the streaming
+    effect of §10 last)."""
     from headatlas.service.metrics import EFFECT_COLUMNS
 
-    return tuple(c for c in EFFECT_COLUMNS if c in columns and any(r[columns.index(c)] is not None for r in rows))
+    effects = (*EFFECT_COLUMNS, "effect_streaming")
+    return tuple(c for c in effects if c in columns and any(r[columns.index(c)] is not None for r in rows))
 
 
 def effects_note(conn: Connection, run_id: int) -> str | None:
-    """What a run's effects are measured against (its objective, unit and reference windows)."""
+    """What a run's effects are measured against (its objective, unit and reference windows), and
+    its streaming effects (the restriction shown)."""
     from headatlas.service.storage.effect_rows import effect_note
+    from headatlas.service.storage.streaming_rows import streaming_note
 
-    return effect_note(conn, run_id)
+    said = [n for n in (effect_note(conn, run_id), streaming_note(conn, run_id)) if n]
+    return "\n".join(said) or None

@@ -104,6 +104,7 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
     from headatlas.service.operations.added_effects import check_addable, check_windows_of_run
     from headatlas.service.operations.runs import find_run
     from headatlas.service.params import AnalysisParams
+    from headatlas.service.reports.stored import refresh
     from headatlas.service.storage.streaming_rows import long_range_share, store_streaming
 
     began = time.perf_counter()
@@ -167,6 +168,7 @@ def measure_streaming(store: Store, request: StreamingRequest, events: Sink = ig
         events(WindowsMeasured(min(start + request.batch_size, len(chosen)), len(chosen)))
     measured = StreamingSums(request.sink, request.recent, objective.name, longest, reps, sums)
     store.atomically(lambda conn: store_streaming(conn, run.run_id, measured))
+    refresh(store, run.run_id)  # the head tables' results show the streaming effects: stored again
     with store.checked_read() as conn:
         long_range = long_range_share(conn, run.run_id, request.recent, loaded.n_kv_heads)
     table = streaming_table(run, measured, long_range)

@@ -316,7 +316,8 @@ def run_atlas(conn, run, *, colour: str | None = None) -> tuple:
             raise unknown_metric("colour", colour, (*COLOURS, *choices))
         shade = effect_shade(conn, run, colour)
         if shade is None:
-            raise ParameterError(f"--colour {colour}: run {run.run_id} has no value of it (effects: analyze --effects)")
+            how = "effects RUN --streaming" if colour == "effect_streaming" else "analyze --effects"
+            raise ParameterError(f"--colour {colour}: run {run.run_id} has no value of it (effects: {how})")
     return figure_atlas(
         columns, rows, n_layers=run.n_layers, n_heads=run.n_heads, title=_title(run), offered=offered, shade=shade
     )

@@ -27,6 +27,8 @@ CHAIN = (
     "distance_reps",
     "chance_distance_reps",
     "head_distance_reps",
+    "streaming_reps",
+    "streaming_kv_reps",
     "head_metrics_reps",
 )
 

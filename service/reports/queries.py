@@ -38,20 +38,20 @@ def _check_sort(sort: str | None, allowed) -> None:
 def _view_head_columns(conn: Connection, named: Sequence[tuple[str, str]]) -> list[str]:
     """``head_columns()`` that the database's ``head_metrics`` holds: an installed plugin's columns
     appear there with the ``db upgrade`` after its install (the views are built from what is
-    installed then). One that ``named`` ((option, column) pairs) asks for and the views lack yet is
-    refused, naming the fix."""
+    installed then), and so do headatlas's columns derived from tables an earlier version made (the
+    streaming effects'). One that ``named`` ((option, column) pairs) asks for and the views lack
+    yet is refused, naming the fix."""
     wanted = head_columns()
-    if wanted == HEAD_COLUMNS:
-        return list(wanted)
     held = set(conn.execute(text("SELECT * FROM head_metrics LIMIT 0")).keys())
     for option, column in named:
-        if column in wanted and column not in HEAD_COLUMNS and column not in held:
+        if column in wanted and column not in held:
+            whose = "a column" if column in HEAD_COLUMNS else "an installed plugin's column"
             raise ParameterError(
                 Param(option, column),
-                ": an installed plugin's column that this database's views do not hold yet",
-                hint="run `headatlas db upgrade`, which builds the installed plugins' columns into the views",
+                f": {whose} that this database's views do not hold yet",
+                hint="run `headatlas db upgrade`, which builds the views again from the declared columns",
             )
-    return [c for c in wanted if c in HEAD_COLUMNS or c in held]
+    return [c for c in wanted if c in held or c in ("layer", "head")]
 
 
 def _check_held(conn: Connection, run_id: int, named: Sequence[tuple[str, str]]) -> None:

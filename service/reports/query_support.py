@@ -105,16 +105,23 @@ def with_intervals(
 
 
 def effect_groups_of(conn: Connection, run_id: int, metrics: list[str]) -> dict[str, frozenset[int]]:
-    """The causal effects among ``metrics`` (SPEC §9), each with the replicate groups that hold
-    the run's effect windows: their intervals rest on those groups alone."""
-    from headatlas.service.metrics import EFFECT_COLUMNS
+    """The causal effects among ``metrics`` (SPEC §9, and the streaming effects of §10), each with
+    the replicate groups that hold the windows they were measured on (the run's effect windows; the
+    streaming windows of the restriction shown): their intervals rest on those groups alone."""
+    from headatlas.service.metrics import EFFECT_COLUMNS, STREAMING_COLUMNS
     from headatlas.service.storage.effect_rows import effect_groups
+    from headatlas.service.storage.streaming_rows import streaming_groups
 
+    found: dict[str, frozenset[int]] = {}
     chosen = [m for m in metrics if m in EFFECT_COLUMNS]
-    if not chosen:
-        return {}
-    groups = effect_groups(conn, run_id)
-    return {m: groups for m in chosen}
+    if chosen:
+        groups = effect_groups(conn, run_id)
+        found.update({m: groups for m in chosen})
+    streamed = [m for m in metrics if m in STREAMING_COLUMNS]
+    if streamed:
+        groups = streaming_groups(conn, run_id)
+        found.update({m: groups for m in streamed})
+    return found
 
 
 def interval_groups(conn: Connection, run_id: int) -> tuple[int, int]:

@@ -19,6 +19,7 @@ VIEWS = (
     "csm_means",
     "mixing_metrics",
     "mixing_distance",
+    "streaming_metrics",  # per run, restriction (S, W), layer and KV head: streaming effect with its interval (SPEC §10)
     "roles",  # per run, head and role: the stored roles of a finished run, while current (SPEC §7)
 )
 # the same per replicate group left out (drop_rep = g; -1: the whole run): the intervals' input
@@ -32,6 +33,8 @@ REP_VIEWS = (
     "head_distance_reps",
     "chance_distance_reps",
     "run_reps",
+    "streaming_reps",
+    "streaming_kv_reps",
 )
 TABLES = (
     "runs",

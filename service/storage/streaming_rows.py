@@ -65,6 +65,54 @@ def restrictions(conn: Connection, run_id: int) -> list[tuple[int, int]]:
     ]
 
 
+def shown_restriction(conn: Connection, run_id: int) -> tuple[int, int] | None:
+    """The (sink, recent) restriction the head tables show of the run (``metrics.STREAMING_RULE``,
+    as the views choose it), or None where it holds none."""
+    row = conn.execute(
+        text("SELECT sink, recent FROM streaming_metrics WHERE run_id = :r AND shown LIMIT 1"), {"r": run_id}
+    ).first()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+def streaming_groups(conn: Connection, run_id: int) -> frozenset[int]:
+    """The replicate groups (SPEC §5d) that hold the streaming windows of the restriction shown:
+    the groups its jackknife drops one at a time (``effect_rows.effect_groups`` says why)."""
+    shown = shown_restriction(conn, run_id)
+    if shown is None:
+        return frozenset()
+    rows = conn.execute(
+        text("SELECT DISTINCT rep FROM streaming_effects WHERE run_id = :r AND sink = :s AND recent = :w"),
+        {"r": run_id, "s": shown[0], "w": shown[1]},
+    ).all()
+    return frozenset(int(r[0]) for r in rows)
+
+
+def streaming_note(conn: Connection, run_id: int) -> str | None:
+    """The line under a head table with streaming effects: the restriction shown, on how many
+    windows, and the rule that chose it where the run holds several; None where it holds none."""
+    from headatlas.service.metrics import STREAMING_RULE
+    from headatlas.service.wording import counted
+
+    held = restrictions(conn, run_id)
+    shown = shown_restriction(conn, run_id)
+    if shown is None:
+        return None
+    windows, objective = conn.execute(
+        text(
+            "SELECT max(windows), any_value(objective) FROM streaming_metrics "
+            "WHERE run_id = :r AND sink = :s AND recent = :w"
+        ),
+        {"r": run_id, "s": shown[0], "w": shown[1]},
+    ).one()
+    others = ", ".join(f"S = {s}, W = {w}" for s, w in held if (s, w) != shown)
+    return (
+        f"effect_streaming = O(the head's KV head streaming) − O(intact), O = {objective}, with S = {shown[0]} sinks "
+        f"and W = {shown[1]} recent keys, over {counted(int(windows or 0), 'window')}; streaming_beyond: the attention "
+        "mass beyond them; a query head shows its KV head's (grouped-query attention)"
+        + (f"; also stored: {others}: {STREAMING_RULE}" if others else "")
+    )
+
+
 def streaming_sums(conn: Connection, run_id: int, sink: int, recent: int) -> StreamingSums | None:
     """The run's sums of one restriction, or None where it holds none."""
     rows = conn.execute(

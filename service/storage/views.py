@@ -19,6 +19,13 @@ The views (the names and shapes of migration 0006, which first wrote them by han
 - ``head_metrics_reps``, ``layer_metrics_reps``: every declared column, per head / per layer (its
   heads summed, the run sums once per head).
 - ``chance_totals``, ``head_totals``, ``head_metrics``, ``layer_metrics``: their ``drop_rep = -1`` rows.
+- ``streaming_reps``: the streaming effects' sums (table ``streaming_effects``, SPEC §10) per run,
+  restriction (``sink`` S, ``recent`` W), layer, KV head and ``drop_rep``; ``streaming_kv_reps``:
+  those of the restriction the head tables show (``metrics.STREAMING_RULE``), which
+  ``head_metrics_reps`` joins to each query head by its KV head (``head // (H / H_kv)``) as the
+  inputs of ``metrics.STREAMING_INPUTS``; ``streaming_metrics``: every restriction's mean effect and
+  attention mass beyond sinks + W per KV head, with the 95% interval of the other metrics (the
+  delete-one-group jackknife with the t quantile over the groups holding its windows, SPEC §5d).
 
 The distance views they join (``pair_reps``, ``distance_reps``, ``head_distance_reps``,
 ``chance_distance_reps``, …) and ``run_reps`` stay as their migrations made them.
@@ -29,13 +36,25 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from headatlas.service.metrics import CHANCE_SUMS, DISTANCE_INPUTS, HEAD_SUMS, all_columns, plugin_sums, sql_name
+from headatlas.service.metrics import (
+    CHANCE_SUMS,
+    DISTANCE_INPUTS,
+    HEAD_SUMS,
+    STREAMING_INPUTS,
+    all_columns,
+    plugin_sums,
+    sql_name,
+)
 from headatlas.service.storage.named_sums import pivoted_head_stats
+from headatlas.service.storage.streaming_rows import SUMS as STREAMING_SUMS
 
 # created in this order, dropped in the reverse
 DERIVED_VIEWS = (
     "chance_reps",
     "head_reps",
+    "streaming_reps",
+    "streaming_kv_reps",
+    "streaming_metrics",
     "head_metrics_reps",
     "layer_metrics_reps",
     "chance_totals",
@@ -71,6 +90,80 @@ def replicated_view(name: str, table: str, keys: tuple[str, ...], sums: tuple[st
     """
 
 
+# the restriction of each run the head tables show (``metrics.STREAMING_RULE``): the fewest recent
+# keys W, then the fewest sinks S; with its KV heads' count, which maps a query head to its KV head
+SHOWN_RESTRICTION = """
+    SELECT run_id, sink, recent, max(kv_head) + 1 AS kv_heads
+    FROM streaming_effects GROUP BY run_id, sink, recent
+    QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY recent, sink) = 1
+"""
+
+
+def streaming_views() -> list[str]:
+    """``streaming_reps``, ``streaming_kv_reps`` and ``streaming_metrics`` (module docstring)."""
+    from headatlas.service.engine.results import REPLICATES
+    from headatlas.service.reports.intervals import t95
+
+    quantiles = ", ".join(f"({df}, {t95(df)!r})" for df in range(1, REPLICATES))
+    keys = ("run_id", "sink", "recent", "layer", "kv_head")
+    on = " AND ".join(f"h.{k} = s.{k}" for k in keys)
+
+    def interval(name: str, low: str = "", high: str = "") -> str:
+        """``name`` with its jackknife bounds, clipped to [``low``, ``high``] where given."""
+
+        def clipped(bound: str) -> str:
+            bound = f"greatest({low}, {bound})" if low else bound
+            return f"least({high}, {bound})" if high else bound
+
+        half = f"q.quantile * sqrt((j.groups - 1) * j.{name}_var)"
+        held = f"j.groups >= 2 AND j.{name}_held = j.groups"
+        return (
+            f"t.{name}_sum / nullif(t.windows, 0) AS {name}, "
+            f"CASE WHEN {held} THEN {clipped(f't.{name}_sum / nullif(t.windows, 0) - {half}')} END AS {name}_lo, "
+            f"CASE WHEN {held} THEN {clipped(f't.{name}_sum / nullif(t.windows, 0) + {half}')} END AS {name}_hi"
+        )
+
+    return [
+        replicated_view("streaming_reps", "streaming_effects", keys, STREAMING_SUMS),
+        f"""
+        CREATE VIEW streaming_kv_reps AS
+        WITH shown AS ({SHOWN_RESTRICTION})
+        SELECT s.run_id, s.layer, s.kv_head, s.drop_rep, greatest(1, r.n_heads // c.kv_heads) AS group_size,
+               s.windows AS streaming_windows, s.effect_sum AS streaming_effect_sum,
+               s.beyond_sum AS streaming_beyond_sum, s.sink AS streaming_sink, s.recent AS streaming_recent
+        FROM streaming_reps s JOIN shown c USING (run_id, sink, recent) JOIN runs r ON r.run_id = s.run_id
+        """,
+        # the jackknife of each leave-one-group-out mean over the groups holding the restriction's
+        # windows: half-width t_{R-1, 0.975} · sqrt((R - 1) · var_pop), as intervals.jackknife_interval
+        f"""
+        CREATE VIEW streaming_metrics AS
+        WITH t AS (SELECT * EXCLUDE (drop_rep) FROM streaming_reps WHERE drop_rep = -1),
+        j AS (
+            SELECT s.run_id, s.sink, s.recent, s.layer, s.kv_head, count(*) AS groups,
+                   count(s.effect_sum / nullif(s.windows, 0)) AS effect_held,
+                   var_pop(s.effect_sum / nullif(s.windows, 0)) AS effect_var,
+                   count(s.beyond_sum / nullif(s.windows, 0)) AS beyond_held,
+                   var_pop(s.beyond_sum / nullif(s.windows, 0)) AS beyond_var
+            FROM streaming_reps s JOIN streaming_effects h ON {on} AND h.rep = s.drop_rep
+            GROUP BY s.run_id, s.sink, s.recent, s.layer, s.kv_head
+        ),
+        m AS (
+            SELECT run_id, sink, recent, layer, kv_head, any_value(objective) AS objective,
+                   max(longest) AS longest FROM streaming_effects GROUP BY ALL
+        ),
+        q(df, quantile) AS (VALUES {quantiles})
+        SELECT t.run_id, t.sink, t.recent, t.layer, t.kv_head, t.windows, t.tokens, m.longest,
+               {interval("effect")}, {interval("beyond", "0.0", "1.0")},
+               m.objective, t.objective_sum / nullif(t.windows, 0) AS objective_mean, j.groups,
+               c.run_id IS NOT NULL AS shown
+        FROM t JOIN m USING (run_id, sink, recent, layer, kv_head)
+        LEFT JOIN j USING (run_id, sink, recent, layer, kv_head)
+        LEFT JOIN q ON q.df = j.groups - 1
+        LEFT JOIN ({SHOWN_RESTRICTION}) c USING (run_id, sink, recent)
+        """,
+    ]
+
+
 def metric_columns() -> str:
     """Every declared column (the installed plugins' included), over a relation of totals."""
     return ",\n        ".join(f"{c.sql} AS {c.name}" for c in all_columns())
@@ -83,17 +176,22 @@ def view_statements() -> list[str]:
     head_sums = (*HEAD_SUMS, *(sql_name(s.name) for s in named))
     chance = ", ".join(f"c.{c}" for c in CHANCE_SUMS)
     distance = ", ".join(f"d.{c}" for c in DISTANCE_INPUTS if c not in ("mean_distance_chance", "short_range_chance"))
+    streaming = ", ".join(f"s.{c}" for c in STREAMING_INPUTS)
     return [
         replicated_view("chance_reps", "run_chance", ("run_id",), CHANCE_SUMS),
         replicated_view("head_reps", pivoted_head_stats(named), ("run_id", "layer", "head"), head_sums),
+        *streaming_views(),
         # one head: its sums beside the run's sums
         f"""
         CREATE VIEW head_metrics_reps AS
         WITH x AS (
-            SELECT h.*, {chance}, {distance}, cd.mean_distance_chance, cd.short_range_chance
+            SELECT h.*, {chance}, {distance}, cd.mean_distance_chance, cd.short_range_chance, {streaming}
             FROM head_reps h JOIN chance_reps c USING (run_id, drop_rep)
             LEFT JOIN head_distance_reps d USING (run_id, layer, head, drop_rep)
             LEFT JOIN chance_distance_reps cd USING (run_id, drop_rep)
+            -- each query head reads its KV head's streaming effect (grouped-query attention)
+            LEFT JOIN streaming_kv_reps s ON s.run_id = h.run_id AND s.layer = h.layer
+                AND s.drop_rep = h.drop_rep AND s.kv_head = h.head // s.group_size
         )
         SELECT run_id, layer, head, drop_rep, windows, pairs,
         {metric_columns()}
@@ -113,12 +211,19 @@ def view_statements() -> list[str]:
                    {", ".join(f"{strict_sum(c)} AS {c}" for c in _DM)}
             FROM head_distance_reps GROUP BY run_id, layer, drop_rep
         ),
+        st AS (
+            SELECT run_id, layer, drop_rep,
+                   {", ".join(f"{strict_sum(c)} AS {c}" for c in STREAMING_INPUTS[:3])},
+                   min(streaming_sink) AS streaming_sink, min(streaming_recent) AS streaming_recent
+            FROM streaming_kv_reps GROUP BY run_id, layer, drop_rep
+        ),
         x AS (
             SELECT h.*, {", ".join(f"h.heads * c.{c} AS {c}" for c in CHANCE_SUMS)},
-                   {distance}, cd.mean_distance_chance, cd.short_range_chance
+                   {distance}, cd.mean_distance_chance, cd.short_range_chance, {streaming}
             FROM h JOIN chance_reps c USING (run_id, drop_rep)
             LEFT JOIN d USING (run_id, layer, drop_rep)
             LEFT JOIN chance_distance_reps cd USING (run_id, drop_rep)
+            LEFT JOIN st s USING (run_id, layer, drop_rep)
         )
         SELECT run_id, layer, drop_rep, heads,
         {metric_columns()}

@@ -50,9 +50,11 @@ from headatlas.service.web.views import View
 from headatlas.service.wording import seconds
 
 LAYER_METRICS = layer_queries.LAYER_COLUMNS[1:]
-# SPEC §9: what removing a head costs, per head (the effect metric's columns but the run-wide objective)
-EFFECT_COLUMNS = tuple(
-    c.name for m in METRICS if m.spec == "§9" for c in m.columns if c.heads and c.name != "objective"
+# SPEC §9: what removing a head costs, per head (the effect metric's columns but the run-wide objective);
+# SPEC §10: what its KV head streaming costs
+EFFECT_COLUMNS = (
+    *(c.name for m in METRICS if m.spec == "§9" for c in m.columns if c.heads and c.name != "objective"),
+    "effect_streaming",
 )
 # O(ablated) − O(intact): of either sign (a head whose removal helps), so shown about 0
 SIGNED_EFFECTS = tuple(c for c in EFFECT_COLUMNS if c.startswith("effect_"))
@@ -144,6 +146,8 @@ def colour_columns(head_rows: query_support.Rows) -> list[str]:
 
 
 def _measure_hint(column: str) -> tuple[Part, ...]:
+    if column == "effect_streaming":
+        return ("its streaming effects (SPEC §10) were not measured: run `headatlas effects RUN --streaming`",)
     if column in EFFECT_COLUMNS:
         return (
             "its effects (SPEC §9) were not measured: analyse it with ",
@@ -337,8 +341,8 @@ def _atlas_section(ctx: Ctx, run: Run, read: dict, color: str, offered: tuple[st
         legend = legend_bar(low, high, color, diverging=color in SIGNED_EFFECTS)
         if color in EFFECT_COLUMNS:
             legend += (
-                f'<p class="muted">{e(color)}: {e(_definition(color))} (SPEC §9). Faded: its 95% interval '
-                "includes 0.</p>"
+                f'<p class="muted">{e(color)}: {e(_definition(color))} '
+                f"(SPEC {'§10' if color == 'effect_streaming' else '§9'}). Faded: its 95% interval includes 0.</p>"
             )
     names = {"role": "role (its own colour)", "evidence": "evidence: primary role's value / threshold"}
     named = [(c, names.get(c, f"effect: {c}" if c in EFFECT_COLUMNS else c)) for c in atlas_colours(read)]
