@@ -226,3 +226,26 @@ def test_streaming_effects_measured_reach_the_head_table(gqa_run, cli) -> None:
             assert row["streaming_beyond"] == pytest.approx(want["beyond"], rel=1e-9)
     finally:
         Store(db).atomically(lambda conn: conn.execute(text("DELETE FROM streaming_effects WHERE recent = 3")))
+
+
+def test_views_older_than_the_columns_refuse_them_until_db_upgrade(gqa_run, cli, tmp_path) -> None:
+    """A database at the head schema whose views were built before the streaming columns (no
+    migration adds them): `query heads` still answers, and sorting by a column its views lack is
+    refused naming `headatlas db upgrade`, after which it is there."""
+    import shutil
+
+    import duckdb
+
+    db = str(tmp_path / "old_views.duckdb")
+    shutil.copy(gqa_run[0], db)
+    with duckdb.connect(db) as conn:
+        conn.execute("DROP VIEW head_metrics")
+        conn.execute(
+            "CREATE VIEW head_metrics AS SELECT * EXCLUDE (drop_rep, effect_streaming, streaming_beyond, "
+            "streaming_sink, streaming_recent) FROM head_metrics_reps WHERE drop_rep = -1"
+        )
+    assert cli("query", "heads", "--run", "gqa", "--db", db).returncode == 0
+    refused = cli("query", "heads", "--run", "gqa", "--db", db, "--sort", "effect_streaming")
+    assert refused.returncode == 2 and "effect_streaming" in refused.stderr and "db upgrade" in refused.stderr
+    assert cli("db", "upgrade", "--db", db).returncode == 0
+    assert {r["streaming_recent"] for r in heads_json(cli, db, "--sort", "effect_streaming")} == {SHOWN[1]}
