@@ -4,6 +4,7 @@ the store, compaction and the view, and the stored mean against `inspect`'s matr
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from sqlalchemy import text
@@ -286,3 +287,35 @@ def test_batches_stored_without_the_new_sums_are_never_drawn_as_whole(tmp_path):
     store.compact(run)  # folding the batches keeps the gap visible
     with store.read() as conn, pytest.raises(ParameterError, match="cover only some windows"):
         queries.csm(conn, run, layer=0)
+
+
+def test_the_stored_cells_come_in_bounded_record_batches_as_the_dense_sums_give_them(monkeypatch):
+    from headatlas.service.storage import batch_rows
+
+    g = np.random.default_rng(0)
+    shape = (len(CSM_KINDS), 3, 2, 6, 6)  # [kind, layer, head, bin, bin]
+
+    def payload(bins: int) -> dict[str, np.ndarray]:
+        count = (g.random((*shape[:3], bins, bins)) < 0.3) * g.integers(1, 5, (*shape[:3], bins, bins))
+        return {"sum": (g.random(count.shape) * (count > 0)).astype(np.float32), "count": count.astype(np.int32)}
+
+    batches = [payload(6), payload(4)]  # a batch of shorter windows has fewer bins
+    pairs = np.zeros(shape, np.int64)
+    sums = np.zeros(shape, np.float64)
+    for b in batches:
+        part = tuple(slice(0, n) for n in b["count"].shape)
+        pairs[part] += b["count"]
+        sums[part] += np.where(b["count"] != 0, b["sum"].astype(np.float64), 0.0)
+    ki, lc, hc, bi, bj = np.nonzero(pairs)
+    monkeypatch.setattr(batch_rows, "CSM_ROWS_PER_BATCH", 5)
+    reader = batch_rows.csm_rows(7, 3, batches, n_layers=3, n_heads=2)
+    got = [b for b in reader]
+    assert max(b.num_rows for b in got) <= 5 and sum(b.num_rows for b in got) == ki.size
+    table = pa.Table.from_batches(got).to_pydict()
+    assert table["run_id"] == [7] * ki.size and table["batch_id"] == [3] * ki.size
+    assert table["kind"] == [CSM_KINDS[k] for k in ki]
+    assert (table["layer"], table["head"], table["bin_i"], table["bin_j"]) == tuple(
+        a.tolist() for a in (lc, hc, bi, bj)
+    )
+    assert table["pairs"] == pairs[ki, lc, hc, bi, bj].tolist()
+    assert table["sim_sum"] == sums[ki, lc, hc, bi, bj].tolist()  # the same float64 sums, bit for bit

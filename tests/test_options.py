@@ -252,6 +252,28 @@ def test_duckdb_threads_reach_every_connection_headatlas_opens(tmp_path, monkeyp
     assert got == (int(threads) if threads else default)
 
 
+def test_an_address_space_cap_bounds_duckdb_within_it(tmp_path):
+    """Under RLIMIT_AS (prlimit --as) DuckDB's memory limit is a share of the cap, so that it spills
+    rather than failing to allocate; without a cap DuckDB keeps its own default."""
+    script = (
+        "from headatlas.service.storage.backends import open_backend\n"
+        f"with open_backend({str(tmp_path / 'cap.duckdb')!r}).connect() as c:\n"
+        "    print(c.execute(\"SELECT current_setting('memory_limit')\").fetchone()[0])"
+    )
+    cap = 4 << 30
+
+    def capped() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, preexec_fn=capped)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1.0", "GiB"]  # a quarter of 4 GiB
+    free = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert free.stdout.split() != ["1.0", "GiB"]
+
+
 def test_every_setting_has_a_bad_value_tested():
     from headatlas.service.config import Settings
 

@@ -20,10 +20,11 @@ from headatlas.service.metrics import CHANCE_SUMS, HEAD_SUMS  # every declared s
 from headatlas.service.storage import named_sums
 
 
-def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table]:
+def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str, pa.Table | pa.RecordBatchReader]:
     """The rows of every statistics table (and windows, documents, the ledger's ``batches``) for
     ``items`` ([(batch_id, BatchResult)], one run's, stored in one transaction) of run
-    ``run_id``, one Arrow table per table: the sums of all the items, per key."""
+    ``run_id``, one Arrow table per table (``csm_bins``: a stream of record batches, read once):
+    the sums of all the items, per key."""
     if not items:
         return {}
     results = [res for _, res in items]
@@ -40,7 +41,7 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
     where = [np.searchsorted(reps, res.reps) for res in results]  # each batch's groups among reps
     n_reps = reps.size
     n_layers, n_heads = results[0].rep_heads["high_pairs"].shape[1:]
-    tables: dict[str, pa.Table] = {}
+    tables: dict[str, pa.Table | pa.RecordBatchReader] = {}
 
     def full(n: int, value) -> np.ndarray:
         return np.full(n, value, dtype=np.int64)
@@ -135,29 +136,7 @@ def batch_tables(run_id: int, items: list[tuple[int, BatchResult]]) -> dict[str,
     # --- the averaged similarity matrices: cells holding pairs (the upper triangle, few cells of H) ---
     with_csm = [res.measures["csm"] for res in results if "csm" in res.measures]
     if with_csm:
-        n_bins = max(csm["count"].shape[-1] for csm in with_csm)
-        csm_shape = (len(CSM_KINDS), n_layers, n_heads, n_bins, n_bins)
-        csm_pairs = np.zeros(csm_shape, dtype=np.int64)
-        csm_sum = np.zeros(csm_shape, dtype=np.float64)
-        for csm in with_csm:
-            c = csm["count"]
-            part = tuple(slice(0, n) for n in c.shape)
-            csm_pairs[part] += c
-            csm_sum[part] += np.where(c != 0, csm["sum"].astype(np.float64), 0.0)
-        ki, lc, hc, bi, bj = np.nonzero(csm_pairs)
-        tables["csm_bins"] = pa.table(
-            {
-                "run_id": full(ki.size, run_id),
-                "batch_id": full(ki.size, label),
-                "layer": lc,
-                "head": hc,
-                "kind": pa.DictionaryArray.from_arrays(pa.array(ki.astype(np.int32)), pa.array(CSM_KINDS)),
-                "bin_i": bi,
-                "bin_j": bj,
-                "sim_sum": csm_sum[ki, lc, hc, bi, bj],
-                "pairs": csm_pairs[ki, lc, hc, bi, bj],
-            }
-        )
+        tables["csm_bins"] = csm_rows(run_id, label, with_csm, n_layers, n_heads)
 
     # --- anchors: one row per anchored (window, head); their sums per token and per layer ---
     vocab: dict[int, str] = {}
@@ -319,3 +298,66 @@ def anchor_layer_sums(anchor_token: np.ndarray):
     n_distinct = n_anchored - repeat.sum(2)
     has = n_anchored > 0
     return (has.sum(0), (has & (n_distinct == n_anchored)).sum(0), n_distinct.sum(0), n_anchored.sum(0))
+
+
+CSM_ROWS_PER_BATCH = 1 << 20  # rows of csm_bins per Arrow record batch (about 70 MB)
+CSM_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.int64()),
+        ("batch_id", pa.int64()),
+        ("layer", pa.int64()),
+        ("head", pa.int64()),
+        ("kind", pa.dictionary(pa.int32(), pa.string())),
+        ("bin_i", pa.int64()),
+        ("bin_j", pa.int64()),
+        ("sim_sum", pa.float64()),
+        ("pairs", pa.int64()),
+    ]
+)
+
+
+def csm_rows(
+    run_id: int, label: int, with_csm: list[dict[str, np.ndarray]], n_layers: int, n_heads: int
+) -> pa.RecordBatchReader:
+    """The ``csm_bins`` rows of the batches' averaged similarity matrices (``measures["csm"]``:
+    ``sum``, ``count`` ``[kind, layer, head, bin, bin]``): one per (kind, layer, head, bin_i,
+    bin_j) cell holding pairs, its pairs and sum over the batches (float64), in that order. Made
+    one (kind, layer) at a time and handed over in record batches of ``CSM_ROWS_PER_BATCH`` rows,
+    read as DuckDB inserts them: a 4,096-token window of SmolLM2 (512 × 512 bins, 30 layers of 9
+    heads) has some 43 million such cells, and its dense float64 sums and counts with their
+    indexes and columns had taken over 10 GB."""
+    n_bins = max(csm["count"].shape[-1] for csm in with_csm)
+    kinds = pa.array(CSM_KINDS)
+
+    def batches():
+        for kind in range(len(CSM_KINDS)):
+            for layer in range(n_layers):
+                pairs = np.zeros((n_heads, n_bins, n_bins), dtype=np.int64)
+                sums = np.zeros((n_heads, n_bins, n_bins), dtype=np.float64)
+                for csm in with_csm:
+                    count = csm["count"]
+                    if kind >= count.shape[0] or layer >= count.shape[1]:
+                        continue
+                    c = count[kind, layer]
+                    part = tuple(slice(0, n) for n in c.shape)
+                    pairs[part] += c
+                    sums[part] += np.where(c != 0, csm["sum"][kind, layer].astype(np.float64), 0.0)
+                hc, bi, bj = np.nonzero(pairs)
+                for start in range(0, hc.size, CSM_ROWS_PER_BATCH):
+                    h, i, j = (a[start : start + CSM_ROWS_PER_BATCH] for a in (hc, bi, bj))
+                    yield pa.record_batch(
+                        [
+                            np.full(h.size, run_id, dtype=np.int64),
+                            np.full(h.size, label, dtype=np.int64),
+                            np.full(h.size, layer, dtype=np.int64),
+                            h,
+                            pa.DictionaryArray.from_arrays(pa.array(np.full(h.size, kind, dtype=np.int32)), kinds),
+                            i,
+                            j,
+                            sums[h, i, j],
+                            pairs[h, i, j],
+                        ],
+                        schema=CSM_SCHEMA,
+                    )
+
+    return pa.RecordBatchReader.from_batches(CSM_SCHEMA, batches())

@@ -19,12 +19,32 @@ def duckdb_config(**settings: Any) -> dict[str, Any]:
     threads HEADATLAS_DUCKDB_THREADS asks for (unless ``settings`` name them)."""
     folder = extension_directory()
     threads = configured_threads()
+    memory = capped_memory()
     return {
         **NO_DOWNLOADS,
         **({"extension_directory": folder} if folder else {}),
         **({"threads": threads} if threads else {}),
+        **({"memory_limit": memory} if memory else {}),
         **settings,
     }
+
+
+# The share of the process's address-space cap (RLIMIT_AS, as `prlimit --as` or `ulimit -v` sets it)
+# DuckDB may take: its default, 80 % of the machine's memory, knows nothing of the cap, and a large
+# GROUP BY (compacting the 43 million cells of a 4,096-token window's averaged similarity matrices)
+# then fails to allocate instead of spilling to disk. The model and its tensors share the same cap.
+CAPPED_MEMORY_SHARE = 0.25
+
+
+def capped_memory() -> str | None:
+    """DuckDB's ``memory_limit`` under an address-space cap (``CAPPED_MEMORY_SHARE`` of it), or
+    None where the process has none."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return None
+    return f"{max(64, int(soft * CAPPED_MEMORY_SHARE) >> 20)}MiB"
 
 
 # HEADATLAS_DUCKDB_THREADS, declared here (a leaf of the storage package) and among the settings
