@@ -53,6 +53,16 @@ def analyze(
         "(seeds 0..N-1; --control alone: N = 1), stored as <name>-control (seed 0) and <name>-control-K (seed K): "
         "the floor `headatlas compare RUN` and the role thresholds measure against (SPEC §7: the findings use 3).",
     ),
+    checkpoints: str | None = typer.Option(
+        None,
+        "--checkpoints",
+        metavar="DIR|GLOB|NAME@REV,…",
+        help="Analyse every checkpoint of one model instead of --model: a folder of checkpoint folders "
+        "(step-N, checkpoint-N, or a trainer_state.json's global_step), a glob of them, or a hub name with "
+        "revisions (EleutherAI/pythia-70m@step1000,step2000; needs internet). Each is a run named "
+        "<name>-step<N> on the same windows, grouped in the series --name (default: the folder's name); "
+        "--probe and --effects apply to each; resumable. Read it with `query trend --series`.",
+    ),
 ) -> None:
     """Analyse a corpus in this process and store the per-head statistics (resumable)."""
     from headatlas.service.operations.requests import AnalysisRequest
@@ -60,7 +70,54 @@ def analyze(
     request = AnalysisRequest.build(
         corpus, db=db, name=name, control=control, attribution_chunk=attribution_chunk, **analysis.values
     )
+    if checkpoints is not None:
+        _analyze_series(request, checkpoints, quiet=quiet)
+        return
     _analyze(request, quiet=quiet)
+
+
+def _analyze_series(request: AnalysisRequest, checkpoints: str, *, quiet: bool) -> None:
+    """``analyze --checkpoints``: every checkpoint analysed (service/operations/checkpoint_series.py),
+    then one line per step (its run, and the probe's highest scores where there is a probe)."""
+    from headatlas.service.analysis_options import DEFAULTS
+    from headatlas.service.errors import Param, ParameterError
+    from headatlas.service.operations.checkpoint_series import analyze_series
+    from headatlas.service.operations.events import ignore
+    from headatlas.service.reports import queries
+
+    if str(request.model) != DEFAULTS["model"]:
+        raise ParameterError(
+            Param("model", str(request.model)), " and ", Param("checkpoints", checkpoints), ": pass one of them"
+        )
+    done = analyze_series(request, checkpoints, ignore if quiet else _Shown())
+    if quiet:
+        for _checkpoint, analysed in done.steps:
+            stdout.print(analysed.run.run_id)
+        return
+    rows = []
+    for checkpoint, analysed in done.steps:
+        with analysed.store.checked_read() as conn:
+            cols, heads = queries.heads(conn, analysed.run.run_id, anchors=0)
+        found = [dict(zip(cols, r, strict=True)) for r in heads]
+        tops = []
+        for score in ("prev_token_score", "induction_score"):
+            scored = [(h[score], h["layer"], h["head"]) for h in found if h.get(score) is not None]
+            tops.append(f"{max(scored)[0]:.3f} (L{max(scored)[1]}H{max(scored)[2]})" if scored else "")
+        rows.append((checkpoint.step, analysed.run.run_id, analysed.run.name, *tops))
+    render(
+        ["step", "run_id", "run", "top prev_token_score", "top induction_score"],
+        rows,
+        Format.table,
+        title=f"series {done.name}: {counted(len(rows), 'checkpoint')} (layers and heads 0-based)",
+    )
+    at = db_option(request.db)
+    name = command_name()
+    stdout.print(
+        f"next: {name} query trend --series {shlex.quote(done.name)} --metric induction_score{at}",
+        markup=False,
+        highlight=False,
+    )
+    stdout.print(f"      {name} query phases --series {shlex.quote(done.name)}{at}", markup=False, highlight=False)
 
 
 @options.analysis_options("model", "device", "batch_size")

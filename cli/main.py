@@ -16,6 +16,7 @@ from headatlas.cli import (
     queue_commands,
     run_commands,
     schedule_commands,
+    series_commands,
     serve_command,
     sql_commands,
     visual,
@@ -38,6 +39,7 @@ visual.register(app)  # inspect, plot …, report, export
 effects_command.register(app)  # effects, prune
 queue_commands.register(app)  # submit, worker, writer, status, retry
 schedule_commands.register(app, query_commands.query_app)  # schedule …, beat, query trend
+series_commands.register(app, query_commands.query_app, visual.plot_app)  # train-toy, query phases, plot trend
 serve_command.register(app)  # serve: the runs in a browser
 
 

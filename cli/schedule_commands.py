@@ -255,36 +255,56 @@ def beat(
 
 
 def query_trend(
-    schedule: str = typer.Option(..., "--schedule", help="Schedule name."),
-    metric: str = typer.Option(
-        "within_sentence", "--metric", help="within_sentence, repetition, mean_distance, noise_share, …"
+    schedule: str | None = typer.Option(None, "--schedule", help="Schedule name: its runs in fire order."),
+    series: str | None = typer.Option(
+        None,
+        "--series",
+        help="Training series name (analyze --checkpoints): every head's metric against the training step.",
     ),
-    layer: int | None = typer.Option(None, "--layer", "-l", help="One layer (0-based); default: the mean over layers."),
+    metric: str = typer.Option(
+        "within_sentence",
+        "--metric",
+        help="within_sentence, repetition, mean_distance, noise_share, …; with --series also a head column or a "
+        "probe score (prev_token_score, induction_score, duplicate_score).",
+    ),
+    layer: int | None = typer.Option(
+        None, "--layer", "-l", help="One layer (0-based); default: the mean over layers (--series: every layer)."
+    ),
     head: int | None = typer.Option(None, "--head", help="One head of --layer (0-based)."),
     ci: bool = options.Ci,
     db: str = DbOpt,
     fmt: Format = FormatOpt,
 ) -> None:
-    """A metric across a schedule's runs over time, as a table and a sparkline."""
+    """A metric across a schedule's runs over time, or across a training series' checkpoints by step."""
+    from headatlas.service.errors import Param, ParameterError
     from headatlas.service.reports import query_support, trend_queries
-    from headatlas.service.storage import schedule_store
 
-    with schedule_store.read(db) as conn:
-        sched = schedule_store.get(conn, schedule)
-        columns, rows = trend_queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head, ci=ci)
+    if (schedule is None) == (series is None):
+        raise ParameterError("query trend: pass ", Param("schedule"), " or ", Param("series"), ", one of them")
     what = (
         f"layer {layer} head {head}"
         if head is not None
         else f"layer {layer}"
         if layer is not None
+        else "every head"
+        if series is not None
         else "mean over layers"
     )
-    render_metrics(
-        columns,
-        rows,
-        fmt,
-        title=f"schedule {schedule}: {metric}, {what}",
-        note=query_support.LIFT_NOTE if "lift" in metric else None,
-    )
+    note = query_support.LIFT_NOTE if "lift" in metric else None
+    if series is not None:
+        from headatlas.service.reports.series_queries import trend as series_trend
+        from headatlas.service.storage.store import Store
+
+        with Store(db).checked_read() as conn:
+            columns, rows = series_trend(conn, series, metric=metric, layer=layer, head=head, ci=ci)
+        render_metrics(columns, rows, fmt, title=f"series {series}: {metric} by step, {what} (0-based)", note=note)
+        return
+    from headatlas.service.storage import schedule_store
+
+    assert schedule is not None  # one of the two, checked above
+    with schedule_store.read(db) as conn:
+        sched = schedule_store.get(conn, schedule)
+        columns, rows = trend_queries.trend(conn, sched.schedule_id, metric=metric, layer=layer, head=head, ci=ci)
+    render_metrics(columns, rows, fmt, title=f"schedule {schedule}: {metric}, {what}", note=note)
     if fmt == Format.table and rows:
         stdout.print(trend_line(metric, [r[columns.index(metric)] for r in rows]))

@@ -65,6 +65,46 @@ class Atlas:
             return RunView.read(self.store, conn, ref)
 
     @in_python_terms
+    def trend(
+        self, series: str, metric: str, *, layer: int | None = None, head: int | None = None, ci: bool = False
+    ) -> Table:
+        """A training series' ``metric`` (a head column or probe score) of every head (of ``layer``;
+        one ``head``) against the training step, as ``headatlas query trend --series``: with ``ci``
+        its 95% interval (none for a probe score)."""
+        from headatlas.service.reports.series_queries import trend
+
+        with self.store.checked_read() as conn:
+            columns, rows = trend(conn, series, metric=metric, layer=layer, head=head, ci=ci)
+        return Table.of(columns, rows, what=f"trend, series {series}")
+
+    @in_python_terms
+    def phases(
+        self,
+        series: str,
+        *,
+        metrics: list[str] | None = None,
+        layer: int | None = None,
+        head: int | None = None,
+        min_change: float | None = None,
+    ) -> Table:
+        """A training series' phase changes, as ``headatlas query phases``: per head and metric the
+        consecutive checkpoints between which it changes most beyond both intervals, and the heads
+        that change with it (``together``)."""
+        from headatlas.service.reports.series_queries import PHASE_METRICS, phase_rows, phases
+
+        with self.store.checked_read() as conn:
+            found = phases(
+                conn,
+                series,
+                metrics=tuple(metrics or PHASE_METRICS),
+                layer=layer,
+                head=head,
+                min_change=min_change,
+            )
+        columns, rows = phase_rows(found)
+        return Table.of(columns, rows, what=f"phases, series {series}")
+
+    @in_python_terms
     def sql(
         self,
         statement: str,

@@ -21,6 +21,7 @@ VIEWS = (
     "mixing_distance",
     "streaming_metrics",  # per run, restriction (S, W), layer and KV head: streaming effect with its interval (SPEC §10)
     "roles",  # per run, head and role: the stored roles of a finished run, while current (SPEC §7)
+    "series_head_metrics",  # per training series, step and head: every metric and probe score
 )
 # the same per replicate group left out (drop_rep = g; -1: the whole run): the intervals' input
 REP_VIEWS = (
@@ -35,6 +36,7 @@ REP_VIEWS = (
     "run_reps",
     "streaming_reps",
     "streaming_kv_reps",
+    "series_head_metrics_reps",
 )
 TABLES = (
     "runs",
@@ -71,6 +73,8 @@ TABLES = (
     "schedule_fire_leases",
     "schedule_fire_documents",
     "database_info",
+    "training_series",
+    "series_runs",
 )
 
 

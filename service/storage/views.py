@@ -29,6 +29,10 @@ The views (the names and shapes of migration 0006, which first wrote them by han
 
 The distance views they join (``pair_reps``, ``distance_reps``, ``head_distance_reps``,
 ``chance_distance_reps``, …) and ``run_reps`` stay as their migrations made them.
+
+- ``series_head_metrics_reps``, ``series_head_metrics``: ``head_metrics_reps`` / ``head_metrics``
+  with the probe's scores, against the steps of each training series (migration 0022,
+  ``series_rows.series_views``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from headatlas.service.metrics import (
     sql_name,
 )
 from headatlas.service.storage.named_sums import pivoted_head_stats
+from headatlas.service.storage.series_rows import series_views
 from headatlas.service.storage.streaming_rows import SUMS as STREAMING_SUMS
 
 # created in this order, dropped in the reverse
@@ -61,6 +66,8 @@ DERIVED_VIEWS = (
     "head_totals",
     "head_metrics",
     "layer_metrics",
+    "series_head_metrics_reps",
+    "series_head_metrics",
 )
 _DM = ("same_sentence_dm", "same_token_dm", "same_word_dm")
 
@@ -237,6 +244,7 @@ def view_statements() -> list[str]:
         """,
         "CREATE VIEW head_metrics AS SELECT * EXCLUDE (drop_rep) FROM head_metrics_reps WHERE drop_rep = -1",
         "CREATE VIEW layer_metrics AS SELECT * EXCLUDE (drop_rep) FROM layer_metrics_reps WHERE drop_rep = -1",
+        *series_views(),
     ]
 
 

@@ -1,0 +1,1 @@
+"""Models trained by headatlas itself, whose heads' answers are known (the toy induction series)."""

@@ -1,0 +1,216 @@
+"""A training series, end to end, on the toy induction model (service/training/toy.py).
+
+The known answer — its previous-token head (layer 0) forms no later than its induction head
+(layer 1), which forms in a phase change that `query phases` finds between two checkpoints — needs
+the toy trained past its phase change: 1,100 steps of a shortened toy, about 30 s of CPU (minutes
+on a loaded machine), so that test is `heavy` (`make test-heavy`). The rest reads a series of the
+toy trained for 4 steps (seconds), made once for the module: checkpoints and their steps, the
+reading side (trend with intervals, phases, the SQL views, the figure, the API), the refusals
+(another tokenizer in the series, a folder without a step, --model with --checkpoints), and
+resuming a series interrupted after its first checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from headatlas.service.errors import ParameterError, RunNotFound
+from headatlas.service.training.toy import ToySpec, checkpoint_steps, train_toy
+
+# shortened: a smaller model than the default's (hidden 32, 2 heads, r of 8 to 20 tokens), six
+# checkpoints; with this seed the induction score of layer 1 rises from 0.05 to 0.88 between
+# steps 800 and 1,000, after the previous-token score of layer 0 has risen from 0.03 to 0.13
+SHORT = ToySpec(steps=1100, seed=0, hidden=32, heads=2, batch=16, max_copy=20, checkpoints=6, documents=16)
+# the series the other tests read: the same toy, 4 steps, checkpoints at steps 0, 1, 2 and 4
+TINY = ToySpec(steps=4, seed=0, hidden=32, heads=2, batch=4, max_copy=20, checkpoints=4, documents=16)
+OPTIONS = dict(
+    model="default",
+    probe=True,
+    probe_length=20,
+    probe_sequences=8,
+    sentences="punct",
+    replicates="window",
+    batch_size=16,
+)
+
+
+def _series(root, spec: ToySpec):
+    """(checkpoint folder, corpus, database) of ``spec``'s toy, trained and analysed as series "toy"."""
+    from headatlas.service.operations.checkpoint_series import analyze_series
+    from headatlas.service.operations.requests import AnalysisRequest
+
+    train_toy(root / "ckpt", spec)
+    db = root / "toy.duckdb"
+    request = AnalysisRequest.build(root / "ckpt" / "corpus.txt", db=db, name="toy", **OPTIONS)
+    analyze_series(request, str(root / "ckpt"))
+    return root / "ckpt", root / "ckpt" / "corpus.txt", db
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return _series(tmp_path_factory.mktemp("toy"), TINY)
+
+
+def _read(db):
+    from headatlas.service.storage.store import Store
+
+    return Store(db).checked_read()
+
+
+def test_checkpoints_are_log_spaced_and_carry_their_step(toy):
+    folder, _corpus, _db = toy
+    assert checkpoint_steps(SHORT.steps, SHORT.checkpoints) == [0, 1, 6, 33, 191, 1100]
+    assert checkpoint_steps(1500, 12) == [0, 1, 2, 4, 9, 19, 39, 80, 167, 347, 722, 1500]
+    steps = checkpoint_steps(TINY.steps, TINY.checkpoints)
+    assert steps == [0, 1, 2, 4]
+    saved = sorted(p.name for p in folder.glob("step-*"))
+    assert saved == [f"step-{s:06d}" for s in steps]
+    state = json.loads((folder / "step-000004" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    # attention-only: every MLP weight is zero in the saved checkpoint, after training
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "step-000004" / "model.safetensors")
+    mlp = [v for k, v in weights.items() if ".mlp." in k]
+    assert mlp and all(float(v.abs().max()) == 0.0 for v in mlp)
+
+
+@pytest.mark.heavy
+def test_previous_token_head_forms_then_induction_head_in_a_phase_change(tmp_path):
+    """The known answer: the largest rise of the previous-token score is a layer-0 head's, of the
+    induction score a layer-1 head's; the induction head ends far above uniform attention, and the
+    previous-token head has risen by the step where the induction head's change ends."""
+    from headatlas.service.reports.series_queries import largest_phases, phases, trend
+
+    _folder, _corpus, db = _series(tmp_path, SHORT)
+    with _read(db) as conn:
+        rises = largest_phases(phases(conn, "toy", metrics=("prev_token_score", "induction_score")))
+        prev, induction = rises["prev_token_score"], rises["induction_score"]
+        assert prev.layer == 0 and induction.layer == 1
+        assert induction.after > 0.4 and induction.before < 0.2, induction
+        columns, rows = trend(conn, "toy", metric="prev_token_score", layer=prev.layer, head=prev.head)
+        by_step = {r[0]: r[4] for r in rows}
+    assert prev.step_after <= induction.step_after
+    assert by_step[induction.step_after] > 2 * by_step[0]
+
+
+def test_trend_gives_every_head_at_every_step_with_intervals(toy):
+    from headatlas.service.reports.series_queries import trend
+
+    with _read(toy[2]) as conn:
+        columns, rows = trend(conn, "toy", metric="attn_induction", ci=True)
+        probe_columns, probe_rows = trend(conn, "toy", metric="induction_score", layer=1, ci=True)
+    steps = checkpoint_steps(TINY.steps, TINY.checkpoints)
+    assert len(rows) == len(steps) * TINY.layers * TINY.heads
+    at = {c: i for i, c in enumerate(columns)}
+    assert all(r[at["attn_induction_lo"]] <= r[at["attn_induction"]] <= r[at["attn_induction_hi"]] for r in rows)
+    assert {r[at["interval_by"]] for r in rows} == {"window"}
+    assert [r[0] for r in probe_rows[: len(steps)]] == steps
+    assert all(r[probe_columns.index("induction_score_lo")] is None for r in probe_rows)
+
+
+def test_sql_views_hold_the_series(toy):
+    import duckdb
+
+    with duckdb.connect(str(toy[2]), read_only=True) as conn:
+        got = conn.execute(
+            "SELECT step, count(*), count(prev_token_score) FROM series_head_metrics WHERE series = 'toy' "
+            "GROUP BY step ORDER BY step"
+        ).fetchall()
+    heads = TINY.layers * TINY.heads
+    assert got == [(s, heads, heads) for s in checkpoint_steps(TINY.steps, TINY.checkpoints)]
+
+
+def test_the_commands_and_the_api_read_the_series(toy, tmp_path, cli):
+    import headatlas
+
+    _folder, _corpus, db = toy
+    done = cli("query", "trend", "--series", "toy", "--metric", "induction_score", "--layer", "1", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert "series toy: induction_score by step" in done.stdout
+    done = cli("query", "phases", "--series", "toy", "--db", str(db), "--min-change", "0", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    # with no least change, every head's probe scores have a largest change; a corpus metric's
+    # counts only beyond both intervals
+    assert {r["metric"] for r in found} >= {"prev_token_score", "induction_score"}
+    assert all(r["beyond"] is True for r in found if r["metric"] in ("attn_to_prev", "attn_induction"))
+    out = tmp_path / "trend.png"
+    done = cli("plot", "trend", "--series", "toy", "--out", str(out), "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 10_000
+    atlas = headatlas.connect(db)
+    assert len(atlas.trend("toy", "attn_to_prev", layer=0, head=0).arrow) == TINY.checkpoints
+    assert atlas.phases("toy", metrics=["induction_score"], min_change=0).arrow.num_rows == TINY.layers * TINY.heads
+    done = cli("query", "trend", "--series", "nope", "--metric", "induction_score", "--db", str(db))
+    assert done.returncode == 2 and "no such training series" in done.stderr and "'toy'" in done.stderr
+
+
+def test_refusals_name_the_checkpoints_and_the_fix(toy, tmp_path, cli):
+    from headatlas.service.operations.checkpoint_series import check_tokenizers, checkpoints_of
+    from headatlas.service.training.toy import toy_tokenizer
+
+    folder, corpus, _db = toy
+    mixed = tmp_path / "mixed"
+    for name in ("step-000000", "step-000002"):
+        shutil.copytree(folder / name, mixed / name)
+    toy_tokenizer(TINY.vocab + 5).save_pretrained(mixed / "step-000002")  # another vocabulary
+    with pytest.raises(ParameterError, match=r"step-000002.*differs from that of .*step-000000"):
+        check_tokenizers(checkpoints_of(str(mixed)))
+    done = cli("analyze", str(corpus), "--checkpoints", str(mixed), "--db", str(tmp_path / "m.duckdb"))
+    assert done.returncode == 2 and "tokenizer differs" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "m.duckdb").exists()
+
+    nameless = tmp_path / "nameless"
+    shutil.copytree(folder / "step-000000", nameless / "final")
+    (nameless / "final" / "trainer_state.json").unlink()
+    with pytest.raises(ParameterError, match="says no training step; name it step-N"):
+        checkpoints_of(str(nameless))
+    with pytest.raises(ParameterError, match="names no checkpoint folders"):
+        checkpoints_of(str(tmp_path / "nothing-*"))
+    done = cli("analyze", str(corpus), "--checkpoints", str(folder), "--model", "random:tiny")
+    assert done.returncode == 2 and "--checkpoints" in done.stderr
+    # a glob of folders, and hub revisions (parsed here; fetched only where there is internet)
+    assert [c.step for c in checkpoints_of(str(folder / "step-00000[12]"))] == [1, 2]
+    hub = checkpoints_of("EleutherAI/pythia-70m@step3000,step1000")
+    assert [(c.step, c.label) for c in hub] == [
+        (1000, "EleutherAI/pythia-70m@step1000"),
+        (3000, "EleutherAI/pythia-70m@step3000"),
+    ]
+
+
+def test_an_interrupted_series_resumes_where_it_stopped(toy, tmp_path, monkeypatch):
+    """Stopped during its second checkpoint, the series analysed again finds the first finished
+    (without analysing it again) and completes the rest."""
+    from headatlas.service.operations import checkpoint_series
+    from headatlas.service.operations.requests import AnalysisRequest
+    from headatlas.service.storage.series_rows import steps
+
+    folder, corpus, _db = toy
+    two = tmp_path / "two"
+    for name in ("step-000000", "step-000004"):
+        shutil.copytree(folder / name, two / name)
+    db = tmp_path / "r.duckdb"
+    request = AnalysisRequest.build(corpus, db=db, name="r", **OPTIONS)
+    real, calls = checkpoint_series.analyze, []
+
+    def stopped(req, events):
+        calls.append(req.model)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(req, events)
+
+    monkeypatch.setattr(checkpoint_series, "analyze", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_series.analyze_series(request, str(two))
+    with _read(db) as conn:
+        assert [s.step for s in steps(conn, "r")] == [0]
+    monkeypatch.setattr(checkpoint_series, "analyze", real)
+    done = checkpoint_series.analyze_series(request, str(two))
+    assert [a.found_finished for _c, a in done.steps] == [True, False]
+    with _read(db) as conn:
+        assert [(s.step, s.status) for s in steps(conn, "r")] == [(0, "done"), (4, "done")]
+        with pytest.raises(RunNotFound):
+            steps(conn, "nope")
