@@ -1,7 +1,7 @@
 """The screenshots of `headatlas serve` in docs/usage.md (`make screenshots`): each page in headless
 Chromium at 1,400 px, from a run of the shipped excerpt with the default model and its control.
 
-    python benchmarks/screenshots.py [--db build/screenshots.duckdb] [--out docs/img]
+    python benchmarks/screenshots.py [--db build/screenshots.duckdb] [--out docs/img] [--only serve-head.png …]
 
 The database is made when missing (``headatlas analyze … --control``, about a minute on 2 cores).
 Needs Debian's chromium and chromium-driver and selenium (the test extra).
@@ -27,6 +27,7 @@ PAGES = (
     ("serve-runs.png", "/runs", "#runs", 560),
     ("serve-run.png", "/runs/demo", "#atlas-grid", 1500),
     ("serve-head.png", "/runs/demo/heads/1/1", '#example[data-state="done"]', 1250),
+    ("serve-examples.png", "/runs/demo/heads/1/1#top-examples", "ol.top-examples mark", 900),
     ("serve-compare.png", "/compare/demo/demo-control?by=depth", "#compare-table", 1300),
     (
         "serve-text.png",
@@ -57,6 +58,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", type=Path, default=ROOT / "build" / "screenshots.duckdb")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument("--only", nargs="+", default=None, help="Only these screenshots (file names).")
     args = parser.parse_args(argv)
     missing = chromium_missing()
     if missing:
@@ -72,6 +74,8 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with serving(WebApp(str(args.db))) as url, chromium(width=WIDTH, height=1000) as browser:
         for name, address, ready, height in PAGES:
+            if args.only and name not in args.only:
+                continue
             started = time.perf_counter()
             browser.set_window_size(WIDTH, height)
             browser.get(url + address)

@@ -104,6 +104,7 @@ PANELS = {
         "vectors",
         "short_range",
         "csm_bin",
+        "examples",
         "replicates",
     ),
     "Extra measures": ("attribution", "mixing", "effects", "effect_reference", "probe", "measures"),

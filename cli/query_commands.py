@@ -1,4 +1,4 @@
-"""Questions to one stored run: `query heads|distances|boundaries|layers|mixing|discrepancy`."""
+"""Questions to one stored run: `query heads|distances|boundaries|layers|mixing|discrepancy|examples`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         ("layers", query_layers),
         ("mixing", query_mixing),
         ("discrepancy", query_discrepancy),
+        ("examples", query_examples),
     ):
         query_app.command(name)(command)
 
@@ -275,6 +276,53 @@ def query_discrepancy(
     render(names, rows, fmt, title=title, view=view if view.picked or view.wide else None)
     if fmt == Format.table:
         render(layer_cols, layer_rows, fmt, title="layer progression")
+
+
+EXAMPLE_TABLE = ["layer", "head", "kind", "rank", "score", "value", "context"]
+
+
+def query_examples(
+    run: str | None = RunOpt,
+    layer: int | None = typer.Option(None, "--layer", "-l", help="Only this layer (0-based)."),
+    head: int | None = typer.Option(None, "--head", help="Only this head (0-based, needs --layer)."),
+    kind: str | None = typer.Option(None, "--kind", help="anchor, pair or attention; default: all three."),
+    limit: int | None = typer.Option(
+        None, "--limit", "-n", min=1, help="The first N of each head and kind; default: every one kept."
+    ),
+    context: int = typer.Option(8, "--context", min=0, help="Tokens of text either side of an example's tokens."),
+    columns: str | None = ColumnsOpt,
+    wide: bool = WideOpt,
+    db: str = DbOpt,
+    fmt: Format = FormatOpt,
+    at: int | None = AtOpt,
+) -> None:
+    """Each head's top examples: the windows where its anchor, its most similar pair and its
+    strongest attention are strongest (kept by analyze, --examples N per head and kind), with the
+    text around them, the example's tokens in [brackets]. A table shows the main columns; --format
+    json/csv has every one (token positions, window, document)."""
+    from headatlas.service.reports import examples
+
+    what = (
+        "top examples"
+        + (f", layer {layer}" if layer is not None else "")
+        + (f" head {head}" if head is not None else "")
+    )
+    _query(
+        (db, at),
+        run,
+        fmt,
+        examples.examples,
+        what,
+        table_columns=EXAMPLE_TABLE,
+        note=examples.NOTE,
+        view=TableView.of(columns, wide),
+        pinned=4,
+        layer=layer,
+        head=head,
+        kind=kind,
+        limit=limit,
+        context=context,
+    )
 
 
 def _query(

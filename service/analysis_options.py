@@ -195,6 +195,15 @@ OPTIONS: tuple[Declared, ...] = (
         min=0,
     ),
     Declared(
+        "examples",
+        int,
+        5,
+        "Top examples kept per head and kind (anchor, pair, attention): the N windows where each is strongest, "
+        "with their token positions and text (`headatlas query examples`; 0 = none).",
+        spec="§4",
+        min=0,
+    ),
+    Declared(
         "probe",
         bool,
         False,

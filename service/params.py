@@ -32,6 +32,7 @@ AUTO_OBJECTIVE = "auto"  # the model's own objective (service.measures.objective
 # (up to seq_len - 1) as SMALLINT. The model's own context is the limit below it, checked against
 # its config (model_check.check_seq_len: SmolLM2 takes 8,192, BERT 512).
 MAX_SEQ_LEN = 32_768
+EXAMPLES = DEFAULTS["examples"]  # top examples kept per head and kind
 CSM_BIN = DEFAULTS["csm_bin"]  # default bin of the corpus-averaged similarity matrices, in tokens per side
 
 
@@ -115,6 +116,8 @@ class AnalysisParams:
     # measures a plugin adds, asked for by name (service.engine.measure_contract.requested)
     measures: tuple[str, ...] = DEFAULTS["measures"]
     csm_bin: int = DEFAULTS["csm_bin"]  # averaged similarity matrices: positions per bin (1 = full, 0 = none)
+    # top examples kept per (kind, layer, head): service/measures/examples.py (0: none)
+    examples: int = DEFAULTS["examples"]
     # replicate groups (SPEC §5d): document | block:B | window; a run records the one it used (resolved())
     replicates: str = DEFAULTS["replicates"]
 
@@ -176,6 +179,13 @@ class AnalysisParams:
                 hint=f"default {CSM_BIN}, 1 = full resolution",
             )
 
+        if self.examples < 0:
+            raise ParameterError(
+                Param("examples", self.examples),
+                ": must be 0 (keep none) or more",
+                hint=f"default {EXAMPLES}: the windows where each head is strongest, per kind",
+            )
+
     @property
     def csm_bins(self) -> int:
         """Bins per side of the averaged similarity matrices (0 when they are not computed)."""
@@ -228,6 +238,9 @@ class AnalysisParams:
         if self.csm_bin == CSM_BIN:
             # the default bin keeps the parameters (and the run key) runs had before the matrices existed
             out.pop("csm_bin")
+        if self.examples == EXAMPLES:
+            # the default keeps the run key runs had before examples were kept (they change no statistic)
+            out.pop("examples")
         if self.replicates == "window":
             # the §5b rule keeps the parameters (and the run key) of the runs stored before §5d,
             # which record no scheme

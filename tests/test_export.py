@@ -34,6 +34,8 @@ TABLES = (
     "streaming_effects",
     "streaming_curves",
     "streaming_curve_steps",
+    "head_examples",
+    "example_windows",
 )
 
 

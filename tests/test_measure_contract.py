@@ -119,7 +119,7 @@ def test_the_one_window_rule():
     assert [effects.batch_windows(params, before, 4) for before in (0, 4)] == [3, 0]
     assert heads.batch_windows(params, 8, 4) == 4 and probe.batch_windows(params, 0, 4) == 0
     chosen = contract.requested(params)
-    assert [m.name for m in chosen] == ["heads", "csm", "mixing", "effects"]
+    assert [m.name for m in chosen] == ["heads", "csm", "mixing", "effects", "examples"]
     assert contract.batch_windows(chosen, params, {"mixing": 2, "effects": 2}, 4) == {"mixing": 3, "effects": 1}
 
 

@@ -233,3 +233,22 @@ def test_a_pasted_text_renders_with_its_tokens_on_both_axes_and_its_lines(site):
     ActionChains(browser).move_to_element(cat.find_element(By.CSS_SELECTOR, "text.q")).perform()
     assert float(other.value_of_css_property("opacity")) < 0.5
     assert float(cat.find_element(By.CSS_SELECTOR, "g.lines").value_of_css_property("opacity")) == 1.0
+
+
+def test_a_heads_top_examples_show_their_tokens_highlighted(site):
+    from selenium.webdriver.common.by import By
+
+    url, browser, db, _ = site
+    want = cli_json(
+        db, "query", "examples", "--run", "tiny", "--layer", "1", "--head", "2", "--kind", "pair", "--limit", "1"
+    )[0]
+    browser.get(url + "/runs/1/heads/1/2#top-examples")
+    first = wait_for(browser, 'ol.top-examples[data-kind="pair"] li:first-child mark.ex-i', 30)
+    second = browser.find_element(By.CSS_SELECTOR, 'ol.top-examples[data-kind="pair"] li:first-child mark.ex-j')
+    # the pair's two tokens, as the stored example names them, marked in the text around them
+    assert (first.text, second.text) == (want["token_i"].removeprefix("##"), want["token_j"].removeprefix("##"))
+    assert first.is_displayed() and second.is_displayed()
+    colours = {m.value_of_css_property("background-color") for m in (first, second)}
+    assert len(colours) == 2 and "rgba(0, 0, 0, 0)" not in colours  # highlighted, each in its own colour
+    text = browser.find_element(By.CSS_SELECTOR, 'ol.top-examples[data-kind="pair"] li:first-child .ex-text').text
+    assert text.startswith(("…", "[CLS]")) and first.text in text

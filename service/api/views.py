@@ -324,6 +324,34 @@ class RunView:
         return self._query(mixing_queries.discrepancy, "discrepancy", method=method, top=top)
 
     @in_python_terms
+    def examples(
+        self,
+        *,
+        layer: int | None = None,
+        head: int | None = None,
+        kind: str | None = None,
+        limit: int | None = None,
+        context: int = 8,
+    ) -> Table:
+        """Each head's top examples, as ``headatlas query examples``: per kind (``anchor``, ``pair``,
+        ``attention``) the windows where the head is strongest, ranked, with the tokens (``token_i``,
+        ``token_j`` at ``pos_i``, ``pos_j``) and ``context`` tokens of text either side of them (in
+        [brackets]); ``limit``: the first N of each head and kind. A run that kept none raises
+        ValueError saying how to keep them."""
+        from headatlas.service.reports import examples
+
+        return self._query(
+            examples.examples,
+            "top examples",
+            note=examples.NOTE,
+            layer=layer,
+            head=head,
+            kind=kind,
+            limit=limit,
+            context=context,
+        )
+
+    @in_python_terms
     def effects(self, *, ci: bool = True, sort: str | None = None) -> Table:
         """Per head, the causal effects the run stores (``analyze --effects``, SPEC §9):
         ``effect_zero``/``effect_mean`` (O(ablated) − O(intact), the run's objective), ``importance``

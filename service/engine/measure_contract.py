@@ -195,7 +195,7 @@ class Measure:
 # (the CSM reads the head statistics' pass).
 DEFAULT_MEASURES = tuple(
     f"headatlas.service.measures.builtin:{name}"
-    for name in ("HeadStatistics", "AveragedCsm", "Mixing", "Effects", "Probe")
+    for name in ("HeadStatistics", "AveragedCsm", "Mixing", "Effects", "Probe", "HeadExamples")
 )
 
 

@@ -125,6 +125,7 @@ def head_statistics(
     positions = torch.arange(n_pos, device=z.device)
     anchor_pos = torch.where(endpoint == anchor_count[..., None], positions, n_pos).amin(dim=2)
     out["anchor_pos"] = anchor_pos
+    out["top_pair_value"], out["top_pair_index"] = _top_pair(values, index, chosen, n_pos)
     out["anchor_count"] = anchor_count.long()
     out["high_count"] = chosen.long().sum(2)
 
@@ -137,6 +138,21 @@ def head_statistics(
         out.update(attention_sums(whole_attn, feats, work=feats.workspace))
         out.update(copy_sums(whole_attn, feats))
     return out
+
+
+def _top_pair(
+    values: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor, n_pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (window, head) the largest C_ij of H and its pair's index i·pos + j, ``[batch, head]``
+    (the head's top examples, service/measures/examples.py); ties go to the smaller i, then j (the
+    smaller index). A window without a pair in H: -inf and index 0."""
+    batch, heads, _ = index.shape
+    if index.shape[2] == 0:
+        return values.new_full((batch, heads), float("-inf")), index.new_zeros((batch, heads))
+    top = torch.where(chosen, values, float("-inf")).amax(dim=2)  # [batch, head]
+    at_top = chosen & (values == top[..., None])
+    first = torch.where(at_top, index, n_pos * n_pos).amin(dim=2)
+    return top, torch.where(first < n_pos * n_pos, first, 0)
 
 
 class RowSums:

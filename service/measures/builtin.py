@@ -1,6 +1,7 @@
 """The built-in measures (service/engine/measure_contract.py): the head statistics, the averaged
-similarity matrices, mixing and attribution, the causal effects and the synthetic probe. The
-registry loads this module by name, as it loads a plugin's (``DEFAULT_MEASURES``)."""
+similarity matrices, mixing and attribution, the causal effects, the synthetic probe and the
+heads' top examples. The registry loads this module by name, as it loads a plugin's
+(``DEFAULT_MEASURES``)."""
 
 from __future__ import annotations
 
@@ -356,3 +357,75 @@ class Probe(Measure):
         from headatlas.service.engine.probe import run_probe
 
         return {name: v.numpy() for name, v in run_probe(model, spec).items()}
+
+
+class HeadExamples(Measure):
+    """Each head's top examples (service/measures/examples.py): per kind (anchor, pair, attention)
+    the ``examples`` windows where it is strongest, with the positions of the tokens. Read from the
+    head statistics' pass as each layer finishes (the anchors and the top pair of H) and from the
+    layer's attention map; a batch's reservoir travels in ``BatchResult.measures["examples"]``
+    (its arrays, the example windows' token ids and their text), and the store keeps the top k of
+    the batches' tops (not a sum: ``Reservoir.merge``)."""
+
+    name = "examples"
+    sums = ("score", "value", "window", "pos_i", "pos_j")  # the reservoir's arrays, [kind, layer, head, k]
+    reads = (ATTN_PATTERN, ATTN_Z)
+    qualified = False
+
+    def requested(self, params: AnalysisParams) -> bool:
+        return params.examples > 0
+
+    def on_layer(self, ctx: BatchContext, layer: int, context: torch.Tensor, attn: torch.Tensor) -> None:
+        import torch
+
+        from headatlas.service.measures.examples import attention_buffer, attention_weight, layer_candidates
+
+        # the head statistics measure ran first on this layer (the registry's order)
+        whole = attn if isinstance(attn, torch.Tensor) else None  # row blocks: no whole map to search
+        if not layer:
+            ctx.state[f"{self.name}.weight"] = attention_weight(ctx.feats)
+        weight = ctx.state[f"{self.name}.weight"]
+        buffer = None
+        if whole is not None:  # one buffer for the product of every layer's map with the weights
+            buffer = ctx.state.get(f"{self.name}.buffer")
+            if buffer is None or buffer.shape[1:] != whole.shape[1:] or buffer.dtype != whole.dtype:
+                buffer = ctx.state[f"{self.name}.buffer"] = attention_buffer(whole)
+        ctx.state.setdefault(self.name, []).append(
+            layer_candidates(ctx.per_layer[-1], whole, ctx.feats, weight, buffer)
+        )
+
+    def collect(self, ctx: BatchContext, count: int) -> None:
+        import torch
+
+        from headatlas.service.measures.examples import KINDS, Reservoir, text_array
+
+        layers = ctx.state.get(self.name) or []
+        if not layers:
+            return
+
+        def stacked(kind: str, field: int) -> np.ndarray:  # [window, layer, head]
+            parts = []
+            for found in layers:
+                if kind in found:
+                    parts.append(found[kind][field])
+                else:  # no candidate of this kind in the layer
+                    like = found["anchor"][field]
+                    parts.append(torch.full_like(like, float("-inf") if field == 0 else -1))
+            return torch.stack(parts, dim=1).cpu().numpy()
+
+        arrays = [np.stack([stacked(kind, field) for kind in KINDS]) for field in range(4)]
+        window_ids = ctx.batch.window_ids
+        reservoir = Reservoir.of_windows(ctx.params.examples, window_ids, *arrays)
+        where = {w: i for i, w in enumerate(window_ids)}
+        shown = np.array([where[w] for w in reservoir.window_ids()], dtype=np.int64)
+        ids = ctx.batch.input_ids[shown].numpy().astype(np.int32)
+        ids[~ctx.batch.attention_mask[shown].numpy().astype(bool)] = -1
+        vocab = np.unique(ids[ids >= 0])
+        texts = ctx.model.tokenizer.convert_ids_to_tokens(vocab.tolist())
+        ctx.measures[self.name] = {
+            **reservoir.payload(window_ids),
+            "token_windows": shown,  # the example windows, by index into the batch
+            "tokens": ids,  # [example window, pos] their token ids, -1 past the window
+            "vocab_ids": vocab,
+            "vocab_text": text_array([t or "" for t in texts]),  # their text, a JSON list as UTF-8 bytes
+        }

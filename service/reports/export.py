@@ -59,6 +59,8 @@ RUN_TABLES = {
     "streaming_effects": "SELECT * FROM streaming_effects WHERE run_id = {run}",
     "streaming_curves": "SELECT * FROM streaming_curves WHERE run_id = {run}",
     "streaming_curve_steps": "SELECT * FROM streaming_curve_steps WHERE run_id = {run}",
+    "head_examples": "SELECT * FROM head_examples WHERE run_id = {run}",
+    "example_windows": "SELECT * FROM example_windows WHERE run_id = {run}",
 }
 
 

@@ -65,4 +65,8 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
         after = conn.execute(text("SELECT count(*) FROM _compact")).all()[0][0]
         conn.execute(text("DROP TABLE _compact"))
         report[table] = (before, after)
+    # the heads' top examples are no sums: their best k are kept (example_rows.compact)
+    from headatlas.service.storage import example_rows
+
+    report.update(example_rows.compact(conn, run_id))
     return report

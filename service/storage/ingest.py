@@ -21,6 +21,7 @@ from headatlas.service.statuses import BatchStatus, sql
 from headatlas.service.storage import db
 from headatlas.service.storage.batch_rows import batch_tables
 from headatlas.service.storage.effect_rows import insert_run_effects
+from headatlas.service.storage.example_rows import example_tables
 from headatlas.service.storage.mixing_rows import MIXING_TABLES, mixing_tables
 
 Unreserved = db.Unreserved
@@ -86,6 +87,7 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
         raw.execute(f"SET disabled_compression_methods = '{NOT_TRIED}'")
     tables = batch_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))
+    tables.update(example_tables(run_id, fresh))  # the heads' top examples (migration 0021)
     try:
         for name, table in tables.items():
             raw.register(f"_in_{name}", table)
@@ -123,6 +125,8 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
             "anchor_tokens",
             "anchor_layers",
             "csm_bins",
+            "head_examples",
+            "example_windows",
         ):
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")

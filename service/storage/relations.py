@@ -20,6 +20,7 @@ VIEWS = (
     "mixing_metrics",
     "mixing_distance",
     "streaming_metrics",  # per run, restriction (S, W), layer and KV head: streaming effect with its interval (SPEC §10)
+    "examples",  # per run, layer, head and kind: the top examples, ranked, with their window's document
     "roles",  # per run, head and role: the stored roles of a finished run, while current (SPEC §7)
     "series_head_metrics",  # per training series, step and head: every metric and probe score
 )
@@ -62,6 +63,8 @@ TABLES = (
     "prunes",
     "prune_curves",
     "streaming_effects",
+    "head_examples",
+    "example_windows",
     "streaming_curves",
     "streaming_curve_steps",
     "run_results",

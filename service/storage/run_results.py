@@ -62,6 +62,8 @@ NOT_RESULTS = frozenset(
         "prune_curves",
         "streaming_curves",
         "streaming_curve_steps",
+        "head_examples",  # the heads' top examples: no result reads them
+        "example_windows",
     }
 )
 # the run's own row, hashed without these columns (a rename changes no result)

@@ -4,7 +4,8 @@ distances against chance, its effect where measured, and an example window of th
 The JSON document: ``run``; ``layer`` and ``head``; ``metrics`` (its row of ``query heads --layer L
 --ci``), ``roles`` (its rows of ``query roles --stability``), ``distances`` (``query distances
 --layer L --head H --ci``), ``top_anchors`` (its ten most frequent anchors, each with the share of
-windows it anchors). The example window is computed on demand (``example``).
+windows it anchors), ``examples`` (its top examples: ``query examples --layer L --head H``, each with the
+text around it). The example window is computed on demand (``example``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from headatlas.service.storage.store import Run
 from headatlas.service.web import charts
 from headatlas.service.web.context import Ctx, NotFound, run_path
 from headatlas.service.web.documents import records, with_scheme
+from headatlas.service.web.examples import head_examples
+from headatlas.service.web.examples import records as example_records
+from headatlas.service.web.examples import section as examples_section
 from headatlas.service.web.html import e, interval, num, table
 from headatlas.service.web.own_text import head_section
 from headatlas.service.web.run_page import heads_of, run_roles
@@ -58,6 +62,7 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
     anchor_text = next((row[named[0].index("top_anchors")] for row in named[1] if row[:2] == (layer, head)), None)
     anchors = split_anchors(anchor_text) if anchor_text else []
     scheme = [scheme_of(run.params)]
+    top = head_examples(ctx, run, layer, head)
 
     def data() -> dict:
         return {
@@ -68,6 +73,7 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
             "roles": records(*with_scheme(role_cols, my_roles, scheme)),
             "distances": records(*dist),
             "top_anchors": anchors,
+            "examples": example_records(top),
         }
 
     metrics = dict(zip(columns, mine[0])) if mine else {}
@@ -78,6 +84,7 @@ def head_view(ctx: Ctx, ref: str, layer: int, head: int) -> View:
                 _nav(ctx, run, layer, head),
                 _roles(role_cols, my_roles),
                 _anchors(anchors),
+                examples_section(top),
                 _example(ctx, run, layer, head),
                 head_section(ctx, run, layer, head),
                 _distances(dist),
