@@ -48,6 +48,11 @@ def _series(root, spec: ToySpec):
     return root / "ckpt", root / "ckpt" / "corpus.txt", db
 
 
+# OPTIONS as the command line spells them
+ARGS = ["--probe", "--probe-length", "20", "--probe-sequences", "8", "--sentences", "punct", "--replicates", "window"]
+ARGS += ["--batch-size", "16"]
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     return _series(tmp_path_factory.mktemp("toy"), TINY)
@@ -144,6 +149,11 @@ def test_the_commands_and_the_api_read_the_series(toy, tmp_path, cli):
     atlas = headatlas.connect(db)
     assert len(atlas.trend("toy", "attn_to_prev", layer=0, head=0).arrow) == TINY.checkpoints
     assert atlas.phases("toy", metrics=["induction_score"], min_change=0).arrow.num_rows == TINY.layers * TINY.heads
+    # the series analysed again from the command line: every checkpoint is found finished
+    done = cli("analyze", str(_corpus), "--checkpoints", str(_folder), "--name", "toy", "--db", str(db), *ARGS)
+    assert done.returncode == 0, done.stderr
+    assert f"series toy: {TINY.checkpoints} checkpoints" in done.stdout
+    assert "nothing to analyse" not in done.stdout and "query phases --series toy" in done.stdout
     done = cli("query", "trend", "--series", "nope", "--metric", "induction_score", "--db", str(db))
     assert done.returncode == 2 and "no such training series" in done.stderr and "'toy'" in done.stderr
 
