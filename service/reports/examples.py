@@ -169,7 +169,18 @@ def pieces(tokens: list[str]) -> list[tuple[str, str]]:
         return out
     if any(t.startswith("▁") for t in tokens):
         return [(" " if t.startswith("▁") else "", t.lstrip("▁") or t) for t in tokens]
-    return [("" if t.startswith("##") else " ", t[2:] if t.startswith("##") and len(t) > 2 else t) for t in tokens]
+    out = []
+    for k, t in enumerate(tokens):
+        piece = t.startswith("##") and len(t) > 2
+        # a piece joins the token before, unless that is a special token ([CLS] before a window cut mid-word)
+        joins = piece and k > 0 and not _special(tokens[k - 1])
+        out.append(("" if joins else " ", t[2:] if piece else t))
+    return out
+
+
+def _special(token: str) -> bool:
+    """A special token's text: ``[CLS]``, ``<s>``, ``<|endoftext|>``."""
+    return len(token) > 2 and ((token[0], token[-1]) in (("[", "]"), ("<", ">")))
 
 
 def snippet(tokens: list[str], marked: list[int], context: int = CONTEXT) -> str:

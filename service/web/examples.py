@@ -67,9 +67,9 @@ def _item(x: dict) -> str:
     tokens = x["tokens"]
     i, j = x["pos_i"], x["pos_j"]
     marked = [p for p in (i, j) if p is not None]
-    # an anchor is a token id: its other occurrences in the window are marked too, more lightly
-    also = {p for p, t in enumerate(tokens) if x["kind"] == "anchor" and t == x["token_i"] and p != i}
-    shown = sorted({p for m in [*marked, *also] for p in range(max(0, m - CONTEXT), min(len(tokens), m + CONTEXT + 1))})
+    shown = sorted({p for m in marked for p in range(max(0, m - CONTEXT), min(len(tokens), m + CONTEXT + 1))})
+    # an anchor is a token id: its other occurrences within the text shown are marked too, more lightly
+    also = {p for p in shown if x["kind"] == "anchor" and tokens[p] == x["token_i"] and p != i}
     pieces = examples.pieces(tokens)
     first, second = ROLES[x["kind"]]
     html, last = [], None
