@@ -178,6 +178,8 @@ def test_refusals_name_the_checkpoints_and_the_fix(toy, tmp_path, cli):
     (nameless / "final" / "trainer_state.json").unlink()
     with pytest.raises(ParameterError, match="says no training step; name it step-N"):
         checkpoints_of(str(nameless))
+    with pytest.raises(ParameterError, match="holds checkpoints already; pass a new folder"):
+        train_toy(folder, TINY)  # nothing trained over a series
     with pytest.raises(ParameterError, match="names no checkpoint folders"):
         checkpoints_of(str(tmp_path / "nothing-*"))
     done = cli("analyze", str(corpus), "--checkpoints", str(folder), "--model", "random:tiny")

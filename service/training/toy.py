@@ -142,7 +142,7 @@ def train_toy(
 
     root = Path(out)
     if root.exists() and any(root.glob("step-*")):
-        raise ParameterError(Param("out", str(root)), ": holds checkpoints already; pass a new folder")
+        raise ParameterError(f"{str(root)!r} holds checkpoints already; pass a new folder (or delete that one)")
     root.mkdir(parents=True, exist_ok=True)
     # documents separated by blank lines (a .txt corpus), one window each
     (root / "corpus.txt").write_text("\n\n".join(corpus_lines(spec)) + "\n", encoding="utf-8")
