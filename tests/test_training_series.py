@@ -226,3 +226,28 @@ def test_an_interrupted_series_resumes_where_it_stopped(toy, tmp_path, monkeypat
         assert [(s.step, s.status) for s in steps(conn, "r")] == [(0, "done"), (4, "done")]
         with pytest.raises(RunNotFound):
             steps(conn, "nope")
+
+
+def test_a_series_on_a_lake_keeps_one_checkpoint_per_step(lake):
+    """A lake has no sequences or keys: the series gets its id by hand, and a step stored again
+    replaces its checkpoint rather than adding one."""
+    from headatlas.service.storage.series_rows import add_step, ensure_series, list_series, series_id
+    from headatlas.service.storage.store import Store
+
+    store = Store(lake.url, data_path=lake.data_path)
+
+    def record(conn):
+        first = ensure_series(conn, "a", "ckpt/")
+        assert ensure_series(conn, "a", "ckpt/") == first
+        second = ensure_series(conn, "b", "other/")
+        assert second == first + 1
+        add_step(conn, first, 10, "ckpt/step-10", 1)
+        add_step(conn, first, 10, "ckpt/step-10", 2)  # analysed again: the step names the new run
+        return first
+
+    first = store.atomically(record)
+    with store.read() as conn:
+        assert series_id(conn, "a") == first
+        assert list_series(conn) == [("a", "ckpt/", 1), ("b", "other/", 0)]
+        rows = conn.exec_driver_sql("SELECT step, run_id FROM series_runs").fetchall()
+    assert rows == [(10, 2)]
