@@ -10,7 +10,8 @@ The same as, by hand:
     headatlas analyze build/toy-series/ckpt/corpus.txt --checkpoints build/toy-series/ckpt --name toy \
         --probe --probe-length 32 --db build/toy-series/toy.duckdb
     headatlas query phases --series toy --db build/toy-series/toy.duckdb
-    headatlas plot trend --series toy --out docs/img/toy-trend.png --db build/toy-series/toy.duckdb
+    headatlas plot trend --series toy --metric prev_token_score --metric induction_score \
+        --metric attn_induction --linear --out docs/img/toy-trend.png --db build/toy-series/toy.duckdb
 
 Checkpoints already trained under ``--out`` are kept (delete the folder to train again); the
 series' analysis resumes like any run.
@@ -78,7 +79,7 @@ def main() -> None:
         for metric in ("prev_token_score", "induction_score"):
             rise = rises[metric]
             trends[metric] = trend(conn, "toy", metric=metric, layer=rise.layer, head=rise.head)
-        fig = figure_trend(conn, "toy", ("prev_token_score", "induction_score", "attn_induction"))
+        fig = figure_trend(conn, "toy", ("prev_token_score", "induction_score", "attn_induction"), linear=True)
     plots.save(fig, args.figure)
     steps = [r[0] for r in trends["prev_token_score"][1]]
     out = [

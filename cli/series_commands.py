@@ -123,6 +123,9 @@ def plot_trend(
         "prev_token_score and induction_score.",
     ),
     layer: int | None = LayerOpt,
+    linear: bool = typer.Option(
+        False, "--linear", help="A linear step axis (default: logarithmic past step 1, step 0 included)."
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output file: .png or .svg."),
     db: str = DbOpt,
     dpi: int = typer.Option(100, "--dpi", help="Pixels per inch of a PNG (the figure size in inches is fixed)."),
@@ -136,5 +139,7 @@ def plot_trend(
 
     plots.output_format(out)
     with Store(db).checked_read() as conn:
-        fig = figure_trend(conn, series, tuple(metric or ("prev_token_score", "induction_score")), layer=layer)
+        fig = figure_trend(
+            conn, series, tuple(metric or ("prev_token_score", "induction_score")), layer=layer, linear=linear
+        )
     _wrote(plots.save(fig, out, dpi=dpi), fig, dpi)

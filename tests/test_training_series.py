@@ -146,6 +146,9 @@ def test_the_commands_and_the_api_read_the_series(toy, tmp_path, cli):
     done = cli("plot", "trend", "--series", "toy", "--out", str(out), "--db", str(db))
     assert done.returncode == 0, done.stderr
     assert out.stat().st_size > 10_000
+    svg = out.with_suffix(".svg")
+    done = cli("plot", "trend", "--series", "toy", "--linear", "--layer", "1", "--out", str(svg), "--db", str(db))
+    assert done.returncode == 0 and "L1H0" in svg.read_text() and "L0H0" not in svg.read_text(), done.stderr
     atlas = headatlas.connect(db)
     assert len(atlas.trend("toy", "attn_to_prev", layer=0, head=0).arrow) == TINY.checkpoints
     assert atlas.phases("toy", metrics=["induction_score"], min_change=0).arrow.num_rows == TINY.layers * TINY.heads

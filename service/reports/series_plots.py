@@ -1,6 +1,6 @@
 """The figure of a training series (``headatlas plot trend``): per metric a panel of lines, one
 per head (colour by layer, one line style per head), against the training step on a symmetric
-log axis (step 0 included), with each value's 95% interval as a band where the metric has one
+log axis (step 0 included) or a linear one, with each value's 95% interval as a band where the metric has one
 (the probe's scores have none) and each metric's largest rise between two checkpoints — its
 phase change, ``series_queries.phases`` — marked by a dashed line at the step it ends on.
 Drawn from the rows ``query trend --series`` and ``query phases`` return. Layers and heads are
@@ -20,8 +20,11 @@ from headatlas.service.reports.series_queries import largest_phases, phases, tre
 STYLES = ("-", "--", ":", "-.")
 
 
-def figure_trend(conn: Connection, series: str, metrics: tuple[str, ...], *, layer: int | None = None) -> Figure:
-    """One panel per metric of ``metrics`` (module docstring)."""
+def figure_trend(
+    conn: Connection, series: str, metrics: tuple[str, ...], *, layer: int | None = None, linear: bool = False
+) -> Figure:
+    """One panel per metric of ``metrics`` (module docstring); ``linear``: the step axis linear
+    (a phase change late in training drawn wide) rather than logarithmic past step 1."""
     fig = plots.new_figure(5.2 * len(metrics) + 1.0, 4.6)
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     rises = largest_phases(phases(conn, series, metrics=metrics, layer=layer))
@@ -53,9 +56,12 @@ def figure_trend(conn: Connection, series: str, metrics: tuple[str, ...], *, lay
                 va="top",
                 fontsize=8,
             )
-        ax.set_xscale("symlog", linthresh=1)
         last = max((r[at["step"]] for r in rows), default=1)
-        ax.set_xlim(-0.2, max(2, last) * 1.5)  # step 0 at the left edge, room after the last step
+        if linear:
+            ax.set_xlim(0, max(1, last) * 1.03)
+        else:
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xlim(-0.2, max(2, last) * 1.5)  # step 0 at the left edge, room after the last step
         ax.set_xlabel("training step")
         ax.set_title(metric, fontsize=10)
         ax.grid(alpha=0.3)
