@@ -313,3 +313,45 @@ def test_the_predictors_rank_correlation_and_its_interval_by_hand() -> None:
     ]
     half = 3.182 * np.sqrt(3 / 4 * ((np.array(drops) - np.mean(drops)) ** 2).sum())  # t_{3, 0.975}
     assert (lo, hi) == pytest.approx((max(-1.0, rho - half), min(1.0, rho + half)), abs=1e-3)  # ρ's range
+
+
+class _PosMaps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements of any tensor an operation returned whose last two axes are (pos, pos):
+    a whole map (or mask) of query rows × keys."""
+
+    def __init__(self, n_pos: int) -> None:
+        super().__init__()
+        self.n_pos, self.numel = n_pos, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (self.n_pos, self.n_pos):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_long_windows_stream_in_row_blocks_with_the_same_effects_and_no_mask_per_head(monkeypatch) -> None:
+    from headatlas.service.engine import row_attention as ra
+    from headatlas.service.engine.model import load_model
+
+    model = load_model("random:llama", device="cpu")  # 4 query heads on 2 KV heads
+    n_pos = 40
+    ids, mask = random_batch(n_pos=n_pos)  # the last window padded
+    copies, batch = model.n_kv_heads, ids.shape[0]
+    for sink, recent in ((1, 3), (0, 5), (4, 8)):
+        monkeypatch.setattr(ra, "ATTENTION_ROW_ELEMENTS", 1 << 30)  # eager: a window's maps fit
+        with _PosMaps(n_pos) as eager_maps:
+            eager = st.streaming_effects(model, ids, mask, sink=sink, recent=recent)
+        monkeypatch.setattr(ra, "ATTENTION_ROW_ELEMENTS", copies * batch * model.n_heads * n_pos * 6)  # 6 rows
+        assert ra.uses_row_attention(model, model.n_heads, n_pos)
+        with _PosMaps(n_pos) as row_maps:
+            rows = st.streaming_effects(model, ids, mask, sink=sink, recent=recent)
+        assert eager.effect.abs().max() > 1e-4  # something to compare
+        torch.testing.assert_close(rows.effect, eager.effect, rtol=0, atol=1e-5)
+        torch.testing.assert_close(rows.beyond, eager.beyond, rtol=0, atol=1e-6)
+        torch.testing.assert_close(rows.intact, eager.intact, rtol=0, atol=1e-5)
+        # eager: the restricted mask of every head of every copy; rows: at most the padding's mask,
+        # one per window and copy, never one per head
+        assert eager_maps.numel >= copies * batch * model.n_heads * n_pos * n_pos
+        assert row_maps.numel <= copies * batch * n_pos * n_pos, row_maps.numel

@@ -15,6 +15,10 @@ those probabilities whole. For long windows the analysis runs the model's attent
   and each row's log-sum-exp, from which any entry A_ij is recomputed exactly where the
   statistics need one (the gate on the selected pairs, SPEC §8).
 
+A mask may also be handed over as a ``RowMask`` (a hook point's edit, ``blocks.L.attn.mask``): an
+object that makes the mask of a block of rows when asked, so that a mask that differs by head (the
+streaming restriction, ``measures.streaming``) never exists whole either.
+
 Only families whose attention module goes through transformers' attention interface can take
 it (``ModelAdapter.row_attention``); the others keep eager attention. Short windows keep eager
 attention whatever the family (``uses_row_attention``): their results do not change.
@@ -26,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,6 +39,15 @@ ROW_ATTENTION = "headatlas_rows"
 # A window whose attention maps (heads · pos² entries) exceed this takes attention in row blocks,
 # and each block holds at most this many entries for the batch (64 MiB in float32).
 ATTENTION_ROW_ELEMENTS = 1 << 24
+
+
+@runtime_checkable
+class RowMask(Protocol):
+    """An attention mask made a block of query rows at a time: ``rows(first, last)`` gives the keys
+    rows ``first .. last − 1`` see, bool ``[batch, 1 or head, rows, key]`` (True: seen)."""
+
+    def rows(self, first: int, last: int) -> torch.Tensor: ...
+
 
 Observer = Callable[[int, torch.Tensor], None]  # (first row, probabilities [batch, head, rows, key])
 _OBSERVER: ContextVar[Callable[[], Observer | None] | None] = ContextVar("row_observer", default=None)
@@ -57,8 +70,9 @@ class AttentionRows:
     in shape, never materialised. ``query`` ``[batch, head, pos, d]``, ``key`` ``[batch, kv_head,
     key, d]`` (as the attention received them: rotary embeddings applied), ``lse`` ``[batch, head,
     pos]`` float32 each row's log-sum-exp of its masked, scaled scores, ``allowed`` ``[batch, 1,
-    pos, key]`` bool or None (then causal: key ≤ row). ``sums``: what the observer gathered from
-    the row blocks during the forward pass (``stats.RowSums.result``), or None."""
+    pos, key]`` bool or None (then causal: key ≤ row; ``row_mask``: the ``RowMask`` the attention
+    was handed, if any). ``sums``: what the observer gathered from the row blocks during the
+    forward pass (``stats.RowSums.result``), or None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -67,6 +81,7 @@ class AttentionRows:
     allowed: torch.Tensor | None
     causal: bool
     sums: dict[str, torch.Tensor] | None = None
+    row_mask: RowMask | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -81,6 +96,8 @@ class AttentionRows:
         """A at ``index`` ``[batch, head, k]`` (i·key + j), float32 ``[batch, head, k]``:
         exp(q_i·k_j·scaling − lse_i) where the mask lets row i see key j, 0 elsewhere (as eager
         attention gives). Computed ``piece`` // d entries at a time."""
+        if self.row_mask is not None:
+            raise ValueError("the entries of attention under a mask made by rows are not recomputed")
         batch, heads, n_pos, d = self.query.shape
         n_keys = self.key.shape[2]
         group = heads // self.key.shape[1]
@@ -116,12 +133,15 @@ def rows_attention_forward(
 ) -> tuple[torch.Tensor, AttentionRows]:
     """transformers' attention-interface signature: ``query`` ``[batch, head, pos, d]``, ``key``
     and ``value`` ``[batch, kv_head, key, d]``, ``attention_mask`` ``[batch, 1, pos, key]`` bool
-    (True: seen) or None (causal, or every key where the module is not causal). Returns the
-    output ``[batch, pos, head, d]`` and an ``AttentionRows``."""
+    (True: seen), a ``RowMask``, or None (causal, or every key where the module is not causal).
+    Returns the output ``[batch, pos, head, d]`` and an ``AttentionRows``."""
     batch, heads, n_pos, _ = query.shape
     n_keys = key.shape[2]
     group = heads // key.shape[1]
-    causal = attention_mask is None and bool(getattr(module, "is_causal", True))
+    row_mask = attention_mask if isinstance(attention_mask, RowMask) else None
+    if row_mask is not None:
+        attention_mask = None
+    causal = attention_mask is None and row_mask is None and bool(getattr(module, "is_causal", True))
     allowed = attention_mask
     if allowed is not None and allowed.dtype != torch.bool:  # an additive mask: 0 seen, the minimum not
         allowed = allowed == 0
@@ -136,7 +156,9 @@ def rows_attention_forward(
     for first in range(0, n_pos, rows):
         last = min(first + rows, n_pos)
         scores = (torch.matmul(query[:, :, first:last], keys.transpose(2, 3)) * scaling).float()
-        if allowed is not None:
+        if row_mask is not None:
+            seen = row_mask.rows(first, last)
+        elif allowed is not None:
             seen = allowed[:, :, first:last]
         elif causal:
             seen = (cols[None, :] <= torch.arange(first, last, device=query.device)[:, None])[None, None]
@@ -154,7 +176,9 @@ def rows_attention_forward(
         outputs.append(torch.matmul(probs.to(value.dtype), values))
         del scores, probs
     output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
-    rows_held = AttentionRows(query=query, key=key, scaling=float(scaling), lse=lse, allowed=allowed, causal=causal)
+    rows_held = AttentionRows(
+        query=query, key=key, scaling=float(scaling), lse=lse, allowed=allowed, causal=causal, row_mask=row_mask
+    )
     if observer is not None:
         rows_held.sums = getattr(observer, "result", lambda: None)()
     return output, rows_held

@@ -22,8 +22,13 @@ what the restriction takes away before the softmax renormalises.
 **Cost.** The intact pass is recorded once (every block's input: ``effects._record``); the
 restricted passes of layer l restart from layer l's input, and every KV head of the layer streams
 in one stacked pass (copy c restricts KV head c). A window costs Σ_l (L − l) / L of L × n_kv full
-forward passes, plus the intact one. The per-head mask holds batch × KV heads × heads × pos²
-entries, as many as the scores eager attention holds beside it.
+forward passes, plus the intact one. At short lengths the per-head mask holds batch × KV heads ×
+heads × pos² entries, as many as the scores eager attention holds beside it. **Long windows**
+(``row_attention.uses_row_attention``: one window's maps past 2^24 entries, on a family that can)
+take the intact pass and every restarted one with attention in blocks of query rows, the
+restriction made a block at a time and the predictor summed from the blocks
+(``streaming_blocks``): no tensor of pos² entries per head, the same effects up to float32
+rounding.
 
 Pure tensor code: imports neither Celery, Typer nor SQLAlchemy. Dimension names: batch (windows),
 layer, kv_head, head, pos, key.
@@ -31,6 +36,7 @@ layer, kv_head, head, pos, key.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -40,9 +46,11 @@ import torch
 
 from headatlas.service.engine.hooks import hooks
 from headatlas.service.engine.model import LoadedModel
+from headatlas.service.engine.row_attention import ROW_ATTENTION, AttentionRows, row_attention, uses_row_attention
 from headatlas.service.errors import Param, ParameterError
 from headatlas.service.measures.effects import _hidden, _record, _repeat, _replay, _run_model
 from headatlas.service.measures.objectives import Objective, objective_of, wide
+from headatlas.service.measures.streaming_blocks import BeyondRows, StreamingRows, hidden_rows, streaming_rows
 
 
 @dataclass
@@ -80,9 +88,7 @@ def streaming_allowed(n_pos: int, sink: int, recent: int, device: torch.device |
 
 def hidden_keys(n_pos: int, sink: int, recent: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``[pos, key]`` bool: the keys a query sees causally that the restriction hides."""
-    i = torch.arange(n_pos, device=device)[:, None]
-    j = torch.arange(n_pos, device=device)[None, :]
-    return (j <= i) & ~streaming_allowed(n_pos, sink, recent, device)
+    return hidden_rows(0, n_pos, n_pos, sink, recent, device)
 
 
 def restricted_mask(
@@ -172,9 +178,14 @@ def _beyond_mass(pattern: torch.Tensor, beyond: torch.Tensor, valid: torch.Tenso
     ``beyond`` ``[pos, key]``, averaged over the valid query rows (``valid`` ``[batch, pos]``) and
     the group's query heads."""
     batch, n_heads, n_pos, _ = pattern.shape
-    per_row = (pattern.float() * beyond.to(pattern.device)).sum(-1)  # [batch, head, pos]
-    weight = valid.to(per_row.dtype)[:, None, :]
-    per_head = (per_row * weight).sum(-1) / weight.sum(-1).clamp(min=1)  # [batch, head]
+    weight = valid.float()[:, None, :]
+    if isinstance(pattern, AttentionRows):  # long windows: summed from the row blocks (BeyondRows)
+        assert pattern.sums is not None, "attention in row blocks without a BeyondRows observer"
+        total = pattern.sums["beyond"].to(weight.dtype)  # [batch, head]
+    else:
+        per_row = (pattern.float() * beyond.to(pattern.device)).sum(-1)  # [batch, head, pos]
+        total = (per_row * weight).sum(-1)
+    per_head = total / weight.sum(-1).clamp(min=1)  # [batch, head]
     return per_head.reshape(batch, n_kv, n_heads // n_kv).mean(-1)
 
 
@@ -215,8 +226,13 @@ def streaming_effects(
         f"blocks.{layer}.attn.pattern": _reader(beyond, layer, blocked, attention_mask, n_kv)
         for layer in range(n_layers)
     }
+    in_rows = uses_row_attention(model, model.n_heads, n_pos)  # long windows: attention in row blocks
+
+    def in_blocks(observer):
+        return row_attention(model.model, observer) if in_rows else contextlib.nullcontext()
+
     with torch.no_grad():
-        with hooks(model.model, patterns, model.adapter):
+        with hooks(model.model, patterns, model.adapter), in_blocks(lambda: BeyondRows(attention_mask, sink, recent)):
             recording = _record(model, input_ids, attention_mask)
         final = wide(recording.final)
         intact = objective.per_window(final, targets, attention_mask, final)
@@ -226,9 +242,12 @@ def streaming_effects(
         rows = changed.nonzero().flatten()
         if len(rows):
             sub = _Sub(recording, rows, batch)
-            for layer in chosen:
-                values = _streamed_layer(model, sub, objective, targets[rows], attention_mask[rows], layer, blocked)
-                effect[rows.cpu(), layer] = (values - intact[rows].unsqueeze(1)).double().cpu()
+            with in_blocks(lambda: None):
+                for layer in chosen:
+                    values = _streamed_layer(
+                        model, sub, objective, targets[rows], attention_mask[rows], layer, blocked, (sink, recent)
+                    )
+                    effect[rows.cpu(), layer] = (values - intact[rows].unsqueeze(1)).double().cpu()
     return StreamingEffects(
         objective=objective,
         sink=sink,
@@ -279,13 +298,28 @@ def _streamed_layer(
     attention_mask: torch.Tensor,
     layer: int,
     blocked: torch.Tensor,
+    window: tuple[int, int],
 ) -> torch.Tensor:
     """``O`` ``[batch, kv_head]`` with each KV head of ``layer`` streaming in turn, one stacked pass
-    restarted from the layer's recorded input."""
+    restarted from the layer's recorded input; ``window``: (S, W), whose keys ``blocked`` hides.
+    Under ``row_attention`` (long windows) the restriction is made a block of rows at a time."""
     n_heads, copies = model.n_heads, model.n_kv_heads
     batch = targets.shape[0]
+    in_rows = getattr(model.model.config, "_attn_implementation", None) == ROW_ATTENTION
 
-    def restrict(mask: torch.Tensor | None) -> torch.Tensor:
+    def restrict(mask: torch.Tensor | None) -> torch.Tensor | StreamingRows:
+        if in_rows:
+            return streaming_rows(
+                mask,
+                copies=copies,
+                batch=batch,
+                n_heads=n_heads,
+                n_kv=copies,
+                n_keys=blocked.shape[1],
+                sink=window[0],
+                recent=window[1],
+                device=blocked.device,
+            )
         return restricted_mask(mask, blocked, copies, n_heads, copies)
 
     start = _hidden(recording.calls[layer])
