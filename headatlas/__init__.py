@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path as _Path
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "analyze", "compare", "connect", "effects", "inspect"]
+__all__ = ["__version__", "analyze", "analyze_series", "compare", "connect", "effects", "inspect"]
 
 # Installed, service/, workers/, cli/ and migrations/ are subpackages inside this folder. In a
 # source checkout they sit beside it (the repository keeps the design's folders at its top level),
@@ -29,7 +29,7 @@ if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py
     __path__.append(str(_here.parent))
 
 
-_LAZY = ("analyze", "compare", "connect", "effects", "inspect")
+_LAZY = ("analyze", "analyze_series", "compare", "connect", "effects", "inspect")
 
 
 def __getattr__(name: str):

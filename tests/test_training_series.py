@@ -58,6 +58,10 @@ def toy(tmp_path_factory):
     return _series(tmp_path_factory.mktemp("toy"), TINY)
 
 
+def _without_model() -> dict:
+    return {k: v for k, v in OPTIONS.items() if k != "model"}
+
+
 def _read(db):
     from headatlas.service.storage.store import Store
 
@@ -149,6 +153,11 @@ def test_the_commands_and_the_api_read_the_series(toy, tmp_path, cli):
     svg = out.with_suffix(".svg")
     done = cli("plot", "trend", "--series", "toy", "--linear", "--layer", "1", "--out", str(svg), "--db", str(db))
     assert done.returncode == 0 and "L1H0" in svg.read_text() and "L0H0" not in svg.read_text(), done.stderr
+    # the same from Python: found finished, every step
+    steps = headatlas.analyze_series(_corpus, _folder, db=db, name="toy", progress=False, **_without_model())
+    assert steps.arrow.column("step").to_pylist() == checkpoint_steps(TINY.steps, TINY.checkpoints)
+    with pytest.raises(ValueError, match="model"):
+        headatlas.analyze_series(_corpus, _folder, db=db, model="random:tiny")
     atlas = headatlas.connect(db)
     assert len(atlas.trend("toy", "attn_to_prev", layer=0, head=0).arrow) == TINY.checkpoints
     assert atlas.phases("toy", metrics=["induction_score"], min_change=0).arrow.num_rows == TINY.layers * TINY.heads

@@ -24,7 +24,7 @@ database ``FileNotFoundError``; their messages name keyword arguments (``layer=7
 CLI's flags.
 """
 
-from headatlas.service.api.analysis import analyze, quiet_notebook_bars
+from headatlas.service.api.analysis import analyze, analyze_series, quiet_notebook_bars
 from headatlas.service.api.comparison import compare
 from headatlas.service.api.inspection import effects, inspect
 from headatlas.service.api.tables import Table, table
@@ -36,6 +36,7 @@ __all__ = [
     "RunView",
     "Table",
     "analyze",
+    "analyze_series",
     "compare",
     "connect",
     "effects",

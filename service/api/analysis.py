@@ -12,6 +12,9 @@ from headatlas.service.api.terms import in_python_terms
 from headatlas.service.api.views import RunView
 
 if TYPE_CHECKING:
+    from headatlas.service.api.tables import Table
+
+if TYPE_CHECKING:
     from headatlas.service.engine.model import LoadedModel
     from headatlas.service.operations.events import Event
 
@@ -81,6 +84,44 @@ def analyze(
             shown.close()
     with done.store.checked_read() as conn:
         return RunView.read(done.store, conn, done.run.run_id)
+
+
+@in_python_terms
+def analyze_series(
+    corpus: str | Path,
+    checkpoints: str | Path,
+    *,
+    db: str | Path | None = None,
+    name: str | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> Table:
+    """Analyse a corpus with every checkpoint of one model, as ``headatlas analyze CORPUS
+    --checkpoints``: ``checkpoints`` a folder of checkpoint folders, a glob of them, or a hub name
+    with revisions (``"EleutherAI/pythia-70m@step1000,step2000"``, where there is internet); each
+    checkpoint a run ``<name>-step<N>`` on the same windows, grouped in the training series
+    ``name`` (default: the folder's name); ``options`` as ``analyze`` takes them (``probe=True``,
+    ``effects=[...]``, …; not ``model``). Resumes an interrupted series. Returns the series' steps
+    (step, run_id, run); read it with ``connect(db).trend(name, metric)`` and ``.phases(name)``."""
+    from headatlas.service.api.tables import Table
+    from headatlas.service.errors import Param, ParameterError
+    from headatlas.service.operations.checkpoint_series import analyze_series as run_series
+    from headatlas.service.operations.events import ignore
+    from headatlas.service.operations.requests import AnalysisRequest
+
+    if "model" in options:
+        raise ParameterError(
+            Param("model", options["model"]), " and ", Param("checkpoints", str(checkpoints)), ": pass one of them"
+        )
+    request = AnalysisRequest.build(corpus, db=db, name=name, **options)
+    shown = _Shown() if progress else None
+    try:
+        done = run_series(request, str(checkpoints), shown or ignore)
+    finally:
+        if shown is not None:
+            shown.close()
+    rows = [(c.step, a.run.run_id, a.run.name) for c, a in done.steps]
+    return Table.of(["step", "run_id", "run"], rows, what=f"series {done.name}")
 
 
 def quiet_notebook_bars() -> None:
