@@ -29,46 +29,64 @@ def test_the_memory_formula_by_hand() -> None:
     assert st.memory_saved(0, d_head=8, n=100, sink=0, recent=1, kv_bytes=4) == 0
 
 
+def _with_heads(model, ids, mask):
+    """``O`` per window ``[window]`` with a list of (layer, KV head) streaming at once, through the
+    curve's evaluation path (``objective_under`` with ``streaming_heads``): a function of the heads,
+    S and W."""
+    from headatlas.service.measures.effects import _run_model
+    from headatlas.service.measures.objectives import objective_of, wide
+    from headatlas.service.operations.prune_curves import objective_under, prepared
+
+    objective = objective_of(model)
+    (batch,) = prepared(model, [SimpleNamespace(input_ids=ids, attention_mask=mask, window_ids=None)], objective)
+    with torch.no_grad():
+        intact = [wide(_run_model(model, batch[0], batch[2]))]
+
+    def run(heads, sink, recent):
+        def edit(model_ids):
+            return st.streaming_heads(model, heads, sink=sink, recent=recent, n_pos=model_ids.shape[1])
+
+        return objective_under(model, [batch], intact, objective, edit)
+
+    return run
+
+
 @pytest.mark.parametrize("family", ["random:gpt2", "random:llama"])
 def test_one_head_streaming_in_a_policy_is_its_streaming_effect(family) -> None:
     from headatlas.service.engine.model import load_model
-    from headatlas.service.measures.objectives import objective_of
-    from headatlas.service.operations.prune_curves import objective_under, prepared
 
     model = load_model(family, device="cpu")
     ids, mask = random_batch()
     effects = st.streaming_effects(model, ids, mask, sink=1, recent=3)
-    objective = objective_of(model)
-    (batch,) = prepared(model, [SimpleNamespace(input_ids=ids, attention_mask=mask, window_ids=None)], objective)
-    from headatlas.service.measures.effects import _run_model
-    from headatlas.service.measures.objectives import wide
+    run = _with_heads(model, ids, mask)
+    base = run([], 1, 3)
+    assert np.array_equal(base, effects.intact.numpy())  # no head streams: the intact pass
+    for layer, kv in ((0, 0), (model.n_layers - 1, model.n_kv_heads - 1)):
+        np.testing.assert_allclose(run([(layer, kv)], 1, 3) - base, effects.effect[:, layer, kv].numpy(), atol=2e-5)
+    # every KV head streaming, but W ≥ n hides nothing: the intact pass exactly
+    every = [(layer, kv) for layer in range(model.n_layers) for kv in range(model.n_kv_heads)]
+    assert np.array_equal(run(every, 0, 12), base)
 
-    with torch.no_grad():
-        intact = [wide(_run_model(model, batch[0], batch[2]))]
-    base = objective_under(
-        model, [batch], intact, objective, lambda _ids: st.streaming_heads(model, [], sink=1, recent=3, n_pos=12)
-    )
-    assert np.array_equal(base, effects.intact.numpy())
-    last = model.n_layers - 1, model.n_kv_heads - 1
-    for layer, kv in ((0, 0), last):
-        got = objective_under(
-            model,
-            [batch],
-            intact,
-            objective,
-            lambda ids, h=(layer, kv): st.streaming_heads(model, [h], sink=1, recent=3, n_pos=ids.shape[1]),
-        )
-        np.testing.assert_allclose(got - base, effects.effect[:, layer, kv].numpy(), atol=2e-5)
-    # two heads together are not the sum of each alone, but W ≥ n hides nothing: the intact pass exactly
-    every = [(l, k) for l in range(model.n_layers) for k in range(model.n_kv_heads)]
-    whole = objective_under(
-        model,
-        [batch],
-        intact,
-        objective,
-        lambda ids: st.streaming_heads(model, every, sink=0, recent=12, n_pos=ids.shape[1]),
-    )
-    assert np.array_equal(whole, base)
+
+def test_one_head_streaming_in_a_policy_is_its_streaming_effect_on_smollm2(smollm2, demo_corpus) -> None:
+    """The same on the real grouped-query model (three query heads a KV head), one window of 48
+    tokens, each KV head of a late layer."""
+    from headatlas.service.engine.corpus import iter_documents
+    from headatlas.service.engine.windows import TokenClasses, collate, document_windows
+    from headatlas.service.params import AnalysisParams
+
+    tokens = TokenClasses.for_model(smollm2)
+    doc = next(iter_documents(str(demo_corpus)))
+    window = document_windows(doc, smollm2.tokenizer, tokens, smollm2.tokenizer_key, AnalysisParams(seq_len=48))[0]
+    batch = collate([window], tokens.pad_id)
+    late = smollm2.n_layers - 3  # a late layer: its restricted passes replay three layers
+    effects = st.streaming_effects(smollm2, batch.input_ids, batch.attention_mask, sink=4, recent=8, layers=[late])
+    run = _with_heads(smollm2, batch.input_ids, batch.attention_mask)
+    base = run([], 4, 8)
+    for kv in range(smollm2.n_kv_heads):
+        got = run([(late, kv)], 4, 8) - base
+        np.testing.assert_allclose(got, effects.effect[:, late, kv].numpy(), atol=2e-5)
+    assert effects.effect[0, late].abs().max() > 1e-3  # the restriction changes something to compare
 
 
 @pytest.fixture(scope="module")
