@@ -144,8 +144,9 @@ def _analyse(
             )
     from headatlas.service.reports.stored import refresh
 
-    for done in (run, *controls):  # a finished run's metrics, intervals and roles, derived once
-        refresh(store, done.run_id)
+    with store.held():  # reading and storing them, back to back
+        for done in (run, *controls):  # a finished run's metrics, intervals and roles, derived once
+            refresh(store, done.run_id)
     return Analysed(store, run, tuple(controls))
 
 

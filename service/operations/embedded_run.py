@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import TypeVar
 
@@ -120,34 +121,38 @@ def analyze_corpus(
     patiently(store.ensure_schema)
     # the replicate scheme the corpus allows (SPEC §5d): keyed and recorded with the run
     params = params.resolved(corpus.distinct)
-    key, fingerprint = patiently(lambda: _stored_key(store, corpus, model, params))
-    stored_params = params.to_dict()
-    asked = name  # a run already stored under another name gets the name asked for as an alias
-    if control_of is not None:
-        stored_params["control_of"] = control_of.run_key
-        stored_params["control_seed"] = control_seed
-        name = name or control_name(control_of.name, control_seed)
-    run, _created = patiently(
-        lambda: store.find_or_create_run(
-            run_key=key,
-            name=name or f"{short_name(label or spec)}-{key[:6]}",
-            corpus=label or spec,
-            corpus_fingerprint=fingerprint,
-            model=model.describe(),
-            params=stored_params,
-            engine="embedded",
-            device=str(model.device),
-            alias=asked,
+    with store.held():  # the run's first transactions, back to back, share one opening of the file
+        key, fingerprint = patiently(lambda: _stored_key(store, corpus, model, params))
+        stored_params = params.to_dict()
+        asked = name  # a run already stored under another name gets the name asked for as an alias
+        if control_of is not None:
+            stored_params["control_of"] = control_of.run_key
+            stored_params["control_seed"] = control_seed
+            name = name or control_name(control_of.name, control_seed)
+        run, _created = patiently(
+            lambda: store.find_or_create_run(
+                run_key=key,
+                name=name or f"{short_name(label or spec)}-{key[:6]}",
+                corpus=label or spec,
+                corpus_fingerprint=fingerprint,
+                model=model.describe(),
+                params=stored_params,
+                engine="embedded",
+                device=str(model.device),
+                alias=asked,
+            )
         )
-    )
     if probe is not None:
         add_probe(store, run, model, probe)
     if run.status == RunStatus.DONE:
         return run
+
+    ending = ExitStack()
     try:  # Ctrl-C from here on leaves the run marked interrupted, not created
         tokens = TokenClasses.for_model(model)
-        skip = patiently(lambda: store.done_window_ids(run.run_id))
-        batch_id = patiently(lambda: store.next_batch_id(run.run_id))
+        with store.held():
+            skip = patiently(lambda: store.done_window_ids(run.run_id))
+            batch_id = patiently(lambda: store.next_batch_id(run.run_id))
         # a measure that takes the run's first N windows (--attribution-windows, --effect-spread
         # first) takes them by position, as in the queue: how many of them came before this resume
         before = {
@@ -288,6 +293,7 @@ def analyze_corpus(
             sink.submit(pending)
             pending = []
         sink.close()
+        ending.enter_context(store.held())  # compacting, the status and the run read back, back to back
         patiently(lambda: store.compact(run.run_id))
     except KeyboardInterrupt:
         status, error = RunStatus.INTERRUPTED, "interrupted by the user; re-run the same command to resume"
@@ -308,16 +314,21 @@ def analyze_corpus(
             # was in) does not replace that; a batch it could not store is analysed on resume
             if status == RunStatus.DONE:
                 raise
-        patiently(
-            lambda: store.set_status(
-                run.run_id,
-                status,
-                error=error,
-                finished=status == RunStatus.DONE,
-                add_wall_s=time.perf_counter() - started,
+        try:
+            patiently(
+                lambda: store.set_status(
+                    run.run_id,
+                    status,
+                    error=error,
+                    finished=status == RunStatus.DONE,
+                    add_wall_s=time.perf_counter() - started,
+                )
             )
-        )
-    return store.get_run(run.run_id)
+        finally:
+            if status != RunStatus.DONE:
+                ending.close()  # the run failed or was interrupted: nothing more to read
+    with ending:
+        return store.get_run(run.run_id)
 
 
 def _import_lazy_dependencies() -> None:

@@ -146,6 +146,10 @@ TOP_ANCHORS_SQL = """
             FROM ranked WHERE rank <= :n_anchors GROUP BY layer, head
         )
 """
+NO_ANCHORS_SQL = """
+        top_anchors AS (SELECT CAST(NULL AS INTEGER) AS layer, CAST(NULL AS INTEGER) AS head,
+                               CAST(NULL AS VARCHAR) AS anchors WHERE false)
+"""
 STORED_ANCHORS = 3  # the anchors of the stored heads (``query heads``' default)
 
 
@@ -254,8 +258,10 @@ def heads(
     order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in columns)
     probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
+    # no anchors asked (the role tests): none ranked either (a window over every anchor of the run)
+    anchors_sql = TOP_ANCHORS_SQL if anchors else NO_ANCHORS_SQL
     sql = f"""
-        WITH {TOP_ANCHORS_SQL}
+        WITH {anchors_sql}
         SELECT {cols}, a.anchors AS top_anchors, {probe}
         FROM head_metrics m LEFT JOIN top_anchors a USING (layer, head)
         LEFT JOIN probe_scores p ON p.run_id = m.run_id AND p.layer = m.layer AND p.head = m.head

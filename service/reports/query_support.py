@@ -6,6 +6,10 @@ Column names are SPEC names; layers and heads are 0-based (the papers count from
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
@@ -84,13 +88,21 @@ def with_intervals(
 
     columns, values = rows
     metrics = [c for c in interval_metrics(columns) if c not in keys]
-    rep_rows = conn.execute(
-        text(
-            f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} "
-            f"WHERE run_id = :run AND drop_rep >= 0 {where}"
-        ),
-        {"run": run_id, **(params or {})},
-    ).all()
+    shared = _SHARED.get()
+    if shared is not None and not any(v is not None for v in (params or {}).values()):
+        # the whole run's rows, read once for every reader within ``shared_reads``
+        names, every = replicate_view(conn, view, keys, run_id)
+        picked = [names.index(c) for c in (*keys, "drop_rep", *metrics)]
+        drop = names.index("drop_rep")
+        rep_rows: Sequence = [tuple(r[i] for i in picked) for r in every if r[drop] is not None and r[drop] >= 0]
+    else:
+        rep_rows = conn.execute(
+            text(
+                f"SELECT {', '.join(keys)}, drop_rep, {', '.join(metrics)} FROM {view} "
+                f"WHERE run_id = :run AND drop_rep >= 0 {where} ORDER BY {', '.join(keys)}, drop_rep"
+            ),
+            {"run": run_id, **(params or {})},
+        ).all()
     return add_intervals(
         columns,
         values,
@@ -102,6 +114,39 @@ def with_intervals(
         with_df=with_df,
         groups_of=effect_groups_of(conn, run_id, metrics),
     )
+
+
+# Within ``shared_reads``: each replicate view's rows of a run, read once (view, run) → (columns, rows)
+_SHARED: ContextVar[dict[tuple[str, int], Rows] | None] = ContextVar("shared_replicate_rows", default=None)
+
+
+@contextmanager
+def shared_reads() -> Iterator[None]:
+    """Within it, every reader of a run's leave-one-group-out rows (``replicate_view``: the
+    intervals of ``query heads --ci``, the role tests', ``compare``'s) reads each view once: a
+    finished run's derivation (``reports.stored``) asked for head_metrics_reps three times, each
+    a plan of the whole view chain (about 80 ms) for the same rows."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def replicate_view(conn: Connection, view: str, keys: tuple[str, ...], run_id: int) -> Rows:
+    """Every row of ``view`` (a ``*_reps`` view) for the run, ``run_id`` left out, ordered by
+    ``keys`` then ``drop_rep``; read once within ``shared_reads``."""
+    shared = _SHARED.get()
+    if shared is not None and (view, run_id) in shared:
+        return shared[(view, run_id)]
+    rows = fetch_rows(
+        conn,
+        f"SELECT * EXCLUDE (run_id) FROM {view} WHERE run_id = :run ORDER BY {', '.join(keys)}, drop_rep",
+        {"run": run_id},
+    )
+    if shared is not None:
+        shared[(view, run_id)] = rows
+    return rows
 
 
 def effect_groups_of(conn: Connection, run_id: int, metrics: list[str]) -> dict[str, frozenset[int]]:

@@ -33,8 +33,9 @@ Rows = tuple[list[str], list[tuple]]
 def derive(conn: Connection, run_id: int) -> dict[str, Rows]:
     """Every stored kind of the run, computed."""
     from headatlas.service.reports import distance_queries, layer_queries, queries, roles
+    from headatlas.service.reports.query_support import shared_reads
 
-    with computed():
+    with computed(), shared_reads():
         return {
             "heads": queries.heads(conn, run_id, ci=True),
             "roles": roles.roles(conn, run_id, stability=True),
@@ -59,10 +60,10 @@ def _anchors(conn: Connection, run_id: int, n: int) -> Rows:
 
 
 def _reps(conn: Connection, run_id: int, view: str, keys: str) -> Rows:
-    result = conn.execute(
-        text(f"SELECT * EXCLUDE (run_id) FROM {view} WHERE run_id = :run ORDER BY {keys}, drop_rep"), {"run": run_id}
-    )
-    return list(result.keys()), [tuple(r) for r in result]
+    from headatlas.service.reports.query_support import replicate_view
+
+    names, rows = replicate_view(conn, view, tuple(k.strip() for k in keys.split(",")), run_id)
+    return list(names), list(rows)
 
 
 def _status(conn: Connection, run_id: int) -> str | None:

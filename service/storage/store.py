@@ -93,6 +93,11 @@ class Store:
     def read(self):
         return db.transaction(self.backend, read_only=True, at=self.at)
 
+    def held(self):
+        """Back-to-back transactions of this process share one opening of the database
+        (``Backend.held``): a run's start and end, not its batches."""
+        return self.backend.held()
+
     def ensure_schema(self) -> None:
         db.ensure_schema(self.backend)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -71,6 +71,11 @@ class Backend(ABC):
     def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         """A new DuckDB connection on this database (storage-internal: nothing above the storage
         package holds one). ``config``: DuckDB settings for the connection (limits)."""
+
+    def held(self) -> AbstractContextManager[None]:
+        """Within it, this process's back-to-back transactions on the database share what opening
+        it costs (a file: DuckDB's instance stays open). Default: nothing is held."""
+        return nullcontext()
 
     @abstractmethod
     def transaction(

@@ -34,6 +34,24 @@ PROCESS_LOCK = threading.RLock()
 # the forking thread: the lock would never be released there, and its first connection would hang.
 os.register_at_fork(after_in_child=PROCESS_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 
+# Opening a file costs about 30 ms of CPU (DuckDB's instance, then the catalogue read), closing it a
+# checkpoint: a run's start and end are a dozen transactions back to back. Within ``held()`` the
+# instance stays open and each transaction is a new connection on it (``cursor``, about 8 ms), in
+# every thread of this process; no other process can open the file meanwhile, so a hold covers
+# transactions with no work between them, never a run's batches. Keyed by the absolute path.
+_HELD: dict[str, duckdb.DuckDBPyConnection] = {}
+# a forked child must neither use nor close (checkpoint) its parent's instance: it forgets the holds,
+# and the connections are kept referenced there, never closed by the child's garbage collector
+_FORKED: list[duckdb.DuckDBPyConnection] = []
+
+
+def _forget_holds() -> None:
+    _FORKED.extend(_HELD.values())
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_holds)
+
 
 class FileBackend(Backend):
     kind = "file"
@@ -74,7 +92,36 @@ class FileBackend(Backend):
 
     def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
-        return duckdb.connect(str(self.path.absolute()), read_only=read_only, config=duckdb_config(**(config or {})))
+        where = str(self.path.absolute())
+        held = _HELD.get(where)
+        if held is not None and not config:  # read-only too: the held instance is the process's one
+            return held.cursor()
+        return duckdb.connect(where, read_only=read_only, config=duckdb_config(**(config or {})))
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """This file's DuckDB instance kept open while inside (``_HELD``); nested holds share the
+        outer one. Nothing is held where the file does not exist yet (a new database is made by
+        ``ensure_schema``), or cannot be opened for writing now (busy, read-only, damaged): each
+        transaction then opens it and reports as before."""
+        where = str(self.path.absolute())
+        with PROCESS_LOCK:
+            if where in _HELD or not self.path.is_file():
+                conn = None
+            else:
+                try:
+                    conn = duckdb.connect(where, config=duckdb_config())
+                except Exception:  # noqa: BLE001 - an optimisation: the transactions open it themselves
+                    conn = None
+                else:
+                    _HELD[where] = conn
+        try:
+            yield
+        finally:
+            if conn is not None:
+                with PROCESS_LOCK:
+                    _HELD.pop(where, None)
+                    conn.close()
 
     def engine(self, *, read_only: bool = False) -> Engine:
         from duckdb_engine import ConnectionWrapper
