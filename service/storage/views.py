@@ -109,7 +109,7 @@ SHOWN_RESTRICTION = """
 def streaming_views() -> list[str]:
     """``streaming_reps``, ``streaming_kv_reps`` and ``streaming_metrics`` (module docstring)."""
     from headatlas.service.engine.results import REPLICATES
-    from headatlas.service.reports.intervals import t95
+    from headatlas.service.engine.student_t import t95
 
     quantiles = ", ".join(f"({df}, {t95(df)!r})" for df in range(1, REPLICATES))
     keys = ("run_id", "sink", "recent", "layer", "kv_head")
