@@ -24,6 +24,7 @@ OUTPUTS = (
     "docs/findings-output-effects.md",
     "docs/findings-output-effects-smollm2.md",
     "docs/findings-output-long-range.md",
+    "docs/findings-output-streaming.md",
     "docs/findings-output-toy.md",
 )
 BLOCK = re.compile(r"<!-- begin (\S+) -->\n(.*?)<!-- end \1 -->", re.S)
