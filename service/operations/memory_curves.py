@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from headatlas.service.engine.model import LoadedModel
-    from headatlas.service.measures.objectives import Objective
     from headatlas.service.engine.windows import Window
+    from headatlas.service.measures.objectives import Objective
     from headatlas.service.storage.store import Run, Store
     from headatlas.service.storage.streaming_curve_rows import StoredMemoryCurve
 
