@@ -80,15 +80,12 @@ def _analyze_series(request: AnalysisRequest, checkpoints: str, *, quiet: bool) 
     """``analyze --checkpoints``: every checkpoint analysed (service/operations/checkpoint_series.py),
     then one line per step (its run, and the probe's highest scores where there is a probe)."""
     from headatlas.service.analysis_options import DEFAULTS
-    from headatlas.service.errors import Param, ParameterError
-    from headatlas.service.operations.checkpoint_series import analyze_series
+    from headatlas.service.operations.checkpoint_series import analyze_series, refuse_model
     from headatlas.service.operations.events import ignore
     from headatlas.service.reports import queries
 
     if str(request.model) != DEFAULTS["model"]:
-        raise ParameterError(
-            Param("model", str(request.model)), " and ", Param("checkpoints", checkpoints), ": pass one of them"
-        )
+        refuse_model(request.model, checkpoints)
     done = analyze_series(request, checkpoints, ignore if quiet else _Shown())
     if quiet:
         for _checkpoint, analysed in done.steps:

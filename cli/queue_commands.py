@@ -53,6 +53,15 @@ def submit(
     writer_wait: float = options.WriterWait,
     db: str = DbOpt,
     broker: str = BrokerOpt,
+    checkpoints: str | None = typer.Option(
+        None,
+        "--checkpoints",
+        metavar="DIR|GLOB|NAME@REV,…",
+        help="Queue every checkpoint of one model instead of --model, as `analyze --checkpoints` takes them: "
+        "each a run named <name>-step<N> on the same windows, recorded in the series --name (default: the "
+        "folder's name) by the writer; submitting again queues only what is missing. Read it with "
+        "`query trend --series`.",
+    ),
 ) -> None:
     """Queue a corpus for the workers and print the run id (a re-submission queues only what is missing)."""
     from headatlas.service.operations.requests import QueuedAnalysis
@@ -62,7 +71,42 @@ def submit(
     settings = _settings(db=db, broker_url=broker)
     if wait:
         _stranded_s()  # refused before anything is queued
+    if checkpoints is not None:
+        _submit_series(request, checkpoints, settings, wait=wait, writer_wait=writer_wait)
+        return
     sub = queue(request, settings, writer_wait_s=writer_wait, events=_said)
+    _told(sub)
+    if wait and sub.status != RunStatus.DONE:
+        _wait(settings, sub, resubmit=lambda only=None: queue(request, settings, writer_wait_s=writer_wait, only=only))
+    stdout.print(sub.run_id if sub.run_id is not None else sub.name)
+
+
+def _submit_series(request, checkpoints: str, settings: Settings, *, wait: bool, writer_wait: float) -> None:
+    """``submit --checkpoints``: every checkpoint queued (service/operations/submission.py), then
+    waited for in step order with ``--wait``; one run id (or name) per checkpoint on stdout."""
+    from headatlas.service.analysis_options import DEFAULTS
+    from headatlas.service.operations.checkpoint_series import refuse_model
+    from headatlas.service.operations.submission import submit_series
+
+    if str(request.model) != DEFAULTS["model"]:
+        refuse_model(request.model, checkpoints)
+    done = submit_series(request, checkpoints, settings, writer_wait_s=writer_wait, events=_said)
+    for queued in done:
+        sub = queued.submission
+        _told(sub)
+        if wait and sub.status != RunStatus.DONE:
+            _wait(
+                settings,
+                sub,
+                resubmit=lambda only=None, queued=queued: queued.again(settings, writer_wait_s=writer_wait, only=only),
+            )
+    for queued in done:
+        sub = queued.submission
+        stdout.print(sub.run_id if sub.run_id is not None else sub.name)
+
+
+def _told(sub) -> None:
+    """What one submission queued, on stderr."""
     if sub.status == RunStatus.DONE:
         queued = "only its probe queued" if sub.probe_queued else "nothing queued"
         stderr.print(f"run {sub.run_id} ({sub.name}) is already complete: {queued}")
@@ -78,9 +122,6 @@ def submit(
         stderr.print(
             runnable("no writer has created the run yet: start `headatlas writer`; the batches wait in the queue")
         )
-    if wait and sub.status != RunStatus.DONE:
-        _wait(settings, sub, resubmit=lambda only=None: queue(request, settings, writer_wait_s=writer_wait, only=only))
-    stdout.print(sub.run_id if sub.run_id is not None else sub.name)
 
 
 def _said(event) -> None:

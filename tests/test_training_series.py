@@ -7,7 +7,8 @@ on a loaded machine), so that test is `heavy` (`make test-heavy`). The rest read
 toy trained for 4 steps (seconds), made once for the module: checkpoints and their steps, the
 reading side (trend with intervals, phases, the SQL views, the figure, the API), the refusals
 (another tokenizer in the series, a folder without a step, --model with --checkpoints), and
-resuming a series interrupted after its first checkpoint."""
+resuming a series interrupted after its first checkpoint, and two of its checkpoints queued
+(`submit --checkpoints`) through the shared queue cluster."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ import json
 import shutil
 
 import pytest
+from conftest import QUEUE_CLUSTER_GROUP
 
 from headatlas.service.errors import ParameterError, RunNotFound
 from headatlas.service.training.toy import ToySpec, checkpoint_steps, train_toy
+
+# the queued series is compared with the module's toy series: the module's tests run where the
+# shared queue cluster's do (tests/conftest.py), so that the toy is trained and analysed once
+pytestmark = pytest.mark.xdist_group(QUEUE_CLUSTER_GROUP)
 
 # shortened: a smaller model than the default's (hidden 32, 2 heads, r of 8 to 20 tokens), six
 # checkpoints; with this seed the induction score of layer 1 rises from 0.05 to 0.88 between
@@ -184,6 +190,9 @@ def test_refusals_name_the_checkpoints_and_the_fix(toy, tmp_path, cli):
     done = cli("analyze", str(corpus), "--checkpoints", str(mixed), "--db", str(tmp_path / "m.duckdb"))
     assert done.returncode == 2 and "tokenizer differs" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "m.duckdb").exists()
+    # queued, the same refusal before anything reaches the broker (none listens at this port)
+    done = cli("submit", str(corpus), "--checkpoints", str(mixed), "--broker", "redis://127.0.0.1:1/0")
+    assert done.returncode == 2 and "tokenizer differs" in done.stderr and "Traceback" not in done.stderr
 
     nameless = tmp_path / "nameless"
     shutil.copytree(folder / "step-000000", nameless / "final")
@@ -196,6 +205,8 @@ def test_refusals_name_the_checkpoints_and_the_fix(toy, tmp_path, cli):
         checkpoints_of(str(tmp_path / "nothing-*"))
     done = cli("analyze", str(corpus), "--checkpoints", str(folder), "--model", "random:tiny")
     assert done.returncode == 2 and "--checkpoints" in done.stderr
+    done = cli("submit", str(corpus), "--checkpoints", str(folder), "--model", "random:tiny")
+    assert done.returncode == 2 and "--checkpoints" in done.stderr and "Traceback" not in done.stderr
     # a glob of folders, and hub revisions (parsed here; fetched only where there is internet)
     assert [c.step for c in checkpoints_of(str(folder / "step-00000[12]"))] == [1, 2]
     hub = checkpoints_of("EleutherAI/pythia-70m@step3000,step1000")
@@ -263,3 +274,47 @@ def test_a_series_on_a_lake_keeps_one_checkpoint_per_step(lake):
         assert list_series(conn) == [("a", "ckpt/", 1), ("b", "other/", 0)]
         rows = conn.exec_driver_sql("SELECT step, run_id FROM series_runs").fetchall()
     assert rows == [(10, 2)]
+
+
+@pytest.mark.integration
+def test_a_queued_series_trends_as_the_embedded_one(toy, queue_cluster, tmp_path):
+    """`submit --checkpoints` through the real queue: the writer records each checkpoint's run in
+    the series as it opens it, `query trend --series` reads the values the embedded series holds
+    for the same checkpoints, and submitting again queues nothing."""
+    from conftest import invoke_cli
+
+    from headatlas.service.reports.series_queries import trend
+    from headatlas.service.storage.series_rows import steps
+
+    folder, corpus, db = toy
+    two = tmp_path / "two"
+    for name in ("step-000000", "step-000004"):
+        shutil.copytree(folder / name, two / name)
+    args = ["submit", str(corpus), "--checkpoints", str(two), "--name", "queued-toy", *ARGS]
+    done = invoke_cli(*args, "--wait", env=queue_cluster.env)
+    assert done.returncode == 0, done.stderr
+    run_ids = done.stdout.split()
+    assert len(run_ids) == 2 and "checkpoint 2/2: step 4" in done.stderr
+    for run_id in run_ids:
+        assert queue_cluster.wait_status(run_id) == "done"
+    with _read(queue_cluster.db) as conn:
+        got = steps(conn, "queued-toy")
+        assert [(s.step, s.run, s.status, s.run_id) for s in got] == [
+            (0, "queued-toy-step0", "done", int(run_ids[0])),
+            (4, "queued-toy-step4", "done", int(run_ids[1])),
+        ]
+        assert got[1].checkpoint == str((two / "step-000004").resolve())
+        queued = {m: trend(conn, "queued-toy", metric=m, ci=True) for m in ("attn_induction", "attn_to_prev")}
+    with _read(db) as conn:
+        embedded = {m: trend(conn, "toy", metric=m, ci=True) for m in queued}
+    for metric, (columns, rows) in queued.items():
+        assert columns == embedded[metric][0]
+        want = [r for r in embedded[metric][1] if r[0] in (0, 4)]
+        assert len(rows) == len(want) == 2 * TINY.layers * TINY.heads
+        for a, b in zip(rows, want, strict=True):
+            assert (a[0], *a[2:4], a[-1]) == (b[0], *b[2:4], b[-1])
+            assert a[4:-1] == pytest.approx(b[4:-1], rel=1e-5, abs=1e-7), (metric, a, b)
+
+    again = invoke_cli(*args, env=queue_cluster.env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split() == run_ids and again.stderr.count("is already complete: nothing queued") == 2

@@ -84,10 +84,13 @@ def submit(
     only: set[int] | None = None,
     expect_key: str | None = None,
     probe: ProbeSpec | None = None,
+    series: dict | None = None,
     log: Callable[[str], None] = lambda _msg: None,
 ) -> Submission:
     """Queue every batch of the corpus not yet stored nor queued (``only``: just these ids);
-    ``probe``: also queue the synthetic probe (one task) unless the database holds it."""
+    ``probe``: also queue the synthetic probe (one task) unless the database holds it; ``series``:
+    the training series the run is a checkpoint of (name, checkpoints, step, checkpoint), which
+    the writer records as it opens the run (outside the run's key)."""
     from headatlas.service.engine.measure_contract import requested
     from headatlas.service.engine.model import load_model_info
     from headatlas.service.engine.run_plan import run_key, short_name, survey_corpus
@@ -161,6 +164,8 @@ def submit(
         "batches": None,
         "windows": None,
     }
+    if series is not None:
+        meta["series"] = series
     if params.needs_means:
         # the reference windows of mean ablation and attribution patching (SPEC §9): the workers compute the means from them
         meta["effect_reference"] = _reference_windows(spec, loaded, params, text_field=text_field, encoding=encoding)

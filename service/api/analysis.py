@@ -104,15 +104,13 @@ def analyze_series(
     ``effects=[...]``, …; not ``model``). Resumes an interrupted series. Returns the series' steps
     (step, run_id, run); read it with ``connect(db).trend(name, metric)`` and ``.phases(name)``."""
     from headatlas.service.api.tables import Table
-    from headatlas.service.errors import Param, ParameterError
     from headatlas.service.operations.checkpoint_series import analyze_series as run_series
+    from headatlas.service.operations.checkpoint_series import refuse_model
     from headatlas.service.operations.events import ignore
     from headatlas.service.operations.requests import AnalysisRequest
 
     if "model" in options:
-        raise ParameterError(
-            Param("model", options["model"]), " and ", Param("checkpoints", str(checkpoints)), ": pass one of them"
-        )
+        refuse_model(options["model"], str(checkpoints))
     request = AnalysisRequest.build(corpus, db=db, name=name, **options)
     shown = _Shown() if progress else None
     try:

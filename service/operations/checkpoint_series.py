@@ -162,6 +162,11 @@ def series_name(spec: str, name: str | None) -> str:
     return (path if path.is_dir() else path.parent).resolve().name or "series"
 
 
+def refuse_model(model: object, checkpoints: str) -> None:
+    """A model named beside the checkpoints: refused, since each checkpoint is the model."""
+    raise ParameterError(Param("model", str(model)), " and ", Param("checkpoints", checkpoints), ": pass one of them")
+
+
 def run_name(series: str, step: int) -> str:
     """A checkpoint's run: ``<series>-step<N>``."""
     return f"{series}-step{step}"

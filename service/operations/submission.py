@@ -7,7 +7,7 @@ lost, and sending them) is the submitter's, workers/submit.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ from headatlas.service.operations.requests import QueuedAnalysis
 
 if TYPE_CHECKING:
     from headatlas.service.config import Settings
+    from headatlas.service.operations.checkpoint_series import Checkpoint
     from headatlas.service.schedules import Cadence
     from headatlas.service.storage.schedule_store import Schedule
     from headatlas.workers.submit import Submission
@@ -37,11 +38,13 @@ def submit(
     writer_wait_s: float,
     events: Sink = ignore,
     only: set[int] | None = None,
+    series: dict | None = None,
 ) -> Submission:
     """Queue every batch of ``request``'s corpus not yet stored nor queued (``only``: just these
     batch ids, a re-submission), after its checks. ``events`` hears what the submitter says as it
     plans, and a name asked that the run does not take (the queue never writes the database: an
-    existing run keeps its name)."""
+    existing run keeps its name). ``series``: the training series the run is a checkpoint of, which
+    the writer records as it opens the run (``submit_series``)."""
     from headatlas.workers.submit import submit as queue
 
     if request.corpus.is_stdin:
@@ -61,11 +64,61 @@ def submit(
         writer_wait_s=writer_wait_s,
         probe=request.probe,
         only=only,
+        series=series,
         log=lambda said: events(Notice((said,))),
     )
     if only is None and request.name is not None and sub.name != request.name:
         events(NameKept(sub.name, request.name))
     return sub
+
+
+@dataclass(frozen=True)
+class QueuedCheckpoint:
+    """One checkpoint of a series queued: its ``request`` (the checkpoint's model and run name),
+    the ``series`` the writer records it in, and what its submission queued."""
+
+    checkpoint: Checkpoint
+    request: QueuedAnalysis
+    series: dict
+    submission: Submission
+
+    def again(self, settings: Settings, *, writer_wait_s: float, only: set[int] | None = None) -> Submission:
+        """The same checkpoint submitted again (``only``: just these batch ids), in its series."""
+        return submit(self.request, settings, writer_wait_s=writer_wait_s, only=only, series=self.series)
+
+
+def submit_series(
+    request: QueuedAnalysis,
+    checkpoints: str,
+    settings: Settings,
+    *,
+    writer_wait_s: float,
+    events: Sink = ignore,
+) -> list[QueuedCheckpoint]:
+    """Queue ``request``'s corpus once per checkpoint ``checkpoints`` names (its ``model`` is not
+    read), each as a run ``<series>-step<N>`` on the same windows, after the checks of ``analyze
+    --checkpoints`` (steps, one tokenizer; service/operations/checkpoint_series.py). The series
+    ``request.name`` (default: the checkpoints' folder) is recorded by the writer as it opens each
+    run; submitting again queues only what is missing, a finished checkpoint nothing."""
+    from headatlas.service.operations.checkpoint_series import (
+        check_tokenizers,
+        checkpoints_of,
+        fetched,
+        run_name,
+        series_name,
+    )
+
+    found = [fetched(c) for c in checkpoints_of(checkpoints)]
+    check_tokenizers(found)
+    name = series_name(checkpoints, request.name)
+    done = []
+    for index, checkpoint in enumerate(found):
+        events(Notice((f"checkpoint {index + 1}/{len(found)}: step {checkpoint.step} ({checkpoint.label})",)))
+        series = {"name": name, "checkpoints": checkpoints, "step": checkpoint.step, "checkpoint": checkpoint.label}
+        asked = replace(request, model=checkpoint.model, name=run_name(name, checkpoint.step))
+        sub = submit(asked, settings, writer_wait_s=writer_wait_s, events=events, series=series)
+        done.append(QueuedCheckpoint(checkpoint, asked, series, sub))
+    return done
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from headatlas.service.errors import RunDeleted, RunNotFound, StoreError
 from headatlas.service.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage import db
 from headatlas.service.storage.runs import Run, now, resolve_run, run_columns, run_is_there
+from headatlas.service.storage.series_rows import add_step, ensure_series
 from headatlas.service.storage.store import Store
 
 DONE, FAILED = sql(BatchStatus.DONE), sql(BatchStatus.FAILED)
@@ -78,9 +79,11 @@ def open_run(store: Store, meta: dict, *, opened: int | None = None) -> tuple[Ru
     """Create the queued run described by ``meta`` (or find it) and record its batch plan.
 
     ``meta``: run_key, name, corpus, corpus_fingerprint, model (describe()), params, device,
-    batch_size, batches, windows. A run already planned keeps its plan. ``opened``: the id a
-    writer already gave the run; it is never created again. ``RunDeleted`` when the run is no
-    longer in the database (`runs delete` came first, or between this function's transactions).
+    batch_size, batches, windows; ``series`` (name, checkpoints, step, checkpoint) where the run is
+    a checkpoint of a training series, recorded in the plan's transaction (``series_rows.add_step``).
+    A run already planned keeps its plan. ``opened``: the id a writer already gave the run; it is
+    never created again. ``RunDeleted`` when the run is no longer in the database (`runs delete`
+    came first, or between this function's transactions).
     """
     if opened is None:
         run, _ = store.find_or_create_run(
@@ -119,6 +122,10 @@ def open_run(store: Store, meta: dict, *, opened: int | None = None) -> tuple[Ru
                 {"r": run.run_id, "b": meta["batches"], "w": meta["windows"]},
             )
         plan = plan_of(conn, run.run_id)
+        series = meta.get("series")
+        if series is not None:  # a checkpoint of a training series (submit --checkpoints): recorded with its run
+            sid = ensure_series(conn, series["name"], series["checkpoints"])
+            add_step(conn, sid, int(series["step"]), series["checkpoint"], run.run_id)
         startable = (RunStatus.CREATED, RunStatus.INTERRUPTED)
         if run.status in startable:
             conn.execute(
