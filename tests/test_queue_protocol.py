@@ -17,6 +17,7 @@ from headatlas.workers.messages import (
     OpenRun,
     ProbeScores,
     ReopenFailed,
+    SeriesStep,
     Undecodable,
     decode,
     encode,
@@ -29,6 +30,7 @@ EVERY_KIND = [
     BatchFailed(DB, "run-a", 4, 3, "ValueError: no"),
     ReopenFailed(DB, "run-a"),
     ProbeScores(DB, "run-a", 16, 4, 7, {"induction_score": [[0.5, 0.25]]}),
+    SeriesStep(DB, "run-a", "toy", "ckpt/", 1000, "ckpt/step-1000"),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 from conftest import QUEUE_CLUSTER_GROUP
@@ -318,3 +319,18 @@ def test_a_queued_series_trends_as_the_embedded_one(toy, queue_cluster, tmp_path
     again = invoke_cli(*args, env=queue_cluster.env)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split() == run_ids and again.stderr.count("is already complete: nothing queued") == 2
+    # the finished runs submitted as another series: nothing queued, the writer records them in it
+    args[args.index("queued-toy")] = "queued-toy-again"
+    again = invoke_cli(*args, env=queue_cluster.env)
+    assert again.returncode == 0 and again.stdout.split() == run_ids, again.stderr
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with _read(queue_cluster.db) as conn:
+                recorded = [(s.step, s.run_id) for s in steps(conn, "queued-toy-again")]
+        except RunNotFound:  # not yet
+            recorded = []
+        if len(recorded) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert recorded == [(0, int(run_ids[0])), (4, int(run_ids[1]))]

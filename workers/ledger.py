@@ -539,7 +539,7 @@ class Ledger:
         self.r.rpush(INGEST, encode(message))
 
     def send_to_writer(self, kind: str, **fields) -> None:
-        """The message of kind ``kind`` (open_run, ingest, failed, reopen, probe) with ``fields``,
+        """The message of kind ``kind`` (open_run, ingest, failed, reopen, probe, series_step) with ``fields``,
         for this database (``messages.of_kind``)."""
         self.send(of_kind(kind, database_id=self.database_id, **fields))
 

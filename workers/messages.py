@@ -97,9 +97,27 @@ class ProbeScores:
     scores: dict[str, list]
 
 
-Message = OpenRun | BatchAnalysed | BatchFailed | ReopenFailed | ProbeScores
+@dataclass(frozen=True)
+class SeriesStep:
+    """A run the database holds finished, submitted as the checkpoint of ``step`` of the training
+    series ``series`` (``submit --checkpoints``; ``checkpoints``: what named them): the writer
+    records it in the series, since the submitter does not write the database."""
+
+    kind: ClassVar[str] = "series_step"
+    VERSION: ClassVar[int] = 1
+    database_id: str
+    run_key: str
+    series: str
+    checkpoints: str
+    step: int
+    checkpoint: str
+
+
+Message = OpenRun | BatchAnalysed | BatchFailed | ReopenFailed | ProbeScores | SeriesStep
 BatchMessage = BatchAnalysed | BatchFailed  # a batch's outcome: consecutive ones share a transaction
-TYPES: dict[str, type[Message]] = {t.kind: t for t in (OpenRun, BatchAnalysed, BatchFailed, ReopenFailed, ProbeScores)}
+TYPES: dict[str, type[Message]] = {
+    t.kind: t for t in (OpenRun, BatchAnalysed, BatchFailed, ReopenFailed, ProbeScores, SeriesStep)
+}
 
 _CHECKS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "dict[str, list]": (dict,)}
 

@@ -26,7 +26,7 @@ from headatlas.service.statuses import BatchStatus, RunStatus, sql
 from headatlas.service.storage.backends import open_backend
 from headatlas.service.wording import counted
 from headatlas.workers.ledger import Ledger, connect
-from headatlas.workers.messages import OpenRun
+from headatlas.workers.messages import OpenRun, SeriesStep
 from headatlas.workers.policy import WRITER_POLL_S
 
 if TYPE_CHECKING:
@@ -134,6 +134,17 @@ def submit(
         _queue_probe, settings, ledger, key, probe, model=model, dtype=dtype, loaded=loaded, readable=readable
     )
     if stored_run is not None and stored_run.status == RunStatus.DONE and only is None:
+        if series is not None:  # finished before, maybe in no series or another: the writer records it in this one
+            ledger.send(
+                SeriesStep(
+                    ledger.database_id,
+                    key,
+                    series["name"],
+                    series["checkpoints"],
+                    int(series["step"]),
+                    series["checkpoint"],
+                )
+            )
         return Submission(
             key,
             run_name,

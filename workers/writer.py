@@ -54,6 +54,7 @@ from headatlas.workers.messages import (
     OpenRun,
     ProbeScores,
     ReopenFailed,
+    SeriesStep,
     Undecodable,
     decode,
     unhandled,
@@ -318,6 +319,8 @@ class Writer(GroupIngest, Sweeps, Pauses):
                     queue_store.reopen_failed(self.store, run_id)
             elif isinstance(msg, ProbeScores):
                 self._store_probe(msg)
+            elif isinstance(msg, SeriesStep):
+                self._series_step(msg)
             else:
                 unhandled(msg)  # mypy refuses a message type without a branch
         self._store_group(group)
@@ -341,6 +344,15 @@ class Writer(GroupIngest, Sweeps, Pauses):
             raise
         except Exception:  # noqa: BLE001 - a probe the database refuses must not stop the writer
             log.exception("run %s: the probe's scores could not be stored", run_key)
+
+    def _series_step(self, msg: SeriesStep) -> None:
+        """A finished run submitted again as a checkpoint of a series: recorded in it, in one
+        transaction (a run deleted meanwhile is not)."""
+        series = {"name": msg.series, "checkpoints": msg.checkpoints, "step": msg.step, "checkpoint": msg.checkpoint}
+        with self.store.write() as conn:
+            run = queue_store.find_run_by_key(conn, msg.run_key)
+            if run is not None:
+                queue_store.add_series_step(conn, run.run_id, series)
 
     def _not_ours(self, msg: Message) -> None:
         """A message for another database (its writer was replaced): never stored here. Its

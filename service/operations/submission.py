@@ -99,7 +99,8 @@ def submit_series(
     read), each as a run ``<series>-step<N>`` on the same windows, after the checks of ``analyze
     --checkpoints`` (steps, one tokenizer; service/operations/checkpoint_series.py). The series
     ``request.name`` (default: the checkpoints' folder) is recorded by the writer as it opens each
-    run; submitting again queues only what is missing, a finished checkpoint nothing."""
+    run; submitting again queues only what is missing (a finished checkpoint nothing: the writer
+    records its run in the series named, ``SeriesStep``)."""
     from headatlas.service.operations.checkpoint_series import (
         check_tokenizers,
         checkpoints_of,

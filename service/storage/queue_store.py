@@ -122,10 +122,8 @@ def open_run(store: Store, meta: dict, *, opened: int | None = None) -> tuple[Ru
                 {"r": run.run_id, "b": meta["batches"], "w": meta["windows"]},
             )
         plan = plan_of(conn, run.run_id)
-        series = meta.get("series")
-        if series is not None:  # a checkpoint of a training series (submit --checkpoints): recorded with its run
-            sid = ensure_series(conn, series["name"], series["checkpoints"])
-            add_step(conn, sid, int(series["step"]), series["checkpoint"], run.run_id)
+        if meta.get("series") is not None:  # a checkpoint of a training series (submit --checkpoints)
+            add_series_step(conn, run.run_id, meta["series"])
         startable = (RunStatus.CREATED, RunStatus.INTERRUPTED)
         if run.status in startable:
             conn.execute(
@@ -148,6 +146,13 @@ def open_run(store: Store, meta: dict, *, opened: int | None = None) -> tuple[Ru
         return store.get_run(run.run_id), plan
     except RunNotFound:
         raise RunDeleted(run.run_id) from None
+
+
+def add_series_step(conn: Connection, run_id: int, series: dict) -> None:
+    """Record ``run_id`` in a training series as ``series`` (name, checkpoints, step, checkpoint)
+    describes it: the series made when it is new, the step replaced when it held another run."""
+    found = ensure_series(conn, series["name"], series["checkpoints"])
+    add_step(conn, found, int(series["step"]), series["checkpoint"], run_id)
 
 
 def plan_of(conn: Connection, run_id: int) -> Plan | None:
