@@ -44,6 +44,7 @@ EVERY_OPTION = {
     "objective": (["--objective", "embedding_drift"], "embedding_drift"),
     "measures": (["--measures", "punct_pairs"], ["punct_pairs"]),  # the test plugins' measure
     "csm_bin": (["--csm-bin", "4"], 4),
+    "examples": (["--examples", "2"], 2),
     "max_windows": (["--max-windows", "3"], 3),
     "probe": (["--probe"], True),
     "probe_length": (["--probe-length", "6"], 6),
@@ -153,6 +154,7 @@ def test_every_option_of_analyze_is_a_keyword_of_the_python_api(tmp_path):
         4,
         "block:2",
     )
+    assert params["examples"] == 2
     assert (params["attribution"], params["attribution_windows"], params["mixing"]) == (True, 1, ["rollout", "norm"])
     assert {r["method"] for r in mine["every"]["mixing_metrics"]} == {"attention", "attribution", "rollout", "norm"}
     assert len(mine["every"]["probe_scores"]) == 2 * 4

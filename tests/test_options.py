@@ -52,6 +52,7 @@ OFFERED = {
         "effect_reference",
         "objective",
         "measures",  # nothing stored
+        "examples",  # nothing stored: one window is the example
     },
     ("demo",): {"model", "device", "batch_size"},
 }

@@ -382,11 +382,13 @@ class HeadExamples(Measure):
 
         # the head statistics measure ran first on this layer (the registry's order)
         whole = attn if isinstance(attn, torch.Tensor) else None  # row blocks: no whole map to search
-        if not layer:
-            ctx.state[f"{self.name}.weight"] = attention_weight(ctx.feats)
-        weight = ctx.state[f"{self.name}.weight"]
-        buffer = None
-        if whole is not None:  # one buffer for the product of every layer's map with the weights
+        weight = buffer = None
+        if whole is not None:  # the weights made once per batch, one buffer for every layer's products
+            # (a batch of long windows, whose attention comes in row blocks, makes neither: each is
+            # as large as one head's map of the batch)
+            weight = ctx.state.get(f"{self.name}.weight")
+            if weight is None:
+                weight = ctx.state[f"{self.name}.weight"] = attention_weight(ctx.feats)
             buffer = ctx.state.get(f"{self.name}.buffer")
             if buffer is None or buffer.shape[1:] != whole.shape[1:] or buffer.dtype != whole.dtype:
                 buffer = ctx.state[f"{self.name}.buffer"] = attention_buffer(whole)
