@@ -18,7 +18,7 @@ def tokenizer(real_model):
 def test_derived_once_per_tokenizer_and_equal_to_deriving_afresh(tokenizer):
     from headatlas.service.engine import fingerprints, windows
 
-    fresh_mask = windows._word_token_mask.__wrapped__(tokenizer)
+    fresh_mask = windows._judge_words(tokenizer)
     fresh_print = fingerprints.tokenizer_fingerprint.__wrapped__(tokenizer)
     first = windows.word_token_mask(tokenizer)
     assert torch.equal(first, fresh_mask)
@@ -37,4 +37,22 @@ def test_a_token_added_derives_them_again(tokenizer):
     after_mask = windows.word_token_mask(tokenizer)
     assert fingerprints.tokenizer_fingerprint(tokenizer) != before_print
     assert after_mask.shape[0] == before_mask.shape[0] + 1 and bool(after_mask[-1])
-    assert torch.equal(after_mask, windows._word_token_mask.__wrapped__(tokenizer))
+    assert torch.equal(after_mask, windows._judge_words(tokenizer))
+
+
+def test_the_same_vocabulary_loaded_again_is_judged_once(tokenizer, monkeypatch):
+    """A second object of the same tokenizer (a model loaded again) reuses the judged mask; one whose
+    vocabulary differs (a token added) is judged afresh."""
+    from headatlas.service.engine import windows
+
+    judged = []
+    judge = windows._judge_words
+    monkeypatch.setattr(windows, "_judge_words", lambda t: judged.append(t) or judge(t))
+    monkeypatch.setattr(windows, "_MASKS", {})
+    first = windows.word_token_mask(tokenizer)
+    again = copy.deepcopy(tokenizer)  # another object, the same vocabulary
+    assert torch.equal(windows.word_token_mask(again), first) and judged == [tokenizer]
+    again.add_tokens(["qqzzother"])
+    grown = windows.word_token_mask(again)
+    assert judged == [tokenizer, again] and grown.shape[0] == first.shape[0] + 1
+    assert torch.equal(grown, judge(again))
