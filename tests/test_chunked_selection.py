@@ -184,5 +184,8 @@ def test_head_statistics_rerank_near_constant_heads_alike_with_and_without_chunk
         for key in whole:
             if key == "sim_sum_high":  # float64 sums of the same float32 values, in another order
                 assert torch.allclose(whole[key], chunked[key], rtol=1e-6), key
+            elif key == "top_pair_value":  # the same pair's C_ij from a float32 product of another
+                # shape: BLAS kernels may round it differently in the last bit (AMD EPYC, 3 rows)
+                assert torch.allclose(whole[key], chunked[key], rtol=1e-6, atol=0), (key, rows)
             else:
                 assert torch.equal(whole[key], chunked[key]), (key, rows)
