@@ -47,7 +47,14 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 os.environ.setdefault("HEADATLAS_DUCKDB_THREADS", "1")
 # the cores are shared among pytest-xdist's workers when the suite runs in several (-n N)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+_TORCH_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_TORCH_THREADS)
+# and in every process the tests start (console scripts, servers): torch's OpenMP threads spin while
+# they wait for work, so where three workers and their children share two cores a second thread in
+# each costs CPU, not time (a tiny `analyze --effects` as a console script beside the suite: 15-23 s
+# of CPU with two threads, 6.5 s with one, and 8 s of wall-clock time against 18-25). OpenMP reads it
+# once, as torch loads: the queue's launcher sets it for its children already.
+os.environ.setdefault("OMP_NUM_THREADS", str(_TORCH_THREADS))
 
 
 _BUILD_COMMAND = typer.testing._get_command
