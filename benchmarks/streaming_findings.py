@@ -15,8 +15,10 @@ tokens, each cut to its first 2,047 (a decoder window is BOS + 2,047 tokens), wr
 3. ``headatlas effects streaming-N --streaming --sink S --recent W --windows K`` (N: ``--stream-at``,
    K: ``--windows``): every KV head's streaming effect on K of that run's windows, with its
    jackknife interval over them. By default on the 128-token windows: the restarts of one
-   2,048-token window cost about 46 forward passes of 2,048 tokens (some 13 CPU minutes on two
-   cores), of a 128-token window about 46 passes of 128.
+   2,048-token window cost about 46 forward passes of 2,048 tokens (roughly 27 CPU minutes on two
+   cores, 2026-12-06: ``--stream-at 2048 --windows 2``, one batch, two fifths done in 21), of a
+   128-token window about 46 passes of 128. At 2,048 each window is its own replicate group: K = 2
+   gives intervals on one degree of freedom, K = 3 is the fewest worth running.
 
 Per relative depth (the layers in thirds: early, middle, late), from what the runs stored:
 - KV heads that can stream: the interval of their streaming effect lies below ``--x`` (in nats of

@@ -1,7 +1,8 @@
 """docs/findings.md's section on streaming heads and the seed's long-range claim (SPEC §10), set
 against what benchmarks/streaming_findings.py printed (docs/findings-output-streaming.md, copied
-verbatim into the page): the verdict, the windows measured, and each depth's KV heads that can
-stream. Nothing is measured here: when the numbers change, run the script and rewrite the prose."""
+verbatim into the page): the verdict, each part's reading, the windows measured, and each depth's
+KV heads that can stream. Nothing is measured here: when the numbers change, run the script and
+rewrite the prose."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def test_the_page_holds_the_output_verbatim():
 def test_the_verdict_is_the_outputs():
     (verdict,) = found(r"Verdict on the seed's long-range claim: (\w+)", OUTPUT)
     assert found(r"The verdict: \*\*(\w+)\*\*", section()) == (verdict,)
+
+
+def test_each_parts_reading_is_the_outputs():
+    for part, opening in (("a", "**KV heads that can stream at"), ("b", "**Long-range lift")):
+        (reading,) = found(rf"- \({part}\) [^:]+: (\w+)", OUTPUT)
+        start = section().index(f"- {opening}")
+        bullet = section()[start : section().index("\n- ", start)]
+        assert found(rf"Part \({part}\): \*\*(\w+)\*\*", bullet) == (reading,), part
 
 
 def test_the_windows_are_the_outputs():
