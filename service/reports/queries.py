@@ -270,7 +270,7 @@ def heads(
         LIMIT :limit
     """
     params = {"layer": layer}
-    rows = fetch_rows(conn, sql, {"run": run_id, "limit": top or 1_000_000, "n_anchors": anchors, **params})
+    rows = _head_rows(conn, sql, run_id, anchors, (tuple(columns), layer, sort, top, ascending), params)
     if anchors and byte_level_run(conn, run_id):
         names, values = rows
         ai = names.index("top_anchors")
@@ -288,6 +288,29 @@ def heads(
             with_df=with_df,
         )
     return for_attention(conn, run_id, rows)
+
+
+def _head_rows(conn: Connection, sql: str, run_id: int, anchors: int, asked: tuple, params: dict) -> Rows:
+    """The rows of ``heads``' statement ``sql``. Within ``shared_reads`` (a finished run's
+    derivation), a read with anchors is kept, and one that asks the same (``asked``) without
+    anchors (the role tests') takes its rows with ``top_anchors`` NULL: the same values of the same
+    views, without a second plan of their chain."""
+    from headatlas.service.reports.query_support import shared_cache
+
+    cache = shared_cache()
+    key = ("heads", run_id, *asked)
+    kept = cache.get(key) if cache is not None else None
+    if kept is not None and kept[0] == anchors:
+        names, values = kept[1]
+        return list(names), list(values)
+    if kept is not None and not anchors:
+        names, values = kept[1]
+        ai = names.index("top_anchors")
+        return list(names), [(*r[:ai], None, *r[ai + 1 :]) for r in values]
+    rows = fetch_rows(conn, sql, {"run": run_id, "limit": asked[3] or 1_000_000, "n_anchors": anchors, **params})
+    if cache is not None and anchors:
+        cache[key] = (anchors, rows)
+    return rows
 
 
 def byte_level_run(conn: Connection, run_id: int) -> bool:

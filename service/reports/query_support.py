@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any, cast
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -117,7 +118,14 @@ def with_intervals(
 
 
 # Within ``shared_reads``: each replicate view's rows of a run, read once (view, run) → (columns, rows)
-_SHARED: ContextVar[dict[tuple[str, int], Rows] | None] = ContextVar("shared_replicate_rows", default=None)
+# (and other reads keyed by a tuple that starts with a reader's name: ``shared_cache``)
+_SHARED: ContextVar[dict[tuple, Any] | None] = ContextVar("shared_replicate_rows", default=None)
+
+
+def shared_cache() -> dict[tuple, Any] | None:
+    """Within ``shared_reads``, the reads kept for the readers that follow (keys: tuples that
+    start with the reader's name); None outside it."""
+    return _SHARED.get()
 
 
 @contextmanager
@@ -138,7 +146,7 @@ def replicate_view(conn: Connection, view: str, keys: tuple[str, ...], run_id: i
     ``keys`` then ``drop_rep``; read once within ``shared_reads``."""
     shared = _SHARED.get()
     if shared is not None and (view, run_id) in shared:
-        return shared[(view, run_id)]
+        return cast(Rows, shared[(view, run_id)])
     rows = fetch_rows(
         conn,
         f"SELECT * EXCLUDE (run_id) FROM {view} WHERE run_id = :run ORDER BY {', '.join(keys)}, drop_rep",

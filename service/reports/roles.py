@@ -64,7 +64,13 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_su
         return list(COLUMNS), out
     # the probe is one per run: each half reads the run's probe scores
     probes = {(d["layer"], d["head"]): {k: d.get(k) for k in PROBE_SCORES} for d in dicts}
-    held = [_held_on(conn, run_id, half, context["causal"], probes) for half in halves.split(groups)]
+    # both halves from one plan of the view chain (``halves.subsets_head_rows``); under 2 groups, no test
+    tested = [half for half in halves.split(groups) if len(half) >= 2]
+    found = iter(halves.subsets_head_rows(conn, run_id, tested, ROLE_METRICS) if tested else [])
+    held = [
+        _held_on(next(found), len(half), context["causal"], probes) if len(half) >= 2 else None
+        for half in halves.split(groups)
+    ]
     ri = COLUMNS.index("role")
     marked = []
     for r in out:
@@ -76,13 +82,11 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_su
 
 
 def _held_on(
-    conn: Connection, run_id: int, groups: list[int], causal: bool, probes: Mapping[tuple, Mapping]
-) -> set[tuple] | None:
-    """The (layer, head, role) earned on ``groups`` alone; None where they are too few to test
-    (under 2 groups: no interval). ``probes``: the run's probe scores per (layer, head)."""
-    if len(groups) < 2:
-        return None
-    columns, rows, context = halves.head_rows(conn, run_id, groups, ROLE_METRICS)
+    found: tuple[list[str], list[tuple], dict], groups: int, causal: bool, probes: Mapping[tuple, Mapping]
+) -> set[tuple]:
+    """The (layer, head, role) earned on a subset of ``groups`` replicate groups alone, from its
+    rows (``halves.subsets_head_rows``). ``probes``: the run's probe scores per (layer, head)."""
+    columns, rows, context = found
     dicts = [{**dict(zip(columns, r)), **probes.get((r[0], r[1]), {})} for r in rows]
-    held = assign(dicts, {**context, "causal": causal}, groups=len(groups))
+    held = assign(dicts, {**context, "causal": causal}, groups=groups)
     return {(r[0], r[1], r[2]) for r in held if r[2] != NONE}
