@@ -157,7 +157,7 @@ def main(argv=None) -> None:
                 label = f"streaming effects, layers {args.layers} ({how})"
             r = measure(job, args.limit_gib)
             ratio = f"{r['peak_gib'] / args.limit_gib:.2f}" if args.limit_gib > 0 else ""
-            said = "ok" if r["error"] is None else f"failed: {r['error']}"
+            said = "ok" if r["error"] is None else "failed: " + " ".join(r["error"].split())  # one table row
             print(f"| {label} | {r['peak_gib']:.2f} | {ratio} | {r['cpu_s']:.0f} | {said} |", flush=True)
 
 

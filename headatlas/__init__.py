@@ -29,6 +29,26 @@ if not (_here / "service").is_dir() and (_here.parent / "service" / "__init__.py
     __path__.append(str(_here.parent))
 
 
+def _arrow_from_the_system_under_a_cap() -> None:
+    # Under an address-space cap (RLIMIT_AS: `prlimit --as`, `ulimit -v`) Arrow allocates from the
+    # system allocator: its default, mimalloc, reserves 1 GiB of address space at its first
+    # allocation (DuckDB's first scan of an Arrow table makes one), which the cap counts although
+    # little of it is filled; storing a 4,096-token window of SmolLM2 under a 6 GiB cap then failed
+    # (docs/benchmarks.md, "Long windows"). Arrow reads the variable once, as it loads: set here,
+    # before anything imports it. Without a cap, or where the variable is set already, no change.
+    try:
+        import resource
+    except ImportError:  # not POSIX: no such cap
+        return
+    import os
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft > 0:
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+
+_arrow_from_the_system_under_a_cap()
+
 _LAZY = ("analyze", "analyze_series", "compare", "connect", "effects", "inspect")
 
 

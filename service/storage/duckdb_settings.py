@@ -32,19 +32,42 @@ def duckdb_config(**settings: Any) -> dict[str, Any]:
 # The share of the process's address-space cap (RLIMIT_AS, as `prlimit --as` or `ulimit -v` sets it)
 # DuckDB may take: its default, 80 % of the machine's memory, knows nothing of the cap, and a large
 # GROUP BY (compacting the 43 million cells of a 4,096-token window's averaged similarity matrices)
-# then fails to allocate instead of spilling to disk. The model and its tensors share the same cap.
+# then fails to allocate instead of spilling to disk. The model and its tensors share the same cap,
+# and what they hold when a connection opens is taken first: DuckDB gets at most
+# ``CAPPED_ROOM_SHARE`` of the address space still free then (its allocator reserves more address
+# space than it fills; a 4,096-token window of SmolLM2 leaves about 1.5 GiB of a 6 GiB cap free
+# when it is stored, less than a quarter of the cap)
 CAPPED_MEMORY_SHARE = 0.25
+CAPPED_ROOM_SHARE = 0.4
+CAPPED_MEMORY_FLOOR = 64 << 20
 
 
-def capped_memory() -> str | None:
-    """DuckDB's ``memory_limit`` under an address-space cap (``CAPPED_MEMORY_SHARE`` of it), or
-    None where the process has none."""
+def address_space() -> tuple[int, int] | None:
+    """This process's address-space cap (``RLIMIT_AS``, soft) and what it maps now (its virtual
+    size, what the cap counts), in bytes; None where it has no cap."""
     import resource
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY or soft <= 0:
         return None
-    return f"{max(64, int(soft * CAPPED_MEMORY_SHARE) >> 20)}MiB"
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # not Linux: the cap alone
+        used = 0
+    return soft, used
+
+
+def capped_memory() -> str | None:
+    """DuckDB's ``memory_limit`` under an address-space cap: ``CAPPED_MEMORY_SHARE`` of it, and
+    no more than ``CAPPED_ROOM_SHARE`` of what is still free of it (at least 64 MiB); None where
+    the process has none."""
+    space = address_space()
+    if space is None:
+        return None
+    cap, used = space
+    limit = min(int(cap * CAPPED_MEMORY_SHARE), int(max(0, cap - used) * CAPPED_ROOM_SHARE))
+    return f"{max(CAPPED_MEMORY_FLOOR, limit) >> 20}MiB"
 
 
 # HEADATLAS_DUCKDB_THREADS, declared here (a leaf of the storage package) and among the settings

@@ -88,6 +88,8 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
     tables = batch_tables(run_id, fresh)
     tables.update(mixing_tables(run_id, fresh))
     tables.update(example_tables(run_id, fresh))  # the heads' top examples (migration 0021)
+    # a stream of record batches (csm_bins) is inserted one batch per statement (insert_stream)
+    streams = {name: tables.pop(name) for name in list(tables) if isinstance(tables[name], pa.RecordBatchReader)}
     try:
         for name, table in tables.items():
             raw.register(f"_in_{name}", table)
@@ -130,6 +132,8 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
         ):
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
+            elif name in streams:
+                insert_stream(conn, name, streams[name])
         for name in MIXING_TABLES:
             if name in tables:
                 conn.exec_driver_sql(f"INSERT INTO {name} BY NAME SELECT * FROM _in_{name}")
@@ -155,6 +159,26 @@ def ingest_batch_ids(conn: Connection, run_id: int, items: list[tuple[int, Batch
         for name in tables:
             raw.unregister(f"_in_{name}")
     return fresh_ids
+
+
+def insert_stream(conn: Connection, table: str, stream: pa.RecordBatchReader) -> int:
+    """Insert ``stream``'s record batches into ``table``, one ``INSERT`` a batch, in the caller's
+    transaction; returns the rows inserted. One statement reading the whole stream kept every
+    record batch it had read alive until it ended: the 43 million ``csm_bins`` cells of a
+    4,096-token window (about 3 GB of Arrow columns) were all held at once, and under a 6 GiB
+    address-space cap the insert failed (docs/benchmarks.md, "Long windows"). A batch at a time,
+    what DuckDB holds is the table's own blocks, which its memory limit bounds."""
+    raw = db.driver_connection(conn)
+    name = f"_in_{table}"
+    rows = 0
+    for batch in stream:
+        raw.register(name, batch)
+        try:
+            conn.exec_driver_sql(f"INSERT INTO {table} BY NAME SELECT * FROM {name}")
+        finally:
+            raw.unregister(name)
+        rows += batch.num_rows
+    return rows
 
 
 def reserve_batches(conn: Connection, run_id: int, batch_ids: list[int]) -> int:
