@@ -234,7 +234,9 @@ def test_halves_in_one_statement_and_a_derivation_as_before(which, request, monk
     """``subsets_head_rows`` (both halves from one plan of the view chain, each half a pseudo run)
     against ``head_rows`` one half at a time, and a finished run's whole derivation either way: a
     tiny run's, and the run by hand's (whose roles hold on one half or both); the old way also
-    reads the role tests' heads again rather than from the heads the derivation read first.
+    reads the heads and the layers with their own statements (``head_metrics``, ``layer_metrics``)
+    rather than from the ``*_reps`` rows the derivation reads for their intervals, and the role
+    tests' heads again.
     One DuckDB thread: with more, the views' sums of the ``*_dm`` chances (a join's rows summed in
     the order they arrive) differ in their last bits between two runs of the same statement.
     Bit for bit: every column of every half but those, whose order follows the run id's hash (the
@@ -258,7 +260,7 @@ def test_halves_in_one_statement_and_a_derivation_as_before(which, request, monk
                     "subsets_head_rows",
                     lambda conn, run, subsets, metrics: [halves.head_rows(conn, run, h, metrics) for h in subsets],
                 )
-                m.setattr(query_support, "shared_cache", lambda: None)  # the role tests' heads read again
+                m.setattr(query_support, "shared_cache", lambda: None)  # heads and layers by their own statements
                 old = stored.derive(conn, ids[0])
         finally:
             conn.execute(text("RESET threads"))

@@ -4,6 +4,7 @@ sentence boundaries. Returns (columns, rows).
 
 from __future__ import annotations
 
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.metrics import COLUMNS
@@ -37,7 +38,11 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
-    rows = fetch_rows(conn, sql, {"run": run_id})
+    from headatlas.service.reports.query_support import shared_cache
+
+    rows = (
+        _layers_from_reps(conn, run_id) if ci and shared_cache() is not None else fetch_rows(conn, sql, {"run": run_id})
+    )
     if ci:
         columns, values = rows
         rows = with_intervals(
@@ -49,6 +54,25 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
         )
         rows = (rows[0] + columns[len(LAYER_COLUMNS) :], [a + b[len(LAYER_COLUMNS) :] for a, b in zip(rows[1], values)])
     return for_attention(conn, run_id, rows)
+
+
+def _layers_from_reps(conn: Connection, run_id: int) -> Rows:
+    """``layers``' rows within ``shared_reads`` (a finished run's derivation): ``layer_metrics`` is
+    ``layer_metrics_reps`` at ``drop_rep = -1``, whose rows the intervals read anyway
+    (``replicate_view``), so the values come from them (one plan of the view chain fewer) and
+    only the anchors' distinctness is read here."""
+    from headatlas.service.reports.query_support import replicate_view
+
+    names, every = replicate_view(conn, "layer_metrics_reps", ("layer",), run_id)
+    drop, li = names.index("drop_rep"), names.index("layer")
+    picked = [names.index(c) for c in LAYER_COLUMNS]
+    found = conn.execute(
+        text("SELECT layer, distinct_anchor_ratio FROM anchor_distinctness WHERE run_id = :run"), {"run": run_id}
+    )
+    ratio: dict[int, float | None] = {r[0]: r[1] for r in found}
+    return [*LAYER_COLUMNS, "anchor_distinct_share"], [
+        (*(r[i] for i in picked), ratio.get(r[li])) for r in every if r[drop] == -1
+    ]
 
 
 def boundaries(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:

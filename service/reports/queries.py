@@ -307,10 +307,47 @@ def _head_rows(conn: Connection, sql: str, run_id: int, anchors: int, asked: tup
         names, values = kept[1]
         ai = names.index("top_anchors")
         return list(names), [(*r[:ai], None, *r[ai + 1 :]) for r in values]
-    rows = fetch_rows(conn, sql, {"run": run_id, "limit": asked[3] or 1_000_000, "n_anchors": anchors, **params})
+    columns, layer, sort, top, _ = asked
+    if cache is not None and layer is None and sort is None and top is None:
+        rows = _heads_from_reps(conn, run_id, columns, anchors)
+    else:
+        rows = fetch_rows(conn, sql, {"run": run_id, "limit": top or 1_000_000, "n_anchors": anchors, **params})
     if cache is not None and anchors:
         cache[key] = (anchors, rows)
     return rows
+
+
+def _heads_from_reps(conn: Connection, run_id: int, columns: Sequence[str], anchors: int) -> Rows:
+    """``heads``' rows of every head in layer and head order, within ``shared_reads``: ``head_metrics``
+    is ``head_metrics_reps`` at ``drop_rep = -1``, and the derivation reads those rows anyway for
+    the intervals (``replicate_view``), so its values come from them (one plan of the view chain
+    fewer) and only the anchors and the probe's scores are read here."""
+    from headatlas.service.reports.query_support import replicate_view
+
+    names, every = replicate_view(conn, "head_metrics_reps", ("layer", "head"), run_id)
+    drop = names.index("drop_rep")
+    picked = [names.index(c) for c in columns]
+    ranked: dict[tuple, str | None] = {}
+    if anchors:
+        found = conn.execute(
+            text(f"WITH {TOP_ANCHORS_SQL} SELECT layer, head, anchors FROM top_anchors"),
+            {"run": run_id, "n_anchors": anchors},
+        )
+        ranked = {(r[0], r[1]): r[2] for r in found}
+    probe = ", ".join(PROBE_COLUMNS)
+    scores = {
+        (r[0], r[1]): tuple(r[2:])
+        for r in conn.execute(
+            text(f"SELECT layer, head, {probe} FROM probe_scores WHERE run_id = :run"), {"run": run_id}
+        )
+    }
+    none = (None,) * len(PROBE_COLUMNS)
+    li, hi = names.index("layer"), names.index("head")
+    return [*columns, "top_anchors", *PROBE_COLUMNS], [
+        (*(r[i] for i in picked), ranked.get((r[li], r[hi])), *scores.get((r[li], r[hi]), none))
+        for r in every
+        if r[drop] == -1
+    ]
 
 
 def byte_level_run(conn: Connection, run_id: int) -> bool:
