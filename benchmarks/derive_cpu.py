@@ -2,7 +2,7 @@
 way it was before its halves shared one statement and its heads and layers came from the
 ``*_reps`` rows it reads for their intervals.
 
-    python benchmarks/derive_cpu.py [--repeats 9]
+    python benchmarks/derive_cpu.py [--repeats 9] [--repeatable 30]
 
 Analyses the shipped excerpt's first three documents with ``random:tiny`` (``--seq-len 32
 --sentences punct --replicates window``, 16 replicate groups), then derives its results
@@ -11,6 +11,10 @@ each way's process CPU (``time.process_time``). The old way is the same code wit
 ``halves.subsets_head_rows`` computing each half alone (``halves.head_rows``, two statements a half)
 and the shared reads of heads and layers off (``query_support.shared_cache``), as
 ``tests/test_role_stability.py`` compares their results.
+
+``--repeatable N``: instead, executes ``SELECT * FROM head_metrics_reps`` of the run N times on
+DuckDB's default threads and N times on one, and prints how many distinct results (bit for bit)
+each gave and in which columns they differ: why that test runs on one thread.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeatable", type=int, default=0)
     args = parser.parse_args()
 
     from typer.testing import CliRunner
@@ -47,6 +52,10 @@ def main() -> None:
     done = CliRunner().invoke(app, ["analyze", str(corpus), *flags, "--db", str(db)])
     assert done.exit_code == 0, done.output
     run = int(done.output.split()[0])
+
+    if args.repeatable:
+        repeatable(db, run, args.repeatable)
+        return
 
     new_halves, new_cache = halves.subsets_head_rows, query_support.shared_cache
 
@@ -73,6 +82,38 @@ def main() -> None:
         print(
             f"{way}: median {statistics.median(spent):.3f} s CPU (range {min(spent):.3f}-{max(spent):.3f}), {len(spent)} derivations"
         )
+
+
+def repeatable(db: Path, run: int, n: int) -> None:
+    import struct
+
+    from sqlalchemy import text
+
+    from headatlas.service.storage.store import Store
+
+    def bits(row: tuple) -> tuple:
+        return tuple(struct.pack("<d", v) if isinstance(v, float) else v for v in row)
+
+    with Store(db).read() as conn:
+        for threads in ("default", "1"):
+            if threads == "1":
+                conn.execute(text("SET threads = 1"))
+            seen: list[list[tuple]] = []
+            names: list[str] = []
+            for _ in range(n):
+                found = conn.execute(
+                    text("SELECT * FROM head_metrics_reps WHERE run_id = :run ORDER BY layer, head, drop_rep"),
+                    {"run": run},
+                )
+                names = list(found.keys())
+                rows = [bits(tuple(r)) for r in found.all()]
+                if rows not in seen:
+                    seen.append(rows)
+            differ = sorted(
+                {c for other in seen[1:] for a, b in zip(seen[0], other) for c, x, y in zip(names, a, b) if x != y}
+            )
+            print(f"threads {threads}: {len(seen)} distinct results of {n}; differing in {differ}")
+        conn.execute(text("RESET threads"))
 
 
 if __name__ == "__main__":
