@@ -351,12 +351,18 @@ def _heads_from_reps(conn: Connection, run_id: int, columns: Sequence[str], anch
 
 
 def byte_level_run(conn: Connection, run_id: int) -> bool:
-    """Whether the run's anchors are strings of a byte-level vocabulary (``tokens.is_byte_level_text``)."""
-    found = conn.execute(
-        text("SELECT 1 FROM anchor_counts WHERE run_id = :run AND (token LIKE 'Ġ%' OR token = 'Ċ') LIMIT 1"),
-        {"run": run_id},
-    ).first()
-    return found is not None
+    """Whether the run's anchors are strings of a byte-level vocabulary (``tokens.is_byte_level_text``);
+    asked once within ``shared_reads``."""
+    from headatlas.service.reports.query_support import shared_value
+
+    def ask() -> bool:
+        found = conn.execute(
+            text("SELECT 1 FROM anchor_counts WHERE run_id = :run AND (token LIKE 'Ġ%' OR token = 'Ċ') LIMIT 1"),
+            {"run": run_id},
+        ).first()
+        return found is not None
+
+    return shared_value(("byte_level_run", run_id), ask)
 
 
 def anchors_as_text(anchors: str | None) -> str | None:

@@ -6,10 +6,10 @@ Column names are SPEC names; layers and heads are 0-based (the papers count from
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -42,6 +42,7 @@ LIFT_NOTE = (
 )
 
 Rows = tuple[list[str], list[tuple]]
+T = TypeVar("T")
 
 
 def fetch_rows(conn: Connection, sql: str, params: dict) -> Rows:
@@ -128,6 +129,17 @@ def shared_cache() -> dict[tuple, Any] | None:
     return _SHARED.get()
 
 
+def shared_value(key: tuple, compute: Callable[[], T]) -> T:
+    """``compute()``, once for ``key`` within ``shared_reads`` (an immutable value: each reader
+    gets the same object); computed at each call outside it."""
+    shared = shared_cache()
+    if shared is None:
+        return compute()
+    if key not in shared:
+        shared[key] = compute()
+    return cast(T, shared[key])
+
+
 @contextmanager
 def shared_reads() -> Iterator[None]:
     """Within it, every reader of a run's leave-one-group-out rows (``replicate_view``: the
@@ -168,11 +180,11 @@ def effect_groups_of(conn: Connection, run_id: int, metrics: list[str]) -> dict[
     found: dict[str, frozenset[int]] = {}
     chosen = [m for m in metrics if m in EFFECT_COLUMNS]
     if chosen:
-        groups = effect_groups(conn, run_id)
+        groups = shared_value(("effect_groups", run_id), lambda: effect_groups(conn, run_id))
         found.update({m: groups for m in chosen})
     streamed = [m for m in metrics if m in STREAMING_COLUMNS]
     if streamed:
-        groups = streaming_groups(conn, run_id)
+        groups = shared_value(("streaming_groups", run_id), lambda: streaming_groups(conn, run_id))
         found.update({m: groups for m in streamed})
     return found
 
