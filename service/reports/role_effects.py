@@ -25,13 +25,10 @@ ROLE_EFFECT_COLUMNS = ["effect", "effect_lo", "effect_hi"]
 
 def effect_column(conn: Connection, run_id: int) -> str | None:
     """The effect column the run stores (``effect_mean`` before ``effect_zero``), or None."""
-    for column in EFFECT_ORDER:
-        found = conn.execute(
-            text(f"SELECT count({column}) FROM head_metrics WHERE run_id = :r"), {"r": run_id}
-        ).scalar()
-        if found:
-            return column
-    return None
+    from headatlas.service.reports.effect_queries import held_values
+
+    held = held_values(conn, run_id, EFFECT_ORDER)
+    return next((column for column in EFFECT_ORDER if held[column]), None)
 
 
 def head_effects(conn: Connection, run_id: int, column: str) -> dict[int, dict[tuple[int, int], float]]:
