@@ -133,22 +133,28 @@ def test_a_half_has_its_own_metrics_and_jackknife(hand):
 
 
 # --- a small random:tiny run and two controls, through the command line --------------------------------
-@pytest.fixture(scope="module")
-def tiny_db(tmp_path_factory, demo_corpus):
+def _analysed(tmp_path_factory, demo_corpus, folder: str, documents: int, *args: str):
+    """The excerpt's first ``documents`` documents analysed by the command line with ``args``:
+    (database, the run ids it printed)."""
     from typer.testing import CliRunner
 
     from headatlas.cli.main import app
 
-    folder = tmp_path_factory.mktemp("controls")
-    corpus = folder / "two.txt"  # the excerpt's first two documents
-    corpus.write_text("\n\n".join(demo_corpus.read_text(encoding="utf-8").split("\n\n")[:2]) + "\n", encoding="utf-8")
-    db = folder / "tiny.duckdb"
-    done = CliRunner().invoke(
-        app,
-        ["analyze", str(corpus), "--model", "random:tiny", "--control", "2", "--name", "two", "-q", "--db", str(db)],
-    )
+    where = tmp_path_factory.mktemp(folder)
+    corpus = where / "corpus.txt"
+    text = "\n\n".join(demo_corpus.read_text(encoding="utf-8").split("\n\n")[:documents]) + "\n"
+    corpus.write_text(text, encoding="utf-8")
+    db = where / f"{folder}.duckdb"
+    done = CliRunner().invoke(app, ["analyze", str(corpus), *args, "-q", "--db", str(db)])
     assert done.exit_code == 0, done.output
     return db, [int(x) for x in done.output.split()]
+
+
+@pytest.fixture(scope="module")
+def tiny_db(tmp_path_factory, demo_corpus):
+    return _analysed(
+        tmp_path_factory, demo_corpus, "controls", 2, "--model", "random:tiny", "--control", "2", "--name", "two"
+    )
 
 
 def test_control_2_stores_two_controls_with_different_weights(tiny_db, tiny_model):
@@ -215,18 +221,8 @@ def _bits(value):
 @pytest.fixture(scope="module")
 def window_db(tmp_path_factory, demo_corpus):
     """A tiny run whose replicate groups are windows: 16 groups, 8 a half."""
-    from typer.testing import CliRunner
-
-    from headatlas.cli.main import app
-
-    folder = tmp_path_factory.mktemp("windows")
-    corpus = folder / "three.txt"  # the excerpt's first three documents
-    corpus.write_text("\n\n".join(demo_corpus.read_text(encoding="utf-8").split("\n\n")[:3]) + "\n", encoding="utf-8")
-    db = folder / "windows.duckdb"
-    args = ["--model", "random:tiny", "--seq-len", "32", "--sentences", "punct", "--replicates", "window", "-q"]
-    done = CliRunner().invoke(app, ["analyze", str(corpus), *args, "--db", str(db)])
-    assert done.exit_code == 0, done.output
-    return db, [int(x) for x in done.output.split()]
+    args = ["--model", "random:tiny", "--seq-len", "32", "--sentences", "punct", "--replicates", "window"]
+    return _analysed(tmp_path_factory, demo_corpus, "windows", 3, *args)
 
 
 @pytest.mark.parametrize("which", ["window_db", "hand"])
