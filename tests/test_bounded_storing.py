@@ -110,8 +110,8 @@ def test_duckdb_memory_limit_is_a_share_of_the_cap_and_of_the_room_left_in_it(mo
     assert duckdb_settings.duckdb_config()["memory_limit"] == "1536MiB"
     space = (6 * gib, int(4.5 * gib))  # the model and a long window's payload hold 4.5 GiB: 40 % of the rest
     assert duckdb_settings.duckdb_config()["memory_limit"] == f"{int(1.5 * gib * 0.4) >> 20}MiB"
-    space = (6 * gib, 7 * gib)  # over the cap already (a reservation counted): the floor, 64 MiB
-    assert duckdb_settings.duckdb_config()["memory_limit"] == "64MiB"
+    space = (6 * gib, 7 * gib)  # over the cap already (a reservation counted): the floor
+    assert duckdb_settings.duckdb_config()["memory_limit"] == f"{duckdb_settings.CAPPED_MEMORY_FLOOR >> 20}MiB"
     space = None  # no cap: DuckDB's own default
     assert "memory_limit" not in duckdb_settings.duckdb_config()
 

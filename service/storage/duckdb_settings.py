@@ -39,7 +39,10 @@ def duckdb_config(**settings: Any) -> dict[str, Any]:
 # when it is stored, less than a quarter of the cap)
 CAPPED_MEMORY_SHARE = 0.25
 CAPPED_ROOM_SHARE = 0.4
-CAPPED_MEMORY_FLOOR = 64 << 20
+# the least it gets: what it frees stays reserved by its allocator, so that the room seen when a
+# later connection opens (compacting, after storing) undercounts what it can use; 64 MiB failed
+# to pin the blocks of a 4,096-token window's compaction
+CAPPED_MEMORY_FLOOR = 512 << 20
 
 
 def address_space() -> tuple[int, int] | None:
@@ -60,7 +63,7 @@ def address_space() -> tuple[int, int] | None:
 
 def capped_memory() -> str | None:
     """DuckDB's ``memory_limit`` under an address-space cap: ``CAPPED_MEMORY_SHARE`` of it, and
-    no more than ``CAPPED_ROOM_SHARE`` of what is still free of it (at least 64 MiB); None where
+    no more than ``CAPPED_ROOM_SHARE`` of what is still free of it (at least ``CAPPED_MEMORY_FLOOR``); None where
     the process has none."""
     space = address_space()
     if space is None:
