@@ -40,8 +40,8 @@ def duckdb_config(**settings: Any) -> dict[str, Any]:
 CAPPED_MEMORY_SHARE = 0.25
 CAPPED_ROOM_SHARE = 0.4
 # the least it gets: what it frees stays reserved by its allocator, so that the room seen when a
-# later connection opens (compacting, after storing) undercounts what it can use; 64 MiB failed
-# to pin the blocks of a 4,096-token window's compaction
+# later connection opens (compacting, after storing) undercounts what it can use; with 64 MiB,
+# storing a 4,096-token window failed to pin its blocks (which statement was not traced)
 CAPPED_MEMORY_FLOOR = 512 << 20
 
 
