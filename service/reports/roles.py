@@ -65,12 +65,10 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_su
     # the probe is one per run: each half reads the run's probe scores
     probes = {(d["layer"], d["head"]): {k: d.get(k) for k in PROBE_SCORES} for d in dicts}
     # both halves from one plan of the view chain (``halves.subsets_head_rows``); under 2 groups, no test
-    tested = [half for half in halves.split(groups) if len(half) >= 2]
+    both = halves.split(groups)
+    tested = [half for half in both if len(half) >= 2]
     found = iter(halves.subsets_head_rows(conn, run_id, tested, ROLE_METRICS) if tested else [])
-    held = [
-        _held_on(next(found), len(half), context["causal"], probes) if len(half) >= 2 else None
-        for half in halves.split(groups)
-    ]
+    held = [_held_on(next(found), len(half), context["causal"], probes) if half in tested else None for half in both]
     ri = COLUMNS.index("role")
     marked = []
     for r in out:
