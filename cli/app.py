@@ -46,7 +46,7 @@ class Commands(TyperGroup):
         return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
-        from headatlas.service.plugins import sigint_seen
+        from headatlas.service.interrupts import sigint_seen
 
         with sigint_seen() as pressed:
             try:

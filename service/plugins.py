@@ -25,14 +25,14 @@ else.
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
+
+from headatlas.service.interrupts import sigint_seen
 
 FAMILIES = "headatlas.families"
 BACKENDS = "headatlas.backends"
@@ -94,31 +94,6 @@ def load(group: str, install: Callable[[Plugin, Any], None]) -> list[tuple[Plugi
                     continue
             installed.append((plugin, value))
         return installed
-
-
-@contextmanager
-def sigint_seen() -> Iterator[Callable[[], bool]]:
-    """Whether a real SIGINT arrived meanwhile (``pressed()``): a KeyboardInterrupt a plugin
-    raises itself is its fault, one from Ctrl-C is the user's. The handler in place still acts on
-    the signal. Off the main thread no handler can be set: every KeyboardInterrupt is the plugin's."""
-    seen: list[int] = []
-    before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if before is None:  # off the main thread, or a handler not set from Python: left as it is
-        yield lambda: False
-        return
-
-    def noted(signum: int, frame: Any) -> None:
-        seen.append(signum)
-        if callable(before):
-            before(signum, frame)
-        elif before != signal.SIG_IGN:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, noted)
-    try:
-        yield lambda: bool(seen)
-    finally:
-        signal.signal(signal.SIGINT, before)
 
 
 def report(plugin: Plugin, exc: BaseException) -> None:

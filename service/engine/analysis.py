@@ -97,7 +97,9 @@ def analyze_batch(
         requested,
         taken_indices,
     )
+    from headatlas.service.interrupts import stop_if_pressed
 
+    stop_if_pressed()  # a Ctrl-C whose interrupt a destructor swallowed stops the run here
     started = time.perf_counter()
     chosen = requested(params)
     given = {"mixing": len(batch.windows) if mixing_windows is None else mixing_windows, "effects": effect_windows}

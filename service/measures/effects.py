@@ -40,6 +40,7 @@ import torch
 from headatlas.service.engine.hooks import block_calls, hooks
 from headatlas.service.engine.model import LoadedModel
 from headatlas.service.errors import Param, ParameterError
+from headatlas.service.interrupts import stop_if_pressed
 from headatlas.service.measures.objectives import Objective, objective_of, output_drift, wide
 from headatlas.service.measures.objectives import objective_for as objective_for  # for the engine's effect runs
 
@@ -109,6 +110,7 @@ def _record(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def _run_model(model: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    stop_if_pressed()  # a Ctrl-C whose interrupt a destructor swallowed stops the effects here
     kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if model.adapter.causal:
         kwargs["use_cache"] = False  # a cache would grow with every replayed block

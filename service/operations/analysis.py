@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from headatlas.service.engine.model import ModelInfo
 from headatlas.service.engine.run_plan import CorpusSummary, stored_run_key, survey_corpus
+from headatlas.service.interrupts import sigint_seen
 from headatlas.service.operations.events import (
     CorpusRead,
     Estimate,
@@ -81,7 +82,8 @@ def analyze(request: AnalysisRequest, events: Sink = ignore) -> Analysed:
                 if plain is not None:
                     return _add_effects(request, store, plain, events)
         events(CorpusRead(summary, None if given is not None else str(request.model)))
-        return _analyse(request, store, spec, label, summary, store_every_s, events)
+        with sigint_seen():  # a Ctrl-C whose interrupt Python drops still stops the run at its next batch
+            return _analyse(request, store, spec, label, summary, store_every_s, events)
     finally:
         if spooled:
             remove_spool(spooled)
