@@ -169,6 +169,10 @@ class AdapterIncomplete(ModelError):
     family serves): it is refused when registered, before any model loads or any run exists."""
 
 
+class PreparationError(HeadatlasError):
+    """A process that prepares windows beside the model ended (killed: out of memory, or by hand)."""
+
+
 class ParameterError(HeadatlasError, ValueError):
     """An analysis parameter has an invalid value."""
 

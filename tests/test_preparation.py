@@ -174,3 +174,36 @@ def test_close_kills_a_process_that_never_answers_sigterm(tiny_model, monkeypatc
         closing.join(30)
     assert not stuck, "close() waited for a process that ignores SIGTERM"
     assert not process.is_alive() and process.exitcode == -signal.SIGKILL
+
+
+def test_a_process_killed_with_its_task_fails_the_run_instead_of_waiting_for_ever(tiny_model, demo_corpus, tmp_path):
+    """The out-of-memory killer (or anyone) ends a process waiting for a task: the pool starts
+    another one, but the caller waited for the lost task's windows for ever, and the pool's
+    terminate() for the task queue's lock that the process held. The run now fails within about a
+    second, naming the signal, and close() returns."""
+    import os
+    import signal
+    import threading
+
+    from headatlas.service.errors import PreparationError
+
+    tokens = TokenClasses.for_model(tiny_model)
+    params = AnalysisParams(seq_len=64)
+    corpus = corpus_with_repeats(tmp_path, demo_corpus)
+    pool = WindowPool(2, tiny_model.tokenizer, tokens, tiny_model.tokenizer_key, params, task_chars=3_000)
+    try:
+        os.kill(pool._started[0].pid, signal.SIGKILL)
+        pool._started[0].join(10)
+        started = time.monotonic()
+        with pytest.raises(PreparationError, match=r"a process preparing windows ended \(signal 9 \(SIGKILL.*resume"):
+            batches(corpus, tiny_model, params, pool)
+        assert time.monotonic() - started < 30
+    finally:
+        closing = threading.Thread(target=pool.close, daemon=True)
+        closing.start()
+        closing.join(30)
+        stuck = closing.is_alive()
+        if stuck:  # killed here, so that the suite goes on
+            for process in pool._pool._pool:
+                process.kill()
+    assert not stuck, "the pool's close() waited 30 s for the lock a killed process held"

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from headatlas.service.engine.windows import TokenClasses, Window, iter_document_windows
+from headatlas.service.errors import PreparationError
 from headatlas.service.params import AnalysisParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 TASK_CHARS = 1 << 16  # characters of documents per task (a task holds at least one document)
 AHEAD = 4  # tasks in flight per process
 INLINE_CHARS = 1 << 22  # a longer document is windowed in the calling process, streaming
+WAIT_S = 1.0  # how often a caller waiting for windows checks that the processes are still there
 CLOSE_GRACE_S = 5.0  # how long a process has to answer SIGTERM on close before it is killed
 
 # what a forked process prepares with (set by _start in the child)
@@ -85,6 +87,7 @@ class WindowPool:
         self.inline_chars = inline_chars
         self._work = (tokenizer, tokens, tokenizer_key, params)
         self._pool = multiprocessing.get_context("fork").Pool(processes, initializer=_start, initargs=self._work)
+        self._started = list(getattr(self._pool, "_pool", ()))  # the processes (a pool never ends one itself)
 
     def windows(self, docs: Iterable[tuple[Document, int]]) -> Iterator[tuple[Document, int, Iterable[Window]]]:
         """``(document, n, its windows)`` for each ``(document, n)`` of ``docs``, in order; ``n``
@@ -101,6 +104,9 @@ class WindowPool:
 
         def take() -> Iterator[tuple[Document, int, Iterable[Window]]]:
             sent, result = pending.popleft()
+            while not result.ready():  # a process killed with its task in hand never answers
+                result.wait(WAIT_S)
+                self._check_processes()
             ok, out = result.get()
             if not ok:
                 raise out
@@ -125,25 +131,53 @@ class WindowPool:
         while pending:
             yield from take()
 
+    def _check_processes(self) -> None:
+        """Raise if one of the pool's processes has ended (the pool replaces it, but a task it
+        held is lost, and the caller waited for its windows forever)."""
+        for process in self._started:
+            if process.exitcode is not None:
+                how = f"signal {-process.exitcode}" if process.exitcode < 0 else f"exit code {process.exitcode}"
+                why = " (SIGKILL: out of memory?)" if process.exitcode == -9 else ""
+                raise PreparationError(
+                    f"a process preparing windows ended ({how}{why})",
+                    hint="re-run the same command to resume (HEADATLAS_PREPARE_PROCESSES=1 prepares them in the run's own process)",
+                )
+
     def close(self) -> None:
         """Stop the processes: SIGTERM, and SIGKILL for any still there after ``CLOSE_GRACE_S``.
         A process forked while another thread of the caller held a lock (the beat fires schedules
         in threads, each submission with a pool of its own) can stick in its fork before it sets
         its signals, where the caller's SIGTERM handler (the beat's) keeps it alive: the pool's
-        terminate() then joined it forever, and the beat's fire never finished. The processes
-        hold nothing to keep."""
+        terminate() then joined it forever, and the beat's fire never finished. A process killed
+        while it waited for a task keeps the task queue's lock, which terminate() waited for: it is
+        released here. The processes hold nothing to keep."""
         import threading
 
         workers = list(getattr(self._pool, "_pool", ()))
+        # a process that ended on its own (killed) may have held the task queue's lock, which the
+        # pool's terminate() takes: it would wait for it for ever
+        lost = any(process.exitcode is not None for process in self._started)
         stopping = threading.Thread(target=self._pool.terminate, name="window-pool-stop", daemon=True)
         stopping.start()
-        stopping.join(CLOSE_GRACE_S)
+        stopping.join(0.5 if lost else CLOSE_GRACE_S)
         if stopping.is_alive():
             for worker in workers:
                 if worker.is_alive():
                     worker.kill()
-            stopping.join()
+            while stopping.is_alive():
+                stopping.join(0.5)
+                self._free_task_lock()
         self._pool.join()
+
+    def _free_task_lock(self) -> None:
+        """Release the task queue's lock that a process killed while waiting for a task held (every
+        process is gone by now; a lock already free says so, and is left)."""
+        lock = getattr(getattr(self._pool, "_inqueue", None), "_rlock", None)
+        if lock is not None:
+            try:
+                lock.release()
+            except ValueError:  # not held
+                pass
 
     def __enter__(self) -> WindowPool:
         return self
