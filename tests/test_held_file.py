@@ -165,3 +165,37 @@ def test_a_derivation_reads_each_replicate_view_once_and_returns_what_the_reader
         assert len(reads) == 1, (view, [s[:120] for s in reads])
     for kind, rows in alone.items():
         assert derived[kind] == rows, kind
+
+
+def _another_process_opens(path) -> str:
+    """What a second process gets when it opens ``path`` for writing: 'opened' or DuckDB's refusal."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import duckdb, sys\n"
+        "try:\n    duckdb.connect(sys.argv[1]).close(); print('opened')\n"
+        "except duckdb.Error as exc:\n    print('refused:', exc)\n"
+    )
+    return subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60).stdout
+
+
+def test_a_file_open_here_stays_locked_to_other_processes_while_this_one_checks_it(stored):
+    """DuckDB locks its file with POSIX record locks, which the kernel drops when the process closes
+    any descriptor of the file: reading the header (every transaction's check) while a hold or an
+    outer transaction had the file open let another process open it for writing too — two writers on
+    one file (seen: a cluster file whose database_id row every process missed for minutes)."""
+    backend = FileBackend(stored)
+    with backend.held():
+        with dbmod.transaction(backend, read_only=True) as conn:  # its check comes first
+            conn.execute(text("SELECT 1")).scalar()
+        assert _another_process_opens(stored).startswith("refused: IO Error: Could not set lock")
+    with dbmod.transaction(backend) as conn:
+        backend.check(write=True)  # e.g. a nested transaction's check, in the same thread
+        assert _another_process_opens(stored).startswith("refused: IO Error: Could not set lock")
+    assert _another_process_opens(stored).strip() == "opened"  # free once closed (and the probe can fail)
+    # a file not open here is still read and judged: a damaged one refused
+    cut = stored.parent / "cut.duckdb"
+    cut.write_bytes(stored.read_bytes()[:5000])
+    with pytest.raises(dbmod.DatabaseFileError, match="cut short"):
+        FileBackend(cut).check(write=False)

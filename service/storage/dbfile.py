@@ -8,6 +8,13 @@ shows. (The header's block count is no bound: DuckDB cuts free blocks off the en
 lowering it. A cut that falls exactly on a block boundary passes here; DuckDB then fails on the
 first read of a missing block, which ``translate`` turns into a one-line error too.)
 
+A file this process has open through DuckDB is not read again here: DuckDB locks its file with
+POSIX record locks (fcntl), and the kernel drops every such lock a process holds on a file when the
+process closes any descriptor of that file. Reading the header beside an open connection (a
+transaction begun while the run held its file, a second thread of the beat) let another process
+open the same file for writing at the same time. ``PROCESS_LOCK`` serialises this process's opens
+and these reads; ``OPEN`` counts the connections open on each file.
+
 ``translate`` is the file backend's one translation of DuckDB's errors into headatlas's.
 """
 
@@ -17,7 +24,9 @@ import errno
 import os
 import re
 import struct
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import duckdb
@@ -25,6 +34,31 @@ from sqlalchemy.exc import DBAPIError
 
 from headatlas.service.errors import ANALYZE, DatabaseFileError, DatabaseLocked, DatabaseNotFound, HeadatlasError, Param
 from headatlas.service.storage import duckdb_errors
+
+# DuckDB refuses a read-only and a read-write connection to one file in one process at once:
+# threads of one process (beat's tick and the fires it runs) open the file in turn, and read a
+# header only while no connection of this process is open on it (above).
+PROCESS_LOCK = threading.RLock()
+OPEN: Counter[tuple[int, int] | None] = Counter()  # a file (device, inode) -> this process's DuckDB connections on it
+
+
+def file_key(path: str | Path) -> tuple[int, int] | None:
+    """The file at ``path`` as the kernel's locks know it (device, inode); None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _forget_open() -> None:
+    # a child forked while another thread held the lock has only the forking thread: the lock would
+    # never be released there; and the parent's connections are not the child's
+    PROCESS_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+    OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_open)
 
 MAGIC = b"DUCK"
 MAGIC_OFFSET = 8
@@ -68,17 +102,14 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
         raise DatabaseFileError(
             f"cannot read {path}: permission denied", hint=("fix its permissions or pass another ", Param("db"))
         )
-    with path.open("rb") as stream:
-        head = stream.read(_FIRST_BLOCK)
-    size = path.stat().st_size  # for messages; the alignment check re-reads it
-    if head[MAGIC_OFFSET : MAGIC_OFFSET + len(MAGIC)] != MAGIC:
-        what = "an empty file" if size == 0 else f"{size:,} bytes"
-        raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header)", hint=_REPLACE)
-    block = block_size(head) if len(head) == _FIRST_BLOCK else None
-    if len(head) < _FIRST_BLOCK or (block is not None and not _settles_aligned(path, block)):
-        # DuckDB writes whole blocks after 12 KiB of headers; a copy cut short ends mid-block
-        whole = f"{_FIRST_BLOCK:,} bytes of headers" + (f" and whole blocks of {block:,}" if block else "")
-        raise DatabaseFileError(f"{path} is cut short: {size:,} bytes, not {whole}", hint=_REPLACE)
+    with PROCESS_LOCK:
+        if OPEN[file_key(path)]:  # open here: checked when it was opened, and not to be read now
+            head = None
+        else:
+            with path.open("rb") as stream:
+                head = stream.read(_FIRST_BLOCK)
+    if head is not None:
+        _check_head(path, head)
     if write:
         if not os.access(path, os.W_OK):
             raise DatabaseFileError(f"{path} is read-only: make it writable (chmod u+w) or pass another ", Param("db"))
@@ -88,6 +119,18 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
                 f"{path} lies in read-only folder {folder}: DuckDB needs to write {path.name}.wal there; "
                 "make the folder writable or copy the database elsewhere"
             )
+
+
+def _check_head(path: Path, head: bytes) -> None:
+    size = path.stat().st_size  # for messages; the alignment check re-reads it
+    if head[MAGIC_OFFSET : MAGIC_OFFSET + len(MAGIC)] != MAGIC:
+        what = "an empty file" if size == 0 else f"{size:,} bytes"
+        raise DatabaseFileError(f"{path} is not a DuckDB database ({what}, no DuckDB header)", hint=_REPLACE)
+    block = block_size(head) if len(head) == _FIRST_BLOCK else None
+    if len(head) < _FIRST_BLOCK or (block is not None and not _settles_aligned(path, block)):
+        # DuckDB writes whole blocks after 12 KiB of headers; a copy cut short ends mid-block
+        whole = f"{_FIRST_BLOCK:,} bytes of headers" + (f" and whole blocks of {block:,}" if block else "")
+        raise DatabaseFileError(f"{path} is cut short: {size:,} bytes, not {whole}", hint=_REPLACE)
 
 
 def _loops(path: Path) -> bool:

@@ -9,7 +9,6 @@ for it with ``retry_on_lock`` instead of failing.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,11 +27,10 @@ from headatlas.service.storage.duckdb_settings import READONLY_CONFIG, duckdb_co
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, retry_on_lock
 
 # DuckDB refuses a read-only and a read-write connection to one file in one process at once:
-# threads of one process (beat's tick and the fires it runs) open the file in turn.
-PROCESS_LOCK = threading.RLock()
-# A child forked while another thread held it (a test's forked reader, a pool process) has only
-# the forking thread: the lock would never be released there, and its first connection would hang.
-os.register_at_fork(after_in_child=PROCESS_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
+# threads of one process (beat's tick and the fires it runs) open the file in turn, and a file's
+# header is read only while no connection of this process is open on it (dbfile: reading it beside
+# one dropped DuckDB's lock). Reset in a forked child (dbfile).
+PROCESS_LOCK = dbfile.PROCESS_LOCK
 
 # Opening a file costs about 30 ms of CPU (DuckDB's instance, then the catalogue read), closing it a
 # checkpoint: a run's start and end are a dozen transactions back to back. Within ``held()`` the
@@ -51,6 +49,12 @@ def _forget_holds() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_holds)
+
+
+def _closed(key: tuple[int, int] | None) -> None:
+    dbfile.OPEN[key] -= 1
+    if dbfile.OPEN[key] <= 0:
+        del dbfile.OPEN[key]
 
 
 class FileBackend(Backend):
@@ -105,6 +109,7 @@ class FileBackend(Backend):
         ``ensure_schema``), or cannot be opened for writing now (busy, read-only, damaged): each
         transaction then opens it and reports as before."""
         where = str(self.path.absolute())
+        key = None
         with PROCESS_LOCK:
             if where in _HELD or not self.path.is_file():
                 conn = None
@@ -115,13 +120,18 @@ class FileBackend(Backend):
                     conn = None
                 else:
                     _HELD[where] = conn
+                    key = dbfile.file_key(self.path)
+                    dbfile.OPEN[key] += 1
         try:
             yield
         finally:
             if conn is not None:
                 with PROCESS_LOCK:
                     _HELD.pop(where, None)
-                    conn.close()
+                    try:
+                        conn.close()
+                    finally:
+                        _closed(key)
 
     def engine(self, *, read_only: bool = False) -> Engine:
         from duckdb_engine import ConnectionWrapper
@@ -182,10 +192,15 @@ class FileBackend(Backend):
             with PROCESS_LOCK:
                 conn = self._connect(engine)
                 if conn is not None:
+                    key = dbfile.file_key(self.path)
+                    dbfile.OPEN[key] += 1
                     try:
                         yield conn
                     finally:
-                        conn.close()
+                        try:
+                            conn.close()
+                        finally:
+                            _closed(key)
                     return
             left = deadline - time.monotonic()
             if left <= 0:
