@@ -20,6 +20,7 @@ and these reads; ``OPEN`` counts the connections open on each file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -68,11 +69,13 @@ _FIRST_BLOCK = 3 * HEADER_BYTES
 _REPLACE = ("pass another ", Param("db"), " (a new file is created), or restore this one from a copy")
 
 
-def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
+def check_file(path: str | Path, *, write: bool, create: bool = True, serialised: bool = True) -> None:
     """Raise DatabaseFileError when ``path`` cannot be a usable database: a folder, not a regular
     file (a named pipe would block DuckDB forever), not a DuckDB file, cut short, or (``write``) a
     file or folder this process may not write. A missing file passes when ``write`` and
-    ``create`` (it will be created) and fails otherwise."""
+    ``create`` (it will be created) and fails otherwise. ``serialised``: the header is read under
+    ``PROCESS_LOCK`` and not while the file is open here (the file backend's opens take that lock;
+    a lake's catalogue file is attached under locks of its own, and read as before)."""
     path = Path(path)
     if _loops(path):  # Path.exists() says False: it would be "no database" or a failed create
         raise DatabaseFileError(
@@ -102,8 +105,8 @@ def check_file(path: str | Path, *, write: bool, create: bool = True) -> None:
         raise DatabaseFileError(
             f"cannot read {path}: permission denied", hint=("fix its permissions or pass another ", Param("db"))
         )
-    with PROCESS_LOCK:
-        if OPEN[file_key(path)]:  # open here: checked when it was opened, and not to be read now
+    with PROCESS_LOCK if serialised else contextlib.nullcontext():
+        if serialised and OPEN[file_key(path)]:  # open here: checked when it was opened, not to be read now
             head = None
         else:
             with path.open("rb") as stream:

@@ -132,7 +132,7 @@ class LakeBackend(Backend):
             from headatlas.service.storage import dbfile
 
             if self.file.exists() or not (write and create):
-                dbfile.check_file(self.file, write=write, create=create)
+                dbfile.check_file(self.file, write=write, create=create, serialised=False)
 
     def exists(self) -> bool:
         """Whether the catalogue holds tables (a new PostgreSQL database is attached, and so made
