@@ -316,6 +316,18 @@ def test_a_queued_series_trends_as_the_embedded_one(toy, queue_cluster, tmp_path
             assert (a[0], *a[2:4], a[-1]) == (b[0], *b[2:4], b[-1])
             assert a[4:-1] == pytest.approx(b[4:-1], rel=1e-5, abs=1e-7), (metric, a, b)
 
+    # each checkpoint's probe is a task of its own, stored after its run is done (CI once asked
+    # again before the first one's was in, and its probe was queued again): both stored first
+    from queue_support import wait_for
+
+    def probes_stored() -> int:
+        with _read(queue_cluster.db) as conn:
+            ids = ", ".join(run_ids)
+            return conn.exec_driver_sql(
+                f"SELECT count(DISTINCT run_id) FROM probe_scores WHERE run_id IN ({ids})"
+            ).scalar_one()
+
+    wait_for(lambda: probes_stored() == 2, queue_cluster, "both checkpoints' probes stored", timeout=120)
     again = invoke_cli(*args, env=queue_cluster.env)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split() == run_ids and again.stderr.count("is already complete: nothing queued") == 2
