@@ -62,8 +62,8 @@ def stop_if_pressed() -> None:
     """Raise KeyboardInterrupt where a Ctrl-C was pressed within a ``sigint_seen()`` and the
     interrupt it raised was lost (once per press). Called where work may begin: a batch's forward
     pass. Not while a KeyboardInterrupt is being handled (clean-up after a Ctrl-C that arrived)."""
-    if not _watching or not _watching[-1] or threading.current_thread() is not threading.main_thread():
-        return
+    if not any(_watching) or threading.current_thread() is not threading.main_thread():
+        return  # (a press noted before an inner sigint_seen() began is in an outer one's list alone)
     if isinstance(sys.exc_info()[1], KeyboardInterrupt):
         return
     for seen in _watching:

@@ -60,6 +60,21 @@ def test_a_dropped_interrupt_is_raised_again_once_and_not_reported(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
 
 
+def test_a_press_dropped_before_an_inner_watch_began_is_raised_within_it(monkeypatch):
+    """The command's watch (cli/app.py) notes a press dropped as plugins load; the analysis's own
+    watch begins after it: the next batch still stops."""
+    from headatlas.service.interrupts import sigint_seen, stop_if_pressed
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    with sigint_seen():
+        _drop_a_ctrl_c()
+        with sigint_seen() as inner:
+            assert not inner()
+            with pytest.raises(KeyboardInterrupt):
+                stop_if_pressed()
+            stop_if_pressed()  # said once
+
+
 def test_analyze_stops_at_the_next_batch_after_a_dropped_ctrl_c(tmp_path, small_corpus, tiny_model):
     """The press lands in a destructor as the second batch's progress is shown: the run ends
     interrupted with the two batches it finished stored, not with the whole corpus."""

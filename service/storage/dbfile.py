@@ -47,9 +47,24 @@ def file_key(path: str | Path) -> tuple[int, int] | None:
     """The file at ``path`` as the kernel's locks know it (device, inode); None where there is none."""
     try:
         st = os.stat(path)
-    except OSError:
+    except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def opened(path: str | Path) -> tuple[int, int] | None:
+    """Count a DuckDB connection this process has just opened on ``path`` (under ``PROCESS_LOCK``);
+    the key to hand to ``closed`` once it is closed."""
+    key = file_key(path)
+    OPEN[key] += 1
+    return key
+
+
+def closed(key: tuple[int, int] | None) -> None:
+    """The connection counted by ``opened`` (its key) is closed."""
+    OPEN[key] -= 1
+    if OPEN[key] <= 0:
+        del OPEN[key]
 
 
 def _forget_open() -> None:

@@ -51,12 +51,6 @@ def _forget_holds() -> None:
 os.register_at_fork(after_in_child=_forget_holds)
 
 
-def _closed(key: tuple[int, int] | None) -> None:
-    dbfile.OPEN[key] -= 1
-    if dbfile.OPEN[key] <= 0:
-        del dbfile.OPEN[key]
-
-
 class FileBackend(Backend):
     kind = "file"
     confines_sql = True  # read-only, external access off, configuration locked (sandbox)
@@ -88,11 +82,7 @@ class FileBackend(Backend):
         return self.path.absolute().parent
 
     def identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
+        return dbfile.file_key(self.path)
 
     def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
@@ -120,8 +110,7 @@ class FileBackend(Backend):
                     conn = None
                 else:
                     _HELD[where] = conn
-                    key = dbfile.file_key(self.path)
-                    dbfile.OPEN[key] += 1
+                    key = dbfile.opened(self.path)
         try:
             yield
         finally:
@@ -131,7 +120,7 @@ class FileBackend(Backend):
                     try:
                         conn.close()
                     finally:
-                        _closed(key)
+                        dbfile.closed(key)
 
     def engine(self, *, read_only: bool = False) -> Engine:
         from duckdb_engine import ConnectionWrapper
@@ -192,15 +181,14 @@ class FileBackend(Backend):
             with PROCESS_LOCK:
                 conn = self._connect(engine)
                 if conn is not None:
-                    key = dbfile.file_key(self.path)
-                    dbfile.OPEN[key] += 1
+                    key = dbfile.opened(self.path)
                     try:
                         yield conn
                     finally:
                         try:
                             conn.close()
                         finally:
-                            _closed(key)
+                            dbfile.closed(key)
                     return
             left = deadline - time.monotonic()
             if left <= 0:
