@@ -1,0 +1,120 @@
+"""What one transaction on a headatlas file costs in CPU, by part, and how many times a command
+opens its file.
+
+    python benchmarks/transaction_cpu.py [--repeats 60]
+
+Makes a new headatlas database (the current schema) in a temporary folder and prints the mean
+process CPU (``time.process_time``) of ``--repeats`` of each: a read transaction through the file
+backend (``SELECT 1``); the same statement on a SQLAlchemy engine kept between transactions; a bare
+``duckdb.connect`` of the file (read-only) and its close; ``duckdb.connect`` of an empty DuckDB file
+and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance. Then analyses the
+shipped excerpt's first two documents with ``random:tiny`` (``--seq-len 32``) and runs ``query
+heads``, ``query layers`` and ``sql`` on it, in this process, counting the file's ``duckdb.connect``
+calls for each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def mean_ms(work, repeats: int) -> float:
+    work()  # once, not counted (imports, caches)
+    start = time.process_time()
+    for _ in range(repeats):
+        work()
+    return (time.process_time() - start) / repeats * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=60)
+    args = parser.parse_args()
+
+    import duckdb
+    from sqlalchemy import text
+    from typer.testing import CliRunner
+
+    from headatlas.cli.main import app
+    from headatlas.service.storage.backends import file as filebackend
+    from headatlas.service.storage.store import Store
+
+    folder = Path(tempfile.mkdtemp())
+    path = folder / "schema.duckdb"
+    Store(path).ensure_schema()
+    empty = folder / "empty.duckdb"
+    duckdb.connect(str(empty)).close()
+    backend = filebackend.FileBackend(path)
+    kept = backend.engine(read_only=True)
+
+    def transaction() -> None:
+        with backend.transaction(read_only=True) as conn:
+            conn.execute(text("SELECT 1")).scalar()
+
+    def on_kept_engine() -> None:
+        with kept.connect() as conn, conn.begin():
+            conn.execute(text("SELECT 1")).scalar()
+
+    instance = duckdb.connect(":memory:")  # not the empty file: a second connect would share its instance
+    parts = {
+        "read transaction (file backend)": transaction,
+        "the same on a kept SQLAlchemy engine": on_kept_engine,
+        "duckdb.connect of the file, read-only, and close": lambda: duckdb.connect(str(path), read_only=True).close(),
+        "duckdb.connect of an empty file": lambda: duckdb.connect(str(empty)).close(),
+        "duckdb.connect(':memory:')": lambda: duckdb.connect(":memory:").close(),
+        "a cursor on an open instance": lambda: instance.cursor().close(),
+    }
+    with duckdb.connect(str(path), read_only=True) as conn:
+        views, tables = (
+            conn.execute(f"SELECT count(*) FROM {what}").fetchone()[0]  # type: ignore[index]
+            for what in ("duckdb_views() WHERE NOT internal", "duckdb_tables()")
+        )
+    print(f"| part (a headatlas file: {views} views, {tables} tables) | CPU ms |")
+    print("|---|---|")
+    for name, work in parts.items():
+        print(f"| {name} | {mean_ms(work, args.repeats):.1f} |", flush=True)
+
+    opened: list[str] = []
+    real = filebackend.duckdb.connect
+
+    def counting(*a, **k):
+        opened.append(str(a[0] if a else k.get("database")))
+        return real(*a, **k)
+
+    filebackend.duckdb.connect = counting  # type: ignore[assignment]
+    excerpt = (ROOT / "service" / "data" / "wiki_excerpt.txt").read_text(encoding="utf-8")
+    corpus = folder / "two.txt"
+    documents = [d.strip() for d in excerpt.split("\n\n") if d.strip()][:2]
+    corpus.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    db = str(folder / "run.duckdb")
+    commands = {
+        "analyze (random:tiny, 2 documents)": [
+            "analyze",
+            str(corpus),
+            "--model",
+            "random:tiny",
+            "--seq-len",
+            "32",
+            "-q",
+        ],
+        "query heads": ["query", "heads"],
+        "query layers": ["query", "layers"],
+        "sql (its query runs in a confined process of its own)": ["sql", "SELECT count(*) FROM runs"],
+    }
+    print("\n| command | opens of its file | exit |")
+    print("|---|---|---|")
+    for name, command in commands.items():
+        opened.clear()
+        done = CliRunner().invoke(app, [*command, "--db", db])
+        print(f"| {name} | {sum(1 for o in opened if o.endswith('run.duckdb'))} | {done.exit_code} |")
+
+
+if __name__ == "__main__":
+    main()
