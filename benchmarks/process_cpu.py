@@ -5,7 +5,8 @@ second while the command runs (Linux), summed by kind.
 
 Prints the command's wall-clock time, then a table: CPU seconds, processes, kind. A process's CPU
 is its own (user + system) as last read before it ended, so a process that lived under a second
-may be missed (its parent's reaped-children time holds it). Kinds, by command line: pytest's
+may be missed (its parent's reaped-children time holds it); one read only after it ended has no
+command line (kernel threads have none either). Kinds, by command line: pytest's
 workers (and what they fork), pytest's main process, the processes the queue tests' launcher
 forks (``tests/queue_support.py``: Celery workers, writers and beats, whose command line is the
 launcher's), console scripts (``headatlas …``), servers (Redis, PostgreSQL, Chromium), and the
@@ -26,10 +27,10 @@ def kind(cmd: str) -> str:
         return "pytest workers (xdist) and their forks"
     if "import celery, kombu" in cmd:
         return "queue processes forked by the tests' launcher (workers, writers, beats)"
-    if "pytest" in cmd:
-        return "pytest main process"
     if "bin/headatlas" in cmd or "headatlas.cli" in cmd or "from headatlas" in cmd:
         return "headatlas console scripts and snippets the tests start"
+    if "-m pytest" in cmd or "bin/pytest" in cmd:
+        return "pytest main process"
     for name in ("redis", "postgres", "chrom", "mypy", "pip", "ruff"):
         if name in cmd:
             return name
@@ -50,7 +51,10 @@ def sample(seen: dict[str, tuple[str, float]]) -> None:
         except OSError:  # gone meanwhile
             continue
         cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-        seen[f"{pid}:{fields[19]}"] = (cmd, cpu)  # keyed by pid and start time: pids are reused
+        key = f"{pid}:{fields[19]}"  # pid and start time: pids are reused
+        if not cmd and key in seen:  # ended (a zombie has no command line): the one it had
+            cmd = seen[key][0]
+        seen[key] = (cmd, cpu)
 
 
 def main() -> None:
