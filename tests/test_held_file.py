@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from headatlas.cli.main import app
 from headatlas.service.storage import db as dbmod
 from headatlas.service.storage.backends import file as filebackend
+from headatlas.service.storage.backends import file_instances
 from headatlas.service.storage.backends.file import FileBackend
 from headatlas.service.storage.store import Store
 
@@ -22,13 +23,22 @@ real_connect = duckdb.connect
 
 
 def _count_connects(monkeypatch) -> list[str]:
+    """Every opening of a file from here on: a DuckDB instance made on it, or the file attached to
+    an instance kept between transactions (file_instances)."""
     opened: list[str] = []
 
     def counting(database=":memory:", *args, **kwargs):
         opened.append(str(database))
         return real_connect(database, *args, **kwargs)
 
+    real_attach = file_instances.attach
+
+    def counting_attach(instance, where, alias, *, read_only):
+        opened.append(where)
+        return real_attach(instance, where, alias, read_only=read_only)
+
     monkeypatch.setattr(filebackend.duckdb, "connect", counting)
+    monkeypatch.setattr(file_instances, "attach", counting_attach)
     return opened
 
 

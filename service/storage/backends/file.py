@@ -3,12 +3,14 @@
 DuckDB lets one process hold a file read-write, and while it does no other process may open it
 at all. So every unit of work opens the file, does its work in one transaction, and closes it:
 the lock is held for milliseconds, and other processes (a writer, ``query``, ``status``) wait
-for it with ``retry_on_lock`` instead of failing.
+for it with ``retry_on_lock`` instead of failing. Opening is attaching the file to a DuckDB
+instance this process keeps between transactions, closing is detaching it (file_instances).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ from sqlalchemy.pool import NullPool
 from headatlas.service.errors import DatabaseFileError, Param, Placeholder, StoreBusy
 from headatlas.service.storage import dbfile
 from headatlas.service.storage.backends.base import Backend
+from headatlas.service.storage.backends.file_instances import connect as attached_connection
 from headatlas.service.storage.duckdb_settings import READONLY_CONFIG, duckdb_config
 from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, retry_on_lock
 
@@ -32,23 +35,38 @@ from headatlas.service.storage.locks import MAX_RETRY_DELAY_S, retry_on_lock
 # one dropped DuckDB's lock). Reset in a forked child (dbfile).
 PROCESS_LOCK = dbfile.PROCESS_LOCK
 
-# Opening a file costs about 30 ms of CPU (DuckDB's instance, then the catalogue read), closing it a
-# checkpoint: a run's start and end are a dozen transactions back to back. Within ``held()`` the
-# instance stays open and each transaction is a new connection on it (``cursor``, about 8 ms), in
-# every thread of this process; no other process can open the file meanwhile, so a hold covers
-# transactions with no work between them, never a run's batches. Keyed by the absolute path.
-_HELD: dict[str, duckdb.DuckDBPyConnection] = {}
+# Opening a file costs about 8 ms of CPU on a kept instance (the catalogue read; 15 ms with an
+# instance of its own), closing it a checkpoint: a run's start and end are a dozen transactions back
+# to back. Within ``held()`` the file stays attached and each transaction is a new connection on its
+# instance (``cursor``), in every thread of this process; no other process can open the file
+# meanwhile, so a hold covers transactions with no work between them, never a run's batches. Keyed
+# by the absolute path; the hold's own connection.
+_HELD: dict[str, Any] = {}
 # a forked child must neither use nor close (checkpoint) its parent's instance: it forgets the holds,
 # and the connections are kept referenced there, never closed by the child's garbage collector
-_FORKED: list[duckdb.DuckDBPyConnection] = []
+_FORKED: list[Any] = []
 
 
 def _forget_holds() -> None:
     _FORKED.extend(_HELD.values())
     _HELD.clear()
+    _ENGINES_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
 
 
 os.register_at_fork(after_in_child=_forget_holds)
+
+# engines kept between transactions, by file and read-only (most recently used last)
+_ENGINES: dict[tuple[str, bool], Engine] = {}
+_ENGINES_KEPT = 16
+_ENGINES_LOCK = threading.Lock()
+
+
+def _new_engine(backend: FileBackend, read_only: bool) -> Engine:
+    from duckdb_engine import ConnectionWrapper
+
+    return create_engine(
+        "duckdb://", creator=lambda: ConnectionWrapper(backend.connect(read_only=read_only)), poolclass=NullPool
+    )
 
 
 class FileBackend(Backend):
@@ -87,9 +105,8 @@ class FileBackend(Backend):
     def connect(self, *, read_only: bool = False, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         # absolute: DuckDB reads a leading "name:" as an extension's protocol (an:x/c.duckdb)
         where = str(self.path.absolute())
-        held = _HELD.get(where)
-        if held is not None and not config:  # read-only too: the held instance is the process's one
-            return held.cursor()
+        if not config:  # on an instance kept between transactions (file_instances); read-only too where held
+            return attached_connection(where, read_only=read_only)
         return duckdb.connect(where, read_only=read_only, config=duckdb_config(**(config or {})))
 
     @contextmanager
@@ -105,7 +122,7 @@ class FileBackend(Backend):
                 conn = None
             else:
                 try:
-                    conn = duckdb.connect(where, config=duckdb_config())
+                    conn = attached_connection(where, read_only=False)
                 except Exception:  # noqa: BLE001 - an optimisation: the transactions open it themselves
                     conn = None
                 else:
@@ -123,11 +140,17 @@ class FileBackend(Backend):
                         dbfile.closed(key)
 
     def engine(self, *, read_only: bool = False) -> Engine:
-        from duckdb_engine import ConnectionWrapper
-
-        return create_engine(
-            "duckdb://", creator=lambda: ConnectionWrapper(self.connect(read_only=read_only)), poolclass=NullPool
-        )
+        """An engine on the file, kept for the next transaction on it (a new engine costs about 3 ms
+        of CPU, its dialect set up afresh); each connection it makes is new (no pool)."""
+        key = (str(self.path.absolute()), read_only)
+        with _ENGINES_LOCK:
+            engine = _ENGINES.pop(key, None)
+            if engine is None:
+                engine = _new_engine(FileBackend(key[0]), read_only)
+            _ENGINES[key] = engine  # the most recently used last
+            while len(_ENGINES) > _ENGINES_KEPT:
+                del _ENGINES[next(iter(_ENGINES))]
+        return engine
 
     @contextmanager
     def transaction(
@@ -151,26 +174,19 @@ class FileBackend(Backend):
             )
         self.check(write=not read_only, create=create)
         engine = self.engine(read_only=read_only)
-        try:
-            with self.connected(engine, 30.0 if lock_wait_s is None else lock_wait_s) as conn:
-                try:
-                    with conn.begin():
-                        yield conn
-                except Exception as exc:
-                    # DuckDB refused the commit (or a statement) on another process's lock, e.g. on
-                    # the .wal file: rolled back, nothing written, DatabaseLocked (the caller retries)
-                    raise self.translate(exc) or exc  # noqa: B904 - the error or its translation
-        finally:
-            engine.dispose()
+        with self.connected(engine, 30.0 if lock_wait_s is None else lock_wait_s) as conn:
+            try:
+                with conn.begin():
+                    yield conn
+            except Exception as exc:
+                # DuckDB refused the commit (or a statement) on another process's lock, e.g. on
+                # the .wal file: rolled back, nothing written, DatabaseLocked (the caller retries)
+                raise self.translate(exc) or exc  # noqa: B904 - the error or its translation
 
     @contextmanager
     def session(self, *, lock_wait_s: float | None = None) -> Iterator[Connection]:
-        engine = self.engine()
-        try:
-            with self.connected(engine, 30.0 if lock_wait_s is None else lock_wait_s) as conn:
-                yield conn
-        finally:
-            engine.dispose()
+        with self.connected(self.engine(), 30.0 if lock_wait_s is None else lock_wait_s) as conn:
+            yield conn
 
     @contextmanager
     def connected(self, engine: Engine, lock_wait_s: float) -> Iterator[Connection]:
