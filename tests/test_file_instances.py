@@ -5,6 +5,7 @@ of the file's own instance gave."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -131,3 +132,14 @@ def test_a_forked_child_opens_the_file_on_an_instance_of_its_own(two_files):
     os.waitpid(pid, 0)
     assert answer == b"1"
     assert file_instances._IDLE == kept  # the parent's untouched
+
+
+def test_a_connection_dropped_unclosed_lets_its_file_go(two_files):
+    first, _ = two_files
+    connection = FileBackend(first).connect()
+    assert connection.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    assert file_instances.attached(str(first.absolute()))
+    del connection
+    gc.collect()
+    assert not file_instances.attached(str(first.absolute()))
+    assert _opens_for_writing_elsewhere(first).strip() == "opened"

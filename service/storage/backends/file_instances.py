@@ -92,6 +92,12 @@ class AttachedConnection:
         finally:
             release(self._where)
 
+    def __del__(self) -> None:  # dropped unclosed: as a DuckDB connection's own destructor closes it
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - in the garbage collector: nowhere to report it
+            pass
+
     def __enter__(self) -> AttachedConnection:
         return self
 
