@@ -5,12 +5,13 @@ opens its file.
 
 Makes a new headatlas database (the current schema) in a temporary folder and prints the mean
 process CPU (``time.process_time``) of ``--repeats`` of each: a read transaction through the file
-backend (``SELECT 1``); the same statement on a SQLAlchemy engine kept between transactions; a bare
+backend (``SELECT 1``: the file attached to an instance kept between transactions, file_instances);
+the same statement on a SQLAlchemy engine of its own kept between transactions; a bare
 ``duckdb.connect`` of the file (read-only) and its close; ``duckdb.connect`` of an empty DuckDB file
 and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance. Then analyses the
 shipped excerpt's first two documents with ``random:tiny`` (``--seq-len 32``) and runs ``query
-heads``, ``query layers`` and ``sql`` on it, in this process, counting the file's ``duckdb.connect``
-calls for each command.
+heads``, ``query layers`` and ``sql`` on it, in this process, counting the openings of the file
+(``duckdb.connect`` of it, or its attachment to a kept instance) for each command.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
 
     from headatlas.cli.main import app
     from headatlas.service.storage.backends import file as filebackend
+    from headatlas.service.storage.backends import file_instances
     from headatlas.service.storage.store import Store
 
     folder = Path(tempfile.mkdtemp())
@@ -81,14 +83,21 @@ def main() -> None:
     for name, work in parts.items():
         print(f"| {name} | {mean_ms(work, args.repeats):.1f} |", flush=True)
 
+    # an opening of the file: an instance of its own made on it, or the file attached to a kept one
     opened: list[str] = []
     real = filebackend.duckdb.connect
+    real_attach = file_instances.attach
 
     def counting(*a, **k):
         opened.append(str(a[0] if a else k.get("database")))
         return real(*a, **k)
 
+    def counting_attach(instance, where, alias, *, read_only):
+        opened.append(where)
+        return real_attach(instance, where, alias, read_only=read_only)
+
     filebackend.duckdb.connect = counting  # type: ignore[assignment]
+    file_instances.attach = counting_attach  # type: ignore[assignment]
     excerpt = (ROOT / "service" / "data" / "wiki_excerpt.txt").read_text(encoding="utf-8")
     corpus = folder / "two.txt"
     documents = [d.strip() for d in excerpt.split("\n\n") if d.strip()][:2]
