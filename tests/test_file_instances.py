@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 
 import duckdb
 import pytest
@@ -18,6 +16,7 @@ from headatlas.service.storage import db as dbmod
 from headatlas.service.storage.backends import file_instances
 from headatlas.service.storage.backends.file import FileBackend
 from headatlas.service.storage.store import Store
+from tests.test_held_file import _another_process_opens  # opened for writing, or refused
 
 real_connect = duckdb.connect
 
@@ -41,16 +40,6 @@ def _instances_made(monkeypatch) -> list[str]:
     return made
 
 
-def _opens_for_writing_elsewhere(path) -> str:
-    """What another process gets when it opens ``path`` for writing and writes to it."""
-    probe = (
-        "import duckdb, sys\n"
-        "try:\n    c = duckdb.connect(sys.argv[1]); c.execute('CREATE TABLE probe (x INTEGER)'); c.close(); print('opened')\n"
-        "except duckdb.Error as e:\n    print(e)\n"
-    )
-    return subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60).stdout
-
-
 def test_one_instance_serves_files_in_turn_and_each_file_is_free_and_checkpointed_after(two_files, monkeypatch):
     made = _instances_made(monkeypatch)
     for round_ in range(2):
@@ -61,7 +50,7 @@ def test_one_instance_serves_files_in_turn_and_each_file_is_free_and_checkpointe
             assert not os.path.exists(f"{path}.wal")  # detached: checkpointed, as closing did
     assert len(made) <= 1  # at most one instance made, none where one was kept already
     for path in two_files:
-        assert _opens_for_writing_elsewhere(path).strip() == "opened"  # the lock released
+        assert _another_process_opens(path).strip() == "opened"  # the lock released
         with real_connect(str(path), read_only=True) as conn:
             assert conn.execute("SELECT x FROM kept_0 UNION ALL SELECT x FROM kept_1").fetchall() == [(0,), (1,)]
 
@@ -142,4 +131,4 @@ def test_a_connection_dropped_unclosed_lets_its_file_go(two_files):
     del connection
     gc.collect()
     assert not file_instances.attached(str(first.absolute()))
-    assert _opens_for_writing_elsewhere(first).strip() == "opened"
+    assert _another_process_opens(first).strip() == "opened"
