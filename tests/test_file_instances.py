@@ -42,6 +42,9 @@ def _instances_made(monkeypatch) -> list[str]:
 
 def test_one_instance_serves_files_in_turn_and_each_file_is_free_and_checkpointed_after(two_files, monkeypatch):
     made = _instances_made(monkeypatch)
+    attached: list[str] = []
+    real_attach = file_instances.attach
+    monkeypatch.setattr(file_instances, "attach", lambda *a, **k: attached.append(a[1]) or real_attach(*a, **k))
     for round_ in range(2):
         for path in two_files:
             with dbmod.transaction(FileBackend(path)) as conn:
@@ -49,6 +52,7 @@ def test_one_instance_serves_files_in_turn_and_each_file_is_free_and_checkpointe
             assert not file_instances.attached(str(path.absolute()))
             assert not os.path.exists(f"{path}.wal")  # detached: checkpointed, as closing did
     assert len(made) <= 1  # at most one instance made, none where one was kept already
+    assert len(attached) == 4  # each transaction attached its file to a kept instance
     for path in two_files:
         assert _another_process_opens(path).strip() == "opened"  # the lock released
         with real_connect(str(path), read_only=True) as conn:
@@ -132,3 +136,16 @@ def test_a_connection_dropped_unclosed_lets_its_file_go(two_files):
     gc.collect()
     assert not file_instances.attached(str(first.absolute()))
     assert _another_process_opens(first).strip() == "opened"
+
+
+def test_a_file_is_named_as_duckdb_names_it_and_a_further_cursor_is_in_it_too(tmp_path):
+    path = tmp_path / "run.v2.duckdb"
+    Store(path).ensure_schema()
+    with real_connect(str(path), read_only=True) as own:
+        (name,) = own.execute("SELECT current_database()").fetchone()  # type: ignore[misc]
+    connection = FileBackend(path).connect()
+    try:
+        assert connection.execute("SELECT current_database()").fetchone() == (name,)
+        assert connection.cursor().execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    finally:
+        connection.close()

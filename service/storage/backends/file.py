@@ -107,7 +107,7 @@ class FileBackend(Backend):
         where = str(self.path.absolute())
         if not config:  # on an instance kept between transactions (file_instances); read-only too where held
             return attached_connection(where, read_only=read_only)
-        return duckdb.connect(where, read_only=read_only, config=duckdb_config(**(config or {})))
+        return duckdb.connect(where, read_only=read_only, config=duckdb_config(**config))
 
     @contextmanager
     def held(self) -> Iterator[None]:

@@ -31,24 +31,31 @@ RESERVED = frozenset({"memory", "system", "temp", "main"})
 _IDLE_KEPT = 2  # empty instances kept for the next file (threads of a process rarely hold more files at once)
 
 _LOCK = threading.RLock()
-_IDLE: list[tuple[tuple, duckdb.DuckDBPyConnection]] = []  # (config, instance) with no file attached
-_SETTINGS: dict[int, dict[str, str]] = {}  # id(instance) -> its settings as made (restored before reuse)
+_IDLE: list[_Kept] = []  # instances with no file attached, the most recently used last
 _ATTACHED: dict[str, _Attachment] = {}  # absolute path -> its attachment
 _FORKED: list[Any] = []  # a forked child's inherited instances: referenced, never closed
 
 
+class _Kept:
+    """An instance, the configuration it was made with, and its settings then (restored before reuse)."""
+
+    def __init__(self, config: tuple) -> None:
+        self.config = config
+        self.instance = duckdb.connect(":memory:", config=dict(config))
+        self.settings = _settings(self.instance)
+
+
 class _Attachment:
-    def __init__(self, config: tuple, instance: duckdb.DuckDBPyConnection, alias: str, read_only: bool):
-        self.config, self.instance, self.alias, self.read_only = config, instance, alias, read_only
+    def __init__(self, kept: _Kept, alias: str, read_only: bool) -> None:
+        self.kept, self.alias, self.read_only = kept, alias, read_only
         self.users = 0
 
 
 def _forget() -> None:
-    _FORKED.extend(instance for _config, instance in _IDLE)
-    _FORKED.extend(a.instance for a in _ATTACHED.values())
+    _FORKED.extend(kept.instance for kept in _IDLE)
+    _FORKED.extend(a.kept.instance for a in _ATTACHED.values())
     _IDLE.clear()
     _ATTACHED.clear()
-    _SETTINGS.clear()
     _LOCK._at_fork_reinit()  # type: ignore[attr-defined]
 
 
@@ -60,19 +67,19 @@ def _quoted(name: str) -> str:
 
 
 def alias_of(where: str) -> str | None:
-    """The name DuckDB gives the file when it opens it (its stem); None where an instance's own
-    catalogue has that name (the file is then opened on an instance of its own)."""
-    stem = Path(where).stem if Path(where).suffix else Path(where).name
-    return None if not stem or stem.lower() in RESERVED else stem
+    """The name DuckDB gives the file when it opens it (its name up to the first dot); None where an
+    instance's own catalogue has that name (the file is then opened on an instance of its own)."""
+    name = Path(where).name.split(".", 1)[0]
+    return None if not name or name.lower() in RESERVED else name
 
 
 class AttachedConnection:
     """A connection on a kept instance, in the file's database; ``close`` ends this process's use
     of the file when it is the last (the file detached: checkpointed, its lock released)."""
 
-    def __init__(self, cursor: duckdb.DuckDBPyConnection, where: str):
+    def __init__(self, cursor: duckdb.DuckDBPyConnection, where: str, alias: str):
         self._cursor: duckdb.DuckDBPyConnection | None = cursor
-        self._where = where
+        self._where, self._alias = where, alias
 
     def __getattr__(self, name: str) -> Any:
         if self._cursor is None:
@@ -80,8 +87,9 @@ class AttachedConnection:
         return getattr(self._cursor, name)
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
+        """Another connection on the instance, in the file's database too (a new one starts in ``memory``)."""
         assert self._cursor is not None
-        return self._cursor.cursor()
+        return _in(self._cursor.cursor(), self._alias)
 
     def close(self) -> None:
         cursor, self._cursor = self._cursor, None
@@ -105,25 +113,27 @@ class AttachedConnection:
         self.close()
 
 
-def _take(config: tuple) -> duckdb.DuckDBPyConnection:
-    for i, (kept, instance) in enumerate(_IDLE):
-        if kept == config:
-            del _IDLE[i]
-            return instance
-    instance = duckdb.connect(":memory:", config=dict(config))
-    _SETTINGS[id(instance)] = _settings(instance)
-    return instance
+def _in(cursor: duckdb.DuckDBPyConnection, alias: str) -> duckdb.DuckDBPyConnection:
+    cursor.execute(f"USE {_quoted(alias)}")
+    return cursor
+
+
+def _take(config: tuple) -> _Kept:
+    for i, kept in enumerate(_IDLE):
+        if kept.config == config:
+            return _IDLE.pop(i)
+    return _Kept(config)
 
 
 def _settings(instance: duckdb.DuckDBPyConnection) -> dict[str, str]:
     return dict(instance.execute("SELECT name, value FROM duckdb_settings()").fetchall())
 
 
-def _put_back(config: tuple, instance: duckdb.DuckDBPyConnection) -> None:
+def _put_back(kept: _Kept) -> None:
     """Keep the empty instance for the next file, its settings as they were made: a transaction's
     ``SET`` of a global option (storing's ``threads``) ends with its file, as it did when the file
     closed with its instance. One whose settings cannot be restored is closed."""
-    made = _SETTINGS.get(id(instance), {})
+    instance, made = kept.instance, kept.settings
     try:
         now = _settings(instance)  # about 1.5 ms: read once where nothing changed, the usual case
         if now != made:
@@ -133,16 +143,11 @@ def _put_back(config: tuple, instance: duckdb.DuckDBPyConnection) -> None:
             if _settings(instance) != made:
                 raise duckdb.Error("settings not restored")
     except duckdb.Error:
-        _close(instance)
+        instance.close()
         return
-    _IDLE.append((config, instance))
+    _IDLE.append(kept)
     while len(_IDLE) > _IDLE_KEPT:
-        _close(_IDLE.pop(0)[1])
-
-
-def _close(instance: duckdb.DuckDBPyConnection) -> None:
-    _SETTINGS.pop(id(instance), None)
-    instance.close()
+        _IDLE.pop(0).instance.close()
 
 
 def connect(where: str, *, read_only: bool) -> duckdb.DuckDBPyConnection:
@@ -162,24 +167,23 @@ def connect(where: str, *, read_only: bool) -> duckdb.DuckDBPyConnection:
                     f"connections: {where} is open read-only in this process"
                 )
         else:
-            config = tuple(sorted(duckdb_config().items()))
-            instance = _take(config)
+            kept = _take(tuple(sorted(duckdb_config().items())))
             try:
-                attach(instance, where, alias, read_only=read_only)
+                attach(kept.instance, where, alias, read_only=read_only)
             except BaseException:
-                _put_back(config, instance)
+                _put_back(kept)
                 raise
-            attachment = _ATTACHED[where] = _Attachment(config, instance, alias, read_only)
-        cursor = attachment.instance.cursor()
+            attachment = _ATTACHED[where] = _Attachment(kept, alias, read_only)
+        cursor = attachment.kept.instance.cursor()
         attachment.users += 1
         try:
-            cursor.execute(f"USE {_quoted(attachment.alias)}")
+            _in(cursor, attachment.alias)
         except BaseException:
             cursor.close()
             release(where)
             raise
         # a connection's methods, by delegation to its cursor: typed as one
-        return cast(duckdb.DuckDBPyConnection, AttachedConnection(cursor, where))
+        return cast(duckdb.DuckDBPyConnection, AttachedConnection(cursor, where, attachment.alias))
 
 
 def attach(instance: duckdb.DuckDBPyConnection, where: str, alias: str, *, read_only: bool) -> None:
@@ -200,11 +204,11 @@ def release(where: str) -> None:
             return
         del _ATTACHED[where]
         try:
-            attachment.instance.execute(f"DETACH {_quoted(attachment.alias)}")
+            attachment.kept.instance.execute(f"DETACH {_quoted(attachment.alias)}")
         except BaseException:
-            _close(attachment.instance)  # whatever state it is in, it is not used again
+            attachment.kept.instance.close()  # whatever state it is in, it is not used again
             raise
-        _put_back(attachment.config, attachment.instance)
+        _put_back(attachment.kept)
 
 
 def attached(where: str) -> bool:
