@@ -148,6 +148,16 @@ import headatlas.cli.main
 import headatlas.workers.policy
 from headatlas.workers.launch import import_model_stack
 import_model_stack()  # torch, transformers and the analysis code, as a prefork pool's parent does
+# and what the forked commands import on their way, none of it bound to the policy's timings: Celery's
+# app, worker and command line (a headatlas.workers.app import builds the app), Alembic (the schema
+# check), the SQL engine's dialects, typer's parameter types (about 0.4 s of CPU in every forked
+# process, 50-odd of them in a suite run; not pyarrow.dataset: it imports pandas, which the writer
+# keeps out of its process)
+import alembic.command, alembic.config, alembic.runtime.environment, alembic.script  # noqa: F401,E401
+import celery.app.base, celery.apps.worker, celery.beat, celery.bin.celery, celery.concurrency.prefork  # noqa: F401,E401
+import celery.fixups.django, celery.worker, celery.worker.consumer, kombu.transport.redis  # noqa: F401,E401
+import duckdb_engine, typer._adapters  # noqa: F401,E401
+import sqlalchemy.dialects.postgresql  # noqa: F401
 # nothing the forked writer, worker or beat runs has bound the policy's timings yet (each child
 # reloads the policy; cli.queue_commands binds submit --wait's, which no forked command runs)
 import sys

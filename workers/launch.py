@@ -84,6 +84,11 @@ def import_model_stack() -> None:
     import torch  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
+    # what loading any model imports lazily (transformers' _LazyModule), else once in every child:
+    # AutoConfig, AutoTokenizer and the auto model classes (about 0.3 s of CPU each time)
+    import transformers.models.auto.modeling_auto  # noqa: F401
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+
     import headatlas.service.engine.analysis  # noqa: F401
     import headatlas.service.engine.model  # noqa: F401
 
