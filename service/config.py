@@ -104,6 +104,8 @@ class Settings:
         Allowed(float, "seconds, more than 0 and at most 86400 (a day)", low=0, high=SQL_TIMEOUT_MAX_S, low_open=True),
     )
     """HEADATLAS_SQL_TIMEOUT_S: time limit of `headatlas sql`, seconds."""
+    sql_threads: int = setting(0, Allowed(int, "an integer from 0 to 1024 (0: the machine's cores)", low=0, high=1024))
+    """HEADATLAS_SQL_THREADS: threads one `sql` statement may use (a server's page runs at most two at once); 0: as many as the machine has cores."""
     attribution_chunk: int = setting(2048, Allowed(int, "an integer from 1 to 16777216", low=1, high=2**24))
     """HEADATLAS_ATTRIBUTION_CHUNK: gradient rows (windows × outputs) per batched backward call of --attribution; bounds memory."""
     store_every_s: float = setting(

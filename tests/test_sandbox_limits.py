@@ -261,6 +261,31 @@ def test_the_default_memory_limit_stops_a_2_gb_value(results) -> None:
 WIDE = "SELECT repeat('x', 500000) || range AS s FROM range(1000)"
 
 
+def test_a_statement_runs_on_the_threads_the_setting_allows(results, monkeypatch) -> None:
+    """HEADATLAS_SQL_THREADS: the threads one statement's DuckDB may use (a server runs two at
+    once); by default as many as the machine has cores; a value out of range is refused naming it.
+    (The sandbox refuses current_setting(): the query's own settings are read where it is made.)"""
+    from headatlas.service.errors import HeadatlasError
+    from headatlas.service.storage import readonly
+
+    made: list[int] = []
+    real = readonly.run_confined
+
+    def confined(query, **limits):
+        made.append(query.threads)
+        assert limits["threads"] == query.threads
+        return real(query, **limits)
+
+    monkeypatch.setattr(readonly, "run_confined", confined)
+    assert readonly.run_readonly_sql(results, "SELECT 42 AS n").rows == [(42,)]
+    monkeypatch.setenv("HEADATLAS_SQL_THREADS", "1")
+    assert readonly.run_readonly_sql(results, "SELECT 42 AS n").rows == [(42,)]
+    assert made == [os.cpu_count(), 1]
+    monkeypatch.setenv("HEADATLAS_SQL_THREADS", "-1")
+    with pytest.raises(HeadatlasError, match="HEADATLAS_SQL_THREADS='-1'"):
+        readonly.run_readonly_sql(results, "SELECT 42 AS n")
+
+
 def test_an_answer_past_its_byte_cap_stops_the_query_in_one_line(results, cli) -> None:
     """64 MiB by default, for every front end (run_readonly_sql's ``max_bytes``): the query's
     process stops fetching there, and this process never holds the answer."""

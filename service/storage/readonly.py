@@ -215,7 +215,9 @@ def run_readonly_sql(
         )
     limits = _limits(memory_limit or default_memory_limit(), temp_limit)
     cap = _max_bytes(max_bytes)
-    threads = os.cpu_count() or 1
+    from headatlas.service.config import Settings
+
+    threads = Settings.from_env().sql_threads or os.cpu_count() or 1  # HEADATLAS_SQL_THREADS
     query = _SandboxQuery(backend, sql, params, max_rows, timeout_s, lock_wait_s, limits, threads, run_id, at, cap)
     if confinement() is None and threads_now() == 1:
         warm()  # this process forks the query's: its children find DuckDB's names known
