@@ -195,22 +195,59 @@ while True:
         if os.getppid() != parent:
             leave()
         continue
+    conn.settimeout(None)
     with conn:
-        request = json.loads(conn.makefile().readline())
+        # a request: one JSON line; an attached command's stdin, stdout and stderr come with it
+        data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+        while not data.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:
+                break
+            data += more
+        request = json.loads(data)
         sys.stdout.flush()
         pid = os.fork()
         if pid:
-            conn.sendall(f"{pid}\n".encode())
+            for fd in fds:
+                os.close(fd)
+            if not fds:
+                conn.sendall(f"{pid}\n".encode())
             continue
+        said = os.dup(conn.fileno()) if fds else -1  # the connection outlives this block in the child
     server.close()
-    os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    if fds:
+        # attached: this child waits for the command (its own child) and tells its exit code, as
+        # subprocess would (-N: ended by signal N), on the request's connection
+        ready_r, ready_w = os.pipe()
+        command = os.fork()
+        if command:
+            for fd in fds:
+                os.close(fd)
+            os.close(ready_w)
+            os.read(ready_r, 1)  # its session made: a signal to its process group finds it
+            os.write(said, f"{command}\n".encode())
+            _, status = os.waitpid(command, 0)
+            os.write(said, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            os._exit(0)
+        os.close(said)
+        os.setsid()
+        os.close(ready_r)
+        os.write(ready_w, b"s")
+        os.close(ready_w)
+        # as a fresh interpreter whose SIGINT is not ignored: Ctrl-C raises KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+    else:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
     sys.stdout.reconfigure(line_buffering=True)
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -322,6 +359,120 @@ def fork_headatlas(args: list[str], *, env: dict, log: Path, cwd: Path = ROOT) -
         client.connect(_launcher_socket())
         client.sendall((json.dumps({"args": args, "env": env, "log": str(log), "cwd": str(cwd)}) + "\n").encode())
         return Forked(int(client.makefile().readline()))
+
+
+class ForkedCommand:
+    """`headatlas ARGS` forked from the launcher (its imports done: no interpreter start) and
+    attached to this process as subprocess.Popen's child is: text pipes for its stdin, stdout and
+    stderr, ``pid`` (a session of its own: ``os.killpg`` stops it and its children), ``poll``,
+    ``wait``, ``communicate``, ``send_signal`` and ``returncode`` (-N when signal N ended it). For the
+    tests of what a command does when stopped, stored or refused; what starting the installed
+    script does is tested on the script itself (tests/test_cli.py, test_packaging.py)."""
+
+    def __init__(self, args: list[str], *, env: dict | None = None, cwd: Path = ROOT):
+        self.args = ["headatlas", *args]
+        full_env = {**os.environ, **(env or {})}
+        stdin_r, stdin_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self._client = socket.socket(socket.AF_UNIX)
+        self._client.connect(_launcher_socket())
+        request = json.dumps({"args": args, "env": full_env, "log": "", "cwd": str(cwd)}) + "\n"
+        socket.send_fds(self._client, [request.encode()], [stdin_r, out_w, err_w])
+        for fd in (stdin_r, out_w, err_w):
+            os.close(fd)
+        self.stdin = open(stdin_w, "w", encoding="utf-8")  # noqa: SIM115 - closed by communicate
+        self.stdout = open(out_r, encoding="utf-8")  # noqa: SIM115
+        self.stderr = open(err_r, encoding="utf-8")  # noqa: SIM115
+        self.pid = int(self._line())
+        self.returncode: int | None = None
+
+    def _line(self) -> str:
+        """A line its watcher wrote, read unbuffered (so that select sees what is still to come)."""
+        got = b""
+        while not got.endswith(b"\n"):
+            byte = self._client.recv(1)
+            if not byte:
+                break
+            got += byte
+        return got.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            import select
+
+            if select.select([self._client], [], [], 0)[0]:
+                self._read_code()
+        return self.returncode
+
+    def _read_code(self) -> None:
+        line = self._line()
+        self.returncode = int(line) if line.strip() else -1  # its watcher gone: no code to tell
+        self._client.close()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            import select
+
+            if not select.select([self._client], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self._read_code()
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str, str]:
+        """Its input written, then everything it writes until it ends, and its exit code kept."""
+        import threading
+
+        if not self.stdin.closed:
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        read: dict[str, str] = {}
+        readers = [
+            threading.Thread(target=lambda k=k, f=f: read.__setitem__(k, f.read()), daemon=True)
+            for k, f in (("out", self.stdout), ("err", self.stderr))
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.stdout.close()
+        self.stderr.close()
+        return read["out"], read["err"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_cli(*args: str, env: dict | None = None) -> ForkedCommand:
+    """`headatlas ARGS` started from the launcher, attached (ForkedCommand)."""
+    return ForkedCommand(list(args), env=env)
+
+
+def run_forked_cli(
+    *args: str, env: dict | None = None, input: str | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`headatlas ARGS` forked from the launcher, run to its end: as conftest.run_cli, less the
+    interpreter's start."""
+    command = fork_cli(*args, env=env)
+    try:
+        out, err = command.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(command.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(command.args, command.wait(), out, err)
 
 
 # The fault policy's timings (workers/policy.py) that the queue tests' processes act on, shorter

@@ -819,27 +819,20 @@ def test_ctrl_c_prints_the_resume_hint_and_exits_130(tmp_path, demo_corpus):
     """A real SIGINT to a real analyze: the hint, exit 130, the bar not drawn at 100 %, the run
     kept as interrupted."""
     import signal
-    import subprocess
     import time
 
-    from tests.conftest import ROOT, headatlas_cmd
+    from queue_support import fork_cli
 
     docs = [d.strip() for d in demo_corpus.read_text(encoding="utf-8").split("\n\n") if d.strip()]
     corpus = tmp_path / "long.txt"
     corpus.write_text("\n\n".join(f"Copy {k}. {d}" for k in range(12) for d in docs) + "\n", encoding="utf-8")
     db = tmp_path / "c.duckdb"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HEADATLAS_STORE_EVERY_S="1")  # the first batches stored soon
-    process = subprocess.Popen(
-        [*headatlas_cmd(), "analyze", str(corpus), "--db", str(db), "--model", "random:minilm", "--batch-size", "8"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        # a suite started in the background by a shell without job control inherits SIGINT ignored,
-        # and so would the command; the test is of the command's own handling
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # the command forked from the tests' launcher, its imports done (tests/queue_support.py), in a
+    # session of its own and with Python's own Ctrl-C handling, as a terminal's command has it
+    process = fork_cli(
+        "analyze", str(corpus), "--db", str(db), "--model", "random:minilm", "--batch-size", "8",
+        env={"HEADATLAS_STORE_EVERY_S": "1"},  # the first batches stored soon
+    )  # fmt: skip
 
     def stored_windows() -> int:
         if not db.exists():

@@ -1,6 +1,8 @@
 """A run's causal effects and a run's pruning curves survive their command being stopped: the
 console script killed with SIGKILL (nothing of it runs on), and stopped with Ctrl-C (SIGINT: it
-says so, exits 130), then the same command run again.
+says so, exits 130), then the same command run again. The stopped prunes are processes of their
+own forked from the tests' launcher, the console script's imports done (tests/queue_support.py:
+ForkedCommand).
 
 `analyze --effects zero,mean` stores each batch's effects with its statistics, so a stopped run
 resumes: every effect stored at the end equals, to the bit, the run never stopped (each batch is
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import invoke_cli, start_cli
+from queue_support import ForkedCommand, fork_cli
 from sqlalchemy import text
 
 pytestmark = pytest.mark.slow
@@ -58,7 +61,9 @@ def _effect_windows(db: Path) -> int:
     return int(row[0]) if row else 0
 
 
-def _stop_once(proc: subprocess.Popen, ready, sig: int, what: str, timeout: float = 240.0) -> tuple[int, str]:
+def _stop_once(
+    proc: subprocess.Popen | ForkedCommand, ready, sig: int, what: str, timeout: float = 240.0
+) -> tuple[int, str]:
     """Send ``sig`` once ``ready()`` holds; the exit code and stderr. Fails if the command ended first."""
     deadline = time.monotonic() + timeout
     while not ready():
@@ -155,7 +160,7 @@ def test_a_prune_stopped_by_kill_9_or_ctrl_c_leaves_nothing_and_run_again_stores
 
     command = ["prune", *PRUNE, "--db", str(db)]
     for sig, expected in ((signal.SIGKILL, -signal.SIGKILL), (signal.SIGINT, 130)):
-        proc = _start(*command)
+        proc = fork_cli(*command, env=ENV)
         said: list[str] = []
 
         def measuring(proc=proc, said=said) -> bool:  # a curve's first step is being measured

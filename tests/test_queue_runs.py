@@ -255,7 +255,7 @@ def test_a_run_deleted_while_it_is_stored_leaves_no_rows_stays_deleted_and_ends_
 ):
     import threading
 
-    from conftest import run_cli
+    from queue_support import run_forked_cli as run_cli  # the commands forked, their imports done
     from sqlalchemy import text
 
     from headatlas.service.storage.db import transaction

@@ -76,8 +76,10 @@ def test_a_lease_under_a_second_is_refused_in_one_line_where_it_is_read(stored, 
 def test_prune_seeds_beyond_the_range_are_refused_before_the_model_loads(stored):
     """--seeds 100000000 was taken: a hundred million random orders, with no word of the cost."""
     db, _ = stored
+    from queue_support import run_forked_cli  # the command forked, its imports done
+
     for seeds in ("100000000", "1001"):
-        result = run_cli("prune", "--seeds", seeds, "--db", str(db), timeout=120)
+        result = run_forked_cli("prune", "--seeds", seeds, "--db", str(db), timeout=120)
         _one_error_line(result, f"--seeds {seeds}", "1 to 1000")
 
 
