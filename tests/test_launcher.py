@@ -65,3 +65,24 @@ def test_the_launcher_dies_with_its_parent_and_removes_its_folder():
     finally:
         if _alive(launcher):
             os.kill(launcher, signal.SIGKILL)
+
+
+def test_a_forked_command_is_attached_as_a_child_process_is(tmp_path):
+    """ForkedCommand: its stdout and stderr apart, its stdin given, its exit code (2 for a refusal,
+    -9 for SIGKILL), its own session (os.killpg reaches it), as subprocess gives them."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from queue_support import fork_cli, run_forked_cli
+
+    version = run_forked_cli("--version")
+    assert (version.returncode, version.stdout.split()[0], version.stderr) == (0, "headatlas", "")
+    refused = run_forked_cli("runs", "--db", str(tmp_path / "none.duckdb"))
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.startswith("error: no database at ")
+    db = str(tmp_path / "made.duckdb")
+    assert run_forked_cli("db", "upgrade", "--db", db).returncode == 0
+    waiting = fork_cli("sql", "-", "--db", db)  # reads its statement from stdin, which stays open
+    time.sleep(0.5)
+    assert waiting.poll() is None and os.getpgid(waiting.pid) == waiting.pid != os.getpgid(0)
+    os.killpg(waiting.pid, signal.SIGKILL)
+    assert waiting.wait(timeout=30) == -signal.SIGKILL
+    given = run_forked_cli("sql", "-", "--db", db, "--format", "csv", input="SELECT 41 + 1 AS a")
+    assert (given.returncode, given.stdout.split()) == (0, ["a", "42"]), given.stderr
