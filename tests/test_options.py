@@ -234,6 +234,8 @@ BAD_SETTINGS = [
     ("lease_s", "nan"),
     ("cache", "models\ncache"),
     ("duckdb_threads", "-1"),
+    ("sql_threads", "-1"),
+    ("sql_threads", "1025"),
 ]
 
 
