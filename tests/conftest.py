@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import signal
@@ -45,6 +46,13 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # second DuckDB thread per query costs more CPU than it saves time (a finished tiny run's results
 # derived: 1.9 s of CPU in DuckDB's two threads, 1.2 s in one, and less wall-clock time too)
 os.environ.setdefault("HEADATLAS_DUCKDB_THREADS", "1")
+# and the `sql` sandbox's statements likewise (HEADATLAS_SQL_THREADS; a test of the default unsets it)
+os.environ.setdefault("HEADATLAS_SQL_THREADS", "1")
+# Python's cyclic garbage collector, less often in the pytest processes: with torch, transformers and
+# the models loaded, each full collection walks the whole heap (about 150 ms; 14 of them, 2.3 s of
+# CPU, in test_cli_runs, test_compare and test_api run together, 5 % of their CPU; with these
+# thresholds none, and 0.65 s of collections in all). Cycles are collected all the same, later.
+gc.set_threshold(10_000, 50, 20)
 # the cores are shared among pytest-xdist's workers when the suite runs in several (-n N)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _TORCH_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
