@@ -4,10 +4,8 @@ attributes them one per batch on a CPU, and stops on Ctrl-C keeping every finish
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
@@ -106,33 +104,15 @@ def test_the_estimate_counts_the_passes_and_bounds_memory_by_the_shape(tiny_mode
 def test_ctrl_c_stops_attribution_at_once_keeping_finished_windows(tmp_path, demo_corpus, request):
     """A real SIGINT to a real `analyze --attribution` once some windows are stored: it exits 130
     promptly, the run is interrupted, and the windows it had finished are kept whole."""
-    from conftest import ROOT, headatlas_cmd
-    from queue_support import assert_whole_batches
+    from queue_support import assert_whole_batches, fork_cli
 
     db = tmp_path / "c.duckdb"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HEADATLAS_STORE_EVERY_S="1")  # stores soon: less to wait for
-    process = subprocess.Popen(
-        [
-            *headatlas_cmd(),
-            "analyze",
-            str(demo_corpus),
-            "--db",
-            str(db),
-            "--model",
-            "random:tiny",
-            "--seq-len",
-            "64",
-            "--attribution",
-            "--attribution-windows",
-            "500",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as test_bad_inputs' Ctrl-C test
-    )
+    # the command forked from the tests' launcher, its imports done (tests/queue_support.py)
+    process = fork_cli(
+        "analyze", str(demo_corpus), "--db", str(db), "--model", "random:tiny", "--seq-len", "64",
+        "--attribution", "--attribution-windows", "500",
+        env={"HEADATLAS_STORE_EVERY_S": "1"},  # stores soon: less to wait for
+    )  # fmt: skip
     # a failed wait below must not leave it attributing 500 windows beside the rest of the suite
     request.addfinalizer(lambda: process.poll() is None and (process.kill(), process.wait()))
     stored, deadline = 0, time.monotonic() + 180
