@@ -46,8 +46,6 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # second DuckDB thread per query costs more CPU than it saves time (a finished tiny run's results
 # derived: 1.9 s of CPU in DuckDB's two threads, 1.2 s in one, and less wall-clock time too)
 os.environ.setdefault("HEADATLAS_DUCKDB_THREADS", "1")
-# and the `sql` sandbox's statements likewise (HEADATLAS_SQL_THREADS; a test of the default unsets it)
-os.environ.setdefault("HEADATLAS_SQL_THREADS", "1")
 # Python's cyclic garbage collector, less often in the pytest processes: with torch, transformers and
 # the models loaded, each full collection walks the whole heap (about 150 ms; 14 of them, 2.3 s of
 # CPU, in test_cli_runs, test_compare and test_api run together, 5 % of their CPU; with these

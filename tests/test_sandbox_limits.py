@@ -277,7 +277,7 @@ def test_a_statement_runs_on_the_threads_the_setting_allows(results, monkeypatch
         return real(query, **limits)
 
     monkeypatch.setattr(readonly, "run_confined", confined)
-    monkeypatch.delenv("HEADATLAS_SQL_THREADS")  # the suite's one thread (tests/conftest.py)
+    monkeypatch.delenv("HEADATLAS_SQL_THREADS", raising=False)
     assert readonly.run_readonly_sql(results, "SELECT 42 AS n").rows == [(42,)]
     monkeypatch.setenv("HEADATLAS_SQL_THREADS", "1")
     assert readonly.run_readonly_sql(results, "SELECT 42 AS n").rows == [(42,)]
