@@ -203,19 +203,37 @@ def _child(work: Callable[[Marks], T], out: int, limits: _Limits) -> None:
             answer: tuple[str, object] = ("value", work(marks))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
             answer = ("error", exc)
+        pipe = _Pipe(out)
         try:
-            data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+            # written to the pipe frame by frame as it is pickled: a large answer is not copied whole
+            # beside its rows under the address-space cap (a 500 MB one often did not fit so)
+            pickle.dump(answer, pipe, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - a value or error that does not pickle
-            data = pickle.dumps(("error", RuntimeError(f"the answer could not be returned ({exc})")))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view) :]
+            if pipe.written:  # part of it sent: the parent finds it unreadable and says the child failed
+                raise
+            pipe.write(pickle.dumps(("error", RuntimeError(f"the answer could not be returned ({exc})"))))
     except MemoryError:
         code = 3
     except BaseException:  # noqa: BLE001 - the parent reports a child that ended without an answer
         code = 4
     finally:
         os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+
+
+class _Pipe:
+    """The answer's pipe as a file for ``pickle.dump``: every byte written, however many writes."""
+
+    def __init__(self, fd: int):
+        self.fd, self.written = fd, 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        while view:
+            sent = os.write(self.fd, view)
+            self.written += sent
+            view = view[sent:]
+        return size
 
 
 def _cap(out: int, limits: _Limits) -> Marks:
@@ -573,7 +591,10 @@ def _await(child: _Child, fd: int, *, timeout_s: float, setup_s: float, check_s:
     payload = b"".join(chunks)
     if not payload:
         raise ChildFailed(_death(child.exit_code()), stage=stage)
-    kind, value = pickle.loads(payload)  # noqa: S301 - our own child's answer, over our own pipe
+    try:
+        kind, value = pickle.loads(payload)  # noqa: S301 - our own child's answer, over our own pipe
+    except Exception:  # noqa: BLE001 - cut short: the child failed while sending it
+        raise ChildFailed(_death(child.exit_code()), stage=stage) from None
     if kind == "error":
         raise value
     return value
