@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import copy
 import inspect
 import os
@@ -279,15 +280,48 @@ def writer_group(size: int) -> int:
     return min(bound(GROUP_MESSAGES_BOUND), -(-bound(GROUP_BYTES_BOUND) // size))
 
 
-def storing(results: dict, folder: Path, batches: int, repeats: int, group: int = 0, stored: int = 0) -> None:
+DEFAULT_FORMAT = "DuckDB's default storage format"
+DEFAULT_TARGET = "file in DuckDB's default format"
+
+
+@contextlib.contextmanager
+def storage_format(default: bool):
+    """New files made inside in DuckDB's default storage format (``default``), else in headatlas's
+    (``duckdb_settings.STORAGE_VERSION``); this process's copy of a new file forgotten either way."""
+    from headatlas.service.storage import duckdb_settings, new_file
+
+    kept = duckdb_settings.STORAGE_VERSION
+    if default:
+        import duckdb
+
+        with duckdb.connect(":memory:") as conn:
+            duckdb_settings.STORAGE_VERSION = conn.execute(
+                "SELECT current_setting('storage_compatibility_version')"
+            ).fetchone()[0]
+    new_file._BYTES.clear()
+    new_file._MADE.clear()
+    try:
+        yield
+    finally:
+        duckdb_settings.STORAGE_VERSION = kept
+        new_file._BYTES.clear()
+        new_file._MADE.clear()
+
+
+def storing(
+    results: dict, folder: Path, batches: int, repeats: int, group: int = 0, stored: int = 0, formats: bool = False
+) -> None:
     """``group``: batches per transaction (0: the writer's, ``writer_group``); ``batches``: per
     repeat (0: two transactions' worth); ``stored``: windows the run (and the database) already
-    holds, stored first in the same transactions and not timed."""
+    holds, stored first in the same transactions and not timed; ``formats``: also into a file of
+    DuckDB's default storage format, in turn with the others."""
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store, store_batches
 
     print(f"# storing: transactions of store_batches; {load()}")
     targets: list[tuple[str, object]] = [("file", None)]
+    if formats:  # the same into a file of DuckDB's default storage format (duckdb_settings.STORAGE_VERSION)
+        targets.append((DEFAULT_TARGET, DEFAULT_FORMAT))
     lake_support = None
     try:
         import lake_support
@@ -309,19 +343,21 @@ def storing(results: dict, folder: Path, batches: int, repeats: int, group: int 
             flush=True,
         )
         figures = {}
-        for target, support in targets:
-            times, cpu = [], []
-            for k in range(repeats):
-                place = folder / f"store-{shape}-{target}-{k}"
+        times: dict[str, list[float]] = {target: [] for target, _ in targets}
+        cpu: dict[str, list[float]] = {target: [] for target, _ in targets}
+        for k in range(repeats):  # the targets in turn, so that the machine's drift falls on each alike
+            for target, support in targets:
+                place = folder / f"store-{shape}-{target.replace(' ', '-')}-{k}"
                 place.mkdir()
                 lake = None
-                if support is None:
+                if support is None or support == DEFAULT_FORMAT:
                     store = Store(place / "bench.duckdb")
                 else:
                     lake = support.new_lake(place)
                     store = Store(lake.url, data_path=lake.data_path)
                 try:
-                    store.ensure_schema()
+                    with storage_format(support == DEFAULT_FORMAT):
+                        store.ensure_schema()
                     run, _ = store.find_or_create_run(
                         run_key=f"bench-{shape}",
                         name=f"bench-{shape}",
@@ -340,19 +376,22 @@ def storing(results: dict, folder: Path, batches: int, repeats: int, group: int 
                     start, own = time.perf_counter(), cpu_seconds()[0]
                     for g in range(0, batches, group):
                         store_batches(store, run.run_id, items[g : g + group])
-                    times.append(time.perf_counter() - start)
-                    cpu.append(cpu_seconds()[0] - own)  # DuckDB's threads included
+                    times[target].append(time.perf_counter() - start)
+                    cpu[target].append(cpu_seconds()[0] - own)  # DuckDB's threads included
                 finally:
                     if lake is not None:
                         support.remove_lake(lake)
+        for target, _support in targets:
             windows = batches * len(result.window_ids)
-            figures[target] = windows / statistics.median(times)
-            per_window = statistics.median(cpu) / windows * 1e3
+            figures[target] = windows / statistics.median(times[target])
+            per_window = statistics.median(cpu[target]) / windows * 1e3
             print(
                 f"storing, {shape} shape, {target}: {figures[target]:,.0f} windows/s; {windows:,} windows; "
                 f"CPU per window {per_window:.3f} ms (1 / CPU: {1e3 / per_window:,.0f} windows per CPU-second)",
                 flush=True,
             )
+        if DEFAULT_TARGET in figures:
+            print(f"storing, {shape} shape, file / {DEFAULT_TARGET}: {figures['file'] / figures[DEFAULT_TARGET]:.2f}×")
         if "lake" in figures:
             print(f"storing, {shape} shape, lake / file: {figures['lake'] / figures['file']:.2f}×")
         else:
@@ -457,6 +496,11 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", default="preparation,payload,storing,run", help="which parts, comma-separated")
     parser.add_argument("--no-queue", action="store_true", help="whole run: the embedded engine only")
     parser.add_argument(
+        "--formats",
+        action="store_true",
+        help="storing: also into a file of DuckDB's default storage format, in turn (duckdb_settings.STORAGE_VERSION)",
+    )
+    parser.add_argument(
         "--fresh", action="store_true", help="analyse the payloads' batches again (else kept in build/pipeline-results)"
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke test)")
@@ -481,7 +525,7 @@ def main(argv=None) -> None:
             if "payload" in parts:
                 payloads(results, args.repeats)
             if "storing" in parts:
-                storing(results, folder, args.batches, args.repeats, args.group, args.stored)
+                storing(results, folder, args.batches, args.repeats, args.group, args.stored, args.formats)
         if "run" in parts:
             whole_runs(corpus, folder, queued=not args.no_queue)
     finally:

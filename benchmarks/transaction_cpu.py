@@ -8,7 +8,11 @@ process CPU (``time.process_time``) of ``--repeats`` of each: a read transaction
 backend (``SELECT 1``: the file attached to an instance kept between transactions, file_instances);
 the same statement on a SQLAlchemy engine of its own kept between transactions; a bare
 ``duckdb.connect`` of the file (read-only) and its close; ``duckdb.connect`` of an empty DuckDB file
-and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance. Then analyses the
+and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance. Then the storage
+format (``duckdb_settings.STORAGE_VERSION``): the same database copied into a file of DuckDB's
+default format (``COPY FROM DATABASE``), each file's size, and the median over ``--rounds`` rounds,
+taken in turn, of a read transaction and of a write transaction (one row updated, the file
+checkpointed as it is detached) on each. Then analyses the
 shipped excerpt's first two documents with ``random:tiny`` (``--seq-len 32``) and runs ``query
 heads``, ``query layers`` and ``sql`` on it, in this process, counting the openings of the file
 (``duckdb.connect`` of it, or its attachment to a kept instance) for each command.
@@ -17,6 +21,7 @@ heads``, ``query layers`` and ``sql`` on it, in this process, counting the openi
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -34,9 +39,53 @@ def mean_ms(work, repeats: int) -> float:
     return (time.process_time() - start) / repeats * 1000
 
 
+def formats(path: Path, repeats: int, rounds: int) -> None:
+    """Each transaction on ``path`` (headatlas's storage format) and on a copy of it in DuckDB's
+    default format, in turn, ``rounds`` times: the median CPU ms of each, and the files' sizes."""
+    import statistics
+
+    import duckdb
+    from sqlalchemy import text
+
+    from headatlas.service.storage.backends.file import FileBackend
+    from headatlas.service.storage.duckdb_settings import STORAGE_VERSION
+
+    default = path.with_name("default-format.duckdb")
+    with duckdb.connect(":memory:") as instance:
+        made = instance.execute("SELECT current_setting('storage_compatibility_version')").fetchone()
+        instance.execute(f"ATTACH '{path}' AS src (READ_ONLY)")
+        instance.execute(f"ATTACH '{default}' AS dst")  # DuckDB's default format: a new file, this instance's
+        instance.execute("COPY FROM DATABASE src TO dst")
+    files = {
+        f"{STORAGE_VERSION} (headatlas's)": FileBackend(path),
+        f"{made[0]} (DuckDB's default)": FileBackend(default),
+    }
+
+    def read(backend: FileBackend) -> None:
+        with backend.transaction(read_only=True) as conn:
+            conn.execute(text("SELECT 1")).scalar()
+
+    def write(backend: FileBackend) -> None:
+        with backend.transaction() as conn:
+            conn.execute(text("UPDATE database_info SET value = value WHERE key = 'database_id'"))
+
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, backend in files.items():
+            for kind, work in (("read", read), ("write", write)):
+                times.setdefault((name, kind), []).append(mean_ms(functools.partial(work, backend), repeats))
+    print("\n| storage format | file size, MB | read transaction, CPU ms | write transaction, CPU ms |")
+    print("|---|---|---|---|")
+    for name, backend in files.items():
+        size = backend.path.stat().st_size / 1e6
+        read_ms, write_ms = (statistics.median(times[(name, kind)]) for kind in ("read", "write"))
+        print(f"| {name} | {size:.1f} | {read_ms:.1f} | {write_ms:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the storage formats' transactions, in turn")
     args = parser.parse_args()
 
     import duckdb
@@ -82,6 +131,7 @@ def main() -> None:
     print("|---|---|")
     for name, work in parts.items():
         print(f"| {name} | {mean_ms(work, args.repeats):.1f} |", flush=True)
+    formats(path, max(1, args.repeats // 4), args.rounds)
 
     # an opening of the file: an instance of its own made on it, or the file attached to a kept one
     opened: list[str] = []

@@ -12,6 +12,16 @@ from typing import Any
 # wheels only (duckdb-ext-ducklake, duckdb-ext-postgres), never from the network
 NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
 
+# The storage format of the database files headatlas creates (a file keeps the format it was made
+# with; DuckDB reads and writes both). DuckDB's default is still the one DuckDB 1.0 reads, which
+# gives every column of every table metadata of its own: a new headatlas file (39 tables, about a
+# thousand columns) is 2.6 MB of it, all read at each open and written again at each checkpoint.
+# Since 1.2 the format packs it (1.3 MB): a read transaction, which opens the file (file_instances),
+# 16.8 -> 10.7 ms of CPU, a write 16.7 -> 12.7 (`python benchmarks/transaction_cpu.py`); storing
+# batches as fast (`python benchmarks/pipeline.py --parts storing --formats`); docs/benchmarks.md.
+# Files made so are read by DuckDB 1.2 or later only (headatlas needs 1.4); older files keep theirs.
+STORAGE_VERSION = "v1.2.0"
+
 
 def duckdb_config(**settings: Any) -> dict[str, Any]:
     """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
@@ -22,6 +32,7 @@ def duckdb_config(**settings: Any) -> dict[str, Any]:
     memory = capped_memory()
     return {
         **NO_DOWNLOADS,
+        "storage_compatibility_version": STORAGE_VERSION,
         **({"extension_directory": folder} if folder else {}),
         **({"threads": threads} if threads else {}),
         **({"memory_limit": memory} if memory else {}),
