@@ -4,6 +4,7 @@ A leaf of the storage package."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -109,9 +110,12 @@ def configured_threads() -> int:
     return threads
 
 
+@functools.cache
 def extension_directory() -> str | None:
     """The folder of the DuckDB extension binaries shipped on PyPI (``duckdb_ext/extensions``),
-    or None when the wheels are not installed."""
+    or None when the wheels are not installed. Found once per process: ``duckdb_ext`` is a
+    namespace package, whose lookup walks every folder of ``sys.path`` (0.16 ms, at every
+    transaction's open before)."""
     spec = importlib.util.find_spec("duckdb_ext")
     if spec is None or not spec.submodule_search_locations:
         return None
