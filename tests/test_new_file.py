@@ -87,24 +87,30 @@ def test_a_copy_is_never_linked_over_a_file_already_there(tmp_path, fresh):
 
 def test_ensure_schema_makes_new_files_that_store_a_run(tmp_path, fresh):
     """Through the store, as analyses create their files: the copies are databases a run is stored in."""
-    from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store
 
     for i in range(3):
         store = Store(str(tmp_path / f"s{i}.duckdb"))
-        store.ensure_schema()
-        run, created = store.find_or_create_run(
-            run_key=f"k{i}",
-            name=f"r{i}",
-            corpus="c",
-            corpus_fingerprint="f",
-            model={"spec": "m", "name": "m", "layers": 2, "heads": 4, "d_head": 8},
-            params=AnalysisParams().to_dict(),
-            engine="embedded",
-            device="cpu",
-        )
+        run, created = _store_a_run(store, f"r{i}")
         assert created and run.run_id == 1 and store.get_run(1).name == f"r{i}"
     assert new_file._BYTES
+
+
+def _store_a_run(store, name: str):
+    """``store``'s schema made (or checked), then a run named ``name`` opened in it."""
+    from headatlas.service.params import AnalysisParams
+
+    store.ensure_schema()
+    return store.find_or_create_run(
+        run_key=f"key-{name}",
+        name=name,
+        corpus="c",
+        corpus_fingerprint="f",
+        model={"spec": "m", "name": "m", "layers": 2, "heads": 4, "d_head": 8},
+        params=AnalysisParams().to_dict(),
+        engine="embedded",
+        device="cpu",
+    )
 
 
 def _storage_version(path) -> str:
@@ -119,7 +125,6 @@ def test_new_files_are_made_in_headatlas_storage_format_and_older_files_keep_the
     """New files, by the migrations and from the copy alike, are in ``STORAGE_VERSION``'s format (its
     metadata packed: about half the bytes, each open cheaper); a file made in DuckDB's default
     format stays in it, read and written as before."""
-    from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.duckdb_settings import STORAGE_VERSION
     from headatlas.service.storage.store import Store
 
@@ -139,16 +144,6 @@ def test_new_files_are_made_in_headatlas_storage_format_and_older_files_keep_the
     assert old.stat().st_size > 1.5 * made[0].stat().st_size  # each column's metadata of its own
     assert _schema(old) == _schema(made[0])  # the same database in the other format
     store = Store(str(old))
-    store.ensure_schema()
-    run, created = store.find_or_create_run(
-        run_key="k",
-        name="old",
-        corpus="c",
-        corpus_fingerprint="f",
-        model={"spec": "m", "name": "m", "layers": 2, "heads": 4, "d_head": 8},
-        params=AnalysisParams().to_dict(),
-        engine="embedded",
-        device="cpu",
-    )
+    run, created = _store_a_run(store, "old")
     assert created and store.get_run(run.run_id).name == "old"
     assert _storage_version(old) == before  # written, and still in its own format
