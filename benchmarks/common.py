@@ -90,3 +90,18 @@ def forward_passes(model, batches, params, tokens, repeats: int) -> dict[str, li
                 fn()
             runs[name].append(t.seconds)
     return runs
+
+
+def in_default_format(source: Path, copy: Path) -> str:
+    """``source`` (a headatlas file) copied whole into ``copy``, a new file in DuckDB's default
+    storage format (``COPY FROM DATABASE``), which headatlas made its files in before
+    (``duckdb_settings.STORAGE_VERSION``); returns that format's name."""
+    import duckdb
+
+    with duckdb.connect(":memory:") as instance:  # DuckDB's own settings: the default format
+        (made,) = instance.execute("SELECT current_setting('storage_compatibility_version')").fetchone()  # type: ignore[misc]
+        quoted = [str(p).replace("'", "''") for p in (source, copy)]
+        instance.execute(f"ATTACH '{quoted[0]}' AS src (READ_ONLY)")
+        instance.execute(f"ATTACH '{quoted[1]}' AS dst")
+        instance.execute("COPY FROM DATABASE src TO dst")
+    return str(made)

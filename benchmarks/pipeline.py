@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import copy
 import inspect
 import os
@@ -280,32 +279,8 @@ def writer_group(size: int) -> int:
     return min(bound(GROUP_MESSAGES_BOUND), -(-bound(GROUP_BYTES_BOUND) // size))
 
 
-DEFAULT_FORMAT = "DuckDB's default storage format"
+DEFAULT_FORMAT = "DuckDB's default storage format"  # a target's marker: a file, made in that format
 DEFAULT_TARGET = "file in DuckDB's default format"
-
-
-@contextlib.contextmanager
-def storage_format(default: bool):
-    """New files made inside in DuckDB's default storage format (``default``), else in headatlas's
-    (``duckdb_settings.STORAGE_VERSION``); this process's copy of a new file forgotten either way."""
-    from headatlas.service.storage import duckdb_settings, new_file
-
-    kept = duckdb_settings.STORAGE_VERSION
-    if default:
-        import duckdb
-
-        with duckdb.connect(":memory:") as conn:
-            duckdb_settings.STORAGE_VERSION = conn.execute(
-                "SELECT current_setting('storage_compatibility_version')"
-            ).fetchone()[0]
-    new_file._BYTES.clear()
-    new_file._MADE.clear()
-    try:
-        yield
-    finally:
-        duckdb_settings.STORAGE_VERSION = kept
-        new_file._BYTES.clear()
-        new_file._MADE.clear()
 
 
 def storing(
@@ -315,6 +290,7 @@ def storing(
     repeat (0: two transactions' worth); ``stored``: windows the run (and the database) already
     holds, stored first in the same transactions and not timed; ``formats``: also into a file of
     DuckDB's default storage format, in turn with the others."""
+    from benchmarks.common import in_default_format
     from headatlas.service.params import AnalysisParams
     from headatlas.service.storage.store import Store, store_batches
 
@@ -345,19 +321,23 @@ def storing(
         figures = {}
         times: dict[str, list[float]] = {target: [] for target, _ in targets}
         cpu: dict[str, list[float]] = {target: [] for target, _ in targets}
+        sizes: dict[str, float] = {}  # a file's MB once stored
         for k in range(repeats):  # the targets in turn, so that the machine's drift falls on each alike
             for target, support in targets:
                 place = folder / f"store-{shape}-{target.replace(' ', '-')}-{k}"
                 place.mkdir()
                 lake = None
-                if support is None or support == DEFAULT_FORMAT:
+                if support is None:
+                    store = Store(place / "bench.duckdb")
+                elif support == DEFAULT_FORMAT:  # a new headatlas file, copied into that format
+                    Store(place / "made.duckdb").ensure_schema()
+                    in_default_format(place / "made.duckdb", place / "bench.duckdb")
                     store = Store(place / "bench.duckdb")
                 else:
                     lake = support.new_lake(place)
                     store = Store(lake.url, data_path=lake.data_path)
                 try:
-                    with storage_format(support == DEFAULT_FORMAT):
-                        store.ensure_schema()
+                    store.ensure_schema()
                     run, _ = store.find_or_create_run(
                         run_key=f"bench-{shape}",
                         name=f"bench-{shape}",
@@ -378,6 +358,8 @@ def storing(
                         store_batches(store, run.run_id, items[g : g + group])
                     times[target].append(time.perf_counter() - start)
                     cpu[target].append(cpu_seconds()[0] - own)  # DuckDB's threads included
+                    if lake is None:
+                        sizes[target] = (place / "bench.duckdb").stat().st_size / 1e6
                 finally:
                     if lake is not None:
                         support.remove_lake(lake)
@@ -387,7 +369,8 @@ def storing(
             per_window = statistics.median(cpu[target]) / windows * 1e3
             print(
                 f"storing, {shape} shape, {target}: {figures[target]:,.0f} windows/s; {windows:,} windows; "
-                f"CPU per window {per_window:.3f} ms (1 / CPU: {1e3 / per_window:,.0f} windows per CPU-second)",
+                f"CPU per window {per_window:.3f} ms (1 / CPU: {1e3 / per_window:,.0f} windows per CPU-second)"
+                + (f"; the file {sizes[target]:.1f} MB" if target in sizes else ""),
                 flush=True,
             )
         if DEFAULT_TARGET in figures:

@@ -12,7 +12,8 @@ and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance. The
 format (``duckdb_settings.STORAGE_VERSION``): the same database copied into a file of DuckDB's
 default format (``COPY FROM DATABASE``), each file's size, and the median over ``--rounds`` rounds,
 taken in turn, of a read transaction and of a write transaction (one row updated, the file
-checkpointed as it is detached) on each. Then analyses the
+checkpointed as it is detached) on each, and on the file with its views dropped; and a read of the
+view chain (``head_metrics``, no rows). Then analyses the
 shipped excerpt's first two documents with ``random:tiny`` (``--seq-len 32``) and runs ``query
 heads``, ``query layers`` and ``sql`` on it, in this process, counting the openings of the file
 (``duckdb.connect`` of it, or its attachment to a kept instance) for each command.
@@ -40,25 +41,25 @@ def mean_ms(work, repeats: int) -> float:
 
 
 def formats(path: Path, repeats: int, rounds: int) -> None:
-    """Each transaction on ``path`` (headatlas's storage format) and on a copy of it in DuckDB's
-    default format, in turn, ``rounds`` times: the median CPU ms of each, and the files' sizes."""
+    """Each transaction on ``path`` (headatlas's storage format), on a copy of it in DuckDB's
+    default format and on one without its views, in turn, ``rounds`` times: the median CPU ms of
+    each, and the files' sizes; then the median of a read of the view chain on ``path``."""
+    import shutil
     import statistics
 
     import duckdb
     from sqlalchemy import text
 
+    from benchmarks.common import in_default_format
     from headatlas.service.storage.backends.file import FileBackend
     from headatlas.service.storage.duckdb_settings import STORAGE_VERSION
 
     default = path.with_name("default-format.duckdb")
-    with duckdb.connect(":memory:") as instance:
-        made = instance.execute("SELECT current_setting('storage_compatibility_version')").fetchone()
-        instance.execute(f"ATTACH '{path}' AS src (READ_ONLY)")
-        instance.execute(f"ATTACH '{default}' AS dst")  # DuckDB's default format: a new file, this instance's
-        instance.execute("COPY FROM DATABASE src TO dst")
+    made = in_default_format(path, default)
+    ours = FileBackend(path)
     files = {
-        f"{STORAGE_VERSION} (headatlas's)": FileBackend(path),
-        f"{made[0]} (DuckDB's default)": FileBackend(default),
+        f"{STORAGE_VERSION} (headatlas's)": ours,
+        f"{made} (DuckDB's default)": FileBackend(default),
     }
 
     def read(backend: FileBackend) -> None:
@@ -69,6 +70,21 @@ def formats(path: Path, repeats: int, rounds: int) -> None:
         with backend.transaction() as conn:
             conn.execute(text("UPDATE database_info SET value = value WHERE key = 'database_id'"))
 
+    # what the views add to a read transaction, and what one read of the view chain costs to plan
+    bare = path.with_name("without-views.duckdb")
+    shutil.copy(path, bare)
+    with duckdb.connect(str(bare)) as conn:
+        for (view,) in conn.execute(
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_oid DESC"
+        ).fetchall():
+            conn.execute(f'DROP VIEW "{view}"')
+    files[f"{STORAGE_VERSION}, its views dropped"] = FileBackend(bare)
+
+    def chain(backend: FileBackend) -> None:
+        with backend.transaction(read_only=True) as conn:
+            conn.execute(text("SELECT * FROM head_metrics WHERE run_id = 1")).all()
+
+    planned = statistics.median(mean_ms(functools.partial(chain, ours), repeats) for _ in range(rounds))
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
         for name, backend in files.items():
@@ -80,6 +96,9 @@ def formats(path: Path, repeats: int, rounds: int) -> None:
         size = backend.path.stat().st_size / 1e6
         read_ms, write_ms = (statistics.median(times[(name, kind)]) for kind in ("read", "write"))
         print(f"| {name} | {size:.1f} | {read_ms:.1f} | {write_ms:.1f} |", flush=True)
+    print(
+        f"\na read transaction of `SELECT * FROM head_metrics WHERE run_id = 1` (no rows; the view chain planned): {planned:.1f} ms of CPU"
+    )
 
 
 def main() -> None:

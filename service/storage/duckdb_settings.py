@@ -19,7 +19,7 @@ NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload
 # columns, no rows) is 2.6 MB of it, all read at each open and written again at each checkpoint.
 # Since 1.2 the format packs it (1.3 MB): a read transaction, which opens the file (file_instances),
 # 16.8 -> 10.7 ms of CPU, a write 16.7 -> 12.7 (`python benchmarks/transaction_cpu.py`); storing
-# batches as fast (`python benchmarks/pipeline.py --parts storing --formats`); docs/benchmarks.md.
+# batches unchanged within noise (`python benchmarks/pipeline.py --parts storing --formats`); docs/benchmarks.md.
 # Files made so are read by DuckDB 1.2 or later only (headatlas needs 1.4); older files keep theirs.
 STORAGE_VERSION = "v1.2.0"
 
