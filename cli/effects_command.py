@@ -330,7 +330,7 @@ def _show_effects(store, run, *, fmt, view) -> tuple[str | None, str | None]:
     with store.checked_read() as conn:
         columns, rows = effect_rows(conn, run.run_id, ci=True)
         note = effect_note(conn, run.run_id)
-        above = significance_note(conn, run.run_id)
+        above = significance_note(conn, run.run_id, (columns, rows))
     render_metrics(
         columns,
         rows,

@@ -190,6 +190,55 @@ def test_query_heads_roles_metrics_and_the_api_show_the_effects(effect_run, cli)
     assert {r["difference"] for r in json.loads(compared.stdout)} == {0.0}
 
 
+def test_the_effects_a_run_holds_are_counted_in_its_stored_heads_as_in_its_views(effect_run) -> None:
+    """Which effects the run holds (every reader of its effects and roles asks): from the stored
+    heads while they are current, the same counts as the view's; tampered stored heads (each value
+    of a column NULL) are what is counted, so the stored ones are read."""
+    from sqlalchemy import text
+
+    from headatlas.service.reports import stored
+    from headatlas.service.reports.effect_queries import HEAD_EFFECTS, held_values
+    from headatlas.service.storage.store import Store
+
+    db, _corpus = effect_run
+    with Store(db).read() as conn:
+        run = Store(db).get_run("fx").run_id
+        got = held_values(conn, run, HEAD_EFFECTS)
+        with stored.computed():
+            assert got == held_values(conn, run, HEAD_EFFECTS)
+        assert got["effect_mean"] == 8 and got["importance"] == 8  # 2 layers x 4 heads, each measured
+        names, rows = stored.load(conn, run, "heads")
+    column = names.index("effect_mean")
+    nulled = [[None if i == column else v for i, v in enumerate(r)] for r in rows]
+    with Store(db).write() as conn:
+        conn.execute(
+            text("UPDATE run_results SET rows = :rows WHERE run_id = :r AND kind = 'heads'"),
+            {"rows": json.dumps(nulled), "r": run},
+        )
+    try:
+        with Store(db).read() as conn:
+            assert held_values(conn, run, ["effect_mean"]) == {"effect_mean": 0}
+    finally:
+        with Store(db).write() as conn:
+            conn.execute(
+                text("UPDATE run_results SET rows = :rows WHERE run_id = :r AND kind = 'heads'"),
+                {"rows": json.dumps([list(r) for r in rows]), "r": run},
+            )
+
+
+def test_the_count_of_heads_that_matter_is_the_same_from_the_effects_a_command_has_read(effect_run) -> None:
+    """`effects RUN` reads the run's effects once for its table and its note of the heads above 0."""
+    from headatlas.service.reports.effect_queries import effects, significance_note
+    from headatlas.service.storage.store import Store
+
+    db, _corpus = effect_run
+    with Store(db).read() as conn:
+        run = Store(db).get_run("fx").run_id
+        note = significance_note(conn, run)
+        assert note is not None and "heads above 0 with 95% confidence" in note
+        assert significance_note(conn, run, effects(conn, run, ci=True)) == note
+
+
 def test_prune_stores_its_curves_from_the_runs_stored_effects(effect_run, cli, tmp_path) -> None:
     db, _corpus = effect_run
     args = ["fx", "--db", db, "--windows", "4", "--step", "50%", "--seeds", "2", "--format", "json"]

@@ -64,11 +64,17 @@ def stored_effects(conn: Connection, run_id: int) -> list[str]:
 
 
 def held_values(conn: Connection, run_id: int, columns: Sequence[str]) -> dict[str, int]:
-    """``{column: its values in head_metrics for the run}`` (non-NULL), in one statement: each
-    statement plans the view chain under head_metrics again (some 40 ms of CPU), one per column
-    took a tenth of a second or more at every read of a run's effects."""
+    """``{column: its values in head_metrics for the run}`` (non-NULL): counted in a finished run's
+    stored heads while they are current, else in one statement (each plans the view chain under
+    head_metrics again, 40-100 ms of CPU; a read of a run's effects or roles asks two to four times)."""
     if not columns:
         return {}
+    from headatlas.service.storage import run_results as stored
+
+    kept = stored.load(conn, run_id, "heads")  # a finished run's stored heads hold every head column
+    if kept is not None and all(c in kept[0] for c in columns):
+        names, rows = kept
+        return {c: sum(r[names.index(c)] is not None for r in rows) for c in columns}
     counts = ", ".join(f"count({c})" for c in columns)
     row = conn.execute(text(f"SELECT {counts} FROM head_metrics WHERE run_id = :r"), {"r": run_id}).one()
     return {c: int(n or 0) for c, n in zip(columns, row)}
@@ -213,19 +219,20 @@ def _with_what_heads_do(conn: Connection, run_id: int, columns: list[str], rows:
     return out_columns, out_rows
 
 
-def significance_note(conn: Connection, run_id: int) -> str | None:
+def significance_note(conn: Connection, run_id: int, read: query_support.Rows | None = None) -> str | None:
     """How many heads individually matter, per effect kind the run stores: "effect_mean: 31 of 72
     heads above 0 with 95% confidence (lower bound > 0), 2 below 0 (upper bound < 0)"; where every
     value is ≥ 0 by construction (a drift objective's effects; gradient importance, an absolute
     value), that "above 0" means measurably above, not a finding. None for a run without effects;
-    said so where the intervals cannot be formed (effect windows in fewer than 2 groups)."""
+    said so where the intervals cannot be formed (effect windows in fewer than 2 groups). ``read``:
+    the run's ``effects(..., ci=True)`` where the caller has read them (not read again)."""
     from headatlas.service.storage.effect_rows import run_effects
 
     recorded = run_effects(conn, run_id)
     stored = [c for c in stored_effects(conn, run_id) if c in LAYER_NORMALISED]
     if not recorded or not stored:
         return None
-    columns, rows = effects(conn, run_id, ci=True, joined=False)
+    columns, rows = read if read is not None else effects(conn, run_id, ci=True, joined=False)
     drift = recorded[0]["objective"] in DRIFT_OBJECTIVES
     parts = []
     for c in stored:

@@ -14,6 +14,7 @@ from headatlas.service.reports.query_support import (
     fetch_rows,
     for_attention,
     with_intervals,
+    without_intervals,
 )
 
 LAYER_COLUMNS = ("layer", *(c.name for c in COLUMNS if c.layers))
@@ -24,12 +25,11 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
     (SPEC §5): ``anchor_distinct_share`` = distinct anchors among the layer's anchored heads per
     window, over those heads, pooled over windows (1: every head its own anchor; 1/H: one anchor
     for all H heads)."""
-    if ci:
-        from headatlas.service.storage import run_results as stored
+    from headatlas.service.storage import run_results as stored
 
-        kept = stored.load(conn, run_id, "layers")
-        if kept is not None:
-            return kept
+    kept = stored.load(conn, run_id, "layers")  # stored with intervals (``query layers --ci``)
+    if kept is not None:
+        return kept if ci else without_intervals(kept)
     cols = ", ".join(f"l.{c}" for c in LAYER_COLUMNS)
     # the view's distinct_share (windows in which *all* the layer's anchors differ) stays for SQL:
     # with 12 heads that event almost never happens, so it measures the head count, not the heads

@@ -26,7 +26,7 @@ from headatlas.service.reports.columns import (
 from headatlas.service.reports.columns import (
     SORTABLE as SORTABLE,  # headatlas's own: what `plot` checks its --metric against
 )
-from headatlas.service.reports.query_support import Rows, fetch_rows, for_attention, with_intervals
+from headatlas.service.reports.query_support import Rows, fetch_rows, for_attention, with_intervals, without_intervals
 from headatlas.service.storage import runs
 
 
@@ -180,10 +180,7 @@ def _stored_heads(
         named = {(r[0], r[1]): r[2] for r in listed[1]} if listed else top_anchors(conn, run_id, anchors)
         rows = [(*r[:ai], named.get((r[0], r[1])), *r[ai + 1 :]) for r in rows]
     if not ci:
-        added = {n for c in columns if f"{c}_lo" in columns and f"{c}_hi" in columns for n in (f"{c}_lo", f"{c}_hi")}
-        added.add("interval_by")
-        keep = [i for i, c in enumerate(columns) if c not in added]
-        columns, rows = [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in rows]
+        columns, rows = without_intervals((columns, rows))
     if layer is not None:
         rows = [r for r in rows if r[0] == layer]
     if sort is not None:

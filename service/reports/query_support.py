@@ -118,6 +118,16 @@ def with_intervals(
     )
 
 
+def without_intervals(rows: Rows) -> Rows:
+    """``rows`` as read without ``ci``: ``with_intervals``' columns (``<metric>_lo``, ``<metric>_hi``,
+    ``interval_by``) left out, as a stored result read for a reader that asked for none."""
+    columns, values = rows
+    added = {n for c in columns if f"{c}_lo" in columns and f"{c}_hi" in columns for n in (f"{c}_lo", f"{c}_hi")}
+    added.add("interval_by")
+    keep = [i for i, c in enumerate(columns) if c not in added]
+    return [columns[i] for i in keep], [tuple(r[i] for i in keep) for r in values]
+
+
 # Within ``shared_reads``: each replicate view's rows of a run, read once (view, run) → (columns, rows)
 # (and other reads keyed by a tuple that starts with a reader's name: ``shared_cache``)
 _SHARED: ContextVar[dict[tuple, Any] | None] = ContextVar("shared_replicate_rows", default=None)
