@@ -239,6 +239,23 @@ def test_the_count_of_heads_that_matter_is_the_same_from_the_effects_a_command_h
         assert significance_note(conn, run, effects(conn, run, ci=True)) == note
 
 
+def test_effects_asked_again_for_the_windows_a_run_holds_leave_its_stored_results_current(effect_run, cli, tmp_path):
+    """`effects RUN` for the windows the run's analysis measured measures nothing, yet records them
+    in the run's row: its results are stored again (else every later read computes them)."""
+    import shutil
+
+    from headatlas.service.storage import run_results
+    from headatlas.service.storage.store import Store
+
+    db = str(tmp_path / "copy.duckdb")
+    shutil.copy(effect_run[0], db)
+    done = cli("effects", "fx", "--effects", "zero,mean,gradient", "--windows", "5", "--format", "json", "--db", db)
+    assert done.returncode == 0, done.stderr
+    assert "0 windows measured now" in done.stderr
+    with Store(db).read() as conn:
+        assert run_results.is_fresh(conn, Store(db).get_run("fx").run_id)
+
+
 def test_prune_stores_its_curves_from_the_runs_stored_effects(effect_run, cli, tmp_path) -> None:
     db, _corpus = effect_run
     args = ["fx", "--db", db, "--windows", "4", "--step", "50%", "--seeds", "2", "--format", "json"]

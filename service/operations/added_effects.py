@@ -169,7 +169,9 @@ def add_effects(
             progress(k + 1, len(todo))
     if todo:
         store.compact(run.run_id)
-        refresh(store, run.run_id)
+    # the run's row changed even where nothing was measured (the windows its effects cover, recorded
+    # above): its results are stored again for it, or every later read would compute them
+    refresh(store, run.run_id)
     with store.checked_read() as conn:
         from headatlas.service.storage.effect_rows import effect_windows as stored_windows
 
