@@ -15,9 +15,10 @@ derivation (``reports.stored.derive``), a file's attach and detach (``file_insta
 at each such read), writes (``INSERT``, ``UPDATE``, ``DELETE``), the rest; and, separately, within a
 derivation or not. Operations nest (a derivation's statements are counted as statements too).
 
-Each process writes its counts when it exits normally (``atexit``): one that ends by ``os._exit``
-(Celery's pool children, a process killed by a test) is missed, so the figures are a lower bound
-for the forked processes; the pytest workers and console scripts exit normally. The counting itself
+Each process writes its counts when it exits (``atexit``, and ``os._exit``, by which the console
+script, the queue tests' launcher's forks and the sandbox's children end; a forked child starts
+counting from nothing): a process killed (``kill -9`` in the fault tests) or whose ``os._exit`` was
+bound before this module ran is missed, so the forked processes' figures are a lower bound. The counting itself
 costs CPU (a few µs a statement); compare shares, not the command's total, with a run without it.
 Prints the calls, CPU seconds and milliseconds a call of each operation and class, then the
 ``--top`` statements by CPU (their first 100 characters, whitespace folded).
@@ -34,12 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import atexit, builtins, importlib.abc, importlib.util, os, re, sys, time
 
 _OUT = os.environ.get("HEADATLAS_OPERATIONS_DIR")
 _COUNTS = {}
 _IN_DERIVE = [0]
+_PROCESS_START = [0.0]  # the process's CPU clock where its counting began
 _VIEWS = re.compile(r"\b\w+_reps\b|\b\w+_metrics\b|\bhead_totals\b|\bchance_totals\b")
 
 
@@ -52,7 +54,7 @@ def _add(key, seconds):
 def _dump():
     if not _COUNTS:
         return
-    _add("op\t(the whole of each process counted)", time.process_time())
+    _add("op\t(the whole of each process counted)", time.process_time() - _PROCESS_START[0])
     with open(os.path.join(_OUT, f"{os.getpid()}-{time.monotonic_ns()}.tsv"), "w") as out:
         for key, (n, s) in _COUNTS.items():
             out.write(f"{key}\t{n}\t{s!r}\n")
@@ -138,10 +140,23 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _exit(code, _real=os._exit):
+    try:
+        _dump()
+    except BaseException:  # a sandboxed child may write no file: it ends as it would have
+        pass
+    _real(code)
+
+
 if _OUT:
     sys.meta_path.insert(0, _Finder())
     atexit.register(_dump)
-'''
+    # the console script ends by os._exit (cli/main.py), and so do the launcher's forks and the
+    # sandbox's children: each writes its counts first; a fork starts from none (its parent's are
+    # the parent's to write)
+    os._exit = _exit
+    os.register_at_fork(after_in_child=lambda: (_COUNTS.clear(), _PROCESS_START.__setitem__(0, time.process_time())))
+"""
 
 
 def main() -> None:
