@@ -8,7 +8,7 @@ ingested later (a retried batch) are simply added as new partial rows.
 
 from __future__ import annotations
 
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Connection
 
 COMPACTED = -1
@@ -45,18 +45,19 @@ def strict_sum(column: str) -> str:
 def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
     """Compact one run inside the caller's transaction. Returns {table: (rows before, after)}."""
     report = {}
+    # every additive table's columns in one catalogue read (DuckDB's own function: one statement of
+    # information_schema.columns per table cost about 5 ms each, a tenth of a tiny run's compaction)
+    found: dict[str, list[str]] = {}
+    for name, column in conn.execute(
+        text(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = current_database() "
+            "AND table_name IN :tables ORDER BY table_name, column_index"
+        ).bindparams(bindparam("tables", expanding=True)),
+        {"tables": list(ADDITIVE_TABLES)},
+    ):
+        found.setdefault(name, []).append(column)
     for table, keys in ADDITIVE_TABLES.items():
-        columns = [
-            r[0]
-            for r in conn.execute(
-                text(
-                    "SELECT column_name FROM information_schema.columns WHERE table_name = :t "
-                    "AND table_catalog = current_database() ORDER BY ordinal_position"
-                ),
-                {"t": table},
-            )
-        ]
-        sums = [c for c in columns if c not in ("run_id", "batch_id", *keys)]
+        sums = [c for c in found.get(table, []) if c not in ("run_id", "batch_id", *keys)]
         before = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run_id}).all()[0][0]
         if before == 0:
             report[table] = (0, 0)
