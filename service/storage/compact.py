@@ -47,7 +47,7 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
     report = {}
     # every additive table's columns in one catalogue read (DuckDB's own function: one statement of
     # information_schema.columns per table cost about 5 ms each, a tenth of a tiny run's compaction)
-    found: dict[str, list[str]] = {}
+    table_columns: dict[str, list[str]] = {}
     for name, column in conn.execute(
         text(
             "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = current_database() "
@@ -55,9 +55,9 @@ def compact_run(conn: Connection, run_id: int) -> dict[str, tuple[int, int]]:
         ).bindparams(bindparam("tables", expanding=True)),
         {"tables": list(ADDITIVE_TABLES)},
     ):
-        found.setdefault(name, []).append(column)
+        table_columns.setdefault(name, []).append(column)
     for table, keys in ADDITIVE_TABLES.items():
-        sums = [c for c in found.get(table, []) if c not in ("run_id", "batch_id", *keys)]
+        sums = [c for c in table_columns.get(table, []) if c not in ("run_id", "batch_id", *keys)]
         before = conn.execute(text(f"SELECT count(*) FROM {table} WHERE run_id = :r"), {"r": run_id}).all()[0][0]
         if before == 0:
             report[table] = (0, 0)
