@@ -105,3 +105,16 @@ def in_default_format(source: Path, copy: Path) -> str:
         instance.execute(f"ATTACH '{quoted[1]}' AS dst")
         instance.execute("COPY FROM DATABASE src TO dst")
     return str(made)
+
+
+def command_after_dashes(parser, example: str) -> tuple:
+    """Parse ``parser``'s options and the command after ``--`` (``example``: one, for the error when
+    none is named). Returns (options, the command's words)."""
+    import argparse
+
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error(f"name the command after --, e.g. -- {example}")
+    return args, command

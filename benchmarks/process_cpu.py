@@ -19,7 +19,13 @@ import argparse
 import collections
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import command_after_dashes  # noqa: E402
 
 
 def kind(cmd: str) -> str:
@@ -60,11 +66,7 @@ def sample(seen: dict[str, tuple[str, float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=1.0, help="seconds between two readings")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("name the command after --, e.g. -- make test")
+    args, command = command_after_dashes(parser, "make test")
     seen: dict[str, tuple[str, float]] = {}
     sample(seen)
     before = {key: cpu for key, (_cmd, cpu) in seen.items()}  # what ran before the command

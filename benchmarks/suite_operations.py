@@ -35,6 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import command_after_dashes  # noqa: E402
+
 SITECUSTOMIZE = r"""
 import atexit, builtins, importlib.abc, importlib.util, os, re, sys, time
 
@@ -162,11 +166,7 @@ if _OUT:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=25, help="how many statements to list")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("name the command after --, e.g. -- .venv/bin/python -m pytest -q")
+    args, command = command_after_dashes(parser, ".venv/bin/python -m pytest -q")
     with tempfile.TemporaryDirectory() as folder:
         hooks, out = Path(folder, "hooks"), Path(folder, "counts")
         hooks.mkdir()
