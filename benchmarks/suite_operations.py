@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import command_after_dashes  # noqa: E402
 
 SITECUSTOMIZE = r"""
-import atexit, builtins, importlib.abc, importlib.util, os, re, sys, time
+import atexit, functools, importlib.abc, importlib.util, os, re, sys, time
 
 _OUT = os.environ.get("HEADATLAS_OPERATIONS_DIR")
 _COUNTS = {}
@@ -65,6 +65,7 @@ def _dump():
 
 
 def _timed(name, fn, derive=False):
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         start = time.process_time()
         if derive:
@@ -76,9 +77,6 @@ def _timed(name, fn, derive=False):
                 _IN_DERIVE[0] -= 1
             _add("op\t" + name, time.process_time() - start)
 
-    wrapper.__wrapped__ = fn
-    wrapper.__name__ = getattr(fn, "__name__", name)
-    wrapper.__doc__ = getattr(fn, "__doc__", None)
     return wrapper
 
 

@@ -74,7 +74,8 @@ def held_values(conn: Connection, run_id: int, columns: Sequence[str]) -> dict[s
     kept = stored.load(conn, run_id, "heads")  # a finished run's stored heads hold every head column
     if kept is not None and all(c in kept[0] for c in columns):
         names, rows = kept
-        return {c: sum(r[names.index(c)] is not None for r in rows) for c in columns}
+        at = {c: names.index(c) for c in columns}
+        return {c: sum(r[i] is not None for r in rows) for c, i in at.items()}
     counts = ", ".join(f"count({c})" for c in columns)
     row = conn.execute(text(f"SELECT {counts} FROM head_metrics WHERE run_id = :r"), {"r": run_id}).one()
     return {c: int(n or 0) for c, n in zip(columns, row)}
