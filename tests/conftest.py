@@ -363,11 +363,20 @@ def pytest_addoption(parser):
         "wall-clock and CPU (the test's process, the processes it started and waited for, and the queue "
         "processes forked for it that exited during it)",
     )
+    parser.addoption(
+        "--test-times",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --module-times: print the N tests that took the most CPU (setup, call and teardown "
+        "summed, counted as for the modules), with their wall-clock seconds",
+    )
 
 
 _MODULE_SECONDS: dict[str, float] = {}
 _MODULE_CPU: dict[str, float] = {}
 _MODULE_TESTS: dict[str, int] = {}
+_TEST_SECONDS: dict[str, list[float]] = {}  # test -> [wall-clock, CPU]
 
 
 def _cpu_seconds() -> float:
@@ -407,6 +416,9 @@ def pytest_runtest_logreport(report):
     cpu = dict(report.user_properties).get("cpu_s")
     if cpu is not None:
         _MODULE_CPU[module] = _MODULE_CPU.get(module, 0.0) + cpu
+    test = _TEST_SECONDS.setdefault(report.nodeid, [0.0, 0.0])
+    test[0] += report.duration
+    test[1] += cpu or 0.0
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
 
@@ -423,3 +435,8 @@ def pytest_terminal_summary(terminalreporter, config):
         f"{sum(_MODULE_SECONDS.values()):8.1f}  {sum(_MODULE_CPU.values()):8.1f}  "
         f"{sum(_MODULE_TESTS.values()):4d}  (sum; tests run in parallel overlap)"
     )
+    most = config.getoption("--test-times", default=0)
+    if most:
+        terminalreporter.section(f"the {most} tests with the most CPU: wall-clock, CPU seconds")
+        for test, (seconds, cpu) in sorted(_TEST_SECONDS.items(), key=lambda kv: -kv[1][1])[:most]:
+            terminalreporter.write_line(f"{seconds:8.1f}  {cpu:8.1f}  {test}")
