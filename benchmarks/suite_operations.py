@@ -2,7 +2,7 @@
 starts counts the process CPU (``time.process_time``) of a few operations and of every SQL
 statement it executes, and the counts are summed over the processes.
 
-    python benchmarks/suite_operations.py [--top 25] -- .venv/bin/python -m pytest -q -n 3 --dist loadgroup
+    python benchmarks/suite_operations.py [--top 25] [--callers 40] -- .venv/bin/python -m pytest -q -n 3 --dist loadgroup
 
 How: a ``sitecustomize`` module put first on ``PYTHONPATH`` (so every Python process of the
 command imports it, the pytest workers, the console scripts and snippets the tests start, and the
@@ -99,7 +99,27 @@ def _after(conn, cursor, statement, params, context, executemany):
         kind = "other statements"
     where = "within a derivation" if _IN_DERIVE[0] else "outside a derivation"
     _add(f"sql\t{kind}, {where}", seconds)
+    if kind == "reads of the metric views" and not _IN_DERIVE[0]:
+        _add("caller\t" + _caller(), seconds)
     _add("stmt\t" + folded[:100], seconds)
+
+
+def _caller():
+    # who read the views: the innermost headatlas function outside storage and the reports' shared
+    # helpers (the reader that asked), and the test function, as `module.function <- file.py::test`
+    frame, product, test = sys._getframe(2), None, None
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/tests/" in path and frame.f_code.co_name.startswith("test_"):
+            test = path.rsplit("/tests/", 1)[1] + "::" + frame.f_code.co_name
+            break
+        for root in ("/service/", "/cli/", "/workers/"):
+            if product is None and root in path and "/site-packages/" not in path:
+                module = root.strip("/") + "." + path.rsplit(root, 1)[1].removesuffix(".py").replace("/", ".")
+                if not module.startswith(("service.storage.", "service.reports.query_support")):
+                    product = module + "." + frame.f_code.co_name
+        frame = frame.f_back
+    return f"{product or '?'} <- {test or '(no test: a command or a fixture)'}"
 
 
 _WRAPS = {
@@ -164,6 +184,13 @@ if _OUT:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=25, help="how many statements to list")
+    parser.add_argument(
+        "--callers",
+        type=int,
+        default=0,
+        help="how many callers of the metric views outside a derivation to list (the outermost "
+        "headatlas function and the test below it), by CPU",
+    )
     args, command = command_after_dashes(parser, ".venv/bin/python -m pytest -q")
     with tempfile.TemporaryDirectory() as folder:
         hooks, out = Path(folder, "hooks"), Path(folder, "counts")
@@ -192,6 +219,14 @@ def main() -> None:
             if key.startswith(kind + "\t"):
                 n = calls[key]
                 print(f"| {seconds:.1f} | {n} | {1000 * seconds / n:.2f} | {key.split(chr(9), 1)[1]} |")
+    if args.callers:
+        print(
+            f"\n| CPU s | reads | caller of the metric views outside a derivation (the {args.callers} with "
+            "the most CPU) |\n|---|---|---|"
+        )
+        shown = [(k, s) for k, s in cpu.most_common() if k.startswith("caller\t")][: args.callers]
+        for key, seconds in shown:
+            print(f"| {seconds:.1f} | {calls[key]} | `{key.split(chr(9), 1)[1]}` |")
     print(f"\n| CPU s | calls | ms a call | statement (the {args.top} with the most CPU) |\n|---|---|---|---|")
     shown = [(k, s) for k, s in cpu.most_common() if k.startswith("stmt\t")][: args.top]
     for key, seconds in shown:
