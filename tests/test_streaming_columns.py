@@ -249,3 +249,45 @@ def test_views_older_than_the_columns_refuse_them_until_db_upgrade(gqa_run, cli,
     assert refused.returncode == 2 and "effect_streaming" in refused.stderr and "db upgrade" in refused.stderr
     assert cli("db", "upgrade", "--db", db).returncode == 0
     assert {r["streaming_recent"] for r in heads_json(cli, db, "--sort", "effect_streaming")} == {SHOWN[1]}
+
+
+# the view the readers read through before (``anchor_counts``, which joins the replicated chain):
+# they now sum the one run's anchors themselves (``queries.ANCHOR_COUNTS_SQL``)
+VIEW_TOP_ANCHORS = """
+    WITH ranked AS (
+        SELECT layer, head, token, window_share,
+               row_number() OVER (PARTITION BY layer, head ORDER BY windows DESC, token) AS rank
+        FROM anchor_counts WHERE run_id = :run
+    )
+    SELECT layer, head, string_agg(token || ' ' || printf('%.0f%%', 100 * window_share), ', ' ORDER BY rank)
+    FROM ranked WHERE rank <= :n GROUP BY layer, head
+"""
+
+
+def test_the_restriction_shown_and_the_top_anchors_are_the_views(gqa_run) -> None:
+    """What the readers read from the tables for one run equals what the views say: the restriction
+    the head tables show (``streaming_metrics.shown``), each head's top anchors and whether they
+    are byte-level strings (``anchor_counts``)."""
+    from sqlalchemy import text
+
+    from headatlas.service.reports.queries import anchors_as_text, byte_level_run, top_anchors
+    from headatlas.service.storage.store import Store
+    from headatlas.service.storage.streaming_rows import shown_restriction
+
+    db, run_id, _made = gqa_run
+    with Store(db).checked_read() as conn:
+        view = conn.execute(
+            text("SELECT DISTINCT sink, recent FROM streaming_metrics WHERE run_id = :r AND shown"), {"r": run_id}
+        ).all()
+        assert [tuple(r) for r in view] == [SHOWN] and shown_restriction(conn, run_id) == SHOWN
+        assert shown_restriction(conn, run_id + 1) is None
+        byte_level = conn.execute(
+            text("SELECT 1 FROM anchor_counts WHERE run_id = :r AND (token LIKE 'Ġ%' OR token = 'Ċ') LIMIT 1"),
+            {"r": run_id},
+        ).first()
+        assert byte_level_run(conn, run_id) == (byte_level is not None)
+        for n in (1, 3, 10):
+            rows = conn.execute(text(VIEW_TOP_ANCHORS), {"run": run_id, "n": n}).all()
+            want = {(r[0], r[1]): anchors_as_text(r[2]) for r in rows}
+            assert len(want) == 8 and top_anchors(conn, run_id, n) == want, n
+        assert top_anchors(conn, run_id + 1, 3) == {}

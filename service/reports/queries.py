@@ -133,12 +133,27 @@ def _check_held(conn: Connection, run_id: int, named: Sequence[tuple[str, str]])
 EFFECT_KIND = {column: kind for kind, columns in EFFECT_SUMS.items() for column in columns}
 
 
-# the anchors of each head, most frequent first (``:run``, ``:n_anchors``): ``top_anchors (layer, head, anchors)``
-TOP_ANCHORS_SQL = """
+# the anchors of each head, most frequent first (``:run``, ``:n_anchors``): ``top_anchors (layer, head, anchors)``.
+# ``counts`` is the view ``anchor_counts`` of the one run, its windows summed from ``run_chance`` as
+# ``chance_totals`` sums them (integers: the same sum; NULL where a row holds none): the view joins
+# the replicated view chain, which DuckDB binds and plans at every read (15 against 6 ms on a tiny
+# run, the suite's costliest statement by CPU; tests/test_stored_results.py compares them).
+ANCHOR_COUNTS_SQL = """
+        counts AS (
+            SELECT a.layer, a.head, a.token_id, any_value(a.token) AS token, sum(a.windows) AS windows,
+                   sum(a.windows) / any_value(c.windows) AS window_share
+            FROM anchor_tokens a JOIN (
+                SELECT run_id, CASE WHEN count(windows) = count(*) THEN sum(windows) END AS windows
+                FROM run_chance WHERE run_id = :run GROUP BY run_id
+            ) c USING (run_id)
+            WHERE a.run_id = :run
+            GROUP BY a.layer, a.head, a.token_id
+        )"""
+TOP_ANCHORS_SQL = f"""{ANCHOR_COUNTS_SQL},
         ranked AS (
             SELECT layer, head, token, window_share,
                    row_number() OVER (PARTITION BY layer, head ORDER BY windows DESC, token) AS rank
-            FROM anchor_counts WHERE run_id = :run
+            FROM counts
         ),
         top_anchors AS (
             SELECT layer, head,
@@ -354,7 +369,7 @@ def byte_level_run(conn: Connection, run_id: int) -> bool:
 
     def ask() -> bool:
         found = conn.execute(
-            text("SELECT 1 FROM anchor_counts WHERE run_id = :run AND (token LIKE 'Ġ%' OR token = 'Ċ') LIMIT 1"),
+            text(f"WITH {ANCHOR_COUNTS_SQL} SELECT 1 FROM counts WHERE token LIKE 'Ġ%' OR token = 'Ċ' LIMIT 1"),
             {"run": run_id},
         ).first()
         return found is not None
