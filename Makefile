@@ -50,7 +50,8 @@ demo: install
 # in two, one cluster each): the fault tests spend much of their time waiting on the processes they
 # start, and a third worker fills those waits (6 min 37 s against 7 min 40 s with two, that one
 # including a failed test's 60 s wait, 2026-12-02; docs/testing.md).
-# --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it.
+# --module-times: the seconds per module (wall-clock and CPU) at the end of every run, as CI logs it;
+# --test-times 30: the 30 tests with the most CPU.
 # mypy runs beside the tests, at a lower priority (the tests wait on processes they start and
 # leave a core idle now and then): its verdict, and its output, come after theirs, and either
 # failing fails `make test`.
@@ -58,7 +59,7 @@ TEST_WORKERS ?= 3
 test: install-test lint
 	@mkdir -p build
 	@(nice -n 10 $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1; echo $$? > build/typecheck.rc) & \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --module-times; tests=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --module-times --test-times 30; tests=$$?; \
 	wait; echo "--- make typecheck (run beside the tests)"; cat build/typecheck.log; \
 	types=$$(cat build/typecheck.rc); [ "$$tests" = 0 ] && [ "$$types" = 0 ]
 
