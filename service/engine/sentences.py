@@ -32,19 +32,22 @@ def sentence_starts(text: str) -> list[int]:
     return starts or [0]
 
 
-def piece_sentences(text: str, offsets: Sequence[Sequence[int]]) -> list[int]:
+def piece_sentences(text: str, offsets: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> list[int]:
     """Sentence index (0-based, over the whole document) of each word piece.
 
     ``offsets``: the tokenizer's ``(start, end)`` character span of each piece in ``text``
     (``return_offsets_mapping=True``). A piece belongs to the sentence whose span holds its
-    first character.
+    first character. ``starts``: the sentence starts of ``text`` where the caller has them
+    (``sentence_starts``), else found here.
     """
-    starts = sentence_starts(text)
+    if starts is None:
+        starts = sentence_starts(text)
     return [max(0, bisect_right(starts, start) - 1) for start, _end in offsets]
 
 
-def encode_with_sentences(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """Word pieces of ``text`` (no special tokens) and the sentence index of each."""
+def encode_with_sentences(tokenizer, text: str, starts: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """Word pieces of ``text`` (no special tokens) and the sentence index of each (``starts``: as
+    ``piece_sentences``)."""
     try:
         encoded = tokenizer(text, add_special_tokens=False, truncation=False, return_offsets_mapping=True)
     except NotImplementedError:
@@ -53,7 +56,7 @@ def encode_with_sentences(tokenizer, text: str) -> tuple[list[int], list[int]]:
             f": the tokenizer {type(tokenizer).__name__} gives no character offsets (it is not a fast tokenizer)",
             hint=("use a model folder with tokenizer.json or pass ", Param("sentences", "punct")),
         ) from None
-    return list(encoded["input_ids"]), piece_sentences(text, encoded["offset_mapping"])
+    return list(encoded["input_ids"]), piece_sentences(text, encoded["offset_mapping"], starts)
 
 
 def window_sentence_ids(sentences: Sequence[int], *, opened: bool = True, closed: bool = True) -> tuple[int, ...]:
