@@ -377,17 +377,20 @@ _MODULE_SECONDS: dict[str, float] = {}
 _MODULE_CPU: dict[str, float] = {}
 _MODULE_TESTS: dict[str, int] = {}
 _TEST_SECONDS: dict[str, list[float]] = {}  # test -> [wall-clock, CPU]
+_LATER_CPU = 0.0  # the launcher's forks that ended after the test that forked them
 
 
-def _cpu_seconds() -> float:
-    """This process's CPU seconds, its waited-for children's, and those of the writers, workers and
-    beats its launcher forked that have exited (tests/queue_support.py: the kernel reaps those)."""
+def _cpu_seconds(test: str) -> tuple[float, float]:
+    """This process's CPU seconds and its waited-for children's, with those of the writers, workers
+    and beats its launcher forked while ``test`` ran that have exited (tests/queue_support.py: the
+    kernel reaps those); and the CPU of every fork that has exited."""
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     forked = sys.modules.get("queue_support")
-    launched = forked.forked_cpu_seconds() if forked is not None else 0.0
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + launched
+    mine = forked.forked_cpu_seconds(test) if forked is not None else 0.0
+    every = forked.forked_cpu_seconds() if forked is not None else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + mine, every - mine
 
 
 @pytest.hookimpl(wrapper=True)
@@ -396,8 +399,7 @@ def pytest_runtest_protocol(item, nextitem):
     controller, under pytest-xdist)."""
     if not item.config.getoption("--module-times", default=False):
         return (yield)
-    started = _cpu_seconds()
-    item.user_properties.append(("cpu_started", started))
+    item.user_properties.append(("cpu_started", _cpu_seconds(item.nodeid)))
     return (yield)
 
 
@@ -406,7 +408,11 @@ def pytest_runtest_makereport(item, call):
     report = yield
     started = dict(item.user_properties).get("cpu_started")
     if started is not None and call.when == "teardown":
-        report.user_properties.append(("cpu_s", _cpu_seconds() - started))
+        cpu, others = _cpu_seconds(item.nodeid)
+        report.user_properties.append(("cpu_s", cpu - started[0]))
+        # forks of earlier tests (a cluster stopped at a module's end, a process a test left) that
+        # ended while this one ran: counted apart, not charged to this test
+        report.user_properties.append(("later_cpu_s", others - started[1]))
     return report
 
 
@@ -419,6 +425,8 @@ def pytest_runtest_logreport(report):
     test = _TEST_SECONDS.setdefault(report.nodeid, [0.0, 0.0])
     test[0] += report.duration
     test[1] += cpu or 0.0
+    global _LATER_CPU
+    _LATER_CPU += dict(report.user_properties).get("later_cpu_s") or 0.0
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
 
@@ -434,6 +442,10 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(
         f"{sum(_MODULE_SECONDS.values()):8.1f}  {sum(_MODULE_CPU.values()):8.1f}  "
         f"{sum(_MODULE_TESTS.values()):4d}  (sum; tests run in parallel overlap)"
+    )
+    terminalreporter.write_line(
+        f"{'':8s}  {_LATER_CPU:8.1f}        (the launcher's forks that ended after the test that forked them: "
+        "a cluster stopped at its module's end, a process a test left; in no test's CPU)"
     )
     most = config.getoption("--test-times", default=0)
     if most:

@@ -9,6 +9,7 @@ restart Redis (the outage tests) start a server of their own with ``RedisServer`
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import signal
@@ -275,7 +276,7 @@ while True:
             own, pool = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = own.ru_utime + own.ru_stime + pool.ru_utime + pool.ru_stime
             fd = os.open(os.path.join(os.path.dirname(path), "cpu"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.write(fd, f"{cpu:.3f}\n".encode())
+            os.write(fd, f"{cpu:.3f}\t{request.get('tag', '')}\n".encode())
             os.close(fd)
         except OSError:
             pass
@@ -333,17 +334,31 @@ def start_launcher(*, preload: bool = True) -> tuple[subprocess.Popen, str]:
     return proc, path
 
 
-def forked_cpu_seconds() -> float:
+_FORKED_BY: dict[str, str] = {}  # a fork's tag -> the test that forked it (pytest's current test)
+_TAGS = itertools.count()
+
+
+def _fork_tag() -> str:
+    """A tag for the next fork, remembered with the test running now (``PYTEST_CURRENT_TEST``, its
+    phase left out): the fork reports its CPU under it as it exits."""
+    tag = f"{os.getpid()}-{next(_TAGS)}"
+    _FORKED_BY[tag] = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    return tag
+
+
+def forked_cpu_seconds(test: str | None = None) -> float:
     """CPU seconds of the processes this process's launcher forked that have exited (each with
     the pool children it waited for), as they reported them: one killed with SIGKILL reports
-    nothing. ``--module-times`` adds them to the test they exited in."""
+    nothing. ``test``: only those forked while that test ran (its node id). ``--module-times``
+    counts each test's own, and those that ended during a later test apart."""
     if _launcher is None:
         return 0.0
     try:
         with open(os.path.join(os.path.dirname(_launcher[1]), "cpu"), encoding="utf-8") as lines:
-            return sum(float(line) for line in lines if line.strip())
+            reported = [line.rstrip("\n").split("\t") for line in lines if line.strip()]
     except OSError:
         return 0.0
+    return sum(float(r[0]) for r in reported if test is None or (len(r) > 1 and _FORKED_BY.get(r[1]) == test))
 
 
 def _launcher_socket() -> str:
@@ -357,7 +372,8 @@ def fork_headatlas(args: list[str], *, env: dict, log: Path, cwd: Path = ROOT) -
     """`headatlas ARGS`, forked from the launcher, in a new session, writing to ``log``."""
     with socket.socket(socket.AF_UNIX) as client:
         client.connect(_launcher_socket())
-        client.sendall((json.dumps({"args": args, "env": env, "log": str(log), "cwd": str(cwd)}) + "\n").encode())
+        request = {"args": args, "env": env, "log": str(log), "cwd": str(cwd), "tag": _fork_tag()}
+        client.sendall((json.dumps(request) + "\n").encode())
         return Forked(int(client.makefile().readline()))
 
 
@@ -377,7 +393,7 @@ class ForkedCommand:
         err_r, err_w = os.pipe()
         self._client = socket.socket(socket.AF_UNIX)
         self._client.connect(_launcher_socket())
-        request = json.dumps({"args": args, "env": full_env, "log": "", "cwd": str(cwd)}) + "\n"
+        request = json.dumps({"args": args, "env": full_env, "log": "", "cwd": str(cwd), "tag": _fork_tag()}) + "\n"
         socket.send_fds(self._client, [request.encode()], [stdin_r, out_w, err_w])
         for fd in (stdin_r, out_w, err_w):
             os.close(fd)
