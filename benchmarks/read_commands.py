@@ -50,7 +50,9 @@ def main() -> None:
     typer.testing._get_command = lambda _app: built
 
     folder = Path(tempfile.mkdtemp())
-    excerpt = (ROOT / "service" / "data" / "wiki_excerpt.txt").read_text(encoding="utf-8")
+    from headatlas.service.engine.corpus import demo_corpus_path
+
+    excerpt = demo_corpus_path().read_text(encoding="utf-8")
     corpus = folder / "three.txt"
     corpus.write_text("\n\n".join([d.strip() for d in excerpt.split("\n\n") if d.strip()][:3]) + "\n", encoding="utf-8")
     db = str(folder / "fx.duckdb")

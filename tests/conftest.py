@@ -388,8 +388,7 @@ def _cpu_seconds(test: str) -> tuple[float, float]:
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     forked = sys.modules.get("queue_support")
-    mine = forked.forked_cpu_seconds(test) if forked is not None else 0.0
-    every = forked.forked_cpu_seconds() if forked is not None else 0.0
+    mine, every = forked.forked_cpu_split(test) if forked is not None else (0.0, 0.0)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + mine, every - mine
 
 

@@ -346,19 +346,31 @@ def _fork_tag() -> str:
     return tag
 
 
-def forked_cpu_seconds(test: str | None = None) -> float:
-    """CPU seconds of the processes this process's launcher forked that have exited (each with
-    the pool children it waited for), as they reported them: one killed with SIGKILL reports
-    nothing. ``test``: only those forked while that test ran (its node id). ``--module-times``
-    counts each test's own, and those that ended during a later test apart."""
+def _reported() -> list[tuple[float, str]]:
+    """(CPU seconds, fork tag) of each process this process's launcher forked that has exited (each
+    with the pool children it waited for), as it reported them: one killed with SIGKILL reports
+    nothing."""
     if _launcher is None:
-        return 0.0
+        return []
     try:
         with open(os.path.join(os.path.dirname(_launcher[1]), "cpu"), encoding="utf-8") as lines:
-            reported = [line.rstrip("\n").split("\t") for line in lines if line.strip()]
+            fields = [line.rstrip("\n").split("\t") for line in lines if line.strip()]
     except OSError:
-        return 0.0
-    return sum(float(r[0]) for r in reported if test is None or (len(r) > 1 and _FORKED_BY.get(r[1]) == test))
+        return []
+    return [(float(f[0]), f[1] if len(f) > 1 else "") for f in fields]
+
+
+def forked_cpu_seconds() -> float:
+    """CPU seconds of the processes this process's launcher forked that have exited."""
+    return sum(cpu for cpu, _tag in _reported())
+
+
+def forked_cpu_split(test: str) -> tuple[float, float]:
+    """(those of them forked while ``test`` ran (its node id), all of them), from one read:
+    ``--module-times`` charges each test with its own and counts those that ended during a later
+    test apart."""
+    reported = _reported()
+    return sum(cpu for cpu, tag in reported if _FORKED_BY.get(tag) == test), sum(cpu for cpu, _tag in reported)
 
 
 def _launcher_socket() -> str:

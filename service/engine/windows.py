@@ -326,8 +326,8 @@ def _pieces_with_sentences(text: str, tokenizer, tokens: TokenClasses, slice_cha
 def _sentence_slices(text: str, slice_chars: int) -> Iterator[tuple[int, int, list[int] | None]]:
     """(start, end, the slice's sentence starts where they are known, else None): a slice cut
     where its last sentence starts keeps the starts before it, found as it was cut, so that no
-    character is segmented twice (the segmenter is pure Python: about two thirds of windowing a
-    long document)."""
+    character is segmented twice (the segmenter is pure Python, most of windowing a long
+    document: benchmarks/long_document.py)."""
     start, n = 0, len(text)
     while start < n:
         if n - start <= slice_chars:

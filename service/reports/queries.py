@@ -136,8 +136,9 @@ EFFECT_KIND = {column: kind for kind, columns in EFFECT_SUMS.items() for column 
 # the anchors of each head, most frequent first (``:run``, ``:n_anchors``): ``top_anchors (layer, head, anchors)``.
 # ``counts`` is the view ``anchor_counts`` of the one run, its windows summed from ``run_chance`` as
 # ``chance_totals`` sums them (integers: the same sum; NULL where a row holds none): the view joins
-# the replicated view chain, which DuckDB binds and plans at every read (15 against 6 ms on a tiny
-# run, the suite's costliest statement by CPU; tests/test_stored_results.py compares them).
+# the replicated view chain, which DuckDB binds and plans at every read (the top anchors were the
+# suite's costliest statement by CPU: benchmarks/suite_operations.py; tests/test_streaming_columns.py
+# compares the two).
 ANCHOR_COUNTS_SQL = """
         counts AS (
             SELECT a.layer, a.head, a.token_id, any_value(a.token) AS token, sum(a.windows) AS windows,

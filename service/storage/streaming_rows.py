@@ -69,7 +69,8 @@ def shown_restriction(conn: Connection, run_id: int) -> tuple[int, int] | None:
     """The (sink, recent) restriction the head tables show of the run (``metrics.STREAMING_RULE``,
     as the views choose it), or None where it holds none."""
     # ``views.SHOWN_RESTRICTION`` for one run, read from the table: the view ``streaming_metrics``
-    # holds a row of every restriction the table holds, and planning it cost 12-20 ms a call
+    # holds a row of every restriction the table holds, and planning it cost about 20 ms a call in the
+    # suite (benchmarks/suite_operations.py)
     row = conn.execute(
         text(
             "SELECT sink, recent FROM streaming_effects WHERE run_id = :r "
