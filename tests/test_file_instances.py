@@ -92,6 +92,49 @@ def test_a_global_setting_made_in_a_transaction_ends_with_it(two_files, monkeypa
         assert conn.execute(text("SELECT current_setting('threads')")).scalar() == 1
 
 
+@pytest.mark.parametrize(
+    "how",
+    ["execute", "lower case after a comment", "second statement", "sql", "further cursor"],
+)
+def test_a_global_setting_made_any_way_ends_with_its_transaction(two_files, monkeypatch, how):
+    """The settings are read back only after a statement that may change them (the usual
+    transaction runs none): each way a transaction can change one is seen."""
+    monkeypatch.setenv("HEADATLAS_DUCKDB_THREADS", "1")
+    first, second = two_files
+    with dbmod.transaction(FileBackend(first)) as conn:
+        raw = dbmod.driver_connection(conn)
+        if how == "execute":
+            raw.execute("SET threads = 3")
+        elif how == "lower case after a comment":
+            raw.execute("/* more threads */ set threads = 3")
+        elif how == "second statement":
+            raw.execute("SELECT 1; SET threads = 3")
+        elif how == "sql":
+            raw.sql("SET threads = 3")
+        else:
+            raw.cursor().execute("SET threads = 3")
+        assert conn.execute(text("SELECT current_setting('threads')")).scalar() == 3
+    with dbmod.transaction(FileBackend(second)) as conn:
+        assert conn.execute(text("SELECT current_setting('threads')")).scalar() == 1
+
+
+def test_a_transaction_that_changes_no_setting_does_not_read_them_back(two_files, monkeypatch):
+    first, second = two_files
+    with dbmod.transaction(FileBackend(first)) as conn:  # the instances made, their settings read
+        conn.execute(text("SELECT count(*) FROM runs")).scalar()
+    reads: list[int] = []
+    real = file_instances._settings
+    monkeypatch.setattr(file_instances, "_settings", lambda instance: reads.append(1) or real(instance))
+    for path in (first, second):
+        with dbmod.transaction(FileBackend(path)) as conn:
+            conn.execute(text("INSERT INTO database_info VALUES ('note', 'x') ON CONFLICT DO NOTHING"))
+            conn.execute(text("SELECT count(*) FROM runs")).scalar()
+    assert reads == []
+    with dbmod.transaction(FileBackend(first)) as conn:
+        conn.execute(text("SET threads = 2"))
+    assert reads == [1, 1]  # read, restored, read again
+
+
 def test_a_file_named_as_an_instances_own_catalogue_opens_on_an_instance_of_its_own(tmp_path):
     for stem in ("memory", "system"):
         path = tmp_path / f"{stem}.duckdb"

@@ -49,6 +49,31 @@ class _Attachment:
     def __init__(self, kept: _Kept, alias: str, read_only: bool) -> None:
         self.kept, self.alias, self.read_only = kept, alias, read_only
         self.users = 0
+        # a statement ran that may have changed a global setting (SET, RESET, PRAGMA …), or a
+        # cursor was handed out whose statements are not seen: the settings are compared (and
+        # restored) before the instance is kept. Most transactions run none of these, and reading
+        # the settings back after each was 2 % of the test suite's CPU (docs/testing.md, 2026-12-07)
+        self.dirty = False
+
+
+# first words of statements that change no global setting: any other, or several statements in
+# one call, has the instance's settings compared before it is kept for the next file
+_SETTLED = frozenset(
+    "SELECT INSERT UPDATE DELETE WITH CREATE DROP ALTER BEGIN COMMIT ROLLBACK ABORT CHECKPOINT FROM "
+    "VALUES TRUNCATE DESCRIBE SHOW SUMMARIZE EXPLAIN COPY USE".split()
+)
+
+
+def _settled(statement: object) -> bool:
+    """Whether ``statement`` surely changes no global setting: one statement whose first word is
+    one of ``_SETTLED`` (a comment first, ``;`` inside, or anything else: not sure)."""
+    if not isinstance(statement, str):
+        return False
+    body = statement.strip().rstrip(";")
+    if ";" in body:
+        return False
+    first = body.split(None, 1)[0].upper() if body else ""
+    return first.lstrip("(") in _SETTLED
 
 
 def _forget() -> None:
@@ -77,18 +102,29 @@ class AttachedConnection:
     """A connection on a kept instance, in the file's database; ``close`` ends this process's use
     of the file when it is the last (the file detached: checkpointed, its lock released)."""
 
-    def __init__(self, cursor: duckdb.DuckDBPyConnection, where: str, alias: str):
+    def __init__(self, cursor: duckdb.DuckDBPyConnection, where: str, attachment: _Attachment):
         self._cursor: duckdb.DuckDBPyConnection | None = cursor
-        self._where, self._alias = where, alias
+        self._where, self._alias, self._attachment = where, attachment.alias, attachment
 
     def __getattr__(self, name: str) -> Any:
         if self._cursor is None:
             raise duckdb.ConnectionException("Connection already closed!")
+        if name in _UNSEEN:  # runs SQL this class does not read: settings compared at the end
+            self._attachment.dirty = True
         return getattr(self._cursor, name)
 
+    def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._cursor is None:
+            raise duckdb.ConnectionException("Connection already closed!")
+        if not _settled(statement):
+            self._attachment.dirty = True
+        return self._cursor.execute(statement, *args, **kwargs)
+
     def cursor(self) -> duckdb.DuckDBPyConnection:
-        """Another connection on the instance, in the file's database too (a new one starts in ``memory``)."""
+        """Another connection on the instance, in the file's database too (a new one starts in
+        ``memory``). Its statements are not seen: the settings are compared when the file is let go."""
         assert self._cursor is not None
+        self._attachment.dirty = True
         return _in(self._cursor.cursor(), self._alias)
 
     def close(self) -> None:
@@ -113,6 +149,10 @@ class AttachedConnection:
         self.close()
 
 
+# a connection's methods that run SQL text other than through ``execute``
+_UNSEEN = frozenset({"executemany", "sql", "query", "from_query", "load_extension", "install_extension"})
+
+
 def _in(cursor: duckdb.DuckDBPyConnection, alias: str) -> duckdb.DuckDBPyConnection:
     cursor.execute(f"USE {_quoted(alias)}")
     return cursor
@@ -129,13 +169,14 @@ def _settings(instance: duckdb.DuckDBPyConnection) -> dict[str, str]:
     return dict(instance.execute("SELECT name, value FROM duckdb_settings()").fetchall())
 
 
-def _put_back(kept: _Kept) -> None:
+def _put_back(kept: _Kept, *, dirty: bool = True) -> None:
     """Keep the empty instance for the next file, its settings as they were made: a transaction's
     ``SET`` of a global option (storing's ``threads``) ends with its file, as it did when the file
-    closed with its instance. One whose settings cannot be restored is closed."""
+    closed with its instance. One whose settings cannot be restored is closed. ``dirty``: a
+    statement may have changed them (``_Attachment.dirty``); else they are not read again."""
     instance, made = kept.instance, kept.settings
     try:
-        now = _settings(instance)  # about 1.5 ms: read once where nothing changed, the usual case
+        now = _settings(instance) if dirty else made  # read where a statement may have changed them
         if now != made:
             for name, value in now.items():
                 if name in made and made[name] != value:
@@ -183,7 +224,7 @@ def connect(where: str, *, read_only: bool) -> duckdb.DuckDBPyConnection:
             release(where)
             raise
         # a connection's methods, by delegation to its cursor: typed as one
-        return cast(duckdb.DuckDBPyConnection, AttachedConnection(cursor, where, attachment.alias))
+        return cast(duckdb.DuckDBPyConnection, AttachedConnection(cursor, where, attachment))
 
 
 def attach(instance: duckdb.DuckDBPyConnection, where: str, alias: str, *, read_only: bool) -> None:
@@ -208,7 +249,7 @@ def release(where: str) -> None:
         except BaseException:
             attachment.kept.instance.close()  # whatever state it is in, it is not used again
             raise
-        _put_back(attachment.kept)
+        _put_back(attachment.kept, dirty=attachment.dirty)
 
 
 def attached(where: str) -> bool:
