@@ -47,6 +47,32 @@ def weights_fingerprint(folder: Path, spec: str = "") -> str:
 
 
 T = TypeVar("T")
+_SOURCES_KEPT = 16  # tokenizers' files remembered per derived value (a process rarely loads more)
+
+
+def _source_key(tokenizer, size: int) -> tuple | None:
+    """What a tokenizer's vocabulary is read from: its class, its folder and every file there but
+    weights (name, size, modification time), its size with added tokens, its added tokens and
+    whether it lower-cases. Two tokenizers with one key hold the same vocabulary, unless one was
+    changed in memory other than by adding tokens (headatlas never does). None where it was not
+    read from a folder (a hub name, a tokenizer built in memory): it is then judged by itself."""
+    folder = getattr(tokenizer, "name_or_path", None)
+    if not folder:
+        return None
+    try:
+        path = Path(folder).resolve()
+        if not path.is_dir():
+            return None
+        files = []
+        for p in sorted(path.iterdir()):
+            if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES):
+                st = p.stat()
+                files.append((p.name, st.st_size, st.st_mtime_ns))
+        added = tuple(sorted(tokenizer.get_added_vocab().items()))
+    except (OSError, AttributeError, TypeError):
+        return None
+    lower = str(getattr(tokenizer, "do_lower_case", ""))
+    return (type(tokenizer).__name__, str(path), tuple(files), size, added, lower)
 
 
 def per_tokenizer(derive: Callable[[Any], T]) -> Callable[[Any], T]:
@@ -55,8 +81,11 @@ def per_tokenizer(derive: Callable[[Any], T]) -> Callable[[Any], T]:
     Python over 30,000-150,000 strings, and one process (an analysis, the web app, the API, a beat
     firing schedules) asks for it of the same loaded tokenizer again and again. A token added to
     the tokenizer changes its size and so derives it again; a tokenizer that is gone takes its
-    entry with it."""
+    entry with it. A tokenizer loaded again from the same unchanged files (a model loaded again,
+    and every ``random:`` model, which reads the default model's tokenizer) is another object with
+    the same vocabulary: it takes the value derived from the first (``_source_key``)."""
     kept: weakref.WeakKeyDictionary[Any, tuple[int, T]] = weakref.WeakKeyDictionary()
+    by_source: dict[tuple, T] = {}
 
     def cached(tokenizer) -> T:
         size = len(tokenizer)
@@ -66,7 +95,14 @@ def per_tokenizer(derive: Callable[[Any], T]) -> Callable[[Any], T]:
             return derive(tokenizer)
         if held is not None and held[0] == size:
             return held[1]
-        value = derive(tokenizer)
+        source = _source_key(tokenizer, size)
+        value = by_source.get(source) if source is not None else None
+        if value is None:
+            value = derive(tokenizer)
+            if source is not None:
+                if len(by_source) >= _SOURCES_KEPT:
+                    by_source.pop(next(iter(by_source)))
+                by_source[source] = value
         kept[tokenizer] = (size, value)
         return value
 
