@@ -8,7 +8,8 @@ process CPU (``time.process_time``) of ``--repeats`` of each: a read transaction
 backend (``SELECT 1``: the file attached to an instance kept between transactions, file_instances);
 the same statement on a SQLAlchemy engine of its own kept between transactions; a bare
 ``duckdb.connect`` of the file (read-only) and its close; ``duckdb.connect`` of an empty DuckDB file
-and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance. Then the storage
+and of ``:memory:`` (DuckDB's instance alone); a cursor on an open instance; a new database (from the second on, a copy
+of one this process migrated, ``new_file``). Then the storage
 format (``duckdb_settings.STORAGE_VERSION``): the same database copied into a file of DuckDB's
 default format (``COPY FROM DATABASE``), each file's size, and the median over ``--rounds`` rounds,
 taken in turn, of a read transaction and of a write transaction (one row updated, the file
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 import tempfile
 import time
@@ -133,6 +135,12 @@ def main() -> None:
             conn.execute(text("SELECT 1")).scalar()
 
     instance = duckdb.connect(":memory:")  # not the empty file: a second connect would share its instance
+    Store(folder / "second.duckdb").ensure_schema()  # the process's copy of a new database made (new_file)
+    new_files = itertools.count()
+
+    def new_database() -> None:
+        Store(folder / f"new-{next(new_files)}.duckdb").ensure_schema()
+
     parts = {
         "read transaction (file backend)": transaction,
         "the same on a kept SQLAlchemy engine": on_kept_engine,
@@ -140,6 +148,7 @@ def main() -> None:
         "duckdb.connect of an empty file": lambda: duckdb.connect(str(empty)).close(),
         "duckdb.connect(':memory:')": lambda: duckdb.connect(":memory:").close(),
         "a cursor on an open instance": lambda: instance.cursor().close(),
+        "a new database file (a copy of this process's, its id set)": new_database,
     }
     with duckdb.connect(str(path), read_only=True) as conn:
         views, tables = (
