@@ -217,10 +217,10 @@ def test_analyze_with_attribution_then_query_through_cli(cli, tmp_path, small_co
         "--db",
         db,
         "--seq-len",
-        "12",
+        "8",
         "--attribution",
         "--attribution-windows",
-        "1",  # one window: about 900 one-output backward passes on a CPU
+        "1",  # one window of 8 positions: 6 x 12 x 8 one-output backward passes on a CPU
         "--mixing",
         "rollout,norm",
         "--mixing",
