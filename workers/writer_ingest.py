@@ -158,9 +158,11 @@ class GroupIngest:
                 with self.store.write() as conn:
                     known = self._without(known, self._gone(conn, known))
                     outcomes = self._apply_group(conn, known, decoded)
-                    for run_key, run_id in {(m.run_key, r) for m, r in known}:
+                    runs = list(dict.fromkeys((m.run_key, r) for m, r in known))  # each run once, in order
+                    for run_key, run_id in runs:
                         self._end(conn, run_key, run_id)
-                    summaries = {m.run_key: self._summary(conn, m.run_key, r, known) for m, r in known}
+                    # one summary per run, not per message (a group is up to 32 batches of one run)
+                    summaries = {run_key: self._summary(conn, run_key, run_id, known) for run_key, run_id in runs}
                 if lake:  # a run's end, seen after this commit: with every writer's batches
                     summaries = self.store.atomically(lambda conn: self._finish(conn, known))
             except StoreBusy:
@@ -264,10 +266,11 @@ class GroupIngest:
         gone = self._gone(conn, known)
         for run_id in gone:
             self._run_gone(next(m.run_key for m, r in known if r == run_id), run_id)
-        for run_key, run_id in {(m.run_key, r) for m, r in known if r not in gone}:
+        runs = list(dict.fromkeys((m.run_key, r) for m, r in known if r not in gone))
+        for run_key, run_id in runs:
             if finish:
                 self._end(conn, run_key, run_id)
-        return {m.run_key: self._summary(conn, m.run_key, r, known) for m, r in known if r not in gone}
+        return {run_key: self._summary(conn, run_key, run_id, known) for run_key, run_id in runs}
 
     def _announce(self, run_key: str, summary: queue_store.Summary) -> None:
         """What the database now holds for the run, for `submit --wait` and the sweep."""
