@@ -132,7 +132,7 @@ def test_a_run_stored_by_two_writers_equals_the_embedded_run_while_a_reader_hold
 
 
 def test_a_writer_killed_mid_run_leaves_every_window_counted_once(cluster, lake, demo_corpus, tmp_path):
-    from headatlas.workers.ledger import PROCESSING
+    from headatlas.workers.ledger import INGEST, PROCESSING
 
     corpus = make_corpus(tmp_path, demo_corpus, paragraphs=6, tag="lakekill")
     cluster.start_worker()
@@ -146,11 +146,14 @@ def test_a_writer_killed_mid_run_leaves_every_window_counted_once(cluster, lake,
     thread.join(300)
     assert submitted, cluster.logs()
     assert cluster.wait_status(submitted[0], timeout=180) == "done"
+    # the messages it held are queued again once its lease lapses: after the run's end where it
+    # had committed them before it was killed; then they are stored again, and counted once
+    _wait(lambda: "the first writer of this lake is gone" in cluster.logs(), "the first writer's lease taken over")
+    _wait(lambda: cluster.redis.llen(INGEST) == 0 and cluster.redis.llen(PROCESSING) == 0, "the queue drained")
     from headatlas.service.storage.store import Store
 
     run_id = Store(lake.url, data_path=lake.data_path).get_run(submitted[0]).run_id
     assert_counted_once(cluster.db, run_id)
-    assert "the first writer of this lake is gone" in cluster.logs()
 
 
 def test_a_writer_stopped_while_it_holds_messages_then_resumed_leaves_one_ledger_row_per_batch(
