@@ -161,7 +161,7 @@ class GroupIngest:
                     runs = list(dict.fromkeys((m.run_key, r) for m, r in known))  # each run once, in order
                     for run_key, run_id in runs:
                         self._end(conn, run_key, run_id)
-                    # one summary per run, not per message (a group is up to 32 batches of one run)
+                    # one summary per run, not per message (a group holds up to 512 messages, most of one run)
                     summaries = {run_key: self._summary(conn, run_key, run_id, known) for run_key, run_id in runs}
                 if lake:  # a run's end, seen after this commit: with every writer's batches
                     summaries = self.store.atomically(lambda conn: self._finish(conn, known))
