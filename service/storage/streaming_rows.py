@@ -68,15 +68,13 @@ def restrictions(conn: Connection, run_id: int) -> list[tuple[int, int]]:
 def shown_restriction(conn: Connection, run_id: int) -> tuple[int, int] | None:
     """The (sink, recent) restriction the head tables show of the run (``metrics.STREAMING_RULE``,
     as the views choose it), or None where it holds none."""
-    # ``views.SHOWN_RESTRICTION`` for one run, read from the table: the view ``streaming_metrics``
-    # holds a row of every restriction the table holds, and planning it cost about 20 ms a call in the
-    # suite (benchmarks/suite_operations.py)
+    # the views' rule (``views.SHOWN_RESTRICTION``) over the table, not the view ``streaming_metrics``:
+    # that holds a row of every restriction the table holds, and planning it cost about 20 ms a call
+    # in the suite (benchmarks/suite_operations.py)
+    from headatlas.service.storage.views import SHOWN_RESTRICTION
+
     row = conn.execute(
-        text(
-            "SELECT sink, recent FROM streaming_effects WHERE run_id = :r "
-            "GROUP BY sink, recent ORDER BY recent, sink LIMIT 1"
-        ),
-        {"r": run_id},
+        text(f"SELECT sink, recent FROM ({SHOWN_RESTRICTION}) shown WHERE run_id = :r"), {"r": run_id}
     ).first()
     return None if row is None else (int(row[0]), int(row[1]))
 
