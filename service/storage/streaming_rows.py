@@ -54,6 +54,16 @@ def store_streaming(conn: Connection, run_id: int, sums: StreamingSums) -> int:
     return len(rows)
 
 
+# the restriction of each run the head tables show (``metrics.STREAMING_RULE``): the fewest recent
+# keys W, then the fewest sinks S; with its KV heads' count, which maps a query head to its KV head
+# (the views ``streaming_kv_reps`` and ``streaming_metrics`` join it; ``shown_restriction`` reads it)
+SHOWN_RESTRICTION = """
+    SELECT run_id, sink, recent, max(kv_head) + 1 AS kv_heads
+    FROM streaming_effects GROUP BY run_id, sink, recent
+    QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY recent, sink) = 1
+"""
+
+
 def restrictions(conn: Connection, run_id: int) -> list[tuple[int, int]]:
     """The (sink, recent) restrictions the run holds streaming effects of."""
     return [
@@ -68,11 +78,9 @@ def restrictions(conn: Connection, run_id: int) -> list[tuple[int, int]]:
 def shown_restriction(conn: Connection, run_id: int) -> tuple[int, int] | None:
     """The (sink, recent) restriction the head tables show of the run (``metrics.STREAMING_RULE``,
     as the views choose it), or None where it holds none."""
-    # the views' rule (``views.SHOWN_RESTRICTION``) over the table, not the view ``streaming_metrics``:
-    # that holds a row of every restriction the table holds, and planning it cost about 20 ms a call
-    # in the suite (benchmarks/suite_operations.py)
-    from headatlas.service.storage.views import SHOWN_RESTRICTION
-
+    # the views' rule over the table, not the view ``streaming_metrics``: that holds a row of every
+    # restriction the table holds, and planning it cost about 20 ms a call in the suite
+    # (benchmarks/suite_operations.py)
     row = conn.execute(
         text(f"SELECT sink, recent FROM ({SHOWN_RESTRICTION}) shown WHERE run_id = :r"), {"r": run_id}
     ).first()

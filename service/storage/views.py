@@ -51,6 +51,7 @@ from headatlas.service.metrics import (
 )
 from headatlas.service.storage.named_sums import pivoted_head_stats
 from headatlas.service.storage.series_rows import series_views
+from headatlas.service.storage.streaming_rows import SHOWN_RESTRICTION
 from headatlas.service.storage.streaming_rows import SUMS as STREAMING_SUMS
 
 # created in this order, dropped in the reverse
@@ -95,15 +96,6 @@ def replicated_view(name: str, table: str, keys: tuple[str, ...], sums: tuple[st
     FROM t JOIN run_reps r ON r.run_id = t.run_id
     LEFT JOIN g ON {on} AND g.rep = r.rep
     """
-
-
-# the restriction of each run the head tables show (``metrics.STREAMING_RULE``): the fewest recent
-# keys W, then the fewest sinks S; with its KV heads' count, which maps a query head to its KV head
-SHOWN_RESTRICTION = """
-    SELECT run_id, sink, recent, max(kv_head) + 1 AS kv_heads
-    FROM streaming_effects GROUP BY run_id, sink, recent
-    QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY recent, sink) = 1
-"""
 
 
 def streaming_views() -> list[str]:
