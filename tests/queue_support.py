@@ -571,8 +571,11 @@ class Cluster:
         """Start the writer and the worker again where a test stopped or killed them, so that the
         next test that shares the cluster finds both up. Batches an earlier test left queued (a
         run it did not wait for) are dropped: the next test's first batch would wait behind them
-        (seen: a test timed out waiting for its batch to start)."""
-        for leftover in self.redis.scan_iter(match="analysis*"):
+        (seen: a test timed out waiting for its batch to start); so are those it left delivered and
+        unacknowledged (a worker it killed or stopped, of a run no writer sweeps any more): the
+        broker puts them back only after its visibility timeout, 20 minutes, and a test that waits
+        for the queues to drain would wait for them (seen once in a CI run)."""
+        for leftover in [*self.redis.scan_iter(match="analysis*"), "unacked", "unacked_index"]:
             self.redis.delete(leftover)
         for name, start in (("writer", self.start_writer), ("worker", self.start_worker)):
             proc = self.procs.get(name)
@@ -1019,3 +1022,24 @@ def wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> N
             pass
         assert time.monotonic() < deadline, f"timed out waiting for {what}; {cluster.logs()}"
         time.sleep(0.05)
+
+
+def in_flight(cluster: Cluster) -> str:
+    """What the broker still holds, for a failure's message: each queue's length, and every
+    queued or unacknowledged analysis message's task, arguments and delivery time."""
+    from headatlas.workers.ledger import INGEST, processing_lists
+
+    r = cluster.redis
+    lines = [f"analysis {r.llen('analysis')}, unacked {r.hlen('unacked')}, ingest {r.llen(INGEST)}"]
+    lines += [f"{key} {r.llen(key)}" for key in processing_lists(r) if r.llen(key)]
+    delivered = {
+        (t.decode() if isinstance(t, bytes) else t): at for t, at in r.zrange("unacked_index", 0, -1, withscores=True)
+    }
+    held = [("unacked", tag, json.loads(raw)[0]) for tag, raw in r.hgetall("unacked").items()]
+    queued = [("queued", b"", json.loads(raw)) for raw in r.lrange("analysis", 0, -1)]
+    for where, tag, message in held + queued:
+        headers = message.get("headers", {})
+        tag = tag.decode() if isinstance(tag, bytes) else tag
+        since = f", delivered {time.time() - delivered[tag]:.0f} s ago" if tag in delivered else ""
+        lines.append(f"{where}: {headers.get('task')} {headers.get('argsrepr', '')[:160]}{since}")
+    return "\n".join(lines)

@@ -255,6 +255,7 @@ def test_a_run_deleted_while_it_is_stored_leaves_no_rows_stays_deleted_and_ends_
 ):
     import threading
 
+    from queue_support import in_flight
     from queue_support import run_forked_cli as run_cli  # the commands forked, their imports done
     from sqlalchemy import text
 
@@ -309,7 +310,7 @@ def test_a_run_deleted_while_it_is_stored_leaves_no_rows_stays_deleted_and_ends_
     # above is declared lost and its batch requeued first, and 60 s ran out once in a CI run)
     deadline = time.monotonic() + 120
     while cluster.redis.llen("analysis") or cluster.redis.hlen("unacked") or cluster.redis.llen("headatlas:ingest"):
-        assert time.monotonic() < deadline, cluster.logs()
+        assert time.monotonic() < deadline, f"still in flight:\n{in_flight(cluster)}\n{cluster.logs()}"
         time.sleep(0.2)
     assert cluster.procs["writer"].poll() is None, cluster.logs()
     cluster.kill("writer")
