@@ -141,9 +141,11 @@ class LakeBackend(Backend):
             return self.file.is_file()
         try:
             with self.transaction(read_only=True) as conn:
+                # duckdb_tables(), not information_schema.tables (a view over it and the views'
+                # catalogue): 33 ms a call, asked before every lake command's first transaction
                 return bool(
                     conn.execute(
-                        text("SELECT count(*) FROM information_schema.tables WHERE table_catalog = :c"), {"c": ALIAS}
+                        text("SELECT count(*) FROM duckdb_tables() WHERE database_name = :c"), {"c": ALIAS}
                     ).scalar()
                 )
         except StoreError:
