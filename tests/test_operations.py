@@ -98,21 +98,22 @@ def same(a, b) -> bool:
 
 
 def test_python_control_equals_the_command_lines(tmp_path):
-    """`headatlas.analyze(..., control=3)` stores what `headatlas analyze --control 3` stores: the
-    run and its three random-weights controls, with the same names, keys and numbers."""
+    """`headatlas.analyze(..., control=2)` stores what `headatlas analyze --control 2` stores: the
+    run and its two random-weights controls (the first unnumbered, the next numbered), with the same
+    names, keys and numbers."""
     import headatlas
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(DOCS) + "\n", encoding="utf-8")
     cli_db, api_db = tmp_path / "cli.duckdb", tmp_path / "api.duckdb"
     args = ["analyze", str(corpus), "--db", str(cli_db), "--model", "random:tiny", "--seq-len", "32"]
-    done = CliRunner().invoke(app, [*args, "--name", "c", "--control", "3", "--quiet"])
+    done = CliRunner().invoke(app, [*args, "--name", "c", "--control", "2", "--quiet"])
     assert done.exit_code == 0, done.output
-    run = headatlas.analyze(corpus, db=api_db, model="random:tiny", seq_len=32, name="c", control=3, progress=False)
+    run = headatlas.analyze(corpus, db=api_db, model="random:tiny", seq_len=32, name="c", control=2, progress=False)
     assert run.name == "c"
     mine, theirs = stored(api_db), stored(cli_db)
-    assert list(mine) == list(theirs) == ["c", "c-control", "c-control-1", "c-control-2"]
-    assert [r["params"].get("control_seed") for r in mine.values()] == [None, 0, 1, 2]
+    assert list(mine) == list(theirs) == ["c", "c-control", "c-control-1"]
+    assert [r["params"].get("control_seed") for r in mine.values()] == [None, 0, 1]
     assert all(r["status"] == "done" and len(r["head_metrics"]) == 2 * 4 for r in mine.values())
     assert same(mine, theirs)
     # the controls are other weights: their numbers are not the run's
