@@ -1027,9 +1027,15 @@ def wait_for(predicate, cluster: Cluster, what: str, timeout: float = 60.0) -> N
 def in_flight(cluster: Cluster) -> str:
     """What the broker still holds, for a failure's message: each queue's length, and every
     queued or unacknowledged analysis message's task, arguments and delivery time."""
+    try:
+        return _in_flight(cluster.redis)
+    except Exception as exc:  # noqa: BLE001 - a failure's message: never a second failure
+        return f"(the broker's queues could not be read: {type(exc).__name__}: {exc})"
+
+
+def _in_flight(r: redis.Redis) -> str:
     from headatlas.workers.ledger import INGEST, processing_lists
 
-    r = cluster.redis
     lines = [f"analysis {r.llen('analysis')}, unacked {r.hlen('unacked')}, ingest {r.llen(INGEST)}"]
     lines += [f"{key} {r.llen(key)}" for key in processing_lists(r) if r.llen(key)]
     delivered = {
