@@ -370,8 +370,8 @@ def byte_level_run(conn: Connection, run_id: int) -> bool:
 
     def ask() -> bool:
         # a row of ``counts`` (ANCHOR_COUNTS_SQL) is a token of the run's anchors where the run
-        # has chance rows: asked of the tokens themselves, not of their sums per head (the
-        # aggregation was half of the statement's calls, and most of their CPU)
+        # has chance rows: asked of the tokens themselves, not of their sums per head (this check
+        # was one of that aggregation's two callers, the suite's costliest statement by CPU)
         found = conn.execute(
             text(
                 "SELECT 1 FROM anchor_tokens WHERE run_id = :run AND (token LIKE 'Ġ%' OR token = 'Ċ') "
