@@ -313,19 +313,19 @@ def save(conn: Connection, run_id: int, key: str, results: dict[str, tuple[list[
             },
         )
     role_columns, role_rows = results["roles"]
-    names = [n for n, _ in ROLE_COLUMNS]
     if role_rows:
-        index = [role_columns.index(n) for n in names]
-        listed = ", ".join(_stored_as(n) for n in names)
+        # one statement, each column a typed list unnested beside the others (executemany ran one
+        # INSERT per row: most of storing a finished run's results)
+        index = [role_columns.index(n) for n, _ in ROLE_COLUMNS]
+        listed = ", ".join(_stored_as(n) for n, _ in ROLE_COLUMNS)
+        unnested = ", ".join(f"unnest(CAST(:c{k} AS {kind}[]))" for k, (_, kind) in enumerate(ROLE_COLUMNS))
+        values = {f"c{k}": [r[j] for r in role_rows] for k, j in enumerate(index)}
         conn.execute(
             text(
-                f"INSERT INTO role_results (run_id, ordinal, {listed}) VALUES "
-                f"(:run, :ordinal, {', '.join(f':c{k}' for k in range(len(names)))})"
+                f"INSERT INTO role_results (run_id, ordinal, {listed}) "
+                f"SELECT :run, unnest(CAST(:ordinal AS INTEGER[])), {unnested}"
             ),
-            [
-                {"run": run_id, "ordinal": i, **{f"c{k}": r[j] for k, j in enumerate(index)}}
-                for i, r in enumerate(role_rows)
-            ],
+            {"run": run_id, "ordinal": list(range(len(role_rows))), **values},
         )
 
 
