@@ -28,7 +28,8 @@ numpy only: the query path stays free of torch and scipy.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -282,6 +283,14 @@ def jackknife_pivots(
     return out
 
 
+def _key_getter(indices: list[int]) -> Callable[[Sequence], tuple]:
+    """A row's key at ``indices``, always a tuple (``itemgetter`` of one index gives the item)."""
+    if len(indices) == 1:
+        (only,) = indices
+        return lambda row: (row[only],)
+    return operator.itemgetter(*indices)
+
+
 def add_intervals(
     columns: list[str],
     rows: list[tuple],
@@ -311,43 +320,56 @@ def add_intervals(
     effects, SPEC §9), the groups that hold those windows: its jackknife drops these alone.
     """
     k = len(keys)
-    loo: dict[tuple, list[tuple[int, list[float | None]]]] = {}
+    loo: dict[tuple, list[tuple[int, tuple]]] = {}
     for rep_row in replicate_rows:
         key = tuple(rep_row[:k])
-        loo.setdefault(key, []).append((int(rep_row[k]), list(rep_row[k + 1 :])))
+        loo.setdefault(key, []).append((int(rep_row[k]), tuple(rep_row[k + 1 :])))
     only = groups_of or {}
-    key_idx = [columns.index(c) for c in keys]
+    key_of = _key_getter([columns.index(c) for c in keys])
     metric_idx = {m: columns.index(m) for m in metrics}
     out_columns: list[str] = []
     for column in columns:
         out_columns.append(column)
         if column in metric_idx:
             out_columns += [f"{column}_lo", f"{column}_hi"] + ([f"{column}_df"] if with_df else [])
-    row_groups = [loo.get(tuple(row[i] for i in key_idx), []) for row in rows]
+    # each row's groups, and each metric's leave-one-out values over them (one transpose per row)
+    row_groups = [loo.get(key_of(row), ()) for row in rows]
+    by_metric = [tuple(zip(*(g for _, g in groups))) for groups in row_groups]
     # each metric's pivots, for every row at once (jackknife_pivots)
     pivots: dict[str, list[tuple[bool, float, float, float] | None]] = {}
+    metric_list = list(metrics)
     for column in dict.fromkeys(metrics):
-        m = list(metrics).index(column)
+        m, mi = metric_list.index(column), metric_idx[column]
         kept = only.get(column)
-        cells = [
-            (row[metric_idx[column]], [g[m] for d, g in groups if kept is None or d in kept])
-            for row, groups in zip(rows, row_groups)
-        ]
+        cells: list[tuple[float | None, Sequence[float | None]]]
+        if kept is None:
+            cells = [(row[mi], per[m] if per else ()) for row, per in zip(rows, by_metric)]
+        else:
+            cells = [(row[mi], [g[m] for d, g in groups if d in kept]) for row, groups in zip(rows, row_groups)]
         pivots[column] = jackknife_pivots(column, cells, log_lifts=log_lifts)
-    limits = {column: bounds_of(column) for column in metric_idx}  # once per column, not per cell
+    # each metric column's cells of the output row, for every row: value, bounds (and df)
+    cells_of: dict[int, list[tuple]] = {}
+    for column, i in metric_idx.items():
+        limits = bounds_of(column)  # once per column, not per cell
+        width = 3 if with_df else 2
+        missing = (None,) * width
+        formed: list[tuple] = []
+        for row, pivot in zip(rows, pivots[column]):
+            if pivot is None:
+                formed.append(missing)
+                continue
+            bounds: tuple[float | None, float | None] = _bounds(row[i], pivot)
+            if clip:
+                bounds = clip_interval(column, *bounds, bounds=limits)
+            formed.append((*bounds, pivot[3]) if with_df else bounds)
+        cells_of[i] = formed
     out_rows = []
     for n, row in enumerate(rows):
-        out = []
-        for column, value in zip(columns, row):
+        out: list = []
+        for i, value in enumerate(row):
             out.append(value)
-            if column in metric_idx:
-                pivot = pivots[column][n]
-                if pivot is None:
-                    out += [None, None] + ([None] if with_df else [])
-                    continue
-                bounds = _bounds(value, pivot)
-                out += clip_interval(column, *bounds, bounds=limits[column]) if clip else bounds
-                if with_df:
-                    out.append(pivot[3])
+            formed_cells = cells_of.get(i)
+            if formed_cells is not None:
+                out += formed_cells[n]
         out_rows.append(tuple(out) if scheme is None else (*out, scheme))
     return (out_columns if scheme is None else [*out_columns, "interval_by"]), out_rows
