@@ -113,7 +113,7 @@ def alti_layer(
     if attn_in is None:
         attn_in = norm(x) if adapter.pre_norm else x
     f = value_vectors(block, attn_in, attn.shape[1], adapter=adapter)
-    bias: torch.Tensor | None = adapter.output_projection(block).bias  # type: ignore[assignment]  # Linear/Conv1D
+    bias: torch.Tensor | None = adapter.output_projection(block).bias  # Linear/Conv1D
     b_o = bias.to(x.dtype) if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
     rows = []
     for b in range(x.shape[0]):  # per window: [pos, key, d_model] is the memory peak
