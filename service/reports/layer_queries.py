@@ -38,11 +38,16 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
-    from headatlas.service.reports.query_support import shared_cache
+    from headatlas.service.reports.query_support import one_read, shared_cache
 
-    rows = (
-        _layers_from_reps(conn, run_id) if ci and shared_cache() is not None else fetch_rows(conn, sql, {"run": run_id})
-    )
+    # with intervals: the values and their intervals from one read of layer_metrics_reps
+    with one_read(ci):
+        return _computed_layers(conn, run_id, sql, ci, shared_cache() is not None)
+
+
+def _computed_layers(conn: Connection, run_id: int, sql: str, ci: bool, shared: bool) -> Rows:
+    """``layers``' rows from the views (none stored)."""
+    rows = _layers_from_reps(conn, run_id) if ci and shared else fetch_rows(conn, sql, {"run": run_id})
     if ci:
         columns, values = rows
         rows = with_intervals(

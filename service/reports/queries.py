@@ -268,6 +268,27 @@ def heads(
         kept = _stored_heads(conn, run_id, layer=layer, sort=sort, top=top, anchors=anchors, ci=ci, ascending=ascending)
         if kept is not None:
             return kept
+    from headatlas.service.reports.query_support import one_read
+
+    # every head with intervals: the values and their intervals from one read of head_metrics_reps
+    with one_read(ci and layer is None and sort is None and top is None):
+        return _computed_heads(conn, run_id, columns, layer, sort, top, anchors, ci, clip, ascending, with_df)
+
+
+def _computed_heads(
+    conn: Connection,
+    run_id: int,
+    columns: list[str],
+    layer: int | None,
+    sort: str | None,
+    top: int | None,
+    anchors: int,
+    ci: bool,
+    clip: bool,
+    ascending: bool,
+    with_df: bool,
+) -> Rows:
+    """``heads``' rows from the views (none stored, or not these)."""
     order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
     cols = ", ".join(f"m.{c}" for c in columns)
     probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)

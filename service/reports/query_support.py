@@ -7,7 +7,7 @@ Column names are SPEC names; layers and heads are 0-based (the papers count from
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
@@ -161,6 +161,14 @@ def shared_reads() -> Iterator[None]:
         yield
     finally:
         _SHARED.reset(token)
+
+
+def one_read(wanted: bool = True) -> AbstractContextManager[None]:
+    """``shared_reads`` for one reader's call (``wanted``), where none is open already: a reader
+    that takes a run's values and their intervals from the same view (``queries.heads --ci``,
+    ``layer_queries.layers --ci``, the role tests') plans its chain once, not twice, exactly as a
+    derivation does. One call is one connection, and its statements read one snapshot."""
+    return shared_reads() if wanted and _SHARED.get() is None else nullcontext()
 
 
 def replicate_view(conn: Connection, view: str, keys: tuple[str, ...], run_id: int) -> Rows:

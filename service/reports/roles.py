@@ -55,6 +55,12 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_su
         if stability:
             return columns, rows
         return columns[: len(COLUMNS)], [r[: len(COLUMNS)] for r in rows]
+    with query_support.one_read():  # the heads, their intervals and the halves: the view chain planned once
+        return _computed_roles(conn, run_id, stability)
+
+
+def _computed_roles(conn: Connection, run_id: int, stability: bool) -> query_support.Rows:
+    """``roles`` from the views (none stored)."""
     columns, rows = queries.heads(conn, run_id, anchors=0, ci=True, clip=False, with_df=True)  # the tests' intervals
     dicts = [dict(zip(columns, r)) for r in rows]
     groups = halves.run_groups(conn, run_id)
