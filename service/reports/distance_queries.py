@@ -11,9 +11,11 @@ from headatlas.service.errors import Param, ParameterError
 from headatlas.service.reports.query_support import Rows, fetch_rows, replicate_scheme
 
 
-def _distance_sql(every_head: bool) -> str:
+def _distance_sql(every_head: bool, split: bool = True) -> str:
     """``distances``' SQL: of one head (``:layer``, ``:head``; or the layer's heads pooled), or, with
-    ``every_head``, of each head of the run (rows led by ``layer, head``): the same sums and ratios."""
+    ``every_head``, of each head of the run (rows led by ``layer, head``): the same sums and ratios.
+    ``split=False``: without the attended and not-attended pairs' columns (the same values of the
+    others, for a read that shows none of them)."""
     keys, c_keys = ("layer, head, ", "k.layer, k.head, ") if every_head else ("", "")
     where = "" if every_head else " AND layer = :layer AND (CAST(:head AS INTEGER) IS NULL OR head = :head)"
     heads = (
@@ -24,6 +26,25 @@ def _distance_sql(every_head: bool) -> str:
         "AND h.drop_rep = c.drop_rep AND h.distance = c.distance"
         if every_head
         else "chance c LEFT JOIN high h USING (drop_rep, distance)"
+    )
+    # the attended count is unavailable for runs stored before it existed
+    has_attended = (
+        ",\n                   count(h.attended_pairs) OVER w = count(h.high_pairs) OVER w AS has_attended"
+        if split
+        else ""
+    )
+    window = f"\n            WINDOW w AS (PARTITION BY {c_keys}c.drop_rep)" if split else ""
+    split_columns = (
+        """,
+               CASE WHEN has_attended THEN attended_pairs END AS attended_pairs,
+               CASE WHEN has_attended THEN attended_pairs / nullif(sum(attended_pairs) OVER w, 0) END
+                   AS attended_share,
+               attended_share / nullif(chance_share, 0) AS attended_lift,
+               CASE WHEN has_attended THEN noise_pairs END AS noise_pairs,
+               CASE WHEN has_attended THEN noise_pairs / nullif(sum(noise_pairs) OVER w, 0) END AS noise_share,
+               noise_share / nullif(chance_share, 0) AS noise_lift"""
+        if split
+        else ""
     )
     return f"""
         WITH chance AS (
@@ -40,23 +61,13 @@ def _distance_sql(every_head: bool) -> str:
         j AS (
             SELECT {c_keys}c.drop_rep, c.distance, coalesce(h.high_pairs, 0) AS high_pairs,
                    coalesce(h.high_pairs, 0) - coalesce(h.attended_pairs, 0) AS noise_pairs,
-                   coalesce(h.attended_pairs, 0) AS attended_pairs, c.chance_share,
-                   -- the attended count is unavailable for runs stored before it existed
-                   count(h.attended_pairs) OVER w = count(h.high_pairs) OVER w AS has_attended
-            FROM {joined}
-            WINDOW w AS (PARTITION BY {c_keys}c.drop_rep)
+                   coalesce(h.attended_pairs, 0) AS attended_pairs, c.chance_share{has_attended}
+            FROM {joined}{window}
         )
         SELECT {keys}drop_rep, distance, high_pairs,
                high_pairs / nullif(sum(high_pairs) OVER w, 0) AS share,
                chance_share,
-               share / nullif(chance_share, 0) AS lift,
-               CASE WHEN has_attended THEN attended_pairs END AS attended_pairs,
-               CASE WHEN has_attended THEN attended_pairs / nullif(sum(attended_pairs) OVER w, 0) END
-                   AS attended_share,
-               attended_share / nullif(chance_share, 0) AS attended_lift,
-               CASE WHEN has_attended THEN noise_pairs END AS noise_pairs,
-               CASE WHEN has_attended THEN noise_pairs / nullif(sum(noise_pairs) OVER w, 0) END AS noise_share,
-               noise_share / nullif(chance_share, 0) AS noise_lift
+               share / nullif(chance_share, 0) AS lift{split_columns}
         FROM j
         WINDOW w AS (PARTITION BY {keys}drop_rep)
         ORDER BY {keys}drop_rep, distance
@@ -77,7 +88,8 @@ def distances(
             mine = [r[2:] for r in kept[1] if (r[0], r[1]) == (layer, head)]
             if mine:
                 return kept[0][2:], mine
-    columns, all_rows = fetch_rows(conn, _distance_sql(False), {"run": run_id, "layer": layer, "head": head, "ci": ci})
+    sql = _distance_sql(False, split)
+    columns, all_rows = fetch_rows(conn, sql, {"run": run_id, "layer": layer, "head": head, "ci": ci})
     return _distance_result(columns, all_rows, split=split, ci=ci, scheme=replicate_scheme(conn, run_id) if ci else "")
 
 
@@ -85,7 +97,7 @@ def head_distances(conn: Connection, run_id: int) -> Rows:
     """``distances(…, layer=L, head=H, ci=True)`` of every head of the run, each row led by its
     ``layer`` and ``head``: one query for the run (what is stored for a head's page), its intervals
     formed for every head at once (``add_intervals`` keyed by layer, head and distance)."""
-    columns, all_rows = fetch_rows(conn, _distance_sql(True), {"run": run_id, "ci": True})
+    columns, all_rows = fetch_rows(conn, _distance_sql(True, split=False), {"run": run_id, "ci": True})
     # each row (layer, head, drop_rep, …) as _distance_result reads it, (drop_rep, …), led by the head
     rows = sorted(all_rows, key=lambda r: (r[0], r[1]))
     out_columns, out_rows = _distance_result(
