@@ -186,17 +186,20 @@ def _alembic_config():
 
 
 def current_revision(conn: Connection) -> str | None:
-    # duckdb_tables(), not information_schema.tables (a view over it and the views' catalogue):
-    # a fifth of the cost, asked by every read that checks the schema
-    exists = conn.execute(
-        text(
-            "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'alembic_version' "
-            "AND database_name = current_database()"
-        )
-    ).scalar()
-    if not exists:
-        return None
-    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    """The database's schema revision, None where it has none (a new or another tool's database).
+    Read directly, asked by every transaction that checks the schema: looking the table up in
+    DuckDB's catalogue first (``duckdb_tables()``) cost four times the read. A table not found
+    leaves DuckDB's transaction usable: ``_migrate`` creates a new database's schema in the
+    connection that found none, on a file and on a lake alike."""
+    import duckdb
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except DBAPIError as exc:
+        if isinstance(exc.orig, duckdb.CatalogException):
+            return None
+        raise
 
 
 def upgrade(db: Target) -> tuple[str | None, str]:
