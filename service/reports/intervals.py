@@ -349,10 +349,9 @@ def add_intervals(
         pivots[column] = jackknife_pivots(column, cells, log_lifts=log_lifts)
     # each metric column's cells of the output row, for every row: value, bounds (and df)
     cells_of: dict[int, list[tuple]] = {}
+    missing = (None,) * (3 if with_df else 2)
     for column, i in metric_idx.items():
         limits = bounds_of(column)  # once per column, not per cell
-        width = 3 if with_df else 2
-        missing = (None,) * width
         formed: list[tuple] = []
         for row, pivot in zip(rows, pivots[column]):
             if pivot is None:

@@ -38,27 +38,26 @@ def layers(conn: Connection, run_id: int, *, ci: bool = False) -> Rows:
         FROM layer_metrics l LEFT JOIN anchor_distinctness d USING (run_id, layer)
         WHERE l.run_id = :run ORDER BY l.layer
     """
-    from headatlas.service.reports.query_support import one_read, shared_cache
+    from headatlas.service.reports.query_support import one_read
 
-    # with intervals: the values and their intervals from one read of layer_metrics_reps
+    # with intervals: the values and their intervals from one read of layer_metrics_reps (one_read
+    # opens the shared reads _layers_from_reps takes them from)
     with one_read(ci):
-        return _computed_layers(conn, run_id, sql, ci, shared_cache() is not None)
-
-
-def _computed_layers(conn: Connection, run_id: int, sql: str, ci: bool, shared: bool) -> Rows:
-    """``layers``' rows from the views (none stored)."""
-    rows = _layers_from_reps(conn, run_id) if ci and shared else fetch_rows(conn, sql, {"run": run_id})
-    if ci:
-        columns, values = rows
-        rows = with_intervals(
-            conn,
-            (columns[: len(LAYER_COLUMNS)], [r[: len(LAYER_COLUMNS)] for r in values]),
-            view="layer_metrics_reps",
-            keys=("layer",),
-            run_id=run_id,
-        )
-        rows = (rows[0] + columns[len(LAYER_COLUMNS) :], [a + b[len(LAYER_COLUMNS) :] for a, b in zip(rows[1], values)])
-    return for_attention(conn, run_id, rows)
+        rows = _layers_from_reps(conn, run_id) if ci else fetch_rows(conn, sql, {"run": run_id})
+        if ci:
+            columns, values = rows
+            rows = with_intervals(
+                conn,
+                (columns[: len(LAYER_COLUMNS)], [r[: len(LAYER_COLUMNS)] for r in values]),
+                view="layer_metrics_reps",
+                keys=("layer",),
+                run_id=run_id,
+            )
+            rows = (
+                rows[0] + columns[len(LAYER_COLUMNS) :],
+                [a + b[len(LAYER_COLUMNS) :] for a, b in zip(rows[1], values)],
+            )
+        return for_attention(conn, run_id, rows)
 
 
 def _layers_from_reps(conn: Connection, run_id: int) -> Rows:

@@ -272,56 +272,39 @@ def heads(
 
     # every head with intervals: the values and their intervals from one read of head_metrics_reps
     with one_read(ci and layer is None and sort is None and top is None):
-        return _computed_heads(conn, run_id, columns, layer, sort, top, anchors, ci, clip, ascending, with_df)
-
-
-def _computed_heads(
-    conn: Connection,
-    run_id: int,
-    columns: list[str],
-    layer: int | None,
-    sort: str | None,
-    top: int | None,
-    anchors: int,
-    ci: bool,
-    clip: bool,
-    ascending: bool,
-    with_df: bool,
-) -> Rows:
-    """``heads``' rows from the views (none stored, or not these)."""
-    order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
-    cols = ", ".join(f"m.{c}" for c in columns)
-    probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
-    # no anchors asked (the role tests): none ranked either (a window over every anchor of the run)
-    anchors_sql = TOP_ANCHORS_SQL if anchors else NO_ANCHORS_SQL
-    sql = f"""
-        WITH {anchors_sql}
-        SELECT {cols}, a.anchors AS top_anchors, {probe}
-        FROM head_metrics m LEFT JOIN top_anchors a USING (layer, head)
-        LEFT JOIN probe_scores p ON p.run_id = m.run_id AND p.layer = m.layer AND p.head = m.head
-        WHERE m.run_id = :run AND (CAST(:layer AS INTEGER) IS NULL OR m.layer = :layer)
-        ORDER BY {order}
-        LIMIT :limit
-    """
-    params = {"layer": layer}
-    rows = _head_rows(conn, sql, run_id, anchors, (tuple(columns), layer, sort, top, ascending), params)
-    if anchors and byte_level_run(conn, run_id):
-        names, values = rows
-        ai = names.index("top_anchors")
-        rows = names, [(*r[:ai], anchors_as_text(r[ai]), *r[ai + 1 :]) for r in values]
-    if ci:
-        rows = with_intervals(
-            conn,
-            rows,
-            view="head_metrics_reps",
-            keys=("layer", "head"),
-            run_id=run_id,
-            where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)",
-            params=params,
-            clip=clip,
-            with_df=with_df,
-        )
-    return for_attention(conn, run_id, rows)
+        order = f"{sort} {'ASC' if ascending else 'DESC'} NULLS LAST, layer, head" if sort else "layer, head"
+        cols = ", ".join(f"m.{c}" for c in columns)
+        probe = ", ".join(f"p.{c}" for c in PROBE_COLUMNS)
+        # no anchors asked (the role tests): none ranked either (a window over every anchor of the run)
+        anchors_sql = TOP_ANCHORS_SQL if anchors else NO_ANCHORS_SQL
+        sql = f"""
+            WITH {anchors_sql}
+            SELECT {cols}, a.anchors AS top_anchors, {probe}
+            FROM head_metrics m LEFT JOIN top_anchors a USING (layer, head)
+            LEFT JOIN probe_scores p ON p.run_id = m.run_id AND p.layer = m.layer AND p.head = m.head
+            WHERE m.run_id = :run AND (CAST(:layer AS INTEGER) IS NULL OR m.layer = :layer)
+            ORDER BY {order}
+            LIMIT :limit
+        """
+        params = {"layer": layer}
+        rows = _head_rows(conn, sql, run_id, anchors, (tuple(columns), layer, sort, top, ascending), params)
+        if anchors and byte_level_run(conn, run_id):
+            names, values = rows
+            ai = names.index("top_anchors")
+            rows = names, [(*r[:ai], anchors_as_text(r[ai]), *r[ai + 1 :]) for r in values]
+        if ci:
+            rows = with_intervals(
+                conn,
+                rows,
+                view="head_metrics_reps",
+                keys=("layer", "head"),
+                run_id=run_id,
+                where="AND (CAST(:layer AS INTEGER) IS NULL OR layer = :layer)",
+                params=params,
+                clip=clip,
+                with_df=with_df,
+            )
+        return for_attention(conn, run_id, rows)
 
 
 def _head_rows(conn: Connection, sql: str, run_id: int, anchors: int, asked: tuple, params: dict) -> Rows:

@@ -56,33 +56,32 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_su
             return columns, rows
         return columns[: len(COLUMNS)], [r[: len(COLUMNS)] for r in rows]
     with query_support.one_read():  # the heads, their intervals and the halves: the view chain planned once
-        return _computed_roles(conn, run_id, stability)
-
-
-def _computed_roles(conn: Connection, run_id: int, stability: bool) -> query_support.Rows:
-    """``roles`` from the views (none stored)."""
-    columns, rows = queries.heads(conn, run_id, anchors=0, ci=True, clip=False, with_df=True)  # the tests' intervals
-    dicts = [dict(zip(columns, r)) for r in rows]
-    groups = halves.run_groups(conn, run_id)
-    context = {**run_context(conn, run_id), "causal": causal_run(conn, run_id)}
-    out = assign(dicts, context, groups=len(groups) or None)
-    if not stability:
-        return list(COLUMNS), out
-    # the probe is one per run: each half reads the run's probe scores
-    probes = {(d["layer"], d["head"]): {k: d.get(k) for k in PROBE_SCORES} for d in dicts}
-    # both halves from one plan of the view chain (``halves.subsets_head_rows``); under 2 groups, no test
-    both = halves.split(groups)
-    tested = [half for half in both if len(half) >= 2]
-    found = iter(halves.subsets_head_rows(conn, run_id, tested, ROLE_METRICS) if tested else [])
-    held = [_held_on(next(found), len(half), context["causal"], probes) if half in tested else None for half in both]
-    ri = COLUMNS.index("role")
-    marked = []
-    for r in out:
-        key = (r[0], r[1], r[ri])
-        flags = [None if h is None or r[ri] == NONE else key in h for h in held]
-        stable = None if None in flags else all(flags)
-        marked.append((*r, *flags, stable))
-    return [*COLUMNS, *STABILITY_COLUMNS], marked
+        columns, rows = queries.heads(
+            conn, run_id, anchors=0, ci=True, clip=False, with_df=True
+        )  # the tests' intervals
+        dicts = [dict(zip(columns, r)) for r in rows]
+        groups = halves.run_groups(conn, run_id)
+        context = {**run_context(conn, run_id), "causal": causal_run(conn, run_id)}
+        out = assign(dicts, context, groups=len(groups) or None)
+        if not stability:
+            return list(COLUMNS), out
+        # the probe is one per run: each half reads the run's probe scores
+        probes = {(d["layer"], d["head"]): {k: d.get(k) for k in PROBE_SCORES} for d in dicts}
+        # both halves from one plan of the view chain (``halves.subsets_head_rows``); under 2 groups, no test
+        both = halves.split(groups)
+        tested = [half for half in both if len(half) >= 2]
+        found = iter(halves.subsets_head_rows(conn, run_id, tested, ROLE_METRICS) if tested else [])
+        held = [
+            _held_on(next(found), len(half), context["causal"], probes) if half in tested else None for half in both
+        ]
+        ri = COLUMNS.index("role")
+        marked = []
+        for r in out:
+            key = (r[0], r[1], r[ri])
+            flags = [None if h is None or r[ri] == NONE else key in h for h in held]
+            stable = None if None in flags else all(flags)
+            marked.append((*r, *flags, stable))
+        return [*COLUMNS, *STABILITY_COLUMNS], marked
 
 
 def _held_on(
