@@ -13,6 +13,7 @@ run again measures them afresh (curves equal to the bit to a prune never stopped
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -75,6 +76,53 @@ def _stop_once(
     return proc.returncode, err
 
 
+def _stop_in_steps(proc: subprocess.Popen, db: Path, at: int, sig: int, what: str, timeout: float = 240.0):
+    """Send ``sig`` once ``at`` effect windows are stored: the exit code and stderr. Fails if the
+    command ended first.
+
+    A run this small stores all the time (its storing thread holds the file while the model goes
+    on), so a read of the file succeeds seldom, on an idle machine often only after the last
+    window. The command runs in steps instead, stopped between them (SIGSTOP, as Ctrl-Z stops it),
+    and while it is stopped its file and write-ahead log are copied, as a crash at that moment
+    would leave them, and the copy read: the windows stored by then, exactly."""
+    deadline = time.monotonic() + timeout
+    copy = db.with_name("stopped-copy.duckdb")
+    try:
+        while True:
+            time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGSTOP)
+            _wait_stopped(proc.pid)
+            assert proc.poll() is None, f"{what}: ended before it could be stopped: {proc.communicate()[1][-2000:]}"
+            for source, target in ((db, copy), (db.with_name(db.name + ".wal"), copy.with_name(copy.name + ".wal"))):
+                target.unlink(missing_ok=True)
+                if source.exists():
+                    shutil.copyfile(source, target)
+            if copy.exists() and _effect_windows(copy) >= at:
+                break
+            assert time.monotonic() < deadline, f"{what}: not ready after {timeout} s"
+            os.killpg(proc.pid, signal.SIGCONT)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # not left stopped
+        raise
+    os.killpg(proc.pid, sig)
+    os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGINT once it runs again
+    _out, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until the process is stopped or has ended (a signal is delivered a moment after it is sent)."""
+    for _ in range(400):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in "TtZX":
+            return
+        time.sleep(0.005)
+
+
 def _effects(db: Path) -> dict:
     """Every stored effect of the database's run (compacted as it ended: per replicate group), its
     heads' effect sums and its chance rows' effect windows and objective, and what they are
@@ -111,14 +159,12 @@ def test_effects_stopped_by_kill_9_then_by_ctrl_c_and_resumed_equal_a_run_never_
     assert want["against"] and want["heads"]
 
     command = ["analyze", str(corpus), *ANALYZE, "--db", str(stopped)]
-    code, _err = _stop_once(_start(*command), lambda: _effect_windows(stopped) >= 2, signal.SIGKILL, "kill -9")
+    code, _err = _stop_in_steps(_start(*command), stopped, 2, signal.SIGKILL, "kill -9")
     assert code == -signal.SIGKILL
     after_kill = _effect_windows(stopped)
     assert 2 <= after_kill < windows, after_kill
 
-    code, err = _stop_once(
-        _start(*command), lambda: _effect_windows(stopped) >= after_kill + 2, signal.SIGINT, "Ctrl-C"
-    )
+    code, err = _stop_in_steps(_start(*command), stopped, after_kill + 2, signal.SIGINT, "Ctrl-C")
     assert code == 130 and "interrupted; re-run the same command to resume" in err, err
     assert "Traceback" not in err, err
     assert _effect_windows(stopped) < windows, "Ctrl-C came after the last window: nothing was left to resume"
@@ -143,8 +189,6 @@ def _curves(db: Path) -> tuple[list, list]:
 def test_a_prune_stopped_by_kill_9_or_ctrl_c_leaves_nothing_and_run_again_stores_the_same_curves(
     corpus, tmp_path, monkeypatch
 ):
-    import shutil
-
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     db = tmp_path / "run.duckdb"
