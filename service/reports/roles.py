@@ -67,14 +67,16 @@ def roles(conn: Connection, run_id: int, *, stability: bool = False) -> query_su
             return list(COLUMNS), out
         # the probe is one per run: each half reads the run's probe scores
         probes = {(d["layer"], d["head"]): {k: d.get(k) for k in PROBE_SCORES} for d in dicts}
-        # both halves from one plan of the view chain (``halves.subsets_head_rows``); under 2 groups, no test
+        # both halves from one plan of the view chain (``halves.subsets_head_rows``); under 2 groups, no
+        # test; nor where the run earned no role, as a role not earned has no halves to be held on
+        ri = COLUMNS.index("role")
         both = halves.split(groups)
-        tested = [half for half in both if len(half) >= 2]
+        earned = any(r[ri] != NONE for r in out)
+        tested = [half for half in both if len(half) >= 2] if earned else []
         found = iter(halves.subsets_head_rows(conn, run_id, tested, ROLE_METRICS) if tested else [])
         held = [
             _held_on(next(found), len(half), context["causal"], probes) if half in tested else None for half in both
         ]
-        ri = COLUMNS.index("role")
         marked = []
         for r in out:
             key = (r[0], r[1], r[ri])
