@@ -87,18 +87,23 @@ def _stop_in_steps(proc: subprocess.Popen, db: Path, at: int, sig: int, what: st
     would leave them, and the copy read: the windows stored by then, exactly."""
     deadline = time.monotonic() + timeout
     copy = db.with_name("stopped-copy.duckdb")
+    files = ((db, copy), (db.with_name(db.name + ".wal"), copy.with_name(copy.name + ".wal")))
+    read: tuple | None = None  # the files as last read (unchanged while the command starts up)
     try:
         while True:
             time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGSTOP)
             _wait_stopped(proc.pid)
             assert proc.poll() is None, f"{what}: ended before it could be stopped: {proc.communicate()[1][-2000:]}"
-            for source, target in ((db, copy), (db.with_name(db.name + ".wal"), copy.with_name(copy.name + ".wal"))):
-                target.unlink(missing_ok=True)
-                if source.exists():
-                    shutil.copyfile(source, target)
-            if copy.exists() and _effect_windows(copy) >= at:
-                break
+            now = tuple((s.stat().st_size, s.stat().st_mtime_ns) if s.exists() else None for s, _ in files)
+            if now != read:
+                read = now
+                for source, target in files:
+                    target.unlink(missing_ok=True)
+                    if source.exists():
+                        shutil.copyfile(source, target)
+                if copy.exists() and _effect_windows(copy) >= at:
+                    break
             assert time.monotonic() < deadline, f"{what}: not ready after {timeout} s"
             os.killpg(proc.pid, signal.SIGCONT)
     except BaseException:
