@@ -1,8 +1,9 @@
 """A run's causal effects and a run's pruning curves survive their command being stopped: the
-console script killed with SIGKILL (nothing of it runs on), and stopped with Ctrl-C (SIGINT: it
-says so, exits 130), then the same command run again. The stopped prunes are processes of their
-own forked from the tests' launcher, the console script's imports done (tests/queue_support.py:
-ForkedCommand).
+command killed with SIGKILL (nothing of it runs on), and stopped with Ctrl-C (SIGINT: it says so,
+exits 130), then the same command run again. The stopped commands are processes of their own
+forked from the tests' launcher, the console script's imports done (tests/queue_support.py:
+ForkedCommand); Ctrl-C to the installed script itself, interpreter start and all, is
+tests/test_settings_and_plugins.py's.
 
 `analyze --effects zero,mean` stores each batch's effects with its statistics, so a stopped run
 resumes: every effect stored at the end equals, to the bit, the run never stopped (each batch is
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import invoke_cli, start_cli
+from conftest import invoke_cli
 from queue_support import ForkedCommand, fork_cli
 from sqlalchemy import text
 
@@ -45,9 +46,9 @@ def corpus(tmp_path, demo_corpus) -> Path:
     return path
 
 
-def _start(*args: str) -> subprocess.Popen:
-    """The console script, as a person runs it, in a session of its own."""
-    return start_cli(*args, env=ENV, start_new_session=True)
+def _start(*args: str) -> ForkedCommand:
+    """The command forked from the launcher, in a session of its own."""
+    return fork_cli(*args, env=ENV)
 
 
 def _effect_windows(db: Path) -> int:
@@ -76,7 +77,7 @@ def _stop_once(
     return proc.returncode, err
 
 
-def _stop_in_steps(proc: subprocess.Popen, db: Path, at: int, sig: int, what: str, timeout: float = 240.0):
+def _stop_in_steps(proc: ForkedCommand, db: Path, at: int, sig: int, what: str, timeout: float = 240.0):
     """Send ``sig`` once ``at`` effect windows are stored: the exit code and stderr. Fails if the
     command ended first.
 
