@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -63,9 +62,7 @@ def _effect_windows(db: Path) -> int:
     return int(row[0]) if row else 0
 
 
-def _stop_once(
-    proc: subprocess.Popen | ForkedCommand, ready, sig: int, what: str, timeout: float = 240.0
-) -> tuple[int, str]:
+def _stop_once(proc: ForkedCommand, ready, sig: int, what: str, timeout: float = 240.0) -> tuple[int, str]:
     """Send ``sig`` once ``ready()`` holds; the exit code and stderr. Fails if the command ended first."""
     deadline = time.monotonic() + timeout
     while not ready():
@@ -96,7 +93,7 @@ def _stop_in_steps(proc: ForkedCommand, db: Path, at: int, sig: int, what: str, 
             os.killpg(proc.pid, signal.SIGSTOP)
             _wait_stopped(proc.pid)
             assert proc.poll() is None, f"{what}: ended before it could be stopped: {proc.communicate()[1][-2000:]}"
-            now = tuple((s.stat().st_size, s.stat().st_mtime_ns) if s.exists() else None for s, _ in files)
+            now = tuple(_signature(source) for source, _ in files)
             if now != read:
                 read = now
                 for source, target in files:
@@ -115,6 +112,15 @@ def _stop_in_steps(proc: ForkedCommand, db: Path, at: int, sig: int, what: str, 
     os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGINT once it runs again
     _out, err = proc.communicate(timeout=120)
     return proc.returncode, err
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    """A file's size and modification time (None: no file), to tell whether it changed."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _wait_stopped(pid: int) -> None:

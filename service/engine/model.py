@@ -284,13 +284,12 @@ def _default_tokenizer(causal: bool):
     """The default model's tokenizer, read once per process for encoders and once for decoders
     (its files ship with the package and do not change under a process): reading it again was 30
     ms of CPU at every load of a ``random:`` model, a percent of the test suite's CPU. Nothing
-    changes a loaded tokenizer but the two settings made here and in ``_ready``, the same each time."""
+    changes a loaded tokenizer but the BOS set here and the length its loaders set, the same each time."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     if causal and tokenizer.bos_token_id is None:
         tokenizer.bos_token = tokenizer.cls_token
-    tokenizer.model_max_length = 1_000_000_000  # we window ourselves; silence length warnings
     return tokenizer
 
 
