@@ -230,6 +230,34 @@ def test_the_lake_sandbox_has_no_way_to_the_catalogue_server(lake_target) -> Non
         assert copy.fetchone()[0] >= 1
 
 
+@pytest.mark.parametrize("backend", ["file", "lake"])
+def test_extension_signatures_are_checked_where_a_readers_sql_runs(request, backend) -> None:
+    """headatlas's own instances load the wheels' extensions without DuckDB's signature check (a
+    SHA-256 of 50 MB a load, duckdb_settings.OWN_EXTENSIONS); the sandbox's instance, where a reader's
+    SQL runs, checks it, with external access off and its configuration locked."""
+    from sqlalchemy import text
+
+    from headatlas.service.storage.backends import open_backend
+    from headatlas.service.storage.readonly import connect_readonly
+
+    target = _target(request, backend)
+    where = open_backend(target) if backend == "file" else target.backend()
+    query = (
+        "SELECT name, value FROM duckdb_settings() WHERE name IN "
+        "('allow_unsigned_extensions', 'enable_external_access', 'lock_configuration')"
+    )
+    with connect_readonly(where) as connection:
+        sandbox = dict(connection.execute(query).fetchall())
+    with where.transaction(read_only=True) as conn:
+        own = dict(conn.execute(text(query)).all())
+    assert sandbox == {
+        "allow_unsigned_extensions": "false",
+        "enable_external_access": "false",
+        "lock_configuration": "true",
+    }
+    assert own == {"allow_unsigned_extensions": "true", "enable_external_access": "true", "lock_configuration": "false"}
+
+
 # --- the confined process --------------------------------------------------------------------
 
 

@@ -13,6 +13,17 @@ from typing import Any
 # wheels only (duckdb-ext-ducklake, duckdb-ext-postgres), never from the network
 NO_DOWNLOADS: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
 
+# DuckDB checks an extension's signature at every LOAD, in every new instance: a SHA-256 of the
+# whole binary, about 50 MB each for the wheels' ducklake and postgres_scanner, 0.25 s of CPU per
+# load on a 2-core machine (`python benchmarks/extension_load.py`), paid by each instance that
+# attaches a lake, copies its catalogue for the sandbox or lists DuckDB's names for the inspection.
+# The binaries come from the installed wheels only (``extension_directory``, downloads off), as
+# trusted as DuckDB's own library beside them, and headatlas's own instances run its statements
+# alone: they load them unchecked. Where a reader's SQL runs (the sandbox, ``READONLY_CONFIG``)
+# the check stays, beside external access off (no LOAD there at all).
+OWN_EXTENSIONS: dict[str, Any] = {"allow_unsigned_extensions": True}
+SIGNED_EXTENSIONS: dict[str, Any] = {"allow_unsigned_extensions": False}  # a startup option: not SET later
+
 # The storage format of the database files headatlas creates (a file keeps the format it was made
 # with; DuckDB reads and writes both). DuckDB's default is still the one DuckDB 1.0 reads, which
 # gives every column of every table metadata of its own: a new headatlas file (39 tables, 390
@@ -26,13 +37,15 @@ STORAGE_VERSION = "v1.2.0"
 
 def duckdb_config(**settings: Any) -> dict[str, Any]:
     """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
-    downloads, the shipped extensions findable (``LOAD ducklake`` on any connection), and the
-    threads HEADATLAS_DUCKDB_THREADS asks for (unless ``settings`` name them)."""
+    downloads, the shipped extensions findable (``LOAD ducklake`` on any connection) and loaded
+    without their signature check (``OWN_EXTENSIONS``; the sandbox passes ``READONLY_CONFIG``), and
+    the threads HEADATLAS_DUCKDB_THREADS asks for (unless ``settings`` name them)."""
     folder = extension_directory()
     threads = configured_threads()
     memory = capped_memory()
     return {
         **NO_DOWNLOADS,
+        **OWN_EXTENSIONS,
         "storage_compatibility_version": STORAGE_VERSION,
         **({"extension_directory": folder} if folder else {}),
         **({"threads": threads} if threads else {}),
@@ -126,11 +139,13 @@ def extension_directory() -> str | None:
     return None
 
 
-# Settings that confine a connection to the database file it opened. lock_configuration
-# comes last in spirit: once set, SET/RESET of any option fails for the connection's life.
+# Settings that confine a connection to the database file it opened, and check the signature of
+# the extension a lake's sandbox loads. lock_configuration comes last in spirit: once set, SET/RESET
+# of any option fails for the connection's life.
 READONLY_CONFIG: dict[str, str | bool] = {
     "enable_external_access": False,
     "autoload_known_extensions": False,
     "autoinstall_known_extensions": False,
+    **SIGNED_EXTENSIONS,
     "lock_configuration": True,
 }

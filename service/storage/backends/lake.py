@@ -51,6 +51,7 @@ from headatlas.service.storage.backends.lake_catalogue import (
 )
 from headatlas.service.storage.backends.lake_compaction import FILES_GRACE_S
 from headatlas.service.storage.backends.lake_errors import CATALOGUE, DATA_PATH
+from headatlas.service.storage.duckdb_settings import SIGNED_EXTENSIONS
 from headatlas.service.storage.locks import retry_on_lock
 
 _PACKAGES = "duckdb-ext-ducklake==1.4.4.20260205 duckdb-ext-postgres==1.4.4.20260205"
@@ -328,7 +329,10 @@ class LakeBackend(Backend):
                 metadata = str(Path(folder) / "catalogue.ducklake")
                 self.copy_catalogue(Path(metadata))
             connection = retry_on_lock(
-                lambda: self.connect(read_only=True, config=limits, at=at, metadata=metadata),
+                # the signature of the DuckLake extension it loads checked: the reader's SQL runs here
+                lambda: self.connect(
+                    read_only=True, config={**(limits or {}), **SIGNED_EXTENSIONS}, at=at, metadata=metadata
+                ),
                 wait_s=lock_wait_s,
                 what=self.label,
             )

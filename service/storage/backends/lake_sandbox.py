@@ -22,7 +22,7 @@ from headatlas.service.storage.backends.lake_catalogue import (
     parse_conninfo,
     sql_literal,
 )
-from headatlas.service.storage.duckdb_settings import READONLY_CONFIG
+from headatlas.service.storage.duckdb_settings import READONLY_CONFIG, SIGNED_EXTENSIONS
 
 # table functions a SELECT may call in the sandbox although their names say ducklake: the results'
 # history (snapshots: ids, times, the tables each changed; a table's rows changed between two), whose
@@ -87,5 +87,5 @@ def confine(connection: duckdb.DuckDBPyConnection, data_path: str | None) -> Non
     if data and "://" not in data:
         connection.execute(f"SET allowed_directories = [{sql_literal(data)}]")
     for name, value in READONLY_CONFIG.items():
-        if name not in NO_DOWNLOADS:
+        if name not in NO_DOWNLOADS and name not in SIGNED_EXTENSIONS:  # those set as it started
             connection.execute(f"SET {name} = {str(value).lower()}")
