@@ -38,7 +38,7 @@ STORAGE_VERSION = "v1.2.0"
 def duckdb_config(**settings: Any) -> dict[str, Any]:
     """The DuckDB settings of every connection headatlas opens, plus ``settings``: no extension
     downloads, the shipped extensions findable (``LOAD ducklake`` on any connection) and loaded
-    without their signature check (``OWN_EXTENSIONS``; the sandbox passes ``READONLY_CONFIG``), and
+    without their signature check (``OWN_EXTENSIONS``; the sandbox passes ``SIGNED_EXTENSIONS``), and
     the threads HEADATLAS_DUCKDB_THREADS asks for (unless ``settings`` name them)."""
     folder = extension_directory()
     threads = configured_threads()
