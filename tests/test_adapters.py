@@ -263,6 +263,24 @@ def test_smollm2_cache_gives_the_gguf_models_logits(smollm2):
     assert tok.decode(int(expected[0, -1].argmax())).strip() == "Paris"
 
 
+def test_a_conversion_builds_the_tensor_name_map_once_and_leaves_gguf_as_it_was():
+    """Within a conversion the map of GGUF tensor names is built once per architecture and depth
+    (transformers asked for it once per submodule) and equals one built afresh; after it, the
+    package's own functions are back."""
+    gguf = pytest.importorskip("gguf")
+    from headatlas.service.engine.catalog import _gguf_parsed_once
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "llama")
+    with _gguf_parsed_once():
+        first = gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 30) is first
+        assert gguf.get_tensor_name_map(arch, 2) is not first
+        assert first.mapping == name_map(arch, 30).mapping
+        assert first.get_name("model.layers.29.self_attn.q_proj") == "blk.29.attn_q"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+
+
 def test_the_plugins_family_is_loaded_from_its_entry_point():
     """The tests' plugin family (GPT-NeoX, docs/architecture.md) was found through the
     headatlas.families entry point; the contract tests below run it like every other family."""
