@@ -388,8 +388,8 @@ def _stored_probe(db: str, key: str) -> tuple[int, int, int] | None:
     with transaction(db, read_only=True) as conn:
         has_probes = conn.execute(
             text(
-                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'probe_scores' "
-                "AND table_catalog = current_database()"
+                "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'probe_scores' "
+                "AND schema_name = 'main' AND database_name = current_database()"
             )
         ).scalar()
         run = find_run_by_key(conn, key) if has_probes else None
@@ -419,8 +419,8 @@ def _stored_state(db: str, key: str):
     with transaction(db, read_only=True) as conn:
         has_plans = conn.execute(
             text(
-                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'queue_plans' "
-                "AND table_catalog = current_database()"
+                "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'queue_plans' "
+                "AND schema_name = 'main' AND database_name = current_database()"
             )
         ).scalar()
         run = find_run_by_key(conn, key)
