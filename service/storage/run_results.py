@@ -40,6 +40,7 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from headatlas.service.storage.db import has_table
 from headatlas.service.storage.runs import now
 
 RESULT_TABLES = ("run_results", "role_results")
@@ -233,13 +234,7 @@ def has_tables(conn: Connection) -> bool:
     """Whether the database has the result tables (a schema before them does not)."""
     if conn in _HAS_TABLES:
         return True
-    # duckdb_tables(), not information_schema.tables: a fifth of the cost
-    found = conn.execute(
-        text(
-            "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'run_results' "
-            "AND schema_name = 'main' AND database_name = current_database()"
-        )
-    ).scalar()
+    found = has_table(conn, "run_results")
     if found:
         _HAS_TABLES.add(conn)
     return bool(found)
