@@ -1,6 +1,6 @@
 """What one `sql` call costs end to end: the CLI, and the Python API from a process that holds DuckDB threads.
 
-    python benchmarks/sql_latency.py [--repeats 7] [--lake]
+    python benchmarks/sql_latency.py [--repeats 7] [--lake] [--run]
 
 Times ``SELECT count(*) FROM runs`` on an empty database (the schema only, so that the figure is
 the sandbox's own cost, not the query's):
@@ -8,7 +8,10 @@ the sandbox's own cost, not the query's):
 - ``headatlas sql`` as a fresh process (wall clock, interpreter start included);
 - ``run_readonly_sql`` in this process, twice: as it is after ``import duckdb`` (DuckDB's default
   connection keeps worker threads), and with a lake attached here too (``--lake``: a PostgreSQL
-  catalogue from ``HEADATLAS_TEST_PG``, as the tests make them).
+  catalogue from ``HEADATLAS_TEST_PG``, as the tests make them);
+- ``--run``: three statements on a finished ``random:tiny`` run of the shipped excerpt's first two
+  documents, unscoped and scoped to the run (``sql --run``, ``run_readonly_sql(run_id=…)``), where
+  the scope's temporary views are most of a small query's cost.
 
 Prints the median and range of ``--repeats`` calls each (the first in-process call, which may start a
 helper process, is shown apart).
@@ -60,10 +63,32 @@ def cli(target: str, env: dict[str, str]) -> None:
         raise SystemExit(f"headatlas sql failed: {done.stderr.strip()}")
 
 
+SCOPED = (
+    "SELECT 1",
+    "SELECT count(*) FROM runs",
+    "SELECT layer, head, within_sentence_lift_dm FROM head_metrics",
+)
+
+
+def scoped(folder: Path, repeats: int) -> None:
+    import headatlas
+    from headatlas.service.engine.corpus import demo_corpus_path
+
+    corpus = folder / "two.txt"
+    corpus.write_text("\n\n".join(demo_corpus_path().read_text(encoding="utf-8").split("\n\n")[:2]), encoding="utf-8")
+    path = folder / "tiny.duckdb"
+    headatlas.analyze(corpus, db=path, model="random:tiny", name="tiny", progress=False)
+    for sql in SCOPED:
+        for run_id in (None, 1):
+            what = f"`{sql}`" + (", `--run`" if run_id else "")
+            print(row(what, *timed(lambda sql=sql, run_id=run_id: run_readonly_sql(path, sql, run_id=run_id), repeats)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--lake", action="store_true", help="also a lake (needs PostgreSQL)")
+    parser.add_argument("--run", action="store_true", help="also statements scoped to a finished tiny run")
     args = parser.parse_args()
     env = dict(os.environ)
     print(f"{os.cpu_count()} CPUs; seconds per call")
@@ -79,6 +104,8 @@ def main() -> None:
                 *timed(lambda: run_readonly_sql(path, SQL), args.repeats),
             )
         )
+        if args.run:
+            scoped(Path(folder), args.repeats)
         if not args.lake:
             return
         import lake_support

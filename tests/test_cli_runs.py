@@ -185,6 +185,56 @@ def test_sql_run_scopes_every_view_and_table_to_one_run(atlas):
     one_error_line(invoke("sql", "SELECT 1", "--run", "nope", "--db", str(db)), "no run 'nope'")
 
 
+def temp_views(cursor) -> int:
+    return cursor.execute("SELECT count(*) FROM duckdb_views() WHERE temporary AND NOT internal").fetchone()[0]
+
+
+def test_sql_run_shadows_the_names_a_statement_reaches_and_reads_what_shadowing_all_reads(atlas, tmp_path):
+    """`sql --run` shadows only the names a statement can reach (its words and, through the views'
+    definitions, theirs): every view, the run-less tables and a few compound statements read the
+    same rows as with every name shadowed, and a statement that lists the catalogue still sees
+    every shadow. Shadowing all plans the whole view chain (about 0.1 s per query). A view that
+    reads across runs (here one added to a copy, as a plugin's might be) shows why the views'
+    own names count: its ``runs`` is the shadow too."""
+    from headatlas.service.storage.readonly import scope_to_run
+
+    db = tmp_path / "copy.duckdb"
+    shutil.copy(atlas[0], db)
+    with duckdb.connect(str(db)) as conn:
+        conn.execute("CREATE VIEW run_share AS SELECT run_id, 1 / count(*) OVER () AS share FROM runs")
+    run = count(db, "SELECT run_id FROM runs WHERE name = 'other'")
+    listing = "SELECT table_name, table_type FROM information_schema.tables"
+    # one thread: a float sum's order, and so its last bits, is then the plan's alone
+    with duckdb.connect(str(db), read_only=True, config={"threads": 1}) as conn:
+        views = [
+            r[0] for r in conn.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY 1").fetchall()
+        ]
+        shadow_all = conn.cursor()
+        scope_to_run(shadow_all, run)
+        everything = temp_views(shadow_all)
+        statements = [f"SELECT * FROM {name}" for name in [*views, "windows", "documents", "runs", "run_windows"]] + [
+            "SELECT (SELECT count(*) FROM windows), (SELECT count(*) FROM documents), (SELECT max(layer) FROM head_stats)",
+            "WITH h AS (SELECT * FROM head_metrics) SELECT h.layer, h.head, r.name FROM h JOIN runs r USING (run_id)",
+            listing,
+            "SHOW TABLES",
+            "DESCRIBE head_metrics",
+            "SELECT 1",
+        ]
+        shadowed = {}
+        for statement in statements:
+            scoped = conn.cursor()
+            scope_to_run(scoped, run, statement)
+            expected = sorted(map(repr, shadow_all.execute(statement).fetchall()))
+            assert sorted(map(repr, scoped.execute(statement).fetchall())) == expected, statement
+            shadowed[statement] = temp_views(scoped)
+            scoped.close()
+    assert everything > 40
+    assert shadowed["SELECT 1"] == 0 and shadowed["SELECT * FROM runs"] == 1
+    assert 0 < shadowed["SELECT * FROM head_metrics"] < everything
+    assert count(db, "SELECT max(share) FROM run_share") < 1  # three runs, one shadowed
+    assert shadowed["SHOW TABLES"] == shadowed[listing] == everything
+
+
 def test_sql_help_names_every_table_and_view_of_a_new_database(tmp_path):
     from headatlas.service.storage import relations
     from headatlas.service.storage.db import upgrade

@@ -345,7 +345,7 @@ def _execute(
 ) -> QueryResult:
     runs = _count_runs(connection)
     if run_id is not None:
-        scope_to_run(connection, run_id)
+        scope_to_run(connection, run_id, statement)
     deadline = _Deadline(connection, timeout_s)
     started()
     began = time.perf_counter()
@@ -466,11 +466,18 @@ def _first_word(statement: str) -> str:
     return match.group(0).upper() if match else "SELECT"
 
 
-def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> None:
+def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int, statement: str | None = None) -> None:
     """Shadow, for this connection only, every table and view with a ``run_id`` column by a
     temporary view of one run's rows, and ``windows`` / ``documents`` by the run's own: a plain
     ``SELECT … FROM head_metrics`` then reads that run alone. A convenience for reading one
-    run, not an access control: a table named in full (``<database>.main.<table>``) is whole."""
+    run, not an access control: a table named in full (``<database>.main.<table>``) is whole.
+
+    Given the ``statement`` that will run, only the names it can reach are shadowed: those it
+    writes and, through the views' definitions, those they read (``_reached``), which is every
+    name that shadowing resolves differently. Making a temporary view plans its body, and the
+    metric views' bodies are the whole chain of views (about 0.1 s for all of them in one query's
+    process). A statement that lists the catalogue (the information schema, ``duckdb_…`` and
+    ``pragma_…`` functions, SHOW, DESCRIBE, SUMMARIZE) has every name shadowed, as it sees them."""
     catalog = connection.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
     main = '"' + catalog.replace('"', '""') + '".main'
     # no bound parameter: binding a Python value makes DuckDB import pandas (seconds, in every query's process)
@@ -490,8 +497,44 @@ def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int) -> None:
             f"SELECT * FROM {main}.documents WHERE doc_id IN "
             f"(SELECT doc_id FROM {main}.windows WHERE window_id IN ({mine}))"
         )
+    if statement is not None:
+        reached = _reached(connection, statement)
+        if reached is not None:
+            scoped = {name: body for name, body in scoped.items() if name.lower() in reached}
     for name, body in scoped.items():
         connection.execute(f"CREATE TEMP VIEW {_quoted(name)} AS {body}")
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
+# words of a statement that lists the catalogue, where temporary views show up as entries of their own
+_LISTING_WORDS = frozenset({"information_schema", "show", "describe", "summarize", "sqlite_master"})
+_LISTING_PREFIXES = ("duckdb_", "pragma_", "pg_", "sqlite_")
+
+
+def _reached(connection: duckdb.DuckDBPyConnection, statement: str) -> set[str] | None:
+    """The names (lower case) ``statement`` may read, directly or through the views of the
+    connection's database; None when it lists the catalogue. A word of the statement or of a
+    view's definition counts as a name wherever it stands (in a string, as a column): more names
+    than are read, never fewer."""
+    words = {word.lower() for word in _WORD.findall(statement)}
+    if words & _LISTING_WORDS or any(word.startswith(_LISTING_PREFIXES) for word in words):
+        return None
+    views = {
+        str(name).lower(): {word.lower() for word in _WORD.findall(str(sql))}
+        for name, sql in connection.execute(
+            "SELECT view_name, sql FROM duckdb_views() "
+            "WHERE database_name = current_database() AND schema_name = 'main' AND NOT internal"
+        ).fetchall()
+    }
+    reached: set[str] = set()
+    todo = list(words)
+    while todo:
+        word = todo.pop()
+        if word in reached:
+            continue
+        reached.add(word)
+        todo.extend(views.get(word, ()))
+    return reached
 
 
 def _quoted(name: str) -> str:
