@@ -505,7 +505,7 @@ def scope_to_run(connection: duckdb.DuckDBPyConnection, run_id: int, statement: 
         connection.execute(f"CREATE TEMP VIEW {_quoted(name)} AS {body}")
 
 
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
+_WORD = re.compile(r"[^\W\d][\w$]*")  # an identifier, in any script
 # words of a statement that lists the catalogue, where temporary views show up as entries of their own
 _LISTING_WORDS = frozenset({"information_schema", "show", "describe", "summarize", "sqlite_master"})
 _LISTING_PREFIXES = ("duckdb_", "pragma_", "pg_", "sqlite_")
