@@ -78,8 +78,9 @@ def scoped(folder: Path, repeats: int) -> None:
     corpus.write_text("\n\n".join(demo_corpus_path().read_text(encoding="utf-8").split("\n\n")[:2]), encoding="utf-8")
     path = folder / "tiny.duckdb"
     headatlas.analyze(corpus, db=path, model="random:tiny", name="tiny", progress=False)
+    run = run_readonly_sql(path, "SELECT run_id FROM runs WHERE name = 'tiny'").rows[0][0]
     for sql in SCOPED:
-        for run_id in (None, 1):
+        for run_id in (None, run):
             what = f"`{sql}`" + (", `--run`" if run_id else "")
             print(row(what, *timed(lambda sql=sql, run_id=run_id: run_readonly_sql(path, sql, run_id=run_id), repeats)))
 

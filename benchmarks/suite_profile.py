@@ -12,8 +12,8 @@ as named. Categories, the first that matches a sample's stack, in this order: im
 and new files; opening and closing a database (its instance, catalogue, engine, close); the schema
 and file checks; a finished run's derivation; compaction; storing batches; loading a model; the
 model's forward pass and the measures; figures; reports and queries; the web app; the ``sql``
-sandbox; DuckDB statements run elsewhere; other storage; tokenising; Celery, kombu and Redis; the tests' own code; the rest. Then the
-test functions with the most samples in the workers. Shares only: sampling slows the command, and a
+sandbox; DuckDB statements run elsewhere; other storage; tokenising; Celery, kombu and Redis; the
+tests' own code; the rest. Then the test functions with the most samples in the workers. Shares only: sampling slows the command, and a
 sample is not a fixed number of CPU seconds.
 """
 

@@ -379,7 +379,6 @@ def _queue_probe(
 
 
 def _stored_probe(db: str, key: str) -> tuple[int, int, int] | None:
-
     from headatlas.service.storage.db import has_table, transaction
     from headatlas.service.storage.queue_store import find_run_by_key
     from headatlas.service.storage.store import probe_spec

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from headatlas.service.errors import HeadatlasError, StoreBusy, StoreError
+from headatlas.service.storage.db import has_table
 from headatlas.service.storage.store import Store
 
 
@@ -42,8 +43,6 @@ def file_database_id(path) -> str | None:
 
 
 def _id_in(conn: Connection) -> str | None:
-    from headatlas.service.storage.db import has_table
-
     if not has_table(conn, "database_info"):
         return None
     return conn.execute(text("SELECT value FROM database_info WHERE key = 'database_id'")).scalar()
