@@ -484,6 +484,25 @@ class ForkedCommand:
         self.send_signal(signal.SIGKILL)
 
 
+def said_so_far(proc: ForkedCommand) -> str:
+    """Whether an attached command still runs (else its exit code) and what it has written so far,
+    read without waiting: for a failure's message while it may still run."""
+    state = "running" if proc.poll() is None else f"exited {proc.returncode}"
+    said = []
+    for stream in (proc.stdout, proc.stderr):
+        if stream.closed:
+            continue
+        fd = stream.fileno()
+        os.set_blocking(fd, False)
+        try:
+            said.append(os.read(fd, 1 << 16).decode(errors="replace"))
+        except BlockingIOError:
+            pass
+        finally:
+            os.set_blocking(fd, True)
+    return f"{state}\n" + "".join(said)[-3000:]
+
+
 def fork_cli(*args: str, env: dict | None = None) -> ForkedCommand:
     """`headatlas ARGS` started from the launcher, attached (ForkedCommand)."""
     return ForkedCommand(list(args), env=env)
@@ -667,7 +686,10 @@ class Cluster:
         return max((self.redis.scard(k) for k in self.redis.scan_iter("headatlas:*:done:*")), default=0)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.folder.glob("*.log"))
+        """Its processes' logs, and what the commands a test keeps in ``submitters`` said so far."""
+        parts = [f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.folder.glob("*.log")]
+        parts += [f"--- {' '.join(proc.args)}: {said_so_far(proc)}" for proc in getattr(self, "submitters", [])]
+        return "\n".join(parts)
 
     def stop_process(self, name: str) -> None:
         """SIGTERM one process if it is running (e.g. a module's beat processes when it ends)."""
