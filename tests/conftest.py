@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import suite_groups
 import torch
 import typer.rich_utils  # noqa: F401  # reads TERMINAL_WIDTH once: here, not under one test's env
 import typer.testing
@@ -306,52 +307,13 @@ def lake(lake_template, tmp_path, monkeypatch):
     lake_support.remove_lake(made)
 
 
-# The tests of the shared cluster, in two groups of about equal time (the schedule tests, and the
-# fault and run tests): each group runs in one xdist worker, so their ~500 s of waiting on the
-# cluster's processes is two chains on two workers, not one. Each worker that runs a group makes
-# the session's cluster of its own (``_shared_cluster`` is per process: its own Redis, its own
-# file); a worker that runs both groups makes one.
-QUEUE_CLUSTER_GROUPS = {
-    "test_schedules.py": "queue_cluster_schedules",
-    "test_effect_runs.py": "queue_cluster_schedules",
-    "test_queued_effects.py": "queue_cluster_schedules",
-    "test_queue_probe.py": "queue_cluster_schedules",
-}
-QUEUE_CLUSTER_GROUP = "queue_cluster"  # every other module's (the queue's fault, run and reliability tests)
-
-# modules whose module-scoped fixture analyses real text with the real model (about 20-25 s of CPU),
-# or builds the wheel: one worker makes it, rather than each worker that gets one of the module's tests
-# (test_compare's default model and its control, test_bad_inputs' base: the two modules, -n 3, 135 s
-# of CPU when spread, 102 s grouped; test_effect_runs' effect_run: 94 s, 75 s; test_adapters' random
-# models: 68 s, 60 s; test_web's and test_csm_mixing_plots' stored runs: 99 s, 70 s; docs/testing.md)
-SHARED_SETUP_MODULES = (
-    "test_cli.py",
-    "test_report.py",
-    "test_packaging.py",
-    "test_compare.py",
-    "test_bad_inputs.py",
-    "test_effect_runs.py",
-    "test_adapters.py",
-    "test_web.py",
-    "test_csm_mixing_plots.py",
-)
+# Which tests run together in one pytest-xdist worker: tests/suite_groups.py
+QUEUE_CLUSTER_GROUP = suite_groups.QUEUE_CLUSTER_GROUP
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's --dist loadgroup, the tests of the shared cluster run in at most two
-    workers (QUEUE_CLUSTER_GROUPS: one writer and worker per group, not one per test's worker),
-    the tests of SmolLM2 in one (its GGUF weights converted once, not once per worker), and so do
-    those of each of SHARED_SETUP_MODULES."""
-    for item in items:
-        fixtures = getattr(item, "fixturenames", ())
-        if "queue_cluster" in fixtures:
-            group = QUEUE_CLUSTER_GROUPS.get(item.path.name, QUEUE_CLUSTER_GROUP)
-            item.add_marker(pytest.mark.xdist_group(group))
-        elif "smollm2" in fixtures:
-            item.add_marker(pytest.mark.xdist_group("smollm2"))
-        elif item.path.name in SHARED_SETUP_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    suite_groups.assign(items)
 
 
 # --- time per module (docs/testing.md): pytest --module-times -------------------------------------
