@@ -326,6 +326,13 @@ def pytest_addoption(parser):
         "processes forked for it that exited during it)",
     )
     parser.addoption(
+        "--setup-times",
+        action="store_true",
+        help="print each module-, class- and session-scoped fixture made: how many times it was made (once "
+        "per process that needed it, and per parameter) and the CPU seconds of its own setup (this "
+        "process's and its waited-for children's, the fixtures it requests left out)",
+    )
+    parser.addoption(
         "--test-times",
         type=int,
         default=0,
@@ -340,6 +347,46 @@ _MODULE_CPU: dict[str, float] = {}
 _MODULE_TESTS: dict[str, int] = {}
 _TEST_SECONDS: dict[str, list[float]] = {}  # test -> [wall-clock, CPU]
 _LATER_CPU = 0.0  # the launcher's forks that ended after the test that forked them
+
+
+_SETUPS: list[tuple[str, str, float]] = []  # (scope, fixture, CPU s) made since this process's last report
+_SETUP_STACK: list[list[float]] = []  # [CPU at its start, CPU of the fixtures it requested] per setup under way
+_FIXTURES: dict[tuple[str, str], list[float]] = {}  # (scope, fixture) -> [times made, CPU s]
+
+
+def _own_cpu() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class _SetupTimes:
+    """With --setup-times: the CPU of each wider-than-a-test fixture's own setup, noted for the report
+    of the test being set up (the controller sums them, under pytest-xdist). A plugin of its own, not a
+    hook of this file: pytest asks a session fixture's hooks of the session, which this folder's
+    conftest does not reach."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        if fixturedef.scope == "function":
+            return (yield)
+        _SETUP_STACK.append([_own_cpu(), 0.0])
+        try:
+            return (yield)
+        finally:
+            started, inner = _SETUP_STACK.pop()
+            spent = _own_cpu() - started
+            if _SETUP_STACK:
+                _SETUP_STACK[-1][1] += spent
+            index = getattr(request, "param_index", 0)
+            name = f"{fixturedef.baseid or '.'}::{fixturedef.argname}" + (f"[{index}]" if index else "")
+            _SETUPS.append((fixturedef.scope, name, spent - inner))
+
+
+def pytest_configure(config):
+    if config.getoption("--setup-times", default=False):
+        config.pluginmanager.register(_SetupTimes(), "headatlas-setup-times")
 
 
 def _cpu_seconds(test: str) -> tuple[float, float]:
@@ -367,6 +414,9 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    if _SETUPS and call.when == "setup":
+        report.user_properties.append(("setups", list(_SETUPS)))
+        _SETUPS.clear()
     started = dict(item.user_properties).get("cpu_started")
     if started is not None and call.when == "teardown":
         cpu, others = _cpu_seconds(item.nodeid)
@@ -388,11 +438,17 @@ def pytest_runtest_logreport(report):
     test[1] += cpu or 0.0
     global _LATER_CPU
     _LATER_CPU += dict(report.user_properties).get("later_cpu_s") or 0.0
+    for scope, name, cpu_s in dict(report.user_properties).get("setups") or ():
+        made = _FIXTURES.setdefault((scope, name), [0, 0.0])
+        made[0] += 1
+        made[1] += cpu_s
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("--setup-times", default=False) and _FIXTURES:
+        _setup_summary(terminalreporter)
     if not config.getoption("--module-times", default=False) or not _MODULE_SECONDS:
         return
     terminalreporter.section("seconds per module: wall-clock, CPU, tests")
@@ -413,3 +469,16 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section(f"the {most} tests with the most CPU: wall-clock, CPU seconds")
         for test, (seconds, cpu) in sorted(_TEST_SECONDS.items(), key=lambda kv: -kv[1][1])[:most]:
             terminalreporter.write_line(f"{seconds:8.1f}  {cpu:8.1f}  {test}")
+
+
+def _setup_summary(terminalreporter, shown: int = 25) -> None:
+    terminalreporter.section("fixtures wider than a test: times made, CPU seconds of their own setup")
+    for (scope, name), (made, cpu_s) in sorted(_FIXTURES.items(), key=lambda kv: -kv[1][1])[:shown]:
+        terminalreporter.write_line(f"{made:6d}  {cpu_s:8.1f}  {scope:8s}  {name}")
+    for scope in ("session", "module", "class"):
+        rows = [v for (s, _name), v in _FIXTURES.items() if s == scope]
+        if rows:
+            terminalreporter.write_line(
+                f"{sum(r[0] for r in rows):6d}  {sum(r[1] for r in rows):8.1f}  {scope:8s}  "
+                f"(every {scope} fixture: {len(rows)} of them)"
+            )
