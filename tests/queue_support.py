@@ -286,17 +286,28 @@ while True:
 
 class Forked:
     """A process the launcher forked: ``pid``, ``poll()``, ``wait(timeout)`` as subprocess.Popen's
-    (it is the launcher's child, not ours, so its exit code is not known: -1 once it is gone)."""
+    (it is the launcher's child, not ours, so its exit code is not known: -1 once it is gone).
+
+    Watched through a pidfd, not its pid: the launcher's children are reaped as they end, so an ended
+    process's pid is free at once, and with this machine's 32,768 pids (threads take them too) a suite
+    run goes round them. ``os.kill(pid, 0)`` then saw a new process as this one still running, and a
+    cluster's stop sent its signals to that process's group: another test's `submit --wait`, say
+    (forked commands lead sessions of their own, so a pid is also a group's id)."""
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # ended already
+            self._pidfd, self.returncode = None, -1
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.returncode = -1
+        if self.returncode is None and self._pidfd is not None:
+            import select
+
+            if select.select([self._pidfd], [], [], 0)[0]:  # a pidfd reads ready once its process ended
+                os.close(self._pidfd)
+                self._pidfd, self.returncode = None, -1
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -306,6 +317,16 @@ class Forked:
                 raise subprocess.TimeoutExpired(f"headatlas (pid {self.pid})", timeout)
             time.sleep(0.05)
         return -1
+
+
+def signal_group(proc, sig: int) -> None:
+    """``sig`` to the process group ``proc`` leads, while it runs: once it has ended its pid (its
+    group's id) may be another process's."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 _launcher: tuple[subprocess.Popen, str] | None = None
@@ -611,13 +632,13 @@ class Cluster:
     def kill(self, name: str) -> None:
         """kill -9 the process (and its pool children: its own process group)."""
         proc = self.procs.pop(name)
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         proc.wait()
 
     def terminate(self, name: str) -> None:
         """Stop a process as an operator would (SIGTERM: it finishes its work in hand)."""
         proc = self.procs.pop(name)
-        os.killpg(proc.pid, signal.SIGTERM)
+        signal_group(proc, signal.SIGTERM)
         proc.wait(30)
 
     def submit(self, corpus: Path, *args: str) -> str:
@@ -695,22 +716,21 @@ class Cluster:
         """SIGTERM one process if it is running (e.g. a module's beat processes when it ends)."""
         proc = self.procs.pop(name, None)
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                signal_group(proc, signal.SIGKILL)
                 proc.wait()
 
     def stop(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
         for proc in self.procs.values():
             try:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                signal_group(proc, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
 

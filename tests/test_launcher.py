@@ -86,3 +86,23 @@ def test_a_forked_command_is_attached_as_a_child_process_is(tmp_path):
     assert waiting.wait(timeout=30) == -signal.SIGKILL
     given = run_forked_cli("sql", "-", "--db", db, "--format", "csv", input="SELECT 41 + 1 AS a")
     assert (given.returncode, given.stdout.split()) == (0, ["a", "42"]), given.stderr
+
+
+def test_a_forked_process_is_watched_by_its_pidfd_not_by_a_pid_another_process_may_take():
+    """The launcher's children are reaped as they end, so an ended child's pid is free at once, and a
+    suite run goes round this machine's pids. Watched by its number, a process that had ended looked
+    alive while another held the number, and a cluster's stop signalled that process's group."""
+    import queue_support
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        forked = queue_support.Forked(ended.pid)
+        ended.wait()
+        forked.pid = other.pid  # the number taken by another process, as after the pids went round
+        assert forked.wait(10) == -1 and forked.poll() == -1
+        queue_support.signal_group(forked, signal.SIGKILL)  # an ended process: nothing is signalled
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
