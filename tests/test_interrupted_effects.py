@@ -74,9 +74,13 @@ def _stop_once(proc: ForkedCommand, ready, sig: int, what: str, timeout: float =
     return proc.returncode, err
 
 
-def _stop_in_steps(proc: ForkedCommand, db: Path, at: int, sig: int, what: str, timeout: float = 240.0):
+def _stop_in_steps(
+    proc: ForkedCommand, db: Path, at: int, sig: int, what: str, timeout: float = 240.0, step_s: float = 0.02
+):
     """Send ``sig`` once ``at`` effect windows are stored: the exit code and stderr. Fails if the
-    command ended first.
+    command ended first. ``step_s``: how long the command runs between two looks; on a quick machine
+    a window takes a few hundredths of a second, and a longer step let the command run past the windows
+    asked for (once, to the last window: the Ctrl-C then found nothing left to stop).
 
     A run this small stores all the time (its storing thread holds the file while the model goes
     on), so a read of the file succeeds seldom, on an idle machine often only after the last
@@ -89,7 +93,7 @@ def _stop_in_steps(proc: ForkedCommand, db: Path, at: int, sig: int, what: str, 
     read: tuple | None = None  # the files as last read (unchanged while the command starts up)
     try:
         while True:
-            time.sleep(0.05)
+            time.sleep(step_s)
             os.killpg(proc.pid, signal.SIGSTOP)
             _wait_stopped(proc.pid)
             assert proc.poll() is None, f"{what}: ended before it could be stopped: {proc.communicate()[1][-2000:]}"
@@ -176,10 +180,15 @@ def test_effects_stopped_by_kill_9_then_by_ctrl_c_and_resumed_equal_a_run_never_
     after_kill = _effect_windows(stopped)
     assert 2 <= after_kill < windows, after_kill
 
-    code, err = _stop_in_steps(_start(*command), stopped, after_kill + 2, signal.SIGINT, "Ctrl-C")
+    # the second command resumes (a window more than the first stored), then Ctrl-C: it stops at its
+    # next batch at the latest, so windows are left for the third
+    code, err = _stop_in_steps(_start(*command), stopped, after_kill + 1, signal.SIGINT, "Ctrl-C")
     assert code == 130 and "interrupted; re-run the same command to resume" in err, err
     assert "Traceback" not in err, err
-    assert _effect_windows(stopped) < windows, "Ctrl-C came after the last window: nothing was left to resume"
+    after_ctrl_c = _effect_windows(stopped)
+    assert after_ctrl_c < windows, (
+        f"Ctrl-C came after the last window ({after_kill} stored at the kill, {windows} in all)"
+    )
 
     resumed = invoke_cli(*command)
     assert resumed.returncode == 0, resumed.stderr
