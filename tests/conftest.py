@@ -308,9 +308,6 @@ def lake(lake_template, tmp_path, monkeypatch):
 
 
 # Which tests run together in one pytest-xdist worker: tests/suite_groups.py
-QUEUE_CLUSTER_GROUP = suite_groups.QUEUE_CLUSTER_GROUP
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     suite_groups.assign(items)
@@ -393,12 +390,9 @@ def _cpu_seconds(test: str) -> tuple[float, float]:
     """This process's CPU seconds and its waited-for children's, with those of the writers, workers
     and beats its launcher forked while ``test`` ran that have exited (tests/queue_support.py: the
     kernel reaps those); and the CPU of every fork that has exited."""
-    import resource
-
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     forked = sys.modules.get("queue_support")
     mine, every = forked.forked_cpu_split(test) if forked is not None else (0.0, 0.0)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + mine, every - mine
+    return _own_cpu() + mine, every - mine
 
 
 @pytest.hookimpl(wrapper=True)

@@ -17,13 +17,13 @@ import shutil
 import time
 
 import pytest
-from conftest import QUEUE_CLUSTER_GROUP
+from suite_groups import QUEUE_CLUSTER_GROUP
 
 from headatlas.service.errors import ParameterError, RunNotFound
 from headatlas.service.training.toy import ToySpec, checkpoint_steps, train_toy
 
 # the queued series is compared with the module's toy series: the module's tests run where the
-# shared queue cluster's do (tests/conftest.py), so that the toy is trained and analysed once
+# shared queue cluster's do (tests/suite_groups.py), so that the toy is trained and analysed once
 pytestmark = pytest.mark.xdist_group(QUEUE_CLUSTER_GROUP)
 
 # shortened: a smaller model than the default's (hidden 32, 2 heads, r of 8 to 20 tokens), six
